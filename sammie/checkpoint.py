@@ -216,6 +216,9 @@ def from_hf_layout(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     for key, value in state.items():
         if key.startswith("detector_model."):
             key = key[len("detector_model."):]
+        elif key.startswith(tuple(IGNORED_PREFIXES)):
+            out[key] = value  # tracker weights: reported as ignored by `load_into`
+            continue
         m = _QKV_HF.match(key)
         if m and (".attention." in key or "attn." in key or "_attn." in key):
             qkv_parts.setdefault((m["base"], m["kind"]), {})[m["which"]] = value
@@ -413,9 +416,8 @@ def _check_rope_table(model: torch.nn.Module, key: str, table: torch.Tensor) -> 
     ours = trunk.reference_freqs_cis().get(f"blocks.{m.group(1)}.attn.freqs_cis")
     if ours is None:
         raise CheckpointError(f"{key}: the model has no block {m.group(1)}")
-    if ours.shape != table.shape or not torch.allclose(
-        torch.view_as_real(ours.to(torch.complex64)), torch.view_as_real(table.to(torch.complex64)), atol=1e-4
-    ):
+    ours, table = ours.cpu().to(torch.complex64), table.cpu().to(torch.complex64)
+    if ours.shape != table.shape or not torch.allclose(torch.view_as_real(ours), torch.view_as_real(table), atol=1e-4):
         raise CheckpointError(
             f"{key}: the checkpoint's RoPE table {tuple(table.shape)} differs from the model's "
             f"{tuple(ours.shape)}: image size, window size or head dim do not match the checkpoint"

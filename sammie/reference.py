@@ -213,7 +213,7 @@ def build_reference_model(cfg: Sam3Config, device: torch.device | str = "cpu", s
 
     if seed is not None:
         torch.manual_seed(seed)
-    with cpu_safe(device):
+    with cpu_safe(device), torch.device(device):
         backbone = SAM3VLBackbone(visual=build_vision_backbone(cfg), text=build_text_encoder(cfg), scalp=1)
         model = Sam3Image(
             backbone=backbone, transformer=build_transformer(cfg),
@@ -224,6 +224,41 @@ def build_reference_model(cfg: Sam3Config, device: torch.device | str = "cpu", s
             matcher=None,
         )
     return model.to(device).eval()
+
+
+@torch.inference_mode()
+def reference_segment(model, cfg: Sam3Config, image, prompt: str, threshold: float,
+                      device: torch.device | str = "cpu"):
+    """Meta's `Sam3Processor` on one image and prompt -> (instances sorted by score as
+    `sammie.segmenter.Instance`, mask probabilities [K, H, W] in the same order). Gray and RGBA
+    images are converted to RGB first: Meta's processor fails on them."""
+    from sammie.segmenter import Instance
+
+    if getattr(image, "mode", "RGB") != "RGB":
+        image = image.convert("RGB")
+    proc = reference_processor(model, cfg, device, threshold=threshold)
+    with cpu_safe(device):
+        state = proc.set_text_prompt(prompt=prompt, state=proc.set_image(image))
+    order = torch.argsort(state["scores"].float(), descending=True, stable=True)
+    instances = [
+        Instance(float(state["scores"][k]), tuple(state["boxes"][k].float().tolist()),
+                 state["masks"][k, 0].cpu().numpy())
+        for k in order.tolist()
+    ]
+    return instances, state["masks_logits"][order, 0].float().cpu().numpy()
+
+
+@contextlib.contextmanager
+def on_meta_device():
+    """Build Meta's modules on the `meta` device (no memory: full-size key/shape checks).
+    Meta's ViT reads its drop-path rates with `.item()`, so that one linspace stays on the CPU."""
+    linspace = torch.linspace
+    torch.linspace = lambda *a, **k: linspace(*a, **{**k, "device": "cpu"})
+    try:
+        with torch.device("meta"), cpu_safe("meta"):
+            yield
+    finally:
+        torch.linspace = linspace
 
 
 def randomize_(model: nn.Module, seed: int = 0, std: float | None = None) -> nn.Module:

@@ -55,14 +55,14 @@ class _MetaDriver:
         return out["queries"], out["pred_boxes"], out["presence_logit_dec"], out["pred_logits"][..., 0]
 
 
-def _inputs(n: int = 3, prompt_len: int = 9, seed: int = 1, dtype=torch.float32):
+def _inputs(n: int = 3, prompt_len: int = 9, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
     d, hw = CFG.d_model, CFG.feat_size**2
     lengths = torch.tensor([prompt_len, 4, 1, 6][:n])  # every row pads differently; >= 1 valid token
     return dict(
-        memory=torch.randn(n, hw, d, generator=gen).to(dtype),  # [N, HW, d]
-        memory_pos=torch.randn(n, hw, d, generator=gen).to(dtype),  # [N, HW, d]
-        prompt=torch.randn(n, prompt_len, d, generator=gen).to(dtype),  # [N, L, d]
+        memory=torch.randn(n, hw, d, generator=gen),  # [N, HW, d]
+        memory_pos=torch.randn(n, hw, d, generator=gen),  # [N, HW, d]
+        prompt=torch.randn(n, prompt_len, d, generator=gen),  # [N, L, d]
         prompt_padding=torch.arange(prompt_len)[None, :] >= lengths[:, None],  # [N, L] True = pad
     )
 
@@ -76,17 +76,10 @@ def models():
     torch.manual_seed(0)
     with cpu_safe("cpu"):
         meta_dec, meta_sc = build_decoder(CFG), build_dot_product_scoring(CFG)
-    # std 0.2 ~ 1/sqrt(d) so attention is far from uniform; then make the parts the default
-    # scale would leave near-trivial matter: spread-out initial boxes, box deltas that keep boxes
-    # inside the image, and a box bias of O(1) (so a wrong bias layout fails by > 1e-3).
-    randomize_(meta_dec, seed=0, std=0.2)
-    randomize_(meta_sc, seed=1, std=0.1)
-    with torch.no_grad():
-        meta_dec.reference_points.weight.mul_(8)
-        for layer in meta_dec.bbox_embed.layers:
-            layer.weight.mul_(0.25)
-        for mlp in (meta_dec.boxRPB_embed_x, meta_dec.boxRPB_embed_y):
-            mlp.layers[1].weight.mul_(4)
+    randomize_(meta_dec, seed=0)
+    randomize_(meta_sc, seed=1)
+    with torch.no_grad():  # initial boxes spread over the image (pre-sigmoid std 1.5), not all near the centre
+        meta_dec.reference_points.weight.mul_(3)
     meta_dec.eval(), meta_sc.eval()
     ours_dec, ours_sc = Decoder(CFG).eval(), DotProductScoring(CFG).eval()
     ours_dec.load_state_dict(meta_dec.state_dict(), strict=True)
@@ -169,7 +162,7 @@ def test_bf16(models):
         out = _run_ours(dec16, sc16, x16)
     assert out.queries.dtype == out.logits.dtype == out.presence_logits.dtype == torch.bfloat16
     assert out.boxes.dtype == torch.float32
-    tols = dict(queries=2e-2, boxes=1e-2, presence_logits=2e-2, logits=2e-2)  # measured 6e-3, 2e-3, 6e-3, 7e-3
+    tols = dict(queries=3e-2, boxes=1e-2, presence_logits=2e-2, logits=3e-2)  # measured 1.1e-2, 2.7e-3, 6.5e-3, 1.0e-2
     errs = {}
     for name, a, b in zip(NAMES, out, ref):
         assert bool(a.isfinite().all()), name

@@ -21,7 +21,7 @@ Maths from Meta's `sam3/model/decoder.py` (`TransformerDecoder`, `TransformerDec
     logits   = DotProductScoring(queries, prompt)            # sammie/model/scoring.py
 
 Only the last layer's outputs are returned (Meta stacks every layer for its auxiliary losses;
-`Sam3Processor` reads `[-1]`). Eval only: `dac` (the duplicated one-to-many query half) is a
+`_update_out` keeps `[-1]` as the output in eval). Eval only: `dac` (the duplicated one-to-many query half) is a
 training branch (`apply_dac = decoder.dac and self.training`), so there are `num_queries` queries.
 
 Deliberate differences, none of which changes the fp32 result:
