@@ -7,7 +7,6 @@ i.e. a position bug would hide under the 1e-4 tolerance. `test_parity_is_sensiti
 guards this.
 """
 
-import contextlib
 import os
 
 import pytest
@@ -17,7 +16,7 @@ from sammie.config import Sam3Config
 from sammie.model.position import sine_position_encoding
 from sammie.model.vision import OPTIONAL_REFERENCE_PREFIX, VisionBackbone
 from sammie.model.vit import ViT, is_ignored_reference_key, rope_reference_table
-from sammie.reference import build_vision_backbone, build_vit, cpu_safe, randomize_
+from sammie.reference import build_vision_backbone, build_vit, cpu_safe, on_meta_device, randomize_
 from tests.parity import assert_rel_close, rel_error
 
 WEIGHT_STD = 0.2
@@ -154,22 +153,9 @@ def test_rope_buffers_are_the_reference_table(cfg):
 # --- full-size key names and shapes -----------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _meta_buildable():
-    """Meta's ViT reads its drop-path rates with `.item()`, impossible on the meta device:
-    create that one linspace on the CPU."""
-    linspace = torch.linspace
-    torch.linspace = lambda *a, **k: linspace(*a, **{**k, "device": "cpu"})
-    try:
-        with torch.device("meta"), cpu_safe("meta"):
-            yield
-    finally:
-        torch.linspace = linspace
-
-
 def test_full_size_state_dict_matches_meta():
     cfg = Sam3Config()
-    with _meta_buildable():
+    with on_meta_device():
         ref = build_vision_backbone(cfg).state_dict()
     with torch.device("meta"):
         ours = VisionBackbone(cfg).state_dict()
