@@ -1,0 +1,82 @@
+"""Gated full attention (10 of the 40 layers): GQA 16/2, head 256, q/k zero-centred RMSNorm, partial RoPE, output gate.
+
+Mirrors `Qwen3_5MoeAttention` + `Qwen3_5MoeTextRotaryEmbedding` in transformers 5.24 `modeling_qwen3_5_moe.py`.
+Text-only positions: the three mRoPE rows (t, h, w) are equal, so the interleaved mRoPE reduces to plain 1-D RoPE
+(NeoX `rotate_half` on the first `rotary_dim` = 64 dims of each head; the other 192 pass through).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import QwenConfig
+from .norm import ZeroCentredRMSNorm
+from .state import KVCache
+
+
+class RotaryEmbedding(nn.Module):
+    # No buffer: `model.to(torch.bfloat16)` would round a stored inv_freq to bf16, a phase error of radians at
+    # position ~1000 (transformers' `from_pretrained(dtype=bf16)` keeps it fp32; its `.to(bf16)` does not).
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        self.rotary_dim, self.theta = cfg.rotary_dim, cfg.rope_theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, rotary_dim], in fp32 then cast to the activation dtype (as upstream)."""
+        rd = self.rotary_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=positions.device) / rd))
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; rotate the first cos.shape[-1] dims (NeoX halves), pass the rest through."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        # q_proj rows, per head: d query rows then d gate rows (the checkpoint's interleaving, kept as is)
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d * 2, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+        self.scaling = d ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """x [B, T, hidden]; cos/sin [T, rotary_dim] for the T new positions; cache appended in place."""
+        b, t, _ = x.shape
+        q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [B, T, H, D] each
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, KV, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)  # [B, KV, past + T, D]
+        if t == 1:
+            mask, causal = None, False  # one new token sees every cached position
+        elif past == 0:
+            mask, causal = None, True
+        else:  # chunked prefill: new token i (position past+i) sees keys 0..past+i
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            causal = False
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                           enable_gqa=True)  # [B, H, T, D]
+        o = o.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        o = o * torch.sigmoid(gate.reshape(b, t, -1))  # output gate, elementwise over all H*D channels
+        return self.o_proj(o)

@@ -1,0 +1,147 @@
+"""Gated DeltaNet (30 of the 40 layers): causal depthwise conv + the gated delta rule, with an fp32 recurrent state.
+
+Mirrors `Qwen3_5MoeGatedDeltaNet` in transformers 5.24 `modeling_qwen3_5_moe.py` (whose pure-torch fallbacks are
+`torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`); the algorithm is GatedDeltaNet (Yang et al. 2024,
+arXiv 2412.06464) with the WY/UT chunked form of DeltaNet (arXiv 2406.06484).
+
+Per value head h, with decay a_t = exp(g_t), the state S [Dk, Dv] evolves as
+    S_t = a_t S_{t-1} + k_t delta_t^T,    delta_t = beta_t (v_t - a_t S_{t-1}^T k_t),    o_t = S_t^T q_t
+`gated_delta_step` is that recurrence for one token (decode); `gated_delta_rule_recurrent` loops it (reference);
+`gated_delta_rule_chunked` is the prefill form: within a chunk of C tokens, with Gamma the in-chunk cumulative log
+decay and S0 the state entering the chunk,
+    (I + A) Delta = diag(beta) V - diag(beta e^Gamma) K S0,  A[t,s] = beta_t e^(Gamma_t - Gamma_s) k_t.k_s  (s < t)
+    O = diag(e^Gamma) Q S0 + (M o Q K^T) Delta,               M[t,s] = e^(Gamma_t - Gamma_s)             (s <= t)
+    S_C = e^Gamma_C S0 + (e^(Gamma_C - Gamma) o K)^T Delta
+so a chunk costs two triangular solves and a few [C, C] matmuls; only the state crosses chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import QwenConfig
+from .norm import GatedRMSNorm
+from .state import GDNState
+
+
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor):
+    """Depthwise causal conv + SiLU. x [B, C, T]; conv_state [B, C, K-1] (previous inputs, zeros at sequence start);
+    weight [C, 1, K]. Returns (y [B, C, T], new conv state [B, C, K-1] = the last K-1 inputs)."""
+    k = weight.shape[-1]
+    if conv_state is None:
+        conv_state = x.new_zeros(x.shape[0], x.shape[1], k - 1)
+    full = torch.cat((conv_state.to(x.dtype), x), dim=-1)  # [B, C, K-1+T]
+    y = F.conv1d(full.to(weight.dtype), weight, groups=x.shape[1])  # no padding: T outputs
+    return F.silu(y).to(x.dtype), full[:, :, -(k - 1):]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """FLA's L2 norm: x * rsqrt(sum(x^2) + eps) (eps inside the root, unlike F.normalize)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_step(q, k, v, g, beta, state):
+    """One token. q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv]; all fp32.
+    Returns (o [B, H, Dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, state):
+    """Token-by-token reference. q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv]; fp32."""
+    outs = []
+    for t in range(q.shape[1]):
+        o, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(o)
+    return torch.stack(outs, dim=1), state
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunked prefill, same contract as `gated_delta_rule_recurrent` (see the module docstring for the maths)."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    n = math.ceil(t / c)
+    pad = n * c - t
+    # [B, H, n, C, D]; padded tokens have k = v = beta = g = 0: no write, no decay, so the final state is exact
+    q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)).reshape(b, h, n, c, -1) for x in (q, k, v))
+    g, beta = (F.pad(x.transpose(1, 2), (0, pad)).reshape(b, h, n, c) for x in (g, beta))
+
+    gam = g.cumsum(-1)  # [B, H, n, C] in-chunk cumulative log decay
+    incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()  # M, zero above diag
+    kb = k * beta[..., None]
+    a = ((kb @ k.transpose(-1, -2)) * decay).tril(-1)
+    tri = a + torch.eye(c, dtype=a.dtype, device=a.device)
+    u = torch.linalg.solve_triangular(tri, v * beta[..., None], upper=False, unitriangular=True)  # [B,H,n,C,Dv]
+    w = torch.linalg.solve_triangular(tri, kb * gam.exp()[..., None], upper=False, unitriangular=True)  # [..,C,Dk]
+    attn = (q @ k.transpose(-1, -2)) * decay  # [B, H, n, C, C]
+    q_dec = q * gam.exp()[..., None]
+    k_dec = k * (gam[..., -1:] - gam).exp()[..., None]
+    chunk_decay = gam[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
+
+    out = torch.empty(b, h, n, c, dv, dtype=q.dtype, device=q.device)
+    for i in range(n):
+        delta = u[:, :, i] - w[:, :, i] @ state  # [B, H, C, Dv]
+        out[:, :, i] = q_dec[:, :, i] @ state + attn[:, :, i] @ delta
+        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ delta
+    return out.reshape(b, h, n * c, dv)[:, :, :t].transpose(1, 2), state
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: QwenConfig, chunk_size: int = 64):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.chunk_size = chunk_size
+        conv_dim = cfg.linear_conv_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)  # [q | k | v] channels
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)  # output-norm gate
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)  # beta = sigmoid(b)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)  # decay input
+        # depthwise, weight [conv_dim, 1, K]; applied through `causal_conv1d` (which carries the state), never called
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))  # decay rate A = exp(A_log) > 0
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, state: GDNState | None) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; `state` (if given) is read and advanced in place."""
+        b, t, _ = x.shape
+        hv, hk = self.num_v_heads, self.num_k_heads
+        z = self.in_proj_z(x).view(b, t, hv, self.head_v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()  # sigmoid in the model dtype (upstream), then fp32
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B, T, Hv] <= 0
+
+        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), None if state is None else state.conv,
+                                        self.conv1d.weight)
+        q, k, v = qkv.transpose(1, 2).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = l2norm(q.reshape(b, t, hk, self.head_k_dim).float()) * self.head_k_dim ** -0.5
+        k = l2norm(k.reshape(b, t, hk, self.head_k_dim).float())
+        v = v.reshape(b, t, hv, self.head_v_dim).float()
+        # q/k head j serves v heads r*j .. r*j + r-1 (r = 2 in the real model)
+        q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+
+        if state is None:
+            s0 = torch.zeros(b, hv, self.head_k_dim, self.head_v_dim, dtype=torch.float32, device=x.device)
+        else:
+            s0 = state.recurrent
+        if state is not None and t == 1:  # decode: the recurrent step (the GDN decode kernel replaces this)
+            o, s = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+            o = o[:, None]
+        else:
+            o, s = gated_delta_rule_chunked(q, k, v, g, beta, s0, self.chunk_size)
+        if state is not None:
+            state.conv.copy_(conv_state)
+            state.recurrent.copy_(s)
+
+        o = self.norm(o.to(x.dtype), z)  # per value head, [B, T, Hv, Dv]
+        return self.out_proj(o.reshape(b, t, self.value_dim))

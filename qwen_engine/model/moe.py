@@ -1,0 +1,94 @@
+"""Sparse MoE (every layer): softmax router, top-k renormalised, SwiGLU experts, plus a sigmoid-gated shared expert.
+
+Mirrors `Qwen3_5MoeSparseMoeBlock` / `Qwen3_5MoeTopKRouter` / `Qwen3_5MoeExperts` / `Qwen3_5MoeMLP` in transformers
+5.24 `modeling_qwen3_5_moe.py`. Expert weights are held fused and stacked as in transformers' in-memory layout:
+`gate_up_proj [E, 2I, H]` (rows 0..I-1 = gate, I..2I-1 = up) and `down_proj [E, H, I]`; the ModelOpt checkpoint's
+per-expert `experts.E.{gate,up,down}_proj` tensors are stacked into them at load (see `names.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import QwenConfig
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (logits [N, E] model dtype, weights [N, k] model dtype summing to 1, expert ids [N, k])."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # fp32 island
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)  # renormalise the top-k (always, no norm_topk_prob switch)
+        return logits, top.to(logits.dtype), idx
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.intermediate = e, i
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; idx, weights [N, k] -> sum_j weights[:, j] * expert_{idx[:, j]}(x)  [N, H].
+
+        Reference loop over the experts that received tokens (one host sync for the counts); the grouped NVFP4
+        kernel replaces it.
+        """
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        w_flat = weights.reshape(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tok = pairs // k
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_flat[pairs, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        self.gate = TopKRouter(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # scalar sigmoid gate per token
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        _, weights, idx = self.gate(x)
+        routed = self.experts(x, idx, weights)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (routed + shared).reshape(shape)

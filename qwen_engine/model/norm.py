@@ -1,0 +1,47 @@
+"""RMSNorms of Qwen3.5/3.6-MoE: the zero-centred one used everywhere, and the gated one closing each GDN layer.
+
+Mirrors `Qwen3_5MoeRMSNorm` / `Qwen3_5MoeRMSNormGated` in transformers 5.24
+`models/qwen3_5_moe/modeling_qwen3_5_moe.py`.
+Both normalise in fp32 (eps inside the rsqrt); they differ in where the result is cast back, which matters in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """`y = x / rms(x) * (1 + w)`, all in fp32, cast back once at the end. `w` is stored zero-centred (init 0).
+
+    Used for input/post-attention norms, the final norm and the per-head q/k norms (vLLM's `GemmaRMSNorm`).
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm, per value head: `y = w * (x / rms(x)).to(dtype) * silu(z.float())`, weight init 1 (not centred).
+
+    NOTE the cast order (from transformers): the normalised x is cast to the input dtype *before* the weight multiply,
+    and the SiLU gate is applied in fp32 before the final cast.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # x, z: [..., dim]
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * y * F.silu(z.float())).to(x.dtype)
