@@ -1,0 +1,685 @@
+"""Continuous batching for the Qwen engine: add / step / finish over paged KV blocks. Device-free (no torch).
+
+Follows "Continuous batching (Qwen engine)" in `engine_core/scheduler.py` (same `Clock`, `Answer`, errors and
+`Samples`-based stats) with its own typed verbs instead of `Batch`/`WorkItem`, because a step is not a batch of
+independent items but one forward pass over every resident sequence. The engine loop (nano-vllm's
+`LLMEngine.step`, vLLM's `EngineCore.step`)::
+
+    sched = ContinuousScheduler(ContinuousConfig(num_kv_blocks=4096, block_size=16, max_num_seqs=32))
+    rid = sched.add(GenerateRequest(prompt_ids, max_new_tokens=256, sampling=SamplingParams(0.7, top_p=0.9, seed=1)))
+    while (plan := sched.step()) is not None:        # schedule: which tokens of which sequences, which KV blocks
+        try:
+            out = runner.run(plan)                   # run: forward + sample on the device -> StepOutput (1 D2H copy)
+        except Exception as exc:
+            sched.fail(plan, exc)                    # every live sequence in the plan is answered with StepFailed
+            continue
+        for delta in sched.finish(plan, out):        # update: append tokens, stop checks, free finished sequences
+            stream(delta)                            # TokenDelta: new tokens of one request (SSE)
+        for answer in sched.pop_answers():           # exactly one Answer per admitted request
+            reply(answer)                            # outputs=(Completion,), or an error
+
+Rules (each one is a test in `tests/test_continuous.py`):
+
+- **Token budget.** A step feeds at most `max_num_batched_tokens` tokens of at most `max_num_seqs` sequences.
+  Decode tokens go first (every decoding resident sequence, 1 token each; the config guarantees they all fit),
+  then prefill chunks in FIFO (arrival) order: resident sequences whose prefill is unfinished, then waiting ones.
+- **Chunked prefill.** A prompt longer than the budget left is split: the chunk `[start, start + n)` is fed now,
+  the rest in later steps; only the chunk that reaches the end of the known tokens is sampled
+  (`ScheduledSeq.sample`). A sequence's KV blocks for *all* its known tokens are reserved when it is admitted, so
+  prefill chunks never need blocks; only decode tokens grow a sequence.
+- **Admission.** The waiting queue's head is admitted while there is a state slot (`max_num_seqs` resident at most),
+  budget is left, and `BlockManager.can_allocate` holds with the watermark (without it when nothing is resident).
+  FIFO: the head is never skipped. No admission in a step that preempted (it would thrash).
+- **Preemption by recompute.** When a decode token needs a block and none is free, the youngest resident sequence
+  (latest arrival) is preempted: its blocks and state slot are freed, its prompt *and generated tokens* kept, and
+  it goes to the front of the waiting queue. Re-admitted, it prefills all of them again (`reset_state`) and samples
+  its next token with the same `(seed, output_index)`, so its stream is exactly that of an uninterrupted run.
+  Preferring the youngest means the oldest request always makes progress (no livelock), as in vLLM.
+- **Stops.** After each sampled token: an id in `eos_token_ids` (EOS), a suffix equal to one of
+  `stop_token_ids` (STOP), `max_new_tokens` outputs or `max_model_len` tokens (LENGTH). The terminating tokens are
+  kept in `Completion.token_ids`; `Completion.text_token_ids` drops them (OpenAI omits the stop string).
+- **Exactly one answer; deadlines; cancellation; backpressure** as in `PipelineScheduler`: `expire()` runs at the
+  start of `step`, `finish` and `fail`; `cancel` and expiry free a sequence's blocks at once (safe: only one plan is
+  in flight, and the next `step` comes after `finish`); tokens sampled for an answered sequence are dropped
+  (`stats.dropped_tokens`). `add` raises `Overloaded` when `max_waiting` requests are waiting (preempted ones are
+  re-queued regardless), and `ValueError` for a request that could never run (prompt >= `max_model_len`, or more
+  KV blocks than the whole pool).
+- **One plan in flight.** `step` raises while a plan awaits `finish`/`fail` (no overlapped scheduling yet).
+
+The GDN layers keep an O(1) recurrent + conv state per sequence: the scheduler assigns each resident sequence a
+`state_slot` in `0..max_num_seqs-1`, and `ScheduledSeq.reset_state` tells the runner to zero it (the sequence
+starts from position 0: new, or resumed after preemption). Not thread-safe: one owner makes every call.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import operator
+import random
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from engine_core.block_manager import BlockManager
+from engine_core.request import (
+    Answer,
+    Cancelled,
+    Clock,
+    DeadlineExceeded,
+    MonotonicClock,
+    Overloaded,
+    RequestId,
+    RequestTimings,
+    RunFailed,
+    SchedulerError,
+)
+from engine_core.scheduler import Samples
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each token (applied in this order: temperature, top-k, top-p; see `engine_core/sampling.py`)."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); top_k / top_p / seed are then irrelevant
+    top_p: float = 1.0  # keep the smallest set of most likely tokens with probability >= top_p; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    seed: int | None = None  # None: the scheduler draws one at `add` (still fixed for the request's lifetime)
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One completion request: prompt token ids in, up to `max_new_tokens` sampled token ids out."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int = 16
+    sampling: SamplingParams = SamplingParams()
+    eos_token_ids: tuple[int, ...] = ()  # any of these ends the sequence (e.g. Qwen's <|im_end|>, <|endoftext|>)
+    stop_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that end it when the output ends with one
+    deadline_s: float | None = None  # absolute time on the scheduler's clock; None = no deadline
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_token_ids", tuple(operator.index(t) for t in self.prompt_token_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(operator.index(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(tuple(s) for s in self.stop_token_ids))
+        if not self.prompt_token_ids:
+            raise ValueError("a GenerateRequest needs at least one prompt token")
+        if min(self.prompt_token_ids) < 0:
+            raise ValueError("token ids must be >= 0")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(len(s) == 0 for s in self.stop_token_ids):
+            raise ValueError("stop token sequences must be non-empty")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-sequence state and the messages of one step
+
+
+class SeqStatus(str, enum.Enum):
+    WAITING = "waiting"  # in the waiting queue: no blocks, no state slot
+    RUNNING = "running"  # resident: holds blocks for all its known tokens and a state slot
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"  # sampled one of eos_token_ids (OpenAI finish_reason "stop")
+    STOP = "stop"  # output ended with one of stop_token_ids (OpenAI "stop")
+    LENGTH = "length"  # max_new_tokens outputs, or max_model_len tokens in all (OpenAI "length")
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """The scheduler's book-keeping of one unanswered request (its KV block table lives in the BlockManager)."""
+
+    request_id: RequestId
+    request: GenerateRequest
+    seed: int  # request.sampling.seed, or drawn at add
+    arrival_s: float
+    token_ids: list[int]  # prompt + generated so far
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV / GDN state is in the cache (reset to 0 by preemption)
+    decoding: bool = False  # sampled since its last admission: from now on it needs 1 decode token per step
+    state_slot: int | None = None  # GDN state row while RUNNING
+    first_token_s: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[self.num_prompt_tokens:])
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: feed `token_ids` at positions `start..end-1`, sample after the last if
+    `sample`."""
+
+    request_id: RequestId
+    start: int  # position of token_ids[0] = tokens already in the cache
+    token_ids: tuple[int, ...]  # the tokens to feed: the sequence's tokens [start, end)
+    block_table: tuple[int, ...]  # KV blocks of positions 0..(at least) end-1, in position order
+    state_slot: int  # GDN recurrent/conv state row of this sequence
+    reset_state: bool  # start == 0: zero the state slot first (new sequence, or resumed after preemption)
+    is_decode: bool  # a decode token (1 token, after this admission's first sample) rather than a prefill chunk
+    sample: bool  # end == all known tokens: the last position's logits give the next token
+    output_index: int  # index of the token sampled here among the request's outputs (sampler counter)
+    seed: int  # per-request sampler seed
+    sampling: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What `step()` hands the runner: one forward pass. Decode rows first, then prefill chunks (FIFO)."""
+
+    step_id: int
+    seqs: tuple[ScheduledSeq, ...]
+    block_size: int  # token slots per KV block
+    bucket_size: int | None  # decode-only step: smallest configured decode bucket >= num_seqs (CUDA graph); else None
+    formed_s: float
+    preempted: tuple[RequestId, ...] = ()  # sequences preempted while forming this step (informational)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(s.is_decode for s in self.seqs)
+
+    @property
+    def sampled(self) -> tuple[ScheduledSeq, ...]:
+        """The rows that sample, in plan order: `StepOutput.sampled_token_ids` has one token for each."""
+        return tuple(s for s in self.seqs if s.sample)
+
+    def positions(self) -> list[int]:
+        """Position id of every fed token, rows concatenated: [num_tokens]."""
+        return [p for s in self.seqs for p in range(s.start, s.end)]
+
+    def slot_mapping(self) -> list[int]:
+        """KV pool slot (block * block_size + offset) of every fed token, rows concatenated: [num_tokens]."""
+        bs = self.block_size
+        return [s.block_table[p // bs] * bs + p % bs for s in self.seqs for p in range(s.start, s.end)]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What the runner returns for a plan: one sampled token per `plan.sampled` row, same order."""
+
+    sampled_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Streaming message from `finish`: a request's new token this step, and its finish reason if it just ended."""
+
+    request_id: RequestId
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None  # set on the last delta; the Answer follows in pop_answers()
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """`Answer.outputs[0]` of a finished request."""
+
+    token_ids: tuple[int, ...]  # every sampled token, including a terminating eos / stop sequence
+    finish_reason: FinishReason
+    matched_stop: tuple[int, ...] | None  # the eos id (1-tuple) or stop sequence that ended it; None for LENGTH
+    num_prompt_tokens: int
+    num_preemptions: int
+    first_token_s: float  # clock time of the first sampled token (TTFT = first_token_s - arrival_s)
+
+    @property
+    def text_token_ids(self) -> tuple[int, ...]:
+        """token_ids without the terminating eos / stop sequence (what a client sees as text)."""
+        return self.token_ids[: len(self.token_ids) - len(self.matched_stop or ())]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors: the pipeline scheduler's types (a server maps them to status codes), with messages that name no stage
+
+
+class SequenceDeadlineExceeded(DeadlineExceeded):
+    """[504] `DeadlineExceeded` of a sequence that was waiting (running=False) or resident (running=True)."""
+
+    def __init__(self, request_id: RequestId, deadline_s: float, now_s: float, running: bool):
+        self.request_id, self.deadline_s, self.now_s = request_id, deadline_s, now_s
+        self.stage, self.running = None, running
+        SchedulerError.__init__(self, f"request {request_id} missed its deadline while "
+                                      f"{'running' if running else 'waiting'} (late by {now_s - deadline_s:.3f} s)")
+
+
+class StepFailed(RunFailed):
+    """[500] `RunFailed` for a sequence in a step whose runner raised; the runner's exception is `__cause__`."""
+
+    def __init__(self, request_id: RequestId, step_id: int, cause: BaseException):
+        self.request_id, self.stage, self.batch_id = request_id, None, step_id
+        SchedulerError.__init__(self, f"request {request_id}: step {step_id} failed: {cause!r}")
+        self.__cause__ = cause
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Configuration and stats
+
+
+def _graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """nano-vllm's CUDA-graph batch sizes: 1, 2, 4, 8, then multiples of 16, then max_num_seqs itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs}
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class ContinuousConfig:
+    """Knobs of the continuous-batching scheduler; the Qwen engine config embeds one."""
+
+    num_kv_blocks: int  # KV pool size in blocks (the runner sizes it from free device memory)
+    block_size: int = 16  # token slots per block (the paged-attention kernels' page size)
+    max_num_seqs: int = 32  # resident sequences = GDN state slots = largest decode batch
+    max_num_batched_tokens: int = 2048  # tokens fed per step (decode + prefill chunks)
+    max_model_len: int = 8192  # prompt + generated tokens per sequence
+    max_waiting: int = 256  # waiting requests before `add` raises Overloaded
+    watermark: float = 0.01  # fraction of blocks admission leaves free for decode growth (vLLM's default)
+    decode_buckets: tuple[int, ...] = ()  # decode-only batch sizes the runner captures; () = nano-vllm's list
+    seed: int | None = None  # seeds the per-request seeds drawn for unseeded requests; None = OS entropy
+    default_retry_after_s: float = 1.0  # Overloaded hint before any request has been answered
+    min_retry_after_s: float = 0.05
+    max_retry_after_s: float = 30.0
+
+    def __post_init__(self):
+        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every resident sequence's decode token must fit in one step, or a decode could be starved
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
+        buckets = tuple(self.decode_buckets) or _graph_buckets(self.max_num_seqs)
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != self.max_num_seqs:
+            raise ValueError(f"decode_buckets must ascend strictly and end at max_num_seqs, got {buckets}")
+        object.__setattr__(self, "decode_buckets", buckets)
+        if not 0 < self.min_retry_after_s <= self.default_retry_after_s <= self.max_retry_after_s:
+            raise ValueError("need 0 < min_retry_after_s <= default_retry_after_s <= max_retry_after_s")
+
+
+@dataclass
+class ContinuousStats:
+    """Counters and sample windows a server exports (same style as `SchedulerStats`)."""
+
+    submitted: int = 0
+    rejected: int = 0  # Overloaded at add
+    answered_ok: int = 0
+    deadline_exceeded: int = 0
+    cancelled: int = 0
+    failed: int = 0  # StepFailed
+    preemptions: int = 0
+    steps: int = 0  # finished or failed plans
+    failed_steps: int = 0
+    prefill_tokens: int = 0  # fed in finished steps (incl. recomputation after preemption)
+    decode_tokens: int = 0
+    dropped_tokens: int = 0  # sampled for a sequence answered while its step ran
+    latency_s: Samples = field(default_factory=Samples)  # add -> ok answer
+    ttft_s: Samples = field(default_factory=Samples)  # add -> first sampled token
+    step_tokens: Samples = field(default_factory=Samples)  # fed tokens per step
+    step_seqs: Samples = field(default_factory=Samples)  # sequences per step
+    step_run_s: Samples = field(default_factory=Samples)  # step formed -> finish/fail
+    kv_usage: Samples = field(default_factory=Samples)  # fraction of KV blocks in use when a step is formed
+
+    def snapshot(self) -> dict[str, float]:
+        """Flat name -> value map, e.g. `preemptions`, `ttft_s.p99`, `step_tokens.mean`."""
+        out = {k: float(getattr(self, k)) for k in (
+            "submitted", "rejected", "answered_ok", "deadline_exceeded", "cancelled", "failed", "preemptions",
+            "steps", "failed_steps", "prefill_tokens", "decode_tokens", "dropped_tokens")}
+        for name in ("latency_s", "ttft_s", "step_tokens", "step_seqs", "step_run_s", "kv_usage"):
+            s: Samples = getattr(self, name)
+            out |= {f"{name}.mean": s.mean, f"{name}.p50": s.quantile(0.5), f"{name}.p99": s.quantile(0.99)}
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The scheduler
+
+
+class ContinuousScheduler:
+    """Continuous batching with chunked prefill, paged KV blocks and preemption by recompute (rules: module doc)."""
+
+    _EWMA_ALPHA: ClassVar[float] = 0.2  # weight of the newest latency in the retry-after estimate
+
+    def __init__(self, config: ContinuousConfig, clock: Clock | None = None):
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.stats = ContinuousStats()
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.watermark)
+        self._seqs: dict[RequestId, SequenceState] = {}  # unanswered requests
+        self._waiting: deque[RequestId] = deque()  # FIFO; preempted sequences re-enter at the front
+        self._running: list[RequestId] = []  # resident, ascending id = arrival order (the youngest is last)
+        self._free_slots = list(range(config.max_num_seqs))  # min-heap of free GDN state slots
+        self._in_flight: StepPlan | None = None
+        self._answers: list[Answer] = []
+        self._ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self._latency_ewma_s: float | None = None
+
+    # ---- queries
+
+    @property
+    def num_unfinished(self) -> int:
+        """Admitted requests not yet answered."""
+        return len(self._seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting_ids(self) -> tuple[RequestId, ...]:
+        """Waiting requests, head (next to admit) first."""
+        return tuple(self._waiting)
+
+    @property
+    def running_ids(self) -> tuple[RequestId, ...]:
+        """Resident requests, oldest first (the youngest is the next preemption victim)."""
+        return tuple(self._running)
+
+    @property
+    def in_flight(self) -> StepPlan | None:
+        return self._in_flight
+
+    def __contains__(self, request_id: RequestId) -> bool:
+        """Admitted and not yet answered."""
+        return request_id in self._seqs
+
+    def sequence(self, request_id: RequestId) -> SequenceState:
+        """The live state of an unanswered request (KeyError once answered)."""
+        return self._seqs[request_id]
+
+    def next_wakeup(self) -> float | None:
+        """Now while `step` has work (back-to-back steps); else the earliest deadline; None: wait for an event."""
+        if self._in_flight is None and (self._running or self._waiting):
+            return self.clock.now()
+        deadlines = [s.request.deadline_s for s in self._seqs.values() if s.request.deadline_s is not None]
+        return min(deadlines, default=None)
+
+    def retry_after_s(self) -> float:
+        """The hint `Overloaded` carries: recent add->answer latency (Little's law: the backlog's turnover time)."""
+        cfg = self.config
+        estimate = cfg.default_retry_after_s if self._latency_ewma_s is None else self._latency_ewma_s
+        return min(max(estimate, cfg.min_retry_after_s), cfg.max_retry_after_s)
+
+    # ---- the verbs
+
+    def add(self, request: GenerateRequest) -> RequestId:
+        """Admit a request into the waiting queue and return its id; raise `Overloaded` or `ValueError`."""
+        cfg = self.config
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt >= cfg.max_model_len:
+            raise ValueError(f"prompt of {n_prompt} tokens leaves no room under max_model_len={cfg.max_model_len}")
+        # KV slots it may ever hold: every token but the last sampled one (which is never fed).
+        max_slots = min(n_prompt + request.max_new_tokens, cfg.max_model_len) - 1
+        if self.blocks.blocks_for(max_slots) > cfg.num_kv_blocks:
+            raise ValueError(f"request needs up to {self.blocks.blocks_for(max_slots)} KV blocks, the pool has "
+                             f"{cfg.num_kv_blocks}; lower max_new_tokens")
+        if len(self._waiting) >= cfg.max_waiting:
+            self.stats.rejected += 1
+            raise Overloaded(self.retry_after_s(), len(self._waiting), cfg.max_waiting)
+        rid, now = next(self._ids), self.clock.now()
+        seed = request.sampling.seed if request.sampling.seed is not None else self._seed_rng.getrandbits(63)
+        self._seqs[rid] = SequenceState(rid, request, seed, now, list(request.prompt_token_ids))
+        self.stats.submitted += 1
+        if request.deadline_s is not None and now >= request.deadline_s:
+            self._answer(rid, error=DeadlineExceeded(rid, request.deadline_s, now, stage=None, running=False))
+        else:
+            self._waiting.append(rid)
+        return rid
+
+    def step(self) -> StepPlan | None:
+        """Expire deadlines, then form the next forward pass (rules: module doc); None when nothing is resident
+        or waiting. The plan is in flight until `finish` / `fail`."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step_id} is still in flight; finish() or fail() it first")
+        self.expire()
+        cfg, blocks = self.config, self.blocks
+        budget = cfg.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        preempted: list[RequestId] = []
+
+        # 1. One decode token per decoding resident sequence, oldest first; make room by preempting the youngest.
+        for rid in list(self._running):
+            seq = self._seqs[rid]
+            if seq.status is not SeqStatus.RUNNING or not seq.decoding:  # preempted above, or still prefilling
+                continue
+            while not blocks.can_append(rid, 1):
+                victim = self._running[-1]  # youngest; never one already scheduled (those are older than rid)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim == rid:
+                    break
+            else:
+                blocks.append(rid, 1)
+                decodes.append(self._slice(seq, 1, is_decode=True))
+        budget -= len(decodes)  # >= 0: max_num_batched_tokens >= max_num_seqs >= resident sequences
+
+        # 2. Prefill chunks, FIFO: resident sequences mid-prefill, then waiting ones (admitted while they fit).
+        for rid in self._running:
+            seq = self._seqs[rid]
+            if budget > 0 and not seq.decoding:
+                n = min(seq.num_uncomputed, budget)
+                prefills.append(self._slice(seq, n, is_decode=False))
+                budget -= n
+        admit = not (preempted and self._running)  # after a preemption, admitting would only thrash
+        while admit and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            seq = self._seqs[self._waiting[0]]
+            if not blocks.can_allocate(seq.num_tokens, use_watermark=bool(self._running)):
+                break  # FIFO: the head waits for blocks; nobody overtakes it
+            self._admit(self._waiting.popleft())
+            n = min(seq.num_uncomputed, budget)
+            prefills.append(self._slice(seq, n, is_decode=False))
+            budget -= n
+
+        if not decodes and not prefills:
+            return None
+        seqs = tuple(decodes + prefills)
+        bucket = None
+        if not prefills:
+            bucket = next(b for b in cfg.decode_buckets if b >= len(seqs))
+        plan = StepPlan(next(self._step_ids), seqs, cfg.block_size, bucket, self.clock.now(), tuple(preempted))
+        self._in_flight = plan
+        self.stats.kv_usage.record(blocks.usage)
+        return plan
+
+    def finish(self, plan: StepPlan, output: StepOutput) -> list[TokenDelta]:
+        """Apply the runner's sampled tokens: advance every row, append one token per sampling row, answer
+        sequences that stopped. Returns the streaming deltas. Raises ValueError, changing nothing, for a plan that is
+        not in flight or a wrong token count."""
+        self._check_in_flight(plan)
+        sampled = [operator.index(t) for t in output.sampled_token_ids]
+        n_sampled = sum(s.sample for s in plan.seqs)
+        if len(sampled) != n_sampled:
+            raise ValueError(f"step {plan.step_id}: {len(sampled)} sampled tokens for {n_sampled} sampling rows")
+        self.expire()  # a sequence whose deadline passed while the step ran is answered now; its token dropped
+        self._in_flight = None
+        now, deltas, tokens = self.clock.now(), [], iter(sampled)
+        for item in plan.seqs:
+            token = next(tokens) if item.sample else None
+            seq = self._seqs.get(item.request_id)
+            if seq is None:  # cancelled or expired while the step ran
+                self.stats.dropped_tokens += token is not None
+                continue
+            seq.num_computed_tokens = item.end
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            seq.decoding = True
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+                self.stats.ttft_s.record(now - seq.arrival_s)
+            reason, matched = self._stop_reason(seq)
+            deltas.append(TokenDelta(item.request_id, (token,), reason))
+            if reason is not None:
+                self._answer(item.request_id, completion=Completion(
+                    seq.output_token_ids, reason, matched, seq.num_prompt_tokens, seq.num_preemptions,
+                    seq.first_token_s))
+        self._record_step(plan, now, ok=True)
+        return deltas
+
+    def fail(self, plan: StepPlan, error: BaseException) -> None:
+        """The runner raised on `plan`: answer every live sequence in it with `StepFailed` (cause = error)."""
+        self._check_in_flight(plan)
+        self.expire()
+        self._in_flight = None
+        for item in plan.seqs:
+            if item.request_id in self._seqs:
+                self._answer(item.request_id, error=StepFailed(item.request_id, plan.step_id, error))
+        self._record_step(plan, self.clock.now(), ok=False)
+
+    def cancel(self, request_id: RequestId) -> bool:
+        """Answer with `Cancelled` and free its blocks; False (no-op) if already answered or unknown."""
+        if request_id not in self._seqs:
+            return False
+        self._answer(request_id, error=Cancelled(request_id))
+        return True
+
+    def expire(self) -> int:
+        """Answer every sequence whose deadline has passed (`now >= deadline_s`); return how many."""
+        now = self.clock.now()
+        expired = [s for s in self._seqs.values() if s.request.deadline_s is not None and now >= s.request.deadline_s]
+        for s in expired:
+            running = s.status is SeqStatus.RUNNING
+            self._answer(s.request_id, error=SequenceDeadlineExceeded(s.request_id, s.request.deadline_s, now, running))
+        return len(expired)
+
+    def pop_answers(self) -> list[Answer]:
+        """Answers produced since the last call, in the order they were produced."""
+        answers, self._answers = self._answers, []
+        return answers
+
+    # ---- internals
+
+    def _check_in_flight(self, plan: StepPlan) -> None:
+        if self._in_flight is not plan:
+            raise ValueError(f"step {plan.step_id} is not in flight (finished twice?)")
+
+    def _slice(self, seq: SequenceState, n: int, *, is_decode: bool) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        end = start + n
+        return ScheduledSeq(
+            seq.request_id, start, tuple(seq.token_ids[start:end]), self.blocks.block_table(seq.request_id),
+            seq.state_slot, reset_state=start == 0, is_decode=is_decode, sample=end == seq.num_tokens,
+            output_index=seq.num_output_tokens, seed=seq.seed, sampling=seq.request.sampling)
+
+    def _admit(self, rid: RequestId) -> None:
+        seq = self._seqs[rid]
+        self.blocks.allocate(rid, seq.num_tokens)  # every known token: prefill chunks never need blocks
+        seq.status, seq.state_slot = SeqStatus.RUNNING, heapq.heappop(self._free_slots)
+        seq.num_computed_tokens, seq.decoding = 0, False
+        insort(self._running, rid)
+
+    def _release(self, seq: SequenceState) -> None:
+        """Give back a resident sequence's blocks and state slot."""
+        rid = seq.request_id
+        self.blocks.free(rid)
+        heapq.heappush(self._free_slots, seq.state_slot)
+        self._running.remove(rid)
+        seq.state_slot = None
+
+    def _preempt(self, rid: RequestId) -> None:
+        seq = self._seqs[rid]
+        self._release(seq)
+        seq.status, seq.num_computed_tokens, seq.decoding = SeqStatus.WAITING, 0, False
+        seq.num_preemptions += 1
+        self._waiting.appendleft(rid)
+        self.stats.preemptions += 1
+
+    def _stop_reason(self, seq: SequenceState) -> tuple[FinishReason | None, tuple[int, ...] | None]:
+        req, last = seq.request, seq.token_ids[-1]
+        if last in req.eos_token_ids:
+            return FinishReason.EOS, (last,)
+        n_out = seq.num_output_tokens
+        for stop in req.stop_token_ids:
+            if len(stop) <= n_out and tuple(seq.token_ids[-len(stop):]) == stop:
+                return FinishReason.STOP, stop
+        if n_out >= req.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _answer(self, rid: RequestId, *, completion: Completion | None = None,
+                error: SchedulerError | None = None) -> None:
+        """Emit the request's one answer and forget it, freeing whatever it holds."""
+        seq = self._seqs.pop(rid)
+        if seq.status is SeqStatus.RUNNING:
+            self._release(seq)
+        elif rid in self._waiting:  # absent only when answered inside add (expired on arrival)
+            self._waiting.remove(rid)
+        now = self.clock.now()
+        timings = RequestTimings(seq.arrival_s, now)
+        self._answers.append(Answer(rid, (completion,) if error is None else None, error, timings))
+        if error is None:
+            self.stats.answered_ok += 1
+            self.stats.latency_s.record(timings.total_s)
+            a, t = self._EWMA_ALPHA, timings.total_s
+            self._latency_ewma_s = t if self._latency_ewma_s is None else a * t + (1 - a) * self._latency_ewma_s
+        elif isinstance(error, DeadlineExceeded):
+            self.stats.deadline_exceeded += 1
+        elif isinstance(error, Cancelled):
+            self.stats.cancelled += 1
+        else:
+            self.stats.failed += 1
+
+    def _record_step(self, plan: StepPlan, now: float, *, ok: bool) -> None:
+        s = self.stats
+        s.steps += 1
+        s.failed_steps += not ok
+        s.step_run_s.record(now - plan.formed_s)
+        if ok:
+            s.step_tokens.record(plan.num_tokens)
+            s.step_seqs.record(plan.num_seqs)
+            s.decode_tokens += plan.num_decode
+            s.prefill_tokens += plan.num_tokens - plan.num_decode

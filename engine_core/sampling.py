@@ -1,0 +1,178 @@
+"""Batched token sampling on the device without host syncs: greedy, temperature, top-k, top-p, per-request seeds.
+
+`sample(logits [B, V], SamplingTensors) -> token ids [B]` is a straight line of tensor ops (no `.item()`,
+`.tolist()`, `nonzero` or data-dependent Python branches; `tests/test_sampling.py` proves it by compiling it with
+`fullgraph=True`), so a decode step never waits for the GPU before launching the next kernel. The only choices made in
+Python are from host-known flags (`all_greedy`, `needs_sort`) computed from the requests' parameters, never from
+tensor values. `reference_sample` / `reference_probs` are the plain per-row versions the tests compare against.
+
+Exponential race (gpt-fast `multinomial_sample_one_no_sync`): if E_v ~ Exp(1) i.i.d., then
+`argmax_v p_v / E_v` is distributed as Categorical(p). We take it in log space, `argmax_v (logits_v / T - log E_v)`
+(the Gumbel-max trick; -log E is Gumbel), which needs no softmax and puts masked tokens at -inf.
+
+Seeded noise without generators: E_v of row r is `-log(u)` with `u = hash(seed_r, step_r, v)` mapped to (0, 1),
+where `step_r` is the index of the token being sampled among the request's outputs (`ScheduledSeq.output_index`).
+The hash is counter-based (a pure function, like Philox / Random123, but in plain int64 tensor ops so it compiles
+anywhere): a per-row key from (seed, step) chained through `_mix32` (Wellons' lowbias32 finaliser), then per token
+`_mix32(key + v * golden)` (a Weyl sequence, as in splitmix). Consequences:
+
+- The token a request samples at output t depends only on its logits row, its parameters, its seed and t: not on
+  the batch size, its row position, the other rows, or whether it was preempted and recomputed (the scheduler
+  replays the same output index, so preemption-and-resume reproduces the stream exactly).
+- No per-row `torch.Generator`s: those need one kernel launch per row, and one batched generator's Philox offset
+  advances with the batch composition, tying a request's randomness to its neighbours.
+- Cost: ~35 element ops per (row, token), several of them int64 multiplies (emulated on GPUs), fused into one
+  kernel under `torch.compile`: napkin math ~1e9 int32 instructions at 32 x 248k, so tens of microseconds
+  (unmeasured); in eager mode each op is its own pass over [B, V] (~64 MB each at that size), so compile the
+  sampler with the decode step (P9).
+
+Ops are in the order HF / vLLM apply them: temperature, then top-k, then top-p on the renormalised top-k
+distribution. Rows with temperature 0 are greedy (first maximal index, as `torch.argmax`) whatever their other
+parameters. top-k / top-p sort the row (stable, so ties break by token id and the result is batch-independent); the
+sort is skipped when no row in the batch asks for either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.continuous import SamplingParams, StepPlan
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9  # 2^32 / golden ratio: the Weyl increment of splitmix / Fibonacci hashing
+_SEED_MOD = 1 << 63  # seeds are reduced to int64-safe non-negative values on the host
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32) and a constant c < 2^32, with no int64 overflow: c is split into
+    16-bit halves so every product stays below 2^48 (signed overflow would be undefined in compiled kernels)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' lowbias32: a 32-bit finaliser with near-ideal avalanche (bias ~0.17)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """seed, step [B] int64 (>= 0) -> 32-bit key per row [B]."""
+    k = _mix32((seed >> 32) ^ _GOLDEN32)
+    k = _mix32(k ^ (seed & _MASK32))
+    return _mix32(k ^ (step & _MASK32))
+
+
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """-log(E) with E ~ Exp(1) for every (row, token): seed, step [B]; token_ids [V] or [B, V] -> [B, V] fp32."""
+    keys = _row_keys(seed, step)[:, None]  # [B, 1]
+    x = _mix32((keys + _mul32(token_ids, _GOLDEN32)) & _MASK32)
+    # 23 high bits + 1/2 -> u in [2^-24, 1 - 2^-24]: exact in fp32 (24-bit significand), so log(u) < 0 and E > 0.
+    u = ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters on the device, plus host-known flags that pick the code path."""
+
+    temperature: torch.Tensor  # [B] fp32; 0 = greedy
+    top_p: torch.Tensor  # [B] fp32 in (0, 1]
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    seed: torch.Tensor  # [B] int64 in [0, 2^63)
+    step: torch.Tensor  # [B] int64: the output index being sampled
+    all_greedy: bool  # every row greedy: just argmax
+    needs_sort: bool  # some sampled row uses top-k or top-p
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
+              device: torch.device | str | None = None) -> SamplingTensors:
+        """From host values; one pinned host->device copy per field, non-blocking (no sync)."""
+        device = torch.device(device or "cpu")
+        pin = device.type == "cuda"
+
+        def put(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+        sampled = [p for p in params if not p.greedy]
+        return cls(
+            temperature=put([p.temperature for p in params], torch.float32),
+            top_p=put([p.top_p for p in params], torch.float32),
+            top_k=put([p.top_k for p in params], torch.int64),
+            seed=put([s % _SEED_MOD for s in seeds], torch.int64),
+            step=put(list(steps), torch.int64),
+            all_greedy=not sampled,
+            needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
+        )
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan, device: torch.device | str | None = None) -> SamplingTensors:
+        """Rows = `plan.sampled` (the rows `StepOutput.sampled_token_ids` answers), in plan order."""
+        rows = plan.sampled
+        return cls.build([r.sampling for r in rows], [r.seed for r in rows], [r.output_index for r in rows], device)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits [B, V] (any float dtype) -> token ids [B] int64, without host syncs."""
+    greedy = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy
+    temperature = torch.where(st.temperature > 0, st.temperature, 1.0)
+    scaled = logits.float() / temperature[:, None]  # [B, V]
+    if st.needs_sort:
+        scaled, token_ids = _top_k_top_p_sorted(scaled, st.top_k, st.top_p)  # both [B, V], sorted by logit
+    else:
+        token_ids = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+    pick = (scaled + gumbel_noise(st.seed, st.step, token_ids)).argmax(dim=-1, keepdim=True)  # [B, 1]
+    sampled = pick[:, 0] if not st.needs_sort else token_ids.gather(1, pick)[:, 0]
+    return torch.where(st.temperature > 0, sampled, greedy)
+
+
+def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scaled [B, V] -> (logits sorted descending with tokens outside top-k / top-p at -inf, their token ids)."""
+    vals, ids = scaled.sort(dim=-1, descending=True, stable=True)
+    vocab = scaled.shape[-1]
+    ranks = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, vocab)
+    vals = vals.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = vals.softmax(dim=-1)  # the renormalised top-k distribution
+    before = probs.cumsum(dim=-1) - probs  # probability mass strictly ahead of each token
+    vals = vals.masked_fill(before >= top_p[:, None], float("-inf"))  # the top token has 0 ahead: always kept
+    return vals, ids
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Plain reference (tests): one row at a time, float64, torch.multinomial
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] -> the distribution `params` samples from [V] fp64 (one-hot argmax when greedy)."""
+    vocab = logits.shape[-1]
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), vocab).double()
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    order = torch.argsort(probs, descending=True, stable=True).tolist()
+    kept = order[: params.top_k] if params.top_k > 0 else order
+    total = sum(probs[t].item() for t in kept)
+    out = torch.zeros(vocab, dtype=torch.float64)
+    mass = 0.0
+    for t in kept:  # top-p on the renormalised top-k distribution: add tokens until the mass reaches top_p
+        out[t] = probs[t]
+        mass += probs[t].item() / total
+        if mass >= params.top_p:
+            break
+    return out / out.sum()
+
+
+def reference_sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B] int64, row by row with torch.multinomial."""
+    return torch.stack([torch.multinomial(reference_probs(row, p), 1, generator=generator)[0]
+                        for row, p in zip(logits, params)])

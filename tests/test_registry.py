@@ -1,0 +1,150 @@
+"""engine_core.registry: preferences, guards, recorded and logged choices, the start-up self-check and its loud
+fallback, on toy ops (plain Python, no torch); then the real registry (kernels/) self-checked on this machine."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from engine_core.registry import KERNEL_MODULES, KernelPreference, Registry, default_registry
+
+
+def double_ref(x):
+    return [2 * v for v in x]
+
+
+def double_fast(x):
+    return [v + v for v in x]
+
+
+def double_wrong(x):
+    return [2 * v + 1 for v in x]
+
+
+def double_crash(x):
+    raise RuntimeError("kernel exploded")
+
+
+def fits(*, n, **_):
+    return n <= 4
+
+
+def toy_registry(fast=double_fast, preference="auto") -> Registry:
+    reg = Registry(preference)
+    reg.add_op("double", double_ref, tolerance="exact",
+               sample=lambda device: (([1, 2, 3],), {}),
+               compare=lambda out, ref: None if out == ref else f"{out} != {ref}",
+               describe=lambda x: {"n": len(x)})
+    reg.add_implementation("double", "triton", fast, fits)
+    return reg
+
+
+def test_auto_prefers_the_fast_path_and_records_fallbacks(caplog):
+    reg = toy_registry()
+    caplog.set_level(logging.INFO, logger="engine_core.registry")
+    assert reg.choose("double", n=3).name == "triton"
+    assert reg.call("double", [1, 2]) == [2, 4]
+    assert reg.choose("double", n=5).name == "reference"  # guard says no -> reference, recorded
+    assert reg.choose("double", n=6).name == "reference"
+    c = reg.choices()["double"]
+    assert c["calls"] == {"triton": 2, "reference": 2}
+    assert c["last"] == "reference" and "does not support {n=6}" in c["fallback"]
+    assert c["implementations"] == ["triton", "reference"] and c["preference"] == "auto"
+    json.dumps(reg.choices())  # /readyz-ready
+    # logged once per (op, implementation), the fallback at WARNING
+    msgs = [(r.levelno, r.getMessage()) for r in caplog.records if "kernel double" in r.getMessage()]
+    assert len(msgs) == 2
+    assert msgs[0][0] == logging.INFO and "using triton" in msgs[0][1]
+    assert msgs[1][0] == logging.WARNING and "falling back to the reference" in msgs[1][1]
+    assert reg.choose("double", n=3).name == "triton"
+    assert reg.choices()["double"]["fallback"] is None
+
+
+def test_explicit_preferences():
+    reg = toy_registry()
+    reg.set_preference("reference")
+    assert reg.choose("double", n=1).name == "reference"
+    reg.set_preference(KernelPreference.TRITON, op="double")
+    assert reg.choose("double", n=4).name == "triton"
+    with pytest.raises(NotImplementedError, match="preference triton cannot be met: triton does not support"):
+        reg.choose("double", n=5)  # never a silent fallback under an explicit preference
+    with pytest.raises(ValueError, match="valid: auto, reference, triton, torch"):
+        reg.set_preference("cuda")
+    # each explicit preference picks only its own kind; AUTO keeps registration order (triton first)
+    reg.add_implementation("double", "native", double_fast, lambda **_: True, kind="torch")
+    reg.set_preference("torch", op="double")
+    assert reg.choose("double", n=9).name == "native"
+    reg.set_preference("auto", op="double")
+    assert reg.choose("double", n=3).name == "triton" and reg.choose("double", n=9).name == "native"
+    # a preference set for all ops applies to ops registered later too
+    reg.set_preference("reference")
+    reg.add_op("noop", lambda: None, tolerance="exact")
+    assert reg.preference("noop") is KernelPreference.REFERENCE
+
+
+def test_registration_errors():
+    reg = toy_registry()
+    with pytest.raises(ValueError, match="already registered"):
+        reg.add_op("double", double_ref, tolerance="exact")
+    with pytest.raises(ValueError, match="already has an implementation"):
+        reg.add_implementation("double", "triton", double_fast, fits)
+    with pytest.raises(ValueError, match="cannot be of kind"):
+        reg.add_implementation("double", "other", double_fast, fits, kind="reference")
+    with pytest.raises(KeyError, match="unknown op 'triple'; registered: double"):
+        reg.choose("triple")
+    reg.add_op("bare", double_ref, tolerance="exact")
+    with pytest.raises(TypeError, match="no describe"):
+        reg.call("bare", [1])
+
+
+@pytest.mark.parametrize("bad", [double_wrong, double_crash])
+def test_self_check_failure_disables_loudly(bad, caplog):
+    reg = toy_registry(fast=bad)
+    caplog.set_level(logging.INFO, logger="engine_core.registry")
+    outcome = reg.self_check("cpu")["double"]
+    assert outcome.startswith("triton FAILED")
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "KERNEL SELF-CHECK FAILED double/triton" in errors[0].getMessage()
+    c = reg.choices()["double"]
+    assert c["self_check"] == outcome and "self-check failed on cpu" in c["disabled"]["triton"]
+    assert reg.choose("double", n=3).name == "reference"  # AUTO: loud fallback, recorded
+    assert "triton disabled: self-check failed" in reg.choices()["double"]["fallback"]
+    reg.set_preference("triton")
+    with pytest.raises(NotImplementedError, match="disabled"):
+        reg.choose("double", n=3)
+
+
+def test_self_check_pass_and_skips():
+    reg = toy_registry()
+    assert reg.self_check("cpu") == {"double": "triton passed"}
+    assert reg.choose("double", n=3).name == "triton"
+    reg.set_preference("reference")
+    assert reg.self_check("cpu")["double"].startswith("skipped: only the reference")
+    reg2 = Registry()
+    reg2.add_op("bare", double_ref, tolerance="exact")
+    reg2.add_implementation("bare", "triton", double_fast, fits)
+    assert reg2.self_check("cpu")["bare"].startswith("skipped: op has no sample")
+
+
+def test_registry_imports_no_torch():
+    code = "import sys, engine_core.registry; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_default_registry_self_check_on_this_machine():
+    """The real ops: registered, their Triton paths chosen where they can run, and each passes its self-check
+    against its reference (on CPU through the Triton interpreter; see tests/conftest.py)."""
+    import torch
+
+    reg = default_registry()
+    assert reg is default_registry()
+    assert {"preprocess", "mask_post"} <= set(reg.ops())
+    assert len(reg.ops()) == len(KERNEL_MODULES)  # one op per module
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    outcomes = reg.self_check(device, ops=["preprocess", "mask_post"])
+    assert outcomes == {"preprocess": "triton passed", "mask_post": "triton passed"}, outcomes
+    c = reg.choices()
+    assert c["preprocess"]["disabled"] == {} == c["mask_post"]["disabled"]
+    json.dumps(c)
