@@ -366,6 +366,10 @@ class PipelineScheduler(SchedulerInterface[SegmentRequest]):
     def running_batches(self, stage: Stage | None = None) -> list[Batch]:
         return [b for b in self._running.values() if stage is None or b.stage is stage]
 
+    def retry_after_s(self) -> float:
+        """The hint `Overloaded` would carry now; for an engine that rejects before `submit` (e.g. while decoding)."""
+        return self._retry_after_s()
+
     # ---- the verbs
 
     def submit(self, request: SegmentRequest) -> RequestId:
@@ -600,6 +604,11 @@ class AsyncBatchLoop(Generic[RequestT]):
         """Start the background task (call from a running event loop)."""
         if self._main is None:
             self._main = asyncio.get_running_loop().create_task(self._run(), name="engine-batch-loop")
+
+    @property
+    def running(self) -> bool:
+        """The background task is started and has not ended (it ends on `aclose`, or if it crashed)."""
+        return self._main is not None and not self._main.done()
 
     def submit(self, request: RequestT) -> tuple[RequestId, asyncio.Future[Answer]]:
         """Admit a request (raises `Overloaded` at once) and return its id and a future for its `Answer`."""

@@ -1,4 +1,4 @@
-"""Command line: `python -m sammie segment IMAGE "prompt" [...]` (and, later, `serve`)."""
+"""Command line: `python -m sammie segment IMAGE "prompt" [...]` and `python -m sammie serve [...]`."""
 
 from __future__ import annotations
 
@@ -59,6 +59,73 @@ def cmd_segment(args) -> int:
     return 0
 
 
+def _parse_set(items: list[str]) -> dict:
+    """--set key=value (value parsed as YAML: 8 -> int, 5.0 -> float, null -> None, true -> bool)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args) -> int:
+    """Start a local Ray, Serve on host:port and the app; block until Ctrl-C (or SIGTERM), then shut down."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    config = args.config
+    if config == "auto":
+        # Full size wherever it is useful; on a CPU-only machine without weights the full model
+        # would spend minutes per request on random numbers, so the tiny random model stands in.
+        checkpoint = args.checkpoint or os.environ.get("SAMMIE_CHECKPOINT")
+        on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        config = "sam3" if (checkpoint or on_gpu) else "tiny"
+    engine_args = {"config": config, "checkpoint": args.checkpoint, "device": args.device, "dtype": args.dtype}
+    engine_args |= _parse_set(args.set)
+    from sammie.engine import EngineConfig
+
+    cfg = EngineConfig.from_dict(engine_args)  # fail on a typo before starting Ray
+
+    import ray
+    from ray import serve
+
+    from sammie.serve import make_app
+
+    use_gpu = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    ray.init(address="local", include_dashboard=args.dashboard)  # a fresh local Ray, never someone else's
+    # After ray.init, which installs its own SIGTERM handler: a process manager's stop now shuts Serve and Ray down
+    # cleanly, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    logging_config={"enable_access_log": args.access_log})
+        # GPU: one GPU and a CPU. CPU: every core, since Ray sets the replica's OMP_NUM_THREADS to its num_cpus
+        # and torch then computes with that many threads.
+        actor = {"num_cpus": 1, "num_gpus": 1} if use_gpu else {"num_cpus": os.cpu_count() or 1, "num_gpus": 0}
+        serve.run(make_app(cfg, ray_actor_options=actor), name="sammie", route_prefix="/")
+        print(f"Sammie is serving on http://{args.host}:{args.port} (POST /v1/segment, GET /readyz, /docs); "
+              "Ctrl-C to stop", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down", file=sys.stderr)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sammie", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-instances", type=int, default=None)
     p.add_argument("--out", default=None, help="write an overlay PNG here")
     p.set_defaults(func=cmd_segment)
+
+    p = sub.add_parser("serve", help="serve the HTTP API on a local Ray (POST /v1/segment)",
+                       description="Starts a local Ray and the Sammie app; Ctrl-C stops both. For clusters use "
+                                   "`serve run serve_configs/cluster.yaml`.")
+    p.add_argument("--config", default="auto", choices=["auto", "sam3", "sam3.1", "tiny"],
+                   help="auto: sam3 with a checkpoint or a GPU, else the tiny random model (CPU demo)")
+    p.add_argument("--checkpoint", default=None, help="as for segment (default: $SAMMIE_CHECKPOINT, else random)")
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other sammie.engine.EngineConfig field, e.g. --set max_image_batch=4 (repeatable)")
+    p.add_argument("--dashboard", action="store_true", help="also start Ray's dashboard (needed by `serve status`)")
+    p.add_argument("--access-log", action="store_true", help="log one line per request in the HTTP proxy")
+    p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

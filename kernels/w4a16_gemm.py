@@ -1,0 +1,571 @@
+"""NVFP4 W4A16 GEMM in Triton for Hopper (and anything with bf16 tensor cores): 4-bit weights dequantised inside the
+K loop, bf16 (or fp16) activations, fp32 accumulation. Dense (`y = x @ W^T`: shared expert, lm_head) and grouped for
+the MoE (tokens sorted by expert; gate_up with SwiGLU fused, then down with the routing weight fused).
+
+Format and reference: `kernels/nvfp4.py` (packed uint8 [N, K/2], low nibble = even k; e4m3 block scales [N, K/16];
+fp32 global scale [] / [N] per output row, [E] / [E, N] for stacked experts). Design doc sections 2.4, 4.
+
+Arithmetic. A weight tile is dequantised to the activation dtype EXACTLY: E2M1 x e4m3 has at most 6 significant bits
+and lies in [2^-10, 2688], representable in fp16 and bf16 alike (`nvfp4_block_values` docstring). The global scale is
+applied to the fp32 accumulator in the epilogue. So the kernel differs from `w4a16_linear_reference` (fp32 matmul of
+the fp32-dequantised weight, rounded once) only by fp32 summation order and where the global scale multiplies: an
+fp32-level difference before the one rounding to bf16 (tests: <= 1 bf16 ulp + an fp32 summation bound).
+
+Dequant without lookup tables or fp8 instructions (so it runs on sm_80 and in the interpreter, and costs a few integer
+ops per weight):
+  E2M1 code c = s e1 e0 m: `((c & 7) << 9) | ((c & 8) << 12)` read as fp16 puts e1 e0 in the two lowest exponent bits
+  and m in the top mantissa bit, which is E2M1 * 2^-14 for all 16 codes (code 1 = 0.5 lands on the fp16 subnormal
+  2^-15, exact; GPUs keep fp16 subnormals); `* 2^14` in fp16 is exact.
+  e4m3 byte b (sign 0): `(b & 0x7F) << 7` read as fp16 is e4m3 * 2^-8 (normals and subnormals alike); `* 2^8` exact.
+  Both products and the cast to bf16 are exact (see above); `tests/test_kernel_w4a16.py` checks every code x scale.
+Even/odd: the low nibbles of a byte tile are the weights of even k, the high nibbles those of odd k; instead of
+interleaving the weight tile, the (small) activation tile is split into even and odd columns and two dots are summed.
+
+Napkin math (Qwen3.6-35B-A3B, decode step of one token; NVFP4 = 0.5625 B/param incl. scales; H200 4.8 TB/s):
+  routed experts per layer: 8 x (gate_up 1024 x 2048 + down 2048 x 512) = 25.2 M params = 14.2 MB -> 2.95 us
+      (gate_up 9.4 MB -> 1.97 us, down 4.7 MB -> 0.98 us); x 40 layers = 566 MB -> 118 us per token.
+  shared expert per layer: gate_up 1024 x 2048 + down 2048 x 512 = 3.1 M params -> 1.77 MB -> 0.37 us; x 40 layers
+      = 71 MB -> 15 us.
+  lm_head: 248320 x 2048 = 509 M params -> 286 MB -> 60 us.
+  activations are noise (x is 4 KB). W4A16 is 923 MB -> 192 us of the ~500 us per-token floor (2,006 tok/s at 1k
+  context, design doc section 5).
+  At M = 32 (32 streams) ~162 of the 256 experts are hit per layer (256 (1 - (1 - 1/256)^256)): 287 MB -> 60 us per
+  layer, weight reads still dominate. A dequantise-then-bf16-matmul baseline moves 0.5625 + 2 (write bf16) + 2 (read
+  it back) = 4.56 B/param: ~8x the traffic.
+  Work: ~6 integer/fp16 ops per weight for the dequant. At 4.8 TB/s = 9.6 G weights/ms that is ~58 Tops/s, inside
+  the H200's ALU budget but not by a wide margin; decode tiles are sized so that each weight is dequantised once.
+
+API. Dense: `w4a16_linear_triton(x, w)` (custom op `qwen::w4a16_linear`; reference `w4a16_linear_reference`);
+`w4a16_dense_launch(x2d, packed, scales, global, split_k=, config=)` underneath. MoE: `moe_experts_w4a16_triton(x,
+w13, w2, idx, weights)` (custom op `qwen::w4a16_moe`; reference `moe_experts_w4a16_reference`) = `moe_align` (sort the
+(token, slot) pairs by expert, pad each expert to BLOCK_M rows, no host sync) + `w4a16_grouped_launch` twice (gate_up
+with SwiGLU in the epilogue -> [P, I]; down with the routing weight in the epilogue -> [P, H]) + a sum over top-k.
+`dequantize_nvfp4_triton` exposes the in-kernel dequant (exact-tile test; the dequantise-then-matmul baseline).
+`register(registry)` adds ops "w4a16_linear" and "w4a16_moe".
+
+Decode (M = 1-32): BLOCK_M = 16/32 (tensor-core minimum 16; the wasted rows cost nothing at memory-bound sizes);
+dense split-K when the output tiles cannot fill the SMs (fp32 partials summed by torch: deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.nvfp4 import BLOCK, NVFP4Tensor, w4a16_linear_reference
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton: the references work, supports() says no
+    triton = None
+
+DENSE = "w4a16_linear"
+MOE = "w4a16_moe"
+ACT_DTYPES = (torch.bfloat16, torch.float16)  # tl.dot operand dtypes the dequantised tile is exact in
+MIN_CAPABILITY = (8, 0)  # bf16 tensor cores; the kernel uses no fp8 instructions
+MAX_SPLIT_K = 8
+
+
+# ---- references -----------------------------------------------------------------------------------------------------
+def _expert(w: NVFP4Tensor, e: int) -> NVFP4Tensor:
+    """Matrix e of a stacked [E, N, K] NVFP4 weight; the global scale [] / [E] / [E, N] follows."""
+    g = w.global_scale
+    return NVFP4Tensor(w.packed[e], w.scales[e], g if g.dim() == 0 else g[e])
+
+
+def w4a16_grouped_reference(x: torch.Tensor, w: NVFP4Tensor, pair_expert: torch.Tensor, a_div: int = 1,
+                            row_scale: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """y[p] = f(x[p // a_div] @ dequant(W[pair_expert[p]])^T) * row_scale[p]: a loop of the dense reference over the
+    experts (empty ones included: they contribute nothing). f = identity, or SwiGLU on the two halves
+    (`silu(h[:, :N/2]) * h[:, N/2:]`, in fp32). x [R, K]; pair_expert [P] -> y [P, N or N/2] in x.dtype."""
+    n = w.packed.shape[-2]
+    out = torch.zeros(pair_expert.numel(), n // 2 if swiglu else n, dtype=torch.float32, device=x.device)
+    for e in range(w.packed.shape[0]):
+        pairs = (pair_expert == e).nonzero().flatten()
+        h = w4a16_linear_reference(x[pairs // a_div].float(), _expert(w, e))  # fp32: no rounding before f
+        if swiglu:
+            h = F.silu(h[:, : n // 2]) * h[:, n // 2:]
+        if row_scale is not None:
+            h = h * row_scale[pairs, None].float()
+        out[pairs] = h
+    return out.to(x.dtype)
+
+
+def moe_experts_w4a16_reference(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
+                                weights: torch.Tensor) -> torch.Tensor:
+    """The routed-expert block of `qwen_engine.model.moe.Experts` with NVFP4 weights, in fp32 with one final rounding.
+    x [T, H]; w13 [E, 2I, H] (rows :I gate, I: up); w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype."""
+    t, k = idx.shape
+    h = w4a16_grouped_reference(x.float(), w13, idx.reshape(-1), a_div=k, swiglu=True)  # [P, I] fp32
+    y = w4a16_grouped_reference(h, w2, idx.reshape(-1), row_scale=weights.reshape(-1))  # [P, H] fp32
+    return y.view(t, k, y.shape[-1]).sum(1).to(x.dtype)
+
+
+# ---- routing: pairs sorted by expert, padded per expert to BLOCK_M rows (sync-free) ---------------------------------
+class MoeRouting(NamedTuple):
+    """(token, slot) pairs p = t * top_k + j grouped by expert, each expert's group padded to a multiple of block_m.
+    Sizes depend only on (num_pairs, num_experts, block_m), so building it never syncs with the host."""
+
+    sorted_pairs: torch.Tensor  # int32 [R]: pair id per row; num_pairs marks a padding row
+    block_expert: torch.Tensor  # int32 [R / block_m]: expert of each row block; num_experts past the last used block
+    num_pairs: int  # P = T * top_k
+    block_m: int
+
+
+def moe_align(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
+    """idx [T, k] expert ids -> MoeRouting. R = P + min(E, P) (block_m - 1) rounded up: every non-empty expert
+    wastes at most block_m - 1 padding rows."""
+    flat = idx.reshape(-1)
+    p = flat.numel()
+    dev = flat.device
+    rows = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m) * block_m
+    expert_sorted, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))  # not bincount: that syncs on CUDA (max())
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts
+    pstart = torch.cumsum(padded, 0) - padded
+    pos = pstart[expert_sorted] + torch.arange(p, device=dev) - start[expert_sorted]  # row of each sorted pair
+    sorted_pairs = torch.full((rows,), p, dtype=torch.int32, device=dev).scatter_(0, pos, order.to(torch.int32))
+    ends = torch.cumsum(padded, 0)  # row block b belongs to the first expert whose padded range ends past b * block_m
+    block_starts = torch.arange(0, rows, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)  # E past the used blocks
+    return MoeRouting(sorted_pairs, block_expert, p, block_m)
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile of the grouped kernel from the mean pairs per expert (decode: 16, the tensor-core minimum)."""
+    mean = num_pairs / num_experts
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------------------------
+def _pow2_bucket(n: int, lo: int = 16, hi: int = 256) -> int:
+    return min(max(lo, triton.next_power_of_2(max(n, 1))), hi)
+
+
+if triton is not None:
+    _BLK = tl.constexpr(BLOCK)  # jit functions may only read constexpr globals
+
+    @triton.jit
+    def _e2m1_fp16(c):
+        """uint16 E2M1 codes 0..15 -> exact fp16 values (module docstring)."""
+        bits = ((c & 7) << 9) | ((c & 8) << 12)
+        return bits.to(tl.float16, bitcast=True) * 16384.0
+
+    @triton.jit
+    def _e4m3_fp16(b):
+        """uint16 e4m3 bytes of non-negative scales -> exact fp16 values (module docstring)."""
+        return ((b & 0x7F) << 7).to(tl.float16, bitcast=True) * 256.0
+
+    @triton.jit
+    def _dequant(pw, sc, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Packed bytes [BN, BK/16, 8] + scale bytes [BN, BK/16] -> (even-k, odd-k) weights [BN, BK/2] in DTYPE."""
+        p = pw.to(tl.uint16)
+        s = _e4m3_fp16(sc.to(tl.uint16))[:, :, None]
+        lo = tl.reshape(_e2m1_fp16(p & 0xF) * s, (BLOCK_N, BLOCK_K // 2))
+        hi = tl.reshape(_e2m1_fp16(p >> 4) * s, (BLOCK_N, BLOCK_K // 2))
+        return lo.to(DTYPE), hi.to(DTYPE)
+
+    @triton.jit
+    def _mma(a, b, acc, INTERPRET: tl.constexpr):
+        """acc += a @ b. The interpreter multiplies the raw bit patterns of bf16 dot operands (triton issue #11584,
+        unsupported upstream), so there both go through fp32 first: the same numbers, since bf16 x bf16 products are
+        exact in fp32 and the accumulation is fp32 either way."""
+        if INTERPRET:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _load_w_tile(w, s, rows, row_ok, t, K, s_wn, s_sn, BLOCK_K: tl.constexpr):
+        """K tile t of weight rows `rows` [BN]: packed [BN, BK/16, 8] and scale bytes [BN, BK/16], zero outside."""
+        grp = t * (BLOCK_K // _BLK) + tl.arange(0, BLOCK_K // _BLK)  # block-scale columns of this tile
+        ok = row_ok[:, None] & (grp[None, :] < K // _BLK)  # K % 16 == 0: a 16-group is all in or all out
+        sc = tl.load(s + rows[:, None] * s_sn + grp[None, :], mask=ok, other=0)
+        j = tl.arange(0, _BLK // 2)
+        pw = tl.load(w + rows[:, None, None] * s_wn + (grp * (_BLK // 2))[None, :, None] + j[None, None, :],
+                     mask=ok[:, :, None], other=0)
+        return pw, sc
+
+    @triton.jit
+    def _load_x_tile(x, a_rows, a_ok, t, K, s_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """K tile t of activation rows [BM] -> (even-k, odd-k) [BM, BK/2], zero outside."""
+        ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        xt = tl.load(x + a_rows[:, None] * s_xm + ks[None, :], mask=a_ok[:, None] & (ks[None, :] < K), other=0.0)
+        return tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+
+    # Hopper-minded configs: decode tiles of 16/32 rows with 64-256 K per step (8-32 KB of packed weight per stage);
+    # 64/128-row tiles for prefill. `_prune_dense` keeps the ones whose BLOCK_M matches the M bucket.
+    _SMALL = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3)]
+    _LARGE = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3)]
+    _DENSE_CONFIGS = (
+        [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
+         for bm in (16, 32) for bn, bk, w, s in _SMALL]
+        + [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
+           for bm in (64, 128) for bn, bk, w, s in _LARGE])
+
+    def _prune_dense(configs, named_args, **_):
+        mb = named_args["M_BUCKET"]
+        want = (mb,) if mb <= 32 else (64,) if mb == 64 else (64, 128)
+        return [c for c in configs if c.kwargs["BLOCK_M"] in want]
+
+    @triton.autotune(configs=_DENSE_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K"],
+                     prune_configs_by={"early_config_prune": _prune_dense})
+    @triton.jit
+    def _w4a16_dense_kernel(x, w, s, g, y, M, N, K, M_BUCKET, s_xm, s_wn, s_sn, s_gn, s_ys, s_ym,
+                            SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # grid (cdiv(M, BM), cdiv(N, BN), SPLIT_K); y [SPLIT_K, M, N] fp32 partials, or [M, N] when SPLIT_K == 1
+        # M_BUCKET (next power of two of M) is only an autotune key
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per = tl.cdiv(k_tiles, SPLIT_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t in range(pid_k * per, tl.minimum(pid_k * per + per, k_tiles)):
+            xe, xo = _load_x_tile(x, offs_m, m_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
+            pw, sc = _load_w_tile(w, s, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
+            lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K)
+            acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
+            acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
+        acc = acc * tl.load(g + offs_n * s_gn, mask=n_ok, other=0.0)[None, :]
+        tl.store(y + pid_k * s_ys + offs_m[:, None] * s_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    _GROUPED_CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
+                        for bn, bk, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 4, 3),
+                                             (128, 128, 8, 3), (128, 64, 4, 4)]]
+
+    @triton.autotune(configs=_GROUPED_CONFIGS, key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU"])
+    @triton.jit
+    def _w4a16_grouped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
+                              s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
+                              SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
+        # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert + pid_m)
+        if e < E:  # blocks past the last used one hold the sentinel E
+            pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+            p_ok = pairs < P
+            a_rows = pairs // A_DIV  # gate_up reads token p // top_k; down reads its own pair row
+            if SWIGLU:
+                n_out = N // 2
+            else:
+                n_out = N
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < n_out
+            we = w + e.to(tl.int64) * s_we
+            se = s + e.to(tl.int64) * s_se
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for t in range(0, tl.cdiv(K, BLOCK_K)):
+                xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
+                pw, sc = _load_w_tile(we, se, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
+                lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K)
+                acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
+                acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
+                if SWIGLU:
+                    pw, sc = _load_w_tile(we, se, offs_n + n_out, n_ok, t, K, s_wn, s_sn, BLOCK_K)
+                    lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K)
+                    acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
+                    acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
+            ge = g + e * s_ge
+            acc = acc * tl.load(ge + offs_n * s_gn, mask=n_ok, other=0.0)[None, :]
+            if SWIGLU:
+                acc_up = acc_up * tl.load(ge + (offs_n + n_out) * s_gn, mask=n_ok, other=0.0)[None, :]
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            if HAS_ROW_SCALE:
+                acc = acc * tl.load(rs + pairs, mask=p_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y + pairs[:, None] * s_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
+                     mask=p_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _dequant_kernel(w, s, out, N, K, s_wn, s_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Block values E2M1 x scale (no global scale) [N, K] in out's dtype: the kernels' dequant, exposed for the
+        exact tile test and as the 'dequantise then matmul' baseline."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        t = tl.program_id(1)
+        n_ok = offs_n < N
+        pw, sc = _load_w_tile(w, s, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
+        lo, hi = _dequant(pw, sc, out.dtype.element_ty, BLOCK_N, BLOCK_K)
+        ks = t * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
+        ok = n_ok[:, None] & (ks[None, :] < K)
+        ptr = out + offs_n[:, None] * K + ks[None, :]
+        tl.store(ptr, lo, mask=ok)
+        tl.store(ptr + 1, hi, mask=ok)
+
+
+def _interpreted() -> bool:
+    """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors only."""
+    return triton is not None and type(_w4a16_dense_kernel.fn).__name__ == "InterpretedFunction"
+
+
+# The interpreter cannot benchmark configs; it runs this one (or the caller's `config`). Small tiles keep the tests'
+# masked edges and multi-tile loops exercised. Two more interpreter differences are worked around so that the
+# interpreter computes the GPU's numbers: bf16 dots (see `_mma`), and fp32 -> bf16 casts, which it truncates instead
+# of rounding to nearest even (`interpreter.py: _convert_float`) -- there the kernels write fp32 and torch rounds.
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)
+
+
+def _launch(kernel, grid, args: tuple, config: dict | None, **meta):
+    """Autotuned launch on a GPU; a fixed config under the interpreter or when `config` is given (tests)."""
+    meta["INTERPRET"] = _interpreted()
+    if config is None and not _interpreted():
+        kernel[grid](*args, **meta)
+        return
+    cfg = dict(config or INTERPRETER_CONFIG)
+    cfg.update(meta)
+    kernel.fn[grid](*args, **{k: v for k, v in cfg.items() if k in kernel.fn.arg_names or k.startswith("num_")})
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 4  # interpreter: enough to exercise split-K in tests
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def split_k_for(m: int, n: int, k: int, sms: int) -> int:
+    """Split K when the (16-row, 64-column) output tiles cannot fill the SMs twice: decode of the shared expert
+    (N 1024 / 2048 -> 16-32 tiles on 132 SMs). Each split keeps >= 256 of K; power of two <= MAX_SPLIT_K."""
+    tiles = triton.cdiv(m, 16) * triton.cdiv(n, 64)
+    split = 1
+    while split < MAX_SPLIT_K and tiles * split * 2 <= 2 * sms and k // (split * 2) >= 256:
+        split *= 2
+    return split
+
+
+def _global_1d(g: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Dense global scale [] or [N] -> (fp32 tensor, stride along N)."""
+    g = g.to(torch.float32)
+    if g.dim() == 0:
+        return g, 0
+    if tuple(g.shape) != (n,):
+        raise ValueError(f"global scale of shape {tuple(g.shape)} is neither [] nor [{n}]")
+    return g, g.stride(0)
+
+
+def _global_2d(g: torch.Tensor, e: int, n: int) -> tuple[torch.Tensor, int, int]:
+    """Stacked global scale [], [E] or [E, N] -> (fp32 tensor, stride along E, stride along N)."""
+    g = g.to(torch.float32)
+    if g.dim() == 0:
+        return g, 0, 0
+    if tuple(g.shape) == (e,):
+        return g, g.stride(0), 0
+    if tuple(g.shape) == (e, n):
+        return g, g.stride(0), g.stride(1)
+    raise ValueError(f"global scale of shape {tuple(g.shape)} is neither [], [{e}] nor [{e}, {n}]")
+
+
+def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                       *, split_k: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (row stride free, unit k stride) -> [M, N] in x.dtype. `split_k` / `config` override the heuristic
+    and the autotuner (tests, benchmarks)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    g, s_gn = _global_1d(global_scale, n)
+    if split_k is None:
+        split_k = split_k_for(m, n, k, _num_sms(x.device.index))
+    direct = split_k == 1 and not _interpreted()  # else fp32 partials, summed and rounded by torch (see _launch)
+    if direct:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        s_ys = 0
+    else:
+        y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        s_ys = y.stride(0)
+    if m == 0:
+        return y if direct else y.sum(0).to(x.dtype)
+    sc = scales.view(torch.uint8)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)  # noqa: E731
+    _launch(_w4a16_dense_kernel, grid, (x, packed, sc, g, y, m, n, k, _pow2_bucket(m), x.stride(0), packed.stride(0),
+                                        sc.stride(0), s_gn, s_ys, n), config, SPLIT_K=split_k)
+    return y if direct else y.sum(0).to(x.dtype)
+
+
+def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *, a_div: int = 1,
+                         row_scale: torch.Tensor | None = None, swiglu: bool = False,
+                         config: dict | None = None) -> torch.Tensor:
+    """Grouped GEMM over the routed pairs: y[p] = f(x[p // a_div] @ dequant(W[e_p])^T) * row_scale[p].
+    x [R, K]; w stacked [E, N, K]; -> y [P, N (or N/2 with swiglu)] in x.dtype (pair order = routing's pair ids)."""
+    e, n, kh = w.packed.shape
+    k = 2 * kh
+    n_out = n // 2 if swiglu else n
+    g, s_ge, s_gn = _global_2d(w.global_scale, e, n)
+    out_dtype = torch.float32 if _interpreted() else x.dtype  # see _launch
+    y = torch.empty((routing.num_pairs, n_out), dtype=out_dtype, device=x.device)
+    if routing.num_pairs == 0:
+        return y.to(x.dtype)
+    sc = w.scales.view(torch.uint8)
+    rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
+    bm = routing.block_m
+    grid = lambda meta: (routing.block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))  # noqa: E731
+    cfg = None if config is None else {k_: v for k_, v in config.items() if k_ != "BLOCK_M"}
+    if cfg is None and _interpreted():
+        cfg = {k_: v for k_, v in INTERPRETER_CONFIG.items() if k_ != "BLOCK_M"}
+    _launch(_w4a16_grouped_kernel, grid,
+            (x, w.packed, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
+             _pow2_bucket(routing.num_pairs, 16, 4096), x.stride(0), w.packed.stride(0), w.packed.stride(1),
+             sc.stride(0), sc.stride(1), s_ge, s_gn, y.stride(0)),
+            cfg, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=bm)
+    return y.to(x.dtype)
+
+
+def dequantize_nvfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                            block_n: int = 32, block_k: int = 64) -> torch.Tensor:
+    """[N, K/2] + [N, K/16] -> block values E2M1 x scale [N, K] in dtype (no global scale), with the GEMMs' dequant."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    sc = scales.view(torch.uint8)
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        packed, sc, out, n, k, packed.stride(0), sc.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+# ---- custom ops (traceable by torch.compile) -------------------------------------------------------------------------
+@torch.library.custom_op("qwen::w4a16_linear", mutates_args=())
+def w4a16_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    global_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16/fp16 -> [..., N] in x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return w4a16_dense_launch(x2, packed, scales, global_scale).view(*x.shape[:-1], packed.shape[0])
+
+
+@w4a16_linear_op.register_fake
+def _(x, packed, scales, global_scale):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+@torch.library.custom_op("qwen::w4a16_moe", mutates_args=())
+def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, p2: torch.Tensor,
+                 s2: torch.Tensor, g2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Routed experts: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype."""
+    t, top_k = idx.shape
+    num_experts = p13.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    routing = moe_align(idx, num_experts, moe_block_m(t * top_k, num_experts))
+    h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True)  # [P, I]
+    y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights)  # [P, H], weighted
+    return y.view(t, top_k, y.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+@w4a16_moe_op.register_fake
+def _(x, p13, s13, g13, p2, s2, g2, idx, weights):
+    return x.new_empty((x.shape[0], p2.shape[1]))
+
+
+def w4a16_linear_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """Same contract as `w4a16_linear_reference`."""
+    return w4a16_linear_op(x, w.packed, w.scales, torch.as_tensor(w.global_scale, device=x.device))
+
+
+def moe_experts_w4a16_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
+                             weights: torch.Tensor) -> torch.Tensor:
+    """Same contract as `moe_experts_w4a16_reference`."""
+    return w4a16_moe_op(x, *w13, *w2, idx, weights)
+
+
+# ---- guards, registry entries ---------------------------------------------------------------------------------------
+def _device_ok(device: str, capability: tuple[int, int] | None) -> bool:
+    if triton is None:
+        return False
+    if _interpreted():
+        return device == "cpu"
+    return device == "cuda" and capability is not None and tuple(capability) >= MIN_CAPABILITY
+
+
+def _capability(t: torch.Tensor) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+def _weight_ok(w: NVFP4Tensor, stacked: bool) -> bool:
+    p, s = w.packed, w.scales
+    dims = 3 if stacked else 2
+    return (p.dtype == torch.uint8 and s.dtype == torch.float8_e4m3fn and p.dim() == dims and s.dim() == dims
+            and s.shape[:-1] == p.shape[:-1] and s.shape[-1] * BLOCK == 2 * p.shape[-1]
+            and p.stride(-1) == 1 and s.stride(-1) == 1)
+
+
+def describe_dense(x: torch.Tensor, w: NVFP4Tensor) -> dict[str, Any]:
+    return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype, k=x.shape[-1],
+                weight_ok=_weight_ok(w, stacked=False), weight_k=w.shape[-1],
+                global_ok=tuple(w.global_scale.shape) in ((), (w.packed.shape[0],)))
+
+
+def supports_dense(*, device: str, capability, dtype: torch.dtype, k: int, weight_ok: bool, weight_k: int,
+                   global_ok: bool, **_: Any) -> bool:
+    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); bf16/fp16 activations; a 2-D
+    NVFP4 weight with unit inner strides whose K matches x; a scalar or per-row global scale."""
+    return (_device_ok(device, capability) and dtype in ACT_DTYPES and weight_ok and global_ok and k == weight_k
+            and k % BLOCK == 0)
+
+
+def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
+                 weights: torch.Tensor) -> dict[str, Any]:
+    e, n13, _ = w13.packed.shape if w13.packed.dim() == 3 else (0, 0, 0)
+    e2, n2, _ = w2.packed.shape if w2.packed.dim() == 3 else (0, 0, 0)
+    shapes_ok = (_weight_ok(w13, True) and _weight_ok(w2, True) and x.dim() == 2 and e == e2 and n13 % 2 == 0
+                 and w13.shape[-1] == x.shape[-1] == n2 and w2.shape[-1] == n13 // 2 and idx.dim() == 2
+                 and idx.shape == weights.shape and idx.shape[0] == x.shape[0])
+    globals_ok = (tuple(w13.global_scale.shape) in ((), (e,), (e, n13))
+                  and tuple(w2.global_scale.shape) in ((), (e2,), (e2, n2)))
+    return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype, shapes_ok=shapes_ok,
+                globals_ok=globals_ok, tokens=x.shape[0] if x.dim() == 2 else -1)
+
+
+def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool, globals_ok: bool,
+                 **_: Any) -> bool:
+    """As `supports_dense`, for stacked [E, 2I, H] gate_up and [E, H, I] down weights and [T, k] routing."""
+    return _device_ok(device, capability) and dtype in ACT_DTYPES and shapes_ok and globals_ok
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> str | None:
+    """max |out - ref| <= tol * max |ref| (bf16 output rounding is 2^-9 relative; the rest is fp32 summation order)."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"shape/dtype {tuple(out.shape)} {out.dtype} != {tuple(ref.shape)} {ref.dtype}"
+    err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
+    scale = float(ref.float().abs().max()) if ref.numel() else 0.0
+    return None if err <= tol * scale else f"max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
+
+
+def _sample_dense(device) -> tuple[tuple, dict]:
+    from kernels.nvfp4 import quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    w = quantize_nvfp4(torch.randn(96, 160, generator=g) * 0.02)
+    x = torch.randn(3, 160, generator=g).to(torch.bfloat16)
+    return (x.to(device), NVFP4Tensor(*(t.to(device) for t in w))), {}
+
+
+def _sample_moe(device) -> tuple[tuple, dict]:
+    from kernels.nvfp4 import quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    e, h, i, t, k = 6, 64, 32, 3, 2
+    w13 = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
+    w2 = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])  # expert e-1 stays empty
+    weights = torch.softmax(torch.randn(t, k, generator=g), -1).to(torch.bfloat16)
+    mv = lambda w_: NVFP4Tensor(*(t_.to(device) for t_ in w_))  # noqa: E731
+    return (x.to(device), mv(w13), mv(w2), idx.to(device), weights.to(device)), {}
+
+
+def register(registry) -> None:
+    registry.add_op(DENSE, w4a16_linear_reference, sample=_sample_dense, compare=compare, describe=describe_dense,
+                    tolerance="max |diff| <= 1e-2 x max |ref| (bf16 output rounding 2^-9; exact dequant, fp32 "
+                              "accumulation; only summation order differs)")
+    registry.add_implementation(DENSE, "triton", w4a16_linear_triton, supports_dense)
+    registry.add_op(MOE, moe_experts_w4a16_reference, sample=_sample_moe, compare=compare, describe=describe_moe,
+                    tolerance="max |diff| <= 1e-2 x max |ref| (bf16 rounding of the SwiGLU activations between the "
+                              "two GEMMs and of the output; fp32 everywhere else)")
+    registry.add_implementation(MOE, "triton", moe_experts_w4a16_triton, supports_moe)

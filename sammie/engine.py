@@ -1,0 +1,543 @@
+"""SammieEngine: the detector on one device behind `engine_core`'s two-stage batch scheduler.
+
+Request path (one `segment` call)::
+
+    image bytes --(CPU pool thread: sammie.decode)--> uint8 RGB [3, H, W]
+        -> PipelineScheduler.submit(SegmentRequest(ImageJob, K prompts, deadline))      (Overloaded at once if full)
+        IMAGE stage     (<= max_image_batch images, padded to a bucket): preprocess on the device -> encode_images
+        GROUNDING stage (<= max_pair_batch (image, prompt) pairs, padded): cached prompt features -> ground
+                        -> postprocess_pair (threshold, max instances, masks upsampled to H x W)
+    -> SegmentResult (per prompt: [Instance], timings per stage)
+
+Batching lives here and only here (the Ray Serve layer in `sammie/serve.py` adds none). The IMAGE and GROUNDING
+runner calls are exactly `Segmenter.segment`'s (same preprocessing, `encode_images`, `ground`, `postprocess_pair`),
+so at the same weights, dtype and batch composition the results are bit-identical; across different batch
+compositions they agree to float summation order (CPU GEMMs are not batch-size invariant: ~1e-6 relative).
+
+The engine is Ray-free and HTTP-free: `tests/test_engine.py` drives it with plain asyncio. Errors are typed:
+`BadRequest` (the client's fault; `.code` names the problem), `NotReady`, and the scheduler's `Overloaded`,
+`DeadlineExceeded`, `Cancelled`, `RunFailed` (see `engine_core/request.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import os
+import threading
+import time
+import typing
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from engine_core.request import Answer, Batch, Overloaded, SegmentRequest, Stage
+from engine_core.scheduler import AsyncBatchLoop, PipelineScheduler, SchedulerConfig, SchedulerStats, StageConfig
+from sammie.config import PRESETS
+from sammie.decode import InvalidImage, decode_image
+from sammie.model.detector import ImageFeatures, PromptFeatures
+from sammie.segmenter import Instance, postprocess_pair
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a Sammie replica is configured with; `serve_configs/*.yaml` `args:` map 1:1 onto these fields."""
+
+    # -- model
+    checkpoint: str | None = None  # sam3.pt / sam3.1_multiplex.pt / model.safetensors / snapshot dir; None ->
+    #                                $SAMMIE_CHECKPOINT -> seeded random weights (loudly labelled everywhere)
+    config: str = "sam3"  # a `sammie.config.PRESETS` key: sam3 | sam3.1 | tiny (tests)
+    device: str | None = None  # torch device string; None -> cuda if available else cpu
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16; auto -> bf16 on cuda, fp32 on cpu
+    seed: int = 0  # torch seed of the random weights (ignored with a checkpoint)
+    # -- batching (scheduler)
+    max_image_batch: int = 8  # images per ViT batch; buckets = powers of two up to it
+    image_wait_ms: float = 5.0  # ms a partial image batch waits for more images
+    max_pair_batch: int = 16  # (image, prompt) pairs per grounding batch; buckets = powers of two up to it
+    pair_wait_ms: float = 2.0  # ms a partial grounding batch waits for more pairs
+    max_queued: int = 64  # requests admitted at once (decoding, queued or running); more -> Overloaded (503)
+    request_timeout_s: float | None = 30.0  # default deadline per request, s from arrival (None: none); -> 504
+    # -- caches and limits
+    prompt_cache_size: int = 1024  # prompt strings whose text features stay on the device (LRU); 0 = no cache
+    max_prompts: int = 16  # prompts per request
+    max_prompt_chars: int = 256  # characters per prompt (the tokenizer keeps the first 30 BPE tokens anyway)
+    max_image_pixels: int = 40_000_000  # decompression-bomb cap, width x height, checked before decoding
+    max_body_bytes: int = 20 * 2**20  # request body (HTTP) / encoded image bytes (engine), bytes
+    decode_threads: int = 4  # CPU threads that parse bodies, decode images and encode masks
+    warmup: bool = True  # run every batch bucket once before reporting ready
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.config not in PRESETS:
+            raise ValueError(f"config must be one of {sorted(PRESETS)}, got {self.config!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
+        positive = ("max_image_batch", "max_pair_batch", "max_queued", "max_prompts", "max_prompt_chars",
+                    "max_image_pixels", "max_body_bytes", "decode_threads")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("image_wait_ms", "pair_wait_ms", "prompt_cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+
+    @classmethod
+    def from_dict(cls, args: Mapping[str, Any] | None) -> EngineConfig:
+        """Build from a plain mapping (YAML `args:`); unknown keys raise, listing the valid ones."""
+        args = dict(args or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(args) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown EngineConfig key(s) {unknown}; valid keys: {valid}")
+        return cls(**args)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        # The engine admits at most max_queued requests before submit, so the scheduler's own cap never binds.
+        return SchedulerConfig(
+            image=StageConfig(max_batch_size=self.max_image_batch, max_wait_ms=self.image_wait_ms),
+            grounding=StageConfig(max_batch_size=self.max_pair_batch, max_wait_ms=self.pair_wait_ms),
+            max_queued=self.max_queued,
+        )
+
+
+def _check_types(cfg: EngineConfig) -> None:
+    """YAML hands over whatever it parsed: refuse "8" for an int or 1 for a bool (ints are fine for floats)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value, allowed = getattr(cfg, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        if value is None and type(None) in allowed:
+            continue
+        ok = any(
+            (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+            or (t is int and isinstance(value, int) and not isinstance(value, bool))
+            or (t not in (int, float) and t is not type(None) and isinstance(value, t))
+            for t in allowed
+        )
+        if not ok:
+            names = " | ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"EngineConfig.{f.name} must be {names}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Results and errors
+
+
+class BadRequest(ValueError):
+    """The client sent something we refuse. `code` is stable and machine-readable; the message names the problem.
+
+    Codes: empty_image, invalid_image, image_too_large, payload_too_large, missing_prompt, empty_prompt,
+    prompt_too_long, too_many_prompts, invalid_prompt, invalid_threshold, invalid_max_instances, invalid_timeout.
+    """
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+class NotReady(RuntimeError):
+    """The engine has not finished starting (weights + warm-up) or is shutting down."""
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    prompt: str
+    instances: list[Instance]  # sorted by score, highest first; masks bool [H, W]
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    width: int  # of the decoded image after EXIF rotation, pixels
+    height: int
+    prompts: list[PromptResult]  # request order
+    timings_ms: dict[str, float]  # decode, queue (wait for an image batch), image, grounding, total
+    random_weights: bool
+
+
+class ImageJob(NamedTuple):
+    """IMAGE-stage payload (`SegmentRequest.image`)."""
+
+    rgb: torch.Tensor  # uint8 [3, H, W], CPU (pinned when the device is cuda)
+    threshold: float  # score threshold for this request's instances
+    max_instances: int | None
+
+
+class EncodedImage(NamedTuple):
+    """IMAGE-stage output per request (`GroundingInput.features` of its K pairs)."""
+
+    features: ImageFeatures  # batch dim 1 (views into the padded batch)
+    height: int
+    width: int
+    threshold: float
+    max_instances: int | None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompt feature cache
+
+
+class PromptCache:
+    """LRU map prompt string -> text features ([1, L, d], padding [1, L]) on the device.
+
+    `gather` is called from the grounding stage's single worker thread; the lock only guards the stats readers.
+    Hits and misses count distinct prompts per grounding batch (a prompt twice in one batch counts once).
+    """
+
+    def __init__(self, capacity: int, encode: Callable[[list[str]], PromptFeatures]):
+        self.capacity = capacity
+        self._encode = encode
+        self._entries: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def gather(self, prompts: Sequence[str]) -> tuple[PromptFeatures, list[int]]:
+        """Features of the distinct prompts ([U, L, d], [U, L]) and, per input prompt, its row."""
+        unique = list(dict.fromkeys(prompts))
+        rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with self._lock:
+            for p in unique:
+                if p in self._entries:
+                    self._entries.move_to_end(p)
+                    rows[p] = self._entries[p]
+        misses = [p for p in unique if p not in rows]
+        if misses:
+            encoded = self._encode(misses)  # one text-encoder batch for all misses
+            for i, p in enumerate(misses):
+                rows[p] = (encoded.features[i:i + 1].clone(), encoded.padding[i:i + 1].clone())
+        with self._lock:
+            self.hits += len(unique) - len(misses)
+            self.misses += len(misses)
+            for p in misses if self.capacity else ():
+                self._entries[p] = rows[p]
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        row_of = {p: i for i, p in enumerate(unique)}
+        features = PromptFeatures(torch.cat([rows[p][0] for p in unique]), torch.cat([rows[p][1] for p in unique]))
+        return features, [row_of[p] for p in prompts]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"size": len(self._entries), "capacity": self.capacity, "hits": self.hits, "misses": self.misses}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Runner: the two model calls the scheduler batches
+
+
+def _cat_features(images: list[ImageFeatures]) -> ImageFeatures:
+    if len(images) == 1:
+        return images[0]
+    return ImageFeatures([torch.cat(level) for level in zip(*(im.fpn for im in images))], images[0].pos,
+                         torch.cat([im.geometry for im in images]))
+
+
+class _Runner:
+    """Blocking `Runner` (engine_core.scheduler): each stage runs on its own worker thread of `AsyncBatchLoop`.
+
+    On cuda both threads issue kernels on the default stream, whose order guarantees an image batch's features are
+    computed before any grounding kernel reads them (a stream per stage would need an event hand-off between them).
+    The stages overlap on the host: one stage's preprocessing, post-processing (host syncs) and Python run while
+    the other's kernels are queued on the device.
+    """
+
+    def __init__(self, engine: SammieEngine):
+        self.engine = engine
+
+    def run(self, stage: Stage, batch: Batch) -> list[Any]:
+        with torch.inference_mode(), torch.profiler.record_function(f"sammie.{stage.value}"):
+            return self._images(batch) if stage is Stage.IMAGE else self._grounding(batch)
+
+    def _images(self, batch: Batch) -> list[EncodedImage]:
+        e = self.engine
+        jobs: tuple[ImageJob, ...] = batch.payloads
+        pixels = e.preprocess.batch([j.rgb for j in jobs], e.device).to(e.dtype)  # [n, 3, S, S]; GPU resize on cuda
+        if batch.num_padding:  # pad to the bucket by repeating the last image; padded rows are never read
+            pixels = torch.cat([pixels, pixels[-1:].expand(batch.num_padding, -1, -1, -1)])
+        feats = e.detector.encode_images(pixels)
+        out = []
+        for i, job in enumerate(jobs):
+            one = ImageFeatures([f[i:i + 1] for f in feats.fpn], feats.pos, feats.geometry[i:i + 1])
+            out.append(EncodedImage(one, int(job.rgb.shape[1]), int(job.rgb.shape[2]), job.threshold,
+                                    job.max_instances))
+        return out
+
+    def _grounding(self, batch: Batch) -> list[list[Instance]]:
+        e = self.engine
+        images: list[EncodedImage] = []
+        row_of: dict[int, int] = {}  # id(EncodedImage) -> row; the K pairs of a request share one EncodedImage
+        image_index = []
+        for pair in batch.payloads:
+            key = id(pair.features)
+            if key not in row_of:
+                row_of[key] = len(images)
+                images.append(pair.features)
+            image_index.append(row_of[key])
+        prompt_feats, prompt_index = e.prompt_cache.gather([pair.prompt for pair in batch.payloads])
+        pad = batch.num_padding  # repeat the last pair up to the bucket; padded outputs are dropped below
+        image_index += image_index[-1:] * pad
+        prompt_index += prompt_index[-1:] * pad
+        out = e.detector.ground(
+            _cat_features([im.features for im in images]), prompt_feats,
+            torch.tensor(image_index, device=e.device), torch.tensor(prompt_index, device=e.device),
+        )
+        results = []
+        for n, pair in enumerate(batch.payloads):
+            im: EncodedImage = pair.features
+            results.append(postprocess_pair(out.logits[n], out.presence_logits[n], out.boxes[n], out.mask_logits[n],
+                                            im.height, im.width, im.threshold, im.max_instances))
+        return results
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Engine
+
+
+class SammieEngine:
+    """Owns the detector, tokenizer, prompt cache, CPU pool and batch loop. Construct (blocking: loads weights),
+    then `await start()` on the serving event loop (starts the loop, warms up), then `await segment(...)`."""
+
+    def __init__(self, cfg: EngineConfig):
+        from sammie.build import build_detector, default_device
+        from sammie.preprocess import Preprocessor
+
+        self.cfg = cfg
+        self.device = torch.device(cfg.device) if cfg.device else default_device()
+        self.dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.checkpoint = cfg.checkpoint or os.environ.get("SAMMIE_CHECKPOINT") or None
+        t0 = time.perf_counter()
+        self.detector, self.model_cfg, self.tokenizer, _ = build_detector(
+            self.checkpoint, PRESETS[cfg.config](), str(self.device), self.dtype, cfg.seed)
+        self.load_s = time.perf_counter() - t0
+        self.random_weights = bool(self.detector.random_weights)
+        self.preprocess = Preprocessor(self.model_cfg)
+        self.prompt_cache = PromptCache(cfg.prompt_cache_size, self._encode_prompts)
+        self.scheduler = PipelineScheduler(cfg.scheduler_config())
+        self._pool = concurrent.futures.ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="sammie-cpu")
+        self._batch_loop: AsyncBatchLoop | None = None
+        self._admitted = 0  # requests inside segment() past validation: decoding, queued or running
+        self.rejected = 0  # Overloaded answers
+        self.warmup_s: float | None = None
+        self.warmup_stats: dict[str, float] | None = None
+        self._ready = False
+        log.info("Sammie engine: %s on %s/%s, %s, loaded in %.1f s", cfg.config, self.device,
+                 str(self.dtype).removeprefix("torch."),
+                 "RANDOM WEIGHTS" if self.random_weights else self.checkpoint, self.load_s)
+
+    # ---- lifecycle
+
+    async def start(self) -> None:
+        """Start the batch loop on the running event loop and, if configured, warm up; then report ready."""
+        if self._batch_loop is None:
+            self._batch_loop = AsyncBatchLoop(self.scheduler, _Runner(self))
+            self._batch_loop.start()
+        if self.cfg.warmup and self.warmup_s is None:
+            await self.warmup()
+        self._ready = True
+
+    async def aclose(self) -> None:
+        """Stop admitting, answer what was admitted, stop the loop and the pool."""
+        self._ready = False
+        if self._batch_loop is not None:
+            await self._batch_loop.aclose(drain=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.alive
+
+    @property
+    def alive(self) -> bool:
+        """False once the batch loop task has died (a scheduler bug): the replica should be restarted."""
+        return self._batch_loop is not None and self._batch_loop.running
+
+    async def warmup(self) -> float:
+        """Run each image bucket and each pair bucket once (so a compiled model sees every shape before traffic),
+        then forget the warm-up's cache entries and batch statistics. Returns seconds taken."""
+        t0 = time.perf_counter()
+        side = self.model_cfg.image_size
+        rgb = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, side, side), dtype=np.uint8))
+
+        async def one(k: int, tag: str) -> None:
+            job = ImageJob(self._to_host(rgb), self.model_cfg.score_threshold, 1)
+            await self._infer(job, tuple(f"warmup {tag} {j}" for j in range(k)), None)
+
+        for b in self.cfg.scheduler_config().image.buckets:  # b requests at once -> one image batch of b
+            await asyncio.gather(*(one(1, f"i{b}") for _ in range(b)))
+        for p in self.cfg.scheduler_config().grounding.buckets:  # p pairs at once -> one grounding batch of p
+            k = min(p, self.cfg.max_prompts)
+            n = math.ceil(p / k)
+            if n <= self.cfg.max_image_batch:
+                await asyncio.gather(*(one(min(k, p - i * k), f"p{p}") for i in range(n)))
+        self.warmup_s = time.perf_counter() - t0
+        self.warmup_stats = self.scheduler.stats.snapshot()
+        self.scheduler.stats = SchedulerStats(on_batch=self.scheduler.stats.on_batch)
+        self.prompt_cache.clear()
+        log.info("warm-up done in %.2f s", self.warmup_s)
+        return self.warmup_s
+
+    # ---- requests
+
+    async def segment(self, image_bytes: bytes, prompts: Sequence[str], threshold: float | None = None,
+                      max_instances: int | None = None, timeout_s: float | None = None) -> SegmentResult:
+        """Segment one encoded image with K prompts. Raises BadRequest, NotReady, Overloaded, DeadlineExceeded,
+        RunFailed, or Cancelled (the scheduler cancelled it, e.g. `aclose`). Cancelling the awaiting task (a client
+        disconnect) raises CancelledError here and drops the request's queued work; outputs of its running work are
+        discarded."""
+        clock = self.scheduler.clock
+        t0 = clock.now()
+        if not self.ready:
+            raise NotReady("the engine is not ready (loading, warming up or shutting down)")
+        prompts = self._check_prompts(prompts)
+        threshold = self._check_threshold(threshold)
+        max_instances = self._check_max_instances(max_instances)
+        timeout_s = self._check_timeout(timeout_s)
+        if not isinstance(image_bytes, (bytes, bytearray, memoryview)):
+            raise BadRequest("invalid_image", f"the image must be bytes, got {type(image_bytes).__name__}")
+        if len(image_bytes) > self.cfg.max_body_bytes:
+            raise BadRequest("payload_too_large",
+                             f"the image is {len(image_bytes)} bytes; the limit is {self.cfg.max_body_bytes}")
+        self.check_admission()  # before decoding: rejecting must stay cheap under overload
+        deadline_s = None if timeout_s is None else t0 + timeout_s
+        self._admitted += 1
+        try:
+            rgb = await asyncio.get_running_loop().run_in_executor(self._pool, self._decode, bytes(image_bytes))
+            t_decoded = clock.now()
+            answer = await self._infer(ImageJob(rgb, threshold, max_instances), prompts, deadline_s)
+        finally:
+            self._admitted -= 1
+        t = answer.timings
+        timings = {
+            "decode": t_decoded - t0,
+            "queue": t.image_started_s - t.arrival_s,
+            "image": t.image_done_s - t.image_started_s,
+            "grounding": t.answered_s - t.image_done_s,
+            "total": clock.now() - t0,
+        }
+        return SegmentResult(
+            width=int(rgb.shape[2]), height=int(rgb.shape[1]),
+            prompts=[PromptResult(p, list(out)) for p, out in zip(prompts, answer.outputs)],
+            timings_ms={k: round(v * 1000.0, 3) for k, v in timings.items()},
+            random_weights=self.random_weights,
+        )
+
+    def check_admission(self) -> None:
+        """Raise NotReady or Overloaded if a request arriving now would be refused; `segment` calls it too, a
+        server may call it first to refuse before reading the request body."""
+        if not self.ready:
+            raise NotReady("the engine is not ready (loading, warming up or shutting down)")
+        if self._admitted >= self.cfg.max_queued:
+            self.rejected += 1
+            raise Overloaded(self.scheduler.retry_after_s(), self._admitted, self.cfg.max_queued)
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a CPU-bound function (body parsing, mask encoding) on the engine's pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def ping(self) -> float:
+        """A tiny op on the model's device, synchronised (blocking: call through `offload`). A wedged GPU hangs or
+        raises here, which fails the replica's health check."""
+        return float(torch.ones(1, device=self.device).add_(1).item())
+
+    def health(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "ready": self.ready,
+            "alive": self.alive,
+            "random_weights": self.random_weights,
+            "checkpoint": self.checkpoint,
+            "config": self.cfg.config,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),  # CPU results depend on it (GEMM summation order)
+            "load_s": round(self.load_s, 3),
+            "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 3),
+            "queue": {"admitted": self._admitted, "unanswered": s.num_unfinished,
+                      "image_queued": s.num_queued(Stage.IMAGE), "pairs_queued": s.num_queued(Stage.GROUNDING),
+                      "max_queued": self.cfg.max_queued},
+            "rejected": self.rejected,
+            "prompt_cache": self.prompt_cache.stats(),
+            "stats": s.stats.snapshot(),
+        }
+
+    # ---- internals
+
+    async def _infer(self, job: ImageJob, prompts: tuple[str, ...], deadline_s: float | None) -> Answer:
+        if self._batch_loop is None:
+            raise NotReady("the engine was not started (await engine.start())")
+        return await self._batch_loop.infer(SegmentRequest(job, prompts, deadline_s))
+
+    def _to_host(self, rgb: torch.Tensor) -> torch.Tensor:
+        # pinned memory lets the IMAGE stage's host->device copy run asynchronously (non_blocking in Preprocessor)
+        return rgb.pin_memory() if self.device.type == "cuda" else rgb
+
+    def _decode(self, data: bytes) -> torch.Tensor:
+        try:
+            return self._to_host(decode_image(data, self.cfg.max_image_pixels))
+        except InvalidImage as exc:
+            raise BadRequest(exc.code, str(exc)) from None
+
+    def _encode_prompts(self, prompts: list[str]) -> PromptFeatures:
+        return self.detector.encode_prompts(self.tokenizer(prompts).to(self.device))
+
+    def _check_prompts(self, prompts: Any) -> tuple[str, ...]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is None or len(prompts) == 0:
+            raise BadRequest("missing_prompt", "no prompt: send at least one text prompt")
+        if len(prompts) > self.cfg.max_prompts:
+            raise BadRequest("too_many_prompts", f"{len(prompts)} prompts; the limit is {self.cfg.max_prompts}")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise BadRequest("invalid_prompt", f"prompt {i} must be a string, got {type(p).__name__}")
+            if not p.strip():
+                raise BadRequest("empty_prompt", f"prompt {i} is empty")
+            if len(p) > self.cfg.max_prompt_chars:
+                raise BadRequest("prompt_too_long",
+                                 f"prompt {i} has {len(p)} characters; the limit is {self.cfg.max_prompt_chars}")
+        return tuple(prompts)
+
+    def _check_threshold(self, threshold: Any) -> float:
+        if threshold is None:
+            return self.model_cfg.score_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise BadRequest("invalid_threshold", f"threshold must be a number in [0, 1], got {threshold!r}")
+        return float(threshold)
+
+    def _check_max_instances(self, max_instances: Any) -> int | None:
+        if max_instances is None:
+            return None
+        if isinstance(max_instances, bool) or not isinstance(max_instances, int) or max_instances < 1:
+            raise BadRequest("invalid_max_instances", f"max_instances must be an integer >= 1, got {max_instances!r}")
+        return max_instances
+
+    def _check_timeout(self, timeout_s: Any) -> float | None:
+        """A client may shorten the configured deadline, never extend it."""
+        if timeout_s is None:
+            return self.cfg.request_timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise BadRequest("invalid_timeout", f"timeout_s must be a number > 0, got {timeout_s!r}")
+        limit = self.cfg.request_timeout_s
+        return float(timeout_s) if limit is None else min(float(timeout_s), limit)

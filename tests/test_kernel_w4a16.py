@@ -1,0 +1,275 @@
+"""kernels/w4a16_gemm.py: the NVFP4 W4A16 Triton GEMMs against `kernels/nvfp4.py` (on CPU through Triton's
+interpreter, tests/conftest.py; on a GPU the compiled kernels).
+
+Tolerances, and why:
+* dequantised tile: bit-exact (E2M1 x e4m3 is exact in bf16 and fp16), for all 16 codes x e4m3 scales from the
+  smallest subnormal 2^-9 to 448;
+* GEMMs: the kernel and the reference compute the same exact products in fp32 and differ only in summation order
+  and in where the global scale multiplies, then both round once to bf16. Per element:
+  |y - ref_fp32| <= 2^-8 |ref_fp32| (bf16 round-to-nearest is <= 2^-9 relative; 2x for a tie flipped by an fp32-level
+  difference) + 2^-20 * (|x| @ |W|^T) (fp32 summation-order error over K <= 256 terms). In addition at least 95 % of
+  the outputs must equal the reference rounded to bf16 (measured: ~99 %, printed with `pytest -s`), and the
+  registry's coarser `compare` (max error <= 1e-2 x max |ref|) holds.
+* grouped / MoE: the same per GEMM; the full expert block rounds the SwiGLU activations to bf16 between the two GEMMs
+  (the reference keeps fp32), so it is held to `compare`'s 1e-2 of max |ref| (measured ~3e-3).
+"""
+
+import pytest
+import torch
+
+from kernels.nvfp4 import (
+    E2M1_VALUES,
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    nvfp4_block_values,
+    pack_e2m1,
+    quantize_nvfp4,
+    w4a16_linear_reference,
+)
+from kernels.w4a16_gemm import (
+    compare,
+    dequantize_nvfp4_triton,
+    describe_dense,
+    describe_moe,
+    moe_align,
+    moe_experts_w4a16_reference,
+    moe_experts_w4a16_triton,
+    supports_dense,
+    supports_moe,
+    w4a16_dense_launch,
+    w4a16_grouped_launch,
+    w4a16_grouped_reference,
+    w4a16_linear_triton,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rand_weight(*shape, seed, per_row=True, scale=0.02):
+    """NVFP4 weight [..., N, K] with a per-row global scale ([..., N]) or ModelOpt's per-matrix one."""
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_nvfp4(torch.randn(*shape, generator=g) * scale)
+    if per_row:  # distinct per-row globals (what the loader hands over for fused projections)
+        w = NVFP4Tensor(w.packed, w.scales, w.global_scale * (0.5 + torch.rand(*shape[:-1], generator=g)))
+    return NVFP4Tensor(*(t.to(DEVICE) for t in w))
+
+
+def rand_x(m, k, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+
+
+def check_gemm(y, x, w_dq, ref32, what=""):
+    """The per-element bound of the module docstring; returns the fraction equal to the rounded reference."""
+    bound = 2.0**-8 * ref32.abs() + 2.0**-20 * (x.float().abs() @ w_dq.abs().T)
+    err = (y.float() - ref32).abs()
+    assert (err <= bound).all(), f"{what}: max err {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+    same = (y == ref32.to(y.dtype)).float().mean().item()
+    assert same >= 0.95, f"{what}: only {same:.3f} equal to the rounded reference"
+    return same
+
+
+# ---- dequantisation -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequant_tile_is_exact_for_every_code_and_scale(dtype):
+    # row r: all 16 codes twice over K = 32 (2 blocks) -> each code meets two scales; 16 distinct e4m3 scales per
+    # row pair, covering subnormals (2^-9 .. 7 * 2^-9), 1.875 mantissas, and the max 448
+    scale_vals = torch.tensor([2**-9, 3 * 2**-9, 7 * 2**-9, 2**-6, 0.1171875, 0.5, 0.875, 1.0, 1.875, 3.75, 15.0,
+                               26.0, 100.0, 240.0, 448.0, 0.0])
+    n, k = 40, 48  # N not a multiple of 32, K = 3 blocks (not a multiple of BLOCK_K = 64 in the kernel)
+    codes = (torch.arange(n * k) * 7 % 16).to(torch.uint8).view(n, k)  # every code in every column position
+    scales = scale_vals[torch.arange(n * k // 16) % 16].view(n, k // 16).to(torch.float8_e4m3fn)
+    packed = pack_e2m1(codes)
+    out = dequantize_nvfp4_triton(packed.to(DEVICE), scales.to(DEVICE), dtype=dtype, block_n=32, block_k=64)
+    ref = nvfp4_block_values(packed, scales)
+    assert torch.equal(ref.to(dtype).float(), ref)  # the premise: exact in the dot dtype
+    assert torch.equal(out.cpu().view(torch.int16), ref.to(dtype).view(torch.int16))  # bit-exact, -0 included
+    pairs = set(zip(codes.flatten().tolist(), scales.float().repeat_interleave(16, 1).flatten().tolist()))
+    assert len(pairs) == 16 * 16  # coverage: every code met every scale
+    assert len(E2M1_VALUES) == 16
+
+
+# ---- dense ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("n,k,per_row", [(96, 160, True), (48, 224, False)])  # K % 64 != 0; N % 32 != 0 for 48
+def test_dense_matches_reference(m, n, k, per_row):
+    w = rand_weight(n, k, seed=n + k, per_row=per_row)
+    x = rand_x(m, k, seed=m)
+    w_dq = dequantize_nvfp4(*w)
+    ref32 = x.float() @ w_dq.T
+    y = w4a16_linear_triton(x, w)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    same = check_gemm(y, x, w_dq, ref32, f"M={m} N={n} K={k}")
+    assert compare(y, w4a16_linear_reference(x, w)) is None
+    print(f"\nM={m} N={n} K={k} per_row={per_row}: {same:.4f} equal to the bf16-rounded reference")
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_dense_split_k(split_k):
+    """fp32 partials over K splits (3 splits of 4 K tiles: uneven, one split gets fewer tiles)."""
+    w = rand_weight(64, 256, seed=1)
+    x = rand_x(3, 256, seed=2)
+    w_dq = dequantize_nvfp4(*w)
+    check_gemm(w4a16_dense_launch(x, *w, split_k=split_k), x, w_dq, x.float() @ w_dq.T, f"split {split_k}")
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=128,
+                                                                                  BLOCK_K=256)])
+def test_dense_other_tile_shapes(cfg):
+    """Tiles from the autotune list that exceed the problem (masked rows, columns and K groups)."""
+    w = rand_weight(80, 208, seed=3)
+    x = rand_x(17, 208, seed=4)
+    w_dq = dequantize_nvfp4(*w)
+    check_gemm(w4a16_dense_launch(x, *w, split_k=1, config=cfg), x, w_dq, x.float() @ w_dq.T, str(cfg))
+
+
+def test_dense_fp16_leading_dims_and_empty():
+    w = rand_weight(32, 64, seed=5)
+    x = rand_x(6, 64, seed=6, dtype=torch.float16).view(2, 3, 64)
+    w_dq = dequantize_nvfp4(*w)
+    y = w4a16_linear_triton(x, w)
+    assert y.shape == (2, 3, 32) and y.dtype == torch.float16
+    check_gemm(y.view(6, 32), x.view(6, 64), w_dq, x.view(6, 64).float() @ w_dq.T, "fp16")
+    assert w4a16_linear_triton(rand_x(0, 64, seed=0), w).shape == (0, 32)
+
+
+# ---- grouped (MoE) --------------------------------------------------------------------------------------------------
+def routing_ids(t, top_k, num_experts, seed, empty=()):
+    """[T, k] distinct expert ids per token, never using the experts in `empty`."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(num_experts) if e not in empty])
+    return torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:top_k]] for _ in range(t)]).to(DEVICE)
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_moe_align_covers_every_pair_once(t):
+    idx = routing_ids(t, 4, 10, seed=t, empty=(0, 9))
+    r = moe_align(idx, 10, block_m=16)
+    pairs, be = r.sorted_pairs.cpu().long(), r.block_expert.cpu().long()
+    flat = idx.reshape(-1).cpu()
+    real = pairs[pairs < r.num_pairs]
+    assert sorted(real.tolist()) == list(range(t * 4))  # each pair exactly once, the rest padding
+    row_expert = be.repeat_interleave(16)
+    assert torch.equal(row_expert[pairs < r.num_pairs], flat[real])  # each row sits in its expert's blocks
+    used = be < 10
+    assert used.sum() == sum(-(-int((flat == e).sum()) // 16) for e in range(10))  # empty experts: no block
+    assert not used[used.sum():].any()  # unused blocks (sentinel E) only at the end
+
+
+@pytest.mark.parametrize("t,mode,block_m,cfg", [
+    (1, "plain", 16, None), (3, "plain", 16, None), (17, "plain", 32, dict(BLOCK_N=64, BLOCK_K=128)),
+    (3, "swiglu", 16, None), (17, "swiglu", 16, None), (17, "row_scale", 16, None)])
+def test_grouped_matches_per_expert_reference(t, mode, block_m, cfg):
+    """Grouped GEMM vs a loop of the dense reference over the experts; experts 0 and 5 get no tokens."""
+    e, n, k, top_k = 6, 96, 160, 2
+    idx = routing_ids(t, top_k, e, seed=10 + t, empty=(0, 5))
+    w = rand_weight(e, n, k, seed=7)
+    x = rand_x(t, k, seed=8)
+    rs = torch.rand(t * top_k, generator=torch.Generator().manual_seed(9)).to(DEVICE) if mode == "row_scale" else None
+    swiglu = mode == "swiglu"
+    y = w4a16_grouped_launch(x, w, moe_align(idx, e, block_m), a_div=top_k, row_scale=rs, swiglu=swiglu, config=cfg)
+    ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=top_k, row_scale=rs, swiglu=swiglu)
+    assert y.shape == (t * top_k, n // 2 if swiglu else n) and y.dtype == x.dtype
+    if swiglu:  # nonlinear epilogue: no per-element linear bound; bf16 rounding + fp32 noise
+        err = (y.float() - ref32).abs()
+        assert (err <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all(), err.max()
+    else:
+        flat = idx.reshape(-1).cpu()
+        w_rows = torch.stack([dequantize_nvfp4(*_one(w, int(flat[p]))) for p in range(t * top_k)])  # [P, N, K]
+        xs = x.float()[torch.arange(t * top_k) // top_k]
+        bound = 2.0**-8 * ref32.abs() + 2.0**-20 * torch.einsum("pk,pnk->pn", xs.abs(), w_rows.abs()) * (
+            1 if rs is None else rs[:, None])
+        err = (y.float() - ref32).abs()
+        assert (err <= bound).all(), err.max()
+    assert compare(y, ref32.to(y.dtype)) is None
+
+
+def _one(w, e):
+    return NVFP4Tensor(w.packed[e], w.scales[e], w.global_scale[e])
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_moe_block_matches_reference_and_model(t):
+    """The whole routed-expert block (gate_up + SwiGLU, down + routing weight, sum over top-k) vs the reference, and
+    the reference vs qwen_engine's `Experts` module run in fp32 on the dequantised weights (same semantics)."""
+    from types import SimpleNamespace
+
+    from qwen_engine.model.moe import Experts
+
+    e, h, i, top_k = 8, 64, 32, 3
+    w13 = rand_weight(e, 2 * i, h, seed=11, scale=0.1)
+    w2 = rand_weight(e, h, i, seed=12, scale=0.1)
+    idx = routing_ids(t, top_k, e, seed=13, empty=(2,))
+    weights = torch.softmax(torch.randn(t, top_k, generator=torch.Generator().manual_seed(14)), -1)
+    weights = weights.to(torch.bfloat16).to(DEVICE)
+    x = rand_x(t, h, seed=15)
+    ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
+    out = moe_experts_w4a16_triton(x, w13, w2, idx, weights)
+    assert out.shape == (t, h) and out.dtype == x.dtype
+    problem = compare(out, ref)
+    assert problem is None, problem
+    print(f"\nT={t}: max err {(out.float() - ref.float()).abs().max():.3g} of max |ref| {ref.float().abs().max():.3g}")
+
+    model = Experts(SimpleNamespace(num_experts=e, hidden_size=h, moe_intermediate_size=i)).to(DEVICE)
+    with torch.no_grad():
+        model.gate_up_proj.copy_(dequantize_nvfp4(*w13))
+        model.down_proj.copy_(dequantize_nvfp4(*w2))
+        y_model = model(x.float(), idx, weights.float())
+    ref32 = moe_experts_w4a16_reference(x.float(), w13, w2, idx, weights)
+    torch.testing.assert_close(ref32, y_model, rtol=1e-5, atol=1e-5 * float(y_model.abs().max()))
+
+
+def test_moe_no_tokens():
+    w13, w2 = rand_weight(4, 32, 64, seed=1), rand_weight(4, 64, 16, seed=2)
+    idx = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
+    out = moe_experts_w4a16_triton(rand_x(0, 64, seed=0), w13, w2, idx, torch.zeros(0, 2, device=DEVICE))
+    assert out.shape == (0, 64)
+
+
+# ---- guards, custom op, registry ------------------------------------------------------------------------------------
+def test_supports_guard_boundaries():
+    w = rand_weight(32, 64, seed=1)
+    x = rand_x(2, 64, seed=2)
+    assert supports_dense(**describe_dense(x, w))
+    assert not supports_dense(**describe_dense(x.float(), w))  # fp32 activations: tl.dot would use tf32
+    assert not supports_dense(**describe_dense(rand_x(2, 32, seed=3), w))  # K mismatch
+    assert not supports_dense(**describe_dense(x, NVFP4Tensor(w.packed, w.scales, torch.ones(7))))  # bad global
+    assert not supports_dense(**describe_dense(x, NVFP4Tensor(w.packed, w.scales.float(), w.global_scale)))
+    assert not supports_dense(**describe_dense(x, NVFP4Tensor(w.packed.t(), w.scales, w.global_scale)))
+    info = describe_dense(x, w)
+    other = "cuda" if info["device"] == "cpu" else "cpu"  # the interpreter runs CPU tensors only, a GPU cuda ones
+    assert not supports_dense(**{**info, "device": other, "capability": (9, 0)})
+    if info["device"] == "cuda":
+        assert not supports_dense(**{**info, "capability": (7, 5)})
+
+    w13, w2 = rand_weight(4, 32, 64, seed=1), rand_weight(4, 64, 16, seed=2)
+    idx = routing_ids(3, 2, 4, seed=0)
+    wts = torch.full((3, 2), 0.5, device=DEVICE)
+    assert supports_moe(**describe_moe(rand_x(3, 64, seed=0), w13, w2, idx, wts))
+    assert not supports_moe(**describe_moe(rand_x(3, 64, seed=0), w2, w13, idx, wts))  # swapped weights
+    assert not supports_moe(**describe_moe(rand_x(3, 64, seed=0), w13, w2, idx[:2], wts))  # routing rows != tokens
+
+
+def test_custom_op_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w = rand_weight(32, 64, seed=1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = torch.ops.qwen.w4a16_linear(torch.empty(2, 5, 64, dtype=torch.bfloat16, device=DEVICE), w.packed,
+                                        w.scales, w.global_scale)
+        assert y.shape == (2, 5, 32) and y.dtype == torch.bfloat16
+
+
+def test_registry_self_check():
+    from engine_core.registry import Registry
+
+    from kernels import w4a16_gemm
+
+    reg = Registry()
+    w4a16_gemm.register(reg)
+    outcomes = reg.self_check(DEVICE)
+    assert all("passed" in v for v in outcomes.values()), outcomes
+    x, w = w4a16_gemm._sample_dense(DEVICE)[0]
+    assert reg.choose("w4a16_linear", **describe_dense(x, w)).name == "triton"
+    assert reg.choose("w4a16_linear", **describe_dense(x.float(), w)).name == "reference"  # recorded fallback
+    assert reg.choices()["w4a16_linear"]["fallback"]
