@@ -172,7 +172,7 @@ if triton is not None:
     @triton.jit
     def _axis(in_size, S):
         """scale, support, 1/scale and taps of one axis (area_pixel_compute_scale<float>, bilinear filter size 2)."""
-        scale = tl.div_rn(in_size.to(tl.float32), S.to(tl.float32))
+        scale = tl.div_rn(tl.cast(in_size, tl.float32), tl.cast(S, tl.float32))  # tl.cast: S == 1 arrives as a constexpr
         support = tl.where(scale >= 1.0, scale, 1.0)
         invscale = tl.where(scale >= 1.0, tl.div_rn(tl.full((), 1.0, tl.float32), scale), 1.0)
         taps = tl.ceil(support).to(tl.int32) * 2 + 1
