@@ -50,8 +50,12 @@ def cpu_safe(device: torch.device | str):
 
         return wrapper
 
-    # import dynamo unpatched first, or it later refuses to trace the real torch.zeros
+    # Caches that remember torch's factory functions must be filled with the real ones before we
+    # patch them: dynamo's skip lists (else it refuses to trace the real torch.zeros later), and
+    # `torch.device(...)`'s constructor set (else every later `with torch.device("meta")` in the
+    # process silently stops applying, and meta-device builds allocate real memory).
     importlib.import_module("torch._dynamo")
+    importlib.import_module("torch.utils._device")._device_constructors()
 
     saved = {name: getattr(torch, name) for name in ("zeros", "arange", "tensor", "ones", "empty")}
     saved_pin = torch.Tensor.pin_memory

@@ -212,6 +212,7 @@ def test_full_size_keys_and_shapes_match_meta_and_transformers():
     with torch.device("meta"):
         ours = Sam3Detector(cfg).state_dict()
         hf = Sam3Model(hf_config(cfg)).state_dict()
+    assert all(v.is_meta for v in ours.values()) and all(v.is_meta for v in hf.values())
     rope = {k for k in ref if k.endswith("attn.freqs_cis")}
     assert len(rope) == 32 and len(ref) == 1134  # Meta's image model: 1134 state-dict entries
     assert set(ours) == set(ref) - rope
