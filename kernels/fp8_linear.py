@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
+
 from kernels.nvfp4 import E4M3_MAX, FP8Tensor, fp8_linear_reference
 
 NAME = "fp8_linear"
@@ -92,13 +94,6 @@ def supports(*, device: str, capability, dtype: torch.dtype, out_dtype: torch.dt
             and weight_shape[0] % 16 == 0 and scale_ok and has_input_scale)
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> str | None:
-    """max |out - ref| <= tol * max |ref|: bf16 output rounding (2^-9) plus fp32 summation order."""
-    if out.shape != ref.shape or out.dtype != ref.dtype:
-        return f"shape/dtype {tuple(out.shape)} {out.dtype} != {tuple(ref.shape)} {ref.dtype}"
-    err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
-    scale = float(ref.float().abs().max()) if ref.numel() else 0.0
-    return None if err <= tol * scale else f"max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
 
 
 def _sample(device) -> tuple[tuple, dict]:

@@ -53,6 +53,8 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
+
+from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
 import torch.nn.functional as F
 
 from kernels.nvfp4 import BLOCK, NVFP4Tensor, w4a16_linear_reference
@@ -528,13 +530,6 @@ def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool
     return _device_ok(device, capability) and dtype in ACT_DTYPES and shapes_ok and globals_ok
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> str | None:
-    """max |out - ref| <= tol * max |ref| (bf16 output rounding is 2^-9 relative; the rest is fp32 summation order)."""
-    if out.shape != ref.shape or out.dtype != ref.dtype:
-        return f"shape/dtype {tuple(out.shape)} {out.dtype} != {tuple(ref.shape)} {ref.dtype}"
-    err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
-    scale = float(ref.float().abs().max()) if ref.numel() else 0.0
-    return None if err <= tol * scale else f"max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
 
 
 def _sample_dense(device) -> tuple[tuple, dict]:
