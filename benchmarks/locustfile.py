@@ -33,7 +33,9 @@ Outputs with ``--csv PREFIX``: ``PREFIX_stats.csv`` (row ``POST /v1/segment``: R
 Requests/s, Failures/s, percentiles), ``PREFIX_stats_history.csv``, ``PREFIX_failures.csv``,
 ``PREFIX_exceptions.csv``. Images/s = (Requests/s - Failures/s) x 1.
 
-Options (after the usual Locust ones; each also reads an env var): ``--body multipart|json`` (SAMMIE_BODY),
+Options (after the usual Locust ones; each also reads an env var): ``--body multipart|json|raw`` (SAMMIE_BODY;
+raw = the JPEG as the body, prompts in the query string), ``--targets URL,URL`` (SAMMIE_TARGETS: spread users over
+several base URLs, e.g. direct-ingress replica ports),
 ``--prompts-per-request K`` (SAMMIE_PROMPTS_PER_REQUEST, default 1), ``--mask-format rle|png|polygon``
 (SAMMIE_MASK_FORMAT, default rle), ``--max-instances N`` (SAMMIE_MAX_INSTANCES, default 0 = server default),
 ``--threshold T`` (SAMMIE_THRESHOLD, default: server default), ``--max-p99-ms`` / ``--max-fail-ratio``
@@ -61,6 +63,7 @@ import itertools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
+import urllib.parse  # noqa: E402
 
 from urllib3 import encode_multipart_formdata  # noqa: E402
 
@@ -78,8 +81,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 @events.init_command_line_parser.add_listener
 def _add_options(parser):
     env = os.environ.get
-    parser.add_argument("--body", choices=("multipart", "json"), default=env("SAMMIE_BODY", "multipart"),
-                        help="request encoding (default multipart)")
+    parser.add_argument("--body", choices=("multipart", "json", "raw"), default=env("SAMMIE_BODY", "multipart"),
+                        help="request encoding (default multipart; raw: the JPEG as the body, prompts in the URL)")
+    parser.add_argument("--targets", default=env("SAMMIE_TARGETS", ""),
+                        help="comma-separated base URLs; users are spread over them round-robin (client-side "
+                             "balancing over direct-ingress replicas); default: --host only")
     parser.add_argument("--prompts-per-request", type=int, default=int(env("SAMMIE_PROMPTS_PER_REQUEST", "1")),
                         help="text prompts per image (default 1)")
     parser.add_argument("--mask-format", choices=("rle", "png", "polygon"), default=env("SAMMIE_MASK_FORMAT", "rle"))
@@ -137,10 +143,11 @@ def _photos() -> list[tuple[str, bytes]]:
 class Payload:
     """One prepared request: body bytes, content type, and the number of prompts it carries."""
 
-    __slots__ = ("body", "content_type", "n_prompts", "label")
+    __slots__ = ("body", "content_type", "n_prompts", "label", "query")
 
-    def __init__(self, body: bytes, content_type: str, n_prompts: int, label: str):
+    def __init__(self, body: bytes, content_type: str, n_prompts: int, label: str, query: str = ""):
         self.body, self.content_type, self.n_prompts, self.label = body, content_type, n_prompts, label
+        self.query = query  # "?prompt=...&..." for raw bodies, else ""
 
 
 def build_payloads(options) -> list[Payload]:
@@ -154,7 +161,11 @@ def build_payloads(options) -> list[Payload]:
     payloads = []
     for (name, jpeg), start in itertools.product(_photos(), range(len(PROMPTS))):
         prompts = [PROMPTS[(start + i) % len(PROMPTS)] for i in range(k)]
-        if options.body == "json":
+        query = ""
+        if options.body == "raw":
+            body, ctype = jpeg, "image/jpeg"
+            query = "?" + urllib.parse.urlencode([("prompt", p) for p in prompts] + extra)
+        elif options.body == "json":
             doc = {"image": base64.b64encode(jpeg).decode("ascii"), "prompts": prompts}
             doc.update({key: (json.loads(v) if key != "mask_format" else v) for key, v in extra})
             body, ctype = json.dumps(doc).encode(), "application/json"
@@ -162,7 +173,7 @@ def build_payloads(options) -> list[Payload]:
             fields = [("image", (f"{name}.jpg", jpeg, "image/jpeg"))]
             fields += [("prompt", p) for p in prompts] + extra
             body, ctype = encode_multipart_formdata(fields)
-        payloads.append(Payload(body, ctype, k, name))
+        payloads.append(Payload(body, ctype, k, name, query))
     return payloads
 
 
@@ -194,6 +205,8 @@ def check_response(data, n_prompts: int) -> str | None:
     return None
 
 
+_USER_NUMBER = itertools.count()  # per process: spreads users over --targets
+
 _STATUS_NAMES = {408: "proxy timeout", 429: "overloaded", 499: "cancelled", 503: "overloaded or unavailable",
                  504: "engine deadline"}
 
@@ -210,11 +223,13 @@ class SegmentUser(FastHttpUser):
         self.cursor = itertools.cycle(range(len(self.payloads)))
         for _ in range(hash(id(self)) % len(self.payloads)):
             next(self.cursor)
+        targets = [t.strip().rstrip("/") for t in self.options.targets.split(",") if t.strip()]
+        self.base = targets[next(_USER_NUMBER) % len(targets)] if targets else ""  # "" -> --host
 
     @task
     def segment(self):
         p = self.payloads[next(self.cursor)]
-        with self.client.post(ENDPOINT, data=p.body, headers={"Content-Type": p.content_type},
+        with self.client.post(self.base + ENDPOINT + p.query, data=p.body, headers={"Content-Type": p.content_type},
                               name=ENDPOINT, catch_response=True) as r:
             if r.status_code != 200:
                 what = _STATUS_NAMES.get(r.status_code, "error")

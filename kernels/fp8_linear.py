@@ -25,6 +25,26 @@ Napkin math (decode, one token; H200 4.8 TB/s; FP8 = 1 B/param):
   The activation quantisation reads 4-16 KB and writes half that: launch-bound (~2-3 us each, 70 per token; fuse it
   into the preceding RMSNorm / conv if it shows in the profile). cuBLASLt's FP8 GEMM at M = 1 is not guaranteed to
   reach bandwidth; benchmark against the bf16 reference before trusting it for decode.
+
+Second op, "fp8_rowwise_linear" (the SAM 3 ViT's qkv / proj / fc1 / fc2): DYNAMIC row-wise W8A8. Weights quantised
+once at load per output channel (`quantize_weight_rowwise`: e4m3 [N, K] + fp32 [N], scale = row amax / 448),
+activations per token at run time (`kernels.fp8_quant`: e4m3 [M, K] + fp32 [M, 1]), then one
+`torch._scaled_mm(xq, wq.T, scale_a [M, 1], scale_b [1, N], bias, out_dtype=bf16)` (CUTLASS row-wise kernel on sm_90,
+scales and bias applied to the fp32 accumulator in the epilogue). Reference: `fp8_rowwise_linear_reference`, the
+dequantise-then-matmul formula in fp32. No host syncs anywhere (scales stay on the device): CUDA-graph capturable;
+`torch._scaled_mm` has a meta kernel and the Triton quantiser is a custom op with a fake, so
+`torch.compile(fullgraph=True)` traces both paths. Napkin math at the ViT's shapes: `benchmarks/fp8_check.py`.
+
+Accumulation precision on Hopper (why the tests' bound is not an fp32 one). A Hopper FP8 WGMMA adds its products
+into an accumulator that keeps only ~13-14 mantissa bits (DeepSeek-V3 report, section 3.3.2, measured ~14 bits on
+H800; NVIDIA does not document it), truncating. cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM = 0 -- what
+`torch._scaled_mm(use_fast_accum=False)` (the default) selects, and CUTLASS's non-"FastAccum" schedule for the
+row-wise kernel -- promotes the partial sums into fp32 registers every few WGMMAs (CUTLASS: every 4 k-blocks of 32,
+i.e. 128 products) instead of once at the end (fast accum). So per output, with S = sum_k |xq_k wq_k| s_x s_w:
+    |y - y_fp32| <= 2^-8 |y_fp32|  (bf16 output rounding, 2x for a tie)  +  ACC_REL_BOUND x S
+where a chunk of <= 4 truncating WGMMA adds loses <= 4 x 2^-13 = 2^-11 of its own |sum|, and ACC_REL_BOUND = 2^-9
+leaves 4x for the undocumented details (exact truncation point, cuBLAS choosing a different promotion interval).
+Fast accumulation has no such bound short of K x 2^-13 (= 2^-1 at K = 4096): it is not used here.
 """
 
 from __future__ import annotations
@@ -35,6 +55,8 @@ import torch
 
 from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
 
+from kernels.fp8_quant import quantize_rows_reference, quantize_rows_triton
+from kernels.fp8_quant import supports as quant_triton_supports
 from kernels.nvfp4 import E4M3_MAX, FP8Tensor, fp8_linear_reference
 
 NAME = "fp8_linear"
@@ -42,6 +64,16 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: sm_89 (Ada), sm_90 (Hopper), sm_100
 ROWWISE_MIN_CAPABILITY = (9, 0)  # row-wise scaled FP8 GEMM (CUTLASS) in torch._scaled_mm
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROWWISE_NAME = "fp8_rowwise_linear"
+# Error per output of an FP8 GEMM with fp32 scales, in units of S = sum_k |products| (module docstring):
+ACC_REL_BOUND_HOPPER = 2.0**-9  # tensor-core accumulator (~13 bits) promoted to fp32 every <= 128 products
+FP32_UNIT_ROUNDOFF = 2.0**-24  # CPU `_scaled_mm` / the reference: fp32 sums, recursive bound (K - 1) x 2^-24
+
+
+def accumulation_bound(k: int, device_type: str) -> float:
+    """Worst-case summation error of an FP8 GEMM over K products on this kind of device, as a fraction of
+    S = sum |products|: fp32 recursive summation (gamma_K ~ K u) on the CPU, the Hopper bound on a GPU."""
+    return ACC_REL_BOUND_HOPPER if device_type == "cuda" else max(k - 1, 1) * FP32_UNIT_ROUNDOFF
 
 
 def quantize_input_fp8(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
@@ -60,12 +92,100 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype |
     xq = quantize_input_fp8(x.reshape(-1, k), w.input_scale)  # [M, K] row-major
     s_in = w.input_scale.float().reshape(())
     s_w = w.scale.float()
+    # use_fast_accum=False (torch's default, spelled out): fp32 promotion of the Hopper accumulator, see the docstring
     if s_w.dim() == 0:  # tensor-wise: one alpha = input_scale * weight_scale in the epilogue
-        y = torch._scaled_mm(xq, w.data.t(), scale_a=s_in, scale_b=s_w, out_dtype=out_dtype)
+        y = torch._scaled_mm(xq, w.data.t(), scale_a=s_in, scale_b=s_w, out_dtype=out_dtype, use_fast_accum=False)
     else:  # row-wise: per-token (here: one static value) x per-output-row scales
         scale_a = s_in.expand(xq.shape[0], 1).contiguous()
-        y = torch._scaled_mm(xq, w.data.t(), scale_a=scale_a, scale_b=s_w.reshape(1, n), out_dtype=out_dtype)
+        y = torch._scaled_mm(xq, w.data.t(), scale_a=scale_a, scale_b=s_w.reshape(1, n), out_dtype=out_dtype,
+                             use_fast_accum=False)
     return y.reshape(*x.shape[:-1], n)
+
+
+# ---- dynamic row-wise W8A8 (the ViT) ------------------------------------------------------------------------------
+def quantize_weight_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (e4m3 [N, K] contiguous, fp32 [N]): one scale per output channel, amax / 448 (done once, at load)."""
+    data, scale = quantize_rows_reference(w.detach())
+    return data.contiguous(), scale.reshape(-1)
+
+
+def fp8_rowwise_linear_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype: x quantised per token (`quantize_rows_reference`), both operands
+    dequantised in fp32, multiplied in fp32, + bias, one rounding to x.dtype. Any device, any shape."""
+    k, n = x.shape[-1], w_fp8.shape[0]
+    xq, sx = quantize_rows_reference(x.reshape(-1, k))
+    y = (xq.float() * sx) @ (w_fp8.float() * w_scale.float().reshape(n, 1)).T  # [M, N] fp32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def rowwise_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None, use_fast_accum: bool = False) -> torch.Tensor:
+    """The GEMM alone: e4m3 [M, K] x e4m3 [N, K]^T with scales [M, 1] x [1, N] (+ bf16 bias) -> bf16 [M, N].
+    `use_fast_accum=True` is for the benchmark's comparison only (no accuracy bound, see the docstring)."""
+    return torch._scaled_mm(xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1), bias=bias,
+                            out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
+
+
+def fp8_rowwise_linear_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast path, activations quantised with torch ops (which torch.compile can fuse into the op before)."""
+    k = x.shape[-1]
+    xq, sx = quantize_rows_reference(x.reshape(-1, k))
+    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def fp8_rowwise_linear_triton_quant(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast path, activations quantised by the one-pass Triton kernel (`kernels.fp8_quant`)."""
+    k = x.shape[-1]
+    xq, sx = quantize_rows_triton(x.reshape(-1, k))
+    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def describe_rowwise(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> dict[str, Any]:
+    cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+    n = w_fp8.shape[0] if w_fp8.dim() == 2 else -1
+    return dict(device=x.device.type, capability=cap, dtype=x.dtype, k=x.shape[-1],
+                weight_shape=tuple(w_fp8.shape), weight_dtype=w_fp8.dtype, weight_contiguous=w_fp8.is_contiguous(),
+                scale_ok=w_scale.dtype == torch.float32 and tuple(w_scale.shape) == (n,),
+                bias_ok=bias is None or (bias.dtype == torch.bfloat16 and tuple(bias.shape) == (n,)))
+
+
+def supports_rowwise(*, device: str, capability, dtype: torch.dtype, k: int, weight_shape: tuple[int, ...],
+                     weight_dtype: torch.dtype, weight_contiguous: bool, scale_ok: bool, bias_ok: bool,
+                     **_: Any) -> bool:
+    """CUDA with row-wise FP8 GEMMs (cc >= 9.0: torch's CUTLASS kernel; Ada's FP8 tensor cores only get the
+    tensor-wise cuBLASLt path); bf16 in and out (the row-wise kernel writes bf16); a contiguous e4m3 [N, K] weight
+    with K, N multiples of 16 matching x; fp32 [N] scales; no bias or a bf16 [N] one."""
+    if device != "cuda" or capability is None or tuple(capability) < ROWWISE_MIN_CAPABILITY:
+        return False
+    return (dtype == torch.bfloat16 and weight_dtype == torch.float8_e4m3fn and weight_contiguous
+            and len(weight_shape) == 2 and weight_shape[1] == k and k % 16 == 0 and weight_shape[0] % 16 == 0
+            and scale_ok and bias_ok)
+
+
+def supports_rowwise_triton_quant(*, device: str, dtype: torch.dtype, k: int, **info: Any) -> bool:
+    """`supports_rowwise` and the Triton quantiser's guard."""
+    return (supports_rowwise(device=device, dtype=dtype, k=k, **info)
+            and quant_triton_supports(device=device, dtype=dtype, shape=(1, k)))
+
+
+def compare_rowwise(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Registry check: 1e-2 x max |ref| (bf16 rounding 2^-9 + the Hopper accumulation bound 2^-9 x S, S <~ a few
+    x max |ref| for random data); the tests check the per-element bound of the docstring."""
+    return compare(out, ref, tol=1e-2)
+
+
+def _sample_rowwise(device) -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(0)
+    w_fp8, w_scale = quantize_weight_rowwise(torch.randn(96, 256, generator=g) * 0.02)
+    x = torch.randn(70, 256, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(96, generator=g) * 0.1).to(torch.bfloat16)
+    return (x.to(device), w_fp8.to(device), w_scale.to(device), bias.to(device)), {}
 
 
 # ---- guard, registry entry ------------------------------------------------------------------------------------------
@@ -113,3 +233,15 @@ def register(registry) -> None:
                               "bf16 output rounding 2^-9)")
     # a vendor GEMM through torch (cuBLASLt), not Triton: the registry's "torch" kind
     registry.add_implementation(NAME, "scaled_mm", fp8_linear_scaled_mm, supports, kind="torch")
+
+    registry.add_op(ROWWISE_NAME, fp8_rowwise_linear_reference, sample=_sample_rowwise, compare=compare_rowwise,
+                    describe=describe_rowwise,
+                    tolerance="max |diff| <= 1e-2 x max |ref| (identical quantised activations; Hopper FP8 "
+                              "accumulation promoted to fp32 every <= 128 products: <= 2^-9 of sum |products|; "
+                              "bf16 output rounding 2^-9)")
+    # eager: the one-pass Triton quantiser first (~3x less memory traffic than the torch-op chain); the torch-op
+    # quantiser is what torch.compile can fuse into the preceding LayerNorm / GELU (preference "torch")
+    registry.add_implementation(ROWWISE_NAME, "triton_quant+scaled_mm", fp8_rowwise_linear_triton_quant,
+                                supports_rowwise_triton_quant, kind="triton")
+    registry.add_implementation(ROWWISE_NAME, "scaled_mm", fp8_rowwise_linear_scaled_mm, supports_rowwise,
+                                kind="torch")

@@ -5,15 +5,19 @@ POST /v1/segment takes either
 
 * `multipart/form-data`: `image` (file, or a plain field holding the bytes), `prompt` (repeat for several prompts),
   optional `threshold`, `mask_format`, `max_instances`, `timeout_s`; or
-* `application/json`: `{"image": "<base64 or data: URL>", "prompts": [...], "threshold": ..., ...}`.
+* `application/json`: `{"image": "<base64 or data: URL>", "prompts": [...], "threshold": ..., ...}`; or
+* the image itself as the body (`image/jpeg`, `image/png`, `image/webp`, `image/gif`, `image/bmp`, `image/tiff` or
+  `application/octet-stream`) with the prompts and options in the query string:
+  `POST /v1/segment?prompt=person&prompt=cat&mask_format=rle`. The cheapest form to parse (no multipart scan, no
+  base64): `curl --data-binary @photo.jpg -H 'Content-Type: image/jpeg' 'http://host/v1/segment?prompt=person'`.
 
 Status codes (body always `{"error": {"code": ..., "message": ...}}`):
 
 | status | when | code(s) |
 |---|---|---|
-| 400 | the body cannot be parsed: broken JSON or multipart, invalid UTF-8, invalid base64 | malformed_request |
+| 400 | the body cannot be parsed: broken JSON or multipart, invalid UTF-8 (fields or query), invalid base64 | malformed_request |
 | 413 | body over `max_body_bytes`; image over `max_image_pixels` (decompression bomb, refused before decoding) | body_too_large, payload_too_large, image_too_large |
-| 415 | Content-Type is neither multipart/form-data nor application/json | unsupported_media_type |
+| 415 | Content-Type is none of multipart/form-data, application/json, image/*, application/octet-stream | unsupported_media_type |
 | 422 | parsed, but a value is refused | see below |
 | 499 | the client went away (nobody reads this answer) | cancelled |
 | 500 | the model failed on the request's batch (logged), or a bug | internal_error |
@@ -34,6 +38,7 @@ import base64
 import binascii
 import json
 import re
+import urllib.parse
 from typing import Annotated, Literal
 
 import python_multipart
@@ -108,9 +113,17 @@ MULTIPART_SCHEMA = {  # hand-written: the route reads the raw body, so FastAPI c
 
 
 def openapi_request_body() -> dict:
-    return {"requestBody": {"required": True, "content": {
+    raw = {"schema": {"type": "string", "format": "binary", "description": "the encoded image itself; prompts and "
+                      "options in the query string"}}
+    query = [  # read only with a raw image body
+        {"name": name, "in": "query", "required": False, "schema": MULTIPART_SCHEMA["properties"][name],
+         "description": "raw image bodies only" + ("; repeat for each prompt (required)" if name == "prompt" else "")}
+        for name in ("prompt", "threshold", "mask_format", "max_instances", "timeout_s")
+    ]
+    return {"parameters": query, "requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": MULTIPART_SCHEMA},
         "application/json": {"schema": SegmentJSONRequest.model_json_schema()},
+        **{media: raw for media in RAW_IMAGE_TYPES},
     }}}
 
 
@@ -173,19 +186,32 @@ class ReadyResponse(BaseModel):
 # Body parsing (runs on a worker thread: multipart and base64 of a 20 MiB body are not for the event loop)
 
 
+# Bodies that are the image itself (prompts in the query string). What the bytes really are is decided by
+# sammie.decode from their content, not from this header: a PNG sent as image/jpeg is decoded as the PNG it is.
+RAW_IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp", "image/tiff",
+                   "application/octet-stream")
+MEDIA_TYPES = ("multipart/form-data", "application/json", *RAW_IMAGE_TYPES)
+
+
 def check_media_type(content_type: str) -> str:
     """The media type of a Content-Type header if we accept it, else ApiError 415."""
     media = content_type.split(";", 1)[0].strip().lower()
-    if media not in ("multipart/form-data", "application/json"):
+    if media not in MEDIA_TYPES:
         raise ApiError("unsupported_media_type", f"Content-Type {content_type or '(none)'!r} is not supported; "
-                                                 "send multipart/form-data or application/json")
+                                                 "send multipart/form-data, application/json, or the image itself "
+                                                 f"({', '.join(RAW_IMAGE_TYPES)}) with ?prompt=... in the URL")
     return media
 
 
-def parse_body(content_type: str, body: bytes) -> SegmentInput:
-    if check_media_type(content_type) == "application/json":
+def parse_body(content_type: str, body: bytes, query: bytes | str = b"") -> SegmentInput:
+    """One request body (and, for a raw image body, the URL's query string) -> SegmentInput; ApiError if bad.
+    The query string is only read for raw image bodies (the other two forms carry everything in the body)."""
+    media = check_media_type(content_type)
+    if media == "application/json":
         return _parse_json(body)
-    return _parse_multipart(content_type, body)
+    if media == "multipart/form-data":
+        return _parse_multipart(content_type, body)
+    return _parse_raw(body, query)
 
 
 def _parse_json(body: bytes) -> SegmentInput:
@@ -232,15 +258,7 @@ def _parse_multipart(content_type: str, body: bytes) -> SegmentInput:
             errors.append(ApiError("malformed_request", f"field {key!r} is not valid UTF-8 ({exc.reason} at byte "
                                                         f"{exc.start})"))
             return
-        if key in ("prompt", "prompts"):
-            prompts.append(text)
-        elif key in SegmentOptions.model_fields:
-            if key in options:
-                errors.append(ApiError("invalid_field", f"field {key!r} given more than once"))
-            options[key] = text
-        else:
-            errors.append(ApiError("unknown_field", f"unknown field {key!r}; expected image, prompt, "
-                                                    f"{', '.join(SegmentOptions.model_fields)}"))
+        _add_field(key, text, prompts, options, errors, "field")
 
     parser = python_multipart.FormParser(
         "multipart/form-data",
@@ -260,12 +278,56 @@ def _parse_multipart(content_type: str, body: bytes) -> SegmentInput:
         raise ApiError("missing_image", "no 'image' part in the multipart body")
     if len(images) > 1:
         raise ApiError("invalid_field", f"{len(images)} 'image' parts; send exactly one")
+    return SegmentInput(image=images[0], prompts=prompts, options=_options(options))
+
+
+def _parse_raw(body: bytes, query: bytes | str) -> SegmentInput:
+    """The body is the encoded image; prompts and options come from the query string (same names and rules as
+    the multipart fields: `prompt` repeated, `threshold`, `mask_format`, `max_instances`, `timeout_s`)."""
+    if isinstance(query, bytes):
+        try:
+            query = query.decode("ascii")  # a well-formed query string is percent-encoded ASCII
+        except UnicodeDecodeError:
+            raise ApiError("malformed_request", "the query string is not percent-encoded ASCII") from None
     try:
-        opts = SegmentOptions.model_validate(options)  # lax mode: "0.3" -> 0.3, "5" -> 5
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, errors="strict", max_num_fields=64)
+    except UnicodeDecodeError as exc:
+        raise ApiError("malformed_request", f"a query parameter is not valid UTF-8 ({exc.reason})") from None
+    except ValueError as exc:  # more than max_num_fields
+        raise ApiError("malformed_request", f"the query string is malformed ({exc})") from None
+    prompts: list[str] = []
+    options: dict[str, str] = {}
+    errors: list[ApiError] = []
+    for key, value in pairs:
+        if key == "image":
+            errors.append(ApiError("invalid_field", "with a raw image body, 'image' cannot be a query parameter"))
+        else:
+            _add_field(key, value, prompts, options, errors, "query parameter")
+    if errors:
+        raise errors[0]
+    return SegmentInput(image=body, prompts=prompts, options=_options(options))
+
+
+def _add_field(key: str, text: str, prompts: list[str], options: dict[str, str], errors: list[ApiError],
+               what: str) -> None:
+    """One text field (multipart part or query parameter) into `prompts` / `options`, or an error into `errors`."""
+    if key in ("prompt", "prompts"):
+        prompts.append(text)
+    elif key in SegmentOptions.model_fields:
+        if key in options:
+            errors.append(ApiError("invalid_field", f"{what} {key!r} given more than once"))
+        options[key] = text
+    else:
+        errors.append(ApiError("unknown_field", f"unknown {what} {key!r}; expected image, prompt, "
+                                                f"{', '.join(SegmentOptions.model_fields)}"))
+
+
+def _options(fields: dict[str, str]) -> SegmentOptions:
+    try:
+        return SegmentOptions.model_validate(fields)  # lax mode: "0.3" -> 0.3, "5" -> 5
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         raise ApiError(_field_error_code(errors[0]), _describe(errors)) from None
-    return SegmentInput(image=images[0], prompts=prompts, options=opts)
 
 
 def _file_bytes(f) -> bytes:

@@ -4,13 +4,20 @@ Request path (one `segment` call)::
 
     image bytes --(CPU pool thread: sammie.decode)--> uint8 RGB [3, H, W]
         -> PipelineScheduler.submit(SegmentRequest(ImageJob, K prompts, deadline))      (Overloaded at once if full)
-        IMAGE stage     (<= max_image_batch images, padded to a bucket): preprocess on the device -> encode_images
+        IMAGE stage     (<= max_image_batch images, padded to a bucket): registry op "preprocess" on the device
+                        -> encode_images
         GROUNDING stage (<= max_pair_batch (image, prompt) pairs, padded): cached prompt features -> ground
-                        -> postprocess_pair (threshold, max instances, masks upsampled to H x W)
-    -> SegmentResult (per prompt: [Instance], timings per stage)
+                        -> postprocess_batch (threshold, max instances; registry op "mask_post": masks upsampled to
+                           H x W, cut and bit-packed per column on the device; 2 host syncs per batch)
+    -> SegmentResult (per prompt: [Instance] with column-packed masks; `sammie.masks.encode_instances` -> RLE)
+
+Fast paths, each one config field away from the plain model (STYLE P8): `kernels` (the registry preference of the
+two ops above), `compile` (CUDA graphs per bucket, `sammie.model.graphs`), `vit_fp8` (FP8 ViT linears behind an
+accuracy gate, `sammie.model.fp8`), and `null_model` (no model at all: the serving path's ceiling). `health()`
+reports what each one resolved to.
 
 Batching lives here and only here (the Ray Serve layer in `sammie/serve.py` adds none). The IMAGE and GROUNDING
-runner calls are exactly `Segmenter.segment`'s (same preprocessing, `encode_images`, `ground`, `postprocess_pair`),
+runner calls are exactly `Segmenter.segment`'s (same preprocessing, `encode_images`, `ground`, `postprocess_batch`),
 so at the same weights, dtype and batch composition the results are bit-identical; across different batch
 compositions they agree to float summation order (CPU GEMMs are not batch-size invariant: ~1e-6 relative).
 
@@ -42,11 +49,13 @@ from engine_core.scheduler import AsyncBatchLoop, PipelineScheduler, SchedulerCo
 from sammie.config import PRESETS
 from sammie.decode import InvalidImage, decode_image
 from sammie.model.detector import ImageFeatures, PromptFeatures
-from sammie.segmenter import Instance, postprocess_pair
+from sammie.preprocess import preprocess_batch
+from sammie.segmenter import KERNEL_PREFERENCES, Instance, kernel_registry, postprocess_batch, resolve_kernels
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPILE_MODES = ("auto", "none", "graphs", "inductor")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -79,9 +88,33 @@ class EngineConfig:
     max_body_bytes: int = 20 * 2**20  # request body (HTTP) / encoded image bytes (engine), bytes
     decode_threads: int = 4  # CPU threads that parse bodies, decode images and encode masks
     warmup: bool = True  # run every batch bucket once before reporting ready
+    # -- fast paths (each one field away from the plain model)
+    kernels: str = "auto"  # kernel registry preference for "preprocess" and "mask_post": auto | reference | triton
+    #                        | torch; auto -> the Triton kernels on cuda where they support the call, else the
+    #                        reference (logged); on cpu auto = reference (Triton would run in its interpreter)
+    kernel_self_check: bool = True  # at start, each kernel `kernels` may choose vs its reference on sample inputs;
+    #                                 a failure disables it (ERROR log, health()["kernels"]). ~ms on cuda; on cpu it
+    #                                 only runs when kernels="triton" (interpreter, ~1 s), else nothing to check
+    compile: str = "auto"  # none | graphs | inductor | auto (graphs on cuda, none on cpu). graphs: CUDA graphs of
+    #                        the eager detector per image / pair bucket (sammie.model.graphs.GraphedDetector),
+    #                        captured at start in seconds; inductor: torch.compile (inductor) per bucket, then
+    #                        graphs: ~25% faster steady state, ~35 s of compile per bucket at start (full size, H200)
+    image_buckets: tuple = ()  # image batch sizes the device sees (ascending, last = max_image_batch); () = powers
+    #                            of two. Each is one CUDA graph (and, with compile=inductor, one compile)
+    pair_buckets: tuple = ()  # grounding batch sizes, likewise (last = max_pair_batch)
+    vit_fp8: bool = False  # FP8 e4m3 ViT linears (sammie.model.fp8); kept only if its accuracy gate passes, else
+    #                        ERROR log and bf16; the gate's report is in health()["vit_fp8"]
+    null_model: bool = False  # NO MODEL: a NullDetector (one tiny device op per call, never any instance) instead of
+    #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
     def __post_init__(self):
+        for name in ("image_buckets", "pair_buckets"):  # YAML gives lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         _check_types(self)
+        for name in ("image_buckets", "pair_buckets"):
+            if not all(isinstance(b, int) and not isinstance(b, bool) for b in getattr(self, name)):
+                raise ValueError(f"{name} must be a list of ints, got {getattr(self, name)!r}")
         if self.config not in PRESETS:
             raise ValueError(f"config must be one of {sorted(PRESETS)}, got {self.config!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -96,6 +129,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+        if self.kernels not in KERNEL_PREFERENCES:
+            raise ValueError(f"kernels must be one of {list(KERNEL_PREFERENCES)}, got {self.kernels!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {list(COMPILE_MODES)}, got {self.compile!r}")
+        if self.null_model and self.vit_fp8:
+            raise ValueError("vit_fp8 needs the real detector; it cannot be combined with null_model")
+        if self.null_model and self.compile in ("graphs", "inductor"):
+            raise ValueError(f"compile={self.compile!r} needs the real detector; with null_model use compile='none' "
+                             "or 'auto'")
+        self.scheduler_config()  # bucket lists are checked by the scheduler's StageConfig (ValueError)
 
     @classmethod
     def from_dict(cls, args: Mapping[str, Any] | None) -> EngineConfig:
@@ -110,8 +153,10 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         # The engine admits at most max_queued requests before submit, so the scheduler's own cap never binds.
         return SchedulerConfig(
-            image=StageConfig(max_batch_size=self.max_image_batch, max_wait_ms=self.image_wait_ms),
-            grounding=StageConfig(max_batch_size=self.max_pair_batch, max_wait_ms=self.pair_wait_ms),
+            image=StageConfig(max_batch_size=self.max_image_batch, max_wait_ms=self.image_wait_ms,
+                              buckets=self.image_buckets),
+            grounding=StageConfig(max_batch_size=self.max_pair_batch, max_wait_ms=self.pair_wait_ms,
+                                  buckets=self.pair_buckets),
             max_queued=self.max_queued,
         )
 
@@ -158,7 +203,7 @@ class NotReady(RuntimeError):
 @dataclass(frozen=True)
 class PromptResult:
     prompt: str
-    instances: list[Instance]  # sorted by score, highest first; masks bool [H, W]
+    instances: list[Instance]  # sorted by score, highest first; masks column-packed (Instance.mask: bool [H, W])
 
 
 @dataclass(frozen=True)
@@ -272,7 +317,7 @@ class _Runner:
     def _images(self, batch: Batch) -> list[EncodedImage]:
         e = self.engine
         jobs: tuple[ImageJob, ...] = batch.payloads
-        pixels = e.preprocess.batch([j.rgb for j in jobs], e.device).to(e.dtype)  # [n, 3, S, S]; GPU resize on cuda
+        pixels = preprocess_batch(e.registry, [j.rgb for j in jobs], e.model_cfg, e.device, e.dtype)  # [n, 3, S, S]
         if batch.num_padding:  # pad to the bucket by repeating the last image; padded rows are never read
             pixels = torch.cat([pixels, pixels[-1:].expand(batch.num_padding, -1, -1, -1)])
         feats = e.detector.encode_images(pixels)
@@ -300,14 +345,13 @@ class _Runner:
         prompt_index += prompt_index[-1:] * pad
         out = e.detector.ground(
             _cat_features([im.features for im in images]), prompt_feats,
-            torch.tensor(image_index, device=e.device), torch.tensor(prompt_index, device=e.device),
+            *((image_index, prompt_index) if e.compile != "none" else  # GraphedDetector: one pinned async copy
+              (torch.tensor(image_index, device=e.device), torch.tensor(prompt_index, device=e.device))),
         )
-        results = []
-        for n, pair in enumerate(batch.payloads):
-            im: EncodedImage = pair.features
-            results.append(postprocess_pair(out.logits[n], out.presence_logits[n], out.boxes[n], out.mask_logits[n],
-                                            im.height, im.width, im.threshold, im.max_instances))
-        return results
+        ims: list[EncodedImage] = [pair.features for pair in batch.payloads]
+        return postprocess_batch(e.registry, out.logits, out.presence_logits, out.boxes, out.mask_logits,
+                                 [(im.height, im.width) for im in ims], [im.threshold for im in ims],
+                                 [im.max_instances for im in ims], e.model_cfg.mask_threshold)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -320,36 +364,92 @@ class SammieEngine:
 
     def __init__(self, cfg: EngineConfig):
         from sammie.build import build_detector, default_device
-        from sammie.preprocess import Preprocessor
 
         self.cfg = cfg
         self.device = torch.device(cfg.device) if cfg.device else default_device()
         self.dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.compile = cfg.compile if cfg.compile != "auto" else (
+            "graphs" if self.device.type == "cuda" and not cfg.null_model else "none")
+        if self.compile in ("graphs", "inductor") and self.device.type != "cuda":
+            raise ValueError(f"compile={self.compile!r} needs a cuda device, the engine is on {self.device}")
         self.checkpoint = cfg.checkpoint or os.environ.get("SAMMIE_CHECKPOINT") or None
+        # kernels first: the fp8 gate and the warm-up already run through them
+        self.kernels = resolve_kernels(cfg.kernels, self.device)
+        self.registry = kernel_registry(cfg.kernels, self.device, ("kernels.fp8_linear",) if cfg.vit_fp8 else ())
+        self.kernel_checks = self.registry.self_check(self.device) if cfg.kernel_self_check else None  # op -> outcome
         t0 = time.perf_counter()
-        self.detector, self.model_cfg, self.tokenizer, _ = build_detector(
-            self.checkpoint, PRESETS[cfg.config](), str(self.device), self.dtype, cfg.seed)
-        self.load_s = time.perf_counter() - t0
+        if cfg.null_model:
+            from sammie.model.null import NullDetector
+            from sammie.tokenizer import load_tokenizer
+
+            self.model_cfg = PRESETS[cfg.config]()
+            self.detector = NullDetector(self.model_cfg, self.device, self.dtype)  # the real one is never built
+            # the real tokenizer (bundled CLIP BPE, the same vocabulary as SAM 3's): its cost on prompt-cache misses
+            # belongs to the serving path being measured
+            self.tokenizer = load_tokenizer(None, self.model_cfg.text.context_length)
+            self.checkpoint = None
+        else:
+            self.detector, self.model_cfg, self.tokenizer, _ = build_detector(
+                self.checkpoint, PRESETS[cfg.config](), str(self.device), self.dtype, cfg.seed)
         self.random_weights = bool(self.detector.random_weights)
-        self.preprocess = Preprocessor(self.model_cfg)
+        self.vit_fp8 = self._enable_vit_fp8() if cfg.vit_fp8 else None
+        if self.compile in ("graphs", "inductor"):
+            from sammie.model.graphs import GraphedDetector
+
+            sched = cfg.scheduler_config()
+            self.detector = GraphedDetector(self.detector, image_buckets=sched.image.buckets,
+                                            pair_buckets=sched.grounding.buckets,
+                                            compile_mode="default" if self.compile == "inductor" else None)
+        self.load_s = time.perf_counter() - t0
         self.prompt_cache = PromptCache(cfg.prompt_cache_size, self._encode_prompts)
         self.scheduler = PipelineScheduler(cfg.scheduler_config())
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="sammie-cpu")
         self._batch_loop: AsyncBatchLoop | None = None
         self._admitted = 0  # requests inside segment() past validation: decoding, queued or running
         self.rejected = 0  # Overloaded answers
+        self.capture_s: float | None = None
         self.warmup_s: float | None = None
         self.warmup_stats: dict[str, float] | None = None
         self._ready = False
-        log.info("Sammie engine: %s on %s/%s, %s, loaded in %.1f s", cfg.config, self.device,
-                 str(self.dtype).removeprefix("torch."),
-                 "RANDOM WEIGHTS" if self.random_weights else self.checkpoint, self.load_s)
+        weights = "NULL MODEL" if cfg.null_model else "RANDOM WEIGHTS" if self.random_weights else self.checkpoint
+        log.info("Sammie engine: %s on %s/%s, %s, kernels %s, compile %s, vit_fp8 %s, loaded in %.1f s",
+                 cfg.config, self.device, str(self.dtype).removeprefix("torch."), weights, self.kernels, self.compile,
+                 None if self.vit_fp8 is None else self.vit_fp8.enabled, self.load_s)
+        if cfg.null_model:
+            log.warning("NULL MODEL: this engine answers every request with no instances (serving-path ceiling)")
+
+    def _enable_vit_fp8(self):
+        """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample (one warm-up image
+        through the real preprocessing). Returns its report; a refusal is logged at ERROR and bf16 stays."""
+        from sammie.model.fp8 import enable_vit_fp8
+
+        side = self.model_cfg.image_size
+        rgb = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, side, side), dtype=np.uint8))
+        with torch.inference_mode():
+            sample = preprocess_batch(self.registry, [rgb], self.model_cfg, self.device, self.dtype)  # [1, 3, S, S]
+        # under inductor the plain-torch quantise-and-_scaled_mm path ("torch") is the fast one: inductor fuses the
+        # per-token quantisation into the LayerNorm / GELU before it, which an opaque Triton quantiser prevents
+        # (a separate quantise pass costs more than the FP8 GEMM saves: benchmarks/RESULTS.md, stage profile)
+        preference = "torch" if self.compile == "inductor" and self.kernels != "reference" else "auto"
+        report = enable_vit_fp8(self.detector, sample, registry=self.registry,  # its op's choice shows in health()
+                                preference=preference)
+        if report.enabled:
+            log.info("vit_fp8: FP8 ViT linears enabled: %s", report.as_dict())
+        else:
+            log.error("vit_fp8 REQUESTED BUT NOT ENABLED (accuracy gate or hardware); serving %s: %s",
+                      str(self.dtype).removeprefix("torch."), report.as_dict())
+        return report
 
     # ---- lifecycle
 
     async def start(self) -> None:
         """Start the batch loop on the running event loop and, if configured, warm up; then report ready."""
+        if self.compile in ("graphs", "inductor") and self.capture_s is None:  # before any traffic, warm-up included
+            t0 = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.detector.capture)
+            self.capture_s = time.perf_counter() - t0
+            log.info("CUDA graphs captured in %.2f s: %s", self.capture_s, self.detector.stats())
         if self._batch_loop is None:
             self._batch_loop = AsyncBatchLoop(self.scheduler, _Runner(self))
             self._batch_loop.start()
@@ -467,11 +567,18 @@ class SammieEngine:
             "ready": self.ready,
             "alive": self.alive,
             "random_weights": self.random_weights,
+            "null_model": self.cfg.null_model,  # True: NO MODEL, answers never have instances
             "checkpoint": self.checkpoint,
             "config": self.cfg.config,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),  # CPU results depend on it (GEMM summation order)
+            "kernels_preference": self.kernels,  # cfg.kernels as applied (auto on cpu = reference)
+            "kernels": self.registry.choices(),  # per op: chosen implementation, calls, fallback, self-check
+            "compile": {"mode": self.compile,
+                        "capture_s": None if self.capture_s is None else round(self.capture_s, 3),
+                        "stats": self.detector.stats() if self.compile in ("graphs", "inductor") else None},
+            "vit_fp8": None if self.vit_fp8 is None else self.vit_fp8.as_dict(),
             "load_s": round(self.load_s, 3),
             "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 3),
             "queue": {"admitted": self._admitted, "unanswered": s.num_unfinished,
@@ -490,7 +597,7 @@ class SammieEngine:
         return await self._batch_loop.infer(SegmentRequest(job, prompts, deadline_s))
 
     def _to_host(self, rgb: torch.Tensor) -> torch.Tensor:
-        # pinned memory lets the IMAGE stage's host->device copy run asynchronously (non_blocking in Preprocessor)
+        # pinned memory lets the IMAGE stage's host->device copy run asynchronously (non_blocking in preprocess_batch)
         return rgb.pin_memory() if self.device.type == "cuda" else rgb
 
     def _decode(self, data: bytes) -> torch.Tensor:

@@ -28,6 +28,13 @@ Speed and size (1024x1024 masks, one CPU thread; tests/test_masks.py::test_repor
 benchmarks/README.md): RLE ~2.5 ms and 2 KB for a smooth object mask (PNG 5-14 ms / 5.6 KB, lossless polygons
 10-30 ms / 16 KB). Most of RLE's time is the transposing copy to column-major order; :func:`encode_rle_batch` skips
 it when handed a ``[K, W, H]``-contiguous buffer.
+
+Packed masks. The engine's device post-processing (registry op ``mask_post``, ``kernels/mask_post.py``) returns each
+mask with its bits packed per COLUMN: uint8 ``[W, ceil(H / 8)]``, MSB = first row (numpy ``packbits`` order). COCO RLE
+runs go down columns too, so :func:`encode_rle_packed` expands the bits straight into pycocotools' Fortran
+``[H, W, K]`` layout (``np.unpackbits`` along the last axis: a linear 8x expansion, no transpose, no bool ``[H, W]``
+image) and pycocotools counts the runs in C. :func:`encode_instances` is what a server calls on a prompt's
+``sammie.segmenter.Instance`` list: RLE from the packed bits when every instance has them, else the bool masks.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ __all__ = [
     "encode_many",
     "encode_rle",
     "encode_rle_batch",
+    "encode_rle_packed",
+    "encode_instances",
+    "unpack_masks",
     "decode_rle",
     "encode_png",
     "decode_png",
@@ -95,6 +105,43 @@ def encode_rle_batch(masks: np.ndarray) -> list[dict]:
     hwk = np.asfortranarray(m.view(np.uint8).transpose(1, 2, 0))  # no copy when m is a [K, W, H] view
     size = [int(h), int(w)]
     return [{"size": size, "counts": r["counts"].decode("ascii")} for r in mask_utils.encode(hwk)]
+
+
+def unpack_masks(packed: np.ndarray, height: int) -> np.ndarray:
+    """Column-packed masks uint8 ``[K, W, ceil(H / 8)]`` -> bool ``[K, H, W]``, a transposed view of a C-ordered
+    ``[K, W, H]`` array (pycocotools' layout; :func:`encode_rle_batch` takes it without a copy)."""
+    p = np.asarray(packed)
+    if p.ndim != 3 or p.dtype != np.uint8 or p.shape[2] != (height + 7) // 8:
+        raise ValueError(f"packed masks must be uint8 [K, W, ceil(H / 8)] for H={height}, got {p.dtype} {p.shape}")
+    return np.unpackbits(p, axis=2, count=height).view(np.bool_).transpose(0, 2, 1)
+
+
+def encode_rle_packed(packed: np.ndarray, height: int) -> list[dict]:
+    """COCO RLE of K column-packed masks uint8 ``[K, W, ceil(H / 8)]`` (see the module docstring): equal to
+    :func:`encode_rle` of each unpacked bool mask. One unpack into the Fortran layout, then one pycocotools call."""
+    from pycocotools import mask as mask_utils
+
+    masks = unpack_masks(packed, height)  # [K, H, W] view of [K, W, H]
+    k, h, w = masks.shape
+    if k == 0:
+        return []
+    hwk = masks.view(np.uint8).transpose(1, 2, 0)  # [H, W, K], Fortran-contiguous: no copy below
+    size = [int(h), int(w)]
+    return [{"size": size, "counts": r["counts"].decode("ascii")} for r in mask_utils.encode(hwk)]
+
+
+def encode_instances(instances: list, fmt: str = "rle") -> list:
+    """Encode the masks of a list of `sammie.segmenter.Instance` (all of one image) in ``fmt``. RLE reads the
+    column-packed bits when every instance carries them (the engine's instances do); everything else, and instances
+    built from bool masks, goes through :func:`encode_many`."""
+    if fmt not in MASK_FORMATS:
+        raise ValueError(f"unknown mask format {fmt!r}; expected one of {', '.join(MASK_FORMATS)}")
+    if not instances:
+        return []
+    packed = [getattr(i, "packed", None) for i in instances]
+    if fmt == "rle" and all(p is not None for p in packed) and len({p.shape for p in packed}) == 1:
+        return encode_rle_packed(np.stack(packed), instances[0].height)  # [K, W, HB]: a small copy (1 bit/pixel)
+    return encode_many(np.stack([i.mask for i in instances]), fmt)
 
 
 def decode_rle(rle: dict) -> np.ndarray:

@@ -6,6 +6,10 @@
 
 The aspect ratio is NOT preserved (Meta's contract). Images of any size and mode are accepted:
 PIL images are converted to RGB after applying their EXIF orientation.
+
+`Preprocessor` is that chain (the reference); `preprocess_batch` is what the engine and `Segmenter` call: the kernel
+registry op "preprocess" (`kernels/preprocess.py`: one fused Triton launch per batch on cuda, `Preprocessor` per image
+as its reference).
 """
 
 from __future__ import annotations
@@ -77,3 +81,13 @@ class Preprocessor:
     def batch(self, images: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
         """[B, 3, S, S]; each image is resized on its own (sizes differ)."""
         return torch.stack([self(im, device) for im in images])
+
+
+def preprocess_batch(registry, images: list[torch.Tensor], cfg: Sam3Config, device: torch.device | str,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """uint8 RGB [3, H_i, W_i] images (host, pinned for an async copy, or already on `device`) -> [B, 3, S, S] of
+    `dtype` on `device`, through `registry`'s "preprocess" op. Its reference is `Preprocessor.batch(...).to(dtype)`
+    exactly; the Triton kernel agrees with it to the tolerance stated in `kernels/preprocess.py`."""
+    on_device = [im.to(device, non_blocking=True) for im in images]
+    return registry.call("preprocess", on_device, cfg.image_size, dtype, tuple(cfg.pixel_mean),
+                         tuple(cfg.pixel_std), layout="chw")

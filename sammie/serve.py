@@ -1,6 +1,7 @@
 """Ray Serve app: one deployment (`Sammie`) whose FastAPI ingress is a thin adapter over `SammieEngine`.
 
-    POST /v1/segment   multipart or JSON -> SegmentResponse (schema and status codes: sammie/api.py, /docs)
+    POST /v1/segment   multipart, JSON, or the raw image with ?prompt=... -> SegmentResponse (schema and status
+                       codes: sammie/api.py, /docs)
     GET  /healthz      200 while the process and its batch loop are alive
     GET  /readyz       200 once weights are loaded and warm-up is done (503 otherwise); says if weights are random
 
@@ -22,7 +23,6 @@ import logging
 import math
 import time
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
@@ -47,7 +47,7 @@ from sammie.api import (
     parse_body,
 )
 from sammie.engine import BadRequest, EngineConfig, NotReady, SammieEngine, SegmentResult
-from sammie.masks import encode_many
+from sammie.masks import encode_instances
 
 log = logging.getLogger("sammie.serve")
 
@@ -129,9 +129,9 @@ def _render(result: SegmentResult, mask_format: str, t0: float) -> tuple[bytes, 
     t_encode = time.perf_counter()
     prompts = []
     for pr in result.prompts:
-        masks = encode_many(np.stack([i.mask for i in pr.instances]), mask_format) if pr.instances else []
+        masks = encode_instances(pr.instances, mask_format)  # from the bit-packed masks, no bool [H, W] images
         prompts.append(PromptOut(prompt=pr.prompt, instances=[
-            InstanceOut(score=i.score, box=list(i.box), area=int(np.count_nonzero(i.mask)), mask=m)
+            InstanceOut(score=i.score, box=list(i.box), area=i.area, mask=m)
             for i, m in zip(pr.instances, masks)
         ]))
     now = time.perf_counter()
@@ -213,7 +213,7 @@ class SammieServer:
             check_media_type(content_type)  # 415 and 503 before reading the body
             self.engine.check_admission()
             body = await _read_body(request, self.engine.cfg.max_body_bytes)
-            parsed = await self.engine.offload(parse_body, content_type, body)
+            parsed = await self.engine.offload(parse_body, content_type, body, request.scope["query_string"])
             opts = parsed.options
             result = await self.engine.segment(parsed.image, parsed.prompts, opts.threshold, opts.max_instances,
                                                opts.timeout_s)

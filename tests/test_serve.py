@@ -107,6 +107,12 @@ def as_json(image: bytes, prompts, **options) -> dict:
     return {"json": {"image": base64.b64encode(image).decode(), "prompts": list(prompts), **options}}
 
 
+def raw(body: bytes, prompts, content_type="image/jpeg", **options) -> dict:
+    """httpx request kwargs for a raw image body with prompts and options in the query string."""
+    return {"content": body, "headers": {"content-type": content_type},
+            "params": [("prompt", p) for p in prompts] + [(k, str(v)) for k, v in options.items()]}
+
+
 def instances(prompt_result: dict, height: int, width: int) -> list[Instance]:
     out = []
     for inst in prompt_result["instances"]:
@@ -147,7 +153,11 @@ def test_health_readiness_and_docs(client):
     assert body["ready"] and body["random_weights"] and body["engine"]["warmup_s"] > 0
     assert client.get("/docs").status_code == 200
     spec = client.get("/openapi.json").json()["paths"]["/v1/segment"]["post"]
-    assert set(spec["requestBody"]["content"]) == {"multipart/form-data", "application/json"}
+    assert set(spec["requestBody"]["content"]) == {"multipart/form-data", "application/json", "image/jpeg", "image/png",
+                                                   "image/webp", "image/gif", "image/bmp", "image/tiff",
+                                                   "application/octet-stream"}
+    assert {p["name"] for p in spec["parameters"]} == {"prompt", "threshold", "mask_format", "max_instances",
+                                                       "timeout_s"}
     assert "SegmentResponse" in json.dumps(spec["responses"]["200"])
 
 
@@ -195,6 +205,27 @@ def test_concurrent_requests_all_answered_and_batched(base_url, client, referenc
             assert_close(instances(got, h, w), want)
 
 
+def test_raw_body_matches_multipart(client):
+    """The raw-image form (prompts in the query string) answers exactly what the multipart form answers."""
+    for i, image in enumerate(photos()[:3]):
+        data = encode(Image.fromarray(image), "JPEG" if i % 2 else "PNG", **({"quality": 90} if i % 2 else {}))
+        prompts = ["person", "a red car & the cat?"]  # '&' and '?' must survive the query string
+        opts = {"threshold": 0.0, "max_instances": 3}
+        want = client.post("/v1/segment", **multipart(data, prompts, **opts))
+        got = client.post("/v1/segment", **raw(data, prompts, "image/jpeg" if i % 2 else "image/png", **opts))
+        assert want.status_code == got.status_code == 200, got.text
+        a, b = want.json(), got.json()
+        assert [p["prompt"] for p in b["prompts"]] == prompts and (a["width"], a["height"]) == (b["width"], b["height"])
+        for pa, pb in zip(a["prompts"], b["prompts"]):
+            assert [(x["score"], x["box"], x["mask"]) for x in pa["instances"]] == \
+                [(x["score"], x["box"], x["mask"]) for x in pb["instances"]]
+    # a PNG labelled image/jpeg is decoded as the PNG it is; octet-stream works too
+    png = encode(Image.fromarray(photos()[3]))
+    for ctype in ("image/jpeg", "application/octet-stream"):
+        r = client.post("/v1/segment", **raw(png, ["person"], ctype, mask_format="png"))
+        assert r.status_code == 200 and r.json()["mask_format"] == "png", r.text
+
+
 def test_png_and_polygon_masks(client):
     image = encode(Image.fromarray(photos()[0]))
     by_format = {}
@@ -234,8 +265,19 @@ def _bad_cases() -> list[tuple[str, dict, int, str]]:
         ("malformed_multipart", {"content": b"--x\r\nnonsense", "headers": {"content-type": "multipart/form-data"}},
          400, "malformed_request"),
         ("no_image", multipart(None, ["person"]), 422, "missing_image"),
-        ("wrong_content_type", {"content": good, "headers": {"content-type": "image/png"}}, 415,
+        ("wrong_content_type", {"content": good, "headers": {"content-type": "text/plain"}}, 415,
          "unsupported_media_type"),
+        ("raw_no_prompt", raw(good, [], "image/png"), 422, "missing_prompt"),
+        ("raw_empty_body", raw(b"", ["person"]), 422, "empty_image"),
+        ("raw_not_an_image", raw(b"%PDF-1.4 nope" * 10, ["person"], "application/octet-stream"), 422, "invalid_image"),
+        ("raw_unknown_param", raw(good, ["person"], promt="cat"), 422, "unknown_field"),
+        ("raw_image_param", raw(good, ["person"], image="x"), 422, "invalid_field"),
+        ("raw_repeated_option", {**raw(good, ["person"]), "params": [("prompt", "a"), ("threshold", "0.1"),
+                                                                      ("threshold", "0.2")]}, 422, "invalid_field"),
+        ("raw_bad_threshold", raw(good, ["person"], threshold="abc"), 422, "invalid_threshold"),
+        ("raw_invalid_utf8_query", {"content": good, "headers": {"content-type": "image/png"},
+                                    "url": "/v1/segment?prompt=caf%E9"}, 400, "malformed_request"),
+        ("raw_oversized", raw(b"\0" * (MAX_BODY + 1), ["person"]), 413, "body_too_large"),
         ("no_content_type", {"content": good}, 415, "unsupported_media_type"),
         ("threshold_not_a_number", multipart(good, ["person"], threshold="abc"), 422, "invalid_threshold"),
         ("threshold_out_of_range", as_json(good, ["person"], threshold=2), 422, "invalid_threshold"),
@@ -249,7 +291,8 @@ def _bad_cases() -> list[tuple[str, dict, int, str]]:
 
 @pytest.mark.parametrize("name,request_kwargs,status,code", _bad_cases(), ids=[c[0] for c in _bad_cases()])
 def test_bad_input_gets_a_json_error(client, name, request_kwargs, status, code):
-    r = client.post("/v1/segment", **request_kwargs)
+    kwargs = dict(request_kwargs)
+    r = client.post(kwargs.pop("url", "/v1/segment"), **kwargs)
     assert r.status_code == status, (name, r.status_code, r.text)
     assert error_of(r)["code"] == code, (name, r.text)
 

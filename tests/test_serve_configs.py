@@ -21,7 +21,8 @@ schema = pytest.importorskip("ray.serve.schema")
 from ray.serve.config import AutoscalingConfig  # noqa: E402
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "serve_configs"
-CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+# Sammie's files; the Qwen app's (qwen_*.yaml) are checked by tests/test_qwen_serve.py with `unknown_keys` below.
+CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("qwen_"))
 
 # Fields the schema accepts but that do nothing useful here: refuse them in our files.
 _DEPRECATED = "deprecated in Ray Serve 2.60 (serving.md 5.1)"

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import QwenConfig
 from .norm import ZeroCentredRMSNorm
+from .paged import FlatBatch, PagedKV
 from .state import KVCache
 
 
@@ -80,3 +81,73 @@ class GatedAttention(nn.Module):
         o = o.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         o = o * torch.sigmoid(gate.reshape(b, t, -1))  # output gate, elementwise over all H*D channels
         return self.o_proj(o)
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
+                      batch: FlatBatch) -> torch.Tensor:
+        """x [N, hidden] (the flat tokens of `batch`); cos/sin [N, rotary_dim]; writes the N new keys/values into
+        the pool at `batch.slot_mapping`, then attends each token to its own sequence's keys 0..position."""
+        n = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each
+        q = self.q_norm(q).transpose(0, 1)[None]  # [1, H, N, D]
+        k = self.k_norm(self.k_proj(x).view(n, kvh, d)).transpose(0, 1)[None]  # [1, KV, N, D]
+        v = self.v_proj(x).view(n, kvh, d)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        kv.write(batch.slot_mapping, k[0].transpose(0, 1), v)
+
+        o = q.new_empty(1, h, n, d)
+        nd = batch.num_decode
+        if nd:
+            o[:, :, :nd] = paged_decode_attention(q[0, :, :nd].transpose(0, 1), kv, batch, self.scaling
+                                                  ).transpose(0, 1)[None]
+        for i in range(nd, batch.num_seqs):
+            s, e, ctx = batch.starts[i], batch.starts[i + 1], batch.context_lens[i]
+            keys, values = gather_kv(kv, batch.block_tables[i], ctx)  # [1, KV, ctx, D]
+            past, t = ctx - (e - s), e - s
+            if past == 0:
+                mask, causal = None, t > 1
+            else:  # token j (position past+j) sees keys 0..past+j
+                mask = torch.ones(t, ctx, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                causal = False
+            o[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], keys, values, attn_mask=mask,
+                                                          is_causal=causal, scale=self.scaling, enable_gqa=True)
+        o = o[0].transpose(0, 1).reshape(n, h * d)
+        o = o * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(o)
+
+
+def gather_kv(kv: PagedKV, block_table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys/values for positions 0..ctx-1: block_table [max_blocks] -> k, v [1, KV, ctx, D]."""
+    nb = -(-ctx // kv.k.shape[1])
+    blocks = block_table[:nb]
+    kvh, d = kv.k.shape[2:]
+    k = kv.k[blocks].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    v = kv.v[blocks].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    return k, v
+
+
+def paged_decode_attention(q: torch.Tensor, kv: PagedKV, batch: FlatBatch, scale: float) -> torch.Tensor:
+    """The decode rows 0..D-1 of `batch` at once: q [D, H, D_h] (one token per sequence) -> o [D, H, D_h].
+
+    Gathers every row's blocks into a padded [D, KV, L, D_h] (L = the longest context, rounded up to whole blocks)
+    and runs one batched SDPA with a key-padding mask; the reference `paged_decode_attention_reference` loops."""
+    nd = q.shape[0]
+    bs = kv.k.shape[1]
+    kvh, d = kv.k.shape[2:]
+    nb = -(-max(batch.context_lens[:nd]) // bs)
+    tables = batch.block_tables[:nd, :nb]  # [D, nb]
+    k = kv.k[tables].reshape(nd, nb * bs, kvh, d).transpose(1, 2)  # [D, KV, L, D_h]
+    v = kv.v[tables].reshape(nd, nb * bs, kvh, d).transpose(1, 2)
+    keep = torch.arange(nb * bs, device=q.device)[None, :] < batch.context_lens_t[:nd, None]  # [D, L]
+    o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep[:, None, None, :], scale=scale,
+                                       enable_gqa=True)  # [D, H, 1, D_h]
+    return o[:, :, 0]
+
+
+def paged_decode_attention_reference(q: torch.Tensor, kv: PagedKV, batch: FlatBatch, scale: float) -> torch.Tensor:
+    """Row by row: each decode token against its own gathered keys, no padding. Same contract."""
+    outs = []
+    for i in range(q.shape[0]):
+        k, v = gather_kv(kv, batch.block_tables[i], batch.context_lens[i])
+        outs.append(F.scaled_dot_product_attention(q[i][None, :, None], k, v, scale=scale, enable_gqa=True)[0, :, 0])
+    return torch.stack(outs)

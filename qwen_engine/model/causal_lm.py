@@ -15,6 +15,7 @@ from ..config import QwenConfig
 from .attention import RotaryEmbedding
 from .decoder import DecoderLayer
 from .norm import ZeroCentredRMSNorm
+from .paged import FlatBatch, PagedCache
 from .state import QwenState
 
 
@@ -31,7 +32,7 @@ class QwenForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
 
     def new_state(self, batch: int, max_len: int) -> QwenState:
-        p = self.lm_head.weight
+        p = self.embed_tokens.weight  # lm_head may be a packed NVFP4 module without a `.weight`
         return QwenState.empty(self.config, batch, max_len, dtype=p.dtype, device=p.device)
 
     def forward(self, input_ids: torch.Tensor, state: QwenState | None = None,
@@ -50,6 +51,19 @@ class QwenForCausalLM(nn.Module):
             state.pos += t
         if last_only:
             x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    def forward_paged(self, input_ids: torch.Tensor, batch: FlatBatch, cache: PagedCache,
+                      logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """A variable-length step: input_ids [N] (the flat tokens of `batch`'s sequences, decode rows first) ->
+        logits [M, vocab] at the flat token indices `logits_indices` [M] (None: every token, M = N). Reads and
+        advances each sequence's paged KV blocks and GDN state slot in place (the caller zeroes reset slots)."""
+        x = self.embed_tokens(input_ids)  # [N, hidden]
+        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, rotary_dim]
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_paged(x, cos, sin, cache.layers[i], batch)
+        if logits_indices is not None:
+            x = x[logits_indices]
         return self.lm_head(self.norm(x))
 
 

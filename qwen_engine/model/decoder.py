@@ -14,6 +14,7 @@ from .attention import GatedAttention
 from .gdn import GatedDeltaNet
 from .moe import SparseMoE
 from .norm import ZeroCentredRMSNorm
+from .paged import FlatBatch, GDNSlots, PagedKV
 from .state import GDNState, KVCache
 
 
@@ -36,5 +37,16 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, state)
         else:
             h = self.linear_attn(h, state)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: PagedKV | GDNSlots,
+                      batch: FlatBatch) -> torch.Tensor:
+        """x [N, hidden]: the flat tokens of a variable-length step over paged state (see `paged.py`)."""
+        h = self.input_layernorm(x)
+        if self.layer_type == FULL_ATTENTION:
+            h = self.self_attn.forward_paged(h, cos, sin, state, batch)
+        else:
+            h = self.linear_attn.forward_paged(h, state, batch)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))

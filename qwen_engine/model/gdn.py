@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config import QwenConfig
 from .norm import GatedRMSNorm
+from .paged import FlatBatch, GDNSlots
 from .state import GDNState
 
 
@@ -113,25 +114,43 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
 
+    # ---- shared pieces (any leading dims [...]: [B, T] for the contiguous path, [N] for the flat one)
+
+    def _project(self, x: torch.Tensor):
+        """x [..., hidden] -> z [..., Hv, Dv], beta / g [..., Hv] fp32, raw conv input [..., conv_dim]."""
+        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        beta = torch.sigmoid(self.in_proj_b(x)).float()  # sigmoid in the model dtype (upstream), then fp32
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # <= 0
+        return z, beta, g, self.in_proj_qkv(x)
+
+    def _heads(self, qkv: torch.Tensor):
+        """Conv output [..., conv_dim] -> q, k [..., Hv, Dk] (L2-normalised, q scaled), v [..., Hv, Dv]; fp32."""
+        hv, hk = self.num_v_heads, self.num_k_heads
+        q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = l2norm(q.unflatten(-1, (hk, self.head_k_dim)).float()) * self.head_k_dim ** -0.5
+        k = l2norm(k.unflatten(-1, (hk, self.head_k_dim)).float())
+        v = v.unflatten(-1, (hv, self.head_v_dim)).float()
+        # q/k head j serves v heads r*j .. r*j + r-1 (r = 2 in the real model)
+        return q.repeat_interleave(hv // hk, dim=-2), k.repeat_interleave(hv // hk, dim=-2), v
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """o [..., Hv, Dv] fp32, z [..., Hv, Dv] -> [..., hidden]: gated norm per value head, out_proj."""
+        o = self.norm(o.to(dtype), z)
+        return self.out_proj(o.flatten(-2))
+
+    # ---- contiguous state (reference)
+
     def forward(self, x: torch.Tensor, state: GDNState | None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; `state` (if given) is read and advanced in place."""
         b, t, _ = x.shape
-        hv, hk = self.num_v_heads, self.num_k_heads
-        z = self.in_proj_z(x).view(b, t, hv, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()  # sigmoid in the model dtype (upstream), then fp32
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B, T, Hv] <= 0
-
-        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), None if state is None else state.conv,
+        z, beta, g, qkv = self._project(x)
+        qkv, conv_state = causal_conv1d(qkv.transpose(1, 2), None if state is None else state.conv,
                                         self.conv1d.weight)
-        q, k, v = qkv.transpose(1, 2).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = l2norm(q.reshape(b, t, hk, self.head_k_dim).float()) * self.head_k_dim ** -0.5
-        k = l2norm(k.reshape(b, t, hk, self.head_k_dim).float())
-        v = v.reshape(b, t, hv, self.head_v_dim).float()
-        # q/k head j serves v heads r*j .. r*j + r-1 (r = 2 in the real model)
-        q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+        q, k, v = self._heads(qkv.transpose(1, 2))  # [B, T, Hv, D]
 
         if state is None:
-            s0 = torch.zeros(b, hv, self.head_k_dim, self.head_v_dim, dtype=torch.float32, device=x.device)
+            s0 = torch.zeros(b, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32,
+                             device=x.device)
         else:
             s0 = state.recurrent
         if state is not None and t == 1:  # decode: the recurrent step (the GDN decode kernel replaces this)
@@ -142,6 +161,46 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             state.conv.copy_(conv_state)
             state.recurrent.copy_(s)
+        return self._output(o, z, x.dtype)
 
-        o = self.norm(o.to(x.dtype), z)  # per value head, [B, T, Hv, Dv]
-        return self.out_proj(o.reshape(b, t, self.value_dim))
+    # ---- paged state (engine)
+
+    def forward_paged(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch) -> torch.Tensor:
+        """x [N, hidden] (the flat tokens of `batch`) -> [N, hidden]; each sequence reads and advances its own
+        state row `batch.state_slots[i]`. Decode rows: one batched conv step and one batched recurrent step
+        (`batch.gdn_decode`, default `gated_delta_step`); prefill chunks: per sequence, the chunked rule (the
+        recurrent step for a 1-token chunk, as the contiguous path does)."""
+        z, beta, g, qkv_in = self._project(x)
+        conv_out = torch.empty_like(qkv_in)  # [N, conv_dim]
+        nd = batch.num_decode
+        w = self.conv1d.weight
+        if nd:
+            rows = batch.state_slots_t[:nd]
+            y, new_conv = causal_conv1d(qkv_in[:nd, :, None], slots.conv[rows], w)  # [D, C, 1]
+            conv_out[:nd] = y[:, :, 0]
+            slots.conv.index_copy_(0, rows, new_conv.to(slots.conv.dtype))
+        for i in range(nd, batch.num_seqs):
+            s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]
+            y, new_conv = causal_conv1d(qkv_in[s:e].T[None], slots.conv[r:r + 1], w)  # [1, C, n]
+            conv_out[s:e] = y[0].T
+            slots.conv[r:r + 1] = new_conv
+        q, k, v = self._heads(conv_out)  # [N, Hv, D]
+
+        o = torch.empty_like(v)  # [N, Hv, Dv] fp32
+        if nd:
+            rows = batch.state_slots_t[:nd]
+            step = batch.gdn_decode or gated_delta_step
+            o[:nd], new_state = step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], slots.recurrent[rows])
+            slots.recurrent.index_copy_(0, rows, new_state)
+        for i in range(nd, batch.num_seqs):
+            s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]
+            s0 = slots.recurrent[r:r + 1]
+            if e - s == 1:
+                oi, new_state = gated_delta_step(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], s0)
+            else:
+                oi, new_state = gated_delta_rule_chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
+                                                         beta[None, s:e], s0, self.chunk_size)
+                oi = oi[0]
+            o[s:e] = oi
+            slots.recurrent[r:r + 1] = new_state
+        return self._output(o, z, x.dtype)

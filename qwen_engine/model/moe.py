@@ -4,6 +4,11 @@ Mirrors `Qwen3_5MoeSparseMoeBlock` / `Qwen3_5MoeTopKRouter` / `Qwen3_5MoeExperts
 5.24 `modeling_qwen3_5_moe.py`. Expert weights are held fused and stacked as in transformers' in-memory layout:
 `gate_up_proj [E, 2I, H]` (rows 0..I-1 = gate, I..2I-1 = up) and `down_proj [E, H, I]`; the ModelOpt checkpoint's
 per-expert `experts.E.{gate,up,down}_proj` tensors are stacked into them at load (see `names.py`).
+
+Dispatch: `SparseMoE` calls `self.experts(x, idx, weights)` and `self.shared_expert(x)`; the dense modules here are
+the reference (and the transformers-oracle path). `quantized.py` provides drop-in replacements with the same
+signatures that hold packed NVFP4 weights (`NVFP4Experts`: grouped W4A16 kernel; `NVFP4SwiGLU`: fused gate/up),
+swapped in by `load_packed.load_quantized`.
 """
 
 from __future__ import annotations
@@ -39,28 +44,36 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; idx, weights [N, k] -> sum_j weights[:, j] * expert_{idx[:, j]}(x)  [N, H].
+        """x [N, H]; idx, weights [N, k] -> sum_j weights[:, j] * expert_{idx[:, j]}(x)  [N, H]."""
+        return experts_loop(x, self.gate_up_proj, self.down_proj, idx, weights)
 
-        Reference loop over the experts that received tokens (one host sync for the counts); the grouped NVFP4
-        kernel replaces it.
-        """
-        k = idx.shape[1]
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        w_flat = weights.reshape(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tok = pairs // k
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_flat[pairs, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+
+def experts_loop(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, idx: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts with dense weights, in the model dtype, as transformers computes them: a loop over the
+    experts that received tokens (one host sync for the counts). x [N, H]; gate_up_proj [E, 2I, H]; down_proj
+    [E, H, I]; idx, weights [N, k] -> [N, H].
+
+    This is the reference the packed path (`quantized.NVFP4Experts`: the grouped W4A16 Triton kernel behind the
+    registry op "w4a16_moe") is tested against, on the dequantised weights.
+    """
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
+    w_flat = weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tok = pairs // k
+        gate, up = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down_proj[e]) * w_flat[pairs, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,407 @@
+"""The OpenAI-compatible wire format: request models and their validation, response bodies, SSE framing, stop-string
+handling and the error table. No Ray and no model here; `qwen_engine/serve.py` wires these to `QwenEngine`.
+
+Routes (OpenAI's shapes; https://platform.openai.com/docs/api-reference):
+
+    POST /v1/completions        CompletionRequest      -> text_completion (or SSE chunks of it)
+    POST /v1/chat/completions   ChatCompletionRequest  -> chat.completion (or SSE chat.completion.chunk)
+    GET  /v1/models             the one served model
+
+Streaming (`"stream": true`): `text/event-stream`, one `data: {json}\\n\\n` event per chunk, ended by
+`data: [DONE]\\n\\n`. With `stream_options.include_usage`, every chunk carries `"usage": null` and one last chunk
+before `[DONE]` has empty `choices` and the request's usage. An error after the first byte was sent arrives as a
+`data: {"error": {...}}` event, then `[DONE]`.
+
+Errors are `{"error": {"message", "type", "param", "code"}}`:
+
+| status | when | code(s) |
+|---|---|---|
+| 400 | body not JSON / not an object | invalid_json |
+| 400 | a field missing, mistyped, out of range or unknown | missing_field, invalid_request, unknown_parameter |
+| 400 | an option not implemented here (n > 1, tools, logprobs, penalties, echo, ...) | unsupported_parameter |
+| 400 | messages empty, a role other than system/user/assistant, a system message not first | invalid_messages |
+| 400 | prompt (+ max_tokens) longer than the context | context_length_exceeded |
+| 404 | `model` is not the served model | model_not_found |
+| 413 | body over `max_body_bytes` | body_too_large |
+| 499 | the client went away (nobody reads it) | cancelled |
+| 500 | the model failed (logged) | internal_error |
+| 503 | engine full (`Retry-After` set), starting or stopping | overloaded, not_ready |
+| 504 | no answer within the deadline (`timeout_s`, default the engine's `request_timeout_s`) | deadline_exceeded |
+
+Extensions beyond OpenAI (as vLLM names them): `top_k` (0 or -1 = off), `ignore_eos`, `stop_token_ids`,
+`skip_special_tokens`, `chat_template_kwargs` (e.g. `{"enable_thinking": false}`), `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine_core.continuous import SamplingParams
+from qwen_engine.chat_template import ChatMessage
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class ApiError(Exception):
+    """An error the HTTP layer answers directly, in OpenAI's shape."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        super().__init__(f"{code}: {message}")
+
+
+def error_type(status: int) -> str:
+    """OpenAI's `error.type` for a status."""
+    if status == 404:
+        return "not_found_error"
+    if status < 500:
+        return "invalid_request_error"
+    if status in (503, 504):
+        return "service_unavailable_error"
+    return "server_error"
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": error_type(status), "param": param,
+                                 "code": code}}).encode()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share. Unknown fields are refused (a misspelled option would otherwise be ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., description="the served model name (GET /v1/models)")
+    max_tokens: int | None = Field(None, description="completion tokens at most; prompt + max_tokens must fit "
+                                                     "the context")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="extension: keep the k most likely tokens; 0 or -1 = off")
+    seed: int | None = Field(None, description="fixes the sampling of this request")
+    stop: str | list[str] | None = Field(None, description="up to 16 strings; the output ends before the first one")
+    n: int = Field(1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI options we refuse unless they ask for the default (see `check_unsupported`)
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extensions
+    ignore_eos: bool = Field(False, description="extension: do not stop at <|im_end|> / <|endoftext|>")
+    stop_token_ids: list[int] | None = Field(None, description="extension: more token ids that end the output")
+    skip_special_tokens: bool = Field(True, description="extension: leave <|...|> control tokens out of the text")
+    timeout_s: float | None = Field(None, gt=0.0, description="extension: deadline in seconds")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="text, or token ids; one prompt")
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[Message] = Field(..., description="the conversation, oldest first")
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description='extension: e.g. {"enable_thinking": '
+                                                                          'false}')
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def parse_request(body: bytes, kind: type[BaseModel]) -> BaseModel:
+    """Body bytes -> a request model, or ApiError 400 naming the first problems."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        param = ".".join(str(x) for x in first.get("loc", ())) or None
+        code = {"missing": "missing_field", "extra_forbidden": "unknown_parameter"}.get(first["type"],
+                                                                                        "invalid_request")
+        raise ApiError(400, code, _describe(errors), param) from None
+
+
+def _describe(errors: list[dict]) -> str:
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(x) for x in e.get("loc", ())) or "body"
+        msg = "unrecognized request argument" if e["type"] == "extra_forbidden" else e["msg"]
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """Refuse options this server does not implement, unless they ask for the default."""
+    def refuse(param: str, why: str):
+        raise ApiError(400, "unsupported_parameter", f"{param}: {why}", param)
+
+    if req.n != 1:
+        refuse("n", f"only n=1 is supported, got {req.n}; send {req.n} requests instead")
+    if req.logprobs not in (None, False, 0) or req.top_logprobs:
+        refuse("logprobs", "log probabilities are not supported")
+    if req.presence_penalty or req.frequency_penalty:
+        refuse("presence_penalty" if req.presence_penalty else "frequency_penalty", "penalties are not supported")
+    if req.logit_bias:
+        refuse("logit_bias", "logit_bias is not supported")
+    if req.stream_options is not None and not req.stream:
+        refuse("stream_options", "only allowed with stream: true")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            refuse("echo", "echo is not supported")
+        if req.suffix:
+            refuse("suffix", "suffix (fill-in-the-middle) is not supported")
+        if req.best_of not in (None, 1):
+            refuse("best_of", f"only best_of=1 is supported, got {req.best_of}")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools or req.tool_choice not in (None, "none"):
+            refuse("tools", "tool calling is not supported")
+        if req.response_format and req.response_format.get("type") != "text":
+            refuse("response_format", "only {\"type\": \"text\"} is supported")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            refuse("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
+    """The request's messages for the template; `developer` is OpenAI's newer name for `system`."""
+    if not req.messages:
+        raise ApiError(400, "invalid_messages", "messages must hold at least one message", "messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else m.role
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, "invalid_messages", f"messages[{i}].role {m.role!r} is not supported; use system, "
+                                                    "user or assistant (tool messages are not supported)",
+                           f"messages.{i}.role")
+        if m.content is None:
+            raise ApiError(400, "invalid_messages", f"messages[{i}] has no content", f"messages.{i}.content")
+        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+        if role == "system" and i > 0:
+            raise ApiError(400, "invalid_messages", f"messages[{i}]: a system message must come first",
+                           f"messages.{i}.role")
+        out.append(ChatMessage(role, text, m.reasoning_content if role == "assistant" else None))
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """One prompt: text, or token ids."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise ApiError(400, "unsupported_parameter", f"prompt: batches of prompts are not supported ({len(p)} "
+                                                         "given); send one request per prompt", "prompt")
+        p = p[0]
+    if isinstance(p, list) and not p:
+        raise ApiError(400, "invalid_request", "prompt is empty", "prompt")
+    return p
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """A validated request, ready for the engine."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    stop: tuple[str, ...]
+    skip_special_tokens: bool
+    stream: bool
+    include_usage: bool
+    timeout_s: float | None
+
+
+def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_len: int, eos_token_ids: tuple[int, ...],
+                    vocab_size: int, default_max_tokens: int | None) -> GenerationPlan:
+    """Validate lengths and sampling against the served model; `default_max_tokens` None = what the context has
+    left (chat), else that number (completions: OpenAI's 16), cut to what is left."""
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        raise ApiError(400, "invalid_request", "the prompt is empty (0 tokens)", "prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(400, "invalid_request", f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}",
+                       "prompt")
+    room = max_model_len - n_prompt
+    if room < 1:
+        raise ApiError(400, "context_length_exceeded", f"this model's maximum context length is {max_model_len} "
+                                                       f"tokens; the prompt has {n_prompt} tokens, which leaves no "
+                                                       "room for a completion", "messages" if isinstance(
+                                                           req, ChatCompletionRequest) else "prompt")
+    max_tokens = req.max_tokens
+    param = "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens < 1:
+        raise ApiError(400, "invalid_request", f"{param} must be at least 1, got {max_tokens}", param)
+    elif max_tokens > room:
+        raise ApiError(400, "context_length_exceeded", f"this model's maximum context length is {max_model_len} "
+                                                       f"tokens; you requested {n_prompt + max_tokens} tokens "
+                                                       f"({n_prompt} in the prompt, {max_tokens} for the "
+                                                       f"completion); lower {param}", param)
+    stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, "invalid_request", f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                                               f"{MAX_STOP_CHARS} characters", "stop")
+    eos = () if req.ignore_eos else tuple(eos_token_ids)
+    extra = tuple(req.stop_token_ids or ())
+    if any(not 0 <= t < vocab_size for t in extra):
+        raise ApiError(400, "invalid_request", f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed)
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    return GenerationPlan(tuple(prompt_ids), max_tokens, sampling, tuple(dict.fromkeys(eos + extra)), stop,
+                          req.skip_special_tokens, req.stream, include_usage, req.timeout_s)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Stop strings
+
+
+class StopStringFilter:
+    """Text deltas in, text deltas out, ending before the first stop string (OpenAI leaves the stop string out).
+
+    A stop string can span deltas, so the tail that could still begin one is held back (at most the longest stop
+    string minus one character) until it is ruled out or the stream ends.
+    """
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self._held = ""
+        self.stopped = False  # a stop string was found; nothing more comes out
+        self.matched: str | None = None
+
+    def push(self, delta: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return delta
+        text = self._held + delta
+        hits = [(text.find(s), s) for s in self.stops if s in text]
+        if hits:
+            at, s = min(hits)
+            self.stopped, self.matched, self._held = True, s, ""
+            return text[:at]
+        keep = 0  # longest suffix of text that is a proper prefix of a stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), keep, -1):
+                if s.startswith(text[-k:]):
+                    keep = k
+                    break
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None,
+                     include_usage: bool) -> dict:
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None,
+               include_usage: bool) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def models_body(name: str, created: int, max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "qwen_engine",
+                                        "max_model_len": max_model_len}]}
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event: `data: <compact JSON>` and a blank line."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())

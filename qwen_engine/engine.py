@@ -1,0 +1,553 @@
+"""QwenEngine: Qwen3.6-35B-A3B text generation on one device behind `engine_core`'s continuous scheduler.
+
+Request path (one `generate` call)::
+
+    prompt token ids --(validate: BadRequest / NotReady / Overloaded at once)--> ContinuousScheduler.add
+    step loop (one asyncio task; the blocking forward runs on one worker thread, like `AsyncBatchLoop`):
+        plan = scheduler.step()  -> runner.execute(plan) (forward over paged state + sampling, 1 D2H copy)
+        -> scheduler.finish(plan, out) -> TokenDeltas fanned out to per-request asyncio queues
+        -> scheduler.pop_answers() -> the one terminal message per request
+    -> GenerationChunk per sampled token (the last one carries finish_reason)
+
+Every scheduler call happens on the event-loop thread (the scheduler is not thread-safe); only
+`ModelRunner.execute` runs on the worker thread, and only one plan is ever in flight. When nothing is waiting or
+running the loop sleeps on an `asyncio.Event` (poked by `generate`) with a timeout at the earliest deadline.
+
+The engine is Ray-free and HTTP-free: `tests/test_qwen_engine.py` drives it with plain asyncio. Errors are typed:
+`BadRequest` (the client's fault; `.code` names the problem), `NotReady`, and engine_core's `Overloaded`,
+`DeadlineExceeded`, `RunFailed` (see `engine_core/request.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import operator
+import time
+import typing
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from engine_core.continuous import (
+    Completion,
+    ContinuousConfig,
+    ContinuousScheduler,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TokenDelta,
+)
+from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRESETS = ("tiny", "qwen3.6-35b-a3b")  # QwenConfig.tiny() | QwenConfig() (the checkpoint's numbers)
+
+__all__ = [
+    "QwenEngineConfig", "QwenEngine", "GenerationChunk", "BadRequest", "NotReady", "SamplingParams",
+    "Overloaded", "DeadlineExceeded",
+]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True)
+class QwenEngineConfig:
+    """Everything a Qwen replica is configured with; `serve_configs/*.yaml` `args:` map 1:1 onto these fields."""
+
+    # -- model
+    checkpoint: str | None = None  # checkpoint directory (BF16 or ModelOpt NVFP4/FP8, loaded dequantised); None ->
+    #                                seeded random weights (loudly labelled in logs and health())
+    config: str = "qwen3.6-35b-a3b"  # a PRESETS name: qwen3.6-35b-a3b | tiny (tests); ignored with a checkpoint
+    #                                  (its config.json wins)
+    device: str | None = None  # torch device string; None -> cuda if available else cpu
+    dtype: str = "auto"  # auto | fp32 | bf16; auto -> bf16 on cuda, fp32 on cpu
+    seed: int = 0  # torch seed of the random weights; also seeds the per-request seeds of unseeded requests
+    kernels: str = "auto"  # engine_core.registry KernelPreference: auto | reference | triton
+    # -- scheduling (engine_core.continuous.ContinuousConfig)
+    max_num_seqs: int = 32  # resident sequences = GDN state slots = largest decode batch
+    max_num_batched_tokens: int = 2048  # tokens per forward step (decode tokens + prefill chunks)
+    block_size: int = 16  # token slots per KV block
+    num_kv_blocks: int | None = None  # KV pool size in blocks; None -> kv_cache_memory_fraction of free device
+    #                                   memory after loading (cuda), or max_num_seqs full-length sequences (cpu)
+    kv_cache_memory_fraction: float = 0.5  # of free device memory after the weights, when num_kv_blocks is None
+    max_model_len: int = 8192  # prompt + generated tokens per sequence
+    max_queued: int = 256  # unanswered requests (waiting + running); more -> Overloaded (503 + Retry-After)
+    request_timeout_s: float | None = 600.0  # default deadline per request, s from arrival (None: none) -> 504
+    warmup: bool = True  # run one prefill and one decode step of every decode bucket before reporting ready
+    weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
+    #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
+    #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
+    #                        for full-size random weights (drawn in the ModelOpt checkpoint's exact formats),
+    #                        dequantized otherwise (BF16 checkpoints, the tiny test model)
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.config not in PRESETS:
+            raise ValueError(f"config must be one of {list(PRESETS)}, got {self.config!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
+        if self.weights not in ("auto", "packed", "dequantized"):
+            raise ValueError(f"weights must be auto | packed | dequantized, got {self.weights!r}")
+        if self.kernels not in ("auto", "reference", "triton"):
+            raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_queued"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if not 0.0 < self.kv_cache_memory_fraction < 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every resident sequence's decode token must fit in a step")
+
+    @classmethod
+    def from_dict(cls, args: Mapping[str, Any] | None) -> QwenEngineConfig:
+        """Build from a plain mapping (YAML `args:`); unknown keys raise, listing the valid ones."""
+        args = dict(args or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(args) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown QwenEngineConfig key(s) {unknown}; valid keys: {valid}")
+        return cls(**args)
+
+    def scheduler_config(self, num_kv_blocks: int) -> ContinuousConfig:
+        return ContinuousConfig(
+            num_kv_blocks=num_kv_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            max_waiting=self.max_queued, seed=self.seed)
+
+
+def _check_types(cfg: QwenEngineConfig) -> None:
+    """YAML hands over whatever it parsed: refuse "8" for an int or 1 for a bool (ints are fine for floats)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value, allowed = getattr(cfg, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        if value is None and type(None) in allowed:
+            continue
+        ok = any(
+            (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+            or (t is int and isinstance(value, int) and not isinstance(value, bool))
+            or (t not in (int, float) and t is not type(None) and isinstance(value, t))
+            for t in allowed
+        )
+        if not ok:
+            names = " | ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"QwenEngineConfig.{f.name} must be {names}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Results and errors
+
+
+class BadRequest(ValueError):
+    """The client sent something we refuse. `code` is stable and machine-readable; the message names the problem.
+
+    Codes: empty_prompt, invalid_token_id, prompt_too_long, invalid_max_new_tokens, invalid_sampling,
+    invalid_stop, invalid_timeout, request_too_large (could never fit the KV pool).
+    """
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+class NotReady(RuntimeError):
+    """The engine has not finished starting (weights + warm-up) or is shutting down."""
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One streamed piece of a generation: the tokens sampled since the previous chunk (usually one)."""
+
+    new_token_ids: tuple[int, ...]  # includes a terminating eos / stop-sequence token (the server strips it)
+    finish_reason: str | None  # None while generating; "stop" (eos or stop sequence) | "length" | "abort" at the end
+    prompt_tokens: int
+    completion_tokens: int  # sampled so far, including new_token_ids
+    matched_stop: tuple[int, ...] | None = None  # on the last chunk: the eos id (1-tuple) / stop sequence that ended it
+
+
+_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class QwenEngine:
+    """Owns the model, the paged state (`ModelRunner`), the scheduler and the step loop. Construct (blocking: loads
+    weights, allocates the KV pool), then `await start()` on the serving event loop, then `generate(...)`."""
+
+    def __init__(self, cfg: QwenEngineConfig, model: torch.nn.Module | None = None):
+        """`model`: an already-built `QwenForCausalLM` on `cfg.device` to serve instead of building one from
+        `cfg.checkpoint` / `cfg.config` (benchmarks share one full-size model between phases); the caller says
+        whether its weights are random through `cfg.checkpoint` (None = random, as for a built model)."""
+        from .runner import ModelRunner, gdn_registry
+
+        self.cfg = cfg
+        self.device = torch.device(cfg.device) if cfg.device else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.checkpoint = cfg.checkpoint
+        t0 = time.perf_counter()
+        self.model = model if model is not None else build_model(
+            cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights)
+        self.model_config = self.model.config
+        self.random_weights = cfg.checkpoint is None
+        self.load_s = time.perf_counter() - t0
+        self.registry = gdn_registry(cfg.kernels)  # the engine's own: its preference does not leak into others
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
+        self.runner = ModelRunner(self.model, self.model_config, self.device, num_blocks, cfg.block_size,
+                                  cfg.max_num_seqs, registry=self.registry)
+        eos = self.model_config.eos_token_id
+        self.default_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        # one worker thread: the forward pass blocks (CPU) or syncs once (CUDA) off the event loop
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwen-step")
+        self._streams: dict[RequestId, asyncio.Queue] = {}  # live generate() calls: TokenDelta / error Answer
+        self._completions: dict[RequestId, Completion] = {}  # ok answers, read by the finishing chunk (matched_stop)
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._closing = False
+        self._ready = False
+        self.rejected = 0
+        self.warmup_s: float | None = None
+        log.info("Qwen engine: %s on %s/%s, %d KV blocks of %d, %s, loaded in %.1f s",
+                 self.model_config.num_hidden_layers, self.device, str(self.dtype).removeprefix("torch."),
+                 num_blocks, cfg.block_size,
+                 "RANDOM WEIGHTS (no checkpoint)" if self.random_weights else self.checkpoint, self.load_s)
+
+    # ---- lifecycle
+
+    async def start(self) -> None:
+        """Start the step loop on the running event loop and, if configured, warm up; then report ready."""
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._closing = False
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="qwen-step-loop")
+        if self.cfg.warmup and self.warmup_s is None:
+            await self.warmup()
+        self._ready = True
+
+    async def aclose(self) -> None:
+        """Stop admitting, finish the step in flight, answer every unanswered request with "abort", stop."""
+        self._ready = False
+        if self._loop_task is not None:
+            self._closing = True
+            self._wake.set()
+            try:
+                await self._loop_task
+            finally:
+                self._loop_task = None
+        for rid in list(self._streams):
+            self.scheduler.cancel(rid)
+        self._dispatch_answers()
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.alive
+
+    @property
+    def alive(self) -> bool:
+        """False once the step loop task has died (a bug): the replica should be restarted."""
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def warmup(self) -> float:
+        """One long prefill (a full token budget, split if needed) and a full decode batch, so lazy allocations and
+        kernel autotuning happen before traffic; then forget the warm-up's statistics. Returns seconds taken."""
+        from engine_core.continuous import ContinuousStats
+
+        t0 = time.perf_counter()
+        n = max(1, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len - 3, 512))
+        vocab = self.model_config.vocab_size
+
+        async def one(prompt: list[int]) -> None:
+            async for _ in self._generate(prompt, 2, SamplingParams(), (), ()):
+                pass
+
+        await one([i % vocab for i in range(n)])
+        await asyncio.gather(*(one([(7 * i + 1) % vocab]) for i in range(self.cfg.max_num_seqs)))
+        self.warmup_s = time.perf_counter() - t0
+        self.scheduler.stats = ContinuousStats()
+        log.info("warm-up done in %.2f s", self.warmup_s)
+        return self.warmup_s
+
+    # ---- requests
+
+    async def generate(self, prompt_token_ids: Sequence[int], *, max_new_tokens: int,
+                       sampling: SamplingParams | None = None, stop_token_ids: Sequence[int | Sequence[int]] = (),
+                       eos_token_ids: Sequence[int] | None = None,
+                       timeout_s: float | None = None) -> AsyncIterator[GenerationChunk]:
+        """Stream the completion of one prompt: a `GenerationChunk` per step that sampled tokens for it (several
+        tokens coalesced if the consumer fell behind); the last one has `finish_reason` set.
+
+        `stop_token_ids`: single ids or id sequences; the output ending with one stops it ("stop"). `eos_token_ids`:
+        None -> the model config's eos ids. `timeout_s`: None -> `request_timeout_s`.
+        Raises (before the first chunk) BadRequest, NotReady, Overloaded; (later) DeadlineExceeded or RunFailed.
+        Cancelling the consuming task (client disconnect) or closing the iterator cancels the sequence and frees its
+        KV blocks and state slot at once. An engine shutdown ends the stream with finish_reason "abort".
+        """
+        if not self.ready:
+            raise NotReady("the engine is not ready (loading, warming up or shutting down)")
+        # aclosing: closing this iterator (or cancelling its consumer) closes the inner one at once, whose
+        # `finally` cancels the sequence; a bare `async for` would leave that to the garbage collector
+        async with contextlib.aclosing(self._generate(prompt_token_ids, max_new_tokens, sampling, stop_token_ids,
+                                                      eos_token_ids, timeout_s)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def health(self) -> dict[str, Any]:
+        s, b = self.scheduler, self.scheduler.blocks
+        return {
+            "ready": self.ready,
+            "alive": self.alive,
+            "random_weights": self.random_weights,
+            "checkpoint": self.checkpoint,
+            "config": self.cfg.config if self.checkpoint is None else "checkpoint",
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+            "load_s": round(self.load_s, 3),
+            "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 3),
+            "queue": {"unanswered": s.num_unfinished, "waiting": s.num_waiting, "running": s.num_running,
+                      "max_queued": self.cfg.max_queued, "max_num_seqs": self.cfg.max_num_seqs},
+            "kv_blocks": {"total": b.num_blocks, "used": b.num_used_blocks, "block_size": b.block_size,
+                          "usage": round(b.usage, 4)},
+            "rejected": self.rejected,
+            "runner": self.runner.stats(),
+            "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
+            "stats": s.stats.snapshot(),
+        }
+
+    # ---- internals
+
+    def _request(self, prompt_token_ids, max_new_tokens, sampling, stop_token_ids, eos_token_ids,
+                 timeout_s) -> GenerateRequest:
+        """Validate one request's arguments into a GenerateRequest (BadRequest with a code otherwise)."""
+        try:
+            prompt = tuple(operator.index(t) for t in prompt_token_ids)
+        except TypeError:
+            raise BadRequest("invalid_token_id", "prompt_token_ids must be integers") from None
+        vocab = self.model_config.vocab_size
+        if not prompt:
+            raise BadRequest("empty_prompt", "the prompt has no tokens")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise BadRequest("invalid_token_id", f"token ids must be in [0, {vocab})")
+        if len(prompt) >= self.cfg.max_model_len:
+            raise BadRequest("prompt_too_long", f"the prompt has {len(prompt)} tokens; max_model_len is "
+                                                f"{self.cfg.max_model_len} (prompt + completion)")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise BadRequest("invalid_max_new_tokens", f"max_new_tokens must be an integer >= 1, got "
+                                                       f"{max_new_tokens!r}")
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise BadRequest("invalid_sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        try:
+            stops = tuple((operator.index(s),) if not isinstance(s, (list, tuple)) else
+                          tuple(operator.index(t) for t in s) for s in stop_token_ids)
+            eos = self.default_eos if eos_token_ids is None else tuple(operator.index(t) for t in eos_token_ids)
+        except TypeError:
+            raise BadRequest("invalid_stop", "stop_token_ids / eos_token_ids must be token ids") from None
+        if any(not s for s in stops):
+            raise BadRequest("invalid_stop", "stop token sequences must be non-empty")
+        timeout_s = self.cfg.request_timeout_s if timeout_s is None else timeout_s
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0 or math.isinf(timeout_s)):
+            raise BadRequest("invalid_timeout", f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        deadline = None if timeout_s is None else self.scheduler.clock.now() + timeout_s
+        return GenerateRequest(prompt, max_new_tokens, sampling, eos, stops, deadline)
+
+    async def _generate(self, prompt_token_ids, max_new_tokens, sampling, stop_token_ids, eos_token_ids,
+                        timeout_s=None) -> AsyncIterator[GenerationChunk]:
+        if self._loop_task is None or self._closing:
+            raise NotReady("the engine was not started (await engine.start()) or is shutting down")
+        request = self._request(prompt_token_ids, max_new_tokens, sampling, stop_token_ids, eos_token_ids,
+                                timeout_s)
+        if len(self._streams) >= self.cfg.max_queued:
+            self.rejected += 1
+            raise Overloaded(self.scheduler.retry_after_s(), len(self._streams), self.cfg.max_queued)
+        try:
+            rid = self.scheduler.add(request)
+        except Overloaded:
+            self.rejected += 1
+            raise
+        except ValueError as exc:  # could never fit the KV pool (prompt length was checked above)
+            raise BadRequest("request_too_large", str(exc)) from None
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        self._dispatch_answers()  # expired on arrival
+        self._wake.set()
+        n_prompt, n_out = len(request.prompt_token_ids), 0
+        try:
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                tokens: list[int] = []
+                for item in items:
+                    if isinstance(item, TokenDelta):
+                        tokens.extend(item.token_ids)
+                        if item.finish_reason is not None:
+                            n_out += len(tokens)
+                            completion: Completion | None = self._completions.pop(rid, None)
+                            yield GenerationChunk(tuple(tokens), _FINISH[item.finish_reason], n_prompt, n_out,
+                                                  None if completion is None else completion.matched_stop)
+                            return
+                    else:  # an Answer with an error (ok answers follow the finishing delta, never read)
+                        answer: Answer = item
+                        if tokens:
+                            n_out += len(tokens)
+                            yield GenerationChunk(tuple(tokens), None, n_prompt, n_out)
+                        if isinstance(answer.error, Cancelled):  # the engine aborted it (shutdown)
+                            yield GenerationChunk((), "abort", n_prompt, n_out)
+                            return
+                        raise answer.error
+                n_out += len(tokens)
+                yield GenerationChunk(tuple(tokens), None, n_prompt, n_out)
+        finally:
+            # consumer gone (task cancelled, iterator closed) or stream ended: free the sequence if still live
+            self._streams.pop(rid, None)
+            self.scheduler.cancel(rid)
+            self._completions.pop(rid, None)
+
+    def _deliver(self, delta: TokenDelta) -> None:
+        queue = self._streams.get(delta.request_id)
+        if queue is not None:
+            queue.put_nowait(delta)
+
+    def _dispatch_answers(self) -> None:
+        for answer in self.scheduler.pop_answers():
+            if answer.error is None:
+                if answer.request_id in self._streams:
+                    self._completions[answer.request_id] = answer.outputs[0]
+                continue
+            queue = self._streams.get(answer.request_id)
+            if queue is not None:
+                queue.put_nowait(answer)
+
+    async def _step_loop(self) -> None:
+        """schedule -> execute (worker thread) -> finish, back to back while there is work; sleeps when idle."""
+        loop, sched = asyncio.get_running_loop(), self.scheduler
+        while not self._closing:
+            plan = sched.step()
+            self._dispatch_answers()  # expired while waiting
+            if plan is None:
+                self._wake.clear()
+                wake = sched.next_wakeup()
+                timeout = None if wake is None else max(0.0, wake - sched.clock.now())
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                out = await loop.run_in_executor(self._worker, self.runner.execute, plan)
+            except Exception as exc:  # every live sequence of the plan gets StepFailed; the loop goes on
+                log.exception("step %d failed", plan.step_id)
+                sched.fail(plan, exc)
+            else:
+                # answers (ok completions) first, so the finishing delta can report its matched stop
+                deltas = sched.finish(plan, out)
+                self._dispatch_answers()
+                for delta in deltas:
+                    self._deliver(delta)
+            self._dispatch_answers()
+            await asyncio.sleep(0)  # let consumers run between back-to-back steps
+
+    def _auto_num_blocks(self) -> int:
+        """KV pool size when `num_kv_blocks` is None (see the config field)."""
+        c, cfg = self.model_config, self.cfg
+        per_seq = math.ceil(cfg.max_model_len / cfg.block_size)
+        if self.device.type != "cuda":
+            return cfg.max_num_seqs * per_seq
+        from .runner import gdn_state_bytes, kv_block_bytes
+
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = free * cfg.kv_cache_memory_fraction - gdn_state_bytes(c, cfg.max_num_seqs + 1, self.dtype)
+        blocks = int(budget // kv_block_bytes(c, cfg.block_size, self.dtype))
+        if blocks < per_seq:
+            raise RuntimeError(f"only {blocks} KV blocks fit in {cfg.kv_cache_memory_fraction:.0%} of the "
+                               f"{free / 2**30:.1f} GiB free; one {cfg.max_model_len}-token sequence needs "
+                               f"{per_seq}. Lower max_model_len / max_num_seqs or raise kv_cache_memory_fraction")
+        return blocks
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model construction
+
+
+def build_model(checkpoint: str | None, preset: str, device: torch.device, dtype: torch.dtype, seed: int,
+                weights: str = "auto"):
+    """A `QwenForCausalLM` in eval mode on `device`, activations in `dtype`.
+
+    Packed (`qwen_engine/load_packed.py`): the checkpoint's NVFP4 / FP8 layers as packed modules, BF16 elsewhere; with
+    no checkpoint, seeded random weights drawn in exactly those formats (`qwen_engine/random_weights.py`).
+    Dequantized: every weight dequantised into `dtype`; with no checkpoint, seeded random dense weights (every
+    parameter drawn at a scale that keeps activations O(1), as tests/test_qwen_model.py does)."""
+    from .config import QwenConfig
+    from .model import QwenForCausalLM
+
+    if checkpoint is not None:
+        from .checkpoint import load_into, read_config
+
+        model_cfg = read_config(checkpoint)
+    else:
+        model_cfg = QwenConfig.tiny() if preset == "tiny" else QwenConfig()
+    packed = weights == "packed" or (weights == "auto" and (
+        model_cfg.quantization_config is not None if checkpoint is not None else preset != "tiny"))
+    if checkpoint is None:
+        log.warning("NO CHECKPOINT: the Qwen model has RANDOM WEIGHTS (seed %d%s); its outputs are meaningless", seed,
+                    ", packed NVFP4/FP8 formats" if packed else "")
+    if packed:
+        from .load_packed import load_quantized
+
+        if checkpoint is not None:
+            return load_quantized(checkpoint, device=device, dtype=dtype).eval()
+        from .random_weights import random_packed_tensors
+
+        tensors = random_packed_tensors(model_cfg, device, seed, dtype=dtype)
+        return load_quantized(tensors, model_cfg, device=device, dtype=dtype).eval()
+    with torch.device("meta"):
+        model = QwenForCausalLM(model_cfg)
+    model = model.to(dtype).to_empty(device=device).eval()
+    if checkpoint is not None:
+        load_into(model, checkpoint)
+    else:
+        randomise(model, seed)
+    return model
+
+
+@torch.no_grad()
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights drawn on the parameters' device (a CPU draw of 35B values would take minutes), so the
+    values depend on the seed and the device type."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("linear_attn.norm.weight"):  # gated norm: plain w (init 1)
+            p.normal_(1.0, 0.2, generator=gen)
+        elif "norm" in name:  # zero-centred norms: w in (1 + w)
+            p.normal_(0.0, 0.3, generator=gen)
+        elif name.endswith("A_log"):  # decay rate A = exp(A_log) in (0.05, 3)
+            p.copy_(torch.empty(p.shape, device=device).uniform_(0.05, 3.0, generator=gen).log())
+        elif name.endswith("dt_bias"):
+            p.normal_(0.0, 0.5, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, 1.0, generator=gen)
+        else:  # linears, stacked experts [E, out, in], conv [C, 1, K], router
+            p.normal_(0.0, 1 / math.sqrt(p.shape[-1]), generator=gen)

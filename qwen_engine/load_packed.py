@@ -1,0 +1,142 @@
+"""Build the model with packed NVFP4 / FP8 weights, without dequantising: `load_quantized`.
+
+    model = load_quantized("/path/to/Qwen3.6-35B-A3B-NVFP4", device="cuda")        # checkpoint directory
+    model = load_quantized(tensors, cfg, device="cuda")                            # packed tensors (random_weights)
+
+Which layer gets which format is decided by the checkpoint's `quantization_config.quantized_layers`
+(`checkpoint.QuantTable`, through `load_checkpoint(packed=True)`), or for a tensor dict by the value types:
+`NVFP4Tensor` -> `NVFP4Linear` / `NVFP4Experts` / `NVFP4SwiGLU`, `FP8Tensor` -> `FP8Linear`, a plain tensor -> the
+reference model's parameter in `dtype`. The reference model is first built on the meta device (no memory), its
+quantised submodules are replaced by packed ones holding the given tensors, and the remaining (BF16) parameters are
+assigned, so the full-size model never exists dequantised: ~20.8 GB on the GPU instead of ~70 GB in bf16.
+
+Full size (computed from the shapes, design doc 5): routed experts 32.21 B params x 0.5625 B = 18.1 GB (+ 0.13 GB of
+per-row fp32 global scales); FP8 GDN / attention projections 1.28 GB; lm_head 0.29 GB; shared experts 0.07 GB; BF16
+embeddings 1.02 GB, routers 0.04 GB, the rest < 0.02 GB.
+
+W4A4 `NVFP4` layers (activation scales present) run as W4A16: activations stay bf16, which is at least as accurate
+as the W4A4 GEMM they were exported for; this is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from kernels.nvfp4 import FP8Tensor, NVFP4Tensor
+
+from .checkpoint import NVFP4, CheckpointError, LoadedCheckpoint, load_checkpoint
+from .config import QwenConfig
+from .model import QwenForCausalLM
+from .model.moe import Experts, SwiGLU
+from .model.quantized import FP8Linear, NVFP4Experts, NVFP4Linear, NVFP4SwiGLU
+
+log = logging.getLogger(__name__)
+
+Packed = torch.Tensor | NVFP4Tensor | FP8Tensor
+
+
+def load_quantized(
+    source: str | os.PathLike | LoadedCheckpoint | Mapping[str, Packed],
+    cfg: QwenConfig | None = None,
+    device: torch.device | str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    quantize_activations: bool = True,
+    fuse_shared_expert: bool = True,
+    gdn_chunk_size: int = 64,
+    registry=None,
+) -> QwenForCausalLM:
+    """A `QwenForCausalLM` whose quantised layers are packed modules (see the module docstring).
+
+    source: a checkpoint directory, a `LoadedCheckpoint` from `load_checkpoint(packed=True)`, or a mapping of our
+    parameter names to tensors / NVFP4Tensor / FP8Tensor (then `cfg` is required). dtype: the activation and BF16
+    parameter dtype. quantize_activations=False runs the FP8 layers weight-only (oracle isolation, `quantized.py`).
+    fuse_shared_expert: one [2I, H] NVFP4 GEMM for the shared expert's gate and up when both are NVFP4.
+    Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.
+    """
+    algos: dict[str, str] = {}
+    if isinstance(source, (str, os.PathLike)):
+        source = load_checkpoint(source, packed=True, dtype=dtype, device=device)
+    if isinstance(source, LoadedCheckpoint):
+        if cfg is not None and cfg != source.config:
+            raise CheckpointError(f"checkpoint is for {source.config}, asked for {cfg}")
+        cfg, algos, tensors = source.config, source.algos, source.tensors
+    else:
+        if cfg is None:
+            raise ValueError("load_quantized(tensors, cfg): a tensor mapping needs its QwenConfig")
+        tensors = source
+    w4a4 = sorted(k for k, a in algos.items() if a == NVFP4)
+    if w4a4:
+        log.warning("%d NVFP4 (W4A4) layers run as W4A16 (bf16 activations), e.g. %s", len(w4a4), w4a4[0])
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = QwenForCausalLM(cfg, gdn_chunk_size=gdn_chunk_size)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = [f"{k}: unexpected tensor (the model has no such parameter)" for k in tensors if k not in shapes]
+    problems += [f"{k}: missing" for k in shapes if k not in tensors]
+    problems += [f"{k}: shape {tuple(v.shape)}, expected {shapes[k]}" for k, v in tensors.items()
+                 if k in shapes and tuple(v.shape) != shapes[k]]
+    if problems:
+        raise CheckpointError(f"load_quantized: {len(problems)} problem(s)\n  " + "\n  ".join(problems[:40]))
+
+    packed = {k: v for k, v in tensors.items() if isinstance(v, (NVFP4Tensor, FP8Tensor))}
+    to_dev = lambda t: type(t)(*(None if x is None else x.to(device) for x in t))  # noqa: E731
+    done: set[str] = set()
+    for name, mod in list(model.named_modules()):
+        prefix = name + "." if name else ""
+        if isinstance(mod, Experts):
+            gu, dn = packed.get(prefix + "gate_up_proj"), packed.get(prefix + "down_proj")
+            if gu is None and dn is None:
+                continue
+            if not (isinstance(gu, NVFP4Tensor) and isinstance(dn, NVFP4Tensor)):
+                raise CheckpointError(f"{name}: routed experts must be both NVFP4 or both dense, got "
+                                      f"{type(gu).__name__} gate_up and {type(dn).__name__} down")
+            _replace(model, name, NVFP4Experts(to_dev(gu), to_dev(dn), registry))
+            done |= {prefix + "gate_up_proj", prefix + "down_proj"}
+        elif isinstance(mod, SwiGLU) and fuse_shared_expert:
+            ws = [packed.get(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down")]
+            if all(isinstance(w, NVFP4Tensor) for w in ws):
+                _replace(model, name, NVFP4SwiGLU(*(to_dev(w) for w in ws), registry=registry))
+                done |= {f"{prefix}{p}_proj.weight" for p in ("gate", "up", "down")}
+    for key, value in packed.items():
+        if key in done:
+            continue
+        module_name, _, leaf = key.rpartition(".")
+        mod = model.get_submodule(module_name) if module_name else model
+        if leaf != "weight" or not isinstance(mod, nn.Linear):
+            raise CheckpointError(f"{key}: packed {type(value).__name__} for a parameter that is not an nn.Linear "
+                                  "weight; no packed module implements it")
+        new = (NVFP4Linear(to_dev(value), registry) if isinstance(value, NVFP4Tensor)
+               else FP8Linear(to_dev(value), quantize_activations, registry))
+        _replace(model, module_name, new)
+
+    # the BF16 rest: assign real tensors in place of the meta parameters
+    for name, p in list(model.named_parameters()):
+        value = tensors[name]
+        module_name, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(module_name) if module_name else model
+        mod._parameters[leaf] = nn.Parameter(value.detach().to(device=device, dtype=dtype), requires_grad=False)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise CheckpointError(f"load_quantized: tensors left unassigned: {left[:8]}")
+    return model.eval()
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)
+
+
+def model_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of parameters and buffers by storage dtype (what the model holds, for the memory report)."""
+    out: dict[str, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        key = str(t.dtype).replace("torch.", "")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out

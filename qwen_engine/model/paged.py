@@ -1,0 +1,129 @@
+"""Paged decoding state and the metadata of one variable-length step (many sequences, one flat token batch).
+
+The engine's state, next to the contiguous `QwenState` of `state.py` (kept for the reference and the tests):
+
+- full-attention layers: a KV pool `[num_blocks, block_size, kv_heads, head_dim]` for k and for v, shared by every
+  sequence; a sequence's position p lives in block `block_table[p // block_size]` at offset `p % block_size`
+  (`engine_core/block_manager.py`), i.e. at flat slot `slot_mapping` = block * block_size + offset;
+- Gated DeltaNet layers: one row per *state slot* (`ScheduledSeq.state_slot`, 0..max_num_seqs-1) of the conv
+  state `[slots, conv_dim, K-1]` (model dtype) and of the fp32 recurrent state `[slots, v_heads, Dk, Dv]`.
+
+A step (`FlatBatch`) feeds the tokens of S sequences concatenated, `N = sum(n_i)` tokens: the first
+`num_decode` sequences are decode rows (one token each, batched through the attention and the GDN recurrent step),
+the rest prefill chunks (run one sequence at a time: SDPA with a causal offset mask, the chunked delta rule).
+Host-side per-sequence numbers (`starts`, `context_lens`, ...) are plain tuples taken from the scheduler's plan, so
+the per-sequence Python loops read no device value (no host syncs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FULL_ATTENTION, QwenConfig
+
+
+@dataclass
+class PagedKV:
+    """Keys/values of one full-attention layer for every sequence, in blocks (after k_norm and RoPE)."""
+
+    k: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    v: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [N, kv_heads, head_dim] at flat slots slot_mapping [N] (int64)."""
+        kv_heads, head_dim = self.k.shape[2:]
+        self.k.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(self.k.dtype))
+        self.v.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(self.v.dtype))
+
+
+@dataclass
+class GDNSlots:
+    """Gated DeltaNet state of one layer for every state slot."""
+
+    conv: torch.Tensor  # [slots, conv_dim, kernel - 1] previous in_proj_qkv outputs (model dtype), oldest first
+    recurrent: torch.Tensor  # [slots, v_heads, k_head_dim, v_head_dim] fp32
+
+
+@dataclass
+class PagedCache:
+    """The state of every layer: `layers[i]` is a `PagedKV` for full-attention layers, a `GDNSlots` otherwise."""
+
+    layers: list[PagedKV | GDNSlots]
+    block_size: int
+
+    @classmethod
+    def empty(cls, cfg: QwenConfig, num_blocks: int, block_size: int, num_slots: int, dtype=torch.float32,
+              device=None) -> PagedCache:
+        layers: list[PagedKV | GDNSlots] = []
+        for t in cfg.layer_types:
+            if t == FULL_ATTENTION:
+                shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+                layers.append(PagedKV(torch.zeros(shape, dtype=dtype, device=device),
+                                      torch.zeros(shape, dtype=dtype, device=device)))
+            else:
+                conv = torch.zeros(num_slots, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
+                                   device=device)
+                rec = torch.zeros(num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                  cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+                layers.append(GDNSlots(conv, rec))
+        return cls(layers, block_size)
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        """Zero the GDN state rows `slots` [R] int64 (sequences starting from position 0)."""
+        for layer in self.layers:
+            if isinstance(layer, GDNSlots):
+                layer.conv.index_fill_(0, slots, 0)
+                layer.recurrent.index_fill_(0, slots, 0)
+
+
+@dataclass
+class FlatBatch:
+    """Metadata of one step over S sequences / N tokens (device tensors + the host tuples they came from)."""
+
+    positions: torch.Tensor  # [N] int64 position id of every token
+    slot_mapping: torch.Tensor  # [N] int64 flat KV slot of every token
+    block_tables: torch.Tensor  # [S, max_blocks] int64, padded with 0 (padding is masked by context_lens)
+    context_lens_t: torch.Tensor  # [S] int64: keys visible to each sequence's last token (= start + n)
+    state_slots_t: torch.Tensor  # [S] int64 GDN state rows
+    starts: tuple[int, ...]  # S + 1 token offsets into the flat batch (cu_seqlens)
+    context_lens: tuple[int, ...]  # [S] host copy
+    state_slots: tuple[int, ...]  # [S] host copy
+    num_decode: int  # rows 0..num_decode-1 are decode rows: 1 token each, starts[i] == i
+    block_size: int
+    # the GDN one-token recurrent step: (q, k, v, g, beta, state) -> (o, new state); `gated_delta_step` or a kernel
+    gdn_decode: Callable | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.starts[-1]
+
+    @classmethod
+    def build(cls, seqs: list[tuple[int, int, tuple[int, ...], int]], num_decode: int, block_size: int,
+              device, gdn_decode: Callable | None = None) -> FlatBatch:
+        """From per-sequence (start, num_tokens, block_table, state_slot), decode rows first; one host->device copy
+        per field (pinned, non-blocking on CUDA)."""
+        positions, slots, starts, ctx = [], [], [0], []
+        width = max(len(bt) for _, _, bt, _ in seqs)
+        tables = []
+        for start, n, table, _ in seqs:
+            end = start + n
+            positions.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            starts.append(starts[-1] + n)
+            ctx.append(end)
+            tables.append(list(table) + [0] * (width - len(table)))
+        state_slots = tuple(s for *_, s in seqs)
+        pin = torch.device(device).type == "cuda"
+
+        def put(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
+
+        return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
+                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode)

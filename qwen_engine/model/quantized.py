@@ -1,0 +1,273 @@
+"""Packed-weight modules of the NVFP4/FP8 checkpoint: drop-in replacements for the dense `nn.Linear` / `Experts` /
+`SwiGLU` of the reference model, with the same `forward` signatures, computing through the kernel registry.
+
+    NVFP4Linear   W4A16_NVFP4 linear (lm_head; shared expert when not fused): uint8 [N, K/2] + e4m3 [N, K/16] +
+                  fp32 global per output row [N]  -> registry op "w4a16_linear" (Triton on CUDA, the exact-dequant
+                  reference elsewhere)
+    NVFP4SwiGLU   the shared expert with gate and up fused into one [2I, H] NVFP4 weight (one launch instead of two;
+                  per-row global scales keep each half's ModelOpt `weight_scale_2` exact) + down [H, I]
+    NVFP4Experts  routed experts, stacked gate_up [E, 2I, H] and down [E, H, I] NVFP4 -> registry op "w4a16_moe"
+                  (grouped Triton kernel: sort by expert, gate_up + SwiGLU, down + routing weight)
+    FP8Linear     FP8 W8A8 static per-tensor (GDN in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o):
+                  e4m3 [N, K] + fp32 weight_scale [] + fp32 input_scale [] -> registry op "fp8_linear"
+                  (`torch._scaled_mm` on sm_89+, the emulating reference elsewhere)
+
+Formats: `kernels/nvfp4.py`; design doc `../shared/design/qwen3.6-nvfp4.md` sections 2.3-2.5, 4.
+
+Numerics. The W4A16 ops dequantise exactly (E2M1 x e4m3 is exact in bf16) and accumulate in fp32, so with fp32
+activations (CPU, reference path) an NVFP4 module equals the dense module holding the dequantised weight to fp32
+rounding. FP8Linear quantises its input with the static `input_scale` (saturating e4m3, ~2^-4 relative rounding):
+that is the checkpoint's W8A8 design, not a kernel error, and it does not exist in a dense model. `quantize_
+activations=False` runs FP8 layers weight-only (dequantised weight, unquantised input) so that a test or the oracle
+can separate the two effects.
+
+Kernel choice: looked up in the registry once per (device, dtype, preference) and cached on the module (the
+registry docstring asks for `choose()` at plan time, not per call); the registry still records and logs the choice,
+and any fallback to the reference. `dequantized_state_dict` gives the dense weights these modules compute with (our
+parameter names), for the reference model and for transformers' `Qwen3_5MoeForCausalLM`.
+
+Module dtype casts (`model.to(torch.bfloat16)`) leave the packed buffers and their fp32 / e4m3 scales alone: they
+are a storage format, not a compute dtype (`_KeepStorageDtype`); device moves apply.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from kernels.nvfp4 import FP8Tensor, NVFP4Tensor, dequantize_fp8, dequantize_nvfp4
+
+W4A16_DENSE_OP = "w4a16_linear"  # kernels/w4a16_gemm.py
+W4A16_MOE_OP = "w4a16_moe"
+FP8_OP = "fp8_linear"  # kernels/fp8_linear.py
+
+
+def _registry(registry):
+    if registry is not None:
+        return registry
+    from engine_core.registry import default_registry
+
+    return default_registry()
+
+
+class _KeepStorageDtype(nn.Module):
+    """Buffers keep their dtype under `module.to(dtype)` / `.half()` / `.bfloat16()`; device moves still apply."""
+
+    def _apply(self, fn, recurse=True):
+        def keep(t):
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(out.device)
+
+        return super()._apply(keep, recurse)
+
+
+class _Dispatch(_KeepStorageDtype):
+    """Chooses the registry implementation of one op per (device, dtype, preference) and caches it."""
+
+    def __init__(self, op: str, registry=None):
+        super().__init__()
+        self.op = op
+        self.registry = registry  # None: the process-wide default registry, looked up on first use
+        self._impl: dict[tuple, object] = {}
+
+    def _call(self, *args):
+        reg = self.registry = _registry(self.registry)
+        x = args[0]
+        key = (x.device.type, x.dtype, reg.preference(self.op))
+        impl = self._impl.get(key)
+        if impl is None:
+            impl = self._impl[key] = reg.choose(self.op, **reg.spec(self.op).describe(*args))
+        return impl.fn(*args)
+
+    @property
+    def implementation(self) -> str | None:
+        """Name of the implementation chosen by the latest (device, dtype) seen, for benchmark headers."""
+        return next(reversed(self._impl.values())).name if self._impl else None
+
+
+def _global_per_row(g: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """Global scale [] / [...] / [..., N] -> fp32 [..., N] (per output row, what the kernels and the loader use)."""
+    g = torch.as_tensor(g, dtype=torch.float32)
+    if tuple(g.shape) == lead:
+        return g.contiguous()
+    if tuple(g.shape) in ((), tuple(lead[:-1])):
+        return g.reshape(*g.shape, *([1] * (len(lead) - g.dim()))).expand(lead).contiguous()
+    raise ValueError(f"global scale of shape {tuple(g.shape)} does not fit weight rows {lead}")
+
+
+# ---- dense linears -------------------------------------------------------------------------------------------------
+class NVFP4Linear(_Dispatch):
+    """y = x @ W^T, W NVFP4 [N, K] (no bias: none of the checkpoint's quantised layers has one)."""
+
+    def __init__(self, w: NVFP4Tensor, registry=None):
+        super().__init__(W4A16_DENSE_OP, registry)
+        n, k = w.shape
+        self.in_features, self.out_features = k, n
+        self.register_buffer("packed", w.packed.contiguous())  # uint8 [N, K/2]
+        self.register_buffer("scales", w.scales.contiguous())  # float8_e4m3fn [N, K/16]
+        self.register_buffer("global_scale", _global_per_row(w.global_scale, (n,)).to(w.packed.device))  # fp32 [N]
+
+    @property
+    def weight_nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.packed, self.scales, self.global_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x.dtype."""
+        return self._call(x, self.weight_nvfp4)
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize_nvfp4(*self.weight_nvfp4, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, W4A16_NVFP4"
+
+
+class FP8Linear(_Dispatch):
+    """y = (e4m3(x / input_scale) @ W_e4m3^T) * input_scale * weight_scale: static per-tensor W8A8."""
+
+    def __init__(self, w: FP8Tensor, quantize_activations: bool = True, registry=None):
+        super().__init__(FP8_OP, registry)
+        n, k = w.shape
+        self.in_features, self.out_features = k, n
+        if quantize_activations and w.input_scale is None:
+            raise ValueError("FP8Linear with quantize_activations needs the checkpoint's static input_scale")
+        self.quantize_activations = quantize_activations
+        self.register_buffer("weight", w.data.contiguous())  # float8_e4m3fn [N, K]
+        self.register_buffer("weight_scale", torch.as_tensor(w.scale, dtype=torch.float32).to(w.data.device))
+        s_in = w.input_scale if w.input_scale is not None else torch.tensor(float("nan"))
+        self.register_buffer("input_scale", torch.as_tensor(s_in, dtype=torch.float32).reshape(()).to(w.data.device))
+
+    @property
+    def weight_fp8(self) -> FP8Tensor:
+        return FP8Tensor(self.weight, self.weight_scale, self.input_scale if self.quantize_activations else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x.dtype."""
+        return self._call(x, self.weight_fp8)
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.weight_scale, dtype)
+
+    def extra_repr(self) -> str:
+        act = "static e4m3 activations" if self.quantize_activations else "weight-only (activations unquantised)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, FP8 W8A8 per-tensor, {act}"
+
+
+# ---- MoE -------------------------------------------------------------------------------------------------------------
+class NVFP4SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate/up fused into one NVFP4Linear [2I, H]: the shared expert."""
+
+    def __init__(self, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor, registry=None):
+        super().__init__()
+        i = gate.shape[0]
+        if up.shape != gate.shape or down.shape[1] != i:
+            raise ValueError(f"shared expert shapes gate {tuple(gate.shape)}, up {tuple(up.shape)}, "
+                             f"down {tuple(down.shape)} do not form a SwiGLU")
+        self.intermediate = i
+        fused = NVFP4Tensor(torch.cat((gate.packed, up.packed)), torch.cat((gate.scales, up.scales)),
+                            torch.cat((_global_per_row(gate.global_scale, (i,)).to(gate.packed.device),
+                                       _global_per_row(up.global_scale, (i,)).to(up.packed.device))))
+        self.gate_up_proj = NVFP4Linear(fused, registry)
+        self.down_proj = NVFP4Linear(down, registry)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+    def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """The three dense weights in `SwiGLU`'s parameter names."""
+        gu = self.gate_up_proj.dequantized(dtype)
+        return {"gate_proj.weight": gu[: self.intermediate], "up_proj.weight": gu[self.intermediate:],
+                "down_proj.weight": self.down_proj.dequantized(dtype)}
+
+
+class NVFP4Experts(_Dispatch):
+    """Routed experts with stacked NVFP4 weights: gate_up [E, 2I, H] (rows :I gate, I: up), down [E, H, I]; global
+    scales per expert and output row ([E, 2I], [E, H]). Same forward as `moe.Experts`."""
+
+    def __init__(self, gate_up: NVFP4Tensor, down: NVFP4Tensor, registry=None):
+        super().__init__(W4A16_MOE_OP, registry)
+        e, n13, h = gate_up.shape
+        if down.shape[0] != e or down.shape[1] != h or 2 * down.shape[2] != n13:
+            raise ValueError(f"expert stacks gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} "
+                             "are not [E, 2I, H] and [E, H, I]")
+        self.num_experts, self.intermediate = e, n13 // 2
+        dev = gate_up.packed.device
+        self.register_buffer("gate_up_packed", gate_up.packed.contiguous())  # uint8 [E, 2I, H/2]
+        self.register_buffer("gate_up_scales", gate_up.scales.contiguous())  # e4m3 [E, 2I, H/16]
+        self.register_buffer("gate_up_global", _global_per_row(gate_up.global_scale, (e, n13)).to(dev))
+        self.register_buffer("down_packed", down.packed.contiguous())  # uint8 [E, H, I/2]
+        self.register_buffer("down_scales", down.scales.contiguous())  # e4m3 [E, H, I/16]
+        self.register_buffer("down_global", _global_per_row(down.global_scale, (e, h)).to(dev))
+
+    @property
+    def gate_up_nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.gate_up_packed, self.gate_up_scales, self.gate_up_global)
+
+    @property
+    def down_nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.down_packed, self.down_scales, self.down_global)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype."""
+        return self._call(x, self.gate_up_nvfp4, self.down_nvfp4, idx, weights.to(x.dtype))
+
+    def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Dense stacks in `Experts`' parameter names (full size in bf16: 2.1 GB per layer; dequantise per layer)."""
+        return {"gate_up_proj": _dequantize_stack(self.gate_up_nvfp4, dtype),
+                "down_proj": _dequantize_stack(self.down_nvfp4, dtype)}
+
+
+def _dequantize_stack(w: NVFP4Tensor, dtype: torch.dtype, chunk: int = 16) -> torch.Tensor:
+    """[E, N, K] NVFP4 -> dense, `chunk` experts at a time (the decode's int64 temporaries are 8 B per weight)."""
+    out = torch.empty(w.shape, dtype=dtype, device=w.packed.device)
+    for lo in range(0, out.shape[0], chunk):
+        hi = lo + chunk
+        out[lo:hi] = dequantize_nvfp4(w.packed[lo:hi], w.scales[lo:hi], w.global_scale[lo:hi], dtype=dtype)
+    return out
+
+
+# ---- dense weights of a packed model ---------------------------------------------------------------------------------
+def iter_dequantized(model: nn.Module, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our parameter name, dense tensor) for every parameter of the reference model, from a model that may hold
+    packed modules: packed weights dequantised (`kernels/nvfp4.py` order: exact block value x global, one rounding
+    to `dtype`), BF16 parameters cast. One tensor at a time, so the full-size model (70 GB in bf16) can be streamed
+    into another model without holding two copies."""
+    packed_prefixes = []
+    for name, mod in model.named_modules():
+        if any(name.startswith(p) for p in packed_prefixes):
+            continue
+        prefix = name + "." if name else ""
+        if isinstance(mod, (NVFP4Linear, FP8Linear)):
+            packed_prefixes.append(prefix)
+            yield prefix + "weight", mod.dequantized(dtype)
+        elif isinstance(mod, (NVFP4SwiGLU, NVFP4Experts)):
+            packed_prefixes.append(prefix)
+            for k, v in mod.dequantized(dtype).items():
+                yield prefix + k, v
+    for name, p in model.named_parameters():
+        yield name, p.detach().to(dtype)
+
+
+def dequantized_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32,
+                           device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """`iter_dequantized` collected into a state dict for `QwenForCausalLM` (tiny / test sizes)."""
+    return {k: v if device is None else v.to(device) for k, v in iter_dequantized(model, dtype)}
+
+
+def packed_modules(model: nn.Module) -> dict[str, str]:
+    """module name -> kind, for reports: which layers run which format."""
+    kinds = {NVFP4Linear: "W4A16_NVFP4", FP8Linear: "FP8", NVFP4SwiGLU: "W4A16_NVFP4 (gate/up fused)",
+             NVFP4Experts: "W4A16_NVFP4 experts"}
+    return {n: kinds[type(m)] for n, m in model.named_modules() if type(m) in kinds}
+
+
+def set_fp8_activation_quantization(model: nn.Module, enabled: bool) -> None:
+    """Switch every FP8Linear between static W8A8 (the checkpoint's numerics) and weight-only (oracle isolation)."""
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            if enabled and not torch.isfinite(m.input_scale):
+                raise ValueError("this FP8 layer has no input_scale; it can only run weight-only")
+            m.quantize_activations = enabled

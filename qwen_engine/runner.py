@@ -1,0 +1,115 @@
+"""ModelRunner: executes one `StepPlan` of the continuous scheduler on the device -> `StepOutput`.
+
+    plan (host: token ids, positions, block tables, state slots)
+      -> FlatBatch: flat input_ids [N], positions, slot_mapping, block tables [S, max_blocks], state slots
+         (one pinned host->device copy per field, non-blocking)
+      -> zero the GDN state slots of sequences that start at position 0 (new, or resumed after preemption)
+      -> model.forward_paged: logits only at the last token of each sampling row  [M, vocab]
+      -> engine_core.sampling.sample (no host syncs)  -> the one device->host copy of the step: M token ids
+
+It owns the paged state (`PagedCache`): the KV pool of every full-attention layer and the GDN state slots. The
+kernel registry of the runner picks the GDN decode step (`kernels/gdn_decode.py`: Triton on CUDA, the torch
+reference otherwise or when `kernels="reference"`). Not thread-safe: one caller (the engine's step worker).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import torch
+
+from engine_core.continuous import StepOutput, StepPlan
+from engine_core.registry import KernelPreference, Registry
+from engine_core.sampling import SamplingTensors, sample
+
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, QwenConfig
+from .model.paged import FlatBatch, PagedCache
+
+
+def kv_block_bytes(cfg: QwenConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across every full-attention layer (k and v)."""
+    n_layers = sum(t == FULL_ATTENTION for t in cfg.layer_types)
+    return 2 * n_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
+def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype) -> int:
+    """Bytes of `num_slots` GDN state rows across every linear-attention layer (conv in dtype, recurrent fp32)."""
+    n_layers = sum(t == LINEAR_ATTENTION for t in cfg.layer_types)
+    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return n_layers * num_slots * (conv + rec)
+
+
+def gdn_registry(preference: KernelPreference | str = KernelPreference.AUTO) -> Registry:
+    """A registry with the ops the runner calls (its own, so an engine's preference does not leak into others)."""
+    registry = Registry(preference)
+    importlib.import_module("kernels.gdn_decode").register(registry)
+    return registry
+
+
+class ModelRunner:
+    """The model plus its paged state on one device; `execute(plan) -> StepOutput`."""
+
+    def __init__(self, model, cfg: QwenConfig, device: torch.device | str, num_blocks: int, block_size: int,
+                 max_num_seqs: int, registry: Registry | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.registry = registry if registry is not None else gdn_registry()
+        dtype = model.embed_tokens.weight.dtype  # packed NVFP4/FP8 modules hold uint8/e4m3 buffers, not this
+        self.cache = PagedCache.empty(cfg, num_blocks, block_size, max_num_seqs, dtype, self.device)
+        self.steps = 0
+        self.busy_s = 0.0  # wall time inside execute (includes the one sync of the sampled ids)
+
+    def _gdn_decode(self, q, k, v, g, beta, state):
+        return self.registry.call("gdn_decode", q, k, v, g, beta, state)
+
+    def flat_batch(self, plan: StepPlan) -> FlatBatch:
+        """The device metadata of `plan` (decode rows must come first, as the scheduler emits them)."""
+        num_decode = plan.num_decode
+        if any(not s.is_decode for s in plan.seqs[:num_decode]):
+            raise ValueError(f"step {plan.step_id}: decode rows must precede prefill chunks")
+        if plan.block_size != self.block_size:
+            raise ValueError(f"plan block_size {plan.block_size} != runner's {self.block_size}")
+        rows = [(s.start, s.num_tokens, s.block_table, s.state_slot) for s in plan.seqs]
+        return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run the model over `plan`: logits [len(plan.sampled), vocab] at the last token of each sampling row."""
+        batch = self.flat_batch(plan)
+        pin = self.device.type == "cuda"
+
+        def put(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+
+        resets = [s.state_slot for s in plan.seqs if s.reset_state]
+        if resets:
+            self.cache.reset_slots(put(resets))
+        input_ids = put([t for s in plan.seqs for t in s.token_ids])
+        last = [batch.starts[i + 1] - 1 for i, s in enumerate(plan.seqs) if s.sample]
+        if not last:  # every row is a mid-prompt chunk: state advances, nothing to sample
+            self.model.forward_paged(input_ids, batch, self.cache, put([0]))
+            return torch.empty(0, self.cfg.vocab_size, device=self.device)
+        return self.model.forward_paged(input_ids, batch, self.cache, put(last))
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """One step: forward, sample the rows that need a token, one device->host copy of the sampled ids."""
+        t0 = time.perf_counter()
+        logits = self.forward(plan)
+        if logits.shape[0]:
+            with torch.inference_mode():
+                ids = sample(logits, SamplingTensors.from_plan(plan, self.device)).tolist()  # the step's one sync
+        else:
+            ids = []
+        self.steps += 1
+        self.busy_s += time.perf_counter() - t0
+        return StepOutput(tuple(ids))
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": self.steps, "busy_s": round(self.busy_s, 3), "num_blocks": self.num_blocks,
+                "block_size": self.block_size, "state_slots": self.max_num_seqs}

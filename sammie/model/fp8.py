@@ -1,0 +1,189 @@
+"""FP8 (e4m3) linears for the SAM 3 ViT trunk, switched on only where they keep the image features close to bf16.
+
+    report = enable_vit_fp8(detector, sample_pixels)      # swaps in place, measures, keeps or restores
+    report.enabled, report.reason, report.rel_err         # per FPN level, FP8 vs bf16 on sample_pixels
+    disable_vit_fp8(detector)                              # back to the exact bf16 nn.Linear modules
+
+What is swapped: in every trunk block (`backbone.vision_backbone.trunk.blocks.{i}`) the four nn.Linear layers
+`attn.qkv` [3C, C], `attn.proj` [C, C], `mlp.fc1` [H, C], `mlp.fc2` [C, H] (C = 1024, H = 4736 in SAM 3: ~all of
+the ViT's FLOPs outside attention). Each becomes an `Fp8Linear`: weights quantised once per output channel, the
+activations per token at run time, one row-wise scaled FP8 GEMM (op "fp8_rowwise_linear" in `kernels.fp8_linear`,
+chosen through the kernel registry with its supports() guard; no host syncs, so CUDA graphs capture it, and
+torch.compile(fullgraph=True) traces it). Attention (SDPA), LayerNorms, patch embedding and neck stay bf16.
+
+The gate. `enable_vit_fp8` runs `detector.encode_images(sample_pixels)` in bf16, swaps, runs it again and keeps FP8
+only if every FPN level's relative error ||fp8 - bf16|| / ||bf16|| is <= max_rel_err; otherwise it restores the
+bf16 modules (bit-identical outputs: the very same nn.Linear objects go back). The gate is a cheap guard against a
+broken kernel or a checkpoint whose activations FP8 cannot represent (outlier channels that crush the per-token
+scale); the accuracy decision stays with the oracle (mask IoU against the bf16 engine), run on real images.
+
+DEFAULT_MAX_REL_ERR = 0.1 (SQNR >= 20 dB), why: one e4m3 rounding has a relative RMS error of about 2^-4 / sqrt(3)
+= 3.6% (3 mantissa bits, uniform error in +-half an ulp); a GEMM output whose two operands both carry it lands near
+sqrt(2) x 3.6% ~ 5% for incoherent errors, and 32 residual blocks with LayerNorms add errors per block but the
+residual stream carries the bulk of the signal. Measured with the FP8 emulation at the tiny test config (random
+weights and pixels): 0.7%, 2.1%, 2.3% for levels 4G, 2G, G (tests/test_fp8_vit.py prints it); benchmarks/fp8_check.py
+reports it at full size on the GPU (random weights). A broken kernel (wrong scale, transposed weight, saturation)
+gives O(1). 0.1 passes healthy FP8 with margin and rejects broken FP8 by an order of magnitude; tighten it once
+the real checkpoint's number is known.
+
+Memory: the bf16 weights stay allocated (the undo path), so FP8 adds ~0.3 GB for SAM 3's 300M trunk weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kernels.fp8_linear import ROWWISE_NAME, describe_rowwise, quantize_weight_rowwise
+
+DEFAULT_MAX_REL_ERR = 0.1  # per FPN level, FP8 vs bf16; see the module docstring
+VIT_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")  # inside each trunk block
+TRUNK = "backbone.vision_backbone.trunk"
+
+
+@dataclass(frozen=True)
+class Fp8Report:
+    enabled: bool  # FP8 linears are in place now
+    reason: str  # why (not); one line
+    layers: tuple[str, ...]  # modules that run in FP8 (empty when not enabled)
+    rel_err: tuple[float, ...]  # per FPN level [4G, 2G, G], FP8 vs bf16 on the sample (empty: not measured)
+    max_rel_err: float  # the gate
+    implementation: str | None  # the registry implementation the swapped layers use ("reference" = emulation)
+    skipped: tuple[str, ...] = ()  # linears the fast path does not support (kept in bf16); why: see `reason`
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Fp8Linear(nn.Module):
+    """Drop-in for an nn.Linear: y = fp8_rowwise_linear(x, W_e4m3, w_scale, bias) with the implementation `fn`.
+
+    `weight` / `bias` are the source layer's own Parameters (same state-dict keys, bf16 values kept for undo);
+    `weight_fp8` [N, K] e4m3 and `weight_scale` [N] fp32 are non-persistent buffers derived from them."""
+
+    def __init__(self, linear: nn.Linear, fn: Callable[..., torch.Tensor], impl_name: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        w_fp8, w_scale = quantize_weight_rowwise(linear.weight)
+        self.register_buffer("weight_fp8", w_fp8, persistent=False)
+        self.register_buffer("weight_scale", w_scale, persistent=False)
+        self.fn = fn
+        self.impl_name = impl_name
+        self.__dict__["source"] = linear  # not a submodule: restored as is by `disable_vit_fp8`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.weight_fp8, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 row-wise, {self.impl_name}"
+
+
+def vit_linear_names(detector: nn.Module) -> list[str]:
+    trunk = detector.get_submodule(TRUNK)
+    return [f"{TRUNK}.blocks.{i}.{leaf}" for i in range(len(trunk.blocks)) for leaf in VIT_LINEARS]
+
+
+def _set(detector: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(detector.get_submodule(parent), leaf, module)
+
+
+def disable_vit_fp8(detector: nn.Module) -> list[str]:
+    """Put the original bf16 nn.Linear modules back; returns the names restored (empty if FP8 was off)."""
+    restored = []
+    for name in vit_linear_names(detector):
+        module = detector.get_submodule(name)
+        if isinstance(module, Fp8Linear):
+            _set(detector, name, module.source)
+            restored.append(name)
+    return restored
+
+
+@torch.no_grad()
+def _fpn(detector: nn.Module, pixels: torch.Tensor) -> list[torch.Tensor]:
+    return [f.float() for f in detector.encode_images(pixels).fpn]
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref|| in float64 (NaN stays NaN and fails the gate)."""
+    ours, ref = ours.double(), ref.double()
+    denom = ref.norm()
+    return float((ours - ref).norm() / denom) if denom > 0 else float((ours - ref).norm())
+
+
+class _OpPreference:
+    """`with _OpPreference(registry, pref):` sets the preference of the FP8 op only, restoring the registry's own."""
+
+    def __init__(self, registry, preference: str):
+        self.registry, self.preference = registry, preference
+
+    def __enter__(self):
+        self.before = self.registry.preference(ROWWISE_NAME)
+        self.registry.set_preference(self.preference, ROWWISE_NAME)
+
+    def __exit__(self, *exc):
+        self.registry.set_preference(self.before, ROWWISE_NAME)
+
+
+def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_err: float = DEFAULT_MAX_REL_ERR,
+                   preference: str = "auto", registry=None) -> Fp8Report:
+    """Swap the ViT's linears for FP8 ones in place if the fast path runs here and the gate passes (module
+    docstring). `preference`: "auto" (fastest supported FP8 GEMM; none -> enabled False with the reason),
+    "triton" / "torch" (that implementation only; NotImplementedError from the registry if unsupported), or
+    "reference" (the fp32 quantise-dequantise emulation on any device: for tests and numerics studies, slower than
+    bf16). `sample_pixels` [B, 3, S, S] in the model dtype: use real preprocessed images when you have them."""
+    if registry is None:
+        from engine_core.registry import default_registry
+
+        registry = default_registry()
+    if ROWWISE_NAME not in registry.ops():
+        raise ValueError(f"kernel registry has no {ROWWISE_NAME!r} op (kernels.fp8_linear not registered)")
+    disable_vit_fp8(detector)  # measure the bf16 baseline from a clean state
+    names = vit_linear_names(detector)
+    plan, skipped, fallbacks = [], [], []
+    with _OpPreference(registry, preference):  # plan time: choose() outside any compiled region
+        for name in names:
+            linear = detector.get_submodule(name)
+            # describe one call: the token count does not enter the guard, one row stands for all
+            probe = linear.weight.new_empty((1, linear.in_features))
+            w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
+            s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
+            impl = registry.choose(ROWWISE_NAME, **describe_rowwise(probe, w_probe, s_probe, linear.bias))
+            if impl.name == "reference" and preference != "reference":
+                fallback = registry.choices()[ROWWISE_NAME]["fallback"] or "no FP8 implementation registered"
+                skipped.append(name)
+                fallbacks.append(fallback)
+            else:
+                plan.append((name, linear, impl))
+
+    def report(enabled: bool, reason: str, rel: tuple[float, ...] = (), layers: tuple[str, ...] = ()) -> Fp8Report:
+        impl_name = plan[0][2].name if plan else None
+        return Fp8Report(enabled, reason, layers, rel, max_rel_err, impl_name, tuple(skipped))
+
+    if not plan:
+        device = sample_pixels.device
+        return report(False, f"no FP8 GEMM for the ViT on {device.type}"
+                             f"{' ' + str(torch.cuda.get_device_capability(device)) if device.type == 'cuda' else ''}"
+                             f": {fallbacks[0] if fallbacks else 'nothing to swap'}")
+    baseline = _fpn(detector, sample_pixels)
+    for name, linear, impl in plan:
+        _set(detector, name, Fp8Linear(linear, impl.fn, impl.name))
+    try:
+        fp8 = _fpn(detector, sample_pixels)
+    except Exception:
+        disable_vit_fp8(detector)
+        raise
+    rel = tuple(_rel_err(o, r) for o, r in zip(fp8, baseline))
+    bad = [f"level {i}: {e:.3g}" for i, e in enumerate(rel) if not e <= max_rel_err]  # NaN fails
+    if bad:
+        disable_vit_fp8(detector)
+        return report(False, f"FP8 rejected, relative error above {max_rel_err:g} ({'; '.join(bad)}); bf16 restored",
+                      rel)
+    partial = f", {len(skipped)} kept in bf16 ({fallbacks[0]})" if skipped else ""
+    return report(True, f"FP8 {plan[0][2].name} on {len(plan)} linears{partial}; max relative error "
+                        f"{max(rel):.3g} <= {max_rel_err:g}", rel, tuple(name for name, _, _ in plan))

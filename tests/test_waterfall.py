@@ -1,0 +1,109 @@
+"""benchmarks/waterfall.py: its pure helpers (fast), and a CPU dry run of the whole script at the tiny config (slow).
+
+The dry run builds Meta's model and Sammie's engine at identical random weights, runs a subset of rows that work on
+the CPU (Meta per image, Meta's batched Datapoint path, our engine fp32 / bf16 batched, model-only, lone-request
+latency, extra prompt) and checks that waterfall.json holds every requested row with numbers and oracle columns.
+It takes 1.5-4 min on the shared 2-core machine (Meta's reference dominates), so it runs with SAMMIE_SLOW_TESTS=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "waterfall.py"
+
+
+def _waterfall():
+    if "waterfall" in sys.modules:
+        return sys.modules["waterfall"]
+    spec = importlib.util.spec_from_file_location("waterfall", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["waterfall"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_threshold_in_gap_keeps_between_5_and_20_and_sits_in_the_widest_gap():
+    wf = _waterfall()
+    rng = np.random.default_rng(0)
+    scores = np.sort(rng.uniform(0.40, 0.41, 200))[::-1].copy()
+    scores[:12] += 0.05  # the widest gap in ranks 5..20 is after rank 12
+    t = wf.threshold_in_gap(scores)
+    assert int((scores > t).sum()) == 12
+    assert scores[12] < t < scores[11]
+    # a gap outside ranks 5..20 (after rank 2) is not taken
+    scores2 = np.sort(rng.uniform(0.40, 0.41, 200))[::-1].copy()
+    scores2[:2] += 0.5
+    assert 5 <= int((scores2 > wf.threshold_in_gap(scores2)).sum()) <= 20
+    # few queries (tiny config: 16): still a valid split
+    k = int((scores2[:16] > wf.threshold_in_gap(scores2[:16])).sum())
+    assert 1 <= k <= 15
+
+
+def test_http_row_reads_locust_csv_and_takes_the_fastest_step(tmp_path):
+    wf = _waterfall()
+    header = "Type,Name,Request Count,Failure Count,Median Response Time,Requests/s,Failures/s,50%,99%\n"
+    (tmp_path / "u32_stats.csv").write_text(header + "POST,/v1/segment,1000,10,300,40.0,0.5,300,900\n"
+                                            ",Aggregated,1000,10,300,40.0,0.5,300,900\n")
+    (tmp_path / "u64_stats.csv").write_text(header + "POST,/v1/segment,1200,0,600,35.0,0,600,1500\n")
+    paths = f"{tmp_path / 'u32_stats.csv'},{tmp_path / 'u64_stats.csv'}"
+    r = wf.run_http(SimpleNamespace(args=SimpleNamespace(http_results=paths)))
+    assert r["img_per_s"] == pytest.approx(39.5)  # Requests/s - Failures/s
+    assert (r["p50_ms"], r["p99_ms"]) == (300.0, 900.0)
+    assert len(r["all_steps"]) == 2
+    with pytest.raises(wf.Skipped, match="--http-results"):
+        wf.run_http(SimpleNamespace(args=SimpleNamespace(http_results=None)))
+
+
+def test_table_shows_errors_and_target_verdicts():
+    wf = _waterfall()
+    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_batched", "ours_fp8_vit")]
+    results = {
+        "ours_bf16_batched": {"img_per_s": 101.0, "p50_ms": 300.0, "p99_ms": 400.0, "iou_mean": 0.985,
+                              "iou_min": 0.9, "count_mismatch_pct": 0.0, "score_max_abs_diff": 1e-3},
+        "ours_fp8_vit": {"error": "RuntimeError: FP8 gate did not pass"},
+    }
+    text = wf.table(rows, results)
+    lines = text.splitlines()
+    assert len(lines) == 4 and all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "img/s >= 95 ✓" in lines[2] and "IoU >= 0.99 ✗" in lines[2] and "mismatch % <= 1 ✓" in lines[2]
+    assert "error: RuntimeError: FP8 gate did not pass" in lines[3]
+
+
+@pytest.mark.skipif(os.environ.get("SAMMIE_SLOW_TESTS") != "1",
+                    reason="CPU dry run of the whole waterfall: 1.5-4 min on 2 shared cores; set SAMMIE_SLOW_TESTS=1")
+def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
+    rows = ["meta_processor_fp32", "meta_batched_bf16", "ours_fp32_b1", "ours_bf16_batched", "model_only_best",
+            "latency_single", "extra_prompt"]
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--config", "tiny", "--device", "cpu",
+           "--seconds", "1", "--rows", ",".join(rows), "--cases", "2", "--meta-batch", "2", "--clients", "4",
+           "--latency-requests", "5", "--no-profile"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "waterfall.json").read_text())
+    assert data["info"]["complete"] and data["info"]["flops"]["total"] > 0
+    assert list(data["rows"]) == rows
+    for name, r in data["rows"].items():
+        assert not r.get("error"), f"{name}: {r.get('error')}\n{r.get('traceback')}"
+        rate = r["img_per_s"] if r["img_per_s"] is not None else r["pairs_per_s"]
+        assert rate > 0 and r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["tflops"] > 0, name
+    for name in ("meta_processor_fp32", "meta_batched_bf16", "ours_fp32_b1", "ours_bf16_batched", "extra_prompt"):
+        r = data["rows"][name]
+        assert 0.0 <= r["iou_min"] <= r["iou_mean"] <= 1.0 and 0.0 <= r["count_mismatch_pct"] <= 100.0, name
+        assert math.isfinite(r["score_max_abs_diff"]), name
+    # identical weights: Meta fp32 with TF32 (a no-op on the CPU) and our fp32 engine reproduce the ground truth
+    for name in ("meta_processor_fp32", "ours_fp32_b1"):
+        assert data["rows"][name]["iou_mean"] > 0.999 and data["rows"][name]["count_mismatch_pct"] == 0.0, name
+    md = (tmp_path / "waterfall.md").read_text()
+    assert all(f"| {name} |" in md for name in rows)
