@@ -46,7 +46,9 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"quantize_rows expects a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)  # [M, 1]
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # tensor / tensor, not tensor / scalar: PyTorch's CUDA kernel turns division by a scalar into multiplication by
+    # its reciprocal (not IEEE division), so the reference would differ between CPU and GPU by an ulp of the scale
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -114,9 +114,20 @@ def test_fp8_linear_module_matches_the_op_reference():
     assert mod.weight is lin.weight and mod.source is lin
 
 
+def _cpu_rowwise_scaled_mm() -> bool:
+    """torch >= 2.14 runs row-wise-scaled `_scaled_mm` on the CPU; 2.11 (the GPU machine's) only per-tensor."""
+    a = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_rowwise_scaled_mm(), reason="this torch's CPU _scaled_mm has no row-wise scaling")
 def test_fullgraph_trace_of_the_fp8_block():
     """torch.compile(fullgraph=True) traces an FP8 linear without a graph break (aot_eager: the fake kernels of
-    `_scaled_mm` and of the custom quantiser op run, no C++ compiler needed)."""
+    `_scaled_mm` and of the custom quantiser op run, no C++ compiler needed). Runs the CPU `_scaled_mm`."""
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
     x = torch.randn(16, 64, generator=g).to(torch.bfloat16)

@@ -120,7 +120,9 @@ def box_sine_embed(boxes: torch.Tensor, d_model: int) -> torch.Tensor:
     n = d_model // 2  # features per coordinate
     k = torch.arange(n // 2, device=boxes.device, dtype=torch.float32)
     dim_t = 10000.0 ** (2 * k / n)  # [n/2] the wavelength of pair k
-    coords = boxes[..., [1, 0, 2, 3]] * (2 * math.pi)  # [..., 4] in Meta's (y, x, w, h) order
+    # [..., 4] in Meta's (y, x, w, h) order; slices, not a list index: a list becomes a host tensor copied to the
+    # device on every call, which CUDA graph capture refuses (and which costs a sync-free but real H2D copy)
+    coords = torch.cat([boxes[..., 1:2], boxes[..., 0:1], boxes[..., 2:4]], dim=-1) * (2 * math.pi)
     angles = coords[..., None] / dim_t  # [..., 4, n/2]
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-3)  # [..., 4 * n]
 
