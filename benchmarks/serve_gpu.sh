@@ -17,8 +17,7 @@
 # WARMUP_S (10), PROCS (Locust processes, 4), PROMPTS (prompts per request, 1), MASK_FORMAT (rle),
 # READY_TIMEOUT_S (360), PORT (8000, must match the config), DIRECT_INGRESS=1 (RAY_SERVE_ENABLE_DIRECT_INGRESS),
 # REQUIRE_GPU=0 (skip the CUDA check: a CPU dry run with CONFIG=serve_configs/local.yaml).
-# Not measured yet: the serving-path ceiling with a null model (EngineConfig has no such switch); see
-# benchmarks/README.md.
+# The serving path's ceiling with no model (EngineConfig.null_model) is benchmarks/serve_ceiling.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

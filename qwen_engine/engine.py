@@ -41,9 +41,10 @@ from engine_core.continuous import (
     FinishReason,
     GenerateRequest,
     SamplingParams,
+    StepFailed,
     TokenDelta,
 )
-from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId
+from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId, RequestTimings
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,8 @@ class QwenEngine:
             self._wake.set()
             try:
                 await self._loop_task
+            except Exception:  # noqa: BLE001 - a dead loop was logged (CRITICAL) when it died; closing goes on
+                pass
             finally:
                 self._loop_task = None
         for rid in list(self._streams):
@@ -441,6 +444,22 @@ class QwenEngine:
                 queue.put_nowait(answer)
 
     async def _step_loop(self) -> None:
+        """Runs `_steps`; if the loop itself dies (a scheduler bug, not a failed model step, which `_steps` turns
+        into StepFailed for that step's sequences), every open stream gets StepFailed at once instead of waiting
+        forever, `alive` turns False and the replica's health check fails."""
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._ready = False
+            log.critical("Qwen step loop died; failing %d open streams: %r", len(self._streams), exc, exc_info=True)
+            now = self.scheduler.clock.now()
+            for rid, queue in list(self._streams.items()):
+                queue.put_nowait(Answer(rid, None, StepFailed(rid, -1, exc), RequestTimings(now, now)))
+            raise
+
+    async def _steps(self) -> None:
         """schedule -> execute (worker thread) -> finish, back to back while there is work; sleeps when idle."""
         loop, sched = asyncio.get_running_loop(), self.scheduler
         while not self._closing:

@@ -189,6 +189,25 @@ def test_engine_with_packed_weights_equals_single_prompt_reference():
         engine_config(weights="fp4")
 
 
+def test_dead_step_loop_fails_open_streams_instead_of_hanging(monkeypatch):
+    """A bug that kills the step loop itself (here: the scheduler's step raising) must end every open stream with
+    StepFailed at once and turn `alive` / `ready` False, not leave the streams waiting forever."""
+    from engine_core.continuous import StepFailed
+
+    async def body(engine):
+        def broken_finish(plan, output):  # the model step ran; the loop's own bookkeeping then raises
+            raise RuntimeError("scheduler bug")
+
+        monkeypatch.setattr(engine.scheduler, "finish", broken_finish)
+        with pytest.raises(StepFailed, match="scheduler bug"):
+            await asyncio.wait_for(collect(engine, prompt(0, 5), max_new_tokens=4), timeout=10)
+        await asyncio.sleep(0)
+        return engine.alive, engine.ready
+
+    alive, ready = run(engine_config(), body)
+    assert not alive and not ready
+
+
 def test_stop_tokens_and_finish_reasons():
     ids = prompt(1, 10)
 
