@@ -96,8 +96,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:  # int64 sampling tensors: a huge k must not fail a whole batched step
+            raise ValueError(f"top_k must be in [0, 2**31) (0 = off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

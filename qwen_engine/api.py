@@ -95,7 +95,8 @@ class _SamplingFields(BaseModel):
                                                      "the context")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="extension: keep the k most likely tokens; 0 or -1 = off")
+    top_k: int = Field(0, ge=-1, le=2**31 - 1,
+                       description="extension: keep the k most likely tokens; 0 or -1 = off")
     seed: int | None = Field(None, description="fixes the sampling of this request")
     stop: str | list[str] | None = Field(None, description="up to 16 strings; the output ends before the first one")
     n: int = Field(1, description="only 1 is supported")

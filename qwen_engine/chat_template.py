@@ -134,6 +134,9 @@ class ChatTemplate:
             if m.reasoning_content is not None:
                 d["reasoning_content"] = m.reasoning_content
             dicts.append(d)
+        reserved = sorted({"messages", "add_generation_prompt"} & set(kwargs))
+        if reserved:
+            raise TemplateError(f"chat_template_kwargs may not set {reserved}")
         try:
             return self._template.render(messages=dicts, add_generation_prompt=add_generation_prompt, **kwargs)
         except TemplateError:

@@ -420,8 +420,8 @@ class SammieEngine:
             log.warning("NULL MODEL: this engine answers every request with no instances (serving-path ceiling)")
 
     def _enable_vit_fp8(self):
-        """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample (one warm-up image
-        through the real preprocessing). Returns its report; a refusal is logged at ERROR and bf16 stays."""
+        """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample (a seeded uniform-noise
+        image through the real preprocessing: no photograph is available at start; real images may err differently). Returns its report; a refusal is logged at ERROR and bf16 stays."""
         from sammie.model.fp8 import enable_vit_fp8
 
         side = self.model_cfg.image_size

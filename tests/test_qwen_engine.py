@@ -208,6 +208,25 @@ def test_dead_step_loop_fails_open_streams_instead_of_hanging(monkeypatch):
     assert not alive and not ready
 
 
+def test_client_timeout_may_shorten_never_extend_the_deadline():
+    """request_timeout_s is the operator's cap: a client's larger timeout_s is cut to it, a smaller one is kept."""
+    seen = []
+
+    async def body(engine):
+        add = engine.scheduler.add
+
+        def spy(request):
+            seen.append(request.deadline_s - engine.scheduler.clock.now())
+            return add(request)
+
+        engine.scheduler.add = spy
+        await collect(engine, prompt(0, 3), max_new_tokens=1, timeout_s=1e9)
+        await collect(engine, prompt(1, 3), max_new_tokens=1, timeout_s=5.0)
+
+    run(engine_config(request_timeout_s=60.0), body)
+    assert 59.0 < seen[0] <= 60.0 and 4.0 < seen[1] <= 5.0, seen
+
+
 def test_stop_tokens_and_finish_reasons():
     ids = prompt(1, 10)
 

@@ -125,6 +125,9 @@ def test_sse_framing_and_error_shape():
     (b'{"model": "m", "messages": [], "temperatur": 1}', "unknown_parameter"),
     (b'{"model": "m", "messages": [], "temperature": 3}', "invalid_request"),
     (b'{"model": "m", "messages": [], "top_p": 0}', "invalid_request"),
+    # a huge top_k once passed validation and then failed the whole batched step (int64 overflow) for everyone
+    (b'{"model": "m", "messages": [], "top_k": 1e30}', "invalid_request"),
+    (b'{"model": "m", "messages": [], "top_k": 9223372036854775808}', "invalid_request"),
 ])
 def test_parse_errors(body, code):
     with pytest.raises(ApiError) as e:
