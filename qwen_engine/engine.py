@@ -27,9 +27,8 @@ import logging
 import math
 import operator
 import time
-import typing
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from engine_core.continuous import (
     StepFailed,
     TokenDelta,
 )
+from engine_core.config_args import check_field_types, from_args
 from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId, RequestTimings
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class QwenEngineConfig:
     #                        dequantized otherwise (BF16 checkpoints, the tiny test model)
 
     def __post_init__(self):
-        _check_types(self)
+        check_field_types(self)
         if self.config not in PRESETS:
             raise ValueError(f"config must be one of {list(PRESETS)}, got {self.config!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -117,36 +117,13 @@ class QwenEngineConfig:
     @classmethod
     def from_dict(cls, args: Mapping[str, Any] | None) -> QwenEngineConfig:
         """Build from a plain mapping (YAML `args:`); unknown keys raise, listing the valid ones."""
-        args = dict(args or {})
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(args) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown QwenEngineConfig key(s) {unknown}; valid keys: {valid}")
-        return cls(**args)
+        return from_args(cls, args)
 
     def scheduler_config(self, num_kv_blocks: int) -> ContinuousConfig:
         return ContinuousConfig(
             num_kv_blocks=num_kv_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             max_waiting=self.max_queued, seed=self.seed)
-
-
-def _check_types(cfg: QwenEngineConfig) -> None:
-    """YAML hands over whatever it parsed: refuse "8" for an int or 1 for a bool (ints are fine for floats)."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in fields(cfg):
-        value, allowed = getattr(cfg, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
-        if value is None and type(None) in allowed:
-            continue
-        ok = any(
-            (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-            or (t is int and isinstance(value, int) and not isinstance(value, bool))
-            or (t not in (int, float) and t is not type(None) and isinstance(value, t))
-            for t in allowed
-        )
-        if not ok:
-            names = " | ".join("None" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"QwenEngineConfig.{f.name} must be {names}, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------

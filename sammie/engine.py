@@ -35,15 +35,15 @@ import math
 import os
 import threading
 import time
-import typing
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from engine_core.config_args import check_field_types, from_args
 from engine_core.request import Answer, Batch, Overloaded, SegmentRequest, Stage
 from engine_core.scheduler import AsyncBatchLoop, PipelineScheduler, SchedulerConfig, SchedulerStats, StageConfig
 from sammie.config import PRESETS
@@ -111,7 +111,7 @@ class EngineConfig:
         for name in ("image_buckets", "pair_buckets"):  # YAML gives lists
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
-        _check_types(self)
+        check_field_types(self)
         for name in ("image_buckets", "pair_buckets"):
             if not all(isinstance(b, int) and not isinstance(b, bool) for b in getattr(self, name)):
                 raise ValueError(f"{name} must be a list of ints, got {getattr(self, name)!r}")
@@ -143,12 +143,7 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, args: Mapping[str, Any] | None) -> EngineConfig:
         """Build from a plain mapping (YAML `args:`); unknown keys raise, listing the valid ones."""
-        args = dict(args or {})
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(args) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown EngineConfig key(s) {unknown}; valid keys: {valid}")
-        return cls(**args)
+        return from_args(cls, args)
 
     def scheduler_config(self) -> SchedulerConfig:
         # The engine admits at most max_queued requests before submit, so the scheduler's own cap never binds.
@@ -159,24 +154,6 @@ class EngineConfig:
                                   buckets=self.pair_buckets),
             max_queued=self.max_queued,
         )
-
-
-def _check_types(cfg: EngineConfig) -> None:
-    """YAML hands over whatever it parsed: refuse "8" for an int or 1 for a bool (ints are fine for floats)."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in fields(cfg):
-        value, allowed = getattr(cfg, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
-        if value is None and type(None) in allowed:
-            continue
-        ok = any(
-            (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-            or (t is int and isinstance(value, int) and not isinstance(value, bool))
-            or (t not in (int, float) and t is not type(None) and isinstance(value, t))
-            for t in allowed
-        )
-        if not ok:
-            names = " | ".join("None" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"EngineConfig.{f.name} must be {names}, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------
