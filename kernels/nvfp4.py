@@ -18,14 +18,18 @@ FP8 layers: `weight = (W / weight_scale).to(e4m3)`, `weight_scale = amax(W) / 44
 
 The Blackwell W4A4 helpers at the bottom (activation quantisation, the 128x4 swizzled scale layout, the
 `torch._scaled_mm(float4_e2m1fn_x2)` call) are checked in emulation only: the `torch._scaled_mm` path is UNTESTED ON
-HARDWARE (no sm_100 GPU available to this project); see `w4a4_linear_scaled_mm`.
+HARDWARE (no sm_100 GPU available to this project); see `w4a4_linear_scaled_mm`. `register(registry)` adds them as
+op "nvfp4_w4a4_linear" (reference `w4a4_linear_reference`, "torch"-kind fast path `w4a4_linear_scaled_mm` behind
+`supports_w4a4`); `qwen_engine.model.quantized.NVFP4Linear` runs it for W4A4 exports on Blackwell.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+
+from kernels.tolerance import compare
 
 BLOCK = 16  # elements along K per e4m3 block scale (MXFP4 uses 32 with E8M0 scales)
 E2M1_MAX = 6.0
@@ -261,40 +265,58 @@ def quantize_activation_nvfp4(x: torch.Tensor, input_scale: torch.Tensor | float
     return quantize_nvfp4(x.reshape(-1, x.shape[-1]), input_scale)
 
 
+def _w4a4_weight_global(w: NVFP4Tensor) -> torch.Tensor:
+    """The weight's global scale for a W4A4 GEMM: a scalar, or one per output row [N] (the loader's per-row form; a
+    fused gate/up keeps each half's own). Either way it multiplies output columns, after the block-scaled GEMM."""
+    g = w.global_scale
+    if g.dim() != 0 and tuple(g.shape) != (w.packed.shape[-2],):
+        raise ValueError(f"W4A4 needs a scalar or per-row [N={w.packed.shape[-2]}] weight global scale, got "
+                         f"shape {tuple(g.shape)}")
+    return g
+
+
 def w4a4_linear_reference(x: torch.Tensor, w: NVFP4Tensor, input_scale=None, out_dtype=torch.bfloat16) -> torch.Tensor:
     """Emulated W4A4 linear, x [..., K] -> [..., N]: quantise x to NVFP4, multiply the exact block values (E2M1 x e4m3
     scale) of both operands in fp32 and apply the product of the two global scales to the result, which is the
-    arithmetic of the block-scaled tensor-core GEMM up to fp32 summation order."""
-    if w.global_scale.dim() != 0:
-        raise ValueError("W4A4 needs a scalar weight global scale (the GEMM applies one alpha)")
+    arithmetic of the block-scaled tensor-core GEMM up to fp32 summation order. The weight's global scale may be a
+    scalar or per output row [N] (applied per output column: exact in the same way)."""
+    g = _w4a4_weight_global(w)
     xq = quantize_activation_nvfp4(x, input_scale)
     y = nvfp4_block_values(xq.packed, xq.scales) @ nvfp4_block_values(w.packed, w.scales).T
-    y = y * (xq.global_scale * w.global_scale)
+    y = y * (xq.global_scale * g)
     return y.to(out_dtype).reshape(*x.shape[:-1], w.packed.shape[-2])
 
 
 def w4a4_scaled_mm_args(xq: NVFP4Tensor, w: NVFP4Tensor) -> tuple[tuple, torch.Tensor]:
-    """Operands of `torch._scaled_mm` for NVFP4 x NVFP4, and the fp32 factor to apply to its output.
+    """Operands of `torch._scaled_mm` for NVFP4 x NVFP4, and the fp32 factor ([] or [N]) to apply to its output.
 
     a = x packed [M, K/2] as float4_e2m1fn_x2 (row-major), b = w packed viewed [K/2, N] (column-major), scales swizzled
     e4m3; cuBLAS multiplies block scales only, so the two global scales are applied afterwards (torchao does the same).
+    The activation's global scale must be a scalar; the weight's a scalar or per output row [N].
     """
-    for t in (xq, w):
-        if t.global_scale.dim() != 0:
-            raise ValueError("torch._scaled_mm path needs scalar global scales")
+    if xq.global_scale.dim() != 0:
+        raise ValueError("torch._scaled_mm path needs a scalar activation global scale")
+    g = _w4a4_weight_global(w)
     a = xq.packed.contiguous().view(torch.float4_e2m1fn_x2)
     b = w.packed.contiguous().view(torch.float4_e2m1fn_x2).t()
     sa = to_blocked(xq.scales)
     sb = to_blocked(w.scales)
-    return (a, b, sa, sb), xq.global_scale * w.global_scale
+    return (a, b, sa, sb), xq.global_scale * g
+
+
+W4A4_MIN_CAPABILITY = (10, 0)  # block-scaled FP4 tensor cores with e4m3 1x16 scales in cuBLASLt (B200 = sm_100)
+
+
+def _has_float4() -> bool:
+    return hasattr(torch, "float4_e2m1fn_x2")
 
 
 def supports_w4a4_scaled_mm(device: torch.device | str | None = None) -> bool:
     """Native NVFP4 `torch._scaled_mm` needs compute capability >= 10 (B200: 10.0) and a torch with float4 dtypes."""
-    if not hasattr(torch, "float4_e2m1fn_x2") or not torch.cuda.is_available():
+    if not _has_float4() or not torch.cuda.is_available():
         return False
     device = torch.device(device) if device is not None else torch.device("cuda")
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+    return device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= W4A4_MIN_CAPABILITY
 
 
 def w4a4_linear_scaled_mm(x: torch.Tensor, w: NVFP4Tensor, input_scale=None, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -306,3 +328,51 @@ def w4a4_linear_scaled_mm(x: torch.Tensor, w: NVFP4Tensor, input_scale=None, out
     (a, b, sa, sb), alpha = w4a4_scaled_mm_args(xq, w)
     y = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
     return (y * alpha).to(out_dtype).reshape(*x.shape[:-1], w.packed.shape[-2])
+
+
+# ---- registry entry: op "nvfp4_w4a4_linear" -------------------------------------------------------------------------
+W4A4_OP = "nvfp4_w4a4_linear"
+W4A4_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activation and output dtypes (cast around the GEMM)
+
+
+def describe_w4a4(x: torch.Tensor, w: NVFP4Tensor, input_scale=None, out_dtype=torch.bfloat16) -> dict[str, Any]:
+    """Info for `supports_w4a4` (must not raise: the registry calls it on any arguments of the op)."""
+    p, s, g = w.packed, w.scales, torch.as_tensor(w.global_scale)
+    weight_ok = (p.dim() == 2 and s.dim() == 2 and p.dtype == torch.uint8 and s.dtype == torch.float8_e4m3fn
+                 and s.shape[0] == p.shape[0] and s.shape[1] * BLOCK == 2 * p.shape[1])
+    return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
+                float4=_has_float4(), dtype=x.dtype, out_dtype=out_dtype, k=x.shape[-1] if x.dim() else -1,
+                weight_k=2 * p.shape[-1] if p.dim() else -1, n=p.shape[0] if p.dim() else -1, weight_ok=weight_ok,
+                global_ok=g.dim() == 0 or tuple(g.shape) == (p.shape[0],),
+                input_scale_ok=input_scale is None or torch.as_tensor(input_scale).numel() == 1)
+
+
+def supports_w4a4(*, device: str, capability, float4: bool, dtype: torch.dtype, out_dtype: torch.dtype, k: int,
+                  weight_k: int, n: int, weight_ok: bool, global_ok: bool, input_scale_ok: bool, **_: Any) -> bool:
+    """`w4a4_linear_scaled_mm` can run: CUDA of compute capability >= 10.0 with torch's float4 dtypes; a 2-D NVFP4
+    weight [N, K] whose K matches x, with a scalar or per-row global; a scalar (or no) input scale; and cuBLASLt's
+    alignment as `_scaled_mm` checks it (`Blas.cpp`: mat1 [M, K/2] with K/2 % 16 == 0, mat2 [K/2, N] with both % 16),
+    i.e. K % 32 == 0 and N % 16 == 0. The swizzled scales need nothing more: `to_blocked` pads rows to 128 and scale
+    columns to 4."""
+    if device != "cuda" or capability is None or tuple(capability) < W4A4_MIN_CAPABILITY or not float4:
+        return False
+    return (dtype in W4A4_DTYPES and out_dtype in W4A4_DTYPES and weight_ok and global_ok and input_scale_ok
+            and k == weight_k and k % 32 == 0 and n % 16 == 0)
+
+
+def _sample_w4a4(device) -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(0)
+    w = quantize_nvfp4(torch.randn(96, 160, generator=g) * 0.02)
+    w = w._replace(global_scale=w.global_scale.expand(96).clone())  # per-row, as the loader hands it over
+    x = torch.randn(3, 160, generator=g).to(torch.bfloat16)
+    input_scale = x.float().abs().amax() / (E2M1_MAX * E4M3_MAX) * 0.9  # a calibrated scale a little below amax
+    w = NVFP4Tensor(*(t.to(device) for t in w))
+    return (x.to(device), w, input_scale.to(device), torch.bfloat16), {}
+
+
+def register(registry) -> None:
+    registry.add_op(W4A4_OP, w4a4_linear_reference, sample=_sample_w4a4, compare=compare, describe=describe_w4a4,
+                    tolerance="max |diff| <= 1e-2 x max |ref| (identical quantised activations, exact E2M1 x e4m3 "
+                              "products, fp32 accumulation; bf16 output rounding 2^-9)")
+    # cuBLASLt's block-scaled FP4 GEMM through torch, not our kernel: the registry's "torch" kind. UNTESTED ON HARDWARE.
+    registry.add_implementation(W4A4_OP, "scaled_mm", w4a4_linear_scaled_mm, supports_w4a4, kind="torch")

@@ -14,8 +14,11 @@ Full size (computed from the shapes, design doc 5): routed experts 32.21 B param
 per-row fp32 global scales); FP8 GDN / attention projections 1.28 GB; lm_head 0.29 GB; shared experts 0.07 GB; BF16
 embeddings 1.02 GB, routers 0.04 GB, the rest < 0.02 GB.
 
-W4A4 `NVFP4` layers (activation scales present) run as W4A16: activations stay bf16, which is at least as accurate
-as the W4A4 GEMM they were exported for; this is logged.
+W4A4 `NVFP4` layers (activation scales present; the checkpoint's `quantized_layers` say `NVFP4`, not `W4A16_NVFP4`):
+the dense ones (lm_head, shared expert, any other linear) get their `input_scale` and the `w4a4` switch: "auto" runs
+native W4A4 where the registry picks `nvfp4_w4a4_linear`'s fast path (Blackwell, compute capability >= 10) and W4A16
+elsewhere, "off" always W4A16, "emulate" the W4A4 reference numerics on any device (`model/quantized.py`). Routed
+experts exported as W4A4 run as W4A16 (no grouped W4A4 GEMM). What runs is logged at load.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from .checkpoint import NVFP4, CheckpointError, LoadedCheckpoint, load_checkpoin
 from .config import QwenConfig
 from .model import QwenForCausalLM
 from .model.moe import Experts, SwiGLU
-from .model.quantized import FP8Linear, NVFP4Experts, NVFP4Linear, NVFP4SwiGLU
+from .model.quantized import FP8Linear, NVFP4Experts, NVFP4Linear, NVFP4SwiGLU, check_w4a4_mode
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ def load_quantized(
     fuse_shared_expert: bool = True,
     gdn_chunk_size: int = 64,
     registry=None,
+    w4a4: str = "auto",
 ) -> QwenForCausalLM:
     """A `QwenForCausalLM` whose quantised layers are packed modules (see the module docstring).
 
@@ -56,22 +60,26 @@ def load_quantized(
     parameter names to tensors / NVFP4Tensor / FP8Tensor (then `cfg` is required). dtype: the activation and BF16
     parameter dtype. quantize_activations=False runs the FP8 layers weight-only (oracle isolation, `quantized.py`).
     fuse_shared_expert: one [2I, H] NVFP4 GEMM for the shared expert's gate and up when both are NVFP4.
+    w4a4: "auto" | "off" | "emulate", for the dense layers the checkpoint exports as W4A4 (module docstring); layers
+    without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
     Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.
     """
+    check_w4a4_mode(w4a4)
     algos: dict[str, str] = {}
+    input_scales: Mapping[str, torch.Tensor] = {}
     if isinstance(source, (str, os.PathLike)):
         source = load_checkpoint(source, packed=True, dtype=dtype, device=device)
     if isinstance(source, LoadedCheckpoint):
         if cfg is not None and cfg != source.config:
             raise CheckpointError(f"checkpoint is for {source.config}, asked for {cfg}")
-        cfg, algos, tensors = source.config, source.algos, source.tensors
+        cfg, algos, tensors, input_scales = source.config, source.algos, source.tensors, source.input_scales
     else:
         if cfg is None:
             raise ValueError("load_quantized(tensors, cfg): a tensor mapping needs its QwenConfig")
         tensors = source
-    w4a4 = sorted(k for k, a in algos.items() if a == NVFP4)
-    if w4a4:
-        log.warning("%d NVFP4 (W4A4) layers run as W4A16 (bf16 activations), e.g. %s", len(w4a4), w4a4[0])
+    # W4A4 exports: our parameter name -> static activation scale (the checkpoint requires one for `NVFP4` layers)
+    act_scales = {k: input_scales[k] for k, a in algos.items() if a == NVFP4 and k in input_scales}
+    _log_w4a4(act_scales, tensors, w4a4)
 
     device = torch.device(device)
     with torch.device("meta"):
@@ -101,7 +109,14 @@ def load_quantized(
         elif isinstance(mod, SwiGLU) and fuse_shared_expert:
             ws = [packed.get(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down")]
             if all(isinstance(w, NVFP4Tensor) for w in ws):
-                _replace(model, name, NVFP4SwiGLU(*(to_dev(w) for w in ws), registry=registry))
+                s_gate, s_up, s_down = (act_scales.get(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down"))
+                # gate and up read the same input: ModelOpt's two amaxes agree; the max saturates neither. W4A4 for
+                # the fused GEMM only if both halves were exported W4A4.
+                s_gate_up = None if s_gate is None or s_up is None else torch.maximum(s_gate, s_up).to(device)
+                _replace(model, name, NVFP4SwiGLU(*(to_dev(w) for w in ws), registry=registry,
+                                                  gate_up_input_scale=s_gate_up,
+                                                  down_input_scale=None if s_down is None else s_down.to(device),
+                                                  w4a4=w4a4))
                 done |= {f"{prefix}{p}_proj.weight" for p in ("gate", "up", "down")}
     for key, value in packed.items():
         if key in done:
@@ -111,8 +126,9 @@ def load_quantized(
         if leaf != "weight" or not isinstance(mod, nn.Linear):
             raise CheckpointError(f"{key}: packed {type(value).__name__} for a parameter that is not an nn.Linear "
                                   "weight; no packed module implements it")
-        new = (NVFP4Linear(to_dev(value), registry) if isinstance(value, NVFP4Tensor)
-               else FP8Linear(to_dev(value), quantize_activations, registry))
+        s_in = act_scales.get(key)
+        new = (NVFP4Linear(to_dev(value), registry, None if s_in is None else s_in.to(device), w4a4)
+               if isinstance(value, NVFP4Tensor) else FP8Linear(to_dev(value), quantize_activations, registry))
         _replace(model, module_name, new)
 
     # the BF16 rest: assign real tensors in place of the meta parameters
@@ -125,6 +141,21 @@ def load_quantized(
     if left:
         raise CheckpointError(f"load_quantized: tensors left unassigned: {left[:8]}")
     return model.eval()
+
+
+def _log_w4a4(act_scales: Mapping[str, torch.Tensor], tensors: Mapping[str, Packed], mode: str) -> None:
+    """Say once, at load, how the checkpoint's W4A4 layers will run."""
+    experts = sorted(k for k in act_scales if isinstance(tensors.get(k), NVFP4Tensor) and tensors[k].packed.dim() == 3)
+    dense = sorted(k for k in act_scales if k not in experts)
+    if experts:
+        log.warning("%d NVFP4 (W4A4) routed-expert stacks run as W4A16 (bf16 activations; no grouped W4A4 GEMM), "
+                    "e.g. %s", len(experts), experts[0])
+    if dense:
+        how = {"auto": "native W4A4 where the registry chooses nvfp4_w4a4_linear's fast path (compute capability "
+                       ">= 10), W4A16 elsewhere",
+               "off": "W4A16 (bf16 activations)",
+               "emulate": "emulated W4A4 (reference numerics, slow)"}[mode]
+        log.warning("%d NVFP4 (W4A4) dense layers, w4a4=%s: %s; e.g. %s", len(dense), mode, how, dense[0])
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -6,6 +6,7 @@ device)."""
 import pytest
 import torch
 
+from engine_core.registry import Registry
 from kernels.nvfp4 import (
     BLOCK,
     E2M1_VALUES,
@@ -23,6 +24,10 @@ from kernels.nvfp4 import (
     quantize_activation_nvfp4,
     quantize_fp8,
     quantize_nvfp4,
+    W4A4_OP,
+    describe_w4a4,
+    register,
+    supports_w4a4,
     supports_w4a4_scaled_mm,
     to_blocked,
     unpack_e2m1,
@@ -324,3 +329,104 @@ def test_w4a4_scaled_mm_on_blackwell():  # pragma: no cover - no sm_100 hardware
     ref = w4a4_linear_reference(x.float(), w, out_dtype=torch.float32)
     got = w4a4_linear_scaled_mm(x, w, out_dtype=torch.float32)
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_w4a4_per_row_weight_global_scale():
+    """The loader hands every weight over with a per-row global [N] (a fused gate/up has two values): the W4A4
+    reference and the `_scaled_mm` epilogue factor apply it per output column. Equal rows give the scalar result bit
+    for bit; different rows equal the dequantised matmul."""
+    torch.manual_seed(8)
+    x = torch.randn(7, 64)
+    w = quantize_nvfp4(torch.randn(32, 64) * 0.05)
+    per_row = w._replace(global_scale=w.global_scale.expand(32).clone())
+    y = w4a4_linear_reference(x, w, out_dtype=torch.float32)
+    assert torch.equal(w4a4_linear_reference(x, per_row, out_dtype=torch.float32), y)
+    g = torch.rand(32) * 1e-4 + 1e-5  # rows with different globals (gate rows vs up rows)
+    fused = w._replace(global_scale=g)
+    xq = quantize_activation_nvfp4(x)
+    dense = dequantize_nvfp4(*xq) @ dequantize_nvfp4(*fused).T
+    torch.testing.assert_close(w4a4_linear_reference(x, fused, out_dtype=torch.float32), dense, rtol=1e-5, atol=1e-9)
+    _, alpha = w4a4_scaled_mm_args(xq, fused)
+    assert alpha.shape == (32,)
+    with pytest.raises(ValueError, match=r"scalar or per-row \[N=32\]"):
+        w4a4_linear_reference(x, w._replace(global_scale=torch.ones(31)))
+
+
+def _w4a4_info(n=96, k=160, **override):
+    """describe_w4a4 of CPU tensors, then the device / capability a GPU would report (the guard sees only info)."""
+    w = quantize_nvfp4(torch.randn(n, k) * 0.02)
+    info = describe_w4a4(torch.randn(3, k).to(torch.bfloat16), w, torch.tensor(0.01), torch.bfloat16)
+    return {**info, **override}
+
+
+def test_w4a4_guard_boundaries():
+    """supports_w4a4: CUDA, compute capability >= 10.0, float4 dtypes, K % 32 == 0 and N % 16 == 0 (the alignment
+    `torch._scaled_mm` checks for float4 operands), matching K, a 2-D weight."""
+    blackwell = dict(device="cuda", capability=(10, 0), float4=True)
+    assert not supports_w4a4(**_w4a4_info())  # as described on this machine: CPU
+    assert _w4a4_info()["device"] == "cpu" and _w4a4_info()["capability"] is None
+    assert supports_w4a4(**_w4a4_info(**blackwell))
+    assert supports_w4a4(**_w4a4_info(**{**blackwell, "capability": (12, 0)}))
+    assert not supports_w4a4(**_w4a4_info(**{**blackwell, "capability": (9, 0)}))  # H200: W4A16
+    assert not supports_w4a4(**_w4a4_info(**{**blackwell, "device": "cpu", "capability": None}))
+    assert not supports_w4a4(**_w4a4_info(**{**blackwell, "float4": False}))  # a torch without float4 dtypes
+    assert supports_w4a4(**_w4a4_info(n=16, k=32, **blackwell))  # the smallest aligned shape
+    assert not supports_w4a4(**_w4a4_info(n=96, k=48, **blackwell))  # K/2 = 24 bytes: not a multiple of 16
+    assert not supports_w4a4(**_w4a4_info(n=24, k=160, **blackwell))  # N % 16 != 0
+    assert not supports_w4a4(**{**_w4a4_info(**blackwell), "k": 128})  # x's K does not match the weight's
+    assert not supports_w4a4(**{**_w4a4_info(**blackwell), "dtype": torch.int8})
+    stacked = quantize_nvfp4(torch.randn(2, 32, 64))
+    info = describe_w4a4(torch.randn(3, 64), stacked)
+    assert not info["weight_ok"] and not supports_w4a4(**{**info, **blackwell})
+
+
+def test_w4a4_scaled_mm_capability_guard(monkeypatch):
+    """`supports_w4a4_scaled_mm` (the check `w4a4_linear_scaled_mm` raises on) with a faked CUDA device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cap, ok in [((9, 0), False), ((8, 9), False), ((10, 0), True), ((12, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert supports_w4a4_scaled_mm("cuda") is ok, cap
+        assert supports_w4a4_scaled_mm("cpu") is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(RuntimeError, match="compute capability >= 10"):
+        w4a4_linear_scaled_mm(torch.randn(2, 64), quantize_nvfp4(torch.randn(16, 64)))
+
+
+def test_w4a4_registry_entry_on_this_machine():
+    """Op "nvfp4_w4a4_linear": reference = the emulation; the native path is a "torch"-kind implementation that the
+    self-check skips (not fails) where it cannot run, and AUTO falls back to the reference with the reason recorded."""
+    reg = Registry()
+    register(reg)
+    assert reg.ops() == [W4A4_OP]
+    spec = reg.spec(W4A4_OP)
+    assert spec.reference.fn is w4a4_linear_reference
+    assert [(i.name, i.kind.value) for i in spec.implementations] == [("scaled_mm", "torch")]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    outcome = reg.self_check(device)[W4A4_OP]
+    if supports_w4a4_scaled_mm(device):  # pragma: no cover - Blackwell only
+        assert outcome == "scaled_mm passed", outcome
+    else:
+        assert outcome == f"scaled_mm skipped (does not support the sample on {device})", outcome
+        assert reg.choices()[W4A4_OP]["disabled"] == {}
+        args, kwargs = spec.sample(device)
+        impl = reg.choose(W4A4_OP, **spec.describe(*args, **kwargs))
+        assert impl.name == "reference" and "scaled_mm does not support" in reg.choices()[W4A4_OP]["fallback"]
+        # the sample is a real W4A4 call: the reference runs on it, bf16 out
+        assert impl.fn(*args, **kwargs).shape == (3, 96)
+        reg.set_preference("torch", W4A4_OP)  # an explicit preference never falls back
+        with pytest.raises(NotImplementedError, match="preference torch cannot be met"):
+            reg.choose(W4A4_OP, **spec.describe(*args, **kwargs))
+
+
+@pytest.mark.skipif(not supports_w4a4_scaled_mm(), reason="native NVFP4 _scaled_mm needs CUDA compute capability >= 10")
+def test_w4a4_scaled_mm_per_row_global_on_blackwell():  # pragma: no cover - no sm_100 hardware in CI
+    """The registry's fast path on hardware: bf16 in/out, per-row weight global, static input scale, odd M."""
+    torch.manual_seed(9)
+    x = torch.randn(37, 2048, device="cuda", dtype=torch.bfloat16)
+    w = quantize_nvfp4(torch.randn(512, 2048) * 0.02)
+    w = NVFP4Tensor(w.packed.cuda(), w.scales.cuda(), (w.global_scale * (1 + torch.rand(512))).cuda())
+    s_in = x.float().abs().amax() / 2688.0
+    ref = w4a4_linear_reference(x, w, s_in, torch.bfloat16)
+    got = w4a4_linear_scaled_mm(x, w, s_in, torch.bfloat16)
+    err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+    assert err <= 1e-2, err  # the registry's tolerance (kernels.tolerance.compare)

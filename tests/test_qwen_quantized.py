@@ -12,16 +12,20 @@ Tolerances, and why:
   `kernels.tolerance.compare`: 1e-2 of max |ref| per op); through 4 layers the logits are held to 2e-2 (measured
   5.6e-3). FP8 layers run weight-only there: with static e4m3 activations a one-ulp bf16 difference upstream can move
   an activation a whole e4m3 step (2^-4), which measured 3.4e-2 and would hide a kernel error.
+* W4A4 exports (`w4a4=`): "emulate" is `w4a4_linear_reference` bit for bit; "auto" on a machine without the native
+  path (CPU here) and "off" are the W4A16 module bit for bit (unchanged behaviour).
 """
+
+import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine_core.registry import Registry
-from kernels import fp8_linear, w4a16_gemm
-from kernels.nvfp4 import FP8Tensor, NVFP4Tensor, fp8_linear_reference
-from qwen_engine.checkpoint import CheckpointError, load_into, save_checkpoint
+from kernels import fp8_linear, nvfp4, w4a16_gemm
+from kernels.nvfp4 import W4A4_OP, FP8Tensor, NVFP4Tensor, fp8_linear_reference, quantize_nvfp4, w4a4_linear_reference
+from qwen_engine.checkpoint import NVFP4, CheckpointError, LoadedCheckpoint, load_into, save_checkpoint
 from qwen_engine.config import QwenConfig
 from qwen_engine.load_packed import load_quantized, model_bytes
 from qwen_engine.model import QwenForCausalLM, QwenState
@@ -47,6 +51,7 @@ def registry(preference="auto") -> Registry:
     reg = Registry(preference)
     w4a16_gemm.register(reg)
     fp8_linear.register(reg)
+    nvfp4.register(reg)
     return reg
 
 
@@ -226,3 +231,117 @@ def test_calibration_and_transformers_copy(tensors):
     assert to_transformers(model, hf) == len(dict(hf.named_parameters()))
     ref = reference_of(model)
     assert rel_err(hf(ids).logits, ref(ids)) <= 1e-4  # the reference model's own bound vs transformers
+
+
+# ---- W4A4 exports ----------------------------------------------------------------------------------------------------
+def _w4a4_layer(seed=10, n=48, k=64):
+    """A synthetic W4A4 export: NVFP4 weight with per-row global (as the loader hands it) + a static input scale."""
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_nvfp4(torch.randn(n, k, generator=g) * 0.05)
+    w = w._replace(global_scale=w.global_scale.expand(n).clone())
+    x = torch.randn(5, 3, k, generator=g)
+    input_scale = x.abs().amax() / 2688.0 * 0.8  # calibrated a little below this batch's amax: some saturation
+    return w, x, input_scale
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_linear_w4a4_modes(dtype):
+    w, x, s_in = _w4a4_layer()
+    x = x.to(dtype)
+    reg = registry()
+    w4a16 = NVFP4Linear(w, reg)(x)  # the layer without its activation scale: today's path
+    emulated = NVFP4Linear(w, reg, s_in, w4a4="emulate")
+    want = w4a4_linear_reference(x, w, s_in, dtype)
+    assert torch.equal(emulated(x), want) and emulated.runs == "W4A4 emulated"
+    err = rel_err(want, w4a16)
+    assert 1e-3 < err < 0.3, err  # activations really were quantised to NVFP4 (~2^-3 per element)
+    for mode in ("auto", "off"):
+        lin = NVFP4Linear(w, reg, s_in, w4a4=mode)
+        assert torch.equal(lin(x), w4a16), mode  # CPU: no native W4A4 -> W4A16, bit for bit
+        assert lin.runs == "W4A16"
+    if not torch.cuda.is_available():
+        ch = reg.choices()[W4A4_OP]  # "auto" asked the registry, which recorded why the native path did not run
+        assert ch["last"] == "reference" and "scaled_mm does not support" in ch["fallback"]
+    with pytest.raises(ValueError, match="unknown w4a4 mode 'on'"):
+        NVFP4Linear(w, reg, s_in, w4a4="on")
+    with pytest.raises(ValueError, match="finite and positive"):
+        NVFP4Linear(w, reg, torch.tensor(0.0))
+
+
+@torch.no_grad()
+def test_nvfp4_linear_w4a4_auto_follows_the_registry_choice():
+    """'auto' runs W4A4 exactly when the registry's choice for nvfp4_w4a4_linear is a "torch"-kind (native)
+    implementation; here a stand-in native path that records its calls (this CPU cannot run `_scaled_mm` fp4)."""
+    w, x, s_in = _w4a4_layer(seed=11)
+    calls = []
+
+    def native(*args):
+        calls.append(args[1:])
+        return w4a4_linear_reference(*args)
+
+    reg = registry()
+    reg.add_implementation(W4A4_OP, "fake_native", native, lambda **info: info["device"] == "cpu", kind="torch")
+    lin = NVFP4Linear(w, reg, s_in)
+    assert torch.equal(lin(x), w4a4_linear_reference(x, w, s_in, x.dtype))
+    assert len(calls) == 1 and lin.runs == "W4A4 native (fake_native)"
+    lin(x)  # the choice is cached per (device, dtype, preference); the registry counted one choice
+    assert len(calls) == 2 and reg.choices()[W4A4_OP]["calls"] == {"fake_native": 1}
+    w4a16 = NVFP4Linear(w, reg)(x)
+    for pref in ("reference", "triton"):  # preferences that cannot pick the native path: W4A16, no error
+        reg.set_preference(pref, W4A4_OP)
+        assert torch.equal(lin(x), w4a16), pref
+    assert len(calls) == 2
+    reg.set_preference("auto", W4A4_OP)
+    assert torch.equal(NVFP4Linear(w, reg, s_in, w4a4="off")(x), w4a16)
+    # a registry without the op (kernels.nvfp4 not registered): W4A16, not an error
+    bare = Registry()
+    w4a16_gemm.register(bare)
+    assert torch.equal(NVFP4Linear(w, bare, s_in)(x), w4a16)
+
+
+def _w4a4_checkpoint(tensors) -> LoadedCheckpoint:
+    """The tiny random model as if exported with lm_head, the shared experts and layer 0's routed experts W4A4."""
+    algos, scales = {}, {}
+    amax = 4.0  # the tiny model's hidden states are O(1): a static scale that quantises without heavy saturation
+    for name in tensors:
+        if name == "lm_head.weight" or ".shared_expert." in name:
+            algos[name] = NVFP4
+            scales[name] = torch.tensor(amax / 2688.0 * (1.25 if "up_proj" in name else 1.0))
+        elif name.startswith("layers.0.mlp.experts."):
+            algos[name] = NVFP4
+            scales[name] = torch.full((CFG.num_experts,), amax / 2688.0)
+    return LoadedCheckpoint(CFG, dict(tensors), algos, scales)
+
+
+@torch.no_grad()
+def test_load_quantized_w4a4_switch(tensors, caplog):
+    ckpt = _w4a4_checkpoint(tensors)
+    kw = dict(device="cpu", dtype=torch.float32, quantize_activations=False, gdn_chunk_size=16)
+    ids = torch.randint(0, CFG.vocab_size, (2, 11), generator=torch.Generator().manual_seed(13))
+    plain = load_quantized(tensors, CFG, registry=registry(), **kw)  # no activation scales: W4A16 everywhere
+    with caplog.at_level(logging.WARNING, logger="qwen_engine.load_packed"):
+        auto = load_quantized(ckpt, registry=registry(), **kw)
+    assert "routed-expert stacks run as W4A16" in caplog.text and "dense layers, w4a4=auto" in caplog.text
+    assert auto.lm_head.w4a4_export and auto.lm_head.w4a4 == "auto"
+    se = auto.layers[1].mlp.shared_expert
+    assert isinstance(se, NVFP4SwiGLU) and se.down_proj.w4a4_export
+    # gate and up fused: one input, the larger of the two scales
+    assert float(se.gate_up_proj.input_scale) == pytest.approx(4.0 / 2688.0 * 1.25)
+    assert isinstance(auto.layers[0].mlp.experts, NVFP4Experts)  # MoE experts: W4A16 whatever the switch
+    assert packed_modules(auto)["lm_head"] == "NVFP4 W4A4 export (w4a4=auto)"
+    want = plain(ids)
+    assert torch.equal(auto(ids), want)  # "auto" without a native W4A4 path: unchanged behaviour
+    assert auto.lm_head.runs == "W4A16"
+    off = load_quantized(ckpt, registry=registry(), w4a4="off", **kw)
+    assert torch.equal(off(ids), want)
+    emu = load_quantized(ckpt, registry=registry(), w4a4="emulate", **kw)
+    got = emu(ids)
+    err = rel_err(got, want)
+    print("w4a4 emulated vs W4A16 logits rel err", err)
+    assert 1e-4 < err <= 0.3, err  # the W4A4 numerics: activation quantisation in 1 + 3 x 4 GEMMs
+    h = torch.randn(4, CFG.hidden_size, generator=torch.Generator().manual_seed(14))
+    lm = emu.lm_head
+    assert torch.equal(lm(h), w4a4_linear_reference(h, lm.weight_nvfp4, lm.input_scale, h.dtype))
+    with pytest.raises(ValueError, match="unknown w4a4 mode"):
+        load_quantized(ckpt, w4a4="native", **kw)

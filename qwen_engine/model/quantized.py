@@ -3,7 +3,8 @@
 
     NVFP4Linear   W4A16_NVFP4 linear (lm_head; shared expert when not fused): uint8 [N, K/2] + e4m3 [N, K/16] +
                   fp32 global per output row [N]  -> registry op "w4a16_linear" (Triton on CUDA, the exact-dequant
-                  reference elsewhere)
+                  reference elsewhere). A layer exported as W4A4 (ModelOpt `NVFP4` with a static `input_scale`) may
+                  instead run registry op "nvfp4_w4a4_linear" (`kernels/nvfp4.py`): see "W4A4" below.
     NVFP4SwiGLU   the shared expert with gate and up fused into one [2I, H] NVFP4 weight (one launch instead of two;
                   per-row global scales keep each half's ModelOpt `weight_scale_2` exact) + down [H, I]
     NVFP4Experts  routed experts, stacked gate_up [E, 2I, H] and down [E, H, I] NVFP4 -> registry op "w4a16_moe"
@@ -26,22 +27,38 @@ registry docstring asks for `choose()` at plan time, not per call); the registry
 and any fallback to the reference. `dequantized_state_dict` gives the dense weights these modules compute with (our
 parameter names), for the reference model and for transformers' `Qwen3_5MoeForCausalLM`.
 
+W4A4 (dense NVFP4 layers only). Each NVFP4Linear has a switch `w4a4` (set by `load_quantized(..., w4a4=)`):
+    "auto"     the layer has an input scale AND the registry's choice for "nvfp4_w4a4_linear" on this call is its
+               native fast path (kind "torch": `torch._scaled_mm` with float4_e2m1fn_x2, compute capability >= 10)
+               -> W4A4; otherwise (CPU, Hopper, a registry without the op, preference "reference" / "triton") W4A16
+               exactly as before. The registry records the W4A4 op's fallback reason, which is why W4A16 ran.
+    "off"      always W4A16 (bf16 activations: at least as accurate as the W4A4 GEMM the layer was exported for).
+    "emulate"  `w4a4_linear_reference` on any device: the W4A4 numerics (activations quantised to NVFP4 with the
+               checkpoint's input scale), for tests and the accuracy oracle; slow.
+The routed experts (`NVFP4Experts`) stay W4A16 whatever the switch: there is no grouped W4A4 GEMM. W4A4 is an
+accuracy change (activation quantisation, ~2^-3 relative per element) that the oracle must gate, as FP8 W8A8 is.
+
 Module dtype casts (`model.to(torch.bfloat16)`) leave the packed buffers and their fp32 / e4m3 scales alone: they
 are a storage format, not a compute dtype (`_KeepStorageDtype`); device moves apply.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from kernels.nvfp4 import FP8Tensor, NVFP4Tensor, dequantize_fp8, dequantize_nvfp4
+from engine_core.registry import KernelPreference
+from kernels.nvfp4 import W4A4_OP, FP8Tensor, NVFP4Tensor, dequantize_fp8, dequantize_nvfp4, w4a4_linear_reference
+
+log = logging.getLogger(__name__)
 
 W4A16_DENSE_OP = "w4a16_linear"  # kernels/w4a16_gemm.py
 W4A16_MOE_OP = "w4a16_moe"
 FP8_OP = "fp8_linear"  # kernels/fp8_linear.py
+W4A4_MODES = ("auto", "off", "emulate")  # NVFP4Linear.w4a4, see the module docstring
 
 
 def _registry(registry):
@@ -87,6 +104,12 @@ class _Dispatch(_KeepStorageDtype):
         return next(reversed(self._impl.values())).name if self._impl else None
 
 
+def check_w4a4_mode(mode: str) -> str:
+    if mode not in W4A4_MODES:
+        raise ValueError(f"unknown w4a4 mode {mode!r}; valid: {', '.join(W4A4_MODES)}")
+    return mode
+
+
 def _global_per_row(g: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     """Global scale [] / [...] / [..., N] -> fp32 [..., N] (per output row, what the kernels and the loader use)."""
     g = torch.as_tensor(g, dtype=torch.float32)
@@ -99,15 +122,29 @@ def _global_per_row(g: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
 
 # ---- dense linears -------------------------------------------------------------------------------------------------
 class NVFP4Linear(_Dispatch):
-    """y = x @ W^T, W NVFP4 [N, K] (no bias: none of the checkpoint's quantised layers has one)."""
+    """y = x @ W^T, W NVFP4 [N, K] (no bias: none of the checkpoint's quantised layers has one). W4A16, or W4A4 for a
+    layer exported with an activation `input_scale` when `w4a4` allows it (module docstring)."""
 
-    def __init__(self, w: NVFP4Tensor, registry=None):
+    def __init__(self, w: NVFP4Tensor, registry=None, input_scale: torch.Tensor | float | None = None,
+                 w4a4: str = "auto"):
         super().__init__(W4A16_DENSE_OP, registry)
         n, k = w.shape
         self.in_features, self.out_features = k, n
         self.register_buffer("packed", w.packed.contiguous())  # uint8 [N, K/2]
         self.register_buffer("scales", w.scales.contiguous())  # float8_e4m3fn [N, K/16]
         self.register_buffer("global_scale", _global_per_row(w.global_scale, (n,)).to(w.packed.device))  # fp32 [N]
+        # ModelOpt's static activation global scale (amax / 2688) of a W4A4 export; NaN for a W4A16 layer. A Python
+        # flag says which, so that forward never reads the buffer on the host (no sync).
+        s_in = torch.as_tensor(float("nan") if input_scale is None else input_scale, dtype=torch.float32)
+        if s_in.numel() != 1:
+            raise ValueError(f"NVFP4Linear input_scale must be a scalar, got shape {tuple(s_in.shape)}")
+        self.register_buffer("input_scale", s_in.reshape(()).to(w.packed.device))  # fp32 []
+        self.w4a4_export = input_scale is not None
+        if self.w4a4_export and not (torch.isfinite(self.input_scale) and self.input_scale > 0):
+            raise ValueError(f"NVFP4Linear input_scale must be finite and positive, got {float(self.input_scale)}")
+        self.w4a4 = check_w4a4_mode(w4a4)
+        self._w4a4_impl: dict[tuple, object] = {}  # (device, dtype, preference) -> native implementation or None
+        self._w4a4_registered: bool | None = None  # does the registry have op "nvfp4_w4a4_linear"
 
     @property
     def weight_nvfp4(self) -> NVFP4Tensor:
@@ -115,13 +152,56 @@ class NVFP4Linear(_Dispatch):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x.dtype."""
+        if self.w4a4_export and self.w4a4 != "off":
+            args = (x, self.weight_nvfp4, self.input_scale, x.dtype)  # the signature of op "nvfp4_w4a4_linear"
+            if self.w4a4 == "emulate":
+                return w4a4_linear_reference(*args)
+            impl = self._w4a4_native(*args)
+            if impl is not None:
+                return impl.fn(*args)
         return self._call(x, self.weight_nvfp4)
+
+    def _w4a4_native(self, *args):
+        """The registry's native W4A4 implementation for this call, or None (then W4A16 runs). Chosen once per
+        (device, dtype, preference) like `_Dispatch._call`. Only preferences that can pick the native path consult
+        the registry: "reference" / "triton" mean W4A16 here (an explicit "triton" would otherwise raise, the op
+        having no Triton kernel), and an explicit "torch" that cannot be met raises, as the registry promises."""
+        reg = self.registry = _registry(self.registry)
+        x = args[0]
+        if self._w4a4_registered is None:  # looked up once: the registry object is fixed after the first call
+            self._w4a4_registered = W4A4_OP in reg.ops()
+            if not self._w4a4_registered:
+                log.warning("W4A4 layer runs as W4A16: the registry has no op %r (kernels.nvfp4 not registered)",
+                            W4A4_OP)
+        if not self._w4a4_registered:
+            return None
+        pref = reg.preference(W4A4_OP)
+        key = (x.device.type, x.dtype, pref)
+        if key not in self._w4a4_impl:
+            impl = None
+            if pref in (KernelPreference.AUTO, KernelPreference.TORCH):
+                chosen = reg.choose(W4A4_OP, **reg.spec(W4A4_OP).describe(*args))
+                impl = chosen if chosen.kind is KernelPreference.TORCH else None  # the reference: W4A16 instead
+            self._w4a4_impl[key] = impl
+        return self._w4a4_impl[key]
+
+    @property
+    def runs(self) -> str:
+        """What forward runs for the latest (device, dtype) seen (for reports): "W4A16", "W4A4 native (<impl>)" or
+        "W4A4 emulated"."""
+        if not self.w4a4_export or self.w4a4 == "off":
+            return "W4A16"
+        if self.w4a4 == "emulate":
+            return "W4A4 emulated"
+        impl = next(reversed(self._w4a4_impl.values()), None) if self._w4a4_impl else None
+        return f"W4A4 native ({impl.name})" if impl is not None else "W4A16"
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_nvfp4(*self.weight_nvfp4, dtype=dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, W4A16_NVFP4"
+        fmt = f"NVFP4 W4A4 export, w4a4={self.w4a4}" if self.w4a4_export else "W4A16_NVFP4"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {fmt}"
 
 
 class FP8Linear(_Dispatch):
@@ -159,7 +239,11 @@ class FP8Linear(_Dispatch):
 class NVFP4SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate/up fused into one NVFP4Linear [2I, H]: the shared expert."""
 
-    def __init__(self, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor, registry=None):
+    def __init__(self, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor, registry=None,
+                 gate_up_input_scale: torch.Tensor | float | None = None,
+                 down_input_scale: torch.Tensor | float | None = None, w4a4: str = "auto"):
+        """`*_input_scale`: the W4A4 activation scales of the fused gate/up (one input, so one scale) and of down;
+        None for W4A16 layers."""
         super().__init__()
         i = gate.shape[0]
         if up.shape != gate.shape or down.shape[1] != i:
@@ -169,8 +253,8 @@ class NVFP4SwiGLU(nn.Module):
         fused = NVFP4Tensor(torch.cat((gate.packed, up.packed)), torch.cat((gate.scales, up.scales)),
                             torch.cat((_global_per_row(gate.global_scale, (i,)).to(gate.packed.device),
                                        _global_per_row(up.global_scale, (i,)).to(up.packed.device))))
-        self.gate_up_proj = NVFP4Linear(fused, registry)
-        self.down_proj = NVFP4Linear(down, registry)
+        self.gate_up_proj = NVFP4Linear(fused, registry, gate_up_input_scale, w4a4)
+        self.down_proj = NVFP4Linear(down, registry, down_input_scale, w4a4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -185,7 +269,10 @@ class NVFP4SwiGLU(nn.Module):
 
 class NVFP4Experts(_Dispatch):
     """Routed experts with stacked NVFP4 weights: gate_up [E, 2I, H] (rows :I gate, I: up), down [E, H, I]; global
-    scales per expert and output row ([E, 2I], [E, H]). Same forward as `moe.Experts`."""
+    scales per expert and output row ([E, 2I], [E, H]). Same forward as `moe.Experts`.
+
+    Always W4A16, even for a W4A4 export: there is no grouped W4A4 GEMM here (the `w4a4` switch covers the dense
+    NVFP4Linear layers only); bf16 activations are at least as accurate as the W4A4 the experts were exported for."""
 
     def __init__(self, gate_up: NVFP4Tensor, down: NVFP4Tensor, registry=None):
         super().__init__(W4A16_MOE_OP, registry)
@@ -261,7 +348,15 @@ def packed_modules(model: nn.Module) -> dict[str, str]:
     """module name -> kind, for reports: which layers run which format."""
     kinds = {NVFP4Linear: "W4A16_NVFP4", FP8Linear: "FP8", NVFP4SwiGLU: "W4A16_NVFP4 (gate/up fused)",
              NVFP4Experts: "W4A16_NVFP4 experts"}
-    return {n: kinds[type(m)] for n, m in model.named_modules() if type(m) in kinds}
+
+    def kind(m: nn.Module) -> str:
+        if isinstance(m, NVFP4Linear) and m.w4a4_export:
+            return f"NVFP4 W4A4 export (w4a4={m.w4a4})"
+        if isinstance(m, NVFP4SwiGLU) and (m.gate_up_proj.w4a4_export or m.down_proj.w4a4_export):
+            return f"NVFP4 W4A4 export (gate/up fused, w4a4={m.gate_up_proj.w4a4})"
+        return kinds[type(m)]
+
+    return {n: kind(m) for n, m in model.named_modules() if type(m) in kinds}
 
 
 def set_fp8_activation_quantization(model: nn.Module, enabled: bool) -> None:
