@@ -45,7 +45,8 @@ import torch
 
 from engine_core.config_args import check_field_types, from_args
 from engine_core.request import Answer, Batch, Overloaded, SegmentRequest, Stage
-from engine_core.scheduler import AsyncBatchLoop, PipelineScheduler, SchedulerConfig, SchedulerStats, StageConfig
+from engine_core.batch_loop import AsyncBatchLoop
+from engine_core.scheduler import PipelineScheduler, SchedulerConfig, SchedulerStats, StageConfig
 from sammie.config import PRESETS
 from sammie.decode import InvalidImage, decode_image
 from sammie.model.detector import ImageFeatures, PromptFeatures
@@ -276,7 +277,7 @@ def _cat_features(images: list[ImageFeatures]) -> ImageFeatures:
 
 
 class _Runner:
-    """Blocking `Runner` (engine_core.scheduler): each stage runs on its own worker thread of `AsyncBatchLoop`.
+    """Blocking `Runner` (engine_core.batch_loop): each stage runs on its own worker thread of `AsyncBatchLoop`.
 
     On cuda both threads issue kernels on the default stream, whose order guarantees an image batch's features are
     computed before any grounding kernel reads them (a stream per stage would need an event hand-off between them).

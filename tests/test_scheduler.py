@@ -24,7 +24,8 @@ from engine_core.request import (
     SegmentRequest,
     Stage,
 )
-from engine_core.scheduler import AsyncBatchLoop, PipelineScheduler, SchedulerConfig, StageConfig
+from engine_core.batch_loop import AsyncBatchLoop
+from engine_core.scheduler import PipelineScheduler, SchedulerConfig, StageConfig
 
 T0 = 100.0  # fake clock origin (s); not 0 so that absolute-vs-relative time mix-ups show
 
