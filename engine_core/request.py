@@ -233,3 +233,21 @@ class RunFailed(SchedulerError):
         self.batch_id = batch_id
         super().__init__(f"request {request_id}: {stage.value} batch {batch_id} failed: {cause!r}")
         self.__cause__ = cause
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors raised before a request is admitted (shared by the engines; their servers map them to 4xx / 503)
+
+
+class BadRequest(ValueError):
+    """The client sent something we refuse. `code` is stable and machine-readable; the message names the problem.
+    Each engine documents its codes (`sammie.engine.BAD_REQUEST_CODES`, `qwen_engine.engine.BAD_REQUEST_CODES`)."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+class NotReady(RuntimeError):
+    """The engine has not finished starting (weights + warm-up) or is shutting down."""

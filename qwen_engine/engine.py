@@ -44,6 +44,7 @@ from engine_core.continuous import (
     TokenDelta,
 )
 from engine_core.config_args import check_field_types, from_args
+from engine_core.request import BadRequest, NotReady  # noqa: F401 - re-exported for callers
 from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId, RequestTimings
 
 log = logging.getLogger(__name__)
@@ -130,21 +131,11 @@ class QwenEngineConfig:
 # Results and errors
 
 
-class BadRequest(ValueError):
-    """The client sent something we refuse. `code` is stable and machine-readable; the message names the problem.
-
-    Codes: empty_prompt, invalid_token_id, prompt_too_long, invalid_max_new_tokens, invalid_sampling,
-    invalid_stop, invalid_timeout, request_too_large (could never fit the KV pool).
-    """
-
-    def __init__(self, code: str, message: str):
-        self.code = code
-        self.message = message
-        super().__init__(f"{code}: {message}")
-
-
-class NotReady(RuntimeError):
-    """The engine has not finished starting (weights + warm-up) or is shutting down."""
+# `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
+BAD_REQUEST_CODES = (
+    "empty_prompt", "invalid_token_id", "prompt_too_long", "invalid_max_new_tokens", "invalid_sampling",
+    "invalid_stop", "invalid_timeout", "request_too_large",
+)
 
 
 @dataclass(frozen=True)

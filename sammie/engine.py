@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from engine_core.config_args import check_field_types, from_args
+from engine_core.request import BadRequest, NotReady  # noqa: F401 - re-exported for callers
 from engine_core.request import Answer, Batch, Overloaded, SegmentRequest, Stage
 from engine_core.batch_loop import AsyncBatchLoop
 from engine_core.scheduler import PipelineScheduler, SchedulerConfig, SchedulerStats, StageConfig
@@ -161,21 +162,12 @@ class EngineConfig:
 # Results and errors
 
 
-class BadRequest(ValueError):
-    """The client sent something we refuse. `code` is stable and machine-readable; the message names the problem.
-
-    Codes: empty_image, invalid_image, image_too_large, payload_too_large, missing_prompt, empty_prompt,
-    prompt_too_long, too_many_prompts, invalid_prompt, invalid_threshold, invalid_max_instances, invalid_timeout.
-    """
-
-    def __init__(self, code: str, message: str):
-        self.code = code
-        self.message = message
-        super().__init__(f"{code}: {message}")
-
-
-class NotReady(RuntimeError):
-    """The engine has not finished starting (weights + warm-up) or is shutting down."""
+# `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
+BAD_REQUEST_CODES = (
+    "empty_image", "invalid_image", "image_too_large", "payload_too_large", "missing_prompt", "empty_prompt",
+    "prompt_too_long", "too_many_prompts", "invalid_prompt", "invalid_threshold", "invalid_max_instances",
+    "invalid_timeout",
+)
 
 
 @dataclass(frozen=True)
@@ -399,7 +391,8 @@ class SammieEngine:
 
     def _enable_vit_fp8(self):
         """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample (a seeded uniform-noise
-        image through the real preprocessing: no photograph is available at start; real images may err differently). Returns its report; a refusal is logged at ERROR and bf16 stays."""
+        image through the real preprocessing: no photograph is available at start; real images may err
+        differently). Returns its report; a refusal is logged at ERROR and bf16 stays."""
         from sammie.model.fp8 import enable_vit_fp8
 
         side = self.model_cfg.image_size

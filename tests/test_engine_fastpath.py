@@ -293,3 +293,19 @@ def test_bucket_lists_and_compile_modes_are_validated():
         EngineConfig(config="tiny", null_model=True, compile="inductor")
     with pytest.raises(ValueError, match="needs a cuda device"):
         SammieEngine(EngineConfig(config="tiny", device="cpu", compile="inductor", warmup=False))
+
+
+def test_every_bad_request_code_raised_is_documented():
+    """Both engines list their BadRequest codes (BAD_REQUEST_CODES) and share one BadRequest / NotReady class
+    (engine_core.request); a code raised anywhere in an engine module but missing from its list fails here."""
+    import re
+    from pathlib import Path
+
+    import engine_core.request
+    import qwen_engine.engine
+    import sammie.engine
+
+    for module in (sammie.engine, qwen_engine.engine):
+        assert module.BadRequest is engine_core.request.BadRequest and module.NotReady is engine_core.request.NotReady
+        raised = set(re.findall(r'BadRequest\(\s*"([a-z_]+)"', Path(module.__file__).read_text()))
+        assert raised and raised <= set(module.BAD_REQUEST_CODES), sorted(raised - set(module.BAD_REQUEST_CODES))
