@@ -245,6 +245,8 @@ def main() -> None:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="keep random_weights.ACTIVATION_AMAX input scales instead of max-calibrating them")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--only-oracle", action="store_true",
+                    help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
     tiny = args.tiny
     d = lambda v, full, small: v if v is not None else (small if tiny else full)  # noqa: E731
@@ -302,47 +304,48 @@ def main() -> None:
         r["build"]["fp8_input_amax"] = dict(min=amax[0], median=amax[len(amax) // 2], max=amax[-1], n=len(amax))
         log(f"calibrated FP8 input scales: {r['build']['fp8_input_amax']}")
 
-    # ---- (b) TTFT and (a) single-stream decode ---------------------------------------------------------------------
-    log("warm-up (Triton autotuning for prefill and decode shapes)")
-    prefill_then_decode(model, rand(1, ctx), steps=2)
-    runs = []
-    for i in range(ttft_reps):
-        runs.append(prefill_then_decode(model, rand(1, ctx), steps=steps if i == 0 else 0, warm_steps=3 if i == 0
-                                        else 0))
-        log(f"run {i}: {runs[-1]}")
-    ttfts = [x["ttft_s"] * 1e3 for x in runs]
-    r["ttft"] = dict(median_ms=statistics.median(ttfts), all_ms=ttfts, prompt_tokens=ctx)
-    r["decode_1stream"] = dict(tok_per_s=runs[0]["tok_per_s"], steps=steps, context=ctx,
-                               ms_per_token=1e3 * runs[0]["decode_s"] / steps)
-    r["kernels"] = {op: {k: v[k] for k in ("last", "calls", "fallback")}
-                    for op, v in default_registry().choices().items() if op in ("w4a16_linear", "w4a16_moe",
-                                                                                  "fp8_linear")}
-    save()
+    if not args.only_oracle:
+        # ---- (b) TTFT and (a) single-stream decode ---------------------------------------------------------------------
+        log("warm-up (Triton autotuning for prefill and decode shapes)")
+        prefill_then_decode(model, rand(1, ctx), steps=2)
+        runs = []
+        for i in range(ttft_reps):
+            runs.append(prefill_then_decode(model, rand(1, ctx), steps=steps if i == 0 else 0, warm_steps=3 if i == 0
+                                            else 0))
+            log(f"run {i}: {runs[-1]}")
+        ttfts = [x["ttft_s"] * 1e3 for x in runs]
+        r["ttft"] = dict(median_ms=statistics.median(ttfts), all_ms=ttfts, prompt_tokens=ctx)
+        r["decode_1stream"] = dict(tok_per_s=runs[0]["tok_per_s"], steps=steps, context=ctx,
+                                   ms_per_token=1e3 * runs[0]["decode_s"] / steps)
+        r["kernels"] = {op: {k: v[k] for k in ("last", "calls", "fallback")}
+                        for op, v in default_registry().choices().items() if op in ("w4a16_linear", "w4a16_moe",
+                                                                                      "fp8_linear")}
+        save()
 
-    # ---- (c) concurrent streams ------------------------------------------------------------------------------------
-    log(f"{streams} streams x {ctx}-token prompts")
-    try:
-        prefill_then_decode(model, rand(streams, 16), steps=2)  # decode-shape warm-up at this batch
-        c = prefill_then_decode(model, rand(streams, ctx), steps=steps, warm_steps=2)
-        r["decode_streams"] = dict(tok_per_s=c["tok_per_s"], streams=streams, steps=steps,
-                                   prefill_s=c["ttft_s"], prefill_tok_per_s=streams * ctx / c["ttft_s"],
-                                   ms_per_step=1e3 * c["decode_s"] / steps)
+        # ---- (c) concurrent streams ------------------------------------------------------------------------------------
+        log(f"{streams} streams x {ctx}-token prompts")
+        try:
+            prefill_then_decode(model, rand(streams, 16), steps=2)  # decode-shape warm-up at this batch
+            c = prefill_then_decode(model, rand(streams, ctx), steps=steps, warm_steps=2)
+            r["decode_streams"] = dict(tok_per_s=c["tok_per_s"], streams=streams, steps=steps,
+                                       prefill_s=c["ttft_s"], prefill_tok_per_s=streams * ctx / c["ttft_s"],
+                                       ms_per_step=1e3 * c["decode_s"] / steps)
+            if device.type == "cuda":
+                r["memory"]["peak_streams_gib"] = gib(torch.cuda.max_memory_allocated())
+        except torch.OutOfMemoryError as e:
+            r["errors"].append(f"(c) out of memory: {e}")
+        log(f"(c) {r.get('decode_streams')}")
+        save()
+
+        # ---- (e) the same through the serving engine (QwenEngine: continuous batching, paged KV, sampling) ---------
+        try:
+            r["engine"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand))
+        except Exception as e:  # noqa: BLE001 - recorded, the oracle still runs
+            r["errors"].append(f"(e) engine: {type(e).__name__}: {e}")
+        log(f"(e) {r.get('engine')}")
         if device.type == "cuda":
-            r["memory"]["peak_streams_gib"] = gib(torch.cuda.max_memory_allocated())
-    except torch.OutOfMemoryError as e:
-        r["errors"].append(f"(c) out of memory: {e}")
-    log(f"(c) {r.get('decode_streams')}")
-    save()
-
-    # ---- (e) the same through the serving engine (QwenEngine: continuous batching, paged KV, sampling) ---------
-    try:
-        r["engine"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand))
-    except Exception as e:  # noqa: BLE001 - recorded, the oracle still runs
-        r["errors"].append(f"(e) engine: {type(e).__name__}: {e}")
-    log(f"(e) {r.get('engine')}")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    save()
+            torch.cuda.empty_cache()
+        save()
 
     # ---- (d) oracle ------------------------------------------------------------------------------------------------
     prompts = rand(oracle_prompts, olen)
