@@ -12,6 +12,7 @@ the only millisecond value is the wait budget `StageConfig.max_wait_ms` in `sche
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -251,3 +252,13 @@ class BadRequest(ValueError):
 
 class NotReady(RuntimeError):
     """The engine has not finished starting (weights + warm-up) or is shutting down."""
+
+
+def client_timeout(timeout_s: Any, limit_s: float | None) -> float | None:
+    """A request's timeout in seconds: the client's `timeout_s` (None: use `limit_s`), which may shorten the
+    operator's `limit_s` but never extend it (None = no limit). Anything but a finite number > 0 is BadRequest."""
+    if timeout_s is None:
+        return limit_s
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise BadRequest("invalid_timeout", f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+    return float(timeout_s) if limit_s is None else min(float(timeout_s), limit_s)

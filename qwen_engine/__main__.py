@@ -10,19 +10,6 @@ import logging
 import sys
 
 
-def _parse_set(items: list[str]) -> dict:
-    """--set key=value (value parsed as YAML: 8 -> int, 5.0 -> float, null -> None, true -> bool)."""
-    import yaml
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
-
-
 def tiny_checkpoint(path: str, seed: int = 0) -> str:
     """Write the CPU demo / CI model to `path` (a BF16 checkpoint directory) and return `path`.
 
@@ -41,29 +28,22 @@ def tiny_checkpoint(path: str, seed: int = 0) -> str:
     return path
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def cmd_serve(args) -> int:
     """Start a local Ray, Serve on host:port and the app; block until Ctrl-C (or SIGTERM), then shut down."""
     import os
-    import signal
-    import time
 
-    import torch
+    from engine_core.local_serve import on_cuda, parse_set, serve_locally
 
     config = args.config
     if config == "auto":
         # Full size with a checkpoint or a GPU; on a CPU-only machine without weights the 35B model would take
         # minutes per token on random numbers, so the tiny random model stands in.
-        on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-        config = "qwen3.6-35b-a3b" if (args.checkpoint or on_gpu) else "tiny"
+        config = "qwen3.6-35b-a3b" if (args.checkpoint or on_cuda(args.device)) else "tiny"
     engine_args = {"config": config, "checkpoint": args.checkpoint, "device": args.device, "dtype": args.dtype,
                    "max_model_len": args.max_model_len}
     if args.model_name:
         engine_args["served_model_name"] = args.model_name
-    engine_args |= _parse_set(args.set)
+    engine_args |= parse_set(args.set)
     from qwen_engine.serve import split_args
 
     engine_cfg, server_cfg = split_args(engine_args)  # fail on a typo before writing weights or starting Ray
@@ -75,32 +55,16 @@ def cmd_serve(args) -> int:
         checkpoint = tiny_checkpoint(tempfile.mkdtemp(prefix="qwen-tiny-"), engine_cfg.seed)
         print(f"tiny random model with the full vocabulary written to {checkpoint}", file=sys.stderr)
         engine_cfg = dataclasses.replace(engine_cfg, checkpoint=checkpoint)
-
-    import ray
-    from ray import serve
-
     from qwen_engine.serve import make_app
 
-    use_gpu = (engine_cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    ray.init(address="local", include_dashboard=args.dashboard)  # a fresh local Ray, never someone else's
-    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own handler
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port},
-                    logging_config={"enable_access_log": args.access_log})
-        # GPU: one GPU and a few CPUs. CPU: every core (Ray sets the replica's OMP_NUM_THREADS to its num_cpus).
-        actor = {"num_cpus": 4, "num_gpus": 1} if use_gpu else {"num_cpus": os.cpu_count() or 1, "num_gpus": 0}
-        serve.run(make_app(engine_cfg, server_cfg, ray_actor_options=actor), name="qwen", route_prefix="/")
-        print(f"Qwen ({server_cfg.served_model_name!r}) is serving on http://{args.host}:{args.port} "
-              "(POST /v1/completions, /v1/chat/completions; GET /v1/models, /readyz, /docs); Ctrl-C to stop",
-              file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("shutting down", file=sys.stderr)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+    # GPU: one GPU and a few CPUs. CPU: every core (Ray sets the replica's OMP_NUM_THREADS to its num_cpus).
+    actor = {"num_cpus": 4, "num_gpus": 1} if on_cuda(engine_cfg.device) else {"num_cpus": os.cpu_count() or 1,
+                                                                               "num_gpus": 0}
+    return serve_locally(
+        make_app(engine_cfg, server_cfg, ray_actor_options=actor), name="qwen", host=args.host, port=args.port,
+        dashboard=args.dashboard, access_log=args.access_log,
+        banner=f"Qwen ({server_cfg.served_model_name!r}) is serving on http://{args.host}:{args.port} "
+               "(POST /v1/completions, /v1/chat/completions; GET /v1/models, /readyz, /docs); Ctrl-C to stop")
 
 
 def main(argv: list[str] | None = None) -> int:

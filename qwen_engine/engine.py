@@ -44,7 +44,7 @@ from engine_core.continuous import (
     TokenDelta,
 )
 from engine_core.config_args import check_field_types, from_args
-from engine_core.request import BadRequest, NotReady  # noqa: F401 - re-exported for callers
+from engine_core.request import BadRequest, NotReady, client_timeout  # noqa: F401 - re-exported for callers
 from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId, RequestTimings
 
 log = logging.getLogger(__name__)
@@ -336,11 +336,7 @@ class QwenEngine:
             raise BadRequest("invalid_stop", "stop_token_ids / eos_token_ids must be token ids") from None
         if any(not s for s in stops):
             raise BadRequest("invalid_stop", "stop token sequences must be non-empty")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not timeout_s > 0 or math.isinf(timeout_s)):
-            raise BadRequest("invalid_timeout", f"timeout_s must be a finite number > 0, got {timeout_s!r}")
-        limit = self.cfg.request_timeout_s  # a client may shorten the configured deadline, never extend it
-        timeout_s = limit if timeout_s is None else (timeout_s if limit is None else min(float(timeout_s), limit))
+        timeout_s = client_timeout(timeout_s, self.cfg.request_timeout_s)  # may shorten the deadline, not extend
         deadline = None if timeout_s is None else self.scheduler.clock.now() + timeout_s
         return GenerateRequest(prompt, max_new_tokens, sampling, eos, stops, deadline)
 

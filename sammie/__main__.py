@@ -59,71 +59,33 @@ def cmd_segment(args) -> int:
     return 0
 
 
-def _parse_set(items: list[str]) -> dict:
-    """--set key=value (value parsed as YAML: 8 -> int, 5.0 -> float, null -> None, true -> bool)."""
-    import yaml
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def cmd_serve(args) -> int:
     """Start a local Ray, Serve on host:port and the app; block until Ctrl-C (or SIGTERM), then shut down."""
     import os
-    import signal
-    import time
 
-    import torch
+    from engine_core.local_serve import on_cuda, parse_set, serve_locally
 
     config = args.config
     if config == "auto":
         # Full size wherever it is useful; on a CPU-only machine without weights the full model
         # would spend minutes per request on random numbers, so the tiny random model stands in.
         checkpoint = args.checkpoint or os.environ.get("SAMMIE_CHECKPOINT")
-        on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-        config = "sam3" if (checkpoint or on_gpu) else "tiny"
+        config = "sam3" if (checkpoint or on_cuda(args.device)) else "tiny"
     engine_args = {"config": config, "checkpoint": args.checkpoint, "device": args.device, "dtype": args.dtype}
-    engine_args |= _parse_set(args.set)
+    engine_args |= parse_set(args.set)
     from sammie.engine import EngineConfig
 
     cfg = EngineConfig.from_dict(engine_args)  # fail on a typo before starting Ray
-
-    import ray
-    from ray import serve
-
     from sammie.serve import make_app
 
-    use_gpu = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    ray.init(address="local", include_dashboard=args.dashboard)  # a fresh local Ray, never someone else's
-    # After ray.init, which installs its own SIGTERM handler: a process manager's stop now shuts Serve and Ray down
-    # cleanly, as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port},
-                    logging_config={"enable_access_log": args.access_log})
-        # GPU: one GPU and a CPU. CPU: every core, since Ray sets the replica's OMP_NUM_THREADS to its num_cpus
-        # and torch then computes with that many threads.
-        actor = {"num_cpus": 1, "num_gpus": 1} if use_gpu else {"num_cpus": os.cpu_count() or 1, "num_gpus": 0}
-        serve.run(make_app(cfg, ray_actor_options=actor), name="sammie", route_prefix="/")
-        print(f"Sammie is serving on http://{args.host}:{args.port} (POST /v1/segment, GET /readyz, /docs); "
-              "Ctrl-C to stop", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("shutting down", file=sys.stderr)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+    # GPU: one GPU and a CPU. CPU: every core, since Ray sets the replica's OMP_NUM_THREADS to its num_cpus
+    # and torch then computes with that many threads.
+    actor = {"num_cpus": 1, "num_gpus": 1} if on_cuda(cfg.device) else {"num_cpus": os.cpu_count() or 1, "num_gpus": 0}
+    return serve_locally(
+        make_app(cfg, ray_actor_options=actor), name="sammie", host=args.host, port=args.port,
+        dashboard=args.dashboard, access_log=args.access_log,
+        banner=f"Sammie is serving on http://{args.host}:{args.port} (POST /v1/segment, GET /readyz, /docs); "
+               "Ctrl-C to stop")
 
 
 def main(argv: list[str] | None = None) -> int:

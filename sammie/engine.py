@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from engine_core.config_args import check_field_types, from_args
-from engine_core.request import BadRequest, NotReady  # noqa: F401 - re-exported for callers
+from engine_core.request import BadRequest, NotReady, client_timeout  # noqa: F401 - re-exported for callers
 from engine_core.request import Answer, Batch, Overloaded, SegmentRequest, Stage
 from engine_core.batch_loop import AsyncBatchLoop
 from engine_core.scheduler import PipelineScheduler, SchedulerConfig, SchedulerStats, StageConfig
@@ -484,7 +484,7 @@ class SammieEngine:
         prompts = self._check_prompts(prompts)
         threshold = self._check_threshold(threshold)
         max_instances = self._check_max_instances(max_instances)
-        timeout_s = self._check_timeout(timeout_s)
+        timeout_s = client_timeout(timeout_s, self.cfg.request_timeout_s)
         if not isinstance(image_bytes, (bytes, bytearray, memoryview)):
             raise BadRequest("invalid_image", f"the image must be bytes, got {type(image_bytes).__name__}")
         if len(image_bytes) > self.cfg.max_body_bytes:
@@ -611,11 +611,3 @@ class SammieEngine:
             raise BadRequest("invalid_max_instances", f"max_instances must be an integer >= 1, got {max_instances!r}")
         return max_instances
 
-    def _check_timeout(self, timeout_s: Any) -> float | None:
-        """A client may shorten the configured deadline, never extend it."""
-        if timeout_s is None:
-            return self.cfg.request_timeout_s
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
-            raise BadRequest("invalid_timeout", f"timeout_s must be a number > 0, got {timeout_s!r}")
-        limit = self.cfg.request_timeout_s
-        return float(timeout_s) if limit is None else min(float(timeout_s), limit)
