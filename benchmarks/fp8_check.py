@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,20 +36,11 @@ from kernels.fp8_linear import (  # noqa: E402
     rowwise_scaled_mm,
 )
 from kernels.fp8_quant import quantize_rows_reference, quantize_rows_triton  # noqa: E402
+from cuda_timing import cuda_median_ms  # noqa: E402 - benchmarks/ (the script's directory) is on sys.path
 
 
 def cuda_time_us(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return 1e3 * cuda_median_ms(fn, iters, warmup)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

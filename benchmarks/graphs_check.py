@@ -21,31 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from cuda_timing import cuda_median_ms  # benchmarks/ (the script's directory) is on sys.path
+
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-def time_ms(fn, iters: int, warmup: int = 2) -> float:
-    """Median ms of `fn` on the current stream, timed with CUDA events after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def peak_mib(fn) -> float:
@@ -72,6 +57,21 @@ def diffs(got, want) -> dict[str, dict[str, float]]:
 
 def worst(d: dict[str, dict[str, float]]) -> tuple[float, float]:
     return max(v["max_abs"] for v in d.values()), max(v["rel"] for v in d.values())
+
+
+def compare_bucket(key: str, n: int, eager, graphed, capture_s: float, iters: int) -> dict:
+    """One bucket of size n (key "B" images / "P" pairs): graphed vs eager outputs, times and peak memory; prints
+    the table row and returns it as a dict."""
+    want, got = eager(), graphed()
+    d = diffs(got, want)
+    te = cuda_median_ms(eager, iters, warmup=2)
+    tg = cuda_median_ms(graphed, iters, warmup=2)
+    pe, pg = peak_mib(eager), peak_mib(graphed)
+    mx, rel = worst(d)
+    print(f"| {n} | {te:.2f} | {tg:.2f} | {te / tg:.2f}x | {tg / n:.2f} | {mx:.3g} | {rel:.3g} | {capture_s:.1f} "
+          f"| {pe:.0f} / {pg:.0f} |", flush=True)
+    return {key: n, "eager_ms": te, "graphed_ms": tg, "max_abs": mx, "max_rel": rel, "capture_s": capture_s,
+            "peak_mib_eager": pe, "peak_mib_graphed": pg, "diffs": d}
 
 
 def main() -> None:
@@ -125,18 +125,8 @@ def main() -> None:
               "| peak MiB eager / graphed |\n|---|---|---|---|---|---|---|---|---|", flush=True)
         for b in args.image_buckets:
             px = torch.randn(b, 3, side, side, generator=gen, device="cuda").to(torch.bfloat16)
-            want, got = det.encode_images(px), g.encode_images(px)
-            d = diffs(got, want)
-            te = time_ms(lambda: det.encode_images(px), args.iters)
-            tg = time_ms(lambda: g.encode_images(px), args.iters)
-            pe, pg = peak_mib(lambda: det.encode_images(px)), peak_mib(lambda: g.encode_images(px))
-            mx, rel = worst(d)
-            cs = stats["encode_images"]["capture_s"][b]
-            row = {"B": b, "eager_ms": te, "graphed_ms": tg, "max_abs": mx, "max_rel": rel, "capture_s": cs,
-                   "peak_mib_eager": pe, "peak_mib_graphed": pg, "diffs": d}
-            result["images"].append(row)
-            print(f"| {b} | {te:.2f} | {tg:.2f} | {te / tg:.2f}x | {tg / b:.2f} | {mx:.3g} | {rel:.3g} | {cs:.1f} "
-                  f"| {pe:.0f} / {pg:.0f} |", flush=True)
+            result["images"].append(compare_bucket("B", b, lambda: det.encode_images(px), lambda: g.encode_images(px),
+                                                   stats["encode_images"]["capture_s"][b], args.iters))
             save()
 
         # grounding inputs: 4 distinct images, 8 distinct prompts; pairs mix them (repeats included)
@@ -147,19 +137,9 @@ def main() -> None:
         for p in args.pair_buckets:
             ii = torch.arange(p, device="cuda") % 4
             pi = (torch.arange(p, device="cuda") * 3) % 8
-            want, got = det.ground(images, prompts, ii, pi), g.ground(images, prompts, ii, pi)
-            d = diffs(got, want)
-            te = time_ms(lambda: det.ground(images, prompts, ii, pi), args.iters)
-            tg = time_ms(lambda: g.ground(images, prompts, ii, pi), args.iters)
-            pe, pg = peak_mib(lambda: det.ground(images, prompts, ii, pi)), peak_mib(
-                lambda: g.ground(images, prompts, ii, pi))
-            mx, rel = worst(d)
-            cs = stats["ground"]["capture_s"][p]
-            row = {"P": p, "eager_ms": te, "graphed_ms": tg, "max_abs": mx, "max_rel": rel, "capture_s": cs,
-                   "peak_mib_eager": pe, "peak_mib_graphed": pg, "diffs": d}
-            result["pairs"].append(row)
-            print(f"| {p} | {te:.2f} | {tg:.2f} | {te / tg:.2f}x | {tg / p:.2f} | {mx:.3g} | {rel:.3g} | {cs:.1f} "
-                  f"| {pe:.0f} / {pg:.0f} |", flush=True)
+            result["pairs"].append(compare_bucket(
+                "P", p, lambda: det.ground(images, prompts, ii, pi), lambda: g.ground(images, prompts, ii, pi),
+                stats["ground"]["capture_s"][p], args.iters))
             save()
 
     result["stats"] = g.stats()

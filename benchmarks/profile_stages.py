@@ -20,21 +20,18 @@ from pathlib import Path
 
 import torch
 
+from cuda_timing import cuda_median_ms as cuda_ms  # benchmarks/ (the script's directory) is on sys.path
 
-def cuda_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Median wall time of `fn` in ms, by CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+
+def kernel_rows(prof, repeats: int, name_chars: int) -> list[tuple[str, float, int]]:
+    """(name, self device ms per repeat, calls per repeat) of every profiled event with device time, longest
+    first; `repeats` = how many times the profiled code ran."""
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)  # us
+        if t > 0:
+            rows.append((ev.key[:name_chars], t / repeats / 1000.0, ev.count // repeats))
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def main() -> None:
@@ -68,7 +65,8 @@ def main() -> None:
         feats = {b: det.encode_images(px[b]) for b in (1, 8)}
         pf = det.encode_prompts(tokens)
         idx8 = torch.arange(8, device="cuda")
-        eager = {} if "eager" not in sections else {f"encode_images_b{b}": cuda_ms(lambda b=b: det.encode_images(px[b])) for b in (1, 8)}
+        eager = {} if "eager" not in sections else {
+            f"encode_images_b{b}": cuda_ms(lambda b=b: det.encode_images(px[b])) for b in (1, 8)}
         for p in (1, 8, 16) if "eager" in sections else ():
             idx = torch.arange(p, device="cuda") % 8
             eager[f"ground_p{p}"] = cuda_ms(lambda idx=idx: det.ground(feats[8], pf, idx, idx))
@@ -87,12 +85,7 @@ def main() -> None:
                     f = det.encode_images(px[8])
                     det.ground(f, pf, idx8, idx8)
                 torch.cuda.synchronize()
-            rows = []
-            for ev in prof.key_averages():
-                t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-                if t > 0:
-                    rows.append((ev.key[:110], t / 2 / 1000.0, ev.count // 2))
-            rows.sort(key=lambda r: -r[1])
+            rows = kernel_rows(prof, repeats=2, name_chars=110)
             res["kernels_top"] = [{"kernel": k, "ms_per_batch8": round(ms, 3), "calls": c} for k, ms, c in rows[:40]]
             res["kernels_total_ms_per_batch8"] = sum(r[1] for r in rows)
             print("top kernels", json.dumps(res["kernels_top"][:25], indent=0), flush=True)
@@ -114,7 +107,8 @@ def main() -> None:
                 row = {"k": k, "n": n, "bf16_ms": bf, "bf16_tflops": 2 * m * k * n / bf / 1e9}
                 for fast in (True, False):
                     try:
-                        f8 = cuda_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16,
+                        f8 = cuda_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw,
+                                                              out_dtype=torch.bfloat16,
                                                               use_fast_accum=fast), iters=20)
                         row[f"fp8_rowwise_fast{int(fast)}_ms"] = f8
                         row[f"fp8_rowwise_fast{int(fast)}_tflops"] = 2 * m * k * n / f8 / 1e9
@@ -193,12 +187,7 @@ def main() -> None:
                     for _ in range(2):
                         fn()
                     torch.cuda.synchronize()
-                rows = []
-                for ev in prof.key_averages():
-                    t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-                    if t > 0:
-                        rows.append((ev.key[:120], t / 2 / 1000.0, ev.count // 2))
-                rows.sort(key=lambda r: -r[1])
+                rows = kernel_rows(prof, repeats=2, name_chars=120)
                 cp[name] = {"total_ms": sum(r[1] for r in rows), "top": [
                     {"kernel": k, "ms": round(ms, 3), "calls": c} for k, ms, c in rows[:30]]}
                 save()
@@ -215,7 +204,8 @@ def main() -> None:
             cp["dynamic_batch_second_shape_s"] = time.perf_counter() - t0
             cp["dynamic_batch_b8_ms"] = cuda_ms(lambda: dyn(px[8]))
             cp["dynamic_batch_b1_ms"] = cuda_ms(lambda: dyn(px[1]))
-        print("compiled profile", json.dumps({k: (v if not isinstance(v, dict) else v["top"][:12]) for k, v in cp.items()}, indent=0), flush=True)
+        brief = {k: (v if not isinstance(v, dict) else v["top"][:12]) for k, v in cp.items()}
+        print("compiled profile", json.dumps(brief, indent=0), flush=True)
     res["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     save()
 

@@ -342,10 +342,7 @@ class QwenServer:
             self.metrics.on_request(route, 499, "cancelled")
             raise
         except Exception as exc:
-            status, code, message, param, headers = _error(exc)
-            self.metrics.on_request(route, status, code)
-            return Response(error_body(status, code, message, param), status_code=status, headers=headers,
-                            media_type="application/json")
+            return self._error_response(route, exc)
         t_first = time.perf_counter()
         rid = new_id("chatcmpl" if route == "chat" else "cmpl")
         if plan.stream:
@@ -360,10 +357,7 @@ class QwenServer:
             self.metrics.on_request(route, 499, "cancelled")
             raise
         except Exception as exc:
-            status, code, message, param, headers = _error(exc)
-            self.metrics.on_request(route, status, code)
-            return Response(error_body(status, code, message, param), status_code=status, headers=headers,
-                            media_type="application/json")
+            return self._error_response(route, exc)
         finally:
             await pieces.aclose()
         use = usage(last.prompt_tokens, last.completion_tokens)
@@ -371,6 +365,13 @@ class QwenServer:
         self.metrics.on_request(route, 200, "ok")
         self.metrics.on_done(route, t0, t_first, last.prompt_tokens, last.completion_tokens)
         return JSONResponse(make(rid, now_s(), self.cfg.served_model_name, "".join(text), last.finish_reason, use))
+
+    def _error_response(self, route: str, exc: Exception) -> Response:
+        """OpenAI error JSON with the status `_error` maps `exc` to (4xx / 503 + Retry-After / 500), counted."""
+        status, code, message, param, headers = _error(exc)
+        self.metrics.on_request(route, status, code)
+        return Response(error_body(status, code, message, param), status_code=status, headers=headers,
+                        media_type="application/json")
 
     async def _sse(self, route: str, rid: str, plan: GenerationPlan, first, pieces, t0: float,
                    t_first: float) -> AsyncIterator[bytes]:
