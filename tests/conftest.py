@@ -12,3 +12,16 @@ import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for the module (opt in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`):
+    the tiny Qwen models' ops on a shared 2-core box only gain synchronisation from more threads (measured ~80x
+    slower per step)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -32,13 +32,7 @@ from qwen_engine.runner import ModelRunner
 VOCAB = QwenConfig.tiny().vocab_size
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops on a shared 2-core box: intra-op threads only add synchronisation
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def prompt(i: int, n: int) -> list[int]:

@@ -79,13 +79,7 @@ def randomise(model: torch.nn.Module) -> None:
             p.normal_(0, 1 / math.sqrt(p.shape[-1]))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops on a shared 2-core box: intra-op threads only add synchronisation (measured ~80x slower per step)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

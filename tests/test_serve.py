@@ -17,7 +17,6 @@ import asyncio
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from tests.test_engine import assert_close, assert_identical, bad_images, encode
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+from tests.local_serve import free_port, local_serve  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # pycocotools + numpy 2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,30 +46,16 @@ SLOW = {"config": "tiny", "device": "cpu", "warmup": False, "max_queued": 1, "im
         "decode_threads": 1}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-METRICS_PORT = _free_port()
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
 def base_url():
     from sammie.serve import build_app
 
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # a fresh local Ray
-             _metrics_export_port=METRICS_PORT)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-        serve.run(build_app(MAIN), name="sammie", route_prefix="/")
-        serve.run(build_app(SLOW), name="slow", route_prefix="/slow")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve({"/": ("sammie", build_app(MAIN)), "/slow": ("slow", build_app(SLOW))},
+                     _metrics_export_port=METRICS_PORT) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
