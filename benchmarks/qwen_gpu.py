@@ -367,10 +367,28 @@ def main() -> None:
         finally:
             for op, pref in before.items():
                 registry.set_preference(pref, op)
+        # the fp32 noise floor: the same weights in fp32 activations with the plain reference kernels (on the CPU a
+        # full-width fp32 model equals transformers' fp32 to 6e-7); transformers' bf16 and ours are judged against it
+        try:
+            registry.set_preference("reference")
+            model.float()
+            ours_fp32 = model(prompts[:1, : min(olen, 32)]).float().cpu()
+        except Exception as e:  # noqa: BLE001 - recorded
+            ours_fp32 = None
+            r["errors"].append(f"(d) fp32 reference forward: {type(e).__name__}: {e}")
+        finally:
+            model.to(dtype)  # the bf16 parameters came from bf16: the round trip is exact
+            for op, pref in before.items():
+                registry.set_preference(pref, op)
         set_fp8_activation_quantization(model, True)
         if ours_ref is not None:
             r["bisect"] = dict(fast_vs_reference_kernels=compare_logits(ours_wo[:1, : ours_ref.shape[1]], ours_ref))
-            save()
+        if ours_fp32 is not None:
+            n32 = ours_fp32.shape[1]
+            r.setdefault("bisect", {})["ours_bf16_fast_vs_ours_fp32"] = compare_logits(ours_wo[:1, :n32], ours_fp32)
+            if ours_ref is not None:
+                r["bisect"]["ours_bf16_reference_vs_ours_fp32"] = compare_logits(ours_ref, ours_fp32)
+        save()
     ours_greedy = greedy_ours(model, prompts, gtok)
     if args.skip_transformers:
         save()
@@ -407,6 +425,8 @@ def main() -> None:
                        prompts=oracle_prompts, tokens_per_prompt=olen)
     if ours_ref is not None:
         r["bisect"]["reference_kernels_vs_transformers"] = compare_logits(ours_ref, ref[:1, : ours_ref.shape[1]])
+    if ours_fp32 is not None:  # transformers' own bf16 error: the floor any bf16 engine is judged by
+        r["bisect"]["transformers_bf16_vs_ours_fp32"] = compare_logits(ref[:1, : ours_fp32.shape[1]], ours_fp32)
     _, hf_greedy = hf_prefill_then_decode(hf, prompts, steps=gtok - 1)
     r["oracle"]["greedy"] = greedy_agreement(ours_greedy, hf_greedy)
     log(f"oracle {r['oracle']}")

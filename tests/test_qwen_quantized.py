@@ -115,6 +115,30 @@ def test_w8a8_fp8_layers(tensors):
 
 
 @torch.no_grad()
+def test_fp8_kernel_choice_follows_activation_quantisation():
+    """The cached kernel choice is per variant: a weight-only call (calibration, the oracle) falls back to the
+    reference, and the W8A8 call after it must still get the fast path (a stand-in that, like `_scaled_mm`, needs
+    the input scale). The 2026-11-30 H200 runs measured the reference in every FP8 layer because of this."""
+    g = torch.Generator().manual_seed(4)
+    data, scale = nvfp4.quantize_fp8(torch.randn(32, 64, generator=g) * 0.02)
+    lin = FP8Linear(FP8Tensor(data, scale, torch.tensor(0.01)), registry=(reg := registry()))
+    calls = []
+
+    def fast(x, w, *rest):
+        calls.append(w.input_scale is not None)
+        return fp8_linear_reference(x, w, *rest)
+
+    reg.add_implementation("fp8_linear", "fake_fast", fast, lambda **info: info["has_input_scale"], kind="torch")
+    x = torch.randn(3, 64, generator=g)
+    lin.quantize_activations = False
+    lin(x)
+    assert calls == [] and lin.implementation == "reference"
+    lin.quantize_activations = True
+    lin(x)
+    assert calls == [True] and lin.implementation == "fake_fast"
+
+
+@torch.no_grad()
 def test_nvfp4_modules_vs_dense(tensors):
     reg = registry()
     lm = NVFP4Linear(tensors["lm_head.weight"], reg)

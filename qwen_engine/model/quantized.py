@@ -22,7 +22,7 @@ that is the checkpoint's W8A8 design, not a kernel error, and it does not exist 
 activations=False` runs FP8 layers weight-only (dequantised weight, unquantised input) so that a test or the oracle
 can separate the two effects.
 
-Kernel choice: looked up in the registry once per (device, dtype, preference) and cached on the module (the
+Kernel choice: looked up in the registry once per (device, dtype, preference, variant) and cached on the module (the
 registry docstring asks for `choose()` at plan time, not per call); the registry still records and logs the choice,
 and any fallback to the reference. `dequantized_state_dict` gives the dense weights these modules compute with (our
 parameter names), for the reference model and for transformers' `Qwen3_5MoeForCausalLM`.
@@ -92,11 +92,16 @@ class _Dispatch(_KeepStorageDtype):
     def _call(self, *args):
         reg = self.registry = _registry(self.registry)
         x = args[0]
-        key = (x.device.type, x.dtype, reg.preference(self.op))
+        key = (x.device.type, x.dtype, reg.preference(self.op), self._variant)
         impl = self._impl.get(key)
         if impl is None:
             impl = self._impl[key] = reg.choose(self.op, **reg.spec(self.op).describe(*args))
         return impl.fn(*args)
+
+    @property
+    def _variant(self):
+        """Any module state the op's `supports()` depends on besides device and dtype (part of the cache key)."""
+        return None
 
     @property
     def implementation(self) -> str | None:
@@ -222,6 +227,13 @@ class FP8Linear(_Dispatch):
     @property
     def weight_fp8(self) -> FP8Tensor:
         return FP8Tensor(self.weight, self.weight_scale, self.input_scale if self.quantize_activations else None)
+
+    @property
+    def _variant(self):
+        # W8A8 and weight-only are different calls for the registry (the fast path needs the input scale): a choice
+        # made weight-only (calibration, the oracle) must not stick to the W8A8 forward (it did: the 2026-11-30 H200
+        # runs measured the fp32 dequantising reference in every FP8 layer)
+        return self.quantize_activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x.dtype."""

@@ -1,0 +1,104 @@
+"""Where a Qwen3.6 decode step spends its time: host (Python + launches) vs the GPU's kernels.
+
+Full size, seeded random packed weights (speed does not depend on the values), a `--context`-token prompt per
+stream, then for each batch size: wall time per decode step (synchronised), and under `torch.profiler` the number of
+CUDA kernels per step, their summed device time per step, and the top kernels. If the summed kernel time is far
+below the wall time, the step is launch-bound and CUDA graphs (plus fusion to cut the kernel count) are the remedy.
+
+    python benchmarks/qwen_profile.py --out benchmarks/results/qwen_profile      # H200
+    python benchmarks/qwen_profile.py --tiny --out /tmp/qwen_profile              # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.qwen_gpu import log, new_state, sync  # noqa: E402
+from qwen_engine.config import QwenConfig  # noqa: E402
+from qwen_engine.load_packed import load_quantized  # noqa: E402
+from qwen_engine.random_weights import calibrate_fp8_input_scales, random_packed_tensors  # noqa: E402
+
+
+def kernel_table(prof, steps: int, top: int = 20) -> dict:
+    """Device-side events of the profiled steps -> per-step count and time, top kernels by total time."""
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if dev_us > 0 and e.count > 0 and getattr(e, "device_type", None) is not None and "CUDA" in str(
+                e.device_type):
+            rows.append((e.key, e.count, dev_us))
+    if not rows:  # older key_averages: fall back to every event with device time
+        rows = [(e.key, e.count, e.self_cuda_time_total) for e in prof.key_averages() if e.self_cuda_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    total_us = sum(r[2] for r in rows)
+    return dict(kernels_per_step=sum(r[1] for r in rows) / steps, device_ms_per_step=total_us / steps / 1e3,
+                top=[dict(name=n[:90], calls_per_step=c / steps, ms_per_step=us / steps / 1e3) for n, c, us in
+                     rows[:top]])
+
+
+@torch.no_grad()
+def profile_decode(model, rand, batch: int, ctx: int, steps: int) -> dict:
+    state = new_state(model, batch, ctx + 3 * steps + 8)
+    tok = model(rand(batch, ctx), state, last_only=True)[:, -1].argmax(-1, keepdim=True)
+    for _ in range(3):
+        tok = model(tok, state)[:, -1].argmax(-1, keepdim=True)
+    sync(tok.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        tok = model(tok, state)[:, -1].argmax(-1, keepdim=True)
+    sync(tok.device)
+    wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if tok.is_cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            tok = model(tok, state)[:, -1].argmax(-1, keepdim=True)
+        sync(tok.device)
+    out = dict(batch=batch, context=ctx, wall_ms_per_step=wall_ms, tok_per_s=batch * 1e3 / wall_ms)
+    if tok.is_cuda:
+        out.update(kernel_table(prof, steps))
+        out["launch_bound_share"] = 1 - out["device_ms_per_step"] / wall_ms
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/qwen_profile")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    cfg = QwenConfig.tiny() if args.tiny else QwenConfig()
+    ctx = 16 if args.tiny else args.context
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = load_quantized(random_packed_tensors(cfg, device, seed=0, dtype=torch.bfloat16), cfg, device,
+                           torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    rand = lambda *shape: torch.randint(0, cfg.vocab_size, shape, generator=g).to(device)  # noqa: E731
+    calibrate_fp8_input_scales(model, rand(1, min(ctx, 256)))
+    r = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+             path="QwenForCausalLM.forward + QwenState, eager", runs=[])
+    for b in (int(x) for x in args.batches.split(",")):
+        log(f"profiling decode at batch {b}")
+        r["runs"].append(profile_decode(model, rand, b, ctx, args.steps))
+        log(json.dumps({k: v for k, v in r["runs"][-1].items() if k != "top"}))
+        (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
+    for run in r["runs"]:
+        for row in run.get("top", [])[:12]:
+            print(f"  b={run['batch']:>3} {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+
+
+if __name__ == "__main__":
+    main()
