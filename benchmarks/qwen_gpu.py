@@ -13,6 +13,7 @@ Measures, in one process (< 9 minutes on an H200, Triton autotuning included):
 
 (a)-(c) use the model's own incremental forward (`QwenForCausalLM.forward` with a contiguous `QwenState`, greedy,
 eager PyTorch + registry kernels, no CUDA graphs); (e) repeats (a)-(c) through the serving engine (`QwenEngine`:
+CUDA graphs of the decode steps (`decode_graphs` auto), and once more without them for the lone request,
 continuous batching, chunked prefill, paged KV, on-device sampling) over the same model. Random token
 prompts; speed does not depend on the values, and the oracle is meaningful because both models hold the same values.
 
@@ -166,8 +167,11 @@ def markdown(r: dict) -> str:
     if e:
         lo, st = e.get("lone", {}), e.get("streams", {})
         lines += [
-            f"| (e) engine: decode tok/s, lone request, {s['context']} ctx | {fmt(lo.get('decode_tok_per_s'))} | - |",
+            f"| (e) engine (decode graphs {e.get('decode_graphs')}): decode tok/s, lone request, {s['context']} ctx | "
+            f"{fmt(lo.get('decode_tok_per_s'))} | - |",
             f"| (e) engine: TTFT ms, lone {s['context']}-token request | {fmt(lo.get('ttft_ms'))} | - |",
+            f"| (e) engine without decode graphs: decode tok/s, lone request | "
+            f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('decode_tok_per_s'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
             f"{fmt(st.get('output_tok_per_s'))} ({fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}) "
             f"| - |",
@@ -178,6 +182,10 @@ def markdown(r: dict) -> str:
         if m:
             lines.append(f"| (d) oracle [{mode}]: max rel err / RMS rel err / top-1 % | "
                          f"{m['max_rel_err']:.3g} / {m['rms_rel_err']:.3g} / {m['top1_agreement_pct']:.1f} | ref |")
+    if "fp32_full_width" in o:
+        m = o["fp32_full_width"]
+        lines.append(f"| (d) oracle fp32, full width, {m['layers']} layers: max rel err / RMS rel err / top-1 % | "
+                     f"{m['max_rel_err']:.3g} / {m['rms_rel_err']:.3g} / {m['top1_agreement_pct']:.1f} | ref (fp32) |")
     if "greedy" in o:
         g = o["greedy"]
         lines.append(f"| (d) greedy agreement over {s['greedy_tokens']} tokens % (first divergence) | "
@@ -190,7 +198,47 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand) -> dict:
+@torch.no_grad()
+def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int = 2, tokens: int = 32) -> dict:
+    """The exactness check the chaotic full-depth bf16 comparison cannot give: at full width (hidden 2048, 256
+    experts, vocab 248k, every layer shape of the real model) but `layers` deep, our packed model in fp32 (the
+    registry's references: exact dequantisation, FP8 layers weight-only) against transformers' fp32
+    Qwen3_5MoeForCausalLM holding the identical dequantised weights. 40 layers in fp32 would need 140 GB."""
+    import dataclasses
+
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from qwen_engine.config import default_layer_types
+
+    cfg = dataclasses.replace(base, num_hidden_layers=layers, layer_types=default_layer_types(layers))
+    model = load_quantized(random_packed_tensors(cfg, device, seed=seed, dtype=torch.float32), cfg, device,
+                           torch.float32)
+    set_fp8_activation_quantization(model, False)
+    registry = default_registry()
+    before = {op: registry.preference(op) for op in ("w4a16_linear", "w4a16_moe", "fp8_linear")}
+    g = torch.Generator().manual_seed(seed + 2)
+    ids = torch.randint(0, cfg.vocab_size, (prompts, tokens), generator=g).to(device)
+    try:
+        registry.set_preference("reference")
+        ours = model(ids).cpu()
+    finally:
+        for op, pref in before.items():
+            registry.set_preference(pref, op)
+    hf_cfg = Qwen3_5MoeTextConfig.from_dict(hf_text_config(cfg))
+    hf_cfg._attn_implementation = "eager"
+    with torch.device(device):
+        hf = Qwen3_5MoeForCausalLM(hf_cfg).eval().float()
+    to_transformers(model, hf)
+    del model
+    ref = hf(ids).logits.float().cpu()
+    del hf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dict(layers=layers, prompts=prompts, tokens=tokens, **compare_logits(ours, ref))
+
+
+async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
+                       decode_graphs: str = "auto", lone_only: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -200,7 +248,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             dtype="bf16", max_num_seqs=max(streams, 1), max_num_batched_tokens=max(2048, ctx),
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
-                            warmup=True)
+                            warmup=True, decode_graphs=decode_graphs)
     engine = QwenEngine(ecfg, model=model)
     await engine.start()
 
@@ -217,12 +265,15 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
     try:
         await one(rand(1, ctx)[0].tolist(), 4)  # warm the 1k prefill shape
         lone = await one(rand(1, ctx)[0].tolist(), steps + 1)
+        lone_r = dict(ttft_ms=1e3 * lone["ttft_s"], decode_tok_per_s=lone["decode_tok_per_s"], tokens=lone["tokens"],
+                      context=ctx)
+        if lone_only:
+            return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"))
         t0 = time.perf_counter()
         many = await asyncio.gather(*(one(rand(1, ctx)[0].tolist(), steps + 1) for _ in range(streams)))
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
-        return dict(lone=dict(ttft_ms=1e3 * lone["ttft_s"], decode_tok_per_s=lone["decode_tok_per_s"],
-                              tokens=lone["tokens"], context=ctx),
+        return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
                     streams=dict(n=streams, output_tok_per_s=sum(m["tokens"] for m in many) / wall, wall_s=wall,
                                  ttft_p50_ms=1e3 * ttfts[len(ttfts) // 2], ttft_max_ms=1e3 * ttfts[-1]),
                     stats=engine.health().get("stats"))
@@ -245,6 +296,8 @@ def main() -> None:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="keep random_weights.ACTIVATION_AMAX input scales instead of max-calibrating them")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--fp32-oracle-layers", type=int, default=8,
+                    help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; needs >= 4 for a full-attention layer)")
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
@@ -343,6 +396,13 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - recorded, the oracle still runs
             r["errors"].append(f"(e) engine: {type(e).__name__}: {e}")
         log(f"(e) {r.get('engine')}")
+        save()
+        try:  # the same engine without decode graphs, lone request only: the graphs' side-by-side ratio
+            r["engine_eager"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                         decode_graphs="off", lone_only=True))
+        except Exception as e:  # noqa: BLE001 - recorded
+            r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
+        log(f"(e) without graphs {r.get('engine_eager')}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
         save()
@@ -439,6 +499,17 @@ def main() -> None:
         r["memory"]["peak_transformers_gib"] = gib(torch.cuda.max_memory_allocated())
     log(f"transformers baseline {base}")
     save()
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.fp32_oracle_layers:
+        try:
+            r["oracle"]["fp32_full_width"] = fp32_oracle(cfg, args.fp32_oracle_layers if not tiny else 4, device,
+                                                           args.seed)
+        except Exception as e:  # noqa: BLE001 - recorded
+            r["errors"].append(f"(d) fp32 full-width oracle: {type(e).__name__}: {e}")
+        log(f"fp32 full-width oracle {r['oracle'].get('fp32_full_width')}")
+        save()
     print(markdown(r))
 
 

@@ -86,6 +86,10 @@ class QwenEngineConfig:
     max_queued: int = 256  # unanswered requests (waiting + running); more -> Overloaded (503 + Retry-After)
     request_timeout_s: float | None = 600.0  # default deadline per request, s from arrival (None: none) -> 504
     warmup: bool = True  # run one prefill and one decode step of every decode bucket before reporting ready
+    decode_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/decode_graphs.py): CUDA graphs of
+    #                              decode-only steps, one per decode bucket, captured at start (auto: capture on
+    #                              cuda, off on cpu; static: the graphs' static-buffer path run eagerly)
+    decode_buckets: tuple = ()  # decode batch sizes (ascending, last = max_num_seqs); () = 1, 2, 4, 8, 16, 32, ...
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -93,6 +97,8 @@ class QwenEngineConfig:
     #                        dequantized otherwise (BF16 checkpoints, the tiny test model)
 
     def __post_init__(self):
+        if isinstance(self.decode_buckets, list):  # YAML gives a list
+            object.__setattr__(self, "decode_buckets", tuple(self.decode_buckets))
         check_field_types(self)
         if self.config not in PRESETS:
             raise ValueError(f"config must be one of {list(PRESETS)}, got {self.config!r}")
@@ -100,6 +106,8 @@ class QwenEngineConfig:
             raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
         if self.weights not in ("auto", "packed", "dequantized"):
             raise ValueError(f"weights must be auto | packed | dequantized, got {self.weights!r}")
+        if self.decode_graphs not in ("auto", "capture", "static", "off"):
+            raise ValueError(f"decode_graphs must be auto | capture | static | off, got {self.decode_graphs!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_queued"):
@@ -124,7 +132,7 @@ class QwenEngineConfig:
         return ContinuousConfig(
             num_kv_blocks=num_kv_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            max_waiting=self.max_queued, seed=self.seed)
+            max_waiting=self.max_queued, seed=self.seed, decode_buckets=self.decode_buckets)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -182,7 +190,9 @@ class QwenEngine:
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
         self.runner = ModelRunner(self.model, self.model_config, self.device, num_blocks, cfg.block_size,
-                                  cfg.max_num_seqs, registry=self.registry)
+                                  cfg.max_num_seqs, registry=self.registry, max_model_len=cfg.max_model_len,
+                                  decode_buckets=self.scheduler.config.decode_buckets,
+                                  decode_graphs=cfg.decode_graphs)
         eos = self.model_config.eos_token_id
         self.default_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         # one worker thread: the forward pass blocks (CPU) or syncs once (CUDA) off the event loop
@@ -208,6 +218,9 @@ class QwenEngine:
             self._wake = asyncio.Event()
             self._closing = False
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="qwen-step-loop")
+        if self.runner.graphs is not None and not self.runner.graphs.captured and self.runner.graphs.mode == "capture":
+            # blocking (kernel warm-up + capture, seconds): on the step worker, which is idle before ready
+            await asyncio.get_running_loop().run_in_executor(self._worker, self.runner.capture_decode_graphs)
         if self.cfg.warmup and self.warmup_s is None:
             await self.warmup()
         self._ready = True

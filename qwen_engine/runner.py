@@ -41,10 +41,16 @@ def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype) -> int:
     return n_layers * num_slots * (conv + rec)
 
 
+RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention")
+DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
+
+
 def gdn_registry(preference: KernelPreference | str = KernelPreference.AUTO) -> Registry:
-    """A registry with the ops the runner calls (its own, so an engine's preference does not leak into others)."""
+    """A registry with the ops the runner calls (its own, so an engine's preference does not leak into others):
+    the GDN decode step and the paged decode attention."""
     registry = Registry(preference)
-    importlib.import_module("kernels.gdn_decode").register(registry)
+    for module in RUNNER_KERNEL_MODULES:
+        importlib.import_module(module).register(registry)
     return registry
 
 
@@ -52,7 +58,12 @@ class ModelRunner:
     """The model plus its paged state on one device; `execute(plan) -> StepOutput`."""
 
     def __init__(self, model, cfg: QwenConfig, device: torch.device | str, num_blocks: int, block_size: int,
-                 max_num_seqs: int, registry: Registry | None = None):
+                 max_num_seqs: int, registry: Registry | None = None, *, max_model_len: int | None = None,
+                 decode_buckets: tuple[int, ...] = (), decode_graphs: str = "off"):
+        """`decode_graphs` (see `decode_graphs.py`): "capture" (CUDA graphs per decode bucket, captured by
+        `capture_decode_graphs()`), "static" (the same static-buffer path run eagerly), "off" (every step eager),
+        "auto" (capture on CUDA, off elsewhere). `decode_buckets`: the scheduler's decode batch sizes (last =
+        max_num_seqs); `max_model_len` sizes the graphs' block tables."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -61,12 +72,45 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.registry = registry if registry is not None else gdn_registry()
         dtype = model.embed_tokens.weight.dtype  # packed NVFP4/FP8 modules hold uint8/e4m3 buffers, not this
-        self.cache = PagedCache.empty(cfg, num_blocks, block_size, max_num_seqs, dtype, self.device)
+        # one block and one GDN state row past the scheduler's: the scratch sequence of the decode graphs' padding
+        self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device)
         self.steps = 0
+        self.graph_steps = 0
         self.busy_s = 0.0  # wall time inside execute (includes the one sync of the sampled ids)
+        if decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPH_MODES}, got {decode_graphs!r}")
+        if decode_graphs == "auto":
+            decode_graphs = "capture" if self.device.type == "cuda" else "off"
+        self.graphs = None
+        if decode_graphs != "off":
+            from .decode_graphs import DecodeGraphs
+
+            if max_model_len is None:
+                raise ValueError("decode graphs need max_model_len (the block tables' width)")
+            self.graphs = DecodeGraphs(
+                model, self.cache, buckets=tuple(decode_buckets) or (max_num_seqs,),
+                max_blocks=-(-max_model_len // block_size), scratch_block=num_blocks, scratch_slot=max_num_seqs,
+                device=self.device, gdn_decode=self._gdn_decode, decode_attention=self._decode_attention,
+                mode=decode_graphs)
 
     def _gdn_decode(self, q, k, v, g, beta, state):
         return self.registry.call("gdn_decode", q, k, v, g, beta, state)
+
+    def _decode_attention(self, q, k_pool, v_pool, block_tables, context_lens, scale):
+        return self.registry.call("paged_decode_attention", q, k_pool, v_pool, block_tables, context_lens, scale)
+
+    def capture_decode_graphs(self) -> float | None:
+        """Capture the decode graphs (mode "capture"; after the first steps warmed the kernels). Refuses, with a
+        clear error, when the registry would run a non-capturable reference for the decode ops (the paged
+        attention reference sizes its gather from host values). Returns seconds taken, None without graphs."""
+        if self.graphs is None:
+            return None
+        if self.graphs.mode == "capture":
+            chosen = {op: v.get("last") for op, v in self.registry.choices().items()}
+            if chosen.get("paged_decode_attention") == "reference":
+                raise RuntimeError("decode graphs: paged_decode_attention runs its reference here (host-sized "
+                                   "gathers cannot be captured); set decode_graphs: off or kernels: auto")
+        return self.graphs.capture()
 
     def flat_batch(self, plan: StepPlan) -> FlatBatch:
         """The device metadata of `plan` (decode rows must come first, as the scheduler emits them)."""
@@ -76,11 +120,23 @@ class ModelRunner:
         if plan.block_size != self.block_size:
             raise ValueError(f"plan block_size {plan.block_size} != runner's {self.block_size}")
         rows = [(s.start, s.num_tokens, s.block_table, s.state_slot) for s in plan.seqs]
-        return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode)
+        return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode,
+                               self._decode_attention)
+
+    def _use_graphs(self, plan: StepPlan) -> bool:
+        """Decode-only steps (the scheduler sets bucket_size) once the graphs exist (or in "static" mode)."""
+        g = self.graphs
+        return (g is not None and plan.bucket_size is not None and (g.mode == "static" or g.captured)
+                and g.bucket_for(plan.num_seqs) is not None)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the model over `plan`: logits [len(plan.sampled), vocab] at the last token of each sampling row."""
+        if self._use_graphs(plan):
+            from .decode_graphs import as_rows
+
+            self.graph_steps += 1
+            return self.graphs.run(as_rows(plan))
         batch = self.flat_batch(plan)
         pin = self.device.type == "cuda"
 
@@ -111,5 +167,8 @@ class ModelRunner:
         return StepOutput(tuple(ids))
 
     def stats(self) -> dict[str, float]:
-        return {"steps": self.steps, "busy_s": round(self.busy_s, 3), "num_blocks": self.num_blocks,
-                "block_size": self.block_size, "state_slots": self.max_num_seqs}
+        out = {"steps": self.steps, "graph_steps": self.graph_steps, "busy_s": round(self.busy_s, 3),
+               "num_blocks": self.num_blocks, "block_size": self.block_size, "state_slots": self.max_num_seqs}
+        if self.graphs is not None:
+            out["decode_graphs"] = self.graphs.stats()
+        return out

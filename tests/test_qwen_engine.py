@@ -54,17 +54,23 @@ def model():
 # random tiny model amplifies one-ulp differences of reductions over differently laid-out tensors (e.g. the GDN
 # l2norm of a contiguous [N, C] vs a transposed [B, T, C] conv output) to ~2e-5 after a few steps, so fp32 uses
 # tests/test_qwen_model.py's REL_TOL 1e-4 (issue 5's fp32 logits gate).
-@pytest.mark.parametrize("dtype,num_kv_blocks,tol", [(torch.float64, 8, 1e-5), (torch.float32, 32, 1e-4)])
-def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol):
+@pytest.mark.parametrize("dtype,num_kv_blocks,tol,graphs", [(torch.float64, 8, 1e-5, "off"),
+                                                              (torch.float32, 32, 1e-4, "off"),
+                                                              (torch.float64, 32, 1e-5, "static")])
+def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, graphs):
     """Drive scheduler + runner greedily; every sampling row's logits equal a contiguous batch-1 state fed the same
-    tokens (decode batches, chunked prefill, and re-prefill after preemption: 8 blocks of 4 force it)."""
+    tokens (decode batches, chunked prefill, and re-prefill after preemption: 8 blocks of 4 force it). graphs
+    "static": decode-only steps go through the CUDA-graph path's static buffers, padded to the decode buckets
+    (1, 2, 4) with the scratch sequence (qwen_engine/decode_graphs.py), run eagerly; padding must change nothing."""
     model = copy.deepcopy(model).to(dtype)
     sched = ContinuousScheduler(ContinuousConfig(num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=4,
                                                  max_num_batched_tokens=16, max_model_len=64))
-    runner = ModelRunner(model, model.config, "cpu", num_kv_blocks, 4, 4)
+    runner = ModelRunner(model, model.config, "cpu", num_kv_blocks, 4, 4, max_model_len=64,
+                         decode_buckets=sched.config.decode_buckets, decode_graphs=graphs)
     lengths = [6, 20, 1, 10]  # 20 > the 16-token budget: a split prefill
+    new_tokens = [6, 3, 8, 5]  # streams end at different steps: decode batches of 4, 3 (padded to 4), 2, 1
     for i, n in enumerate(lengths):
-        sched.add(GenerateRequest(tuple(prompt(i, n)), max_new_tokens=6))
+        sched.add(GenerateRequest(tuple(prompt(i, n)), max_new_tokens=new_tokens[i]))
     ref_states, checked, kinds, worst = {}, 0, set(), 0.0
     with torch.no_grad():
         while (plan := sched.step()) is not None:
@@ -86,10 +92,13 @@ def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol):
             tokens = tuple(int(t) for t in logits.argmax(-1))
             sched.finish(plan, StepOutput(tokens))
     print(f"paged vs contiguous logits ({dtype}): worst max-abs error {worst:.2e} x max |ref|")
-    assert checked == 6 * len(lengths)  # every sampled token checked once (preemption neither loses nor repeats)
+    assert checked == sum(new_tokens)  # every sampled token checked once (preemption neither loses nor repeats)
     assert {"decode", "chunk", "prefill"} <= kinds
     if num_kv_blocks == 8:
         assert sched.stats.preemptions > 0
+    if graphs == "static":
+        replays = runner.graphs.stats()["replays"]
+        assert runner.graph_steps > 0 and set(replays) >= {"1", "2", "4"}, replays
 
 
 def test_paged_decode_attention_matches_loop():
@@ -161,6 +170,48 @@ def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks):
     assert engine.scheduler.blocks.num_used_blocks == 0
     if num_kv_blocks == 16:
         assert stats.preemptions > 0
+
+
+def test_engine_decode_graph_path_equals_single_prompt_reference():
+    """decode_graphs="static": the engine's decode-only steps run the CUDA-graph path's static, padded buffers
+    (eagerly on the CPU); greedy streams must equal the single-prompt reference, and the scratch sequence must not
+    leak into any real block or state row."""
+    lengths = LENGTHS[:5]
+
+    async def body(engine):
+        return engine, await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=3 + i)
+                                              for i, n in enumerate(lengths)))
+
+    engine, outs = run(engine_config(decode_graphs="static"), body)
+    for i, (n, (tokens, _)) in enumerate(zip(lengths, outs)):
+        assert tokens == reference_greedy(engine, prompt(i, n), 3 + i), f"prompt {i} ({n} tokens)"
+    stats = engine.health()["runner"]
+    assert stats["graph_steps"] > 0 and stats["decode_graphs"]["mode"] == "static", stats
+
+
+def test_decode_graph_config_errors():
+    with pytest.raises(ValueError, match="decode_graphs must be"):
+        engine_config(decode_graphs="yes")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        QwenEngine(engine_config(decode_graphs="capture"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_engine_cuda_graphs_equal_eager():
+    """On a GPU: captured decode graphs give the same greedy tokens as the eager engine (fp32, auto kernels: the
+    GDN and paged-attention Triton kernels; fp32 so that batch-shape-dependent GEMM rounding cannot flip a token)."""
+    lengths = LENGTHS[:5]
+
+    def tokens(mode):
+        async def body(engine):
+            outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=8)
+                                          for i, n in enumerate(lengths)))
+            return engine.health()["runner"], [o[0] for o in outs]
+        return run(engine_config(device="cuda", dtype="fp32", kernels="auto", decode_graphs=mode), body)
+
+    (_, eager), (graph_stats, graphed) = tokens("off"), tokens("capture")
+    assert graph_stats["decode_graphs"]["captured"] and graph_stats["graph_steps"] > 0, graph_stats
+    assert graphed == eager
 
 
 def test_engine_with_packed_weights_equals_single_prompt_reference():

@@ -98,8 +98,13 @@ class GatedAttention(nn.Module):
         o = q.new_empty(1, h, n, d)
         nd = batch.num_decode
         if nd:
-            o[:, :, :nd] = paged_decode_attention(q[0, :, :nd].transpose(0, 1), kv, batch, self.scaling
-                                                  ).transpose(0, 1)[None]
+            q_dec = q[0, :, :nd].transpose(0, 1)  # [D, H, Dh]
+            if batch.decode_attention is None:
+                o_dec = paged_decode_attention(q_dec, kv, batch, self.scaling)
+            else:
+                o_dec = batch.decode_attention(q_dec.contiguous(), kv.k, kv.v, batch.block_tables[:nd],
+                                               batch.context_lens_t[:nd], self.scaling)
+            o[:, :, :nd] = o_dec.transpose(0, 1)[None]
         for i in range(nd, batch.num_seqs):
             s, e, ctx = batch.starts[i], batch.starts[i + 1], batch.context_lens[i]
             keys, values = gather_kv(kv, batch.block_tables[i], ctx)  # [1, KV, ctx, D]

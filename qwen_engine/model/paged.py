@@ -95,6 +95,10 @@ class FlatBatch:
     block_size: int
     # the GDN one-token recurrent step: (q, k, v, g, beta, state) -> (o, new state); `gated_delta_step` or a kernel
     gdn_decode: Callable | None = None
+    # attention of the decode rows over the paged pool: (q [D, H, Dh], k_pool, v_pool, block_tables [D, max_blocks],
+    # context_lens [D], scale) -> o [D, H, Dh] (`kernels/paged_attention.py`, bounds read on the device: capturable);
+    # None -> `attention.paged_decode_attention` (gather sized from the host context lengths + SDPA)
+    decode_attention: Callable | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -106,7 +110,7 @@ class FlatBatch:
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, tuple[int, ...], int]], num_decode: int, block_size: int,
-              device, gdn_decode: Callable | None = None) -> FlatBatch:
+              device, gdn_decode: Callable | None = None, decode_attention: Callable | None = None) -> FlatBatch:
         """From per-sequence (start, num_tokens, block_table, state_slot), decode rows first; one host->device copy
         per field (pinned, non-blocking on CUDA)."""
         positions, slots, starts, ctx = [], [], [0], []
@@ -126,4 +130,4 @@ class FlatBatch:
             return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
 
         return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
-                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode)
+                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention)

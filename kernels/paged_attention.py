@@ -1,0 +1,323 @@
+"""Paged decode attention in Triton (flash-decoding): one query token per sequence against its keys/values in a
+block-paged KV pool, split over the context so that a small batch still fills the GPU.
+
+Reference: `paged_decode_attention_reference` below (row by row: gather the visible keys, fp32 SDPA), the semantics of
+`qwen_engine.model.attention.paged_decode_attention` with the pool and the metadata passed as tensors:
+    q [D, H, Dh] (one token per sequence); k_pool, v_pool [num_blocks, block_size, KVH, Dh] (`PagedKV` layout), same
+    dtype as q (bf16, fp16 or fp32); H % KVH == 0 (query head h reads kv head h // (H / KVH));
+    block_tables [D, max_blocks] int64 / int32: position p of sequence i is at block block_tables[i, p // block_size],
+    offset p % block_size; entries past the context are arbitrary (never dereferenced);
+    context_lens [D] int64: sequence i sees positions 0 .. context_lens[i] - 1 (>= 1; a 0 gives zeros, see below);
+    o [D, H, Dh] in q.dtype = softmax(scale q k^T) v over the visible keys, in fp32.
+
+CUDA-graph safe: nothing on the host reads context_lens or block_tables. Shapes and the grid depend only on the input
+shapes; each program loads its own context length and derives its loop bounds from it.
+
+Design. Grid (D, KVH, NUM_SPLITS). A program takes all G = H / KVH query heads that share one kv head (a [BLOCK_G, Dh]
+tile, BLOCK_G = max(16, G) rows for tl.dot; the padding rows are zero and never stored), so each key/value row is read
+once per split, not G times. The sequence's ceil(ctx / block_size) blocks are divided evenly over the NUM_SPLITS
+programs in-kernel (per = ceil(blocks / NUM_SPLITS) blocks each; splits past the last block get none). A program walks
+its range BLOCK_N tokens at a time (BLOCK_N >= 16 for tl.dot; each token's block id comes from the table, so BLOCK_N
+need not equal block_size), masks positions past the range, and keeps the online softmax in fp32: running max m, sum
+l and acc [BLOCK_G, Dh]. It writes fp32 partials o_part [D, H, NUM_SPLITS, Dh] = acc / l and lse [D, H, NUM_SPLITS] =
+m + log l; a split without keys writes zeros and lse = -inf. Torch combines the splits on static shapes (weights
+exp(lse - max lse)) and rounds to q.dtype once (`_combine`).
+
+Splitting per sequence, not over the table's static width: the table is as wide as the longest context the engine
+allows (the CUDA-graph bucket), so splitting its width would leave a 1k context in an 8k-wide table on 1/8 of the
+splits. NUM_SPLITS itself is static: `num_splits_for(D * KVH, max_blocks, SMs)` asks for about one program per SM.
+
+Numerics. Scores q k^T accumulate in fp32 (bf16/fp16 products are exact in fp32; fp32 inputs use tl.dot's "ieee"
+precision, not tf32); exp2 with the scale folded into log2(e) units. On a GPU with bf16/fp16 inputs the P V dot takes
+p rounded to the value dtype (FlashAttention's convention, as does the SDPA the model calls today): <= 2^-9 relative
+per weight, averaged over the keys. The interpreter keeps p in fp32 (its fp32 -> bf16 cast truncates; and its bf16
+dots go through fp32, `kernels/w4a16_gemm.py: _mma`) and writes only fp32, which torch rounds. Beyond that only the
+summation order and exp ulps differ from the fp32 reference: tolerance max |o - ref| <= 1e-2 x max |ref| for
+bf16/fp16 (one output rounding 2^-9 plus the p rounding), 1e-5 for fp32 (measured ~1e-7; `compare`).
+
+Napkin math (Qwen3.6-35B-A3B full-attention layers: H = 16, KVH = 2, Dh = 256, block_size = 16; H200 4.8 TB/s):
+  1k context: K + V per layer and sequence = 1024 x 2 (KVH) x 256 x 2 B x 2 (K, V) = 2 MB -> 0.44 us; 8k: 16 MB, 3.5 us.
+  q and o are 8 KB each; the partials (16 x NUM_SPLITS x 256 fp32 = 1 MB at 66 splits) stay in the 50 MB L2.
+  Why splits matter at batch 1: without them the grid is D x KVH = 2 programs, on 2 of the 132 SMs. One program
+  streams only what it keeps in flight (Little's law: ~32 KB of K/V tiles / ~0.6 us DRAM latency = ~50 GB/s), so
+  each program's 1 MB takes ~20 us instead of 0.44 us. With NUM_SPLITS = 66 the 1k context becomes 128 programs of
+  one 16-token block (16 KB) each; at batch 32 (64 kv-head programs) 3 splits suffice. The heuristic, BLOCK_N and
+  num_warps are unmeasured on hardware.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
+    triton = None
+
+NAME = "paged_decode_attention"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MIN_CAPABILITY = (8, 0)  # bf16 tensor cores
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a [BLOCK_G, 256] fp32 accumulator is the register budget
+MAX_GROUP = 32  # query heads per kv head in one tile (the model has 8); 32 x 256 fp32 = 32 KB of accumulator
+MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks per split at the cap
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
+LOG2E = 1.4426950408889634
+
+
+# ---- reference ------------------------------------------------------------------------------------------------------
+def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """Row by row (host loop, reads context_lens): gather sequence i's keys/values for positions 0..ctx-1 (as
+    `qwen_engine.model.attention.gather_kv`), fp32 SDPA with GQA, cast to q.dtype. Shapes: module docstring."""
+    bs, kvh, dh = k_pool.shape[1:]
+    outs = []
+    for i in range(q.shape[0]):
+        ctx = int(context_lens[i])
+        blocks = block_tables[i, : -(-ctx // bs)].long()
+        k = k_pool[blocks].reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()  # [1, KVH, ctx, Dh]
+        v = v_pool[blocks].reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()
+        o = F.scaled_dot_product_attention(q[i][None, :, None].float(), k, v, scale=scale, enable_gqa=True)
+        outs.append(o[0, :, 0])  # [H, Dh]
+    return torch.stack(outs).to(q.dtype) if outs else q.new_empty(q.shape)
+
+
+# ---- Triton kernel --------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _qk(q, k, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        """q [BG, Dh] @ k[BN, Dh]^T in fp32. The interpreter gets fp32 operands (bf16 dots: w4a16_gemm._mma); fp32
+        inputs use ieee (tl.dot would otherwise round them to tf32)."""
+        if INTERPRET:
+            return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if IEEE:
+            return tl.dot(q, tl.trans(k), input_precision="ieee")
+        return tl.dot(q, tl.trans(k))
+
+    @triton.jit
+    def _pv(p, v, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        """p [BG, BN] fp32 @ v [BN, Dh] in fp32; on a GPU with bf16/fp16 values p is rounded to v's dtype first."""
+        if INTERPRET:
+            return tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if IEEE:
+            return tl.dot(p, v, input_precision="ieee")
+        return tl.dot(p.to(v.dtype), v)
+
+    @triton.jit
+    def _paged_decode_kernel(q, k_pool, v_pool, tables, ctx_lens, o_part, lse, qk_scale, G, BLOCK_SIZE,
+                             s_qd, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_td, s_tb, s_cd,
+                             s_od, s_oh, s_os, s_ld, s_lh,
+                             HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                             NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # grid (D, KVH, NUM_SPLITS); qk_scale = scale * log2(e): scores in log2 units, exp2 throughout
+        i, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ctx = tl.load(ctx_lens + i * s_cd).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_SIZE), NUM_SPLITS) * BLOCK_SIZE  # tokens per split, whole blocks
+        lo = split * per
+        hi = tl.minimum(lo + per, ctx)  # lo >= hi: no keys in this split
+
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < G
+        heads = kvh * G + g  # [BG] query heads of this kv head
+        d = tl.arange(0, HEAD_DIM)
+        q_t = tl.load(q + i * s_qd + heads[:, None] * s_qh + d[None, :], mask=g_ok[:, None], other=0.0)  # [BG, Dh]
+
+        m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_G,), dtype=tl.float32)  # noqa: E741
+        acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)  # [BN] token positions
+            ok = pos < hi
+            blk = tl.load(tables + i * s_td + (pos // BLOCK_SIZE) * s_tb, mask=ok, other=0).to(tl.int64)
+            off = pos % BLOCK_SIZE
+            k_t = tl.load(k_pool + (blk * s_kb + off * s_kt + kvh * s_kh)[:, None] + d[None, :],
+                          mask=ok[:, None], other=0.0)  # [BN, Dh]
+            s = _qk(q_t, k_t, IEEE, INTERPRET) * qk_scale  # [BG, BN]
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every step has >= 1 visible position
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+            v_t = tl.load(v_pool + (blk * s_vb + off * s_vt + kvh * s_vh)[:, None] + d[None, :],
+                          mask=ok[:, None], other=0.0)  # [BN, Dh]
+            acc = acc * alpha[:, None] + _pv(p, v_t, IEEE, INTERPRET)
+            m = m_new
+
+        has = l > 0.0  # False for an empty split (and for the padding rows only if the split is empty)
+        o_t = acc / tl.where(has, l, 1.0)[:, None]
+        lse_t = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) / 1.4426950408889634, float("-inf"))
+        tl.store(o_part + i * s_od + heads[:, None] * s_oh + split * s_os + d[None, :], o_t, mask=g_ok[:, None])
+        tl.store(lse + i * s_ld + heads * s_lh + split, lse_t, mask=g_ok)
+
+
+def _interpreted() -> bool:
+    """True when the kernel was built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors only."""
+    return triton is not None and type(_paged_decode_kernel).__name__ == "InterpretedFunction"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 4  # interpreter: small, so that the heuristic still splits in tests
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
+    """Splits of each sequence's blocks so that programs (= D x KVH) x splits reaches about one program per SM;
+    never more than the table has blocks (a split holds >= 1 block) or MAX_SPLITS. Shapes only: graph-safe."""
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-sms // programs), max_blocks, MAX_SPLITS))
+
+
+def _combine(o_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """o_part [D, H, S, Dh], lse [D, H, S] fp32 -> o [D, H, Dh] fp32 (static shapes, no host sync). Rows whose
+    splits are all empty (context 0: CUDA-graph padding rows) give zeros instead of NaN."""
+    if o_part.shape[2] == 1:
+        return o_part[:, :, 0]
+    top = lse.amax(-1, keepdim=True)
+    w = torch.exp(lse - torch.where(torch.isfinite(top), top, 0.0))  # [D, H, S]; empty splits weigh 0
+    den = w.sum(-1, keepdim=True)
+    return (o_part * w[..., None]).sum(2) / torch.where(den > 0, den, 1.0)
+
+
+def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """The kernel plus the combine; `num_splits` / `block_n` override the heuristics (tests, benchmarks)."""
+    nd, heads, dh = q.shape
+    bs, kvh = k_pool.shape[1:3]
+    group = heads // kvh
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = num_splits_for(nd * kvh, max_blocks, _num_sms(q.device.index))
+    if block_n is None:  # >= 16 for tl.dot; 32 on a GPU for two 16 KB K/V tiles per step at Dh = 256 (unmeasured)
+        block_n = max(16 if _interpreted() else 32, triton.next_power_of_2(bs))
+    o_part = torch.empty((nd, heads, num_splits, dh), dtype=torch.float32, device=q.device)
+    lse = torch.empty((nd, heads, num_splits), dtype=torch.float32, device=q.device)
+    if nd == 0:
+        return q.new_empty(q.shape)
+    _paged_decode_kernel[(nd, kvh, num_splits)](
+        q, k_pool, v_pool, block_tables, context_lens, o_part, lse, scale * LOG2E, group, bs,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0), block_tables.stride(1),
+        context_lens.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(), num_warps=4 if dh <= 128 else 8)
+    return _combine(o_part, lse).to(q.dtype)
+
+
+# ---- custom op (traceable by torch.compile) -------------------------------------------------------------------------
+@torch.library.custom_op("qwen::paged_decode_attention", mutates_args=())
+def paged_decode_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                              num_splits: int = 0) -> torch.Tensor:
+    """q [D, H, Dh] -> o [D, H, Dh] in q.dtype; num_splits 0 = the heuristic."""
+    for t in (q, k_pool, v_pool):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_decode_attention needs unit stride in the last dimension, got {t.stride()}")
+    return paged_decode_attention_launch(q, k_pool, v_pool, block_tables, context_lens, scale,
+                                         num_splits=num_splits or None)
+
+
+@paged_decode_attention_op.register_fake
+def _(q, k_pool, v_pool, block_tables, context_lens, scale, num_splits=0):
+    return q.new_empty(q.shape)
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as `paged_decode_attention_reference`; `num_splits` overrides the heuristic (tests)."""
+    return paged_decode_attention_op(q, k_pool, v_pool, block_tables, context_lens, scale, num_splits or 0)
+
+
+# ---- guard, registry entry ------------------------------------------------------------------------------------------
+def describe(q, k_pool, v_pool, block_tables, context_lens, scale=None, num_splits=None) -> dict[str, Any]:
+    ts = (q, k_pool, v_pool, block_tables, context_lens)
+    shapes_ok = (q.dim() == 3 and k_pool.dim() == 4 and k_pool.shape == v_pool.shape
+                 and k_pool.shape[3] == q.shape[2] and k_pool.shape[2] > 0 and q.shape[1] % k_pool.shape[2] == 0
+                 and block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
+                 and tuple(context_lens.shape) == (q.shape[0],))
+    return dict(device=q.device.type, capability=torch.cuda.get_device_capability(q.device) if q.is_cuda else None,
+                same_device=len({t.device for t in ts}) == 1, dtypes={q.dtype, k_pool.dtype, v_pool.dtype},
+                index_dtypes={block_tables.dtype, context_lens.dtype}, shapes_ok=shapes_ok,
+                head_dim=q.shape[-1] if q.dim() else 0,
+                group=q.shape[1] // k_pool.shape[2] if shapes_ok else 0,
+                unit_strides=all(t.stride(-1) == 1 for t in (q, k_pool, v_pool) if t.dim()))
+
+
+def supports(*, device: str, capability, same_device: bool, dtypes: set, index_dtypes: set, shapes_ok: bool,
+             head_dim: int, group: int, unit_strides: bool, **_: Any) -> bool:
+    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU), all tensors on it; q, k_pool, v_pool
+    of one dtype in DTYPES; int32/int64 block tables and context lengths; consistent shapes (H % KVH == 0); head dim
+    a power of two (tl.arange) in [16, 256] (tl.dot minimum, register budget); <= MAX_GROUP query heads per kv head;
+    unit inner strides of q and the pools."""
+    if triton is None:
+        return False
+    if _interpreted():
+        device_ok = device == "cpu"
+    else:
+        device_ok = device == "cuda" and capability is not None and tuple(capability) >= MIN_CAPABILITY
+    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
+            and index_dtypes <= set(INDEX_DTYPES) and shapes_ok and unit_strides
+            and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+            and 1 <= group <= MAX_GROUP)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> str | None:
+    """None if max |out - ref| <= tol x max |ref|, tol from TOLERANCE by dtype (module docstring), else why."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"shape/dtype {tuple(out.shape)} {out.dtype} != {tuple(ref.shape)} {ref.dtype}"
+    tol = TOLERANCE[ref.dtype] if tol is None else tol
+    err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
+    scale = float(ref.float().abs().max()) if ref.numel() else 0.0
+    if not err <= tol * scale:  # also catches NaN
+        return f"max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
+    return None
+
+
+def random_inputs(context_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                  dtype=torch.float32, seed: int = 0, device="cpu", extra_blocks: int = 2,
+                  spare_blocks: int = 3) -> tuple:
+    """(q, k_pool, v_pool, block_tables, context_lens, scale) for decode rows with the given context lengths.
+    Each sequence owns distinct blocks, drawn in shuffled order from a pool with `spare_blocks` unused ones; the
+    table is `extra_blocks` wider than the longest context needs, and every entry past a context holds a random
+    (valid) block id: garbage that a correct kernel never reads."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for c in context_lens]
+    max_blocks = max(need, default=0) + extra_blocks
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    q = torch.randn(len(context_lens), heads, head_dim, generator=gen)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    ctx = torch.tensor(context_lens, dtype=torch.int64)
+    return (q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device), tables.to(device),
+            ctx.to(device), 1.0 / math.sqrt(head_dim))
+
+
+def _sample(device) -> tuple[tuple, dict]:
+    # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model
+    return random_inputs([1, 8, 21], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
+                         device=device), {}
+
+
+def register(registry) -> None:
+    registry.add_op(NAME, paged_decode_attention_reference, sample=_sample, compare=compare, describe=describe,
+                    tolerance="max |diff| <= 1e-2 x max |ref| for bf16/fp16 (output rounding 2^-9, p rounded for "
+                              "the P V dot), 1e-5 for fp32 (fp32 math; summation order and exp ulps only)")
+    registry.add_implementation(NAME, "triton", paged_decode_attention_triton, supports)

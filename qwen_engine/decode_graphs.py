@@ -1,0 +1,176 @@
+"""CUDA graphs of the decode step: one captured `forward_paged` per decode batch size (the scheduler's
+`decode_buckets`), replayed for every step whose rows are all decode tokens -- the steady state of generation.
+
+Why. Measured on the H200 (benchmarks/results/qwen_profile_run1, full size, eager): a decode step launches ~6,500
+kernels; at batch 1 the GPU works 17.6 ms of a 270 ms step (93% of the step is the host issuing launches), at batch
+32 42 ms of 330 ms. A replayed graph issues the same kernels with one launch.
+
+Static state. A graph replays fixed pointers and shapes, so each bucket b reads its step from static device buffers
+(views of one int64 block, filled by one host->device copy per step):
+    ids [b], positions [b], slot_mapping [b], context_lens [b], state_slots [b], block_tables [b, max_blocks]
+and writes logits into its own output tensor [b, vocab] (valid until the next replay; the runner samples from it
+at once). Rows n..b-1 of a step with n < b decode rows are padding: token 0 at position 0 of a scratch sequence
+whose one KV block (`scratch_block`, one past the scheduler's pool) and GDN state row (`scratch_slot`, one past the
+scheduler's slots) nobody else owns, so padding writes land there and every real row computes exactly what it
+would alone (rows never mix: attention, the GDN step, norms and the MoE are per token).
+
+Requirements on the model's decode path (met by `forward_paged` with `FlatBatch.decode_attention` and
+`gdn_decode` set from the registry): no host reads of device values, shapes fixed by the bucket, no allocation
+outside the graph's pool. Attention uses the paged decode kernel (`kernels/paged_attention.py`, bounds read on the
+device); the eager fallback `paged_decode_attention` sizes its gather from host context lengths and cannot be
+captured. Triton autotuning happens in the warm-up runs before capture.
+
+Modes: "capture" (CUDA graphs; CUDA only) and "static" (the same static buffers and padding, run eagerly: what the
+CPU tests compare against the plain path, and a debugging aid on the GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .model.paged import FlatBatch, PagedCache
+
+log = logging.getLogger(__name__)
+
+MODES = ("capture", "static")
+_FIELDS = ("ids", "positions", "slot_mapping", "context_lens", "state_slots")  # then block_tables
+
+
+class DecodeGraphs:
+    """Per-bucket decode forwards over static buffers; `run(rows)` -> logits [n, vocab]."""
+
+    def __init__(self, model, cache: PagedCache, *, buckets: tuple[int, ...], max_blocks: int, scratch_block: int,
+                 scratch_slot: int, device: torch.device, gdn_decode, decode_attention, mode: str = "capture"):
+        if mode not in MODES:
+            raise ValueError(f"decode graph mode must be one of {MODES}, got {mode!r}")
+        if mode == "capture" and torch.device(device).type != "cuda":
+            raise ValueError("decode graph mode 'capture' needs a CUDA device ('static' runs the same path eagerly)")
+        if decode_attention is None:
+            raise ValueError("decode graphs need a paged decode attention op (kernels/paged_attention.py)")
+        self.model, self.cache, self.mode = model, cache, mode
+        self.buckets = tuple(sorted(buckets))
+        self.device = torch.device(device)
+        self.block_size = cache.block_size
+        self.max_blocks = max_blocks
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
+        bmax = self.buckets[-1]
+        self.bmax = bmax
+        n = len(_FIELDS) * bmax + bmax * max_blocks
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(n, dtype=torch.int64, device=self.device)
+        views = self._views(self._dev)
+        self._host_views = self._views(self._host_np)
+        self._pad_rows(0, bmax)
+        self._dev.copy_(self._host)
+        self._batches = {
+            b: FlatBatch(views["positions"][:b], views["slot_mapping"][:b], views["block_tables"][:b],
+                         views["context_lens"][:b], views["state_slots"][:b], starts=tuple(range(b + 1)),
+                         context_lens=(1,) * b, state_slots=tuple(range(b)), num_decode=b,
+                         block_size=self.block_size, gdn_decode=gdn_decode, decode_attention=decode_attention)
+            for b in self.buckets}
+        self._ids = views["ids"]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.capture_s: float | None = None
+        self.replays = {b: 0 for b in self.buckets}
+
+    def _views(self, flat):
+        bmax = self.bmax
+        v = {name: flat[i * bmax:(i + 1) * bmax] for i, name in enumerate(_FIELDS)}
+        v["block_tables"] = flat[len(_FIELDS) * bmax:].reshape(bmax, self.max_blocks)
+        return v
+
+    def _pad_rows(self, lo: int, hi: int) -> None:
+        """Host rows lo..hi-1 -> the scratch sequence: token 0 at position 0 in the scratch block and state row."""
+        h = self._host_views
+        h["ids"][lo:hi] = 0
+        h["positions"][lo:hi] = 0
+        h["slot_mapping"][lo:hi] = self.scratch_block * self.block_size
+        h["context_lens"][lo:hi] = 1
+        h["state_slots"][lo:hi] = self.scratch_slot
+        h["block_tables"][lo:hi] = self.scratch_block
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model.forward_paged(self._ids[:b], self._batches[b], self.cache, None)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Warm every bucket twice (lazy allocations, Triton autotuning), then capture them largest first into one
+        memory pool. Touches only the scratch block and state row. Returns seconds taken ('static': 0)."""
+        if self.mode != "capture":
+            return 0.0
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for b in self.buckets:
+                for _ in range(2):
+                    self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[b] = self._forward(b)
+            pool = graph.pool()
+            self._graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured decode graphs for batch sizes %s in %.1f s", list(self.buckets), self.capture_s)
+        return self.capture_s
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def run(self, rows: list[tuple[int, int, tuple[int, ...], int]]) -> torch.Tensor:
+        """rows: (token id, position, block table, state slot) per decode sequence -> logits [n, vocab] (a view of
+        the bucket's output: consume it before the next call)."""
+        n = len(rows)
+        b = self.bucket_for(n)
+        if b is None or n == 0:
+            raise ValueError(f"{n} decode rows: the largest decode graph holds {self.bmax}")
+        h, bs = self._host_views, self.block_size
+        for i, (tok, pos, table, slot) in enumerate(rows):
+            nb = len(table)
+            if nb > self.max_blocks or pos // bs >= nb:
+                raise ValueError(f"decode row {i}: position {pos} / {nb} blocks exceed the graph's "
+                                 f"{self.max_blocks} blocks of {bs}")
+            h["ids"][i] = tok
+            h["positions"][i] = pos
+            h["slot_mapping"][i] = table[pos // bs] * bs + pos % bs
+            h["context_lens"][i] = pos + 1
+            h["state_slots"][i] = slot
+            h["block_tables"][i, :nb] = table  # entries past the context are never read (the kernel's bounds)
+        self._pad_rows(n, b)  # rows a previous, larger step filled
+        # one H2D copy of the fields and the first b block-table rows (a prefix of the layout); the pinned source is
+        # rewritten only after this step's sampled ids reached the host (the runner's one sync), by which time the
+        # copy has completed
+        end = len(_FIELDS) * self.bmax + b * self.max_blocks
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        self.replays[b] += 1
+        if self.mode == "capture":
+            self._graphs[b].replay()
+            return self._outputs[b][:n]
+        with torch.inference_mode():
+            return self._forward(b)[:n]
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "buckets": list(self.buckets), "captured": self.captured,
+                "capture_s": None if self.capture_s is None else round(self.capture_s, 2),
+                "replays": {str(b): n for b, n in self.replays.items() if n}}
+
+
+def as_rows(plan) -> list[tuple[int, int, tuple[int, ...], int]]:
+    """A decode-only StepPlan -> `DecodeGraphs.run` rows."""
+    return [(s.token_ids[0], s.start, s.block_table, s.state_slot) for s in plan.seqs]
+

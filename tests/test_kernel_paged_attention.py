@@ -1,0 +1,195 @@
+"""kernels/paged_attention.py: the flash-decoding paged attention kernel against its row-by-row fp32 SDPA reference
+(on CPU through Triton's interpreter, tests/conftest.py; on a GPU the compiled kernel).
+
+Tolerance (`compare`): max |o - ref| <= 1e-5 x max |ref| for fp32 (the same fp32 math; summation order and exp2
+ulps only, measured ~2e-7), 1e-2 for bf16/fp16 (one output rounding, 2^-9 relative; on a GPU p is also rounded to
+bf16 for the P V dot). Measured errors are printed with `pytest -s`.
+
+Inputs (`random_inputs`): every sequence's blocks are distinct and shuffled through the pool, and every table entry
+past a context holds a random valid block id, so a kernel that reads past the context reads real, wrong data.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels.paged_attention import (
+    MAX_SPLITS,
+    compare,
+    describe,
+    num_splits_for,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+    random_inputs,
+    supports,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def contexts_for(block_size: int) -> list[int]:
+    """One token; exactly one block (boundary); a partial third block; six blocks and one token."""
+    return [1, block_size, 2 * block_size + 3, 5 * block_size + 1]
+
+
+def check(args, num_splits, label=""):
+    out = paged_decode_attention_triton(*args, num_splits=num_splits)
+    ref = paged_decode_attention_reference(*args)
+    problem = compare(out, ref)
+    assert problem is None, f"{label}: {problem}"
+    err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    print(f"\n{label}: max error / max |ref| = {err:.2g}")
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])  # 3: the 1-token and 1-block rows leave splits without keys
+@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("group", [1, 4])  # H / KVH
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_reference(dtype, group, head_dim, block_size, num_splits):
+    args = random_inputs(contexts_for(block_size), heads=2 * group, kv_heads=2, head_dim=head_dim,
+                         block_size=block_size, dtype=dtype, seed=group * 100 + head_dim + block_size, device=DEVICE)
+    check(args, num_splits, f"{dtype} G={group} Dh={head_dim} bs={block_size} splits={num_splits}")
+
+
+def test_fp16_odd_block_size_more_splits_than_blocks():
+    """Block size 6 (not a power of two: a BLOCK_N step spans partial blocks); 8 splits over <= 3 blocks."""
+    args = random_inputs([1, 6, 13], heads=4, kv_heads=1, head_dim=32, block_size=6, dtype=torch.float16, seed=7,
+                         device=DEVICE)
+    check(args, 8, "fp16 bs=6 splits=8")
+
+
+def test_model_head_shape_with_heuristic_splits():
+    """The real layer's heads (H 16, KVH 2, Dh 256, block 16), batch 1: the heuristic splits the context."""
+    args = random_inputs([100], heads=16, kv_heads=2, head_dim=256, block_size=16, dtype=torch.bfloat16, seed=3,
+                         device=DEVICE)
+    check(args, None, "H16 KVH2 Dh256 bs16 ctx 100 heuristic splits")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_only_visible_keys_matter(num_splits):
+    """Poison every pool slot that no sequence can see (the tail of each last block, spare blocks) with large
+    finite values: the output must not change at all (masked loads never touch them)."""
+    bs = 4
+    ctx = contexts_for(bs)
+    q, k, v, tables, lens, scale = random_inputs(ctx, heads=8, kv_heads=2, head_dim=32, block_size=bs, seed=11,
+                                                 device=DEVICE)
+    before = paged_decode_attention_triton(q, k, v, tables, lens, scale, num_splits=num_splits)
+    visible = torch.zeros(k.shape[:2], dtype=torch.bool, device=DEVICE)  # [num_blocks, block_size]
+    for i, c in enumerate(ctx):
+        pos = torch.arange(c, device=DEVICE)
+        visible[tables[i, pos // bs], pos % bs] = True
+    assert not visible.all()
+    k, v = k.clone(), v.clone()
+    k[~visible] = 1e4  # scores ~1e4 x 1e4^0.5: any leak dominates the softmax
+    v[~visible] = -3e4
+    after = paged_decode_attention_triton(q, k, v, tables, lens, scale, num_splits=num_splits)
+    assert torch.equal(before, after)
+    assert compare(after, paged_decode_attention_reference(q, k, v, tables, lens, scale)) is None
+
+
+def test_int32_tables_and_strided_views():
+    """What the engine passes: q a view into a fused projection, the table a column slice of a wider one."""
+    bs, ctx = 8, [5, 17, 8]
+    q, k, v, tables, lens, scale = random_inputs(ctx, heads=4, kv_heads=2, head_dim=32, block_size=bs, seed=5,
+                                                 device=DEVICE)
+    qkv = torch.cat((q, torch.randn_like(q), torch.randn_like(q)), dim=-1)  # [D, H, 3 Dh]
+    q_view = qkv[..., :32]
+    wide = torch.cat((tables, torch.zeros_like(tables)), dim=1).to(torch.int32)  # [D, 2 max_blocks]
+    t_view = wide[:, : tables.shape[1]]
+    assert not q_view.is_contiguous() and not t_view.is_contiguous()
+    out = paged_decode_attention_triton(q_view, k, v, t_view, lens.to(torch.int32), scale, num_splits=2)
+    assert compare(out, paged_decode_attention_reference(q, k, v, tables, lens, scale)) is None
+
+
+def test_zero_context_row_gives_zeros():
+    """Context 0 is outside the contract (>= 1) but is what a CUDA-graph padding row may carry: zeros, no NaN, and
+    the other rows unaffected."""
+    bs = 4
+    q, k, v, tables, lens, scale = random_inputs([6, 9], heads=4, kv_heads=2, head_dim=32, block_size=bs, seed=2,
+                                                 device=DEVICE)
+    lens0 = lens.clone()
+    lens0[0] = 0
+    for splits in (1, 3):
+        out = paged_decode_attention_triton(q, k, v, tables, lens0, scale, num_splits=splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        ref = paged_decode_attention_reference(q[1:], k, v, tables[1:], lens[1:], scale)
+        assert compare(out[1:], ref) is None
+
+
+def test_num_splits_heuristic():
+    assert num_splits_for(2, 512, 132) == 66  # batch 1 of the real model: ~one program per SM
+    assert num_splits_for(64, 512, 132) == 3  # batch 32
+    assert num_splits_for(132, 512, 132) == 1  # enough programs already
+    assert num_splits_for(2, 4, 132) == 4  # never more splits than table blocks
+    assert num_splits_for(1, 10_000, 10_000) == MAX_SPLITS
+
+
+# ---- guards, custom op, registry ------------------------------------------------------------------------------------
+def test_guard_boundaries():
+    args = random_inputs([3, 9], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
+                         device=DEVICE)
+    q, k, v, tables, lens, scale = args
+    info = describe(*args)
+    assert supports(**info)
+    assert not supports(**describe(q.float(), k, v, tables, lens, scale))  # mixed dtypes
+    assert not supports(**describe(q.double(), k.double(), v.double(), tables, lens, scale))
+    assert not supports(**describe(q, k, v, tables.float(), lens, scale))
+    assert not supports(**describe(q[:, :7], k, v, tables, lens, scale))  # H % KVH != 0
+    assert not supports(**describe(q[:1], k, v, tables, lens, scale))  # rows != table rows
+    assert not supports(**describe(q[..., :24], k[..., :24], v[..., :24], tables, lens, scale))  # Dh not 2^n
+    assert not supports(**describe(q[..., :8], k[..., :8], v[..., :8], tables, lens, scale))  # Dh < 16
+    assert not supports(**describe(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, tables, lens, scale))
+    assert not supports(**{**info, "head_dim": 512})
+    assert not supports(**{**info, "device": "cuda" if DEVICE == "cpu" else "cpu", "capability": (9, 0)})
+    if DEVICE == "cuda":
+        assert not supports(**{**info, "capability": (7, 5)})
+
+
+def test_custom_op_fake_and_schema():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = random_inputs([3, 9], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
+                         device=DEVICE)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        o = torch.ops.qwen.paged_decode_attention(*args)
+        assert o.shape == args[0].shape and o.dtype == torch.bfloat16
+    torch.library.opcheck(torch.ops.qwen.paged_decode_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_with_new_contexts():
+    """Captured once, replayed after the contexts and tables change in place: nothing was read on the host."""
+    bs = 16
+    q, k, v, tables, lens, scale = random_inputs([40, 100], heads=16, kv_heads=2, head_dim=256, block_size=bs,
+                                                 dtype=torch.bfloat16, device=DEVICE)
+    paged_decode_attention_triton(q, k, v, tables, lens, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention_triton(q, k, v, tables, lens, scale)
+    tables.copy_(tables.flip(0))  # row 0 now holds row 1's 7 blocks, row 1 row 0's 3 blocks (+ garbage)
+    lens.copy_(torch.tensor([100, 33], device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert compare(out, paged_decode_attention_reference(q, k, v, tables, lens, scale)) is None
+
+
+def test_registry_self_check_and_choice():
+    from engine_core.registry import Registry
+
+    from kernels import paged_attention
+
+    reg = Registry()
+    paged_attention.register(reg)
+    outcome = reg.self_check(DEVICE)["paged_decode_attention"]
+    assert "triton passed" in outcome, outcome
+    args, _ = paged_attention._sample(DEVICE)
+    assert reg.choose("paged_decode_attention", **describe(*args)).name == "triton"
+    q, k, v, tables, lens, scale = args
+    fp64 = describe(q.double(), k.double(), v.double(), tables, lens, scale)
+    assert reg.choose("paged_decode_attention", **fp64).name == "reference"  # recorded fallback
+    assert reg.choices()["paged_decode_attention"]["fallback"]
+    assert math.isclose(scale, 32**-0.5)
