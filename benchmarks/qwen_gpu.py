@@ -170,6 +170,8 @@ def markdown(r: dict) -> str:
             f"| (e) engine (decode graphs {e.get('decode_graphs')}): decode tok/s, lone request, {s['context']} ctx | "
             f"{fmt(lo.get('decode_tok_per_s'))} | - |",
             f"| (e) engine: TTFT ms, lone {s['context']}-token request | {fmt(lo.get('ttft_ms'))} | - |",
+            f"| (e) engine: output tok/s while all {st.get('n')} streams decode (no prefill in the window) | "
+            f"{fmt((st.get('decode_phase') or {}).get('tok_per_s'))} | - |",
             f"| (e) engine without decode graphs: decode tok/s, lone request | "
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('decode_tok_per_s'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
@@ -254,13 +256,23 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
     async def one(ids: list[int], n: int) -> dict:
         t0 = time.perf_counter()
-        first, count = None, 0
+        first, count, arrivals = None, 0, []
         async for chunk in engine.generate(ids, max_new_tokens=n, sampling=SamplingParams(), eos_token_ids=()):
+            now = time.perf_counter()
             if first is None and chunk.new_token_ids:
-                first = time.perf_counter()
+                first = now
             count += len(chunk.new_token_ids)
+            arrivals.append((now, len(chunk.new_token_ids)))
         end = time.perf_counter()
-        return dict(ttft_s=first - t0, total_s=end - t0, tokens=count, decode_tok_per_s=(count - 1) / (end - first))
+        return dict(ttft_s=first - t0, total_s=end - t0, tokens=count, decode_tok_per_s=(count - 1) / (end - first),
+                    first=first, end=end, arrivals=arrivals)
+
+    def decode_phase(many: list[dict]) -> dict:
+        """Output tok/s while every stream is decoding: from the last stream's first token to the first stream's
+        end (no prefill in those steps), over the tokens that arrived in that window."""
+        lo, hi = max(m["first"] for m in many), min(m["end"] for m in many)
+        toks = sum(k for m in many for t, k in m["arrivals"] if lo < t <= hi)
+        return dict(tok_per_s=toks / (hi - lo) if hi > lo else None, window_s=hi - lo, tokens=toks)
 
     try:
         await one(rand(1, ctx)[0].tolist(), 4)  # warm the 1k prefill shape
@@ -275,6 +287,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
                     streams=dict(n=streams, output_tok_per_s=sum(m["tokens"] for m in many) / wall, wall_s=wall,
+                                 decode_phase=decode_phase(many),
                                  ttft_p50_ms=1e3 * ttfts[len(ttfts) // 2], ttft_max_ms=1e3 * ttfts[-1]),
                     stats=engine.health().get("stats"))
     finally:

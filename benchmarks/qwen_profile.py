@@ -70,6 +70,34 @@ def profile_decode(model, rand, batch: int, ctx: int, steps: int) -> dict:
     return out
 
 
+@torch.no_grad()
+def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
+    """One `ctx`-token prompt (batch 1, last-token logits): wall time and, profiled, kernels and device time."""
+    def once():
+        state = new_state(model, 1, ctx + 1)
+        return model(rand(1, ctx), state, last_only=True)[:, -1].argmax(-1)
+
+    once()
+    sync(next(model.parameters()).device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        tok = once()
+    sync(tok.device)
+    wall_ms = 1e3 * (time.perf_counter() - t) / reps
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if tok.is_cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        tok = once()
+        sync(tok.device)
+    out = dict(batch=1, prompt_tokens=ctx, wall_ms=wall_ms)
+    if tok.is_cuda:
+        t = kernel_table(prof, 1)
+        out.update(kernels=t["kernels_per_step"], device_ms=t["device_ms_per_step"], top=t["top"],
+                   launch_bound_share=1 - t["device_ms_per_step"] / wall_ms)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/qwen_profile")
@@ -77,6 +105,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--prefill", action="store_true", help="also profile one --context-token prefill")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = QwenConfig.tiny() if args.tiny else QwenConfig()
@@ -90,7 +119,14 @@ def main() -> None:
     calibrate_fp8_input_scales(model, rand(1, min(ctx, 256)))
     r = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
              path="QwenForCausalLM.forward + QwenState, eager", runs=[])
-    for b in (int(x) for x in args.batches.split(",")):
+    if args.prefill:
+        log(f"profiling a {ctx}-token prefill")
+        r["prefill"] = profile_prefill(model, rand, ctx)
+        log(json.dumps({k: v for k, v in r["prefill"].items() if k != "top"}))
+        for row in r["prefill"].get("top", [])[:15]:
+            print(f"  prefill {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+        (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
+    for b in (int(x) for x in args.batches.split(",") if x):
         log(f"profiling decode at batch {b}")
         r["runs"].append(profile_decode(model, rand, b, ctx, args.steps))
         log(json.dumps({k: v for k, v in r["runs"][-1].items() if k != "top"}))

@@ -335,3 +335,18 @@ def test_moe_routing_matches_transformers(models):
         block_ref = hf.model.layers[i].mlp(x[None])
         torch.testing.assert_close(ours.layers[i].mlp(x[None]), block_ref, rtol=0,
                                    atol=1e-5 * float(block_ref.abs().max()))
+
+
+def test_gathered_experts_equal_the_loop(models):
+    """`experts_gathered` (the sync-free MoE that CUDA-graph capture uses for dense weights) computes the same
+    routed experts as the loop, to fp32 summation order (1e-5 of max |out|)."""
+    from qwen_engine.model.moe import experts_gathered, experts_loop
+
+    cfg, _, ours = models
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    mlp = ours.layers[0].mlp
+    _, w, idx = mlp.gate(x)
+    ref = experts_loop(x, mlp.experts.gate_up_proj, mlp.experts.down_proj, idx, w)
+    got = experts_gathered(x, mlp.experts.gate_up_proj, mlp.experts.down_proj, idx, w)
+    assert got.shape == ref.shape and float(ref.abs().max()) > 0
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
