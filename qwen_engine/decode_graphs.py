@@ -36,6 +36,10 @@ from .model.paged import FlatBatch, PagedCache
 log = logging.getLogger(__name__)
 
 MODES = ("capture", "static")
+
+
+class CaptureError(RuntimeError):
+    """The decode step cannot be captured (a chosen kernel reads device values on the host, or capture failed)."""
 _FIELDS = ("ids", "positions", "slot_mapping", "context_lens", "state_slots")  # then block_tables
 
 
@@ -78,6 +82,7 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture_s: float | None = None
         self.replays = {b: 0 for b in self.buckets}
+        self._copied: torch.cuda.Event | None = None
 
     def _views(self, flat):
         bmax = self.bmax
@@ -102,35 +107,47 @@ class DecodeGraphs:
         return self.model.forward_paged(self._ids[:b], self._batches[b], self.cache, None)
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Warm every bucket twice (lazy allocations, Triton autotuning), then capture them largest first into one
-        memory pool. Touches only the scratch block and state row. Returns seconds taken ('static': 0)."""
+    def capture(self, blockers=None) -> float:
+        """Warm every bucket twice (lazy allocations, Triton autotuning, the kernels' registry choices), then
+        capture them largest first into one memory pool; the graphs are kept only if every bucket captured. Touches
+        only the scratch block and state row. `blockers()` (after the warm-up) lists the chosen implementations
+        that cannot be captured (host reads); any -> CaptureError before capturing. Returns seconds taken
+        ('static': 0)."""
         if self.mode != "capture":
             return 0.0
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for b in self.buckets:
-                for _ in range(2):
-                    self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        pool = None
-        for b in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[b] = self._forward(b)
-            pool = graph.pool()
-            self._graphs[b] = graph
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for b in self.buckets:
+                    for _ in range(2):
+                        self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            found = list(blockers()) if blockers is not None else []
+            if found:
+                raise CaptureError("decode graphs cannot be captured: " + "; ".join(found))
+            pool, graphs, outputs = None, {}, {}
+            try:
+                for b in reversed(self.buckets):
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: CUDA calls of other threads (the event loop) cannot invalidate this capture
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        outputs[b] = self._forward(b)
+                    pool = graph.pool()
+                    graphs[b] = graph
+            except Exception as exc:
+                raise CaptureError(f"decode graph capture failed at batch size {b}: {exc!r}") from exc
+            torch.cuda.synchronize(self.device)
+        self._graphs, self._outputs = graphs, outputs  # all or nothing
         self.capture_s = time.perf_counter() - t0
         log.info("captured decode graphs for batch sizes %s in %.1f s", list(self.buckets), self.capture_s)
         return self.capture_s
 
     @property
     def captured(self) -> bool:
-        return bool(self._graphs)
+        return len(self._graphs) == len(self.buckets)
 
     def run(self, rows: list[tuple[int, int, tuple[int, ...], int]]) -> torch.Tensor:
         """rows: (token id, position, block table, state slot) per decode sequence -> logits [n, vocab] (a view of
@@ -139,6 +156,8 @@ class DecodeGraphs:
         b = self.bucket_for(n)
         if b is None or n == 0:
             raise ValueError(f"{n} decode rows: the largest decode graph holds {self.bmax}")
+        if self._copied is not None:  # normally long done (the previous step synced on its sampled ids); not
+            self._copied.synchronize()  # after a step that raised before that sync
         h, bs = self._host_views, self.block_size
         for i, (tok, pos, table, slot) in enumerate(rows):
             nb = len(table)
@@ -153,10 +172,12 @@ class DecodeGraphs:
             h["block_tables"][i, :nb] = table  # entries past the context are never read (the kernel's bounds)
         self._pad_rows(n, b)  # rows a previous, larger step filled
         # one H2D copy of the fields and the first b block-table rows (a prefix of the layout); the pinned source is
-        # rewritten only after this step's sampled ids reached the host (the runner's one sync), by which time the
-        # copy has completed
+        # rewritten by the next call only once this copy has completed (the event above)
         end = len(_FIELDS) * self.bmax + b * self.max_blocks
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.replays[b] += 1
         if self.mode == "capture":
             self._graphs[b].replay()

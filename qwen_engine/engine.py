@@ -218,9 +218,19 @@ class QwenEngine:
             self._wake = asyncio.Event()
             self._closing = False
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="qwen-step-loop")
-        if self.runner.graphs is not None and not self.runner.graphs.captured and self.runner.graphs.mode == "capture":
-            # blocking (kernel warm-up + capture, seconds): on the step worker, which is idle before ready
-            await asyncio.get_running_loop().run_in_executor(self._worker, self.runner.capture_decode_graphs)
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.mode == "capture" and not graphs.captured:
+            from .decode_graphs import CaptureError
+
+            try:  # blocking (kernel warm-up + capture, seconds): on the step worker, which is idle before ready
+                await asyncio.get_running_loop().run_in_executor(self._worker, self.runner.capture_decode_graphs)
+            except CaptureError as exc:
+                if self.cfg.decode_graphs == "auto":  # eager decode still works: slower, not wrong
+                    log.warning("%s; decode runs eagerly (decode_graphs: auto)", exc)
+                    self.runner.disable_graphs(str(exc))
+                else:
+                    await self.aclose()
+                    raise RuntimeError(f"{exc}; set decode_graphs: auto or off to run decode eagerly") from exc
         if self.cfg.warmup and self.warmup_s is None:
             await self.warmup()
         self._ready = True

@@ -82,6 +82,7 @@ class ModelRunner:
         if decode_graphs == "auto":
             decode_graphs = "capture" if self.device.type == "cuda" else "off"
         self.graphs = None
+        self.graphs_disabled: str | None = None
         if decode_graphs != "off":
             from .decode_graphs import DecodeGraphs
 
@@ -99,18 +100,31 @@ class ModelRunner:
     def _decode_attention(self, q, k_pool, v_pool, block_tables, context_lens, scale):
         return self.registry.call("paged_decode_attention", q, k_pool, v_pool, block_tables, context_lens, scale)
 
+    def capture_blockers(self) -> list[str]:
+        """The decode path's chosen implementations that read device values on the host and so cannot be captured
+        (valid after a decode step ran): the paged-attention reference (host context lengths) and the packed MoE
+        reference (`nonzero`). The other references (GDN step, dense W4A16, FP8) are plain tensor code."""
+        found = []
+        if self.registry.choices().get("paged_decode_attention", {}).get("last") == "reference":
+            found.append("paged_decode_attention runs its reference (kernels preference, device or dtype)")
+        from .model.quantized import NVFP4Experts
+
+        if any(isinstance(m, NVFP4Experts) and m.implementation == "reference" for m in self.model.modules()):
+            found.append("the packed MoE (w4a16_moe) runs its reference")
+        return found
+
     def capture_decode_graphs(self) -> float | None:
-        """Capture the decode graphs (mode "capture"; after the first steps warmed the kernels). Refuses, with a
-        clear error, when the registry would run a non-capturable reference for the decode ops (the paged
-        attention reference sizes its gather from host values). Returns seconds taken, None without graphs."""
+        """Capture the decode graphs (mode "capture"). Raises `decode_graphs.CaptureError` (graphs left
+        uncaptured, eager decode still works) when a chosen kernel cannot be captured or capture fails. Returns
+        seconds taken, None without graphs."""
         if self.graphs is None:
             return None
-        if self.graphs.mode == "capture":
-            chosen = {op: v.get("last") for op, v in self.registry.choices().items()}
-            if chosen.get("paged_decode_attention") == "reference":
-                raise RuntimeError("decode graphs: paged_decode_attention runs its reference here (host-sized "
-                                   "gathers cannot be captured); set decode_graphs: off or kernels: auto")
-        return self.graphs.capture()
+        return self.graphs.capture(self.capture_blockers)
+
+    def disable_graphs(self, reason: str) -> None:
+        """Run every step eagerly from now on (after a failed capture in "auto" mode); `reason` shows in stats."""
+        self.graphs = None
+        self.graphs_disabled = reason
 
     def flat_batch(self, plan: StepPlan) -> FlatBatch:
         """The device metadata of `plan` (decode rows must come first, as the scheduler emits them)."""
@@ -171,4 +185,6 @@ class ModelRunner:
                "num_blocks": self.num_blocks, "block_size": self.block_size, "state_slots": self.max_num_seqs}
         if self.graphs is not None:
             out["decode_graphs"] = self.graphs.stats()
+        elif self.graphs_disabled:
+            out["decode_graphs"] = {"mode": "off", "disabled": self.graphs_disabled}
         return out

@@ -56,7 +56,8 @@ def model():
 # tests/test_qwen_model.py's REL_TOL 1e-4 (issue 5's fp32 logits gate).
 @pytest.mark.parametrize("dtype,num_kv_blocks,tol,graphs", [(torch.float64, 8, 1e-5, "off"),
                                                               (torch.float32, 32, 1e-4, "off"),
-                                                              (torch.float64, 32, 1e-5, "static")])
+                                                              (torch.float64, 32, 1e-5, "static"),
+                                                              (torch.float32, 32, 1e-4, "static")])
 def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, graphs):
     """Drive scheduler + runner greedily; every sampling row's logits equal a contiguous batch-1 state fed the same
     tokens (decode batches, chunked prefill, and re-prefill after preemption: 8 blocks of 4 force it). graphs
@@ -174,8 +175,8 @@ def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks):
 
 def test_engine_decode_graph_path_equals_single_prompt_reference():
     """decode_graphs="static": the engine's decode-only steps run the CUDA-graph path's static, padded buffers
-    (eagerly on the CPU); greedy streams must equal the single-prompt reference, and the scratch sequence must not
-    leak into any real block or state row."""
+    (eagerly on the CPU); greedy streams must equal the single-prompt reference. (Logit-level isolation of the
+    padding rows is test_paged_forward_matches_contiguous[...static].)"""
     lengths = LENGTHS[:5]
 
     async def body(engine):
@@ -187,6 +188,50 @@ def test_engine_decode_graph_path_equals_single_prompt_reference():
         assert tokens == reference_greedy(engine, prompt(i, n), 3 + i), f"prompt {i} ({n} tokens)"
     stats = engine.health()["runner"]
     assert stats["graph_steps"] > 0 and stats["decode_graphs"]["mode"] == "static", stats
+
+
+def test_capture_blockers_name_host_reading_references(model):
+    """Capture is refused up front when a chosen decode kernel reads device values on the host: with kernels
+    "reference" the paged-attention reference does; with the interpreter's Triton kernel nothing blocks."""
+    from qwen_engine.runner import gdn_registry
+
+    for pref, expect in (("reference", ["paged_decode_attention"]), ("auto", [])):
+        runner = ModelRunner(copy.deepcopy(model), model.config, "cpu", 8, 4, 2, registry=gdn_registry(pref),
+                             max_model_len=32, decode_buckets=(1, 2), decode_graphs="static")
+        runner.graphs.run([(5, 0, (3,), 0)])  # one decode row (position 0 of a fresh slot): the choices are made
+        found = runner.capture_blockers()
+        assert [f.split()[0] for f in found] == expect, (pref, found)
+
+
+def test_failed_capture_falls_back_or_raises(monkeypatch):
+    """decode_graphs "auto": a CaptureError at start leaves the engine serving eagerly (health says why);
+    an explicit "capture" fails start() with a clear error and closes the engine."""
+    import dataclasses
+
+    from qwen_engine.decode_graphs import CaptureError
+
+    def refuse(self):
+        raise CaptureError("decode graphs cannot be captured: test")
+
+    monkeypatch.setattr(ModelRunner, "capture_decode_graphs", refuse)
+
+    async def main(mode):
+        engine = QwenEngine(engine_config(decode_graphs="static"))
+        engine.cfg = dataclasses.replace(engine.cfg, decode_graphs=mode)
+        engine.runner.graphs.mode = "capture"  # as on a GPU (the CPU cannot build a capture-mode runner)
+        try:
+            await engine.start()
+            tokens, _ = await collect(engine, prompt(0, 5), max_new_tokens=3)
+            return engine, tokens
+        finally:
+            await engine.aclose()
+
+    engine, tokens = asyncio.run(main("auto"))
+    assert tokens == reference_greedy(engine, prompt(0, 5), 3)
+    h = engine.health()["runner"]
+    assert h["graph_steps"] == 0 and "test" in h["decode_graphs"]["disabled"], h
+    with pytest.raises(RuntimeError, match="set decode_graphs: auto or off"):
+        asyncio.run(main("capture"))
 
 
 def test_decode_graph_config_errors():

@@ -1,0 +1,295 @@
+"""The two RMSNorms of Qwen3.5/3.6-MoE as single Triton launches: the zero-centred one (`rms_norm_zc`) and the gated
+one closing each GDN layer (`rms_norm_gated`).
+
+Contract. References `rms_norm_zc_reference` / `rms_norm_gated_reference` below are exactly
+`qwen_engine.model.norm.ZeroCentredRMSNorm.forward` / `GatedRMSNorm.forward` with the weight and eps passed in:
+    rms_norm_zc(x, weight, eps):        y = (x / rms(x) * (1 + w))                         in fp32, cast once to x.dtype
+    rms_norm_gated(x, z, weight, eps):  y = ((w * (x / rms(x)).to(x.dtype)) * silu(z.float())).to(x.dtype)
+x (and z) [..., D] in bf16, fp16 or fp32, any leading dims, unit stride in the last dim (rows may be strided: a head
+slice of a fused projection is not copied); weight [D] (zero-centred for the first, not for the second); rms(x) =
+sqrt(mean(x^2) + eps), over the last dim in fp32. Output: x's shape (contiguous) and dtype. Custom ops
+`qwen::rms_norm_zc`, `qwen::rms_norm_gated` (traceable by torch.compile); no host reads of device values, so they can
+be captured in a CUDA graph.
+
+Why. A decode step of the full model is ~6,000 tiny kernels, and the references are ~10 kernels each (x.float(),
+pow, mean, + eps, rsqrt, mul, weight.float(), 1 + w, mul, cast; the gated one ~12). They run ~130 times per step: 2 per
+layer x 40 + the per-head q/k norms of the 10 attention layers x 2 + the final norm = 101 zero-centred (each q/k call
+covers all heads of all tokens: x [T, H, 256]), and one gated per GDN layer = 30 (x [T, 32 heads, 128]). One launch
+each takes ~1,300 kernels out of every step.
+
+Design. A program owns BLOCK_R rows x BLOCK_D = next_power_of_2(D) columns (D <= MAX_DIM = 8192: a 32 KB fp32 row in
+registers across 8 warps), loads the tile once, reduces x^2 per row in fp32, and writes the result: one read of x (and
+z), one read of the weight, one write. BLOCK_R packs small rows (per-head norms, D = 64-256) into ~1K-element tiles;
+rows past R and columns past D are masked.
+
+Numerics. Every reference operation is done in fp32 in the same order ((x * r) * (1 + w); (w * y) * silu(z)), and
+each cast of the reference is reproduced where it happens: the gated op rounds the normalised x to x.dtype, then the
+product w * y to the dtype torch gives it (promote(w, x): bf16 when both are bf16), before the fp32 gate multiply.
+Left: the summation order of the mean, rsqrt / exp ulps (tl.rsqrt on a GPU is the ~2-ulp approximation, as torch's
+CUDA rsqrt), so outputs agree to ~1e-7 relative before the final rounding; in bf16/fp16 that flips a rounding of
+under 1% of the elements by one ulp. Tolerances (`compare`): max |diff| <= 1e-5 x max |ref| for fp32, 1e-2 for
+bf16/fp16 (one output ulp is 2^-8 relative at worst; measured numbers in tests/test_kernel_rms_norm.py).
+The interpreter truncates fp32 -> bf16 casts instead of rounding to nearest even (`kernels/w4a16_gemm.py`); under it
+the kernel rounds bf16 with the integer round-to-nearest-even trick (`_cast`), so CPU tests see the GPU's numbers
+(its fp32 -> fp16 casts already round to nearest even).
+
+Napkin math (H200, 4.8 TB/s). A decode row of the hidden state is D = 2048 bf16 = 4 KB: read x + the weight + write
+y = 12 KB -> 2.5 ns of bandwidth against a few us per kernel launch (or ~1-2 us per node in a replayed CUDA graph;
+unmeasured for these kernels). Launch-bound, not bandwidth-bound: fusion pays by the kernel count, ~10 -> 1, not by
+bytes. Prefill (T = 8192 tokens): 32 MB per norm -> ~7 us, where one fused pass also saves the ~10x traffic of the
+unfused chain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
+    triton = None
+
+ZC, GATED = "rms_norm_zc", "rms_norm_gated"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_CAPABILITY = (8, 0)  # bf16 loads/stores and casts in hardware
+MAX_DIM = 8192  # one BLOCK_D tile per row: 8192 fp32 = 32 KB of registers over 8 warps
+TILE = 1024  # elements per program for small rows (BLOCK_R x BLOCK_D): 4-16 per-head rows of D = 64-256
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
+
+
+# ---- references -----------------------------------------------------------------------------------------------------
+def rms_norm_zc_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ZeroCentredRMSNorm.forward`: fp32 throughout, one cast back to x.dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm_gated_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`GatedRMSNorm.forward`: normalised x cast to x.dtype, times the weight in the weight/x dtype, times the fp32
+    SiLU gate, cast to x.dtype."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * y * F.silu(z.float())).to(x.dtype)
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _cast(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        """fp32 v -> DTYPE, rounded to nearest even. The interpreter truncates fp32 -> bf16 (and mangles fp32
+        subnormals), so there the bf16 bits are made from v's fp32 bits: add 0x7FFF + the lowest kept bit, keep the
+        high 16 (bf16 is the top half of fp32). Finite v only (a NaN may come out as inf): the interpreter is for tests."""
+        if INTERPRET and DTYPE == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return v.to(DTYPE)
+
+    @triton.jit
+    def _load_rows(ptr, rows, cols, stride, ok):
+        """[BLOCK_R, BLOCK_D] tile of rows (int64 offsets) in fp32; masked entries 0."""
+        return tl.load(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _inv_rms(xf, D, eps):
+        """[BLOCK_R] 1 / sqrt(mean(x^2) + eps) of an fp32 tile whose masked entries are 0."""
+        return tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+
+    @triton.jit
+    def _rms_norm_zc_kernel(x, w, out, R, D, s_x, s_o, eps,
+                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        c_ok = cols < D
+        ok = (rows < R)[:, None] & c_ok[None, :]
+        xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
+        wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
+        y = (xf * _inv_rms(xf, D, eps)[:, None]) * (1.0 + wf)[None, :]
+        tl.store(out + rows.to(tl.int64)[:, None] * s_o + cols[None, :], _cast(y, out.dtype.element_ty, INTERPRET),
+                 mask=ok)
+
+    @triton.jit
+    def _rms_norm_gated_kernel(x, z, w, out, R, D, s_x, s_z, s_o, eps, ROUND_PRODUCT: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+        # ROUND_PRODUCT: torch computes `weight * y` in x.dtype (weight of x's dtype, bf16/fp16), not in fp32
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        c_ok = cols < D
+        ok = (rows < R)[:, None] & c_ok[None, :]
+        xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
+        y = _cast(xf * _inv_rms(xf, D, eps)[:, None], x.dtype.element_ty, INTERPRET).to(tl.float32)  # .to(x.dtype)
+        wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
+        p = wf[None, :] * y  # weight * y: exact in fp32 (two <= 11-bit significands) ...
+        if ROUND_PRODUCT:  # ... then rounded as torch rounds it
+            p = _cast(p, x.dtype.element_ty, INTERPRET).to(tl.float32)
+        zf = _load_rows(z, rows, cols, s_z, ok)
+        o = p * (zf / (1.0 + tl.exp(-zf)))  # * silu(z.float())
+        tl.store(out + rows.to(tl.int64)[:, None] * s_o + cols[None, :], _cast(o, out.dtype.element_ty, INTERPRET),
+                 mask=ok)
+
+
+def _interpreted() -> bool:
+    """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors only."""
+    return triton is not None and type(_rms_norm_zc_kernel).__name__ == "InterpretedFunction"
+
+
+def _tiling(rows: int, dim: int) -> dict[str, int]:
+    """BLOCK_D covers the row; BLOCK_R packs small rows up to ~TILE elements; one warp per 256 elements, 1-8."""
+    block_d = triton.next_power_of_2(dim)
+    block_r = min(triton.next_power_of_2(rows), max(1, TILE // block_d))
+    return dict(BLOCK_R=block_r, BLOCK_D=block_d, num_warps=min(8, max(1, block_r * block_d // 256)))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [R, D] with unit inner stride: a view when the leading dims flatten to one row stride (slices of
+    a fused projection do), else a copy."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _check(name: str, *ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dim() and t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride in the last dimension, got strides {t.stride()}")
+
+
+# ---- custom ops (traceable by torch.compile) ------------------------------------------------------------------------
+@torch.library.custom_op("qwen::rms_norm_zc", mutates_args=())
+def rms_norm_zc_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> y [..., D] in x.dtype (contiguous); contract: `rms_norm_zc_reference`."""
+    _check(ZC, x, weight)
+    out = x.new_empty(x.shape)
+    x2, o2 = _rows(x), out.view(-1, x.shape[-1])
+    if o2.numel() == 0:
+        return out
+    cfg = _tiling(*x2.shape)
+    grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
+    _rms_norm_zc_kernel[grid](x2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), o2.stride(0), eps,
+                              INTERPRET=_interpreted(), **cfg)
+    return out
+
+
+@rms_norm_zc_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("qwen::rms_norm_gated", mutates_args=())
+def rms_norm_gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, z [..., D] -> y [..., D] in x.dtype (contiguous); contract: `rms_norm_gated_reference`."""
+    _check(GATED, x, z, weight)
+    out = x.new_empty(x.shape)
+    x2, z2, o2 = _rows(x), _rows(z), out.view(-1, x.shape[-1])
+    if o2.numel() == 0:
+        return out
+    cfg = _tiling(*x2.shape)
+    grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
+    # torch.promote_types(weight, x) over DTYPES is x.dtype when the dtypes are equal, else fp32 (no rounding)
+    round_product = False
+    _rms_norm_gated_kernel[grid](x2, z2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), z2.stride(0),
+                                 o2.stride(0), eps, ROUND_PRODUCT=round_product, INTERPRET=_interpreted(), **cfg)
+    return out
+
+
+@rms_norm_gated_op.register_fake
+def _(x, z, weight, eps):
+    return x.new_empty(x.shape)
+
+
+def rms_norm_zc_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `rms_norm_zc_reference`."""
+    return rms_norm_zc_op(x, weight, eps)
+
+
+def rms_norm_gated_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `rms_norm_gated_reference`."""
+    return rms_norm_gated_op(x, z, weight, eps)
+
+
+# ---- guard, registry entries ----------------------------------------------------------------------------------------
+def _describe(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None) -> dict[str, Any]:
+    ts = (x, weight) if z is None else (x, z, weight)
+    dim = x.shape[-1] if x.dim() else 0
+    shapes_ok = x.dim() >= 1 and tuple(weight.shape) == (dim,) and (z is None or z.shape == x.shape)
+    return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
+                same_device=len({t.device for t in ts}) == 1,
+                dtypes={x.dtype} if z is None else {x.dtype, z.dtype}, weight_dtype=weight.dtype,
+                shapes_ok=shapes_ok, dim=dim, unit_strides=all(t.dim() and t.stride(-1) == 1 for t in ts))
+
+
+def describe_zc(x, weight, eps=None) -> dict[str, Any]:
+    return _describe(x, weight, None)
+
+
+def describe_gated(x, z, weight, eps=None) -> dict[str, Any]:
+    return _describe(x, weight, z)
+
+
+def supports(*, device: str, capability, same_device: bool, dtypes: set, weight_dtype, shapes_ok: bool, dim: int,
+             unit_strides: bool, **_: Any) -> bool:
+    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU), all tensors on it; x (and z) of one
+    dtype in DTYPES, the weight in DTYPES; weight [D] and z of x's shape; 1 <= D <= MAX_DIM (one register tile per
+    row); unit stride in the last dim of every tensor."""
+    if triton is None:
+        return False
+    if _interpreted():
+        device_ok = device == "cpu"
+    else:
+        device_ok = device == "cuda" and capability is not None and tuple(capability) >= MIN_CAPABILITY
+    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
+            and weight_dtype in DTYPES and shapes_ok and 1 <= dim <= MAX_DIM and unit_strides)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> str | None:
+    """None if max |out - ref| <= tol x max |ref|, tol from TOLERANCE by dtype (module docstring), else why."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"shape/dtype {tuple(out.shape)} {out.dtype} != {tuple(ref.shape)} {ref.dtype}"
+    tol = TOLERANCE[ref.dtype] if tol is None else tol
+    err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
+    scale = float(ref.float().abs().max()) if ref.numel() else 0.0
+    if not err <= tol * scale:  # also catches NaN
+        return f"max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
+    return None
+
+
+def random_inputs(shape: tuple[int, ...], dtype=torch.float32, gated: bool = False, seed: int = 0,
+                  device="cpu") -> tuple:
+    """(x, weight, eps) or, gated, (x, z, weight, eps), model-like: x ~N(0, 1) with row 0 scaled by 1e3 (a massive
+    activation) and, given >= 3 rows, the last row by 1e-3 (mean(x^2) ~ eps: eps matters); weights ~N(0, 0.3)
+    zero-centred, ~N(1, 0.2) gated, in x's dtype like the model's; z ~N(0, 1); eps 1e-6 (the model's)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).reshape(-1, shape[-1])
+    x[0] *= 1e3
+    if x.shape[0] >= 3:
+        x[-1] *= 1e-3
+    x = x.reshape(shape)
+    if gated:
+        z = torch.randn(shape, generator=gen)
+        w = 1.0 + 0.2 * torch.randn(shape[-1], generator=gen)
+        return x.to(dtype).to(device), z.to(dtype).to(device), w.to(dtype).to(device), 1e-6
+    w = 0.3 * torch.randn(shape[-1], generator=gen)
+    return x.to(dtype).to(device), w.to(dtype).to(device), 1e-6
+
+
+def _sample_zc(device) -> tuple[tuple, dict]:
+    # q/k-norm-like [T, H, D]: 3 x 2 rows of a non-power-of-two D (masked tail, BLOCK_R packing), bf16 like the model
+    return random_inputs((3, 2, 96), torch.bfloat16, device=device), {}
+
+
+def _sample_gated(device) -> tuple[tuple, dict]:
+    return random_inputs((3, 2, 96), torch.bfloat16, gated=True, seed=1, device=device), {}
+
+
+def register(registry) -> None:
+    tolerance = ("max |diff| <= 1e-2 x max |ref| for bf16/fp16 (one output ulp; the gated op also reproduces the "
+                 "reference's intermediate roundings), 1e-5 for fp32 (fp32 math; summation order and rsqrt/exp ulps)")
+    registry.add_op(ZC, rms_norm_zc_reference, sample=_sample_zc, compare=compare, describe=describe_zc,
+                    tolerance=tolerance)
+    registry.add_implementation(ZC, "triton", rms_norm_zc_triton, supports)
+    registry.add_op(GATED, rms_norm_gated_reference, sample=_sample_gated, compare=compare, describe=describe_gated,
+                    tolerance=tolerance)
+    registry.add_implementation(GATED, "triton", rms_norm_gated_triton, supports)
