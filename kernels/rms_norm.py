@@ -84,7 +84,8 @@ if triton is not None:
     def _cast(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
         """fp32 v -> DTYPE, rounded to nearest even. The interpreter truncates fp32 -> bf16 (and mangles fp32
         subnormals), so there the bf16 bits are made from v's fp32 bits: add 0x7FFF + the lowest kept bit, keep the
-        high 16 (bf16 is the top half of fp32). Finite v only (a NaN may come out as inf): the interpreter is for tests."""
+        high 16 (bf16 is the top half of fp32). Finite v only (a NaN may come out as inf): the interpreter is for
+        tests."""
         if INTERPRET and DTYPE == tl.bfloat16:
             u = v.to(tl.uint32, bitcast=True)
             return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -189,7 +190,7 @@ def rms_norm_gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
     cfg = _tiling(*x2.shape)
     grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
     # torch.promote_types(weight, x) over DTYPES is x.dtype when the dtypes are equal, else fp32 (no rounding)
-    round_product = False
+    round_product = weight.dtype == x.dtype != torch.float32
     _rms_norm_gated_kernel[grid](x2, z2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), z2.stride(0),
                                  o2.stride(0), eps, ROUND_PRODUCT=round_product, INTERPRET=_interpreted(), **cfg)
     return out

@@ -137,7 +137,7 @@ def test_bf16_cast_rounds_to_nearest_even():
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
-# ---- layouts ----------------------------------------------------------------------------------------------------------
+# ---- layouts ---------------------------------------------------------------------------------------------------------
 def test_strided_views_and_non_viewable_inputs():
     """What the model passes: q and the gate z as head slices of a fused projection [T, H, 3 Dh] (rows strided, no
     copy); and a transposed [H, T, Dh] view whose rows do not flatten to one stride (the wrapper copies)."""
@@ -163,7 +163,7 @@ def test_empty_and_many_rows():
     check(rms_norm_zc_triton(x, w, eps), rms_norm_zc_reference(x, w, eps), "zc 148 rows")  # one partly masked
 
 
-# ---- guards, custom ops, registry -------------------------------------------------------------------------------------
+# ---- guards, custom ops, registry ------------------------------------------------------------------------------------
 def test_guard_boundaries():
     x, z, w, eps = random_inputs((2, 3, 96), torch.bfloat16, gated=True, device=DEVICE)
     info = describe_zc(x, w, eps)
