@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # registry keeps import paths as strings the same way, so `engine_core` never imports triton by itself).
 KERNEL_MODULES: tuple[str, ...] = (
     "kernels.preprocess", "kernels.mask_post", "kernels.w4a16_gemm", "kernels.fp8_quant", "kernels.fp8_linear",
-    "kernels.gdn_decode", "kernels.nvfp4", "kernels.paged_attention",
+    "kernels.gdn_decode", "kernels.nvfp4", "kernels.paged_attention", "kernels.rms_norm",
 )
 
 

@@ -143,8 +143,9 @@ def test_default_registry_self_check_on_this_machine():
     # kernels.w4a16_gemm registers two ops (dense and MoE), kernels.fp8_linear two (per-tensor static and row-wise
     # dynamic), kernels.nvfp4 the Blackwell W4A4 linear; every other module one
     assert set(reg.ops()) == {"preprocess", "mask_post", "w4a16_linear", "w4a16_moe", "fp8_quant_rows", "fp8_linear",
-                              "fp8_rowwise_linear", "gdn_decode", "nvfp4_w4a4_linear", "paged_decode_attention"}
-    assert len(KERNEL_MODULES) == 8
+                              "fp8_rowwise_linear", "gdn_decode", "nvfp4_w4a4_linear", "paged_decode_attention",
+                              "rms_norm_zc", "rms_norm_gated"}
+    assert len(KERNEL_MODULES) == 9
     device = "cuda" if torch.cuda.is_available() else "cpu"
     outcomes = reg.self_check(device, ops=["preprocess", "mask_post"])
     assert outcomes == {"preprocess": "triton passed", "mask_post": "triton passed"}, outcomes
