@@ -75,6 +75,9 @@ class QwenEngineConfig:
     dtype: str = "auto"  # auto | fp32 | bf16; auto -> bf16 on cuda, fp32 on cpu
     seed: int = 0  # torch seed of the random weights; also seeds the per-request seeds of unseeded requests
     kernels: str = "auto"  # engine_core.registry KernelPreference: auto | reference | triton
+    kernel_self_check: bool = True  # at start, every kernel the engine may choose vs its reference on sample inputs
+    #                                 on this device; a failure is logged at ERROR and disables that kernel (the
+    #                                 reference runs instead); outcomes in health()["kernel_checks"]
     # -- scheduling (engine_core.continuous.ContinuousConfig)
     max_num_seqs: int = 32  # resident sequences = GDN state slots = largest decode batch
     max_num_batched_tokens: int = 2048  # tokens per forward step (decode tokens + prefill chunks)
@@ -139,6 +142,10 @@ class QwenEngineConfig:
 # Results and errors
 
 
+# registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
+MODEL_OPS = ("w4a16_linear", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc", "rms_norm_gated")
+_MODEL_OPS_CHECKED: dict[str, dict[str, str]] = {}  # device -> outcomes (one check per process and device)
+
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
 BAD_REQUEST_CODES = (
     "empty_prompt", "invalid_token_id", "prompt_too_long", "invalid_max_new_tokens", "invalid_sampling",
@@ -187,6 +194,7 @@ class QwenEngine:
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
         self.registry = gdn_registry(cfg.kernels)  # the engine's own: its preference does not leak into others
+        self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
         self.runner = ModelRunner(self.model, self.model_config, self.device, num_blocks, cfg.block_size,
@@ -325,6 +333,7 @@ class QwenEngine:
             "rejected": self.rejected,
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
+            "kernel_checks": self.kernel_checks,
             "stats": s.stats.snapshot(),
         }
 
@@ -475,6 +484,19 @@ class QwenEngine:
                     self._deliver(delta)
             self._dispatch_answers()
             await asyncio.sleep(0)  # let consumers run between back-to-back steps
+
+    def _self_check(self) -> dict[str, str]:
+        """The runner's ops (own registry) and the model's ops (the process-wide registry the packed modules and
+        norms dispatch through; checked once per process and device, since a disabled kernel stays disabled there).
+        A model passed in already built may have cached its choices before this check (benchmarks only)."""
+        from engine_core.registry import default_registry
+
+        out = self.registry.self_check(self.device)
+        key = str(self.device)
+        if key not in _MODEL_OPS_CHECKED:
+            reg = default_registry()
+            _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=[op for op in MODEL_OPS if op in reg.ops()])
+        return {**out, **_MODEL_OPS_CHECKED[key]}
 
     def _auto_num_blocks(self) -> int:
         """KV pool size when `num_kv_blocks` is None (see the config field)."""

@@ -124,7 +124,7 @@ def test_paged_decode_attention_matches_loop():
 def engine_config(**kw) -> QwenEngineConfig:
     base = dict(config="tiny", device="cpu", dtype="fp32", seed=0, kernels="reference", max_num_seqs=4,
                 max_num_batched_tokens=16, block_size=4, num_kv_blocks=64, max_model_len=96, max_queued=32,
-                request_timeout_s=60.0, warmup=False)
+                request_timeout_s=60.0, warmup=False, kernel_self_check=False)
     base.update(kw)
     return QwenEngineConfig(**base)
 
@@ -426,6 +426,19 @@ def test_not_ready_and_config_validation():
     assert QwenEngineConfig.from_dict({"config": "tiny", "dtype": "fp32"}).dtype == "fp32"
     h = engine.health()
     assert h["random_weights"] and not h["ready"] and h["kv_blocks"]["total"] == 64
+
+
+def test_kernel_self_check_at_start():
+    """kernel_self_check (default on): every kernel the engine may choose is checked against its reference at
+    start (here through the Triton interpreter) and the outcomes show in health(); a failing kernel is disabled."""
+    async def body(engine):
+        return engine.health()
+
+    h = run(engine_config(kernels="auto", kernel_self_check=True), body)
+    checks = h["kernel_checks"]
+    for op in ("gdn_decode", "paged_decode_attention", "w4a16_linear", "w4a16_moe", "rms_norm_zc", "rms_norm_gated"):
+        assert checks[op] == "triton passed", (op, checks)
+    assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
 
 
 def test_health_and_warmup():
