@@ -37,8 +37,9 @@ Napkin math (Qwen3.6-35B-A3B, decode step of one token; NVFP4 = 0.5625 B/param i
 
 API. Dense: `w4a16_linear_triton(x, w)` (custom op `qwen::w4a16_linear`; reference `w4a16_linear_reference`);
 `w4a16_dense_launch(x2d, packed, scales, global, split_k=, config=)` underneath. MoE: `moe_experts_w4a16_triton(x,
-w13, w2, idx, weights)` (custom op `qwen::w4a16_moe`; reference `moe_experts_w4a16_reference`) = `moe_align` (sort the
-(token, slot) pairs by expert, pad each expert to BLOCK_M rows, no host sync) + `w4a16_grouped_launch` twice (gate_up
+w13, w2, idx, weights)` (custom op `qwen::w4a16_moe`; reference `moe_experts_w4a16_reference`) = `moe_align_fast`
+(sort the (token, slot) pairs by expert, pad each expert to BLOCK_M rows, no host sync; one Triton program at decode
+sizes, `kernels/moe_align.py`, else the torch `moe_align`) + `w4a16_grouped_launch` twice (gate_up
 with SwiGLU in the epilogue -> [P, I]; down with the routing weight in the epilogue -> [P, H]) + a sum over top-k.
 `dequantize_nvfp4_triton` exposes the in-kernel dequant (exact-tile test; the dequantise-then-matmul baseline).
 `register(registry)` adds ops "w4a16_linear" and "w4a16_moe".
@@ -137,6 +138,17 @@ def moe_align(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
     block_starts = torch.arange(0, rows, block_m, device=dev)
     block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)  # E past the used blocks
     return MoeRouting(sorted_pairs, block_expert, p, block_m)
+
+
+def moe_align_fast(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
+    """`moe_align`, in one Triton program where it runs and the sizes fit (`kernels/moe_align.py`: decode-sized
+    batches, identical tensors, ~25 launches -> 2); the torch version otherwise (prefill sizes, no Triton)."""
+    from kernels import moe_align as align
+
+    if align.supported(idx, num_experts):
+        sorted_pairs, block_expert = align.moe_align_triton(idx, num_experts, block_m)
+        return MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m)
+    return moe_align(idx, num_experts, block_m)
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
@@ -454,7 +466,7 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    routing = moe_align(idx, num_experts, moe_block_m(t * top_k, num_experts))
+    routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
     h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True)  # [P, I]
     y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights)  # [P, H], weighted
     return y.view(t, top_k, y.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,44 @@
+"""kernels/moe_align.py (one-program MoE routing alignment) against the torch `moe_align` it replaces at decode sizes:
+integer outputs, so equality, not a tolerance. Runs under the Triton interpreter on CPU (tests/conftest.py)."""
+
+import pytest
+import torch
+
+from kernels import moe_align as align
+from kernels.w4a16_gemm import moe_align, moe_align_fast
+
+pytestmark = pytest.mark.skipif(align.triton is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def routed(t: int, k: int, e: int, seed: int, skew: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if skew:  # most pairs on two experts, the rest spread: long groups, many empty experts
+        ids = torch.where(torch.rand(t, k, generator=g) < 0.7, torch.randint(0, 2, (t, k), generator=g),
+                          torch.randint(0, e, (t, k), generator=g))
+    else:  # distinct experts per token, as top-k gives
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 256, 16), (3, 8, 256, 16), (32, 8, 256, 16), (128, 8, 256, 16),
+                                           (5, 2, 6, 16), (17, 4, 10, 32), (64, 8, 256, 64), (2, 1, 3, 16)])
+@pytest.mark.parametrize("skew", [False, True])
+def test_equals_torch_moe_align(t, k, e, block_m, skew):
+    idx = routed(t, k, e, seed=t * 31 + e, skew=skew)
+    assert align.supported(idx, e)
+    ref = moe_align(idx, e, block_m)
+    sorted_pairs, block_expert = align.moe_align_triton(idx, e, block_m)
+    assert sorted_pairs.dtype == ref.sorted_pairs.dtype == torch.int32
+    assert torch.equal(sorted_pairs, ref.sorted_pairs), (sorted_pairs, ref.sorted_pairs)
+    assert torch.equal(block_expert, ref.block_expert), (block_expert, ref.block_expert)
+
+
+def test_fast_path_choice():
+    idx = routed(4, 8, 256, seed=1)
+    fast = moe_align_fast(idx, 256, 16)
+    ref = moe_align(idx, 256, 16)
+    assert torch.equal(fast.sorted_pairs, ref.sorted_pairs) and fast.num_pairs == ref.num_pairs == 32
+    big = routed(align.MAX_PAIRS // 8 + 1, 8, 256, seed=2)  # prefill-sized: the torch version
+    assert not align.supported(big, 256) and not align.supported(idx, align.MAX_EXPERTS + 1)
+    assert torch.equal(moe_align_fast(big, 256, 64).sorted_pairs, moe_align(big, 256, 64).sorted_pairs)
