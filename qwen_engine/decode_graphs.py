@@ -47,7 +47,8 @@ class DecodeGraphs:
     """Per-bucket decode forwards over static buffers; `run(rows)` -> logits [n, vocab]."""
 
     def __init__(self, model, cache: PagedCache, *, buckets: tuple[int, ...], max_blocks: int, scratch_block: int,
-                 scratch_slot: int, device: torch.device, gdn_decode, decode_attention, mode: str = "capture"):
+                 scratch_slot: int, device: torch.device, gdn_decode, decode_attention, gdn_prep=None,
+                 mode: str = "capture"):
         if mode not in MODES:
             raise ValueError(f"decode graph mode must be one of {MODES}, got {mode!r}")
         if mode == "capture" and torch.device(device).type != "cuda":
@@ -75,7 +76,8 @@ class DecodeGraphs:
             b: FlatBatch(views["positions"][:b], views["slot_mapping"][:b], views["block_tables"][:b],
                          views["context_lens"][:b], views["state_slots"][:b], starts=tuple(range(b + 1)),
                          context_lens=(1,) * b, state_slots=tuple(range(b)), num_decode=b,
-                         block_size=self.block_size, gdn_decode=gdn_decode, decode_attention=decode_attention)
+                         block_size=self.block_size, gdn_decode=gdn_decode, decode_attention=decode_attention,
+                         gdn_prep=gdn_prep)
             for b in self.buckets}
         self._ids = views["ids"]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}

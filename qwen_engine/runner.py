@@ -41,7 +41,7 @@ def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype) -> int:
     return n_layers * num_slots * (conv + rec)
 
 
-RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention")
+RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep")
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 
 
@@ -92,10 +92,13 @@ class ModelRunner:
                 model, self.cache, buckets=tuple(decode_buckets) or (max_num_seqs,),
                 max_blocks=-(-max_model_len // block_size), scratch_block=num_blocks, scratch_slot=max_num_seqs,
                 device=self.device, gdn_decode=self._gdn_decode, decode_attention=self._decode_attention,
-                mode=decode_graphs)
+                gdn_prep=self._gdn_prep, mode=decode_graphs)
 
     def _gdn_decode(self, q, k, v, g, beta, state):
         return self.registry.call("gdn_decode", q, k, v, g, beta, state)
+
+    def _gdn_prep(self, *args):
+        return self.registry.call("gdn_decode_prep", *args)
 
     def _decode_attention(self, q, k_pool, v_pool, block_tables, context_lens, scale):
         return self.registry.call("paged_decode_attention", q, k_pool, v_pool, block_tables, context_lens, scale)
@@ -135,7 +138,7 @@ class ModelRunner:
             raise ValueError(f"plan block_size {plan.block_size} != runner's {self.block_size}")
         rows = [(s.start, s.num_tokens, s.block_table, s.state_slot) for s in plan.seqs]
         return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode,
-                               self._decode_attention)
+                               self._decode_attention, self._gdn_prep)
 
     def _use_graphs(self, plan: StepPlan) -> bool:
         """Decode-only steps (the scheduler sets bucket_size) once the graphs exist (or in "static" mode)."""

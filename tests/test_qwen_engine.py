@@ -97,6 +97,8 @@ def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, grap
     assert {"decode", "chunk", "prefill"} <= kinds
     if num_kv_blocks == 8:
         assert sched.stats.preemptions > 0
+    if dtype == torch.float32:  # the decode-only steps ran the fused GDN prep kernel (interpreted on the CPU)
+        assert runner.registry.choices()["gdn_decode_prep"]["last"] == "triton"
     if graphs == "static":
         replays = runner.graphs.stats()["replays"]
         assert runner.graph_steps > 0 and set(replays) >= {"1", "2", "4"}, replays
@@ -436,7 +438,8 @@ def test_kernel_self_check_at_start():
 
     h = run(engine_config(kernels="auto", kernel_self_check=True), body)
     checks = h["kernel_checks"]
-    for op in ("gdn_decode", "paged_decode_attention", "w4a16_linear", "w4a16_moe", "rms_norm_zc", "rms_norm_gated"):
+    for op in ("gdn_decode", "paged_decode_attention", "gdn_decode_prep", "w4a16_linear", "w4a16_moe", "rms_norm_zc",
+               "rms_norm_gated"):
         assert checks[op] == "triton passed", (op, checks)
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
 

@@ -165,14 +165,30 @@ class GatedDeltaNet(nn.Module):
 
     # ---- paged state (engine)
 
+    def _decode_fused(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch) -> torch.Tensor:
+        """Decode rows only: projections, then conv step + head norms + gates in one op (`batch.gdn_prep`), the
+        recurrent step, the gated norm and out_proj. Same maths as the general path below."""
+        rows = batch.state_slots_t
+        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        q, k, v, beta, g, new_conv = batch.gdn_prep(
+            self.in_proj_qkv(x), slots.conv, rows, self.conv1d.weight[:, 0], self.in_proj_b(x), self.in_proj_a(x),
+            self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        slots.conv.index_copy_(0, rows, new_conv)
+        step = batch.gdn_decode or gated_delta_step
+        o, new_state = step(q, k, v, g, beta, slots.recurrent[rows])
+        slots.recurrent.index_copy_(0, rows, new_state)
+        return self._output(o, z, x.dtype)
+
     def forward_paged(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch) -> torch.Tensor:
         """x [N, hidden] (the flat tokens of `batch`) -> [N, hidden]; each sequence reads and advances its own
         state row `batch.state_slots[i]`. Decode rows: one batched conv step and one batched recurrent step
         (`batch.gdn_decode`, default `gated_delta_step`); prefill chunks: per sequence, the chunked rule (the
         recurrent step for a 1-token chunk, as the contiguous path does)."""
+        nd = batch.num_decode
+        if batch.gdn_prep is not None and nd == x.shape[0]:  # a decode-only step: one fused launch (gdn_prep.py)
+            return self._decode_fused(x, slots, batch)
         z, beta, g, qkv_in = self._project(x)
         conv_out = torch.empty_like(qkv_in)  # [N, conv_dim]
-        nd = batch.num_decode
         w = self.conv1d.weight
         if nd:
             rows = batch.state_slots_t[:nd]

@@ -99,6 +99,9 @@ class FlatBatch:
     # context_lens [D], scale) -> o [D, H, Dh] (`kernels/paged_attention.py`, bounds read on the device: capturable);
     # None -> `attention.paged_decode_attention` (gather sized from the host context lengths + SDPA)
     decode_attention: Callable | None = None
+    # GDN decode-row preparation (conv step, head norms, gates) for decode-only steps: `kernels/gdn_prep.py`'s op
+    # signature; None -> the plain torch path of `GatedDeltaNet.forward_paged`
+    gdn_prep: Callable | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -110,7 +113,8 @@ class FlatBatch:
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, tuple[int, ...], int]], num_decode: int, block_size: int,
-              device, gdn_decode: Callable | None = None, decode_attention: Callable | None = None) -> FlatBatch:
+              device, gdn_decode: Callable | None = None, decode_attention: Callable | None = None,
+              gdn_prep: Callable | None = None) -> FlatBatch:
         """From per-sequence (start, num_tokens, block_table, state_slot), decode rows first; one host->device copy
         per field (pinned, non-blocking on CUDA)."""
         positions, slots, starts, ctx = [], [], [0], []
@@ -130,4 +134,4 @@ class FlatBatch:
             return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
 
         return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
-                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention)
+                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep)

@@ -1,0 +1,252 @@
+"""Gated DeltaNet decode-row preparation in one Triton launch: the depthwise causal conv step (+ SiLU) over the new
+token, the conv-state shift, the q/k L2 norms and q scale, the repeat of q/k to the value heads, and the beta / decay
+gates -- everything between a GDN layer's input projections and its recurrent step (`kernels/gdn_decode.py`).
+
+Reference `gdn_decode_prep_reference`: exactly the torch code of `GatedDeltaNet._project` (gates) +
+`causal_conv1d` + `GatedDeltaNet._heads` for decode rows (one token per sequence):
+    inputs   qkv_in [D, C] (in_proj_qkv output, model dtype), conv_pool [S, C, K-1] (model dtype) with the rows'
+             state slots `rows` [D] int64, conv weight [C, K] (model dtype), b, a [D, Hv] (in_proj_b / in_proj_a
+             outputs), A_log, dt_bias [Hv]
+    outputs  q, k [D, Hv, Dk] fp32 (L2-normalised with eps 1e-6 inside the root, q * Dk^-1/2, head j of Hk serving
+             value heads r j .. r j + r-1), v [D, Hv, Dv] fp32, beta = sigmoid(b) rounded to the model dtype then
+             fp32 [D, Hv], g = -exp(A_log) softplus(a + dt_bias) fp32 [D, Hv], new_conv [D, C, K-1] (the window
+             shifted by one: the caller writes it back with one index_copy_; functional so that the registry's
+             self-check can run reference and kernel on the same inputs).
+Casts as in the reference: the conv accumulates in fp32 and rounds to the model dtype, SiLU runs in fp32 on that and
+rounds again (torch's bf16 `F.silu`), then q/k/v go to fp32.
+
+Why: in a graphed decode step these are ~35 separate small kernels per GDN layer (cat, conv1d, silu, casts, index
+gathers, five-op L2 norms twice, repeat_interleave twice, sigmoid, softplus, exp ...), ~1,000 of the step's kernels
+over 30 layers; this is one launch per layer. Grid (D, Hk): a program owns one sequence's k-head j: its Dk q and Dk k
+channels and the r Dv value channels they serve (Qwen3.6: Dk = Dv = 128, Hk = 16, Hv = 32, r = 2, K = 4, C = 8192).
+
+Numerics: the same fp32 operations, reductions (conv taps, L2 sums) in another order -> ~1 ulp of the rounded
+intermediates; tolerance: max |diff| <= 1e-2 x max |ref| per output for bf16 (a conv output that lands on a bf16
+rounding boundary can move one bf16 ulp = 2^-8 relative, which the L2 norm passes on), 1e-5 for fp32.
+Under the interpreter the bf16 roundings use `kernels.rms_norm._cast` (round to nearest even, as on the GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.rms_norm import _cast
+except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
+    triton = None
+
+NAME = "gdn_decode_prep"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+L2_EPS = 1e-6  # FLA's l2norm eps (qwen_engine.model.gdn.l2norm)
+
+
+def gdn_decode_prep_reference(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads: int,
+                              head_k_dim: int, head_v_dim: int):
+    """(q, k, v, beta, g, new_conv); see the module docstring. `conv_pool` is read, not written."""
+    from qwen_engine.model.gdn import causal_conv1d, l2norm
+
+    d, c = qkv_in.shape
+    hv = b.shape[-1]
+    key_dim = num_k_heads * head_k_dim
+    beta = torch.sigmoid(b).float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    y, new_conv = causal_conv1d(qkv_in[:, :, None], conv_pool[rows], conv_w[:, None, :])  # [D, C, 1], [D, C, K-1]
+    y = y[:, :, 0]
+    q, k, v = y.split((key_dim, key_dim, c - 2 * key_dim), dim=-1)
+    q = l2norm(q.unflatten(-1, (num_k_heads, head_k_dim)).float()) * head_k_dim ** -0.5
+    k = l2norm(k.unflatten(-1, (num_k_heads, head_k_dim)).float())
+    v = v.unflatten(-1, (hv, head_v_dim)).float()
+    r = hv // num_k_heads
+    return (q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2), v, beta, g,
+            new_conv.to(conv_pool.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_silu(qkv, pool, new_conv, w, d, row, ch, ok, C, s_qd, s_pr, s_pc, s_nd, s_nc, s_wc,
+                   KM1: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        """Channels `ch` (any shape) of row d: conv over [pool taps 0..K-2, new x] + SiLU -> fp32 (after the two
+        model-dtype roundings); writes the shifted window into new_conv."""
+        x = tl.load(qkv + d * s_qd + ch, mask=ok, other=0.0)
+        acc = x.to(tl.float32) * tl.load(w + ch * s_wc + KM1, mask=ok, other=0.0).to(tl.float32)
+        for t in tl.static_range(KM1):
+            tap = tl.load(pool + row * s_pr + ch * s_pc + t, mask=ok, other=0.0)
+            acc += tap.to(tl.float32) * tl.load(w + ch * s_wc + t, mask=ok, other=0.0).to(tl.float32)
+            if t > 0:
+                tl.store(new_conv + d * s_nd + ch * s_nc + (t - 1), tap, mask=ok)
+        tl.store(new_conv + d * s_nd + ch * s_nc + (KM1 - 1), x, mask=ok)
+        y = _cast(acc, DTYPE, INTERPRET).to(tl.float32)  # conv1d output in the model dtype
+        return _cast(y / (1.0 + tl.exp(-y)), DTYPE, INTERPRET).to(tl.float32)  # SiLU, rounded, then .float()
+
+    @triton.jit
+    def _gdn_prep_kernel(qkv, pool, rows, w, b, a, a_log, dt_bias, q_out, k_out, v_out, beta_out, g_out, new_conv,
+                         C, HK, HV, s_qd, s_pr, s_pc, s_nd, s_nc, s_wc, s_bd, s_ad,
+                         DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+        d, j = tl.program_id(0), tl.program_id(1)
+        row = tl.load(rows + d)
+        dt = qkv.dtype.element_ty
+        kk = tl.arange(0, BLOCK_K)
+        k_ok = kk < DK
+        key_dim = HK * DK
+        qf = _conv_silu(qkv, pool, new_conv, w, d, row, j * DK + kk, k_ok, C, s_qd, s_pr, s_pc, s_nd, s_nc, s_wc,
+                        KM1, dt, INTERPRET)
+        kf = _conv_silu(qkv, pool, new_conv, w, d, row, key_dim + j * DK + kk, k_ok, C, s_qd, s_pr, s_pc, s_nd,
+                        s_nc, s_wc, KM1, dt, INTERPRET)
+        qn = qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
+        kn = kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=0) + 1e-6))
+        ri = tl.arange(0, BLOCK_R)
+        r_ok = ri < R
+        heads = j * R + ri  # the value heads this k-head serves
+        vv = tl.arange(0, BLOCK_V)
+        v_ok = r_ok[:, None] & (vv < DV)[None, :]
+        vf = _conv_silu(qkv, pool, new_conv, w, d, row, 2 * key_dim + heads[:, None] * DV + vv[None, :], v_ok, C,
+                        s_qd, s_pr, s_pc, s_nd, s_nc, s_wc, KM1, dt, INTERPRET)
+        qk_off = (d * HV + heads)[:, None] * DK + kk[None, :]
+        qk_ok = r_ok[:, None] & k_ok[None, :]
+        tl.store(q_out + qk_off, tl.broadcast_to(qn[None, :], (BLOCK_R, BLOCK_K)), mask=qk_ok)
+        tl.store(k_out + qk_off, tl.broadcast_to(kn[None, :], (BLOCK_R, BLOCK_K)), mask=qk_ok)
+        tl.store(v_out + (d * HV + heads)[:, None] * DV + vv[None, :], vf, mask=v_ok)
+        # gates of the value heads
+        bb = tl.load(b + d * s_bd + heads, mask=r_ok, other=0.0).to(tl.float32)
+        beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
+        u = tl.load(a + d * s_ad + heads, mask=r_ok, other=0.0).to(tl.float32)
+        u = u + tl.load(dt_bias + heads, mask=r_ok, other=0.0).to(tl.float32)
+        t = tl.exp(-tl.abs(u))  # softplus = max(u, 0) + log1p(exp(-|u|)), log1p by series where log(1 + t) loses bits
+        log1p = tl.where(t < 1e-4, t - 0.5 * t * t, tl.log(1.0 + t))
+        softplus = tl.where(u > 20.0, u, tl.maximum(u, 0.0) + log1p)  # torch's threshold 20
+        g = -tl.exp(tl.load(a_log + heads, mask=r_ok, other=0.0).to(tl.float32)) * softplus
+        tl.store(beta_out + d * HV + heads, beta, mask=r_ok)
+        tl.store(g_out + d * HV + heads, g, mask=r_ok)
+
+
+def _interpreted() -> bool:
+    return triton is not None and type(_gdn_prep_kernel).__name__ == "InterpretedFunction"
+
+
+@torch.library.custom_op("qwen::gdn_decode_prep", mutates_args=())
+def gdn_decode_prep_op(qkv_in: torch.Tensor, conv_pool: torch.Tensor, rows: torch.Tensor, conv_w: torch.Tensor,
+                       b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, num_k_heads: int,
+                       head_k_dim: int, head_v_dim: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, c = qkv_in.shape
+    hv = b.shape[-1]
+    km1 = conv_pool.shape[-1]
+    dev = qkv_in.device
+    q = torch.empty((d, hv, head_k_dim), dtype=torch.float32, device=dev)
+    k = torch.empty_like(q)
+    v = torch.empty((d, hv, head_v_dim), dtype=torch.float32, device=dev)
+    beta = torch.empty((d, hv), dtype=torch.float32, device=dev)
+    g = torch.empty_like(beta)
+    new_conv = torch.empty((d, c, km1), dtype=conv_pool.dtype, device=dev)
+    if d == 0:
+        return q, k, v, beta, g, new_conv
+    r = hv // num_k_heads
+    _gdn_prep_kernel[(d, num_k_heads)](
+        qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, q, k, v, beta, g, new_conv,
+        c, num_k_heads, hv, qkv_in.stride(0), conv_pool.stride(0), conv_pool.stride(1), new_conv.stride(0),
+        new_conv.stride(1), conv_w.stride(0), b.stride(0), a.stride(0),
+        DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
+        BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r), INTERPRET=_interpreted(),
+        num_warps=4)
+    return q, k, v, beta, g, new_conv
+
+
+@gdn_decode_prep_op.register_fake
+def _(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim):
+    d, c = qkv_in.shape
+    hv = b.shape[-1]
+    q = qkv_in.new_empty((d, hv, head_k_dim), dtype=torch.float32)
+    return (q, torch.empty_like(q), qkv_in.new_empty((d, hv, head_v_dim), dtype=torch.float32),
+            qkv_in.new_empty((d, hv), dtype=torch.float32), qkv_in.new_empty((d, hv), dtype=torch.float32),
+            conv_pool.new_empty((d, c, conv_pool.shape[-1])))
+
+
+def gdn_decode_prep_triton(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads, head_k_dim,
+                           head_v_dim):
+    """Same contract as `gdn_decode_prep_reference`."""
+    return gdn_decode_prep_op(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads, head_k_dim,
+                              head_v_dim)
+
+
+# ---- guard, registry entry ------------------------------------------------------------------------------------------
+def describe(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim
+             ) -> dict[str, Any]:
+    d, c = qkv_in.shape if qkv_in.dim() == 2 else (0, 0)
+    hv = b.shape[-1] if b.dim() == 2 else 0
+    shapes_ok = (qkv_in.dim() == 2 and conv_pool.dim() == 3 and conv_pool.shape[1] == c and rows.shape == (d,)
+                 and conv_w.shape == (c, conv_pool.shape[-1] + 1) and b.shape == a.shape == (d, hv)
+                 and a_log.shape == dt_bias.shape == (hv,) and num_k_heads > 0 and hv % num_k_heads == 0
+                 and c == 2 * num_k_heads * head_k_dim + hv * head_v_dim)
+    return dict(device=qkv_in.device.type, capability=(torch.cuda.get_device_capability(qkv_in.device)
+                                                        if qkv_in.is_cuda else None),
+                dtypes={qkv_in.dtype, conv_pool.dtype, conv_w.dtype, b.dtype, a.dtype}, shapes_ok=shapes_ok,
+                head_dims=(head_k_dim, head_v_dim), rows_dtype=rows.dtype,
+                unit_strides=all(t.stride(-1) == 1 for t in (qkv_in, conv_pool, conv_w, b, a) if t.dim()))
+
+
+def supports(*, device: str, capability, dtypes: set, shapes_ok: bool, head_dims: tuple, rows_dtype, unit_strides,
+             **_: Any) -> bool:
+    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); one model dtype for every
+    activation / state / weight input; consistent shapes; head dims <= 256; int64 or int32 rows; unit inner strides."""
+    if triton is None:
+        return False
+    if _interpreted():
+        dev_ok = device == "cpu"
+    else:
+        dev_ok = device == "cuda" and capability is not None and tuple(capability) >= (8, 0)
+    return (dev_ok and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and shapes_ok and unit_strides
+            and rows_dtype in (torch.int64, torch.int32) and all(1 <= h <= 256 for h in head_dims))
+
+
+def compare(out, ref, tol: float | None = None) -> str | None:
+    """Every output within tol x max |ref| (1e-2 when the model dtype is bf16/fp16, 1e-5 for fp32; see module)."""
+    names = ("q", "k", "v", "beta", "g", "new_conv")
+    if tol is None:
+        tol = 1e-5 if ref[-1].dtype == torch.float32 else 1e-2
+    for name, x, y in zip(names, out, ref):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{name}: shape/dtype {tuple(x.shape)} {x.dtype} != {tuple(y.shape)} {y.dtype}"
+        err = float((x.float() - y.float()).abs().max()) if x.numel() else 0.0
+        scale = float(y.float().abs().max()) if y.numel() else 0.0
+        if err > tol * max(scale, 1e-30):
+            return f"{name}: max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
+    return None
+
+
+def random_inputs(d: int, num_k_heads: int, head_k_dim: int, r: int, head_v_dim: int, kernel: int = 4,
+                  slots: int | None = None, dtype=torch.bfloat16, seed: int = 0, device="cpu"):
+    """Model-like decode-prep inputs: rows are a permutation of state slots (positional args of the op)."""
+    gen = torch.Generator().manual_seed(seed)
+    hv = num_k_heads * r
+    c = 2 * num_k_heads * head_k_dim + hv * head_v_dim
+    slots = slots or d + 2
+    qkv_in = torch.randn(d, c, generator=gen)
+    pool = torch.randn(slots, c, kernel - 1, generator=gen)
+    rows = torch.randperm(slots, generator=gen)[:d]
+    conv_w = torch.randn(c, kernel, generator=gen) * 0.5
+    b, a = torch.randn(d, hv, generator=gen), torch.randn(d, hv, generator=gen) * 3
+    a_log = torch.empty(hv).uniform_(0.05, 3.0, generator=gen).log()
+    dt_bias = torch.randn(hv, generator=gen) * 0.5
+    acts = tuple(t.to(dtype).to(device) for t in (qkv_in, pool))
+    return (*acts, rows.to(device), *(t.to(dtype).to(device) for t in (conv_w, b, a, a_log, dt_bias)), num_k_heads,
+            head_k_dim, head_v_dim)
+
+
+def _sample(device) -> tuple[tuple, dict]:
+    return random_inputs(3, 2, 32, 2, 16, device=device), {}
+
+
+def register(registry) -> None:
+    registry.add_op(NAME, gdn_decode_prep_reference, sample=_sample, compare=compare, describe=describe,
+                    tolerance="each output within 1e-2 x max |ref| for bf16/fp16 (one model-dtype ulp of a rounded "
+                              "conv / SiLU output carried through the L2 norm), 1e-5 for fp32")
+    registry.add_implementation(NAME, "triton", gdn_decode_prep_triton, supports)
