@@ -5,12 +5,16 @@
 #   2. the Qwen full-size oracle with the kernel bisection and the fp32 noise floor;
 #   3. HTTP end to end with the real model through direct ingress (serve_configs/local_gpu.yaml: inductor + graphs;
 #      the replica needs ~280 s to compile and warm up, so give this step the whole call);
-#   4. the null-model ceiling through HAProxy.
-# Steps 1-3 ran on 2026-11-30 (benchmarks/RESULTS.md); step 4 is still owed.
+#   4. the null-model ceiling through HAProxy;
+#   5. Qwen: the graphed engine's decode step profiled (kernels per step, device ms) and the full-size speed run
+#      without transformers, measuring kernels/gdn_prep.py and kernels/moe_align.py (written after the last GPU
+#      call of 2026-11-30; the engine's start-up self-check reports them in the log and health()).
+# Steps 1-3 ran on 2026-11-30 (benchmarks/RESULTS.md); steps 4 and 5 are owed.
 #
 #   eval "$(bash .devbundle/install.sh)" && STEPS="1 2" bash benchmarks/gpu_next.sh     # ~5 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="3" bash benchmarks/gpu_next.sh       # ~6.5 min (inductor start)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="4" bash benchmarks/gpu_next.sh       # ~2 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="5" bash benchmarks/gpu_next.sh       # ~6 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -49,5 +53,13 @@ say "4. null-model ceiling through HAProxy"
 VARIANTS="haproxy1" USERS=128 STEP_S=20 WARMUP_S=3 PROCS=8 OUT="$R/haproxy" \
   timeout 120 bash benchmarks/serve_ceiling.sh > "$R/haproxy.log" 2>&1
 grep -E "ceiling|skipped" "$R/haproxy.log" | tail -2
+fi
+if want 5; then
+say "5. Qwen: graphed engine decode profile, then the speed run"
+timeout 150 python benchmarks/qwen_profile.py --engine --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E "wall_ms_per_step" "$R/qwen_profile.log" | tail -1
+timeout 260 python benchmarks/qwen_gpu.py --skip-transformers --decode-tokens 48 --ttft-reps 2 --out "$R/qwen" \
+  > "$R/qwen.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen/qwen_gpu.md"
 fi
 say "done"

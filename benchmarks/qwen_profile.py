@@ -6,6 +6,7 @@ CUDA kernels per step, their summed device time per step, and the top kernels. I
 below the wall time, the step is launch-bound and CUDA graphs (plus fusion to cut the kernel count) are the remedy.
 
     python benchmarks/qwen_profile.py --out benchmarks/results/qwen_profile      # H200
+    python benchmarks/qwen_profile.py --engine --batches "" --out DIR             # the graphed serving step
     python benchmarks/qwen_profile.py --tiny --out /tmp/qwen_profile              # CPU dry run
 """
 
@@ -98,6 +99,52 @@ def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
     return out
 
 
+def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16) -> dict:
+    """The serving path's decode step: a QwenEngine (decode graphs as configured by default: captured on CUDA) over
+    `model`, one `ctx`-token request; after its first token, `tokens` decode steps run under the profiler. Kernels
+    launched by graph replays are counted like any others (CUPTI traces them)."""
+    import asyncio
+
+    from engine_core.continuous import SamplingParams
+    from qwen_engine.engine import QwenEngine, QwenEngineConfig
+
+    ecfg = QwenEngineConfig(config="tiny" if cfg.num_hidden_layers < 8 else "qwen3.6-35b-a3b", device=str(device),
+                            dtype="bf16", max_num_seqs=4, max_num_batched_tokens=max(2048, ctx), block_size=16,
+                            num_kv_blocks=4 * ((ctx + tokens + 64) // 16 + 1), max_model_len=ctx + tokens + 64,
+                            request_timeout_s=None, warmup=True)
+
+    async def run() -> dict:
+        engine = QwenEngine(ecfg, model=model)
+        await engine.start()
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        try:
+            prof, count, t0 = None, 0, None
+            gen = engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=tokens + 2, sampling=SamplingParams(),
+                                  eos_token_ids=())
+            async for chunk in gen:
+                count += len(chunk.new_token_ids)
+                if prof is None:  # the first token (prefill) is out: profile the decode steps from here
+                    prof = torch.profiler.profile(activities=acts)
+                    prof.__enter__()
+                    first, t0 = count, time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            prof.__exit__(None, None, None)
+            steps = count - first
+            out = dict(context=ctx, steps=steps, wall_ms_per_step=1e3 * wall / steps,
+                       runner=engine.health().get("runner"))
+            if device.type == "cuda":
+                out.update(kernel_table(prof, steps))
+            return out
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/qwen_profile")
@@ -106,6 +153,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prefill", action="store_true", help="also profile one --context-token prefill")
+    ap.add_argument("--engine", action="store_true",
+                    help="also profile the serving engine's decode steps (CUDA graphs on a GPU)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = QwenConfig.tiny() if args.tiny else QwenConfig()
@@ -125,6 +174,13 @@ def main() -> None:
         log(json.dumps({k: v for k, v in r["prefill"].items() if k != "top"}))
         for row in r["prefill"].get("top", [])[:15]:
             print(f"  prefill {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+        (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
+    if args.engine:
+        log("profiling the engine's decode steps")
+        r["engine"] = profile_engine_decode(model, cfg, device, rand, ctx)
+        log(json.dumps({k: v for k, v in r["engine"].items() if k != "top"}))
+        for row in r["engine"].get("top", [])[:15]:
+            print(f"  engine {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     for b in (int(x) for x in args.batches.split(",") if x):
         log(f"profiling decode at batch {b}")
