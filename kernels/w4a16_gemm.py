@@ -51,6 +51,7 @@ dense split-K when the output tiles cannot fill the SMs (fp32 partials summed by
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -66,6 +67,7 @@ try:
 except ImportError:  # CPU-only installs without triton: the references work, supports() says no
     triton = None
 
+log = logging.getLogger(__name__)
 DENSE = "w4a16_linear"
 MOE = "w4a16_moe"
 ACT_DTYPES = (torch.bfloat16, torch.float16)  # tl.dot operand dtypes the dequantised tile is exact in
@@ -140,14 +142,31 @@ def moe_align(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
     return MoeRouting(sorted_pairs, block_expert, p, block_m)
 
 
+_ALIGN_STATE: dict[str, str] = {}  # device type -> "ok" | why the Triton alignment is off there
+
+
 def moe_align_fast(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
     """`moe_align`, in one Triton program where it runs and the sizes fit (`kernels/moe_align.py`: decode-sized
-    batches, identical tensors, ~25 launches -> 2); the torch version otherwise (prefill sizes, no Triton)."""
+    batches, identical tensors, ~25 launches -> 2); the torch version otherwise (prefill sizes, no Triton).
+
+    The first use on a device type checks the kernel against the torch version on that call's input (one host sync,
+    eager: a decode graph's warm-up runs before its capture); an exception or a mismatch switches the kernel off for
+    the process, logged at ERROR, so a kernel that fails on some GPU costs speed, never correctness."""
     from kernels import moe_align as align
 
-    if align.supported(idx, num_experts):
-        sorted_pairs, block_expert = align.moe_align_triton(idx, num_experts, block_m)
-        return MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m)
+    dev = idx.device.type
+    if _ALIGN_STATE.get(dev, "ok") == "ok" and align.supported(idx, num_experts):
+        try:
+            sorted_pairs, block_expert = align.moe_align_triton(idx, num_experts, block_m)
+            if dev not in _ALIGN_STATE:
+                ref = moe_align(idx, num_experts, block_m)
+                if not (torch.equal(sorted_pairs, ref.sorted_pairs) and torch.equal(block_expert, ref.block_expert)):
+                    raise RuntimeError("differs from the torch moe_align")
+                _ALIGN_STATE[dev] = "ok"
+            return MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m)
+        except Exception as exc:  # noqa: BLE001 - recorded; the torch version is always correct
+            _ALIGN_STATE[dev] = f"off: {exc!r}"
+            log.error("Triton moe_align switched off on %s: %r; the torch version runs", dev, exc)
     return moe_align(idx, num_experts, block_m)
 
 

@@ -42,3 +42,26 @@ def test_fast_path_choice():
     big = routed(align.MAX_PAIRS // 8 + 1, 8, 256, seed=2)  # prefill-sized: the torch version
     assert not align.supported(big, 256) and not align.supported(idx, align.MAX_EXPERTS + 1)
     assert torch.equal(moe_align_fast(big, 256, 64).sorted_pairs, moe_align(big, 256, 64).sorted_pairs)
+
+
+def test_a_failing_kernel_is_switched_off(monkeypatch):
+    """First use checks the kernel against the torch version; a wrong (or crashing) kernel is switched off for the
+    device and the torch routing is returned instead."""
+    from kernels import w4a16_gemm
+
+    monkeypatch.setattr(w4a16_gemm, "_ALIGN_STATE", {})
+    idx = routed(4, 8, 256, seed=3)
+
+    real = align.moe_align_triton
+
+    def wrong(idx_, e, bm):
+        sp, be = real(idx_, e, bm)
+        return sp.flip(0), be
+
+    monkeypatch.setattr(align, "moe_align_triton", wrong)
+    r = moe_align_fast(idx, 256, 16)
+    assert torch.equal(r.sorted_pairs, moe_align(idx, 256, 16).sorted_pairs)
+    assert w4a16_gemm._ALIGN_STATE[idx.device.type].startswith("off")
+    monkeypatch.setattr(align, "moe_align_triton", real)
+    moe_align_fast(idx, 256, 16)  # stays off for the process (here: the monkeypatched state)
+    assert w4a16_gemm._ALIGN_STATE[idx.device.type].startswith("off")
