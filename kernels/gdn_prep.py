@@ -87,7 +87,7 @@ if triton is not None:
 
     @triton.jit
     def _gdn_prep_kernel(qkv, pool, rows, w, b, a, a_log, dt_bias, q_out, k_out, v_out, beta_out, g_out, new_conv,
-                         C, HK, HV, s_qd, s_pr, s_pc, s_nd, s_nc, s_wc, s_bd, s_ad,
+                         C, HK, HV, s_qd, s_pr, s_pc, s_nd, s_nc, s_wc, s_bd, s_ad, q_scale,
                          DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                          INTERPRET: tl.constexpr):
@@ -101,7 +101,7 @@ if triton is not None:
                         KM1, dt, INTERPRET)
         kf = _conv_silu(qkv, pool, new_conv, w, d, row, key_dim + j * DK + kk, k_ok, C, s_qd, s_pr, s_pc, s_nd,
                         s_nc, s_wc, KM1, dt, INTERPRET)
-        qn = qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
+        qn = qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=0) + 1e-6)) * q_scale
         kn = kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=0) + 1e-6))
         ri = tl.arange(0, BLOCK_R)
         r_ok = ri < R
@@ -153,7 +153,7 @@ def gdn_decode_prep_op(qkv_in: torch.Tensor, conv_pool: torch.Tensor, rows: torc
     _gdn_prep_kernel[(d, num_k_heads)](
         qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, q, k, v, beta, g, new_conv,
         c, num_k_heads, hv, qkv_in.stride(0), conv_pool.stride(0), conv_pool.stride(1), new_conv.stride(0),
-        new_conv.stride(1), conv_w.stride(0), b.stride(0), a.stride(0),
+        new_conv.stride(1), conv_w.stride(0), b.stride(0), a.stride(0), head_k_dim ** -0.5,
         DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r), INTERPRET=_interpreted(),
         num_warps=4)

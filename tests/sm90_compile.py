@@ -1,0 +1,63 @@
+"""Compile the Qwen engine's newest Triton kernels for an H200 (sm_90) on a machine without a GPU: Triton's NVIDIA
+backend lowers them to PTX and assembles them with its bundled ptxas, which catches the errors the CPU interpreter
+cannot (constexpr misuse, unsupported ops, type rules of compiled Triton). Run without TRITON_INTERPRET (the kernels
+must be real JITFunctions); prints one line per kernel, exits 1 if any failed. Used by tests/test_kernels_compile.py.
+
+    env -u TRITON_INTERPRET python tests/sm90_compile.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import gdn_prep, moe_align, paged_attention, rms_norm  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_one(name: str, kernel, types: dict[str, str], consts: dict) -> bool:
+    """types: pointer / float argument types by name (other non-constexpr args are i32)."""
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in inspect.signature(kernel.fn).parameters}
+    try:
+        triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET)
+    except Exception as exc:  # noqa: BLE001 - reported
+        print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
+        return False
+    print(f"ok   {name}")
+    return True
+
+
+def main() -> int:
+    ok = []
+    rows = 256 + 256 * 15  # P = 32 tokens x top-8, E = 256, BLOCK_M = 16
+    ok.append(compile_one("moe_align (32 tokens x top-8, 256 experts)", moe_align._moe_align_kernel,
+                          {"ids": "*i64", "sorted_pairs": "*i32", "block_expert": "*i32"},
+                          dict(BLOCK_M=16, BLOCK_P=256, BLOCK_E=256, BLOCK_B=triton.next_power_of_2(rows // 16),
+                               CHUNK_P=32)))
+    types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias", "new_conv")}
+    types.update({n: "*fp32" for n in ("q_out", "k_out", "v_out", "beta_out", "g_out")}, rows="*i64", q_scale="fp32")
+    ok.append(compile_one("gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16)", gdn_prep._gdn_prep_kernel, types,
+                          dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, INTERPRET=False)))
+    ok.append(compile_one("rms_norm_zc (D = 2048, bf16)", rms_norm._rms_norm_zc_kernel,
+                          {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
+                          dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False)))
+    ok.append(compile_one("rms_norm_gated (D = 128, bf16)", rms_norm._rms_norm_gated_kernel,
+                          {"x": "*bf16", "z": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
+                          dict(ROUND_PRODUCT=True, BLOCK_R=8, BLOCK_D=128, INTERPRET=False)))
+    ok.append(compile_one("paged_decode (Dh = 256, GQA 8, bf16)", paged_attention._paged_decode_kernel,
+                          {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
+                           "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
+                          dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, NUM_SPLITS=8, IEEE=False, INTERPRET=False)))
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
