@@ -217,7 +217,7 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
                            torch.float32)
     set_fp8_activation_quantization(model, False)
     registry = default_registry()
-    before = {op: registry.preference(op) for op in ("w4a16_linear", "w4a16_moe", "fp8_linear")}
+    before = {op: registry.preference(op) for op in registry.ops()}  # set_preference(p) sets every op
     g = torch.Generator().manual_seed(seed + 2)
     ids = torch.randint(0, cfg.vocab_size, (prompts, tokens), generator=g).to(device)
     try:
@@ -430,7 +430,7 @@ def main() -> None:
         # (dequantise + matmul, expert loop): if this one agrees with transformers and the fast one does not, a
         # kernel is wrong at full size (the 2026-11-30 run disagreed, top-1 2%, while a full-width CPU model agrees)
         registry = default_registry()
-        before = {op: registry.preference(op) for op in ("w4a16_linear", "w4a16_moe", "fp8_linear")}
+        before = {op: registry.preference(op) for op in registry.ops()}  # set_preference(p) sets every op
         try:
             registry.set_preference("reference")
             ours_ref = model(prompts[:1, : min(olen, 32)]).float().cpu()

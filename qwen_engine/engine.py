@@ -74,7 +74,8 @@ class QwenEngineConfig:
     device: str | None = None  # torch device string; None -> cuda if available else cpu
     dtype: str = "auto"  # auto | fp32 | bf16; auto -> bf16 on cuda, fp32 on cpu
     seed: int = 0  # torch seed of the random weights; also seeds the per-request seeds of unseeded requests
-    kernels: str = "auto"  # engine_core.registry KernelPreference: auto | reference | triton
+    kernels: str = "auto"  # engine_core.registry KernelPreference: auto | reference | triton, for the runner's ops
+    #                        and the process-wide registry's model ops (MODEL_OPS: packed linears, experts, norms)
     kernel_self_check: bool = True  # at start, every kernel the engine may choose vs its reference on sample inputs
     #                                 on this device; a failure is logged at ERROR and disables that kernel (the
     #                                 reference runs instead); outcomes in health()["kernel_checks"]
@@ -144,7 +145,7 @@ class QwenEngineConfig:
 
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc", "rms_norm_gated")
-_MODEL_OPS_CHECKED: dict[str, dict[str, str]] = {}  # device -> outcomes (one check per process and device)
+_MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
 BAD_REQUEST_CODES = (
@@ -194,6 +195,13 @@ class QwenEngine:
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
         self.registry = gdn_registry(cfg.kernels)  # the engine's own: its preference does not leak into others
+        # the model's ops dispatch through the process-wide registry: the engine's preference is set there too (the
+        # last engine built in a process wins; one engine per replica process is the deployment)
+        from engine_core.registry import default_registry
+
+        for op in MODEL_OPS:
+            if op in default_registry().ops():
+                default_registry().set_preference(cfg.kernels, op)
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -492,10 +500,11 @@ class QwenEngine:
         from engine_core.registry import default_registry
 
         out = self.registry.self_check(self.device)
-        key = str(self.device)
+        reg = default_registry()
+        ops = [op for op in MODEL_OPS if op in reg.ops()]
+        key = (str(self.device), tuple(reg.preference(op).value for op in ops))  # re-check when preferences change
         if key not in _MODEL_OPS_CHECKED:
-            reg = default_registry()
-            _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=[op for op in MODEL_OPS if op in reg.ops()])
+            _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
         return {**out, **_MODEL_OPS_CHECKED[key]}
 
     def _auto_num_blocks(self) -> int:
