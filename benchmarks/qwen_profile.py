@@ -28,6 +28,14 @@ from qwen_engine.load_packed import load_quantized  # noqa: E402
 from qwen_engine.random_weights import calibrate_fp8_input_scales, random_packed_tensors  # noqa: E402
 
 
+def activities(device: torch.device) -> list:
+    """What the profiler records: host ops, and the device's kernels on CUDA."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
 def kernel_table(prof, steps: int, top: int = 20) -> dict:
     """Device-side events of the profiled steps -> per-step count and time, top kernels by total time."""
     rows = []
@@ -57,10 +65,7 @@ def profile_decode(model, rand, batch: int, ctx: int, steps: int) -> dict:
         tok = model(tok, state)[:, -1].argmax(-1, keepdim=True)
     sync(tok.device)
     wall_ms = 1e3 * (time.perf_counter() - t) / steps
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if tok.is_cuda:
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=activities(tok.device)) as prof:
         for _ in range(steps):
             tok = model(tok, state)[:, -1].argmax(-1, keepdim=True)
         sync(tok.device)
@@ -85,10 +90,7 @@ def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
         tok = once()
     sync(tok.device)
     wall_ms = 1e3 * (time.perf_counter() - t) / reps
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if tok.is_cuda:
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=activities(tok.device)) as prof:
         tok = once()
         sync(tok.device)
     out = dict(batch=1, prompt_tokens=ctx, wall_ms=wall_ms)
@@ -116,9 +118,6 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16) 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)
         await engine.start()
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
         try:
             prof, count, t0 = None, 0, None
             gen = engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=tokens + 2, sampling=SamplingParams(),
@@ -126,7 +125,7 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16) 
             async for chunk in gen:
                 count += len(chunk.new_token_ids)
                 if prof is None:  # the first token (prefill) is out: profile the decode steps from here
-                    prof = torch.profiler.profile(activities=acts)
+                    prof = torch.profiler.profile(activities=activities(device))
                     prof.__enter__()
                     first, t0 = count, time.perf_counter()
             if device.type == "cuda":

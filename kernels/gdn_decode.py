@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kernels import tolerance
+
 try:
     import triton
     import triton.language as tl
@@ -160,12 +162,9 @@ def supports(*, device: str, dtypes: set, shapes_ok: bool, head_dims: tuple, uni
 def compare(out, ref, tol: float = 1e-5) -> str | None:
     """Both outputs (o, new state) within tol x max |ref| (fp32 summation order and exp ulps only)."""
     for name, a, b in zip(("o", "state"), out, ref):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return f"{name}: shape/dtype {tuple(a.shape)} {a.dtype} != {tuple(b.shape)} {b.dtype}"
-        err = float((a - b).abs().max()) if a.numel() else 0.0
-        scale = float(b.abs().max()) if b.numel() else 0.0
-        if err > tol * scale:
-            return f"{name}: max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
+        problem = tolerance.compare(a, b, tol)  # (also fails on NaN)
+        if problem:
+            return f"{name}: {problem}"
     return None
 
 

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import tolerance
+
 try:
     import triton
     import triton.language as tl
@@ -225,12 +227,9 @@ def compare(out, ref, tol: float | None = None) -> str | None:
         if worst > 1e-5:
             return f"g: max relative error {worst:.3g} > 1e-5"
     for name, x, y in zip(names, out, ref):
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return f"{name}: shape/dtype {tuple(x.shape)} {x.dtype} != {tuple(y.shape)} {y.dtype}"
-        err = float((x.float() - y.float()).abs().max()) if x.numel() else 0.0
-        scale = float(y.float().abs().max()) if y.numel() else 0.0
-        if err > tol * max(scale, 1e-30):
-            return f"{name}: max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
+        problem = tolerance.compare(x, y, tol)  # (also fails on NaN)
+        if problem:
+            return f"{name}: {problem}"
     return None
 
 

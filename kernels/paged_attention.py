@@ -54,6 +54,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import tolerance
+
 try:
     import triton
     import triton.language as tl
@@ -275,14 +277,7 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, index_d
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> str | None:
     """None if max |out - ref| <= tol x max |ref|, tol from TOLERANCE by dtype (module docstring), else why."""
-    if out.shape != ref.shape or out.dtype != ref.dtype:
-        return f"shape/dtype {tuple(out.shape)} {out.dtype} != {tuple(ref.shape)} {ref.dtype}"
-    tol = TOLERANCE[ref.dtype] if tol is None else tol
-    err = float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0
-    scale = float(ref.float().abs().max()) if ref.numel() else 0.0
-    if not err <= tol * scale:  # also catches NaN
-        return f"max abs error {err:.3g} > {tol} x max |ref| {scale:.3g}"
-    return None
+    return tolerance.compare(out, ref, TOLERANCE[ref.dtype] if tol is None else tol)  # NaN fails there too
 
 
 def random_inputs(context_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
