@@ -33,16 +33,9 @@ DISCOURAGED = {
     schema.ServeApplicationSchema: {"host": _IGNORED, "port": _IGNORED},
 }
 
-try:
-    from sammie.engine import EngineConfig
+from sammie.engine import EngineConfig  # noqa: E402
 
-    ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
-except ImportError:  # engine not importable here: the documented field list
-    EngineConfig = None
-    ENGINE_FIELDS = ("checkpoint", "config", "device", "dtype", "seed", "max_image_batch", "image_wait_ms",
-                     "max_pair_batch", "pair_wait_ms", "max_queued", "request_timeout_s", "prompt_cache_size",
-                     "max_prompts", "max_prompt_chars", "max_image_pixels", "max_body_bytes", "decode_threads",
-                     "warmup")
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
 def _models_in(annotation) -> list[type[pydantic.BaseModel]]:
@@ -96,7 +89,7 @@ def unknown_keys(data: typing.Any, model: type[pydantic.BaseModel], path: str = 
 def engine_arg_problems(args: dict) -> list[str]:
     unknown = sorted(set(args) - set(ENGINE_FIELDS))
     problems = [f"args.{k}: not a sammie.engine.EngineConfig field" for k in unknown]
-    if not problems and EngineConfig is not None:
+    if not problems:
         try:
             EngineConfig.from_dict(args)  # types and value checks (__post_init__); builds no model
         except (TypeError, ValueError) as e:
@@ -140,7 +133,7 @@ def test_sized_to_the_engine(path):
     timeout_proxy = cfg["http_options"]["request_timeout_s"]
     assert cfg["logging_config"]["enable_access_log"] is False
     for app in cfg["applications"]:
-        args = {f.name: f.default for f in dataclasses.fields(EngineConfig)} if EngineConfig else {}
+        args = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
         args.update(app["args"])
         (dep,) = app["deployments"]
         mor = dep["max_ongoing_requests"]
@@ -269,8 +262,6 @@ def test_misspelled_nested_keys_are_caught(mutate, expect):
 
 
 def test_bad_engine_values_are_caught():
-    if EngineConfig is None:
-        pytest.skip("sammie.engine not importable")
     cfg = _local()
     cfg["applications"][0]["args"]["max_image_batch"] = "8"  # a string where an int belongs
     assert any("EngineConfig rejects" in p for p in config_problems(cfg))
