@@ -40,6 +40,8 @@ MODES = ("capture", "static")
 
 class CaptureError(RuntimeError):
     """The decode step cannot be captured (a chosen kernel reads device values on the host, or capture failed)."""
+
+
 _FIELDS = ("ids", "positions", "slot_mapping", "context_lens", "state_slots")  # then block_tables
 
 
@@ -66,10 +68,9 @@ class DecodeGraphs:
         n = len(_FIELDS) * bmax + bmax * max_blocks
         pin = self.device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        self._host_np = self._host.numpy()
         self._dev = torch.zeros(n, dtype=torch.int64, device=self.device)
         views = self._views(self._dev)
-        self._host_views = self._views(self._host_np)
+        self._host_views = self._views(self._host.numpy())  # numpy views: cheap per-row writes on the host
         self._pad_rows(0, bmax)
         self._dev.copy_(self._host)
         self._batches = {
