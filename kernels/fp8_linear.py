@@ -55,7 +55,13 @@ import torch
 
 from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
 
-from kernels.fp8_quant import quantize_rows_reference, quantize_rows_triton
+from kernels.fp8_quant import (
+    quantize_rows_reference,
+    quantize_rows_triton,
+    quantize_static_reference,
+    quantize_static_triton,
+    static_supports,
+)
 from kernels.fp8_quant import supports as quant_triton_supports
 from kernels.nvfp4 import E4M3_MAX, FP8Tensor, fp8_linear_reference
 
@@ -78,18 +84,20 @@ def accumulation_bound(k: int, device_type: str) -> float:
 
 def quantize_input_fp8(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> e4m3 x / input_scale, saturating at +-448 (static activation quantisation; the arithmetic of
-    `kernels.nvfp4.quantize_fp8`, which the reference uses)."""
-    return (x.float() / input_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    `kernels.nvfp4.quantize_fp8`, which the reference uses). Four torch kernels; `quantize_static_triton` is one."""
+    return quantize_static_reference(x, input_scale)
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Same contract as `fp8_linear_reference`: x [..., K] -> [..., N] in out_dtype (default x.dtype)."""
+def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None,
+                         quantize=quantize_input_fp8) -> torch.Tensor:
+    """Same contract as `fp8_linear_reference`: x [..., K] -> [..., N] in out_dtype (default x.dtype). `quantize`:
+    the activation quantiser (torch ops here; the one-launch Triton kernel in `fp8_linear_triton_quant`)."""
     if w.input_scale is None:
         raise ValueError("fp8_linear_scaled_mm needs a static input_scale (weight-only FP8 is the reference path)")
     out_dtype = out_dtype or x.dtype
     k = x.shape[-1]
     n = w.data.shape[0]
-    xq = quantize_input_fp8(x.reshape(-1, k), w.input_scale)  # [M, K] row-major
+    xq = quantize(x.reshape(-1, k), w.input_scale)  # [M, K] row-major
     s_in = w.input_scale.float().reshape(())
     s_w = w.scale.float()
     # use_fast_accum=False (torch's default, spelled out): fp32 promotion of the Hopper accumulator, see the docstring
@@ -100,6 +108,11 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype |
         y = torch._scaled_mm(xq, w.data.t(), scale_a=scale_a, scale_b=s_w.reshape(1, n), out_dtype=out_dtype,
                              use_fast_accum=False)
     return y.reshape(*x.shape[:-1], n)
+
+
+def fp8_linear_triton_quant(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`fp8_linear_scaled_mm` with the activations quantised by one Triton launch (bit-identical codes)."""
+    return fp8_linear_scaled_mm(x, w, out_dtype, quantize=quantize_static_triton)
 
 
 # ---- dynamic row-wise W8A8 (the ViT) ------------------------------------------------------------------------------
@@ -216,6 +229,11 @@ def supports(*, device: str, capability, dtype: torch.dtype, out_dtype: torch.dt
 
 
 
+def supports_triton_quant(*, device: str, dtype: torch.dtype, **info: Any) -> bool:
+    """`supports` and the static Triton quantiser's guard (Triton present: not on a bare CPU install)."""
+    return supports(device=device, dtype=dtype, **info) and static_supports(device=device, dtype=dtype)
+
+
 def _sample(device) -> tuple[tuple, dict]:
     from kernels.nvfp4 import quantize_fp8
 
@@ -231,7 +249,10 @@ def register(registry) -> None:
     registry.add_op(NAME, fp8_linear_reference, sample=_sample, compare=compare, describe=describe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (identical quantised activations; fp32 accumulation; "
                               "bf16 output rounding 2^-9)")
-    # a vendor GEMM through torch (cuBLASLt), not Triton: the registry's "torch" kind
+    # first: the same GEMM after a one-launch Triton quantiser (a decode step has ~130 of these layers: 390 launches
+    # fewer); then the vendor GEMM through torch (cuBLASLt) with the torch-op quantiser: the registry's "torch" kind
+    registry.add_implementation(NAME, "triton_quant+scaled_mm", fp8_linear_triton_quant, supports_triton_quant,
+                                kind="triton")
     registry.add_implementation(NAME, "scaled_mm", fp8_linear_scaled_mm, supports, kind="torch")
 
     registry.add_op(ROWWISE_NAME, fp8_rowwise_linear_reference, sample=_sample_rowwise, compare=compare_rowwise,

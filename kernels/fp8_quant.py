@@ -94,6 +94,21 @@ if triton is not None:
         tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
+    @triton.jit
+    def _quant_static_kernel(x_ptr, s_ptr, q_ptr, M, K, stride_xm, stride_qm,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # static per-tensor scale s (fp32 [], read on the device: no host sync, CUDA-graph safe); grid
+        # (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K)); each element read once, its code written once
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+        s = tl.load(s_ptr)
+        q = tl.math.div_rn(x.to(tl.float32), tl.full((BLOCK_M, BLOCK_K), 1.0, tl.float32) * s)
+        q = _round_to_e4m3_grid(tl.minimum(tl.maximum(q, -448.0), 448.0))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=mask)
+
+
 def _interpreted() -> bool:
     """True when the kernel was built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors only."""
     return triton is not None and type(_quant_rows_kernel).__name__ == "InterpretedFunction"
@@ -125,6 +140,49 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @quantize_rows_triton.register_fake
 def _(x):
     return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32))
+
+
+# ---- static per-tensor scale (the checkpoint's W8A8 layers: Qwen3.6's attention and GDN projections) ------------
+def quantize_static_reference(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float, input_scale fp32 [] (calibrated, static) -> e4m3 [..., K] = RNE(clamp(x / s, -448, 448)).
+    Four torch kernels on CUDA (cast to fp32, divide, clamp, cast to e4m3); tensor / tensor, so IEEE division on
+    every device (see the module docstring)."""
+    return (x.float() / input_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+@torch.library.custom_op("sammie::fp8_quant_static", mutates_args=())
+def quantize_static_triton(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """Same contract as `quantize_static_reference` in one launch (a decode step has ~130 such quantisations: 390
+    launches fewer). Bit-exact: IEEE division (`div_rn`), explicit RNE to the e4m3 grid. x's rows need not be
+    contiguous with each other; its last dim is made unit-stride."""
+    if x.dtype not in IN_DTYPES or input_scale.numel() != 1:
+        raise ValueError(f"fp8_quant_static: need a {IN_DTYPES} tensor and a one-element scale, got {x.dtype} and "
+                         f"a scale of shape {tuple(input_scale.shape)}")
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
+    if x2.dim() == 2 and x2.shape[1] and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if m and k:
+        s = input_scale.reshape(())
+        s = s if s.dtype == torch.float32 else s.float()
+        block_k = min(triton.next_power_of_2(k), 1024 if not _interpreted() else 8192)
+        block_m = max(1, min(triton.next_power_of_2(m), (4096 if not _interpreted() else 65536) // block_k))
+        grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+        _quant_static_kernel[grid](x2, s, q, m, k, x2.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
+                                   num_warps=4)
+    return q.view(shape)
+
+
+@quantize_static_triton.register_fake
+def _(x, input_scale):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+
+
+def static_supports(*, device: str, dtype: torch.dtype) -> bool:
+    """Triton able to run on `device` (the interpreter: CPU) and a float input."""
+    return triton is not None and device == ("cpu" if _interpreted() else "cuda") and dtype in IN_DTYPES
 
 
 # ---- guard, registry entry ------------------------------------------------------------------------------------------

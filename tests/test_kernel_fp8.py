@@ -113,6 +113,78 @@ def test_guard_boundaries():
         fp8_linear_scaled_mm(x, FP8Tensor(w.data, w.scale, None))
 
 
+@pytest.mark.parametrize("shape,dtype", [((1, 2048), torch.bfloat16), ((3, 160), torch.float32),
+                                         ((2, 5, 96), torch.float16), ((17, 1100), torch.bfloat16)])
+def test_quantize_static_triton_bit_exact(shape, dtype):
+    """The one-launch static quantiser (the decode hot path: ~130 per step) against the torch ops, bit for bit,
+    with saturation (clip 0.5) and signed zeros."""
+    from kernels.fp8_quant import quantize_static_reference, quantize_static_triton, static_supports
+
+    if not static_supports(device=DEVICE, dtype=dtype):
+        pytest.skip("Triton does not run here")
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    x.view(-1)[:5] = -0.0
+    s = (x.float().abs().amax() / E4M3_MAX * 0.5).to(DEVICE)
+    x = x.to(DEVICE)
+    q, ref = quantize_static_triton(x, s), quantize_static_reference(x, s)
+    assert q.shape == x.shape and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+    assert ref.float().abs().max() == E4M3_MAX  # something saturated
+    # a strided input (every other row of a wider buffer) and a non-unit last stride
+    wide = torch.randn(8, 2 * 96, generator=g).to(dtype).to(DEVICE)
+    for v in (wide[::2, :96], wide[:, ::2]):
+        assert torch.equal(quantize_static_triton(v, s).view(torch.uint8),
+                           quantize_static_reference(v, s).view(torch.uint8))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # huge values / s -> inf -> 448, as in torch
+def test_quantize_static_triton_every_bf16_value():
+    """Every finite bf16 value, at a scale of 1 and at an awkward scale (ties, carries, subnormals, saturation)."""
+    from kernels.fp8_quant import quantize_static_reference, quantize_static_triton, static_supports
+
+    if not static_supports(device=DEVICE, dtype=torch.bfloat16):
+        pytest.skip("Triton does not run here")
+    v = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = v[torch.isfinite(v.float())].to(DEVICE)
+    for scale in (1.0, 0.3711):
+        s = torch.tensor(scale, device=DEVICE)
+        assert torch.equal(quantize_static_triton(v, s).view(torch.uint8),
+                           quantize_static_reference(v, s).view(torch.uint8)), scale
+
+
+def test_quantize_static_triton_midpoints_need_ieee_division():
+    """fp32 inputs that sit (to an ulp) on e4m3 rounding midpoints times an odd scale: a quantiser that multiplies
+    by the reciprocal instead of dividing lands on the other side of some midpoints, so this catches it."""
+    from kernels.fp8_quant import quantize_static_reference, quantize_static_triton, static_supports
+
+    if not static_supports(device=DEVICE, dtype=torch.float32):
+        pytest.skip("Triton does not run here")
+    grid = torch.arange(0, 256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
+    mid = (grid[1:] + grid[:-1]) / 2  # exact in fp32
+    g = torch.Generator().manual_seed(3)
+    for s in (0.3711, 1.7, 0.011, *(torch.rand(5, generator=g) * 3 + 0.01).tolist()):
+        st = torch.tensor(s)
+        x = torch.cat([mid * st, -mid * st]).reshape(2, -1).to(DEVICE)
+        st = st.to(DEVICE)
+        assert torch.equal(quantize_static_triton(x, st).view(torch.uint8),
+                           quantize_static_reference(x, st).view(torch.uint8)), s
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_triton_quant_linear_matches_reference(m):
+    from kernels.fp8_linear import fp8_linear_triton_quant
+    from kernels.fp8_quant import static_supports
+
+    if not static_supports(device=DEVICE, dtype=torch.bfloat16):
+        pytest.skip("Triton does not run here")
+    x, w = make(m, 96, 160, seed=11 + m)
+    y = fp8_linear_triton_quant(x, w)
+    assert torch.equal(y, fp8_linear_scaled_mm(x, w))  # same codes, same GEMM call
+    check(y, x, w, f"triton quant M={m}")
+
+
 def test_registry_records_the_fallback():
     from engine_core.registry import Registry
 
@@ -123,7 +195,7 @@ def test_registry_records_the_fallback():
     (x, w), _ = fp8_linear._sample(DEVICE)
     impl = reg.choose("fp8_linear", **describe(x, w))
     on_fp8_gpu = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
-    assert impl.name == ("scaled_mm" if on_fp8_gpu else "reference")
+    assert impl.name == ("triton_quant+scaled_mm" if on_fp8_gpu else "reference")
     if not on_fp8_gpu:
         assert "scaled_mm does not support" in reg.choices()["fp8_linear"]["fallback"]
     outcome = reg.self_check(DEVICE)["fp8_linear"]
