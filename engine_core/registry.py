@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 # registry keeps import paths as strings the same way, so `engine_core` never imports triton by itself).
 KERNEL_MODULES: tuple[str, ...] = (
     "kernels.preprocess", "kernels.mask_post", "kernels.w4a16_gemm", "kernels.fp8_quant", "kernels.fp8_linear",
-    "kernels.gdn_decode", "kernels.nvfp4", "kernels.paged_attention", "kernels.rms_norm",
+    "kernels.gdn_decode", "kernels.nvfp4", "kernels.paged_attention", "kernels.rms_norm", "kernels.moe_combine",
+    "kernels.moe_router",
 )
 
 
@@ -103,6 +104,7 @@ class OpSpec:
     # describe(*args, **kwargs) -> info dict for supports(); needed by `call()` and `self_check()`
     describe: Callable[..., dict] | None = None
     implementations: list[Implementation] = field(default_factory=list)  # fast paths only, priority order
+    mutates: bool = False  # the op updates tensor arguments in place: the self-check gives each call its own copies
 
 
 @dataclass
@@ -128,11 +130,11 @@ class Registry:
     def add_op(self, name: str, reference: Callable[..., Any], *, tolerance: str,
                sample: Callable[[Any], tuple[tuple, dict]] | None = None,
                compare: Callable[[Any, Any], str | None] | None = None,
-               describe: Callable[..., dict] | None = None) -> OpSpec:
+               describe: Callable[..., dict] | None = None, mutates: bool = False) -> OpSpec:
         if name in self._ops:
             raise ValueError(f"op {name!r} is already registered")
         ref = Implementation("reference", KernelPreference.REFERENCE, reference, _always)
-        spec = OpSpec(name, ref, tolerance, sample, compare, describe)
+        spec = OpSpec(name, ref, tolerance, sample, compare, describe, mutates=mutates)
         self._ops[name] = spec
         self._records[name] = _OpRecord(preference=self._default)
         return spec
@@ -224,14 +226,23 @@ class Registry:
                 continue
             args, kwargs = spec.sample(device)
             info = spec.describe(*args, **kwargs)
-            ref = spec.reference.fn(*args, **kwargs)
+
+            def fresh():  # an op that mutates its inputs must not see the previous call's writes
+                if not spec.mutates:
+                    return args, kwargs
+                copy = lambda a: a.clone() if hasattr(a, "clone") else a  # tensors (no torch import here)  # noqa: E731
+                return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+
+            a, kw = fresh()
+            ref = spec.reference.fn(*a, **kw)
             results = []
             for impl in candidates:
                 if not impl.supports(**info):
                     results.append(f"{impl.name} skipped (does not support the sample on {device})")
                     continue
                 try:
-                    problem = spec.compare(impl.fn(*args, **kwargs), ref)
+                    a, kw = fresh()
+                    problem = spec.compare(impl.fn(*a, **kw), ref)
                 except Exception as exc:  # a crashing kernel is a failed kernel, reported with its reason
                     problem = f"raised {type(exc).__name__}: {exc}"
                 if problem is None:

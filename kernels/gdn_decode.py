@@ -35,6 +35,7 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
     triton = None
 
 NAME = "gdn_decode"
+ROWS_NAME = "gdn_decode_rows"  # the engine's in-place form over the state pool
 MAX_HEAD_DIM = 256  # a [Dk, BLOCK_V] fp32 tile in registers; the model has 128
 
 
@@ -48,14 +49,16 @@ def gdn_decode_reference(q, k, v, g, beta, state):
 if triton is not None:
 
     @triton.jit
-    def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, H, DK, DV,
+    def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
                            s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr):
         # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
         # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
-        # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1.
+        # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
+        # owns state row rows[b] of a pool (int64 [B]), else row b.
         pid, pv = tl.program_id(0), tl.program_id(1)
         b, h = pid // H, pid % H
+        slot = tl.load(rows + b) if HAS_ROWS else b.to(tl.int64)
         kk = tl.arange(0, BLOCK_K)
         vv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
         k_ok, v_ok = kk < DK, vv < DV
@@ -64,7 +67,7 @@ if triton is not None:
         v_t = tl.load(v + b * s_vb + h * s_vh + vv, mask=v_ok, other=0.0)
         decay = tl.exp(tl.load(g + b * s_gb + h))
         bt = tl.load(beta + b * s_bb + h)
-        off = b.to(tl.int64) * s_sb + h * s_sh + kk[:, None] * s_sk + vv[None, :]
+        off = slot * s_sb + h * s_sh + kk[:, None] * s_sk + vv[None, :]
         ok = k_ok[:, None] & v_ok[None, :]
         s = tl.load(s_in + off, mask=ok, other=0.0) * decay  # [BK, BV]
         delta = (v_t - tl.sum(s * k_t[:, None], axis=0)) * bt  # [BV]
@@ -85,17 +88,20 @@ def _block_v(bh: int, dv: int) -> int:
     return min(16, triton.next_power_of_2(dv))
 
 
-def _launch(q, k, v, g, beta, state, out_state) -> torch.Tensor:
-    bsz, heads, dk, dv = state.shape
+def _launch(q, k, v, g, beta, state, out_state, rows=None) -> torch.Tensor:
+    """rows None: state [B, H, Dk, Dv]; else state is a pool [S, H, Dk, Dv] and batch row b uses pool row rows[b]."""
+    _, heads, dk, dv = state.shape
+    bsz = q.shape[0]
     o = torch.empty((bsz, heads, dv), dtype=torch.float32, device=state.device)
     if o.numel() == 0:
         return o
     bv = _block_v(bsz * heads, dv)
     grid = (bsz * heads, triton.cdiv(dv, bv))
-    _gdn_decode_kernel[grid](q, k, v, g, beta, state, out_state, o, heads, dk, dv,
+    _gdn_decode_kernel[grid](q, k, v, g, beta, state, out_state, o, state if rows is None else rows, heads, dk, dv,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              g.stride(0), beta.stride(0), state.stride(0), state.stride(1), state.stride(2),
-                             o.stride(0), o.stride(1), BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv)
+                             o.stride(0), o.stride(1), BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv,
+                             HAS_ROWS=rows is not None)
     return o
 
 
@@ -141,6 +147,41 @@ def gdn_decode_triton(q, k, v, g, beta, state):
     return gdn_decode_op(q, k, v, g, beta, state)
 
 
+# ---- the engine's form: rows of a state pool, advanced in place ------------------------------------------------------
+# The engine keeps every sequence's state in one pool [S, H, Dk, Dv] (`GDNSlots.recurrent`). With the out-of-place op
+# a decode step gathers the batch's rows (a copy), runs the step and scatters the new rows back (index_copy_): three
+# passes over B x 2 MB per layer and two extra launches. The rows form reads and writes each row once, in place.
+def gdn_decode_rows_reference(q, k, v, g, beta, pool, rows):
+    """q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; pool [S, H, Dk, Dv] fp32; rows int64 [B] (distinct, except
+    that padding rows may share one scratch row, whose contents are then unspecified) -> (o [B, H, Dv], pool),
+    pool advanced in place at `rows`."""
+    from qwen_engine.model.gdn import gated_delta_rows
+
+    return gated_delta_rows(q, k, v, g, beta, pool, rows), pool
+
+
+@torch.library.custom_op("qwen::gdn_decode_rows_", mutates_args=("pool",))
+def gdn_decode_rows_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """In place on pool rows; returns o [B, H, Dv]."""
+    _check_inner_strides(q, k, v, g, beta)
+    if not pool.is_contiguous():
+        raise ValueError("gdn_decode_rows_ updates the state pool in place and needs it contiguous")
+    if rows.dtype != torch.int64 or rows.shape != q.shape[:1] or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous int64 [B] tensor, got {rows.dtype} {tuple(rows.shape)}")
+    return _launch(q, k, v, g, beta, pool, pool, rows)
+
+
+@gdn_decode_rows_.register_fake
+def _(q, k, v, g, beta, pool, rows):
+    return pool.new_empty((q.shape[0], pool.shape[1], pool.shape[3]))
+
+
+def gdn_decode_rows_triton(q, k, v, g, beta, pool, rows):
+    """Same contract as `gdn_decode_rows_reference`."""
+    return gdn_decode_rows_(q, k, v, g, beta, pool, rows), pool
+
+
 # ---- guard, registry entry ------------------------------------------------------------------------------------------
 def describe(q, k, v, g, beta, state) -> dict[str, Any]:
     shapes_ok = (state.dim() == 4 and q.shape == k.shape == state.shape[:3] and v.shape == state.shape[:2]
@@ -157,6 +198,21 @@ def supports(*, device: str, dtypes: set, shapes_ok: bool, head_dims: tuple, uni
         return False
     return (dtypes == {torch.float32} and shapes_ok and unit_strides
             and all(1 <= d <= MAX_HEAD_DIM for d in head_dims))
+
+
+def describe_rows(q, k, v, g, beta, pool, rows) -> dict[str, Any]:
+    """`describe` with the pool's row shape standing in for the per-batch state, plus the rows and pool checks."""
+    shapes_ok = (pool.dim() == 4 and q.dim() == 3 and q.shape == k.shape and q.shape[1:] == pool.shape[1:3]
+                 and v.shape == q.shape[:2] + pool.shape[3:] and g.shape == beta.shape == q.shape[:2])
+    return dict(device=pool.device.type, dtypes={t.dtype for t in (q, k, v, g, beta, pool)}, shapes_ok=shapes_ok,
+                head_dims=tuple(pool.shape[2:]) if pool.dim() == 4 else (),
+                unit_strides=all(t.stride(-1) == 1 for t in (q, k, v, g, beta, pool) if t.dim()),
+                rows_ok=rows.dtype == torch.int64 and rows.shape == q.shape[:1], pool_contiguous=pool.is_contiguous())
+
+
+def supports_rows(*, rows_ok: bool, pool_contiguous: bool, **info: Any) -> bool:
+    """`supports` for the batch against one pool row, int64 [B] rows, a contiguous pool (updated in place)."""
+    return rows_ok and pool_contiguous and supports(**info)
 
 
 def compare(out, ref, tol: float = 1e-5) -> str | None:
@@ -185,7 +241,17 @@ def _sample(device) -> tuple[tuple, dict]:
     return random_inputs(2, 3, 32, 48, device=device), {}
 
 
+def _sample_rows(device) -> tuple[tuple, dict]:
+    *qkvgb, pool = random_inputs(3, 3, 32, 48, device=device)
+    rows = torch.tensor([2, 0], device=device)  # two sequences, out of order; pool row 1 must stay untouched
+    return (*(t[:2] for t in qkvgb), pool, rows), {}
+
+
 def register(registry) -> None:
     registry.add_op(NAME, gdn_decode_reference, sample=_sample, compare=compare, describe=describe,
                     tolerance="o and new state within 1e-5 x max |ref| (same fp32 ops; reduction order, exp ulps)")
     registry.add_implementation(NAME, "triton", gdn_decode_triton, supports)
+    registry.add_op(ROWS_NAME, gdn_decode_rows_reference, sample=_sample_rows, compare=compare,
+                    describe=describe_rows, mutates=True,
+                    tolerance="o and the whole pool within 1e-5 x max |ref| (same fp32 ops; reduction order, exp ulps)")
+    registry.add_implementation(ROWS_NAME, "triton", gdn_decode_rows_triton, supports_rows)

@@ -94,8 +94,8 @@ class ModelRunner:
                 device=self.device, gdn_decode=self._gdn_decode, decode_attention=self._decode_attention,
                 gdn_prep=self._gdn_prep, mode=decode_graphs)
 
-    def _gdn_decode(self, q, k, v, g, beta, state):
-        return self.registry.call("gdn_decode", q, k, v, g, beta, state)
+    def _gdn_decode(self, q, k, v, g, beta, pool, rows):
+        return self.registry.call("gdn_decode_rows", q, k, v, g, beta, pool, rows)[0]
 
     def _gdn_prep(self, *args):
         return self.registry.call("gdn_decode_prep", *args)

@@ -12,11 +12,16 @@ import torch
 from kernels.gdn_decode import (
     compare,
     describe,
+    describe_rows,
     gdn_decode_,
     gdn_decode_reference,
+    gdn_decode_rows_,
+    gdn_decode_rows_reference,
+    gdn_decode_rows_triton,
     gdn_decode_triton,
     random_inputs,
     supports,
+    supports_rows,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,4 +73,34 @@ def test_registry_self_check():
 
     reg = Registry()
     gdn_decode.register(reg)
-    assert "passed" in reg.self_check(DEVICE)["gdn_decode"]
+    checks = reg.self_check(DEVICE)
+    assert checks == {"gdn_decode": "triton passed", "gdn_decode_rows": "triton passed"}, checks
+
+
+def test_rows_in_place_over_a_pool():
+    """The engine's form: batch rows own rows 3, 0, 4 of a 6-row pool; 8 tokens in a row, strided q/k; the pool's
+    other rows stay bit-identical, the owned rows track the reference (gather, step, scatter) within 1e-5."""
+    bsz, heads, dk, dv = 3, 2, 32, 48
+    *_, pool = random_inputs(6, heads, dk, dv, seed=7, device=DEVICE)
+    ref_pool, pool0 = pool.clone(), pool.clone()
+    rows = torch.tensor([3, 0, 4], device=DEVICE)
+    for t in range(8):
+        q, k, v, g, beta, _ = random_inputs(bsz, heads, dk, dv, seed=200 + t, device=DEVICE)
+        qk = torch.cat((q, k), dim=-1)
+        o_ref, _ = gdn_decode_rows_reference(q, k, v, g, beta, ref_pool, rows)
+        o, same = gdn_decode_rows_triton(qk[..., :dk], qk[..., dk:], v, g, beta, pool, rows)
+        assert same is pool
+        assert compare((o, pool), (o_ref, ref_pool)) is None, f"token {t}"
+    assert torch.equal(pool[[1, 2, 5]], pool0[[1, 2, 5]])
+    assert not torch.equal(pool[[0, 3, 4]], pool0[[0, 3, 4]])
+
+
+def test_rows_guards():
+    q, k, v, g, beta, pool = random_inputs(2, 2, 32, 32, device=DEVICE)
+    rows = torch.tensor([1, 0], device=DEVICE)
+    assert supports_rows(**describe_rows(q, k, v, g, beta, pool, rows))
+    assert not supports_rows(**describe_rows(q, k, v, g, beta, pool, rows.int()))  # int32 rows
+    assert not supports_rows(**describe_rows(q, k, v, g, beta, pool, rows[:1]))  # one row for two tokens
+    assert not supports_rows(**describe_rows(q, k, v, g, beta, pool.transpose(2, 3), rows))  # not contiguous
+    with pytest.raises(ValueError, match="int64"):
+        gdn_decode_rows_(q, k, v, g, beta, pool, rows.int())

@@ -128,6 +128,27 @@ def test_self_check_pass_and_skips():
     assert reg2.self_check("cpu")["bare"].startswith("skipped: op has no sample")
 
 
+@pytest.mark.parametrize("mutates", [True, False])
+def test_self_check_of_an_op_that_mutates_its_input(mutates):
+    """An in-place op (like gdn_decode_rows) is checked on its own copy of the sample per call when registered with
+    mutates=True; without it the fast path would see the reference's writes and fail."""
+    class Buf(list):
+        def clone(self):
+            return Buf(self)
+
+    def bump_ref(x):  # in place, returns the new contents
+        x[:] = [v + 1 for v in x]
+        return list(x)
+
+    reg = Registry()
+    reg.add_op("bump", bump_ref, tolerance="exact", sample=lambda device: ((Buf([1, 2]),), {}),
+               compare=lambda out, ref: None if out == ref else f"{out} != {ref}", describe=lambda x: {"n": len(x)},
+               mutates=mutates)
+    reg.add_implementation("bump", "triton", bump_ref, fits)
+    outcome = reg.self_check("cpu")["bump"]
+    assert outcome == "triton passed" if mutates else outcome.startswith("triton FAILED: [3, 4] != [2, 3]")
+
+
 def test_registry_imports_no_torch():
     code = "import sys, engine_core.registry; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -141,11 +162,13 @@ def test_default_registry_self_check_on_this_machine():
     reg = default_registry()
     assert reg is default_registry()
     # kernels.w4a16_gemm registers two ops (dense and MoE), kernels.fp8_linear two (per-tensor static and row-wise
-    # dynamic), kernels.nvfp4 the Blackwell W4A4 linear; every other module one
+    # dynamic), kernels.gdn_decode two (out of place, and in place over the state pool), kernels.nvfp4 the Blackwell
+    # W4A4 linear; every other module one
     assert set(reg.ops()) == {"preprocess", "mask_post", "w4a16_linear", "w4a16_moe", "fp8_quant_rows", "fp8_linear",
-                              "fp8_rowwise_linear", "gdn_decode", "nvfp4_w4a4_linear", "paged_decode_attention",
-                              "rms_norm_zc", "rms_norm_gated"}
-    assert len(KERNEL_MODULES) == 9
+                              "fp8_rowwise_linear", "gdn_decode", "gdn_decode_rows", "nvfp4_w4a4_linear",
+                              "paged_decode_attention", "rms_norm_zc", "rms_norm_gated", "moe_combine",
+                              "router_topk"}
+    assert len(KERNEL_MODULES) == 11
     device = "cuda" if torch.cuda.is_available() else "cpu"
     outcomes = reg.self_check(device, ops=["preprocess", "mask_post"])
     assert outcomes == {"preprocess": "triton passed", "mask_post": "triton passed"}, outcomes

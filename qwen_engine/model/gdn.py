@@ -54,6 +54,14 @@ def gated_delta_step(q, k, v, g, beta, state):
     return torch.einsum("bhkv,bhk->bhv", state, q), state
 
 
+def gated_delta_rows(q, k, v, g, beta, pool, rows):
+    """`gated_delta_step` for batch rows that own rows `rows` (int64 [B]) of a state pool [S, H, Dk, Dv]: gather,
+    step, scatter back in place. Returns o [B, H, Dv]. (`kernels/gdn_decode.py`'s rows op does it in one pass.)"""
+    o, new_state = gated_delta_step(q, k, v, g, beta, pool[rows])
+    pool.index_copy_(0, rows, new_state)
+    return o
+
+
 def gated_delta_rule_recurrent(q, k, v, g, beta, state):
     """Token-by-token reference. q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv]; fp32."""
     outs = []
@@ -174,15 +182,13 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_qkv(x), slots.conv, rows, self.conv1d.weight[:, 0], self.in_proj_b(x), self.in_proj_a(x),
             self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
         slots.conv.index_copy_(0, rows, new_conv)
-        step = batch.gdn_decode or gated_delta_step
-        o, new_state = step(q, k, v, g, beta, slots.recurrent[rows])
-        slots.recurrent.index_copy_(0, rows, new_state)
+        o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         return self._output(o, z, x.dtype)
 
     def forward_paged(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch) -> torch.Tensor:
         """x [N, hidden] (the flat tokens of `batch`) -> [N, hidden]; each sequence reads and advances its own
         state row `batch.state_slots[i]`. Decode rows: one batched conv step and one batched recurrent step
-        (`batch.gdn_decode`, default `gated_delta_step`); prefill chunks: per sequence, the chunked rule (the
+        (`batch.gdn_decode`, default `gated_delta_rows`); prefill chunks: per sequence, the chunked rule (the
         recurrent step for a 1-token chunk, as the contiguous path does)."""
         nd = batch.num_decode
         if batch.gdn_prep is not None and nd == x.shape[0]:  # a decode-only step: one fused launch (gdn_prep.py)
@@ -205,9 +211,8 @@ class GatedDeltaNet(nn.Module):
         o = torch.empty_like(v)  # [N, Hv, Dv] fp32
         if nd:
             rows = batch.state_slots_t[:nd]
-            step = batch.gdn_decode or gated_delta_step
-            o[:nd], new_state = step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], slots.recurrent[rows])
-            slots.recurrent.index_copy_(0, rows, new_state)
+            o[:nd] = (batch.gdn_decode or gated_delta_rows)(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
+                                                            slots.recurrent, rows)
         for i in range(nd, batch.num_seqs):
             s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]
             s0 = slots.recurrent[r:r + 1]

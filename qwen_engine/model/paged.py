@@ -93,7 +93,8 @@ class FlatBatch:
     state_slots: tuple[int, ...]  # [S] host copy
     num_decode: int  # rows 0..num_decode-1 are decode rows: 1 token each, starts[i] == i
     block_size: int
-    # the GDN one-token recurrent step: (q, k, v, g, beta, state) -> (o, new state); `gated_delta_step` or a kernel
+    # the GDN one-token recurrent step over the state pool, in place: (q, k, v, g, beta, pool [S, H, Dk, Dv], rows
+    # int64 [B]) -> o [B, H, Dv]; None -> `gdn.gated_delta_rows` (kernels/gdn_decode.py's "gdn_decode_rows" op)
     gdn_decode: Callable | None = None
     # attention of the decode rows over the paged pool: (q [D, H, Dh], k_pool, v_pool, block_tables [D, max_blocks],
     # context_lens [D], scale) -> o [D, H, Dh] (`kernels/paged_attention.py`, bounds read on the device: capturable);
