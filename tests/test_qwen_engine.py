@@ -438,8 +438,8 @@ def test_kernel_self_check_at_start():
 
     h = run(engine_config(kernels="auto", kernel_self_check=True), body)
     checks = h["kernel_checks"]
-    for op in ("gdn_decode", "paged_decode_attention", "gdn_decode_prep", "w4a16_linear", "w4a16_moe", "rms_norm_zc",
-               "rms_norm_gated"):
+    for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "w4a16_linear", "w4a16_moe", "rms_norm_zc",
+               "rms_norm_gated", "moe_combine", "router_topk"):
         assert checks[op] == "triton passed", (op, checks)
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
 
@@ -474,4 +474,4 @@ def test_engine_with_gdn_decode_kernel():
     engine, outs = run(engine_config(kernels="triton", device=device), body)
     for i, (n, tokens) in enumerate(zip(lengths, outs)):
         assert tokens == reference_greedy(engine, prompt(i, n), 4)
-    assert engine.health()["kernels"]["gdn_decode"] == "triton"
+    assert engine.health()["kernels"]["gdn_decode_rows"] == "triton"

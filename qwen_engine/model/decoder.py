@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
         else:
             h = self.linear_attn(h, state)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)  # x + mlp(...), the add fused on CUDA
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: PagedKV | GDNSlots,
                       batch: FlatBatch) -> torch.Tensor:
@@ -49,4 +49,4 @@ class DecoderLayer(nn.Module):
         else:
             h = self.linear_attn.forward_paged(h, state, batch)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)  # x + mlp(...), the add fused on CUDA

@@ -21,6 +21,12 @@ from ..config import QwenConfig
 
 
 class TopKRouter(nn.Module):
+    """Softmax router, top-k renormalised. On CUDA (or `fused = True`) everything after the GEMM is one launch of the
+    registry op "router_topk" (`kernels/moe_router.py`: ~7 kernels -> 1; ties broken by the lowest expert index, where
+    torch.topk leaves the order open); `fused = False` never."""
+
+    fused: bool | None = None
+
     def __init__(self, cfg: QwenConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
@@ -29,6 +35,11 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> (logits [N, E] model dtype, weights [N, k] model dtype summing to 1, expert ids [N, k])."""
         logits = F.linear(x, self.weight)
+        if self.fused if self.fused is not None else x.is_cuda:
+            from engine_core.registry import default_registry
+
+            top, idx = default_registry().call("router_topk", logits, self.top_k)
+            return logits, top, idx
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # fp32 island
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)  # renormalise the top-k (always, no norm_topk_prob switch)
@@ -107,6 +118,12 @@ class SwiGLU(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """Routed experts + gated shared expert; with `residual`, also the decoder layer's residual add. On CUDA (or
+    `fused = True`) the tail -- shared-expert gate, gating, sum and residual -- is one launch of the registry op
+    "moe_combine" (`kernels/moe_combine.py`: 5 kernels -> 1, the same roundings); `fused = False` never."""
+
+    fused: bool | None = None
+
     def __init__(self, cfg: QwenConfig):
         super().__init__()
         self.gate = TopKRouter(cfg)
@@ -114,11 +131,19 @@ class SparseMoE(nn.Module):
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # scalar sigmoid gate per token
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]; with `residual` (x's shape): residual + the MoE output."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         _, weights, idx = self.gate(x)
         routed = self.experts(x, idx, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return (routed + shared).reshape(shape)
+        shared = self.shared_expert(x)
+        fused = self.fused if self.fused is not None else x.is_cuda
+        if residual is not None and fused:
+            from engine_core.registry import default_registry
+
+            out = default_registry().call("moe_combine", x, self.shared_expert_gate.weight, shared, routed,
+                                          residual.reshape(-1, shape[-1]))
+            return out.reshape(shape)
+        out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
+        return out if residual is None else residual + out

@@ -1,0 +1,167 @@
+"""The end of a Qwen3.6 decoder layer in one Triton launch: the shared expert's sigmoid gate (a [1, H] GEMV), the
+gated shared expert added to the routed experts, and the residual add.
+
+Reference `moe_combine_reference` -- exactly the torch code of `SparseMoE.forward`'s tail plus `DecoderLayer`'s
+residual (transformers' `Qwen3_5MoeSparseMoeBlock` + `Qwen3_5MoeDecoderLayer`):
+    gate = sigmoid(x @ w_gate^T)                [N, 1]  (x: the MoE input, i.e. the post-attention-normed hidden)
+    out  = residual + (routed + gate * shared)  [N, H]
+in the model dtype, each torch op rounding its result: the GEMV (fp32 accumulation, one rounding), the sigmoid
+(computed in fp32, rounded), the product, the two sums.
+
+Why: these are 5 kernels per layer (GEMV, sigmoid, mul, add, add), 200 of a decode step's ~2,500 over 40 layers,
+each a few microseconds of launch-bound work on [N, 2048] bf16 tensors. One program per row: it reads x, w_gate,
+shared, routed and residual once (5 x 4 KB at H = 2048, bf16) and writes the row once.
+
+Numerics: the same fp32 operations and the same roundings to the model dtype (through `kernels.rms_norm._cast`, RNE
+under the interpreter too); only the GEMV's sum runs in another order than cuBLAS's, so the rounded gate may differ
+by one bf16 ulp, which moves the output by at most 2^-8 |gate * shared|. Tolerance: max |diff| <= 1e-2 x max |ref|
+for bf16 / fp16, 1e-5 for fp32 (`kernels.tolerance.compare`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels import tolerance
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    from kernels.rms_norm import _cast
+except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
+    triton = None
+
+NAME = "moe_combine"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_DIM = 8192  # one row per program in registers
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
+
+
+def moe_combine_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
+                          residual: torch.Tensor) -> torch.Tensor:
+    """x, shared, routed, residual [N, H]; gate_weight [1, H] (`shared_expert_gate.weight`) -> [N, H] in x.dtype."""
+    gate = torch.sigmoid(F.linear(x, gate_weight))  # [N, 1]
+    return residual + (routed + gate * shared)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        """fp32 v rounded (to nearest even) to DTYPE's precision, returned in fp32. bf16 by integer ops on the bits,
+        which the compiler can neither drop nor contract into an FMA with the next add (compiled for the H200, the
+        `.to(bf16).to(fp32)` round trips of this kernel left 2-3% of the outputs an ulp off torch's)."""
+        if DTYPE == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        return _cast(v, DTYPE, INTERPRET).to(tl.float32)
+
+    @triton.jit
+    def _moe_combine_kernel(x, w, shared, routed, residual, out, H, s_x, s_s, s_r, s_res, s_o,
+                            BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < H
+        dt = out.dtype.element_ty
+        xv = tl.load(x + row * s_x + cols, mask=ok, other=0.0).to(tl.float32)
+        wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
+        gate = _round(tl.sum(xv * wv, axis=0), dt, INTERPRET)  # the GEMV's one rounding
+        # torch's sigmoid: 1 / (1 + expf(-g)) with the accurate expf and an IEEE division (tl.sigmoid is
+        # ex2.approx + div.full on NVIDIA: a few fp32 ulps off, enough to flip the rounded gate now and then)
+        if INTERPRET:  # numpy's exp; libdevice is not interpreted
+            ex = tl.exp(-gate)
+        else:
+            ex = libdevice.exp(-gate)
+        gate = _round(tl.div_rn(tl.full(ex.shape, 1.0, tl.float32), 1.0 + ex), dt, INTERPRET)
+        sh = tl.load(shared + row * s_s + cols, mask=ok, other=0.0).to(tl.float32)
+        ro = tl.load(routed + row * s_r + cols, mask=ok, other=0.0).to(tl.float32)
+        res = tl.load(residual + row * s_res + cols, mask=ok, other=0.0).to(tl.float32)
+        t = _round(gate * sh, dt, INTERPRET)
+        u = _round(ro + t, dt, INTERPRET)
+        tl.store(out + row * s_o + cols, _cast(res + u, dt, INTERPRET), mask=ok)
+
+
+def _interpreted() -> bool:
+    return triton is not None and type(_moe_combine_kernel).__name__ == "InterpretedFunction"
+
+
+@torch.library.custom_op("qwen::moe_combine", mutates_args=())
+def moe_combine_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
+                   residual: torch.Tensor) -> torch.Tensor:
+    """Same contract as `moe_combine_reference`; 2-D tensors with unit inner stride (checked by `supports`)."""
+    n, h = x.shape
+    out = x.new_empty((n, h))
+    if out.numel() == 0:
+        return out
+    block_h = triton.next_power_of_2(h)
+    _moe_combine_kernel[(n,)](x, gate_weight, shared, routed, residual, out, h, x.stride(0), shared.stride(0),
+                              routed.stride(0), residual.stride(0), out.stride(0), BLOCK_H=block_h,
+                              INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)))
+    return out
+
+
+@moe_combine_op.register_fake
+def _(x, gate_weight, shared, routed, residual):
+    return x.new_empty(x.shape)
+
+
+def moe_combine_triton(x, gate_weight, shared, routed, residual) -> torch.Tensor:
+    """Same contract as `moe_combine_reference`."""
+    return moe_combine_op(x, gate_weight, shared, routed, residual)
+
+
+# ---- guard, registry entry ------------------------------------------------------------------------------------------
+def describe(x, gate_weight, shared, routed, residual) -> dict[str, Any]:
+    ts = (x, gate_weight, shared, routed, residual)
+    h = x.shape[-1] if x.dim() == 2 else 0
+    return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
+                same_device=len({t.device for t in ts}) == 1, dtypes={t.dtype for t in ts}, dim=h,
+                shapes_ok=x.dim() == 2 and tuple(gate_weight.shape) == (1, h)
+                and shared.shape == routed.shape == residual.shape == x.shape,
+                unit_strides=all(t.dim() and t.stride(-1) == 1 for t in ts))
+
+
+def supports(*, device: str, capability, same_device: bool, dtypes: set, dim: int, shapes_ok: bool,
+             unit_strides: bool, **_: Any) -> bool:
+    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); every tensor on it, of one dtype in
+    DTYPES; 2-D [N, H] tensors, a [1, H] gate weight, 1 <= H <= MAX_DIM; unit inner strides."""
+    if triton is None:
+        return False
+    if _interpreted():
+        device_ok = device == "cpu"
+    else:
+        device_ok = device == "cuda" and capability is not None and tuple(capability) >= (8, 0)
+    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and shapes_ok
+            and 1 <= dim <= MAX_DIM and unit_strides)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> str | None:
+    return tolerance.compare(out, ref, TOLERANCE[ref.dtype] if tol is None else tol)
+
+
+def random_inputs(n: int, h: int, dtype=torch.float32, seed: int = 0, device="cpu") -> tuple:
+    """Model-like: x ~N(0, 1) (normed), gate weight ~N(0, 0.02) (logits O(0.1-1)), shared / routed ~N(0, 0.1), a
+    residual stream ~N(0, 1) with one massive row (x 100)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=gen)
+    w = torch.randn(1, h, generator=gen) * 0.02
+    shared, routed = (torch.randn(n, h, generator=gen) * 0.1 for _ in range(2))
+    residual = torch.randn(n, h, generator=gen)
+    residual[0] *= 100
+    return tuple(t.to(dtype).to(device) for t in (x, w, shared, routed, residual))
+
+
+def _sample(device) -> tuple[tuple, dict]:
+    return random_inputs(3, 96, torch.bfloat16, device=device), {}
+
+
+def register(registry) -> None:
+    registry.add_op(NAME, moe_combine_reference, sample=_sample, compare=compare, describe=describe,
+                    tolerance="max |diff| <= 1e-2 x max |ref| for bf16/fp16 (the reference's roundings reproduced; "
+                              "the GEMV's summation order may move the gate one ulp), 1e-5 for fp32")
+    registry.add_implementation(NAME, "triton", moe_combine_triton, supports)
