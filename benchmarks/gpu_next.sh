@@ -8,7 +8,9 @@
 #   4. the null-model ceiling through HAProxy;
 #   5. Qwen: the graphed engine's decode step profiled (kernels per step, device ms) and the full-size speed run
 #      without transformers, measuring kernels/gdn_prep.py and kernels/moe_align.py (written after the last GPU
-#      call of 2026-11-30; the engine's start-up self-check reports them in the log and health()).
+#      call of 2026-11-30; the engine's start-up self-check reports them in the log and health()); with
+#      --engine-streams 1,32 the graphed step at 1 and 32 streams;
+#   6. the Qwen kernels' tests on the GPU (compiled Triton instead of the CPU interpreter).
 # Steps 1-3 ran on 2026-11-30 (benchmarks/RESULTS.md); steps 4 and 5 are owed.
 #
 #   eval "$(bash .devbundle/install.sh)" && STEPS="1 2" bash benchmarks/gpu_next.sh     # ~5 min
@@ -56,10 +58,19 @@ grep -E "ceiling|skipped" "$R/haproxy.log" | tail -2
 fi
 if want 5; then
 say "5. Qwen: graphed engine decode profile, then the speed run"
-timeout 150 python benchmarks/qwen_profile.py --engine --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
-grep -E "wall_ms_per_step" "$R/qwen_profile.log" | tail -1
+timeout 200 python benchmarks/qwen_profile.py --engine --engine-streams 1,32 --batches "" --out "$R/qwen_profile" \
+  > "$R/qwen_profile.log" 2>&1
+grep -E "wall_ms_per_step" "$R/qwen_profile.log" | cut -c1-400
 timeout 260 python benchmarks/qwen_gpu.py --skip-transformers --decode-tokens 48 --ttft-reps 2 --out "$R/qwen" \
   > "$R/qwen.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen/qwen_gpu.md"
+fi
+if want 6; then
+say "6. CUDA tests of the Qwen kernels (compiled, on the H200)"
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_kernel_gdn.py \
+  tests/test_kernel_gdn_prep.py tests/test_kernel_moe_align.py tests/test_kernel_moe_combine.py \
+  tests/test_kernel_moe_router.py tests/test_kernel_rms_norm.py tests/test_kernel_paged_attention.py tests/test_kernel_w4a16.py \
+  > "$R/qwen_kernel_tests.log" 2>&1
+grep -E "passed|failed" "$R/qwen_kernel_tests.log" | tail -2
 fi
 say "done"

@@ -280,12 +280,14 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         lone_r = dict(ttft_ms=1e3 * lone["ttft_s"], decode_tok_per_s=lone["decode_tok_per_s"], tokens=lone["tokens"],
                       context=ctx)
         if lone_only:
-            return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"))
+            return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
+                        kernel_checks=engine.health().get("kernel_checks"))
         t0 = time.perf_counter()
         many = await asyncio.gather(*(one(rand(1, ctx)[0].tolist(), steps + 1) for _ in range(streams)))
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
+                    kernel_checks=engine.health().get("kernel_checks"),
                     streams=dict(n=streams, output_tok_per_s=sum(m["tokens"] for m in many) / wall, wall_s=wall,
                                  decode_phase=decode_phase(many),
                                  ttft_p50_ms=1e3 * ttfts[len(ttfts) // 2], ttft_max_ms=1e3 * ttfts[-1]),

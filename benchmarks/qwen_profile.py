@@ -101,42 +101,54 @@ def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
     return out
 
 
-def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16) -> dict:
+def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, streams: int = 1) -> dict:
     """The serving path's decode step: a QwenEngine (decode graphs as configured by default: captured on CUDA) over
-    `model`, one `ctx`-token request; after its first token, `tokens` decode steps run under the profiler. Kernels
-    launched by graph replays are counted like any others (CUPTI traces them)."""
+    `model`, `streams` concurrent `ctx`-token requests; once every one has its first token (all prefills done),
+    `tokens` decode steps of the whole batch run under the profiler. Kernels launched by graph replays are counted
+    like any others (CUPTI traces them)."""
     import asyncio
 
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
+    seqs = max(4, streams)
     ecfg = QwenEngineConfig(config="tiny" if cfg.num_hidden_layers < 8 else "qwen3.6-35b-a3b", device=str(device),
-                            dtype="bf16", max_num_seqs=4, max_num_batched_tokens=max(2048, ctx), block_size=16,
-                            num_kv_blocks=4 * ((ctx + tokens + 64) // 16 + 1), max_model_len=ctx + tokens + 64,
+                            dtype="bf16", max_num_seqs=seqs, max_num_batched_tokens=max(2048, ctx), block_size=16,
+                            num_kv_blocks=seqs * ((ctx + tokens + 64) // 16 + 1), max_model_len=ctx + tokens + 64,
                             request_timeout_s=None, warmup=True)
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)
         await engine.start()
         try:
-            prof, count, t0 = None, 0, None
-            gen = engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=tokens + 2, sampling=SamplingParams(),
-                                  eos_token_ids=())
-            async for chunk in gen:
-                count += len(chunk.new_token_ids)
-                if prof is None:  # the first token (prefill) is out: profile the decode steps from here
-                    prof = torch.profiler.profile(activities=activities(device))
-                    prof.__enter__()
-                    first, t0 = count, time.perf_counter()
+            prof, counts, t0, first = None, [0] * streams, None, 0
+            all_started = asyncio.Event()
+
+            async def one(i: int) -> None:
+                nonlocal prof, t0, first
+                gen = engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=tokens + 2,
+                                      sampling=SamplingParams(), eos_token_ids=())
+                async for chunk in gen:
+                    counts[i] += len(chunk.new_token_ids)
+                    if prof is None and all(counts):  # every prefill is out: profile the decode steps from here
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        prof = torch.profiler.profile(activities=activities(device))
+                        prof.__enter__()
+                        first, t0 = sum(counts), time.perf_counter()
+                        all_started.set()
+
+            await asyncio.gather(*(one(i) for i in range(streams)))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             prof.__exit__(None, None, None)
-            steps = count - first
-            out = dict(context=ctx, steps=steps, wall_ms_per_step=1e3 * wall / steps,
-                       runner=engine.health().get("runner"))
+            steps = (sum(counts) - first) / streams  # decode steps of the whole batch (each adds one token per stream)
+            out = dict(context=ctx, streams=streams, steps=steps, wall_ms_per_step=1e3 * wall / steps,
+                       tok_per_s=streams * steps / wall, runner=engine.health().get("runner"),
+                       kernel_checks=engine.health().get("kernel_checks"))
             if device.type == "cuda":
-                out.update(kernel_table(prof, steps))
+                out.update(kernel_table(prof, steps, top=80))  # the whole per-step kernel list, near enough
             return out
         finally:
             await engine.aclose()
@@ -154,6 +166,8 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="also profile one --context-token prefill")
     ap.add_argument("--engine", action="store_true",
                     help="also profile the serving engine's decode steps (CUDA graphs on a GPU)")
+    ap.add_argument("--engine-streams", default="1",
+                    help="comma-separated concurrent request counts for --engine (e.g. 1,32)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = QwenConfig.tiny() if args.tiny else QwenConfig()
@@ -174,12 +188,13 @@ def main() -> None:
         for row in r["prefill"].get("top", [])[:15]:
             print(f"  prefill {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
-    if args.engine:
-        log("profiling the engine's decode steps")
-        r["engine"] = profile_engine_decode(model, cfg, device, rand, ctx)
-        log(json.dumps({k: v for k, v in r["engine"].items() if k != "top"}))
-        for row in r["engine"].get("top", [])[:15]:
-            print(f"  engine {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+    for n in (int(x) for x in args.engine_streams.split(",") if x) if args.engine else ():
+        log(f"profiling the engine's decode steps, {n} stream(s)")
+        key = "engine" if n == 1 else f"engine_{n}"
+        r[key] = profile_engine_decode(model, cfg, device, rand, ctx, streams=n)
+        log(json.dumps({k: v for k, v in r[key].items() if k != "top"}))
+        for row in r[key].get("top", [])[:25]:
+            print(f"  {key} {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     for b in (int(x) for x in args.batches.split(",") if x):
         log(f"profiling decode at batch {b}")

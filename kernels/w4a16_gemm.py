@@ -273,9 +273,13 @@ if triton is not None:
         tl.store(y + pid_k * s_ys + offs_m[:, None] * s_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
+    # the last four: narrow, deeply pipelined tiles for decode, where an expert has 1-2 real rows and a layer's
+    # (expert, N-tile) programs must still fill 132 SMs and keep enough weight loads in flight (the H200 profile of
+    # 2026-11-30: ~15 us per grouped call at batch 1, ~0.5 TB/s of weight reads, with the first six only)
     _GROUPED_CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
                         for bn, bk, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 4, 3),
-                                             (128, 128, 8, 3), (128, 64, 4, 4)]]
+                                             (128, 128, 8, 3), (128, 64, 4, 4),
+                                             (16, 128, 4, 4), (16, 256, 4, 4), (16, 128, 2, 6), (32, 128, 2, 6)]]
 
     @triton.autotune(configs=_GROUPED_CONFIGS, key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU"])
     @triton.jit

@@ -18,7 +18,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import gdn_prep, moe_align, paged_attention, rms_norm  # noqa: E402
+from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
+from kernels import w4a16_gemm  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -56,6 +57,25 @@ def main() -> int:
                           {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
                            "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
                           dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, NUM_SPLITS=8, IEEE=False, INTERPRET=False)))
+    ok.append(compile_one("fp8_quant_static (bf16 -> e4m3, 1 x 1024 tile)", fp8_quant._quant_static_kernel,
+                          {"x_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*fp8e4nv"},
+                          dict(BLOCK_M=1, BLOCK_K=1024)))
+    ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
+                          {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
+                          dict(BLOCK_H=2048, INTERPRET=False)))
+    ok.append(compile_one("gdn_decode over pool rows (Dk = Dv = 128)", gdn_decode._gdn_decode_kernel,
+                          {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "s_in", "s_out", "o")}, "rows": "*i64"},
+                          dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True)))
+    ok.append(compile_one("router_topk (E = 256, top-8, bf16)", moe_router._router_topk_kernel,
+                          {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
+                          dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False)))
+    grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
+                                 ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
+    for bn, bk in ((16, 128), (16, 256)):  # the narrow decode tiles of the grouped W4A16 kernel (SwiGLU epilogue)
+        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} (SwiGLU, bf16)",
+                              w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
+                              dict(SWIGLU=True, HAS_ROW_SCALE=False, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
+                                   BLOCK_K=bk)))
     return 0 if all(ok) else 1
 
 
