@@ -103,49 +103,63 @@ def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
 
 def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, streams: int = 1) -> dict:
     """The serving path's decode step: a QwenEngine (decode graphs as configured by default: captured on CUDA) over
-    `model`, `streams` concurrent `ctx`-token requests; once every one has its first token (all prefills done),
-    `tokens` decode steps of the whole batch run under the profiler. Kernels launched by graph replays are counted
-    like any others (CUPTI traces them)."""
+    `model`, `streams` concurrent `ctx`-token requests; once every one has its first token (all prefills done), the
+    profiler records until the least-advanced stream has `tokens` more, every stream still decoding (a steady batch
+    of `streams`), then the requests are dropped. Kernels launched by graph replays are counted like any others
+    (CUPTI traces them)."""
     import asyncio
 
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
     seqs = max(4, streams)
+    margin = 8 + 2 * streams  # tokens past the window: early streams decode while later prompts prefill
     ecfg = QwenEngineConfig(config="tiny" if cfg.num_hidden_layers < 8 else "qwen3.6-35b-a3b", device=str(device),
                             dtype="bf16", max_num_seqs=seqs, max_num_batched_tokens=max(2048, ctx), block_size=16,
-                            num_kv_blocks=seqs * ((ctx + tokens + 64) // 16 + 1), max_model_len=ctx + tokens + 64,
+                            num_kv_blocks=seqs * ((ctx + tokens + margin) // 16 + 1),
+                            max_model_len=ctx + tokens + margin,
                             request_timeout_s=None, warmup=True)
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)
         await engine.start()
         try:
-            prof, counts, t0, first = None, [0] * streams, None, 0
-            all_started = asyncio.Event()
+            prof, counts, t0, first = None, [0] * streams, None, [0] * streams
+            done = asyncio.Event()
 
             async def one(i: int) -> None:
                 nonlocal prof, t0, first
-                gen = engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=tokens + 2,
+                # every stream must still be decoding when the window closes (a steady batch of `streams`)
+                gen = engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=tokens + margin - 4,
                                       sampling=SamplingParams(), eos_token_ids=())
-                async for chunk in gen:
-                    counts[i] += len(chunk.new_token_ids)
-                    if prof is None and all(counts):  # every prefill is out: profile the decode steps from here
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        prof = torch.profiler.profile(activities=activities(device))
-                        prof.__enter__()
-                        first, t0 = sum(counts), time.perf_counter()
-                        all_started.set()
+                try:
+                    async for chunk in gen:
+                        counts[i] += len(chunk.new_token_ids)
+                        if prof is None and all(counts):  # every prefill is out: profile from here
+                            if device.type == "cuda":
+                                torch.cuda.synchronize()
+                            prof = torch.profiler.profile(activities=activities(device))
+                            prof.__enter__()
+                            first, t0 = list(counts), time.perf_counter()
+                        if prof is not None and min(c - f for c, f in zip(counts, first)) >= tokens:
+                            done.set()
+                        if done.is_set():
+                            break
+                finally:
+                    await gen.aclose()
 
-            await asyncio.gather(*(one(i) for i in range(streams)))
+            tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+            await done.wait()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             prof.__exit__(None, None, None)
-            steps = (sum(counts) - first) / streams  # decode steps of the whole batch (each adds one token per stream)
+            # every stream decoded in every step of the window: steps = the least-advanced stream's new tokens
+            steps = min(c - f for c, f in zip(counts, first))
+            produced = sum(c - f for c, f in zip(counts, first))
+            await asyncio.gather(*tasks, return_exceptions=True)
             out = dict(context=ctx, streams=streams, steps=steps, wall_ms_per_step=1e3 * wall / steps,
-                       tok_per_s=streams * steps / wall, runner=engine.health().get("runner"),
+                       tok_per_s=produced / wall, runner=engine.health().get("runner"),
                        kernel_checks=engine.health().get("kernel_checks"))
             if device.type == "cuda":
                 out.update(kernel_table(prof, steps, top=80))  # the whole per-step kernel list, near enough
