@@ -5,8 +5,10 @@ one launch, against `moe_combine_reference` (the model's torch code), on CPU thr
 Tolerances: `compare` (max |diff| <= 1e-5 x max |ref| in fp32; 1e-2 in bf16). With a one-hot gate weight (an exact
 GEMV on any device) bf16 outputs must be bit-identical to the reference: that is what shows the kernel reproduces the
 reference's five roundings (a kernel that skips the rounding of gate * shared or of routed + t still passes 1e-2 but
-not this; `test_roundings_matter`). With a full random gate weight the H200 run of 2026-11-30 had 96-98% bit-identical
-outputs (cuBLAS's bf16 GEMV sums in another order: a row whose gate moves an ulp shifts as a whole).
+not this; `test_roundings_matter`). On the H200 (2026-11-30) the first version, which rounded with `.to(bf16)
+.to(fp32)`, had only 96-98% of its outputs bit-identical: compiled, those round trips were contracted away; the
+integer rounding now used is bit-identical there (results/qwen_gpu_run8/moe_combine_fix.log). With a full random gate
+weight a row's gate can still move an ulp (the GEMV sums in another order than cuBLAS), hence the one-hot weight.
 """
 
 import pytest
@@ -46,8 +48,8 @@ def test_matches_reference(n, h, dtype):
 @pytest.mark.parametrize("n,h", [(3, 96), (17, 256), (2, 2048)])
 def test_roundings_reproduced_bit_for_bit(n, h):
     """bf16 with a one-hot gate weight, so the GEMV is one exact product on every device (a full GEMV's summation
-    order -- cuBLAS's bf16 reductions on the GPU -- may move a row's gate by an ulp, which shifts that whole row):
-    then all five roundings are the reference's and every output is bit-identical."""
+    order may move a row's gate by an ulp, which shifts that row): then all five roundings are the reference's and
+    every output is bit-identical."""
     x, w, shared, routed, residual = random_inputs(n, h, torch.bfloat16, seed=n + h, device=DEVICE)
     w = torch.zeros_like(w)
     w[0, h // 3] = 0.75
