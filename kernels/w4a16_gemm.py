@@ -276,19 +276,27 @@ if triton is not None:
     # the last four: narrow, deeply pipelined tiles for decode, where an expert has 1-2 real rows and a layer's
     # (expert, N-tile) programs must still fill 132 SMs and keep enough weight loads in flight (the H200 profile of
     # 2026-11-30: ~15 us per grouped call at batch 1, ~0.5 TB/s of weight reads, with the first six only)
-    _GROUPED_CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
-                        for bn, bk, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 4, 3),
-                                             (128, 128, 8, 3), (128, 64, 4, 4),
-                                             (16, 128, 4, 4), (16, 256, 4, 4), (16, 128, 2, 6), (32, 128, 2, 6)]]
+    # PREFETCH=True variants of the decode-sized tiles: the autotuner keeps whichever is faster on the device
+    _GROUPED_CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf), num_warps=w, num_stages=s)
+                        for bn, bk, w, s, pfs in [(32, 128, 4, 4, (0, 1)), (64, 128, 4, 4, (0, 1)),
+                                                  (32, 256, 4, 3, (0, 1)), (64, 256, 4, 3, (0, 1)),
+                                                  (128, 128, 8, 3, (0,)), (128, 64, 4, 4, (0,)),
+                                                  (16, 128, 4, 4, (0, 1)), (16, 256, 4, 4, (0, 1)),
+                                                  (16, 128, 2, 6, (0,)), (32, 128, 2, 6, (0,))]
+                        for pf in pfs]
 
     @triton.autotune(configs=_GROUPED_CONFIGS, key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU"])
     @triton.jit
     def _w4a16_grouped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
                               s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
                               SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PREFETCH: tl.constexpr):
         # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
-        # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
+        # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out (without SWIGLU
+        # the "up" loads are fully masked: no memory traffic). PREFETCH: software pipelining in registers -- the
+        # next K tile's loads are issued before this tile's dequant and MMAs, so their latency overlaps that work
+        # (the compiled loop has no cp.async stages: its loads feed register dequant, not a dot operand directly).
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
@@ -305,17 +313,30 @@ if triton is not None:
             se = s + e.to(tl.int64) * s_se
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if PREFETCH:  # tile 0 now; in the loop tile t + 1 is requested before tile t is dequantised and used
+                xe, xo = _load_x_tile(x, a_rows, p_ok, 0, K, s_xm, BLOCK_M, BLOCK_K)
+                pw, sc = _load_w_tile(we, se, offs_n, n_ok, 0, K, s_wn, s_sn, BLOCK_K)
+                pw_u, sc_u = _load_w_tile(we, se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_wn, s_sn, BLOCK_K)
             for t in range(0, tl.cdiv(K, BLOCK_K)):
-                xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
-                pw, sc = _load_w_tile(we, se, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
+                if PREFETCH:  # (t + 1 past the last tile: every lane masked, no memory access)
+                    xe_n, xo_n = _load_x_tile(x, a_rows, p_ok, t + 1, K, s_xm, BLOCK_M, BLOCK_K)
+                    pw_n, sc_n = _load_w_tile(we, se, offs_n, n_ok, t + 1, K, s_wn, s_sn, BLOCK_K)
+                    pwu_n, scu_n = _load_w_tile(we, se, offs_n + n_out, n_ok & SWIGLU, t + 1, K, s_wn, s_sn,
+                                                BLOCK_K)
+                else:
+                    xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
+                    pw, sc = _load_w_tile(we, se, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
                 lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K)
                 acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
                 acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
                 if SWIGLU:
-                    pw, sc = _load_w_tile(we, se, offs_n + n_out, n_ok, t, K, s_wn, s_sn, BLOCK_K)
-                    lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K)
+                    if not PREFETCH:
+                        pw_u, sc_u = _load_w_tile(we, se, offs_n + n_out, n_ok, t, K, s_wn, s_sn, BLOCK_K)
+                    lo, hi = _dequant(pw_u, sc_u, x.dtype.element_ty, BLOCK_N, BLOCK_K)
                     acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
                     acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
+                if PREFETCH:
+                    xe, xo, pw, sc, pw_u, sc_u = xe_n, xo_n, pw_n, sc_n, pwu_n, scu_n
             ge = g + e * s_ge
             acc = acc * tl.load(ge + offs_n * s_gn, mask=n_ok, other=0.0)[None, :]
             if SWIGLU:
@@ -351,7 +372,7 @@ def _interpreted() -> bool:
 # masked edges and multi-tile loops exercised. Two more interpreter differences are worked around so that the
 # interpreter computes the GPU's numbers: bf16 dots (see `_mma`), and fp32 -> bf16 casts, which it truncates instead
 # of rounding to nearest even (`interpreter.py: _convert_float`) -- there the kernels write fp32 and torch rounds.
-INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, PREFETCH=0)
 
 
 def _launch(kernel, grid, args: tuple, config: dict | None, **meta):
@@ -446,7 +467,7 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
     rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
     bm = routing.block_m
     grid = lambda meta: (routing.block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))  # noqa: E731
-    cfg = None if config is None else {k_: v for k_, v in config.items() if k_ != "BLOCK_M"}
+    cfg = None if config is None else {"PREFETCH": 0, **{k_: v for k_, v in config.items() if k_ != "BLOCK_M"}}
     if cfg is None and _interpreted():
         cfg = {k_: v for k_, v in INTERPRETER_CONFIG.items() if k_ != "BLOCK_M"}
     _launch(_w4a16_grouped_kernel, grid,

@@ -71,11 +71,12 @@ def main() -> int:
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False)))
     grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
-    for bn, bk in ((16, 128), (16, 256)):  # the narrow decode tiles of the grouped W4A16 kernel (SwiGLU epilogue)
-        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} (SwiGLU, bf16)",
+    # the narrow decode tiles of the grouped W4A16 kernel (SwiGLU epilogue), and its register-prefetch variant
+    for bn, bk, pf in ((16, 128, 0), (16, 256, 0), (64, 128, 1), (16, 256, 1)):
+        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} PREFETCH={pf} (SwiGLU, bf16)",
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
                               dict(SWIGLU=True, HAS_ROW_SCALE=False, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
-                                   BLOCK_K=bk)))
+                                   BLOCK_K=bk, PREFETCH=pf)))
     return 0 if all(ok) else 1
 
 

@@ -158,7 +158,12 @@ def test_moe_align_covers_every_pair_once(t):
 
 @pytest.mark.parametrize("t,mode,block_m,cfg", [
     (1, "plain", 16, None), (3, "plain", 16, None), (17, "plain", 32, dict(BLOCK_N=64, BLOCK_K=128)),
-    (3, "swiglu", 16, None), (17, "swiglu", 16, None), (17, "row_scale", 16, None)])
+    (3, "swiglu", 16, None), (17, "swiglu", 16, None), (17, "row_scale", 16, None),
+    # PREFETCH: the software-pipelined K loop (next tile's loads before this tile's dequant and MMAs); K = 160 is
+    # 3 tiles of 64 with a masked tail, so the prefetch past the end is exercised
+    (3, "swiglu", 16, dict(BLOCK_N=32, BLOCK_K=64, PREFETCH=1)), (17, "plain", 16, dict(BLOCK_N=16, BLOCK_K=64,
+                                                                                       PREFETCH=1)),
+    (17, "row_scale", 32, dict(BLOCK_N=32, BLOCK_K=128, PREFETCH=1))])
 def test_grouped_matches_per_expert_reference(t, mode, block_m, cfg):
     """Grouped GEMM vs a loop of the dense reference over the experts; experts 0 and 5 get no tokens."""
     e, n, k, top_k = 6, 96, 160, 2
