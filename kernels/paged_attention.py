@@ -20,8 +20,8 @@ programs in-kernel (per = ceil(blocks / NUM_SPLITS) blocks each; splits past the
 its range BLOCK_N tokens at a time (BLOCK_N >= 16 for tl.dot; each token's block id comes from the table, so BLOCK_N
 need not equal block_size), masks positions past the range, and keeps the online softmax in fp32: running max m, sum
 l and acc [BLOCK_G, Dh]. It writes fp32 partials o_part [D, H, NUM_SPLITS, Dh] = acc / l and lse [D, H, NUM_SPLITS] =
-m + log l; a split without keys writes zeros and lse = -inf. Torch combines the splits on static shapes (weights
-exp(lse - max lse)) and rounds to q.dtype once (`_combine`).
+m + log l; a split without keys writes zeros and lse = -inf. A second launch combines the splits (weights
+exp(lse - max lse)) and rounds to q.dtype once (`combine_triton`; its torch reference `_combine`).
 
 Splitting per sequence, not over the table's static width: the table is as wide as the longest context the engine
 allows (the CUDA-graph bucket), so splitting its width would leave a 1k context in an 8k-wide table on 1/8 of the
@@ -59,6 +59,7 @@ from kernels import tolerance
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -160,6 +161,29 @@ if triton is not None:
         tl.store(lse + i * s_ld + heads * s_lh + split, lse_t, mask=g_ok)
 
 
+    @triton.jit
+    def _combine_kernel(o_part, lse, out, S, s_od, s_oh, s_os, s_ld, s_lh, s_outd, s_outh,
+                        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+        # grid (D, H, HEAD_DIM / BLOCK_D): `_combine` for one (row, head, Dh slice) -- the same fp32 operations, one
+        # launch for all of them; a [BLOCK_S, BLOCK_D] fp32 tile (<= 128 x 64: no register spills)
+        i, h = tl.program_id(0), tl.program_id(1)
+        sp = tl.arange(0, BLOCK_S)
+        s_ok = sp < S
+        d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+        lv = tl.load(lse + i * s_ld + h * s_lh + sp, mask=s_ok, other=float("-inf"))  # [BS]
+        top = tl.max(lv, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights exp(-inf) = 0, output 0
+        if INTERPRET:  # numpy's exp; libdevice is not interpreted
+            w = tl.exp(lv - top)
+        else:  # torch's accurate expf, not tl.exp's ex2.approx
+            w = libdevice.exp(lv - top)
+        den = tl.sum(w, axis=0)
+        op = tl.load(o_part + i * s_od + h * s_oh + sp[:, None] * s_os + d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(op * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+        tl.store(out + i * s_outd + h * s_outh + d, o.to(out.dtype.element_ty))
+
+
 def _interpreted() -> bool:
     """True when the kernel was built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors only."""
     return triton is not None and type(_paged_decode_kernel).__name__ == "InterpretedFunction"
@@ -180,9 +204,24 @@ def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
     return max(1, min(-(-sms // programs), max_blocks, MAX_SPLITS))
 
 
+def combine_triton(o_part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_combine(o_part, lse).to(dtype)` in one launch instead of ~11 (amax, exp, sums, where, div, cast) per
+    attention layer. The same fp32 operations; sums in another order (fp32 ulps before the one rounding)."""
+    nd, heads, splits, dh = o_part.shape
+    out = torch.empty((nd, heads, dh), dtype=dtype, device=o_part.device)
+    if out.numel():
+        block_d = min(dh, 64)  # Dh is a power of two (supports())
+        _combine_kernel[(nd, heads, dh // block_d)](
+            o_part, lse, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
+            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dh, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=block_d, INTERPRET=_interpreted(), num_warps=4)
+    return out
+
+
 def _combine(o_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """o_part [D, H, S, Dh], lse [D, H, S] fp32 -> o [D, H, Dh] fp32 (static shapes, no host sync). Rows whose
-    splits are all empty (context 0: CUDA-graph padding rows) give zeros instead of NaN."""
+    splits are all empty (context 0: CUDA-graph padding rows) give zeros instead of NaN. The reference of
+    `combine_triton`, which the launch below uses."""
     if o_part.shape[2] == 1:
         return o_part[:, :, 0]
     top = lse.amax(-1, keepdim=True)
@@ -214,7 +253,9 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         context_lens.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
         IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(), num_warps=4 if dh <= 128 else 8)
-    return _combine(o_part, lse).to(q.dtype)
+    if num_splits == 1:
+        return o_part[:, :, 0].to(q.dtype)
+    return combine_triton(o_part, lse, q.dtype)
 
 
 # ---- custom op (traceable by torch.compile) -------------------------------------------------------------------------

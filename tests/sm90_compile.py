@@ -77,6 +77,9 @@ def main() -> int:
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
                               dict(SWIGLU=True, HAS_ROW_SCALE=False, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
                                    BLOCK_K=bk, PREFETCH=pf)))
+    ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
+                          {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},
+                          dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False)))
     return 0 if all(ok) else 1
 
 

@@ -193,3 +193,22 @@ def test_registry_self_check_and_choice():
     assert reg.choose("paged_decode_attention", **fp64).name == "reference"  # recorded fallback
     assert reg.choices()["paged_decode_attention"]["fallback"]
     assert math.isclose(scale, 32**-0.5)
+
+
+@pytest.mark.parametrize("splits,dh,dtype", [(3, 64, torch.float32), (66, 256, torch.bfloat16), (5, 32, torch.float16)])
+def test_combine_kernel_matches_torch_combine(splits, dh, dtype):
+    """The split combine in one launch vs its torch reference `_combine`: random partials with empty splits
+    (lse = -inf) scattered in, and a row whose splits are all empty (a CUDA-graph padding row: zeros)."""
+    from kernels.paged_attention import _combine, combine_triton
+
+    g = torch.Generator().manual_seed(splits + dh)
+    o_part = torch.randn(3, 4, splits, dh, generator=g)
+    lse = torch.randn(3, 4, splits, generator=g) * 4
+    lse[torch.rand(3, 4, splits, generator=g) < 0.3] = float("-inf")
+    lse[2, 1] = float("-inf")
+    o_part[2, 1] = 0.0
+    o_part, lse = o_part.to(DEVICE), lse.to(DEVICE)
+    out, ref = combine_triton(o_part, lse, dtype), _combine(o_part, lse).to(dtype)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out.float()).all() and (out[2, 1] == 0).all()
+    assert compare(out, ref) is None, compare(out, ref)
