@@ -149,7 +149,14 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
                     await gen.aclose()
 
             tasks = [asyncio.create_task(one(i)) for i in range(streams)]
-            await done.wait()
+            waiter = asyncio.create_task(done.wait())
+            await asyncio.wait({waiter, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+            if not done.is_set():  # a stream failed or ended before the window filled: report it, do not hang
+                waiter.cancel()
+                for t in tasks:
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()
+                raise RuntimeError("a stream ended before the profile window filled (max_new_tokens too small?)")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0

@@ -22,9 +22,10 @@ Napkin math (decode, one token; H200 4.8 TB/s; FP8 = 1 B/param):
       = 33.6 MB -> 7.0 us; x 30 layers = 1.007 GB -> 210 us.
   attention layer: q(+gate) 8192 x 2048 + k, v 512 x 2048 + o 2048 x 4096 = 27.3 MB -> 5.7 us; x 10 = 273 MB -> 57 us.
   Total 1.28 GB -> 267 us per token: more than the NVFP4 experts (design doc section 5), so this GEMV matters.
-  The activation quantisation reads 4-16 KB and writes half that: launch-bound (~2-3 us each, 70 per token; fuse it
-  into the preceding RMSNorm / conv if it shows in the profile). cuBLASLt's FP8 GEMM at M = 1 is not guaranteed to
-  reach bandwidth; benchmark against the bf16 reference before trusting it for decode.
+  The activation quantisation reads 4-16 KB and writes half that: launch-bound (~2-3 us each, 130 per token); the
+  torch ops take 4 launches, `quantize_static_triton` one (implementation "triton_quant+scaled_mm", the default on
+  CUDA; under preference "triton" it is the one chosen, though its GEMM is cuBLASLt's). On the H200 the FP8 GEMMs
+  of a lone decode step take ~0.8 ms for ~1.3 GB (benchmarks/RESULTS.md, runs 7-8): ~1.6 TB/s, a third of HBM.
 
 Second op, "fp8_rowwise_linear" (the SAM 3 ViT's qkv / proj / fc1 / fc2): DYNAMIC row-wise W8A8. Weights quantised
 once at load per output channel (`quantize_weight_rowwise`: e4m3 [N, K] + fp32 [N], scale = row amax / 448),

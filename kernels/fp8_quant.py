@@ -105,8 +105,14 @@ if triton is not None:
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
         s = tl.load(s_ptr)
         q = tl.math.div_rn(x.to(tl.float32), tl.full((BLOCK_M, BLOCK_K), 1.0, tl.float32) * s)
-        q = _round_to_e4m3_grid(tl.minimum(tl.maximum(q, -448.0), 448.0))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=mask)
+        # NaN stays NaN (torch's clamp propagates it; plain max/min would saturate it to -448)
+        q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                       propagate_nan=tl.PropagateNan.ALL)
+        nan = q != q  # NaN -> torch's e4m3fn NaN code 0x7F, set explicitly (the grid rounding's bit tricks, and the
+        #               interpreter's fp8 cast, would turn it into a number)
+        code = _round_to_e4m3_grid(tl.where(nan, 0.0, q)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        code = tl.where(nan, 0x7F, code).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], code, mask=mask)
 
 
 def _interpreted() -> bool:
@@ -153,8 +159,9 @@ def quantize_static_reference(x: torch.Tensor, input_scale: torch.Tensor) -> tor
 @torch.library.custom_op("sammie::fp8_quant_static", mutates_args=())
 def quantize_static_triton(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """Same contract as `quantize_static_reference` in one launch (a decode step has ~130 such quantisations: 390
-    launches fewer). Bit-exact: IEEE division (`div_rn`), explicit RNE to the e4m3 grid. x's rows need not be
-    contiguous with each other; its last dim is made unit-stride."""
+    launches fewer). Bit-exact, non-finite inputs included (NaN -> 0x7F, +-inf -> +-448): IEEE division (`div_rn`),
+    NaN-propagating clamp, explicit RNE to the e4m3 grid. x's rows need not be contiguous with each other; its last
+    dim is made unit-stride."""
     if x.dtype not in IN_DTYPES or input_scale.numel() != 1:
         raise ValueError(f"fp8_quant_static: need a {IN_DTYPES} tensor and a one-element scale, got {x.dtype} and "
                          f"a scale of shape {tuple(input_scale.shape)}")

@@ -154,7 +154,9 @@ def gdn_decode_triton(q, k, v, g, beta, state):
 def gdn_decode_rows_reference(q, k, v, g, beta, pool, rows):
     """q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; pool [S, H, Dk, Dv] fp32; rows int64 [B] (distinct, except
     that padding rows may share one scratch row, whose contents are then unspecified) -> (o [B, H, Dv], pool),
-    pool advanced in place at `rows`."""
+    pool advanced in place at `rows`. Precondition 0 <= rows < S: the reference raises on a bad row, the kernel
+    (which cannot check without a host sync) would write outside the pool; the runner's rows come from the
+    scheduler's slot allocator (and the scratch slot)."""
     from qwen_engine.model.gdn import gated_delta_rows
 
     return gated_delta_rows(q, k, v, g, beta, pool, rows), pool
@@ -207,7 +209,9 @@ def describe_rows(q, k, v, g, beta, pool, rows) -> dict[str, Any]:
     return dict(device=pool.device.type, dtypes={t.dtype for t in (q, k, v, g, beta, pool)}, shapes_ok=shapes_ok,
                 head_dims=tuple(pool.shape[2:]) if pool.dim() == 4 else (),
                 unit_strides=all(t.stride(-1) == 1 for t in (q, k, v, g, beta, pool) if t.dim()),
-                rows_ok=rows.dtype == torch.int64 and rows.shape == q.shape[:1], pool_contiguous=pool.is_contiguous())
+                rows_ok=(rows.dtype == torch.int64 and rows.shape == q.shape[:1] and rows.is_contiguous()
+                         and rows.device == pool.device),
+                pool_contiguous=pool.is_contiguous())
 
 
 def supports_rows(*, rows_ok: bool, pool_contiguous: bool, **info: Any) -> bool:

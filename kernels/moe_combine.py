@@ -15,7 +15,10 @@ shared, routed and residual once (5 x 4 KB at H = 2048, bf16) and writes the row
 Numerics: the same fp32 operations and the same roundings to the model dtype (through `kernels.rms_norm._cast`, RNE
 under the interpreter too); only the GEMV's sum runs in another order than cuBLAS's, so the rounded gate may differ
 by one bf16 ulp, which moves the output by at most 2^-8 |gate * shared|. Tolerance: max |diff| <= 1e-2 x max |ref|
-for bf16 / fp16, 1e-5 for fp32 (`kernels.tolerance.compare`).
+for bf16, 1e-5 for fp32 (`kernels.tolerance.compare`); the registry's sample has no massive residual row, so that
+the MoE part of the output is not lost inside that tolerance (a kernel returning the residual alone fails it). bf16
+and fp32 only: the bf16 roundings are done with integer ops (`_round`), since compiled `.to(bf16).to(fp32)` round
+trips were contracted into the next add on the H200; fp16 would need the same and the model does not use it.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
     triton = None
 
 NAME = "moe_combine"
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float32)  # fp16 would need integer rounding too (compiled, its casts contract)
 MAX_DIM = 8192  # one row per program in registers
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # x max |ref|, module docstring
 
 
 def moe_combine_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
@@ -58,8 +61,9 @@ if triton is not None:
         `.to(bf16).to(fp32)` round trips of this kernel left 2-3% of the outputs an ulp off torch's)."""
         if DTYPE == tl.bfloat16:
             u = v.to(tl.uint32, bitcast=True)
-            return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-        return _cast(v, DTYPE, INTERPRET).to(tl.float32)
+            r = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+            return tl.where(v != v, v, r)  # a NaN stays NaN (the GPU's canonical 0x7FFFFFFF would carry into -0)
+        return v  # fp32: nothing to round (supports() admits bf16 and fp32 only)
 
     @triton.jit
     def _moe_combine_kernel(x, w, shared, routed, residual, out, H, s_x, s_s, s_r, s_res, s_o,
@@ -144,24 +148,25 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> s
     return tolerance.compare(out, ref, TOLERANCE[ref.dtype] if tol is None else tol)
 
 
-def random_inputs(n: int, h: int, dtype=torch.float32, seed: int = 0, device="cpu") -> tuple:
+def random_inputs(n: int, h: int, dtype=torch.float32, seed: int = 0, device="cpu", massive_row: bool = True) -> tuple:
     """Model-like: x ~N(0, 1) (normed), gate weight ~N(0, 0.02) (logits O(0.1-1)), shared / routed ~N(0, 0.1), a
-    residual stream ~N(0, 1) with one massive row (x 100)."""
+    residual stream ~N(0, 1), with (massive_row) its first row x 100."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=gen)
     w = torch.randn(1, h, generator=gen) * 0.02
     shared, routed = (torch.randn(n, h, generator=gen) * 0.1 for _ in range(2))
     residual = torch.randn(n, h, generator=gen)
-    residual[0] *= 100
+    if massive_row:
+        residual[0] *= 100
     return tuple(t.to(dtype).to(device) for t in (x, w, shared, routed, residual))
 
 
 def _sample(device) -> tuple[tuple, dict]:
-    return random_inputs(3, 96, torch.bfloat16, device=device), {}
+    return random_inputs(3, 96, torch.bfloat16, device=device, massive_row=False), {}
 
 
 def register(registry) -> None:
     registry.add_op(NAME, moe_combine_reference, sample=_sample, compare=compare, describe=describe,
-                    tolerance="max |diff| <= 1e-2 x max |ref| for bf16/fp16 (the reference's roundings reproduced; "
+                    tolerance="max |diff| <= 1e-2 x max |ref| for bf16 (the reference's roundings reproduced; "
                               "the GEMV's summation order may move the gate one ulp), 1e-5 for fp32")
     registry.add_implementation(NAME, "triton", moe_combine_triton, supports)

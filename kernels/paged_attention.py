@@ -60,6 +60,8 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from kernels.rms_norm import _cast  # fp32 -> out dtype, round to nearest even (also under the interpreter)
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -180,8 +182,9 @@ if triton is not None:
             w = libdevice.exp(lv - top)
         den = tl.sum(w, axis=0)
         op = tl.load(o_part + i * s_od + h * s_oh + sp[:, None] * s_os + d[None, :], mask=s_ok[:, None], other=0.0)
-        o = tl.sum(op * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
-        tl.store(out + i * s_outd + h * s_outh + d, o.to(out.dtype.element_ty))
+        den = tl.full((BLOCK_D,), 1.0, tl.float32) * tl.where(den > 0.0, den, 1.0)
+        o = tl.div_rn(tl.sum(op * w[:, None], axis=0), den)
+        tl.store(out + i * s_outd + h * s_outh + d, _cast(o, out.dtype.element_ty, INTERPRET))
 
 
 def _interpreted() -> bool:
@@ -206,7 +209,8 @@ def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
 
 def combine_triton(o_part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`_combine(o_part, lse).to(dtype)` in one launch instead of ~11 (amax, exp, sums, where, div, cast) per
-    attention layer. The same fp32 operations; sums in another order (fp32 ulps before the one rounding)."""
+    attention layer. The same fp32 operations (accurate expf, IEEE division, one RNE rounding to `dtype`); the sums
+    run in another order (fp32 ulps before the rounding)."""
     nd, heads, splits, dh = o_part.shape
     out = torch.empty((nd, heads, dh), dtype=dtype, device=o_part.device)
     if out.numel():

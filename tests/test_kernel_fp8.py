@@ -172,6 +172,20 @@ def test_quantize_static_triton_midpoints_need_ieee_division():
                            quantize_static_reference(x, st).view(torch.uint8)), s
 
 
+def test_quantize_static_triton_non_finite():
+    """NaN -> the e4m3fn NaN code (as torch's cast), +-inf and huge values saturate to +-448, -0 keeps its sign."""
+    from kernels.fp8_quant import quantize_static_reference, quantize_static_triton, static_supports
+
+    if not static_supports(device=DEVICE, dtype=torch.bfloat16):
+        pytest.skip("Triton does not run here")
+    x = torch.tensor([[float("nan"), -float("nan"), float("inf"), -float("inf"), 1e30, -0.0, 1.0]],
+                     dtype=torch.bfloat16).to(DEVICE)
+    s = torch.tensor(0.5, device=DEVICE)
+    q, ref = quantize_static_triton(x, s).view(torch.uint8), quantize_static_reference(x, s).view(torch.uint8)
+    assert torch.equal(q, ref), (q, ref)
+    assert q[0, 0] == 0x7F
+
+
 @pytest.mark.parametrize("m", [1, 5])
 def test_triton_quant_linear_matches_reference(m):
     from kernels.fp8_linear import fp8_linear_triton_quant

@@ -95,6 +95,21 @@ def test_rows_in_place_over_a_pool():
     assert not torch.equal(pool[[0, 3, 4]], pool0[[0, 3, 4]])
 
 
+def test_rows_padding_share_a_scratch_row():
+    """Decode-graph padding: batch rows 2 and 3 both point at scratch row 5. The real rows (0 -> pool row 1,
+    1 -> pool row 3) and the pool rows nobody owns stay exactly what they are without the padding."""
+    heads, dk, dv = 2, 32, 32
+    *_, pool = random_inputs(6, heads, dk, dv, seed=11, device=DEVICE)
+    q, k, v, g, beta, _ = random_inputs(4, heads, dk, dv, seed=12, device=DEVICE)
+    alone = pool.clone()
+    o_alone, _ = gdn_decode_rows_triton(q[:2], k[:2], v[:2], g[:2], beta[:2], alone,
+                                        torch.tensor([1, 3], device=DEVICE))
+    o, _ = gdn_decode_rows_triton(q, k, v, g, beta, pool, torch.tensor([1, 3, 5, 5], device=DEVICE))
+    assert torch.equal(o[:2], o_alone)
+    keep = [0, 1, 2, 3, 4]
+    assert torch.equal(pool[keep], alone[keep])
+
+
 def test_rows_guards():
     q, k, v, g, beta, pool = random_inputs(2, 2, 32, 32, device=DEVICE)
     rows = torch.tensor([1, 0], device=DEVICE)
@@ -102,5 +117,7 @@ def test_rows_guards():
     assert not supports_rows(**describe_rows(q, k, v, g, beta, pool, rows.int()))  # int32 rows
     assert not supports_rows(**describe_rows(q, k, v, g, beta, pool, rows[:1]))  # one row for two tokens
     assert not supports_rows(**describe_rows(q, k, v, g, beta, pool.transpose(2, 3), rows))  # not contiguous
+    assert not supports_rows(**describe_rows(q, k, v, g, beta, pool, torch.tensor([1, 9, 0], device=DEVICE)[::2]))
+    assert not supports_rows(**describe_rows(q, k, v, g, beta, pool, rows.to("meta")))  # rows elsewhere
     with pytest.raises(ValueError, match="int64"):
         gdn_decode_rows_(q, k, v, g, beta, pool, rows.int())

@@ -67,6 +67,28 @@ def test_roundings_matter():
     assert float((unrounded == ref).float().mean()) < 0.99
 
 
+def test_registry_check_sees_the_moe_part():
+    """The registry's sample (no massive residual row): a kernel that returned the residual alone, or dropped the
+    routed experts, would fail its self-check (with a x100 row the MoE part hides inside 1e-2 x max |ref|)."""
+    from kernels import moe_combine
+
+    (x, w, shared, routed, residual), _ = moe_combine._sample(DEVICE)
+    ref = moe_combine_reference(x, w, shared, routed, residual)
+    assert compare(moe_combine_triton(x, w, shared, routed, residual), ref) is None
+    assert compare(residual, ref) is not None
+    assert compare(moe_combine_reference(x, w, shared, torch.zeros_like(routed), residual), ref) is not None
+
+
+def test_nan_propagates():
+    """A NaN in the routed output stays NaN in that row's output, as in the reference (the integer rounding must not
+    turn it into a number). Teeth on the GPU only: there fp32 arithmetic makes the canonical NaN 0x7FFFFFFF, which
+    the rounding would carry into -0; the interpreter's NaNs (0x7FC00000) survive it either way."""
+    x, w, shared, routed, residual = random_inputs(2, 64, torch.bfloat16, seed=4, device=DEVICE)
+    routed[1, 5] = float("nan")
+    out = moe_combine_triton(x, w, shared, routed, residual)
+    assert torch.isnan(out[1, 5]) and torch.isfinite(out[0]).all()
+
+
 def test_guards():
     args = random_inputs(3, 64, torch.bfloat16, device=DEVICE)
     info = describe(*args)
@@ -77,6 +99,7 @@ def test_guards():
     assert not supports(**describe(x, w, shared[:2], routed, residual))  # shape mismatch
     assert not supports(**describe(x[:, ::2], w[:, ::2], shared[:, ::2], routed[:, ::2], residual[:, ::2]))
     assert not supports(**{**info, "dim": 16384})
+    assert not supports(**describe(*(t.half() for t in args)))  # fp16: not supported (module docstring)
 
 
 def test_registry_self_check():
