@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
-from kernels import w4a16_gemm  # noqa: E402
+from kernels import attn_prep, w4a16_gemm  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -80,6 +80,10 @@ def main() -> int:
     ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
                           {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},
                           dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False)))
+    ok.append(compile_one("attn_decode_prep (D = 256, RoPE 64, bf16)", attn_prep._attn_prep_kernel,
+                          {**{n: "*bf16" for n in ("q", "k", "v", "wq", "wk", "cos", "sin", "k_pool", "v_pool",
+                                                    "q_out")}, "slots": "*i64", "eps": "fp32"},
+                          dict(BLOCK_D=256, INTERPRET=False)))
     return 0 if all(ok) else 1
 
 

@@ -54,15 +54,43 @@ def model():
 # random tiny model amplifies one-ulp differences of reductions over differently laid-out tensors (e.g. the GDN
 # l2norm of a contiguous [N, C] vs a transposed [B, T, C] conv output) to ~2e-5 after a few steps, so fp32 uses
 # tests/test_qwen_model.py's REL_TOL 1e-4 (issue 5's fp32 logits gate).
-@pytest.mark.parametrize("dtype,num_kv_blocks,tol,graphs", [(torch.float64, 8, 1e-5, "off"),
-                                                              (torch.float32, 32, 1e-4, "off"),
-                                                              (torch.float64, 32, 1e-5, "static"),
-                                                              (torch.float32, 32, 1e-4, "static")])
-def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, graphs):
+@pytest.mark.parametrize("dtype,num_kv_blocks,tol,graphs,fused", [(torch.float64, 8, 1e-5, "off", False),
+                                                                    (torch.float32, 32, 1e-4, "off", False),
+                                                                    (torch.float64, 32, 1e-5, "static", False),
+                                                                    (torch.float32, 32, 1e-4, "static", False),
+                                                                    (torch.float32, 32, 1e-4, "static", True)])
+def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, graphs, fused, monkeypatch):
     """Drive scheduler + runner greedily; every sampling row's logits equal a contiguous batch-1 state fed the same
     tokens (decode batches, chunked prefill, and re-prefill after preemption: 8 blocks of 4 force it). graphs
     "static": decode-only steps go through the CUDA-graph path's static buffers, padded to the decode buckets
-    (1, 2, 4) with the scratch sequence (qwen_engine/decode_graphs.py), run eagerly; padding must change nothing."""
+    (1, 2, 4) with the scratch sequence (qwen_engine/decode_graphs.py), run eagerly; padding must change nothing.
+    fused: the model's fused ops as on a GPU (norms, router, MoE tail, and the attention layers' decode prep -- q/k
+    norms, RoPE, pool write -- which only the paged decode path has), through the Triton interpreter."""
+    from engine_core.registry import default_registry
+    from qwen_engine.model.attention import GatedAttention
+    from qwen_engine.model.moe import SparseMoE, TopKRouter
+    from qwen_engine.model.norm import GatedRMSNorm, ZeroCentredRMSNorm
+
+    fused_ops = ("attn_decode_prep", "rms_norm_zc", "rms_norm_gated", "moe_combine", "router_topk")
+    reg = default_registry()
+    before = {op: reg.preference(op) for op in fused_ops}
+    calls0 = {op: reg.choices()[op]["calls"].get("triton", 0) for op in fused_ops}
+    if fused:
+        for cls in (GatedAttention, SparseMoE, TopKRouter, ZeroCentredRMSNorm, GatedRMSNorm):
+            monkeypatch.setattr(cls, "fused", True)
+        for op in fused_ops:  # an engine built earlier in this process may have set them
+            reg.set_preference("auto", op)
+    try:
+        _drive_paged_vs_contiguous(model, dtype, num_kv_blocks, tol, graphs)
+    finally:
+        for op, pref in before.items():
+            reg.set_preference(pref, op)
+    if fused:  # each fused op ran its Triton kernel in this test (interpreted on the CPU)
+        for op in fused_ops:
+            assert reg.choices()[op]["calls"].get("triton", 0) > calls0[op], op
+
+
+def _drive_paged_vs_contiguous(model, dtype, num_kv_blocks, tol, graphs):
     model = copy.deepcopy(model).to(dtype)
     sched = ContinuousScheduler(ContinuousConfig(num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=4,
                                                  max_num_batched_tokens=16, max_model_len=64))
@@ -439,7 +467,7 @@ def test_kernel_self_check_at_start():
     h = run(engine_config(kernels="auto", kernel_self_check=True), body)
     checks = h["kernel_checks"]
     for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "w4a16_linear", "w4a16_moe", "rms_norm_zc",
-               "rms_norm_gated", "moe_combine", "router_topk"):
+               "rms_norm_gated", "moe_combine", "router_topk", "attn_decode_prep"):
         assert checks[op] == "triton passed", (op, checks)
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
 

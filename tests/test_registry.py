@@ -167,8 +167,8 @@ def test_default_registry_self_check_on_this_machine():
     assert set(reg.ops()) == {"preprocess", "mask_post", "w4a16_linear", "w4a16_moe", "fp8_quant_rows", "fp8_linear",
                               "fp8_rowwise_linear", "gdn_decode", "gdn_decode_rows", "nvfp4_w4a4_linear",
                               "paged_decode_attention", "rms_norm_zc", "rms_norm_gated", "moe_combine",
-                              "router_topk"}
-    assert len(KERNEL_MODULES) == 11
+                              "router_topk", "attn_decode_prep"}
+    assert len(KERNEL_MODULES) == 12
     device = "cuda" if torch.cuda.is_available() else "cpu"
     outcomes = reg.self_check(device, ops=["preprocess", "mask_post"])
     assert outcomes == {"preprocess": "triton passed", "mask_post": "triton passed"}, outcomes

@@ -43,6 +43,12 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 class GatedAttention(nn.Module):
+    """In a decode-only paged step on CUDA (or with `fused = True`), the q/k norms, the partial RoPE and the k/v pool
+    write are one launch of the registry op "attn_decode_prep" (`kernels/attn_prep.py`, ~18 launches -> 1) when the
+    batch has a decode attention kernel; `fused = False` never. Every other path runs the torch code below."""
+
+    fused: bool | None = None
+
     def __init__(self, cfg: QwenConfig):
         super().__init__()
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -88,6 +94,10 @@ class GatedAttention(nn.Module):
         the pool at `batch.slot_mapping`, then attends each token to its own sequence's keys 0..position."""
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        fused = self.fused if self.fused is not None else x.is_cuda
+        if (fused and batch.num_decode == n and batch.decode_attention is not None
+                and self.q_norm.eps == self.k_norm.eps):  # (the op takes one eps; the model's are equal)
+            return self._decode_fused(x, cos, sin, kv, batch)
         q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each
         q = self.q_norm(q).transpose(0, 1)[None]  # [1, H, N, D]
         k = self.k_norm(self.k_proj(x).view(n, kvh, d)).transpose(0, 1)[None]  # [1, KV, N, D]
@@ -118,6 +128,24 @@ class GatedAttention(nn.Module):
                                                           is_causal=causal, scale=self.scaling, enable_gqa=True)
         o = o[0].transpose(0, 1).reshape(n, h * d)
         o = o * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(o)
+
+
+    def _decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
+                      batch: FlatBatch) -> torch.Tensor:
+        """A decode-only step (one token per sequence): projections, one "attn_decode_prep" launch (norms, RoPE,
+        pool write), the decode attention kernel, the output gate, o_proj. Same maths as `forward_paged`."""
+        from engine_core.registry import default_registry
+
+        n = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each (strided views)
+        k = self.k_proj(x).view(n, kvh, d)
+        v = self.v_proj(x).view(n, kvh, d)
+        q, _, _ = default_registry().call("attn_decode_prep", q, k, v, self.q_norm.weight, self.k_norm.weight,
+                                          self.q_norm.eps, cos, sin, batch.slot_mapping, kv.k, kv.v)  # [N, H, D]
+        o = batch.decode_attention(q, kv.k, kv.v, batch.block_tables[:n], batch.context_lens_t[:n], self.scaling)
+        o = o.reshape(n, h * d) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(o)
 
 

@@ -97,7 +97,8 @@ class FlatBatch:
     # int64 [B]) -> o [B, H, Dv]; None -> `gdn.gated_delta_rows` (kernels/gdn_decode.py's "gdn_decode_rows" op)
     gdn_decode: Callable | None = None
     # attention of the decode rows over the paged pool: (q [D, H, Dh], k_pool, v_pool, block_tables [D, max_blocks],
-    # context_lens [D], scale) -> o [D, H, Dh] (`kernels/paged_attention.py`, bounds read on the device: capturable);
+    # context_lens [D], scale) -> o [D, H, Dh] in q's dtype (`kernels/paged_attention.py`, bounds read on the
+    # device: capturable);
     # None -> `attention.paged_decode_attention` (gather sized from the host context lengths + SDPA)
     decode_attention: Callable | None = None
     # GDN decode-row preparation (conv step, head norms, gates) for decode-only steps: `kernels/gdn_prep.py`'s op

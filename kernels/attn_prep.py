@@ -1,0 +1,216 @@
+"""Gated attention's decode-row preparation in one Triton launch: the q and k head RMSNorms (zero-centred), the
+partial RoPE of q and k, and the write of the new k / v rows into the paged KV pool.
+
+Reference `attn_decode_prep_reference` -- exactly the torch code of `GatedAttention.forward_paged` between the
+projections and the attention (transformers' `Qwen3_5MoeAttention`):
+    q = apply_partial_rope(q_norm(q)),  k = apply_partial_rope(k_norm(k))     (q [N, H, D], k [N, KVH, D])
+    k_pool / v_pool [slot_mapping[n]] = k[n] / v[n]                            (pools [blocks, block_size, KVH, D])
+-> q [N, H, D] contiguous (what the decode attention reads); the pools are written in place. Partial RoPE (NeoX
+halves on the first RD = cos.shape[-1] dims of each head, the rest passed through), in the model dtype as upstream:
+    out_i = R(R(y_i cos_i) + R(rot_i sin_i)),  rot_i = -y_{i + RD/2} (i < RD/2), y_{i - RD/2} (RD/2 <= i < RD)
+with y = the normed head (rounded to the model dtype) and R = rounding to the model dtype (none in fp32; there the
+compiled kernel may fuse a product and the sum into one FMA, a difference of at most an fp32 ulp from torch).
+
+Why: in a graphed decode step each of the 10 attention layers spends ~18 launches here (two norms, two RoPEs of
+~6 ops each: slices, neg, two cats, two muls, an add; two index_copy_ writes; a contiguous copy of q): ~180 of a
+lone step's ~1,700 launches. Grid (N, H + KVH): a program normalises and rotates one head of one token; the KVH
+programs of a token also copy its v rows. One row of D = 256 per program; the rotation partner of lane i is read
+again from memory (lane i +- RD/2) and normalised with the same 1/rms, so no register shuffles are needed.
+
+Numerics: the norm is the `rms_norm_zc` kernel's (fp32 sum of squares, `tl.rsqrt`, x * inv * (1 + w), one rounding);
+the RoPE products and sum are rounded like torch's bf16 ops, with integer round-to-nearest-even (`moe_combine._round`:
+compiled `.to(bf16).to(fp32)` round trips get contracted). Tolerance as the norm kernels': max |diff| <= 1e-2 x
+max |ref| for bf16 (an ulp of the normed value can move with rsqrt), 1e-5 for fp32; k / v pool rows the same, and
+every pool row not written must stay bit-identical. bf16 and fp32 only (like moe_combine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels import tolerance
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.moe_combine import _round
+except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
+    triton = None
+
+NAME = "attn_decode_prep"
+DTYPES = (torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 1024  # one head row per program in registers; the model has 256
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def attn_decode_prep_reference(q, k, v, q_weight, k_weight, eps: float, cos, sin, slot_mapping, k_pool, v_pool):
+    """q [N, H, D]; k, v [N, KVH, D]; q/k norm weights [D]; cos, sin [N, RD]; slot_mapping int64 [N]; pools
+    [blocks, block_size, KVH, D] -> (q normed + rotated [N, H, D] contiguous, k_pool, v_pool), the pools written at
+    the token slots (in place). Precondition 0 <= slot_mapping < blocks x block_size: the reference raises on a bad
+    slot, the kernel (no host sync) would write outside the pool. Duplicate slots (CUDA-graph padding rows sharing
+    the scratch block) leave that slot with one of the rows, unspecified which."""
+    from kernels.rms_norm import rms_norm_zc_reference
+    from qwen_engine.model.attention import apply_partial_rope
+
+    qn = rms_norm_zc_reference(q, q_weight, eps)
+    kn = rms_norm_zc_reference(k, k_weight, eps)
+    qr = apply_partial_rope(qn.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)  # [N, H, D]
+    kr = apply_partial_rope(kn.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+    kvh, d = k_pool.shape[2:]
+    k_pool.view(-1, kvh, d).index_copy_(0, slot_mapping, kr.to(k_pool.dtype))
+    v_pool.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
+    return qr.contiguous(), k_pool, v_pool
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope(src, w, eps, cos_row, sin_row, d, ok, D, RD, DT: tl.constexpr, INTERPRET: tl.constexpr):
+        """One head row: zero-centred RMSNorm (rounded to DT) then partial RoPE (rounded like torch), fp32 out."""
+        half = RD // 2
+        rope = d < RD
+        pd = tl.where(d < half, d + half, d - half)  # rotation partner (only used where rope)
+        x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+        xp = tl.load(src + pd, mask=ok & rope, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)  # as kernels/rms_norm.py's _inv_rms
+        y = _round(x * inv * (1.0 + tl.load(w + d, mask=ok, other=0.0).to(tl.float32)), DT, INTERPRET)
+        yp = _round(xp * inv * (1.0 + tl.load(w + pd, mask=ok & rope, other=0.0).to(tl.float32)), DT, INTERPRET)
+        c = tl.load(cos_row + d, mask=ok & rope, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + d, mask=ok & rope, other=0.0).to(tl.float32)
+        rot = tl.where(d < half, -yp, yp)
+        r = _round(_round(y * c, DT, INTERPRET) + _round(rot * s, DT, INTERPRET), DT, INTERPRET)
+        return tl.where(rope, r, y)
+
+    @triton.jit
+    def _attn_prep_kernel(q, k, v, wq, wk, cos, sin, slots, k_pool, v_pool, q_out, H, D, RD, eps,
+                          s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_cn, s_sn, s_on, s_oh, s_pt, s_ph,
+                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+        # grid (N, H + KVH): program (n, j) -- query head j of token n for j < H, else kv head j - H (k and v)
+        n, j = tl.program_id(0), tl.program_id(1)
+        n64 = n.to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        dt = q_out.dtype.element_ty
+        cos_row = cos + n64 * s_cn
+        sin_row = sin + n64 * s_sn
+        if j < H:
+            out = _norm_rope(q + n64 * s_qn + j * s_qh, wq, eps, cos_row, sin_row, d, ok, D, RD, dt, INTERPRET)
+            tl.store(q_out + n64 * s_on + j * s_oh + d, out.to(dt), mask=ok)
+        else:
+            h = j - H
+            out = _norm_rope(k + n64 * s_kn + h * s_kh, wk, eps, cos_row, sin_row, d, ok, D, RD, dt, INTERPRET)
+            slot = tl.load(slots + n).to(tl.int64)
+            tl.store(k_pool + slot * s_pt + h * s_ph + d, out.to(k_pool.dtype.element_ty), mask=ok)
+            vv = tl.load(v + n64 * s_vn + h * s_vh + d, mask=ok, other=0.0)
+            tl.store(v_pool + slot * s_pt + h * s_ph + d, vv.to(v_pool.dtype.element_ty), mask=ok)
+
+
+def _interpreted() -> bool:
+    return triton is not None and type(_attn_prep_kernel).__name__ == "InterpretedFunction"
+
+
+@torch.library.custom_op("qwen::attn_decode_prep_", mutates_args=("k_pool", "v_pool"))
+def attn_decode_prep_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    """Writes the pools in place; returns q [N, H, D] contiguous. Guards: `supports` (checked by the registry)."""
+    n, heads, d = q.shape
+    kvh = k.shape[1]
+    q_out = q.new_empty((n, heads, d))
+    if n == 0:
+        return q_out
+    kp, vp = k_pool.view(-1, kvh, d), v_pool.view(-1, kvh, d)  # [slots, KVH, D] (contiguous pools)
+    _attn_prep_kernel[(n, heads + kvh)](
+        q, k, v, q_weight, k_weight, cos, sin, slot_mapping, kp, vp, q_out, heads, d, cos.shape[-1], eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        q_out.stride(0), q_out.stride(1), kp.stride(0), kp.stride(1),
+        BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(), num_warps=1 if d <= 256 else 4)
+    return q_out
+
+
+@attn_decode_prep_.register_fake
+def _(q, k, v, q_weight, k_weight, eps, cos, sin, slot_mapping, k_pool, v_pool):
+    return q.new_empty(q.shape)
+
+
+def attn_decode_prep_triton(q, k, v, q_weight, k_weight, eps, cos, sin, slot_mapping, k_pool, v_pool):
+    """Same contract as `attn_decode_prep_reference`."""
+    return attn_decode_prep_(q, k, v, q_weight, k_weight, eps, cos, sin, slot_mapping, k_pool, v_pool), k_pool, v_pool
+
+
+# ---- guard, registry entry ------------------------------------------------------------------------------------------
+def describe(q, k, v, q_weight, k_weight, eps, cos, sin, slot_mapping, k_pool, v_pool) -> dict[str, Any]:
+    ts = (q, k, v, q_weight, k_weight, cos, sin, k_pool, v_pool)
+    n = q.shape[0] if q.dim() == 3 else -1
+    d = q.shape[-1] if q.dim() == 3 else 0
+    rd = cos.shape[-1] if cos.dim() == 2 else -1
+    shapes_ok = (q.dim() == 3 and k.dim() == 3 and k.shape == v.shape and k.shape[0] == n and k.shape[2] == d
+                 and q_weight.shape == k_weight.shape == (d,) and cos.shape == sin.shape == (n, rd)
+                 and 0 < rd <= d and rd % 2 == 0 and k_pool.dim() == 4 and k_pool.shape == v_pool.shape
+                 and k_pool.shape[2:] == k.shape[1:] and slot_mapping.shape == (n,))
+    return dict(device=q.device.type, capability=torch.cuda.get_device_capability(q.device) if q.is_cuda else None,
+                same_device=len({t.device for t in (*ts, slot_mapping)}) == 1, dtypes={t.dtype for t in ts},
+                slots_ok=slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous(), shapes_ok=shapes_ok,
+                head_dim=d, pools_contiguous=k_pool.is_contiguous() and v_pool.is_contiguous(),
+                unit_strides=all(t.dim() and t.stride(-1) == 1 for t in ts))
+
+
+def supports(*, device: str, capability, same_device: bool, dtypes: set, slots_ok: bool, shapes_ok: bool,
+             head_dim: int, pools_contiguous: bool, unit_strides: bool, **_: Any) -> bool:
+    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); every tensor there and of one dtype
+    (bf16 or fp32); consistent shapes, an even rotary width <= D, D <= MAX_HEAD_DIM; int64 slots; contiguous pools;
+    unit inner strides (q may be a strided view of the fused q/gate projection)."""
+    if triton is None:
+        return False
+    if _interpreted():
+        device_ok = device == "cpu"
+    else:
+        device_ok = device == "cuda" and capability is not None and tuple(capability) >= (8, 0)
+    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and slots_ok
+            and shapes_ok and 1 <= head_dim <= MAX_HEAD_DIM and pools_contiguous and unit_strides)
+
+
+def compare(out, ref) -> str | None:
+    """q and both whole pools within TOLERANCE x max |ref| (rows not written are then equal up to that too; the
+    tests check them bit for bit)."""
+    for name, a, b in zip(("q", "k_pool", "v_pool"), out, ref):
+        problem = tolerance.compare(a, b, TOLERANCE[b.dtype])
+        if problem:
+            return f"{name}: {problem}"
+    return None
+
+
+def random_inputs(n: int, heads: int, kv_heads: int, d: int, rd: int, num_blocks: int = 4, block_size: int = 4,
+                  dtype=torch.float32, seed: int = 0, device="cpu") -> tuple:
+    """Model-like decode inputs: q as a strided view of a fused [N, H, 2D] q/gate projection, k / v [N, KVH, D] ~N(0,
+    1) (one k head scaled by 30: a large-norm head), zero-centred norm weights ~N(0, 0.3), cos / sin of real
+    positions, distinct slots in a pool of random contents."""
+    gen = torch.Generator().manual_seed(seed)
+    qg = torch.randn(n, heads, 2 * d, generator=gen)
+    k = torch.randn(n, kv_heads, d, generator=gen)
+    k[:, 0] *= 30
+    v = torch.randn(n, kv_heads, d, generator=gen)
+    wq, wk = (0.3 * torch.randn(d, generator=gen) for _ in range(2))
+    pos = torch.randint(0, 4096, (n,), generator=gen).float()
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, rd, 2).float() / rd))
+    emb = torch.cat([pos[:, None] * inv_freq[None]] * 2, dim=-1)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    cast = lambda t: t.to(dtype).to(device)  # noqa: E731
+    return (cast(qg)[..., :d], cast(k), cast(v), cast(wq), cast(wk), 1e-6, cast(emb.cos()), cast(emb.sin()),
+            slots.to(device), cast(k_pool), cast(v_pool))
+
+
+def _sample(device) -> tuple[tuple, dict]:
+    return random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, seed=1, device=device), {}
+
+
+def register(registry) -> None:
+    registry.add_op(NAME, attn_decode_prep_reference, sample=_sample, compare=compare, describe=describe, mutates=True,
+                    tolerance="q and the pools within 1e-2 x max |ref| for bf16 (the norm's rsqrt may move a normed "
+                              "value one ulp; RoPE roundings reproduced), 1e-5 for fp32")
+    registry.add_implementation(NAME, "triton", attn_decode_prep_triton, supports)

@@ -1,0 +1,116 @@
+"""kernels/attn_prep.py: the attention layers' decode-row preparation (q/k head norms, partial RoPE, k/v pool write)
+in one launch, against `attn_decode_prep_reference` (the model's torch code), on CPU through Triton's interpreter
+(tests/conftest.py), compiled on a GPU.
+
+Tolerance: `compare` (q and both pools within 1e-5 x max |ref| in fp32, 1e-2 in bf16: the norm's rsqrt may move a
+normed value by an ulp); pool rows not written must stay bit-identical; in bf16 >= 99% of q bit-identical (the RoPE's
+three roundings reproduced: `test_rope_roundings_matter` shows an unrounded RoPE falls below that).
+"""
+
+import pytest
+import torch
+
+from kernels.attn_prep import (
+    attn_decode_prep_reference,
+    attn_decode_prep_triton,
+    compare,
+    describe,
+    random_inputs,
+    supports,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _runs_here() -> bool:
+    return supports(**describe(*random_inputs(1, 2, 1, 16, 8, device=DEVICE)))
+
+
+pytestmark = pytest.mark.skipif(not _runs_here(), reason="needs triton (CUDA, or TRITON_INTERPRET=1 on the CPU)")
+
+
+def _run_both(args):
+    *rest, k_pool, v_pool = args
+    ref = attn_decode_prep_reference(*rest, k_pool.clone(), v_pool.clone())
+    out = attn_decode_prep_triton(*rest, k_pool.clone(), v_pool.clone())
+    return out, ref
+
+
+@pytest.mark.parametrize("n,heads,kv_heads,d,rd", [(1, 16, 2, 256, 64), (3, 4, 2, 64, 16), (5, 2, 1, 96, 32),
+                                                    (2, 4, 2, 64, 64), (3, 2, 1, 48, 16)])  # RD = D; D not 2^k
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(n, heads, kv_heads, d, rd, dtype):
+    args = random_inputs(n, heads, kv_heads, d, rd, num_blocks=4, block_size=8, dtype=dtype, seed=n + d,
+                         device=DEVICE)
+    slots = args[8]
+    (q, kp, vp), (q_ref, kp_ref, vp_ref) = _run_both(args)
+    assert q.shape == q_ref.shape and q.is_contiguous() and q.dtype == dtype
+    assert compare((q, kp, vp), (q_ref, kp_ref, vp_ref)) is None, compare((q, kp, vp), (q_ref, kp_ref, vp_ref))
+    untouched = torch.ones(kp.shape[0] * kp.shape[1], dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    assert torch.equal(flat(kp)[untouched.to(DEVICE)], flat(args[9])[untouched.to(DEVICE)])
+    assert torch.equal(flat(vp), flat(vp_ref))  # v is copied, not computed
+    same = float((q == q_ref).float().mean())
+    print(f"\nN={n} H={heads} KVH={kv_heads} D={d} RD={rd} {dtype}: q {same:.4f} bit-identical")
+    if dtype == torch.bfloat16:
+        assert same >= 0.99
+        written = slots.to(DEVICE)
+        assert float((flat(kp)[written] == flat(kp_ref)[written]).float().mean()) >= 0.99
+
+
+def test_rope_roundings_matter():
+    """RoPE on the same normed heads without the reference's intermediate bf16 roundings differs in many elements,
+    so the bit-identical share above can fail."""
+    from kernels.rms_norm import rms_norm_zc_reference
+
+    args = random_inputs(9, 4, 2, 64, 64, dtype=torch.bfloat16, seed=3)
+    q, cos, sin = args[0], args[6], args[7]
+    y = rms_norm_zc_reference(q, args[3], 1e-6).float()
+    rot = torch.cat((-y[..., 32:], y[..., :32]), dim=-1)
+    unrounded = (y * cos[:, None].float() + rot * sin[:, None].float()).to(torch.bfloat16)
+    ref = attn_decode_prep_reference(*args[:9], args[9].clone(), args[10].clone())[0]
+    assert float((unrounded == ref).float().mean()) < 0.99
+
+
+def test_guards():
+    args = random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, device=DEVICE)
+    assert supports(**describe(*args))
+    q, k, v, wq, wk, eps, cos, sin, slots, kp, vp = args
+    assert not supports(**describe(q, k, v, wq, wk, eps, cos, sin, slots.int(), kp, vp))  # int32 slots
+    assert not supports(**describe(q, k, v, wq, wk, eps, cos[:, :15], sin[:, :15], slots, kp, vp))  # odd RD
+    assert not supports(**describe(q, k, v, wq, wk, eps, cos, sin, slots, kp.transpose(2, 3), vp))  # pool layout
+    assert not supports(**describe(*(t.half() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                                     for t in args)))  # fp16
+    assert not supports(**describe(q, k[:2], v[:2], wq, wk, eps, cos, sin, slots, kp, vp))  # N mismatch
+    strided_pool = torch.empty(kp.shape[0] * 2, *kp.shape[1:], dtype=kp.dtype, device=DEVICE)[::2]
+    assert not supports(**describe(q, k, v, wq, wk, eps, cos, sin, slots, strided_pool, vp))  # same shape, strided
+    assert not supports(**describe(q, k, v[..., ::2].repeat_interleave(2, -1).transpose(1, 2).contiguous()
+                                   .transpose(1, 2), wq, wk, eps, cos, sin, slots, kp, vp))  # non-unit inner stride
+
+
+def test_duplicate_slots_leave_other_rows_exact():
+    """CUDA-graph padding: tokens 1 and 2 both write slot 5 (the scratch); token 0's slot and q of every token are
+    as without the duplicate, and no other pool row changes."""
+    args = list(random_inputs(3, 4, 2, 64, 16, num_blocks=2, block_size=4, dtype=torch.bfloat16, seed=5,
+                              device=DEVICE))
+    args[8] = torch.tensor([3, 5, 5], device=DEVICE)
+    from kernels import tolerance
+
+    kp0 = args[9].clone()
+    (q, kp, _), (q_ref, kp_ref, _) = _run_both(args)
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    assert tolerance.compare(q, q_ref, 1e-2) is None
+    assert tolerance.compare(flat(kp)[3], flat(kp_ref)[3], 1e-2) is None
+    others = [i for i in range(8) if i not in (3, 5)]
+    assert torch.equal(flat(kp)[others], flat(kp0)[others])
+
+
+def test_registry_self_check():
+    from engine_core.registry import Registry
+
+    from kernels import attn_prep
+
+    reg = Registry()
+    attn_prep.register(reg)
+    assert reg.self_check(DEVICE) == {"attn_decode_prep": "triton passed"}
