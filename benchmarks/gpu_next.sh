@@ -11,12 +11,15 @@
 #      call of 2026-11-30; the engine's start-up self-check reports them in the log and health()); with
 #      --engine-streams 1,32 the graphed step at 1 and 32 streams;
 #   6. the Qwen kernels' tests on the GPU (compiled Triton instead of the CPU interpreter).
-# Steps 1-3 ran on 2026-11-30 (benchmarks/RESULTS.md); steps 4 and 5 are owed.
+# Steps 1-3, 5 and 6 ran on 2026-11-30 (benchmarks/RESULTS.md, Qwen runs 6-8); step 4 is owed, and steps 5 + 6 again
+# for what was written after the last GPU call of that day: the grouped W4A16 kernel's PREFETCH configs (chosen by
+# the autotuner only if faster), the paged attention's split combine kernel and kernels/attn_prep.py.
 #
 #   eval "$(bash .devbundle/install.sh)" && STEPS="1 2" bash benchmarks/gpu_next.sh     # ~5 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="3" bash benchmarks/gpu_next.sh       # ~6.5 min (inductor start)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="4" bash benchmarks/gpu_next.sh       # ~2 min
-#   eval "$(bash .devbundle/install.sh)" && STEPS="5" bash benchmarks/gpu_next.sh       # ~6 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="5" bash benchmarks/gpu_next.sh       # ~9 min (one call)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="6" bash benchmarks/gpu_next.sh       # ~2.5 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -58,7 +61,7 @@ grep -E "ceiling|skipped" "$R/haproxy.log" | tail -2
 fi
 if want 5; then
 say "5. Qwen: graphed engine decode profile, then the speed run"
-timeout 200 python benchmarks/qwen_profile.py --engine --engine-streams 1,32 --batches "" --out "$R/qwen_profile" \
+timeout 280 python benchmarks/qwen_profile.py --engine --engine-streams 1,32 --batches "" --out "$R/qwen_profile" \
   > "$R/qwen_profile.log" 2>&1
 grep -E "wall_ms_per_step" "$R/qwen_profile.log" | cut -c1-400
 timeout 260 python benchmarks/qwen_gpu.py --skip-transformers --decode-tokens 48 --ttft-reps 2 --out "$R/qwen" \
@@ -70,6 +73,7 @@ say "6. CUDA tests of the Qwen kernels (compiled, on the H200)"
 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_kernel_gdn.py \
   tests/test_kernel_gdn_prep.py tests/test_kernel_moe_align.py tests/test_kernel_moe_combine.py \
   tests/test_kernel_moe_router.py tests/test_kernel_rms_norm.py tests/test_kernel_paged_attention.py tests/test_kernel_w4a16.py \
+  tests/test_kernel_attn_prep.py \
   > "$R/qwen_kernel_tests.log" 2>&1
 grep -E "passed|failed" "$R/qwen_kernel_tests.log" | tail -2
 fi
