@@ -18,7 +18,7 @@ programs of a token also copy its v rows. One row of D = 256 per program; the ro
 again from memory (lane i +- RD/2) and normalised with the same 1/rms, so no register shuffles are needed.
 
 Numerics: the norm is the `rms_norm_zc` kernel's (fp32 sum of squares, `tl.rsqrt`, x * inv * (1 + w), one rounding);
-the RoPE products and sum are rounded like torch's bf16 ops, with integer round-to-nearest-even (`moe_combine._round`:
+the RoPE products and sum are rounded like torch's bf16 ops, with integer round-to-nearest-even (`rms_norm._round`:
 compiled `.to(bf16).to(fp32)` round trips get contracted). Tolerance as the norm kernels': max |diff| <= 1e-2 x
 max |ref| for bf16 (an ulp of the normed value can move with rsqrt), 1e-5 for fp32; k / v pool rows the same, and
 every pool row not written must stay bit-identical. bf16 and fp32 only (like moe_combine).
@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from kernels import tolerance
+from kernels.device import triton_device_ok
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.moe_combine import _round
+    from kernels.rms_norm import _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -165,10 +166,7 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, slots_o
     unit inner strides (q may be a strided view of the fused q/gate projection)."""
     if triton is None:
         return False
-    if _interpreted():
-        device_ok = device == "cpu"
-    else:
-        device_ok = device == "cuda" and capability is not None and tuple(capability) >= (8, 0)
+    device_ok = triton_device_ok(device, capability, _interpreted())
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and slots_ok
             and shapes_ok and 1 <= head_dim <= MAX_HEAD_DIM and pools_contiguous and unit_strides)
 

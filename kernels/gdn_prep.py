@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tolerance
+from kernels.device import triton_device_ok
 
 try:
     import triton
@@ -207,11 +208,7 @@ def supports(*, device: str, capability, dtypes: set, shapes_ok: bool, head_dims
     activation / state / weight input; consistent shapes; head dims <= 256; int64 or int32 rows; unit inner strides."""
     if triton is None:
         return False
-    if _interpreted():
-        dev_ok = device == "cpu"
-    else:
-        dev_ok = device == "cuda" and capability is not None and tuple(capability) >= (8, 0)
-    return (dev_ok and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and shapes_ok and unit_strides
+    return (triton_device_ok(device, capability, _interpreted()) and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and shapes_ok and unit_strides
             and rows_dtype in (torch.int64, torch.int32) and all(1 <= h <= 256 for h in head_dims))
 
 

@@ -12,7 +12,7 @@ Why: these are 5 kernels per layer (GEMV, sigmoid, mul, add, add), 200 of a deco
 each a few microseconds of launch-bound work on [N, 2048] bf16 tensors. One program per row: it reads x, w_gate,
 shared, routed and residual once (5 x 4 KB at H = 2048, bf16) and writes the row once.
 
-Numerics: the same fp32 operations and the same roundings to the model dtype (through `kernels.rms_norm._cast`, RNE
+Numerics: the same fp32 operations and the same roundings to the model dtype (`kernels.rms_norm._round` / `_cast`, RNE
 under the interpreter too); only the GEMV's sum runs in another order than cuBLAS's, so the rounded gate may differ
 by one bf16 ulp, which moves the output by at most 2^-8 |gate * shared|. Tolerance: max |diff| <= 1e-2 x max |ref|
 for bf16, 1e-5 for fp32 (`kernels.tolerance.compare`); the registry's sample has no massive residual row, so that
@@ -29,13 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tolerance
+from kernels.device import triton_device_ok
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from kernels.rms_norm import _cast
+    from kernels.rms_norm import _cast, _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -53,17 +54,6 @@ def moe_combine_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: to
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-        """fp32 v rounded (to nearest even) to DTYPE's precision, returned in fp32. bf16 by integer ops on the bits,
-        which the compiler can neither drop nor contract into an FMA with the next add (compiled for the H200, the
-        `.to(bf16).to(fp32)` round trips of this kernel left 2-3% of the outputs an ulp off torch's)."""
-        if DTYPE == tl.bfloat16:
-            u = v.to(tl.uint32, bitcast=True)
-            r = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-            return tl.where(v != v, v, r)  # a NaN stays NaN (the GPU's canonical 0x7FFFFFFF would carry into -0)
-        return v  # fp32: nothing to round (supports() admits bf16 and fp32 only)
 
     @triton.jit
     def _moe_combine_kernel(x, w, shared, routed, residual, out, H, s_x, s_s, s_r, s_res, s_o,
@@ -136,10 +126,7 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, dim: in
     DTYPES; 2-D [N, H] tensors, a [1, H] gate weight, 1 <= H <= MAX_DIM; unit inner strides."""
     if triton is None:
         return False
-    if _interpreted():
-        device_ok = device == "cpu"
-    else:
-        device_ok = device == "cuda" and capability is not None and tuple(capability) >= (8, 0)
+    device_ok = triton_device_ok(device, capability, _interpreted())
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and shapes_ok
             and 1 <= dim <= MAX_DIM and unit_strides)
 

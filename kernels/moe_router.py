@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from kernels.device import triton_device_ok
+
 try:
     import triton
     import triton.language as tl
@@ -183,12 +185,8 @@ def supported(logits: torch.Tensor, k: int) -> bool:
     (rows may be strided), dtype in DTYPES; 1 <= k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS (one register tile)."""
     if triton is None or not isinstance(logits, torch.Tensor):
         return False
-    if _interpreted():
-        device_ok = logits.device.type == "cpu"
-    else:
-        device_ok = (logits.device.type == "cuda"
-                     and tuple(torch.cuda.get_device_capability(logits.device)) >= MIN_CAPABILITY)
-    if not device_ok or logits.dim() != 2 or logits.dtype not in DTYPES:
+    cap = torch.cuda.get_device_capability(logits.device) if logits.is_cuda else None
+    if not triton_device_ok(logits.device.type, cap, _interpreted(), MIN_CAPABILITY) or logits.dim() != 2 or logits.dtype not in DTYPES:
         return False
     e = logits.shape[1]
     return logits.stride(1) == 1 and 1 <= e <= MAX_EXPERTS and 1 <= int(k) <= min(e, MAX_TOP_K)

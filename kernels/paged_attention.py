@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tolerance
+from kernels.device import triton_device_ok
 
 try:
     import triton
@@ -310,10 +311,7 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, index_d
     unit inner strides of q and the pools."""
     if triton is None:
         return False
-    if _interpreted():
-        device_ok = device == "cpu"
-    else:
-        device_ok = device == "cuda" and capability is not None and tuple(capability) >= MIN_CAPABILITY
+    device_ok = triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
             and index_dtypes <= set(INDEX_DTYPES) and shapes_ok and unit_strides
             and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tolerance
+from kernels.device import triton_device_ok
 
 try:
     import triton
@@ -94,6 +95,26 @@ if triton is not None:
         return v.to(DTYPE)
 
     @triton.jit
+    def _round(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        """fp32 v rounded (to nearest even) to DTYPE's precision, returned in fp32. bf16 by integer ops on the bits,
+        which the compiler can neither drop nor contract into an FMA with the next add (compiled for the H200, the
+        `.to(bf16).to(fp32)` round trips of kernels/moe_combine.py left 2-3% of its outputs an ulp off torch's). For
+        intermediates that torch rounds between ops; `_cast` is for a kernel's final store."""
+        if DTYPE == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            r = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+            return tl.where(v != v, v, r)  # a NaN stays NaN (the GPU's canonical 0x7FFFFFFF would carry into -0)
+        return v  # fp32: nothing to round (the callers' supports() admit bf16 and fp32 only)
+
+    @triton.jit
+    def _row_tile(R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's rows [BR], columns [BD], column mask [BD] and tile mask [BR, BD] (R rows of D)."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        c_ok = cols < D
+        return rows, cols, c_ok, (rows < R)[:, None] & c_ok[None, :]
+
+    @triton.jit
     def _load_rows(ptr, rows, cols, stride, ok):
         """[BLOCK_R, BLOCK_D] tile of rows (int64 offsets) in fp32; masked entries 0."""
         return tl.load(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -106,10 +127,7 @@ if triton is not None:
     @triton.jit
     def _rms_norm_zc_kernel(x, w, out, R, D, s_x, s_o, eps,
                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_D)
-        c_ok = cols < D
-        ok = (rows < R)[:, None] & c_ok[None, :]
+        rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
         wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
         y = (xf * _inv_rms(xf, D, eps)[:, None]) * (1.0 + wf)[None, :]
@@ -120,10 +138,7 @@ if triton is not None:
     def _rms_norm_gated_kernel(x, z, w, out, R, D, s_x, s_z, s_o, eps, ROUND_PRODUCT: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
         # ROUND_PRODUCT: torch computes `weight * y` in x.dtype (weight of x's dtype, bf16/fp16), not in fp32
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_D)
-        c_ok = cols < D
-        ok = (rows < R)[:, None] & c_ok[None, :]
+        rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
         y = _cast(xf * _inv_rms(xf, D, eps)[:, None], x.dtype.element_ty, INTERPRET).to(tl.float32)  # .to(x.dtype)
         wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
@@ -239,10 +254,7 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, weight_
     row); unit stride in the last dim of every tensor."""
     if triton is None:
         return False
-    if _interpreted():
-        device_ok = device == "cpu"
-    else:
-        device_ok = device == "cuda" and capability is not None and tuple(capability) >= MIN_CAPABILITY
+    device_ok = triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
             and weight_dtype in DTYPES and shapes_ok and 1 <= dim <= MAX_DIM and unit_strides)
 

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
+from kernels.device import triton_device_ok
 import torch.nn.functional as F
 
 from kernels.nvfp4 import BLOCK, NVFP4Tensor, w4a16_linear_reference
@@ -536,11 +537,7 @@ def moe_experts_w4a16_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor,
 
 # ---- guards, registry entries ---------------------------------------------------------------------------------------
 def _device_ok(device: str, capability: tuple[int, int] | None) -> bool:
-    if triton is None:
-        return False
-    if _interpreted():
-        return device == "cpu"
-    return device == "cuda" and capability is not None and tuple(capability) >= MIN_CAPABILITY
+    return triton is not None and triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
 
 
 def _capability(t: torch.Tensor) -> tuple[int, int] | None:
