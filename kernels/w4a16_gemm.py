@@ -18,6 +18,11 @@ ops per weight):
   2^-15, exact; GPUs keep fp16 subnormals); `* 2^14` in fp16 is exact.
   e4m3 byte b (sign 0): `(b & 0x7F) << 7` read as fp16 is e4m3 * 2^-8 (normals and subnormals alike); `* 2^8` exact.
   Both products and the cast to bf16 are exact (see above); `tests/test_kernel_w4a16.py` checks every code x scale.
+  That fp16 route costs two conversions per weight for a bf16 dot (DEQ 0). DEQ 1 / 2 build bf16 directly:
+  `((c & 7) << 6) | ((c & 8) << 12)` read as bf16 is E2M1 * 2^-126 (code 1: the bf16 subnormal 2^-127, kept by the
+  GPU's bf16 multiply -- the exact-tile test passes on the H200), times the scale * 2^119 (a normal bf16) = the
+  weight * 2^-7, exact, undone by an exact * 2^7 of the fp32 accumulator. DEQ 2 does the bit work in inline PTX on
+  32-bit registers (~3 instructions per weight instead of ~7), which the interpreter cannot run (it runs DEQ 1).
 Even/odd: the low nibbles of a byte tile are the weights of even k, the high nibbles those of odd k; instead of
 interleaving the weight tile, the (small) activation tile is split into even and odd columns and two dots are summed.
 
@@ -32,20 +37,26 @@ Napkin math (Qwen3.6-35B-A3B, decode step of one token; NVFP4 = 0.5625 B/param i
   At M = 32 (32 streams) ~162 of the 256 experts are hit per layer (256 (1 - (1 - 1/256)^256)): 287 MB -> 60 us per
   layer, weight reads still dominate. A dequantise-then-bf16-matmul baseline moves 0.5625 + 2 (write bf16) + 2 (read
   it back) = 4.56 B/param: ~8x the traffic.
-  Work: ~6 integer/fp16 ops per weight for the dequant. At 4.8 TB/s = 9.6 G weights/ms that is ~58 Tops/s, inside
-  the H200's ALU budget but not by a wide margin; decode tiles are sized so that each weight is dequantised once.
+  Work: ~3-7 integer/fp16 ops per weight for the dequant (DEQ 2 / 0). At 4.8 TB/s = 9.6 G weights/ms that is up to
+  ~58 Tops/s, inside the H200's ALU budget but not by a wide margin; each weight is dequantised once per M tile.
 
 API. Dense: `w4a16_linear_triton(x, w)` (custom op `qwen::w4a16_linear`; reference `w4a16_linear_reference`);
-`w4a16_dense_launch(x2d, packed, scales, global, split_k=, config=)` underneath. MoE: `moe_experts_w4a16_triton(x,
-w13, w2, idx, weights)` (custom op `qwen::w4a16_moe`; reference `moe_experts_w4a16_reference`) = `moe_align_fast`
-(sort the (token, slot) pairs by expert, pad each expert to BLOCK_M rows, no host sync; one Triton program at decode
-sizes, `kernels/moe_align.py`, else the torch `moe_align`) + `w4a16_grouped_launch` twice (gate_up
-with SwiGLU in the epilogue -> [P, I]; down with the routing weight in the epilogue -> [P, H]) + a sum over top-k.
+`w4a16_dense_launch(x2d, packed, scales, global, split_k=, config=, modes=)` underneath. MoE:
+`moe_experts_w4a16_triton(x, w13, w2, idx, weights)` (custom op `qwen::w4a16_moe`; reference
+`moe_experts_w4a16_reference`) = `moe_align_fast` (sort the (token, slot) pairs by expert, pad each expert to BLOCK_M
+rows, no host sync; one Triton program at decode sizes, `kernels/moe_align.py`, else the torch `moe_align`) +
+`w4a16_grouped_launch` twice (gate_up with SwiGLU in the epilogue -> [P, I]; down with the routing weight in the
+epilogue -> [P, H]) + a sum over top-k.
 `dequantize_nvfp4_triton` exposes the in-kernel dequant (exact-tile test; the dequantise-then-matmul baseline).
 `register(registry)` adds ops "w4a16_linear" and "w4a16_moe".
 
 Decode (M = 1-32): BLOCK_M = 16/32 (tensor-core minimum 16; the wasted rows cost nothing at memory-bound sizes);
 dense split-K when the output tiles cannot fill the SMs (fp32 partials summed by torch: deterministic, no atomics).
+Weights stream through cp.async stages; the block-scale bytes are too narrow for cp.async, so SCALE_AHEAD requests
+them K tiles early in registers. Which DEQ / SCALE_AHEAD each kernel runs: GROUPED_MODES, DENSE_MODES (measured).
+Where the time goes at 32 streams (H200, 2026-11-30, `benchmarks/w4a16_bench.py`): ~0.9 TB/s of weight reads, so
+neither the ALU work (DEQ 2 halves the loop's instructions: 4-6% per call) nor the scale latency (one tile ahead:
+0-5% more) is the main limit.
 """
 
 from __future__ import annotations
@@ -186,6 +197,7 @@ def _pow2_bucket(n: int, lo: int = 16, hi: int = 256) -> int:
 
 if triton is not None:
     _BLK = tl.constexpr(BLOCK)  # jit functions may only read constexpr globals
+    _TWO_119 = tl.constexpr(2.0 ** 119)
 
     @triton.jit
     def _e2m1_fp16(c):
@@ -199,13 +211,68 @@ if triton is not None:
         return ((b & 0x7F) << 7).to(tl.float16, bitcast=True) * 256.0
 
     @triton.jit
-    def _dequant(pw, sc, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Packed bytes [BN, BK/16, 8] + scale bytes [BN, BK/16] -> (even-k, odd-k) weights [BN, BK/2] in DTYPE."""
+    def _e2m1_bf16_tiny(c):
+        """uint16 E2M1 codes 0..15 -> E2M1 x 2^-126 as exact bf16 (e1 e0 m into bits 8-6, the sign into bit 15; code
+        1 = 0.5 becomes the subnormal 2^-127). Integer ops only: no conversion instructions, which run at 1/8 rate.
+        `_dequant` multiplies it by scale x 2^119 (exact)."""
+        return (((c & 7) << 6) | ((c & 8) << 12)).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _e2m1x2_bf16_tiny_ptx(pw):
+        """`_e2m1_bf16_tiny` of both nibbles of uint8 bytes -> (low-nibble, high-nibble) bf16 tensors, in PTX on 32-bit
+        registers: 4 bytes per call, PRMT spreads bytes 0/1 (2/3) into two 16-bit halves, shifts and masks do each
+        pair of halves at once. About 3 instructions per weight instead of ~7 for Triton's 16-bit integer code."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 r01, r23, a, b;
+            prmt.b32 r01, $4, 0, 0x4140;
+            prmt.b32 r23, $4, 0, 0x4342;
+            shl.b32 a, r01, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, r01, 12; and.b32 b, b, 0x80008000;
+            or.b32 $0, a, b;
+            shl.b32 a, r23, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, r23, 12; and.b32 b, b, 0x80008000;
+            or.b32 $1, a, b;
+            shl.b32 a, r01, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, r01, 8; and.b32 b, b, 0x80008000;
+            or.b32 $2, a, b;
+            shl.b32 a, r23, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, r23, 8; and.b32 b, b, 0x80008000;
+            or.b32 $3, a, b;
+            }""",
+            "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
+    def _dequant(pw, sc, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEQ: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+        """Packed bytes [BN, BK/16, 8] + scale bytes [BN, BK/16] -> (even-k, odd-k) weights [BN, BK/2] in DTYPE,
+        times `_dequant_gain`'s inverse. DEQ (bf16 only, DEQ_MODES): 0 dequantise in fp16 and convert; 1 and 2 build
+        E2M1 x 2^-126 with integer ops (in Triton / in PTX) and multiply once by scale x 2^119, so the tile holds
+        weight x 2^-7: exact (>= 2^-17, a normal bf16), and the epilogue's fp32 x 2^7 undoes it exactly."""
+        s = _e4m3_fp16(sc.to(tl.uint16))[:, :, None]  # 1/16 of the weights: its conversions cost little
+        if DTYPE == tl.bfloat16 and DEQ > 0:
+            s = s.to(tl.float32) * _TWO_119  # <= 448 x 2^119 < 2^128: a normal bf16, exact
+            if INTERPRET:  # it multiplies bf16 bit patterns and flushes bf16 subnormals: the same bits in fp32
+                p = pw.to(tl.uint32)
+                lo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True) * s
+                hi = ((((p >> 4) & 7) << 22) | (((p >> 4) & 8) << 28)).to(tl.float32, bitcast=True) * s
+                lo, hi = lo.to(DTYPE), hi.to(DTYPE)  # exact, so the interpreter's truncating cast is too
+            else:
+                s = s.to(tl.bfloat16)
+                if DEQ == 2:
+                    lo, hi = _e2m1x2_bf16_tiny_ptx(pw)
+                else:
+                    p = pw.to(tl.uint16)
+                    lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
+                lo, hi = lo * s, hi * s  # bf16 x bf16 (one HMUL2 per two weights), exact
+            return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
         p = pw.to(tl.uint16)
-        s = _e4m3_fp16(sc.to(tl.uint16))[:, :, None]
         lo = tl.reshape(_e2m1_fp16(p & 0xF) * s, (BLOCK_N, BLOCK_K // 2))
         hi = tl.reshape(_e2m1_fp16(p >> 4) * s, (BLOCK_N, BLOCK_K // 2))
         return lo.to(DTYPE), hi.to(DTYPE)
+
+    @triton.jit
+    def _dequant_gain(DTYPE: tl.constexpr, DEQ: tl.constexpr):
+        """The power of two by which an accumulator of `_dequant` tiles is multiplied (in fp32, exact)."""
+        if DTYPE == tl.bfloat16 and DEQ > 0:
+            return 128.0
+        return 1.0
 
     @triton.jit
     def _mma(a, b, acc, INTERPRET: tl.constexpr):
@@ -217,15 +284,45 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _load_w_tile(w, s, rows, row_ok, t, K, s_wn, s_sn, BLOCK_K: tl.constexpr):
-        """K tile t of weight rows `rows` [BN]: packed [BN, BK/16, 8] and scale bytes [BN, BK/16], zero outside."""
+    def _load_scale_tile(s, rows, row_ok, t, K, s_sn, BLOCK_K: tl.constexpr):
+        """Block-scale bytes [BN, BK/16] of K tile t of weight rows `rows` [BN], zero outside (t past the end too).
+        Byte loads are too narrow for cp.async, so Triton's pipeliner leaves them synchronous in the K loop: the
+        kernels issue them SCALE_AHEAD tiles early (registers) instead of waiting on DRAM every tile."""
         grp = t * (BLOCK_K // _BLK) + tl.arange(0, BLOCK_K // _BLK)  # block-scale columns of this tile
         ok = row_ok[:, None] & (grp[None, :] < K // _BLK)  # K % 16 == 0: a 16-group is all in or all out
-        sc = tl.load(s + rows[:, None] * s_sn + grp[None, :], mask=ok, other=0)
+        return tl.load(s + rows[:, None] * s_sn + grp[None, :], mask=ok, other=0)
+
+    @triton.jit
+    def _load_packed_tile(w, rows, row_ok, t, K, s_wn, BLOCK_K: tl.constexpr):
+        """Packed weight bytes [BN, BK/16, 8] of K tile t of weight rows `rows` [BN], zero outside."""
+        grp = t * (BLOCK_K // _BLK) + tl.arange(0, BLOCK_K // _BLK)
+        ok = row_ok[:, None] & (grp[None, :] < K // _BLK)
         j = tl.arange(0, _BLK // 2)
-        pw = tl.load(w + rows[:, None, None] * s_wn + (grp * (_BLK // 2))[None, :, None] + j[None, None, :],
-                     mask=ok[:, :, None], other=0)
-        return pw, sc
+        return tl.load(w + rows[:, None, None] * s_wn + (grp * (_BLK // 2))[None, :, None] + j[None, None, :],
+                       mask=ok[:, :, None], other=0)
+
+    @triton.jit
+    def _scale_pipe_start(s, rows, row_ok, t0, K, s_sn, BLOCK_K: tl.constexpr, SCALE_AHEAD: tl.constexpr):
+        """The look-ahead scale tiles t0, t0 + 1 before the K loop (only as many as SCALE_AHEAD loads: the rest fully
+        masked, no memory access)."""
+        a = _load_scale_tile(s, rows, row_ok & (SCALE_AHEAD >= 1), t0, K, s_sn, BLOCK_K)
+        b = _load_scale_tile(s, rows, row_ok & (SCALE_AHEAD >= 2), t0 + 1, K, s_sn, BLOCK_K)
+        return a, b
+
+    @triton.jit
+    def _scale_pipe_next(a, b, s, rows, row_ok, t, K, s_sn, BLOCK_K: tl.constexpr, SCALE_AHEAD: tl.constexpr):
+        """-> (the scales of tile t, the look-ahead tiles after it): SCALE_AHEAD = 0 loads tile t now (and waits on
+        it), 1 / 2 return the tile loaded one / two iterations ago and request tile t + 1 / t + 2."""
+        if SCALE_AHEAD == 0:
+            cur = _load_scale_tile(s, rows, row_ok, t, K, s_sn, BLOCK_K)
+        elif SCALE_AHEAD == 1:
+            cur = a
+            a = _load_scale_tile(s, rows, row_ok, t + 1, K, s_sn, BLOCK_K)
+        else:
+            cur = a
+            a = b
+            b = _load_scale_tile(s, rows, row_ok, t + 2, K, s_sn, BLOCK_K)
+        return cur, a, b
 
     @triton.jit
     def _load_x_tile(x, a_rows, a_ok, t, K, s_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -249,12 +346,13 @@ if triton is not None:
         want = (mb,) if mb <= 32 else (64,) if mb == 64 else (64, 128)
         return [c for c in configs if c.kwargs["BLOCK_M"] in want]
 
-    @triton.autotune(configs=_DENSE_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K"],
+    @triton.autotune(configs=_DENSE_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K", "DEQ", "SCALE_AHEAD"],
                      prune_configs_by={"early_config_prune": _prune_dense})
     @triton.jit
     def _w4a16_dense_kernel(x, w, s, g, y, M, N, K, M_BUCKET, s_xm, s_wn, s_sn, s_gn, s_ys, s_ym,
-                            SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, DEQ: tl.constexpr,
+                            SCALE_AHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         # grid (cdiv(M, BM), cdiv(N, BN), SPLIT_K); y [SPLIT_K, M, N] fp32 partials, or [M, N] when SPLIT_K == 1
         # M_BUCKET (next power of two of M) is only an autotune key
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -264,40 +362,37 @@ if triton is not None:
         k_tiles = tl.cdiv(K, BLOCK_K)
         per = tl.cdiv(k_tiles, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(pid_k * per, tl.minimum(pid_k * per + per, k_tiles)):
+        t0 = pid_k * per
+        sa, sb = _scale_pipe_start(s, offs_n, n_ok, t0, K, s_sn, BLOCK_K, SCALE_AHEAD)
+        for t in range(t0, tl.minimum(t0 + per, k_tiles)):
             xe, xo = _load_x_tile(x, offs_m, m_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
-            pw, sc = _load_w_tile(w, s, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
-            lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K)
+            pw = _load_packed_tile(w, offs_n, n_ok, t, K, s_wn, BLOCK_K)
+            sc, sa, sb = _scale_pipe_next(sa, sb, s, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
+            lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
             acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
             acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
-        acc = acc * tl.load(g + offs_n * s_gn, mask=n_ok, other=0.0)[None, :]
+        gain = _dequant_gain(x.dtype.element_ty, DEQ)
+        acc = acc * (tl.load(g + offs_n * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
         tl.store(y + pid_k * s_ys + offs_m[:, None] * s_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    # the last four: narrow, deeply pipelined tiles for decode, where an expert has 1-2 real rows and a layer's
-    # (expert, N-tile) programs must still fill 132 SMs and keep enough weight loads in flight (the H200 profile of
-    # 2026-11-30: ~15 us per grouped call at batch 1, ~0.5 TB/s of weight reads, with the first six only)
-    # PREFETCH=True variants of the decode-sized tiles: the autotuner keeps whichever is faster on the device
-    _GROUPED_CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf), num_warps=w, num_stages=s)
-                        for bn, bk, w, s, pfs in [(32, 128, 4, 4, (0, 1)), (64, 128, 4, 4, (0, 1)),
-                                                  (32, 256, 4, 3, (0, 1)), (64, 256, 4, 3, (0, 1)),
-                                                  (128, 128, 8, 3, (0,)), (128, 64, 4, 4, (0,)),
-                                                  (16, 128, 4, 4, (0, 1)), (16, 256, 4, 4, (0, 1)),
-                                                  (16, 128, 2, 6, (0,)), (32, 128, 2, 6, (0,))]
-                        for pf in pfs]
+    # narrow tiles for decode, where an expert has 1-2 real rows and a layer's (expert, N-tile) programs must still
+    # fill 132 SMs and keep enough weight loads in flight. (A register-prefetch variant, PREFETCH, measured no faster
+    # on the H200 on 2026-11-30, run 9, and was removed.)
+    _GROUPED_CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
+                        for bn, bk, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 4, 3),
+                                             (128, 128, 8, 3), (128, 64, 4, 4), (16, 128, 4, 4), (16, 256, 4, 4),
+                                             (16, 128, 2, 6), (32, 128, 2, 6)]]
 
-    @triton.autotune(configs=_GROUPED_CONFIGS, key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU"])
+    @triton.autotune(configs=_GROUPED_CONFIGS, key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU", "DEQ", "SCALE_AHEAD"])
     @triton.jit
     def _w4a16_grouped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
                               s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
                               SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PREFETCH: tl.constexpr):
+                              DEQ: tl.constexpr, SCALE_AHEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
-        # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out (without SWIGLU
-        # the "up" loads are fully masked: no memory traffic). PREFETCH: software pipelining in registers -- the
-        # next K tile's loads are issued before this tile's dequant and MMAs, so their latency overlaps that work
-        # (the compiled loop has no cp.async stages: its loads feed register dequant, not a dot operand directly).
+        # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
@@ -314,34 +409,26 @@ if triton is not None:
             se = s + e.to(tl.int64) * s_se
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if PREFETCH:  # tile 0 now; in the loop tile t + 1 is requested before tile t is dequantised and used
-                xe, xo = _load_x_tile(x, a_rows, p_ok, 0, K, s_xm, BLOCK_M, BLOCK_K)
-                pw, sc = _load_w_tile(we, se, offs_n, n_ok, 0, K, s_wn, s_sn, BLOCK_K)
-                pw_u, sc_u = _load_w_tile(we, se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_wn, s_sn, BLOCK_K)
+            sa, sb = _scale_pipe_start(se, offs_n, n_ok, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # gate (or plain) rows
+            ua, ub = _scale_pipe_start(se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # up rows
             for t in range(0, tl.cdiv(K, BLOCK_K)):
-                if PREFETCH:  # (t + 1 past the last tile: every lane masked, no memory access)
-                    xe_n, xo_n = _load_x_tile(x, a_rows, p_ok, t + 1, K, s_xm, BLOCK_M, BLOCK_K)
-                    pw_n, sc_n = _load_w_tile(we, se, offs_n, n_ok, t + 1, K, s_wn, s_sn, BLOCK_K)
-                    pwu_n, scu_n = _load_w_tile(we, se, offs_n + n_out, n_ok & SWIGLU, t + 1, K, s_wn, s_sn,
-                                                BLOCK_K)
-                else:
-                    xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
-                    pw, sc = _load_w_tile(we, se, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
-                lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K)
+                xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
+                pw = _load_packed_tile(we, offs_n, n_ok, t, K, s_wn, BLOCK_K)
+                sc, sa, sb = _scale_pipe_next(sa, sb, se, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
+                lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                 acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
                 acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
                 if SWIGLU:
-                    if not PREFETCH:
-                        pw_u, sc_u = _load_w_tile(we, se, offs_n + n_out, n_ok, t, K, s_wn, s_sn, BLOCK_K)
-                    lo, hi = _dequant(pw_u, sc_u, x.dtype.element_ty, BLOCK_N, BLOCK_K)
+                    sc, ua, ub = _scale_pipe_next(ua, ub, se, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
+                    pw = _load_packed_tile(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K)
+                    lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                     acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
                     acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
-                if PREFETCH:
-                    xe, xo, pw, sc, pw_u, sc_u = xe_n, xo_n, pw_n, sc_n, pwu_n, scu_n
             ge = g + e * s_ge
-            acc = acc * tl.load(ge + offs_n * s_gn, mask=n_ok, other=0.0)[None, :]
+            gain = _dequant_gain(x.dtype.element_ty, DEQ)
+            acc = acc * (tl.load(ge + offs_n * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
             if SWIGLU:
-                acc_up = acc_up * tl.load(ge + (offs_n + n_out) * s_gn, mask=n_ok, other=0.0)[None, :]
+                acc_up = acc_up * (tl.load(ge + (offs_n + n_out) * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             if HAS_ROW_SCALE:
                 acc = acc * tl.load(rs + pairs, mask=p_ok, other=0.0).to(tl.float32)[:, None]
@@ -349,14 +436,19 @@ if triton is not None:
                      mask=p_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _dequant_kernel(w, s, out, N, K, s_wn, s_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _dequant_kernel(w, s, out, N, K, s_wn, s_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DEQ: tl.constexpr, INTERPRET: tl.constexpr):
         """Block values E2M1 x scale (no global scale) [N, K] in out's dtype: the kernels' dequant, exposed for the
         exact tile test and as the 'dequantise then matmul' baseline."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         t = tl.program_id(1)
         n_ok = offs_n < N
-        pw, sc = _load_w_tile(w, s, offs_n, n_ok, t, K, s_wn, s_sn, BLOCK_K)
-        lo, hi = _dequant(pw, sc, out.dtype.element_ty, BLOCK_N, BLOCK_K)
+        pw = _load_packed_tile(w, offs_n, n_ok, t, K, s_wn, BLOCK_K)
+        sc = _load_scale_tile(s, offs_n, n_ok, t, K, s_sn, BLOCK_K)
+        lo, hi = _dequant(pw, sc, out.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
+        gain = _dequant_gain(out.dtype.element_ty, DEQ)
+        lo = (lo.to(tl.float32) * gain).to(out.dtype.element_ty)  # exact: a power of two on normal values
+        hi = (hi.to(tl.float32) * gain).to(out.dtype.element_ty)
         ks = t * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
         ok = n_ok[:, None] & (ks[None, :] < K)
         ptr = out + offs_n[:, None] * K + ks[None, :]
@@ -373,17 +465,37 @@ def _interpreted() -> bool:
 # masked edges and multi-tile loops exercised. Two more interpreter differences are worked around so that the
 # interpreter computes the GPU's numbers: bf16 dots (see `_mma`), and fp32 -> bf16 casts, which it truncates instead
 # of rounding to nearest even (`interpreter.py: _convert_float`) -- there the kernels write fp32 and torch rounds.
-INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, PREFETCH=0)
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)
+
+# How a bf16 weight tile is built (constexpr DEQ of the kernels; fp16 activations always take mode 0, where the fp16
+# dequant is the operand). All three give identical values; they differ in instructions per weight.
+DEQ_MODES = {0: "fp16 dequant, then convert to bf16 (two conversions per weight)",
+             1: "bf16 built with integer ops in Triton",
+             2: "bf16 built with integer ops in inline PTX (GPU only: the interpreter has no PTX)"}
 
 
-def _launch(kernel, grid, args: tuple, config: dict | None, **meta):
-    """Autotuned launch on a GPU; a fixed config under the interpreter or when `config` is given (tests)."""
+# Per kernel, from the H200 (benchmarks/RESULTS.md, "The grouped W4A16 kernel" and Qwen run 10): the grouped kernel
+# with the PTX dequant and the scales requested ahead is 5-17% faster per call at decode sizes (17.8 -> 14.7 ms per
+# step at 32 streams in the engine profile, with one tile ahead for both projections); the down projection (no
+# SwiGLU, K = 512) measured 15% faster again with two tiles ahead (120 -> 101 us per call at 32 tokens; kernel bench
+# only, the engine not re-run), gate_up slower that way. The dense decode kernel (split-K GEMV) measured slower with
+# the new modes (0.66 -> 0.76 ms per step, lone request), so it keeps the fp16 dequant with the scales in the tile.
+GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1), False: dict(DEQ=2, SCALE_AHEAD=2)}  # by SWIGLU (gate_up / down)
+DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
+
+
+def _launch(kernel, grid, args: tuple, config: dict | None, modes: dict, **meta):
+    """Autotuned launch on a GPU; a fixed config under the interpreter or when `config` is given (tests, benchmarks).
+    `modes` (DEQ, SCALE_AHEAD; `config` may override them) are part of the autotune key. The interpreter runs
+    DEQ 2 as 1: the same integer construction, without the PTX it cannot execute."""
+    meta.update(modes)
     meta["INTERPRET"] = _interpreted()
     if config is None and not _interpreted():
         kernel[grid](*args, **meta)
         return
-    cfg = dict(config or INTERPRETER_CONFIG)
-    cfg.update(meta)
+    cfg = {**meta, **(config or INTERPRETER_CONFIG), "INTERPRET": meta["INTERPRET"]}
+    if _interpreted() and cfg.get("DEQ") == 2:
+        cfg["DEQ"] = 1
     kernel.fn[grid](*args, **{k: v for k, v in cfg.items() if k in kernel.fn.arg_names or k.startswith("num_")})
 
 
@@ -427,9 +539,10 @@ def _global_2d(g: torch.Tensor, e: int, n: int) -> tuple[torch.Tensor, int, int]
 
 
 def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                       *, split_k: int | None = None, config: dict | None = None) -> torch.Tensor:
+                       *, split_k: int | None = None, config: dict | None = None,
+                       modes: dict | None = None) -> torch.Tensor:
     """x [M, K] (row stride free, unit k stride) -> [M, N] in x.dtype. `split_k` / `config` override the heuristic
-    and the autotuner (tests, benchmarks)."""
+    and the autotuner, `modes` the dequant modes (tests, benchmarks)."""
     m, k = x.shape
     n = packed.shape[0]
     g, s_gn = _global_1d(global_scale, n)
@@ -447,13 +560,14 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     sc = scales.view(torch.uint8)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)  # noqa: E731
     _launch(_w4a16_dense_kernel, grid, (x, packed, sc, g, y, m, n, k, _pow2_bucket(m), x.stride(0), packed.stride(0),
-                                        sc.stride(0), s_gn, s_ys, n), config, SPLIT_K=split_k)
+                                        sc.stride(0), s_gn, s_ys, n), config, {**DENSE_MODES, **(modes or {})},
+            SPLIT_K=split_k)
     return y if direct else y.sum(0).to(x.dtype)
 
 
 def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *, a_div: int = 1,
                          row_scale: torch.Tensor | None = None, swiglu: bool = False,
-                         config: dict | None = None) -> torch.Tensor:
+                         config: dict | None = None, modes: dict | None = None) -> torch.Tensor:
     """Grouped GEMM over the routed pairs: y[p] = f(x[p // a_div] @ dequant(W[e_p])^T) * row_scale[p].
     x [R, K]; w stacked [E, N, K]; -> y [P, N (or N/2 with swiglu)] in x.dtype (pair order = routing's pair ids)."""
     e, n, kh = w.packed.shape
@@ -468,25 +582,28 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
     rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
     bm = routing.block_m
     grid = lambda meta: (routing.block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))  # noqa: E731
-    cfg = None if config is None else {"PREFETCH": 0, **{k_: v for k_, v in config.items() if k_ != "BLOCK_M"}}
+    cfg = None if config is None else {k_: v for k_, v in config.items() if k_ != "BLOCK_M"}
     if cfg is None and _interpreted():
         cfg = {k_: v for k_, v in INTERPRETER_CONFIG.items() if k_ != "BLOCK_M"}
     _launch(_w4a16_grouped_kernel, grid,
             (x, w.packed, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
              _pow2_bucket(routing.num_pairs, 16, 4096), x.stride(0), w.packed.stride(0), w.packed.stride(1),
              sc.stride(0), sc.stride(1), s_ge, s_gn, y.stride(0)),
-            cfg, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=bm)
+            cfg, {**GROUPED_MODES[swiglu], **(modes or {})}, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None,
+            BLOCK_M=bm)
     return y.to(x.dtype)
 
 
 def dequantize_nvfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                            block_n: int = 32, block_k: int = 64) -> torch.Tensor:
-    """[N, K/2] + [N, K/16] -> block values E2M1 x scale [N, K] in dtype (no global scale), with the GEMMs' dequant."""
+                            block_n: int = 32, block_k: int = 64, deq: int | None = None) -> torch.Tensor:
+    """[N, K/2] + [N, K/16] -> block values E2M1 x scale [N, K] in dtype (no global scale), with the GEMMs' dequant
+    (`deq`: one of DEQ_MODES, default the kernels' own)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     sc = scales.view(torch.uint8)
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        packed, sc, out, n, k, packed.stride(0), sc.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+        packed, sc, out, n, k, packed.stride(0), sc.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        DEQ=(1 if _interpreted() else 2) if deq is None else deq, INTERPRET=_interpreted())
     return out
 
 

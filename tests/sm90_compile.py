@@ -71,12 +71,13 @@ def main() -> int:
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False)))
     grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
-    # the narrow decode tiles of the grouped W4A16 kernel (SwiGLU epilogue), and its register-prefetch variant
-    for bn, bk, pf in ((16, 128, 0), (16, 256, 0), (64, 128, 1), (16, 256, 1)):
-        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} PREFETCH={pf} (SwiGLU, bf16)",
+    # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
+    # a real compile checks) and scale look-ahead
+    for bn, bk, deq, ahead in ((16, 128, 2, 2), (32, 128, 1, 2), (64, 256, 2, 0), (32, 128, 0, 1)):
+        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} (SwiGLU, bf16)",
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
                               dict(SWIGLU=True, HAS_ROW_SCALE=False, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
-                                   BLOCK_K=bk, PREFETCH=pf)))
+                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead)))
     ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
                           {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},
                           dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False)))

@@ -70,17 +70,22 @@ def check_gemm(y, x, w_dq, ref32, what=""):
 
 
 # ---- dequantisation -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dequant_tile_is_exact_for_every_code_and_scale(dtype):
+# bf16 dequant modes (kernels.w4a16_gemm.DEQ_MODES): 2 is inline PTX, compiled only on a GPU
+DEQS = [0, 1] + ([2] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype,deq", [(torch.bfloat16, d) for d in DEQS] + [(torch.float16, 0)])
+@pytest.mark.parametrize("k", [48, 192])  # 48: a masked K tail
+def test_dequant_tile_is_exact_for_every_code_and_scale(dtype, deq, k):
     # row r: all 16 codes twice over K = 32 (2 blocks) -> each code meets two scales; 16 distinct e4m3 scales per
     # row pair, covering subnormals (2^-9 .. 7 * 2^-9), 1.875 mantissas, and the max 448
     scale_vals = torch.tensor([2**-9, 3 * 2**-9, 7 * 2**-9, 2**-6, 0.1171875, 0.5, 0.875, 1.0, 1.875, 3.75, 15.0,
                                26.0, 100.0, 240.0, 448.0, 0.0])
-    n, k = 40, 48  # N not a multiple of 32, K = 3 blocks (not a multiple of BLOCK_K = 64 in the kernel)
+    n = 40  # not a multiple of BLOCK_N = 32
     codes = (torch.arange(n * k) * 7 % 16).to(torch.uint8).view(n, k)  # every code in every column position
     scales = scale_vals[torch.arange(n * k // 16) % 16].view(n, k // 16).to(torch.float8_e4m3fn)
     packed = pack_e2m1(codes)
-    out = dequantize_nvfp4_triton(packed.to(DEVICE), scales.to(DEVICE), dtype=dtype, block_n=32, block_k=64)
+    out = dequantize_nvfp4_triton(packed.to(DEVICE), scales.to(DEVICE), dtype=dtype, block_n=32, block_k=64, deq=deq)
     ref = nvfp4_block_values(packed, scales)
     assert torch.equal(ref.to(dtype).float(), ref)  # the premise: exact in the dot dtype
     assert torch.equal(out.cpu().view(torch.int16), ref.to(dtype).view(torch.int16))  # bit-exact, -0 included
@@ -113,12 +118,15 @@ def test_dense_split_k(split_k):
     check_gemm(w4a16_dense_launch(x, *w, split_k=split_k), x, w_dq, x.float() @ w_dq.T, f"split {split_k}")
 
 
-@pytest.mark.parametrize("cfg", [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=128,
-                                                                                  BLOCK_K=256)])
-def test_dense_other_tile_shapes(cfg):
-    """Tiles from the autotune list that exceed the problem (masked rows, columns and K groups)."""
-    w = rand_weight(80, 208, seed=3)
-    x = rand_x(17, 208, seed=4)
+@pytest.mark.parametrize("cfg,k", [(dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), 208),
+                                   (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 208),
+                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DEQ=d), 192) for d in DEQS],
+                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a), 192) for a in (0, 1)]])
+def test_dense_other_tile_shapes(cfg, k):
+    """Tiles from the autotune list that exceed the problem (masked rows, columns and K groups), each bf16 dequant
+    mode, and the block scales requested 0, 1 or 2 (the default) K tiles early."""
+    w = rand_weight(80, k, seed=3)
+    x = rand_x(17, k, seed=4)
     w_dq = dequantize_nvfp4(*w)
     check_gemm(w4a16_dense_launch(x, *w, split_k=1, config=cfg), x, w_dq, x.float() @ w_dq.T, str(cfg))
 
@@ -156,17 +164,18 @@ def test_moe_align_covers_every_pair_once(t):
     assert not used[used.sum():].any()  # unused blocks (sentinel E) only at the end
 
 
-@pytest.mark.parametrize("t,mode,block_m,cfg", [
-    (1, "plain", 16, None), (3, "plain", 16, None), (17, "plain", 32, dict(BLOCK_N=64, BLOCK_K=128)),
-    (3, "swiglu", 16, None), (17, "swiglu", 16, None), (17, "row_scale", 16, None),
-    # PREFETCH: the software-pipelined K loop (next tile's loads before this tile's dequant and MMAs); K = 160 is
-    # 3 tiles of 64 with a masked tail, so the prefetch past the end is exercised
-    (3, "swiglu", 16, dict(BLOCK_N=32, BLOCK_K=64, PREFETCH=1)), (17, "plain", 16, dict(BLOCK_N=16, BLOCK_K=64,
-                                                                                       PREFETCH=1)),
-    (17, "row_scale", 32, dict(BLOCK_N=32, BLOCK_K=128, PREFETCH=1))])
-def test_grouped_matches_per_expert_reference(t, mode, block_m, cfg):
+@pytest.mark.parametrize("t,mode,block_m,k,cfg", [
+    (1, "plain", 16, 160, None), (3, "plain", 16, 160, None), (17, "plain", 32, 160, dict(BLOCK_N=64, BLOCK_K=128)),
+    (3, "swiglu", 16, 160, None), (17, "swiglu", 16, 160, None), (17, "row_scale", 16, 160, None),
+    # each bf16 dequant mode; the block scales requested 0, 1 or 2 K tiles early (K = 192 with BLOCK_K = 128: a
+    # masked K tail, and look-ahead loads past the end)
+    *[(3, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, DEQ=d)) for d in DEQS],
+    *[(17, "row_scale", 32, 160, dict(BLOCK_N=16, BLOCK_K=64, DEQ=d)) for d in DEQS],
+    *[(17, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a)) for a in (0, 1)],
+    (5, "plain", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, SCALE_AHEAD=1))])
+def test_grouped_matches_per_expert_reference(t, mode, block_m, k, cfg):
     """Grouped GEMM vs a loop of the dense reference over the experts; experts 0 and 5 get no tokens."""
-    e, n, k, top_k = 6, 96, 160, 2
+    e, n, top_k = 6, 96, 2
     idx = routing_ids(t, top_k, e, seed=10 + t, empty=(0, 5))
     w = rand_weight(e, n, k, seed=7)
     x = rand_x(t, k, seed=8)

@@ -1,0 +1,191 @@
+"""The W4A16 GEMMs at Qwen3.6-35B-A3B's decode shapes on the GPU, in each dequant mode side by side (issue 5).
+
+    python benchmarks/w4a16_bench.py --out out/w4a16      # on the GPU machine; w4a16_bench.{json,md}
+
+Grouped (routed experts: 256 experts, hidden 2048, expert width 512, top-8) at 1 and 32 decode tokens, gate_up with
+SwiGLU and down with the routing weight; dense (shared expert, lm_head) at M = 1 and 32. Each mode
+(`kernels.w4a16_gemm.DEQ_MODES` x how early the block scales are requested, SCALE_AHEAD) runs the grouped tiles of
+GROUPED_TILES and reports its fastest; the dense kernel is autotuned per mode (the autotune key holds the modes).
+Times are medians of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: no host launch cost, as in the
+engine's graphed step). Weights are random bytes in the checkpoint layout: speed does not depend on the values. To
+keep a lone token's 8 experts (14 MB) from sitting in the 50 MB L2 between calls, each timed call uses the next of
+LAYERS weight copies, as the 40 layers of a decode step do. Bandwidth = bytes of the experts a call touches (packed +
+block scales) / time; the copy row is torch's device copy of 1 GB (read + write), for scale. Every output is compared
+with the first mode's (same values; only the fp32 summation order of different tiles may differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.nvfp4 import NVFP4Tensor  # noqa: E402
+from kernels.w4a16_gemm import _w4a16_dense_kernel, _w4a16_grouped_kernel, moe_align_fast, moe_block_m  # noqa: E402
+from kernels.w4a16_gemm import w4a16_dense_launch, w4a16_grouped_launch  # noqa: E402
+
+E, H, I, TOP_K, VOCAB = 256, 2048, 512, 8, 248320
+LAYERS = 8
+DEV = "cuda"
+# decode tiles from the grouped autotune list (BLOCK_N, BLOCK_K, warps, stages); each mode reports its best of these,
+# timed directly (the full autotune of every mode would take most of a device call)
+GROUPED_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 3)]
+MODES = {"fp16 dequant + convert, scales in the tile (before)": dict(DEQ=0, SCALE_AHEAD=0),
+         "fp16 dequant + convert, scales 1 tile ahead": dict(DEQ=0, SCALE_AHEAD=1),
+         "bf16 integer ops (PTX), scales in the tile": dict(DEQ=2, SCALE_AHEAD=0),
+         "bf16 integer ops (PTX), scales 1 tile ahead": dict(DEQ=2, SCALE_AHEAD=1),
+         "bf16 integer ops (PTX), scales 2 tiles ahead": dict(DEQ=2, SCALE_AHEAD=2)}
+
+
+def ms(fn) -> float:
+    if DEV == "cpu":  # --smoke: the script's plumbing under the interpreter, no timing
+        fn()
+        return 1.0
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")  # no host launch cost: as in a step
+
+
+def rand_nvfp4(*shape) -> NVFP4Tensor:
+    """Random packed bytes and e4m3 block scales (normal range) in the checkpoint layout, made on the device (GBs);
+    global scale 1."""
+    *lead, n, k = shape
+    packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=DEV)
+    scales = torch.randint(0x30, 0x48, (*lead, n, k // 16), dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+    return NVFP4Tensor(packed, scales, torch.ones(lead, dtype=torch.float32, device=DEV))
+
+
+def nbytes(w: NVFP4Tensor) -> int:
+    return w.packed.numel() + w.scales.numel()
+
+
+def grouped(rows: list, g) -> None:
+    w13 = [rand_nvfp4(E, 2 * I, H) for _ in range(LAYERS)]
+    w2 = [rand_nvfp4(E, H, I) for _ in range(LAYERS)]
+    for t in (1, 32):
+        x = torch.randn(t, H, generator=g).to(torch.bfloat16).to(DEV)
+        idx = [torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(t)]).to(DEV) for _ in range(LAYERS)]
+        wts = torch.softmax(torch.randn(t, TOP_K, generator=g), -1).to(torch.bfloat16).to(DEV)
+        routing = [moe_align_fast(i, E, moe_block_m(t * TOP_K, E)) for i in idx]
+        touched = [int(i.unique().numel()) for i in idx]
+        h = torch.randn(t * TOP_K, I, generator=g).to(torch.bfloat16).to(DEV)
+        ref = {}
+        for name, modes in MODES.items():
+            for proj in ("gate_up", "down"):
+                w = w13 if proj == "gate_up" else w2
+                best = None
+                for bn, bk, nw, ns in GROUPED_TILES:
+                    cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                    k = [0]
+
+                    def call(layer=None):
+                        layer = k[0] % LAYERS if layer is None else layer
+                        k[0] += 1
+                        if proj == "gate_up":
+                            return w4a16_grouped_launch(x, w[layer], routing[layer], a_div=TOP_K, swiglu=True,
+                                                        config=cfg, modes=modes)
+                        return w4a16_grouped_launch(h, w[layer], routing[layer], row_scale=wts, config=cfg,
+                                                    modes=modes)
+
+                    out = call(0).float()
+                    r = ref.setdefault((t, proj), out)
+                    err = float((out - r).abs().max() / r.abs().max())
+                    t_ms = ms(call)
+                    if best is None or t_ms < best[0]:
+                        best = (t_ms, cfg, err)
+                t_ms, cfg, err = best
+                byts = nbytes(w[0]) / E * sum(touched) / LAYERS
+                rows.append(dict(kind="grouped", tokens=t, proj=proj, mode=name, us=t_ms * 1e3,
+                                 tb_s=byts / (t_ms * 1e-3) / 1e12, experts=sum(touched) / LAYERS, best_config=cfg,
+                                 max_rel_diff_vs_before=err))
+                print(json.dumps(rows[-1]), flush=True)
+
+
+def dense(rows: list, g) -> None:
+    shapes = {"shared gate_up": (2 * I, H), "shared down": (H, I), "lm_head": (VOCAB, H)}
+    for name_s, (n, k) in shapes.items():
+        ws = [rand_nvfp4(n, k) for _ in range(2 if name_s == "lm_head" else LAYERS)]
+        for m in (1, 32):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
+            ref = None
+            for name, modes in MODES.items():
+                j = [0]
+
+                def call():
+                    j[0] += 1
+                    return w4a16_dense_launch(x, *ws[j[0] % len(ws)], modes=modes)
+
+                out = w4a16_dense_launch(x, *ws[0], modes=modes)
+                err = None if ref is None else float((out.float() - ref).abs().max() / ref.abs().max())
+                ref = out.float() if ref is None else ref
+                t_ms = ms(call)
+                rows.append(dict(kind="dense", shape=name_s, tokens=m, mode=name, us=t_ms * 1e3,  # autotuned
+                                 tb_s=nbytes(ws[0]) / (t_ms * 1e-3) / 1e12, max_rel_diff_vs_before=err))
+                print(json.dumps(rows[-1]), flush=True)
+
+
+def copy_ceiling(rows: list) -> None:
+    src = torch.empty(2**30 if DEV == "cuda" else 2**10, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    t_ms = ms(lambda: dst.copy_(src))
+    rows.append(dict(kind="copy", bytes=src.numel(), us=t_ms * 1e3, tb_s=2 * src.numel() / (t_ms * 1e-3) / 1e12))
+    print(json.dumps(rows[-1]), flush=True)
+
+
+def tuned(kernel) -> dict:
+    return {str(k): str(v) for k, v in getattr(kernel, "cache", {}).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out/w4a16")
+    ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--tiles", default="", help="grouped tiles 'BN,BK,warps,stages;...' instead of GROUPED_TILES")
+    ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD,...' instead of MODES, e.g. '2:1,2:2'")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (PTX mode skipped)")
+    args = ap.parse_args()
+    if args.smoke:
+        global DEV, E, H, I, VOCAB, LAYERS
+        DEV, E, H, I, VOCAB, LAYERS = "cpu", 16, 128, 64, 512, 2
+    if args.tiles:
+        GROUPED_TILES[:] = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")]
+    if args.modes:
+        MODES.clear()
+        for m in args.modes.split(","):
+            deq, ahead = (int(v) for v in m.split(":"))
+            MODES[f"DEQ {deq}, scales {ahead} tile(s) ahead"] = dict(DEQ=deq, SCALE_AHEAD=ahead)
+    g = torch.Generator().manual_seed(0)
+    rows: list = []
+    t0 = time.time()
+    copy_ceiling(rows)
+    grouped(rows, g)
+    if not args.skip_dense:
+        dense(rows, g)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(tiles=GROUPED_TILES, modes=MODES,
+                device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", torch=torch.__version__,
+                triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), seconds=round(time.time() - t0, 1),
+                tuned_grouped=tuned(_w4a16_grouped_kernel), tuned_dense=tuned(_w4a16_dense_kernel))
+    (out / "w4a16_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# W4A16 kernels by dequant mode, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+             f"{meta['date']}", "", "| kernel | tokens | mode | us | TB/s | max rel diff vs before |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        what = "copy 1 GB (read + write)" if r["kind"] == "copy" else (
+            f"grouped {r['proj']} ({r['experts']:.0f} experts)" if r["kind"] == "grouped" else f"dense {r['shape']}")
+        diff = r.get("max_rel_diff_vs_before")
+        lines.append(f"| {what} | {r.get('tokens', '-')} | {r.get('mode', '-')} | {r['us']:.1f} | {r['tb_s']:.2f} | "
+                     f"{'-' if diff is None else f'{diff:.1e}'} |")
+    (out / "w4a16_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
