@@ -466,7 +466,10 @@ class QwenEngine:
             raise
 
     async def _steps(self) -> None:
-        """schedule -> execute (worker thread) -> finish, back to back while there is work; sleeps when idle."""
+        """schedule -> execute (worker thread) -> finish, back to back while there is work; sleeps when idle.
+        Consumers (the streams' generators, the server's SSE writers) run while the next step executes: finishing a
+        step only queues its deltas, and the loop goes straight on to schedule and launch the next one, so their work
+        is off the GPU's critical path (the event loop is free whenever it awaits the worker)."""
         loop, sched = asyncio.get_running_loop(), self.scheduler
         while not self._closing:
             plan = sched.step()
@@ -492,7 +495,6 @@ class QwenEngine:
                 for delta in deltas:
                     self._deliver(delta)
             self._dispatch_answers()
-            await asyncio.sleep(0)  # let consumers run between back-to-back steps
 
     def _self_check(self) -> dict[str, str]:
         """The runner's ops (own registry) and the model's ops (the process-wide registry the packed modules and
