@@ -80,13 +80,15 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor
 
 @dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row sampling parameters on the device, plus host-known flags that pick the code path."""
+    """Per-row sampling parameters on the device, plus host-known flags that pick the code path. An all-greedy batch
+    (the common serving case) carries no tensors: `sample` takes the argmax and reads none of them, so building it
+    costs no pinned buffers and no host->device copies in the step."""
 
-    temperature: torch.Tensor  # [B] fp32; 0 = greedy
-    top_p: torch.Tensor  # [B] fp32 in (0, 1]
-    top_k: torch.Tensor  # [B] int64; 0 = off
-    seed: torch.Tensor  # [B] int64 in [0, 2^63)
-    step: torch.Tensor  # [B] int64: the output index being sampled
+    temperature: torch.Tensor | None  # [B] fp32; 0 = greedy
+    top_p: torch.Tensor | None  # [B] fp32 in (0, 1]
+    top_k: torch.Tensor | None  # [B] int64; 0 = off
+    seed: torch.Tensor | None  # [B] int64 in [0, 2^63)
+    step: torch.Tensor | None  # [B] int64: the output index being sampled
     all_greedy: bool  # every row greedy: just argmax
     needs_sort: bool  # some sampled row uses top-k or top-p
 
@@ -101,6 +103,8 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
         sampled = [p for p in params if not p.greedy]
+        if not sampled:
+            return cls(None, None, None, None, None, all_greedy=True, needs_sort=False)
         return cls(
             temperature=put([p.temperature for p in params], torch.float32),
             top_p=put([p.top_p for p in params], torch.float32),

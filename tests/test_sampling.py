@@ -51,6 +51,7 @@ def test_greedy_is_argmax_whatever_the_other_parameters():
     params = [SamplingParams(0.0, top_p=0.5, top_k=3, seed=i) for i in range(16)]
     st = batch_of(params)
     assert st.all_greedy
+    assert st.temperature is None and st.seed is None  # nothing built or copied for an all-greedy step
     assert torch.equal(sample(logits, st), logits.argmax(-1))
     # greedy rows inside a sampled batch (sorted path) are still argmax
     mixed = [p if i % 2 else SamplingParams(1.0, top_p=0.9) for i, p in enumerate(params)]
