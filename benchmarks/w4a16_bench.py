@@ -44,9 +44,13 @@ MODES = {"fp16 dequant + convert, scales in the tile (before)": dict(DEQ=0, SCAL
          "bf16 integer ops (PTX), scales 2 tiles ahead": dict(DEQ=2, SCALE_AHEAD=2)}
 
 
+ONCE = False  # --once: each case runs a few times untimed (for Nsight Compute: benchmarks/w4a16_ncu.sh)
+
+
 def ms(fn) -> float:
-    if DEV == "cpu":  # --smoke: the script's plumbing under the interpreter, no timing
-        fn()
+    if DEV == "cpu" or ONCE:  # --smoke: the script's plumbing under the interpreter; --once: under ncu
+        for _ in range(1 if DEV == "cpu" else 3):
+            fn()
         return 1.0
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")  # no host launch cost: as in a step
 
@@ -64,10 +68,10 @@ def nbytes(w: NVFP4Tensor) -> int:
     return w.packed.numel() + w.scales.numel()
 
 
-def grouped(rows: list, g) -> None:
+def grouped(rows: list, g, tokens=(1, 32)) -> None:
     w13 = [rand_nvfp4(E, 2 * I, H) for _ in range(LAYERS)]
     w2 = [rand_nvfp4(E, H, I) for _ in range(LAYERS)]
-    for t in (1, 32):
+    for t in tokens:
         x = torch.randn(t, H, generator=g).to(torch.bfloat16).to(DEV)
         idx = [torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(t)]).to(DEV) for _ in range(LAYERS)]
         wts = torch.softmax(torch.randn(t, TOP_K, generator=g), -1).to(torch.bfloat16).to(DEV)
@@ -147,8 +151,12 @@ def main() -> None:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--tiles", default="", help="grouped tiles 'BN,BK,warps,stages;...' instead of GROUPED_TILES")
     ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD,...' instead of MODES, e.g. '2:1,2:2'")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (PTX mode skipped)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (DEQ 2 runs as 1)")
+    ap.add_argument("--once", action="store_true", help="run each case 3 times untimed (for a profiler)")
+    ap.add_argument("--tokens", default="1,32", help="decode tokens of the grouped cases")
     args = ap.parse_args()
+    global ONCE
+    ONCE = args.once
     if args.smoke:
         global DEV, E, H, I, VOCAB, LAYERS
         DEV, E, H, I, VOCAB, LAYERS = "cpu", 16, 128, 64, 512, 2
@@ -163,7 +171,7 @@ def main() -> None:
     rows: list = []
     t0 = time.time()
     copy_ceiling(rows)
-    grouped(rows, g)
+    grouped(rows, g, tuple(int(t) for t in args.tokens.split(",")))
     if not args.skip_dense:
         dense(rows, g)
     out = Path(args.out)
