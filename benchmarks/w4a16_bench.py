@@ -7,11 +7,13 @@ SwiGLU and down with the routing weight; dense (shared expert, lm_head) at M = 1
 (`kernels.w4a16_gemm.DEQ_MODES` x how early the block scales are requested, SCALE_AHEAD) runs the grouped tiles of
 GROUPED_TILES and reports its fastest; the dense kernel is autotuned per mode (the autotune key holds the modes).
 Times are medians of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: no host launch cost, as in the
-engine's graphed step). Weights are random bytes in the checkpoint layout: speed does not depend on the values. To
-keep a lone token's 8 experts (14 MB) from sitting in the 50 MB L2 between calls, each timed call uses the next of
-LAYERS weight copies, as the 40 layers of a decode step do. Bandwidth = bytes of the experts a call touches (packed +
-block scales) / time; the copy row is torch's device copy of 1 GB (read + write), for scale. Every output is compared
-with the first mode's (same values; only the fp32 summation order of different tiles may differ).
+engine's graphed step). Weights are random bytes in the checkpoint layout: speed does not depend on the values. So
+that a small call's weights (a lone token's 8 experts: 9.4 MB gate_up, 4.7 MB down) are not read from the 50 MB L2,
+each timed call uses the next of `copies_for(...)` weight copies, together at least twice the L2, as the 40 layers of
+a decode step do (runs 1-3 of 2026-11-30 used 8 copies: their 1-token down rows, 38 MB in all, may be L2 reads).
+Bandwidth = bytes of the experts a call touches (packed + block scales) / time; the copy row is torch's device copy
+of 1 GB (read + write), for scale. Every output is compared with the first mode's (same values; only the fp32
+summation order of different tiles may differ). `--smoke` needs TRITON_INTERPRET=1 in the environment.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from kernels.w4a16_gemm import _w4a16_dense_kernel, _w4a16_grouped_kernel, moe_a
 from kernels.w4a16_gemm import w4a16_dense_launch, w4a16_grouped_launch  # noqa: E402
 
 E, H, I, TOP_K, VOCAB = 256, 2048, 512, 8, 248320
-LAYERS = 8
+LAYERS = 8  # at least this many weight copies per case
+L2_BYTES = 50 * 2**20  # H100 / H200
 DEV = "cuda"
 # decode tiles from the grouped autotune list (BLOCK_N, BLOCK_K, warps, stages); each mode reports its best of these,
 # timed directly (the full autotune of every mode would take most of a device call)
@@ -68,12 +71,18 @@ def nbytes(w: NVFP4Tensor) -> int:
     return w.packed.numel() + w.scales.numel()
 
 
+def copies_for(bytes_per_call: float) -> int:
+    """Weight copies to cycle through so that together they are at least twice the L2 (and >= LAYERS)."""
+    return max(LAYERS, -(-int(2 * L2_BYTES) // max(1, int(bytes_per_call))))
+
+
 def grouped(rows: list, g, tokens=(1, 32)) -> None:
-    w13 = [rand_nvfp4(E, 2 * I, H) for _ in range(LAYERS)]
-    w2 = [rand_nvfp4(E, H, I) for _ in range(LAYERS)]
+    n = copies_for(TOP_K * (H * I // 2 + H * I // 16))  # the smallest call: one token's 8 experts' down weights
+    w13 = [rand_nvfp4(E, 2 * I, H) for _ in range(n)]
+    w2 = [rand_nvfp4(E, H, I) for _ in range(n)]
     for t in tokens:
         x = torch.randn(t, H, generator=g).to(torch.bfloat16).to(DEV)
-        idx = [torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(t)]).to(DEV) for _ in range(LAYERS)]
+        idx = [torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(t)]).to(DEV) for _ in range(n)]
         wts = torch.softmax(torch.randn(t, TOP_K, generator=g), -1).to(torch.bfloat16).to(DEV)
         routing = [moe_align_fast(i, E, moe_block_m(t * TOP_K, E)) for i in idx]
         touched = [int(i.unique().numel()) for i in idx]
@@ -88,7 +97,7 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
                     k = [0]
 
                     def call(layer=None):
-                        layer = k[0] % LAYERS if layer is None else layer
+                        layer = k[0] % n if layer is None else layer
                         k[0] += 1
                         if proj == "gate_up":
                             return w4a16_grouped_launch(x, w[layer], routing[layer], a_div=TOP_K, swiglu=True,
@@ -103,9 +112,9 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
                     if best is None or t_ms < best[0]:
                         best = (t_ms, cfg, err)
                 t_ms, cfg, err = best
-                byts = nbytes(w[0]) / E * sum(touched) / LAYERS
+                byts = nbytes(w[0]) / E * sum(touched) / n
                 rows.append(dict(kind="grouped", tokens=t, proj=proj, mode=name, us=t_ms * 1e3,
-                                 tb_s=byts / (t_ms * 1e-3) / 1e12, experts=sum(touched) / LAYERS, best_config=cfg,
+                                 tb_s=byts / (t_ms * 1e-3) / 1e12, experts=sum(touched) / n, best_config=cfg,
                                  max_rel_diff_vs_before=err))
                 print(json.dumps(rows[-1]), flush=True)
 
@@ -113,7 +122,7 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
 def dense(rows: list, g) -> None:
     shapes = {"shared gate_up": (2 * I, H), "shared down": (H, I), "lm_head": (VOCAB, H)}
     for name_s, (n, k) in shapes.items():
-        ws = [rand_nvfp4(n, k) for _ in range(2 if name_s == "lm_head" else LAYERS)]
+        ws = [rand_nvfp4(n, k) for _ in range(copies_for(n * k * 9 // 16))]
         for m in (1, 32):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
             ref = None
@@ -158,8 +167,8 @@ def main() -> None:
     global ONCE
     ONCE = args.once
     if args.smoke:
-        global DEV, E, H, I, VOCAB, LAYERS
-        DEV, E, H, I, VOCAB, LAYERS = "cpu", 16, 128, 64, 512, 2
+        global DEV, E, H, I, VOCAB, LAYERS, L2_BYTES
+        DEV, E, H, I, VOCAB, LAYERS, L2_BYTES = "cpu", 16, 128, 64, 512, 2, 0
     if args.tiles:
         GROUPED_TILES[:] = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")]
     if args.modes:

@@ -95,7 +95,8 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
               device: torch.device | str | None = None) -> SamplingTensors:
-        """From host values; one pinned host->device copy per field, non-blocking (no sync)."""
+        """From host values; one pinned host->device copy per field, non-blocking (no sync); none when every row is
+        greedy."""
         device = torch.device(device or "cpu")
         pin = device.type == "cuda"
 
@@ -111,7 +112,7 @@ class SamplingTensors:
             top_k=put([p.top_k for p in params], torch.int64),
             seed=put([s % _SEED_MOD for s in seeds], torch.int64),
             step=put(list(steps), torch.int64),
-            all_greedy=not sampled,
+            all_greedy=False,
             needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
         )
 
@@ -127,6 +128,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy
+    assert st.temperature is not None and st.seed is not None and st.step is not None  # built for sampled rows
     temperature = torch.where(st.temperature > 0, st.temperature, 1.0)
     scaled = logits.float() / temperature[:, None]  # [B, V]
     if st.needs_sort:

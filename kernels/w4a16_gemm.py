@@ -486,8 +486,9 @@ DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
 
 def _launch(kernel, grid, args: tuple, config: dict | None, modes: dict, **meta):
     """Autotuned launch on a GPU; a fixed config under the interpreter or when `config` is given (tests, benchmarks).
-    `modes` (DEQ, SCALE_AHEAD; `config` may override them) are part of the autotune key. The interpreter runs
-    DEQ 2 as 1: the same integer construction, without the PTX it cannot execute."""
+    `modes` (DEQ, SCALE_AHEAD; `config` may override them) are part of the autotune key. Under the interpreter
+    (no PTX) DEQ 1 and 2 both run `_dequant`'s fp32 emulation of their bit construction; the bf16 and PTX bit
+    formulas themselves are checked on the CPU by tests/test_kernel_w4a16.py."""
     meta.update(modes)
     meta["INTERPRET"] = _interpreted()
     if config is None and not _interpreted():
@@ -597,7 +598,7 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
 def dequantize_nvfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                             block_n: int = 32, block_k: int = 64, deq: int | None = None) -> torch.Tensor:
     """[N, K/2] + [N, K/16] -> block values E2M1 x scale [N, K] in dtype (no global scale), with the GEMMs' dequant
-    (`deq`: one of DEQ_MODES, default the kernels' own)."""
+    (`deq`: one of DEQ_MODES; default 2, the grouped kernels' mode, 1 under the interpreter)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     sc = scales.view(torch.uint8)

@@ -73,10 +73,13 @@ def main() -> int:
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
-    for bn, bk, deq, ahead in ((16, 128, 2, 2), (32, 128, 1, 2), (64, 256, 2, 0), (32, 128, 0, 1)):
-        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} (SwiGLU, bf16)",
+    # (the last: the down projection's defaults, GROUPED_MODES[False])
+    for bn, bk, deq, ahead, swiglu in ((32, 128, 2, 1, True), (32, 128, 1, 2, True), (64, 256, 2, 0, True),
+                                       (64, 128, 2, 2, False)):
+        what = "SwiGLU" if swiglu else "routing weight"
+        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} ({what}, bf16)",
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
-                              dict(SWIGLU=True, HAS_ROW_SCALE=False, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
+                              dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
                                    BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead)))
     ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
                           {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},

@@ -70,7 +70,9 @@ def check_gemm(y, x, w_dq, ref32, what=""):
 
 
 # ---- dequantisation -------------------------------------------------------------------------------------------------
-# bf16 dequant modes (kernels.w4a16_gemm.DEQ_MODES): 2 is inline PTX, compiled only on a GPU
+# bf16 dequant modes (kernels.w4a16_gemm.DEQ_MODES): 2 is inline PTX, compiled only on a GPU. Under the interpreter
+# modes 1 and 2 run one fp32 emulation of the same bit construction (test_bf16_bit_construction checks the bf16 and
+# PTX bit formulas themselves on the CPU); on a GPU each mode runs its own code.
 DEQS = [0, 1] + ([2] if DEVICE == "cuda" else [])
 
 
@@ -94,6 +96,59 @@ def test_dequant_tile_is_exact_for_every_code_and_scale(dtype, deq, k):
     assert len(E2M1_VALUES) == 16
 
 
+def _bf16_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int32 tensor of 16-bit patterns -> their bf16 values as fp32 (bf16 = the top half of an fp32)."""
+    return (bits.to(torch.int64) << 16).to(torch.int32).view(torch.float32)
+
+
+def test_bf16_bit_construction_and_its_ptx_version():
+    """The GPU modes' bit formulas, checked on the CPU (the interpreter runs an fp32 emulation instead): DEQ 1's
+    `((c & 7) << 6) | ((c & 8) << 12)` is E2M1(c) x 2^-126 for all 16 codes, and DEQ 2's inline PTX, executed from
+    its source text by a small interpreter of the four instructions it uses, gives the same patterns for every byte:
+    byte i of the word -> element i, two elements per output register (low half first), outputs 0, 1 = the low
+    nibbles of bytes 0-1 and 2-3, outputs 2, 3 = the high nibbles."""
+    c = torch.arange(16, dtype=torch.int32)
+    bits = ((c & 7) << 6) | ((c & 8) << 12)
+    assert torch.equal(_bf16_bits(bits), E2M1_VALUES.float() * 2.0**-126)  # exact (code 1: the subnormal 2^-127)
+
+    def ptx(word: int) -> list[int]:
+        """Run the asm text of `_e2m1x2_bf16_tiny_ptx` (prmt / shl / and / or on .b32) on one word -> $0..$3."""
+        import inspect
+        import re
+
+        from kernels import w4a16_gemm
+
+        src = inspect.getsource(w4a16_gemm._e2m1x2_bf16_tiny_ptx.fn)
+        asm = src[src.index('"""{', src.index("inline_asm_elementwise")) + 4:src.index('}"""')]
+        reg = {"$4": word}
+        val = lambda t: int(t, 16) if t.startswith("0x") else int(t) if t.isdigit() else reg[t]  # noqa: E731
+        for ins in filter(None, (i.strip() for i in asm.split(";"))):
+            op, args = ins.split(None, 1)
+            if op == ".reg":
+                continue
+            d, *a = [t.strip() for t in args.split(",")]
+            if op == "prmt.b32":  # byte j of d = byte (sel >> 4j) & 7 of the 8-byte {a[1]:a[0]}
+                src8 = [(val(a[0]) >> (8 * i)) & 0xFF for i in range(4)] + [(val(a[1]) >> (8 * i)) & 0xFF
+                                                                            for i in range(4)]
+                reg[d] = sum(src8[(val(a[2]) >> (4 * j)) & 7] << (8 * j) for j in range(4))
+            else:
+                f = {"shl.b32": lambda x, y: x << y, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y}[op]
+                reg[d] = f(val(a[0]), val(a[1])) & 0xFFFFFFFF
+            assert re.fullmatch(r"\$\d|[a-z]\w*", d), ins
+        return [reg[f"${i}"] for i in range(4)]
+
+    g = torch.Generator().manual_seed(0)
+    words = [0, 0xFFFFFFFF, 0x01234567, 0x89ABCDEF] + torch.randint(0, 2**31, (500,), generator=g).tolist()
+    words += [b * 0x01010101 for b in range(256)]  # every byte value in every position
+    for word in words:
+        out = ptx(word)
+        halves = [(out[r] >> (16 * h)) & 0xFFFF for r in (0, 1) for h in (0, 1)] + \
+                 [(out[r] >> (16 * h)) & 0xFFFF for r in (2, 3) for h in (0, 1)]
+        want = [int(bits[(word >> (8 * i)) & 0xF]) for i in range(4)] + \
+               [int(bits[(word >> (8 * i + 4)) & 0xF]) for i in range(4)]
+        assert halves == want, hex(word)
+
+
 # ---- dense ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("n,k,per_row", [(96, 160, True), (48, 224, False)])  # K % 64 != 0; N % 32 != 0 for 48
@@ -110,21 +165,24 @@ def test_dense_matches_reference(m, n, k, per_row):
 
 
 @pytest.mark.parametrize("split_k", [2, 3])
-def test_dense_split_k(split_k):
-    """fp32 partials over K splits (3 splits of 4 K tiles: uneven, one split gets fewer tiles)."""
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_dense_split_k(split_k, ahead):
+    """fp32 partials over K splits (3 splits of 4 K tiles: uneven, one split gets fewer tiles); with the scales
+    requested ahead, a split's look-ahead reaches into the next split's tiles (loaded, never used)."""
     w = rand_weight(64, 256, seed=1)
     x = rand_x(3, 256, seed=2)
     w_dq = dequantize_nvfp4(*w)
-    check_gemm(w4a16_dense_launch(x, *w, split_k=split_k), x, w_dq, x.float() @ w_dq.T, f"split {split_k}")
+    y = w4a16_dense_launch(x, *w, split_k=split_k, modes=dict(SCALE_AHEAD=ahead))
+    check_gemm(y, x, w_dq, x.float() @ w_dq.T, f"split {split_k}, scales {ahead} ahead")
 
 
 @pytest.mark.parametrize("cfg,k", [(dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), 208),
                                    (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 208),
                                    *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DEQ=d), 192) for d in DEQS],
-                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a), 192) for a in (0, 1)]])
+                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a), 192) for a in (1, 2)]])
 def test_dense_other_tile_shapes(cfg, k):
     """Tiles from the autotune list that exceed the problem (masked rows, columns and K groups), each bf16 dequant
-    mode, and the block scales requested 0, 1 or 2 (the default) K tiles early."""
+    mode, and the block scales requested 1 or 2 K tiles early (0, DENSE_MODES' default, in the other cases)."""
     w = rand_weight(80, k, seed=3)
     x = rand_x(17, k, seed=4)
     w_dq = dequantize_nvfp4(*w)
@@ -171,7 +229,7 @@ def test_moe_align_covers_every_pair_once(t):
     # masked K tail, and look-ahead loads past the end)
     *[(3, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, DEQ=d)) for d in DEQS],
     *[(17, "row_scale", 32, 160, dict(BLOCK_N=16, BLOCK_K=64, DEQ=d)) for d in DEQS],
-    *[(17, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a)) for a in (0, 1)],
+    *[(17, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a)) for a in (0, 1, 2)],
     (5, "plain", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, SCALE_AHEAD=1))])
 def test_grouped_matches_per_expert_reference(t, mode, block_m, k, cfg):
     """Grouped GEMM vs a loop of the dense reference over the experts; experts 0 and 5 get no tokens."""
