@@ -9,15 +9,18 @@
 #   5. Qwen: the graphed engine's decode step profiled (kernels per step, device ms; with --engine-streams 1,32 at 1
 #      and 32 streams) and the full-size speed run without transformers; the engine's start-up self-check reports
 #      every kernel in the log and health();
-#   6. the Qwen kernels' tests on the GPU (compiled Triton instead of the CPU interpreter).
-# Every step has run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
-# way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold.
+#   6. the Qwen kernels' tests on the GPU (compiled Triton instead of the CPU interpreter);
+#   7. the grouped W4A16 kernel on tile-major weights (kernels/w4a16_gemm.py: tile_major, TILED) beside the checkpoint
+#      layout, 1 and 32 tokens (written 2026-11-30 after the last GPU call; interpreter-tested, not run on a GPU).
+# Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
+# way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
 #   eval "$(bash .devbundle/install.sh)" && STEPS="1 2" bash benchmarks/gpu_next.sh     # ~5 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="3" bash benchmarks/gpu_next.sh       # ~6.5 min (inductor start)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="4" bash benchmarks/gpu_next.sh       # ~2 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="5" bash benchmarks/gpu_next.sh       # ~9 min (one call)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="6" bash benchmarks/gpu_next.sh       # ~4 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="7" bash benchmarks/gpu_next.sh       # ~4 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -74,5 +77,11 @@ timeout 280 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tes
   tests/test_kernel_attn_prep.py \
   > "$R/qwen_kernel_tests.log" 2>&1
 grep -E "passed|failed" "$R/qwen_kernel_tests.log" | tail -2
+fi
+if want 7; then
+say "7. grouped W4A16: tile-major weights vs the checkpoint layout"
+timeout 330 python benchmarks/w4a16_bench.py --skip-dense --modes "2:1,2:2,2:1:1,2:2:1" \
+  --tiles "32,128,4,4;64,128,4,4;16,256,4,4;32,256,4,3" --out "$R/w4a16" > "$R/w4a16.log" 2>&1
+grep -E "^\| grouped" "$R/w4a16/w4a16_bench.md"
 fi
 say "done"

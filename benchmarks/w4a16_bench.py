@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.nvfp4 import NVFP4Tensor  # noqa: E402
 from kernels.w4a16_gemm import _w4a16_dense_kernel, _w4a16_grouped_kernel, moe_align_fast, moe_block_m  # noqa: E402
-from kernels.w4a16_gemm import w4a16_dense_launch, w4a16_grouped_launch  # noqa: E402
+from kernels.w4a16_gemm import tile_major, w4a16_dense_launch, w4a16_grouped_launch  # noqa: E402
 
 E, H, I, TOP_K, VOCAB = 256, 2048, 512, 8, 248320
 LAYERS = 8  # at least this many weight copies per case
@@ -90,19 +90,21 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
         ref = {}
         for name, modes in MODES.items():
             for proj in ("gate_up", "down"):
-                w = w13 if proj == "gate_up" else w2
                 best = None
                 for bn, bk, nw, ns in GROUPED_TILES:
                     cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
                     k = [0]
+                    w = w13 if proj == "gate_up" else w2
+                    if modes.get("TILED"):  # the same weights, each (row tile, K tile) one contiguous block
+                        w = [NVFP4Tensor(tile_major(c.packed, bn, bk), c.scales, c.global_scale) for c in w]
 
-                    def call(layer=None):
+                    def call(layer=None, w_=w):
                         layer = k[0] % n if layer is None else layer
                         k[0] += 1
                         if proj == "gate_up":
-                            return w4a16_grouped_launch(x, w[layer], routing[layer], a_div=TOP_K, swiglu=True,
+                            return w4a16_grouped_launch(x, w_[layer], routing[layer], a_div=TOP_K, swiglu=True,
                                                         config=cfg, modes=modes)
-                        return w4a16_grouped_launch(h, w[layer], routing[layer], row_scale=wts, config=cfg,
+                        return w4a16_grouped_launch(h, w_[layer], routing[layer], row_scale=wts, config=cfg,
                                                     modes=modes)
 
                     out = call(0).float()
@@ -111,8 +113,9 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
                     t_ms = ms(call)
                     if best is None or t_ms < best[0]:
                         best = (t_ms, cfg, err)
+                    del w
                 t_ms, cfg, err = best
-                byts = nbytes(w[0]) / E * sum(touched) / n
+                byts = nbytes((w13 if proj == "gate_up" else w2)[0]) / E * sum(touched) / n
                 rows.append(dict(kind="grouped", tokens=t, proj=proj, mode=name, us=t_ms * 1e3,
                                  tb_s=byts / (t_ms * 1e-3) / 1e12, experts=sum(touched) / n, best_config=cfg,
                                  max_rel_diff_vs_before=err))
@@ -127,6 +130,9 @@ def dense(rows: list, g) -> None:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
             ref = None
             for name, modes in MODES.items():
+                if modes.get("TILED"):  # a grouped-kernel experiment only
+                    continue
+                modes = {key: modes[key] for key in ("DEQ", "SCALE_AHEAD")}
                 j = [0]
 
                 def call():
@@ -159,7 +165,8 @@ def main() -> None:
     ap.add_argument("--out", default="out/w4a16")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--tiles", default="", help="grouped tiles 'BN,BK,warps,stages;...' instead of GROUPED_TILES")
-    ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD,...' instead of MODES, e.g. '2:1,2:2'")
+    ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD[:TILED],...' instead of MODES, e.g. '2:1,2:1:1' "
+                                                "(TILED: the weights repacked by tile_major for each tile)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (DEQ 2 runs as 1)")
     ap.add_argument("--once", action="store_true", help="run each case 3 times untimed (for a profiler)")
     ap.add_argument("--tokens", default="1,32", help="decode tokens of the grouped cases")
@@ -174,8 +181,10 @@ def main() -> None:
     if args.modes:
         MODES.clear()
         for m in args.modes.split(","):
-            deq, ahead = (int(v) for v in m.split(":"))
-            MODES[f"DEQ {deq}, scales {ahead} tile(s) ahead"] = dict(DEQ=deq, SCALE_AHEAD=ahead)
+            deq, ahead, *tiled = (int(v) for v in m.split(":"))
+            tiled = tiled[0] if tiled else 0
+            MODES[f"DEQ {deq}, scales {ahead} tile(s) ahead{', tile-major weights' if tiled else ''}"] = dict(
+                DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled)
     g = torch.Generator().manual_seed(0)
     rows: list = []
     t0 = time.time()

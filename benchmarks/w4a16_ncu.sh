@@ -4,7 +4,7 @@
 # NOT RUN YET. ncu reads hardware counters only on the Firecracker machines (/work/.library/device/KINDS.md); the
 # first command checks that and stops with a note otherwise. Clocks are left alone (--clock-control none, METHOD.md).
 #
-#   eval "$(bash .devbundle/install.sh)" && bash benchmarks/w4a16_ncu.sh        # ~3 min; $OUT/ncu.tgz
+#   eval "$(bash .devbundle/install.sh)" && bash benchmarks/w4a16_ncu.sh        # ~4 min; $OUT/ncu.tgz
 #
 # Sections: speed of light (DRAM / SM throughput), memory workload (sectors per request, L2 hit rate), warp state
 # (what the warps wait on: long scoreboard = global loads, barrier, ...), occupancy, launch stats (registers, smem).
@@ -22,10 +22,10 @@ SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Warp
 --section LaunchStats --section SchedulerStats"
 # the bench's launch order at 32 tokens with one tile and --once: gate_up 4 launches (one checked call, three
 # untimed), then down 4: skip 2 / 6 to profile each projection's last two
-for mode in "0:0" "2:1"; do
+for mode in "0:0" "2:1" "2:1:1"; do  # before; the engine's gate_up mode; the same on tile-major weights
   for case in "gate_up 2" "down 6"; do
     set -- $case
-    tag="${mode/:/_}_$1"
+    tag="${mode//:/_}_$1"
     timeout 240 "$NCU" --clock-control none --kernel-name regex:_w4a16_grouped --launch-skip "$2" --launch-count 2 \
       $SECTIONS --csv --page details \
       python benchmarks/w4a16_bench.py --skip-dense --once --tokens 32 --tiles "32,128,4,4" --modes "$mode" \

@@ -56,7 +56,9 @@ Weights stream through cp.async stages; the block-scale bytes are too narrow for
 them K tiles early in registers. Which DEQ / SCALE_AHEAD each kernel runs: GROUPED_MODES, DENSE_MODES (measured).
 Where the time goes at 32 streams (H200, 2026-11-30, `benchmarks/w4a16_bench.py`): ~0.9 TB/s of weight reads, so
 neither the ALU work (DEQ 2 halves the loop's instructions: 4-6% per call) nor the scale latency (one tile ahead:
-0-5% more) is the main limit.
+0-5% more) is the main limit. Next suspect, the access pattern (each K tile reads 64-byte pieces of rows 1 KB apart):
+the grouped kernel's TILED mode reads weights repacked by `tile_major`, each (row tile, K tile) one contiguous block
+(an experiment for `benchmarks/w4a16_bench.py`; interpreter-tested, not yet run on a GPU; the engine does not use it).
 """
 
 from __future__ import annotations
@@ -302,6 +304,15 @@ if triton is not None:
                        mask=ok[:, :, None], other=0)
 
     @triton.jit
+    def _load_packed_tile_major(w, rows, row_ok, t, K, BLOCK_K: tl.constexpr):
+        """`_load_packed_tile` for weights stored tile-major (`tile_major` with BLOCK_N = len(rows), this BLOCK_K):
+        the bytes of (row tile, K tile t) are one contiguous block of len(rows) x BK/2 (rows: one aligned tile)."""
+        BN: tl.constexpr = rows.shape[0]
+        local = tl.arange(0, BLOCK_K // _BLK)[None, :, None] * (_BLK // 2) + tl.arange(0, _BLK // 2)[None, None, :]
+        base = (rows // BN) * (K // 2 * BN) + t * (BN * (BLOCK_K // 2)) + (rows % BN) * (BLOCK_K // 2)
+        return tl.load(w + base[:, None, None] + local, mask=row_ok[:, None, None], other=0)
+
+    @triton.jit
     def _scale_pipe_start(s, rows, row_ok, t0, K, s_sn, BLOCK_K: tl.constexpr, SCALE_AHEAD: tl.constexpr):
         """The look-ahead scale tiles t0, t0 + 1 before the K loop (only as many as SCALE_AHEAD loads: the rest fully
         masked, no memory access)."""
@@ -384,12 +395,14 @@ if triton is not None:
                                              (128, 128, 8, 3), (128, 64, 4, 4), (16, 128, 4, 4), (16, 256, 4, 4),
                                              (16, 128, 2, 6), (32, 128, 2, 6)]]
 
-    @triton.autotune(configs=_GROUPED_CONFIGS, key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU", "DEQ", "SCALE_AHEAD"])
+    @triton.autotune(configs=_GROUPED_CONFIGS,
+                     key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU", "DEQ", "SCALE_AHEAD", "TILED"])
     @triton.jit
     def _w4a16_grouped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
                               s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
                               SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
-                              DEQ: tl.constexpr, SCALE_AHEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                              DEQ: tl.constexpr, SCALE_AHEAD: tl.constexpr, TILED: tl.constexpr,
+                              BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
         # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
@@ -413,14 +426,20 @@ if triton is not None:
             ua, ub = _scale_pipe_start(se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # up rows
             for t in range(0, tl.cdiv(K, BLOCK_K)):
                 xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
-                pw = _load_packed_tile(we, offs_n, n_ok, t, K, s_wn, BLOCK_K)
+                if TILED:
+                    pw = _load_packed_tile_major(we, offs_n, n_ok, t, K, BLOCK_K)
+                else:
+                    pw = _load_packed_tile(we, offs_n, n_ok, t, K, s_wn, BLOCK_K)
                 sc, sa, sb = _scale_pipe_next(sa, sb, se, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                 lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                 acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
                 acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
                 if SWIGLU:
                     sc, ua, ub = _scale_pipe_next(ua, ub, se, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
-                    pw = _load_packed_tile(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K)
+                    if TILED:
+                        pw = _load_packed_tile_major(we, offs_n + n_out, n_ok, t, K, BLOCK_K)
+                    else:
+                        pw = _load_packed_tile(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K)
                     lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                     acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
                     acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
@@ -480,7 +499,8 @@ DEQ_MODES = {0: "fp16 dequant, then convert to bf16 (two conversions per weight)
 # SwiGLU, K = 512) measured 15% faster again with two tiles ahead (120 -> 101 us per call at 32 tokens; kernel bench
 # only, the engine not re-run), gate_up slower that way. The dense decode kernel (split-K GEMV) measured slower with
 # the new modes (0.66 -> 0.76 ms per step, lone request), so it keeps the fp16 dequant with the scales in the tile.
-GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1), False: dict(DEQ=2, SCALE_AHEAD=2)}  # by SWIGLU (gate_up / down)
+GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1, TILED=0),  # by SWIGLU: gate_up
+                 False: dict(DEQ=2, SCALE_AHEAD=2, TILED=0)}  # down
 DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
 
 
@@ -566,6 +586,18 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     return y if direct else y.sum(0).to(x.dtype)
 
 
+def tile_major(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """Stacked packed weights [E, N, K/2] -> the same shape with the bytes reordered tile by tile ([E, N/BN, K/BK, BN,
+    BK/2] in memory), for grouped launches with modes TILED=1 and a config of that BLOCK_N / BLOCK_K. An experiment
+    (`benchmarks/w4a16_bench.py --modes D:A:1`): whether reading each (row tile, K tile) as one contiguous block of
+    BN x BK/2 bytes beats the checkpoint layout's 64-byte pieces of BN rows K/2 bytes apart. Block scales stay."""
+    e, n, kh = packed.shape
+    kb = block_k // 2
+    if n % block_n or kh % kb:
+        raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles")
+    return packed.view(e, n // block_n, block_n, kh // kb, kb).permute(0, 1, 3, 2, 4).contiguous().view(e, n, kh)
+
+
 def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *, a_div: int = 1,
                          row_scale: torch.Tensor | None = None, swiglu: bool = False,
                          config: dict | None = None, modes: dict | None = None) -> torch.Tensor:
@@ -584,6 +616,10 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
     bm = routing.block_m
     grid = lambda meta: (routing.block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))  # noqa: E731
     cfg = None if config is None else {k_: v for k_, v in config.items() if k_ != "BLOCK_M"}
+    if (modes or {}).get("TILED"):  # weights from `tile_major(packed, BLOCK_N, BLOCK_K)` of this very config
+        bn, bk = (cfg or {}).get("BLOCK_N"), (cfg or {}).get("BLOCK_K")
+        if bn is None or bk is None or (n_out % bn) or (k % bk):
+            raise ValueError(f"TILED needs a config whose BLOCK_N divides {n_out} and BLOCK_K divides {k}")
     if cfg is None and _interpreted():
         cfg = {k_: v for k_, v in INTERPRETER_CONFIG.items() if k_ != "BLOCK_M"}
     _launch(_w4a16_grouped_kernel, grid,

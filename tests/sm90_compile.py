@@ -74,13 +74,14 @@ def main() -> int:
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
     # (the last: the down projection's defaults, GROUPED_MODES[False])
-    for bn, bk, deq, ahead, swiglu in ((32, 128, 2, 1, True), (32, 128, 1, 2, True), (64, 256, 2, 0, True),
-                                       (64, 128, 2, 2, False)):
+    for bn, bk, deq, ahead, swiglu, tiled in ((32, 128, 2, 1, True, 0), (32, 128, 1, 2, True, 1),
+                                              (64, 256, 2, 0, True, 0), (64, 128, 2, 2, False, 0)):
         what = "SwiGLU" if swiglu else "routing weight"
-        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} ({what}, bf16)",
+        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} TILED={tiled} "
+                              f"({what}, bf16)",
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
-                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead)))
+                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled)))
     ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
                           {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},
                           dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False)))

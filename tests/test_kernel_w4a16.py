@@ -256,6 +256,29 @@ def test_grouped_matches_per_expert_reference(t, mode, block_m, k, cfg):
     assert compare(y, ref32.to(y.dtype)) is None
 
 
+@pytest.mark.parametrize("mode,bn,bk", [("swiglu", 32, 64), ("swiglu", 16, 128), ("row_scale", 32, 64)])
+def test_grouped_tile_major_weights_give_identical_results(mode, bn, bk):
+    """TILED=1 over `tile_major` weights (each row tile x K tile one contiguous block) computes bit for bit what the
+    checkpoint layout does with the same config: only the addresses differ. The layout must match the config."""
+    from kernels.w4a16_gemm import tile_major
+
+    e, n, k, t, top_k = 6, 128, 256, 9, 2
+    idx = routing_ids(t, top_k, e, seed=3, empty=(4,))
+    w = rand_weight(e, n, k, seed=5)
+    x = rand_x(t, k, seed=6)
+    rs = torch.rand(t * top_k, generator=torch.Generator().manual_seed(7)).to(DEVICE) if mode == "row_scale" else None
+    cfg = dict(BLOCK_N=bn, BLOCK_K=bk)
+    args = dict(a_div=top_k, row_scale=rs, swiglu=mode == "swiglu", config=cfg)
+    routing = moe_align(idx, e, 16)
+    y = w4a16_grouped_launch(x, w, routing, **args, modes=dict(TILED=0))
+    wt = NVFP4Tensor(tile_major(w.packed, bn, bk), w.scales, w.global_scale)
+    assert not torch.equal(wt.packed, w.packed)  # the bytes did move
+    y_tiled = w4a16_grouped_launch(x, wt, routing, **args, modes=dict(TILED=1))
+    assert torch.equal(y_tiled, y)
+    with pytest.raises(ValueError, match="TILED needs a config"):
+        w4a16_grouped_launch(x, wt, routing, **{**args, "config": dict(BLOCK_N=48, BLOCK_K=bk)}, modes=dict(TILED=1))
+
+
 def _one(w, e):
     return NVFP4Tensor(w.packed[e], w.scales[e], w.global_scale[e])
 
