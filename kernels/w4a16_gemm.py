@@ -22,7 +22,8 @@ ops per weight):
   `((c & 7) << 6) | ((c & 8) << 12)` read as bf16 is E2M1 * 2^-126 (code 1: the bf16 subnormal 2^-127, kept by the
   GPU's bf16 multiply -- the exact-tile test passes on the H200), times the scale * 2^119 (a normal bf16) = the
   weight * 2^-7, exact, undone by an exact * 2^7 of the fp32 accumulator. DEQ 2 does the bit work in inline PTX on
-  32-bit registers (~3 instructions per weight instead of ~7), which the interpreter cannot run (it runs DEQ 1).
+  32-bit registers (~3 instructions per weight instead of ~7); the interpreter, which has no PTX, runs DEQ 1 and 2
+  as one fp32 emulation of the same bits.
 Even/odd: the low nibbles of a byte tile are the weights of even k, the high nibbles those of odd k; instead of
 interleaving the weight tile, the (small) activation tile is split into even and odd columns and two dots are summed.
 
@@ -313,6 +314,13 @@ if triton is not None:
         return tl.load(w + base[:, None, None] + local, mask=row_ok[:, None, None], other=0)
 
     @triton.jit
+    def _load_packed(w, rows, row_ok, t, K, s_wn, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
+        """The packed tile of `rows` in the checkpoint layout, or tile-major (TILED)."""
+        if TILED:
+            return _load_packed_tile_major(w, rows, row_ok, t, K, BLOCK_K)
+        return _load_packed_tile(w, rows, row_ok, t, K, s_wn, BLOCK_K)
+
+    @triton.jit
     def _scale_pipe_start(s, rows, row_ok, t0, K, s_sn, BLOCK_K: tl.constexpr, SCALE_AHEAD: tl.constexpr):
         """The look-ahead scale tiles t0, t0 + 1 before the K loop (only as many as SCALE_AHEAD loads: the rest fully
         masked, no memory access)."""
@@ -402,8 +410,7 @@ if triton is not None:
                               s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
                               SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                               DEQ: tl.constexpr, SCALE_AHEAD: tl.constexpr, TILED: tl.constexpr,
-                              BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
         # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -426,20 +433,14 @@ if triton is not None:
             ua, ub = _scale_pipe_start(se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # up rows
             for t in range(0, tl.cdiv(K, BLOCK_K)):
                 xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
-                if TILED:
-                    pw = _load_packed_tile_major(we, offs_n, n_ok, t, K, BLOCK_K)
-                else:
-                    pw = _load_packed_tile(we, offs_n, n_ok, t, K, s_wn, BLOCK_K)
+                pw = _load_packed(we, offs_n, n_ok, t, K, s_wn, BLOCK_K, TILED)
                 sc, sa, sb = _scale_pipe_next(sa, sb, se, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                 lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                 acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
                 acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
                 if SWIGLU:
                     sc, ua, ub = _scale_pipe_next(ua, ub, se, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
-                    if TILED:
-                        pw = _load_packed_tile_major(we, offs_n + n_out, n_ok, t, K, BLOCK_K)
-                    else:
-                        pw = _load_packed_tile(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K)
+                    pw = _load_packed(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K, TILED)
                     lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                     acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
                     acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
@@ -515,8 +516,6 @@ def _launch(kernel, grid, args: tuple, config: dict | None, modes: dict, **meta)
         kernel[grid](*args, **meta)
         return
     cfg = {**meta, **(config or INTERPRETER_CONFIG), "INTERPRET": meta["INTERPRET"]}
-    if _interpreted() and cfg.get("DEQ") == 2:
-        cfg["DEQ"] = 1
     kernel.fn[grid](*args, **{k: v for k, v in cfg.items() if k in kernel.fn.arg_names or k.startswith("num_")})
 
 
@@ -632,15 +631,15 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
 
 
 def dequantize_nvfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                            block_n: int = 32, block_k: int = 64, deq: int | None = None) -> torch.Tensor:
+                            block_n: int = 32, block_k: int = 64, deq: int = 2) -> torch.Tensor:
     """[N, K/2] + [N, K/16] -> block values E2M1 x scale [N, K] in dtype (no global scale), with the GEMMs' dequant
-    (`deq`: one of DEQ_MODES; default 2, the grouped kernels' mode, 1 under the interpreter)."""
+    (`deq`: one of DEQ_MODES; default 2, the grouped kernels' mode)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     sc = scales.view(torch.uint8)
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         packed, sc, out, n, k, packed.stride(0), sc.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        DEQ=(1 if _interpreted() else 2) if deq is None else deq, INTERPRET=_interpreted())
+        DEQ=deq, INTERPRET=_interpreted())
     return out
 
 
