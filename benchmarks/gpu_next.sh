@@ -11,7 +11,10 @@
 #      every kernel in the log and health();
 #   6. the Qwen kernels' tests on the GPU (compiled Triton instead of the CPU interpreter);
 #   7. the grouped W4A16 kernel on tile-major weights (kernels/w4a16_gemm.py: tile_major, TILED) beside the checkpoint
-#      layout, 1 and 32 tokens (written 2026-11-30 after the last GPU call; interpreter-tested, not run on a GPU).
+#      layout, 1 and 32 tokens (written 2026-11-30 after the last GPU call; interpreter-tested, not run on a GPU);
+#   8. W4A16 bench of 2026-12-01's changes: the dense kernel's split-K reduced inside the kernel and the shared
+#      expert's SwiGLU epilogue against the torch sum / SiLU x up they replace, and the weights as the MMA's left
+#      operand (SWAP) and tile-major (TILED) beside the checkpoint layout, grouped and dense.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -21,6 +24,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="5" bash benchmarks/gpu_next.sh       # ~9 min (one call)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="6" bash benchmarks/gpu_next.sh       # ~4 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="7" bash benchmarks/gpu_next.sh       # ~4 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="8" bash benchmarks/gpu_next.sh       # ~6 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -31,6 +35,11 @@ say() { echo "[gpu_next $(date +%T)] $*"; }
 archive() { tar czf "$OUT/next.tgz" -C "$R" . ; }
 trap archive EXIT
 STEPS=${STEPS:-"1 2 3 4"}
+# optional GPU-only libraries carried beside the bundle (pyproject's [gpu] extra: fla-core for the GDN prefill);
+# the device has no network, so their wheels travel in .devbundle/extra/ (pip download fla-core==0.6.0 --no-deps)
+if ls .devbundle/extra/*.whl > /dev/null 2>&1; then
+  python -m pip install -q --no-deps --no-index --target "${SITE:-/tmp/site}" .devbundle/extra/*.whl 2>&1 | tail -1
+fi
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 if want 1; then
@@ -74,7 +83,7 @@ say "6. CUDA tests of the Qwen kernels (compiled, on the H200)"
 timeout 280 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_kernel_gdn.py \
   tests/test_kernel_gdn_prep.py tests/test_kernel_moe_align.py tests/test_kernel_moe_combine.py \
   tests/test_kernel_moe_router.py tests/test_kernel_rms_norm.py tests/test_kernel_paged_attention.py tests/test_kernel_w4a16.py \
-  tests/test_kernel_attn_prep.py \
+  tests/test_kernel_attn_prep.py tests/test_kernel_rms_norm_add.py tests/test_kernel_gdn_chunk.py tests/test_gdn_fused_glue.py \
   > "$R/qwen_kernel_tests.log" 2>&1
 grep -E "passed|failed" "$R/qwen_kernel_tests.log" | tail -2
 fi
@@ -83,5 +92,14 @@ say "7. grouped W4A16: tile-major weights vs the checkpoint layout"
 timeout 330 python benchmarks/w4a16_bench.py --skip-dense --modes "2:1,2:2,2:1:1,2:2:1" \
   --tiles "32,128,4,4;64,128,4,4;16,256,4,4;32,256,4,3" --out "$R/w4a16" > "$R/w4a16.log" 2>&1
 grep -E "^\| grouped" "$R/w4a16/w4a16_bench.md"
+fi
+if want 8; then
+say "8. W4A16: in-kernel split-K + SwiGLU epilogue vs torch; SWAP and TILED beside the checkpoint layout"
+timeout 200 python benchmarks/w4a16_bench.py --skip-dense --modes "2:1,2:1:1,2:1:0:1" \
+  --tiles "32,128,4,4;16,256,4,4;64,128,4,4" --out "$R/w4a16_grouped" > "$R/w4a16_grouped.log" 2>&1
+grep -E "^\| grouped" "$R/w4a16_grouped/w4a16_bench.md" | cut -c1-200
+timeout 200 python benchmarks/w4a16_bench.py --skip-grouped --modes "0:0,0:0:0:1" --out "$R/w4a16_dense" \
+  > "$R/w4a16_dense.log" 2>&1
+grep -E "^\| dense" "$R/w4a16_dense/w4a16_bench.md" | cut -c1-200
 fi
 say "done"

@@ -123,8 +123,15 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
 
 
 def dense(rows: list, g) -> None:
-    shapes = {"shared gate_up": (2 * I, H), "shared down": (H, I), "lm_head": (VOCAB, H)}
-    for name_s, (n, k) in shapes.items():
+    """Each shape and mode, autotuned. Split-K (the shared expert at decode sizes) runs twice: reduced inside the
+    kernel (the arrival counters, what the engine runs) and, as before 2026-12-01, summed and cast by torch (two more
+    launches, inside the timed graph). The shared expert's gate/up also runs with the SwiGLU epilogue (its engine
+    path), against the plain GEMM + torch SiLU x up."""
+    from kernels import w4a16_gemm
+
+    shapes = {"shared gate_up": (2 * I, H, False), "shared gate_up + SwiGLU": (2 * I, H, True),
+              "shared down": (H, I, False), "lm_head": (VOCAB, H, False)}
+    for name_s, (n, k, swiglu) in shapes.items():
         ws = [rand_nvfp4(n, k) for _ in range(copies_for(n * k * 9 // 16))]
         for m in (1, 32):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
@@ -132,20 +139,38 @@ def dense(rows: list, g) -> None:
             for name, modes in MODES.items():
                 if modes.get("TILED"):  # a grouped-kernel experiment only
                     continue
-                modes = {key: modes[key] for key in ("DEQ", "SCALE_AHEAD")}
-                j = [0]
+                modes = {key: modes[key] for key in ("DEQ", "SCALE_AHEAD", "SWAP") if key in modes}
+                for reduce_by in ("kernel", "torch"):
+                    counters = w4a16_gemm.SPLIT_COUNTERS
+                    if reduce_by == "torch":
+                        w4a16_gemm.SPLIT_COUNTERS = 0  # no counters: partials summed (and activated) by torch
+                    j = [0]
 
-                def call():
-                    j[0] += 1
-                    return w4a16_dense_launch(x, *ws[j[0] % len(ws)], modes=modes)
+                    def call():
+                        j[0] += 1
+                        y = w4a16_dense_launch(x, *ws[j[0] % len(ws)], modes=modes)
+                        if swiglu and reduce_by == "torch":  # the old engine path: GEMM, then SiLU x up in torch
+                            gate, up = y.chunk(2, dim=-1)
+                            return torch.nn.functional.silu(gate) * up
+                        return w4a16_dense_launch(x, *ws[j[0] % len(ws)], swiglu=True, modes=modes) if swiglu else y
 
-                out = w4a16_dense_launch(x, *ws[0], modes=modes)
-                err = None if ref is None else float((out.float() - ref).abs().max() / ref.abs().max())
-                ref = out.float() if ref is None else ref
-                t_ms = ms(call)
-                rows.append(dict(kind="dense", shape=name_s, tokens=m, mode=name, us=t_ms * 1e3,  # autotuned
-                                 tb_s=nbytes(ws[0]) / (t_ms * 1e-3) / 1e12, max_rel_diff_vs_before=err))
-                print(json.dumps(rows[-1]), flush=True)
+                    try:
+                        j[0] = -1
+                        out = call()
+                        split = w4a16_gemm.split_k_for(m, n // 2 if swiglu else n, k,
+                                                       w4a16_gemm._num_sms(x.device.index))
+                        if reduce_by == "torch" and split == 1 and not swiglu:
+                            continue  # the same launch as the kernel row
+                        err = None if ref is None else float((out.float() - ref).abs().max() / ref.abs().max())
+                        ref = out.float() if ref is None else ref
+                        t_ms = ms(call)
+                    finally:
+                        w4a16_gemm.SPLIT_COUNTERS = counters
+                    what = {"kernel": "", "torch": ", split-K summed / SwiGLU by torch (before)"}[reduce_by]
+                    rows.append(dict(kind="dense", shape=name_s, tokens=m, mode=name + what, split_k=split,
+                                     us=t_ms * 1e3, tb_s=nbytes(ws[0]) / (t_ms * 1e-3) / 1e12,  # autotuned
+                                     max_rel_diff_vs_before=err))
+                    print(json.dumps(rows[-1]), flush=True)
 
 
 def copy_ceiling(rows: list) -> None:
@@ -164,9 +189,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/w4a16")
     ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--skip-grouped", action="store_true")
     ap.add_argument("--tiles", default="", help="grouped tiles 'BN,BK,warps,stages;...' instead of GROUPED_TILES")
-    ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD[:TILED],...' instead of MODES, e.g. '2:1,2:1:1' "
-                                                "(TILED: the weights repacked by tile_major for each tile)")
+    ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD[:TILED[:SWAP]],...' instead of MODES, e.g. "
+                                                "'2:1,2:1:1,2:1:0:1' (TILED: the weights repacked by tile_major for "
+                                                "each tile; SWAP: the weights as the MMA's left operand)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (untimed)")
     ap.add_argument("--once", action="store_true", help="run each case 3 times untimed (for a profiler)")
     ap.add_argument("--tokens", default="1,32", help="decode tokens of the grouped cases")
@@ -181,15 +208,16 @@ def main() -> None:
     if args.modes:
         MODES.clear()
         for m in args.modes.split(","):
-            deq, ahead, *tiled = (int(v) for v in m.split(":"))
-            tiled = tiled[0] if tiled else 0
-            MODES[f"DEQ {deq}, scales {ahead} tile(s) ahead{', tile-major weights' if tiled else ''}"] = dict(
-                DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled)
+            deq, ahead, tiled, swap = ([int(v) for v in m.split(":")] + [0, 0])[:4]
+            MODES[f"DEQ {deq}, scales {ahead} tile(s) ahead{', tile-major weights' if tiled else ''}"
+                  f"{', weights as the left MMA operand' if swap else ''}"] = dict(
+                DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, SWAP=swap)
     g = torch.Generator().manual_seed(0)
     rows: list = []
     t0 = time.time()
     copy_ceiling(rows)
-    grouped(rows, g, tuple(int(t) for t in args.tokens.split(",")))
+    if not args.skip_grouped:
+        grouped(rows, g, tuple(int(t) for t in args.tokens.split(",")))
     if not args.skip_dense:
         dense(rows, g)
     out = Path(args.out)

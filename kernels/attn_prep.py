@@ -36,12 +36,14 @@ from kernels.device import triton_device_ok
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
-    from kernels.rms_norm import _round
+    from kernels.rms_norm import _cast, _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
 NAME = "attn_decode_prep"
+GATE = "attn_output_gate"
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024  # one head row per program in registers; the model has 256
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -66,7 +68,35 @@ def attn_decode_prep_reference(q, k, v, q_weight, k_weight, eps: float, cos, sin
     return qr.contiguous(), k_pool, v_pool
 
 
+def attn_output_gate_reference(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated attention's output gate, `GatedAttention`'s `o.reshape(n, h * d) * torch.sigmoid(gate.reshape(n,
+    -1))`: o [N, H, D] (the decode attention's output), gate [N, H, D] (a strided view of the fused q/gate
+    projection) -> [N, H * D] in o's dtype. torch rounds sigmoid(gate) to the dtype, then the product."""
+    n = o.shape[0]
+    return o.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+
+
 if triton is not None:
+
+    @triton.jit
+    def _gate_kernel(o, gate, out, H, D, s_on, s_oh, s_gn, s_gh, s_outn, BLOCK_D: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+        # grid (N, H): one head row. Replaces three launches per attention layer: the copy of the strided gate that
+        # its reshape makes, the sigmoid and the product. torch's numbers: sigmoid 1 / (1 + exp(-g)) in fp32 with
+        # an accurate expf and an IEEE division (CUDA's opmath), rounded to the dtype (`_round`: bit ops, not
+        # contracted), the product of two dtype values in fp32 (exact for bf16) rounded once
+        n, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        dt = out.dtype.element_ty
+        g = tl.load(gate + n * s_gn + h * s_gh + d, mask=ok, other=0.0).to(tl.float32)
+        if INTERPRET:  # numpy's exp; libdevice is not interpreted
+            e = tl.exp(-g)
+        else:  # torch's accurate expf, not tl.exp's ex2.approx
+            e = libdevice.exp(-g)
+        sig = _round(tl.div_rn(tl.full((BLOCK_D,), 1.0, tl.float32), 1.0 + e), dt, INTERPRET)
+        x = tl.load(o + n * s_on + h * s_oh + d, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + n * s_outn + h * D + d, _cast(x * sig, dt, INTERPRET), mask=ok)
 
     @triton.jit
     def _norm_rope(src, w, eps, cos_row, sin_row, d, ok, D, RD, DT: tl.constexpr, INTERPRET: tl.constexpr):
@@ -111,6 +141,29 @@ if triton is not None:
 
 def _interpreted() -> bool:
     return triton is not None and type(_attn_prep_kernel).__name__ == "InterpretedFunction"
+
+
+@torch.library.custom_op("qwen::attn_output_gate", mutates_args=())
+def attn_output_gate_op(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o, gate [N, H, D] -> o * sigmoid(gate) [N, H * D] contiguous in o's dtype; contract:
+    `attn_output_gate_reference`. Guards: `supports_gate` (checked by the registry)."""
+    n, heads, d = o.shape
+    out = o.new_empty((n, heads * d))
+    if out.numel():
+        _gate_kernel[(n, heads)](o, gate, out, heads, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
+                                 out.stride(0), BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(),
+                                 num_warps=1 if d <= 256 else 4)
+    return out
+
+
+@attn_output_gate_op.register_fake
+def _(o, gate):
+    return o.new_empty((o.shape[0], o.shape[1] * o.shape[2]))
+
+
+def attn_output_gate_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Same contract as `attn_output_gate_reference`."""
+    return attn_output_gate_op(o, gate)
 
 
 @torch.library.custom_op("qwen::attn_decode_prep_", mutates_args=("k_pool", "v_pool"))
@@ -171,6 +224,29 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, slots_o
             and shapes_ok and 1 <= head_dim <= MAX_HEAD_DIM and pools_contiguous and unit_strides)
 
 
+def describe_gate(o, gate) -> dict[str, Any]:
+    d = o.shape[-1] if o.dim() == 3 else 0
+    return dict(device=o.device.type, capability=torch.cuda.get_device_capability(o.device) if o.is_cuda else None,
+                same_device=o.device == gate.device, dtypes={o.dtype, gate.dtype},
+                shapes_ok=o.dim() == 3 and gate.shape == o.shape, head_dim=d,
+                unit_strides=o.dim() == 3 and o.stride(-1) == 1 and gate.stride(-1) == 1)
+
+
+def supports_gate(*, device: str, capability, same_device: bool, dtypes: set, shapes_ok: bool, head_dim: int,
+                  unit_strides: bool, **_: Any) -> bool:
+    """Triton able to run on `device`; o and gate there, of one dtype (bf16 or fp32), one shape [N, H, D] with
+    D <= MAX_HEAD_DIM; unit inner strides (rows and heads may be strided: the gate is a view)."""
+    if triton is None:
+        return False
+    return (triton_device_ok(device, capability, _interpreted()) and same_device and len(dtypes) == 1
+            and next(iter(dtypes)) in DTYPES and shapes_ok and 1 <= head_dim <= MAX_HEAD_DIM and unit_strides)
+
+
+def compare_gate(out, ref) -> str | None:
+    """Within TOLERANCE x max |ref| (bf16: an exp ulp may move sigmoid's rounding by one bf16 ulp; fp32 ulps)."""
+    return tolerance.compare(out, ref, TOLERANCE[ref.dtype])
+
+
 def compare(out, ref) -> str | None:
     """q and both whole pools within TOLERANCE x max |ref| (rows not written are then equal up to that too; the
     tests check them bit for bit)."""
@@ -207,8 +283,24 @@ def _sample(device) -> tuple[tuple, dict]:
     return random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, seed=1, device=device), {}
 
 
+def gate_inputs(n: int, heads: int, d: int, dtype=torch.bfloat16, seed: int = 0, device="cpu"):
+    """(o [N, H, D] ~N(0, 1) contiguous, gate [N, H, D] ~N(0, 4) as the strided second half of a fused [N, H, 2D]
+    projection): gates from saturated to ~0.5."""
+    gen = torch.Generator().manual_seed(seed)
+    qg = torch.randn(n, heads, 2 * d, generator=gen) * 2
+    return torch.randn(n, heads, d, generator=gen).to(dtype).to(device), qg.to(dtype).to(device)[..., d:]
+
+
+def _sample_gate(device) -> tuple[tuple, dict]:
+    return gate_inputs(3, 4, 96, seed=2, device=device), {}
+
+
 def register(registry) -> None:
     registry.add_op(NAME, attn_decode_prep_reference, sample=_sample, compare=compare, describe=describe, mutates=True,
                     tolerance="q and the pools within 1e-2 x max |ref| for bf16 (the norm's rsqrt may move a normed "
                               "value one ulp; RoPE roundings reproduced), 1e-5 for fp32")
     registry.add_implementation(NAME, "triton", attn_decode_prep_triton, supports)
+    registry.add_op(GATE, attn_output_gate_reference, sample=_sample_gate, compare=compare_gate,
+                    describe=describe_gate, tolerance="within 1e-2 x max |ref| for bf16 (torch's roundings "
+                    "reproduced; an exp ulp can move one), 1e-5 for fp32")
+    registry.add_implementation(GATE, "triton", attn_output_gate_triton, supports_gate)

@@ -2,17 +2,18 @@
 to a multiple of BLOCK_M rows -- the `MoeRouting` that the grouped W4A16 kernel reads.
 
 Reference: `kernels.w4a16_gemm.moe_align` (torch: a stable sort, scatter_add counts, cumsums, a scatter and a
-searchsorted: ~25 kernel launches). This computes the identical tensors in 2 launches (a fill and this kernel), which
-matters in a decode step: 40 MoE layers x ~25 launches were ~1,000 of its ~5,000 kernels (benchmarks/RESULTS.md).
+searchsorted: ~25 kernel launches). This computes the identical tensors in 1 launch (it also writes the padding rows),
+which matters in a decode step: 40 MoE layers x ~25 launches were ~1,000 of its ~5,000 kernels (benchmarks/RESULTS.md).
 
 Algorithm (one program; P = T * top_k pairs <= MAX_PAIRS, E experts <= MAX_EXPERTS; flat expert ids e[P]):
     counts[j]  = #{p : e[p] = j}                                   (compare-and-sum over chunks of pairs)
     padded[j]  = ceil(counts[j] / BLOCK_M) * BLOCK_M;   ends = cumsum(padded);   pstart = ends - padded
     rank[p]    = #{q < p : e[q] = e[p]}                            (the stable order of the reference's sort)
-    row[p]     = pstart[e[p]] + rank[p];   sorted_pairs[row[p]] = p  (rows not written keep the fill value P)
+    sorted_pairs[:] = P (padding), then  row[p] = pstart[e[p]] + rank[p];   sorted_pairs[row[p]] = p
     block_expert[b] = #{j : ends[j] <= b * BLOCK_M}                (= searchsorted(ends, b BLOCK_M, right=True))
 Exact integer arithmetic: equal to the reference bit for bit (tests). Register gathers are written as one-hot
-compare-and-sum products ([chunk, E] tiles), so nothing goes through memory between phases (no barrier needed).
+compare-and-sum products ([chunk, E] tiles), so nothing goes through memory between phases; the one barrier orders
+the padding fill before the scatter.
 Cost: O(P^2 + P E + R E / BLOCK_M) integer ops in one program: ~0.1-0.3 M at decode sizes (P <= 256, E = 256),
 a few microseconds (unmeasured); larger P uses the torch reference (MAX_PAIRS).
 """
@@ -39,6 +40,12 @@ if triton is not None:
     def _moe_align_kernel(ids, sorted_pairs, block_expert, P, E, NUM_BLOCKS,
                           BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_B: tl.constexpr, CHUNK_P: tl.constexpr):
+        # every row starts as padding (pair id P); the scatter below overwrites the used ones. The barrier orders
+        # the two writes of a row, which different threads of this one program make.
+        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
+            rs = r0 + tl.arange(0, 1024)
+            tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + P, mask=rs < NUM_BLOCKS * BLOCK_M)
+        tl.debug_barrier()
         ej = tl.arange(0, BLOCK_E)  # expert ids
         qs = tl.arange(0, BLOCK_P)
         e_all = tl.load(ids + qs, mask=qs < P, other=-1).to(tl.int32)  # [BLOCK_P]; -1 matches no expert
@@ -88,7 +95,7 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int) -> tuple
     p = flat.numel()
     rows = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m) * block_m
     nblocks = rows // block_m
-    sorted_pairs = torch.full((rows,), p, dtype=torch.int32, device=flat.device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=flat.device)  # padding written by the kernel
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=flat.device)
     _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
                             BLOCK_P=triton.next_power_of_2(p), BLOCK_E=triton.next_power_of_2(num_experts),

@@ -1,5 +1,6 @@
-"""The end of a Qwen3.6 decoder layer in one Triton launch: the shared expert's sigmoid gate (a [1, H] GEMV), the
-gated shared expert added to the routed experts, and the residual add.
+"""The end of a Qwen3.6 decoder layer in one Triton launch: the sum over the top-k routed experts' weighted outputs
+(when handed over unsummed, [N, k, H]), the shared expert's sigmoid gate (a [1, H] GEMV), the gated shared expert
+added to the routed experts, and the residual add.
 
 Reference `moe_combine_reference` -- exactly the torch code of `SparseMoE.forward`'s tail plus `DecoderLayer`'s
 residual (transformers' `Qwen3_5MoeSparseMoeBlock` + `Qwen3_5MoeDecoderLayer`):
@@ -8,11 +9,12 @@ residual (transformers' `Qwen3_5MoeSparseMoeBlock` + `Qwen3_5MoeDecoderLayer`):
 in the model dtype, each torch op rounding its result: the GEMV (fp32 accumulation, one rounding), the sigmoid
 (computed in fp32, rounded), the product, the two sums.
 
-Why: these are 5 kernels per layer (GEMV, sigmoid, mul, add, add), 200 of a decode step's ~2,500 over 40 layers,
-each a few microseconds of launch-bound work on [N, 2048] bf16 tensors. One program per row: it reads x, w_gate,
-shared, routed and residual once (5 x 4 KB at H = 2048, bf16) and writes the row once.
+Why: these are 7 kernels per layer (top-k sum, its cast, GEMV, sigmoid, mul, add, add), 280 of a decode step over 40
+layers, each a few microseconds of launch-bound work on [N, 2048] bf16 tensors. One program per row: it reads x,
+w_gate, shared, the k routed rows and residual once ((4 + k) x 4 KB at H = 2048, bf16) and writes the row once.
 
-Numerics: the same fp32 operations and the same roundings to the model dtype (`kernels.rms_norm._round` / `_cast`, RNE
+Numerics: the same fp32 operations and the same roundings to the model dtype (the top-k sum: fp32 in slot order,
+one rounding, as `w4a16_moe`'s own sum up to fp32 summation order) (`kernels.rms_norm._round` / `_cast`, RNE
 under the interpreter too); only the GEMV's sum runs in another order than cuBLAS's, so the rounded gate may differ
 by one bf16 ulp, which moves the output by at most 2^-8 |gate * shared|. Tolerance: max |diff| <= 1e-2 x max |ref|
 for bf16, 1e-5 for fp32 (`kernels.tolerance.compare`); the registry's sample has no massive residual row, so that
@@ -48,7 +50,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # x max |ref|, module d
 
 def moe_combine_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
                           residual: torch.Tensor) -> torch.Tensor:
-    """x, shared, routed, residual [N, H]; gate_weight [1, H] (`shared_expert_gate.weight`) -> [N, H] in x.dtype."""
+    """x, shared, residual [N, H]; routed [N, H], or [N, S, H]: the S weighted expert outputs of each token, summed
+    here in fp32 with one rounding (as the grouped W4A16 op's own sum); gate_weight [1, H]
+    (`shared_expert_gate.weight`) -> [N, H] in x.dtype."""
+    if routed.dim() == 3:
+        routed = routed.sum(1, dtype=torch.float32).to(x.dtype)
     gate = torch.sigmoid(F.linear(x, gate_weight))  # [N, 1]
     return residual + (routed + gate * shared)
 
@@ -56,8 +62,9 @@ def moe_combine_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: to
 if triton is not None:
 
     @triton.jit
-    def _moe_combine_kernel(x, w, shared, routed, residual, out, H, s_x, s_s, s_r, s_res, s_o,
+    def _moe_combine_kernel(x, w, shared, routed, residual, out, H, S, s_x, s_s, s_r, s_rs, s_res, s_o,
                             BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+        # routed: S rows per token, s_rs apart (S = 1 for an already summed [N, H])
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < H
@@ -73,7 +80,10 @@ if triton is not None:
             ex = libdevice.exp(-gate)
         gate = _round(tl.div_rn(tl.full(ex.shape, 1.0, tl.float32), 1.0 + ex), dt, INTERPRET)
         sh = tl.load(shared + row * s_s + cols, mask=ok, other=0.0).to(tl.float32)
-        ro = tl.load(routed + row * s_r + cols, mask=ok, other=0.0).to(tl.float32)
+        ro = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in range(S):  # the top-k sum in fp32, in slot order, rounded once
+            ro += tl.load(routed + row * s_r + j * s_rs + cols, mask=ok, other=0.0).to(tl.float32)
+        ro = _round(ro, dt, INTERPRET)
         res = tl.load(residual + row * s_res + cols, mask=ok, other=0.0).to(tl.float32)
         t = _round(gate * sh, dt, INTERPRET)
         u = _round(ro + t, dt, INTERPRET)
@@ -93,8 +103,10 @@ def moe_combine_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Ten
     if out.numel() == 0:
         return out
     block_h = triton.next_power_of_2(h)
-    _moe_combine_kernel[(n,)](x, gate_weight, shared, routed, residual, out, h, x.stride(0), shared.stride(0),
-                              routed.stride(0), residual.stride(0), out.stride(0), BLOCK_H=block_h,
+    r3 = routed if routed.dim() == 3 else routed[:, None]
+    _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, r3.shape[1], x.stride(0),
+                              shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0),
+                              BLOCK_H=block_h,
                               INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)))
     return out
 
@@ -116,14 +128,17 @@ def describe(x, gate_weight, shared, routed, residual) -> dict[str, Any]:
     return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
                 same_device=len({t.device for t in ts}) == 1, dtypes={t.dtype for t in ts}, dim=h,
                 shapes_ok=x.dim() == 2 and tuple(gate_weight.shape) == (1, h)
-                and shared.shape == routed.shape == residual.shape == x.shape,
+                and shared.shape == residual.shape == x.shape
+                and (routed.shape == x.shape or (routed.dim() == 3 and routed.shape[0] == x.shape[0]
+                                                 and routed.shape[2] == h and routed.shape[1] >= 1)),
                 unit_strides=all(t.dim() and t.stride(-1) == 1 for t in ts))
 
 
 def supports(*, device: str, capability, same_device: bool, dtypes: set, dim: int, shapes_ok: bool,
              unit_strides: bool, **_: Any) -> bool:
     """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); every tensor on it, of one dtype in
-    DTYPES; 2-D [N, H] tensors, a [1, H] gate weight, 1 <= H <= MAX_DIM; unit inner strides."""
+    DTYPES; 2-D [N, H] tensors (routed also [N, S, H]), a [1, H] gate weight, 1 <= H <= MAX_DIM; unit inner
+    strides."""
     if triton is None:
         return False
     device_ok = triton_device_ok(device, capability, _interpreted())

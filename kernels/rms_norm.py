@@ -9,7 +9,12 @@ x (and z) [..., D] in bf16, fp16 or fp32, any leading dims, unit stride in the l
 slice of a fused projection is not copied); weight [D] (zero-centred for the first, not for the second); rms(x) =
 sqrt(mean(x^2) + eps), over the last dim in fp32. Output: x's shape (contiguous) and dtype. Custom ops
 `qwen::rms_norm_zc`, `qwen::rms_norm_gated` (traceable by torch.compile); no host reads of device values, so they can
-be captured in a CUDA graph.
+be captured in a CUDA graph. Two fused variants of the same kernels, each saving a launch of decode-step glue:
+    add_rms_norm_zc(x, h, weight, eps): (s, rms_norm_zc(s)), s = x + h rounded to x.dtype -- the decoder layer's
+        residual add + post-attention norm (40 launches per step); bf16/fp32; the sum bit-identical to torch's and
+        the norm computed from the rounded sum, as the unfused code does (`_round`: no contraction of the rounding)
+    rms_norm_gated with an fp32 x and a bf16/fp16 z (`rounds_x`): x rounded to z.dtype first, output z.dtype -- the
+        GDN output's `o.to(dtype)` copy (30 launches per step), same numbers as the separate cast.
 
 Why. A decode step of the full model is ~6,000 tiny kernels, and the references are ~10 kernels each (x.float(),
 pow, mean, + eps, rsqrt, mul, weight.float(), 1 + w, mul, cast; the gated one ~12). They run ~130 times per step: 2 per
@@ -56,8 +61,9 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
-ZC, GATED = "rms_norm_zc", "rms_norm_gated"
+ZC, GATED, ADD_ZC = "rms_norm_zc", "rms_norm_gated", "add_rms_norm_zc"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ADD_DTYPES = (torch.bfloat16, torch.float32)  # the residual sum is rounded with `_round`: bf16 (or none in fp32)
 MIN_CAPABILITY = (8, 0)  # bf16 loads/stores and casts in hardware
 MAX_DIM = 8192  # one BLOCK_D tile per row: 8192 fp32 = 32 KB of registers over 8 warps
 TILE = 1024  # elements per program for small rows (BLOCK_R x BLOCK_D): 4-16 per-head rows of D = 64-256
@@ -72,12 +78,28 @@ def rms_norm_zc_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
+def rounds_x(x: torch.Tensor, z: torch.Tensor) -> bool:
+    """The gated norm's widened input: x fp32 (the GDN core's output) with z in the model dtype bf16/fp16. x is then
+    rounded to z.dtype first -- `GatedDeltaNet._output`'s `o.to(dtype)`, done inside the kernel to save its launch."""
+    return x.dtype == torch.float32 and z.dtype in (torch.bfloat16, torch.float16)
+
+
 def rms_norm_gated_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`GatedRMSNorm.forward`: normalised x cast to x.dtype, times the weight in the weight/x dtype, times the fp32
-    SiLU gate, cast to x.dtype."""
+    SiLU gate, cast to x.dtype. An fp32 x with a bf16/fp16 z (`rounds_x`) is first rounded to z.dtype."""
+    if rounds_x(x, z):
+        x = x.to(z.dtype)
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * y * F.silu(z.float())).to(x.dtype)
+
+
+def add_rms_norm_zc_reference(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer's `x = x + h; post_attention_layernorm(x)`: (s, y) with s = x + h in x.dtype (torch rounds
+    the fp32 sum once) and y = `rms_norm_zc_reference(s, weight, eps)`, the norm of the *rounded* sum."""
+    s = x + h
+    return s, rms_norm_zc_reference(s, weight, eps)
 
 
 # ---- Triton kernels -------------------------------------------------------------------------------------------------
@@ -135,16 +157,38 @@ if triton is not None:
                  mask=ok)
 
     @triton.jit
+    def _add_rms_norm_zc_kernel(x, h, w, s_out, out, R, D, s_x, s_h, s_s, s_o, eps,
+                                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+        # s = x + h rounded to the model dtype (bits, `_round`: never contracted), stored as the new residual; the
+        # norm then reads the rounded s, as the unfused code's norm reads the stored sum
+        rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
+        dt = s_out.dtype.element_ty
+        sf = _round(_load_rows(x, rows, cols, s_x, ok) + _load_rows(h, rows, cols, s_h, ok), dt, INTERPRET)
+        tl.store(s_out + rows.to(tl.int64)[:, None] * s_s + cols[None, :], sf.to(dt), mask=ok)  # exact: rounded
+        wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
+        y = (sf * _inv_rms(sf, D, eps)[:, None]) * (1.0 + wf)[None, :]
+        tl.store(out + rows.to(tl.int64)[:, None] * s_o + cols[None, :], _cast(y, out.dtype.element_ty, INTERPRET),
+                 mask=ok)
+
+    @triton.jit
     def _rms_norm_gated_kernel(x, z, w, out, R, D, s_x, s_z, s_o, eps, ROUND_PRODUCT: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-        # ROUND_PRODUCT: torch computes `weight * y` in x.dtype (weight of x's dtype, bf16/fp16), not in fp32
+                               ROUND_X: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                               INTERPRET: tl.constexpr):
+        # ROUND_PRODUCT: torch computes `weight * y` in the model dtype (weight of that dtype, bf16/fp16), not fp32.
+        # ROUND_X: x is fp32 (the GDN core's output), first rounded to the model dtype = out's (`rounds_x`)
+        dt = out.dtype.element_ty  # the model dtype: x's, or z's when ROUND_X
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
-        y = _cast(xf * _inv_rms(xf, D, eps)[:, None], x.dtype.element_ty, INTERPRET).to(tl.float32)  # .to(x.dtype)
+        if ROUND_X:
+            if dt == tl.bfloat16:
+                xf = _round(xf, dt, INTERPRET)  # bit ops: not contracted away
+            else:
+                xf = _cast(xf, dt, INTERPRET).to(tl.float32)
+        y = _cast(xf * _inv_rms(xf, D, eps)[:, None], dt, INTERPRET).to(tl.float32)  # .to(x.dtype)
         wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
         p = wf[None, :] * y  # weight * y: exact in fp32 (two <= 11-bit significands) ...
         if ROUND_PRODUCT:  # ... then rounded as torch rounds it
-            p = _cast(p, x.dtype.element_ty, INTERPRET).to(tl.float32)
+            p = _cast(p, dt, INTERPRET).to(tl.float32)
         zf = _load_rows(z, rows, cols, s_z, ok)
         o = p * (zf / (1.0 + tl.exp(-zf)))  # * silu(z.float())
         tl.store(out + rows.to(tl.int64)[:, None] * s_o + cols[None, :], _cast(o, out.dtype.element_ty, INTERPRET),
@@ -198,24 +242,54 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("qwen::rms_norm_gated", mutates_args=())
 def rms_norm_gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, z [..., D] -> y [..., D] in x.dtype (contiguous); contract: `rms_norm_gated_reference`."""
+    """x, z [..., D] -> y [..., D] in z.dtype (x's unless `rounds_x`; contiguous); contract:
+    `rms_norm_gated_reference`."""
     _check(GATED, x, z, weight)
-    out = x.new_empty(x.shape)
+    out = z.new_empty(x.shape)
     x2, z2, o2 = _rows(x), _rows(z), out.view(-1, x.shape[-1])
     if o2.numel() == 0:
         return out
     cfg = _tiling(*x2.shape)
     grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
-    # torch.promote_types(weight, x) over DTYPES is x.dtype when the dtypes are equal, else fp32 (no rounding)
-    round_product = weight.dtype == x.dtype != torch.float32
+    # torch.promote_types(weight, y) over DTYPES is y's (the model dtype's) when the dtypes are equal, else fp32
+    round_product = weight.dtype == z.dtype != torch.float32
     _rms_norm_gated_kernel[grid](x2, z2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), z2.stride(0),
-                                 o2.stride(0), eps, ROUND_PRODUCT=round_product, INTERPRET=_interpreted(), **cfg)
+                                 o2.stride(0), eps, ROUND_PRODUCT=round_product, ROUND_X=rounds_x(x, z),
+                                 INTERPRET=_interpreted(), **cfg)
     return out
 
 
 @rms_norm_gated_op.register_fake
 def _(x, z, weight, eps):
-    return x.new_empty(x.shape)
+    return z.new_empty(x.shape)
+
+
+@torch.library.custom_op("qwen::add_rms_norm_zc", mutates_args=())
+def add_rms_norm_zc_op(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, h [..., D] -> (x + h, rms_norm_zc(x + h)), both [..., D] in x.dtype (contiguous); contract:
+    `add_rms_norm_zc_reference`."""
+    _check(ADD_ZC, x, h, weight)
+    s, out = x.new_empty(x.shape), x.new_empty(x.shape)
+    x2, h2, s2, o2 = _rows(x), _rows(h), s.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+    if o2.numel() == 0:
+        return s, out
+    cfg = _tiling(*x2.shape)
+    grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
+    _add_rms_norm_zc_kernel[grid](x2, h2, weight, s2, o2, x2.shape[0], x2.shape[1], x2.stride(0), h2.stride(0),
+                                  s2.stride(0), o2.stride(0), eps, INTERPRET=_interpreted(), **cfg)
+    return s, out
+
+
+@add_rms_norm_zc_op.register_fake
+def _(x, h, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def add_rms_norm_zc_triton(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `add_rms_norm_zc_reference`."""
+    return add_rms_norm_zc_op(x, h, weight, eps)
 
 
 def rms_norm_zc_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -244,7 +318,14 @@ def describe_zc(x, weight, eps=None) -> dict[str, Any]:
 
 
 def describe_gated(x, z, weight, eps=None) -> dict[str, Any]:
-    return _describe(x, weight, z)
+    info = _describe(x, weight, z)
+    if rounds_x(x, z):  # the fp32 x is rounded to z's dtype in the kernel: one model dtype
+        info["dtypes"] = {z.dtype}
+    return info
+
+
+def describe_add(x, h, weight, eps=None) -> dict[str, Any]:
+    return _describe(x, weight, h)  # h as the second activation: same shape and dtype as x
 
 
 def supports(*, device: str, capability, same_device: bool, dtypes: set, weight_dtype, shapes_ok: bool, dim: int,
@@ -257,6 +338,19 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, weight_
     device_ok = triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
             and weight_dtype in DTYPES and shapes_ok and 1 <= dim <= MAX_DIM and unit_strides)
+
+
+def supports_add(**info: Any) -> bool:
+    """`supports`, and the activations bf16 or fp32 (ADD_DTYPES: the sum is rounded by `_round`)."""
+    return supports(**info) and next(iter(info["dtypes"])) in ADD_DTYPES
+
+
+def compare_add(out, ref, tol: float | None = None) -> str | None:
+    """The sum bit-identical (one rounding of an exact fp32 add, as torch does it); the norm by `compare`."""
+    if out[0].shape != ref[0].shape or out[0].dtype != ref[0].dtype or not torch.equal(out[0], ref[0]):
+        return "sum: not bit-identical to x + h"
+    problem = compare(out[1], ref[1], tol)
+    return None if problem is None else f"norm: {problem}"
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> str | None:
@@ -292,6 +386,13 @@ def _sample_gated(device) -> tuple[tuple, dict]:
     return random_inputs((3, 2, 96), torch.bfloat16, gated=True, seed=1, device=device), {}
 
 
+def _sample_add(device) -> tuple[tuple, dict]:
+    # two hidden-state rows of a non-power-of-two D, bf16 like the model; h is the mixer output of the same scale
+    x, w, eps = random_inputs((2, 96), torch.bfloat16, seed=2, device=device)
+    h, _, _ = random_inputs((2, 96), torch.bfloat16, seed=3, device=device)
+    return (x, h, w, eps), {}
+
+
 def register(registry) -> None:
     tolerance = ("max |diff| <= 1e-2 x max |ref| for bf16/fp16 (one output ulp; the gated op also reproduces the "
                  "reference's intermediate roundings), 1e-5 for fp32 (fp32 math; summation order and rsqrt/exp ulps)")
@@ -301,3 +402,6 @@ def register(registry) -> None:
     registry.add_op(GATED, rms_norm_gated_reference, sample=_sample_gated, compare=compare, describe=describe_gated,
                     tolerance=tolerance)
     registry.add_implementation(GATED, "triton", rms_norm_gated_triton, supports)
+    registry.add_op(ADD_ZC, add_rms_norm_zc_reference, sample=_sample_add, compare=compare_add, describe=describe_add,
+                    tolerance="the sum bit-identical; the norm as rms_norm_zc's (" + tolerance + ")")
+    registry.add_implementation(ADD_ZC, "triton", add_rms_norm_zc_triton, supports_add)

@@ -47,12 +47,15 @@ API. Dense: `w4a16_linear_triton(x, w)` (custom op `qwen::w4a16_linear`; referen
 `moe_experts_w4a16_reference`) = `moe_align_fast` (sort the (token, slot) pairs by expert, pad each expert to BLOCK_M
 rows, no host sync; one Triton program at decode sizes, `kernels/moe_align.py`, else the torch `moe_align`) +
 `w4a16_grouped_launch` twice (gate_up with SwiGLU in the epilogue -> [P, I]; down with the routing weight in the
-epilogue -> [P, H]) + a sum over top-k.
+epilogue -> [P, H]) + a sum over top-k (or none: `reduce=False` hands the [T, k, H] rows to `kernels/moe_combine.py`).
+Dense SwiGLU: `w4a16_swiglu_triton(x, w)` (custom op `qwen::w4a16_swiglu`, registry op "w4a16_swiglu"; reference
+`w4a16_swiglu_reference`): the shared expert's gate/up GEMM with silu(gate) * up in its epilogue.
 `dequantize_nvfp4_triton` exposes the in-kernel dequant (exact-tile test; the dequantise-then-matmul baseline).
-`register(registry)` adds ops "w4a16_linear" and "w4a16_moe".
+`register(registry)` adds ops "w4a16_linear", "w4a16_swiglu" and "w4a16_moe".
 
 Decode (M = 1-32): BLOCK_M = 16/32 (tensor-core minimum 16; the wasted rows cost nothing at memory-bound sizes);
-dense split-K when the output tiles cannot fill the SMs (fp32 partials summed by torch: deterministic, no atomics).
+dense split-K when the output tiles cannot fill the SMs: fp32 partials, summed in split order by the split of each tile
+that arrives last (one arrival counter per tile, re-armed by that split): deterministic, and no reduce / cast launch.
 Weights stream through cp.async stages; the block-scale bytes are too narrow for cp.async, so SCALE_AHEAD requests
 them K tiles early in registers. Which DEQ / SCALE_AHEAD each kernel runs: GROUPED_MODES, DENSE_MODES (measured).
 Where the time goes at 32 streams (H200, 2026-11-30, `benchmarks/w4a16_bench.py`): ~0.9 TB/s of weight reads, so
@@ -84,6 +87,7 @@ except ImportError:  # CPU-only installs without triton: the references work, su
 
 log = logging.getLogger(__name__)
 DENSE = "w4a16_linear"
+SWIGLU = "w4a16_swiglu"
 MOE = "w4a16_moe"
 ACT_DTYPES = (torch.bfloat16, torch.float16)  # tl.dot operand dtypes the dequantised tile is exact in
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores; the kernel uses no fp8 instructions
@@ -115,14 +119,26 @@ def w4a16_grouped_reference(x: torch.Tensor, w: NVFP4Tensor, pair_expert: torch.
     return out.to(x.dtype)
 
 
+def w4a16_swiglu_reference(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """The shared expert's first half with its gate and up fused into one NVFP4 weight W = [gate; up] [2I, K]:
+    silu(x @ gate^T) * (x @ up^T) in fp32 with one rounding. x [..., K] -> [..., I] in x.dtype. (The unfused torch
+    module rounds both GEMM outputs and the SiLU to the model dtype: up to a few bf16 ulps from this.)"""
+    h = w4a16_linear_reference(x.float(), w)  # fp32 [..., 2I]
+    i = h.shape[-1] // 2
+    return (F.silu(h[..., :i]) * h[..., i:]).to(x.dtype)
+
+
 def moe_experts_w4a16_reference(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                                weights: torch.Tensor) -> torch.Tensor:
+                                weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """The routed-expert block of `qwen_engine.model.moe.Experts` with NVFP4 weights, in fp32 with one final rounding.
-    x [T, H]; w13 [E, 2I, H] (rows :I gate, I: up); w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype."""
+    x [T, H]; w13 [E, 2I, H] (rows :I gate, I: up); w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype, or with
+    `reduce=False` the k weighted expert outputs of each token unsummed, [T, k, H] (`kernels/moe_combine.py` sums
+    them inside its launch)."""
     t, k = idx.shape
     h = w4a16_grouped_reference(x.float(), w13, idx.reshape(-1), a_div=k, swiglu=True)  # [P, I] fp32
     y = w4a16_grouped_reference(h, w2, idx.reshape(-1), row_scale=weights.reshape(-1))  # [P, H] fp32
-    return y.view(t, k, y.shape[-1]).sum(1).to(x.dtype)
+    y = y.view(t, k, y.shape[-1])
+    return (y.sum(1) if reduce else y).to(x.dtype)
 
 
 # ---- routing: pairs sorted by expert, padded per expert to BLOCK_M rows (sync-free) ---------------------------------
@@ -287,6 +303,21 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _mma_tile(xe, xo, lo, hi, acc, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
+        """One K tile: acc [BM, BN] += x_even @ lo^T + x_odd @ hi^T, or with SWAP (acc [BN, BM]) the transposed
+        product lo @ x_even^T + hi @ x_odd^T, which makes the dequantised weight tile the MMA's left operand: Hopper
+        MMAs take that one from registers, where the dequant leaves it, while the right operand goes through shared
+        memory (the small activation tile instead of the 4x larger dequantised weights)."""
+        if SWAP:
+            acc = _mma(lo, tl.trans(xe), acc, INTERPRET)
+            acc = _mma(hi, tl.trans(xo), acc, INTERPRET)
+        else:
+            acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
+            acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
+        return acc
+
+
+    @triton.jit
     def _load_scale_tile(s, rows, row_ok, t, K, s_sn, BLOCK_K: tl.constexpr):
         """Block-scale bytes [BN, BK/16] of K tile t of weight rows `rows` [BN], zero outside (t past the end too).
         Byte loads are too narrow for cp.async, so Triton's pipeliner leaves them synchronous in the K loop: the
@@ -365,35 +396,88 @@ if triton is not None:
         want = (mb,) if mb <= 32 else (64,) if mb == 64 else (64, 128)
         return [c for c in configs if c.kwargs["BLOCK_M"] in want]
 
-    @triton.autotune(configs=_DENSE_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K", "DEQ", "SCALE_AHEAD"],
+    @triton.autotune(configs=_DENSE_CONFIGS,
+                     key=["M_BUCKET", "N", "K", "SPLIT_K", "REDUCE", "SWIGLU", "DEQ", "SCALE_AHEAD", "SWAP"],
                      prune_configs_by={"early_config_prune": _prune_dense})
     @triton.jit
-    def _w4a16_dense_kernel(x, w, s, g, y, M, N, K, M_BUCKET, s_xm, s_wn, s_sn, s_gn, s_ys, s_ym,
-                            SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, DEQ: tl.constexpr,
-                            SCALE_AHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        # grid (cdiv(M, BM), cdiv(N, BN), SPLIT_K); y [SPLIT_K, M, N] fp32 partials, or [M, N] when SPLIT_K == 1
-        # M_BUCKET (next power of two of M) is only an autotune key
+    def _w4a16_dense_kernel(x, w, s, g, y, ws, counters, M, N, K, M_BUCKET, s_xm, s_wn, s_sn, s_gn, s_ym,
+                            SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, SWIGLU: tl.constexpr,
+                            INTERPRET: tl.constexpr, DEQ: tl.constexpr,
+                            SCALE_AHEAD: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # grid (cdiv(M, BM), cdiv(N_out, BN), SPLIT_K); y [M, N_out]. N = weight rows; SWIGLU: N_out = N / 2 and
+        # output column n = silu(row n) * row n + N_out (gate then up, fp32, one rounding). M_BUCKET (next power of
+        # two of M) is only an autotune key.
+        # SPLIT_K > 1: each split writes its fp32 partial(s) to ws [SPLIT_K, 1 + SWIGLU, M, N_out] and bumps the
+        # tile's counter; the split that arrives last sums the partials in split order (deterministic), finishes the
+        # epilogue and re-arms the counter to 0 -- the split-K reduction and the cast need no launches of their own.
+        # REDUCE = False: the partials only (the launcher reduces them with torch).
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if SWIGLU:
+            n_out = N // 2
+        else:
+            n_out = N
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok, n_ok = offs_m < M, offs_n < N
+        m_ok, n_ok = offs_m < M, offs_n < n_out
         k_tiles = tl.cdiv(K, BLOCK_K)
         per = tl.cdiv(k_tiles, SPLIT_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:  # [BN, BM]: see _mma_tile
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         t0 = pid_k * per
         sa, sb = _scale_pipe_start(s, offs_n, n_ok, t0, K, s_sn, BLOCK_K, SCALE_AHEAD)
+        ua, ub = _scale_pipe_start(s, offs_n + n_out, n_ok & SWIGLU, t0, K, s_sn, BLOCK_K, SCALE_AHEAD)
         for t in range(t0, tl.minimum(t0 + per, k_tiles)):
             xe, xo = _load_x_tile(x, offs_m, m_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
             pw = _load_packed_tile(w, offs_n, n_ok, t, K, s_wn, BLOCK_K)
             sc, sa, sb = _scale_pipe_next(sa, sb, s, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
             lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
-            acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
-            acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
+            acc = _mma_tile(xe, xo, lo, hi, acc, SWAP, INTERPRET)
+            if SWIGLU:
+                sc, ua, ub = _scale_pipe_next(ua, ub, s, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
+                pw = _load_packed_tile(w, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K)
+                lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
+                acc_up = _mma_tile(xe, xo, lo, hi, acc_up, SWAP, INTERPRET)
+        if SWAP:  # back to [BM, BN] for the epilogue: one register transpose per program
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
         gain = _dequant_gain(x.dtype.element_ty, DEQ)
         acc = acc * (tl.load(g + offs_n * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
-        tl.store(y + pid_k * s_ys + offs_m[:, None] * s_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        if SWIGLU:
+            acc_up = acc_up * (tl.load(g + (offs_n + n_out) * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        y_ptr = y + offs_m[:, None] * s_ym + offs_n[None, :]
+        part = M * n_out  # elements of one [M, N_out] partial
+        w_ptr = ws + offs_m[:, None] * n_out + offs_n[None, :]
+        if SPLIT_K == 1:
+            if SWIGLU:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            tl.store(y_ptr, acc.to(y.dtype.element_ty), mask=out_ok)
+        else:
+            tl.store(w_ptr + pid_k * (1 + SWIGLU) * part, acc, mask=out_ok)
+            if SWIGLU:
+                tl.store(w_ptr + (pid_k * 2 + 1) * part, acc_up, mask=out_ok)
+        if SPLIT_K > 1 and REDUCE:
+            # every thread's partial is written before one thread's release (CUTLASS's semaphore pattern)
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: the others' partials are visible
+                tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                tot_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for p in tl.static_range(SPLIT_K):  # ".cg": L2, never a stale L1 line
+                    tot += tl.load(w_ptr + p * (1 + SWIGLU) * part, mask=out_ok, other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        tot_up += tl.load(w_ptr + (p * 2 + 1) * part, mask=out_ok, other=0.0,
+                                          cache_modifier=".cg")
+                if SWIGLU:
+                    tot = tot / (1.0 + tl.exp(-tot)) * tot_up
+                tl.store(y_ptr, tot.to(y.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(counters + tile, 0)  # re-armed for the next launch (and the next graph replay)
 
     # narrow tiles for decode, where an expert has 1-2 real rows and a layer's (expert, N-tile) programs must still
     # fill 132 SMs and keep enough weight loads in flight. (A register-prefetch variant, PREFETCH, measured no faster
@@ -404,13 +488,14 @@ if triton is not None:
                                              (16, 128, 2, 6), (32, 128, 2, 6)]]
 
     @triton.autotune(configs=_GROUPED_CONFIGS,
-                     key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU", "DEQ", "SCALE_AHEAD", "TILED"])
+                     key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU", "DEQ", "SCALE_AHEAD", "TILED", "SWAP"])
     @triton.jit
     def _w4a16_grouped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
                               s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
                               SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                               DEQ: tl.constexpr, SCALE_AHEAD: tl.constexpr, TILED: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
         # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
         # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -427,8 +512,12 @@ if triton is not None:
             n_ok = offs_n < n_out
             we = w + e.to(tl.int64) * s_we
             se = s + e.to(tl.int64) * s_se
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SWAP:  # [BN, BM]: see _mma_tile
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             sa, sb = _scale_pipe_start(se, offs_n, n_ok, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # gate (or plain) rows
             ua, ub = _scale_pipe_start(se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # up rows
             for t in range(0, tl.cdiv(K, BLOCK_K)):
@@ -436,14 +525,15 @@ if triton is not None:
                 pw = _load_packed(we, offs_n, n_ok, t, K, s_wn, BLOCK_K, TILED)
                 sc, sa, sb = _scale_pipe_next(sa, sb, se, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                 lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
-                acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
-                acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
+                acc = _mma_tile(xe, xo, lo, hi, acc, SWAP, INTERPRET)
                 if SWIGLU:
                     sc, ua, ub = _scale_pipe_next(ua, ub, se, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                     pw = _load_packed(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K, TILED)
                     lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
-                    acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
-                    acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
+                    acc_up = _mma_tile(xe, xo, lo, hi, acc_up, SWAP, INTERPRET)
+            if SWAP:  # back to [BM, BN] for the epilogue: one register transpose per program
+                acc = tl.trans(acc)
+                acc_up = tl.trans(acc_up)
             ge = g + e * s_ge
             gain = _dequant_gain(x.dtype.element_ty, DEQ)
             acc = acc * (tl.load(ge + offs_n * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
@@ -500,9 +590,9 @@ DEQ_MODES = {0: "fp16 dequant, then convert to bf16 (two conversions per weight)
 # SwiGLU, K = 512) measured 15% faster again with two tiles ahead (120 -> 101 us per call at 32 tokens; kernel bench
 # only, the engine not re-run), gate_up slower that way. The dense decode kernel (split-K GEMV) measured slower with
 # the new modes (0.66 -> 0.76 ms per step, lone request), so it keeps the fp16 dequant with the scales in the tile.
-GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1, TILED=0),  # by SWIGLU: gate_up
-                 False: dict(DEQ=2, SCALE_AHEAD=2, TILED=0)}  # down
-DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
+GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1, TILED=0, SWAP=0),  # by SWIGLU: gate_up
+                 False: dict(DEQ=2, SCALE_AHEAD=2, TILED=0, SWAP=0)}  # down
+DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0, SWAP=0)
 
 
 def _launch(kernel, grid, args: tuple, config: dict | None, modes: dict, **meta):
@@ -558,31 +648,65 @@ def _global_2d(g: torch.Tensor, e: int, n: int) -> tuple[torch.Tensor, int, int]
     raise ValueError(f"global scale of shape {tuple(g.shape)} is neither [], [{e}] nor [{e}, {n}]")
 
 
+# Split-K arrival counters of the dense kernel, one int32 per output tile, per device: all zero between launches (the
+# last split of a tile re-arms its counter). Launches that share them must not overlap: the engine runs its decode on
+# one CUDA stream; a launch on another stream while one is in flight would need counters of its own.
+SPLIT_COUNTERS = 4096  # output tiles; split-K only happens below 2 x SMs tiles of (16, 64), so a few hundred at most
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed counters, or None where they cannot be used: more tiles than SPLIT_COUNTERS, or a first
+    use inside a CUDA-graph capture (allocating there would put them in the graph's pool; the engine's eager warm-up
+    allocates them before any capture)."""
+    if tiles > SPLIT_COUNTERS:
+        return None
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return c
+
+
 def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                       *, split_k: int | None = None, config: dict | None = None,
+                       *, swiglu: bool = False, split_k: int | None = None, config: dict | None = None,
                        modes: dict | None = None) -> torch.Tensor:
-    """x [M, K] (row stride free, unit k stride) -> [M, N] in x.dtype. `split_k` / `config` override the heuristic
-    and the autotuner, `modes` the dequant modes (tests, benchmarks)."""
+    """x [M, K] (row stride free, unit k stride) -> y = x @ W^T [M, N] in x.dtype, or with `swiglu` (W = [gate; up],
+    [2 I, K]) silu(x @ gate^T) * (x @ up^T) [M, I] in fp32 with one rounding. `split_k` / `config` override the
+    heuristic and the autotuner, `modes` the dequant modes (tests, benchmarks). Split K is reduced inside the kernel
+    (`_w4a16_dense_kernel`); without counters (see `_split_counters`) the fp32 partials are summed by torch and the
+    epilogue runs there (same order, same numbers)."""
     m, k = x.shape
     n = packed.shape[0]
+    if swiglu and n % 2:
+        raise ValueError(f"a SwiGLU weight needs an even number of rows (gate then up), got {n}")
+    n_out = n // 2 if swiglu else n
     g, s_gn = _global_1d(global_scale, n)
     if split_k is None:
-        split_k = split_k_for(m, n, k, _num_sms(x.device.index))
-    direct = split_k == 1 and not _interpreted()  # else fp32 partials, summed and rounded by torch (see _launch)
-    if direct:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        s_ys = 0
-    else:
-        y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        s_ys = y.stride(0)
+        split_k = split_k_for(m, n_out, k, _num_sms(x.device.index))
+    out_dtype = torch.float32 if _interpreted() else x.dtype  # the interpreter truncates fp32 -> bf16: torch rounds
+    y = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     if m == 0:
-        return y if direct else y.sum(0).to(x.dtype)
+        return y.to(x.dtype)
     sc = scales.view(torch.uint8)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)  # noqa: E731
-    _launch(_w4a16_dense_kernel, grid, (x, packed, sc, g, y, m, n, k, _pow2_bucket(m), x.stride(0), packed.stride(0),
-                                        sc.stride(0), s_gn, s_ys, n), config, {**DENSE_MODES, **(modes or {})},
-            SPLIT_K=split_k)
-    return y if direct else y.sum(0).to(x.dtype)
+    # counters must cover the grid of any config the autotuner may try: (16, 32) tiles are the smallest
+    counters = None if split_k == 1 else _split_counters(x.device, triton.cdiv(m, 16) * triton.cdiv(n_out, 32))
+    in_kernel = split_k == 1 or counters is not None
+    ws = y if split_k == 1 else torch.empty((split_k, 1 + swiglu, m, n_out), dtype=torch.float32, device=x.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"]), split_k)  # noqa: E731
+    args = (x, packed, sc, g, y, ws, counters if counters is not None else g, m, n, k, _pow2_bucket(m), x.stride(0),
+            packed.stride(0), sc.stride(0), s_gn, y.stride(0))
+    if in_kernel:
+        _launch(_w4a16_dense_kernel, grid, args, config, {**DENSE_MODES, **(modes or {})}, SPLIT_K=split_k,
+                SWIGLU=swiglu, REDUCE=True)
+        return y.to(x.dtype)
+    # no counters: the kernel writes the partials, torch sums them in split order and runs the epilogue
+    _launch(_w4a16_dense_kernel, grid, args, config, {**DENSE_MODES, **(modes or {})}, SPLIT_K=split_k, SWIGLU=swiglu,
+            REDUCE=False)
+    tot = ws.sum(0)  # [1 + swiglu, M, N_out] fp32
+    return (F.silu(tot[0]) * tot[1] if swiglu else tot[0]).to(x.dtype)
 
 
 def tile_major(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
@@ -659,22 +783,40 @@ def _(x, packed, scales, global_scale):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
+@torch.library.custom_op("qwen::w4a16_swiglu", mutates_args=())
+def w4a16_swiglu_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    global_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16/fp16, W = [gate; up] [2I, K] -> silu(x gate^T) * (x up^T) [..., I] in x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return w4a16_dense_launch(x2, packed, scales, global_scale, swiglu=True).view(*x.shape[:-1], packed.shape[0] // 2)
+
+
+@w4a16_swiglu_op.register_fake
+def _(x, packed, scales, global_scale):
+    return x.new_empty((*x.shape[:-1], packed.shape[0] // 2))
+
+
 @torch.library.custom_op("qwen::w4a16_moe", mutates_args=())
 def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, p2: torch.Tensor,
-                 s2: torch.Tensor, g2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Routed experts: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype."""
+                 s2: torch.Tensor, g2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                 reduce: bool = True) -> torch.Tensor:
+    """Routed experts: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype (the k
+    weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch)."""
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
     h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True)  # [P, I]
     y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights)  # [P, H], weighted
-    return y.view(t, top_k, y.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype)
+    y = y.view(t, top_k, y.shape[-1])
+    return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 
 
 @w4a16_moe_op.register_fake
-def _(x, p13, s13, g13, p2, s2, g2, idx, weights):
-    return x.new_empty((x.shape[0], p2.shape[1]))
+def _(x, p13, s13, g13, p2, s2, g2, idx, weights, reduce=True):
+    return x.new_empty((x.shape[0], p2.shape[1]) if reduce else (x.shape[0], idx.shape[1], p2.shape[1]))
 
 
 def w4a16_linear_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
@@ -682,10 +824,15 @@ def w4a16_linear_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
     return w4a16_linear_op(x, w.packed, w.scales, torch.as_tensor(w.global_scale, device=x.device))
 
 
+def w4a16_swiglu_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """Same contract as `w4a16_swiglu_reference`."""
+    return w4a16_swiglu_op(x, w.packed, w.scales, torch.as_tensor(w.global_scale, device=x.device))
+
+
 def moe_experts_w4a16_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                             weights: torch.Tensor) -> torch.Tensor:
+                             weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """Same contract as `moe_experts_w4a16_reference`."""
-    return w4a16_moe_op(x, *w13, *w2, idx, weights)
+    return w4a16_moe_op(x, *w13, *w2, idx, weights, reduce)
 
 
 # ---- guards, registry entries ---------------------------------------------------------------------------------------
@@ -719,8 +866,17 @@ def supports_dense(*, device: str, capability, dtype: torch.dtype, k: int, weigh
             and k % BLOCK == 0)
 
 
+def describe_swiglu(x: torch.Tensor, w: NVFP4Tensor) -> dict[str, Any]:
+    return dict(describe_dense(x, w), even_rows=w.packed.dim() == 2 and w.packed.shape[0] % 2 == 0)
+
+
+def supports_swiglu(*, even_rows: bool, **kw: Any) -> bool:
+    """As `supports_dense`, and W has an even number of rows ([gate; up])."""
+    return even_rows and supports_dense(**kw)
+
+
 def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                 weights: torch.Tensor) -> dict[str, Any]:
+                 weights: torch.Tensor, reduce: bool = True) -> dict[str, Any]:
     e, n13, _ = w13.packed.shape if w13.packed.dim() == 3 else (0, 0, 0)
     e2, n2, _ = w2.packed.shape if w2.packed.dim() == 3 else (0, 0, 0)
     shapes_ok = (_weight_ok(w13, True) and _weight_ok(w2, True) and x.dim() == 2 and e == e2 and n13 % 2 == 0
@@ -749,6 +905,11 @@ def _sample_dense(device) -> tuple[tuple, dict]:
     return (x.to(device), NVFP4Tensor(*(t.to(device) for t in w))), {}
 
 
+def _sample_swiglu(device) -> tuple[tuple, dict]:
+    (x, w), _ = _sample_dense(device)  # 96 rows: gate 48, up 48
+    return (x, w), {}
+
+
 def _sample_moe(device) -> tuple[tuple, dict]:
     from kernels.nvfp4 import quantize_nvfp4
 
@@ -768,6 +929,10 @@ def register(registry) -> None:
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 output rounding 2^-9; exact dequant, fp32 "
                               "accumulation; only summation order differs)")
     registry.add_implementation(DENSE, "triton", w4a16_linear_triton, supports_dense)
+    registry.add_op(SWIGLU, w4a16_swiglu_reference, sample=_sample_swiglu, compare=compare,
+                    describe=describe_swiglu,
+                    tolerance="max |diff| <= 1e-2 x max |ref| (as w4a16_linear; the SiLU and product in fp32)")
+    registry.add_implementation(SWIGLU, "triton", w4a16_swiglu_triton, supports_swiglu)
     registry.add_op(MOE, moe_experts_w4a16_reference, sample=_sample_moe, compare=compare, describe=describe_moe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 rounding of the SwiGLU activations between the "
                               "two GEMMs and of the output; fp32 everywhere else)")

@@ -41,13 +41,13 @@ def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype) -> int:
     return n_layers * num_slots * (conv + rec)
 
 
-RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep")
+RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk")
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 
 
 def gdn_registry(preference: KernelPreference | str = KernelPreference.AUTO) -> Registry:
     """A registry with the ops the runner calls (its own, so an engine's preference does not leak into others):
-    the GDN decode step and the paged decode attention."""
+    the GDN decode step and its prep, the GDN prefill, and the paged decode attention."""
     registry = Registry(preference)
     for module in RUNNER_KERNEL_MODULES:
         importlib.import_module(module).register(registry)
@@ -100,6 +100,9 @@ class ModelRunner:
     def _gdn_prep(self, *args):
         return self.registry.call("gdn_decode_prep", *args)
 
+    def _gdn_chunk(self, q, k, v, g, beta, states, cu_seqlens):
+        return self.registry.call("gdn_chunk_prefill", q, k, v, g, beta, states, cu_seqlens)
+
     def _decode_attention(self, q, k_pool, v_pool, block_tables, context_lens, scale):
         return self.registry.call("paged_decode_attention", q, k_pool, v_pool, block_tables, context_lens, scale)
 
@@ -137,8 +140,11 @@ class ModelRunner:
         if plan.block_size != self.block_size:
             raise ValueError(f"plan block_size {plan.block_size} != runner's {self.block_size}")
         rows = [(s.start, s.num_tokens, s.block_table, s.state_slot) for s in plan.seqs]
+        # the prefill op only on CUDA, where fla may serve it (elsewhere the registry would pick the reference, the
+        # same chunked rule the model's own loop runs)
         return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode,
-                               self._decode_attention, self._gdn_prep)
+                               self._decode_attention, self._gdn_prep,
+                               self._gdn_chunk if self.device.type == "cuda" else None)
 
     def _use_graphs(self, plan: StepPlan) -> bool:
         """Decode-only steps (the scheduler sets bucket_size) once the graphs exist (or in "static" mode)."""

@@ -43,16 +43,20 @@ def main() -> int:
                           {"ids": "*i64", "sorted_pairs": "*i32", "block_expert": "*i32"},
                           dict(BLOCK_M=16, BLOCK_P=256, BLOCK_E=256, BLOCK_B=triton.next_power_of_2(rows // 16),
                                CHUNK_P=32)))
-    types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias", "new_conv")}
+    types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias")}
     types.update({n: "*fp32" for n in ("q_out", "k_out", "v_out", "beta_out", "g_out")}, rows="*i64", q_scale="fp32")
     ok.append(compile_one("gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16)", gdn_prep._gdn_prep_kernel, types,
-                          dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, INTERPRET=False)))
+                          dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, BLOCK_T=4,
+                               INTERPRET=False)))
     ok.append(compile_one("rms_norm_zc (D = 2048, bf16)", rms_norm._rms_norm_zc_kernel,
                           {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
                           dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False)))
-    ok.append(compile_one("rms_norm_gated (D = 128, bf16)", rms_norm._rms_norm_gated_kernel,
-                          {"x": "*bf16", "z": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
-                          dict(ROUND_PRODUCT=True, BLOCK_R=8, BLOCK_D=128, INTERPRET=False)))
+    ok.append(compile_one("add_rms_norm_zc (D = 2048, bf16)", rms_norm._add_rms_norm_zc_kernel,
+                          {n: "*bf16" for n in ("x", "h", "w", "s_out", "out")} | {"eps": "fp32"},
+                          dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False)))
+    ok.append(compile_one("rms_norm_gated (D = 128, fp32 x rounded to bf16)", rms_norm._rms_norm_gated_kernel,
+                          {"x": "*fp32", "z": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
+                          dict(ROUND_PRODUCT=True, ROUND_X=True, BLOCK_R=8, BLOCK_D=128, INTERPRET=False)))
     ok.append(compile_one("paged_decode (Dh = 256, GQA 8, bf16)", paged_attention._paged_decode_kernel,
                           {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
                            "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
@@ -74,14 +78,24 @@ def main() -> int:
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
     # (the last: the down projection's defaults, GROUPED_MODES[False])
-    for bn, bk, deq, ahead, swiglu, tiled in ((32, 128, 2, 1, True, 0), (32, 128, 1, 2, True, 1),
-                                              (64, 256, 2, 0, True, 0), (64, 128, 2, 2, False, 0)):
+    # (SWAP: the weights as the MMA's left operand; BLOCK_N 64 makes that a Hopper wgmma with A in registers)
+    for bn, bk, deq, ahead, swiglu, tiled, swap in ((32, 128, 2, 1, True, 0, 0), (32, 128, 1, 2, True, 1, 0),
+                                                    (64, 256, 2, 0, True, 0, 1), (64, 128, 2, 2, False, 0, 0)):
         what = "SwiGLU" if swiglu else "routing weight"
         ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} TILED={tiled} "
-                              f"({what}, bf16)",
+                              f"SWAP={swap} ({what}, bf16)",
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
-                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled)))
+                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, SWAP=swap)))
+    # the dense W4A16 kernel: split K reduced in the kernel (arrival counter, acq_rel atomics, .cg loads) with the
+    # shared expert's SwiGLU epilogue, the same without SwiGLU, and split K left to torch (REDUCE off)
+    dense = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("y", "*bf16"),
+                               ("ws", "*fp32"), ("counters", "*i32"))}
+    for split, reduce, swiglu in ((4, True, True), (4, True, False), (4, False, True)):
+        ok.append(compile_one(f"w4a16 dense SPLIT_K={split} REDUCE={reduce} SWIGLU={swiglu} (bf16)",
+                              w4a16_gemm._w4a16_dense_kernel.fn, dense,
+                              dict(SPLIT_K=split, REDUCE=reduce, SWIGLU=swiglu, INTERPRET=False, DEQ=0,
+                                   SCALE_AHEAD=0, SWAP=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)))
     ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
                           {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},
                           dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False)))
@@ -89,6 +103,8 @@ def main() -> int:
                           {**{n: "*bf16" for n in ("q", "k", "v", "wq", "wk", "cos", "sin", "k_pool", "v_pool",
                                                     "q_out")}, "slots": "*i64", "eps": "fp32"},
                           dict(BLOCK_D=256, INTERPRET=False)))
+    ok.append(compile_one("attn_output_gate (D = 256, bf16)", attn_prep._gate_kernel,
+                          {n: "*bf16" for n in ("o", "gate", "out")}, dict(BLOCK_D=256, INTERPRET=False)))
     return 0 if all(ok) else 1
 
 

@@ -1,6 +1,7 @@
 """kernels/gdn_prep.py (GDN decode-row preparation in one launch) against its reference, the model's own torch ops
 (`gdn_decode_prep_reference`), under the Triton interpreter on CPU. Tolerances: the module's `compare` (1e-5 of
-max |ref| for fp32, 1e-2 for bf16: one bf16 ulp of a rounded conv / SiLU output carried through the L2 norm)."""
+max |ref| for fp32, 1e-2 for bf16: one bf16 ulp of a rounded conv / SiLU output carried through the L2 norm; the
+conv pool, advanced in place by both, bit for bit)."""
 
 import pytest
 import torch
@@ -24,17 +25,48 @@ def test_matches_reference(dtype, d, hk, dk, r, dv, tiny):
     if tiny:
         args[0] = (args[0].float() * 1e-4).to(dtype)
         args[1] = (args[1].float() * 1e-4).to(dtype)
-    ref = gdn_decode_prep_reference(*args)
     pool_before = args[1].clone()
+    ref = gdn_decode_prep_reference(*with_pool(args, pool_before.clone()))
     out = gdn_decode_prep_triton(*args)
-    assert torch.equal(args[1], pool_before)  # functional: the pool is not written
+    assert out[-1] is args[1]  # the pool, written in place
     problem = compare(out, ref)
     assert problem is None, problem
-    # the shifted window is an exact copy (no arithmetic): bit for bit
+    # the shifted window is an exact copy (no arithmetic): bit for bit; the other rows untouched
     assert torch.equal(out[-1], ref[-1])
+    rows, untouched = args[2], torch.ones(pool_before.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[rows] = False
+    assert torch.equal(out[-1][untouched], pool_before[untouched])
+    km1 = pool_before.shape[-1]
+    assert torch.equal(out[-1][rows, :, :km1 - 1], pool_before[rows, :, 1:])  # shifted by one
+    assert torch.equal(out[-1][rows, :, km1 - 1], args[0])  # the new input last
     if dtype == torch.bfloat16:  # beta (sigmoid) and v (conv -> SiLU, two bf16 roundings) are elementwise: identical
         for i, name in ((3, "beta"), (2, "v")):  # but for exp / summation-order ulps landing on a rounding tie
             assert float((out[i] == ref[i]).float().mean()) >= 0.99, name
+
+
+def with_pool(args, pool):
+    """args with the conv pool replaced (the op writes it in place: reference and kernel each get their own)."""
+    return (args[0], pool, *args[2:])
+
+
+def test_in_place_window_read_before_written():
+    """K = 4 and K = 2 (one tap: the window is just the previous input), int32 rows, and every row of a small pool
+    advanced twice in a row: the second step must see the first one's writes (a stale or half-shifted window would
+    change the conv output)."""
+    for kernel, dtype in ((4, torch.bfloat16), (2, torch.float32), (5, torch.float32)):
+        args = list(random_inputs(3, 2, 16, 2, 16, kernel=kernel, slots=3, dtype=dtype, seed=kernel, device=DEVICE))
+        args[2] = args[2].to(torch.int32)
+        ref_pool = args[1].clone()
+        for step in range(2):
+            args[0] = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(step)).to(dtype).to(DEVICE)
+            ref = gdn_decode_prep_reference(*with_pool(args, ref_pool))
+            out = gdn_decode_prep_triton(*args)
+            assert compare(out, ref) is None, (kernel, step, compare(out, ref))
+
+
+def test_mutating_op_schema():
+    args = random_inputs(2, 2, 16, 2, 16, dtype=torch.float32, device=DEVICE)
+    torch.library.opcheck(torch.ops.qwen.gdn_decode_prep_.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_gates_cover_softplus_branches():
@@ -43,7 +75,8 @@ def test_gates_cover_softplus_branches():
     args[5] = torch.tensor([[-30.0, -12.0, -1.0, 0.5], [3.0, 19.5, 20.5, 40.0], [-5.0, 0.0, 1e-3, 8.0],
                             [25.0, -25.0, 2.0, -2.0]], device=DEVICE)
     args[7] = torch.zeros(4, device=DEVICE)
-    ref, out = gdn_decode_prep_reference(*args), gdn_decode_prep_triton(*args)
+    ref = gdn_decode_prep_reference(*with_pool(args, args[1].clone()))
+    out = gdn_decode_prep_triton(*args)
     g_ref, g = ref[4], out[4]
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-12)
 
@@ -51,9 +84,12 @@ def test_gates_cover_softplus_branches():
 def test_breaking_the_l2_norm_is_caught():
     """The comparison has teeth: q without its Dk^-1/2 scale differs far beyond the tolerance."""
     args = random_inputs(2, 2, 32, 2, 16, dtype=torch.float32, seed=5, device=DEVICE)
-    ref = gdn_decode_prep_reference(*args)
+    ref = gdn_decode_prep_reference(*with_pool(args, args[1].clone()))
     out = list(gdn_decode_prep_triton(*args))
+    assert compare(tuple(out), ref) is None
     out[0] = out[0] * 32 ** 0.5
+    assert compare(tuple(out), ref) is not None
+    out = list(gdn_decode_prep_triton(*args))  # a second step: the pool moved on from the reference's
     assert compare(tuple(out), ref) is not None
 
 

@@ -57,6 +57,27 @@ def test_roundings_reproduced_bit_for_bit(n, h):
     assert torch.equal(out, ref), f"{float((out != ref).float().mean()):.4f} of the outputs differ"
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_unsummed_routed_rows(k):
+    """routed handed over as the k weighted expert outputs [N, k, H] (`w4a16_moe(..., reduce=False)`): the kernel
+    sums them in fp32 and rounds once, as the reference's `sum(1, dtype=fp32)`. The rows are multiples of 2^-12 below
+    1 in magnitude, so every partial sum is exact in fp32 in any order, and with a one-hot gate (as above) the
+    outputs are bit-identical; a kernel reading one slot, or rounding each partial sum, differs."""
+    x, w, shared, _, residual = random_inputs(5, 256, torch.bfloat16, seed=k, device=DEVICE)
+    g = torch.Generator().manual_seed(k)
+    routed = (torch.randint(-4095, 4096, (5, k, 256), generator=g) * 2.0**-12).to(torch.bfloat16).to(DEVICE)
+    w = torch.zeros_like(w)
+    w[0, 7] = 0.75
+    out, ref = (f(x, w, shared, routed, residual) for f in (moe_combine_triton, moe_combine_reference))
+    assert torch.equal(out, ref), f"{float((out != ref).float().mean()):.4f} of the outputs differ"
+    summed = routed.float().sum(1).to(torch.bfloat16)
+    assert torch.equal(moe_combine_triton(x, w, shared, summed, residual), ref)  # = the [N, H] form
+    if k > 1:
+        assert not torch.equal(moe_combine_reference(x, w, shared, routed[:, 0], residual), ref)
+    assert supports(**describe(x, w, shared, routed, residual))
+    assert not supports(**describe(x, w, shared, routed[:, :, :128], residual))  # [N, k, H'] with H' != H
+
+
 def test_roundings_matter():
     """The same sum without the reference's intermediate bf16 roundings differs from it in many elements (so the
     bit-identical count above can fail)."""

@@ -16,7 +16,10 @@ Tolerances, and why:
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from engine_core.registry import Registry
+from kernels import w4a16_gemm
 from kernels.nvfp4 import (
     E2M1_VALUES,
     NVFP4Tensor,
@@ -40,6 +43,8 @@ from kernels.w4a16_gemm import (
     w4a16_grouped_launch,
     w4a16_grouped_reference,
     w4a16_linear_triton,
+    w4a16_swiglu_reference,
+    w4a16_swiglu_triton,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,13 +181,82 @@ def test_dense_split_k(split_k, ahead):
     check_gemm(y, x, w_dq, x.float() @ w_dq.T, f"split {split_k}, scales {ahead} ahead")
 
 
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_dense_split_k_reduced_in_kernel_matches_torch_reduction(split_k, monkeypatch):
+    """The last split of each tile sums the partials (the arrival counters); with no counters (SPLIT_COUNTERS too
+    small) the kernel writes partials and torch sums them. Both meet the GEMM bound, agree to fp32 summation
+    order, and the counters are all zero (re-armed) after every launch."""
+    w = rand_weight(96, 256, seed=7)
+    x = rand_x(17, 256, seed=8)  # 2 row tiles x 3 column tiles: 6 counters in use
+    w_dq = dequantize_nvfp4(*w)
+    ref32 = x.float() @ w_dq.T
+    fused = w4a16_dense_launch(x, *w, split_k=split_k)
+    fused_again = w4a16_dense_launch(x, *w, split_k=split_k)  # the counters were re-armed: same result
+    counters = w4a16_gemm._COUNTERS[(x.device.type, x.device.index)]
+    assert int(counters.abs().sum()) == 0
+    monkeypatch.setattr(w4a16_gemm, "SPLIT_COUNTERS", 0)
+    plain = w4a16_dense_launch(x, *w, split_k=split_k)
+    for y, what in ((fused, "in-kernel"), (fused_again, "in-kernel, again"), (plain, "torch reduction")):
+        check_gemm(y, x, w_dq, ref32, f"split {split_k}, {what}")
+    assert torch.equal(fused, fused_again)
+    assert ((fused.float() - plain.float()).abs() <= 2.0**-8 * plain.float().abs()).all()  # <= 1 bf16 ulp
+
+
+def check_swiglu(y, x, w_dq, what=""):
+    """SwiGLU of the two halves against the fp32 GEMM: the GEMM bound carried through silu(g) * u (|d silu| <= 1.1)
+    plus the one bf16 rounding."""
+    i = w_dq.shape[0] // 2
+    g32, u32 = x.float() @ w_dq[:i].T, x.float() @ w_dq[i:].T
+    ref = F.silu(g32) * u32
+    acc = x.float().abs() @ w_dq.abs().T * 2.0**-20  # fp32 summation bound of each GEMM
+    bound = 2.0**-8 * ref.abs() + 1.1 * acc[:, :i] * u32.abs() + F.silu(g32).abs() * acc[:, i:] + 1e-30
+    err = (y.float() - ref).abs()
+    assert (err <= bound).all(), f"{what}: max err {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 17])
+def test_dense_swiglu(split_k, m, monkeypatch):
+    """The shared expert's gate/up GEMM with SiLU x up in the epilogue: direct, split K reduced in the kernel, and
+    split K reduced by torch (no counters)."""
+    w = rand_weight(2 * 48, 192, seed=9)  # gate rows 0..47, up rows 48..95, distinct per-row globals
+    x = rand_x(m, 192, seed=10)
+    w_dq = dequantize_nvfp4(*w)
+    y = w4a16_dense_launch(x, *w, swiglu=True, split_k=split_k)
+    assert y.shape == (m, 48) and y.dtype == torch.bfloat16
+    check_swiglu(y, x, w_dq, f"split {split_k}")
+    assert compare(y, w4a16_swiglu_reference(x, w)) is None
+    if split_k > 1:
+        monkeypatch.setattr(w4a16_gemm, "SPLIT_COUNTERS", 0)
+        check_swiglu(w4a16_dense_launch(x, *w, swiglu=True, split_k=split_k), x, w_dq, f"split {split_k}, torch")
+    with pytest.raises(ValueError, match="even number of rows"):
+        w4a16_dense_launch(x, *rand_weight(47, 192, seed=9), swiglu=True)
+
+
+def test_swiglu_op_leading_dims_and_registry():
+    w = rand_weight(64, 128, seed=11)
+    x = rand_x(6, 128, seed=12).view(2, 3, 128)
+    y = w4a16_swiglu_triton(x, w)
+    assert y.shape == (2, 3, 32)
+    check_swiglu(y.view(6, 32), x.view(6, 128), dequantize_nvfp4(*w))
+    reg = Registry()
+    w4a16_gemm.register(reg)
+    chosen = reg.choose(w4a16_gemm.SWIGLU, **reg.spec(w4a16_gemm.SWIGLU).describe(x, w))
+    assert chosen.name == "triton"
+    odd = NVFP4Tensor(w.packed[:63], w.scales[:63], w.global_scale[:63])
+    assert reg.choose(w4a16_gemm.SWIGLU, **reg.spec(w4a16_gemm.SWIGLU).describe(x, odd)).name == "reference"
+
+
 @pytest.mark.parametrize("cfg,k", [(dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), 208),
                                    (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 208),
                                    *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DEQ=d), 192) for d in DEQS],
-                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a), 192) for a in (1, 2)]])
+                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a), 192) for a in (1, 2)],
+                                   (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SWAP=1), 192),
+                                   (dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SWAP=1), 208)])
 def test_dense_other_tile_shapes(cfg, k):
     """Tiles from the autotune list that exceed the problem (masked rows, columns and K groups), each bf16 dequant
-    mode, and the block scales requested 1 or 2 K tiles early (0, DENSE_MODES' default, in the other cases)."""
+    mode, the block scales requested 1 or 2 K tiles early (0, DENSE_MODES' default, in the other cases), and the
+    swapped MMA operands (SWAP)."""
     w = rand_weight(80, k, seed=3)
     x = rand_x(17, k, seed=4)
     w_dq = dequantize_nvfp4(*w)
@@ -230,7 +304,10 @@ def test_moe_align_covers_every_pair_once(t):
     *[(3, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, DEQ=d)) for d in DEQS],
     *[(17, "row_scale", 32, 160, dict(BLOCK_N=16, BLOCK_K=64, DEQ=d)) for d in DEQS],
     *[(17, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a)) for a in (0, 1, 2)],
-    (5, "plain", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, SCALE_AHEAD=1))])
+    (5, "plain", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, SCALE_AHEAD=1)),
+    # the weights as the MMA's left operand (SWAP), with SwiGLU and with the routing weight
+    (17, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=64, SWAP=1)),
+    (17, "row_scale", 32, 160, dict(BLOCK_N=64, BLOCK_K=64, SWAP=1))])
 def test_grouped_matches_per_expert_reference(t, mode, block_m, k, cfg):
     """Grouped GEMM vs a loop of the dense reference over the experts; experts 0 and 5 get no tokens."""
     e, n, top_k = 6, 96, 2

@@ -158,6 +158,36 @@ def test_nvfp4_modules_vs_dense(tensors):
 
 
 @torch.no_grad()
+def test_moe_fused_tail_with_unsummed_experts(tensors):
+    """`SparseMoE` on its fused path (`fused = True`; the default on CUDA): the packed experts hand over their k
+    weighted outputs unsummed ([N, k, H], `reduce=False`), "moe_combine" sums them with the gated shared expert and
+    the residual in one launch, and the shared expert's gate/up GEMM applies SiLU x up in its epilogue
+    ("w4a16_swiglu"). Against the plain torch tail: bf16 rounding level (the fused path rounds less often)."""
+    reg = registry("auto")
+    model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg)
+    moe = model.layers[0].mlp
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    residual = torch.zeros_like(x)  # the MoE part alone, so the tolerance below is on it
+    _, wts, idx = moe.gate(x)
+    rows = moe.experts(x, idx, wts, reduce=False)
+    assert rows.shape == (5, CFG.num_experts_per_tok, CFG.hidden_size)
+    assert torch.equal(rows.sum(1, dtype=torch.float32).to(x.dtype), moe.experts(x, idx, wts))
+    try:
+        moe.fused = False
+        plain = moe(x, residual=residual)
+        moe.fused = True
+        fused = moe(x, residual=residual)
+    finally:
+        moe.fused = None
+    err = rel_err(fused, plain)
+    print(f"fused MoE tail vs plain: rel err {err:.2e}")
+    assert err <= 2e-2
+    if w4a16_gemm._interpreted():
+        assert reg.choices()["w4a16_swiglu"]["last"] == "triton", reg.choices()
+
+
+@torch.no_grad()
 def test_bf16_triton_interpreter_matches_references(tensors):
     """The packed model in bf16 through the W4A16 Triton kernels (interpreter on CPU, compiled on a GPU) vs the same
     model forced onto the registry's references."""

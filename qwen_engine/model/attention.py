@@ -134,7 +134,8 @@ class GatedAttention(nn.Module):
     def _decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
                       batch: FlatBatch) -> torch.Tensor:
         """A decode-only step (one token per sequence): projections, one "attn_decode_prep" launch (norms, RoPE,
-        pool write), the decode attention kernel, the output gate, o_proj. Same maths as `forward_paged`."""
+        pool write), the decode attention kernel, the output gate ("attn_output_gate": the strided gate's copy, the
+        sigmoid and the product in one launch), o_proj. Same maths as `forward_paged`."""
         from engine_core.registry import default_registry
 
         n = x.shape[0]
@@ -145,7 +146,7 @@ class GatedAttention(nn.Module):
         q, _, _ = default_registry().call("attn_decode_prep", q, k, v, self.q_norm.weight, self.k_norm.weight,
                                           self.q_norm.eps, cos, sin, batch.slot_mapping, kv.k, kv.v)  # [N, H, D]
         o = batch.decode_attention(q, kv.k, kv.v, batch.block_tables[:n], batch.context_lens_t[:n], self.scaling)
-        o = o.reshape(n, h * d) * torch.sigmoid(gate.reshape(n, -1))
+        o = default_registry().call("attn_output_gate", o, gate)  # o * sigmoid(gate) [N, H * D]: 3 launches -> 1
         return self.o_proj(o)
 
 

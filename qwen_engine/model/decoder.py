@@ -37,8 +37,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, state)
         else:
             h = self.linear_attn(h, state)
-        x = x + h
-        return self.mlp(self.post_attention_layernorm(x), residual=x)  # x + mlp(...), the add fused on CUDA
+        x, h = self.post_attention_layernorm.forward_add(x, h)  # x + h and its norm, one launch on CUDA
+        return self.mlp(h, residual=x)  # x + mlp(...), the add fused on CUDA
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: PagedKV | GDNSlots,
                       batch: FlatBatch) -> torch.Tensor:
@@ -48,5 +48,5 @@ class DecoderLayer(nn.Module):
             h = self.self_attn.forward_paged(h, cos, sin, state, batch)
         else:
             h = self.linear_attn.forward_paged(h, state, batch)
-        x = x + h
-        return self.mlp(self.post_attention_layernorm(x), residual=x)  # x + mlp(...), the add fused on CUDA
+        x, h = self.post_attention_layernorm.forward_add(x, h)  # x + h and its norm, one launch on CUDA
+        return self.mlp(h, residual=x)  # x + mlp(...), the add fused on CUDA

@@ -124,6 +124,35 @@ class GatedDeltaNet(nn.Module):
 
     # ---- shared pieces (any leading dims [...]: [B, T] for the contiguous path, [N] for the flat one)
 
+    def _project_ba(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(in_proj_b(x), in_proj_a(x)), each [..., Hv], as one GEMM on the concatenated [2 Hv, hidden] weight (one
+        launch instead of two: 30 per decode step): two column views of its output, rows strided 2 Hv (what
+        gdn_prep reads through its row strides). The same dot products as two GEMMs; only the GEMM's summation order
+        may differ (tests/test_gdn_fused_glue.py states the tolerance). Falls back to the two projections when
+        either is not a plain bias-free nn.Linear (a quantized replacement)."""
+        b_lin, a_lin = self.in_proj_b, self.in_proj_a
+        if type(b_lin) is not nn.Linear or type(a_lin) is not nn.Linear or b_lin.bias is not None \
+                or a_lin.bias is not None:
+            return b_lin(x), a_lin(x)
+        ba = F.linear(x, self._ba_weight())
+        return ba[..., :self.num_v_heads], ba[..., self.num_v_heads:]
+
+    def _ba_weight(self) -> torch.Tensor:
+        """cat(in_proj_b.weight, in_proj_a.weight) [2 Hv, hidden], built lazily and cached. Never stale: the cache is
+        keyed on both source weights' data_ptr and `_version` (bumped by every in-place write: load_state_dict,
+        copy_, normal_; `.to()` / `.data =` swaps change the data_ptr), and it keeps the sources it was built from
+        alive so that a freed address cannot be reused under the same key. Built on the first decode-fused step,
+        which the CUDA-graph warm-up runs eagerly before capture; a weight reload between captures rebuilds it on
+        the next eager step (the graphs must be re-captured after a reload anyway: they hold the old pointers)."""
+        wb, wa = self.in_proj_b.weight, self.in_proj_a.weight
+        key = (wb.data_ptr(), wb._version, wa.data_ptr(), wa._version)
+        cached = getattr(self, "_ba_cache", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, torch.cat((wb, wa), dim=0), wb.detach(), wa.detach())
+            self._ba_cache = cached  # a plain attribute: not a parameter or buffer (no state_dict entry)
+        return cached[1]
+
     def _project(self, x: torch.Tensor):
         """x [..., hidden] -> z [..., Hv, Dv], beta / g [..., Hv] fp32, raw conv input [..., conv_dim]."""
         z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
@@ -142,8 +171,12 @@ class GatedDeltaNet(nn.Module):
         return q.repeat_interleave(hv // hk, dim=-2), k.repeat_interleave(hv // hk, dim=-2), v
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """o [..., Hv, Dv] fp32, z [..., Hv, Dv] -> [..., hidden]: gated norm per value head, out_proj."""
-        o = self.norm(o.to(dtype), z)
+        """o [..., Hv, Dv] fp32, z [..., Hv, Dv] in `dtype` -> [..., hidden]: gated norm per value head, out_proj.
+        For a bf16/fp16 model the norm takes the fp32 o and rounds it to z's dtype itself (`GatedRMSNorm.forward`:
+        the same numbers as `o.to(dtype)` first, without that copy's launch on the fused path)."""
+        if dtype not in (torch.bfloat16, torch.float16) or z.dtype != dtype:
+            o = o.to(dtype)  # fp32: no-op; fp64 (tests): widen
+        o = self.norm(o, z)
         return self.out_proj(o.flatten(-2))
 
     # ---- contiguous state (reference)
@@ -178,17 +211,17 @@ class GatedDeltaNet(nn.Module):
         recurrent step, the gated norm and out_proj. Same maths as the general path below."""
         rows = batch.state_slots_t
         z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        q, k, v, beta, g, new_conv = batch.gdn_prep(
-            self.in_proj_qkv(x), slots.conv, rows, self.conv1d.weight[:, 0], self.in_proj_b(x), self.in_proj_a(x),
+        q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
+            self.in_proj_qkv(x), slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
             self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-        slots.conv.index_copy_(0, rows, new_conv)
         o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         return self._output(o, z, x.dtype)
 
     def forward_paged(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch) -> torch.Tensor:
         """x [N, hidden] (the flat tokens of `batch`) -> [N, hidden]; each sequence reads and advances its own
         state row `batch.state_slots[i]`. Decode rows: one batched conv step and one batched recurrent step
-        (`batch.gdn_decode`, default `gated_delta_rows`); prefill chunks: per sequence, the chunked rule (the
+        (`batch.gdn_decode`, default `gated_delta_rows`); prefill chunks: all in one call of `batch.gdn_chunk` where
+        the runner sets it (CUDA: flash-linear-attention's kernels), else per sequence, the chunked rule (the
         recurrent step for a 1-token chunk, as the contiguous path does)."""
         nd = batch.num_decode
         if batch.gdn_prep is not None and nd == x.shape[0]:  # a decode-only step: one fused launch (gdn_prep.py)
@@ -213,6 +246,12 @@ class GatedDeltaNet(nn.Module):
             rows = batch.state_slots_t[:nd]
             o[:nd] = (batch.gdn_decode or gated_delta_rows)(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
                                                             slots.recurrent, rows)
+        if batch.gdn_chunk is not None and batch.num_seqs > nd:  # every prefill row in one call (kernels/gdn_chunk)
+            t0, rows = batch.starts[nd], batch.state_slots_t[nd:]
+            cu = torch.tensor([b - t0 for b in batch.starts[nd:]], dtype=torch.int64, device=x.device)
+            o[t0:], slots.recurrent[rows] = batch.gdn_chunk(q[t0:], k[t0:], v[t0:], g[t0:], beta[t0:],
+                                                            slots.recurrent[rows], cu)
+            return self._output(o, z, x.dtype)
         for i in range(nd, batch.num_seqs):
             s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]
             s0 = slots.recurrent[r:r + 1]

@@ -54,11 +54,15 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; idx, weights [N, k] -> sum_j weights[:, j] * expert_{idx[:, j]}(x)  [N, H]."""
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [N, H]; idx, weights [N, k] -> sum_j weights[:, j] * expert_{idx[:, j]}(x)  [N, H]. `reduce=False` asks
+        for the k terms unsummed, [N, k', H], for a consumer that sums over dim 1 itself (`moe_combine`); this dense
+        reference hands over the sum as its single term (k' = 1), the packed experts the k terms."""
         if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the loop's host sync cannot be captured
-            return experts_gathered(x, self.gate_up_proj, self.down_proj, idx, weights)
-        return experts_loop(x, self.gate_up_proj, self.down_proj, idx, weights)
+            out = experts_gathered(x, self.gate_up_proj, self.down_proj, idx, weights)
+        else:
+            out = experts_loop(x, self.gate_up_proj, self.down_proj, idx, weights)
+        return out if reduce else out[:, None]
 
 
 def experts_loop(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, idx: torch.Tensor,
@@ -119,8 +123,9 @@ class SwiGLU(nn.Module):
 
 class SparseMoE(nn.Module):
     """Routed experts + gated shared expert; with `residual`, also the decoder layer's residual add. On CUDA (or
-    `fused = True`) the tail -- shared-expert gate, gating, sum and residual -- is one launch of the registry op
-    "moe_combine" (`kernels/moe_combine.py`: 5 kernels -> 1, the same roundings); `fused = False` never."""
+    `fused = True`) the tail -- the sum over the top-k experts' outputs, shared-expert gate, gating, sum and
+    residual -- is one launch of the registry op "moe_combine" (`kernels/moe_combine.py`: 7 kernels -> 1, the same
+    roundings); `fused = False` never."""
 
     fused: bool | None = None
 
@@ -136,10 +141,10 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         _, weights, idx = self.gate(x)
-        routed = self.experts(x, idx, weights)
+        fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
+        routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
         shared = self.shared_expert(x)
-        fused = self.fused if self.fused is not None else x.is_cuda
-        if residual is not None and fused:
+        if fused:
             from engine_core.registry import default_registry
 
             out = default_registry().call("moe_combine", x, self.shared_expert_gate.weight, shared, routed,

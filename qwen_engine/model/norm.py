@@ -7,7 +7,9 @@ Both normalise in fp32 (eps inside the rsqrt); they differ in where the result i
 Kernels: on CUDA each norm is one launch of the registry ops "rms_norm_zc" / "rms_norm_gated" (`kernels/rms_norm.py`,
 the same casts; ~10 kernels -> 1, ~130 norms per decode step of the full model); elsewhere the plain torch code
 below runs (it is also the ops' reference). `fused` on a module (class default None) overrides: True always goes
-through the registry (tests: the Triton interpreter on the CPU), False never does.
+through the registry (tests: the Triton interpreter on the CPU), False never does. Fused glue on the same path:
+`ZeroCentredRMSNorm.forward_add` (the decoder's residual add + norm, "add_rms_norm_zc") and `GatedRMSNorm` taking
+the GDN core's fp32 output (rounded to z's dtype inside the kernel).
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ class ZeroCentredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if _through_registry(self.fused, x):
             return _registry().call("rms_norm_zc", x, self.weight, self.eps)
+        return self._plain(x)
+
+    def forward_add(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before the norm: (s, norm(s)) with s = x + h rounded to x.dtype, both [..., dim]. Fused,
+        one launch of "add_rms_norm_zc" (the same sum, bit for bit, and the norm of that rounded sum); else the two
+        torch ops. Saves the add's launch: one per decoder layer (40 per decode step)."""
+        if _through_registry(self.fused, x):
+            return _registry().call("add_rms_norm_zc", x, h, self.weight, self.eps)
+        s = x + h
+        return s, self._plain(s)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
@@ -63,8 +77,12 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # x, z: [..., dim]
+        """x may be fp32 with z in bf16/fp16 (the GDN core's output): x is then first rounded to z.dtype, inside the
+        fused kernel (no separate cast launch: 30 per decode step), by `.to` here."""
         if _through_registry(self.fused, x):
             return _registry().call("rms_norm_gated", x, z, self.weight, self.eps)
+        if x.dtype == torch.float32 and z.dtype in (torch.bfloat16, torch.float16):  # kernels.rms_norm.rounds_x
+            x = x.to(z.dtype)
         xf = x.float()
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * y * F.silu(z.float())).to(x.dtype)

@@ -5,8 +5,9 @@
                   fp32 global per output row [N]  -> registry op "w4a16_linear" (Triton on CUDA, the exact-dequant
                   reference elsewhere). A layer exported as W4A4 (ModelOpt `NVFP4` with a static `input_scale`) may
                   instead run registry op "nvfp4_w4a4_linear" (`kernels/nvfp4.py`): see "W4A4" below.
-    NVFP4SwiGLU   the shared expert with gate and up fused into one [2I, H] NVFP4 weight (one launch instead of two;
-                  per-row global scales keep each half's ModelOpt `weight_scale_2` exact) + down [H, I]
+    NVFP4SwiGLU   the shared expert with gate and up fused into one [2I, H] NVFP4 weight (per-row global scales keep
+                  each half's ModelOpt `weight_scale_2` exact) + down [H, I]; the SiLU x up in the gate/up GEMM's
+                  epilogue (registry op "w4a16_swiglu"): two launches for the whole expert
     NVFP4Experts  routed experts, stacked gate_up [E, 2I, H] and down [E, H, I] NVFP4 -> registry op "w4a16_moe"
                   (grouped Triton kernel: sort by expert, gate_up + SwiGLU, down + routing weight)
     FP8Linear     FP8 W8A8 static per-tensor (GDN in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o):
@@ -56,6 +57,7 @@ from kernels.nvfp4 import W4A4_OP, FP8Tensor, NVFP4Tensor, dequantize_fp8, dequa
 log = logging.getLogger(__name__)
 
 W4A16_DENSE_OP = "w4a16_linear"  # kernels/w4a16_gemm.py
+W4A16_SWIGLU_OP = "w4a16_swiglu"  # the same GEMM with silu(gate) * up in its epilogue
 W4A16_MOE_OP = "w4a16_moe"
 FP8_OP = "fp8_linear"  # kernels/fp8_linear.py
 W4A4_MODES = ("auto", "off", "emulate")  # NVFP4Linear.w4a4, see the module docstring
@@ -89,13 +91,15 @@ class _Dispatch(_KeepStorageDtype):
         self.registry = registry  # None: the process-wide default registry, looked up on first use
         self._impl: dict[tuple, object] = {}
 
-    def _call(self, *args):
+    def _call(self, *args, op: str | None = None):
+        """`op` (default: the module's) on args, through the cached registry choice."""
+        op = op or self.op
         reg = self.registry = _registry(self.registry)
         x = args[0]
-        key = (x.device.type, x.dtype, reg.preference(self.op), self._variant)
+        key = (op, x.device.type, x.dtype, reg.preference(op), self._variant)
         impl = self._impl.get(key)
         if impl is None:
-            impl = self._impl[key] = reg.choose(self.op, **reg.spec(self.op).describe(*args))
+            impl = self._impl[key] = reg.choose(op, **reg.spec(op).describe(*args))
         return impl.fn(*args)
 
     @property
@@ -269,8 +273,13 @@ class NVFP4SwiGLU(nn.Module):
         self.down_proj = NVFP4Linear(down, registry, down_input_scale, w4a4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gu = self.gate_up_proj
+        if gu.w4a4_export and gu.w4a4 != "off":  # W4A4 (native or emulated) or its W4A16 fallback: the plain GEMM
+            gate, up = gu(x).chunk(2, dim=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
+        # W4A16: registry op "w4a16_swiglu", the SiLU and product in the GEMM's fp32 epilogue (one launch instead
+        # of GEMM + SiLU + mul; one rounding instead of three)
+        return self.down_proj(gu._call(x, gu.weight_nvfp4, op=W4A16_SWIGLU_OP))
 
     def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """The three dense weights in `SwiGLU`'s parameter names."""
@@ -309,9 +318,9 @@ class NVFP4Experts(_Dispatch):
     def down_nvfp4(self) -> NVFP4Tensor:
         return NVFP4Tensor(self.down_packed, self.down_scales, self.down_global)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype."""
-        return self._call(x, self.gate_up_nvfp4, self.down_nvfp4, idx, weights.to(x.dtype))
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype; `reduce=False`: [N, k, H] unsummed (moe.Experts)."""
+        return self._call(x, self.gate_up_nvfp4, self.down_nvfp4, idx, weights.to(x.dtype), reduce)
 
     def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Dense stacks in `Experts`' parameter names (full size in bf16: 2.1 GB per layer; dequantise per layer)."""

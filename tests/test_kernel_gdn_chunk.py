@@ -1,0 +1,93 @@
+"""kernels/gdn_chunk.py: the GDN prefill of all of a step's prefill sequences in one call (flash-linear-attention's
+chunked kernels on CUDA) against the per-sequence torch reference.
+
+On the CPU only the reference and the registry's fallback are exercised: fla's kernels need a GPU driver even under
+Triton's interpreter. On a GPU with `fla-core` installed, fla against the reference (tolerance: 2e-3 x max |ref|,
+TF32 products; kernels/gdn_chunk.py)."""
+
+import pytest
+import torch
+
+from engine_core.registry import Registry
+from kernels import gdn_chunk
+from kernels.gdn_chunk import compare, describe, gdn_chunk_reference, random_inputs, supports
+from qwen_engine.model.gdn import gated_delta_rule_recurrent
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("lengths", [(70,), (5, 130, 64), (1, 1)])
+def test_reference_equals_the_token_recurrence(lengths):
+    """The flat varlen reference (chunked rule per sequence, chunk 16 here) against the token-by-token recurrence of
+    each sequence from its own entering state: fp32 level (1e-5 of max |ref|)."""
+    q, k, v, g, beta, states, cu = random_inputs(lengths, 2, 16, 24, seed=len(lengths))
+    o, finals = gdn_chunk_reference(q, k, v, g, beta, states, cu, chunk_size=16)
+    bounds = cu.tolist()
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        o_ref, f_ref = gated_delta_rule_recurrent(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
+                                                  beta[None, s:e], states[i:i + 1])
+        assert compare((o[s:e], finals[i]), (o_ref[0], f_ref[0]), tol=1e-5) is None
+    assert not torch.equal(finals, states)  # the states advanced (and the inputs were not modified in place)
+
+
+def test_guard_and_cpu_fallback():
+    args = random_inputs((9, 4), 2, 16, 16)
+    info = describe(*args)
+    assert info["shapes_ok"] and not supports(**info)  # CPU tensors: never fla
+    q, k, v, g, beta, states, cu = args
+    assert not describe(q, k, v, g, beta, states[:1], cu)["shapes_ok"]  # 2 sequences, 1 state
+    assert not supports(**{**info, "device": "cuda", "dtypes": {torch.bfloat16}})
+    reg = Registry()
+    gdn_chunk.register(reg)
+    out = reg.call(gdn_chunk.NAME, *args)
+    assert reg.choices()[gdn_chunk.NAME]["last"] == "reference"
+    assert compare(out, gdn_chunk_reference(*args), tol=0.0) is None
+
+
+@pytest.mark.skipif(not CUDA, reason="fla's kernels need a GPU")
+@pytest.mark.parametrize("lengths,dk", [((1024,), 128), ((70, 5, 130, 64, 1), 128), ((300,), 64)])
+def test_fla_matches_reference_on_gpu(lengths, dk):
+    pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core; the device bundle has it)")
+    args = random_inputs(lengths, 4, dk, 128, seed=sum(lengths), device="cuda")
+    info = describe(*args)
+    assert supports(**info), info
+    got, ref = gdn_chunk.gdn_chunk_fla(*args), gdn_chunk_reference(*args)
+    err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
+    print(f"\nfla vs reference, lengths {lengths}, Dk {dk}: max rel err {err:.2e}")
+    assert compare(got, ref) is None
+    reg = Registry()
+    gdn_chunk.register(reg)
+    assert all("passed" in v for v in reg.self_check("cuda").values())
+
+
+def test_model_prefill_rows_through_the_op():
+    """`GatedDeltaNet.forward_paged` with `batch.gdn_chunk` set (one call for every prefill row, what the runner does
+    on CUDA) against its own per-sequence loop: a step of 2 decode rows and 3 prefill chunks (1, 20 and 37 tokens)
+    over state rows out of order, from non-zero states. Same outputs and states to fp32 level (here the op is the
+    reference; on a GPU the runner's registry serves it with fla, checked above)."""
+    from qwen_engine.config import QwenConfig
+    from qwen_engine.engine import randomise
+    from qwen_engine.model.causal_lm import QwenForCausalLM
+    from qwen_engine.model.gdn import GatedDeltaNet
+    from qwen_engine.model.paged import FlatBatch, GDNSlots
+
+    cfg = QwenConfig.tiny()
+    model = QwenForCausalLM(cfg, gdn_chunk_size=16).eval()
+    randomise(model, 0)
+    gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    gen = torch.Generator().manual_seed(3)
+    lengths, state_rows = (1, 1, 1, 20, 37), (4, 0, 2, 5, 1)
+    seqs = [(7 if n == 1 and i < 2 else 0, n, (0,), r) for i, (n, r) in enumerate(zip(lengths, state_rows))]
+    x = torch.randn(sum(lengths), cfg.hidden_size, generator=gen)
+    conv = torch.randn(6, gdn.conv1d.weight.shape[0], cfg.linear_conv_kernel_dim - 1, generator=gen)
+    rec = torch.randn(6, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, generator=gen) * 0.3
+    outs, states = [], []
+    for op in (None, gdn_chunk_reference):
+        slots = GDNSlots(conv.clone(), rec.clone())
+        batch = FlatBatch.build(seqs, 2, 64, "cpu", gdn_chunk=op)
+        with torch.no_grad():
+            outs.append(gdn.forward_paged(x, slots, batch))
+        states.append(slots.recurrent)
+    assert compare((outs[1], states[1]), (outs[0], states[0]), tol=1e-5) is None
+    assert torch.equal(states[1][3], rec[3])  # row 3 belongs to nobody: untouched
+    assert not torch.equal(states[1][5], rec[5])  # a prefill row advanced
