@@ -12,9 +12,9 @@
 #   6. the Qwen kernels' tests on the GPU (compiled Triton instead of the CPU interpreter);
 #   7. the grouped W4A16 kernel on tile-major weights (kernels/w4a16_gemm.py: tile_major, TILED) beside the checkpoint
 #      layout, 1 and 32 tokens (written 2026-11-30 after the last GPU call; interpreter-tested, not run on a GPU);
-#   8. W4A16 bench of 2026-12-01's changes: the dense kernel's split-K reduced inside the kernel and the shared
-#      expert's SwiGLU epilogue against the torch sum / SiLU x up they replace, and the weights as the MMA's left
-#      operand (SWAP) and tile-major (TILED) beside the checkpoint layout, grouped and dense.
+#   8. W4A16 bench of the fifth session's changes: the dense kernel's split-K reduced inside the kernel and the shared
+#      expert's SwiGLU epilogue against the torch sum / SiLU x up they replace; tile-major (TILED) experts beside the
+#      checkpoint layout.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -94,11 +94,11 @@ timeout 330 python benchmarks/w4a16_bench.py --skip-dense --modes "2:1,2:2,2:1:1
 grep -E "^\| grouped" "$R/w4a16/w4a16_bench.md"
 fi
 if want 8; then
-say "8. W4A16: in-kernel split-K + SwiGLU epilogue vs torch; SWAP and TILED beside the checkpoint layout"
-timeout 200 python benchmarks/w4a16_bench.py --skip-dense --modes "2:1,2:1:1,2:1:0:1" \
+say "8. W4A16: in-kernel split-K + SwiGLU epilogue vs torch; TILED beside the checkpoint layout"
+timeout 200 python benchmarks/w4a16_bench.py --skip-dense --modes "2:1,2:2,2:1:1,2:2:1" \
   --tiles "32,128,4,4;16,256,4,4;64,128,4,4" --out "$R/w4a16_grouped" > "$R/w4a16_grouped.log" 2>&1
 grep -E "^\| grouped" "$R/w4a16_grouped/w4a16_bench.md" | cut -c1-200
-timeout 200 python benchmarks/w4a16_bench.py --skip-grouped --modes "0:0,0:0:0:1" --out "$R/w4a16_dense" \
+timeout 200 python benchmarks/w4a16_bench.py --skip-grouped --modes "0:0,2:1" --out "$R/w4a16_dense" \
   > "$R/w4a16_dense.log" 2>&1
 grep -E "^\| dense" "$R/w4a16_dense/w4a16_bench.md" | cut -c1-200
 fi

@@ -139,7 +139,7 @@ def dense(rows: list, g) -> None:
             for name, modes in MODES.items():
                 if modes.get("TILED"):  # a grouped-kernel experiment only
                     continue
-                modes = {key: modes[key] for key in ("DEQ", "SCALE_AHEAD", "SWAP") if key in modes}
+                modes = {key: modes[key] for key in ("DEQ", "SCALE_AHEAD")}
                 for reduce_by in ("kernel", "torch"):
                     counters = w4a16_gemm.SPLIT_COUNTERS
                     if reduce_by == "torch":
@@ -191,9 +191,8 @@ def main() -> None:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--skip-grouped", action="store_true")
     ap.add_argument("--tiles", default="", help="grouped tiles 'BN,BK,warps,stages;...' instead of GROUPED_TILES")
-    ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD[:TILED[:SWAP]],...' instead of MODES, e.g. "
-                                                "'2:1,2:1:1,2:1:0:1' (TILED: the weights repacked by tile_major for "
-                                                "each tile; SWAP: the weights as the MMA's left operand)")
+    ap.add_argument("--modes", default="", help="'DEQ:SCALE_AHEAD[:TILED],...' instead of MODES, e.g. '2:1,2:1:1' "
+                                                "(TILED: the weights repacked by tile_major for each tile)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (untimed)")
     ap.add_argument("--once", action="store_true", help="run each case 3 times untimed (for a profiler)")
     ap.add_argument("--tokens", default="1,32", help="decode tokens of the grouped cases")
@@ -208,10 +207,9 @@ def main() -> None:
     if args.modes:
         MODES.clear()
         for m in args.modes.split(","):
-            deq, ahead, tiled, swap = ([int(v) for v in m.split(":")] + [0, 0])[:4]
-            MODES[f"DEQ {deq}, scales {ahead} tile(s) ahead{', tile-major weights' if tiled else ''}"
-                  f"{', weights as the left MMA operand' if swap else ''}"] = dict(
-                DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, SWAP=swap)
+            deq, ahead, tiled = ([int(v) for v in m.split(":")] + [0])[:3]
+            MODES[f"DEQ {deq}, scales {ahead} tile(s) ahead{', tile-major weights' if tiled else ''}"] = dict(
+                DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled)
     g = torch.Generator().manual_seed(0)
     rows: list = []
     t0 = time.time()

@@ -129,11 +129,13 @@ def w4a16_swiglu_reference(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_reference(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                                weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+                                weights: torch.Tensor, reduce: bool = True, tiled: bool = False) -> torch.Tensor:
     """The routed-expert block of `qwen_engine.model.moe.Experts` with NVFP4 weights, in fp32 with one final rounding.
     x [T, H]; w13 [E, 2I, H] (rows :I gate, I: up); w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype, or with
     `reduce=False` the k weighted expert outputs of each token unsummed, [T, k, H] (`kernels/moe_combine.py` sums
-    them inside its launch)."""
+    them inside its launch). `tiled`: the packed bytes are tile-major (`experts_tile_major`)."""
+    if tiled:
+        w13, w2 = experts_tile_major(w13, w2, inverse=True)
     t, k = idx.shape
     h = w4a16_grouped_reference(x.float(), w13, idx.reshape(-1), a_div=k, swiglu=True)  # [P, I] fp32
     y = w4a16_grouped_reference(h, w2, idx.reshape(-1), row_scale=weights.reshape(-1))  # [P, H] fp32
@@ -303,21 +305,6 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _mma_tile(xe, xo, lo, hi, acc, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
-        """One K tile: acc [BM, BN] += x_even @ lo^T + x_odd @ hi^T, or with SWAP (acc [BN, BM]) the transposed
-        product lo @ x_even^T + hi @ x_odd^T, which makes the dequantised weight tile the MMA's left operand: Hopper
-        MMAs take that one from registers, where the dequant leaves it, while the right operand goes through shared
-        memory (the small activation tile instead of the 4x larger dequantised weights)."""
-        if SWAP:
-            acc = _mma(lo, tl.trans(xe), acc, INTERPRET)
-            acc = _mma(hi, tl.trans(xo), acc, INTERPRET)
-        else:
-            acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
-            acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
-        return acc
-
-
-    @triton.jit
     def _load_scale_tile(s, rows, row_ok, t, K, s_sn, BLOCK_K: tl.constexpr):
         """Block-scale bytes [BN, BK/16] of K tile t of weight rows `rows` [BN], zero outside (t past the end too).
         Byte loads are too narrow for cp.async, so Triton's pipeliner leaves them synchronous in the K loop: the
@@ -397,14 +384,14 @@ if triton is not None:
         return [c for c in configs if c.kwargs["BLOCK_M"] in want]
 
     @triton.autotune(configs=_DENSE_CONFIGS,
-                     key=["M_BUCKET", "N", "K", "SPLIT_K", "REDUCE", "SWIGLU", "DEQ", "SCALE_AHEAD", "SWAP"],
+                     key=["M_BUCKET", "N", "K", "SPLIT_K", "REDUCE", "SWIGLU", "DEQ", "SCALE_AHEAD"],
                      prune_configs_by={"early_config_prune": _prune_dense})
     @triton.jit
     def _w4a16_dense_kernel(x, w, s, g, y, ws, counters, M, N, K, M_BUCKET, s_xm, s_wn, s_sn, s_gn, s_ym,
                             SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, SWIGLU: tl.constexpr,
                             INTERPRET: tl.constexpr, DEQ: tl.constexpr,
-                            SCALE_AHEAD: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            SCALE_AHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         # grid (cdiv(M, BM), cdiv(N_out, BN), SPLIT_K); y [M, N_out]. N = weight rows; SWIGLU: N_out = N / 2 and
         # output column n = silu(row n) * row n + N_out (gate then up, fp32, one rounding). M_BUCKET (next power of
         # two of M) is only an autotune key.
@@ -422,12 +409,8 @@ if triton is not None:
         m_ok, n_ok = offs_m < M, offs_n < n_out
         k_tiles = tl.cdiv(K, BLOCK_K)
         per = tl.cdiv(k_tiles, SPLIT_K)
-        if SWAP:  # [BN, BM]: see _mma_tile
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         t0 = pid_k * per
         sa, sb = _scale_pipe_start(s, offs_n, n_ok, t0, K, s_sn, BLOCK_K, SCALE_AHEAD)
         ua, ub = _scale_pipe_start(s, offs_n + n_out, n_ok & SWIGLU, t0, K, s_sn, BLOCK_K, SCALE_AHEAD)
@@ -436,15 +419,14 @@ if triton is not None:
             pw = _load_packed_tile(w, offs_n, n_ok, t, K, s_wn, BLOCK_K)
             sc, sa, sb = _scale_pipe_next(sa, sb, s, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
             lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
-            acc = _mma_tile(xe, xo, lo, hi, acc, SWAP, INTERPRET)
+            acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
+            acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
             if SWIGLU:
                 sc, ua, ub = _scale_pipe_next(ua, ub, s, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                 pw = _load_packed_tile(w, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K)
                 lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
-                acc_up = _mma_tile(xe, xo, lo, hi, acc_up, SWAP, INTERPRET)
-        if SWAP:  # back to [BM, BN] for the epilogue: one register transpose per program
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
+                acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
+                acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
         gain = _dequant_gain(x.dtype.element_ty, DEQ)
         acc = acc * (tl.load(g + offs_n * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
         if SWIGLU:
@@ -488,14 +470,13 @@ if triton is not None:
                                              (16, 128, 2, 6), (32, 128, 2, 6)]]
 
     @triton.autotune(configs=_GROUPED_CONFIGS,
-                     key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU", "DEQ", "SCALE_AHEAD", "TILED", "SWAP"])
+                     key=["P_BUCKET", "N", "K", "BLOCK_M", "SWIGLU", "DEQ", "SCALE_AHEAD", "TILED"])
     @triton.jit
     def _w4a16_grouped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
                               s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
                               SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                               DEQ: tl.constexpr, SCALE_AHEAD: tl.constexpr, TILED: tl.constexpr,
-                              SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
         # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -512,12 +493,8 @@ if triton is not None:
             n_ok = offs_n < n_out
             we = w + e.to(tl.int64) * s_we
             se = s + e.to(tl.int64) * s_se
-            if SWAP:  # [BN, BM]: see _mma_tile
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             sa, sb = _scale_pipe_start(se, offs_n, n_ok, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # gate (or plain) rows
             ua, ub = _scale_pipe_start(se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # up rows
             for t in range(0, tl.cdiv(K, BLOCK_K)):
@@ -525,15 +502,14 @@ if triton is not None:
                 pw = _load_packed(we, offs_n, n_ok, t, K, s_wn, BLOCK_K, TILED)
                 sc, sa, sb = _scale_pipe_next(sa, sb, se, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                 lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
-                acc = _mma_tile(xe, xo, lo, hi, acc, SWAP, INTERPRET)
+                acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
+                acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
                 if SWIGLU:
                     sc, ua, ub = _scale_pipe_next(ua, ub, se, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                     pw = _load_packed(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K, TILED)
                     lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
-                    acc_up = _mma_tile(xe, xo, lo, hi, acc_up, SWAP, INTERPRET)
-            if SWAP:  # back to [BM, BN] for the epilogue: one register transpose per program
-                acc = tl.trans(acc)
-                acc_up = tl.trans(acc_up)
+                    acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
+                    acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
             ge = g + e * s_ge
             gain = _dequant_gain(x.dtype.element_ty, DEQ)
             acc = acc * (tl.load(ge + offs_n * s_gn, mask=n_ok, other=0.0) * gain)[None, :]
@@ -590,9 +566,22 @@ DEQ_MODES = {0: "fp16 dequant, then convert to bf16 (two conversions per weight)
 # SwiGLU, K = 512) measured 15% faster again with two tiles ahead (120 -> 101 us per call at 32 tokens; kernel bench
 # only, the engine not re-run), gate_up slower that way. The dense decode kernel (split-K GEMV) measured slower with
 # the new modes (0.66 -> 0.76 ms per step, lone request), so it keeps the fp16 dequant with the scales in the tile.
-GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1, TILED=0, SWAP=0),  # by SWIGLU: gate_up
-                 False: dict(DEQ=2, SCALE_AHEAD=2, TILED=0, SWAP=0)}  # down
-DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0, SWAP=0)
+GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1, TILED=0),  # by SWIGLU: gate_up
+                 False: dict(DEQ=2, SCALE_AHEAD=2, TILED=0)}  # down
+DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
+# Experts stored tile-major (`tile_major`; `NVFP4Experts.to_tile_major`, the engine's layout on CUDA): each
+# projection's (BLOCK_N, BLOCK_K) is fixed by the repack, by SWIGLU. H200, 32 decode tokens (w4a16_bench, 2026-11-30
+# fifth session): gate_up 212 -> 170 us, down 121 -> 97 us per call against the checkpoint layout (~1.1 TB/s instead
+# of ~0.9); one token: the same (15.5 / 15.9 us, 8.9 / 8.0 us). Scales one tile ahead for both.
+TILE_MAJOR_TILES = {True: (32, 128), False: (64, 128)}  # (BLOCK_N, BLOCK_K) by SWIGLU: gate_up, down
+TILE_MAJOR_MODES = dict(DEQ=2, SCALE_AHEAD=1, TILED=1)
+
+
+def _tile_major_config(swiglu: bool) -> dict:
+    """The grouped launch config for tile-major experts: TILE_MAJOR_TILES' tile (the repack fixes it), 4 warps and 4
+    stages (what the bench measured at decode sizes; prefill calls, BLOCK_M 32-64, run the same)."""
+    bn, bk = TILE_MAJOR_TILES[swiglu]
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
 
 
 def _launch(kernel, grid, args: tuple, config: dict | None, modes: dict, **meta):
@@ -711,14 +700,39 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 def tile_major(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """Stacked packed weights [E, N, K/2] -> the same shape with the bytes reordered tile by tile ([E, N/BN, K/BK, BN,
-    BK/2] in memory), for grouped launches with modes TILED=1 and a config of that BLOCK_N / BLOCK_K. An experiment
-    (`benchmarks/w4a16_bench.py --modes D:A:1`): whether reading each (row tile, K tile) as one contiguous block of
-    BN x BK/2 bytes beats the checkpoint layout's 64-byte pieces of BN rows K/2 bytes apart. Block scales stay."""
+    BK/2] in memory), for grouped launches with modes TILED=1 and a config of that BLOCK_N / BLOCK_K: each (row tile,
+    K tile) is one contiguous block of BN x BK/2 bytes instead of the checkpoint layout's 64-byte pieces of BN rows
+    K/2 bytes apart (20% faster at 32 decode tokens on the H200: TILE_MAJOR_TILES). Block scales stay."""
     e, n, kh = packed.shape
     kb = block_k // 2
     if n % block_n or kh % kb:
         raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles")
     return packed.view(e, n // block_n, block_n, kh // kb, kb).permute(0, 1, 3, 2, 4).contiguous().view(e, n, kh)
+
+
+def untile_major(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """The inverse of `tile_major`: tile-major bytes [E, N, K/2] back to the checkpoint layout."""
+    e, n, kh = packed.shape
+    kb = block_k // 2
+    return packed.view(e, n // block_n, kh // kb, block_n, kb).permute(0, 1, 3, 2, 4).contiguous().view(e, n, kh)
+
+
+def tile_major_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
+    """Whether stacked gate_up [E, 2I, H] and down [E, H, I] split into TILE_MAJOR_TILES' tiles."""
+    (bn13, bk13), (bn2, bk2) = TILE_MAJOR_TILES[True], TILE_MAJOR_TILES[False]
+    n13, k13 = w13.packed.shape[-2], 2 * w13.packed.shape[-1]
+    n2, k2 = w2.packed.shape[-2], 2 * w2.packed.shape[-1]
+    return (n13 // 2) % bn13 == 0 and k13 % bk13 == 0 and n2 % bn2 == 0 and k2 % bk2 == 0
+
+
+def experts_tile_major(w13: NVFP4Tensor, w2: NVFP4Tensor, inverse: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Both expert stacks repacked tile-major for TILE_MAJOR_TILES, or back with `inverse` (gate_up as a whole: I is
+    a multiple of its BLOCK_N, so the up rows' tiles start at I / BLOCK_N, where the SwiGLU kernel reads row n + I).
+    Block and global scales stay."""
+    f = untile_major if inverse else tile_major
+    (bn13, bk13), (bn2, bk2) = TILE_MAJOR_TILES[True], TILE_MAJOR_TILES[False]
+    return (NVFP4Tensor(f(w13.packed, bn13, bk13), w13.scales, w13.global_scale),
+            NVFP4Tensor(f(w2.packed, bn2, bk2), w2.scales, w2.global_scale))
 
 
 def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *, a_div: int = 1,
@@ -801,21 +815,27 @@ def _(x, packed, scales, global_scale):
 @torch.library.custom_op("qwen::w4a16_moe", mutates_args=())
 def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, p2: torch.Tensor,
                  s2: torch.Tensor, g2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                 reduce: bool = True) -> torch.Tensor:
+                 reduce: bool = True, tiled: bool = False) -> torch.Tensor:
     """Routed experts: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype (the k
-    weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch)."""
+    weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch).
+    `tiled`: packed bytes tile-major for TILE_MAJOR_TILES (launched with `_tile_major_config`, no autotuning)."""
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
-    h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True)  # [P, I]
-    y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights)  # [P, H], weighted
+    cfg13 = cfg2 = modes = None
+    if tiled:
+        cfg13, cfg2, modes = _tile_major_config(True), _tile_major_config(False), TILE_MAJOR_MODES
+    h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True, config=cfg13,
+                             modes=modes)  # [P, I]
+    y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights, config=cfg2,
+                             modes=modes)  # [P, H], weighted
     y = y.view(t, top_k, y.shape[-1])
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 
 
 @w4a16_moe_op.register_fake
-def _(x, p13, s13, g13, p2, s2, g2, idx, weights, reduce=True):
+def _(x, p13, s13, g13, p2, s2, g2, idx, weights, reduce=True, tiled=False):
     return x.new_empty((x.shape[0], p2.shape[1]) if reduce else (x.shape[0], idx.shape[1], p2.shape[1]))
 
 
@@ -830,9 +850,9 @@ def w4a16_swiglu_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                             weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+                             weights: torch.Tensor, reduce: bool = True, tiled: bool = False) -> torch.Tensor:
     """Same contract as `moe_experts_w4a16_reference`."""
-    return w4a16_moe_op(x, *w13, *w2, idx, weights, reduce)
+    return w4a16_moe_op(x, *w13, *w2, idx, weights, reduce, tiled)
 
 
 # ---- guards, registry entries ---------------------------------------------------------------------------------------
@@ -876,7 +896,7 @@ def supports_swiglu(*, even_rows: bool, **kw: Any) -> bool:
 
 
 def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                 weights: torch.Tensor, reduce: bool = True) -> dict[str, Any]:
+                 weights: torch.Tensor, reduce: bool = True, tiled: bool = False) -> dict[str, Any]:
     e, n13, _ = w13.packed.shape if w13.packed.dim() == 3 else (0, 0, 0)
     e2, n2, _ = w2.packed.shape if w2.packed.dim() == 3 else (0, 0, 0)
     shapes_ok = (_weight_ok(w13, True) and _weight_ok(w2, True) and x.dim() == 2 and e == e2 and n13 % 2 == 0
@@ -884,6 +904,8 @@ def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.
                  and idx.shape == weights.shape and idx.shape[0] == x.shape[0])
     globals_ok = (tuple(w13.global_scale.shape) in ((), (e,), (e, n13))
                   and tuple(w2.global_scale.shape) in ((), (e2,), (e2, n2)))
+    if tiled:  # tile-major bytes: only the tiles they were repacked for
+        shapes_ok = shapes_ok and tile_major_ok(w13, w2)
     return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype, shapes_ok=shapes_ok,
                 globals_ok=globals_ok, tokens=x.shape[0] if x.dim() == 2 else -1)
 

@@ -53,6 +53,7 @@ def load_quantized(
     gdn_chunk_size: int = 64,
     registry=None,
     w4a4: str = "auto",
+    tile_major_experts: bool | None = None,
 ) -> QwenForCausalLM:
     """A `QwenForCausalLM` whose quantised layers are packed modules (see the module docstring).
 
@@ -62,8 +63,12 @@ def load_quantized(
     fuse_shared_expert: one [2I, H] NVFP4 GEMM for the shared expert's gate and up when both are NVFP4.
     w4a4: "auto" | "off" | "emulate", for the dense layers the checkpoint exports as W4A4 (module docstring); layers
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
+    tile_major_experts: repack the routed experts' bytes tile-major (`NVFP4Experts.to_tile_major`: ~20% faster grouped
+    GEMMs at 32 decode tokens on the H200; same values); None = on CUDA devices.
     Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.
     """
+    if tile_major_experts is None:
+        tile_major_experts = torch.device(device).type == "cuda"
     check_w4a4_mode(w4a4)
     algos: dict[str, str] = {}
     input_scales: Mapping[str, torch.Tensor] = {}
@@ -104,7 +109,10 @@ def load_quantized(
             if not (isinstance(gu, NVFP4Tensor) and isinstance(dn, NVFP4Tensor)):
                 raise CheckpointError(f"{name}: routed experts must be both NVFP4 or both dense, got "
                                       f"{type(gu).__name__} gate_up and {type(dn).__name__} down")
-            _replace(model, name, NVFP4Experts(to_dev(gu), to_dev(dn), registry))
+            experts = NVFP4Experts(to_dev(gu), to_dev(dn), registry)
+            if tile_major_experts and not experts.to_tile_major():
+                log.warning("%s: expert shapes do not split into the tile-major tiles; checkpoint layout kept", name)
+            _replace(model, name, experts)
             done |= {prefix + "gate_up_proj", prefix + "down_proj"}
         elif isinstance(mod, SwiGLU) and fuse_shared_expert:
             ws = [packed.get(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down")]

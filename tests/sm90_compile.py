@@ -78,15 +78,14 @@ def main() -> int:
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
     # (the last: the down projection's defaults, GROUPED_MODES[False])
-    # (SWAP: the weights as the MMA's left operand; BLOCK_N 64 makes that a Hopper wgmma with A in registers)
-    for bn, bk, deq, ahead, swiglu, tiled, swap in ((32, 128, 2, 1, True, 0, 0), (32, 128, 1, 2, True, 1, 0),
-                                                    (64, 256, 2, 0, True, 0, 1), (64, 128, 2, 2, False, 0, 0)):
+    for bn, bk, deq, ahead, swiglu, tiled in ((32, 128, 2, 1, True, 0), (32, 128, 1, 2, True, 1),
+                                              (64, 256, 2, 0, True, 0), (64, 128, 2, 1, False, 1)):
         what = "SwiGLU" if swiglu else "routing weight"
         ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} TILED={tiled} "
-                              f"SWAP={swap} ({what}, bf16)",
+                              f"({what}, bf16)",
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
-                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, SWAP=swap)))
+                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled)))
     # the dense W4A16 kernel: split K reduced in the kernel (arrival counter, acq_rel atomics, .cg loads) with the
     # shared expert's SwiGLU epilogue, the same without SwiGLU, and split K left to torch (REDUCE off)
     dense = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("y", "*bf16"),
@@ -95,7 +94,7 @@ def main() -> int:
         ok.append(compile_one(f"w4a16 dense SPLIT_K={split} REDUCE={reduce} SWIGLU={swiglu} (bf16)",
                               w4a16_gemm._w4a16_dense_kernel.fn, dense,
                               dict(SPLIT_K=split, REDUCE=reduce, SWIGLU=swiglu, INTERPRET=False, DEQ=0,
-                                   SCALE_AHEAD=0, SWAP=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)))
+                                   SCALE_AHEAD=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)))
     ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
                           {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},
                           dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False)))

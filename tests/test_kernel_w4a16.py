@@ -250,13 +250,10 @@ def test_swiglu_op_leading_dims_and_registry():
 @pytest.mark.parametrize("cfg,k", [(dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), 208),
                                    (dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), 208),
                                    *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DEQ=d), 192) for d in DEQS],
-                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a), 192) for a in (1, 2)],
-                                   (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SWAP=1), 192),
-                                   (dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SWAP=1), 208)])
+                                   *[(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a), 192) for a in (1, 2)]])
 def test_dense_other_tile_shapes(cfg, k):
     """Tiles from the autotune list that exceed the problem (masked rows, columns and K groups), each bf16 dequant
-    mode, the block scales requested 1 or 2 K tiles early (0, DENSE_MODES' default, in the other cases), and the
-    swapped MMA operands (SWAP)."""
+    mode, and the block scales requested 1 or 2 K tiles early (0, DENSE_MODES' default, in the other cases)."""
     w = rand_weight(80, k, seed=3)
     x = rand_x(17, k, seed=4)
     w_dq = dequantize_nvfp4(*w)
@@ -304,10 +301,7 @@ def test_moe_align_covers_every_pair_once(t):
     *[(3, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, DEQ=d)) for d in DEQS],
     *[(17, "row_scale", 32, 160, dict(BLOCK_N=16, BLOCK_K=64, DEQ=d)) for d in DEQS],
     *[(17, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=64, SCALE_AHEAD=a)) for a in (0, 1, 2)],
-    (5, "plain", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, SCALE_AHEAD=1)),
-    # the weights as the MMA's left operand (SWAP), with SwiGLU and with the routing weight
-    (17, "swiglu", 16, 192, dict(BLOCK_N=32, BLOCK_K=64, SWAP=1)),
-    (17, "row_scale", 32, 160, dict(BLOCK_N=64, BLOCK_K=64, SWAP=1))])
+    (5, "plain", 16, 192, dict(BLOCK_N=32, BLOCK_K=128, SCALE_AHEAD=1))])
 def test_grouped_matches_per_expert_reference(t, mode, block_m, k, cfg):
     """Grouped GEMM vs a loop of the dense reference over the experts; experts 0 and 5 get no tokens."""
     e, n, top_k = 6, 96, 2
@@ -389,6 +383,37 @@ def test_moe_block_matches_reference_and_model(t):
         y_model = model(x.float(), idx, weights.float())
     ref32 = moe_experts_w4a16_reference(x.float(), w13, w2, idx, weights)
     torch.testing.assert_close(ref32, y_model, rtol=1e-5, atol=1e-5 * float(y_model.abs().max()))
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_moe_tile_major_experts(t):
+    """Experts stored tile-major (`experts_tile_major`, the engine's layout on CUDA): the op with `tiled=True` runs the
+    fixed tiles of TILE_MAJOR_TILES and equals the reference on the checkpoint layout (and the reference handed the
+    tiled bytes with `tiled=True`); unsummed rows (`reduce=False`) too; the layout round-trips; the guard refuses
+    tiled stacks whose shapes do not split into the tiles."""
+    e, h, i, top_k = 4, 256, 256, 2  # two K tiles of 128 in both projections (one tile: the layouts coincide)
+    w13 = rand_weight(e, 2 * i, h, seed=21, scale=0.1)
+    w2 = rand_weight(e, h, i, seed=22, scale=0.1)
+    idx = routing_ids(t, top_k, e, seed=23, empty=(1,))
+    weights = torch.softmax(torch.randn(t, top_k, generator=torch.Generator().manual_seed(24)), -1)
+    weights = weights.to(torch.bfloat16).to(DEVICE)
+    x = rand_x(t, h, seed=25)
+    t13, t2 = w4a16_gemm.experts_tile_major(w13, w2)
+    assert not torch.equal(t13.packed, w13.packed) and not torch.equal(t2.packed, w2.packed)
+    back13, back2 = w4a16_gemm.experts_tile_major(t13, t2, inverse=True)
+    assert torch.equal(back13.packed, w13.packed) and torch.equal(back2.packed, w2.packed)
+    ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
+    assert torch.equal(moe_experts_w4a16_reference(x, t13, t2, idx, weights, tiled=True), ref)
+    out = moe_experts_w4a16_triton(x, t13, t2, idx, weights, tiled=True)
+    assert compare(out, ref) is None, compare(out, ref)
+    rows = moe_experts_w4a16_triton(x, t13, t2, idx, weights, reduce=False, tiled=True)
+    assert rows.shape == (t, top_k, h)
+    assert torch.equal(rows.sum(1, dtype=torch.float32).to(x.dtype), out)
+    info = describe_moe(x, t13, t2, idx, weights, tiled=True)
+    assert supports_moe(**info)
+    small13, small2 = rand_weight(e, 2 * 64, h, seed=1), rand_weight(e, h, 64, seed=2)  # I = 64: no 128-wide K tile
+    assert not supports_moe(**describe_moe(x, small13, small2, idx, weights, tiled=True))
+    assert supports_moe(**describe_moe(x, small13, small2, idx, weights))
 
 
 def test_moe_no_tokens():

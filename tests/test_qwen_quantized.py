@@ -158,6 +158,35 @@ def test_nvfp4_modules_vs_dense(tensors):
 
 
 @torch.no_grad()
+def test_experts_tile_major_layout(tensors, caplog):
+    """`NVFP4Experts.to_tile_major` (the loader's default on CUDA): same dequantised weights, same forward to bf16
+    rounding (the tiled launch runs other tiles), unsummed rows too; the tiny config's shapes do not split into the
+    tiles, so the loader keeps the checkpoint layout there and says so."""
+    reg = registry("auto")
+    g = torch.Generator().manual_seed(7)
+    e, h, i = 4, 256, 256
+    gu = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
+    dn = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
+    plain, tiled = NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)
+    assert tiled.to_tile_major() and tiled.tiled and not plain.tiled
+    assert not torch.equal(tiled.gate_up_packed, plain.gate_up_packed)
+    for k, v in plain.dequantized().items():
+        assert torch.equal(tiled.dequantized()[k], v), k
+    x = torch.randn(3, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(3)])
+    wts = torch.softmax(torch.randn(3, 2, generator=g), -1)
+    want = plain(x, idx, wts)
+    assert rel_err(tiled(x, idx, wts), want) <= 1e-2
+    assert rel_err(tiled(x, idx, wts, reduce=False).float().sum(1), want) <= 1e-2
+    if w4a16_gemm._interpreted():
+        assert reg.choices()["w4a16_moe"]["last"] == "triton"  # the tiled launch ran, not a fallback
+    with caplog.at_level(logging.WARNING, logger="qwen_engine.load_packed"):
+        model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
+                               tile_major_experts=True)
+    assert not model.layers[0].mlp.experts.tiled and "checkpoint layout kept" in caplog.text
+
+
+@torch.no_grad()
 def test_moe_fused_tail_with_unsummed_experts(tensors):
     """`SparseMoE` on its fused path (`fused = True`; the default on CUDA): the packed experts hand over their k
     weighted outputs unsummed ([N, k, H], `reduce=False`), "moe_combine" sums them with the gated shared expert and
