@@ -256,16 +256,17 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
     async def one(ids: list[int], n: int) -> dict:
         t0 = time.perf_counter()
-        first, count, arrivals = None, 0, []
+        first, count, arrivals, out = None, 0, [], []
         async for chunk in engine.generate(ids, max_new_tokens=n, sampling=SamplingParams(), eos_token_ids=()):
             now = time.perf_counter()
             if first is None and chunk.new_token_ids:
                 first = now
             count += len(chunk.new_token_ids)
+            out.extend(chunk.new_token_ids)
             arrivals.append((now, len(chunk.new_token_ids)))
         end = time.perf_counter()
         return dict(ttft_s=first - t0, total_s=end - t0, tokens=count, decode_tok_per_s=(count - 1) / (end - first),
-                    first=first, end=end, arrivals=arrivals)
+                    first=first, end=end, arrivals=arrivals, ids=out)
 
     def decode_phase(many: list[dict]) -> dict:
         """Output tok/s while every stream is decoding: from the last stream's first token to the first stream's
@@ -276,9 +277,16 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
     try:
         await one(rand(1, ctx)[0].tolist(), 4)  # warm the 1k prefill shape
-        lone = await one(rand(1, ctx)[0].tolist(), steps + 1)
+        prompt = rand(1, ctx)
+        lone = await one(prompt[0].tolist(), steps + 1)
         lone_r = dict(ttft_ms=1e3 * lone["ttft_s"], decode_tok_per_s=lone["decode_tok_per_s"], tokens=lone["tokens"],
                       context=ctx)
+        # the engine's paged path (fla prefill, paged attention, decode graphs) against the model's own contiguous
+        # forward on the same prompt: greedy tokens (random weights: near-ties can flip a token, then they diverge)
+        n_chk = min(16, steps + 1)
+        with torch.inference_mode():
+            ref = greedy_ours(model, prompt.to(device), n_chk)[0]
+        lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
             return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
                         kernel_checks=engine.health().get("kernel_checks"))
