@@ -5,6 +5,8 @@ On the CPU only the reference and the registry's fallback are exercised: fla's k
 Triton's interpreter. On a GPU with `fla-core` installed, fla against the reference (tolerance: 2e-3 x max |ref|,
 TF32 products; kernels/gdn_chunk.py)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -61,10 +63,11 @@ def test_fla_matches_reference_on_gpu(lengths, dk):
 
 
 def test_model_prefill_rows_through_the_op():
-    """`GatedDeltaNet.forward_paged` with `batch.gdn_chunk` set (one call for every prefill row, what the runner does
-    on CUDA) against its own per-sequence loop: a step of 2 decode rows and 3 prefill chunks (1, 20 and 37 tokens)
-    over state rows out of order, from non-zero states. Same outputs and states to fp32 level (here the op is the
-    reference; on a GPU the runner's registry serves it with fla, checked above)."""
+    """`GatedDeltaNet.forward_paged` of a bf16 model with `batch.gdn_chunk` set (one call for every prefill row, what
+    the runner does on CUDA) against its own per-sequence loop: a step of 2 decode rows and 3 prefill chunks (1, 20
+    and 37 tokens) over state rows out of order, from non-zero states. Same outputs and states to fp32 level (here
+    the op is the reference; on a GPU the runner's registry serves it with fla, checked above). An fp32 model does
+    not take the op (fla's TF32 products)."""
     from qwen_engine.config import QwenConfig
     from qwen_engine.engine import randomise
     from qwen_engine.model.causal_lm import QwenForCausalLM
@@ -74,13 +77,22 @@ def test_model_prefill_rows_through_the_op():
     cfg = QwenConfig.tiny()
     model = QwenForCausalLM(cfg, gdn_chunk_size=16).eval()
     randomise(model, 0)
-    gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    gdn32 = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    gdn = copy.deepcopy(gdn32).to(torch.bfloat16)  # the op serves bf16 / fp16 models
     gen = torch.Generator().manual_seed(3)
     lengths, state_rows = (1, 1, 1, 20, 37), (4, 0, 2, 5, 1)
     seqs = [(7 if n == 1 and i < 2 else 0, n, (0,), r) for i, (n, r) in enumerate(zip(lengths, state_rows))]
     x = torch.randn(sum(lengths), cfg.hidden_size, generator=gen)
     conv = torch.randn(6, gdn.conv1d.weight.shape[0], cfg.linear_conv_kernel_dim - 1, generator=gen)
     rec = torch.randn(6, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, generator=gen) * 0.3
+
+    def refuse(*_):
+        raise AssertionError("an fp32 model must not take the op")
+
+    with torch.no_grad():  # fp32: the torch loop, never the op
+        gdn32.forward_paged(x, GDNSlots(conv.clone(), rec.clone()), FlatBatch.build(seqs, 2, 64, "cpu",
+                                                                                       gdn_chunk=refuse))
+    x, conv = x.to(torch.bfloat16), conv.to(torch.bfloat16)
     outs, states = [], []
     for op in (None, gdn_chunk_reference):
         slots = GDNSlots(conv.clone(), rec.clone())
@@ -88,6 +100,6 @@ def test_model_prefill_rows_through_the_op():
         with torch.no_grad():
             outs.append(gdn.forward_paged(x, slots, batch))
         states.append(slots.recurrent)
-    assert compare((outs[1], states[1]), (outs[0], states[0]), tol=1e-5) is None
+    assert compare((outs[1].float(), states[1]), (outs[0].float(), states[0]), tol=1e-5) is None
     assert torch.equal(states[1][3], rec[3])  # row 3 belongs to nobody: untouched
     assert not torch.equal(states[1][5], rec[5])  # a prefill row advanced
