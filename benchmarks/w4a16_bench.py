@@ -124,7 +124,7 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
 
 def dense(rows: list, g) -> None:
     """Each shape and mode, autotuned. Split-K (the shared expert at decode sizes) runs twice: reduced inside the
-    kernel (the arrival counters, what the engine runs) and, as before 2026-12-01, summed and cast by torch (two more
+    kernel (the arrival counters, what the engine runs) and, as before the fifth session, summed and cast by torch (two more
     launches, inside the timed graph). The shared expert's gate/up also runs with the SwiGLU epilogue (its engine
     path), against the plain GEMM + torch SiLU x up."""
     from kernels import w4a16_gemm
@@ -148,11 +148,14 @@ def dense(rows: list, g) -> None:
 
                     def call():
                         j[0] += 1
-                        y = w4a16_dense_launch(x, *ws[j[0] % len(ws)], modes=modes)
-                        if swiglu and reduce_by == "torch":  # the old engine path: GEMM, then SiLU x up in torch
+                        w_ = ws[j[0] % len(ws)]
+                        if swiglu and reduce_by == "kernel":  # the engine path: SiLU x up in the GEMM's epilogue
+                            return w4a16_dense_launch(x, *w_, swiglu=True, modes=modes)
+                        y = w4a16_dense_launch(x, *w_, modes=modes)
+                        if swiglu:  # the old engine path: GEMM, then SiLU x up in torch
                             gate, up = y.chunk(2, dim=-1)
                             return torch.nn.functional.silu(gate) * up
-                        return w4a16_dense_launch(x, *ws[j[0] % len(ws)], swiglu=True, modes=modes) if swiglu else y
+                        return y
 
                     try:
                         j[0] = -1

@@ -58,11 +58,12 @@ dense split-K when the output tiles cannot fill the SMs: fp32 partials, summed i
 that arrives last (one arrival counter per tile, re-armed by that split): deterministic, and no reduce / cast launch.
 Weights stream through cp.async stages; the block-scale bytes are too narrow for cp.async, so SCALE_AHEAD requests
 them K tiles early in registers. Which DEQ / SCALE_AHEAD each kernel runs: GROUPED_MODES, DENSE_MODES (measured).
-Where the time goes at 32 streams (H200, 2026-11-30, `benchmarks/w4a16_bench.py`): ~0.9 TB/s of weight reads, so
-neither the ALU work (DEQ 2 halves the loop's instructions: 4-6% per call) nor the scale latency (one tile ahead:
-0-5% more) is the main limit. Next suspect, the access pattern (each K tile reads 64-byte pieces of rows 1 KB apart):
-the grouped kernel's TILED mode reads weights repacked by `tile_major`, each (row tile, K tile) one contiguous block
-(an experiment for `benchmarks/w4a16_bench.py`; interpreter-tested, not yet run on a GPU; the engine does not use it).
+Where the time goes at 32 streams (H200, 2026-11-30, `benchmarks/w4a16_bench.py`): ~0.9 TB/s of weight reads in
+the checkpoint layout, so neither the ALU work (DEQ 2 halves the loop's instructions: 4-6% per call) nor the scale
+latency (one tile ahead: 0-5% more) is the main limit; the access pattern was part of it (each K tile reads 64-byte
+pieces of rows 1 KB apart): the grouped kernel's TILED mode reads weights repacked by `tile_major`, each (row tile,
+K tile) one contiguous block, 20% faster at 32 tokens (~1.1 TB/s) -- the engine's layout on CUDA (TILE_MAJOR_TILES,
+TILE_MAJOR_MODES; `qwen_engine.model.quantized.NVFP4Experts.to_tile_major`).
 """
 
 from __future__ import annotations
@@ -640,7 +641,8 @@ def _global_2d(g: torch.Tensor, e: int, n: int) -> tuple[torch.Tensor, int, int]
 # Split-K arrival counters of the dense kernel, one int32 per output tile, per device: all zero between launches (the
 # last split of a tile re-arms its counter). Launches that share them must not overlap: the engine runs its decode on
 # one CUDA stream; a launch on another stream while one is in flight would need counters of its own.
-SPLIT_COUNTERS = 4096  # output tiles; split-K only happens below 2 x SMs tiles of (16, 64), so a few hundred at most
+SPLIT_COUNTERS = 4096  # output tiles: `split_k_for` splits only below 2 x SMs tiles of (16, 64), a few hundred; an
+#                        explicit split_k over more (16, 32) tiles than this is reduced by torch instead
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -665,8 +667,8 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     """x [M, K] (row stride free, unit k stride) -> y = x @ W^T [M, N] in x.dtype, or with `swiglu` (W = [gate; up],
     [2 I, K]) silu(x @ gate^T) * (x @ up^T) [M, I] in fp32 with one rounding. `split_k` / `config` override the
     heuristic and the autotuner, `modes` the dequant modes (tests, benchmarks). Split K is reduced inside the kernel
-    (`_w4a16_dense_kernel`); without counters (see `_split_counters`) the fp32 partials are summed by torch and the
-    epilogue runs there (same order, same numbers)."""
+    (`_w4a16_dense_kernel`); without counters (see `_split_counters`) torch sums the same fp32 partials and runs
+    the epilogue (fp32-level differences: torch's summation order, its SiLU)."""
     m, k = x.shape
     n = packed.shape[0]
     if swiglu and n % 2:
@@ -680,8 +682,10 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     if m == 0:
         return y.to(x.dtype)
     sc = scales.view(torch.uint8)
-    # counters must cover the grid of any config the autotuner may try: (16, 32) tiles are the smallest
-    counters = None if split_k == 1 else _split_counters(x.device, triton.cdiv(m, 16) * triton.cdiv(n_out, 32))
+    # counters must cover the grid of any config the autotuner may try ((16, 32) tiles are the smallest), or of the
+    # caller's config
+    bm, bn = (16, 32) if config is None else (config["BLOCK_M"], config["BLOCK_N"])
+    counters = None if split_k == 1 else _split_counters(x.device, triton.cdiv(m, bm) * triton.cdiv(n_out, bn))
     in_kernel = split_k == 1 or counters is not None
     ws = y if split_k == 1 else torch.empty((split_k, 1 + swiglu, m, n_out), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"]), split_k)  # noqa: E731
@@ -782,14 +786,21 @@ def dequantize_nvfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: t
 
 
 # ---- custom ops (traceable by torch.compile) -------------------------------------------------------------------------
+def _dense_any_rank(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                    swiglu: bool) -> torch.Tensor:
+    """`w4a16_dense_launch` over x's leading dims (flattened to rows; unit inner stride made if missing)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = w4a16_dense_launch(x2, packed, scales, global_scale, swiglu=swiglu)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 @torch.library.custom_op("qwen::w4a16_linear", mutates_args=())
 def w4a16_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     global_scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] bf16/fp16 -> [..., N] in x.dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return w4a16_dense_launch(x2, packed, scales, global_scale).view(*x.shape[:-1], packed.shape[0])
+    return _dense_any_rank(x, packed, scales, global_scale, swiglu=False)
 
 
 @w4a16_linear_op.register_fake
@@ -801,10 +812,7 @@ def _(x, packed, scales, global_scale):
 def w4a16_swiglu_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     global_scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] bf16/fp16, W = [gate; up] [2I, K] -> silu(x gate^T) * (x up^T) [..., I] in x.dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return w4a16_dense_launch(x2, packed, scales, global_scale, swiglu=True).view(*x.shape[:-1], packed.shape[0] // 2)
+    return _dense_any_rank(x, packed, scales, global_scale, swiglu=True)
 
 
 @w4a16_swiglu_op.register_fake

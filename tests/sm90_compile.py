@@ -77,9 +77,12 @@ def main() -> int:
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
-    # (the last: the down projection's defaults, GROUPED_MODES[False])
+    # (the fourth: the down projection's checkpoint-layout defaults, GROUPED_MODES[False])
+    # and the engine's tile-major experts (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128, down 64 x 128, DEQ 2,
+    # scales 1 ahead)
     for bn, bk, deq, ahead, swiglu, tiled in ((32, 128, 2, 1, True, 0), (32, 128, 1, 2, True, 1),
-                                              (64, 256, 2, 0, True, 0), (64, 128, 2, 1, False, 1)):
+                                              (64, 256, 2, 0, True, 0), (64, 128, 2, 2, False, 0),
+                                              (32, 128, 2, 1, True, 1), (64, 128, 2, 1, False, 1)):
         what = "SwiGLU" if swiglu else "routing weight"
         ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} TILED={tiled} "
                               f"({what}, bf16)",

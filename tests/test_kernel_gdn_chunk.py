@@ -93,13 +93,20 @@ def test_model_prefill_rows_through_the_op():
         gdn32.forward_paged(x, GDNSlots(conv.clone(), rec.clone()), FlatBatch.build(seqs, 2, 64, "cpu",
                                                                                        gdn_chunk=refuse))
     x, conv = x.to(torch.bfloat16), conv.to(torch.bfloat16)
+    calls = []
+
+    def op_spy(*args):  # the op as the runner passes it: records the cu_seqlens it was handed
+        calls.append(args[-1].tolist())
+        return gdn_chunk_reference(*args)
+
     outs, states = [], []
-    for op in (None, gdn_chunk_reference):
+    for op in (None, op_spy):
         slots = GDNSlots(conv.clone(), rec.clone())
         batch = FlatBatch.build(seqs, 2, 64, "cpu", gdn_chunk=op)
         with torch.no_grad():
             outs.append(gdn.forward_paged(x, slots, batch))
         states.append(slots.recurrent)
+    assert calls == [[0, 1, 21, 58]]  # one call for the 3 prefill rows, offsets relative to the first of them
     assert compare((outs[1].float(), states[1]), (outs[0].float(), states[0]), tol=1e-5) is None
     assert torch.equal(states[1][3], rec[3])  # row 3 belongs to nobody: untouched
     assert not torch.equal(states[1][5], rec[5])  # a prefill row advanced

@@ -199,7 +199,7 @@ def test_dense_split_k_reduced_in_kernel_matches_torch_reduction(split_k, monkey
     for y, what in ((fused, "in-kernel"), (fused_again, "in-kernel, again"), (plain, "torch reduction")):
         check_gemm(y, x, w_dq, ref32, f"split {split_k}, {what}")
     assert torch.equal(fused, fused_again)
-    assert ((fused.float() - plain.float()).abs() <= 2.0**-8 * plain.float().abs()).all()  # <= 1 bf16 ulp
+    assert ((fused.float() - plain.float()).abs() <= 2.0**-7 * plain.float().abs()).all()  # <= 1 bf16 ulp
 
 
 def check_swiglu(y, x, w_dq, what=""):
@@ -354,6 +354,16 @@ def _one(w, e):
     return NVFP4Tensor(w.packed[e], w.scales[e], w.global_scale[e])
 
 
+def moe_inputs(t, e, h, i, top_k, seed, empty=()):
+    """Stacked NVFP4 experts gate_up [E, 2I, H] and down [E, H, I], routing ids [T, k] (experts `empty` get no
+    tokens), bf16 softmax routing weights and bf16 tokens [T, H]."""
+    w13 = rand_weight(e, 2 * i, h, seed=seed, scale=0.1)
+    w2 = rand_weight(e, h, i, seed=seed + 1, scale=0.1)
+    idx = routing_ids(t, top_k, e, seed=seed + 2, empty=empty)
+    weights = torch.softmax(torch.randn(t, top_k, generator=torch.Generator().manual_seed(seed + 3)), -1)
+    return w13, w2, idx, weights.to(torch.bfloat16).to(DEVICE), rand_x(t, h, seed=seed + 4)
+
+
 @pytest.mark.parametrize("t", [1, 5])
 def test_moe_block_matches_reference_and_model(t):
     """The whole routed-expert block (gate_up + SwiGLU, down + routing weight, sum over top-k) vs the reference, and
@@ -363,12 +373,7 @@ def test_moe_block_matches_reference_and_model(t):
     from qwen_engine.model.moe import Experts
 
     e, h, i, top_k = 8, 64, 32, 3
-    w13 = rand_weight(e, 2 * i, h, seed=11, scale=0.1)
-    w2 = rand_weight(e, h, i, seed=12, scale=0.1)
-    idx = routing_ids(t, top_k, e, seed=13, empty=(2,))
-    weights = torch.softmax(torch.randn(t, top_k, generator=torch.Generator().manual_seed(14)), -1)
-    weights = weights.to(torch.bfloat16).to(DEVICE)
-    x = rand_x(t, h, seed=15)
+    w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=11, empty=(2,))
     ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
     out = moe_experts_w4a16_triton(x, w13, w2, idx, weights)
     assert out.shape == (t, h) and out.dtype == x.dtype
@@ -392,12 +397,7 @@ def test_moe_tile_major_experts(t):
     tiled bytes with `tiled=True`); unsummed rows (`reduce=False`) too; the layout round-trips; the guard refuses
     tiled stacks whose shapes do not split into the tiles."""
     e, h, i, top_k = 4, 256, 256, 2  # two K tiles of 128 in both projections (one tile: the layouts coincide)
-    w13 = rand_weight(e, 2 * i, h, seed=21, scale=0.1)
-    w2 = rand_weight(e, h, i, seed=22, scale=0.1)
-    idx = routing_ids(t, top_k, e, seed=23, empty=(1,))
-    weights = torch.softmax(torch.randn(t, top_k, generator=torch.Generator().manual_seed(24)), -1)
-    weights = weights.to(torch.bfloat16).to(DEVICE)
-    x = rand_x(t, h, seed=25)
+    w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=21, empty=(1,))
     t13, t2 = w4a16_gemm.experts_tile_major(w13, w2)
     assert not torch.equal(t13.packed, w13.packed) and not torch.equal(t2.packed, w2.packed)
     back13, back2 = w4a16_gemm.experts_tile_major(t13, t2, inverse=True)

@@ -172,6 +172,8 @@ def test_experts_tile_major_layout(tensors, caplog):
     assert not torch.equal(tiled.gate_up_packed, plain.gate_up_packed)
     for k, v in plain.dequantized().items():
         assert torch.equal(tiled.dequantized()[k], v), k
+    with pytest.raises(RuntimeError, match="tile-major"):  # the layout is not in the state: loads are refused
+        tiled.load_state_dict(plain.state_dict())
     x = torch.randn(3, h, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(3)])
     wts = torch.softmax(torch.randn(3, 2, generator=g), -1)

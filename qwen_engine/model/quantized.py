@@ -316,7 +316,10 @@ class NVFP4Experts(_Dispatch):
         """Repack both stacks' bytes tile-major (`kernels.w4a16_gemm.experts_tile_major`: the grouped kernel reads
         each (row tile, K tile) as one contiguous block; ~20% faster at 32 decode tokens on the H200). The values do
         not change (`dequantized` undoes the layout). Returns False, changing nothing, when the shapes do not split
-        into the tiles. In place, buffer by buffer (peak: one extra stack)."""
+        into the tiles. Peak memory: one repacked copy of both stacks (~400 MB per layer at full size, transient).
+        The module's state_dict then holds tile-major bytes; loading a state_dict into a tiled module is refused
+        (`_load_from_state_dict`). With the registry's reference preference, each call untiles a copy first (the
+        reference dequantises every expert per call anyway)."""
         from kernels.w4a16_gemm import experts_tile_major, tile_major_ok
 
         if self.tiled:
@@ -327,6 +330,15 @@ class NVFP4Experts(_Dispatch):
         self.gate_up_packed, self.down_packed = w13.packed, w2.packed
         self.tiled = True
         return True
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.tiled:  # the bytes' layout is not part of the state: a load could mix the two silently
+            error_msgs.append(f"{prefix[:-1] or 'NVFP4Experts'}: cannot load a state_dict into experts repacked "
+                              "tile-major; load before `to_tile_major`")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _checkpoint_layout(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         if not self.tiled:
