@@ -14,7 +14,9 @@
 #      layout, 1 and 32 tokens (written 2026-11-30 after the last GPU call; interpreter-tested, not run on a GPU);
 #   8. W4A16 bench of the fifth session's changes: the dense kernel's split-K reduced inside the kernel and the shared
 #      expert's SwiGLU epilogue against the torch sum / SiLU x up they replace; tile-major (TILED) experts beside the
-#      checkpoint layout.
+#      checkpoint layout;
+#   9. Qwen: the serving engine's time to first token profiled (1k prompt: TTFT median of 3, then kernels and device
+#      time of one request; `qwen_profile.py --engine-prefill`), what the TTFT work should start from.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -25,6 +27,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="6" bash benchmarks/gpu_next.sh       # ~4 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="7" bash benchmarks/gpu_next.sh       # ~4 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="8" bash benchmarks/gpu_next.sh       # ~6 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="9" bash benchmarks/gpu_next.sh       # ~4 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -101,5 +104,11 @@ grep -E "^\| grouped" "$R/w4a16_grouped/w4a16_bench.md" | cut -c1-200
 timeout 200 python benchmarks/w4a16_bench.py --skip-grouped --modes "0:0,2:1" --out "$R/w4a16_dense" \
   > "$R/w4a16_dense.log" 2>&1
 grep -E "^\| dense" "$R/w4a16_dense/w4a16_bench.md" | cut -c1-200
+fi
+if want 9; then
+say "9. Qwen: the engine's time to first token, profiled"
+timeout 300 python benchmarks/qwen_profile.py --engine-prefill --batches "" --out "$R/qwen_prefill" \
+  > "$R/qwen_prefill.log" 2>&1
+grep -E "ttft_ms_median|engine_prefill " "$R/qwen_prefill.log" | cut -c1-300 | head -20
 fi
 say "done"

@@ -7,6 +7,7 @@ below the wall time, the step is launch-bound and CUDA graphs (plus fusion to cu
 
     python benchmarks/qwen_profile.py --out benchmarks/results/qwen_profile      # H200
     python benchmarks/qwen_profile.py --engine --batches "" --out DIR             # the graphed serving step
+    python benchmarks/qwen_profile.py --engine-prefill --batches "" --out DIR     # the serving path's TTFT
     python benchmarks/qwen_profile.py --tiny --out /tmp/qwen_profile              # CPU dry run
 """
 
@@ -177,6 +178,52 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
     return asyncio.run(run())
 
 
+def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3) -> dict:
+    """The serving path's time to first token: a QwenEngine (paged prefill: fla's GDN prefill on CUDA, the
+    scheduler's chunking) over `model`, lone `ctx`-token requests of one output token; `reps` timed (TTFT median and
+    all), then one under the profiler (kernels and device time of the whole request, prefill chunks + first
+    sample)."""
+    import asyncio
+
+    from engine_core.continuous import SamplingParams
+    from qwen_engine.engine import QwenEngine, QwenEngineConfig
+
+    ecfg = QwenEngineConfig(config="tiny" if cfg.num_hidden_layers < 8 else "qwen3.6-35b-a3b", device=str(device),
+                            dtype="bf16", max_num_seqs=4, max_num_batched_tokens=max(2048, ctx), block_size=16,
+                            num_kv_blocks=4 * ((ctx + 64) // 16 + 1), max_model_len=ctx + 64,
+                            request_timeout_s=None, warmup=True)
+
+    async def run() -> dict:
+        engine = QwenEngine(ecfg, model=model)
+        await engine.start()
+        try:
+            async def one() -> float:
+                t0 = time.perf_counter()
+                async for _ in engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=1,
+                                               sampling=SamplingParams(), eos_token_ids=()):
+                    pass
+                return 1e3 * (time.perf_counter() - t0)
+
+            await one()  # warm the shapes
+            ttfts = sorted([await one() for _ in range(reps)])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            with torch.profiler.profile(activities=activities(device)) as prof:
+                wall = await one()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            out = dict(prompt_tokens=ctx, ttft_ms_median=ttfts[len(ttfts) // 2], ttft_ms=ttfts,
+                       profiled_wall_ms=wall, kernel_checks=engine.health().get("kernel_checks"))
+            if device.type == "cuda":
+                t = kernel_table(prof, 1, top=60)
+                out.update(t, launch_bound_share=1 - t["device_ms_per_step"] / wall)
+            return out
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/qwen_profile")
@@ -189,6 +236,8 @@ def main() -> None:
                     help="also profile the serving engine's decode steps (CUDA graphs on a GPU)")
     ap.add_argument("--engine-streams", default="1",
                     help="comma-separated concurrent request counts for --engine (e.g. 1,32)")
+    ap.add_argument("--engine-prefill", action="store_true",
+                    help="also profile the serving engine's time to first token for one --context-token request")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = QwenConfig.tiny() if args.tiny else QwenConfig()
@@ -208,6 +257,13 @@ def main() -> None:
         log(json.dumps({k: v for k, v in r["prefill"].items() if k != "top"}))
         for row in r["prefill"].get("top", [])[:15]:
             print(f"  prefill {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+        (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
+    if args.engine_prefill:
+        log(f"profiling the engine's time to first token, {ctx}-token prompt")
+        r["engine_prefill"] = profile_engine_prefill(model, cfg, device, rand, ctx)
+        log(json.dumps({k: v for k, v in r["engine_prefill"].items() if k != "top"}))
+        for row in r["engine_prefill"].get("top", [])[:25]:
+            print(f"  engine_prefill {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     for n in (int(x) for x in args.engine_streams.split(",") if x) if args.engine else ():
         log(f"profiling the engine's decode steps, {n} stream(s)")
