@@ -940,18 +940,26 @@ def _sample_swiglu(device) -> tuple[tuple, dict]:
     return (x, w), {}
 
 
-def _sample_moe(device) -> tuple[tuple, dict]:
+def _sample_moe(device, tiled: bool | None = None) -> tuple[tuple, dict]:
+    """The self-check's routed-expert call. `tiled` (default: on CUDA, where the loader stores experts tile-major):
+    experts of H = I = 256 (two K tiles per projection) repacked by `experts_tile_major`, called with tiled=True, so
+    that the start-up check runs the path the engine runs."""
     from kernels.nvfp4 import quantize_nvfp4
 
+    if tiled is None:
+        tiled = torch.device(device).type == "cuda"
     g = torch.Generator().manual_seed(0)
-    e, h, i, t, k = 6, 64, 32, 3, 2
+    e, h, i, t, k = (4, 256, 256, 3, 2) if tiled else (6, 64, 32, 3, 2)
     w13 = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
     w2 = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
+    if tiled:
+        w13, w2 = experts_tile_major(w13, w2)
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])  # expert e-1 stays empty
     weights = torch.softmax(torch.randn(t, k, generator=g), -1).to(torch.bfloat16)
     mv = lambda w_: NVFP4Tensor(*(t_.to(device) for t_ in w_))  # noqa: E731
-    return (x.to(device), mv(w13), mv(w2), idx.to(device), weights.to(device)), {}
+    args = (x.to(device), mv(w13), mv(w2), idx.to(device), weights.to(device))
+    return (*args, True, True) if tiled else args, {}  # (reduce, tiled)
 
 
 def register(registry) -> None:

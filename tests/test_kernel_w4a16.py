@@ -470,3 +470,7 @@ def test_registry_self_check():
     assert reg.choose("w4a16_linear", **describe_dense(x, w)).name == "triton"
     assert reg.choose("w4a16_linear", **describe_dense(x.float(), w)).name == "reference"  # recorded fallback
     assert reg.choices()["w4a16_linear"]["fallback"]
+    # on CUDA the routed-expert sample is tile-major (what the engine's loader stores there): the same check here
+    args, _ = w4a16_gemm._sample_moe(DEVICE, tiled=True)
+    assert args[-1] is True and supports_moe(**describe_moe(*args))
+    assert compare(moe_experts_w4a16_triton(*args), moe_experts_w4a16_reference(*args)) is None
