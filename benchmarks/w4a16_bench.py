@@ -124,8 +124,8 @@ def grouped(rows: list, g, tokens=(1, 32)) -> None:
 
 def dense(rows: list, g) -> None:
     """Each shape and mode, autotuned. Split-K (the shared expert at decode sizes) runs twice: reduced inside the
-    kernel (the arrival counters, what the engine runs) and, as before the fifth session, summed and cast by torch (two more
-    launches, inside the timed graph). The shared expert's gate/up also runs with the SwiGLU epilogue (its engine
+    kernel (the arrival counters, what the engine runs) and, as before the fifth session, summed and cast by torch
+    (two more launches, inside the timed graph). The shared expert's gate/up also runs with the SwiGLU epilogue (its engine
     path), against the plain GEMM + torch SiLU x up."""
     from kernels import w4a16_gemm
 

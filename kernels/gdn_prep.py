@@ -233,7 +233,8 @@ def supports(*, device: str, capability, dtypes: set, shapes_ok: bool, head_dims
     if triton is None:
         return False
     return (triton_device_ok(device, capability, _interpreted()) and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
-            and shapes_ok and unit_strides and rows_dtype in (torch.int64, torch.int32) and all(1 <= h <= 256 for h in head_dims))
+            and shapes_ok and unit_strides and rows_dtype in (torch.int64, torch.int32)
+            and all(1 <= h <= 256 for h in head_dims))
 
 
 def compare(out, ref, tol: float | None = None) -> str | None:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rms_norm import rounds_x
+
 from ..config import QwenConfig
 from .norm import GatedRMSNorm
 from .paged import FlatBatch, GDNSlots
@@ -174,7 +176,7 @@ class GatedDeltaNet(nn.Module):
         """o [..., Hv, Dv] fp32, z [..., Hv, Dv] in `dtype` -> [..., hidden]: gated norm per value head, out_proj.
         For a bf16/fp16 model the norm takes the fp32 o and rounds it to z's dtype itself (`GatedRMSNorm.forward`:
         the same numbers as `o.to(dtype)` first, without that copy's launch on the fused path)."""
-        if dtype not in (torch.bfloat16, torch.float16) or z.dtype != dtype:
+        if z.dtype != dtype or not rounds_x(o, z):
             o = o.to(dtype)  # fp32: no-op; fp64 (tests): widen
         o = self.norm(o, z)
         return self.out_proj(o.flatten(-2))

@@ -5,8 +5,8 @@ Mirrors `Qwen3_5MoeSparseMoeBlock` / `Qwen3_5MoeTopKRouter` / `Qwen3_5MoeExperts
 `gate_up_proj [E, 2I, H]` (rows 0..I-1 = gate, I..2I-1 = up) and `down_proj [E, H, I]`; the ModelOpt checkpoint's
 per-expert `experts.E.{gate,up,down}_proj` tensors are stacked into them at load (see `names.py`).
 
-Dispatch: `SparseMoE` calls `self.experts(x, idx, weights, reduce=)` and `self.shared_expert(x)`; the dense modules here are
-the reference (and the transformers-oracle path). `quantized.py` provides drop-in replacements with the same
+Dispatch: `SparseMoE` calls `self.experts(x, idx, weights, reduce=)` and `self.shared_expert(x)`; the dense modules
+here are the reference (and the transformers-oracle path). `quantized.py` provides drop-in replacements with the same
 signatures that hold packed NVFP4 weights (`NVFP4Experts`: grouped W4A16 kernel; `NVFP4SwiGLU`: fused gate/up),
 swapped in by `load_packed.load_quantized`.
 """

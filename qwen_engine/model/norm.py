@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rms_norm import rounds_x
+
 
 def _through_registry(fused: bool | None, x: torch.Tensor) -> bool:
     return fused if fused is not None else x.is_cuda
@@ -81,7 +83,7 @@ class GatedRMSNorm(nn.Module):
         fused kernel (no separate cast launch: 30 per decode step), by `.to` here."""
         if _through_registry(self.fused, x):
             return _registry().call("rms_norm_gated", x, z, self.weight, self.eps)
-        if x.dtype == torch.float32 and z.dtype in (torch.bfloat16, torch.float16):  # kernels.rms_norm.rounds_x
+        if rounds_x(x, z):
             x = x.to(z.dtype)
         xf = x.float()
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
