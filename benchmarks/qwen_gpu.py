@@ -167,13 +167,16 @@ def markdown(r: dict) -> str:
     if e:
         lo, st = e.get("lone", {}), e.get("streams", {})
         lines += [
-            f"| (e) engine (decode graphs {e.get('decode_graphs')}): decode tok/s, lone request, {s['context']} ctx | "
+            f"| (e) engine (decode + prefill graphs {e.get('decode_graphs')}): decode tok/s, lone request, "
+            f"{s['context']} ctx | "
             f"{fmt(lo.get('decode_tok_per_s'))} | - |",
             f"| (e) engine: TTFT ms, lone {s['context']}-token request | {fmt(lo.get('ttft_ms'))} | - |",
             f"| (e) engine: output tok/s while all {st.get('n')} streams decode (no prefill in the window) | "
             f"{fmt((st.get('decode_phase') or {}).get('tok_per_s'))} | - |",
             f"| (e) engine without decode graphs: decode tok/s, lone request | "
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('decode_tok_per_s'))} | - |",
+            f"| (e) engine without prefill graphs: TTFT ms, lone {s['context']}-token request | "
+            f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('ttft_ms'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
             f"{fmt(st.get('output_tok_per_s'))} ({fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}) "
             f"| - |",
@@ -240,7 +243,7 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
 
 
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
-                       decode_graphs: str = "auto", lone_only: bool = False) -> dict:
+                       decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto") -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -250,7 +253,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             dtype="bf16", max_num_seqs=max(streams, 1), max_num_batched_tokens=max(2048, ctx),
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
-                            warmup=True, decode_graphs=decode_graphs)
+                            warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs)
     engine = QwenEngine(ecfg, model=model)
     await engine.start()
 
@@ -422,7 +425,8 @@ def main() -> None:
         save()
         try:  # the same engine without decode graphs, lone request only: the graphs' side-by-side ratio
             r["engine_eager"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                         decode_graphs="off", lone_only=True))
+                                                         decode_graphs="off", lone_only=True,
+                                                         prefill_graphs="off"))
         except Exception as e:  # noqa: BLE001 - recorded
             r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
         log(f"(e) without graphs {r.get('engine_eager')}")

@@ -54,6 +54,27 @@ def kernel_table(prof, steps: int, top: int = 20) -> dict:
                      rows[:top]])
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+               "aten::item", "aten::nonzero", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def host_table(prof, top: int = 40) -> dict:
+    """Host-side events: counts of the calls that can block the host on the device (syncs, `.item()`, `nonzero`,
+    copies), the number of kernel launches, and the top host ops by self CPU time -- where a launch-bound step's
+    host time goes."""
+    syncs, launches, rows = {}, 0, []
+    for e in prof.key_averages():
+        if e.key in SYNC_EVENTS:
+            syncs[e.key] = dict(count=e.count, self_cpu_ms=e.self_cpu_time_total / 1e3)
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+            launches += e.count
+        if e.self_cpu_time_total > 0:
+            rows.append((e.key, e.count, e.self_cpu_time_total))
+    rows.sort(key=lambda r: -r[2])
+    return dict(host_syncs=syncs, host_launches=launches,
+                host_top=[dict(name=n[:90], calls=c, self_cpu_ms=us / 1e3) for n, c, us in rows[:top]])
+
+
 @torch.no_grad()
 def profile_decode(model, rand, batch: int, ctx: int, steps: int) -> dict:
     state = new_state(model, batch, ctx + 3 * steps + 8)
@@ -178,11 +199,12 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
     return asyncio.run(run())
 
 
-def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3) -> dict:
+def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, trace_path: Path | None = None,
+                           prefill_graphs: str = "auto", prefill_buckets: tuple[int, ...] = ()) -> dict:
     """The serving path's time to first token: a QwenEngine (paged prefill: fla's GDN prefill on CUDA, the
     scheduler's chunking) over `model`, lone `ctx`-token requests of one output token; `reps` timed (TTFT median and
     all), then one under the profiler (kernels and device time of the whole request, prefill chunks + first
-    sample)."""
+    sample), with the host's side (`host_table`: syncs, top host ops) and, given `trace_path`, a Chrome trace."""
     import asyncio
 
     from engine_core.continuous import SamplingParams
@@ -191,11 +213,15 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3) ->
     ecfg = QwenEngineConfig(config="tiny" if cfg.num_hidden_layers < 8 else "qwen3.6-35b-a3b", device=str(device),
                             dtype="bf16", max_num_seqs=4, max_num_batched_tokens=max(2048, ctx), block_size=16,
                             num_kv_blocks=4 * ((ctx + 64) // 16 + 1), max_model_len=ctx + 64,
-                            request_timeout_s=None, warmup=True)
+                            request_timeout_s=None, warmup=True, prefill_graphs=prefill_graphs,
+                            prefill_buckets=prefill_buckets)
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)
+        t_start = time.perf_counter()
         await engine.start()
+        start_s = time.perf_counter() - t_start
+        log(f"engine started in {start_s:.1f} s: {engine.runner.stats()}")
         try:
             async def one() -> float:
                 t0 = time.perf_counter()
@@ -204,19 +230,52 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3) ->
                     pass
                 return 1e3 * (time.perf_counter() - t0)
 
+            seen: list = []  # (plan, execute ms) of every step the engine runs
+            execute = engine.runner.execute
+
+            def recording(plan):
+                t = time.perf_counter()
+                result = execute(plan)
+                seen.append((plan, 1e3 * (time.perf_counter() - t)))
+                return result
+
+            engine.runner.execute = recording
             await one()  # warm the shapes
             ttfts = sorted([await one() for _ in range(reps)])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
+            n_before = len(seen)
             with torch.profiler.profile(activities=activities(device)) as prof:
                 wall = await one()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
             out = dict(prompt_tokens=ctx, ttft_ms_median=ttfts[len(ttfts) // 2], ttft_ms=ttfts,
-                       profiled_wall_ms=wall, kernel_checks=engine.health().get("kernel_checks"))
+                       profiled_wall_ms=wall, kernel_checks=engine.health().get("kernel_checks"),
+                       runner=engine.runner.stats(), engine_start_s=start_s)
             if device.type == "cuda":
                 t = kernel_table(prof, 1, top=60)
                 out.update(t, launch_bound_share=1 - t["device_ms_per_step"] / wall)
+            # the host side: the engine runs its steps on a worker thread, which the profiler's host events miss, so
+            # the profiled request's plans run again here, on this thread (a finished request's blocks and state slot
+            # are free; the plan's reset_state zeroes the slot first)
+            plans = [p for p, _ in seen[n_before:]]
+            out["plans"] = [dict(seqs=len(p.seqs), tokens=sum(len(s.token_ids) for s in p.seqs),
+                                 execute_ms=ms) for p, ms in seen[n_before:]]
+            if plans:
+                for plan in plans:  # warm, then timed
+                    engine.runner.execute(plan)
+                sync(device)
+                t0 = time.perf_counter()
+                for plan in plans:
+                    engine.runner.execute(plan)
+                sync(device)
+                out["execute_main_thread_ms"] = 1e3 * (time.perf_counter() - t0)
+                with torch.profiler.profile(activities=activities(device)) as prof2:
+                    for plan in plans:
+                        engine.runner.execute(plan)
+                    sync(device)
+                out.update(host_table(prof2))
+                if trace_path is not None:
+                    prof2.export_chrome_trace(str(trace_path))
             return out
         finally:
             await engine.aclose()
@@ -238,6 +297,9 @@ def main() -> None:
                     help="comma-separated concurrent request counts for --engine (e.g. 1,32)")
     ap.add_argument("--engine-prefill", action="store_true",
                     help="also profile the serving engine's time to first token for one --context-token request")
+    ap.add_argument("--prefill-graphs", default="auto", help="--engine-prefill: the engine's prefill_graphs mode")
+    ap.add_argument("--prefill-buckets", default="",
+                    help="--engine-prefill: the engine's prefill_buckets, e.g. 1024 (default: the engine's)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = QwenConfig.tiny() if args.tiny else QwenConfig()
@@ -260,10 +322,15 @@ def main() -> None:
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     if args.engine_prefill:
         log(f"profiling the engine's time to first token, {ctx}-token prompt")
-        r["engine_prefill"] = profile_engine_prefill(model, cfg, device, rand, ctx)
-        log(json.dumps({k: v for k, v in r["engine_prefill"].items() if k != "top"}))
+        buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b)
+        r["engine_prefill"] = profile_engine_prefill(model, cfg, device, rand, ctx,
+                                                     trace_path=out_dir / "engine_prefill_trace.json",
+                                                     prefill_graphs=args.prefill_graphs, prefill_buckets=buckets)
+        log(json.dumps({k: v for k, v in r["engine_prefill"].items() if k not in ("top", "host_top")}))
         for row in r["engine_prefill"].get("top", [])[:25]:
             print(f"  engine_prefill {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+        for row in r["engine_prefill"].get("host_top", [])[:25]:
+            print(f"  engine_prefill host {row['self_cpu_ms']:8.3f} ms  x{row['calls']:6d}  {row['name']}")
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     for n in (int(x) for x in args.engine_streams.split(",") if x) if args.engine else ():
         log(f"profiling the engine's decode steps, {n} stream(s)")

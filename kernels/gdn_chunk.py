@@ -7,7 +7,8 @@ tokens: ~170 kernel launches per layer and 1k-token sequence, ~5,000 of a 1k pre
 benchmarks/RESULTS.md). Contract, flat over the sequences of the step (T tokens, N sequences):
     q, k [T, H, Dk] (L2-normalised, q scaled by Dk^-1/2, repeated to the H value heads, as `GatedDeltaNet._heads`
     gives them); v [T, H, Dv]; g (log decay <= 0), beta [T, H]; states [N, H, Dk, Dv] entering each sequence;
-    cu_seqlens int64 [N + 1] (sequence i is tokens cu[i]:cu[i+1]); all fp32 but cu_seqlens
+    cu_seqlens int64 [N + 1] (sequence i is tokens cu[i]:cu[i+1]), or None for one sequence of all T tokens (N = 1;
+    fla's fixed-length path, which reads nothing on the host: CUDA-graph capturable); all fp32 but cu_seqlens
     -> (o [T, H, Dv], final states [N, H, Dk, Dv]), fp32; nothing is modified in place.
 
 Numerics: the same recurrence in another blocking; fla's kernels run their in-chunk products on tensor cores (TF32
@@ -35,7 +36,7 @@ def gdn_chunk_reference(q, k, v, g, beta, states, cu_seqlens, chunk_size: int = 
     """The contract above with `gated_delta_rule_chunked` per sequence (one host read of cu_seqlens)."""
     from qwen_engine.model.gdn import gated_delta_rule_chunked
 
-    bounds = cu_seqlens.tolist()
+    bounds = [0, q.shape[0]] if cu_seqlens is None else cu_seqlens.tolist()
     o = torch.empty_like(v)
     finals = torch.empty_like(states)
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -57,7 +58,8 @@ def _fla():
 
 
 def gdn_chunk_fla(q, k, v, g, beta, states, cu_seqlens):
-    """Same contract as `gdn_chunk_reference`, in fla's kernels (one varlen call; scale 1: q comes scaled)."""
+    """Same contract as `gdn_chunk_reference`, in fla's kernels (one varlen call, or fixed-length for one sequence;
+    scale 1: q comes scaled)."""
     o, finals = _fla()(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=states,
                        output_final_state=True, cu_seqlens=cu_seqlens)
     return o[0].to(v.dtype), finals.to(states.dtype)
@@ -66,16 +68,17 @@ def gdn_chunk_fla(q, k, v, g, beta, states, cu_seqlens):
 def describe(q, k, v, g, beta, states, cu_seqlens) -> dict[str, Any]:
     shapes_ok = (q.dim() == 3 and q.shape == k.shape and v.dim() == 3 and v.shape[:2] == q.shape[:2]
                  and g.shape == beta.shape == q.shape[:2] and states.dim() == 4
-                 and states.shape[1:] == (q.shape[1], q.shape[2], v.shape[2]) and cu_seqlens.dim() == 1
-                 and cu_seqlens.numel() == states.shape[0] + 1)
+                 and states.shape[1:] == (q.shape[1], q.shape[2], v.shape[2])
+                 and (states.shape[0] == 1 if cu_seqlens is None else
+                      cu_seqlens.dim() == 1 and cu_seqlens.numel() == states.shape[0] + 1))
     return dict(device=q.device.type, dtypes={t.dtype for t in (q, k, v, g, beta, states)}, shapes_ok=shapes_ok,
                 head_dims=(q.shape[-1], v.shape[-1]) if shapes_ok else (),
-                seqlens_ok=cu_seqlens.dtype == torch.int64 and cu_seqlens.device == q.device)
+                seqlens_ok=cu_seqlens is None or (cu_seqlens.dtype == torch.int64 and cu_seqlens.device == q.device))
 
 
 def supports(*, device: str, dtypes: set, shapes_ok: bool, head_dims: tuple, seqlens_ok: bool, **_: Any) -> bool:
-    """fla importable, CUDA tensors, fp32 with the contract's shapes, int64 cu_seqlens on the same device, head dims
-    <= MAX_HEAD_DIM."""
+    """fla importable, CUDA tensors, fp32 with the contract's shapes, int64 cu_seqlens on the same device (or None),
+    head dims <= MAX_HEAD_DIM."""
     return (device == "cuda" and _fla() is not None and dtypes == {torch.float32} and shapes_ok and seqlens_ok
             and all(1 <= d <= MAX_HEAD_DIM for d in head_dims))
 

@@ -324,19 +324,21 @@ if triton is not None:
                        mask=ok[:, :, None], other=0)
 
     @triton.jit
-    def _load_packed_tile_major(w, rows, row_ok, t, K, BLOCK_K: tl.constexpr):
-        """`_load_packed_tile` for weights stored tile-major (`tile_major` with BLOCK_N = len(rows), this BLOCK_K):
-        the bytes of (row tile, K tile t) are one contiguous block of len(rows) x BK/2 (rows: one aligned tile)."""
-        BN: tl.constexpr = rows.shape[0]
+    def _load_packed_tile_major(w, rows, row_ok, t, K, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr):
+        """`_load_packed_tile` for weights stored tile-major (`tile_major` with block_n = TILE_N and this BLOCK_K):
+        the bytes of (row tile, K tile t) are one contiguous block of TILE_N x BK/2; `rows` (aligned to TILE_N, a
+        multiple of it long) cover len(rows) / TILE_N such blocks."""
+        BN: tl.constexpr = TILE_N
         local = tl.arange(0, BLOCK_K // _BLK)[None, :, None] * (_BLK // 2) + tl.arange(0, _BLK // 2)[None, None, :]
         base = (rows // BN) * (K // 2 * BN) + t * (BN * (BLOCK_K // 2)) + (rows % BN) * (BLOCK_K // 2)
         return tl.load(w + base[:, None, None] + local, mask=row_ok[:, None, None], other=0)
 
     @triton.jit
-    def _load_packed(w, rows, row_ok, t, K, s_wn, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
-        """The packed tile of `rows` in the checkpoint layout, or tile-major (TILED)."""
+    def _load_packed(w, rows, row_ok, t, K, s_wn, BLOCK_K: tl.constexpr, TILED: tl.constexpr,
+                     TILE_N: tl.constexpr):
+        """The packed tile of `rows` in the checkpoint layout, or tile-major (TILED; stored tiles of TILE_N rows)."""
         if TILED:
-            return _load_packed_tile_major(w, rows, row_ok, t, K, BLOCK_K)
+            return _load_packed_tile_major(w, rows, row_ok, t, K, BLOCK_K, TILE_N)
         return _load_packed_tile(w, rows, row_ok, t, K, s_wn, BLOCK_K)
 
     @triton.jit
@@ -477,8 +479,10 @@ if triton is not None:
                               s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym,
                               SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                               DEQ: tl.constexpr, SCALE_AHEAD: tl.constexpr, TILED: tl.constexpr,
+                              TILE_N: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (R / BM, cdiv(N_out, BN)); one program = BM sorted pairs of one expert x BN output columns.
+        # TILED: weights stored tile-major in tiles of TILE_N rows x BLOCK_K; BLOCK_N a multiple of TILE_N.
         # SWIGLU: N = 2 * N_out weight rows (gate then up); out column n uses rows n and n + N_out.
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
@@ -500,14 +504,14 @@ if triton is not None:
             ua, ub = _scale_pipe_start(se, offs_n + n_out, n_ok & SWIGLU, 0, K, s_sn, BLOCK_K, SCALE_AHEAD)  # up rows
             for t in range(0, tl.cdiv(K, BLOCK_K)):
                 xe, xo = _load_x_tile(x, a_rows, p_ok, t, K, s_xm, BLOCK_M, BLOCK_K)
-                pw = _load_packed(we, offs_n, n_ok, t, K, s_wn, BLOCK_K, TILED)
+                pw = _load_packed(we, offs_n, n_ok, t, K, s_wn, BLOCK_K, TILED, TILE_N)
                 sc, sa, sb = _scale_pipe_next(sa, sb, se, offs_n, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
                 lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                 acc = _mma(xe, tl.trans(lo), acc, INTERPRET)
                 acc = _mma(xo, tl.trans(hi), acc, INTERPRET)
                 if SWIGLU:
                     sc, ua, ub = _scale_pipe_next(ua, ub, se, offs_n + n_out, n_ok, t, K, s_sn, BLOCK_K, SCALE_AHEAD)
-                    pw = _load_packed(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K, TILED)
+                    pw = _load_packed(we, offs_n + n_out, n_ok, t, K, s_wn, BLOCK_K, TILED, TILE_N)
                     lo, hi = _dequant(pw, sc, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
                     acc_up = _mma(xe, tl.trans(lo), acc_up, INTERPRET)
                     acc_up = _mma(xo, tl.trans(hi), acc_up, INTERPRET)
@@ -576,12 +580,26 @@ DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
 # of ~0.9); one token: the same (15.5 / 15.9 us, 8.9 / 8.0 us). Scales one tile ahead for both.
 TILE_MAJOR_TILES = {True: (32, 128), False: (64, 128)}  # (BLOCK_N, BLOCK_K) by SWIGLU: gate_up, down
 TILE_MAJOR_MODES = dict(DEQ=2, SCALE_AHEAD=1, TILED=1)
+# Prefill-sized calls (routing BLOCK_M >= PREFILL_BLOCK_M: tens of pairs per expert) on the same tile-major bytes:
+# a program covers several stored row tiles (BLOCK_N a multiple of TILE_MAJOR_TILES' rows; BLOCK_K fixed by the
+# repack), so each activation row is read for more output columns per program. The decode tiles at a 1k-token
+# prefill: 49.5 ms of an 81.7 ms prefill's GPU time in the engine (H200, 2026-11-30, results/qwen_profile_run10).
+# Chosen by benchmarks/moe_prefill_bench.py (H200, 2026-11-30, results/moe_prefill_bench_run1), 1,024 tokens,
+# BLOCK_M 32: gate_up 985 -> 471 us with 64-wide programs (128 and 256 wide, 4 or 8 warps: 578-744 us); down keeps
+# its decode tile (64 wide: 274 us; 128 / 256 wide: 331-364 us). Whole op 1,394 -> ~750 us per layer. Still ~0.6
+# TB/s and ~70 TFLOP/s: far from the H200's limits (module docstring: the kernel's prefill efficiency is open work).
+PREFILL_BLOCK_M = 32
+TILE_MAJOR_PREFILL = {True: dict(BLOCK_N=64, num_warps=4, num_stages=3),  # gate_up (2 stored tiles of 32 rows)
+                      False: dict(BLOCK_N=64, num_warps=4, num_stages=4)}  # down (its stored tile: = decode)
 
 
-def _tile_major_config(swiglu: bool) -> dict:
+def _tile_major_config(swiglu: bool, block_m: int = 16) -> dict:
     """The grouped launch config for tile-major experts: TILE_MAJOR_TILES' tile (the repack fixes it), 4 warps and 4
-    stages (what the bench measured at decode sizes; prefill calls, BLOCK_M 32-64, run the same)."""
+    stages (what the bench measured at decode sizes); from PREFILL_BLOCK_M rows per tile, TILE_MAJOR_PREFILL's wider
+    programs over the same stored tiles."""
     bn, bk = TILE_MAJOR_TILES[swiglu]
+    if block_m >= PREFILL_BLOCK_M:
+        return dict(BLOCK_K=bk, TILE_N=bn, **TILE_MAJOR_PREFILL[swiglu])
     return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
 
 
@@ -756,11 +774,14 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
     rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
     bm = routing.block_m
     grid = lambda meta: (routing.block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))  # noqa: E731
-    cfg = None if config is None else {k_: v for k_, v in config.items() if k_ != "BLOCK_M"}
-    if (modes or {}).get("TILED"):  # weights from `tile_major(packed, BLOCK_N, BLOCK_K)` of this very config
+    cfg = None if config is None else {k_: v for k_, v in config.items() if k_ not in ("BLOCK_M", "TILE_N")}
+    tile_n = 0  # rows per stored tile (TILED): `tile_major(packed, TILE_N, BLOCK_K)`, TILE_N = BLOCK_N by default
+    if (modes or {}).get("TILED"):  # weights from `tile_major(packed, TILE_N, BLOCK_K)` of this config's BLOCK_K
         bn, bk = (cfg or {}).get("BLOCK_N"), (cfg or {}).get("BLOCK_K")
-        if bn is None or bk is None or (n_out % bn) or (k % bk):
-            raise ValueError(f"TILED needs a config whose BLOCK_N divides {n_out} and BLOCK_K divides {k}")
+        tile_n = (config or {}).get("TILE_N", bn)
+        if bn is None or bk is None or (n_out % bn) or (k % bk) or not tile_n or bn % tile_n:
+            raise ValueError(f"TILED needs a config whose BLOCK_N divides {n_out}, is a multiple of its TILE_N "
+                             f"(the stored tile's rows) and whose BLOCK_K divides {k}")
     if cfg is None and _interpreted():
         cfg = {k_: v for k_, v in INTERPRETER_CONFIG.items() if k_ != "BLOCK_M"}
     _launch(_w4a16_grouped_kernel, grid,
@@ -768,7 +789,7 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
              _pow2_bucket(routing.num_pairs, 16, 4096), x.stride(0), w.packed.stride(0), w.packed.stride(1),
              sc.stride(0), sc.stride(1), s_ge, s_gn, y.stride(0)),
             cfg, {**GROUPED_MODES[swiglu], **(modes or {})}, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None,
-            BLOCK_M=bm)
+            BLOCK_M=bm, TILE_N=tile_n)
     return y.to(x.dtype)
 
 
@@ -833,7 +854,8 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
     cfg13 = cfg2 = modes = None
     if tiled:
-        cfg13, cfg2, modes = _tile_major_config(True), _tile_major_config(False), TILE_MAJOR_MODES
+        bm = routing.block_m
+        cfg13, cfg2, modes = _tile_major_config(True, bm), _tile_major_config(False, bm), TILE_MAJOR_MODES
     h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True, config=cfg13,
                              modes=modes)  # [P, I]
     y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights, config=cfg2,

@@ -94,6 +94,12 @@ class QwenEngineConfig:
     #                              decode-only steps, one per decode bucket, captured at start (auto: capture on
     #                              cuda, off on cpu; static: the graphs' static-buffer path run eagerly)
     decode_buckets: tuple = ()  # decode batch sizes (ascending, last = max_num_seqs); () = 1, 2, 4, 8, 16, 32, ...
+    prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
+    #                               lone request's prefill from position 0 (the time to first token of a request
+    #                               arriving while nothing else runs), one per prefill bucket, captured at start
+    prefill_buckets: tuple = ()  # prefill token buckets (a chunk runs padded to the next one; each costs start-up
+    #                              time: ~87 s for the first on an H200, compile + autotune); () = 256, 1024, 2048, up
+    #                              to min(max_num_batched_tokens, max_model_len)
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -101,8 +107,9 @@ class QwenEngineConfig:
     #                        dequantized otherwise (BF16 checkpoints, the tiny test model)
 
     def __post_init__(self):
-        if isinstance(self.decode_buckets, list):  # YAML gives a list
-            object.__setattr__(self, "decode_buckets", tuple(self.decode_buckets))
+        for name in ("decode_buckets", "prefill_buckets"):
+            if isinstance(getattr(self, name), list):  # YAML gives a list
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         check_field_types(self)
         if self.config not in PRESETS:
             raise ValueError(f"config must be one of {list(PRESETS)}, got {self.config!r}")
@@ -110,8 +117,11 @@ class QwenEngineConfig:
             raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
         if self.weights not in ("auto", "packed", "dequantized"):
             raise ValueError(f"weights must be auto | packed | dequantized, got {self.weights!r}")
-        if self.decode_graphs not in ("auto", "capture", "static", "off"):
-            raise ValueError(f"decode_graphs must be auto | capture | static | off, got {self.decode_graphs!r}")
+        for name in ("decode_graphs", "prefill_graphs"):
+            if getattr(self, name) not in ("auto", "capture", "static", "off"):
+                raise ValueError(f"{name} must be auto | capture | static | off, got {getattr(self, name)!r}")
+        if any(not isinstance(b, int) or b < 1 for b in self.prefill_buckets):
+            raise ValueError(f"prefill_buckets must be positive token counts, got {self.prefill_buckets!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_queued"):
@@ -182,6 +192,7 @@ class QwenEngine:
         """`model`: an already-built `QwenForCausalLM` on `cfg.device` to serve instead of building one from
         `cfg.checkpoint` / `cfg.config` (benchmarks share one full-size model between phases); the caller says
         whether its weights are random through `cfg.checkpoint` (None = random, as for a built model)."""
+        from .prefill_graphs import default_buckets as default_prefill_buckets
         from .runner import ModelRunner, gdn_registry
 
         self.cfg = cfg
@@ -210,7 +221,9 @@ class QwenEngine:
         self.runner = ModelRunner(self.model, self.model_config, self.device, num_blocks, cfg.block_size,
                                   cfg.max_num_seqs, registry=self.registry, max_model_len=cfg.max_model_len,
                                   decode_buckets=self.scheduler.config.decode_buckets,
-                                  decode_graphs=cfg.decode_graphs)
+                                  decode_graphs=cfg.decode_graphs, prefill_graphs=cfg.prefill_graphs,
+                                  prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(
+                                      cfg.max_num_batched_tokens, cfg.max_model_len))
         eos = self.model_config.eos_token_id
         self.default_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         # one worker thread: the forward pass blocks (CPU) or syncs once (CUDA) off the event loop
@@ -249,6 +262,19 @@ class QwenEngine:
                 else:
                     await self.aclose()
                     raise RuntimeError(f"{exc}; set decode_graphs: auto or off to run decode eagerly") from exc
+        pgraphs = self.runner.prefill_graphs
+        if pgraphs is not None and pgraphs.mode == "capture" and not pgraphs.captured:
+            from .decode_graphs import CaptureError
+
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._worker, self.runner.capture_prefill_graphs)
+            except CaptureError as exc:
+                if self.cfg.prefill_graphs == "auto":  # eager prefill still works: slower, not wrong
+                    log.warning("%s; prefill runs eagerly (prefill_graphs: auto)", exc)
+                    self.runner.disable_prefill_graphs(str(exc))
+                else:
+                    await self.aclose()
+                    raise RuntimeError(f"{exc}; set prefill_graphs: auto or off to run prefill eagerly") from exc
         if self.cfg.warmup and self.warmup_s is None:
             await self.warmup()
         self._ready = True

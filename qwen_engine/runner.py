@@ -59,11 +59,14 @@ class ModelRunner:
 
     def __init__(self, model, cfg: QwenConfig, device: torch.device | str, num_blocks: int, block_size: int,
                  max_num_seqs: int, registry: Registry | None = None, *, max_model_len: int | None = None,
-                 decode_buckets: tuple[int, ...] = (), decode_graphs: str = "off"):
+                 decode_buckets: tuple[int, ...] = (), decode_graphs: str = "off", prefill_graphs: str = "off",
+                 prefill_buckets: tuple[int, ...] = ()):
         """`decode_graphs` (see `decode_graphs.py`): "capture" (CUDA graphs per decode bucket, captured by
         `capture_decode_graphs()`), "static" (the same static-buffer path run eagerly), "off" (every step eager),
         "auto" (capture on CUDA, off elsewhere). `decode_buckets`: the scheduler's decode batch sizes (last =
-        max_num_seqs); `max_model_len` sizes the graphs' block tables."""
+        max_num_seqs); `max_model_len` sizes the graphs' block tables. `prefill_graphs` (same modes;
+        `prefill_graphs.py`): graphs of a lone sequence's prefill from position 0, one per `prefill_buckets` token
+        count (captured by `capture_prefill_graphs()`)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -76,11 +79,26 @@ class ModelRunner:
         self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device)
         self.steps = 0
         self.graph_steps = 0
+        self.prefill_graph_steps = 0
         self.busy_s = 0.0  # wall time inside execute (includes the one sync of the sampled ids)
-        if decode_graphs not in DECODE_GRAPH_MODES:
-            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPH_MODES}, got {decode_graphs!r}")
+        for name, mode in (("decode_graphs", decode_graphs), ("prefill_graphs", prefill_graphs)):
+            if mode not in DECODE_GRAPH_MODES:
+                raise ValueError(f"{name} must be one of {DECODE_GRAPH_MODES}, got {mode!r}")
         if decode_graphs == "auto":
             decode_graphs = "capture" if self.device.type == "cuda" else "off"
+        if prefill_graphs == "auto":
+            prefill_graphs = "capture" if self.device.type == "cuda" else "off"
+        self.prefill_graphs = None
+        self.prefill_graphs_disabled: str | None = None
+        if prefill_graphs != "off":
+            from .prefill_graphs import PrefillGraphs, default_buckets
+
+            if not prefill_buckets and max_model_len is None:
+                raise ValueError("prefill graphs need prefill_buckets or max_model_len")
+            self.prefill_graphs = PrefillGraphs(
+                model, self.cache, buckets=tuple(prefill_buckets) or default_buckets(max_model_len, max_model_len),
+                scratch_block=num_blocks, scratch_slot=max_num_seqs, device=self.device,
+                gdn_chunk=self._gdn_chunk if self.device.type == "cuda" else None, mode=prefill_graphs)
         self.graphs = None
         self.graphs_disabled: str | None = None
         if decode_graphs != "off":
@@ -127,6 +145,18 @@ class ModelRunner:
             return None
         return self.graphs.capture(self.capture_blockers)
 
+    def capture_prefill_graphs(self) -> float | None:
+        """Capture the prefill graphs (mode "capture"); `decode_graphs.CaptureError` when capture fails (the graphs
+        stay uncaptured; eager prefill still works). Returns seconds taken, None without prefill graphs."""
+        if self.prefill_graphs is None:
+            return None
+        return self.prefill_graphs.capture()
+
+    def disable_prefill_graphs(self, reason: str) -> None:
+        """Run every prefill eagerly from now on (after a failed capture); `reason` shows in stats."""
+        self.prefill_graphs = None
+        self.prefill_graphs_disabled = reason
+
     def disable_graphs(self, reason: str) -> None:
         """Run every step eagerly from now on (after a failed capture in "auto" mode); `reason` shows in stats."""
         self.graphs = None
@@ -152,9 +182,22 @@ class ModelRunner:
         return (g is not None and plan.bucket_size is not None and (g.mode == "static" or g.captured)
                 and g.bucket_for(plan.num_seqs) is not None)
 
+    def _use_prefill_graph(self, plan: StepPlan) -> bool:
+        """One prefill chunk from position 0 and nothing else, in a captured bucket (or in "static" mode)."""
+        g = self.prefill_graphs
+        if g is None or not (g.mode == "static" or g.captured) or plan.num_decode or len(plan.seqs) != 1:
+            return False
+        seq = plan.seqs[0]
+        return seq.start == 0 and g.bucket_for(len(seq.token_ids)) is not None
+
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the model over `plan`: logits [len(plan.sampled), vocab] at the last token of each sampling row."""
+        if self._use_prefill_graph(plan):
+            seq = plan.seqs[0]
+            self.prefill_graph_steps += 1
+            logits = self.prefill_graphs.run(seq.token_ids, seq.block_table, seq.state_slot)
+            return logits if seq.sample else logits[:0]
         if self._use_graphs(plan):
             from .decode_graphs import as_rows
 
@@ -190,10 +233,15 @@ class ModelRunner:
         return StepOutput(tuple(ids))
 
     def stats(self) -> dict[str, float]:
-        out = {"steps": self.steps, "graph_steps": self.graph_steps, "busy_s": round(self.busy_s, 3),
+        out = {"steps": self.steps, "graph_steps": self.graph_steps, "prefill_graph_steps": self.prefill_graph_steps,
+               "busy_s": round(self.busy_s, 3),
                "num_blocks": self.num_blocks, "block_size": self.block_size, "state_slots": self.max_num_seqs}
         if self.graphs is not None:
             out["decode_graphs"] = self.graphs.stats()
         elif self.graphs_disabled:
             out["decode_graphs"] = {"mode": "off", "disabled": self.graphs_disabled}
+        if self.prefill_graphs is not None:
+            out["prefill_graphs"] = self.prefill_graphs.stats()
+        elif self.prefill_graphs_disabled:
+            out["prefill_graphs"] = {"mode": "off", "disabled": self.prefill_graphs_disabled}
         return out

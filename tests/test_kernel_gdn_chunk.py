@@ -32,6 +32,16 @@ def test_reference_equals_the_token_recurrence(lengths):
     assert not torch.equal(finals, states)  # the states advanced (and the inputs were not modified in place)
 
 
+def test_one_sequence_without_cu_seqlens():
+    """cu_seqlens None = one sequence of all T tokens (the fixed-length call a single prefill row takes): the same
+    numbers as [0, T]; the guard wants exactly one entering state then."""
+    q, k, v, g, beta, states, cu = random_inputs((37,), 2, 16, 16, seed=4)
+    assert compare(gdn_chunk_reference(q, k, v, g, beta, states, None),
+                   gdn_chunk_reference(q, k, v, g, beta, states, cu), tol=0.0) is None
+    assert describe(q, k, v, g, beta, states, None)["shapes_ok"]
+    assert not describe(q, k, v, g, beta, states.expand(2, -1, -1, -1), None)["shapes_ok"]
+
+
 def test_guard_and_cpu_fallback():
     args = random_inputs((9, 4), 2, 16, 16)
     info = describe(*args)
@@ -57,6 +67,9 @@ def test_fla_matches_reference_on_gpu(lengths, dk):
     err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
     print(f"\nfla vs reference, lengths {lengths}, Dk {dk}: max rel err {err:.2e}")
     assert compare(got, ref) is None
+    if len(lengths) == 1:  # fla's fixed-length path (no cu_seqlens): what a single prefill row and its graph run
+        fixed = gdn_chunk.gdn_chunk_fla(*args[:-1], None)
+        assert compare(fixed, ref) is None
     reg = Registry()
     gdn_chunk.register(reg)
     assert all("passed" in v for v in reg.self_check("cuda").values())
@@ -107,6 +120,15 @@ def test_model_prefill_rows_through_the_op():
             outs.append(gdn.forward_paged(x, slots, batch))
         states.append(slots.recurrent)
     assert calls == [[0, 1, 21, 58]]  # one call for the 3 prefill rows, offsets relative to the first of them
+    # a step with one prefill row hands over no cu_seqlens (fla's fixed-length path)
+    one = [seqs[0], seqs[1], seqs[3]]
+    calls.clear()
+    n1 = 2 + lengths[3]
+    with torch.no_grad():
+        gdn.forward_paged(x[:n1], GDNSlots(conv.clone(), rec.clone()),
+                          FlatBatch.build(one, 2, 64, "cpu", gdn_chunk=lambda *a: (calls.append(a[-1]),
+                                                                                     gdn_chunk_reference(*a))[1]))
+    assert calls == [None]
     assert compare((outs[1].float(), states[1]), (outs[0].float(), states[0]), tol=1e-5) is None
     assert torch.equal(states[1][3], rec[3])  # row 3 belongs to nobody: untouched
     assert not torch.equal(states[1][5], rec[5])  # a prefill row advanced

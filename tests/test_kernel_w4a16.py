@@ -350,6 +350,30 @@ def test_grouped_tile_major_weights_give_identical_results(mode, bn, bk):
         w4a16_grouped_launch(x, wt, routing, **{**args, "config": dict(BLOCK_N=48, BLOCK_K=bk)}, modes=dict(TILED=1))
 
 
+@pytest.mark.parametrize("mode,bn,tile_n", [("swiglu", 64, 32), ("row_scale", 128, 64), ("row_scale", 64, 64)])
+def test_grouped_program_over_several_stored_tiles(mode, bn, tile_n):
+    """A program BLOCK_N wide over weights stored tile-major in tiles of TILE_N < BLOCK_N rows (the prefill configs,
+    TILE_MAJOR_PREFILL) computes bit for bit what the checkpoint layout does with the same config; a BLOCK_N that is
+    not a multiple of TILE_N is refused."""
+    from kernels.w4a16_gemm import tile_major
+
+    e, n, k, t, top_k, bk = 5, 256, 256, 23, 2, 128
+    idx = routing_ids(t, top_k, e, seed=13, empty=(2,))
+    w = rand_weight(e, n, k, seed=15)
+    x = rand_x(t, k, seed=16)
+    rs = torch.rand(t * top_k, generator=torch.Generator().manual_seed(17)).to(DEVICE) if mode == "row_scale" else None
+    args = dict(a_div=top_k, row_scale=rs, swiglu=mode == "swiglu")
+    routing = moe_align(idx, e, 32)
+    y = w4a16_grouped_launch(x, w, routing, **args, config=dict(BLOCK_N=bn, BLOCK_K=bk), modes=dict(TILED=0))
+    wt = NVFP4Tensor(tile_major(w.packed, tile_n, bk), w.scales, w.global_scale)
+    y_tiled = w4a16_grouped_launch(x, wt, routing, **args, config=dict(BLOCK_N=bn, BLOCK_K=bk, TILE_N=tile_n),
+                                   modes=dict(TILED=1))
+    assert torch.equal(y_tiled, y)
+    with pytest.raises(ValueError, match="multiple of its TILE_N"):
+        w4a16_grouped_launch(x, wt, routing, **args, config=dict(BLOCK_N=48, BLOCK_K=bk, TILE_N=32),
+                             modes=dict(TILED=1))
+
+
 def _one(w, e):
     return NVFP4Tensor(w.packed[e], w.scales[e], w.global_scale[e])
 
@@ -390,14 +414,19 @@ def test_moe_block_matches_reference_and_model(t):
     torch.testing.assert_close(ref32, y_model, rtol=1e-5, atol=1e-5 * float(y_model.abs().max()))
 
 
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 40])
 def test_moe_tile_major_experts(t):
     """Experts stored tile-major (`experts_tile_major`, the engine's layout on CUDA): the op with `tiled=True` runs the
-    fixed tiles of TILE_MAJOR_TILES and equals the reference on the checkpoint layout (and the reference handed the
-    tiled bytes with `tiled=True`); unsummed rows (`reduce=False`) too; the layout round-trips; the guard refuses
-    tiled stacks whose shapes do not split into the tiles."""
+    fixed tiles of TILE_MAJOR_TILES (decode) or TILE_MAJOR_PREFILL's wider programs over them (t = 40: 26 pairs per
+    used expert, BLOCK_M 32) and equals the reference on the checkpoint layout (and the reference handed the tiled
+    bytes with `tiled=True`); unsummed rows (`reduce=False`) too; the layout round-trips; the guard refuses tiled
+    stacks whose shapes do not split into the tiles."""
     e, h, i, top_k = 4, 256, 256, 2  # two K tiles of 128 in both projections (one tile: the layouts coincide)
     w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=21, empty=(1,))
+    block_m = w4a16_gemm.moe_block_m(t * top_k, e)
+    prefill = block_m >= w4a16_gemm.PREFILL_BLOCK_M
+    assert prefill == (t == 40)
+    assert ("TILE_N" in w4a16_gemm._tile_major_config(True, block_m)) == prefill
     t13, t2 = w4a16_gemm.experts_tile_major(w13, w2)
     assert not torch.equal(t13.packed, w13.packed) and not torch.equal(t2.packed, w2.packed)
     back13, back2 = w4a16_gemm.experts_tile_major(t13, t2, inverse=True)

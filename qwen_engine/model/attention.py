@@ -117,11 +117,14 @@ class GatedAttention(nn.Module):
             o[:, :, :nd] = o_dec.transpose(0, 1)[None]
         for i in range(nd, batch.num_seqs):
             s, e, ctx = batch.starts[i], batch.starts[i + 1], batch.context_lens[i]
-            keys, values = gather_kv(kv, batch.block_tables[i], ctx)  # [1, KV, ctx, D]
             past, t = ctx - (e - s), e - s
-            if past == 0:
+            if past == 0:  # the whole sequence is in this step: its keys are the ones just written (no gather; also
+                # what a padded prefill graph needs: its padding keys live in the scratch block, after the real ones)
+                keys = k[:, :, s:e].to(kv.k.dtype)
+                values = v[s:e].transpose(0, 1)[None].to(kv.v.dtype)
                 mask, causal = None, t > 1
             else:  # token j (position past+j) sees keys 0..past+j
+                keys, values = gather_kv(kv, batch.block_tables[i], ctx)  # [1, KV, ctx, D]
                 mask = torch.ones(t, ctx, dtype=torch.bool, device=x.device).tril(diagonal=past)
                 causal = False
             o[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], keys, values, attn_mask=mask,

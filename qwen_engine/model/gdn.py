@@ -31,15 +31,22 @@ from .paged import FlatBatch, GDNSlots
 from .state import GDNState
 
 
-def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor):
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
+                  valid: torch.Tensor | None = None):
     """Depthwise causal conv + SiLU. x [B, C, T]; conv_state [B, C, K-1] (previous inputs, zeros at sequence start);
-    weight [C, 1, K]. Returns (y [B, C, T], new conv state [B, C, K-1] = the last K-1 inputs)."""
+    weight [C, 1, K]. Returns (y [B, C, T], new conv state [B, C, K-1] = the last K-1 inputs). `valid` (int64 [1] on
+    x's device): only the first valid[0] of the T inputs are real (padding after them); the new state ends at the
+    last real input (read on the device: no host sync)."""
     k = weight.shape[-1]
     if conv_state is None:
         conv_state = x.new_zeros(x.shape[0], x.shape[1], k - 1)
     full = torch.cat((conv_state.to(x.dtype), x), dim=-1)  # [B, C, K-1+T]
     y = F.conv1d(full.to(weight.dtype), weight, groups=x.shape[1])  # no padding: T outputs
-    return F.silu(y).to(x.dtype), full[:, :, -(k - 1):]
+    if valid is None:
+        return F.silu(y).to(x.dtype), full[:, :, -(k - 1):]
+    # inputs valid-K+1 .. valid-1 are columns valid .. valid+K-2 of `full` (K-1 state columns first)
+    tail = full.index_select(-1, valid + torch.arange(k - 1, device=x.device))
+    return F.silu(y).to(x.dtype), tail
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -236,12 +243,16 @@ class GatedDeltaNet(nn.Module):
             y, new_conv = causal_conv1d(qkv_in[:nd, :, None], slots.conv[rows], w)  # [D, C, 1]
             conv_out[:nd] = y[:, :, 0]
             slots.conv.index_copy_(0, rows, new_conv.to(slots.conv.dtype))
+        valid = batch.valid_tokens
         for i in range(nd, batch.num_seqs):
             s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]
-            y, new_conv = causal_conv1d(qkv_in[s:e].T[None], slots.conv[r:r + 1], w)  # [1, C, n]
+            y, new_conv = causal_conv1d(qkv_in[s:e].T[None], slots.conv[r:r + 1], w, valid)  # [1, C, n]
             conv_out[s:e] = y[0].T
             slots.conv[r:r + 1] = new_conv
         q, k, v = self._heads(conv_out)  # [N, Hv, D]
+        if valid is not None:  # padding tokens (g = 0, beta = 0) leave the recurrent state as it is: S_t = S_{t-1}
+            real = (torch.arange(x.shape[0], device=x.device) < valid)[:, None]  # [N, 1]
+            g, beta = g * real, beta * real
 
         o = torch.empty_like(v)  # [N, Hv, Dv] fp32
         if nd:
@@ -253,7 +264,10 @@ class GatedDeltaNet(nn.Module):
         # torch chunked rule below (the oracle's fp32 gates are 1e-4)
         if batch.gdn_chunk is not None and batch.num_seqs > nd and x.dtype in (torch.bfloat16, torch.float16):
             t0, rows = batch.starts[nd], batch.state_slots_t[nd:]
-            cu = torch.tensor([b - t0 for b in batch.starts[nd:]], dtype=torch.int64, device=x.device)
+            # one prefill sequence: no cu_seqlens (fla's fixed-length path: no host reads of them, capturable)
+            cu = None if batch.num_seqs - nd == 1 else torch.tensor(
+                [b - t0 for b in batch.starts[nd:]], dtype=torch.int64, pin_memory=x.is_cuda).to(x.device,
+                                                                                                  non_blocking=True)
             o[t0:], slots.recurrent[rows] = batch.gdn_chunk(q[t0:], k[t0:], v[t0:], g[t0:], beta[t0:],
                                                             slots.recurrent[rows], cu)
             return self._output(o, z, x.dtype)

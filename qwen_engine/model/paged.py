@@ -108,6 +108,10 @@ class FlatBatch:
     # cu_seqlens int64 [P + 1] on the device) -> (o, final states) (`kernels/gdn_chunk.py`: flash-linear-attention's
     # kernels on CUDA); None -> `gdn.gated_delta_rule_chunked` per sequence
     gdn_chunk: Callable | None = None
+    # padded single-sequence prefill (`prefill_graphs.py`): int64 [1] on the device, the number of real tokens; the
+    # step is one prefill sequence from position 0 whose tokens at or past it are padding (they must not touch the
+    # sequence's GDN state or be attended to by its real tokens). None: every token is real.
+    valid_tokens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
