@@ -17,6 +17,9 @@
 #      checkpoint layout;
 #   9. Qwen: the serving engine's time to first token profiled (1k prompt: TTFT median of 3, then kernels and device
 #      time of one request; `qwen_profile.py --engine-prefill`), what the TTFT work should start from.
+#  10. the sixth session's open GPU checks: the prefill-graph tests on CUDA (the redesigned bf16 case never ran on a
+#      GPU) and fla's fixed-length call (`test_kernel_gdn_chunk.py`), then the grouped kernel's prefill tiles
+#      (`moe_prefill_bench.py`) and the engine's TTFT with the default prefill buckets (start-up time included).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -27,7 +30,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="6" bash benchmarks/gpu_next.sh       # ~4 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="7" bash benchmarks/gpu_next.sh       # ~4 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="8" bash benchmarks/gpu_next.sh       # ~6 min
-#   eval "$(bash .devbundle/install.sh)" && STEPS="9" bash benchmarks/gpu_next.sh       # ~4 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="9" bash benchmarks/gpu_next.sh       # ~4 min (ran: run 10 / 11)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="10" bash benchmarks/gpu_next.sh      # ~9 min (one call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -110,5 +114,16 @@ say "9. Qwen: the engine's time to first token, profiled"
 timeout 300 python benchmarks/qwen_profile.py --engine-prefill --batches "" --out "$R/qwen_prefill" \
   > "$R/qwen_prefill.log" 2>&1
 grep -E "ttft_ms_median|engine_prefill " "$R/qwen_prefill.log" | cut -c1-300 | head -20
+fi
+if want 10; then
+say "10. prefill graphs and fla's fixed-length call on CUDA; MoE prefill tiles; TTFT with the default buckets"
+timeout 200 python -m pytest -q -rA -p no:cacheprovider tests/test_prefill_graphs.py tests/test_kernel_gdn_chunk.py \
+  > "$R/prefill_tests.log" 2>&1
+grep -E "FAILED|passed|failed" "$R/prefill_tests.log" | tail -5
+timeout 120 python benchmarks/moe_prefill_bench.py --tokens 1024 --out "$R/moe_prefill" > "$R/moe_prefill.log" 2>&1
+grep -E "^\| 1024" "$R/moe_prefill/moe_prefill_bench.md" | head -20
+timeout 250 python benchmarks/qwen_profile.py --engine-prefill --batches "" --out "$R/qwen_prefill" \
+  > "$R/qwen_prefill.log" 2>&1
+grep -E "started|ttft_ms_median" "$R/qwen_prefill.log" | cut -c1-300
 fi
 say "done"

@@ -586,20 +586,22 @@ TILE_MAJOR_MODES = dict(DEQ=2, SCALE_AHEAD=1, TILED=1)
 # prefill: 49.5 ms of an 81.7 ms prefill's GPU time in the engine (H200, 2026-11-30, results/qwen_profile_run10).
 # Chosen by benchmarks/moe_prefill_bench.py (H200, 2026-11-30, results/moe_prefill_bench_run1), 1,024 tokens,
 # BLOCK_M 32: gate_up 985 -> 471 us with 64-wide programs (128 and 256 wide, 4 or 8 warps: 578-744 us); down keeps
-# its decode tile (64 wide: 274 us; 128 / 256 wide: 331-364 us). Whole op 1,394 -> ~750 us per layer. Still ~0.6
-# TB/s and ~70 TFLOP/s: far from the H200's limits (module docstring: the kernel's prefill efficiency is open work).
+# its decode tile (64 wide: 274 us; 128 / 256 wide: 331-364 us). Whole op (alignment included) 1,394 -> ~880 us per
+# layer. Still ~0.6 TB/s and ~70 TFLOP/s: far from the H200's limits (the kernel's prefill efficiency is open work).
+# From PREFILL_BLOCK_M = 32 rows (`moe_block_m`: more than 16 pairs per expert, i.e. > 512 tokens at top-8 of 256).
 PREFILL_BLOCK_M = 32
 TILE_MAJOR_PREFILL = {True: dict(BLOCK_N=64, num_warps=4, num_stages=3),  # gate_up (2 stored tiles of 32 rows)
                       False: dict(BLOCK_N=64, num_warps=4, num_stages=4)}  # down (its stored tile: = decode)
 
 
-def _tile_major_config(swiglu: bool, block_m: int = 16) -> dict:
+def _tile_major_config(swiglu: bool, block_m: int = 16, n_out: int | None = None) -> dict:
     """The grouped launch config for tile-major experts: TILE_MAJOR_TILES' tile (the repack fixes it), 4 warps and 4
     stages (what the bench measured at decode sizes); from PREFILL_BLOCK_M rows per tile, TILE_MAJOR_PREFILL's wider
-    programs over the same stored tiles."""
+    programs over the same stored tiles, where they divide the `n_out` output columns (else the decode tile)."""
     bn, bk = TILE_MAJOR_TILES[swiglu]
-    if block_m >= PREFILL_BLOCK_M:
-        return dict(BLOCK_K=bk, TILE_N=bn, **TILE_MAJOR_PREFILL[swiglu])
+    wide = TILE_MAJOR_PREFILL[swiglu]
+    if block_m >= PREFILL_BLOCK_M and (n_out is None or n_out % wide["BLOCK_N"] == 0):
+        return dict(BLOCK_K=bk, TILE_N=bn, **wide)
     return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
 
 
@@ -855,7 +857,8 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     cfg13 = cfg2 = modes = None
     if tiled:
         bm = routing.block_m
-        cfg13, cfg2, modes = _tile_major_config(True, bm), _tile_major_config(False, bm), TILE_MAJOR_MODES
+        cfg13 = _tile_major_config(True, bm, p13.shape[1] // 2)
+        cfg2, modes = _tile_major_config(False, bm, p2.shape[1]), TILE_MAJOR_MODES
     h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True, config=cfg13,
                              modes=modes)  # [P, I]
     y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights, config=cfg2,

@@ -120,8 +120,12 @@ class QwenEngineConfig:
         for name in ("decode_graphs", "prefill_graphs"):
             if getattr(self, name) not in ("auto", "capture", "static", "off"):
                 raise ValueError(f"{name} must be auto | capture | static | off, got {getattr(self, name)!r}")
-        if any(not isinstance(b, int) or b < 1 for b in self.prefill_buckets):
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.prefill_buckets):
             raise ValueError(f"prefill_buckets must be positive token counts, got {self.prefill_buckets!r}")
+        limit = min(self.max_num_batched_tokens, self.max_model_len)
+        if any(b > limit for b in self.prefill_buckets):  # never used, yet each costs a capture and pool memory
+            raise ValueError(f"prefill_buckets {self.prefill_buckets} exceed the largest prefill chunk a step can "
+                             f"hold, min(max_num_batched_tokens, max_model_len) = {limit}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_queued"):

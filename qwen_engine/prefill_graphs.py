@@ -95,8 +95,7 @@ class PrefillGraphs:
                          state_slots_t=scratch, starts=(0, b), context_lens=(b,), state_slots=(scratch_slot,),
                          num_decode=0, block_size=self.block_size, gdn_chunk=gdn_chunk, valid_tokens=d["valid"])
             for b in self.buckets}
-        self._fill(np.zeros(1, dtype=np.int64), (scratch_block,), scratch_slot)  # warm-up content: one real token
-        self._dev.copy_(self._host)
+        self._warmup_content()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture_s: float | None = None
@@ -107,6 +106,12 @@ class PrefillGraphs:
         m = self.bmax
         return dict(ids=flat[:m], slot_mapping=flat[m:2 * m], valid=flat[2 * m:2 * m + 1],
                     last=flat[2 * m + 1:2 * m + 2], slot=flat[2 * m + 2:2 * m + 3])
+
+    def _warmup_content(self) -> None:
+        """One real token (id 0) of a sequence living in the scratch block and state row: what warm-up and capture
+        run on, so that they touch nothing of the scheduler's."""
+        self._fill(np.zeros(1, dtype=np.int64), (self.scratch_block,), self.scratch_slot)
+        self._dev.copy_(self._host)
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -138,22 +143,28 @@ class PrefillGraphs:
     def capture(self) -> float:
         """Warm every bucket twice (Triton autotuning, lazy allocations), then capture them largest first into one
         memory pool; kept only if every bucket captured. Touches only the scratch block and state row (the warm-up
-        content commits the scratch row to itself). Returns seconds taken ('static': 0)."""
+        content commits the scratch row to itself). Any failure, warm-up included (out of memory at the largest
+        bucket, a compile error), is a CaptureError: the engine then prefills eagerly. Returns seconds taken
+        ('static': 0)."""
         if self.mode != "capture":
             return 0.0
         t0 = time.perf_counter()
-        b = self.bmax
+        b, stage = self.bmax, "warm-up"
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._warmup_content()
         with torch.cuda.device(self.device):
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for b in self.buckets:
-                    for _ in range(2):
-                        self._forward(b)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
             pool, graphs, outputs = None, {}, {}
             try:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for b in self.buckets:
+                        for _ in range(2):
+                            self._forward(b)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                torch.cuda.synchronize(self.device)
+                stage = "capture"
                 for b in reversed(self.buckets):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -161,7 +172,7 @@ class PrefillGraphs:
                     pool = graph.pool()
                     graphs[b] = graph
             except Exception as exc:
-                raise CaptureError(f"prefill graph capture failed at {b} tokens: {exc!r}") from exc
+                raise CaptureError(f"prefill graph {stage} failed at {b} tokens: {exc!r}") from exc
             torch.cuda.synchronize(self.device)
         self._graphs, self._outputs = graphs, outputs
         self.capture_s = time.perf_counter() - t0

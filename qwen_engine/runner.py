@@ -66,7 +66,8 @@ class ModelRunner:
         "auto" (capture on CUDA, off elsewhere). `decode_buckets`: the scheduler's decode batch sizes (last =
         max_num_seqs); `max_model_len` sizes the graphs' block tables. `prefill_graphs` (same modes;
         `prefill_graphs.py`): graphs of a lone sequence's prefill from position 0, one per `prefill_buckets` token
-        count (captured by `capture_prefill_graphs()`)."""
+        count (captured by `capture_prefill_graphs()`; () = `default_buckets` up to max_model_len: the engine passes
+        its own, bounded by its step token budget too)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)

@@ -42,6 +42,28 @@ def test_one_sequence_without_cu_seqlens():
     assert not describe(q, k, v, g, beta, states.expand(2, -1, -1, -1), None)["shapes_ok"]
 
 
+def padded_with_zero_gates(args, pad: int):
+    """`random_inputs` of one sequence plus `pad` tokens of random q, k, v whose decay g and write strength beta are
+    0: what a padded prefill graph feeds (qwen_engine/prefill_graphs.py)."""
+    q, k, v, g, beta, states, _ = args
+    gen = torch.Generator().manual_seed(99)
+    extra = [torch.nn.functional.normalize(torch.randn(pad, *t.shape[1:], generator=gen), dim=-1).to(t.device)
+             for t in (q, k, v)]
+    zeros = torch.zeros(pad, *g.shape[1:], device=g.device)
+    return (*(torch.cat((t, e)) for t, e in zip((q, k, v), extra)), torch.cat((g, zeros)), torch.cat((beta, zeros)),
+            states, None)
+
+
+def test_zero_gate_padding_leaves_outputs_and_state():
+    """Padding tokens with g = beta = 0 after a sequence (the prefill graphs' padding) change neither its outputs nor
+    its final state: S_t = exp(0) S_{t-1} (I - 0) + 0 = S_{t-1}. 37 real tokens + 27 padding, chunk 16 (padding fills
+    a chunk of its own)."""
+    args = random_inputs((37,), 2, 16, 16, seed=6)
+    o, finals = gdn_chunk_reference(*args[:-1], None, chunk_size=16)
+    o_pad, finals_pad = gdn_chunk_reference(*padded_with_zero_gates(args, 27), chunk_size=16)
+    assert compare((o_pad[:37], finals_pad), (o, finals), tol=1e-6) is None
+
+
 def test_guard_and_cpu_fallback():
     args = random_inputs((9, 4), 2, 16, 16)
     info = describe(*args)
@@ -73,6 +95,17 @@ def test_fla_matches_reference_on_gpu(lengths, dk):
     reg = Registry()
     gdn_chunk.register(reg)
     assert all("passed" in v for v in reg.self_check("cuda").values())
+
+
+@pytest.mark.skipif(not CUDA, reason="fla's kernels need a GPU")
+def test_fla_zero_gate_padding_on_gpu():
+    """fla's fixed-length call over a sequence padded with g = beta = 0 tokens (what the prefill graphs run) against
+    the reference on the unpadded sequence: within fla's tolerance."""
+    pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core; the device bundle has it)")
+    args = random_inputs((1000,), 4, 128, 128, seed=5, device="cuda")
+    ref = gdn_chunk_reference(*args[:-1], None)
+    o, finals = gdn_chunk.gdn_chunk_fla(*padded_with_zero_gates(args, 24))
+    assert compare((o[:1000], finals), ref) is None
 
 
 def test_model_prefill_rows_through_the_op():

@@ -427,6 +427,8 @@ def test_moe_tile_major_experts(t):
     prefill = block_m >= w4a16_gemm.PREFILL_BLOCK_M
     assert prefill == (t == 40)
     assert ("TILE_N" in w4a16_gemm._tile_major_config(True, block_m)) == prefill
+    # wide prefill programs only where they divide the output columns (else the stored tile's own width)
+    assert "TILE_N" not in w4a16_gemm._tile_major_config(True, 32, n_out=96)
     t13, t2 = w4a16_gemm.experts_tile_major(w13, w2)
     assert not torch.equal(t13.packed, w13.packed) and not torch.equal(t2.packed, w2.packed)
     back13, back2 = w4a16_gemm.experts_tile_major(t13, t2, inverse=True)

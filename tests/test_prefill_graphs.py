@@ -30,7 +30,7 @@ def prompt(i: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model():
-    m = QwenForCausalLM(QwenConfig.tiny(), gdn_chunk_size=16).eval()  # chunk 16: padding spans GDN chunks
+    m = QwenForCausalLM(QwenConfig.tiny(), gdn_chunk_size=4).eval()  # chunk 4: padding fills whole GDN chunks
     randomise(m, 1)
     return m
 
@@ -50,13 +50,15 @@ CUDA_CASES = [("cuda", "capture", torch.float32, 1e-4), ("cuda", "capture", torc
 @pytest.mark.parametrize("device,mode,dtype,tol", CASES + [
     pytest.param(*c, marks=pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")) for c in CUDA_CASES])
 def test_padded_prefill_logits_and_state_match_plain_path(model, device, mode, dtype, tol):
-    """Requests one at a time (each prefill is the step's only sequence, from position 0): 5, 8 (a full bucket), 13
-    (padded to 16) and 37 tokens (its first 16-token chunk through the graph path, the rest as plain chunks). Every
-    sampled row's logits equal the contiguous reference (fp32 / fp64; bf16: the plain paged path's, prefill-only
-    requests of 5, 8, 13 and 16 tokens, see CUDA_CASES); the sequence's KV entries and GDN state rows equal those a
-    runner without prefill graphs leaves behind; padding lands only in the scratch block and state row."""
+    """Requests one at a time (each prefill is the step's only sequence, from position 0): 1 and 2 tokens (fewer than
+    the conv's width), 5, 8 (a full bucket), 13 (padded to 16) and 37 tokens (its first 16-token chunk through the
+    graph path, the rest as plain chunks). Every sampled row's logits equal the contiguous reference (fp32 / fp64;
+    bf16: the plain paged path's, prefill-only requests of 1, 2, 5, 8, 13 and 16 tokens, see CUDA_CASES); after each
+    request the whole KV pool and every state row but the scratch ones equal what a runner without prefill graphs
+    leaves behind (so padding landed only in the scratch block and state row)."""
     exact = dtype != torch.bfloat16
-    requests = [(5, 3), (8, 2), (13, 4), (37, 2)] if exact else [(5, 1), (8, 1), (13, 1), (16, 1)]
+    requests = ([(1, 2), (2, 2), (5, 3), (8, 2), (13, 4), (37, 2)] if exact else
+                [(1, 1), (2, 1), (5, 1), (8, 1), (13, 1), (16, 1)])
     model = copy.deepcopy(model).to(device=device, dtype=dtype)
     blocks, bs, seqs = 32, 4, 4
     runners = {m: ModelRunner(copy.deepcopy(model), model.config, device, blocks, bs, seqs, max_model_len=64,
@@ -87,28 +89,23 @@ def test_padded_prefill_logits_and_state_match_plain_path(model, device, mode, d
                     steps.append((s.block_table, s.state_slot))
                     sched.finish(plan, StepOutput(tuple(int(t) for t in logits.argmax(-1))))
             plans[m] = steps
-        assert plans["off"] == plans[mode]  # same blocks and slot: the state tensors below are comparable
+        assert plans["off"] == plans[mode]  # same blocks and slots: the pools below are comparable
         if not exact:  # the graph path against the plain paged path
             for a, b in zip(sampled["off"], sampled[mode]):
                 err = float((b - a).abs().max() / a.abs().max())
                 worst = max(worst, err)
                 assert err <= tol, f"prompt {i}: graph vs plain paged {err:.2e} x max |logit|"
-        table, slot = plans["off"][-1]
-        total = n + new - 1  # tokens whose keys were written
-        kv_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total)], device=device)
+        # the scheduler's blocks [:blocks] and state rows [:seqs] (the scratch ones lie past them), all of them
         for a, b in zip(runners["off"].cache.layers, runners[mode].cache.layers):
-            if isinstance(a, PagedKV):
-                for pa, pb in ((a.k, b.k), (a.v, b.v)):
-                    ka, kb = pa.flatten(0, 1)[kv_slots].float(), pb.flatten(0, 1)[kv_slots].float()
-                    assert float((ka - kb).abs().max()) <= tol * float(ka.abs().max())
-            else:
-                assert isinstance(a, GDNSlots)
-                for sa, sb in ((a.conv[slot], b.conv[slot]), (a.recurrent[slot], b.recurrent[slot])):
-                    sa, sb = sa.float(), sb.float()
-                    assert float((sa - sb).abs().max()) <= tol * float(sa.abs().max())
+            pairs = ((a.k[:blocks], b.k[:blocks]), (a.v[:blocks], b.v[:blocks])) if isinstance(a, PagedKV) else (
+                (a.conv[:seqs], b.conv[:seqs]), (a.recurrent[:seqs], b.recurrent[:seqs]))
+            assert isinstance(a, (PagedKV, GDNSlots))
+            for pa, pb in pairs:
+                pa, pb = pa.float(), pb.float()
+                assert float((pa - pb).abs().max()) <= tol * float(pa.abs().max()), f"prompt {i}"
     graph = runners[mode].prefill_graphs
-    assert runners[mode].prefill_graph_steps == 4 and runners["off"].prefill_graph_steps == 0
-    assert graph.replays == {8: 2, 16: 2}, graph.replays  # 5, 8 -> 8; 13 and 37's first chunk (or 16) -> 16
+    assert runners[mode].prefill_graph_steps == 6 and runners["off"].prefill_graph_steps == 0
+    assert graph.replays == {8: 4, 16: 2}, graph.replays  # 1, 2, 5, 8 -> 8; 13 and 37's first chunk (or 16) -> 16
     assert checked == 2 * sum(new for _, new in requests)
     # padding went to the scratch block (one past the pool) and row (one past the slots); other blocks untouched
     static = runners[mode].cache
@@ -186,3 +183,41 @@ def test_engine_greedy_through_prefill_graphs():
         QwenEngineConfig(config="tiny", prefill_graphs="yes")
     with pytest.raises(ValueError, match="prefill_buckets must be positive"):
         QwenEngineConfig(config="tiny", prefill_buckets=(0,))
+
+
+def test_bucket_limits_and_failed_capture(monkeypatch):
+    """Buckets a step can never fill are refused up front; a CaptureError at start (warm-up or capture) leaves
+    prefill_graphs "auto" serving eagerly, health saying why, while an explicit "capture" fails start()."""
+    import dataclasses
+
+    from qwen_engine.decode_graphs import CaptureError
+
+    for bad in ((32,), (True,)):
+        with pytest.raises(ValueError, match="prefill_buckets"):
+            QwenEngineConfig(config="tiny", max_num_batched_tokens=16, max_model_len=96, prefill_buckets=bad)
+
+    def refuse(self):
+        raise CaptureError("prefill graph warm-up failed at 16 tokens: test")
+
+    monkeypatch.setattr(ModelRunner, "capture_prefill_graphs", refuse)
+    cfg = QwenEngineConfig(config="tiny", device="cpu", dtype="fp32", kernels="reference", max_num_seqs=2,
+                           max_num_batched_tokens=16, block_size=4, num_kv_blocks=32, max_model_len=64,
+                           warmup=False, kernel_self_check=False, prefill_graphs="static", prefill_buckets=(16,))
+
+    async def main(mode):
+        engine = QwenEngine(cfg)
+        engine.cfg = dataclasses.replace(engine.cfg, prefill_graphs=mode)
+        engine.runner.prefill_graphs.mode = "capture"  # as on a GPU (the CPU cannot build a capture-mode runner)
+        try:
+            await engine.start()
+            tokens = [t async for c in engine.generate(prompt(0, 6), max_new_tokens=3) for t in c.new_token_ids]
+            return engine, tokens
+        finally:
+            await engine.aclose()
+
+    engine, tokens = asyncio.run(main("auto"))
+    assert tokens == greedy_generate(engine.model, torch.tensor([prompt(0, 6)]), 3)[0].tolist()
+    h = engine.health()["runner"]
+    assert h["prefill_graph_steps"] == 0 and "test" in h["prefill_graphs"]["disabled"], h
+    with pytest.raises(RuntimeError, match="set prefill_graphs: auto or off"):
+        asyncio.run(main("capture"))
