@@ -111,38 +111,20 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, blockers=None) -> float:
-        """Warm every bucket twice (lazy allocations, Triton autotuning, the kernels' registry choices), then
-        capture them largest first into one memory pool; the graphs are kept only if every bucket captured. Touches
-        only the scratch block and state row. `blockers()` (after the warm-up) lists the chosen implementations
-        that cannot be captured (host reads); any -> CaptureError before capturing. Returns seconds taken
-        ('static': 0)."""
+        """`warm_and_capture` of every bucket; the graphs are kept only if every bucket captured. Touches only the
+        scratch block and state row. `blockers()` (after the warm-up) lists the chosen implementations that cannot
+        be captured (host reads); any -> CaptureError before capturing. Returns seconds taken ('static': 0)."""
         if self.mode != "capture":
             return 0.0
         t0 = time.perf_counter()
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for b in self.buckets:
-                    for _ in range(2):
-                        self._forward(b)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
+
+        def check() -> None:
             found = list(blockers()) if blockers is not None else []
             if found:
                 raise CaptureError("decode graphs cannot be captured: " + "; ".join(found))
-            pool, graphs, outputs = None, {}, {}
-            try:
-                for b in reversed(self.buckets):
-                    graph = torch.cuda.CUDAGraph()
-                    # thread_local: CUDA calls of other threads (the event loop) cannot invalidate this capture
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        outputs[b] = self._forward(b)
-                    pool = graph.pool()
-                    graphs[b] = graph
-            except Exception as exc:
-                raise CaptureError(f"decode graph capture failed at batch size {b}: {exc!r}") from exc
-            torch.cuda.synchronize(self.device)
+
+        graphs, outputs = warm_and_capture(self._forward, self.buckets, self.device, "decode graph (batch size)",
+                                           check)
         self._graphs, self._outputs = graphs, outputs  # all or nothing
         self.capture_s = time.perf_counter() - t0
         log.info("captured decode graphs for batch sizes %s in %.1f s", list(self.buckets), self.capture_s)
@@ -192,6 +174,43 @@ class DecodeGraphs:
         return {"mode": self.mode, "buckets": list(self.buckets), "captured": self.captured,
                 "capture_s": None if self.capture_s is None else round(self.capture_s, 2),
                 "replays": {str(b): n for b, n in self.replays.items() if n}}
+
+
+def warm_and_capture(forward, buckets: tuple[int, ...], device: torch.device, what: str,
+                     check=None) -> tuple[dict, dict]:
+    """The decode and prefill graphs' capture: `forward(b)` of every bucket twice on a side stream (lazy allocations,
+    Triton autotuning, the kernels' registry choices), then `check()` (may raise CaptureError), then one capture per
+    bucket, largest first, into one memory pool. Returns ({bucket: graph}, {bucket: output}). Any failure, the warm-up
+    included (out of memory at the largest bucket, a compile error), is a CaptureError naming `what`, the stage and
+    the bucket; nothing is kept then."""
+    b, stage = buckets[-1], "warm-up"
+    with torch.cuda.device(device):
+        pool, graphs, outputs = None, {}, {}
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for b in buckets:
+                    for _ in range(2):
+                        forward(b)
+            torch.cuda.current_stream(device).wait_stream(side)
+            torch.cuda.synchronize(device)
+            if check is not None:
+                check()
+            stage = "capture"
+            for b in reversed(buckets):
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls of other threads (the event loop) cannot invalidate this capture
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    outputs[b] = forward(b)
+                pool = graph.pool()
+                graphs[b] = graph
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(f"{what} {stage} failed at {b}: {exc!r}") from exc
+        torch.cuda.synchronize(device)
+    return graphs, outputs
 
 
 def as_rows(plan) -> list[tuple[int, int, tuple[int, ...], int]]:

@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from .decode_graphs import CaptureError
+from .decode_graphs import warm_and_capture
 from .model.paged import FlatBatch, GDNSlots, PagedCache
 
 log = logging.getLogger(__name__)
@@ -141,39 +141,17 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Warm every bucket twice (Triton autotuning, lazy allocations), then capture them largest first into one
-        memory pool; kept only if every bucket captured. Touches only the scratch block and state row (the warm-up
-        content commits the scratch row to itself). Any failure, warm-up included (out of memory at the largest
-        bucket, a compile error), is a CaptureError: the engine then prefills eagerly. Returns seconds taken
-        ('static': 0)."""
+        """`decode_graphs.warm_and_capture` of every bucket; kept only if every bucket captured. Touches only the
+        scratch block and state row (the warm-up content commits the scratch row to itself). Any failure, warm-up
+        included (out of memory at the largest bucket, a compile error), is a CaptureError: the engine then prefills
+        eagerly. Returns seconds taken ('static': 0)."""
         if self.mode != "capture":
             return 0.0
         t0 = time.perf_counter()
-        b, stage = self.bmax, "warm-up"
         if self._copied is not None:
             self._copied.synchronize()
         self._warmup_content()
-        with torch.cuda.device(self.device):
-            pool, graphs, outputs = None, {}, {}
-            try:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for b in self.buckets:
-                        for _ in range(2):
-                            self._forward(b)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                torch.cuda.synchronize(self.device)
-                stage = "capture"
-                for b in reversed(self.buckets):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        outputs[b] = self._forward(b)
-                    pool = graph.pool()
-                    graphs[b] = graph
-            except Exception as exc:
-                raise CaptureError(f"prefill graph {stage} failed at {b} tokens: {exc!r}") from exc
-            torch.cuda.synchronize(self.device)
+        graphs, outputs = warm_and_capture(self._forward, self.buckets, self.device, "prefill graph (tokens)")
         self._graphs, self._outputs = graphs, outputs
         self.capture_s = time.perf_counter() - t0
         log.info("captured prefill graphs for %s tokens in %.1f s", list(self.buckets), self.capture_s)

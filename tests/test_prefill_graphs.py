@@ -221,3 +221,54 @@ def test_bucket_limits_and_failed_capture(monkeypatch):
     assert h["prefill_graph_steps"] == 0 and "test" in h["prefill_graphs"]["disabled"], h
     with pytest.raises(RuntimeError, match="set prefill_graphs: auto or off"):
         asyncio.run(main("capture"))
+
+
+def test_warm_and_capture_order_and_failures(monkeypatch):
+    """`decode_graphs.warm_and_capture` (both graph kinds' capture) with torch.cuda's stream / graph calls stubbed so
+    that its control flow runs on the CPU: every bucket warmed twice in ascending order, the check between warm-up and
+    capture, captures largest first into one pool; a failure in warm-up or capture becomes a CaptureError naming the
+    stage and bucket, and a CaptureError from the check passes through unchanged. (The real capture: the CUDA tests.)"""
+    import contextlib
+
+    from qwen_engine import decode_graphs
+    from qwen_engine.decode_graphs import CaptureError, warm_and_capture
+
+    events = []
+
+    class Graph:
+        def pool(self):
+            return "pool"
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def graph(g, pool=None, capture_error_mode=None):
+        events.append(("capture", pool))
+        return contextlib.nullcontext()
+
+    cuda = decode_graphs.torch.cuda
+    for name, value in (("device", lambda d: contextlib.nullcontext()), ("Stream", lambda d=None: Stream()),
+                        ("current_stream", lambda d=None: Stream()), ("stream", lambda s: contextlib.nullcontext()),
+                        ("synchronize", lambda d=None: None), ("CUDAGraph", Graph), ("graph", graph)):
+        monkeypatch.setattr(cuda, name, value)
+
+    def forward(b, fail_at=None):
+        events.append(b)
+        if b == fail_at:
+            raise torch.OutOfMemoryError("test")
+        return f"out{b}"
+
+    graphs, outputs = warm_and_capture(forward, (2, 8), "cpu", "test graph", check=lambda: events.append("check"))
+    assert events == [2, 2, 8, 8, "check", ("capture", None), 8, ("capture", "pool"), 2]
+    assert outputs == {8: "out8", 2: "out2"} and set(graphs) == {2, 8}
+    with pytest.raises(CaptureError, match="test graph warm-up failed at 8"):
+        warm_and_capture(lambda b: forward(b, fail_at=8), (2, 8), "cpu", "test graph")
+    calls = iter(range(100))
+    with pytest.raises(CaptureError, match="test graph capture failed at 8"):  # fourth warm-up call is fine, 5th not
+        warm_and_capture(lambda b: forward(b, fail_at=b if next(calls) == 4 else None), (2, 8), "cpu", "test graph")
+    def blocked():
+        raise CaptureError("blocked")
+
+    with pytest.raises(CaptureError, match="^blocked$"):
+        warm_and_capture(forward, (2,), "cpu", "test graph", check=blocked)
