@@ -140,6 +140,8 @@ ROWS: tuple[Row, ...] = (
         "model_only", targets=(Target("img_per_s", ">=", 105),)),
     Row("latency_single", "one request alone (1 client, >= --latency-requests), the best bf16 engine as configured "
         "(its batch wait budgets included)", "latency", targets=(Target("p50_ms", "<=", 20),)),
+    Row("latency_single_idle", "the same with release_when_idle (a stage with nothing running sends a partial batch "
+        "at once: no wait budgets for a lone request)", "latency", targets=(Target("p50_ms", "<=", 20),)),
     Row("extra_prompt", "second prompt on an image whose features are cached: ground + post-processing of one pair, "
         "prompt features cached (with the text encoder: see extra_prompt.uncached)", "extra_prompt",
         targets=(Target("p50_ms", "<=", 3),)),
@@ -223,7 +225,7 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
             elif row.kind == "model_only":
                 r = run_model_only(b, *best_engine(b, results))
             elif row.kind == "latency":
-                r = await run_latency(b, *best_engine(b, results))
+                r = await run_latency(b, *best_engine(b, results), release_when_idle=row.name.endswith("_idle"))
             elif row.kind == "extra_prompt":
                 r = run_extra_prompt(b, *best_engine(b, results))
             elif row.kind == "http":

@@ -14,8 +14,9 @@ on the device at the same time, so the grounding of images 1..8 overlaps the ViT
 Rules (each one is a test in `tests/test_scheduler.py`):
 
 - **Batch release.** A stage releases a batch when its queue holds `max_batch_size` items, or when the oldest
-  queued item has waited `max_wait_ms` (counted from when it entered *this* stage's queue), and fewer than
-  `max_inflight_batches` of its batches are running. The batch takes the oldest items (FIFO per stage).
+  queued item has waited `max_wait_ms` (counted from when it entered *this* stage's queue), or, with
+  `release_when_idle`, when none of its batches is running; and fewer than `max_inflight_batches` of its batches are
+  running. The batch takes the oldest items (FIFO per stage).
 - **Buckets.** `Batch.bucket_size` is the smallest `StageConfig.buckets` entry >= the number of real items; the
   runner pads to it so the compiled model only ever sees those batch sizes.
 - **Exactly one answer.** Every admitted request (`submit` returned an id) gets exactly one `Answer`, through
@@ -92,6 +93,9 @@ class StageConfig:
     max_wait_ms: float = 5.0  # wait budget: a partial batch goes once its oldest item has queued this long (ms)
     buckets: tuple[int, ...] = ()  # batch sizes the device sees, ascending, last == max_batch_size; () = powers of 2
     max_inflight_batches: int = 1  # batches of this stage running at once; overlap comes from the *other* stage
+    release_when_idle: bool = False  # a partial batch also goes at once while no batch of this stage runs: the
+    #                                  device would otherwise idle through the wait budget (a lone request skips it;
+    #                                  under load the queue fills while the previous batch runs)
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -381,7 +385,8 @@ class PipelineScheduler(SchedulerInterface[SegmentRequest]):
             return None
         now = self.clock.now()
         # `now >= enqueued + wait` (not `now - enqueued >= wait`) so a FakeClock set to next_wakeup() releases exactly.
-        if len(queue) < cfg.max_batch_size and now < queue[0].enqueued_s + cfg.max_wait_s:
+        idle = cfg.release_when_idle and not self.running_batches(stage)
+        if len(queue) < cfg.max_batch_size and now < queue[0].enqueued_s + cfg.max_wait_s and not idle:
             return None
         n = min(len(queue), cfg.max_batch_size)
         items = tuple(queue.popleft() for _ in range(n))
@@ -463,8 +468,8 @@ class PipelineScheduler(SchedulerInterface[SegmentRequest]):
         for stage in self.stages:
             cfg, queue = self.config.stage(stage), self._queues[stage]
             if queue and len(self.running_batches(stage)) < cfg.max_inflight_batches:
-                full = len(queue) >= cfg.max_batch_size
-                times.append(self.clock.now() if full else queue[0].enqueued_s + cfg.max_wait_s)
+                now_ok = len(queue) >= cfg.max_batch_size or (cfg.release_when_idle and not self.running_batches(stage))
+                times.append(self.clock.now() if now_ok else queue[0].enqueued_s + cfg.max_wait_s)
         times += [live.request.deadline_s for live in self._live.values() if live.request.deadline_s is not None]
         return min(times, default=None)
 

@@ -102,6 +102,37 @@ def test_partial_batch_released_after_wait_budget_and_not_before():
     assert sched.next_wakeup() is None  # queue empty, no deadlines
 
 
+def test_release_when_idle_skips_the_wait_only_while_the_stage_is_idle():
+    """release_when_idle: a lone request goes at once (nothing of its stage runs), next_wakeup says now; while a batch
+    of the stage runs, partial batches wait for the budget (or for a slot) as before; the grounding stage the same."""
+    clock = FakeClock(T0)
+    idle = dict(release_when_idle=True)
+    sched = PipelineScheduler(SchedulerConfig(image=StageConfig(4, 10.0, **idle),
+                                              grounding=StageConfig(4, 10.0, **idle)), clock)
+    first = sched.submit(req(0, k=2))
+    assert sched.next_wakeup() == T0
+    b1 = sched.schedule(Stage.IMAGE)
+    assert b1 is not None and rids(b1) == [first] and b1.formed_s == T0  # no wait: the stage was idle
+    second = sched.submit(req(1))
+    assert sched.schedule(Stage.IMAGE) is None  # b1 runs (max_inflight_batches 1)
+    finish(sched, b1)  # the image stage is idle again: its queued partial batch goes now, before its budget
+    assert sched.next_wakeup() == T0
+    b2 = sched.schedule(Stage.IMAGE)
+    assert b2 is not None and rids(b2) == [second]
+    g1 = sched.schedule(Stage.GROUNDING)  # the 2 pairs of the first request, at once (grounding idle)
+    assert g1 is not None and g1.size == 2
+    finish(sched, b2)  # its pair queues while g1 runs: it waits as before
+    assert sched.schedule(Stage.GROUNDING) is None
+    assert sched.next_wakeup() is None  # nothing can go until g1 finishes (no deadlines)
+    finish(sched, g1)
+    g2 = sched.schedule(Stage.GROUNDING)
+    assert g2 is not None and g2.size == 1
+    # off (the default): the same lone request waits for its budget
+    plain, clock2 = make(image_bs=4, image_wait_ms=10.0)
+    plain.submit(req(0))
+    assert plain.schedule(Stage.IMAGE) is None and plain.next_wakeup() == T0 + 0.010
+
+
 def test_zero_wait_budget_releases_immediately():
     sched, _ = make(image_bs=8, image_wait_ms=0.0)
     sched.submit(req(0))

@@ -85,7 +85,7 @@ def test_table_shows_errors_and_target_verdicts():
                     reason="CPU dry run of the whole waterfall: 1.5-4 min on 2 shared cores; set SAMMIE_SLOW_TESTS=1")
 def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
     rows = ["meta_processor_fp32", "meta_batched_bf16", "ours_fp32_b1", "ours_bf16_batched", "model_only_best",
-            "latency_single", "extra_prompt"]
+            "latency_single", "latency_single_idle", "extra_prompt"]
     cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--config", "tiny", "--device", "cpu",
            "--seconds", "1", "--rows", ",".join(rows), "--cases", "2", "--meta-batch", "2", "--clients", "4",
            "--latency-requests", "5", "--no-profile"]
