@@ -177,6 +177,10 @@ def markdown(r: dict) -> str:
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('decode_tok_per_s'))} | - |",
             f"| (e) engine without prefill graphs: TTFT ms, lone {s['context']}-token request | "
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('ttft_ms'))} | - |",
+            f"| (e) engine with async_decode: decode tok/s, lone request / all {st.get('n')} streams decoding | "
+            f"{fmt((r.get('engine_async') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
+            f"{fmt(((r.get('engine_async') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
+            f"| - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
             f"{fmt(st.get('output_tok_per_s'))} ({fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}) "
             f"| - |",
@@ -243,7 +247,8 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
 
 
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
-                       decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto") -> dict:
+                       decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
+                       async_decode: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -253,7 +258,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             dtype="bf16", max_num_seqs=max(streams, 1), max_num_batched_tokens=max(2048, ctx),
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
-                            warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs)
+                            warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
+                            async_decode=async_decode)
     engine = QwenEngine(ecfg, model=model)
     await engine.start()
 
@@ -322,6 +328,8 @@ def main() -> None:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="keep random_weights.ACTIVATION_AMAX input scales instead of max-calibrating them")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--async-decode", action="store_true",
+                    help="(e) once more with the engine's async_decode (decode steps overlapped), side by side")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
                     help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; needs >= 4 for a full-attention layer)")
     ap.add_argument("--only-oracle", action="store_true",
@@ -430,6 +438,14 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - recorded
             r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
         log(f"(e) without graphs {r.get('engine_eager')}")
+        if args.async_decode:  # the same graphed engine with decode steps overlapped (async_decode), side by side
+            try:
+                r["engine_async"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                             async_decode=True))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine with async_decode: {type(e).__name__}: {e}")
+            log(f"(e) async_decode {r.get('engine_async')}")
+            save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         save()

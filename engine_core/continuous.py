@@ -44,7 +44,14 @@ Rules (each one is a test in `tests/test_continuous.py`):
   (`stats.dropped_tokens`). `add` raises `Overloaded` when `max_waiting` requests are waiting (preempted ones are
   re-queued regardless), and `ValueError` for a request that could never run (prompt >= `max_model_len`, or more
   KV blocks than the whole pool).
-- **One plan in flight.** `step` raises while a plan awaits `finish`/`fail` (no overlapped scheduling yet).
+- **Plans in flight.** `step` raises while a plan awaits `finish`/`fail`. One overlap is allowed: while a
+  decode-only plan N is in flight, `step_ahead(N)` may form decode step N+1 (same sequences, inputs = N's sampled ids
+  on the device), so that the runner launches N+1 before N's tokens reach the host and the host's scheduling and
+  streaming of N run while the device computes N+1. Only when nothing waits for admission, every resident sequence
+  is in N, and no row needs preemption; rows that end by length at N are left out, rows that end by EOS / stop ids
+  at N are computed and their N+1 token dropped (`stats.dropped_tokens`). `finish` / `fail` take the plans in
+  launch order. A sequence's state slot and blocks, freed by an answer while N+1 is in flight, are only handed out
+  again by the next `step`, which comes after N+1 is finished.
 
 The GDN layers keep an O(1) recurrent + conv state per sequence: the scheduler assigns each resident sequence a
 `state_slot` in `0..max_num_seqs-1`, and `ScheduledSeq.reset_state` tells the runner to zero it (the sequence
@@ -217,6 +224,11 @@ class StepPlan:
     bucket_size: int | None  # decode-only step: smallest configured decode bucket >= num_seqs (CUDA graph); else None
     formed_s: float
     preempted: tuple[RequestId, ...] = ()  # sequences preempted while forming this step (informational)
+    # a step formed ahead (`ContinuousScheduler.step_ahead`): its input tokens are the sampled ids of step
+    # `feed_from`, still on the device when this plan is launched; row i takes that step's sampled row
+    # feed_index[i] (its ScheduledSeq.token_ids hold a placeholder 0). None: token_ids are the inputs.
+    feed_from: int | None = None
+    feed_index: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -360,6 +372,7 @@ class ContinuousStats:
     prefill_tokens: int = 0  # fed in finished steps (incl. recomputation after preemption)
     decode_tokens: int = 0
     dropped_tokens: int = 0  # sampled for a sequence answered while its step ran
+    steps_ahead: int = 0  # decode steps formed by `step_ahead` (launched before the previous step's tokens were read)
     latency_s: Samples = field(default_factory=Samples)  # add -> ok answer
     ttft_s: Samples = field(default_factory=Samples)  # add -> first sampled token
     step_tokens: Samples = field(default_factory=Samples)  # fed tokens per step
@@ -371,7 +384,7 @@ class ContinuousStats:
         """Flat name -> value map, e.g. `preemptions`, `ttft_s.p99`, `step_tokens.mean`."""
         out = {k: float(getattr(self, k)) for k in (
             "submitted", "rejected", "answered_ok", "deadline_exceeded", "cancelled", "failed", "preemptions",
-            "steps", "failed_steps", "prefill_tokens", "decode_tokens", "dropped_tokens")}
+            "steps", "failed_steps", "prefill_tokens", "decode_tokens", "dropped_tokens", "steps_ahead")}
         for name in ("latency_s", "ttft_s", "step_tokens", "step_seqs", "step_run_s", "kv_usage"):
             s: Samples = getattr(self, name)
             out |= {f"{name}.mean": s.mean, f"{name}.p50": s.quantile(0.5), f"{name}.p99": s.quantile(0.99)}
@@ -396,7 +409,7 @@ class ContinuousScheduler:
         self._waiting: deque[RequestId] = deque()  # FIFO; preempted sequences re-enter at the front
         self._running: list[RequestId] = []  # resident, ascending id = arrival order (the youngest is last)
         self._free_slots = list(range(config.max_num_seqs))  # min-heap of free GDN state slots
-        self._in_flight: StepPlan | None = None
+        self._in_flight: list[StepPlan] = []  # launched, not yet finished / failed, in launch order (<= 2)
         self._answers: list[Answer] = []
         self._ids = itertools.count()
         self._step_ids = itertools.count()
@@ -430,7 +443,8 @@ class ContinuousScheduler:
 
     @property
     def in_flight(self) -> StepPlan | None:
-        return self._in_flight
+        """The oldest plan awaiting `finish` / `fail` (the next one to finish), or None."""
+        return self._in_flight[0] if self._in_flight else None
 
     def __contains__(self, request_id: RequestId) -> bool:
         """Admitted and not yet answered."""
@@ -442,7 +456,7 @@ class ContinuousScheduler:
 
     def next_wakeup(self) -> float | None:
         """Now while `step` has work (back-to-back steps); else the earliest deadline; None: wait for an event."""
-        if self._in_flight is None and (self._running or self._waiting):
+        if not self._in_flight and (self._running or self._waiting):
             return self.clock.now()
         deadlines = [s.request.deadline_s for s in self._seqs.values() if s.request.deadline_s is not None]
         return min(deadlines, default=None)
@@ -482,8 +496,8 @@ class ContinuousScheduler:
     def step(self) -> StepPlan | None:
         """Expire deadlines, then form the next forward pass (rules: module doc); None when nothing is resident
         or waiting. The plan is in flight until `finish` / `fail`."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step_id} is still in flight; finish() or fail() it first")
+        if self._in_flight:
+            raise RuntimeError(f"step {self._in_flight[0].step_id} is still in flight; finish() or fail() it first")
         self.expire()
         cfg, blocks = self.config, self.blocks
         budget = cfg.max_num_batched_tokens
@@ -531,9 +545,50 @@ class ContinuousScheduler:
         if not prefills:
             bucket = next(b for b in cfg.decode_buckets if b >= len(seqs))
         plan = StepPlan(next(self._step_ids), seqs, cfg.block_size, bucket, self.clock.now(), tuple(preempted))
-        self._in_flight = plan
+        self._in_flight.append(plan)
         self.stats.kv_usage.record(blocks.usage)
         return plan
+
+    def step_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """While the decode-only `plan` is in flight (and nothing else): the next decode step, formed as if every row
+        of `plan` goes on, so that the runner can launch it before `plan`'s tokens reach the host (the overlap rule,
+        module doc). Its rows are `plan`'s in the same order minus those whose sequence ends by length with
+        `plan`'s token; their inputs are `plan`'s sampled ids on the device (`StepPlan.feed_from`). Rows that end by
+        EOS or a stop sequence at `plan` (unknown until `finish`) are computed anyway and their token dropped. None
+        (form the next step with `step` after `finish`) when: another plan is in flight, `plan` has prefill rows, a
+        request is waiting (it must be admitted), a resident sequence is not in `plan`, or the rows need more new
+        KV blocks than are free (preemption is `step`'s)."""
+        if len(self._in_flight) != 1 or self._in_flight[0] is not plan or plan.bucket_size is None:
+            return None
+        self.expire()
+        if self._waiting:
+            return None
+        index = {s.request_id: i for i, s in enumerate(plan.seqs)}  # decode-only: every row samples, in order
+        if any(rid not in index for rid in self._running):
+            return None
+        cfg, blocks = self.config, self.blocks
+        going = []
+        for rid in self._running:
+            seq = self._seqs[rid]  # plan's token not yet appended: +1 below
+            if seq.num_output_tokens + 1 >= seq.request.max_new_tokens or seq.num_tokens + 1 >= cfg.max_model_len:
+                continue  # ends by length at `plan`
+            going.append(rid)
+        if not going or sum(blocks.blocks_to_append(rid, 1) for rid in going) > blocks.num_free_blocks:
+            return None
+        seqs = []
+        for rid in going:
+            seq = self._seqs[rid]
+            blocks.append(rid, 1)  # the slot of position num_tokens (the token `plan` samples)
+            seqs.append(ScheduledSeq(
+                rid, seq.num_tokens, (0,), blocks.block_table(rid), seq.state_slot, reset_state=False,
+                is_decode=True, sample=True, output_index=seq.num_output_tokens + 1, seed=seq.seed,
+                sampling=seq.request.sampling))
+        bucket = next(b for b in cfg.decode_buckets if b >= len(seqs))
+        ahead = StepPlan(next(self._step_ids), tuple(seqs), cfg.block_size, bucket, self.clock.now(),
+                         feed_from=plan.step_id, feed_index=tuple(index[rid] for rid in going))
+        self._in_flight.append(ahead)
+        self.stats.steps_ahead += 1
+        return ahead
 
     def finish(self, plan: StepPlan, output: StepOutput) -> list[TokenDelta]:
         """Apply the runner's sampled tokens: advance every row, append one token per sampling row, answer
@@ -545,7 +600,7 @@ class ContinuousScheduler:
         if len(sampled) != n_sampled:
             raise ValueError(f"step {plan.step_id}: {len(sampled)} sampled tokens for {n_sampled} sampling rows")
         self.expire()  # a sequence whose deadline passed while the step ran is answered now; its token dropped
-        self._in_flight = None
+        self._in_flight.pop(0)
         now, deltas, tokens = self.clock.now(), [], iter(sampled)
         for item in plan.seqs:
             token = next(tokens) if item.sample else None
@@ -574,7 +629,7 @@ class ContinuousScheduler:
         """The runner raised on `plan`: answer every live sequence in it with `StepFailed` (cause = error)."""
         self._check_in_flight(plan)
         self.expire()
-        self._in_flight = None
+        self._in_flight.pop(0)
         for item in plan.seqs:
             if item.request_id in self._seqs:
                 self._answer(item.request_id, error=StepFailed(item.request_id, plan.step_id, error))
@@ -604,8 +659,9 @@ class ContinuousScheduler:
     # ---- internals
 
     def _check_in_flight(self, plan: StepPlan) -> None:
-        if self._in_flight is not plan:
-            raise ValueError(f"step {plan.step_id} is not in flight (finished twice?)")
+        if not self._in_flight or self._in_flight[0] is not plan:
+            raise ValueError(f"step {plan.step_id} is not in flight (finished twice?), or not the oldest of the "
+                             f"steps in flight (they finish in launch order)")
 
     def _slice(self, seq: SequenceState, n: int, *, is_decode: bool) -> ScheduledSeq:
         start = seq.num_computed_tokens

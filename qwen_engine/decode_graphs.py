@@ -134,9 +134,12 @@ class DecodeGraphs:
     def captured(self) -> bool:
         return len(self._graphs) == len(self.buckets)
 
-    def run(self, rows: list[tuple[int, int, tuple[int, ...], int]]) -> torch.Tensor:
+    def run(self, rows: list[tuple[int, int, tuple[int, ...], int]],
+            fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """rows: (token id, position, block table, state slot) per decode sequence -> logits [n, vocab] (a view of
-        the bucket's output: consume it before the next call)."""
+        the bucket's output: consume it before the next call). `fed` (ids [M] on the device, index [n]): the rows'
+        input tokens are ids[index], copied on the device after the host's fields (a step formed ahead, whose inputs
+        the host has not seen; the rows' token ids are then placeholders)."""
         n = len(rows)
         b = self.bucket_for(n)
         if b is None or n == 0:
@@ -163,6 +166,8 @@ class DecodeGraphs:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if fed is not None:
+            self._ids[:n].copy_(fed[0].index_select(0, fed[1]))
         self.replays[b] += 1
         if self.mode == "capture":
             self._graphs[b].replay()

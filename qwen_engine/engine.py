@@ -94,6 +94,10 @@ class QwenEngineConfig:
     #                              decode-only steps, one per decode bucket, captured at start (auto: capture on
     #                              cuda, off on cpu; static: the graphs' static-buffer path run eagerly)
     decode_buckets: tuple = ()  # decode batch sizes (ascending, last = max_num_seqs); () = 1, 2, 4, 8, 16, 32, ...
+    async_decode: bool = False  # overlap decode steps: launch step N+1 (its inputs = N's sampled ids, on the device)
+    #                             before N's tokens reach the host, so scheduling and streaming N run while the
+    #                             device computes N+1 (engine_core/continuous.py: step_ahead). Tested on the CPU;
+    #                             off until measured on a GPU
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
@@ -514,18 +518,69 @@ class QwenEngine:
                 except TimeoutError:
                     pass
                 continue
+            if self.cfg.async_decode:
+                await self._overlapped(plan)
+                continue
             try:
                 out = await loop.run_in_executor(self._worker, self.runner.execute, plan)
             except Exception as exc:  # every live sequence of the plan gets StepFailed; the loop goes on
                 log.exception("step %d failed", plan.step_id)
                 sched.fail(plan, exc)
             else:
-                # answers (ok completions) first, so the finishing delta can report its matched stop
-                deltas = sched.finish(plan, out)
-                self._dispatch_answers()
-                for delta in deltas:
-                    self._deliver(delta)
+                self._finish(plan, out)
             self._dispatch_answers()
+
+    def _finish(self, plan, out) -> None:
+        # answers (ok completions) first, so the finishing delta can report its matched stop
+        deltas = self.scheduler.finish(plan, out)
+        self._dispatch_answers()
+        for delta in deltas:
+            self._deliver(delta)
+
+    async def _overlapped(self, plan) -> None:
+        """`async_decode`: run `plan` and, while decode steps can be formed ahead (`step_ahead`), keep one step
+        queued behind the one whose tokens are being read: launch N, then per step one worker call that launches
+        N+1 (fed N's sampled ids on the device) and waits for N's ids; N is finished (streams, stops) while the
+        device computes N+1. A failed launch or wait fails that step and the one ahead of it."""
+        loop, sched, runner = asyncio.get_running_loop(), self.scheduler, self.runner
+        try:
+            pending = await loop.run_in_executor(self._worker, runner.launch, plan)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step_id)
+            sched.fail(plan, exc)
+            self._dispatch_answers()
+            return
+        while True:
+            ahead = None if self._closing else sched.step_ahead(plan)
+
+            def launch_and_wait(ahead=ahead, pending=pending):
+                nxt = err = None
+                if ahead is not None:
+                    try:
+                        nxt = runner.launch(ahead, pending)
+                    except Exception as exc:  # noqa: BLE001 - N's tokens are still good; N+1 fails below
+                        err = exc
+                return nxt, err, runner.result(pending)
+
+            try:
+                nxt, ahead_err, out = await loop.run_in_executor(self._worker, launch_and_wait)
+            except Exception as exc:  # N failed (so does the step fed from it)
+                log.exception("step %d failed", plan.step_id)
+                sched.fail(plan, exc)
+                if ahead is not None:
+                    sched.fail(ahead, exc)
+                self._dispatch_answers()
+                return
+            self._finish(plan, out)
+            self._dispatch_answers()
+            if ahead is None:
+                return
+            if ahead_err is not None:
+                log.error("step %d failed at launch: %r", ahead.step_id, ahead_err)
+                sched.fail(ahead, ahead_err)
+                self._dispatch_answers()
+                return
+            plan, pending = ahead, nxt
 
     def _self_check(self) -> dict[str, str]:
         """The runner's ops (own registry) and the model's ops (the process-wide registry the packed modules and

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +40,19 @@ def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype) -> int:
     conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
     rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     return n_layers * num_slots * (conv + rec)
+
+
+@dataclass
+class PendingStep:
+    """A launched step (`ModelRunner.launch`): its sampled ids are computed or being computed on the device, on their
+    way to the host; `ModelRunner.result` waits for them."""
+
+    plan: StepPlan
+    ids: torch.Tensor | None  # [M] int64 sampled ids on the device (None: nothing samples); a step formed ahead
+    #                           (StepPlan.feed_from) reads its inputs from here
+    host: torch.Tensor | None  # [M] the same ids in (pinned) host memory once `event` has passed
+    event: torch.cuda.Event | None  # recorded after the device->host copy (CUDA); None: `host` is ready
+    launch_s: float  # host seconds spent launching
 
 
 RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk")
@@ -191,9 +205,22 @@ class ModelRunner:
         seq = plan.seqs[0]
         return seq.start == 0 and g.bucket_for(len(seq.token_ids)) is not None
 
+    def _fed_ids(self, plan: StepPlan, feed: PendingStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a plan formed ahead (`plan.feed_from`): (the feeding step's sampled ids on the device, the device
+        index of each row's input among them)."""
+        if plan.feed_from is None:
+            return None
+        if feed is None or feed.plan.step_id != plan.feed_from or feed.ids is None:
+            raise ValueError(f"step {plan.step_id} takes its inputs from step {plan.feed_from}: launch it with that "
+                             f"step's PendingStep")
+        index = torch.tensor(plan.feed_index, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return feed.ids, index.to(self.device, non_blocking=True)
+
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run the model over `plan`: logits [len(plan.sampled), vocab] at the last token of each sampling row."""
+    def forward(self, plan: StepPlan, feed: PendingStep | None = None) -> torch.Tensor:
+        """Run the model over `plan`: logits [len(plan.sampled), vocab] at the last token of each sampling row.
+        `feed`: the launched step whose sampled ids are the inputs of a plan formed ahead (`StepPlan.feed_from`)."""
+        fed = self._fed_ids(plan, feed)
         if self._use_prefill_graph(plan):
             seq = plan.seqs[0]
             self.prefill_graph_steps += 1
@@ -203,7 +230,7 @@ class ModelRunner:
             from .decode_graphs import as_rows
 
             self.graph_steps += 1
-            return self.graphs.run(as_rows(plan))
+            return self.graphs.run(as_rows(plan), fed)
         batch = self.flat_batch(plan)
         pin = self.device.type == "cuda"
 
@@ -214,6 +241,8 @@ class ModelRunner:
         if resets:
             self.cache.reset_slots(put(resets))
         input_ids = put([t for s in plan.seqs for t in s.token_ids])
+        if fed is not None:  # a decode-only plan formed ahead: one input per row, from the feeding step's samples
+            input_ids = fed[0].index_select(0, fed[1])
         last = [batch.starts[i + 1] - 1 for i, s in enumerate(plan.seqs) if s.sample]
         if not last:  # every row is a mid-prompt chunk: state advances, nothing to sample
             self.model.forward_paged(input_ids, batch, self.cache, put([0]))
@@ -221,16 +250,36 @@ class ModelRunner:
         return self.model.forward_paged(input_ids, batch, self.cache, put(last))
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """One step: forward, sample the rows that need a token, one device->host copy of the sampled ids."""
+        """One step: forward, sample the rows that need a token, one device->host copy of the sampled ids (the
+        step's one sync) = `result(launch(plan))`."""
+        return self.result(self.launch(plan))
+
+    def launch(self, plan: StepPlan, feed: PendingStep | None = None) -> PendingStep:
+        """Forward and sampling of `plan` queued on the device, and the sampled ids' copy to the host; returns
+        without waiting for them (CUDA; elsewhere the work is done on return). `feed`: see `forward`."""
         t0 = time.perf_counter()
-        logits = self.forward(plan)
+        logits = self.forward(plan, feed)
+        ids = host = event = None
         if logits.shape[0]:
             with torch.inference_mode():
-                ids = sample(logits, SamplingTensors.from_plan(plan, self.device)).tolist()  # the step's one sync
-        else:
-            ids = []
+                ids = sample(logits, SamplingTensors.from_plan(plan, self.device))
+            if self.device.type == "cuda":
+                host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                host.copy_(ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host = ids
+        return PendingStep(plan, ids, host, event, time.perf_counter() - t0)
+
+    def result(self, pending: PendingStep) -> StepOutput:
+        """Wait for a launched step's sampled ids -> StepOutput."""
+        t0 = time.perf_counter()
+        if pending.event is not None:
+            pending.event.synchronize()
+        ids = pending.host.tolist() if pending.host is not None else []
         self.steps += 1
-        self.busy_s += time.perf_counter() - t0
+        self.busy_s += pending.launch_s + time.perf_counter() - t0
         return StepOutput(tuple(ids))
 
     def stats(self) -> dict[str, float]:

@@ -51,16 +51,23 @@ class FakeRunner:
         self.state: list[tuple[int, int] | None] = [None] * cfg.max_num_seqs  # (tokens consumed, rolling hash)
         self.clock, self.step_s = clock, step_s
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, fed: StepOutput | None = None) -> StepOutput:
+        """`fed`: the sampled ids of step `plan.feed_from` (a step formed by `step_ahead`: its rows' inputs, as the
+        device would hand them over; the plan's own token ids are placeholders)."""
         slots = iter(plan.slot_mapping())
         bs = plan.block_size
         sampled = []
-        for s in plan.seqs:
+        if plan.feed_from is not None:
+            assert fed is not None and all(s.token_ids == (0,) for s in plan.seqs)
+            inputs = [(fed.sampled_token_ids[i],) for i in plan.feed_index]
+        else:
+            inputs = [s.token_ids for s in plan.seqs]
+        for s, token_ids in zip(plan.seqs, inputs):
             if s.reset_state:
                 self.state[s.state_slot] = (0, 0)
             n, h = self.state[s.state_slot]
             assert n == s.start, f"request {s.request_id}: state slot has {n} tokens, chunk starts at {s.start}"
-            for tok in s.token_ids:
+            for tok in token_ids:
                 self.kv[next(slots)] = tok  # write this chunk's KV
                 h = fold(h, tok)
             self.state[s.state_slot] = (s.end, h)
@@ -520,3 +527,144 @@ def test_property_loop_exercises_preemption():
 def test_the_scheduler_imports_no_torch():
     code = "import sys, engine_core.continuous, engine_core.block_manager; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Overlap: step_ahead
+
+
+def run_ahead(sched, runner, cancel_at: dict | None = None, max_steps=10_000) -> dict:
+    """`run_to_end` with the engine's overlap: after launching a decode-only step N, form N+1 with `step_ahead` and
+    "launch" it (fed N's sampled ids) before finishing N. `cancel_at`: {step_id: request_id} cancelled while that
+    step and the one ahead of it are in flight."""
+    answers, cancel_at = {}, dict(cancel_at or {})
+
+    def collect():
+        for a in sched.pop_answers():
+            assert a.request_id not in answers, f"request {a.request_id} answered twice"
+            answers[a.request_id] = a
+
+    for _ in range(max_steps):
+        plan = sched.step()
+        if plan is None:
+            collect()
+            if sched.num_unfinished == 0:
+                return answers
+            continue
+        out = runner.run(plan)
+        while True:
+            ahead = sched.step_ahead(plan)
+            if ahead is not None:
+                check_ahead(sched, plan, ahead)
+            out_ahead = runner.run(ahead, fed=out) if ahead is not None else None
+            if plan.step_id in cancel_at:
+                sched.cancel(cancel_at.pop(plan.step_id))
+            sched.finish(plan, out)
+            collect()
+            if ahead is None:
+                break
+            plan, out = ahead, out_ahead
+    raise AssertionError("did not drain")
+
+
+def check_ahead(sched, plan, ahead) -> None:
+    """Invariants of a step formed ahead of `plan`'s finish."""
+    assert ahead.feed_from == plan.step_id and ahead.bucket_size is not None and sched.in_flight is plan
+    assert len(ahead.feed_index) == ahead.num_seqs and all(s.token_ids == (0,) for s in ahead.seqs)
+    for s, i in zip(ahead.seqs, ahead.feed_index):
+        prev = plan.seqs[i]
+        assert prev.request_id == s.request_id and s.start == prev.end and s.state_slot == prev.state_slot
+        assert len(s.block_table) * sched.config.block_size >= s.end and s.output_index == prev.output_index + 1
+    assert list(ahead.feed_index) == sorted(ahead.feed_index)  # same order: oldest first
+    sched.blocks.check()
+
+
+@pytest.mark.parametrize("blocks", [64, 16])
+def test_step_ahead_streams_equal_the_serial_loop(blocks):
+    """Many requests (EOS ends, stop sequences, max_new_tokens ends, preemption with 16 blocks): with the overlap
+    every answer equals the uninterrupted reference, exactly as the serial loop's do; steps were formed ahead, rows
+    ending by length were left out of them, and tokens of rows that ended by EOS / stop while a step ahead was in
+    flight were dropped."""
+    results = {}
+    for mode in ("serial", "ahead"):
+        sched, _, runner = make(num_kv_blocks=blocks)
+        kw = dict(stop_token_ids=((5, 6),), eos_token_ids=(EOS,))
+        rids = [sched.add(req(3 + 5 * i % 11, max_new=4 + 7 * i % 13, first=i, **kw)) for i in range(12)]
+        answers = run_ahead(sched, runner) if mode == "ahead" else run_to_end(sched, runner)
+        for rid in rids:
+            r = sched.config.max_model_len
+            i = rids.index(rid)
+            ref = reference(req(3 + 5 * i % 11, max_new=4 + 7 * i % 13, first=i, **kw), seed_of(rid), r)
+            got = answers[rid].outputs[0]
+            assert (got.token_ids, got.finish_reason) == ref, (mode, rid)
+        results[mode] = sched.stats
+        ends = {answers[rid].outputs[0].finish_reason for rid in rids}
+        assert sched.blocks.num_used_blocks == 0 and sched.num_running == 0
+    ahead = results["ahead"]
+    assert ahead.steps_ahead > 10 and results["serial"].steps_ahead == 0
+    assert ahead.dropped_tokens > 0  # EOS / stop at N with N+1 already computed for that row
+    assert FinishReason.LENGTH in ends and ends & {FinishReason.EOS, FinishReason.STOP}  # both kinds of end ran
+
+
+def test_step_ahead_refuses_what_only_step_may_do():
+    """None (serial `step` next) while a request waits, while a resident sequence is mid-prefill (not in the plan),
+    for a plan with prefill rows, with a second plan already ahead, and when the rows need more blocks than are
+    free; a row ending by length at N is left out and the feed index skips it."""
+    sched, _, runner = make(max_num_batched_tokens=16)
+    a = sched.add(req(4, max_new=2))
+    b = sched.add(req(4, max_new=9))
+    plan = sched.step()  # both prefills
+    assert sched.step_ahead(plan) is None  # prefill rows: their first tokens are not decode inputs yet
+    sched.finish(plan, runner.run(plan))
+    plan = sched.step()  # decode: a's 2nd (last) token, b's 2nd
+    out = runner.run(plan)
+    ahead = sched.step_ahead(plan)
+    assert [s.request_id for s in ahead.seqs] == [b] and ahead.feed_index == (1,)  # a ends by length at N
+    assert sched.step_ahead(plan) is None and sched.step_ahead(ahead) is None  # one step ahead at most
+    out_ahead = runner.run(ahead, fed=out)
+    with pytest.raises(ValueError, match="launch order"):
+        sched.finish(ahead, out_ahead)
+    sched.finish(plan, out)
+    c = sched.add(req(3))  # waiting: the next step must admit it
+    assert sched.step_ahead(ahead) is None
+    sched.finish(ahead, out_ahead)
+    assert a not in sched and sched.sequence(b).num_output_tokens == 3
+    plan = sched.step()  # b decodes, c prefills
+    assert sched.step_ahead(plan) is None
+    sched.finish(plan, runner.run(plan))
+    sched.cancel(c)
+    # no free blocks for the rows' next positions: b needs a new block at its block boundary
+    while True:
+        plan = sched.step()
+        if sched.blocks.blocks_to_append(b, 1):  # the step ahead of this one would start a new block
+            break
+        sched.finish(plan, runner.run(plan))
+    free = sched.blocks.num_free_blocks
+    hog = sched.blocks.allocate("hog", free * sched.config.block_size)  # everything else taken
+    assert hog and sched.step_ahead(plan) is None
+    sched.blocks.free("hog")
+    assert sched.step_ahead(plan) is not None
+
+
+def test_step_ahead_cancel_and_failure():
+    """A request cancelled while N and N+1 are in flight gets exactly one answer (Cancelled), both steps' tokens for
+    it are dropped, and its blocks come back; a failed N fails its live sequences, and N+1 is failed after it."""
+    sched, _, runner = make()
+    rids = [sched.add(req(4, max_new=30, first=i, eos_token_ids=())) for i in range(3)]
+    # cancel request 1 while the first decode step and the one ahead of it are in flight
+    plan = sched.step()
+    sched.finish(plan, runner.run(plan))
+    answers = run_ahead(sched, runner, cancel_at={plan.step_id + 1: rids[1]})
+    assert isinstance(answers[rids[1]].error, Cancelled)
+    assert all(answers[r].ok and len(answers[r].outputs[0].token_ids) == 30 for r in (rids[0], rids[2]))
+    assert sched.stats.dropped_tokens >= 2 and sched.blocks.num_used_blocks == 0
+    sched2, _, runner2 = make()
+    r = sched2.add(req(4, max_new=30, eos_token_ids=()))
+    plan = sched2.step()
+    sched2.finish(plan, runner2.run(plan))
+    plan = sched2.step()
+    ahead = sched2.step_ahead(plan)
+    sched2.fail(plan, RuntimeError("device"))
+    sched2.fail(ahead, RuntimeError("device"))
+    (answer,) = sched2.pop_answers()
+    assert isinstance(answer.error, StepFailed) and answer.request_id == r and sched2.in_flight is None

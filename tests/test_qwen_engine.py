@@ -187,14 +187,15 @@ def reference_greedy(engine: QwenEngine, ids: list[int], n: int) -> list[int]:
 LENGTHS = [3, 40, 1, 17, 25, 8, 33, 12, 5, 21]  # 40, 33, 25, 21, 17 > the 16-token budget: split prefill
 
 
-@pytest.mark.parametrize("num_kv_blocks", [64, 16])  # 16 blocks of 4 for up to 4 x 46 tokens: preemption
-def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks):
+@pytest.mark.parametrize("num_kv_blocks,async_decode", [(64, False), (16, False), (64, True), (16, True)])
+def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks, async_decode):
+    """16 blocks of 4 for up to 4 x 46 tokens: preemption. async_decode: decode steps formed ahead where allowed."""
     async def body(engine):
         outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=6)
                                       for i, n in enumerate(LENGTHS)))
         return engine, outs
 
-    engine, outs = run(engine_config(num_kv_blocks=num_kv_blocks), body)
+    engine, outs = run(engine_config(num_kv_blocks=num_kv_blocks, async_decode=async_decode), body)
     for i, (n, (tokens, chunks)) in enumerate(zip(LENGTHS, outs)):
         assert tokens == reference_greedy(engine, prompt(i, n), 6), f"prompt {i} ({n} tokens)"
         assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 6
@@ -205,23 +206,28 @@ def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks):
     assert engine.scheduler.blocks.num_used_blocks == 0
     if num_kv_blocks == 16:
         assert stats.preemptions > 0
+    assert (stats.steps_ahead > 0) == async_decode
 
 
-def test_engine_decode_graph_path_equals_single_prompt_reference():
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_engine_decode_graph_path_equals_single_prompt_reference(async_decode):
     """decode_graphs="static": the engine's decode-only steps run the CUDA-graph path's static, padded buffers
     (eagerly on the CPU); greedy streams must equal the single-prompt reference. (Logit-level isolation of the
-    padding rows is test_paged_forward_matches_contiguous[...static].)"""
+    padding rows is test_paged_forward_matches_contiguous[...static].) async_decode: steps formed ahead take their
+    input tokens from the previous step's sampled ids on the device, through the graphs' buffers."""
     lengths = LENGTHS[:5]
 
     async def body(engine):
         return engine, await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=3 + i)
                                               for i, n in enumerate(lengths)))
 
-    engine, outs = run(engine_config(decode_graphs="static"), body)
+    engine, outs = run(engine_config(decode_graphs="static", async_decode=async_decode), body)
     for i, (n, (tokens, _)) in enumerate(zip(lengths, outs)):
         assert tokens == reference_greedy(engine, prompt(i, n), 3 + i), f"prompt {i} ({n} tokens)"
     stats = engine.health()["runner"]
     assert stats["graph_steps"] > 0 and stats["decode_graphs"]["mode"] == "static", stats
+    assert (engine.scheduler.stats.steps_ahead > 0) == async_decode
+    assert engine.scheduler.blocks.num_used_blocks == 0
 
 
 def test_capture_blockers_name_host_reading_references(model):
@@ -283,16 +289,19 @@ def test_engine_cuda_graphs_equal_eager():
     GDN and paged-attention Triton kernels; fp32 so that batch-shape-dependent GEMM rounding cannot flip a token)."""
     lengths = LENGTHS[:5]
 
-    def tokens(mode):
+    def tokens(mode, async_decode=False):
         async def body(engine):
             outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=8)
                                           for i, n in enumerate(lengths)))
             return engine.health()["runner"], [o[0] for o in outs]
-        return run(engine_config(device="cuda", dtype="fp32", kernels="auto", decode_graphs=mode), body)
+        return run(engine_config(device="cuda", dtype="fp32", kernels="auto", decode_graphs=mode,
+                                 async_decode=async_decode), body)
 
     (_, eager), (graph_stats, graphed) = tokens("off"), tokens("capture")
     assert graph_stats["decode_graphs"]["captured"] and graph_stats["graph_steps"] > 0, graph_stats
     assert graphed == eager
+    (_, overlapped) = tokens("capture", async_decode=True)  # inputs fed on the device into the graphs' buffers
+    assert overlapped == eager
 
 
 def test_engine_with_packed_weights_equals_single_prompt_reference():
@@ -353,7 +362,8 @@ def test_client_timeout_may_shorten_never_extend_the_deadline():
     assert 59.0 < seen[0] <= 60.0 and 4.0 < seen[1] <= 5.0, seen
 
 
-def test_stop_tokens_and_finish_reasons():
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_stop_tokens_and_finish_reasons(async_decode):
     ids = prompt(1, 10)
 
     async def body(engine):
@@ -363,7 +373,7 @@ def test_stop_tokens_and_finish_reasons():
         one, one_chunks = await collect(engine, ids, max_new_tokens=8, stop_token_ids=[free[1]])
         return free, (eos, eos_chunks), (seq, seq_chunks), (one, one_chunks)
 
-    free, (eos, ec), (seq, sc), (one, oc) = run(engine_config(), body)
+    free, (eos, ec), (seq, sc), (one, oc) = run(engine_config(async_decode=async_decode), body)
     first = free.index(free[2])  # the eos id may already occur earlier in the stream
     assert eos == free[:first + 1] and ec[-1].finish_reason == "stop" and ec[-1].matched_stop == (free[2],)
     assert seq == free[:5] or seq[-2:] == free[3:5]
@@ -372,7 +382,12 @@ def test_stop_tokens_and_finish_reasons():
     assert len(free) == 8
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent():
+_SEEDED: dict = {}
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_seeded_sampling_is_reproducible_and_batch_independent(async_decode):
+    """... and independent of the decode overlap (async_decode: the same (seed, output index) per token)."""
     sp = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234)
 
     async def body(engine):
@@ -384,12 +399,16 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
         other, _ = await collect(engine, prompt(2, 9), max_new_tokens=8, sampling=SamplingParams(1.0, seed=99))
         return alone, crowd[0][0], other
 
-    alone, crowded, other = run(engine_config(), body)
+    alone, crowded, other = run(engine_config(async_decode=async_decode), body)
     assert alone == crowded
     assert alone != other  # 8 draws at temperature 1 over 512 tokens: equal with negligible probability
+    _SEEDED[async_decode] = alone
+    if len(_SEEDED) == 2:
+        assert _SEEDED[True] == _SEEDED[False]
 
 
-def test_cancellation_frees_blocks():
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_cancellation_frees_blocks(async_decode):
     async def body(engine):
         got = []
 
@@ -409,7 +428,7 @@ def test_cancellation_frees_blocks():
         tokens, _ = await collect(engine, prompt(4, 6), max_new_tokens=3)
         return used, unfinished, engine.scheduler.stats.cancelled, tokens
 
-    used, unfinished, cancelled, tokens = run(engine_config(), body)
+    used, unfinished, cancelled, tokens = run(engine_config(async_decode=async_decode), body)
     assert (used, unfinished, cancelled) == (0, 0, 1)
     assert len(tokens) == 3
 
