@@ -33,7 +33,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="8" bash benchmarks/gpu_next.sh       # ~6 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="9" bash benchmarks/gpu_next.sh       # ~4 min (ran: run 10 / 11)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="10" bash benchmarks/gpu_next.sh      # ~9 min (one call)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="11" bash benchmarks/gpu_next.sh      # ~8 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="11" bash benchmarks/gpu_next.sh      # ~7 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -131,7 +131,7 @@ fi
 if want 11; then
 say "11. Qwen speed with the default prefill buckets, and once more with async_decode (decode overlap), side by side"
 timeout 420 python benchmarks/qwen_gpu.py --skip-transformers --decode-tokens 48 --ttft-reps 2 --async-decode \
-  --out "$R/qwen" > "$R/qwen.log" 2>&1
-grep -E "^\| \(e\)" "$R/qwen/qwen_gpu.md"
+  --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_async/qwen_gpu.md"
 fi
 say "done"

@@ -177,7 +177,8 @@ def markdown(r: dict) -> str:
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('decode_tok_per_s'))} | - |",
             f"| (e) engine without prefill graphs: TTFT ms, lone {s['context']}-token request | "
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('ttft_ms'))} | - |",
-            f"| (e) engine with async_decode: decode tok/s, lone request / all {st.get('n')} streams decoding | "
+            f"| (e) engine with async_decode ({(r.get('engine_async') or {}).get('steps_ahead')} decode steps formed "
+            f"ahead): decode tok/s, lone request / all {st.get('n')} streams decoding | "
             f"{fmt((r.get('engine_async') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
             f"{fmt(((r.get('engine_async') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
             f"| - |",
@@ -298,13 +299,16 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
             return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
-                        kernel_checks=engine.health().get("kernel_checks"))
+                        kernel_checks=engine.health().get("kernel_checks"), async_decode=async_decode,
+                        steps_ahead=engine.scheduler.stats.steps_ahead)
         t0 = time.perf_counter()
         many = await asyncio.gather(*(one(rand(1, ctx)[0].tolist(), steps + 1) for _ in range(streams)))
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
-                    kernel_checks=engine.health().get("kernel_checks"),
+                    kernel_checks=engine.health().get("kernel_checks"), async_decode=async_decode,
+                    steps_ahead=engine.scheduler.stats.steps_ahead,
+                    dropped_tokens=engine.scheduler.stats.dropped_tokens,
                     streams=dict(n=streams, output_tok_per_s=sum(m["tokens"] for m in many) / wall, wall_s=wall,
                                  decode_phase=decode_phase(many),
                                  ttft_p50_ms=1e3 * ttfts[len(ttfts) // 2], ttft_max_ms=1e3 * ttfts[-1]),

@@ -50,8 +50,11 @@ Rules (each one is a test in `tests/test_continuous.py`):
   streaming of N run while the device computes N+1. Only when nothing waits for admission, every resident sequence
   is in N, and no row needs preemption; rows that end by length at N are left out, rows that end by EOS / stop ids
   at N are computed and their N+1 token dropped (`stats.dropped_tokens`). `finish` / `fail` take the plans in
-  launch order. A sequence's state slot and blocks, freed by an answer while N+1 is in flight, are only handed out
-  again by the next `step`, which comes after N+1 is finished.
+  launch order. A sequence answered while N+1 is in flight frees its state slot and blocks at once: the slot is
+  handed out again only by `step` (after N+1 is finished), but a block may be taken by the next `step_ahead` (N+2)
+  while N+1 still runs. That is safe because the runner executes plans in launch order on one device stream: N+1's
+  write into the block lands before N+2's, and the new owner reads only positions it wrote. (A runner that ran
+  plans on two streams would have to hold freed blocks back until the plans in flight finish.)
 
 The GDN layers keep an O(1) recurrent + conv state per sequence: the scheduler assigns each resident sequence a
 `state_slot` in `0..max_num_seqs-1`, and `ScheduledSeq.reset_state` tells the runner to zero it (the sequence
@@ -588,6 +591,7 @@ class ContinuousScheduler:
                          feed_from=plan.step_id, feed_index=tuple(index[rid] for rid in going))
         self._in_flight.append(ahead)
         self.stats.steps_ahead += 1
+        self.stats.kv_usage.record(blocks.usage)
         return ahead
 
     def finish(self, plan: StepPlan, output: StepOutput) -> list[TokenDelta]:

@@ -144,8 +144,9 @@ class DecodeGraphs:
         b = self.bucket_for(n)
         if b is None or n == 0:
             raise ValueError(f"{n} decode rows: the largest decode graph holds {self.bmax}")
-        if self._copied is not None:  # normally long done (the previous step synced on its sampled ids); not
-            self._copied.synchronize()  # after a step that raised before that sync
+        if self._copied is not None:  # normally long done: the previous step's input copy ran before its replay,
+            self._copied.synchronize()  # which the host has waited for (serial), or which is the step now running
+            #                             ahead of this one (async_decode: its copy followed the step before it)
         h, bs = self._host_views, self.block_size
         for i, (tok, pos, table, slot) in enumerate(rows):
             nb = len(table)

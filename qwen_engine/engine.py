@@ -96,8 +96,9 @@ class QwenEngineConfig:
     decode_buckets: tuple = ()  # decode batch sizes (ascending, last = max_num_seqs); () = 1, 2, 4, 8, 16, 32, ...
     async_decode: bool = False  # overlap decode steps: launch step N+1 (its inputs = N's sampled ids, on the device)
     #                             before N's tokens reach the host, so scheduling and streaming N run while the
-    #                             device computes N+1 (engine_core/continuous.py: step_ahead). Tested on the CPU;
-    #                             off until measured on a GPU
+    #                             device computes N+1 (engine_core/continuous.py: step_ahead). A request arriving
+    #                             meanwhile waits for N+1 (up to one step more to its first token); a sequence that
+    #                             stops at N costs one wasted row in N+1. Tested on the CPU; off until measured on a GPU
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
@@ -560,7 +561,12 @@ class QwenEngine:
                         nxt = runner.launch(ahead, pending)
                     except Exception as exc:  # noqa: BLE001 - N's tokens are still good; N+1 fails below
                         err = exc
-                return nxt, err, runner.result(pending)
+                try:
+                    return nxt, err, runner.result(pending)
+                except Exception:
+                    if err is not None:  # both failed: N's error propagates, N+1's is logged here
+                        log.error("step %d failed at launch", ahead.step_id, exc_info=err)
+                    raise
 
             try:
                 nxt, ahead_err, out = await loop.run_in_executor(self._worker, launch_and_wait)
@@ -576,7 +582,7 @@ class QwenEngine:
             if ahead is None:
                 return
             if ahead_err is not None:
-                log.error("step %d failed at launch: %r", ahead.step_id, ahead_err)
+                log.error("step %d failed at launch", ahead.step_id, exc_info=ahead_err)
                 sched.fail(ahead, ahead_err)
                 self._dispatch_answers()
                 return

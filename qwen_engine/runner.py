@@ -95,7 +95,7 @@ class ModelRunner:
         self.steps = 0
         self.graph_steps = 0
         self.prefill_graph_steps = 0
-        self.busy_s = 0.0  # wall time inside execute (includes the one sync of the sampled ids)
+        self.busy_s = 0.0  # host wall time in launch + result (incl. the wait for the sampled ids) of read steps
         for name, mode in (("decode_graphs", decode_graphs), ("prefill_graphs", prefill_graphs)):
             if mode not in DECODE_GRAPH_MODES:
                 raise ValueError(f"{name} must be one of {DECODE_GRAPH_MODES}, got {mode!r}")

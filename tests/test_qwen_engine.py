@@ -300,8 +300,9 @@ def test_engine_cuda_graphs_equal_eager():
     (_, eager), (graph_stats, graphed) = tokens("off"), tokens("capture")
     assert graph_stats["decode_graphs"]["captured"] and graph_stats["graph_steps"] > 0, graph_stats
     assert graphed == eager
-    (_, overlapped) = tokens("capture", async_decode=True)  # inputs fed on the device into the graphs' buffers
+    async_stats, overlapped = tokens("capture", async_decode=True)  # inputs fed on the device into the graphs
     assert overlapped == eager
+    assert async_stats["graph_steps"] > 0, async_stats
 
 
 def test_engine_with_packed_weights_equals_single_prompt_reference():
@@ -362,8 +363,10 @@ def test_client_timeout_may_shorten_never_extend_the_deadline():
     assert 59.0 < seen[0] <= 60.0 and 4.0 < seen[1] <= 5.0, seen
 
 
-@pytest.mark.parametrize("async_decode", [False, True])
-def test_stop_tokens_and_finish_reasons(async_decode):
+@pytest.mark.parametrize("async_decode,graphs", [(False, "off"), (True, "off"), (True, "static")])
+def test_stop_tokens_and_finish_reasons(async_decode, graphs):
+    """EOS, stop sequences and single stop ids; with async_decode the step after a stop is already running (its
+    token for the stopped request dropped), also through the decode graphs' static buffers."""
     ids = prompt(1, 10)
 
     async def body(engine):
@@ -373,7 +376,17 @@ def test_stop_tokens_and_finish_reasons(async_decode):
         one, one_chunks = await collect(engine, ids, max_new_tokens=8, stop_token_ids=[free[1]])
         return free, (eos, eos_chunks), (seq, seq_chunks), (one, one_chunks)
 
-    free, (eos, ec), (seq, sc), (one, oc) = run(engine_config(async_decode=async_decode), body)
+    stats = {}
+
+    async def body_with_stats(engine):
+        out = await body(engine)
+        stats.update(ahead=engine.scheduler.stats.steps_ahead, dropped=engine.scheduler.stats.dropped_tokens)
+        return out
+
+    free, (eos, ec), (seq, sc), (one, oc) = run(engine_config(async_decode=async_decode, decode_graphs=graphs),
+                                                body_with_stats)
+    if async_decode:  # steps ran ahead, and the ones after a stop computed a token that was dropped
+        assert stats["ahead"] > 0 and stats["dropped"] > 0, stats
     first = free.index(free[2])  # the eos id may already occur earlier in the stream
     assert eos == free[:first + 1] and ec[-1].finish_reason == "stop" and ec[-1].matched_stop == (free[2],)
     assert seq == free[:5] or seq[-2:] == free[3:5]
@@ -382,11 +395,7 @@ def test_stop_tokens_and_finish_reasons(async_decode):
     assert len(free) == 8
 
 
-_SEEDED: dict = {}
-
-
-@pytest.mark.parametrize("async_decode", [False, True])
-def test_seeded_sampling_is_reproducible_and_batch_independent(async_decode):
+def test_seeded_sampling_is_reproducible_and_batch_independent():
     """... and independent of the decode overlap (async_decode: the same (seed, output index) per token)."""
     sp = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234)
 
@@ -399,12 +408,17 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(async_decode):
         other, _ = await collect(engine, prompt(2, 9), max_new_tokens=8, sampling=SamplingParams(1.0, seed=99))
         return alone, crowd[0][0], other
 
-    alone, crowded, other = run(engine_config(async_decode=async_decode), body)
-    assert alone == crowded
-    assert alone != other  # 8 draws at temperature 1 over 512 tokens: equal with negligible probability
-    _SEEDED[async_decode] = alone
-    if len(_SEEDED) == 2:
-        assert _SEEDED[True] == _SEEDED[False]
+    results = {}
+    for async_decode in (False, True):
+        async def with_stats(engine):
+            return (*await body(engine), engine.scheduler.stats.steps_ahead)
+
+        alone, crowded, other, ahead = run(engine_config(async_decode=async_decode), with_stats)
+        assert alone == crowded
+        assert alone != other  # 8 draws at temperature 1 over 512 tokens: equal with negligible probability
+        assert (ahead > 0) == async_decode
+        results[async_decode] = (alone, crowded, other)
+    assert results[True] == results[False]
 
 
 @pytest.mark.parametrize("async_decode", [False, True])
@@ -428,8 +442,12 @@ def test_cancellation_frees_blocks(async_decode):
         tokens, _ = await collect(engine, prompt(4, 6), max_new_tokens=3)
         return used, unfinished, engine.scheduler.stats.cancelled, tokens
 
-    used, unfinished, cancelled, tokens = run(engine_config(async_decode=async_decode), body)
+    async def with_stats(engine):
+        return (*await body(engine), engine.scheduler.stats.steps_ahead)
+
+    used, unfinished, cancelled, tokens, ahead = run(engine_config(async_decode=async_decode), with_stats)
     assert (used, unfinished, cancelled) == (0, 0, 1)
+    assert (ahead > 0) == async_decode
     assert len(tokens) == 3
 
 
@@ -533,3 +551,42 @@ def test_engine_with_gdn_decode_kernel():
     for i, (n, tokens) in enumerate(zip(lengths, outs)):
         assert tokens == reference_greedy(engine, prompt(i, n), 4)
     assert engine.health()["kernels"]["gdn_decode_rows"] == "triton"
+
+
+@pytest.mark.parametrize("where", ["launch_ahead", "result"])
+def test_async_decode_failures(monkeypatch, where):
+    """async_decode error paths: a step formed ahead that fails at launch fails its requests (StepFailed) while the
+    step before it delivers its tokens; a step whose result fails fails it and the step fed from it, in order. The
+    engine keeps serving."""
+    from engine_core.continuous import StepFailed
+
+    launch, result = ModelRunner.launch, ModelRunner.result
+    state = {"armed": True}
+
+    def failing_launch(self, plan, feed=None):
+        if where == "launch_ahead" and plan.feed_from is not None and state["armed"]:
+            state["armed"] = False
+            raise RuntimeError("launch failed")
+        return launch(self, plan, feed)
+
+    def failing_result(self, pending):
+        if where == "result" and state["armed"] and self.steps >= 3:  # after the prefill and a decode step or two
+            state["armed"] = False
+            raise RuntimeError("result failed")
+        return result(self, pending)
+
+    monkeypatch.setattr(ModelRunner, "launch", failing_launch)
+    monkeypatch.setattr(ModelRunner, "result", failing_result)
+
+    async def body(engine):
+        got = []
+        with pytest.raises(StepFailed):
+            async for c in engine.generate(prompt(5, 6), max_new_tokens=12):
+                got.extend(c.new_token_ids)
+        again, _ = await collect(engine, prompt(6, 6), max_new_tokens=4)
+        return got, again, engine.scheduler.stats
+
+    got, again, stats = run(engine_config(async_decode=True), body)
+    assert not state["armed"] and stats.failed == 1 and stats.failed_steps >= 1
+    assert 1 <= len(got) < 12  # the tokens before the failure arrived
+    assert len(again) == 4  # still serving
