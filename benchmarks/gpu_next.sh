@@ -20,7 +20,8 @@
 #  10. the sixth session's open GPU checks: the prefill-graph tests on CUDA (the redesigned bf16 case never ran on a
 #      GPU) and fla's fixed-length call (`test_kernel_gdn_chunk.py`), then the grouped kernel's prefill tiles
 #      (`moe_prefill_bench.py`) and the engine's TTFT with the default prefill buckets (start-up time included);
-#  11. the speed run with async_decode beside the serial loop (written 2026-11-30, sixth session; CPU-tested only).
+#  11. the speed run with async_decode, and with shared_expert_in_moe, beside the defaults (written 2026-11-30, sixth
+#      session; CPU-tested only).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -33,7 +34,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="8" bash benchmarks/gpu_next.sh       # ~6 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="9" bash benchmarks/gpu_next.sh       # ~4 min (ran: run 10 / 11)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="10" bash benchmarks/gpu_next.sh      # ~9 min (one call)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="11" bash benchmarks/gpu_next.sh      # ~7 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="11" bash benchmarks/gpu_next.sh      # ~9 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -129,9 +130,9 @@ timeout 250 python benchmarks/qwen_profile.py --engine-prefill --batches "" --ou
 grep -E "started|ttft_ms_median" "$R/qwen_prefill.log" | cut -c1-300
 fi
 if want 11; then
-say "11. Qwen speed with the default prefill buckets, and once more with async_decode (decode overlap), side by side"
-timeout 420 python benchmarks/qwen_gpu.py --skip-transformers --decode-tokens 48 --ttft-reps 2 --async-decode \
-  --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
+say "11. Qwen speed with the default prefill buckets, then with async_decode and with shared_expert_in_moe"
+timeout 540 python benchmarks/qwen_gpu.py --skip-transformers --decode-tokens 48 --ttft-reps 2 --async-decode \
+  --shared-in-moe --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_async/qwen_gpu.md"
 fi
 say "done"

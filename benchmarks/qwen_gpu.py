@@ -182,6 +182,11 @@ def markdown(r: dict) -> str:
             f"{fmt((r.get('engine_async') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
             f"{fmt(((r.get('engine_async') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
             f"| - |",
+            f"| (e) engine with shared_expert_in_moe: decode tok/s, lone request / all {st.get('n')} streams decoding "
+            f"(the 32-token bucket keeps the dense shared expert) | "
+            f"{fmt((r.get('engine_shared') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
+            f"{fmt(((r.get('engine_shared') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
+            f"| - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
             f"{fmt(st.get('output_tok_per_s'))} ({fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}) "
             f"| - |",
@@ -249,7 +254,7 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
 
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
                        decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
-                       async_decode: bool = False) -> dict:
+                       async_decode: bool = False, shared_expert_in_moe: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -260,7 +265,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
-                            async_decode=async_decode)
+                            async_decode=async_decode, shared_expert_in_moe=shared_expert_in_moe)
     engine = QwenEngine(ecfg, model=model)
     await engine.start()
 
@@ -332,6 +337,9 @@ def main() -> None:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="keep random_weights.ACTIVATION_AMAX input scales instead of max-calibrating them")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--shared-in-moe", action="store_true",
+                    help="(e) once more with the engine's shared_expert_in_moe (the shared experts inside the "
+                         "grouped launches), side by side")
     ap.add_argument("--async-decode", action="store_true",
                     help="(e) once more with the engine's async_decode (decode steps overlapped), side by side")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
@@ -375,7 +383,9 @@ def main() -> None:
     log(f"generating random packed weights for {'tiny' if tiny else 'full-size'} config on {device}")
     t = time.perf_counter()
     tensors = random_packed_tensors(cfg, device, seed=args.seed, dtype=dtype)
-    model = load_quantized(tensors, cfg, device, dtype)
+    # the shared experts also stacked with the routed ones (+1.8 MB per layer) when the engine will run them inside the
+    # grouped launches in one phase; every other phase and the model-level rows keep the dense shared expert
+    model = load_quantized(tensors, cfg, device, dtype, shared_expert_in_moe=args.shared_in_moe)
     del tensors
     sync(device)
     kinds = packed_modules(model)
@@ -449,6 +459,14 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine with async_decode: {type(e).__name__}: {e}")
             log(f"(e) async_decode {r.get('engine_async')}")
+            save()
+        if args.shared_in_moe:  # the same graphed engine with the shared experts inside the grouped launches
+            try:
+                r["engine_shared"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                              shared_expert_in_moe=True))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine with shared_expert_in_moe: {type(e).__name__}: {e}")
+            log(f"(e) shared_expert_in_moe {r.get('engine_shared')}")
             save()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -99,6 +99,10 @@ class QwenEngineConfig:
     #                             device computes N+1 (engine_core/continuous.py: step_ahead). A request arriving
     #                             meanwhile waits for N+1 (up to one step more to its first token); a sequence that
     #                             stops at N costs one wasted row in N+1. Tested on the CPU; off until measured on a GPU
+    shared_expert_in_moe: bool = False  # packed models: each MoE layer's shared expert runs as one more (token,
+    #                                     expert) pair inside the routed experts' grouped launches (decode batches of
+    #                                     <= 28 tokens; 2 dense GEMM launches per layer fewer). CPU-tested; off until
+    #                                     measured on a GPU
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
@@ -212,7 +216,8 @@ class QwenEngine:
         self.checkpoint = cfg.checkpoint
         t0 = time.perf_counter()
         self.model = model if model is not None else build_model(
-            cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights)
+            cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights, cfg.shared_expert_in_moe)
+        self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -376,6 +381,8 @@ class QwenEngine:
             "kv_blocks": {"total": b.num_blocks, "used": b.num_used_blocks, "block_size": b.block_size,
                           "usage": round(b.usage, 4)},
             "rejected": self.rejected,
+            "async_decode": self.cfg.async_decode,
+            "shared_expert_in_moe_layers": self.shared_expert_in_moe,
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
             "kernel_checks": self.kernel_checks,
@@ -624,14 +631,31 @@ class QwenEngine:
 # Model construction
 
 
+def set_shared_expert_in_moe(model: torch.nn.Module, on: bool) -> int:
+    """Set `SparseMoE.shared_in_experts` on every MoE layer whose experts hold the shared expert (the others keep
+    the dense shared expert); returns how many layers run it inside the grouped launches."""
+    from .model.moe import SparseMoE
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, SparseMoE):
+            mod.shared_in_experts = on and getattr(mod.experts, "shared_index", None) is not None
+            n += mod.shared_in_experts
+    if on and n == 0:
+        log.warning("shared_expert_in_moe: no MoE layer holds its shared expert with the routed experts (a dense or "
+                    "W4A4 model, or a model built without it); the dense shared expert runs")
+    return n
+
+
 def build_model(checkpoint: str | None, preset: str, device: torch.device, dtype: torch.dtype, seed: int,
-                weights: str = "auto"):
+                weights: str = "auto", shared_expert_in_moe: bool = False):
     """A `QwenForCausalLM` in eval mode on `device`, activations in `dtype`.
 
     Packed (`qwen_engine/load_packed.py`): the checkpoint's NVFP4 / FP8 layers as packed modules, BF16 elsewhere; with
     no checkpoint, seeded random weights drawn in exactly those formats (`qwen_engine/random_weights.py`).
     Dequantized: every weight dequantised into `dtype`; with no checkpoint, seeded random dense weights (every
-    parameter drawn at a scale that keeps activations O(1), as tests/test_qwen_model.py does)."""
+    parameter drawn at a scale that keeps activations O(1), as tests/test_qwen_model.py does).
+    `shared_expert_in_moe`: packed models stack each shared expert with the routed experts (`load_quantized`)."""
     from .config import QwenConfig
     from .model import QwenForCausalLM
 
@@ -650,11 +674,13 @@ def build_model(checkpoint: str | None, preset: str, device: torch.device, dtype
         from .load_packed import load_quantized
 
         if checkpoint is not None:
-            return load_quantized(checkpoint, device=device, dtype=dtype).eval()
+            return load_quantized(checkpoint, device=device, dtype=dtype,
+                                  shared_expert_in_moe=shared_expert_in_moe).eval()
         from .random_weights import random_packed_tensors
 
         tensors = random_packed_tensors(model_cfg, device, seed, dtype=dtype)
-        return load_quantized(tensors, model_cfg, device=device, dtype=dtype).eval()
+        return load_quantized(tensors, model_cfg, device=device, dtype=dtype,
+                              shared_expert_in_moe=shared_expert_in_moe).eval()
     with torch.device("meta"):
         model = QwenForCausalLM(model_cfg)
     model = model.to(dtype).to_empty(device=device).eval()

@@ -54,6 +54,7 @@ def load_quantized(
     registry=None,
     w4a4: str = "auto",
     tile_major_experts: bool | None = None,
+    shared_expert_in_moe: bool = False,
 ) -> QwenForCausalLM:
     """A `QwenForCausalLM` whose quantised layers are packed modules (see the module docstring).
 
@@ -65,6 +66,10 @@ def load_quantized(
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
     tile_major_experts: repack the routed experts' bytes tile-major (`NVFP4Experts.to_tile_major`: ~20% faster grouped
     GEMMs at 32 decode tokens on the H200; same values); None = on CUDA devices.
+    shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
+    +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
+    inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the
+    other calls).
     Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.
     """
     if tile_major_experts is None:
@@ -109,9 +114,7 @@ def load_quantized(
             if not (isinstance(gu, NVFP4Tensor) and isinstance(dn, NVFP4Tensor)):
                 raise CheckpointError(f"{name}: routed experts must be both NVFP4 or both dense, got "
                                       f"{type(gu).__name__} gate_up and {type(dn).__name__} down")
-            experts = NVFP4Experts(to_dev(gu), to_dev(dn), registry)
-            if tile_major_experts and not experts.to_tile_major():
-                log.warning("%s: expert shapes do not split into the tile-major tiles; checkpoint layout kept", name)
+            experts = NVFP4Experts(to_dev(gu), to_dev(dn), registry)  # tiled below, after the shared expert
             _replace(model, name, experts)
             done |= {prefix + "gate_up_proj", prefix + "down_proj"}
         elif isinstance(mod, SwiGLU) and fuse_shared_expert:
@@ -138,6 +141,24 @@ def load_quantized(
         new = (NVFP4Linear(to_dev(value), registry, None if s_in is None else s_in.to(device), w4a4)
                if isinstance(value, NVFP4Tensor) else FP8Linear(to_dev(value), quantize_activations, registry))
         _replace(model, module_name, new)
+
+    for name, mod in model.named_modules():
+        experts = getattr(mod, "experts", None)
+        if not isinstance(experts, NVFP4Experts):
+            continue
+        shared = getattr(mod, "shared_expert", None)
+        if shared_expert_in_moe and isinstance(shared, NVFP4SwiGLU) and not (
+                shared.gate_up_proj.w4a4_export or shared.down_proj.w4a4_export):
+            try:
+                experts = NVFP4Experts(experts.gate_up_nvfp4, experts.down_nvfp4, registry,
+                                       shared=(shared.gate_up_proj.weight_nvfp4, shared.down_proj.weight_nvfp4))
+            except ValueError as exc:  # other widths: the dense shared expert only
+                log.warning("%s: shared expert not stacked with the routed experts: %s", name, exc)
+            else:
+                mod.experts = experts
+        if tile_major_experts and not experts.to_tile_major():
+            log.warning("%s.experts: expert shapes do not split into the tile-major tiles; checkpoint layout kept",
+                        name)
 
     # the BF16 rest: assign real tensors in place of the meta parameters
     for name, p in list(model.named_parameters()):

@@ -590,3 +590,23 @@ def test_async_decode_failures(monkeypatch, where):
     assert not state["armed"] and stats.failed == 1 and stats.failed_steps >= 1
     assert 1 <= len(got) < 12  # the tokens before the failure arrived
     assert len(again) == 4  # still serving
+
+
+def test_engine_shared_expert_in_moe(monkeypatch):
+    """shared_expert_in_moe (packed weights, the MoE's fused path as on a GPU): every layer runs its shared expert
+    inside the routed experts' launches and the greedy streams equal the dense-shared-expert engine's (fp32
+    activations: the registry's references; the kernels' own check is tests/test_qwen_quantized.py)."""
+    from qwen_engine.model.moe import SparseMoE
+
+    monkeypatch.setattr(SparseMoE, "fused", True)
+    lengths = LENGTHS[:4]
+
+    async def body(engine):
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)))
+        return engine.health(), [o[0] for o in outs]
+
+    (h_on, on), (h_off, off) = (run(engine_config(weights="packed", shared_expert_in_moe=flag), body)
+                                for flag in (True, False))
+    assert h_on["shared_expert_in_moe_layers"] == QwenConfig.tiny().num_hidden_layers
+    assert h_off["shared_expert_in_moe_layers"] == 0
+    assert on == off

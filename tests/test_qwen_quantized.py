@@ -219,6 +219,53 @@ def test_moe_fused_tail_with_unsummed_experts(tensors):
 
 
 @torch.no_grad()
+def test_shared_expert_inside_the_grouped_launches(tensors):
+    """`load_quantized(shared_expert_in_moe=True)` stacks each shared expert after the routed experts (expert E);
+    with `shared_in_experts` the fused MoE path runs it as one more pair per token inside the grouped launches (the
+    dense module is not called), and gives the dense path's output to bf16 rounding level; batches whose pairs exceed
+    the one-program alignment (MAX_PAIRS) keep the dense shared expert; `dequantized` returns the routed experts
+    only, so the dequantised model is unchanged."""
+    from kernels.moe_align import MAX_PAIRS
+
+    reg = registry("auto")
+    model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
+                           shared_expert_in_moe=True)
+    plain = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg)
+    moe = model.layers[0].mlp
+    e = CFG.num_experts
+    assert moe.experts.shared_index == e and moe.experts.gate_up_packed.shape[0] == e + 1
+    assert getattr(plain.layers[0].mlp.experts, "shared_index", None) is None
+    for name, w in moe.experts.dequantized().items():  # the routed experts, as without the stacked shared one
+        assert torch.equal(w, plain.layers[0].mlp.experts.dequantized()[name])
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    residual = torch.zeros_like(x)
+    calls = []
+    dense_forward = type(moe.shared_expert).forward
+
+    def counting(self, h):
+        calls.append(h.shape[0])
+        return dense_forward(self, h)
+
+    try:
+        type(moe.shared_expert).forward = counting
+        moe.fused = True
+        dense = moe(x, residual=residual)
+        moe.shared_in_experts = True
+        inside = moe(x, residual=residual)
+        big = MAX_PAIRS // (CFG.num_experts_per_tok + 1) + 1  # too many pairs for the one-program alignment
+        moe(torch.randn(big, CFG.hidden_size, generator=g).to(torch.bfloat16),
+            residual=torch.zeros(big, CFG.hidden_size, dtype=torch.bfloat16))
+    finally:
+        type(moe.shared_expert).forward = dense_forward
+        moe.fused, moe.shared_in_experts = None, False
+    assert calls == [5, big]  # the dense module ran for the first and the large call, not inside the experts
+    err = rel_err(inside, dense)
+    print(f"shared expert inside the grouped launches vs dense: rel err {err:.2e}")
+    assert err <= 2e-2  # same roundings; only the summation order may differ (here: none)
+
+
+@torch.no_grad()
 def test_bf16_triton_interpreter_matches_references(tensors):
     """The packed model in bf16 through the W4A16 Triton kernels (interpreter on CPU, compiled on a GPU) vs the same
     model forced onto the registry's references."""

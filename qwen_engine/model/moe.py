@@ -128,6 +128,12 @@ class SparseMoE(nn.Module):
     roundings); `fused = False` never."""
 
     fused: bool | None = None
+    # run the shared expert as one more (token, expert) pair per token inside the routed experts' grouped launches,
+    # where the experts hold it (`quantized.NVFP4Experts(shared=...)`, `load_quantized(shared_expert_in_moe=True)`):
+    # on the fused path, while tokens x (top_k + 1) pairs fit the one-program routing alignment
+    # (kernels/moe_align.py MAX_PAIRS: decode batches up to 28 tokens at top-8). Same maths as the dense shared
+    # expert (fp32 SwiGLU epilogue, bf16 roundings of its intermediate and output); other summation order.
+    shared_in_experts: bool = False
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -142,8 +148,15 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         _, weights, idx = self.gate(x)
         fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
-        routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
-        shared = self.shared_expert(x)
+        if fused and self._shared_as_pair(idx):
+            n, k = idx.shape
+            idx = torch.cat((idx, idx.new_full((n, 1), self.experts.shared_index)), 1)  # [N, k + 1]
+            weights = torch.cat((weights, weights.new_ones((n, 1))), 1)  # the shared output unscaled (gated below)
+            rows = self.experts(x, idx, weights, reduce=False)  # [N, k + 1, H]
+            routed, shared = rows[:, :k], rows[:, k]
+        else:
+            routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
+            shared = self.shared_expert(x)
         if fused:
             from engine_core.registry import default_registry
 
@@ -152,3 +165,11 @@ class SparseMoE(nn.Module):
             return out.reshape(shape)
         out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
         return out if residual is None else residual + out
+
+    def _shared_as_pair(self, idx: torch.Tensor) -> bool:
+        """Whether this call runs the shared expert inside the experts' launches (`shared_in_experts`)."""
+        if not self.shared_in_experts or getattr(self.experts, "shared_index", None) is None:
+            return False
+        from kernels.moe_align import MAX_PAIRS
+
+        return idx.shape[0] * (idx.shape[1] + 1) <= MAX_PAIRS

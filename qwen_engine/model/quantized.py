@@ -294,22 +294,42 @@ class NVFP4Experts(_Dispatch):
     scales per expert and output row ([E, 2I], [E, H]). Same forward as `moe.Experts`.
 
     Always W4A16, even for a W4A4 export: there is no grouped W4A4 GEMM here (the `w4a4` switch covers the dense
-    NVFP4Linear layers only); bf16 activations are at least as accurate as the W4A4 the experts were exported for."""
+    NVFP4Linear layers only); bf16 activations are at least as accurate as the W4A4 the experts were exported for.
 
-    def __init__(self, gate_up: NVFP4Tensor, down: NVFP4Tensor, registry=None):
+    `shared` (the layer's shared expert as NVFP4 gate_up [2I, H] (rows :I gate, I: up) and down [H, I], the routed
+    experts' width): stacked after the routed experts as expert E (`shared_index`), so that `SparseMoE` can run it
+    as one more (token, expert) pair per token inside the grouped launches instead of two dense GEMM launches
+    (`SparseMoE.shared_in_experts`). The router only ever picks 0..E-1; `dequantized` returns the routed ones."""
+
+    def __init__(self, gate_up: NVFP4Tensor, down: NVFP4Tensor, registry=None,
+                 shared: tuple[NVFP4Tensor, NVFP4Tensor] | None = None):
         super().__init__(W4A16_MOE_OP, registry)
         e, n13, h = gate_up.shape
         if down.shape[0] != e or down.shape[1] != h or 2 * down.shape[2] != n13:
             raise ValueError(f"expert stacks gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} "
                              "are not [E, 2I, H] and [E, H, I]")
         self.num_experts, self.intermediate = e, n13 // 2
+        self.shared_index: int | None = None
         dev = gate_up.packed.device
-        self.register_buffer("gate_up_packed", gate_up.packed.contiguous())  # uint8 [E, 2I, H/2]
-        self.register_buffer("gate_up_scales", gate_up.scales.contiguous())  # e4m3 [E, 2I, H/16]
-        self.register_buffer("gate_up_global", _global_per_row(gate_up.global_scale, (e, n13)).to(dev))
-        self.register_buffer("down_packed", down.packed.contiguous())  # uint8 [E, H, I/2]
-        self.register_buffer("down_scales", down.scales.contiguous())  # e4m3 [E, H, I/16]
-        self.register_buffer("down_global", _global_per_row(down.global_scale, (e, h)).to(dev))
+        gu_global = _global_per_row(gate_up.global_scale, (e, n13)).to(dev)
+        dn_global = _global_per_row(down.global_scale, (e, h)).to(dev)
+        if shared is not None:
+            s_gu, s_dn = shared
+            if tuple(s_gu.shape) != (n13, h) or tuple(s_dn.shape) != (h, n13 // 2):
+                raise ValueError(f"shared expert gate_up {tuple(s_gu.shape)} / down {tuple(s_dn.shape)} do not match "
+                                 f"the routed experts' [{n13}, {h}] / [{h}, {n13 // 2}]")
+            cat = lambda a, b: torch.cat((a, b[None].to(a.device)))  # noqa: E731
+            gate_up = NVFP4Tensor(cat(gate_up.packed, s_gu.packed), cat(gate_up.scales, s_gu.scales), None)
+            down = NVFP4Tensor(cat(down.packed, s_dn.packed), cat(down.scales, s_dn.scales), None)
+            gu_global = cat(gu_global, _global_per_row(s_gu.global_scale, (n13,)))
+            dn_global = cat(dn_global, _global_per_row(s_dn.global_scale, (h,)))
+            self.shared_index = e
+        self.register_buffer("gate_up_packed", gate_up.packed.contiguous())  # uint8 [E(+1), 2I, H/2]
+        self.register_buffer("gate_up_scales", gate_up.scales.contiguous())  # e4m3 [E(+1), 2I, H/16]
+        self.register_buffer("gate_up_global", gu_global.contiguous())  # fp32 [E(+1), 2I]
+        self.register_buffer("down_packed", down.packed.contiguous())  # uint8 [E(+1), H, I/2]
+        self.register_buffer("down_scales", down.scales.contiguous())  # e4m3 [E(+1), H, I/16]
+        self.register_buffer("down_global", dn_global.contiguous())  # fp32 [E(+1), H]
         self.tiled = False  # packed bytes in the checkpoint layout; `to_tile_major` switches
 
     def to_tile_major(self) -> bool:
@@ -366,6 +386,8 @@ class NVFP4Experts(_Dispatch):
     def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Dense stacks in `Experts`' parameter names (full size in bf16: 2.1 GB per layer; dequantise per layer)."""
         w13, w2 = self._checkpoint_layout()
+        e = self.num_experts  # the routed experts only (a stacked shared expert is the shared SwiGLU's)
+        w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
         return {"gate_up_proj": _dequantize_stack(w13, dtype), "down_proj": _dequantize_stack(w2, dtype)}
 
 
