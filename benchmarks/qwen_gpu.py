@@ -452,21 +452,18 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - recorded
             r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
         log(f"(e) without graphs {r.get('engine_eager')}")
-        if args.async_decode:  # the same graphed engine with decode steps overlapped (async_decode), side by side
+        # the same graphed engine with one option on, side by side: decode steps overlapped (async_decode); the
+        # shared experts inside the grouped launches (shared_expert_in_moe)
+        variants = (("engine_async", "async_decode", args.async_decode),
+                    ("engine_shared", "shared_expert_in_moe", args.shared_in_moe))
+        for key, option, wanted in variants:
+            if not wanted:
+                continue
             try:
-                r["engine_async"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                             async_decode=True))
+                r[key] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand, **{option: True}))
             except Exception as e:  # noqa: BLE001 - recorded
-                r["errors"].append(f"(e) engine with async_decode: {type(e).__name__}: {e}")
-            log(f"(e) async_decode {r.get('engine_async')}")
-            save()
-        if args.shared_in_moe:  # the same graphed engine with the shared experts inside the grouped launches
-            try:
-                r["engine_shared"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                              shared_expert_in_moe=True))
-            except Exception as e:  # noqa: BLE001 - recorded
-                r["errors"].append(f"(e) engine with shared_expert_in_moe: {type(e).__name__}: {e}")
-            log(f"(e) shared_expert_in_moe {r.get('engine_shared')}")
+                r["errors"].append(f"(e) engine with {option}: {type(e).__name__}: {e}")
+            log(f"(e) {option} {r.get(key)}")
             save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
