@@ -320,6 +320,9 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     stats=engine.health().get("stats"))
     finally:
         await engine.aclose()
+        from qwen_engine.engine import set_shared_expert_in_moe
+
+        set_shared_expert_in_moe(model, False)  # the model's later users (phases, the oracle) get the dense path
 
 
 def main() -> None:
@@ -384,7 +387,8 @@ def main() -> None:
     t = time.perf_counter()
     tensors = random_packed_tensors(cfg, device, seed=args.seed, dtype=dtype)
     # the shared experts also stacked with the routed ones (+1.8 MB per layer) when the engine will run them inside the
-    # grouped launches in one phase; every other phase and the model-level rows keep the dense shared expert
+    # grouped launches in one phase; every other phase and the model-level rows keep the dense shared expert, and
+    # their routed calls see the routed experts only (`NVFP4Experts.forward(with_shared=False)`)
     model = load_quantized(tensors, cfg, device, dtype, shared_expert_in_moe=args.shared_in_moe)
     del tensors
     sync(device)

@@ -69,7 +69,8 @@ def load_quantized(
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
     inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the
-    other calls).
+    other calls). The stacking copies every layer's expert stacks while the source tensors are alive, so the
+    load-time peak holds a second copy of all experts until this function returns (~15 GB at full size).
     Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.
     """
     if tile_major_experts is None:

@@ -597,16 +597,22 @@ def test_engine_shared_expert_in_moe(monkeypatch):
     inside the routed experts' launches and the greedy streams equal the dense-shared-expert engine's (fp32
     activations: the registry's references; the kernels' own check is tests/test_qwen_quantized.py)."""
     from qwen_engine.model.moe import SparseMoE
+    from qwen_engine.model.quantized import NVFP4SwiGLU
 
     monkeypatch.setattr(SparseMoE, "fused", True)
+    dense_calls = []
+    dense_forward = NVFP4SwiGLU.forward
+    monkeypatch.setattr(NVFP4SwiGLU, "forward", lambda self, x: (dense_calls.append(1), dense_forward(self, x))[1])
     lengths = LENGTHS[:4]
 
     async def body(engine):
+        dense_calls.clear()
         outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)))
-        return engine.health(), [o[0] for o in outs]
+        return engine.health(), [o[0] for o in outs], len(dense_calls)
 
-    (h_on, on), (h_off, off) = (run(engine_config(weights="packed", shared_expert_in_moe=flag), body)
-                                for flag in (True, False))
+    (h_on, on, dense_on), (h_off, off, dense_off) = (
+        run(engine_config(weights="packed", shared_expert_in_moe=flag), body) for flag in (True, False))
     assert h_on["shared_expert_in_moe_layers"] == QwenConfig.tiny().num_hidden_layers
     assert h_off["shared_expert_in_moe_layers"] == 0
+    assert dense_on == 0 and dense_off > 0  # steps of <= 16 tokens: every shared expert call inside the experts
     assert on == off

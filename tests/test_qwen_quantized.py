@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from engine_core.registry import Registry
 from kernels import fp8_linear, nvfp4, w4a16_gemm
 from kernels.nvfp4 import W4A4_OP, FP8Tensor, NVFP4Tensor, fp8_linear_reference, quantize_nvfp4, w4a4_linear_reference
+from kernels.tolerance import compare
 from qwen_engine.checkpoint import NVFP4, CheckpointError, LoadedCheckpoint, load_into, save_checkpoint
 from qwen_engine.config import QwenConfig
 from qwen_engine.load_packed import load_quantized, model_bytes
@@ -262,7 +263,45 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
     assert calls == [5, big]  # the dense module ran for the first and the large call, not inside the experts
     err = rel_err(inside, dense)
     print(f"shared expert inside the grouped launches vs dense: rel err {err:.2e}")
-    assert err <= 2e-2  # same roundings; only the summation order may differ (here: none)
+    # same roundings, and at these shapes (one K tile) the same fp32 sums: equal bit for bit (the swapped-scale and
+    # 2%-off-scale mistakes a review tried gave 6.9e-3 and 1.8e-2: a tolerance would hide them)
+    assert torch.equal(inside, dense)
+    g_last = moe.experts.gate_up_global[-1].clone()
+    try:  # the shared slot's gate and up scales swapped: the output must change
+        i = moe.experts.intermediate
+        moe.experts.gate_up_global[-1] = torch.cat((g_last[i:], g_last[:i]))
+        moe.fused, moe.shared_in_experts = True, True
+        assert not torch.equal(moe(x, residual=residual), dense)
+    finally:
+        moe.experts.gate_up_global[-1] = g_last
+        moe.fused, moe.shared_in_experts = None, False
+
+
+@torch.no_grad()
+def test_shared_expert_slot_with_tile_major_experts():
+    """NVFP4Experts(shared=) repacked tile-major (experts of H = I = 256: two K tiles per projection, the shapes the
+    tiles need): the shared slot's rows equal the dense shared expert's output (NVFP4SwiGLU on the same NVFP4
+    weights, to the W4A16 tolerance: other tiles, other fp32 summation order), and routed-only calls see the E routed
+    experts."""
+    from qwen_engine.model.quantized import NVFP4Experts, NVFP4SwiGLU
+
+    e, h, i, k, t = 3, 256, 256, 2, 5
+    g = torch.Generator().manual_seed(12)
+    q = lambda *shape: NVFP4Tensor(*quantize_nvfp4(torch.randn(*shape, generator=g) * 0.05))  # noqa: E731
+    gu, dn = q(e, 2 * i, h), q(e, h, i)
+    s_gate, s_up, s_down = q(i, h), q(i, h), q(h, i)
+    dense = NVFP4SwiGLU(s_gate, s_up, s_down, registry=registry())
+    experts = NVFP4Experts(gu, dn, registry(), shared=(dense.gate_up_proj.weight_nvfp4,
+                                                       dense.down_proj.weight_nvfp4))
+    assert experts.to_tile_major() and experts.shared_index == e
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.softmax(torch.randn(t, k, generator=g), -1).to(torch.bfloat16)
+    rows = experts(x, torch.cat((idx, torch.full((t, 1), e)), 1), torch.cat((wts, torch.ones(t, 1)), 1),
+                   reduce=False, with_shared=True)
+    assert compare(rows[:, k], dense(x)) is None, compare(rows[:, k], dense(x))
+    routed_only = experts(x, idx, wts, reduce=False)
+    assert torch.equal(routed_only, rows[:, :k])
 
 
 @torch.no_grad()

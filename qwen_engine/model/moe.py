@@ -152,7 +152,7 @@ class SparseMoE(nn.Module):
             n, k = idx.shape
             idx = torch.cat((idx, idx.new_full((n, 1), self.experts.shared_index)), 1)  # [N, k + 1]
             weights = torch.cat((weights, weights.new_ones((n, 1))), 1)  # the shared output unscaled (gated below)
-            rows = self.experts(x, idx, weights, reduce=False)  # [N, k + 1, H]
+            rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
             routed, shared = rows[:, :k], rows[:, k]
         else:
             routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine

@@ -379,9 +379,16 @@ class NVFP4Experts(_Dispatch):
     def down_nvfp4(self) -> NVFP4Tensor:
         return NVFP4Tensor(self.down_packed, self.down_scales, self.down_global)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype; `reduce=False`: [N, k, H] unsummed (moe.Experts)."""
-        return self._call(x, self.gate_up_nvfp4, self.down_nvfp4, idx, weights.to(x.dtype), reduce, self.tiled)
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, reduce: bool = True,
+                with_shared: bool = False) -> torch.Tensor:
+        """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype; `reduce=False`: [N, k, H] unsummed (moe.Experts).
+        `with_shared`: idx may name the stacked shared expert (`shared_index`); otherwise the launches see the
+        routed experts only (views of the first E: the alignment and the kernels size for E, not E + 1)."""
+        w13, w2 = self.gate_up_nvfp4, self.down_nvfp4
+        if self.shared_index is not None and not with_shared:
+            e = self.num_experts
+            w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
+        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, self.tiled)
 
     def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Dense stacks in `Experts`' parameter names (full size in bf16: 2.1 GB per layer; dequantise per layer)."""
