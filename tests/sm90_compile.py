@@ -79,16 +79,18 @@ def main() -> int:
     # a real compile checks) and scale look-ahead
     # (the fourth: the down projection's checkpoint-layout defaults, GROUPED_MODES[False])
     # and the engine's tile-major experts (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128, down 64 x 128, DEQ 2,
-    # scales 1 ahead)
-    for bn, bk, deq, ahead, swiglu, tiled in ((32, 128, 2, 1, True, 0), (32, 128, 1, 2, True, 1),
-                                              (64, 256, 2, 0, True, 0), (64, 128, 2, 2, False, 0),
-                                              (32, 128, 2, 1, True, 1), (64, 128, 2, 1, False, 1)):
+    # scales 1 ahead), and its prefill programs over several stored tiles (TILE_MAJOR_PREFILL: gate_up 64 wide over
+    # tiles of 32 rows, BLOCK_M 32)
+    for bn, bk, deq, ahead, swiglu, tiled, tile_n, bm in (
+            (32, 128, 2, 1, True, 0, 0, 16), (32, 128, 1, 2, True, 1, 32, 16), (64, 256, 2, 0, True, 0, 0, 16),
+            (64, 128, 2, 2, False, 0, 0, 16), (32, 128, 2, 1, True, 1, 32, 16), (64, 128, 2, 1, False, 1, 64, 16),
+            (64, 128, 2, 1, True, 1, 32, 32)):
         what = "SwiGLU" if swiglu else "routing weight"
-        ok.append(compile_one(f"w4a16 grouped BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} TILED={tiled} "
-                              f"({what}, bf16)",
+        ok.append(compile_one(f"w4a16 grouped BLOCK_M={bm} BLOCK_N={bn} BLOCK_K={bk} DEQ={deq} SCALE_AHEAD={ahead} "
+                              f"TILED={tiled} TILE_N={tile_n} ({what}, bf16)",
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
-                              dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, BLOCK_M=16, BLOCK_N=bn,
-                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled)))
+                              dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn,
+                                   BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, TILE_N=tile_n)))
     # the dense W4A16 kernel: split K reduced in the kernel (arrival counter, acq_rel atomics, .cg loads) with the
     # shared expert's SwiGLU epilogue, the same without SwiGLU, and split K left to torch (REDUCE off)
     dense = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("y", "*bf16"),
