@@ -361,3 +361,26 @@ def test_warmup_readiness_and_health():
     assert engine.warmup_stats["image.batches"] >= 4 and engine.warmup_stats["image.batch_size.max"] == 8
     assert engine.warmup_stats["grounding.batch_size.max"] == 16
     assert after["stats"]["submitted"] == 0 and after["prompt_cache"]["size"] == 0  # warm-up forgotten
+
+
+def test_release_when_idle_skips_the_wait_budgets_of_a_lone_request():
+    """release_when_idle (EngineConfig -> both scheduler stages): with minute-long wait budgets a lone request still
+    completes at once while nothing else runs; without it, the same engine keeps it queued until its deadline (the
+    budget, not the model, is what it waits for)."""
+    image = encode(Image.fromarray(photos()[3]))
+
+    async def go(engine):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        result = await engine.segment(image, ["person"], timeout_s=30.0)
+        return result, loop.time() - t0
+
+    budgets = {"image_wait_ms": 60_000.0, "pair_wait_ms": 60_000.0}
+    result, elapsed = run_engine(go, release_when_idle=True, **budgets)
+    assert elapsed < 30.0 and result.prompts[0].prompt == "person"
+
+    async def waits(engine):
+        with pytest.raises(DeadlineExceeded):
+            await engine.segment(image, ["person"], timeout_s=0.5)
+
+    run_engine(waits, **budgets)  # off (the default): the minute-long image budget holds it past its deadline
