@@ -45,26 +45,94 @@ class CaptureError(RuntimeError):
 _FIELDS = ("ids", "positions", "slot_mapping", "context_lens", "state_slots")  # then block_tables
 
 
-class DecodeGraphs:
+class BucketGraphs:
+    """What the decode and prefill graphs share: a forward per bucket over static buffers (`_forward(b)`, the
+    subclass's), captured as CUDA graphs ("capture") or run eagerly ("static"); the static inputs uploaded from a
+    pinned host block (`_host` -> `_dev`) whose rewrite waits for the previous upload; replay counts and stats."""
+
+    kind = "bucket"  # "decode" / "prefill": names in errors and logs
+    unit = "bucket sizes"  # what a bucket counts, for the log
+
+    def __init__(self, model, cache: PagedCache, buckets: tuple[int, ...], device: torch.device, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"{self.kind} graph mode must be one of {MODES}, got {mode!r}")
+        if mode == "capture" and torch.device(device).type != "cuda":
+            raise ValueError(f"{self.kind} graph mode 'capture' needs a CUDA device ('static' runs the same path "
+                             f"eagerly)")
+        self.model, self.cache, self.mode = model, cache, mode
+        self.buckets = tuple(sorted(set(buckets)))
+        self.bmax = self.buckets[-1]
+        self.device = torch.device(device)
+        self.block_size = cache.block_size
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.capture_s: float | None = None
+        self.replays = {b: 0 for b in self.buckets}
+        self._copied: torch.cuda.Event | None = None
+
+    def _forward(self, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _capture(self, check=None) -> float:
+        """`warm_and_capture` of every bucket, kept only if every bucket captured ('static': nothing, 0 s)."""
+        if self.mode != "capture":
+            return 0.0
+        t0 = time.perf_counter()
+        self._graphs, self._outputs = warm_and_capture(self._forward, self.buckets, self.device,
+                                                       f"{self.kind} graph ({self.unit})", check)
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %s graphs for %s %s in %.1f s", self.kind, self.unit, list(self.buckets), self.capture_s)
+        return self.capture_s
+
+    @property
+    def captured(self) -> bool:
+        return len(self._graphs) == len(self.buckets)
+
+    def _host_free(self) -> None:
+        """Wait until the last upload has left the pinned host block (normally long done: it ran before the replay
+        the host has since waited for, or before the step now running ahead of this one with async_decode)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def _upload(self, end: int) -> None:
+        """Copy the host block's first `end` entries to the device (non-blocking) and mark when that is done."""
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _replay(self, b: int) -> torch.Tensor:
+        """The bucket's forward over the uploaded inputs: its graph's replay, or the forward itself ('static')."""
+        self.replays[b] += 1
+        if self.mode == "capture":
+            self._graphs[b].replay()
+            return self._outputs[b]
+        with torch.inference_mode():
+            return self._forward(b)
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "buckets": list(self.buckets), "captured": self.captured,
+                "capture_s": None if self.capture_s is None else round(self.capture_s, 2),
+                "replays": {str(b): n for b, n in self.replays.items() if n}}
+
+
+class DecodeGraphs(BucketGraphs):
     """Per-bucket decode forwards over static buffers; `run(rows)` -> logits [n, vocab]."""
+
+    kind, unit = "decode", "batch sizes"
 
     def __init__(self, model, cache: PagedCache, *, buckets: tuple[int, ...], max_blocks: int, scratch_block: int,
                  scratch_slot: int, device: torch.device, gdn_decode, decode_attention, gdn_prep=None,
                  mode: str = "capture"):
-        if mode not in MODES:
-            raise ValueError(f"decode graph mode must be one of {MODES}, got {mode!r}")
-        if mode == "capture" and torch.device(device).type != "cuda":
-            raise ValueError("decode graph mode 'capture' needs a CUDA device ('static' runs the same path eagerly)")
+        super().__init__(model, cache, buckets, device, mode)
         if decode_attention is None:
             raise ValueError("decode graphs need a paged decode attention op (kernels/paged_attention.py)")
-        self.model, self.cache, self.mode = model, cache, mode
-        self.buckets = tuple(sorted(buckets))
-        self.device = torch.device(device)
-        self.block_size = cache.block_size
         self.max_blocks = max_blocks
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
-        bmax = self.buckets[-1]
-        self.bmax = bmax
+        bmax = self.bmax
         n = len(_FIELDS) * bmax + bmax * max_blocks
         pin = self.device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -81,11 +149,6 @@ class DecodeGraphs:
                          gdn_prep=gdn_prep)
             for b in self.buckets}
         self._ids = views["ids"]
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self.capture_s: float | None = None
-        self.replays = {b: 0 for b in self.buckets}
-        self._copied: torch.cuda.Event | None = None
 
     def _views(self, flat):
         bmax = self.bmax
@@ -103,9 +166,6 @@ class DecodeGraphs:
         h["state_slots"][lo:hi] = self.scratch_slot
         h["block_tables"][lo:hi] = self.scratch_block
 
-    def bucket_for(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
-
     def _forward(self, b: int) -> torch.Tensor:
         return self.model.forward_paged(self._ids[:b], self._batches[b], self.cache, None)
 
@@ -114,25 +174,12 @@ class DecodeGraphs:
         """`warm_and_capture` of every bucket; the graphs are kept only if every bucket captured. Touches only the
         scratch block and state row. `blockers()` (after the warm-up) lists the chosen implementations that cannot
         be captured (host reads); any -> CaptureError before capturing. Returns seconds taken ('static': 0)."""
-        if self.mode != "capture":
-            return 0.0
-        t0 = time.perf_counter()
-
         def check() -> None:
             found = list(blockers()) if blockers is not None else []
             if found:
                 raise CaptureError("decode graphs cannot be captured: " + "; ".join(found))
 
-        graphs, outputs = warm_and_capture(self._forward, self.buckets, self.device, "decode graph (batch size)",
-                                           check)
-        self._graphs, self._outputs = graphs, outputs  # all or nothing
-        self.capture_s = time.perf_counter() - t0
-        log.info("captured decode graphs for batch sizes %s in %.1f s", list(self.buckets), self.capture_s)
-        return self.capture_s
-
-    @property
-    def captured(self) -> bool:
-        return len(self._graphs) == len(self.buckets)
+        return self._capture(check)
 
     def run(self, rows: list[tuple[int, int, tuple[int, ...], int]],
             fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -144,9 +191,7 @@ class DecodeGraphs:
         b = self.bucket_for(n)
         if b is None or n == 0:
             raise ValueError(f"{n} decode rows: the largest decode graph holds {self.bmax}")
-        if self._copied is not None:  # normally long done: the previous step's input copy ran before its replay,
-            self._copied.synchronize()  # which the host has waited for (serial), or which is the step now running
-            #                             ahead of this one (async_decode: its copy followed the step before it)
+        self._host_free()
         h, bs = self._host_views, self.block_size
         for i, (tok, pos, table, slot) in enumerate(rows):
             nb = len(table)
@@ -160,26 +205,11 @@ class DecodeGraphs:
             h["state_slots"][i] = slot
             h["block_tables"][i, :nb] = table  # entries past the context are never read (the kernel's bounds)
         self._pad_rows(n, b)  # rows a previous, larger step filled
-        # one H2D copy of the fields and the first b block-table rows (a prefix of the layout); the pinned source is
-        # rewritten by the next call only once this copy has completed (the event above)
-        end = len(_FIELDS) * self.bmax + b * self.max_blocks
-        self._dev[:end].copy_(self._host[:end], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        # one H2D copy of the fields and the first b block-table rows (a prefix of the layout)
+        self._upload(len(_FIELDS) * self.bmax + b * self.max_blocks)
         if fed is not None:
             self._ids[:n].copy_(fed[0].index_select(0, fed[1]))
-        self.replays[b] += 1
-        if self.mode == "capture":
-            self._graphs[b].replay()
-            return self._outputs[b][:n]
-        with torch.inference_mode():
-            return self._forward(b)[:n]
-
-    def stats(self) -> dict:
-        return {"mode": self.mode, "buckets": list(self.buckets), "captured": self.captured,
-                "capture_s": None if self.capture_s is None else round(self.capture_s, 2),
-                "replays": {str(b): n for b, n in self.replays.items() if n}}
+        return self._replay(b)[:n]
 
 
 def warm_and_capture(forward, buckets: tuple[int, ...], device: torch.device, what: str,

@@ -263,35 +263,31 @@ class QwenEngine:
             self._wake = asyncio.Event()
             self._closing = False
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="qwen-step-loop")
-        graphs = self.runner.graphs
-        if graphs is not None and graphs.mode == "capture" and not graphs.captured:
-            from .decode_graphs import CaptureError
-
-            try:  # blocking (kernel warm-up + capture, seconds): on the step worker, which is idle before ready
-                await asyncio.get_running_loop().run_in_executor(self._worker, self.runner.capture_decode_graphs)
-            except CaptureError as exc:
-                if self.cfg.decode_graphs == "auto":  # eager decode still works: slower, not wrong
-                    log.warning("%s; decode runs eagerly (decode_graphs: auto)", exc)
-                    self.runner.disable_graphs(str(exc))
-                else:
-                    await self.aclose()
-                    raise RuntimeError(f"{exc}; set decode_graphs: auto or off to run decode eagerly") from exc
-        pgraphs = self.runner.prefill_graphs
-        if pgraphs is not None and pgraphs.mode == "capture" and not pgraphs.captured:
-            from .decode_graphs import CaptureError
-
-            try:
-                await asyncio.get_running_loop().run_in_executor(self._worker, self.runner.capture_prefill_graphs)
-            except CaptureError as exc:
-                if self.cfg.prefill_graphs == "auto":  # eager prefill still works: slower, not wrong
-                    log.warning("%s; prefill runs eagerly (prefill_graphs: auto)", exc)
-                    self.runner.disable_prefill_graphs(str(exc))
-                else:
-                    await self.aclose()
-                    raise RuntimeError(f"{exc}; set prefill_graphs: auto or off to run prefill eagerly") from exc
+        runner = self.runner
+        await self._capture("decode", runner.graphs, runner.capture_decode_graphs, runner.disable_graphs)
+        await self._capture("prefill", runner.prefill_graphs, runner.capture_prefill_graphs,
+                            runner.disable_prefill_graphs)
         if self.cfg.warmup and self.warmup_s is None:
             await self.warmup()
         self._ready = True
+
+    async def _capture(self, kind: str, graphs, capture, disable) -> None:
+        """Capture the runner's `kind` ("decode" / "prefill") graphs if configured and not yet captured. On a
+        CaptureError: with `{kind}_graphs: auto` that kind runs eagerly (slower, not wrong; health says why), with an
+        explicit "capture" the engine closes and start() fails with a clear error."""
+        if graphs is None or graphs.mode != "capture" or graphs.captured:
+            return
+        from .decode_graphs import CaptureError
+
+        try:  # blocking (kernel warm-up + capture, seconds): on the step worker, which is idle before ready
+            await asyncio.get_running_loop().run_in_executor(self._worker, capture)
+        except CaptureError as exc:
+            if getattr(self.cfg, f"{kind}_graphs") == "auto":
+                log.warning("%s; %s runs eagerly (%s_graphs: auto)", exc, kind, kind)
+                disable(str(exc))
+            else:
+                await self.aclose()
+                raise RuntimeError(f"{exc}; set {kind}_graphs: auto or off to run {kind} eagerly") from exc
 
     async def aclose(self) -> None:
         """Stop admitting, finish the step in flight, answer every unanswered request with "abort", stop."""

@@ -31,18 +31,12 @@ eagerly: what the CPU tests compare against the plain path).
 
 from __future__ import annotations
 
-import logging
-import time
-
 import numpy as np
 import torch
 
-from .decode_graphs import warm_and_capture
+from .decode_graphs import BucketGraphs
 from .model.paged import FlatBatch, GDNSlots, PagedCache
 
-log = logging.getLogger(__name__)
-
-MODES = ("capture", "static")
 # tokens. Each bucket costs start-up time: on the H200 (2026-11-30, results/qwen_profile_run11) one 1,024-token
 # bucket took 87 s to warm (Triton and fla compile + autotune at the new shapes) and capture in a fresh process; five
 # buckets (128 .. 2048) did not finish within ~180 s. Three buckets: at most 4x padding below 256 tokens (cheap: the
@@ -60,23 +54,17 @@ def default_buckets(max_num_batched_tokens: int, max_model_len: int) -> tuple[in
     return tuple(buckets)
 
 
-class PrefillGraphs:
+class PrefillGraphs(BucketGraphs):
     """Per-bucket prefill forwards of one sequence from position 0; `run(tokens, block_table, state_slot)` -> logits
     [1, vocab] at the last token."""
 
+    kind, unit = "prefill", "tokens"
+
     def __init__(self, model, cache: PagedCache, *, buckets: tuple[int, ...], scratch_block: int, scratch_slot: int,
                  device: torch.device, gdn_chunk=None, mode: str = "capture"):
-        if mode not in MODES:
-            raise ValueError(f"prefill graph mode must be one of {MODES}, got {mode!r}")
-        if mode == "capture" and torch.device(device).type != "cuda":
-            raise ValueError("prefill graph mode 'capture' needs a CUDA device ('static' runs the same path eagerly)")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"prefill graph buckets must be positive token counts, got {buckets!r}")
-        self.model, self.cache, self.mode = model, cache, mode
-        self.buckets = tuple(sorted(set(buckets)))
-        self.bmax = self.buckets[-1]
-        self.device = torch.device(device)
-        self.block_size = cache.block_size
+        super().__init__(model, cache, buckets, device, mode)
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         pin = self.device.type == "cuda"
         n = 2 * self.bmax + 3
@@ -96,11 +84,6 @@ class PrefillGraphs:
                          num_decode=0, block_size=self.block_size, gdn_chunk=gdn_chunk, valid_tokens=d["valid"])
             for b in self.buckets}
         self._warmup_content()
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self.capture_s: float | None = None
-        self.replays = {b: 0 for b in self.buckets}
-        self._copied: torch.cuda.Event | None = None
 
     def _views(self, flat):
         m = self.bmax
@@ -112,9 +95,6 @@ class PrefillGraphs:
         run on, so that they touch nothing of the scheduler's."""
         self._fill(np.zeros(1, dtype=np.int64), (self.scratch_block,), self.scratch_slot)
         self._dev.copy_(self._host)
-
-    def bucket_for(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
 
     def _fill(self, tokens: np.ndarray, table: tuple[int, ...], slot: int) -> None:
         """Host buffers for a chunk of len(tokens) tokens at positions 0.. of a sequence with `table`, state row
@@ -147,19 +127,9 @@ class PrefillGraphs:
         eagerly. Returns seconds taken ('static': 0)."""
         if self.mode != "capture":
             return 0.0
-        t0 = time.perf_counter()
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._host_free()
         self._warmup_content()
-        graphs, outputs = warm_and_capture(self._forward, self.buckets, self.device, "prefill graph (tokens)")
-        self._graphs, self._outputs = graphs, outputs
-        self.capture_s = time.perf_counter() - t0
-        log.info("captured prefill graphs for %s tokens in %.1f s", list(self.buckets), self.capture_s)
-        return self.capture_s
-
-    @property
-    def captured(self) -> bool:
-        return len(self._graphs) == len(self.buckets)
+        return self._capture()
 
     def run(self, tokens, block_table: tuple[int, ...], state_slot: int) -> torch.Tensor:
         """One prefill chunk of `tokens` at positions 0.. -> logits [1, vocab] at its last token (a view of the
@@ -170,21 +140,7 @@ class PrefillGraphs:
             raise ValueError(f"a {n}-token prefill: the largest prefill graph holds {self.bmax}")
         if len(block_table) * self.block_size < n:
             raise ValueError(f"{n} tokens do not fit the {len(block_table)} blocks of {self.block_size} given")
-        if self._copied is not None:  # the pinned source may be rewritten once the last copy has completed
-            self._copied.synchronize()
+        self._host_free()
         self._fill(np.asarray(tokens, dtype=np.int64), block_table, state_slot)
-        self._dev.copy_(self._host, non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        self.replays[b] += 1
-        if self.mode == "capture":
-            self._graphs[b].replay()
-            return self._outputs[b]
-        with torch.inference_mode():
-            return self._forward(b)
-
-    def stats(self) -> dict:
-        return {"mode": self.mode, "buckets": list(self.buckets), "captured": self.captured,
-                "capture_s": None if self.capture_s is None else round(self.capture_s, 2),
-                "replays": {str(b): n for b, n in self.replays.items() if n}}
+        self._upload(self._host.numel())
+        return self._replay(b)
