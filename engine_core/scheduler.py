@@ -385,8 +385,7 @@ class PipelineScheduler(SchedulerInterface[SegmentRequest]):
             return None
         now = self.clock.now()
         # `now >= enqueued + wait` (not `now - enqueued >= wait`) so a FakeClock set to next_wakeup() releases exactly.
-        idle = cfg.release_when_idle and not self.running_batches(stage)
-        if len(queue) < cfg.max_batch_size and now < queue[0].enqueued_s + cfg.max_wait_s and not idle:
+        if not self._release_now(stage) and now < queue[0].enqueued_s + cfg.max_wait_s:
             return None
         n = min(len(queue), cfg.max_batch_size)
         items = tuple(queue.popleft() for _ in range(n))
@@ -468,8 +467,7 @@ class PipelineScheduler(SchedulerInterface[SegmentRequest]):
         for stage in self.stages:
             cfg, queue = self.config.stage(stage), self._queues[stage]
             if queue and len(self.running_batches(stage)) < cfg.max_inflight_batches:
-                now_ok = len(queue) >= cfg.max_batch_size or (cfg.release_when_idle and not self.running_batches(stage))
-                times.append(self.clock.now() if now_ok else queue[0].enqueued_s + cfg.max_wait_s)
+                times.append(self.clock.now() if self._release_now(stage) else queue[0].enqueued_s + cfg.max_wait_s)
         times += [live.request.deadline_s for live in self._live.values() if live.request.deadline_s is not None]
         return min(times, default=None)
 
@@ -478,6 +476,13 @@ class PipelineScheduler(SchedulerInterface[SegmentRequest]):
         return answers
 
     # ---- internals
+
+    def _release_now(self, stage: Stage) -> bool:
+        """A queued partial batch need not wait out its budget: the queue is full, or (release_when_idle) none of
+        the stage's batches is running."""
+        cfg = self.config.stage(stage)
+        return len(self._queues[stage]) >= cfg.max_batch_size or (
+            cfg.release_when_idle and not self.running_batches(stage))
 
     def _check_running(self, batch: Batch) -> None:
         if self._running.get(batch.batch_id) is not batch:

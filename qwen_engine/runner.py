@@ -240,9 +240,10 @@ class ModelRunner:
         resets = [s.state_slot for s in plan.seqs if s.reset_state]
         if resets:
             self.cache.reset_slots(put(resets))
-        input_ids = put([t for s in plan.seqs for t in s.token_ids])
         if fed is not None:  # a decode-only plan formed ahead: one input per row, from the feeding step's samples
             input_ids = fed[0].index_select(0, fed[1])
+        else:
+            input_ids = put([t for s in plan.seqs for t in s.token_ids])
         last = [batch.starts[i + 1] - 1 for i, s in enumerate(plan.seqs) if s.sample]
         if not last:  # every row is a mid-prompt chunk: state advances, nothing to sample
             self.model.forward_paged(input_ids, batch, self.cache, put([0]))
