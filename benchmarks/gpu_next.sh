@@ -20,8 +20,10 @@
 #  10. the sixth session's open GPU checks: the prefill-graph tests on CUDA (the redesigned bf16 case never ran on a
 #      GPU) and fla's fixed-length call (`test_kernel_gdn_chunk.py`), then the grouped kernel's prefill tiles
 #      (`moe_prefill_bench.py`) and the engine's TTFT with the default prefill buckets (start-up time included);
-#  11. the speed run with async_decode, and with shared_expert_in_moe, beside the defaults (written 2026-11-30, sixth
-#      session; CPU-tested only).
+#  11. the engine's speed with async_decode, with shared_expert_in_moe and with both, beside the defaults (written
+#      2026-11-30, sixth session; CPU-tested only). Engines only (--engine-only), one prefill bucket each.
+#  12. the engine with its experts in split halves (the swap-AB kernel, the default on CUDA since the seventh session)
+#      beside the same engine with them tile-major (the grouped kernel), then the swapped kernel's GPU tests.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -34,7 +36,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="8" bash benchmarks/gpu_next.sh       # ~6 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="9" bash benchmarks/gpu_next.sh       # ~4 min (ran: run 10 / 11)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="10" bash benchmarks/gpu_next.sh      # ~9 min (one call)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="11" bash benchmarks/gpu_next.sh      # ~9 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="11" bash benchmarks/gpu_next.sh      # ~6.5 min (ran: run 12)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="12" bash benchmarks/gpu_next.sh      # ~8.5 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -123,16 +126,27 @@ say "10. prefill graphs and fla's fixed-length call on CUDA; MoE prefill tiles; 
 timeout 200 python -m pytest -q -rA -p no:cacheprovider tests/test_prefill_graphs.py tests/test_kernel_gdn_chunk.py \
   > "$R/prefill_tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$R/prefill_tests.log" | tail -5
-timeout 120 python benchmarks/moe_prefill_bench.py --tokens 1024 --out "$R/moe_prefill" > "$R/moe_prefill.log" 2>&1
-grep -E "^\| 1024" "$R/moe_prefill/moe_prefill_bench.md" | head -20
-timeout 250 python benchmarks/qwen_profile.py --engine-prefill --batches "" --out "$R/qwen_prefill" \
+if [ -n "${MOE_BENCH:-}" ]; then  # ran 2026-11-30 (results/moe_prefill_bench_run1): off unless asked for
+  timeout 120 python benchmarks/moe_prefill_bench.py --tokens 1024 --out "$R/moe_prefill" > "$R/moe_prefill.log" 2>&1
+  grep -E "^\| 1024" "$R/moe_prefill/moe_prefill_bench.md" | head -20
+fi
+timeout 340 python benchmarks/qwen_profile.py --engine-prefill --batches "" --out "$R/qwen_prefill" \
   > "$R/qwen_prefill.log" 2>&1
 grep -E "started|ttft_ms_median" "$R/qwen_prefill.log" | cut -c1-300
 fi
 if want 11; then
-say "11. Qwen speed with the default prefill buckets, then with async_decode and with shared_expert_in_moe"
-timeout 540 python benchmarks/qwen_gpu.py --skip-transformers --decode-tokens 48 --ttft-reps 2 --async-decode \
-  --shared-in-moe --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
+say "11. Qwen engine speed: defaults, with async_decode, with shared_expert_in_moe, with both (one prefill bucket)"
+timeout 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --async-decode \
+  --shared-in-moe --prefill-buckets 1024 --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_async/qwen_gpu.md"
+fi
+if want 12; then
+say "12. Qwen engine on split-halves experts (swap-AB kernel) beside tile-major (grouped kernel); their GPU tests"
+timeout 400 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --compare-layout tile_major --out "$R/qwen_layout" > "$R/qwen_layout.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_layout/qwen_gpu.md"
+timeout 110 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_swapped.py tests/test_kernel_w4a16.py \
+  -k "swapped or repacked or self_check" > "$R/swapped_tests.log" 2>&1
+grep -E "passed|failed" "$R/swapped_tests.log" | tail -2
 fi
 say "done"

@@ -187,6 +187,18 @@ def markdown(r: dict) -> str:
             f"{fmt((r.get('engine_shared') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
             f"{fmt(((r.get('engine_shared') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
             f"| - |",
+            f"| (e) engine with async_decode and shared_expert_in_moe: decode tok/s, lone request / all {st.get('n')} "
+            f"streams decoding | {fmt((r.get('engine_both') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
+            f"{fmt(((r.get('engine_both') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
+            f"| - |",
+            f"| (e) engine with the experts in the {(r.get('engine_layout') or {}).get('layout')} layout: decode "
+            f"tok/s, "
+            f"lone request / all {st.get('n')} streams decoding / TTFT ms | "
+            f"{fmt((r.get('engine_layout') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
+            f"{fmt(((r.get('engine_layout') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} / "
+            f"{fmt((r.get('engine_layout') or {}).get('lone', {}).get('ttft_ms'))} | - |",
+            f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
+            f" | {fmt(e.get('start_s'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
             f"{fmt(st.get('output_tok_per_s'))} ({fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}) "
             f"| - |",
@@ -254,7 +266,8 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
 
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
                        decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
-                       async_decode: bool = False, shared_expert_in_moe: bool = False) -> dict:
+                       async_decode: bool = False, shared_expert_in_moe: bool = False,
+                       prefill_buckets: tuple = ()) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -265,9 +278,12 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
-                            async_decode=async_decode, shared_expert_in_moe=shared_expert_in_moe)
+                            async_decode=async_decode, shared_expert_in_moe=shared_expert_in_moe,
+                            prefill_buckets=tuple(prefill_buckets))
     engine = QwenEngine(ecfg, model=model)
-    await engine.start()
+    t_start = time.perf_counter()
+    await engine.start()  # warm-up, kernel self-checks, graph captures (compile + autotune when the cache is cold)
+    start_s = time.perf_counter() - t_start
 
     async def one(ids: list[int], n: int) -> dict:
         t0 = time.perf_counter()
@@ -303,7 +319,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
             ref = greedy_ours(model, prompt.to(device), n_chk)[0]
         lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
-            return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
+            return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s, runner=engine.health().get("runner"),
                         kernel_checks=engine.health().get("kernel_checks"), async_decode=async_decode,
                         steps_ahead=engine.scheduler.stats.steps_ahead)
         t0 = time.perf_counter()
@@ -311,7 +327,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
-                    kernel_checks=engine.health().get("kernel_checks"), async_decode=async_decode,
+                    kernel_checks=engine.health().get("kernel_checks"), async_decode=async_decode, start_s=start_s,
+                    prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,
                     dropped_tokens=engine.scheduler.stats.dropped_tokens,
                     streams=dict(n=streams, output_tok_per_s=sum(m["tokens"] for m in many) / wall, wall_s=wall,
@@ -345,6 +362,14 @@ def main() -> None:
                          "grouped launches), side by side")
     ap.add_argument("--async-decode", action="store_true",
                     help="(e) once more with the engine's async_decode (decode steps overlapped), side by side")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="(e) only: skip the model-level phases (a)-(c), the engine without graphs and the oracle")
+    ap.add_argument("--prefill-buckets", default="",
+                    help="the (e) engines' prefill-graph token buckets, comma-separated ('' = the engine default; each "
+                         "bucket costs start-up time)")
+    ap.add_argument("--compare-layout", default="", choices=["", "checkpoint", "tile_major", "split_halves"],
+                    help="(e) once more with the routed experts repacked into this byte layout (NVFP4Experts.repack; "
+                         "the run's own is the loader's default), side by side")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
                     help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; needs >= 4 for a full-attention layer)")
     ap.add_argument("--only-oracle", action="store_true",
@@ -393,7 +418,10 @@ def main() -> None:
     del tensors
     sync(device)
     kinds = packed_modules(model)
+    from qwen_engine.engine import expert_layouts
+
     r["build"] = dict(seconds=time.perf_counter() - t, packed_modules=len(kinds),
+                      expert_layouts=expert_layouts(model),
                       bytes_by_dtype={k: gib(v) for k, v in model_bytes(model).items()})
     r["memory"] = dict(model_gib=gib(sum(model_bytes(model).values())))
     if device.type == "cuda":
@@ -409,7 +437,7 @@ def main() -> None:
         r["build"]["fp8_input_amax"] = dict(min=amax[0], median=amax[len(amax) // 2], max=amax[-1], n=len(amax))
         log(f"calibrated FP8 input scales: {r['build']['fp8_input_amax']}")
 
-    if not args.only_oracle:
+    if not args.only_oracle and not args.engine_only:
         # ---- (b) TTFT and (a) single-stream decode ---------------------------------------------------------------------
         log("warm-up (Triton autotuning for prefill and decode shapes)")
         prefill_then_decode(model, rand(1, ctx), steps=2)
@@ -442,36 +470,63 @@ def main() -> None:
         log(f"(c) {r.get('decode_streams')}")
         save()
 
+    buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
+    if not args.only_oracle:
         # ---- (e) the same through the serving engine (QwenEngine: continuous batching, paged KV, sampling) ---------
         try:
-            r["engine"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand))
+            r["engine"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                   prefill_buckets=buckets))
         except Exception as e:  # noqa: BLE001 - recorded, the oracle still runs
             r["errors"].append(f"(e) engine: {type(e).__name__}: {e}")
         log(f"(e) {r.get('engine')}")
         save()
-        try:  # the same engine without decode graphs, lone request only: the graphs' side-by-side ratio
-            r["engine_eager"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                         decode_graphs="off", lone_only=True,
-                                                         prefill_graphs="off"))
-        except Exception as e:  # noqa: BLE001 - recorded
-            r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
-        log(f"(e) without graphs {r.get('engine_eager')}")
-        # the same graphed engine with one option on, side by side: decode steps overlapped (async_decode); the
-        # shared experts inside the grouped launches (shared_expert_in_moe)
-        variants = (("engine_async", "async_decode", args.async_decode),
-                    ("engine_shared", "shared_expert_in_moe", args.shared_in_moe))
-        for key, option, wanted in variants:
+        if not args.engine_only:
+            try:  # the same engine without decode graphs, lone request only: the graphs' side-by-side ratio
+                r["engine_eager"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                             decode_graphs="off", lone_only=True,
+                                                             prefill_graphs="off"))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
+            log(f"(e) without graphs {r.get('engine_eager')}")
+        # the same graphed engine with options on, side by side: decode steps overlapped (async_decode); the shared
+        # experts inside the grouped launches (shared_expert_in_moe); both
+        variants = (("engine_async", dict(async_decode=True), args.async_decode),
+                    ("engine_shared", dict(shared_expert_in_moe=True), args.shared_in_moe),
+                    ("engine_both", dict(async_decode=True, shared_expert_in_moe=True),
+                     args.async_decode and args.shared_in_moe))
+        for key, options, wanted in variants:
             if not wanted:
                 continue
             try:
-                r[key] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand, **{option: True}))
+                r[key] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                  prefill_buckets=buckets, **options))
             except Exception as e:  # noqa: BLE001 - recorded
-                r["errors"].append(f"(e) engine with {option}: {type(e).__name__}: {e}")
-            log(f"(e) {option} {r.get(key)}")
+                r["errors"].append(f"(e) engine with {options}: {type(e).__name__}: {e}")
+            log(f"(e) {options} {r.get(key)}")
+            save()
+        if args.compare_layout:  # the same engine on the same weights in another expert byte layout
+            from kernels.w4a16_gemm import EXPERT_LAYOUTS
+            from qwen_engine.model.quantized import NVFP4Experts
+
+            experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
+            own = {id(m): m.layout for m in experts}
+            try:
+                if not all(m.repack(EXPERT_LAYOUTS[args.compare_layout]) for m in experts):
+                    raise ValueError(f"experts do not split into the {args.compare_layout} tiles")
+                r["engine_layout"] = dict(layout=args.compare_layout, **asyncio.run(engine_phase(
+                    model, cfg, device, ctx, steps, streams, rand, prefill_buckets=buckets)))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine with {args.compare_layout} experts: {type(e).__name__}: {e}")
+            finally:
+                for m in experts:
+                    m.repack(own[id(m)])
+            log(f"(e) {args.compare_layout} experts {r.get('engine_layout')}")
             save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         save()
+    if args.engine_only:
+        return
 
     # ---- (d) oracle ------------------------------------------------------------------------------------------------
     prompts = rand(oracle_prompts, olen)

@@ -62,8 +62,9 @@ Where the time goes at 32 streams (H200, 2026-11-30, `benchmarks/w4a16_bench.py`
 the checkpoint layout, so neither the ALU work (DEQ 2 halves the loop's instructions: 4-6% per call) nor the scale
 latency (one tile ahead: 0-5% more) is the main limit; the access pattern was part of it (each K tile reads 64-byte
 pieces of rows 1 KB apart): the grouped kernel's TILED mode reads weights repacked by `tile_major`, each (row tile,
-K tile) one contiguous block, 20% faster at 32 tokens (~1.1 TB/s) -- the engine's layout on CUDA (TILE_MAJOR_TILES,
-TILE_MAJOR_MODES; `qwen_engine.model.quantized.NVFP4Experts.to_tile_major`).
+K tile) one contiguous block, 20% faster at 32 tokens (~1.1 TB/s; TILE_MAJOR_TILES, TILE_MAJOR_MODES;
+`qwen_engine.model.quantized.NVFP4Experts.repack`). The swap-AB kernel (`kernels/w4a16_swapped.py`) on "split halves"
+experts is faster again (17-37% per call) and the engine's path on CUDA since 2026-11-30 (seventh session).
 """
 
 from __future__ import annotations
@@ -130,13 +131,12 @@ def w4a16_swiglu_reference(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_reference(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                                weights: torch.Tensor, reduce: bool = True, tiled: bool = False) -> torch.Tensor:
+                                weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
     """The routed-expert block of `qwen_engine.model.moe.Experts` with NVFP4 weights, in fp32 with one final rounding.
     x [T, H]; w13 [E, 2I, H] (rows :I gate, I: up); w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype, or with
     `reduce=False` the k weighted expert outputs of each token unsummed, [T, k, H] (`kernels/moe_combine.py` sums
-    them inside its launch). `tiled`: the packed bytes are tile-major (`experts_tile_major`)."""
-    if tiled:
-        w13, w2 = experts_tile_major(w13, w2, inverse=True)
+    them inside its launch). `layout`: the packed bytes' layout (one of EXPERT_LAYOUTS' values, `experts_repack`)."""
+    w13, w2 = experts_repack(w13, w2, layout, inverse=True)
     t, k = idx.shape
     h = w4a16_grouped_reference(x.float(), w13, idx.reshape(-1), a_div=k, swiglu=True)  # [P, I] fp32
     y = w4a16_grouped_reference(h, w2, idx.reshape(-1), row_scale=weights.reshape(-1))  # [P, H] fp32
@@ -574,9 +574,9 @@ DEQ_MODES = {0: "fp16 dequant, then convert to bf16 (two conversions per weight)
 GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1, TILED=0),  # by SWIGLU: gate_up
                  False: dict(DEQ=2, SCALE_AHEAD=2, TILED=0)}  # down
 DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
-# Experts stored tile-major (`tile_major`; `NVFP4Experts.to_tile_major`, the engine's layout on CUDA): each
-# projection's (BLOCK_N, BLOCK_K) is fixed by the repack, by SWIGLU. H200, 32 decode tokens (w4a16_bench, 2026-11-30
-# fifth session): gate_up 212 -> 170 us, down 121 -> 97 us per call against the checkpoint layout (~1.1 TB/s instead
+# Experts stored tile-major (`tile_major`; `NVFP4Experts.repack(TILE_MAJOR)`; the engine's layout before split
+# halves): each projection's (BLOCK_N, BLOCK_K) is fixed by the repack, by SWIGLU. H200, 32 decode tokens
+# (w4a16_bench, 2026-11-30 fifth session): gate_up 212 -> 170 us, down 121 -> 97 us per call against the checkpoint layout (~1.1 TB/s instead
 # of ~0.9); one token: the same (15.5 / 15.9 us, 8.9 / 8.0 us). Scales one tile ahead for both.
 TILE_MAJOR_TILES = {True: (32, 128), False: (64, 128)}  # (BLOCK_N, BLOCK_K) by SWIGLU: gate_up, down
 TILE_MAJOR_MODES = dict(DEQ=2, SCALE_AHEAD=1, TILED=1)
@@ -749,6 +749,40 @@ def tile_major_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
     return (n13 // 2) % bn13 == 0 and k13 % bk13 == 0 and n2 % bn2 == 0 and k2 % bk2 == 0
 
 
+# Byte layouts of stacked experts (`experts_repack`; `NVFP4Experts.layout`; the MoE op's `layout` argument): the
+# checkpoint's; tile-major for the grouped kernel's TILED mode; split halves, tile-major too, for the swap-AB kernel
+# (`kernels/w4a16_swapped.py`, the engine's layout on CUDA). Block and global scales keep the checkpoint layout.
+CHECKPOINT, TILE_MAJOR, SPLIT_HALVES = 0, 1, 2
+EXPERT_LAYOUTS = {"checkpoint": CHECKPOINT, "tile_major": TILE_MAJOR, "split_halves": SPLIT_HALVES}
+
+
+def layout_ok(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int) -> bool:
+    """Whether stacked gate_up [E, 2I, H] and down [E, H, I] split into `layout`'s tiles."""
+    if layout == CHECKPOINT:
+        return True
+    if layout == TILE_MAJOR:
+        return tile_major_ok(w13, w2)
+    if layout == SPLIT_HALVES:
+        from kernels.w4a16_swapped import split_halves_ok
+
+        return split_halves_ok(w13, w2)
+    raise ValueError(f"unknown expert layout {layout!r} (one of {EXPERT_LAYOUTS})")
+
+
+def experts_repack(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int,
+                   inverse: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Both expert stacks from the checkpoint layout into `layout`, or back with `inverse` (`layout_ok` first)."""
+    if layout == CHECKPOINT:
+        return w13, w2
+    if layout == TILE_MAJOR:
+        return experts_tile_major(w13, w2, inverse)
+    if layout == SPLIT_HALVES:
+        from kernels.w4a16_swapped import experts_split_halves
+
+        return experts_split_halves(w13, w2, inverse)
+    raise ValueError(f"unknown expert layout {layout!r} (one of {EXPERT_LAYOUTS})")
+
+
 def experts_tile_major(w13: NVFP4Tensor, w2: NVFP4Tensor, inverse: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Both expert stacks repacked tile-major for TILE_MAJOR_TILES, or back with `inverse` (gate_up as a whole: I is
     a multiple of its BLOCK_N, so the up rows' tiles start at I / BLOCK_N, where the SwiGLU kernel reads row n + I).
@@ -846,29 +880,38 @@ def _(x, packed, scales, global_scale):
 @torch.library.custom_op("qwen::w4a16_moe", mutates_args=())
 def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, p2: torch.Tensor,
                  s2: torch.Tensor, g2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                 reduce: bool = True, tiled: bool = False) -> torch.Tensor:
+                 reduce: bool = True, layout: int = 0) -> torch.Tensor:
     """Routed experts: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype (the k
     weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch).
-    `tiled`: packed bytes tile-major for TILE_MAJOR_TILES (launched with `_tile_major_config`, no autotuning)."""
+    `layout` (EXPERT_LAYOUTS): CHECKPOINT -> the grouped kernel, autotuned; TILE_MAJOR -> the grouped kernel on
+    TILE_MAJOR_TILES (`_tile_major_config`, no autotuning); SPLIT_HALVES -> the swap-AB kernel
+    (`kernels/w4a16_swapped.py`, its fixed configs)."""
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
-    cfg13 = cfg2 = modes = None
-    if tiled:
-        bm = routing.block_m
-        cfg13 = _tile_major_config(True, bm, p13.shape[1] // 2)
-        cfg2, modes = _tile_major_config(False, bm, p2.shape[1]), TILE_MAJOR_MODES
-    h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True, config=cfg13,
-                             modes=modes)  # [P, I]
-    y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights, config=cfg2,
-                             modes=modes)  # [P, H], weighted
+    if layout == SPLIT_HALVES:
+        from kernels.w4a16_swapped import swapped_block_m, w4a16_grouped_swapped_launch
+
+        routing = moe_align_fast(idx, num_experts, swapped_block_m(t * top_k, num_experts))
+        h = w4a16_grouped_swapped_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True)  # [P, I]
+        y = w4a16_grouped_swapped_launch(h, p2, s2, g2, routing, row_scale=weights)  # [P, H], weighted
+    else:
+        routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
+        cfg13 = cfg2 = modes = None
+        if layout == TILE_MAJOR:
+            bm = routing.block_m
+            cfg13 = _tile_major_config(True, bm, p13.shape[1] // 2)
+            cfg2, modes = _tile_major_config(False, bm, p2.shape[1]), TILE_MAJOR_MODES
+        h = w4a16_grouped_launch(x, NVFP4Tensor(p13, s13, g13), routing, a_div=top_k, swiglu=True, config=cfg13,
+                                 modes=modes)  # [P, I]
+        y = w4a16_grouped_launch(h, NVFP4Tensor(p2, s2, g2), routing, row_scale=weights, config=cfg2,
+                                 modes=modes)  # [P, H], weighted
     y = y.view(t, top_k, y.shape[-1])
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 
 
 @w4a16_moe_op.register_fake
-def _(x, p13, s13, g13, p2, s2, g2, idx, weights, reduce=True, tiled=False):
+def _(x, p13, s13, g13, p2, s2, g2, idx, weights, reduce=True, layout=0):
     return x.new_empty((x.shape[0], p2.shape[1]) if reduce else (x.shape[0], idx.shape[1], p2.shape[1]))
 
 
@@ -883,9 +926,9 @@ def w4a16_swiglu_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                             weights: torch.Tensor, reduce: bool = True, tiled: bool = False) -> torch.Tensor:
+                             weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
     """Same contract as `moe_experts_w4a16_reference`."""
-    return w4a16_moe_op(x, *w13, *w2, idx, weights, reduce, tiled)
+    return w4a16_moe_op(x, *w13, *w2, idx, weights, reduce, int(layout))
 
 
 # ---- guards, registry entries ---------------------------------------------------------------------------------------
@@ -929,7 +972,7 @@ def supports_swiglu(*, even_rows: bool, **kw: Any) -> bool:
 
 
 def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                 weights: torch.Tensor, reduce: bool = True, tiled: bool = False) -> dict[str, Any]:
+                 weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> dict[str, Any]:
     e, n13, _ = w13.packed.shape if w13.packed.dim() == 3 else (0, 0, 0)
     e2, n2, _ = w2.packed.shape if w2.packed.dim() == 3 else (0, 0, 0)
     shapes_ok = (_weight_ok(w13, True) and _weight_ok(w2, True) and x.dim() == 2 and e == e2 and n13 % 2 == 0
@@ -937,8 +980,8 @@ def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.
                  and idx.shape == weights.shape and idx.shape[0] == x.shape[0])
     globals_ok = (tuple(w13.global_scale.shape) in ((), (e,), (e, n13))
                   and tuple(w2.global_scale.shape) in ((), (e2,), (e2, n2)))
-    if tiled:  # tile-major bytes: only the tiles they were repacked for
-        shapes_ok = shapes_ok and tile_major_ok(w13, w2)
+    if layout != CHECKPOINT:  # repacked bytes: only the tiles they were repacked for
+        shapes_ok = shapes_ok and layout in EXPERT_LAYOUTS.values() and layout_ok(w13, w2, layout)
     return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype, shapes_ok=shapes_ok,
                 globals_ok=globals_ok, tokens=x.shape[0] if x.dim() == 2 else -1)
 
@@ -965,26 +1008,32 @@ def _sample_swiglu(device) -> tuple[tuple, dict]:
     return (x, w), {}
 
 
-def _sample_moe(device, tiled: bool | None = None) -> tuple[tuple, dict]:
-    """The self-check's routed-expert call. `tiled` (default: on CUDA, where the loader stores experts tile-major):
-    experts of H = I = 256 (two K tiles per projection) repacked by `experts_tile_major`, called with tiled=True, so
-    that the start-up check runs the path the engine runs."""
+def _sample_moe(device, layout: int | None = None) -> tuple[tuple, dict]:
+    """The self-check's routed-expert call. `layout` (default: the loader's on that device, `default_expert_layout`):
+    experts of H = I = 256 (two K tiles per projection) repacked by `experts_repack`, called with that layout, so that
+    the start-up check runs the path the engine runs."""
     from kernels.nvfp4 import quantize_nvfp4
 
-    if tiled is None:
-        tiled = torch.device(device).type == "cuda"
+    if layout is None:
+        layout = default_expert_layout(device)
     g = torch.Generator().manual_seed(0)
-    e, h, i, t, k = (4, 256, 256, 3, 2) if tiled else (6, 64, 32, 3, 2)
+    e, h, i, t, k = (4, 256, 256, 3, 2) if layout != CHECKPOINT else (6, 64, 32, 3, 2)
     w13 = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
     w2 = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
-    if tiled:
-        w13, w2 = experts_tile_major(w13, w2)
+    w13, w2 = experts_repack(w13, w2, layout)
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])  # expert e-1 stays empty
     weights = torch.softmax(torch.randn(t, k, generator=g), -1).to(torch.bfloat16)
     mv = lambda w_: NVFP4Tensor(*(t_.to(device) for t_ in w_))  # noqa: E731
     args = (x.to(device), mv(w13), mv(w2), idx.to(device), weights.to(device))
-    return (*args, True, True) if tiled else args, {}  # (reduce, tiled)
+    return (*args, True, layout) if layout != CHECKPOINT else args, {}  # (reduce, layout)
+
+
+def default_expert_layout(device) -> int:
+    """The routed experts' layout the loader picks on `device` (`load_quantized(expert_layout="auto")`): split halves
+    on CUDA, where the swap-AB kernel is the fastest measured (benchmarks/RESULTS.md, the swapped kernel's run 1);
+    the checkpoint's elsewhere (the CPU interpreter's speed does not matter; its tests cover every layout)."""
+    return SPLIT_HALVES if torch.device(device).type == "cuda" else CHECKPOINT
 
 
 def register(registry) -> None:

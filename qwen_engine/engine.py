@@ -94,15 +94,19 @@ class QwenEngineConfig:
     #                              decode-only steps, one per decode bucket, captured at start (auto: capture on
     #                              cuda, off on cpu; static: the graphs' static-buffer path run eagerly)
     decode_buckets: tuple = ()  # decode batch sizes (ascending, last = max_num_seqs); () = 1, 2, 4, 8, 16, 32, ...
-    async_decode: bool = False  # overlap decode steps: launch step N+1 (its inputs = N's sampled ids, on the device)
-    #                             before N's tokens reach the host, so scheduling and streaming N run while the
-    #                             device computes N+1 (engine_core/continuous.py: step_ahead). A request arriving
-    #                             meanwhile waits for N+1 (up to one step more to its first token); a sequence that
-    #                             stops at N costs one wasted row in N+1. Tested on the CPU; off until measured on a GPU
+    async_decode: bool = True  # overlap decode steps: launch step N+1 (its inputs = N's sampled ids, on the device)
+    #                            before N's tokens reach the host, so scheduling and streaming N run while the device
+    #                            computes N+1 (engine_core/continuous.py: step_ahead). A request arriving meanwhile
+    #                            waits for N+1 (up to one step more to its first token); a sequence that stops at N
+    #                            costs one wasted row in N+1. H200 (RESULTS.md, Qwen run 12): lone decode 202 -> 233
+    #                            tok/s, 32 streams 1,626 -> 1,842 tok/s
     shared_expert_in_moe: bool = False  # packed models: each MoE layer's shared expert runs as one more (token,
     #                                     expert) pair inside the routed experts' grouped launches (decode batches of
-    #                                     <= 28 tokens; 2 dense GEMM launches per layer fewer). CPU-tested; off until
-    #                                     measured on a GPU
+    #                                     <= 28 tokens; 2 dense GEMM launches per layer fewer). H200 (Qwen run 12):
+    #                                     no gain (lone 202 -> 203 tok/s; with async_decode 233 -> 232): off
+    expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
+    #                              auto (split halves on CUDA for the swap-AB kernel, kernels/w4a16_swapped.py;
+    #                              the checkpoint's on CPU) | split_halves | tile_major | checkpoint
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
@@ -135,6 +139,9 @@ class QwenEngineConfig:
         if any(b > limit for b in self.prefill_buckets):  # never used, yet each costs a capture and pool memory
             raise ValueError(f"prefill_buckets {self.prefill_buckets} exceed the largest prefill chunk a step can "
                              f"hold, min(max_num_batched_tokens, max_model_len) = {limit}")
+        if self.expert_layout not in ("auto", "checkpoint", "tile_major", "split_halves"):
+            raise ValueError(f"expert_layout must be auto | checkpoint | tile_major | split_halves, got "
+                             f"{self.expert_layout!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_queued"):
@@ -216,7 +223,8 @@ class QwenEngine:
         self.checkpoint = cfg.checkpoint
         t0 = time.perf_counter()
         self.model = model if model is not None else build_model(
-            cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights, cfg.shared_expert_in_moe)
+            cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights, cfg.shared_expert_in_moe,
+            cfg.expert_layout)
         self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
@@ -379,6 +387,7 @@ class QwenEngine:
             "rejected": self.rejected,
             "async_decode": self.cfg.async_decode,
             "shared_expert_in_moe_layers": self.shared_expert_in_moe,
+            "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
             "kernel_checks": self.kernel_checks,
@@ -643,15 +652,31 @@ def set_shared_expert_in_moe(model: torch.nn.Module, on: bool) -> int:
     return n
 
 
+def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
+    """The routed experts' byte layouts, by name (`kernels.w4a16_gemm.EXPERT_LAYOUTS`) -> number of MoE layers
+    (empty for a dequantized model)."""
+    from kernels.w4a16_gemm import EXPERT_LAYOUTS
+
+    from .model.quantized import NVFP4Experts
+
+    names = {v: k for k, v in EXPERT_LAYOUTS.items()}
+    out: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, NVFP4Experts):
+            out[names[mod.layout]] = out.get(names[mod.layout], 0) + 1
+    return out
+
+
 def build_model(checkpoint: str | None, preset: str, device: torch.device, dtype: torch.dtype, seed: int,
-                weights: str = "auto", shared_expert_in_moe: bool = False):
+                weights: str = "auto", shared_expert_in_moe: bool = False, expert_layout: str = "auto"):
     """A `QwenForCausalLM` in eval mode on `device`, activations in `dtype`.
 
     Packed (`qwen_engine/load_packed.py`): the checkpoint's NVFP4 / FP8 layers as packed modules, BF16 elsewhere; with
     no checkpoint, seeded random weights drawn in exactly those formats (`qwen_engine/random_weights.py`).
     Dequantized: every weight dequantised into `dtype`; with no checkpoint, seeded random dense weights (every
     parameter drawn at a scale that keeps activations O(1), as tests/test_qwen_model.py does).
-    `shared_expert_in_moe`: packed models stack each shared expert with the routed experts (`load_quantized`)."""
+    `shared_expert_in_moe`: packed models stack each shared expert with the routed experts; `expert_layout`: their
+    byte layout (both `load_quantized`)."""
     from .config import QwenConfig
     from .model import QwenForCausalLM
 
@@ -670,13 +695,13 @@ def build_model(checkpoint: str | None, preset: str, device: torch.device, dtype
         from .load_packed import load_quantized
 
         if checkpoint is not None:
-            return load_quantized(checkpoint, device=device, dtype=dtype,
-                                  shared_expert_in_moe=shared_expert_in_moe).eval()
+            return load_quantized(checkpoint, device=device, dtype=dtype, shared_expert_in_moe=shared_expert_in_moe,
+                                  expert_layout=expert_layout).eval()
         from .random_weights import random_packed_tensors
 
         tensors = random_packed_tensors(model_cfg, device, seed, dtype=dtype)
         return load_quantized(tensors, model_cfg, device=device, dtype=dtype,
-                              shared_expert_in_moe=shared_expert_in_moe).eval()
+                              shared_expert_in_moe=shared_expert_in_moe, expert_layout=expert_layout).eval()
     with torch.device("meta"):
         model = QwenForCausalLM(model_cfg)
     model = model.to(dtype).to_empty(device=device).eval()

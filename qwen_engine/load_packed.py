@@ -43,6 +43,17 @@ log = logging.getLogger(__name__)
 Packed = torch.Tensor | NVFP4Tensor | FP8Tensor
 
 
+def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> int:
+    """"auto" or a name of `kernels.w4a16_gemm.EXPERT_LAYOUTS` -> its code (ValueError naming the choices)."""
+    from kernels.w4a16_gemm import EXPERT_LAYOUTS, default_expert_layout
+
+    if expert_layout == "auto":
+        return default_expert_layout(device)
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be 'auto' or one of {sorted(EXPERT_LAYOUTS)}, got {expert_layout!r}")
+    return EXPERT_LAYOUTS[expert_layout]
+
+
 def load_quantized(
     source: str | os.PathLike | LoadedCheckpoint | Mapping[str, Packed],
     cfg: QwenConfig | None = None,
@@ -53,7 +64,7 @@ def load_quantized(
     gdn_chunk_size: int = 64,
     registry=None,
     w4a4: str = "auto",
-    tile_major_experts: bool | None = None,
+    expert_layout: str = "auto",
     shared_expert_in_moe: bool = False,
 ) -> QwenForCausalLM:
     """A `QwenForCausalLM` whose quantised layers are packed modules (see the module docstring).
@@ -64,8 +75,9 @@ def load_quantized(
     fuse_shared_expert: one [2I, H] NVFP4 GEMM for the shared expert's gate and up when both are NVFP4.
     w4a4: "auto" | "off" | "emulate", for the dense layers the checkpoint exports as W4A4 (module docstring); layers
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
-    tile_major_experts: repack the routed experts' bytes tile-major (`NVFP4Experts.to_tile_major`: ~20% faster grouped
-    GEMMs at 32 decode tokens on the H200; same values); None = on CUDA devices.
+    expert_layout: the routed experts' byte layout, one of `kernels.w4a16_gemm.EXPERT_LAYOUTS` ("checkpoint",
+    "tile_major", "split_halves"; `NVFP4Experts.repack`, same values) or "auto": split halves on CUDA (the swap-AB
+    kernel, the fastest measured on the H200), the checkpoint's elsewhere (`default_expert_layout`).
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
     inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the
@@ -73,8 +85,7 @@ def load_quantized(
     load-time peak holds a second copy of all experts until this function returns (~15 GB at full size).
     Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.
     """
-    if tile_major_experts is None:
-        tile_major_experts = torch.device(device).type == "cuda"
+    layout = resolve_expert_layout(expert_layout, device)
     check_w4a4_mode(w4a4)
     algos: dict[str, str] = {}
     input_scales: Mapping[str, torch.Tensor] = {}
@@ -157,9 +168,9 @@ def load_quantized(
                 log.warning("%s: shared expert not stacked with the routed experts: %s", name, exc)
             else:
                 mod.experts = experts
-        if tile_major_experts and not experts.to_tile_major():
-            log.warning("%s.experts: expert shapes do not split into the tile-major tiles; checkpoint layout kept",
-                        name)
+        if not experts.repack(layout):
+            log.warning("%s.experts: expert shapes do not split into the %s layout's tiles; checkpoint layout kept",
+                        name, expert_layout)
 
     # the BF16 rest: assign real tensors in place of the meta parameters
     for name, p in list(model.named_parameters()):

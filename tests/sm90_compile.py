@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
-from kernels import attn_prep, w4a16_gemm  # noqa: E402
+from kernels import attn_prep, w4a16_gemm, w4a16_swapped  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -91,6 +91,14 @@ def main() -> int:
                               w4a16_gemm._w4a16_grouped_kernel.fn, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn,
                                    BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, TILE_N=tile_n)))
+    # the swap-AB grouped kernel on split-halves experts (the engine's MoE path on CUDA): decode (BLOCK_M 16, SwiGLU)
+    # and prefill (BLOCK_M 64, routing weight) programs, PTX dequant
+    for bm, swiglu in ((16, True), (64, False)):
+        what = "SwiGLU" if swiglu else "routing weight"
+        ok.append(compile_one(f"w4a16 grouped swap-AB BLOCK_M={bm} BLOCK_N=64 BLOCK_K=128 DEQ=2 ({what}, bf16)",
+                              w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
+                              dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
+                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128)))
     # the dense W4A16 kernel: split K reduced in the kernel (arrival counter, acq_rel atomics, .cg loads) with the
     # shared expert's SwiGLU epilogue, the same without SwiGLU, and split K left to torch (REDUCE off)
     dense = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("y", "*bf16"),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.registry import Registry
-from kernels import w4a16_gemm
+from kernels import w4a16_gemm, w4a16_swapped
 from kernels.nvfp4 import (
     E2M1_VALUES,
     NVFP4Tensor,
@@ -415,12 +415,14 @@ def test_moe_block_matches_reference_and_model(t):
 
 
 @pytest.mark.parametrize("t", [1, 5, 40])
-def test_moe_tile_major_experts(t):
-    """Experts stored tile-major (`experts_tile_major`, the engine's layout on CUDA): the op with `tiled=True` runs the
-    fixed tiles of TILE_MAJOR_TILES (decode) or TILE_MAJOR_PREFILL's wider programs over them (t = 40: 26 pairs per
-    used expert, BLOCK_M 32) and equals the reference on the checkpoint layout (and the reference handed the tiled
-    bytes with `tiled=True`); unsummed rows (`reduce=False`) too; the layout round-trips; the guard refuses tiled
-    stacks whose shapes do not split into the tiles."""
+@pytest.mark.parametrize("layout", [w4a16_gemm.TILE_MAJOR, w4a16_gemm.SPLIT_HALVES])
+def test_moe_repacked_experts(t, layout):
+    """Experts repacked for a kernel (`experts_repack`): tile-major, where the op runs the grouped kernel's fixed
+    tiles of TILE_MAJOR_TILES (decode) or TILE_MAJOR_PREFILL's wider programs over them (t = 40: 26 pairs per used
+    expert, BLOCK_M 32); split halves (the engine's layout on CUDA), where it runs the swap-AB kernel
+    (`kernels/w4a16_swapped.py`; BLOCK_M 64 at t = 40). Each equals the reference on the checkpoint layout (and the
+    reference handed the repacked bytes with their `layout`); unsummed rows (`reduce=False`) too; the layout
+    round-trips; the guard refuses repacked stacks whose shapes do not split into the tiles."""
     e, h, i, top_k = 4, 256, 256, 2  # two K tiles of 128 in both projections (one tile: the layouts coincide)
     w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=21, empty=(1,))
     block_m = w4a16_gemm.moe_block_m(t * top_k, e)
@@ -429,22 +431,27 @@ def test_moe_tile_major_experts(t):
     assert ("TILE_N" in w4a16_gemm._tile_major_config(True, block_m)) == prefill
     # wide prefill programs only where they divide the output columns (else the stored tile's own width)
     assert "TILE_N" not in w4a16_gemm._tile_major_config(True, 32, n_out=96)
-    t13, t2 = w4a16_gemm.experts_tile_major(w13, w2)
+    assert w4a16_swapped.swapped_block_m(t * top_k, e) == (64 if prefill else 16)
+    t13, t2 = w4a16_gemm.experts_repack(w13, w2, layout)
     assert not torch.equal(t13.packed, w13.packed) and not torch.equal(t2.packed, w2.packed)
-    back13, back2 = w4a16_gemm.experts_tile_major(t13, t2, inverse=True)
+    back13, back2 = w4a16_gemm.experts_repack(t13, t2, layout, inverse=True)
     assert torch.equal(back13.packed, w13.packed) and torch.equal(back2.packed, w2.packed)
     ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
-    assert torch.equal(moe_experts_w4a16_reference(x, t13, t2, idx, weights, tiled=True), ref)
-    out = moe_experts_w4a16_triton(x, t13, t2, idx, weights, tiled=True)
+    assert torch.equal(moe_experts_w4a16_reference(x, t13, t2, idx, weights, layout=layout), ref)
+    out = moe_experts_w4a16_triton(x, t13, t2, idx, weights, layout=layout)
     assert compare(out, ref) is None, compare(out, ref)
-    rows = moe_experts_w4a16_triton(x, t13, t2, idx, weights, reduce=False, tiled=True)
+    rows = moe_experts_w4a16_triton(x, t13, t2, idx, weights, reduce=False, layout=layout)
     assert rows.shape == (t, top_k, h)
     assert torch.equal(rows.sum(1, dtype=torch.float32).to(x.dtype), out)
-    info = describe_moe(x, t13, t2, idx, weights, tiled=True)
+    info = describe_moe(x, t13, t2, idx, weights, layout=layout)
     assert supports_moe(**info)
+    # the bytes handed over in another layout than they are in: wrong numbers (the layouts are really different)
+    other = w4a16_gemm.TILE_MAJOR if layout == w4a16_gemm.SPLIT_HALVES else w4a16_gemm.SPLIT_HALVES
+    assert compare(moe_experts_w4a16_triton(x, t13, t2, idx, weights, layout=other), ref) is not None
     small13, small2 = rand_weight(e, 2 * 64, h, seed=1), rand_weight(e, h, 64, seed=2)  # I = 64: no 128-wide K tile
-    assert not supports_moe(**describe_moe(x, small13, small2, idx, weights, tiled=True))
+    assert not supports_moe(**describe_moe(x, small13, small2, idx, weights, layout=layout))
     assert supports_moe(**describe_moe(x, small13, small2, idx, weights))
+    assert not supports_moe(**describe_moe(x, t13, t2, idx, weights, layout=7))  # no such layout
 
 
 def test_moe_no_tokens():
@@ -501,7 +508,10 @@ def test_registry_self_check():
     assert reg.choose("w4a16_linear", **describe_dense(x, w)).name == "triton"
     assert reg.choose("w4a16_linear", **describe_dense(x.float(), w)).name == "reference"  # recorded fallback
     assert reg.choices()["w4a16_linear"]["fallback"]
-    # on CUDA the routed-expert sample is tile-major (what the engine's loader stores there): the same check here
-    args, _ = w4a16_gemm._sample_moe(DEVICE, tiled=True)
-    assert args[-1] is True and supports_moe(**describe_moe(*args))
-    assert compare(moe_experts_w4a16_triton(*args), moe_experts_w4a16_reference(*args)) is None
+    # on CUDA the routed-expert sample is in split halves (what the engine's loader stores there): the same check here,
+    # and for tile-major experts
+    assert w4a16_gemm.default_expert_layout("cuda") == w4a16_gemm.SPLIT_HALVES
+    for layout in (w4a16_gemm.SPLIT_HALVES, w4a16_gemm.TILE_MAJOR):
+        args, _ = w4a16_gemm._sample_moe(DEVICE, layout=layout)
+        assert args[-1] == layout and supports_moe(**describe_moe(*args))
+        assert compare(moe_experts_w4a16_triton(*args), moe_experts_w4a16_reference(*args)) is None

@@ -159,34 +159,44 @@ def test_nvfp4_modules_vs_dense(tensors):
 
 
 @torch.no_grad()
-def test_experts_tile_major_layout(tensors, caplog):
-    """`NVFP4Experts.to_tile_major` (the loader's default on CUDA): same dequantised weights, same forward to bf16
-    rounding (the tiled launch runs other tiles), unsummed rows too; the tiny config's shapes do not split into the
-    tiles, so the loader keeps the checkpoint layout there and says so."""
+@pytest.mark.parametrize("layout", ["tile_major", "split_halves"])
+def test_experts_repacked_layout(tensors, caplog, layout):
+    """`NVFP4Experts.repack` (split halves: the loader's default on CUDA): same dequantised weights, same forward to
+    bf16 rounding (the repacked launch runs other tiles or another kernel), unsummed rows too; repacking from one
+    kernel layout to the other directly is the same as from the checkpoint's; the tiny config's shapes do not split
+    into the tiles, so the loader keeps the checkpoint layout there and says so; unknown layout names are refused."""
+    from kernels.w4a16_gemm import CHECKPOINT, EXPERT_LAYOUTS
+
+    code = EXPERT_LAYOUTS[layout]
+    other = EXPERT_LAYOUTS["tile_major" if layout == "split_halves" else "split_halves"]
     reg = registry("auto")
     g = torch.Generator().manual_seed(7)
     e, h, i = 4, 256, 256
     gu = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
     dn = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
-    plain, tiled = NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)
-    assert tiled.to_tile_major() and tiled.tiled and not plain.tiled
-    assert not torch.equal(tiled.gate_up_packed, plain.gate_up_packed)
+    plain, packed, via = NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)
+    assert packed.repack(code) and packed.layout == code and plain.layout == CHECKPOINT
+    assert via.repack(other) and via.repack(code) and torch.equal(via.gate_up_packed, packed.gate_up_packed)
+    assert torch.equal(via.down_packed, packed.down_packed)
+    assert not torch.equal(packed.gate_up_packed, plain.gate_up_packed)
     for k, v in plain.dequantized().items():
-        assert torch.equal(tiled.dequantized()[k], v), k
-    with pytest.raises(RuntimeError, match="tile-major"):  # the layout is not in the state: loads are refused
-        tiled.load_state_dict(plain.state_dict())
+        assert torch.equal(packed.dequantized()[k], v), k
+    with pytest.raises(RuntimeError, match="repacked"):  # the layout is not in the state: loads are refused
+        packed.load_state_dict(plain.state_dict())
     x = torch.randn(3, h, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(3)])
     wts = torch.softmax(torch.randn(3, 2, generator=g), -1)
     want = plain(x, idx, wts)
-    assert rel_err(tiled(x, idx, wts), want) <= 1e-2
-    assert rel_err(tiled(x, idx, wts, reduce=False).float().sum(1), want) <= 1e-2
+    assert rel_err(packed(x, idx, wts), want) <= 1e-2
+    assert rel_err(packed(x, idx, wts, reduce=False).float().sum(1), want) <= 1e-2
     if w4a16_gemm._interpreted():
-        assert reg.choices()["w4a16_moe"]["last"] == "triton"  # the tiled launch ran, not a fallback
+        assert reg.choices()["w4a16_moe"]["last"] == "triton"  # the repacked launch ran, not a fallback
     with caplog.at_level(logging.WARNING, logger="qwen_engine.load_packed"):
         model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
-                               tile_major_experts=True)
-    assert not model.layers[0].mlp.experts.tiled and "checkpoint layout kept" in caplog.text
+                               expert_layout=layout)
+    assert model.layers[0].mlp.experts.layout == CHECKPOINT and "checkpoint layout kept" in caplog.text
+    with pytest.raises(ValueError, match="expert_layout"):
+        load_quantized(tensors, CFG, "cpu", torch.bfloat16, registry=reg, expert_layout="tiled")
 
 
 @torch.no_grad()
@@ -278,8 +288,9 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
 
 
 @torch.no_grad()
-def test_shared_expert_slot_with_tile_major_experts():
-    """NVFP4Experts(shared=) repacked tile-major (experts of H = I = 256: two K tiles per projection, the shapes the
+@pytest.mark.parametrize("layout", ["tile_major", "split_halves"])
+def test_shared_expert_slot_with_repacked_experts(layout):
+    """NVFP4Experts(shared=) repacked for a kernel (experts of H = I = 256: two K tiles per projection, the shapes the
     tiles need): the shared slot's rows equal the dense shared expert's output (NVFP4SwiGLU on the same NVFP4
     weights, to the W4A16 tolerance: other tiles, other fp32 summation order), and routed-only calls see the E routed
     experts."""
@@ -293,7 +304,9 @@ def test_shared_expert_slot_with_tile_major_experts():
     dense = NVFP4SwiGLU(s_gate, s_up, s_down, registry=registry())
     experts = NVFP4Experts(gu, dn, registry(), shared=(dense.gate_up_proj.weight_nvfp4,
                                                        dense.down_proj.weight_nvfp4))
-    assert experts.to_tile_major() and experts.shared_index == e
+    from kernels.w4a16_gemm import EXPERT_LAYOUTS
+
+    assert experts.repack(EXPERT_LAYOUTS[layout]) and experts.shared_index == e
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     wts = torch.softmax(torch.randn(t, k, generator=g), -1).to(torch.bfloat16)

@@ -10,7 +10,7 @@
                   epilogue (registry op "w4a16_swiglu"): two launches for the whole expert
     NVFP4Experts  routed experts, stacked gate_up [E, 2I, H] and down [E, H, I] NVFP4 -> registry op "w4a16_moe"
                   (grouped Triton kernel: sort by expert, gate_up + SwiGLU, down + routing weight); on CUDA the
-                  loader repacks their bytes tile-major (`to_tile_major`)
+                  loader repacks their bytes into split halves for the swap-AB kernel (`repack`)
     FP8Linear     FP8 W8A8 static per-tensor (GDN in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o):
                   e4m3 [N, K] + fp32 weight_scale [] + fp32 input_scale [] -> registry op "fp8_linear"
                   (`torch._scaled_mm` on sm_89+, the emulating reference elsewhere)
@@ -330,46 +330,45 @@ class NVFP4Experts(_Dispatch):
         self.register_buffer("down_packed", down.packed.contiguous())  # uint8 [E(+1), H, I/2]
         self.register_buffer("down_scales", down.scales.contiguous())  # e4m3 [E(+1), H, I/16]
         self.register_buffer("down_global", dn_global.contiguous())  # fp32 [E(+1), H]
-        self.tiled = False  # packed bytes in the checkpoint layout; `to_tile_major` switches
+        self.layout = 0  # kernels.w4a16_gemm.EXPERT_LAYOUTS: the checkpoint's until `repack`
 
-    def to_tile_major(self) -> bool:
-        """Repack both stacks' bytes tile-major (`kernels.w4a16_gemm.experts_tile_major`: the grouped kernel reads
-        each (row tile, K tile) as one contiguous block; ~20% faster at 32 decode tokens on the H200). The values do
-        not change (`dequantized` undoes the layout). Returns False, changing nothing, when the shapes do not split
-        into the tiles. Peak memory: one repacked copy of both stacks (~400 MB per layer at full size, transient).
-        The module's state_dict then holds tile-major bytes; loading a state_dict into a tiled module is refused
-        (`_load_from_state_dict`). With the registry's reference preference, each call untiles a copy first (the
-        reference dequantises every expert per call anyway)."""
-        from kernels.w4a16_gemm import experts_tile_major, tile_major_ok
+    def repack(self, layout: int) -> bool:
+        """Repack both stacks' bytes into `layout` (`kernels.w4a16_gemm.experts_repack`; EXPERT_LAYOUTS: tile-major
+        for the grouped kernel, split halves for the swap-AB kernel, the checkpoint's), from whatever layout they are
+        in. The values do not change (`dequantized` undoes the layout). Returns False, changing nothing, when the
+        shapes do not split into that layout's tiles. Peak memory: one repacked copy of both stacks (~400 MB per layer
+        at full size, transient). The module's state_dict then holds repacked bytes; loading a state_dict into a
+        repacked module is refused (`_load_from_state_dict`). With the registry's reference preference, each call
+        unpacks a copy first (the reference dequantises every expert per call anyway)."""
+        from kernels.w4a16_gemm import experts_repack, layout_ok
 
-        if self.tiled:
+        if layout == self.layout:
             return True
-        if not tile_major_ok(self.gate_up_nvfp4, self.down_nvfp4):
+        w13, w2 = self._checkpoint_layout()
+        if not layout_ok(w13, w2, layout):
             return False
-        w13, w2 = experts_tile_major(self.gate_up_nvfp4, self.down_nvfp4)
+        w13, w2 = experts_repack(w13, w2, layout)
         self.gate_up_packed, self.down_packed = w13.packed, w2.packed
-        self.tiled = True
+        self.layout = layout
         return True
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        if self.tiled:  # the bytes' layout is not part of the state: a load could mix the two silently
+        if self.layout:  # the bytes' layout is not part of the state: a load could mix the two silently
             error_msgs.append(f"{prefix[:-1] or 'NVFP4Experts'}: cannot load a state_dict into experts repacked "
-                              "tile-major; load before `to_tile_major`")
+                              "for a kernel; load before `repack`")
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def _checkpoint_layout(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        if not self.tiled:
-            return self.gate_up_nvfp4, self.down_nvfp4
-        from kernels.w4a16_gemm import experts_tile_major
+        from kernels.w4a16_gemm import experts_repack
 
-        return experts_tile_major(self.gate_up_nvfp4, self.down_nvfp4, inverse=True)
+        return experts_repack(self.gate_up_nvfp4, self.down_nvfp4, self.layout, inverse=True)
 
     @property
     def _variant(self):
-        return self.tiled  # the registry's supports() checks the tiles of a tile-major layout
+        return self.layout  # the registry's supports() checks the tiles of a repacked layout
 
     @property
     def gate_up_nvfp4(self) -> NVFP4Tensor:
@@ -388,7 +387,7 @@ class NVFP4Experts(_Dispatch):
         if self.shared_index is not None and not with_shared:
             e = self.num_experts
             w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
-        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, self.tiled)
+        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, self.layout)
 
     def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Dense stacks in `Experts`' parameter names (full size in bf16: 2.1 GB per layer; dequantise per layer)."""

@@ -1,0 +1,145 @@
+"""The swap-AB grouped W4A16 kernel (`kernels/w4a16_swapped.py`, split-halves weights) beside the engine's grouped
+kernel (`w4a16_grouped_launch` on tile-major experts with `_tile_major_config`, as `w4a16_moe_op` calls it), at
+Qwen3.6-35B-A3B's expert shapes (E 256, H 2048, I 512, top-8), per projection and token count.
+
+    python benchmarks/w4a16_swapped_bench.py --out benchmarks/results/w4a16_swapped_bench     # GPU; < 4 min on H200
+    python benchmarks/w4a16_swapped_bench.py --dry-run                                          # CPU interpreter, tiny
+
+Times: medians of `triton.testing.do_bench` (CUDA events, L2 flushed between runs). Weights: random bytes and
+normal-range scales (speed does not depend on the values), one copy per projection (403 MB for all experts: past
+the 50 MB L2). Each swapped result is compared with the engine path's output (max |diff| / max |ref|: same exact
+products, only the fp32 summation order differs, so ~1 bf16 ulp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (BLOCK_N, warps, stages) of the swapped kernel; BLOCK_M = moe_block_m's and one larger
+SWEEP = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)]
+STORED = (64, 128)  # split-halves tile (rows, K): 64 rows = one wgmma M per warpgroup
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/w4a16_swapped_bench")
+    ap.add_argument("--tokens", default="1,32,256,1024")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it (kernel imports below)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("w4a16_swapped_bench needs a CUDA GPU (or --dry-run for the CPU interpreter at tiny shapes)")
+    import triton
+
+    from kernels import w4a16_gemm
+    from kernels.nvfp4 import NVFP4Tensor
+    from kernels.w4a16_gemm import TILE_MAJOR_MODES, TILE_MAJOR_TILES, moe_align, tile_major, w4a16_grouped_launch
+    from kernels.w4a16_swapped import split_halves, w4a16_grouped_swapped_launch
+
+    dev = "cpu" if args.dry_run else "cuda"
+    e, h, i, top_k = (4, 256, 128, 2) if args.dry_run else (256, 2048, 512, 8)
+    tokens = [1, 5] if args.dry_run else [int(s) for s in args.tokens.split(",")]
+    sweep = SWEEP[:1] if args.dry_run else SWEEP
+
+    def bench(fn) -> float:
+        if args.dry_run:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand_nvfp4(*shape) -> NVFP4Tensor:
+        *lead, n, k = shape
+        packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, generator=g).to(dev)
+        scales = torch.randint(0x30, 0x48, (*lead, n, k // 16), dtype=torch.uint8, generator=g).to(dev)
+        return NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.ones(lead, device=dev))
+
+    w = {True: rand_nvfp4(e, 2 * i, h), False: rand_nvfp4(e, h, i)}  # gate_up (SwiGLU), down
+    engine_w = {sw: NVFP4Tensor(tile_major(w[sw].packed, *TILE_MAJOR_TILES[sw]), w[sw].scales, w[sw].global_scale)
+                for sw in w}
+    split_w = {sw: split_halves(w[sw].packed, *STORED) for sw in w}
+    rows, t0 = [], time.time()
+    for t in tokens:
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+        idx = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).to(dev)
+        wts = torch.softmax(torch.randn(t, top_k, generator=g), -1).to(torch.bfloat16).to(dev)
+        hh = torch.randn(t * top_k, i, generator=g).to(torch.bfloat16).to(dev)  # the down projection's input rows
+        bm0 = w4a16_gemm.moe_block_m(t * top_k, e)
+        for sw in (True, False):
+            proj = "gate_up" if sw else "down"
+            n_out = i if sw else h
+            xin, a_div, rs = (x, top_k, None) if sw else (hh, 1, wts)
+            routing = moe_align(idx, e, bm0)
+            cfg = w4a16_gemm._tile_major_config(sw, bm0, n_out)  # the engine's launch (`w4a16_moe_op`, tiled)
+            engine = lambda: w4a16_grouped_launch(  # noqa: E731
+                xin, engine_w[sw], routing, a_div=a_div, swiglu=sw, row_scale=rs, config=cfg,
+                modes=TILE_MAJOR_MODES)
+            ref = engine().float()
+            t_ms = bench(engine)
+            flop = 2 * t * top_k * (2 * i if sw else i) * h
+            wbytes = w[sw].packed.numel() + w[sw].scales.numel()
+            rows.append(dict(tokens=t, proj=proj, kernel="engine", block_m=bm0, config=cfg, us=t_ms * 1e3,
+                             tb_s=wbytes / (t_ms * 1e-3) / 1e12, tflop_s=flop / (t_ms * 1e-3) / 1e12))
+            print(json.dumps(rows[-1]), flush=True)
+            for bm in sorted({bm0, min(2 * bm0, 64)}) if not args.dry_run else [bm0]:
+                r_bm = moe_align(idx, e, bm)
+                for bn, nw, ns in sweep:
+                    if n_out % bn:
+                        continue
+                    c = dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+
+                    def call():
+                        return w4a16_grouped_swapped_launch(xin, split_w[sw], w[sw].scales, w[sw].global_scale, r_bm,
+                                                            a_div=a_div, swiglu=sw, row_scale=rs,
+                                                            block_n=STORED[0], block_k=STORED[1], config=c)
+
+                    try:
+                        y = call().float()
+                        err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                        t_ms = bench(call)
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory / registers: recorded
+                        rows.append(dict(tokens=t, proj=proj, kernel="swapped", block_m=bm, config=c,
+                                         error=repr(exc)[:200]))
+                        print(json.dumps(rows[-1]), flush=True)
+                        continue
+                    rows.append(dict(tokens=t, proj=proj, kernel="swapped", block_m=bm, config=c, us=t_ms * 1e3,
+                                     tb_s=wbytes / (t_ms * 1e-3) / 1e12, tflop_s=flop / (t_ms * 1e-3) / 1e12,
+                                     max_rel_diff=err))
+                    print(json.dumps(rows[-1]), flush=True)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, triton=triton.__version__,
+                gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter dry run)",
+                seconds=round(time.time() - t0, 1), shapes=dict(E=e, H=h, I=i, top_k=top_k), stored_tile=STORED)
+    out = Path(args.out + ("_dry" if args.dry_run else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "w4a16_swapped_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# swap-AB grouped W4A16 vs the engine's kernel ({meta['gpu']}, {meta['date']}, torch {meta['torch']}, "
+             f"triton {meta['triton']})", "",
+             "| tokens | proj | kernel | BLOCK_M | BLOCK_N | warps | stages | us | TB/s | TFLOP/s | max rel diff |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r.get("config") or {}
+        head = (f"| {r['tokens']} | {r['proj']} | {r['kernel']} | {r['block_m']} | {c.get('BLOCK_N', '')} | "
+                f"{c.get('num_warps', '')} | {c.get('num_stages', '')} |")
+        if "error" in r:
+            lines.append(f"{head} failed | | | {r['error'][:60]} |")
+        else:
+            diff = f"{r['max_rel_diff']:.1e}" if "max_rel_diff" in r else "(ref)"
+            lines.append(f"{head} {r['us']:.1f} | {r['tb_s']:.2f} | {r['tflop_s']:.1f} | {diff} |")
+    (out / "w4a16_swapped_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Grouped NVFP4 W4A16 GEMM with the weights as the MMA's A operand ("swap-AB"): the routed experts' kernel on CUDA
+(`w4a16_gemm.w4a16_moe_op` with layout SPLIT_HALVES, the loader's default there), beside `kernels/w4a16_gemm.py`'s
+`_w4a16_grouped_kernel` (same routing contract, same exact dequant; still the path of the other two layouts).
+
+Why. The engine's grouped kernel computes acc[BM, BN] = X[BM, BK] @ W^T: the dequantised weight tile is the B
+operand. On Hopper, wgmma takes B only from shared memory and needs M >= 64, so at BM = 16-32 routed rows Triton
+falls back to mma.sync (sm_90 offline compile: ~5.9 SASS instructions per weight, 186 registers, ~0.6 TB/s at prefill
+sizes). Here acc^T[BN, BM] = W[BN, BK] @ X^T[BK, BM]: the weights (BN = 64 rows per warpgroup) are wgmma's A operand,
+which may live in registers straight out of the dequant, and the gathered activations X^T (N = BM tokens, 8-256) are
+the B operand, a plain cp.async-pipelined tile in shared memory.
+
+Weight layout "split halves" (`split_halves`): within each (row tile of TILE_N rows, K tile of BK) byte j of a row
+holds k = j (low nibble) and k = j + BK/2 (high nibble) of that K tile, so the low nibbles are the first half of the
+K tile and the high nibbles the second: the activation tile needs no even/odd split (two contiguous [BM, BK/2] loads),
+and each byte's two nibbles have their own block scale (groups of 16 bytes = one 16-block per half). Stored
+tile-major like `w4a16_gemm.tile_major`: each (row tile, K tile) one contiguous block of TILE_N x BK/2 bytes, rows
+of BK/2 bytes. Block scales ([E, N, K/16] e4m3) and the global scale stay in the checkpoint layout.
+
+Arithmetic: exactly `_dequant`'s (DEQ 0 / 1 / 2; the interpreter emulates 1 and 2 in fp32), so the result differs
+from `w4a16_grouped_reference` only by fp32 summation order (the same bound as the existing kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.nvfp4 import BLOCK, NVFP4Tensor
+from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, _pow2_bucket, tile_major, untile_major
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.w4a16_gemm import (
+        _TWO_119,
+        _dequant_gain,
+        _e2m1_bf16_tiny,
+        _e2m1_fp16,
+        _e2m1x2_bf16_tiny_ptx,
+        _e4m3_fp16,
+        _mma,
+    )
+except ImportError:  # CPU-only installs without triton: the layout helpers still work
+    triton = None
+
+# The engine's launch: stored tiles of SPLIT_TILE = 64 weight rows (one wgmma M per warpgroup of 4 warps) x 128 K
+# (4 KB of packed weight per stage), BLOCK_N = 64, 4 warps, 3 stages, for both projections and every batch size.
+# H200, 2026-11-30 (benchmarks/w4a16_swapped_bench.py, results/w4a16_swapped_bench_run1), per call against the
+# engine's grouped kernel on tile-major experts at the same routing:
+#   32 tokens:   gate_up 178.8 -> 147.7 us, down 103.9 -> 77.0 us   (BLOCK_M 16)
+#   256 tokens:  gate_up 264.6 -> 206.9 us, down 154.0 -> 113.1 us  (BLOCK_M 16)
+#   1024 tokens: gate_up 463.3 -> 292.1 us (BLOCK_M 64; 321.2 at 32), down 272.5 -> 179.0 us (BLOCK_M 32; 180.4 at 64)
+# 4 stages, 128-wide programs and 8 warps were slower in every row but one (down at 1,024 tokens with BLOCK_M 64,
+# 128 wide, 8 warps: 166.7 us, but 4.5e-2 of max |ref| from the other kernel where every other config is within
+# 2.3e-3: not used, and not understood). One token was not measured.
+SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
+DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
+
+
+# ---- layout ---------------------------------------------------------------------------------------------------------
+def split_halves(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """Checkpoint-layout packed weights [E, N, K/2] (or [N, K/2]; byte j = k 2j low nibble, 2j+1 high) -> the split-
+    halves tile-major bytes of the same shape: per K tile byte j holds k = j (low) and j + BK/2 (high), then tiles of
+    block_n rows x block_k are made contiguous (`tile_major`)."""
+    flat = packed.dim() == 2
+    p = packed.unsqueeze(0) if flat else packed
+    e, n, kh = p.shape
+    if n % block_n or (2 * kh) % block_k or block_k % (2 * BLOCK):
+        raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles "
+                         f"(block_k a multiple of {2 * BLOCK})")
+    codes = torch.stack((p & 0xF, p >> 4), -1).view(e, n, 2 * kh // block_k, 2, block_k // 2)  # k-ordered codes
+    halves = (codes[..., 0, :] | (codes[..., 1, :] << 4)).view(e, n, kh)  # lo: first half of each K tile, hi: second
+    out = tile_major(halves, block_n, block_k)
+    return out[0] if flat else out
+
+
+def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """The inverse of `split_halves`: split-halves tile-major bytes back to the checkpoint layout."""
+    flat = packed_split.dim() == 2
+    p = packed_split.unsqueeze(0) if flat else packed_split
+    e, n, kh = p.shape
+    h = untile_major(p, block_n, block_k).view(e, n, 2 * kh // block_k, 1, block_k // 2)
+    codes = torch.cat((h & 0xF, h >> 4), -2).view(e, n, kh, 2)  # back in k order, pairs (2j, 2j+1)
+    out = (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
+    return out[0] if flat else out
+
+
+def split_halves_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
+    """Whether stacked gate_up [E, 2I, H] and down [E, H, I] split into SPLIT_TILE's tiles (gate_up's up rows must
+    start on a tile: I a multiple of the tile's rows, so the SwiGLU launch's rows n + I stay tile-aligned)."""
+    bn, bk = SPLIT_TILE
+    i, h = w13.packed.shape[-2] // 2, 2 * w13.packed.shape[-1]
+    return i % bn == 0 and h % bk == 0 and w2.packed.shape[-2] % bn == 0 and 2 * w2.packed.shape[-1] % bk == 0
+
+
+def experts_split_halves(w13: NVFP4Tensor, w2: NVFP4Tensor,
+                         inverse: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Both expert stacks into the split-halves layout of SPLIT_TILE (or back to the checkpoint's with `inverse`);
+    block and global scales stay."""
+    f = unsplit_halves if inverse else split_halves
+    return tuple(NVFP4Tensor(f(w.packed, *SPLIT_TILE), w.scales, w.global_scale) for w in (w13, w2))
+
+
+def swapped_block_m(num_pairs: int, num_experts: int) -> int:
+    """Routed rows per program (the MMA's N) from the mean pairs per expert: 16 at decode sizes; 64 from 16 pairs per
+    expert on (at 1,024 tokens x top-8 of 256, 32 per expert, 64 measured 9% faster than 32 for gate_up and equal
+    for down: each weight tile is dequantised once per program, so fewer, fuller programs dequantise less)."""
+    return 16 if num_pairs / num_experts <= 16 else 64
+
+
+# ---- Triton kernel --------------------------------------------------------------------------------------------------
+if triton is not None:
+    _BLK = tl.constexpr(BLOCK)
+
+    @triton.jit
+    def _dequant_halves(pw, s_lo, s_hi, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DEQ: tl.constexpr, INTERPRET: tl.constexpr):
+        """Split-halves bytes [BN, BK/32, 16] + scale bytes of the low / high half [BN, BK/32] -> (first-half,
+        second-half) weights [BN, BK/2] in DTYPE, times `_dequant_gain`'s inverse: `w4a16_gemm._dequant` with one
+        scale per nibble half instead of one per byte."""
+        slo = _e4m3_fp16(s_lo.to(tl.uint16))[:, :, None]
+        shi = _e4m3_fp16(s_hi.to(tl.uint16))[:, :, None]
+        if DTYPE == tl.bfloat16 and DEQ > 0:
+            slo = slo.to(tl.float32) * _TWO_119  # a normal bf16, exact (see `_dequant`)
+            shi = shi.to(tl.float32) * _TWO_119
+            if INTERPRET:  # the same bits in fp32 (the interpreter flushes bf16 subnormals; see `_dequant`)
+                p = pw.to(tl.uint32)
+                lo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True) * slo
+                hi = ((((p >> 4) & 7) << 22) | (((p >> 4) & 8) << 28)).to(tl.float32, bitcast=True) * shi
+                lo, hi = lo.to(DTYPE), hi.to(DTYPE)
+            else:
+                if DEQ == 2:
+                    lo, hi = _e2m1x2_bf16_tiny_ptx(pw)
+                else:
+                    p = pw.to(tl.uint16)
+                    lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
+                lo, hi = lo * slo.to(tl.bfloat16), hi * shi.to(tl.bfloat16)  # exact
+            return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
+        p = pw.to(tl.uint16)
+        lo = tl.reshape(_e2m1_fp16(p & 0xF) * slo, (BLOCK_N, BLOCK_K // 2))
+        hi = tl.reshape(_e2m1_fp16(p >> 4) * shi, (BLOCK_N, BLOCK_K // 2))
+        return lo.to(DTYPE), hi.to(DTYPE)
+
+    @triton.jit
+    def _load_split_tile(w, rows, t, K, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr):
+        """Split-halves bytes [BN, BK/32, 16] of K tile t of weight rows `rows` [BN] (aligned to TILE_N, in range):
+        len(rows) / TILE_N contiguous blocks of TILE_N x BK/2 bytes (one block when BLOCK_N = TILE_N)."""
+        local = tl.arange(0, BLOCK_K // (2 * _BLK))[None, :, None] * _BLK + tl.arange(0, _BLK)[None, None, :]
+        base = (rows // TILE_N) * (K // 2 * TILE_N) + t * (TILE_N * (BLOCK_K // 2)) + (rows % TILE_N) * (BLOCK_K // 2)
+        return tl.load(w + base[:, None, None] + local)
+
+    @triton.jit
+    def _load_half_scales(s, rows, t, K, s_sn, BLOCK_K: tl.constexpr):
+        """Block-scale bytes of K tile t's first and second halves, [BN, BK/32] each; zero past the last tile (the
+        look-ahead load)."""
+        g = t * (BLOCK_K // _BLK) + tl.arange(0, BLOCK_K // (2 * _BLK))
+        ok = (t * BLOCK_K < K) & (rows[:, None] >= 0)
+        ptr = s + rows[:, None] * s_sn + g[None, :]
+        return (tl.load(ptr, mask=ok, other=0),
+                tl.load(ptr + BLOCK_K // (2 * _BLK), mask=ok, other=0))
+
+    @triton.jit
+    def _load_xt_halves(x, a_rows, a_ok, t, s_xm, BLOCK_K: tl.constexpr):
+        """K tile t of the gathered activation rows as two contiguous tiles [BM, BK/2] (first, second half)."""
+        ks = t * BLOCK_K + tl.arange(0, BLOCK_K // 2)
+        ptr = x + a_rows[:, None] * s_xm + ks[None, :]
+        return (tl.load(ptr, mask=a_ok[:, None], other=0.0),
+                tl.load(ptr + BLOCK_K // 2, mask=a_ok[:, None], other=0.0))
+
+    @triton.jit
+    def _w4a16_grouped_swapped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
+                                      s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
+                                      SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+                                      DEQ: tl.constexpr, TILE_N: tl.constexpr,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # grid (R / BM, N_out / BN); one program = BN output columns (weight rows: the MMA's M) x BM sorted pairs of
+        # one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows x BK; BN a multiple
+        # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert + pid_m)
+        if e < E:  # blocks past the last used one hold the sentinel E
+            pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+            p_ok = pairs < P
+            a_rows = pairs // A_DIV
+            if SWIGLU:
+                n_out = N // 2
+            else:
+                n_out = N
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            we = w + e.to(tl.int64) * s_we
+            se = s + e.to(tl.int64) * s_se
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # acc^T: weight rows x pairs
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            # block scales one K tile ahead in registers (byte loads are too narrow for cp.async; see
+            # `w4a16_gemm._load_scale_tile`)
+            sl, sh = _load_half_scales(se, offs_n, 0, K, s_sn, BLOCK_K)
+            if SWIGLU:
+                ul, uh = _load_half_scales(se, offs_n + n_out, 0, K, s_sn, BLOCK_K)
+            for t in range(0, K // BLOCK_K):
+                xlo, xhi = _load_xt_halves(x, a_rows, p_ok, t, s_xm, BLOCK_K)
+                pw = _load_split_tile(we, offs_n, t, K, BLOCK_K, TILE_N)
+                cl, ch = sl, sh
+                sl, sh = _load_half_scales(se, offs_n, t + 1, K, s_sn, BLOCK_K)
+                lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
+                acc = _mma(lo, tl.trans(xlo), acc, INTERPRET)
+                acc = _mma(hi, tl.trans(xhi), acc, INTERPRET)
+                if SWIGLU:
+                    pw = _load_split_tile(we, offs_n + n_out, t, K, BLOCK_K, TILE_N)
+                    cl, ch = ul, uh
+                    ul, uh = _load_half_scales(se, offs_n + n_out, t + 1, K, s_sn, BLOCK_K)
+                    lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
+                    acc_up = _mma(lo, tl.trans(xlo), acc_up, INTERPRET)
+                    acc_up = _mma(hi, tl.trans(xhi), acc_up, INTERPRET)
+            ge = g + e * s_ge
+            gain = _dequant_gain(x.dtype.element_ty, DEQ)
+            acc = acc * (tl.load(ge + offs_n * s_gn) * gain)[:, None]
+            if SWIGLU:
+                acc_up = acc_up * (tl.load(ge + (offs_n + n_out) * s_gn) * gain)[:, None]
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            if HAS_ROW_SCALE:
+                acc = acc * tl.load(rs + pairs, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
+
+
+def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, scales: torch.Tensor,
+                                 global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1,
+                                 swiglu: bool = False, row_scale: torch.Tensor | None = None,
+                                 block_n: int = SPLIT_TILE[0], block_k: int = SPLIT_TILE[1],
+                                 config: dict | None = None, deq: int = 2) -> torch.Tensor:
+    """`w4a16_gemm.w4a16_grouped_launch`'s contract on split-halves weights: y[p] = f(x[p // a_div] @ W[e_p]^T) *
+    row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
+    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype.
+    `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps, num_stages."""
+    if triton is None:
+        raise RuntimeError("w4a16_grouped_swapped_launch needs triton")
+    e, n, kh = packed_split.shape
+    k = 2 * kh
+    n_out = n // 2 if swiglu else n
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    bn = cfg.pop("BLOCK_N", block_n)
+    if x.shape[-1] != k or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} (strides {x.stride()}) does not match weights of K = {k}")
+    if n_out % bn or bn % block_n or k % block_k or block_k % (2 * BLOCK) or (swiglu and n % 2):
+        raise ValueError(f"BLOCK_N {bn} must be a multiple of the stored tile's {block_n} rows and divide N_out "
+                         f"{n_out}; block_k {block_k} must divide K {k} and be a multiple of {2 * BLOCK}")
+    if deq == 2 and _interpreted():
+        deq = 1  # the interpreter has no PTX; `_dequant_halves` runs one fp32 emulation of modes 1 and 2 anyway
+    g, s_ge, s_gn = _global_2d(global_scale, e, n)
+    interp = _interpreted()
+    out_dtype = torch.float32 if interp else x.dtype  # the interpreter truncates fp32 -> bf16: torch rounds
+    y = torch.empty((routing.num_pairs, n_out), dtype=out_dtype, device=x.device)
+    if routing.num_pairs == 0:
+        return y.to(x.dtype)
+    sc = scales.view(torch.uint8)
+    rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
+    grid = (routing.block_expert.numel(), n_out // bn)
+    _w4a16_grouped_swapped_kernel[grid](
+        x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
+        _pow2_bucket(routing.num_pairs, 16, 4096), x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
+        s_ge, s_gn, y.stride(0), SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
+        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, **cfg)
+    return y.to(x.dtype)

@@ -1,0 +1,116 @@
+"""kernels/w4a16_swapped.py: the swap-AB grouped W4A16 kernel on split-halves weights against
+`w4a16_grouped_reference` and the engine's `w4a16_grouped_launch` (on CPU through Triton's interpreter,
+tests/conftest.py; on a GPU the compiled kernels).
+
+Tolerances (tests/test_kernel_w4a16.py's for the same comparison, and why): the dequant is exact, so the kernel and
+the reference differ only by fp32 summation order before one rounding to the output dtype. Per element
+|y - ref_fp32| <= 2^-8 |ref_fp32| (a bf16 rounding, 2x for a tie flipped by fp32 noise) + 1e-6 max |ref| (fp32
+summation-order noise; SwiGLU's nonlinear epilogue gets no tighter linear bound), and `compare`'s 1e-2 of max |ref|.
+Against the existing kernel (same products, other summation order): <= 1 output ulp (2^-7 relative for bf16, 2^-10
+for fp16) + the same 1e-6 max |ref|.
+"""
+
+import pytest
+import torch
+
+from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4
+from kernels.w4a16_gemm import compare, moe_align, tile_major, w4a16_grouped_launch, w4a16_grouped_reference
+from kernels.w4a16_swapped import split_halves, unsplit_halves, w4a16_grouped_swapped_launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BK = 128  # K tile of the split-halves layout
+
+
+def rand_weight(e, n, k, seed):
+    """Stacked NVFP4 weight [E, N, K] with distinct per-row global scales [E, N]."""
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_nvfp4(torch.randn(e, n, k, generator=g) * 0.02)
+    w = NVFP4Tensor(w.packed, w.scales, w.global_scale * (0.5 + torch.rand(e, n, generator=g)))
+    return NVFP4Tensor(*(t.to(DEVICE) for t in w))
+
+
+def routing_ids(t, top_k, num_experts, seed, empty=()):
+    """[T, k] distinct expert ids per token, never using the experts in `empty`."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(num_experts) if e not in empty])
+    return torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:top_k]] for _ in range(t)]).to(DEVICE)
+
+
+@pytest.mark.parametrize("shape,bn,bk", [((3, 64, 128), 32, 128), ((128, 64), 64, 128), ((2, 32, 256), 16, 64)])
+def test_split_halves_round_trip_and_layout(shape, bn, bk):
+    g = torch.Generator().manual_seed(0)
+    p = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    s = split_halves(p, bn, bk)
+    assert s.shape == p.shape and not torch.equal(s, p)
+    assert torch.equal(unsplit_halves(s, bn, bk), p)
+    # the definition, element by element: row r of the first row tile, last K tile kt, byte j holds codes
+    # k = kt bk + j (low nibble) and kt bk + j + bk/2 (high), in the tile-major block of (row tile 0, K tile kt)
+    p3 = p.view(-1, *shape[-2:])[0]
+    codes = torch.stack((p3 & 0xF, p3 >> 4), -1).flatten(-2)  # [N, K] codes in k order
+    kt = codes.shape[1] // bk - 1
+    block = s.view(-1, *shape[-2:])[0].flatten()[kt * bn * bk // 2: (kt + 1) * bn * bk // 2].view(bn, bk // 2)
+    for r, j in ((3, 5), (bn - 1, bk // 2 - 1)):
+        k0 = kt * bk + j
+        assert int(block[r, j]) == int(codes[r, k0]) | (int(codes[r, k0 + bk // 2]) << 4)
+    with pytest.raises(ValueError):
+        split_halves(p, 48, bk)
+
+
+CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored 32-row tile)
+    (1, 2, "plain", 16, torch.bfloat16, None),
+    (9, 2, "swiglu", 16, torch.bfloat16, None),
+    (9, 2, "row_scale", 32, torch.bfloat16, dict(BLOCK_N=64)),
+    (17, 2, "swiglu", 32, torch.bfloat16, None),
+    (9, 2, "down", 16, torch.bfloat16, None),  # a_div 1: each pair reads its own row (the down projection)
+    (5, 2, "swiglu", 16, torch.float16, None),
+]
+
+
+@pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg", CASES)
+def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, dtype, cfg):
+    """Experts 0 and 5 get no tokens; K = 256 (two K tiles); 64 output columns with SwiGLU / 128 without over stored
+    tiles of 32 rows; BLOCK_M 16 / 32 with ragged experts (padding rows masked)."""
+    e, n, k = 6, 128, 256
+    swiglu = mode == "swiglu"
+    idx = routing_ids(t, top_k, e, seed=10 + t, empty=(0, 5))
+    w = rand_weight(e, n, k, seed=7)
+    a_div = 1 if mode == "down" else top_k
+    x = torch.randn(t * top_k // a_div, k, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+    rs = (torch.rand(t * top_k, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+          if mode in ("row_scale", "down") else None)
+    routing = moe_align(idx, e, block_m)
+    wsplit = split_halves(w.packed, 32, BK)
+    y = w4a16_grouped_swapped_launch(x, wsplit, w.scales, w.global_scale, routing, a_div=a_div, swiglu=swiglu,
+                                     row_scale=rs, block_n=32, block_k=BK, config=cfg)
+    ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
+    assert y.shape == (t * top_k, n // 2 if swiglu else n) and y.dtype == x.dtype
+    err = (y.float() - ref32).abs()
+    noise = 1e-6 * ref32.abs().max()
+    assert (err <= 2.0**-8 * ref32.abs() + noise).all(), err.max()
+    assert compare(y, ref32.to(y.dtype)) is None
+    # the engine's kernel on the same weights, tile-major in the checkpoint nibble order
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    bn = (cfg or {}).get("BLOCK_N", 32)
+    old = w4a16_grouped_launch(x, NVFP4Tensor(tile_major(w.packed, 32, BK), w.scales, w.global_scale), routing,
+                               a_div=a_div, row_scale=rs, swiglu=swiglu,
+                               config=dict(BLOCK_N=bn, BLOCK_K=BK, TILE_N=32), modes=dict(TILED=1))
+    diff = (y.float() - old.float()).abs()
+    assert (diff <= ulp * ref32.abs() + noise).all(), diff.max()
+    # mutation: the checkpoint nibble order (tile-major, not split) fed to the swapped kernel is far off
+    wrong = w4a16_grouped_swapped_launch(x, tile_major(w.packed, 32, BK), w.scales, w.global_scale, routing,
+                                         a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=32, block_k=BK,
+                                         config=cfg)
+    assert compare(wrong, ref32.to(y.dtype)) is not None
+
+
+def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
+    w = rand_weight(2, 64, 128, seed=1)
+    x = torch.randn(3, 128).to(torch.bfloat16).to(DEVICE)
+    idx = routing_ids(3, 1, 2, seed=2)
+    wsplit = split_halves(w.packed, 32, BK)
+    with pytest.raises(ValueError):  # BLOCK_N not a multiple of the stored tile
+        w4a16_grouped_swapped_launch(x, wsplit, w.scales, w.global_scale, moe_align(idx, 2, 16), block_n=32,
+                                     config=dict(BLOCK_N=48))
+    empty = w4a16_grouped_swapped_launch(x[:0], wsplit, w.scales, w.global_scale, moe_align(idx[:0], 2, 16),
+                                         block_n=32)
+    assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
