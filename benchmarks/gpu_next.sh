@@ -20,8 +20,8 @@
 #  10. the sixth session's open GPU checks: the prefill-graph tests on CUDA (the redesigned bf16 case never ran on a
 #      GPU) and fla's fixed-length call (`test_kernel_gdn_chunk.py`), then the grouped kernel's prefill tiles
 #      (`moe_prefill_bench.py`) and the engine's TTFT with the default prefill buckets (start-up time included);
-#  11. the engine's speed with async_decode, with shared_expert_in_moe and with both, beside the defaults (written
-#      2026-11-30, sixth session; CPU-tested only). Engines only (--engine-only), one prefill bucket each.
+#  11. the engine's speed beside the same engine without async_decode (on by default since run 12) and with
+#      shared_expert_in_moe. Engines only (--engine-only), one prefill bucket each.
 #  12. the engine with its experts in split halves (the swap-AB kernel, the default on CUDA since the seventh session)
 #      beside the same engine with them tile-major (the grouped kernel), then the swapped kernel's GPU tests.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
@@ -135,8 +135,8 @@ timeout 340 python benchmarks/qwen_profile.py --engine-prefill --batches "" --ou
 grep -E "started|ttft_ms_median" "$R/qwen_prefill.log" | cut -c1-300
 fi
 if want 11; then
-say "11. Qwen engine speed: defaults, with async_decode, with shared_expert_in_moe, with both (one prefill bucket)"
-timeout 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --async-decode \
+say "11. Qwen engine speed: defaults, without async_decode, with shared_expert_in_moe (one prefill bucket)"
+timeout 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --sync-decode \
   --shared-in-moe --prefill-buckets 1024 --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_async/qwen_gpu.md"
 fi

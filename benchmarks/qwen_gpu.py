@@ -177,19 +177,15 @@ def markdown(r: dict) -> str:
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('decode_tok_per_s'))} | - |",
             f"| (e) engine without prefill graphs: TTFT ms, lone {s['context']}-token request | "
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('ttft_ms'))} | - |",
-            f"| (e) engine with async_decode ({(r.get('engine_async') or {}).get('steps_ahead')} decode steps formed "
-            f"ahead): decode tok/s, lone request / all {st.get('n')} streams decoding | "
-            f"{fmt((r.get('engine_async') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
-            f"{fmt(((r.get('engine_async') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
+            f"| (e) engine without async_decode (decode steps not overlapped): decode tok/s, lone request / all "
+            f"{st.get('n')} streams decoding | "
+            f"{fmt((r.get('engine_sync') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
+            f"{fmt(((r.get('engine_sync') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
             f"| - |",
             f"| (e) engine with shared_expert_in_moe: decode tok/s, lone request / all {st.get('n')} streams decoding "
             f"(the 32-token bucket keeps the dense shared expert) | "
             f"{fmt((r.get('engine_shared') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
             f"{fmt(((r.get('engine_shared') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
-            f"| - |",
-            f"| (e) engine with async_decode and shared_expert_in_moe: decode tok/s, lone request / all {st.get('n')} "
-            f"streams decoding | {fmt((r.get('engine_both') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
-            f"{fmt(((r.get('engine_both') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
             f"| - |",
             f"| (e) engine with the experts in the {(r.get('engine_layout') or {}).get('layout')} layout: decode "
             f"tok/s, "
@@ -266,7 +262,7 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
 
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
                        decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
-                       async_decode: bool = False, shared_expert_in_moe: bool = False,
+                       async_decode: bool | None = None, shared_expert_in_moe: bool = False,
                        prefill_buckets: tuple = ()) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
@@ -278,7 +274,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
-                            async_decode=async_decode, shared_expert_in_moe=shared_expert_in_moe,
+                            shared_expert_in_moe=shared_expert_in_moe,
+                            **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     engine = QwenEngine(ecfg, model=model)
     t_start = time.perf_counter()
@@ -320,14 +317,14 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
             return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s, runner=engine.health().get("runner"),
-                        kernel_checks=engine.health().get("kernel_checks"), async_decode=async_decode,
+                        kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode,
                         steps_ahead=engine.scheduler.stats.steps_ahead)
         t0 = time.perf_counter()
         many = await asyncio.gather(*(one(rand(1, ctx)[0].tolist(), steps + 1) for _ in range(streams)))
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
-                    kernel_checks=engine.health().get("kernel_checks"), async_decode=async_decode, start_s=start_s,
+                    kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode, start_s=start_s,
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,
                     dropped_tokens=engine.scheduler.stats.dropped_tokens,
@@ -360,8 +357,9 @@ def main() -> None:
     ap.add_argument("--shared-in-moe", action="store_true",
                     help="(e) once more with the engine's shared_expert_in_moe (the shared experts inside the "
                          "grouped launches), side by side")
-    ap.add_argument("--async-decode", action="store_true",
-                    help="(e) once more with the engine's async_decode (decode steps overlapped), side by side")
+    ap.add_argument("--sync-decode", action="store_true",
+                    help="(e) once more without the engine's async_decode (on by default: decode steps overlapped), "
+                         "side by side")
     ap.add_argument("--engine-only", action="store_true",
                     help="(e) only: skip the model-level phases (a)-(c), the engine without graphs and the oracle")
     ap.add_argument("--prefill-buckets", default="",
@@ -488,12 +486,10 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
             log(f"(e) without graphs {r.get('engine_eager')}")
-        # the same graphed engine with options on, side by side: decode steps overlapped (async_decode); the shared
-        # experts inside the grouped launches (shared_expert_in_moe); both
-        variants = (("engine_async", dict(async_decode=True), args.async_decode),
-                    ("engine_shared", dict(shared_expert_in_moe=True), args.shared_in_moe),
-                    ("engine_both", dict(async_decode=True, shared_expert_in_moe=True),
-                     args.async_decode and args.shared_in_moe))
+        # the same graphed engine with one option switched, side by side: decode steps not overlapped (async_decode
+        # off); the shared experts inside the grouped launches (shared_expert_in_moe)
+        variants = (("engine_sync", dict(async_decode=False), args.sync_decode),
+                    ("engine_shared", dict(shared_expert_in_moe=True), args.shared_in_moe))
         for key, options, wanted in variants:
             if not wanted:
                 continue
