@@ -24,6 +24,9 @@
 #      shared_expert_in_moe. Engines only (--engine-only), one prefill bucket each.
 #  12. the engine with its experts in split halves (the swap-AB kernel, the default on CUDA since the seventh session)
 #      beside the same engine with them tile-major (the grouped kernel), then the swapped kernel's GPU tests.
+#  13. (written 2026-11-30, seventh session; not run) the two MoE kernels per call at 1-8 tokens, where the swap-AB
+#      kernel lost the lone decode; then the engine (split halves, async_decode on) beside expert_layout "dual" and
+#      beside async_decode off.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -37,7 +40,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="9" bash benchmarks/gpu_next.sh       # ~4 min (ran: run 10 / 11)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="10" bash benchmarks/gpu_next.sh      # ~9 min (one call)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="11" bash benchmarks/gpu_next.sh      # ~6.5 min (ran: run 12)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="12" bash benchmarks/gpu_next.sh      # ~8.5 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="12" bash benchmarks/gpu_next.sh      # ~6.5 min (ran: run 13)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="13" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -148,5 +152,14 @@ grep -E "^\| \(e\)" "$R/qwen_layout/qwen_gpu.md"
 timeout 110 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_swapped.py tests/test_kernel_w4a16.py \
   -k "swapped or repacked or self_check" > "$R/swapped_tests.log" 2>&1
 grep -E "passed|failed" "$R/swapped_tests.log" | tail -2
+fi
+if want 13; then
+say "13. swap-AB vs grouped kernel at 1-8 tokens (the crossover); the engine with dual experts and without async_decode"
+timeout 150 python benchmarks/w4a16_swapped_bench.py --tokens 1,2,4,8 --out "$R/swapped_small" \
+  > "$R/swapped_small.log" 2>&1
+grep -E "^\| [0-9]" "$R/swapped_small/w4a16_swapped_bench.md" | cut -c1-120
+timeout 420 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --compare-layout dual --sync-decode --out "$R/qwen_dual" > "$R/qwen_dual.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_dual/qwen_gpu.md"
 fi
 say "done"

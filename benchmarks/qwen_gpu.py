@@ -365,7 +365,7 @@ def main() -> None:
     ap.add_argument("--prefill-buckets", default="",
                     help="the (e) engines' prefill-graph token buckets, comma-separated ('' = the engine default; each "
                          "bucket costs start-up time)")
-    ap.add_argument("--compare-layout", default="", choices=["", "checkpoint", "tile_major", "split_halves"],
+    ap.add_argument("--compare-layout", default="", choices=["", "checkpoint", "tile_major", "split_halves", "dual"],
                     help="(e) once more with the routed experts repacked into this byte layout (NVFP4Experts.repack; "
                          "the run's own is the loader's default), side by side")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
@@ -501,13 +501,13 @@ def main() -> None:
             log(f"(e) {options} {r.get(key)}")
             save()
         if args.compare_layout:  # the same engine on the same weights in another expert byte layout
-            from kernels.w4a16_gemm import EXPERT_LAYOUTS
+            from qwen_engine.load_packed import apply_expert_layout
             from qwen_engine.model.quantized import NVFP4Experts
 
             experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
-            own = {id(m): m.layout for m in experts}
+            own = {id(m): m.layout for m in experts}  # the loader's single layout (not "dual")
             try:
-                if not all(m.repack(EXPERT_LAYOUTS[args.compare_layout]) for m in experts):
+                if not all(apply_expert_layout(m, args.compare_layout, device) for m in experts):
                     raise ValueError(f"experts do not split into the {args.compare_layout} tiles")
                 r["engine_layout"] = dict(layout=args.compare_layout, **asyncio.run(engine_phase(
                     model, cfg, device, ctx, steps, streams, rand, prefill_buckets=buckets)))

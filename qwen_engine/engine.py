@@ -106,7 +106,10 @@ class QwenEngineConfig:
     #                                     no gain (lone 202 -> 203 tok/s; with async_decode 233 -> 232): off
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
     #                              auto (split halves on CUDA for the swap-AB kernel, kernels/w4a16_swapped.py;
-    #                              the checkpoint's on CPU) | split_halves | tile_major | checkpoint
+    #                              the checkpoint's on CPU) | split_halves | tile_major | checkpoint | dual (split
+    #                              halves + a tile-major copy for decode batches of <= 4 tokens: +16 GB at full
+    #                              size; not measured as a whole). H200, Qwen run 13: split halves TTFT 65 -> 54 ms,
+    #                              32 streams +15%, lone decode -11% against tile_major
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
@@ -139,9 +142,9 @@ class QwenEngineConfig:
         if any(b > limit for b in self.prefill_buckets):  # never used, yet each costs a capture and pool memory
             raise ValueError(f"prefill_buckets {self.prefill_buckets} exceed the largest prefill chunk a step can "
                              f"hold, min(max_num_batched_tokens, max_model_len) = {limit}")
-        if self.expert_layout not in ("auto", "checkpoint", "tile_major", "split_halves"):
-            raise ValueError(f"expert_layout must be auto | checkpoint | tile_major | split_halves, got "
-                             f"{self.expert_layout!r}")
+        from .load_packed import check_expert_layout
+
+        check_expert_layout(self.expert_layout)
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_queued"):
@@ -653,8 +656,8 @@ def set_shared_expert_in_moe(model: torch.nn.Module, on: bool) -> int:
 
 
 def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
-    """The routed experts' byte layouts, by name (`kernels.w4a16_gemm.EXPERT_LAYOUTS`) -> number of MoE layers
-    (empty for a dequantized model)."""
+    """The routed experts' byte layouts, by name (`kernels.w4a16_gemm.EXPERT_LAYOUTS`, with a `repack_dual` copy
+    named) -> number of MoE layers (empty for a dequantized model)."""
     from kernels.w4a16_gemm import EXPERT_LAYOUTS
 
     from .model.quantized import NVFP4Experts
@@ -663,7 +666,8 @@ def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
     for mod in model.modules():
         if isinstance(mod, NVFP4Experts):
-            out[names[mod.layout]] = out.get(names[mod.layout], 0) + 1
+            name = names[mod.layout] + (f" + tile_major for <= {mod.small_tokens} tokens" if mod.small_tokens else "")
+            out[name] = out.get(name, 0) + 1
     return out
 
 

@@ -43,15 +43,25 @@ log = logging.getLogger(__name__)
 Packed = torch.Tensor | NVFP4Tensor | FP8Tensor
 
 
-def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> int:
-    """"auto" or a name of `kernels.w4a16_gemm.EXPERT_LAYOUTS` -> its code (ValueError naming the choices)."""
+EXPERT_LAYOUT_CHOICES = ("auto", "checkpoint", "tile_major", "split_halves", "dual")
+
+
+def check_expert_layout(expert_layout: str) -> None:
+    if expert_layout not in EXPERT_LAYOUT_CHOICES:
+        raise ValueError(f"expert_layout must be one of {' | '.join(EXPERT_LAYOUT_CHOICES)}, got {expert_layout!r}")
+
+
+def apply_expert_layout(experts: NVFP4Experts, expert_layout: str, device: torch.device | str) -> bool:
+    """Repack `experts` for `expert_layout`: "auto" (`kernels.w4a16_gemm.default_expert_layout`: split halves on
+    CUDA, the checkpoint's elsewhere), a name of `EXPERT_LAYOUTS`, or "dual" (split halves plus a tile-major copy
+    for small decode batches, `NVFP4Experts.repack_dual`). False: the shapes do not split into its tiles (unchanged)."""
     from kernels.w4a16_gemm import EXPERT_LAYOUTS, default_expert_layout
 
-    if expert_layout == "auto":
-        return default_expert_layout(device)
-    if expert_layout not in EXPERT_LAYOUTS:
-        raise ValueError(f"expert_layout must be 'auto' or one of {sorted(EXPERT_LAYOUTS)}, got {expert_layout!r}")
-    return EXPERT_LAYOUTS[expert_layout]
+    check_expert_layout(expert_layout)
+    if expert_layout == "dual":
+        return experts.repack_dual()
+    layout = default_expert_layout(device) if expert_layout == "auto" else EXPERT_LAYOUTS[expert_layout]
+    return experts.repack(layout)
 
 
 def load_quantized(
@@ -75,9 +85,10 @@ def load_quantized(
     fuse_shared_expert: one [2I, H] NVFP4 GEMM for the shared expert's gate and up when both are NVFP4.
     w4a4: "auto" | "off" | "emulate", for the dense layers the checkpoint exports as W4A4 (module docstring); layers
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
-    expert_layout: the routed experts' byte layout, one of `kernels.w4a16_gemm.EXPERT_LAYOUTS` ("checkpoint",
-    "tile_major", "split_halves"; `NVFP4Experts.repack`, same values) or "auto": split halves on CUDA (the swap-AB
-    kernel, the fastest measured on the H200), the checkpoint's elsewhere (`default_expert_layout`).
+    expert_layout: the routed experts' byte layout (`apply_expert_layout`; same values): "checkpoint", "tile_major",
+    "split_halves", "dual" (split halves + a tile-major copy for decode batches of <= 4 tokens: +1 packed copy of the
+    experts) or "auto": split halves on CUDA (the swap-AB kernel; benchmarks/RESULTS.md, Qwen run 13), the
+    checkpoint's elsewhere.
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
     inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the
@@ -85,7 +96,7 @@ def load_quantized(
     load-time peak holds a second copy of all experts until this function returns (~15 GB at full size).
     Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.
     """
-    layout = resolve_expert_layout(expert_layout, device)
+    check_expert_layout(expert_layout)
     check_w4a4_mode(w4a4)
     algos: dict[str, str] = {}
     input_scales: Mapping[str, torch.Tensor] = {}
@@ -168,7 +179,7 @@ def load_quantized(
                 log.warning("%s: shared expert not stacked with the routed experts: %s", name, exc)
             else:
                 mod.experts = experts
-        if not experts.repack(layout):
+        if not apply_expert_layout(experts, expert_layout, device):
             log.warning("%s.experts: expert shapes do not split into the %s layout's tiles; checkpoint layout kept",
                         name, expert_layout)
 

@@ -323,6 +323,11 @@ def test_engine_with_packed_weights_equals_single_prompt_reference():
         assert tokens == reference_greedy(engine, prompt(i, n), 4), f"prompt {i} ({n} tokens)"
     with pytest.raises(ValueError, match="weights must be"):
         engine_config(weights="fp4")
+    # expert_layout "auto" keeps the checkpoint layout off CUDA (the layouts themselves: tests/test_qwen_quantized.py)
+    n_moe = sum(isinstance(m, NVFP4Experts) for m in engine.model.modules())
+    assert engine.health()["expert_layouts"] == {"checkpoint": n_moe}
+    with pytest.raises(ValueError, match="expert_layout must be one of"):
+        engine_config(expert_layout="tiled")
 
 
 def test_dead_step_loop_fails_open_streams_instead_of_hanging(monkeypatch):

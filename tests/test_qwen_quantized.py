@@ -200,6 +200,45 @@ def test_experts_repacked_layout(tensors, caplog, layout):
 
 
 @torch.no_grad()
+def test_experts_dual_layout(tensors, caplog):
+    """`NVFP4Experts.repack_dual` (expert_layout "dual"): split halves for every call plus a tile-major copy that calls
+    of at most `small_tokens` tokens read. Both paths equal the checkpoint-layout forward to bf16 rounding; each path
+    reads its own copy (spoiling one copy changes only its calls); the state_dict holds one copy; `repack` drops the
+    second; shapes that do not split keep the checkpoint layout in the loader, which says so."""
+    from kernels.w4a16_gemm import CHECKPOINT, SPLIT_HALVES, TILE_MAJOR
+
+    reg = registry("auto")
+    g = torch.Generator().manual_seed(8)
+    e, h, i = 4, 256, 256
+    gu = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
+    dn = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
+    plain, dual = NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)
+    assert dual.repack_dual(small_tokens=2) and dual.layout == SPLIT_HALVES and dual.small_tokens == 2
+    assert set(dual.state_dict()) == set(plain.state_dict())  # the copy is derived: not persistent
+    calls = {}
+    for t in (1, 2, 5):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
+        wts = torch.softmax(torch.randn(t, 2, generator=g), -1)
+        calls[t] = (x, idx, wts, plain(x, idx, wts))
+        assert rel_err(dual(x, idx, wts), calls[t][3]) <= 1e-2, t
+    small = dual.small_gate_up_packed.clone()
+    dual.small_gate_up_packed.zero_()  # only the small calls read the tile-major copy
+    assert rel_err(dual(*calls[1][:3]), calls[1][3]) > 0.5 and rel_err(dual(*calls[5][:3]), calls[5][3]) <= 1e-2
+    dual.small_gate_up_packed.copy_(small)
+    dual.gate_up_packed.zero_()  # ... and only the larger ones the split halves
+    assert rel_err(dual(*calls[2][:3]), calls[2][3]) <= 1e-2 and rel_err(dual(*calls[5][:3]), calls[5][3]) > 0.5
+    again = NVFP4Experts(gu, dn, reg)
+    assert again.repack_dual() and again.repack(TILE_MAJOR) and again.small_tokens == 0
+    assert not hasattr(again, "small_gate_up_packed") and again.layout == TILE_MAJOR
+    with caplog.at_level(logging.WARNING, logger="qwen_engine.load_packed"):
+        model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
+                               expert_layout="dual")
+    experts = model.layers[0].mlp.experts
+    assert experts.layout == CHECKPOINT and experts.small_tokens == 0 and "checkpoint layout kept" in caplog.text
+
+
+@torch.no_grad()
 def test_moe_fused_tail_with_unsummed_experts(tensors):
     """`SparseMoE` on its fused path (`fused = True`; the default on CUDA): the packed experts hand over their k
     weighted outputs unsummed ([N, k, H], `reduce=False`), "moe_combine" sums them with the gated shared expert and

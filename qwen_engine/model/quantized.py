@@ -92,12 +92,13 @@ class _Dispatch(_KeepStorageDtype):
         self.registry = registry  # None: the process-wide default registry, looked up on first use
         self._impl: dict[tuple, object] = {}
 
-    def _call(self, *args, op: str | None = None):
-        """`op` (default: the module's) on args, through the cached registry choice."""
+    def _call(self, *args, op: str | None = None, variant=None):
+        """`op` (default: the module's) on args, through the cached registry choice; `variant` overrides the module's
+        `_variant` for this call (state its `supports()` depends on that differs between calls)."""
         op = op or self.op
         reg = self.registry = _registry(self.registry)
         x = args[0]
-        key = (op, x.device.type, x.dtype, reg.preference(op), self._variant)
+        key = (op, x.device.type, x.dtype, reg.preference(op), self._variant if variant is None else variant)
         impl = self._impl.get(key)
         if impl is None:
             impl = self._impl[key] = reg.choose(op, **reg.spec(op).describe(*args))
@@ -331,6 +332,7 @@ class NVFP4Experts(_Dispatch):
         self.register_buffer("down_scales", down.scales.contiguous())  # e4m3 [E(+1), H, I/16]
         self.register_buffer("down_global", dn_global.contiguous())  # fp32 [E(+1), H]
         self.layout = 0  # kernels.w4a16_gemm.EXPERT_LAYOUTS: the checkpoint's until `repack`
+        self.small_tokens = 0  # `repack_dual`: calls of at most this many tokens read the tile-major copy `small_*`
 
     def repack(self, layout: int) -> bool:
         """Repack both stacks' bytes into `layout` (`kernels.w4a16_gemm.experts_repack`; EXPERT_LAYOUTS: tile-major
@@ -339,18 +341,45 @@ class NVFP4Experts(_Dispatch):
         shapes do not split into that layout's tiles. Peak memory: one repacked copy of both stacks (~400 MB per layer
         at full size, transient). The module's state_dict then holds repacked bytes; loading a state_dict into a
         repacked module is refused (`_load_from_state_dict`). With the registry's reference preference, each call
-        unpacks a copy first (the reference dequantises every expert per call anyway)."""
+        unpacks a copy first (the reference dequantises every expert per call anyway). A `repack_dual` copy is
+        dropped."""
         from kernels.w4a16_gemm import experts_repack, layout_ok
 
-        if layout == self.layout:
-            return True
         w13, w2 = self._checkpoint_layout()
         if not layout_ok(w13, w2, layout):
             return False
-        w13, w2 = experts_repack(w13, w2, layout)
-        self.gate_up_packed, self.down_packed = w13.packed, w2.packed
-        self.layout = layout
+        self._drop_small_copy()
+        if layout != self.layout:
+            w13, w2 = experts_repack(w13, w2, layout)
+            self.gate_up_packed, self.down_packed = w13.packed, w2.packed
+            self.layout = layout
         return True
+
+    def repack_dual(self, small_tokens: int = 4) -> bool:
+        """Split halves for the swap-AB kernel (`repack(SPLIT_HALVES)`), plus a tile-major copy of both packed stacks
+        that calls of at most `small_tokens` tokens read with the grouped kernel. On the H200 (benchmarks/RESULTS.md,
+        Qwen run 13) the swap-AB kernel made TTFT 17% shorter and 32 streams 15% faster, but a lone request's decode
+        11% slower; two copies keep both, for +1 packed copy of the experts (~400 MB per layer, ~16 GB at full
+        size). The crossover `small_tokens` is not measured: 4 is a guess from grid fill (the swap-AB gate_up launch
+        has 64 programs per token at decode sizes, against the grouped kernel's 128). Returns False, changing
+        nothing, when the shapes do not split into both layouts' tiles."""
+        from kernels.w4a16_gemm import SPLIT_HALVES, TILE_MAJOR, experts_repack, layout_ok
+
+        w13, w2 = self._checkpoint_layout()
+        if small_tokens < 1 or not (layout_ok(w13, w2, SPLIT_HALVES) and layout_ok(w13, w2, TILE_MAJOR)):
+            return False
+        self.repack(SPLIT_HALVES)
+        t13, t2 = experts_repack(w13, w2, TILE_MAJOR)
+        # not persistent: derived bytes, the state_dict keeps one copy (whose loads are refused once repacked)
+        self.register_buffer("small_gate_up_packed", t13.packed, persistent=False)
+        self.register_buffer("small_down_packed", t2.packed, persistent=False)
+        self.small_tokens = small_tokens
+        return True
+
+    def _drop_small_copy(self) -> None:
+        if self.small_tokens:
+            del self.small_gate_up_packed, self.small_down_packed
+            self.small_tokens = 0
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -383,11 +412,17 @@ class NVFP4Experts(_Dispatch):
         """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype; `reduce=False`: [N, k, H] unsummed (moe.Experts).
         `with_shared`: idx may name the stacked shared expert (`shared_index`); otherwise the launches see the
         routed experts only (views of the first E: the alignment and the kernels size for E, not E + 1)."""
-        w13, w2 = self.gate_up_nvfp4, self.down_nvfp4
+        w13, w2, layout = self.gate_up_nvfp4, self.down_nvfp4, self.layout
+        if self.small_tokens and x.shape[0] <= self.small_tokens:  # `repack_dual`: the tile-major copy
+            from kernels.w4a16_gemm import TILE_MAJOR
+
+            w13 = NVFP4Tensor(self.small_gate_up_packed, self.gate_up_scales, self.gate_up_global)
+            w2 = NVFP4Tensor(self.small_down_packed, self.down_scales, self.down_global)
+            layout = TILE_MAJOR
         if self.shared_index is not None and not with_shared:
             e = self.num_experts
             w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
-        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, self.layout)
+        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, layout, variant=layout)
 
     def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Dense stacks in `Experts`' parameter names (full size in bf16: 2.1 GB per layer; dequantise per layer)."""
