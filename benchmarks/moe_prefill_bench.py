@@ -95,7 +95,7 @@ def main() -> None:
             w4a16_gemm.PREFILL_BLOCK_M = prefill_bm
             try:
                 def op():
-                    return w4a16_gemm.w4a16_moe_op(x, *t13, *t2, idx, wts, False, True)
+                    return w4a16_gemm.w4a16_moe_op(x, *t13, *t2, idx, wts, False, w4a16_gemm.TILE_MAJOR)
 
                 op()
                 t_ms = ms(op)

@@ -316,7 +316,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
             ref = greedy_ours(model, prompt.to(device), n_chk)[0]
         lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
-            return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s, runner=engine.health().get("runner"),
+            return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s,
+                        expert_layouts=engine.health().get("expert_layouts"), runner=engine.health().get("runner"),
                         kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode,
                         steps_ahead=engine.scheduler.stats.steps_ahead)
         t0 = time.perf_counter()
@@ -325,6 +326,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
                     kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode, start_s=start_s,
+                    expert_layouts=engine.health().get("expert_layouts"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,
                     dropped_tokens=engine.scheduler.stats.dropped_tokens,
@@ -505,7 +507,7 @@ def main() -> None:
             from qwen_engine.model.quantized import NVFP4Experts
 
             experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
-            own = {id(m): m.layout for m in experts}  # the loader's single layout (not "dual")
+            own = {id(m): (m.layout, m.small_tokens) for m in experts}  # restored after the comparison
             try:
                 if not all(apply_expert_layout(m, args.compare_layout, device) for m in experts):
                     raise ValueError(f"experts do not split into the {args.compare_layout} tiles")
@@ -515,7 +517,8 @@ def main() -> None:
                 r["errors"].append(f"(e) engine with {args.compare_layout} experts: {type(e).__name__}: {e}")
             finally:
                 for m in experts:
-                    m.repack(own[id(m)])
+                    layout, small = own[id(m)]
+                    m.repack_dual(small) if small else m.repack(layout)
             log(f"(e) {args.compare_layout} experts {r.get('engine_layout')}")
             save()
         if device.type == "cuda":

@@ -575,9 +575,10 @@ GROUPED_MODES = {True: dict(DEQ=2, SCALE_AHEAD=1, TILED=0),  # by SWIGLU: gate_u
                  False: dict(DEQ=2, SCALE_AHEAD=2, TILED=0)}  # down
 DENSE_MODES = dict(DEQ=0, SCALE_AHEAD=0)
 # Experts stored tile-major (`tile_major`; `NVFP4Experts.repack(TILE_MAJOR)`; the engine's layout before split
-# halves): each projection's (BLOCK_N, BLOCK_K) is fixed by the repack, by SWIGLU. H200, 32 decode tokens
-# (w4a16_bench, 2026-11-30 fifth session): gate_up 212 -> 170 us, down 121 -> 97 us per call against the checkpoint layout (~1.1 TB/s instead
-# of ~0.9); one token: the same (15.5 / 15.9 us, 8.9 / 8.0 us). Scales one tile ahead for both.
+# halves, still off Hopper and for `dual`'s small batches): each projection's (BLOCK_N, BLOCK_K) is fixed by the
+# repack, by SWIGLU. H200, 32 decode tokens (w4a16_bench, 2026-11-30 fifth session): gate_up 212 -> 170 us, down
+# 121 -> 97 us per call against the checkpoint layout (~1.1 TB/s instead of ~0.9); one token: the same (15.5 / 15.9
+# us, 8.9 / 8.0 us). Scales one tile ahead for both.
 TILE_MAJOR_TILES = {True: (32, 128), False: (64, 128)}  # (BLOCK_N, BLOCK_K) by SWIGLU: gate_up, down
 TILE_MAJOR_MODES = dict(DEQ=2, SCALE_AHEAD=1, TILED=1)
 # Prefill-sized calls (routing BLOCK_M >= PREFILL_BLOCK_M: tens of pairs per expert) on the same tile-major bytes:
@@ -1031,9 +1032,14 @@ def _sample_moe(device, layout: int | None = None) -> tuple[tuple, dict]:
 
 def default_expert_layout(device) -> int:
     """The routed experts' layout the loader picks on `device` (`load_quantized(expert_layout="auto")`): split halves
-    on CUDA, where the swap-AB kernel is the fastest measured (benchmarks/RESULTS.md, the swapped kernel's run 1);
-    the checkpoint's elsewhere (the CPU interpreter's speed does not matter; its tests cover every layout)."""
-    return SPLIT_HALVES if torch.device(device).type == "cuda" else CHECKPOINT
+    on Hopper (sm_90), where the swap-AB kernel measured 17% shorter TTFT and 15% more at 32 streams than the grouped
+    kernel (benchmarks/RESULTS.md, Qwen run 13; its reason, wgmma's A operand in registers, is Hopper's); tile-major
+    on other GPUs (no wgmma; not measured there either); the checkpoint's on the CPU (the interpreter's speed does
+    not matter; its tests cover every layout)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CHECKPOINT
+    return SPLIT_HALVES if torch.cuda.get_device_capability(device)[0] == 9 else TILE_MAJOR
 
 
 def register(registry) -> None:

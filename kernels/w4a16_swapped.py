@@ -4,7 +4,7 @@
 
 Why. The engine's grouped kernel computes acc[BM, BN] = X[BM, BK] @ W^T: the dequantised weight tile is the B
 operand. On Hopper, wgmma takes B only from shared memory and needs M >= 64, so at BM = 16-32 routed rows Triton
-falls back to mma.sync (sm_90 offline compile: ~5.9 SASS instructions per weight, 186 registers, ~0.6 TB/s at prefill
+falls back to mma.sync (sm_90 offline compile: ~5.8 SASS instructions per weight, 186 registers, ~0.6 TB/s at prefill
 sizes). Here acc^T[BN, BM] = W[BN, BK] @ X^T[BK, BM]: the weights (BN = 64 rows per warpgroup) are wgmma's A operand,
 which may live in registers straight out of the dequant, and the gathered activations X^T (N = BM tokens, 8-256) are
 the B operand, a plain cp.async-pipelined tile in shared memory.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.nvfp4 import BLOCK, NVFP4Tensor
-from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, _pow2_bucket, tile_major, untile_major
+from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, tile_major, untile_major
 
 try:
     import triton
@@ -50,9 +50,11 @@ except ImportError:  # CPU-only installs without triton: the layout helpers stil
 #   32 tokens:   gate_up 178.8 -> 147.7 us, down 103.9 -> 77.0 us   (BLOCK_M 16)
 #   256 tokens:  gate_up 264.6 -> 206.9 us, down 154.0 -> 113.1 us  (BLOCK_M 16)
 #   1024 tokens: gate_up 463.3 -> 292.1 us (BLOCK_M 64; 321.2 at 32), down 272.5 -> 179.0 us (BLOCK_M 32; 180.4 at 64)
-# 4 stages, 128-wide programs and 8 warps were slower in every row but one (down at 1,024 tokens with BLOCK_M 64,
-# 128 wide, 8 warps: 166.7 us, but 4.5e-2 of max |ref| from the other kernel where every other config is within
-# 2.3e-3: not used, and not understood). One token was not measured.
+# 4 stages, 128-wide programs and 8 warps were slower in every row but two: down at 1,024 tokens with BLOCK_M 32,
+# 128 wide, 8 warps (178.6 us: noise) and with BLOCK_M 64, 128 wide, 8 warps (166.7 us, but 4.5e-2 of max |ref| from
+# the other kernel where every other config is within 2.3e-3; not understood). So the launcher refuses 8 warps
+# unless asked for (`unverified`, benchmarks only). One token was not benched per call (the engine's lone decode was
+# 11% slower than with the grouped kernel: RESULTS.md, Qwen run 13).
 SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 
@@ -168,7 +170,7 @@ if triton is not None:
                 tl.load(ptr + BLOCK_K // 2, mask=a_ok[:, None], other=0.0))
 
     @triton.jit
-    def _w4a16_grouped_swapped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV, P_BUCKET,
+    def _w4a16_grouped_swapped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV,
                                       s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
                                       SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                                       DEQ: tl.constexpr, TILE_N: tl.constexpr,
@@ -226,11 +228,12 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
                                  global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1,
                                  swiglu: bool = False, row_scale: torch.Tensor | None = None,
                                  block_n: int = SPLIT_TILE[0], block_k: int = SPLIT_TILE[1],
-                                 config: dict | None = None, deq: int = 2) -> torch.Tensor:
+                                 config: dict | None = None, deq: int = 2, unverified: bool = False) -> torch.Tensor:
     """`w4a16_gemm.w4a16_grouped_launch`'s contract on split-halves weights: y[p] = f(x[p // a_div] @ W[e_p]^T) *
     row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype.
-    `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps, num_stages."""
+    `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
+    result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages."""
     if triton is None:
         raise RuntimeError("w4a16_grouped_swapped_launch needs triton")
     e, n, kh = packed_split.shape
@@ -243,6 +246,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     if n_out % bn or bn % block_n or k % block_k or block_k % (2 * BLOCK) or (swiglu and n % 2):
         raise ValueError(f"BLOCK_N {bn} must be a multiple of the stored tile's {block_n} rows and divide N_out "
                          f"{n_out}; block_k {block_k} must divide K {k} and be a multiple of {2 * BLOCK}")
+    if cfg.get("num_warps") != 4 and not unverified:
+        raise ValueError(f"num_warps {cfg.get('num_warps')}: only 4 warps (one warpgroup) are verified on a GPU "
+                         "(8 warps gave 4.5e-2 relative error in one configuration: RESULTS.md, the swap-AB kernel)")
     if deq == 2 and _interpreted():
         deq = 1  # the interpreter has no PTX; `_dequant_halves` runs one fp32 emulation of modes 1 and 2 anyway
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
@@ -256,7 +262,7 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     grid = (routing.block_expert.numel(), n_out // bn)
     _w4a16_grouped_swapped_kernel[grid](
         x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
-        _pow2_bucket(routing.num_pairs, 16, 4096), x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
+        x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
         s_ge, s_gn, y.stride(0), SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
         TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, **cfg)
     return y.to(x.dtype)

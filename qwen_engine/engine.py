@@ -105,11 +105,11 @@ class QwenEngineConfig:
     #                                     <= 28 tokens; 2 dense GEMM launches per layer fewer). H200 (Qwen run 12):
     #                                     no gain (lone 202 -> 203 tok/s; with async_decode 233 -> 232): off
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
-    #                              auto (split halves on CUDA for the swap-AB kernel, kernels/w4a16_swapped.py;
-    #                              the checkpoint's on CPU) | split_halves | tile_major | checkpoint | dual (split
-    #                              halves + a tile-major copy for decode batches of <= 4 tokens: +16 GB at full
-    #                              size; not measured as a whole). H200, Qwen run 13: split halves TTFT 65 -> 54 ms,
-    #                              32 streams +15%, lone decode -11% against tile_major
+    #                              auto (split halves on Hopper for the swap-AB kernel, kernels/w4a16_swapped.py;
+    #                              tile_major on other GPUs; the checkpoint's on CPU) | split_halves | tile_major |
+    #                              checkpoint | dual (split halves + a tile-major copy for decode batches of <= 4
+    #                              tokens: +16 GB at full size; not measured as a whole). H200, Qwen run 13: split
+    #                              halves TTFT 65 -> 54 ms, 32 streams +15%, lone decode -11% against tile_major
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
@@ -615,7 +615,7 @@ class QwenEngine:
         key = (str(self.device), tuple(reg.preference(op).value for op in ops))  # re-check when preferences change
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
-        return {**out, **_MODEL_OPS_CHECKED[key]}
+        return {**out, **_MODEL_OPS_CHECKED[key], **check_expert_layouts(self.model, self.device, reg)}
 
     def _auto_num_blocks(self) -> int:
         """KV pool size when `num_kv_blocks` is None (see the config field)."""
@@ -653,6 +653,40 @@ def set_shared_expert_in_moe(model: torch.nn.Module, on: bool) -> int:
         log.warning("shared_expert_in_moe: no MoE layer holds its shared expert with the routed experts (a dense or "
                     "W4A4 model, or a model built without it); the dense shared expert runs")
     return n
+
+
+def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry) -> dict[str, str]:
+    """The routed-expert op on the device at every kernel layout the model's experts use that the registry's
+    self-check sample (`w4a16_gemm._sample_moe`: the device's default layout) does not cover, e.g. tile_major, or
+    dual's tile-major copy. A failure puts the op on its reference (all layouts: it is one registry op) and says so.
+    -> {"w4a16_moe[<layout>]": outcome}."""
+    from kernels import w4a16_gemm as w
+
+    from .model.quantized import NVFP4Experts
+
+    used = set()
+    for mod in model.modules():
+        if isinstance(mod, NVFP4Experts):
+            used |= {mod.layout} | ({w.TILE_MAJOR} if mod.small_tokens else set())
+    names = {v: k for k, v in w.EXPERT_LAYOUTS.items()}
+    out = {}
+    for layout in sorted(used - {w.CHECKPOINT, w.default_expert_layout(device)}):
+        name = f"{w.MOE}[{names[layout]}]"
+        if registry.preference(w.MOE).value == "reference":
+            out[name] = "skipped (the reference runs)"
+            continue
+        args, _ = w._sample_moe(device, layout=layout)
+        try:
+            err = w.compare(w.moe_experts_w4a16_triton(*args), w.moe_experts_w4a16_reference(*args))
+        except Exception as exc:  # noqa: BLE001 - reported; the reference then runs
+            err = repr(exc)
+        if err is None:
+            out[name] = "triton passed"
+        else:
+            registry.set_preference("reference", op=w.MOE)
+            out[name] = f"triton FAILED ({err}); the reference runs"
+            log.error("kernel self-check %s failed: %s; w4a16_moe runs its reference", name, err)
+    return out
 
 
 def expert_layouts(model: torch.nn.Module) -> dict[str, int]:

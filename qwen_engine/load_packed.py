@@ -53,8 +53,9 @@ def check_expert_layout(expert_layout: str) -> None:
 
 def apply_expert_layout(experts: NVFP4Experts, expert_layout: str, device: torch.device | str) -> bool:
     """Repack `experts` for `expert_layout`: "auto" (`kernels.w4a16_gemm.default_expert_layout`: split halves on
-    CUDA, the checkpoint's elsewhere), a name of `EXPERT_LAYOUTS`, or "dual" (split halves plus a tile-major copy
-    for small decode batches, `NVFP4Experts.repack_dual`). False: the shapes do not split into its tiles (unchanged)."""
+    Hopper, tile-major on other GPUs, the checkpoint's on the CPU), a name of `EXPERT_LAYOUTS`, or "dual" (split
+    halves plus a tile-major copy for small decode batches, `NVFP4Experts.repack_dual`). False: the shapes do not
+    split into its tiles (unchanged)."""
     from kernels.w4a16_gemm import EXPERT_LAYOUTS, default_expert_layout
 
     check_expert_layout(expert_layout)
@@ -87,8 +88,8 @@ def load_quantized(
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
     expert_layout: the routed experts' byte layout (`apply_expert_layout`; same values): "checkpoint", "tile_major",
     "split_halves", "dual" (split halves + a tile-major copy for decode batches of <= 4 tokens: +1 packed copy of the
-    experts) or "auto": split halves on CUDA (the swap-AB kernel; benchmarks/RESULTS.md, Qwen run 13), the
-    checkpoint's elsewhere.
+    experts) or "auto": split halves on Hopper (the swap-AB kernel; benchmarks/RESULTS.md, Qwen run 13), tile-major
+    on other GPUs, the checkpoint's on the CPU (`kernels.w4a16_gemm.default_expert_layout`).
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
     inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the
@@ -137,7 +138,7 @@ def load_quantized(
             if not (isinstance(gu, NVFP4Tensor) and isinstance(dn, NVFP4Tensor)):
                 raise CheckpointError(f"{name}: routed experts must be both NVFP4 or both dense, got "
                                       f"{type(gu).__name__} gate_up and {type(dn).__name__} down")
-            experts = NVFP4Experts(to_dev(gu), to_dev(dn), registry)  # tiled below, after the shared expert
+            experts = NVFP4Experts(to_dev(gu), to_dev(dn), registry)  # repacked below, after the shared expert
             _replace(model, name, experts)
             done |= {prefix + "gate_up_proj", prefix + "down_proj"}
         elif isinstance(mod, SwiGLU) and fuse_shared_expert:

@@ -14,6 +14,8 @@ Tolerances, and why:
   (the reference keeps fp32), so it is held to `compare`'s 1e-2 of max |ref| (measured ~3e-3).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -510,7 +512,11 @@ def test_registry_self_check():
     assert reg.choices()["w4a16_linear"]["fallback"]
     # on CUDA the routed-expert sample is in split halves (what the engine's loader stores there): the same check here,
     # and for tile-major experts
-    assert w4a16_gemm.default_expert_layout("cuda") == w4a16_gemm.SPLIT_HALVES
+    assert w4a16_gemm.default_expert_layout("cpu") == w4a16_gemm.CHECKPOINT
+    for cap, want in (((9, 0), w4a16_gemm.SPLIT_HALVES), ((10, 0), w4a16_gemm.TILE_MAJOR),
+                      ((8, 0), w4a16_gemm.TILE_MAJOR)):
+        with mock.patch("torch.cuda.get_device_capability", return_value=cap):
+            assert w4a16_gemm.default_expert_layout("cuda") == want, cap
     for layout in (w4a16_gemm.SPLIT_HALVES, w4a16_gemm.TILE_MAJOR):
         args, _ = w4a16_gemm._sample_moe(DEVICE, layout=layout)
         assert args[-1] == layout and supports_moe(**describe_moe(*args))

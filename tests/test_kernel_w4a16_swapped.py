@@ -56,20 +56,24 @@ def test_split_halves_round_trip_and_layout(shape, bn, bk):
         split_halves(p, 48, bk)
 
 
-CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored 32-row tile)
-    (1, 2, "plain", 16, torch.bfloat16, None),
-    (9, 2, "swiglu", 16, torch.bfloat16, None),
-    (9, 2, "row_scale", 32, torch.bfloat16, dict(BLOCK_N=64)),
-    (17, 2, "swiglu", 32, torch.bfloat16, None),
-    (9, 2, "down", 16, torch.bfloat16, None),  # a_div 1: each pair reads its own row (the down projection)
-    (5, 2, "swiglu", 16, torch.float16, None),
+CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored tile), stored tile rows
+    (1, 2, "plain", 16, torch.bfloat16, None, 32),
+    (9, 2, "swiglu", 16, torch.bfloat16, None, 32),
+    (9, 2, "row_scale", 32, torch.bfloat16, dict(BLOCK_N=64), 32),
+    (17, 2, "swiglu", 32, torch.bfloat16, None, 32),
+    (9, 2, "down", 16, torch.bfloat16, None, 32),  # a_div 1: each pair reads its own row (the down projection)
+    (5, 2, "swiglu", 16, torch.float16, None, 32),
+    # the engine's tiles (SPLIT_TILE: 64 rows, one wgmma M on a GPU) and its prefill BLOCK_M 64
+    (40, 2, "swiglu", 64, torch.bfloat16, None, 64),
+    (40, 2, "row_scale", 64, torch.bfloat16, None, 64),
+    (3, 2, "swiglu", 16, torch.bfloat16, None, 64),
 ]
 
 
-@pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg", CASES)
-def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, dtype, cfg):
+@pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", CASES)
+def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, dtype, cfg, tile):
     """Experts 0 and 5 get no tokens; K = 256 (two K tiles); 64 output columns with SwiGLU / 128 without over stored
-    tiles of 32 rows; BLOCK_M 16 / 32 with ragged experts (padding rows masked)."""
+    tiles of 32 or 64 rows; BLOCK_M 16 / 32 / 64 with ragged experts (padding rows masked)."""
     e, n, k = 6, 128, 256
     swiglu = mode == "swiglu"
     idx = routing_ids(t, top_k, e, seed=10 + t, empty=(0, 5))
@@ -79,9 +83,9 @@ def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, 
     rs = (torch.rand(t * top_k, generator=torch.Generator().manual_seed(9)).to(DEVICE)
           if mode in ("row_scale", "down") else None)
     routing = moe_align(idx, e, block_m)
-    wsplit = split_halves(w.packed, 32, BK)
+    wsplit = split_halves(w.packed, tile, BK)
     y = w4a16_grouped_swapped_launch(x, wsplit, w.scales, w.global_scale, routing, a_div=a_div, swiglu=swiglu,
-                                     row_scale=rs, block_n=32, block_k=BK, config=cfg)
+                                     row_scale=rs, block_n=tile, block_k=BK, config=cfg)
     ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
     assert y.shape == (t * top_k, n // 2 if swiglu else n) and y.dtype == x.dtype
     err = (y.float() - ref32).abs()
@@ -90,15 +94,15 @@ def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, 
     assert compare(y, ref32.to(y.dtype)) is None
     # the engine's kernel on the same weights, tile-major in the checkpoint nibble order
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
-    bn = (cfg or {}).get("BLOCK_N", 32)
-    old = w4a16_grouped_launch(x, NVFP4Tensor(tile_major(w.packed, 32, BK), w.scales, w.global_scale), routing,
+    bn = (cfg or {}).get("BLOCK_N", tile)
+    old = w4a16_grouped_launch(x, NVFP4Tensor(tile_major(w.packed, tile, BK), w.scales, w.global_scale), routing,
                                a_div=a_div, row_scale=rs, swiglu=swiglu,
-                               config=dict(BLOCK_N=bn, BLOCK_K=BK, TILE_N=32), modes=dict(TILED=1))
+                               config=dict(BLOCK_N=bn, BLOCK_K=BK, TILE_N=tile), modes=dict(TILED=1))
     diff = (y.float() - old.float()).abs()
     assert (diff <= ulp * ref32.abs() + noise).all(), diff.max()
     # mutation: the checkpoint nibble order (tile-major, not split) fed to the swapped kernel is far off
-    wrong = w4a16_grouped_swapped_launch(x, tile_major(w.packed, 32, BK), w.scales, w.global_scale, routing,
-                                         a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=32, block_k=BK,
+    wrong = w4a16_grouped_swapped_launch(x, tile_major(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                         a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK,
                                          config=cfg)
     assert compare(wrong, ref32.to(y.dtype)) is not None
 
@@ -111,6 +115,17 @@ def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
     with pytest.raises(ValueError):  # BLOCK_N not a multiple of the stored tile
         w4a16_grouped_swapped_launch(x, wsplit, w.scales, w.global_scale, moe_align(idx, 2, 16), block_n=32,
                                      config=dict(BLOCK_N=48))
+    with pytest.raises(ValueError, match="N_out"):  # N_out 64 not a multiple of BLOCK_N 128 (no row masks)
+        w4a16_grouped_swapped_launch(x, wsplit, w.scales, w.global_scale, moe_align(idx, 2, 16), block_n=32,
+                                     config=dict(BLOCK_N=128))
+    with pytest.raises(ValueError, match="divide K"):  # K 192: not a multiple of the 128-wide K tile (no K masks)
+        w192 = torch.zeros(2, 64, 96, dtype=torch.uint8, device=DEVICE)
+        w4a16_grouped_swapped_launch(torch.zeros(3, 192, dtype=torch.bfloat16, device=DEVICE), w192,
+                                     torch.zeros(2, 64, 12, dtype=torch.float8_e4m3fn, device=DEVICE),
+                                     w.global_scale, moe_align(idx, 2, 16), block_n=32)
+    with pytest.raises(ValueError, match="4 warps"):  # 8 warps: not verified (one wrong result on the H200)
+        w4a16_grouped_swapped_launch(x, wsplit, w.scales, w.global_scale, moe_align(idx, 2, 16), block_n=32,
+                                     config=dict(num_warps=8))
     empty = w4a16_grouped_swapped_launch(x[:0], wsplit, w.scales, w.global_scale, moe_align(idx[:0], 2, 16),
                                          block_n=32)
     assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16

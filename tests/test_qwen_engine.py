@@ -305,7 +305,7 @@ def test_engine_cuda_graphs_equal_eager():
     assert async_stats["graph_steps"] > 0, async_stats
 
 
-def test_engine_with_packed_weights_equals_single_prompt_reference():
+def test_engine_with_packed_weights_equals_single_prompt_reference(monkeypatch):
     """weights="packed": NVFP4 / FP8 layers as packed modules (the full-size default), random weights drawn in the
     ModelOpt formats; the paged engine must still give exactly the single-prompt greedy tokens of that model."""
     lengths = LENGTHS[:4]
@@ -328,6 +328,15 @@ def test_engine_with_packed_weights_equals_single_prompt_reference():
     assert engine.health()["expert_layouts"] == {"checkpoint": n_moe}
     with pytest.raises(ValueError, match="expert_layout must be one of"):
         engine_config(expert_layout="tiled")
+    # the config's expert_layout reaches the loader (the tiny shapes do not split, so only the call shows it)
+    import qwen_engine.load_packed as load_packed
+
+    seen = []
+    real = load_packed.apply_expert_layout
+    monkeypatch.setattr(load_packed, "apply_expert_layout",
+                        lambda experts, layout, device: seen.append(layout) or real(experts, layout, device))
+    QwenEngine(engine_config(weights="packed", expert_layout="dual"))
+    assert seen and set(seen) == {"dual"}, seen
 
 
 def test_dead_step_loop_fails_open_streams_instead_of_hanging(monkeypatch):

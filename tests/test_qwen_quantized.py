@@ -239,6 +239,31 @@ def test_experts_dual_layout(tensors, caplog):
 
 
 @torch.no_grad()
+def test_engine_checks_the_expert_layouts_its_model_uses(monkeypatch):
+    """`qwen_engine.engine.check_expert_layouts`: the registry's self-check sample covers the device's default layout
+    only, so the engine also checks every other kernel layout its experts use (tile-major here, on the CPU where the
+    default is the checkpoint's; and dual's copy); a wrong kernel puts the op on its reference and says so."""
+    from kernels.w4a16_gemm import MOE, TILE_MAJOR
+    from qwen_engine.engine import check_expert_layouts
+
+    g = torch.Generator().manual_seed(9)
+    e, h, i = 4, 256, 256
+    gu = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05)
+    dn = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05)
+    reg = registry("auto")
+    model = torch.nn.ModuleList([NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)])
+    assert check_expert_layouts(model, torch.device("cpu"), reg) == {}  # checkpoint layout: the registry's sample
+    assert model[0].repack(TILE_MAJOR) and model[1].repack_dual()
+    out = check_expert_layouts(model, torch.device("cpu"), reg)
+    assert out == {"w4a16_moe[tile_major]": "triton passed", "w4a16_moe[split_halves]": "triton passed"}, out
+    monkeypatch.setattr(w4a16_gemm, "moe_experts_w4a16_triton", lambda *a: torch.zeros_like(a[0]))
+    out = check_expert_layouts(model, torch.device("cpu"), reg)
+    assert out["w4a16_moe[tile_major]"].startswith("triton FAILED"), out  # checked first (layout codes in order)
+    assert out["w4a16_moe[split_halves]"] == "skipped (the reference runs)", out  # the op is on its reference now
+    assert reg.preference(MOE).value == "reference"
+
+
+@torch.no_grad()
 def test_moe_fused_tail_with_unsummed_experts(tensors):
     """`SparseMoE` on its fused path (`fused = True`; the default on CUDA): the packed experts hand over their k
     weighted outputs unsummed ([N, k, H], `reduce=False`), "moe_combine" sums them with the gated shared expert and

@@ -331,7 +331,9 @@ class NVFP4Experts(_Dispatch):
         self.register_buffer("down_packed", down.packed.contiguous())  # uint8 [E(+1), H, I/2]
         self.register_buffer("down_scales", down.scales.contiguous())  # e4m3 [E(+1), H, I/16]
         self.register_buffer("down_global", dn_global.contiguous())  # fp32 [E(+1), H]
-        self.layout = 0  # kernels.w4a16_gemm.EXPERT_LAYOUTS: the checkpoint's until `repack`
+        from kernels.w4a16_gemm import CHECKPOINT
+
+        self.layout = CHECKPOINT  # kernels.w4a16_gemm.EXPERT_LAYOUTS: the checkpoint's until `repack`
         self.small_tokens = 0  # `repack_dual`: calls of at most this many tokens read the tile-major copy `small_*`
 
     def repack(self, layout: int) -> bool:
@@ -342,7 +344,8 @@ class NVFP4Experts(_Dispatch):
         at full size, transient). The module's state_dict then holds repacked bytes; loading a state_dict into a
         repacked module is refused (`_load_from_state_dict`). With the registry's reference preference, each call
         unpacks a copy first (the reference dequantises every expert per call anyway). A `repack_dual` copy is
-        dropped."""
+        dropped. Never while an engine holding CUDA graphs of this model is alive: the graphs keep the old buffers'
+        addresses (benchmarks repack between engines, after `aclose`)."""
         from kernels.w4a16_gemm import experts_repack, layout_ok
 
         w13, w2 = self._checkpoint_layout()
