@@ -61,7 +61,7 @@ class PrefillGraphs(BucketGraphs):
     kind, unit = "prefill", "tokens"
 
     def __init__(self, model, cache: PagedCache, *, buckets: tuple[int, ...], scratch_block: int, scratch_slot: int,
-                 device: torch.device, gdn_chunk=None, mode: str = "capture"):
+                 device: torch.device, gdn_chunk=None, gdn_conv=None, mode: str = "capture"):
         if not buckets or min(buckets) < 1:
             raise ValueError(f"prefill graph buckets must be positive token counts, got {buckets!r}")
         super().__init__(model, cache, buckets, device, mode)
@@ -81,7 +81,8 @@ class PrefillGraphs(BucketGraphs):
                          block_tables=torch.full((1, 1), scratch_block, dtype=torch.int64, device=self.device),
                          context_lens_t=torch.tensor([b], dtype=torch.int64, device=self.device),
                          state_slots_t=scratch, starts=(0, b), context_lens=(b,), state_slots=(scratch_slot,),
-                         num_decode=0, block_size=self.block_size, gdn_chunk=gdn_chunk, valid_tokens=d["valid"])
+                         num_decode=0, block_size=self.block_size, gdn_chunk=gdn_chunk, gdn_conv=gdn_conv,
+                         valid_tokens=d["valid"])
             for b in self.buckets}
         self._warmup_content()
 

@@ -55,7 +55,8 @@ class PendingStep:
     launch_s: float  # host seconds spent launching
 
 
-RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk")
+RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk",
+                         "kernels.gdn_conv")
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 
 
@@ -113,7 +114,8 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(
                 model, self.cache, buckets=tuple(prefill_buckets) or default_buckets(max_model_len, max_model_len),
                 scratch_block=num_blocks, scratch_slot=max_num_seqs, device=self.device,
-                gdn_chunk=self._gdn_chunk if self.device.type == "cuda" else None, mode=prefill_graphs)
+                gdn_chunk=self._gdn_chunk if self.device.type == "cuda" else None, gdn_conv=self._gdn_conv,
+                mode=prefill_graphs)
         self.graphs = None
         self.graphs_disabled: str | None = None
         if decode_graphs != "off":
@@ -135,6 +137,9 @@ class ModelRunner:
 
     def _gdn_chunk(self, q, k, v, g, beta, states, cu_seqlens):
         return self.registry.call("gdn_chunk_prefill", q, k, v, g, beta, states, cu_seqlens)
+
+    def _gdn_conv(self, x, conv_pool, row, conv_w, valid=None):
+        return self.registry.call("gdn_prefill_conv", x, conv_pool, row, conv_w, valid)
 
     def _decode_attention(self, q, k_pool, v_pool, block_tables, context_lens, scale):
         return self.registry.call("paged_decode_attention", q, k_pool, v_pool, block_tables, context_lens, scale)
@@ -189,7 +194,7 @@ class ModelRunner:
         # same chunked rule the model's own loop runs)
         return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode,
                                self._decode_attention, self._gdn_prep,
-                               self._gdn_chunk if self.device.type == "cuda" else None)
+                               self._gdn_chunk if self.device.type == "cuda" else None, self._gdn_conv)
 
     def _use_graphs(self, plan: StepPlan) -> bool:
         """Decode-only steps (the scheduler sets bucket_size) once the graphs exist (or in "static" mode)."""

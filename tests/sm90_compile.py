@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
-from kernels import attn_prep, w4a16_gemm, w4a16_swapped  # noqa: E402
+from kernels import attn_prep, gdn_conv, w4a16_gemm, w4a16_swapped  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -78,7 +78,7 @@ def main() -> int:
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
     # (the fourth: the down projection's checkpoint-layout defaults, GROUPED_MODES[False])
-    # and the engine's tile-major experts (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128, down 64 x 128, DEQ 2,
+    # and tile-major experts (`expert_layout` tile_major, and `dual`'s copy for small batches) (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128, down 64 x 128, DEQ 2,
     # scales 1 ahead), and its prefill programs over several stored tiles (TILE_MAJOR_PREFILL: gate_up 64 wide over
     # tiles of 32 rows, BLOCK_M 32)
     for bn, bk, deq, ahead, swiglu, tiled, tile_n, bm in (
@@ -99,6 +99,12 @@ def main() -> int:
                               w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
                                    BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128)))
+    # the GDN prefill conv (a padded bucket: valid count read on the device), bf16
+    ok.append(compile_one("gdn_prefill_conv (C = 8192, K = 4, valid on the device, bf16)",
+                          gdn_conv._gdn_prefill_conv_kernel,
+                          {"x": "*bf16", "pool": "*bf16", "w": "*bf16", "y": "*bf16", "valid": "*i64"},
+                          dict(HAS_VALID=True, KM1=3, BLOCK_S=4, BLOCK_T=gdn_conv.BLOCK_T, BLOCK_C=gdn_conv.BLOCK_C,
+                               INTERPRET=False)))
     # the dense W4A16 kernel: split K reduced in the kernel (arrival counter, acq_rel atomics, .cg loads) with the
     # shared expert's SwiGLU epilogue, the same without SwiGLU, and split K left to torch (REDUCE off)
     dense = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("y", "*bf16"),

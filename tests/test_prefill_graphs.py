@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine_core.continuous import ContinuousConfig, ContinuousScheduler, GenerateRequest, StepOutput
+from kernels import gdn_conv
 from qwen_engine.config import QwenConfig
 from qwen_engine.engine import QwenEngine, QwenEngineConfig, randomise
 from qwen_engine.model.causal_lm import QwenForCausalLM, greedy_generate
@@ -107,6 +108,11 @@ def test_padded_prefill_logits_and_state_match_plain_path(model, device, mode, d
     assert runners[mode].prefill_graph_steps == 6 and runners["off"].prefill_graph_steps == 0
     assert graph.replays == {8: 4, 16: 2}, graph.replays  # 1, 2, 5, 8 -> 8; 13 and 37's first chunk (or 16) -> 16
     assert checked == 2 * sum(new for _, new in requests)
+    # both runners' prefill chunks went through kernels/gdn_conv.py (the interpreter on the CPU, compiled on a GPU;
+    # fp64 has no kernel: the reference), the padded graph steps with its on-device valid count
+    for runner in runners.values():
+        want = "triton" if dtype in gdn_conv.DTYPES else "reference"
+        assert runner.registry.choices()["gdn_prefill_conv"]["last"] == want, runner.registry.choices()
     # padding went to the scratch block (one past the pool) and row (one past the slots); other blocks untouched
     static = runners[mode].cache
     scratch_kv = next(layer for layer in static.layers if isinstance(layer, PagedKV)).k[blocks]

@@ -246,6 +246,13 @@ class GatedDeltaNet(nn.Module):
         valid = batch.valid_tokens
         for i in range(nd, batch.num_seqs):
             s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]
+            if batch.gdn_conv is not None:  # one launch: rows in, rows out, the state row advanced in place
+                y = batch.gdn_conv(qkv_in[s:e], slots.conv, r, w[:, 0], valid)[0]  # [n, C]
+                if nd == 0 and batch.num_seqs == 1:
+                    conv_out = y  # the whole batch (a lone prefill, e.g. a prefill graph): no copy
+                else:
+                    conv_out[s:e] = y
+                continue
             y, new_conv = causal_conv1d(qkv_in[s:e].T[None], slots.conv[r:r + 1], w, valid)  # [1, C, n]
             conv_out[s:e] = y[0].T
             slots.conv[r:r + 1] = new_conv

@@ -108,6 +108,10 @@ class FlatBatch:
     # cu_seqlens int64 [P + 1] on the device) -> (o, final states) (`kernels/gdn_chunk.py`: flash-linear-attention's
     # kernels on CUDA); None -> `gdn.gated_delta_rule_chunked` per sequence
     gdn_chunk: Callable | None = None
+    # GDN prefill conv of one sequence's chunk: (x rows [n, C], conv pool [S, C, K-1], state row int, weight [C, K],
+    # valid int64 [1] | None) -> (y [n, C], pool advanced in place) (`kernels/gdn_conv.py`'s op); None -> the torch
+    # `gdn.causal_conv1d`
+    gdn_conv: Callable | None = None
     # padded single-sequence prefill (`prefill_graphs.py`): int64 [1] on the device, the number of real tokens; the
     # step is one prefill sequence from position 0 whose tokens at or past it are padding (they must not touch the
     # sequence's GDN state or be attended to by its real tokens). None: every token is real.
@@ -124,7 +128,8 @@ class FlatBatch:
     @classmethod
     def build(cls, seqs: list[tuple[int, int, tuple[int, ...], int]], num_decode: int, block_size: int,
               device, gdn_decode: Callable | None = None, decode_attention: Callable | None = None,
-              gdn_prep: Callable | None = None, gdn_chunk: Callable | None = None) -> FlatBatch:
+              gdn_prep: Callable | None = None, gdn_chunk: Callable | None = None,
+              gdn_conv: Callable | None = None) -> FlatBatch:
         """From per-sequence (start, num_tokens, block_table, state_slot), decode rows first; one host->device copy
         per field (pinned, non-blocking on CUDA)."""
         positions, slots, starts, ctx = [], [], [0], []
@@ -144,4 +149,5 @@ class FlatBatch:
             return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
 
         return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
-                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep, gdn_chunk)
+                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep, gdn_chunk,
+                   gdn_conv)
