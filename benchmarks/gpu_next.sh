@@ -27,8 +27,9 @@
 #  13. (written 2026-11-30, seventh session; not run) the two MoE kernels per call at 1-8 tokens, where the swap-AB
 #      kernel lost the lone decode; then the engine (split halves, async_decode on) beside expert_layout "dual" and
 #      beside async_decode off.
-#  14. (written 2026-11-30, seventh session; not run) the GDN prefill conv kernel's tests on CUDA and the prefill /
-#      fused-glue tests that now run through it, then the engine's TTFT with it (profile: kernels and device time).
+#  14. (written 2026-11-30, seventh session; not run) the GDN prefill conv kernel's and the multi-program moe_align's
+#      tests on CUDA and the prefill / fused-glue tests that now run through them, then the engine's TTFT with both
+#      (profile: kernels and device time).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -166,9 +167,9 @@ timeout 420 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --de
 grep -E "^\| \(e\)" "$R/qwen_dual/qwen_gpu.md"
 fi
 if want 14; then
-say "14. the GDN prefill conv (kernels/gdn_conv.py) on CUDA: its tests and the paths through it, then TTFT"
+say "14. the GDN prefill conv and the multi-program moe_align on CUDA: their tests and the paths through them, TTFT"
 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_gdn_conv.py tests/test_prefill_graphs.py \
-  tests/test_gdn_fused_glue.py > "$R/gdn_conv_tests.log" 2>&1
+  tests/test_gdn_fused_glue.py tests/test_kernel_moe_align.py > "$R/gdn_conv_tests.log" 2>&1
 grep -E "passed|failed" "$R/gdn_conv_tests.log" | tail -2
 timeout 330 python benchmarks/qwen_profile.py --engine-prefill --batches "" --prefill-buckets 1024 \
   --out "$R/qwen_prefill_conv" > "$R/qwen_prefill_conv.log" 2>&1

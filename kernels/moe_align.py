@@ -14,8 +14,19 @@ Algorithm (one program; P = T * top_k pairs <= MAX_PAIRS, E experts <= MAX_EXPER
 Exact integer arithmetic: equal to the reference bit for bit (tests). Register gathers are written as one-hot
 compare-and-sum products ([chunk, E] tiles), so nothing goes through memory between phases; the one barrier orders
 the padding fill before the scatter.
-Cost: O(P^2 + P E + R E / BLOCK_M) integer ops in one program: ~0.1-0.3 M at decode sizes (P <= 256, E = 256),
-a few microseconds (unmeasured); larger P uses the torch reference (MAX_PAIRS).
+Cost: O(P^2 + P E + R E / BLOCK_M) integer ops in one program: ~0.1-0.3 M at decode sizes (P <= 256, E = 256);
+29 us per call at 32 streams on the H200 (run 9 profile).
+
+Prefill sizes (MAX_PAIRS < P <= MAX_PAIRS_MULTI) run the same algorithm over G = cdiv(P, CHUNK_MULTI) programs in
+three launches (written 2026-11-30, seventh session; NOT YET RUN ON A GPU -- `moe_align_fast` checks it against
+the torch version on first use per device and switches it off on a mismatch):
+    count    program g: counts of its chunk of pairs per expert -> partial[g, E]
+    offsets  one program: totals, padded starts (as above), then partial[g, j] <- pstart[j] + sum_{h < g}
+             partial[h, j] (each chunk's first row per expert, in chunk order: the stable sort's order); the padding
+             fill of sorted_pairs and block_expert
+    scatter  program g: row[p] = partial[g, e[p]] + #{q < p in chunk g : e[q] = e[p]}
+O(P CHUNK_MULTI + P E + G E + R E / BLOCK_M) in total, spread over G programs but the middle one. The torch version
+it replaces at 1,024 tokens is ~25 launches and ~2 ms of a 1k-token prefill's GPU time (Qwen run 12 profile).
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ MAX_PAIRS = 256  # P = tokens x top_k: decode batches up to 32 tokens at top-8 (
 #                  sm_90 reports 4 KB of spills at P = 1024; prefill-sized P uses the torch version)
 MAX_EXPERTS = 512
 CHUNK = 32  # pairs per compare tile ([CHUNK, BLOCK_E] and [CHUNK, BLOCK_P] int32 tiles)
+CHUNK_MULTI = 256  # pairs per program of the multi-program path (compared in tiles of CHUNK against the chunk)
+MAX_PAIRS_MULTI = 1 << 16  # 8,192 tokens at top-8; more: the torch version
 
 
 if triton is not None:
@@ -74,16 +87,74 @@ if triton is not None:
         tl.store(block_expert + bs, owner, mask=bs < NUM_BLOCKS)
 
 
+    @triton.jit
+    def _count_kernel(ids, partial, P, E, CHUNK_G: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+        g = tl.program_id(0)
+        ej = tl.arange(0, BLOCK_E)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for s in tl.static_range(CHUNK_G // SUB):
+            ps = g * CHUNK_G + s * SUB + tl.arange(0, SUB)
+            e_c = tl.load(ids + ps, mask=ps < P, other=-1).to(tl.int32)
+            counts += tl.sum((e_c[:, None] == ej[None, :]).to(tl.int32), axis=0)
+        tl.store(partial + g * E + ej, counts, mask=ej < E)
+
+    @triton.jit
+    def _offsets_kernel(partial, sorted_pairs, block_expert, P, E, G, NUM_BLOCKS, BLOCK_M: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+        ej = tl.arange(0, BLOCK_E)
+        e_ok = ej < E
+        total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for g in range(0, G):
+            total += tl.load(partial + g * E + ej, mask=e_ok, other=0)
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        run = ends - padded  # pstart, then advanced past each chunk's pairs
+        for g in range(0, G):  # every element is read, then written, by the same thread (one layout throughout)
+            c = tl.load(partial + g * E + ej, mask=e_ok, other=0)
+            tl.store(partial + g * E + ej, run, mask=e_ok)
+            run += c
+        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):  # padding rows (the scatter launch overwrites the used ones)
+            rs = r0 + tl.arange(0, 1024)
+            tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + P, mask=rs < NUM_BLOCKS * BLOCK_M)
+        for b0 in range(0, NUM_BLOCKS, BLOCK_B):
+            bs = b0 + tl.arange(0, BLOCK_B)
+            at = (bs * BLOCK_M)[:, None]
+            owner = tl.sum(((ends[None, :] <= at) & e_ok[None, :]).to(tl.int32), axis=1)
+            tl.store(block_expert + bs, owner, mask=bs < NUM_BLOCKS)
+
+    @triton.jit
+    def _scatter_kernel(ids, partial, sorted_pairs, P, E, CHUNK_G: tl.constexpr, SUB: tl.constexpr):
+        g = tl.program_id(0)
+        qs = g * CHUNK_G + tl.arange(0, CHUNK_G)
+        e_all = tl.load(ids + qs, mask=qs < P, other=-1).to(tl.int32)  # the chunk's experts
+        for s in tl.static_range(CHUNK_G // SUB):
+            ps = g * CHUNK_G + s * SUB + tl.arange(0, SUB)
+            ok = ps < P
+            e_c = tl.load(ids + ps, mask=ok, other=-1).to(tl.int32)
+            rank = tl.sum(((e_all[None, :] == e_c[:, None]) & (qs[None, :] < ps[:, None])).to(tl.int32), axis=1)
+            start = tl.load(partial + g * E + e_c, mask=ok, other=0)
+            tl.store(sorted_pairs + start + rank, ps.to(tl.int32), mask=ok)
+
+
 def _interpreted() -> bool:
     return triton is not None and type(_moe_align_kernel).__name__ == "InterpretedFunction"
 
 
+def path(idx: torch.Tensor, num_experts: int) -> str | None:
+    """Which Triton path runs this routing: "one" (one program, P <= MAX_PAIRS), "multi" (three launches,
+    P <= MAX_PAIRS_MULTI), or None (no Triton here -- it needs CUDA, or the interpreter on CPU -- or sizes past both:
+    the torch version)."""
+    if triton is None or idx.device.type != ("cpu" if _interpreted() else "cuda"):
+        return None
+    p = idx.numel()
+    if not 0 < num_experts <= MAX_EXPERTS or p == 0:
+        return None
+    return "one" if p <= MAX_PAIRS else "multi" if p <= MAX_PAIRS_MULTI else None
+
+
 def supported(idx: torch.Tensor, num_experts: int) -> bool:
-    """Triton can run here (CUDA, or the interpreter on CPU) and the sizes fit one program."""
-    if triton is None:
-        return False
-    device_ok = idx.device.type == ("cpu" if _interpreted() else "cuda")
-    return device_ok and 0 < idx.numel() <= MAX_PAIRS and 0 < num_experts <= MAX_EXPERTS
+    """Triton can run here (CUDA, or the interpreter on CPU) and the sizes fit one of its paths (`path`)."""
+    return path(idx, num_experts) is not None
 
 
 def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +168,17 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int) -> tuple
     nblocks = rows // block_m
     sorted_pairs = torch.empty(rows, dtype=torch.int32, device=flat.device)  # padding written by the kernel
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=flat.device)
+    if p > MAX_PAIRS:  # prefill sizes: three launches (module docstring)
+        g = triton.cdiv(p, CHUNK_MULTI)
+        partial = torch.empty((g, num_experts), dtype=torch.int32, device=flat.device)
+        block_e = triton.next_power_of_2(num_experts)
+        _count_kernel[(g,)](flat, partial, p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK, BLOCK_E=block_e,
+                            num_warps=4)
+        _offsets_kernel[(1,)](partial, sorted_pairs, block_expert, p, num_experts, g, nblocks, BLOCK_M=block_m,
+                              BLOCK_E=block_e, BLOCK_B=CHUNK, num_warps=4)
+        _scatter_kernel[(g,)](flat, partial, sorted_pairs, p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK,
+                              num_warps=4)
+        return sorted_pairs, block_expert
     _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
                             BLOCK_P=triton.next_power_of_2(p), BLOCK_E=triton.next_power_of_2(num_experts),
                             BLOCK_B=triton.next_power_of_2(nblocks), CHUNK_P=min(CHUNK, triton.next_power_of_2(p)),

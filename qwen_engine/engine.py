@@ -227,7 +227,8 @@ class QwenEngine:
         t0 = time.perf_counter()
         self.model = model if model is not None else build_model(
             cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights, cfg.shared_expert_in_moe,
-            cfg.expert_layout)
+            # kernels "reference": no kernel reads a repacked layout, and the reference would undo it on every call
+            "checkpoint" if cfg.kernels == "reference" and cfg.expert_layout == "auto" else cfg.expert_layout)
         self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None

@@ -43,6 +43,14 @@ def main() -> int:
                           {"ids": "*i64", "sorted_pairs": "*i32", "block_expert": "*i32"},
                           dict(BLOCK_M=16, BLOCK_P=256, BLOCK_E=256, BLOCK_B=triton.next_power_of_2(rows // 16),
                                CHUNK_P=32)))
+    # its multi-program path for prefill sizes (1,024 tokens x top-8: 32 chunks of 256 pairs, BLOCK_M 64)
+    ints = {"ids": "*i64", "partial": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"}
+    ok.append(compile_one("moe_align count (chunks of 256 pairs, 256 experts)", moe_align._count_kernel, ints,
+                          dict(CHUNK_G=256, SUB=32, BLOCK_E=256)))
+    ok.append(compile_one("moe_align offsets (256 experts, BLOCK_M 64)", moe_align._offsets_kernel, ints,
+                          dict(BLOCK_M=64, BLOCK_E=256, BLOCK_B=32)))
+    ok.append(compile_one("moe_align scatter (chunks of 256 pairs)", moe_align._scatter_kernel, ints,
+                          dict(CHUNK_G=256, SUB=32)))
     types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias")}
     types.update({n: "*fp32" for n in ("q_out", "k_out", "v_out", "beta_out", "g_out")}, rows="*i64", q_scale="fp32")
     ok.append(compile_one("gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16)", gdn_prep._gdn_prep_kernel, types,

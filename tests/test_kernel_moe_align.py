@@ -1,5 +1,6 @@
-"""kernels/moe_align.py (one-program MoE routing alignment) against the torch `moe_align` it replaces at decode sizes:
-integer outputs, so equality, not a tolerance. Runs under the Triton interpreter on CPU (tests/conftest.py)."""
+"""kernels/moe_align.py (MoE routing alignment: one program at decode sizes, three launches at prefill sizes) against
+the torch `moe_align` it replaces: integer outputs, so equality, not a tolerance. Runs under the Triton interpreter
+on CPU (tests/conftest.py)."""
 
 import pytest
 import torch
@@ -22,11 +23,14 @@ def routed(t: int, k: int, e: int, seed: int, skew: bool = False) -> torch.Tenso
 
 
 @pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 256, 16), (3, 8, 256, 16), (32, 8, 256, 16), (16, 16, 256, 16),
-                                           (5, 2, 6, 16), (17, 4, 10, 32), (32, 8, 256, 64), (2, 1, 3, 16)])
+                                           (5, 2, 6, 16), (17, 4, 10, 32), (32, 8, 256, 64), (2, 1, 3, 16),
+                                           # the multi-program path: one pair past the one-program limit, a ragged
+                                           # last chunk, many chunks per expert, a 1k-token prefill at BLOCK_M 64
+                                           (33, 8, 256, 16), (100, 4, 10, 16), (130, 8, 256, 32), (1024, 8, 256, 64)])
 @pytest.mark.parametrize("skew", [False, True])
 def test_equals_torch_moe_align(t, k, e, block_m, skew):
     idx = routed(t, k, e, seed=t * 31 + e, skew=skew)
-    assert align.supported(idx, e)
+    assert align.path(idx, e) == ("one" if t * k <= align.MAX_PAIRS else "multi")
     ref = moe_align(idx, e, block_m)
     sorted_pairs, block_expert = align.moe_align_triton(idx, e, block_m)
     assert sorted_pairs.dtype == ref.sorted_pairs.dtype == torch.int32
@@ -39,9 +43,11 @@ def test_fast_path_choice():
     fast = moe_align_fast(idx, 256, 16)
     ref = moe_align(idx, 256, 16)
     assert torch.equal(fast.sorted_pairs, ref.sorted_pairs) and fast.num_pairs == ref.num_pairs == 32
-    big = routed(align.MAX_PAIRS // 8 + 1, 8, 256, seed=2)  # prefill-sized: the torch version
-    assert not align.supported(big, 256) and not align.supported(idx, align.MAX_EXPERTS + 1)
+    big = routed(align.MAX_PAIRS // 8 + 1, 8, 256, seed=2)  # prefill-sized: the multi-program path
+    assert align.path(big, 256) == "multi" and not align.supported(idx, align.MAX_EXPERTS + 1)
     assert torch.equal(moe_align_fast(big, 256, 64).sorted_pairs, moe_align(big, 256, 64).sorted_pairs)
+    huge = torch.zeros(align.MAX_PAIRS_MULTI + 1, 1, dtype=torch.int64, device=DEVICE)  # past both: torch
+    assert align.path(huge, 256) is None
 
 
 def test_a_failing_kernel_is_switched_off(monkeypatch):
@@ -60,8 +66,12 @@ def test_a_failing_kernel_is_switched_off(monkeypatch):
 
     monkeypatch.setattr(align, "moe_align_triton", wrong)
     r = moe_align_fast(idx, 256, 16)
+    key = (idx.device.type, "one")
     assert torch.equal(r.sorted_pairs, moe_align(idx, 256, 16).sorted_pairs)
-    assert w4a16_gemm._ALIGN_STATE[idx.device.type].startswith("off")
+    assert w4a16_gemm._ALIGN_STATE[key].startswith("off")
     monkeypatch.setattr(align, "moe_align_triton", real)
     moe_align_fast(idx, 256, 16)  # stays off for the process (here: the monkeypatched state)
-    assert w4a16_gemm._ALIGN_STATE[idx.device.type].startswith("off")
+    assert w4a16_gemm._ALIGN_STATE[key].startswith("off")
+    big = routed(40, 8, 256, seed=4)  # the other path has its own check: still on, and checked on first use
+    assert torch.equal(moe_align_fast(big, 256, 32).sorted_pairs, moe_align(big, 256, 32).sorted_pairs)
+    assert w4a16_gemm._ALIGN_STATE[(idx.device.type, "multi")] == "ok"

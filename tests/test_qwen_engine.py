@@ -337,6 +337,12 @@ def test_engine_with_packed_weights_equals_single_prompt_reference(monkeypatch):
                         lambda experts, layout, device: seen.append(layout) or real(experts, layout, device))
     QwenEngine(engine_config(weights="packed", expert_layout="dual"))
     assert seen and set(seen) == {"dual"}, seen
+    seen.clear()  # auto with the reference kernels: the checkpoint layout (the reference would undo a repack per call)
+    QwenEngine(engine_config(weights="packed", kernels="reference"))
+    assert seen and set(seen) == {"checkpoint"}, seen
+    seen.clear()
+    QwenEngine(engine_config(weights="packed", kernels="auto"))
+    assert seen and set(seen) == {"auto"}, seen
 
 
 def test_dead_step_loop_fails_open_streams_instead_of_hanging(monkeypatch):
