@@ -6,7 +6,7 @@ Reference `gdn_prefill_conv_reference`: exactly what `GatedDeltaNet.forward_page
 torch `causal_conv1d`:
     inputs   x [n, C] (the chunk's in_proj_qkv output rows, model dtype), conv_pool [S, C, K-1] (model dtype), the
              sequence's state row `row` (int), conv weight [C, K] (model dtype), `valid` (int64 [1] on the device or
-             None: only the first valid[0] of the n rows are real, the rest padding of a prefill-graph bucket)
+             None: only the first valid[0] <= n of the n rows are real, the rest padding of a prefill-graph bucket)
     outputs  y [n, C] in the model dtype (conv accumulated in fp32, rounded to the model dtype, SiLU in fp32 on that,
              rounded again: torch's bf16 `F.conv1d` then `F.silu`), and conv_pool itself, whose row `row` now holds
              inputs valid-K+1 .. valid-1 (older ones from the old state when the chunk is shorter), written in place
@@ -72,10 +72,13 @@ if triton is not None:
                              other=0.0)
         return tl.where(src >= 0, from_x, from_state)
 
-    @triton.jit
+    # the state row and the chunk length vary per call: not specialised (a 1 or a multiple of 16 would otherwise compile
+    # a new variant at request time)
+    @triton.jit(do_not_specialize=["row", "n"])
     def _gdn_prefill_conv_kernel(x, pool, w, y, valid, row, n, C, s_xt, s_yt, s_pr, s_pc, s_wc,
                                  HAS_VALID: tl.constexpr, KM1: tl.constexpr, BLOCK_S: tl.constexpr,
                                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr):
+        tl.static_assert(BLOCK_T >= KM1)  # only the first token block reads the state row (the in-place write's rule)
         pid_t, pid_c = tl.program_id(0), tl.program_id(1)
         t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # [BT, 1] chunk positions
         ch = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [1, BC] channels
@@ -91,7 +94,7 @@ if triton is not None:
         tl.store(y + t * s_yt + ch, out, mask=ok)
         if pid_t == 0:  # the new state: inputs last - K + 2 .. last of these channels (see the module docstring)
             if HAS_VALID:
-                last = tl.load(valid) - 1
+                last = tl.minimum(tl.load(valid), n) - 1  # valid <= n (a bucket's real tokens): clamped anyway
             else:
                 last = n - 1
             i = tl.arange(0, BLOCK_S)[:, None]  # state slots (K - 1, padded to a power of two)
@@ -138,6 +141,7 @@ def describe(x, conv_pool, row, conv_w, valid=None) -> dict[str, Any]:
     km1 = conv_pool.shape[-1] if conv_pool.dim() == 3 else 0
     shapes_ok = (x.dim() == 2 and conv_pool.dim() == 3 and conv_pool.shape[1] == c and conv_w.shape == (c, km1 + 1)
                  and 1 <= km1 <= 8 and 0 <= row < conv_pool.shape[0]
+                 and max(n * x.stride(0), n * c) < 2**31  # int32 offsets in the kernel
                  and (valid is None or (valid.shape == (1,) and valid.dtype == torch.int64)))
     return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
                 dtypes={x.dtype, conv_pool.dtype, conv_w.dtype}, shapes_ok=shapes_ok,

@@ -1,5 +1,6 @@
-"""MoE routing alignment in one Triton program: (token, slot) pairs grouped by expert, each expert's group padded
-to a multiple of BLOCK_M rows -- the `MoeRouting` that the grouped W4A16 kernel reads.
+"""MoE routing alignment in Triton (one program at decode sizes, three launches at prefill sizes): (token, slot) pairs
+grouped by expert, each expert's group padded to a multiple of BLOCK_M rows -- the `MoeRouting` that the grouped
+W4A16 kernels read.
 
 Reference: `kernels.w4a16_gemm.moe_align` (torch: a stable sort, scatter_add counts, cumsums, a scatter and a
 searchsorted: ~25 kernel launches). This computes the identical tensors in 1 launch (it also writes the padding rows),
@@ -21,10 +22,10 @@ Prefill sizes (MAX_PAIRS < P <= MAX_PAIRS_MULTI) run the same algorithm over G =
 three launches (written 2026-11-30, seventh session; NOT YET RUN ON A GPU -- `moe_align_fast` checks it against
 the torch version on first use per device and switches it off on a mismatch):
     count    program g: counts of its chunk of pairs per expert -> partial[g, E]
-    offsets  one program: totals, padded starts (as above), then partial[g, j] <- pstart[j] + sum_{h < g}
+    offsets  one program: totals, padded starts (as above), then starts[g, j] = pstart[j] + sum_{h < g}
              partial[h, j] (each chunk's first row per expert, in chunk order: the stable sort's order); the padding
              fill of sorted_pairs and block_expert
-    scatter  program g: row[p] = partial[g, e[p]] + #{q < p in chunk g : e[q] = e[p]}
+    scatter  program g: row[p] = starts[g, e[p]] + #{q < p in chunk g : e[q] = e[p]}
 O(P CHUNK_MULTI + P E + G E + R E / BLOCK_M) in total, spread over G programs but the middle one. The torch version
 it replaces at 1,024 tokens is ~25 launches and ~2 ms of a 1k-token prefill's GPU time (Qwen run 12 profile).
 """
@@ -40,7 +41,7 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
     triton = None
 
 MAX_PAIRS = 256  # P = tokens x top_k: decode batches up to 32 tokens at top-8 (larger tiles spill registers: ptxas
-#                  sm_90 reports 4 KB of spills at P = 1024; prefill-sized P uses the torch version)
+#                  sm_90 reports 4 KB of spills at P = 1024; prefill-sized P takes the multi-program path)
 MAX_EXPERTS = 512
 CHUNK = 32  # pairs per compare tile ([CHUNK, BLOCK_E] and [CHUNK, BLOCK_P] int32 tiles)
 CHUNK_MULTI = 256  # pairs per program of the multi-program path (compared in tiles of CHUNK against the chunk)
@@ -99,7 +100,7 @@ if triton is not None:
         tl.store(partial + g * E + ej, counts, mask=ej < E)
 
     @triton.jit
-    def _offsets_kernel(partial, sorted_pairs, block_expert, P, E, G, NUM_BLOCKS, BLOCK_M: tl.constexpr,
+    def _offsets_kernel(partial, starts, sorted_pairs, block_expert, P, E, G, NUM_BLOCKS, BLOCK_M: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
         ej = tl.arange(0, BLOCK_E)
         e_ok = ej < E
@@ -109,9 +110,9 @@ if triton is not None:
         padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
         run = ends - padded  # pstart, then advanced past each chunk's pairs
-        for g in range(0, G):  # every element is read, then written, by the same thread (one layout throughout)
+        for g in range(0, G):  # into their own buffer: `partial` is only read (no in-place order to rely on)
             c = tl.load(partial + g * E + ej, mask=e_ok, other=0)
-            tl.store(partial + g * E + ej, run, mask=e_ok)
+            tl.store(starts + g * E + ej, run, mask=e_ok)
             run += c
         for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):  # padding rows (the scatter launch overwrites the used ones)
             rs = r0 + tl.arange(0, 1024)
@@ -123,7 +124,7 @@ if triton is not None:
             tl.store(block_expert + bs, owner, mask=bs < NUM_BLOCKS)
 
     @triton.jit
-    def _scatter_kernel(ids, partial, sorted_pairs, P, E, CHUNK_G: tl.constexpr, SUB: tl.constexpr):
+    def _scatter_kernel(ids, starts, sorted_pairs, P, E, CHUNK_G: tl.constexpr, SUB: tl.constexpr):
         g = tl.program_id(0)
         qs = g * CHUNK_G + tl.arange(0, CHUNK_G)
         e_all = tl.load(ids + qs, mask=qs < P, other=-1).to(tl.int32)  # the chunk's experts
@@ -132,7 +133,7 @@ if triton is not None:
             ok = ps < P
             e_c = tl.load(ids + ps, mask=ok, other=-1).to(tl.int32)
             rank = tl.sum(((e_all[None, :] == e_c[:, None]) & (qs[None, :] < ps[:, None])).to(tl.int32), axis=1)
-            start = tl.load(partial + g * E + e_c, mask=ok, other=0)
+            start = tl.load(starts + g * E + e_c, mask=ok, other=0)
             tl.store(sorted_pairs + start + rank, ps.to(tl.int32), mask=ok)
 
 
@@ -170,13 +171,13 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int) -> tuple
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=flat.device)
     if p > MAX_PAIRS:  # prefill sizes: three launches (module docstring)
         g = triton.cdiv(p, CHUNK_MULTI)
-        partial = torch.empty((g, num_experts), dtype=torch.int32, device=flat.device)
+        partial = torch.empty((2, g, num_experts), dtype=torch.int32, device=flat.device)  # counts, then starts
         block_e = triton.next_power_of_2(num_experts)
-        _count_kernel[(g,)](flat, partial, p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK, BLOCK_E=block_e,
+        _count_kernel[(g,)](flat, partial[0], p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK, BLOCK_E=block_e,
                             num_warps=4)
-        _offsets_kernel[(1,)](partial, sorted_pairs, block_expert, p, num_experts, g, nblocks, BLOCK_M=block_m,
-                              BLOCK_E=block_e, BLOCK_B=CHUNK, num_warps=4)
-        _scatter_kernel[(g,)](flat, partial, sorted_pairs, p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK,
+        _offsets_kernel[(1,)](partial[0], partial[1], sorted_pairs, block_expert, p, num_experts, g, nblocks,
+                              BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=CHUNK, num_warps=4)
+        _scatter_kernel[(g,)](flat, partial[1], sorted_pairs, p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK,
                               num_warps=4)
         return sorted_pairs, block_expert
     _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,

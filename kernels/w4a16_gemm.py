@@ -176,28 +176,33 @@ def moe_align(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
     return MoeRouting(sorted_pairs, block_expert, p, block_m)
 
 
-_ALIGN_STATE: dict[tuple[str, str], str] = {}  # (device type, path) -> "ok" | why that Triton path is off there
+_ALIGN_STATE: dict[tuple[str, str, int], str] = {}  # (device type, path, block_m) -> "ok" | why it is off there
 
 
 def moe_align_fast(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
     """`moe_align` in Triton where it runs and the sizes fit (`kernels/moe_align.py`: one program at decode sizes,
     three launches at prefill sizes; identical tensors, instead of ~25 launches); the torch version otherwise.
 
-    The first use of each path on a device type checks it against the torch version on that call's input (one host
-    sync, eager: the graphs' warm-ups run before their captures); an exception or a mismatch switches that path off
-    for the process, logged at ERROR, so a kernel that fails on some GPU costs speed, never correctness."""
+    The first use of each (path, block_m) on a device type checks it against the torch version, on that call's input
+    and on a seeded random routing of the same size (a warm-up's input may route every token alike); one host sync,
+    eager: the graphs' warm-ups run before their captures. An exception or a mismatch switches that path off for
+    the process, logged at ERROR, so a kernel that fails on some GPU costs speed, never correctness."""
     from kernels import moe_align as align
 
-    key = (idx.device.type, align.path(idx, num_experts))
+    key = (idx.device.type, align.path(idx, num_experts), block_m)
     if key[1] is not None and _ALIGN_STATE.get(key, "ok") == "ok":
         try:
             sorted_pairs, block_expert = align.moe_align_triton(idx, num_experts, block_m)
             if key not in _ALIGN_STATE:
                 if idx.is_cuda and torch.cuda.is_current_stream_capturing():  # the check syncs: not inside a capture
                     return moe_align(idx, num_experts, block_m)
-                ref = moe_align(idx, num_experts, block_m)
-                if not (torch.equal(sorted_pairs, ref.sorted_pairs) and torch.equal(block_expert, ref.block_expert)):
-                    raise RuntimeError("differs from the torch moe_align")
+                probe = torch.randint(0, num_experts, tuple(idx.shape), generator=torch.Generator().manual_seed(0),
+                                      dtype=idx.dtype).to(idx.device)
+                for x, (sp, be) in ((idx, (sorted_pairs, block_expert)),
+                                    (probe, align.moe_align_triton(probe, num_experts, block_m))):
+                    ref = moe_align(x, num_experts, block_m)
+                    if not (torch.equal(sp, ref.sorted_pairs) and torch.equal(be, ref.block_expert)):
+                        raise RuntimeError("differs from the torch moe_align")
                 _ALIGN_STATE[key] = "ok"
             return MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m)
         except Exception as exc:  # noqa: BLE001 - recorded; the torch version is always correct

@@ -24,7 +24,8 @@ Static buffers (one int64 block, one host->device copy per step): ids [bmax], sl
 tokens, logits index, state row. Positions are arange(bmax) (chunks start at 0).
 
 Requirements, as for the decode graphs: the ops the prefill takes read no device values on the host (fla's GDN
-prefill without cu_seqlens: `kernels/gdn_chunk.py`; the torch `moe_align` for prefill sizes is sync-free) and are
+prefill without cu_seqlens: `kernels/gdn_chunk.py`; `moe_align` at prefill sizes, Triton or torch, is sync-free,
+and its first-use check runs in the warm-up) and are
 warmed (Triton autotuning) before capture. Modes: "capture" (CUDA) and "static" (the same buffers and padding run
 eagerly: what the CPU tests compare against the plain path).
 """

@@ -44,7 +44,7 @@ def main() -> int:
                           dict(BLOCK_M=16, BLOCK_P=256, BLOCK_E=256, BLOCK_B=triton.next_power_of_2(rows // 16),
                                CHUNK_P=32)))
     # its multi-program path for prefill sizes (1,024 tokens x top-8: 32 chunks of 256 pairs, BLOCK_M 64)
-    ints = {"ids": "*i64", "partial": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"}
+    ints = {"ids": "*i64", "partial": "*i32", "starts": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"}
     ok.append(compile_one("moe_align count (chunks of 256 pairs, 256 experts)", moe_align._count_kernel, ints,
                           dict(CHUNK_G=256, SUB=32, BLOCK_E=256)))
     ok.append(compile_one("moe_align offsets (256 experts, BLOCK_M 64)", moe_align._offsets_kernel, ints,

@@ -26,7 +26,8 @@ def routed(t: int, k: int, e: int, seed: int, skew: bool = False) -> torch.Tenso
                                            (5, 2, 6, 16), (17, 4, 10, 32), (32, 8, 256, 64), (2, 1, 3, 16),
                                            # the multi-program path: one pair past the one-program limit, a ragged
                                            # last chunk, many chunks per expert, a 1k-token prefill at BLOCK_M 64
-                                           (33, 8, 256, 16), (100, 4, 10, 16), (130, 8, 256, 32), (1024, 8, 256, 64)])
+                                           (33, 8, 256, 16), (100, 4, 10, 16), (130, 8, 256, 32), (1024, 8, 256, 64),
+                                           (40, 8, 512, 64)])
 @pytest.mark.parametrize("skew", [False, True])
 def test_equals_torch_moe_align(t, k, e, block_m, skew):
     idx = routed(t, k, e, seed=t * 31 + e, skew=skew)
@@ -66,7 +67,7 @@ def test_a_failing_kernel_is_switched_off(monkeypatch):
 
     monkeypatch.setattr(align, "moe_align_triton", wrong)
     r = moe_align_fast(idx, 256, 16)
-    key = (idx.device.type, "one")
+    key = (idx.device.type, "one", 16)
     assert torch.equal(r.sorted_pairs, moe_align(idx, 256, 16).sorted_pairs)
     assert w4a16_gemm._ALIGN_STATE[key].startswith("off")
     monkeypatch.setattr(align, "moe_align_triton", real)
@@ -74,4 +75,24 @@ def test_a_failing_kernel_is_switched_off(monkeypatch):
     assert w4a16_gemm._ALIGN_STATE[key].startswith("off")
     big = routed(40, 8, 256, seed=4)  # the other path has its own check: still on, and checked on first use
     assert torch.equal(moe_align_fast(big, 256, 32).sorted_pairs, moe_align(big, 256, 32).sorted_pairs)
-    assert w4a16_gemm._ALIGN_STATE[(idx.device.type, "multi")] == "ok"
+    assert w4a16_gemm._ALIGN_STATE[(idx.device.type, "multi", 32)] == "ok"
+
+
+def test_first_use_check_probes_a_routing_of_its_own(monkeypatch):
+    """The engine's first call of a path is a warm-up whose tokens may all route alike; a kernel right only on such
+    input must still be caught: the check also runs a seeded random routing of the same size."""
+    from kernels import w4a16_gemm
+
+    monkeypatch.setattr(w4a16_gemm, "_ALIGN_STATE", {})
+    alike = routed(1, 8, 256, seed=5).expand(40, 8).contiguous()  # 40 tokens, all on the same 8 experts (multi path)
+    real = align.moe_align_triton
+
+    def right_only_when_alike(idx_, e, bm):
+        sp, be = real(idx_, e, bm)
+        return (sp, be) if bool((idx_ == idx_[:1]).all()) else (sp.flip(0), be)
+
+    monkeypatch.setattr(align, "moe_align_triton", right_only_when_alike)
+    r = moe_align_fast(alike, 256, 32)
+    assert torch.equal(r.sorted_pairs, moe_align(alike, 256, 32).sorted_pairs)
+    assert w4a16_gemm._ALIGN_STATE[(alike.device.type, "multi", 32)].startswith("off")
+

@@ -348,14 +348,16 @@ class NVFP4Experts(_Dispatch):
         addresses (benchmarks repack between engines, after `aclose`)."""
         from kernels.w4a16_gemm import experts_repack, layout_ok
 
+        if layout == self.layout:
+            self._drop_small_copy()
+            return True
         w13, w2 = self._checkpoint_layout()
         if not layout_ok(w13, w2, layout):
             return False
         self._drop_small_copy()
-        if layout != self.layout:
-            w13, w2 = experts_repack(w13, w2, layout)
-            self.gate_up_packed, self.down_packed = w13.packed, w2.packed
-            self.layout = layout
+        w13, w2 = experts_repack(w13, w2, layout)
+        self.gate_up_packed, self.down_packed = w13.packed, w2.packed
+        self.layout = layout
         return True
 
     def repack_dual(self, small_tokens: int = 4) -> bool:
