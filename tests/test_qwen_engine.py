@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def test_engine_cuda_graphs_equal_eager():
     assert async_stats["graph_steps"] > 0, async_stats
 
 
-def test_engine_with_packed_weights_equals_single_prompt_reference(monkeypatch):
+def test_engine_with_packed_weights_equals_single_prompt_reference(monkeypatch, caplog):
     """weights="packed": NVFP4 / FP8 layers as packed modules (the full-size default), random weights drawn in the
     ModelOpt formats; the paged engine must still give exactly the single-prompt greedy tokens of that model."""
     lengths = LENGTHS[:4]
@@ -335,8 +336,10 @@ def test_engine_with_packed_weights_equals_single_prompt_reference(monkeypatch):
     real = load_packed.apply_expert_layout
     monkeypatch.setattr(load_packed, "apply_expert_layout",
                         lambda experts, layout, device: seen.append(layout) or real(experts, layout, device))
-    QwenEngine(engine_config(weights="packed", expert_layout="dual"))
+    with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
+        QwenEngine(engine_config(weights="packed", expert_layout="dual"))  # the base config's kernels: reference
     assert seen and set(seen) == {"dual"}, seen
+    assert "unpacks them on every call" in caplog.text
     seen.clear()  # auto with the reference kernels: the checkpoint layout (the reference would undo a repack per call)
     QwenEngine(engine_config(weights="packed", kernels="reference"))
     assert seen and set(seen) == {"checkpoint"}, seen
