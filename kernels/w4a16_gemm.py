@@ -64,7 +64,7 @@ latency (one tile ahead: 0-5% more) is the main limit; the access pattern was pa
 pieces of rows 1 KB apart): the grouped kernel's TILED mode reads weights repacked by `tile_major`, each (row tile,
 K tile) one contiguous block, 20% faster at 32 tokens (~1.1 TB/s; TILE_MAJOR_TILES, TILE_MAJOR_MODES;
 `qwen_engine.model.quantized.NVFP4Experts.repack`). The swap-AB kernel (`kernels/w4a16_swapped.py`) on "split halves"
-experts is faster again (17-37% per call) and the engine's path on CUDA since 2026-11-30 (seventh session).
+experts is faster again (17-37% per call) and the engine's path on Hopper since 2026-11-30 (seventh session).
 """
 
 from __future__ import annotations
@@ -377,6 +377,18 @@ if triton is not None:
         xt = tl.load(x + a_rows[:, None] * s_xm + ks[None, :], mask=a_ok[:, None] & (ks[None, :] < K), other=0.0)
         return tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
 
+    @triton.jit
+    def _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Row block pid_m of a `MoeRouting` (grouped kernels, both operand orders) -> (pair ids [BM] (P on padding
+        rows), which are real, the activation row each reads (gate_up reads token p // top_k; down its own pair row),
+        the output columns N_out (SWIGLU: gate rows then up rows, N / 2))."""
+        pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        if SWIGLU:
+            n_out = N // 2
+        else:
+            n_out = N
+        return pairs, pairs < P, pairs // A_DIV, n_out
+
     # Hopper-minded configs: decode tiles of 16/32 rows with 64-256 K per step (8-32 KB of packed weight per stage);
     # 64/128-row tiles for prefill. `_prune_dense` keeps the ones whose BLOCK_M matches the M bucket.
     _SMALL = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3)]
@@ -493,13 +505,7 @@ if triton is not None:
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
-            pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-            p_ok = pairs < P
-            a_rows = pairs // A_DIV  # gate_up reads token p // top_k; down reads its own pair row
-            if SWIGLU:
-                n_out = N // 2
-            else:
-                n_out = N
+            pairs, p_ok, a_rows, n_out = _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_out
             we = w + e.to(tl.int64) * s_we
@@ -761,6 +767,7 @@ def tile_major_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 # (`kernels/w4a16_swapped.py`, the engine's layout on CUDA). Block and global scales keep the checkpoint layout.
 CHECKPOINT, TILE_MAJOR, SPLIT_HALVES = 0, 1, 2
 EXPERT_LAYOUTS = {"checkpoint": CHECKPOINT, "tile_major": TILE_MAJOR, "split_halves": SPLIT_HALVES}
+LAYOUT_NAMES = {code: name for name, code in EXPERT_LAYOUTS.items()}
 
 
 def layout_ok(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int) -> bool:

@@ -1,6 +1,7 @@
-"""Grouped NVFP4 W4A16 GEMM with the weights as the MMA's A operand ("swap-AB"): the routed experts' kernel on CUDA
-(`w4a16_gemm.w4a16_moe_op` with layout SPLIT_HALVES, the loader's default there), beside `kernels/w4a16_gemm.py`'s
-`_w4a16_grouped_kernel` (same routing contract, same exact dequant; still the path of the other two layouts).
+"""Grouped NVFP4 W4A16 GEMM with the weights as the MMA's A operand ("swap-AB"): the routed experts' kernel on
+Hopper (`w4a16_gemm.w4a16_moe_op` with layout SPLIT_HALVES, the loader's default there), beside
+`kernels/w4a16_gemm.py`'s `_w4a16_grouped_kernel` (same routing contract, `_routed_block`; same exact dequant; still
+the path of the other two layouts).
 
 Why. The engine's grouped kernel computes acc[BM, BN] = X[BM, BK] @ W^T: the dequantised weight tile is the B
 operand. On Hopper, wgmma takes B only from shared memory and needs M >= 64, so at BM = 16-32 routed rows Triton
@@ -39,6 +40,7 @@ try:
         _e2m1x2_bf16_tiny_ptx,
         _e4m3_fp16,
         _mma,
+        _routed_block,
     )
 except ImportError:  # CPU-only installs without triton: the layout helpers still work
     triton = None
@@ -181,13 +183,7 @@ if triton is not None:
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
-            pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-            p_ok = pairs < P
-            a_rows = pairs // A_DIV
-            if SWIGLU:
-                n_out = N // 2
-            else:
-                n_out = N
+            pairs, p_ok, a_rows, n_out = _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             we = w + e.to(tl.int64) * s_we
             se = s + e.to(tl.int64) * s_se

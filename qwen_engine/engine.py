@@ -673,10 +673,9 @@ def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry)
     for mod in model.modules():
         if isinstance(mod, NVFP4Experts):
             used |= {mod.layout} | ({w.TILE_MAJOR} if mod.small_tokens else set())
-    names = {v: k for k, v in w.EXPERT_LAYOUTS.items()}
     out = {}
     for layout in sorted(used - {w.CHECKPOINT, w.default_expert_layout(device)}):
-        name = f"{w.MOE}[{names[layout]}]"
+        name = f"{w.MOE}[{w.LAYOUT_NAMES[layout]}]"
         if registry.preference(w.MOE).value == "reference":
             out[name] = "skipped (the reference runs)"
             continue
@@ -697,15 +696,15 @@ def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry)
 def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
     """The routed experts' byte layouts, by name (`kernels.w4a16_gemm.EXPERT_LAYOUTS`, with a `repack_dual` copy
     named) -> number of MoE layers (empty for a dequantized model)."""
-    from kernels.w4a16_gemm import EXPERT_LAYOUTS
+    from kernels.w4a16_gemm import LAYOUT_NAMES
 
     from .model.quantized import NVFP4Experts
 
-    names = {v: k for k, v in EXPERT_LAYOUTS.items()}
     out: dict[str, int] = {}
     for mod in model.modules():
         if isinstance(mod, NVFP4Experts):
-            name = names[mod.layout] + (f" + tile_major for <= {mod.small_tokens} tokens" if mod.small_tokens else "")
+            dual = f" + tile_major for <= {mod.small_tokens} tokens" if mod.small_tokens else ""
+            name = LAYOUT_NAMES[mod.layout] + dual
             out[name] = out.get(name, 0) + 1
     return out
 

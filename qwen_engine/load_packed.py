@@ -43,12 +43,13 @@ log = logging.getLogger(__name__)
 Packed = torch.Tensor | NVFP4Tensor | FP8Tensor
 
 
-EXPERT_LAYOUT_CHOICES = ("auto", "checkpoint", "tile_major", "split_halves", "dual")
-
-
 def check_expert_layout(expert_layout: str) -> None:
-    if expert_layout not in EXPERT_LAYOUT_CHOICES:
-        raise ValueError(f"expert_layout must be one of {' | '.join(EXPERT_LAYOUT_CHOICES)}, got {expert_layout!r}")
+    """"auto", a name of `kernels.w4a16_gemm.EXPERT_LAYOUTS`, or "dual"; else ValueError naming them."""
+    from kernels.w4a16_gemm import EXPERT_LAYOUTS
+
+    choices = ("auto", *EXPERT_LAYOUTS, "dual")
+    if expert_layout not in choices:
+        raise ValueError(f"expert_layout must be one of {' | '.join(choices)}, got {expert_layout!r}")
 
 
 def apply_expert_layout(experts: NVFP4Experts, expert_layout: str, device: torch.device | str) -> bool:
