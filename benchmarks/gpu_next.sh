@@ -27,6 +27,9 @@
 #  13. (written 2026-11-30, seventh session; not run) the two MoE kernels per call at 1-8 tokens, where the swap-AB
 #      kernel lost the lone decode; then the engine (split halves, async_decode on) beside expert_layout "dual" and
 #      beside async_decode off.
+#  15. (written 2026-11-30, eighth session) the decode FP8 linear (kernels/fp8_skinny.py) and the fused router
+#      GEMV + top-k: their GPU tests, kernel benches beside what they replace, then the engine (default) beside the
+#      same engine with the FP8 layers on the quantiser + cuBLASLt path (--without).
 #  14. (written 2026-11-30, seventh session; not run) the GDN prefill conv kernel's and the multi-program moe_align's
 #      tests on CUDA and the prefill / fused-glue tests that now run through them, then the engine's TTFT with both
 #      (profile: kernels and device time).
@@ -46,6 +49,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="12" bash benchmarks/gpu_next.sh      # ~6.5 min (ran: run 13)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="13" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="14" bash benchmarks/gpu_next.sh      # ~8 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="15" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -174,5 +178,18 @@ grep -E "passed|failed" "$R/gdn_conv_tests.log" | tail -2
 timeout 330 python benchmarks/qwen_profile.py --engine-prefill --batches "" --prefill-buckets 1024 \
   --out "$R/qwen_prefill_conv" > "$R/qwen_prefill_conv.log" 2>&1
 grep -E "started|ttft_ms_median" "$R/qwen_prefill_conv.log" | cut -c1-300
+fi
+if want 15; then
+say "15. decode FP8 linear (quantiser fused, split K) and fused router GEMV + top-k: GPU tests, kernel benches, engine"
+timeout 170 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_skinny.py tests/test_kernel_fp8.py \
+  tests/test_kernel_moe_router.py tests/test_registry.py > "$R/skinny_tests.log" 2>&1
+grep -E "passed|failed" "$R/skinny_tests.log" | tail -2
+timeout 90 python benchmarks/fp8_skinny_bench.py --out "$R/fp8_skinny_bench" > "$R/fp8_skinny_bench.log" 2>&1
+grep -E "^\| " "$R/fp8_skinny_bench/fp8_skinny_bench.md" | cut -c1-160
+timeout 60 python benchmarks/router_bench.py --sweep --out "$R/router_bench" > "$R/router_bench.log" 2>&1
+tail -6 "$R/router_bench.log" | cut -c1-160
+timeout 420 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --without fp8_linear:triton_skinny+scaled_mm --out "$R/qwen_skinny" > "$R/qwen_skinny.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_skinny/qwen_gpu.md" | cut -c1-200
 fi
 say "done"

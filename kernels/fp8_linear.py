@@ -56,6 +56,7 @@ import torch
 
 from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
 
+from kernels import fp8_skinny
 from kernels.fp8_quant import (
     quantize_rows_reference,
     quantize_rows_triton,
@@ -114,6 +115,18 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype |
 def fp8_linear_triton_quant(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`fp8_linear_scaled_mm` with the activations quantised by one Triton launch (bit-identical codes)."""
     return fp8_linear_scaled_mm(x, w, out_dtype, quantize=quantize_static_triton)
+
+
+def fp8_linear_skinny(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode-sized calls (at most `fp8_skinny.SKINNY_MAX_M` rows) in one Triton launch with the quantiser fused and
+    K split to fill the SMs (`kernels/fp8_skinny.py`); larger ones as `fp8_linear_triton_quant` (cuBLASLt)."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    out_dtype = out_dtype or x.dtype
+    if w.input_scale is None or not fp8_skinny.supported(m, k, w.data.shape[0], x.dtype, out_dtype):
+        return fp8_linear_triton_quant(x, w, out_dtype)
+    y = fp8_skinny.fp8_skinny_op(x.reshape(m, k), w.data, w.scale.float(), w.input_scale.float(), out_dtype)
+    return y.reshape(*x.shape[:-1], w.data.shape[0])
 
 
 # ---- dynamic row-wise W8A8 (the ViT) ------------------------------------------------------------------------------
@@ -250,8 +263,12 @@ def register(registry) -> None:
     registry.add_op(NAME, fp8_linear_reference, sample=_sample, compare=compare, describe=describe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (identical quantised activations; fp32 accumulation; "
                               "bf16 output rounding 2^-9)")
-    # first: the same GEMM after a one-launch Triton quantiser (a decode step has ~130 of these layers: 390 launches
-    # fewer); then the vendor GEMM through torch (cuBLASLt) with the torch-op quantiser: the registry's "torch" kind
+    # first: decode-sized calls in one Triton launch (quantiser fused, split K), larger ones as the next; then the
+    # same cuBLASLt GEMM after a one-launch Triton quantiser (a decode step has ~130 of these layers: 390 launches
+    # fewer than the torch-op quantiser); then the vendor GEMM through torch (cuBLASLt) with the torch-op quantiser:
+    # the registry's "torch" kind. The registry's sample (3 rows) checks the skinny kernel at start-up.
+    registry.add_implementation(NAME, "triton_skinny+scaled_mm", fp8_linear_skinny, supports_triton_quant,
+                                kind="triton")
     registry.add_implementation(NAME, "triton_quant+scaled_mm", fp8_linear_triton_quant, supports_triton_quant,
                                 kind="triton")
     registry.add_implementation(NAME, "scaled_mm", fp8_linear_scaled_mm, supports, kind="torch")

@@ -95,6 +95,18 @@ if triton is not None:
 
 
     @triton.jit
+    def static_grid(x, s):
+        """fp32 tile x, static scale s (fp32 scalar) -> the e4m3 value of each element as fp32: RNE(clamp(x / s,
+        -448, 448)) with IEEE division; NaN stays NaN (torch's clamp propagates it; plain max/min would saturate it
+        to -448). Shared by `_quant_static_kernel` (which stores the codes) and `kernels.fp8_skinny` (which
+        multiplies the values: every e4m3 value is exact in fp16 and bf16)."""
+        q = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * s)
+        q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                       propagate_nan=tl.PropagateNan.ALL)
+        nan = q != q  # the grid rounding's bit tricks would turn a NaN into a number
+        return tl.where(nan, q, _round_to_e4m3_grid(tl.where(nan, 0.0, q)))
+
+    @triton.jit
     def _quant_static_kernel(x_ptr, s_ptr, q_ptr, M, K, stride_xm, stride_qm,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # static per-tensor scale s (fp32 [], read on the device: no host sync, CUDA-graph safe); grid
@@ -103,14 +115,10 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-        s = tl.load(s_ptr)
-        q = tl.math.div_rn(x.to(tl.float32), tl.full((BLOCK_M, BLOCK_K), 1.0, tl.float32) * s)
-        # NaN stays NaN (torch's clamp propagates it; plain max/min would saturate it to -448)
-        q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
-                       propagate_nan=tl.PropagateNan.ALL)
-        nan = q != q  # NaN -> torch's e4m3fn NaN code 0x7F, set explicitly (the grid rounding's bit tricks, and the
-        #               interpreter's fp8 cast, would turn it into a number)
-        code = _round_to_e4m3_grid(tl.where(nan, 0.0, q)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q = static_grid(x.to(tl.float32), tl.load(s_ptr))
+        nan = q != q  # NaN -> torch's e4m3fn NaN code 0x7F, set explicitly (the interpreter's fp8 cast would turn
+        #               it into a number)
+        code = tl.where(nan, 0.0, q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         code = tl.where(nan, 0x7F, code).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], code, mask=mask)
 

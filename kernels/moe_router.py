@@ -47,6 +47,22 @@ Napkin math (H200; E = 256, k = 8, bf16). Per row: read 512 B, write 8 x (2 + 8)
 reductions over 8 lanes per thread (one warp per row) = ~16 shuffle trees, ~1-2 us of latency (unmeasured). Decode
 (N <= 32 rows, one row per program): launch-bound, the saving is the ~6 launches per layer, ~240 per step.
 Prefill (N = 8192): 4 MB read, ~1 us of bandwidth; rows are packed BLOCK_R per program from N = PACK_ROWS_FROM.
+
+"router_gemv_topk": the router's F.linear fused in, for decode (N <= MAX_ROWS). x [N, H], W [E, H] (one dtype,
+unit last strides) -> (logits [N, E] x.dtype, weights [N, k] x.dtype, idx [N, k] int64); reference
+`router_gemv_topk_reference` = F.linear then `router_topk_reference`. At decode the F.linear is a cuBLAS GEMV of 1 MB
+(E = 256, H = 2048, bf16) that is latency-bound (measured 5.3 us per call, ~0.2 TB/s; router_topk 2.6 us; x 40 layers
+~0.32 ms of a ~4.3 ms step). Here one launch of ~TARGET_PROGRAMS programs (grid: E tiles x H splits x row blocks)
+each reads a 4 KB slab of W and writes fp32 partial logits to a workspace; the program of a row block that arrives
+last (an int32 arrival counter per row block: `w4a16_gemm.split_counters`, as `_w4a16_dense_kernel` uses them; re-armed
+to 0 by that program, so CUDA-graph replays work) sums the partials in split order, rounds to x.dtype, stores the
+logits and runs `_select_topk` -- router_topk's selection code -- on the rounded rows.
+Numerics: logits are the fp32 sum of x*W (bf16 products exact in fp32) rounded once to x.dtype (`_cast`: RNE also
+under the interpreter), i.e. F.linear's up to the fp32 summation order: within 1 ulp of x.dtype plus the fp32 bound
+2 H 2^-24 (|x| @ |W|^T) of F.linear's (`compare_gemv`), bit-equal where the sums are exact. The top-k is computed from
+the ROUNDED logits by the same code as router_topk: weights and idx are exactly router_topk's on the returned logits.
+Napkin math (unmeasured): 1 MB over ~256 programs x 4 KB, all loads in flight at once: ~1 us at DRAM latency, plus one
+arrival atomic, a 16 KB partial read and the top-k of one row in the last program (~2 us): ~3-4 us vs 7.9 us.
 """
 
 from __future__ import annotations
@@ -54,8 +70,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kernels.device import triton_device_ok
+from kernels.w4a16_gemm import split_counters  # the per-device int32 arrival counters, zero between launches
 
 try:
     import triton
@@ -90,16 +108,13 @@ def router_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, t
 if triton is not None:
 
     @triton.jit
-    def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
-        # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K]
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
-        r_ok = rows < N
+    def _select_topk(lf, avail, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
+        """The module docstring's selection on rows of logits lf [BR, BE] (fp32, as rounded to the model dtype) where
+        avail [BR, BE] marks the selectable lanes (never lanes >= E) -> (weights fp32 [BR, BK], expert ids int32
+        [BR, BK]), descending, ties by lowest index; positions >= K hold garbage ids and weight 0. Shared by both
+        kernels so the fused GEMV + top-k selects exactly as router_topk does."""
         cols = tl.arange(0, BLOCK_E)  # [BE]
-        rows64 = rows.to(tl.int64)
-        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: lanes still selectable (never lanes >= E)
-        lf = tl.load(logits + rows64[:, None] * s_l + cols[None, :], mask=r_ok[:, None] & avail,
-                     other=0.0).to(tl.float32)  # masked lanes' values are never looked at (not available)
         key = tl.where(lf != lf, float("inf"), lf)  # NaN ranks first (torch.topk's order); no NaN in reductions
         kk = tl.arange(0, BLOCK_K)  # [BK]
         vals = tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32)
@@ -120,9 +135,78 @@ if triton is not None:
             e = libdevice.exp(x)
         e = tl.where(kk[None, :] < K, e, 0.0)  # [BR, BK]
         w = tl.div_rn(e, tl.sum(e, axis=1)[:, None])  # softmax denominator cancelled (module docstring)
+        return w, ids
+
+    @triton.jit
+    def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
+        # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K]
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+        r_ok = rows < N
+        cols = tl.arange(0, BLOCK_E)  # [BE]
+        rows64 = rows.to(tl.int64)
+        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: lanes still selectable (never lanes >= E)
+        lf = tl.load(logits + rows64[:, None] * s_l + cols[None, :], mask=r_ok[:, None] & avail,
+                     other=0.0).to(tl.float32)  # masked lanes' values are never looked at (not available)
+        w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)
+        kk = tl.arange(0, BLOCK_K)
         ok = r_ok[:, None] & (kk < K)[None, :]
         tl.store(w_out + rows64[:, None] * s_w + kk[None, :], _cast(w, w_out.dtype.element_ty, INTERPRET), mask=ok)
         tl.store(i_out + rows64[:, None] * s_i + kk[None, :], ids.to(tl.int64), mask=ok)
+
+    @triton.jit
+    def _router_gemv_topk_kernel(x, w, logits, w_out, i_out, ws, counters, N, E, H, s_x, s_w,
+                                 K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr,
+                                 BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                                 BLOCK_EF: tl.constexpr, INTERPRET: tl.constexpr):
+        # grid (cdiv(E, BLOCK_E), SPLIT, cdiv(N, BLOCK_R)); x [N, H] (row stride s_x), w [E, H] (row stride s_w),
+        # unit last strides; logits [N, E], w_out / i_out [N, K] contiguous; ws [SPLIT, N, E] fp32; counters: one
+        # int32 per row block, 0 between launches.
+        # Each program: the fp32 partial logits of BLOCK_R rows x BLOCK_E experts over its share of the H tiles ->
+        # ws[split]. REDUCE: the program of a row block that arrives last (of E tiles x SPLIT) sums the SPLIT partials
+        # of the whole rows in split order (deterministic), rounds them to the model dtype, stores the logits, selects
+        # the top-k of the rounded rows (`_select_topk`) and re-arms the counter; no launch of its own.
+        pid_e, pid_s, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+        r_ok = rows < N
+        ex = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
+        e_ok = ex < E
+        hh = tl.arange(0, BLOCK_H)  # [BH]
+        h_tiles = tl.cdiv(H, BLOCK_H)
+        per = tl.cdiv(h_tiles, SPLIT)
+        t0 = pid_s * per
+        acc = tl.zeros((BLOCK_R, BLOCK_E), dtype=tl.float32)
+        for t in range(t0, tl.minimum(t0 + per, h_tiles)):
+            hs = t * BLOCK_H + hh
+            h_ok = hs < H
+            xt = tl.load(x + rows[:, None] * s_x + hs[None, :], mask=r_ok[:, None] & h_ok[None, :],
+                         other=0.0).to(tl.float32)  # [BR, BH]
+            wt = tl.load(w + ex[:, None] * s_w + hs[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                         other=0.0).to(tl.float32)  # [BE, BH]
+            acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)  # bf16 x bf16 products are exact in fp32
+        part = ws + rows[:, None] * E  # [BR, 1]: row starts of split 0
+        tl.store(part + pid_s * N * E + ex[None, :], acc, mask=r_ok[:, None] & e_ok[None, :])
+        if REDUCE:
+            # every thread's partial is written before one thread's release (as `_w4a16_dense_kernel`)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters + pid_r, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(0) * SPLIT - 1:  # last of this row block: every partial is visible
+                cols = tl.arange(0, BLOCK_EF)  # [BEF]: the whole row
+                c_ok = cols < E
+                ok = r_ok[:, None] & c_ok[None, :]
+                tot = tl.zeros((BLOCK_R, BLOCK_EF), dtype=tl.float32)
+                for p in tl.static_range(SPLIT):  # ".cg": L2, never a stale L1 line
+                    tot += tl.load(part + p * N * E + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+                lr = _cast(tot, logits.dtype.element_ty, INTERPRET)  # the logits F.linear would return
+                tl.store(logits + rows[:, None] * E + cols[None, :], lr, mask=ok)
+                avail = c_ok[None, :] & (rows >= 0)[:, None]
+                wts, ids = _select_topk(lr.to(tl.float32), avail, K, BLOCK_K, BLOCK_R, BLOCK_EF, INTERPRET)
+                kk = tl.arange(0, BLOCK_K)
+                k_ok = r_ok[:, None] & (kk < K)[None, :]
+                tl.store(w_out + rows[:, None] * K + kk[None, :], _cast(wts, w_out.dtype.element_ty, INTERPRET),
+                         mask=k_ok)
+                tl.store(i_out + rows[:, None] * K + kk[None, :], ids.to(tl.int64), mask=k_ok)
+                tl.atomic_xchg(counters + pid_r, 0)  # re-armed for the next launch (and the next graph replay)
 
 
 def _interpreted() -> bool:
@@ -263,6 +347,167 @@ def random_logits(n: int, e: int, seed: int = 0, dtype=torch.float32, ties: bool
     return x.to(dtype).to(device)
 
 
+# ---- the router GEMV fused with the top-k ("router_gemv_topk") ----------------------------------------------------
+GEMV_NAME = "router_gemv_topk"
+MAX_ROWS = 32  # decode-sized N: above, cuBLAS's GEMM reads W once for many rows and this op's row blocks do not pay
+ROWS_PER_PROGRAM = 8  # rows of one row block (each re-reads its W slab, from L2 after the first)
+TARGET_PROGRAMS = 256  # ~2 per SM on the H200's 132: enough loads in flight to stream W from DRAM at decode
+GEMV_TILE = 2048  # fp32 products per thread-block chunk and warp (BLOCK_R x BLOCK_E x BLOCK_H / warps): ~64/thread
+
+
+def router_gemv_topk_reference(x: torch.Tensor, w: torch.Tensor, k: int
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`TopKRouter.forward` whole: logits = F.linear(x, w) [N, E] in x.dtype, then `router_topk_reference` on them."""
+    logits = F.linear(x, w)
+    weights, idx = router_topk_reference(logits, k)
+    return logits, weights, idx
+
+
+def _gemv_tiling(n: int, e: int, h: int) -> dict[str, int]:
+    """Grid (E tiles, SPLIT, row blocks) of ~TARGET_PROGRAMS programs, each BLOCK_E = 16 experts x (H / SPLIT) of W
+    (E = 256, H = 2048, N = 1: 16 x 16 programs of 16 x 128 weights = 4 KB each). The epilogue holds BLOCK_R whole
+    rows [BLOCK_R, next_power_of_2(E)] (<= 4096 fp32) with the router_topk tiling's warps (1 per 512 elements)."""
+    block_ef = triton.next_power_of_2(e)
+    block_r = min(triton.next_power_of_2(max(n, 1)), ROWS_PER_PROGRAM, max(1, 4096 // block_ef))
+    warps = min(4, max(1, block_r * block_ef // 512))
+    if _interpreted():  # the interpreter's cost is per program: a few big ones (tests pass explicit tilings too)
+        block_r, block_e = min(triton.next_power_of_2(max(n, 1)), MAX_ROWS), min(block_ef, 64)
+        block_h = min(triton.next_power_of_2(h), 64)
+        return dict(BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, SPLIT=min(2, triton.cdiv(h, block_h)),
+                    num_warps=1)
+    block_e = min(block_ef, 16)
+    block_h = min(max(16, GEMV_TILE * warps // (block_r * block_e)), triton.next_power_of_2(h))
+    h_tiles = triton.cdiv(h, block_h)
+    split = max(1, min(h_tiles, TARGET_PROGRAMS // (triton.cdiv(e, block_e) * triton.cdiv(n, block_r))))
+    split = triton.cdiv(h_tiles, triton.cdiv(h_tiles, split))  # no split without an H tile
+    return dict(BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, SPLIT=split, num_warps=warps)
+
+
+def _gemv_check(x: torch.Tensor, w: torch.Tensor, k: int) -> str | None:
+    """Why (x, w, k) is outside the launcher's contract, or None."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        return f"needs x [N, H] and w [E, H], got {tuple(x.shape)} and {tuple(w.shape)}"
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        return f"needs unit last strides, got x {x.stride()} w {w.stride()}"
+    if x.dtype != w.dtype or x.dtype not in DTYPES or x.device != w.device:
+        return f"needs x and w of one dtype in {DTYPES} on one device, got {x.dtype} {x.device}, {w.dtype} {w.device}"
+    e = w.shape[0]
+    if not 1 <= k <= min(e, MAX_TOP_K) or e > MAX_EXPERTS:
+        return f"needs 1 <= k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got k={k} E={e}"
+    return None
+
+
+def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused kernel call; `config` overrides `_gemv_tiling` (tests, benchmark sweeps). Without arrival counters
+    (`w4a16_gemm.split_counters`: none yet inside a CUDA-graph capture) the kernel writes the partials only, torch
+    sums them and router_topk selects (same rounded logits up to the fp32 order of the split sum)."""
+    problem = _gemv_check(x, w, k)
+    if problem:
+        raise ValueError(f"router_gemv_topk {problem}")
+    n, h = x.shape
+    e = w.shape[0]
+    logits = x.new_empty((n, e))
+    weights = x.new_empty((n, k))
+    idx = torch.empty((n, k), dtype=torch.int64, device=x.device)
+    if n == 0:
+        return logits, weights, idx
+    cfg = {**_gemv_tiling(n, e, h), **(config or {})}
+    r_blocks = triton.cdiv(n, cfg["BLOCK_R"])
+    counters = split_counters(x.device, r_blocks)
+    ws = torch.empty((cfg["SPLIT"], n, e), dtype=torch.float32, device=x.device)
+    _router_gemv_topk_kernel[(triton.cdiv(e, cfg["BLOCK_E"]), cfg["SPLIT"], r_blocks)](
+        x, w, logits, weights, idx, ws, counters if counters is not None else ws, n, e, h, x.stride(0), w.stride(0),
+        K=k, BLOCK_K=triton.next_power_of_2(k), REDUCE=counters is not None,
+        BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg)
+    if counters is None:
+        logits = ws.sum(0).to(x.dtype)
+        weights, idx = _launch(logits, k)
+    return logits, weights, idx
+
+
+@torch.library.custom_op("qwen::router_gemv_topk", mutates_args=())
+def router_gemv_topk_op(x: torch.Tensor, w: torch.Tensor, k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H], w [E, H] -> (logits [N, E], weights [N, k] in x.dtype, idx [N, k] int64); contract:
+    `router_gemv_topk_reference` (`compare_gemv`)."""
+    return _launch_gemv(x, w, k)
+
+
+@router_gemv_topk_op.register_fake
+def _(x, w, k):
+    n, e = x.shape[0], w.shape[0]
+    return x.new_empty((n, e)), x.new_empty((n, k)), x.new_empty((n, k), dtype=torch.int64)
+
+
+def router_gemv_topk_triton(x: torch.Tensor, w: torch.Tensor, k: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `router_gemv_topk_reference` (see `compare_gemv`; ties: lowest expert index first)."""
+    return router_gemv_topk_op(x, w, k)
+
+
+def supported_gemv(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """Triton able to run on x's device (as `supported`); x [N, H] with N <= MAX_ROWS and w [E, H] of one dtype in
+    DTYPES, unit last strides (rows may be strided); 1 <= k <= min(E, MAX_TOP_K), E <= MAX_EXPERTS. Any H (masked)."""
+    if triton is None or not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return False
+    cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+    if not triton_device_ok(x.device.type, cap, _interpreted(), MIN_CAPABILITY):
+        return False
+    return _gemv_check(x, w, int(k)) is None and x.shape[0] <= MAX_ROWS
+
+
+def _ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of `dtype` at |v| (fp32 tensor; normal numbers; the smallest normal's below)."""
+    fi = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(fi.tiny)))) * fi.eps
+
+
+def compare_gemv(out, ref, x: torch.Tensor | None = None, w: torch.Tensor | None = None) -> str | None:
+    """None if `out` = (logits, weights, idx) is a correct answer where `ref` is the reference's, else why.
+
+    Logits: |out - ref| <= 1 ulp of the dtype at |ref| + slack, where slack covers two fp32 summation orders:
+    2 H 2^-24 (|x| @ |w|^T) with the inputs (the worst-case bound of a length-H fp32 dot product, for each of the
+    two), else 0 (then use inputs whose sums are exact: small integers, as `_gemv_sample` does). Both round the fp32
+    sum to nearest, so with equal sums they are equal, and an fp32 difference d gives at most d + 1 ulp.
+    Weights and idx: `compare` against `router_topk_reference` on OUR logits -- the selection is exactly
+    router_topk's on the logits this op returns (the reference's own top-k may differ where a logit differs by an
+    ulp)."""
+    (lo, wo, io), (lr, wr, ir) = out, ref
+    for name, a, b in (("logits", lo, lr), ("weights", wo, wr), ("idx", io, ir)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{name}: shape/dtype {tuple(a.shape)} {a.dtype} != {tuple(b.shape)} {b.dtype}"
+    a, b = lo.float(), lr.float()
+    if (torch.isnan(a) != torch.isnan(b)).any():
+        return "logits: NaN where the reference has none (or the other way round)"
+    tol = _ulp(b, lr.dtype)
+    if x is not None and w is not None:
+        tol = tol + 2 * x.shape[1] * 2.0**-24 * (x.float().abs() @ w.float().abs().t())
+    fin = torch.isfinite(b)
+    bad = (fin & ~((a - b).abs() <= tol)) | (~fin & ~torch.isnan(b) & (a != b))  # +-inf: equal
+    if bad.any():
+        r, j = (int(v) for v in bad.nonzero()[0])
+        return (f"logits: row {r} expert {j}: {float(a[r, j]):.9g} vs reference {float(b[r, j]):.9g} "
+                f"(> {float(tol[r, j]):.3g}; {int(bad.sum())} such)")
+    k = wo.shape[1]
+    problem = compare((wo, io), router_topk_reference(lo, k), lo)
+    return None if problem is None else f"top-k of the kernel's own logits: {problem}"
+
+
+def describe_gemv(x: torch.Tensor, w: torch.Tensor, k: int) -> dict[str, Any]:
+    return dict(device=x.device.type, rows=x.shape[0] if x.dim() == 2 else None, supported=supported_gemv(x, w, k))
+
+
+def _gemv_sample(device) -> tuple[tuple, dict]:
+    # small integers: every fp32 sum (and every bf16 partial a library might keep) is exact, so the logits must equal
+    # the reference's bit for bit and the top-k are router_topk's on them; 5 rows x 60 experts x H = 72 (a masked H
+    # tail), bf16, top-8
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-2, 3, (5, 72), generator=gen).to(torch.bfloat16)
+    w = torch.randint(-2, 3, (60, 72), generator=gen).to(torch.bfloat16)
+    return (x.to(device), w.to(device), 8), {}
+
+
 # ---- registry entry -------------------------------------------------------------------------------------------------
 def describe(logits: torch.Tensor, k: int) -> dict[str, Any]:
     return dict(device=logits.device.type, supported=supported(logits, k))
@@ -286,3 +531,8 @@ def register(registry) -> None:
                     tolerance="indices exact where values are not tied (ties: lowest index first); weights within "
                               "one ulp of the model dtype (fp32: 1e-6 relative)")
     registry.add_implementation(NAME, "triton", router_topk_triton, supports)
+    registry.add_op(GEMV_NAME, router_gemv_topk_reference, sample=_gemv_sample, compare=compare_gemv,
+                    describe=describe_gemv,
+                    tolerance="logits within one ulp of the model dtype of F.linear's (fp32 summation order); "
+                              "weights and idx exactly router_topk's on the returned logits (compare)")
+    registry.add_implementation(GEMV_NAME, "triton", router_gemv_topk_triton, supports)

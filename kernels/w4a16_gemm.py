@@ -679,7 +679,7 @@ SPLIT_COUNTERS = 4096  # output tiles: `split_k_for` splits only below 2 x SMs t
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's zeroed counters, or None where they cannot be used: more tiles than SPLIT_COUNTERS, or a first
     use inside a CUDA-graph capture (allocating there would put them in the graph's pool; the engine's eager warm-up
     allocates them before any capture)."""
@@ -700,7 +700,7 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     """x [M, K] (row stride free, unit k stride) -> y = x @ W^T [M, N] in x.dtype, or with `swiglu` (W = [gate; up],
     [2 I, K]) silu(x @ gate^T) * (x @ up^T) [M, I] in fp32 with one rounding. `split_k` / `config` override the
     heuristic and the autotuner, `modes` the dequant modes (tests, benchmarks). Split K is reduced inside the kernel
-    (`_w4a16_dense_kernel`); without counters (see `_split_counters`) torch sums the same fp32 partials and runs
+    (`_w4a16_dense_kernel`); without counters (see `split_counters`) torch sums the same fp32 partials and runs
     the epilogue (fp32-level differences: torch's summation order, its SiLU)."""
     m, k = x.shape
     n = packed.shape[0]
@@ -718,7 +718,7 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     # counters must cover the grid of any config the autotuner may try ((16, 32) tiles are the smallest), or of the
     # caller's config
     bm, bn = (16, 32) if config is None else (config["BLOCK_M"], config["BLOCK_N"])
-    counters = None if split_k == 1 else _split_counters(x.device, triton.cdiv(m, bm) * triton.cdiv(n_out, bn))
+    counters = None if split_k == 1 else split_counters(x.device, triton.cdiv(m, bm) * triton.cdiv(n_out, bn))
     in_kernel = split_k == 1 or counters is not None
     ws = y if split_k == 1 else torch.empty((split_k, 1 + swiglu, m, n_out), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"]), split_k)  # noqa: E731

@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
-from kernels import attn_prep, gdn_conv, w4a16_gemm, w4a16_swapped  # noqa: E402
+from kernels import attn_prep, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_swapped  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -131,6 +131,20 @@ def main() -> int:
                           dict(BLOCK_D=256, INTERPRET=False)))
     ok.append(compile_one("attn_output_gate (D = 256, bf16)", attn_prep._gate_kernel,
                           {n: "*bf16" for n in ("o", "gate", "out")}, dict(BLOCK_D=256, INTERPRET=False)))
+    # the decode FP8 linear: the static quantiser fused, fp16 MMA, split K reduced in the kernel (and no split)
+    skinny = {"x": "*bf16", "w": "*fp8e4nv", "s_in": "*fp32", "s_w": "*fp32", "y": "*bf16", "ws": "*fp32",
+              "counters": "*i32"}
+    for split in (4, 1):
+        ok.append(compile_one(f"fp8_skinny SPLIT_K={split} BLOCK_M=16 BLOCK_N=64 BLOCK_K=256 (bf16)",
+                              fp8_skinny._fp8_skinny_kernel, skinny,
+                              dict(SPLIT_K=split, INTERPRET=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256)))
+    # the router GEMV + top-k in one launch (split H reduced in the kernel), at a lone decode row's tiling
+    tiling = moe_router._gemv_tiling(1, 256, 2048)
+    warps = tiling.pop("num_warps")
+    ok.append(compile_one(f"router_gemv_topk N=1 E=256 H=2048 {tiling} (bf16)", moe_router._router_gemv_topk_kernel,
+                          {"x": "*bf16", "w": "*bf16", "logits": "*bf16", "w_out": "*bf16", "i_out": "*i64",
+                           "ws": "*fp32", "counters": "*i32"},
+                          dict(K=8, BLOCK_K=8, REDUCE=True, BLOCK_EF=256, INTERPRET=False, **tiling)))
     return 0 if all(ok) else 1
 
 

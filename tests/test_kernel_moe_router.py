@@ -10,6 +10,7 @@ and printed with `pytest -s`).
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import moe_router as mr
 from kernels.moe_router import compare, random_logits, router_topk_reference, router_topk_triton, supported
@@ -175,3 +176,191 @@ def test_custom_op_traces():
     fn = torch.compile(lambda x: mr.router_topk_triton(x, 4), backend="eager", fullgraph=True)
     w, idx = fn(logits)
     assert torch.equal(idx, stable_topk_idx(logits, 4))
+
+
+# ---- router_gemv_topk: the router's F.linear fused with the top-k ----------------------------------------------------
+# Logits: within one ulp of x.dtype of F.linear's plus the fp32 summation-order bound 2 H 2^-24 (|x| @ |w|^T)
+# (`compare_gemv` with the inputs); bit-equal where every sum is exact (small integers). Weights and idx: exactly
+# `router_topk_reference` on the kernel's own logits (`compare`), and the lowest-index-first order (`stable_topk_idx`).
+
+def router_inputs(n: int, e: int, h: int, seed: int, dtype=torch.float32, integers: bool = False):
+    """x [N, H] ~ N(0, 1) (a normed hidden state) and w [E, H] ~ N(0, 0.05) (logits of a few units), or small
+    integers in [-3, 3] (every fp32 sum exact: |sum| <= 9 H < 2^24; bf16 too: integers <= 256 are exact)."""
+    gen = torch.Generator().manual_seed(seed)
+    if integers:
+        x = torch.randint(-3, 4, (n, h), generator=gen).float()
+        w = torch.randint(-3, 4, (e, h), generator=gen).float()
+    else:
+        x = torch.randn(n, h, generator=gen)
+        w = 0.05 * torch.randn(e, h, generator=gen)
+    return x.to(dtype).to(DEVICE), w.to(dtype).to(DEVICE)
+
+
+def check_gemv(x, w, k, config=None):
+    assert mr.supported_gemv(x, w, k)
+    out = mr._launch_gemv(x, w, k, config) if config is not None else mr.router_gemv_topk_triton(x, w, k)
+    ref = mr.router_gemv_topk_reference(x, w, k)
+    problem = mr.compare_gemv(out, ref, x, w)
+    assert problem is None, problem
+    logits, weights, idx = out
+    assert logits.dtype == weights.dtype == x.dtype and idx.dtype == torch.int64
+    assert logits.shape == (x.shape[0], w.shape[0]) and weights.shape == idx.shape == (x.shape[0], k)
+    own = router_topk_reference(logits, k)  # the selection is router_topk's on the returned logits
+    assert compare((weights, idx), own, logits) is None
+    assert torch.equal(idx, stable_topk_idx(logits, k))
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [64, 200])
+@pytest.mark.parametrize("e", [8, 64, 256])
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_gemv_matches_reference(n, e, h, dtype):
+    """Random inputs, top-1, -2 and -8 (k <= E); the logits' error is measured in ulps (`pytest -s`)."""
+    x, w = router_inputs(n, e, h, seed=n * 1000 + e * 10 + h, dtype=dtype)
+    worst = 0.0
+    for k in (1, 2, 8):
+        (logits, _, _), (ref, _, _) = check_gemv(x, w, k)
+        worst = max(worst, float(((logits.float() - ref.float()).abs() / mr._ulp(ref.float(), dtype)).max()))
+    print(f"\nN={n} E={e} H={h} {dtype}: logits within {worst:.2g} ulp of F.linear's")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_exact_sums_bit_equal(dtype):
+    """Integer-valued inputs: every sum is exact in fp32, so the logits equal F.linear's bit for bit (whatever either
+    summation order), under several tilings: row blocks with a masked tail (17 rows in blocks of 4 / 8 / 16), E tiles
+    with a masked tail (E = 60 in tiles of 16), H tiles with a masked tail (H = 200 in tiles of 16-64), uneven splits
+    (13 H tiles over 4 splits: the last split has 1), one split, one program."""
+    x, w = router_inputs(17, 60, 200, seed=5, dtype=dtype, integers=True)
+    ref = F.linear(x, w)
+    configs = [None, dict(BLOCK_R=8, BLOCK_E=16, BLOCK_H=16, SPLIT=4, num_warps=1),
+               dict(BLOCK_R=4, BLOCK_E=32, BLOCK_H=64, SPLIT=1, num_warps=2),
+               dict(BLOCK_R=32, BLOCK_E=64, BLOCK_H=256, SPLIT=1, num_warps=4),
+               dict(BLOCK_R=16, BLOCK_E=32, BLOCK_H=32, SPLIT=7, num_warps=1)]
+    for cfg in configs:
+        (logits, weights, idx), _ = check_gemv(x, w, 8, cfg)
+        assert torch.equal(logits, ref), cfg
+        assert torch.equal(idx, stable_topk_idx(ref, 8)), cfg  # exact ties abound: lowest index first
+
+
+def test_gemv_counters_rearm_and_fallback(monkeypatch):
+    """Twice in a row: the same bits (the arrival counters were re-armed to 0; a stale count would skip or repeat
+    the epilogue) and all counters 0 after. Without counters (a first use inside a CUDA-graph capture) the partials
+    are summed by torch and router_topk selects: the same results here (2 splits: fp32 addition is commutative)."""
+    x, w = router_inputs(5, 64, 200, seed=9, dtype=torch.bfloat16)
+    cfg = dict(BLOCK_R=2, BLOCK_E=16, BLOCK_H=32, SPLIT=2, num_warps=1)  # 4 E tiles x 2 splits x 3 row blocks
+    first = mr._launch_gemv(x, w, 8, cfg)
+    counters = mr.split_counters(x.device, 3)
+    assert counters is not None and int(counters.abs().sum()) == 0
+    second = mr._launch_gemv(x, w, 8, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert int(counters.abs().sum()) == 0
+    monkeypatch.setattr(mr, "split_counters", lambda device, tiles: None)
+    third = mr._launch_gemv(x, w, 8, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(first, third))
+    assert mr.compare_gemv(third, mr.router_gemv_topk_reference(x, w, 8), x, w) is None
+
+
+def test_gemv_strided_rows():
+    """x and w as row-strided views (unit last stride): not copied, same answer."""
+    xw, ww = router_inputs(3, 40, 160, seed=2, dtype=torch.bfloat16)
+    x, w = xw[:, :150], ww[:36, :150]
+    assert x.stride(0) == 160 and w.stride(0) == 160
+    check_gemv(x, w, 8)
+
+
+def test_gemv_compare_catches_errors():
+    """compare_gemv fails on a logit off by two ulps, a top-k that is not the one of the returned logits (a wrong
+    expert, a weight off by two ulps), and wrong dtypes; it passes a logit one ulp off."""
+    x, w = router_inputs(4, 64, 64, seed=4, dtype=torch.bfloat16, integers=True)
+    ref = mr.router_gemv_topk_reference(x, w, 8)
+    logits, weights, idx = mr.router_gemv_topk_triton(x, w, 8)
+    assert mr.compare_gemv((logits, weights, idx), ref) is None  # exact sums: no slack needed
+    j = int(idx[0, 5])  # a selected expert whose logit is not the row's max
+
+    def bump(t, r, c, ulps):
+        t = t.clone()
+        t[r, c] = (t[r, c].view(torch.int16) + ulps).view(torch.bfloat16)
+        return t
+
+    assert mr.compare_gemv((bump(logits, 0, j, 2), weights, idx), ref, x, w) is not None
+    unselected = int(stable_topk_idx(logits, 9)[1, 8])
+    bad = idx.clone()
+    bad[1, 7] = unselected
+    assert mr.compare_gemv((logits, weights, bad), ref) is not None
+    big = int((weights[2] > 0.05).nonzero()[-1])
+    assert mr.compare_gemv((logits, bump(weights, 2, big, 2), idx), ref) is not None
+    assert mr.compare_gemv((logits.float(), weights, idx), ref) is not None
+    # one ulp on a logit is allowed; the top-k must then be the one of the bumped logits (recomputed here)
+    lb = bump(logits, 3, 0, 1)
+    wb, ib = router_topk_reference(lb, 8)
+    assert mr.compare_gemv((lb, wb, ib), ref) is None
+
+
+def test_gemv_guards_and_empty():
+    x, w = router_inputs(2, 16, 64, seed=0)
+    assert mr.supported_gemv(x, w, 8) and mr.supported_gemv(x.bfloat16(), w.bfloat16(), 16)
+    assert mr.supported_gemv(x.half(), w.half(), 1)
+    big = router_inputs(mr.MAX_ROWS + 1, 16, 64, seed=0)[0]
+    assert mr.supported_gemv(big[:mr.MAX_ROWS], w, 8) and not mr.supported_gemv(big, w, 8)  # prefill: F.linear
+    assert not mr.supported_gemv(x, w, 17)  # k > E
+    assert not mr.supported_gemv(x, w, 0)
+    assert not mr.supported_gemv(x.bfloat16(), w, 8)  # mixed dtypes
+    assert not mr.supported_gemv(x.double(), w.double(), 8)
+    assert not mr.supported_gemv(x[:, :32], w, 8)  # H mismatch
+    assert not mr.supported_gemv(x.t().contiguous().t(), w, 8)  # non-unit last stride
+    assert not mr.supported_gemv(x, w.t().contiguous().t(), 8)
+    assert not mr.supported_gemv(x[0], w, 8)  # 1-D
+    assert not mr.supported_gemv(x, router_inputs(2, mr.MAX_EXPERTS + 1, 64, seed=0)[1], 8)
+    assert not mr.supported_gemv(torch.empty(2, 64, device="meta"), torch.empty(16, 64, device="meta"), 2)
+    with pytest.raises(ValueError, match="unit last strides"):
+        mr.router_gemv_topk_triton(x, w.t().contiguous().t(), 2)
+    logits, weights, idx = mr.router_gemv_topk_triton(x[:0], w, 4)
+    assert logits.shape == (0, 16) and weights.shape == idx.shape == (0, 4) and idx.dtype == torch.int64
+
+
+def test_gemv_custom_op_traces_and_registry():
+    """Schema and fake implementation agree with the op; torch.compile traces it in one graph; the registry's sample
+    passes its own compare (the engine's start-up self-check)."""
+    x, w = router_inputs(3, 32, 64, seed=1, dtype=torch.bfloat16)
+    torch.library.opcheck(mr.router_gemv_topk_op, (x, w, 4), test_utils=("test_schema", "test_faketensor"))
+    fn = torch.compile(lambda a, b: mr.router_gemv_topk_triton(a, b, 4), backend="eager", fullgraph=True)
+    logits, _, idx = fn(x, w)
+    assert torch.equal(idx, stable_topk_idx(logits, 4))
+    from engine_core.registry import Registry
+
+    reg = Registry()
+    mr.register(reg)
+    assert reg.self_check(DEVICE, ops=[mr.GEMV_NAME]) == {mr.GEMV_NAME: "triton passed"}
+
+
+def test_router_module_uses_the_fused_op(monkeypatch):
+    """`TopKRouter` with fused = True: decode-sized N through "router_gemv_topk", larger N through F.linear +
+    "router_topk"; both equal the plain module within the ops' tolerances."""
+    from types import SimpleNamespace
+
+    from engine_core.registry import default_registry
+    from qwen_engine.model.moe import TopKRouter
+
+    cfg = SimpleNamespace(num_experts=64, hidden_size=96, num_experts_per_tok=8)
+    router = TopKRouter(cfg).to(torch.bfloat16).to(DEVICE)
+    with torch.no_grad():
+        router.weight.copy_(router_inputs(1, 64, 96, seed=3, dtype=torch.bfloat16)[1])
+    reg = default_registry()
+    before = {op: reg.preference(op) for op in (mr.NAME, mr.GEMV_NAME)}
+    calls0 = {op: reg.choices()[op]["calls"].get("triton", 0) for op in before}
+    try:
+        for op in before:
+            reg.set_preference("auto", op)
+        for n, op in ((5, mr.GEMV_NAME), (mr.MAX_ROWS + 3, mr.NAME)):
+            x = router_inputs(n, 64, 96, seed=n, dtype=torch.bfloat16)[0]
+            with torch.no_grad():
+                monkeypatch.setattr(TopKRouter, "fused", False)
+                plain = router(x)
+                monkeypatch.setattr(TopKRouter, "fused", True)
+                fused = router(x)
+            assert reg.choices()[op]["calls"].get("triton", 0) == calls0[op] + 1, op
+            assert mr.compare_gemv(fused, plain, x, router.weight) is None
+    finally:
+        for op, pref in before.items():
+            reg.set_preference(pref, op)

@@ -76,7 +76,7 @@ def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, grap
     from qwen_engine.model.moe import SparseMoE, TopKRouter
     from qwen_engine.model.norm import GatedRMSNorm, ZeroCentredRMSNorm
 
-    fused_ops = ("attn_decode_prep", "rms_norm_zc", "rms_norm_gated", "moe_combine", "router_topk")
+    fused_ops = ("attn_decode_prep", "rms_norm_zc", "rms_norm_gated", "moe_combine", "router_gemv_topk")
     reg = default_registry()
     before = {op: reg.preference(op) for op in fused_ops}
     calls0 = {op: reg.choices()[op]["calls"].get("triton", 0) for op in fused_ops}
@@ -537,7 +537,7 @@ def test_kernel_self_check_at_start():
     want = "triton passed" if INTERPRETED else "triton skipped (does not support the sample on cpu)"
     for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "w4a16_linear",
                "w4a16_swiglu", "w4a16_moe", "rms_norm_zc", "rms_norm_gated", "add_rms_norm_zc", "moe_combine",
-               "router_topk", "attn_decode_prep", "attn_output_gate"):
+               "router_topk", "router_gemv_topk", "attn_decode_prep", "attn_output_gate"):
         assert checks[op] == want, (op, checks)
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None

@@ -62,6 +62,17 @@ def test_auto_prefers_the_fast_path_and_records_fallbacks(caplog):
     assert reg.choices()["double"]["fallback"] is None
 
 
+def test_disable_and_enable_an_implementation():
+    reg = toy_registry()
+    reg.disable("double", "triton", "side-by-side benchmark")
+    assert reg.choose("double", n=3).name == "reference"
+    assert "triton disabled: side-by-side benchmark" in reg.choices()["double"]["fallback"]
+    reg.enable("double", "triton")
+    assert reg.choose("double", n=3).name == "triton"
+    with pytest.raises(ValueError, match="no implementation named 'cuda'"):
+        reg.disable("double", "cuda", "typo")
+
+
 def test_explicit_preferences():
     reg = toy_registry()
     reg.set_preference("reference")
@@ -164,11 +175,12 @@ def test_default_registry_self_check_on_this_machine():
     # kernels.w4a16_gemm registers three ops (dense, dense with the SwiGLU epilogue, MoE), kernels.fp8_linear two
     # (per-tensor static and row-wise dynamic), kernels.gdn_decode two (out of place, and in place over the state
     # pool), kernels.rms_norm three (zero-centred, gated, residual add + zero-centred), kernels.attn_prep two (decode
-    # prep, output gate), kernels.nvfp4 the Blackwell W4A4 linear; every other module one
+    # prep, output gate), kernels.moe_router two (top-k over given logits; the router GEMV and the top-k in one launch),
+    # kernels.nvfp4 the Blackwell W4A4 linear; every other module one
     assert set(reg.ops()) == {"preprocess", "mask_post", "w4a16_linear", "w4a16_swiglu", "w4a16_moe",
                               "fp8_quant_rows", "fp8_linear", "fp8_rowwise_linear", "gdn_decode", "gdn_decode_rows",
                               "nvfp4_w4a4_linear", "paged_decode_attention", "rms_norm_zc", "rms_norm_gated",
-                              "add_rms_norm_zc", "moe_combine", "router_topk", "attn_decode_prep",
+                              "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk", "attn_decode_prep",
                               "attn_output_gate"}
     assert len(KERNEL_MODULES) == 12
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,9 +21,11 @@ from ..config import QwenConfig
 
 
 class TopKRouter(nn.Module):
-    """Softmax router, top-k renormalised. On CUDA (or `fused = True`) everything after the GEMM is one launch of the
-    registry op "router_topk" (`kernels/moe_router.py`: ~7 kernels -> 1; ties broken by the lowest expert index, where
-    torch.topk leaves the order open); `fused = False` never."""
+    """Softmax router, top-k renormalised. On CUDA (or `fused = True`) the registry's fused kernels run: at decode
+    sizes (N <= `kernels.moe_router.MAX_ROWS` rows) the GEMV and the top-k in one launch ("router_gemv_topk": logits
+    within an ulp of F.linear's, fp32 summation order), above it F.linear then everything after the GEMM in one
+    launch ("router_topk": ~7 kernels -> 1). Both break ties by the lowest expert index, where torch.topk leaves the
+    order open. `fused = False` never."""
 
     fused: bool | None = None
 
@@ -34,12 +36,16 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> (logits [N, E] model dtype, weights [N, k] model dtype summing to 1, expert ids [N, k])."""
-        logits = F.linear(x, self.weight)
         if self.fused if self.fused is not None else x.is_cuda:
             from engine_core.registry import default_registry
+            from kernels.moe_router import MAX_ROWS
 
+            if x.shape[0] <= MAX_ROWS:
+                return default_registry().call("router_gemv_topk", x, self.weight, self.top_k)
+            logits = F.linear(x, self.weight)
             top, idx = default_registry().call("router_topk", logits, self.top_k)
             return logits, top, idx
+        logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # fp32 island
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)  # renormalise the top-k (always, no norm_topk_prob switch)

@@ -115,6 +115,14 @@ class _Dispatch(_KeepStorageDtype):
         return next(reversed(self._impl.values())).name if self._impl else None
 
 
+def forget_kernel_choices(model: nn.Module) -> None:
+    """Every packed module chooses its registry implementation again on its next call (after `Registry.disable` /
+    `enable` or a preference change)."""
+    for mod in model.modules():
+        if isinstance(mod, _Dispatch):
+            mod._impl.clear()
+
+
 def check_w4a4_mode(mode: str) -> str:
     if mode not in W4A4_MODES:
         raise ValueError(f"unknown w4a4 mode {mode!r}; valid: {', '.join(W4A4_MODES)}")

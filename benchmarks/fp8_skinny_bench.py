@@ -1,0 +1,107 @@
+"""The decode-sized FP8 linear (`kernels/fp8_skinny.py`: quantiser fused, split K) beside what it replaces (the
+one-launch Triton quantiser + cuBLASLt's FP8 GEMM, `fp8_linear_triton_quant`), at Qwen3.6-35B-A3B's FP8 projection
+shapes, per row count M: where the two cross decides `fp8_skinny.SKINNY_MAX_M`.
+
+    python benchmarks/fp8_skinny_bench.py --out benchmarks/results/fp8_skinny_bench     # GPU; ~1 min on an H200
+
+Timing as the engine runs them: one CUDA graph of R calls, each on its own weight copy (R copies >= 2 x the 50 MB L2,
+so every call reads its weights from HBM), replayed; us per call = replay time / R (median of 5 replays). Weights:
+random e4m3 bytes with a per-tensor scale (speed does not depend on the values). Each skinny result is compared with
+`fp8_linear_reference` (max |diff| / max |ref|; bf16 output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (name, N, K): the engine's FP8 projections (GDN: in_proj_qkv, in_proj_z, out_proj; attention: q(+gate), k / v, o)
+SHAPES = [("gdn in_proj_qkv / attn q_proj", 8192, 2048), ("gdn in_proj_z", 4096, 2048),
+          ("gdn out_proj / attn o_proj", 2048, 4096), ("attn k_proj / v_proj", 512, 2048)]
+L2_BYTES = 50 * 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/fp8_skinny_bench")
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("fp8_skinny_bench needs a CUDA GPU")
+    from kernels import fp8_skinny
+    from kernels.fp8_linear import fp8_linear_triton_quant
+    from kernels.nvfp4 import FP8Tensor, fp8_linear_reference
+
+    dev = torch.device("cuda")
+    rows = [int(r) for r in args.rows.split(",")]
+
+    def skinny(x, w):
+        return fp8_skinny.fp8_skinny_op(x, w.data, w.scale, w.input_scale, torch.bfloat16)
+
+    impls = {"quant + cuBLASLt (scaled_mm)": lambda x, w: fp8_linear_triton_quant(x, w),
+             "fp8_skinny (fused, split K)": skinny}
+
+    def per_call_us(fn, x, ws) -> float:
+        fn(x, ws[0])  # autotune / warm-up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for w in ws:
+                fn(x, w)
+        times = []
+        for _ in range(6):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / len(ws))
+        return statistics.median(times[1:])
+
+    results = []
+    for name, n, k in SHAPES:
+        copies = max(8, -(-2 * L2_BYTES // (n * k)))
+        gen = torch.Generator(device=dev).manual_seed(n + k)
+        ws = [FP8Tensor((torch.randn(n, k, device=dev, generator=gen) * 64).to(torch.float8_e4m3fn),
+                        torch.tensor(1e-3, device=dev), torch.tensor(2e-2, device=dev)) for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            row = dict(shape=name, n=n, k=k, m=m, copies=copies)
+            for label, fn in impls.items():
+                if label.startswith("fp8_skinny") and m > fp8_skinny.SKINNY_MAX_M:
+                    continue
+                us = per_call_us(fn, x, ws)
+                row[label] = dict(us=us, tb_s=n * k / (us * 1e-6) / 1e12)
+            if m <= fp8_skinny.SKINNY_MAX_M:
+                ref = fp8_linear_reference(x, ws[0], out_dtype=torch.float32)
+                row["skinny_rel_err"] = float((skinny(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
+            results.append(row)
+            print(json.dumps(row), flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__)
+    (out / "fp8_skinny_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    labels = list(impls)
+    lines = [f"# fp8_skinny_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
+             "| shape (N x K) | M | " + " | ".join(f"{lab}: us (TB/s)" for lab in labels) + " | skinny / cuBLASLt |"
+             " skinny max rel err |", "|---|---:|" + "---:|" * (len(labels) + 2)]
+    for r in results:
+        cells = [f"{r[lab]['us']:.2f} ({r[lab]['tb_s']:.2f})" if lab in r else "-" for lab in labels]
+        ratio = (f"{r[labels[1]]['us'] / r[labels[0]]['us']:.2f}" if labels[1] in r else "-")
+        err = f"{r['skinny_rel_err']:.1e}" if "skinny_rel_err" in r else "-"
+        lines.append(f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | " + " | ".join(cells) + f" | {ratio} | {err} |")
+    (out / "fp8_skinny_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

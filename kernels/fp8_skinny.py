@@ -1,0 +1,168 @@
+"""FP8 W8A8 static-scale linear for skinny activations (decode: M <= SKINNY_MAX_M rows) in one Triton launch: the
+static activation quantiser fused into a split-K GEMM. Same contract and numbers as `kernels.nvfp4.
+fp8_linear_reference` (the checkpoint's GDN in_proj_qkv / in_proj_z / out_proj and attention q/k/v/o_proj).
+
+Why. A lone decode step runs 130 of these layers. Today each is two launches: the one-launch Triton quantiser
+(`kernels.fp8_quant.quantize_static_triton`, ~1.5 us) and cuBLASLt's FP8 GEMM through `torch._scaled_mm`. At M = 1
+cuBLASLt picks 64-row tiles and no split-K: out_proj / o_proj (N = 2048) run 32 CTAs on the H200's 132 SMs, k / v_proj
+(N = 512) 8. Measured on the H200 (Qwen run 9 profile, lone decode step): the FP8 GEMMs 0.80 ms for 1.28 GB (~1.6
+TB/s of 4.8) plus 0.20 ms of quantiser launches. Napkin math for this kernel: 1.28 GB at ~3.5 TB/s = 0.37 ms, one
+launch per layer.
+
+Computation (per program: one BLOCK_N slice of the output rows, one K split; BLOCK_M >= M covers every row):
+    q[m, k]   = e4m3 value of RNE(clamp(x[m, k] / input_scale, -448, 448))   (`fp8_quant.static_grid`: the same
+                fp32 operations as the reference quantiser, IEEE division; NaN stays NaN)
+    acc[m, n] = sum_k q[m, k] * w[n, k]        fp16 MMA operands (every e4m3 value is exact in fp16), fp32 products
+                                              (exact: 4 x 4 significant bits) and fp32 accumulation
+    y[m, n]   = acc[m, n] * (input_scale * weight_scale[n])     then one rounding to the output dtype
+The reference sums the same exact products in fp32 in another order: the outputs agree to fp32 summation rounding
+(<= K x 2^-24 of sum |products|) before the one rounding to bf16 -- tighter than cuBLASLt's FP8 path, whose Hopper
+accumulator keeps ~14 bits between fp32 promotions (`kernels.fp8_linear`'s docstring).
+
+Split K (`w4a16_gemm.split_k_for`: when the N tiles cannot fill the SMs twice): each split writes its fp32 partial to
+a workspace and bumps the tile's arrival counter; the split that arrives last sums the partials in split order
+(deterministic) and writes y. The counters are `w4a16_gemm`'s (one int32 per output tile, re-armed by the last split,
+so CUDA-graph replays start from zero; launches sharing them must not overlap: the engine decodes on one stream).
+
+Larger M (prefill, many streams) is the tensor-core regime where cuBLASLt is the right GEMM: `fp8_linear_skinny`
+hands those calls to `fp8_linear.fp8_linear_triton_quant` (where the two cross: SKINNY_MAX_M's comment).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8_quant import IN_DTYPES
+from kernels.w4a16_gemm import _num_sms, split_counters, split_k_for
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.fp8_quant import static_grid
+except ImportError:  # CPU-only installs without triton: the registry's other implementations and the reference
+    triton = None
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Calls with more activation rows than this go to cuBLASLt (`fp8_linear_skinny`). 16 = one MMA row tile: the rows
+# the kernel computes anyway for M = 1. Not yet measured against cuBLASLt at M = 2..16 (benchmarks/fp8_skinny_bench.py).
+SKINNY_MAX_M = 16
+
+if triton is not None:
+    _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
+                for bn, bk, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (32, 256, 4, 3),
+                                     (64, 256, 4, 3), (128, 256, 8, 3), (64, 512, 4, 2)]]
+
+    @triton.jit
+    def _mma16(a, b, acc, INTERPRET: tl.constexpr):
+        """acc += a @ b for fp16 operands. The interpreter's fp16 dot is numpy's (fp16 accumulation): there both go
+        through fp32 first -- the same numbers, since fp16 x fp16 products are exact in fp32."""
+        if INTERPRET:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _fp8_skinny_kernel(x, w, s_in, s_w, y, ws, counters, M, N, K, M_BUCKET, s_xm, s_wn, s_swn, s_ym,
+                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # grid (cdiv(N, BLOCK_N), SPLIT_K); x [M, K] float, w [N, K] e4m3 (unit K stride), s_in fp32 [], s_w fp32 []
+        # (s_swn = 0) or [N]; y [M, N]; ws [SPLIT_K, M, N] fp32 partials (SPLIT_K > 1). M_BUCKET: autotune key only.
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per = tl.cdiv(k_tiles, SPLIT_K)
+        t0 = pid_k * per
+        sx = tl.load(s_in)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t in range(t0, tl.minimum(t0 + per, k_tiles)):
+            offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            xt = tl.load(x + offs_m[:, None] * s_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            q = static_grid(xt.to(tl.float32), sx).to(tl.float16)  # [BM, BK] e4m3 values, exact in fp16
+            wt = tl.load(w + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _mma16(q, tl.trans(wt.to(tl.float16)), acc, INTERPRET)
+        alpha = sx * tl.load(s_w + offs_n * s_swn, mask=n_ok, other=0.0)  # input_scale * weight_scale, as the ref
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        y_ptr = y + offs_m[:, None] * s_ym + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptr, (acc * alpha[None, :]).to(y.dtype.element_ty), mask=out_ok)
+        else:
+            w_ptr = ws + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(w_ptr + pid_k * M * N, acc, mask=out_ok)
+            # every thread's partial is written before one thread's release (CUTLASS's semaphore pattern)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: the others' partials are visible
+                tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for p in tl.static_range(SPLIT_K):  # split order (deterministic); ".cg": L2, never a stale L1 line
+                    tot += tl.load(w_ptr + p * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr, (tot * alpha[None, :]).to(y.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(counters + pid_n, 0)  # re-armed for the next launch (and the next graph replay)
+
+    _fp8_skinny_autotuned = triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K"])(
+        _fp8_skinny_kernel)
+
+
+def _interpreted() -> bool:
+    """True when the kernel was built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors only."""
+    return triton is not None and type(_fp8_skinny_kernel).__name__ == "InterpretedFunction"
+
+
+# The interpreter cannot benchmark configs; it runs this one (small tiles keep masked edges and K loops exercised).
+INTERPRETER_CONFIG = dict(BLOCK_N=32, BLOCK_K=64)
+_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS) if triton is not None else 32  # counters cover this grid
+
+
+def supported(m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Shapes and dtypes the kernel takes: 1 <= M <= SKINNY_MAX_M rows, float activations and output."""
+    return 0 < m <= SKINNY_MAX_M and k > 0 and n > 0 and dtype in IN_DTYPES and out_dtype in OUT_DTYPES
+
+
+@torch.library.custom_op("sammie::fp8_skinny_linear", mutates_args=())
+def fp8_skinny_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
+                  out_dtype: torch.dtype, split_k: int = 0, block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+    """x [M, K] (unit K stride; M <= SKINNY_MAX_M), weight e4m3 [N, K] (unit K stride), weight_scale fp32 [] or [N],
+    input_scale fp32 [] -> y [M, N] in out_dtype. `split_k` 0: `split_k_for`'s choice; `block_n` / `block_k` 0: the
+    autotuner's (tests and benchmarks pin them). One launch; no host syncs (CUDA-graph capturable)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not supported(m, k, n, x.dtype, out_dtype) or weight.shape[1] != k or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_skinny_linear: need x [M <= {SKINNY_MAX_M}, K] in {IN_DTYPES} and an e4m3 [N, K] "
+                         f"weight, got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    if weight_scale.numel() not in (1, n) or input_scale.numel() != 1:
+        raise ValueError(f"fp8_skinny_linear: weight_scale must be [] or [{n}] and input_scale [], got "
+                         f"{tuple(weight_scale.shape)} and {tuple(input_scale.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    s_w = weight_scale.reshape(-1).float()
+    s_in = input_scale.reshape(()).float()
+    interp = _interpreted()
+    split = split_k or split_k_for(m, n, k, _num_sms(x.device.index))
+    bn_min = block_n or (INTERPRETER_CONFIG["BLOCK_N"] if interp else _MIN_BLOCK_N)
+    counters = None if split == 1 else split_counters(x.device, triton.cdiv(n, bn_min))
+    if split > 1 and counters is None:  # more tiles than there are counters (N > 131k): no split
+        split = 1
+    # the interpreter truncates fp32 -> bf16 / fp16 casts (`w4a16_gemm`'s note): it writes fp32 and torch rounds
+    y = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=x.device)
+    ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    args = (x, weight, s_in, s_w, y, ws, counters if counters is not None else s_w, m, n, k,
+            triton.next_power_of_2(m), x.stride(0), weight.stride(0), 1 if s_w.numel() > 1 else 0, y.stride(0))
+    meta = dict(SPLIT_K=split, INTERPRET=interp, BLOCK_M=16)
+    if interp or block_n or block_k:
+        cfg = dict(INTERPRETER_CONFIG) if interp else dict(BLOCK_N=64, BLOCK_K=128)
+        cfg.update({kk: v for kk, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)) if v})
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
+        _fp8_skinny_kernel[grid](*args, **meta, **cfg, num_warps=4)
+    else:
+        grid = lambda c: (triton.cdiv(n, c["BLOCK_N"]), split)  # noqa: E731
+        _fp8_skinny_autotuned[grid](*args, **meta)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+@fp8_skinny_op.register_fake
+def _(x, weight, weight_scale, input_scale, out_dtype, split_k=0, block_n=0, block_k=0):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
