@@ -9,17 +9,19 @@ cuBLASLt picks 64-row tiles and no split-K: out_proj / o_proj (N = 2048) run 32 
 TB/s of 4.8) plus 0.20 ms of quantiser launches. Napkin math for this kernel: 1.28 GB at ~3.5 TB/s = 0.37 ms, one
 launch per layer.
 
-Computation (per program: one BLOCK_N slice of the output rows, one K split; BLOCK_M >= M covers every row):
+Computation (per program: one BLOCK_N slice of the output rows, one K split; BLOCK_M = next power of two of M):
     q[m, k]   = e4m3 value of RNE(clamp(x[m, k] / input_scale, -448, 448))   (`fp8_quant.static_grid`: the same
                 fp32 operations as the reference quantiser, IEEE division; NaN stays NaN)
-    acc[m, n] = sum_k q[m, k] * w[n, k]        fp16 MMA operands (every e4m3 value is exact in fp16), fp32 products
-                                              (exact: 4 x 4 significant bits) and fp32 accumulation
+    acc[m, n] = sum_k q[m, k] * w[n, k]        on CUDA cores: fp32 products (exact: 4 x 4 significant bits), fp32 sums
     y[m, n]   = acc[m, n] * (input_scale * weight_scale[n])     then one rounding to the output dtype
 The reference sums the same exact products in fp32 in another order: the outputs agree to fp32 summation rounding
-(<= K x 2^-24 of sum |products|) before the one rounding to bf16 -- tighter than cuBLASLt's FP8 path, whose Hopper
-accumulator keeps ~14 bits between fp32 promotions (`kernels.fp8_linear`'s docstring).
+(<= (K - 1) 2^-24 of sum |products|) before the one rounding to bf16 -- tighter than cuBLASLt's FP8 path, whose
+Hopper accumulator keeps ~14 bits between fp32 promotions (`kernels.fp8_linear`'s docstring).
+History: the first version ran the products on the tensor cores (fp16 mma.sync on 16-row tiles, the quantiser over
+all 16 rows every K tile); on the H200 (2026-11-30, results/fp8_skinny_bench_run1) it was 1.25-2.4x SLOWER than the
+quantiser + cuBLASLt at M = 1 (8192 x 2048: 21.4 vs 8.9 us) -- hence CUDA cores and M <= 4.
 
-Split K (`w4a16_gemm.split_k_for`: when the N tiles cannot fill the SMs twice): each split writes its fp32 partial to
+Split K (`skinny_split`: until the 32-row tiles x splits give each SM a few programs): each split writes its fp32 partial to
 a workspace and bumps the tile's arrival counter; the split that arrives last sums the partials in split order
 (deterministic) and writes y. The counters are `w4a16_gemm`'s (one int32 per output tile, re-armed by the last split,
 so CUDA-graph replays start from zero; launches sharing them must not overlap: the engine decodes on one stream).
@@ -33,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8_quant import IN_DTYPES
-from kernels.w4a16_gemm import _num_sms, split_counters, split_k_for
+from kernels.w4a16_gemm import _num_sms, split_counters
 
 try:
     import triton
@@ -44,22 +46,42 @@ except ImportError:  # CPU-only installs without triton: the registry's other im
     triton = None
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Calls with more activation rows than this go to cuBLASLt (`fp8_linear_skinny`). 16 = one MMA row tile: the rows
-# the kernel computes anyway for M = 1. Not yet measured against cuBLASLt at M = 2..16 (benchmarks/fp8_skinny_bench.py).
-SKINNY_MAX_M = 16
+# Calls with more activation rows than this go to cuBLASLt (`fp8_linear_skinny`): the kernel's CUDA-core products
+# grow with M (M x BN x BK per K tile) where the tensor cores' do not. 4 = the decode graphs' smallest buckets (1, 2, 4).
+SKINNY_MAX_M = 4
+MAX_SPLIT_K = 8
+TARGET_PROGRAMS_PER_SM = 4  # no cp.async staging on this loop: bytes in flight come from resident programs
+
+
+def skinny_split(n: int, k: int, sms: int) -> int:
+    """K splits so that (32-row tiles) x splits >= TARGET_PROGRAMS_PER_SM x SMs, each split keeping >= 256 of K;
+    a power of two <= MAX_SPLIT_K. H200 (132 SMs): N 8192 -> 4 (1,024 programs), 4096 / 2048 / 512 -> 8."""
+    tiles, split = -(-n // 32), 1
+    while split < MAX_SPLIT_K and tiles * split < TARGET_PROGRAMS_PER_SM * sms and k // (split * 2) >= 256:
+        split *= 2
+    return split
 
 if triton is not None:
-    _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
-                for bn, bk, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (32, 256, 4, 3),
-                                     (64, 256, 4, 3), (128, 256, 8, 3), (64, 512, 4, 2)]]
+    # (BLOCK_N, BLOCK_K, warps): the [BLOCK_M, BLOCK_N, BLOCK_K] fp32 products of one K tile live in registers, at most
+    # 128 per thread (`_prune`)
+    _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=1)
+                for bn, bk, w in [(16, 256, 2), (32, 256, 4), (32, 128, 2), (64, 128, 4), (16, 512, 4), (64, 256, 8),
+                                  (32, 512, 8)]]
+
+    def _prune(configs, named_args, **_):
+        bm = named_args["M_BUCKET"]  # = BLOCK_M (the next power of two of M)
+        return [c for c in configs
+                if bm * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 128 * 32 * c.num_warps] or configs[:1]
 
     @triton.jit
-    def _mma16(a, b, acc, INTERPRET: tl.constexpr):
-        """acc += a @ b for fp16 operands. The interpreter's fp16 dot is numpy's (fp16 accumulation): there both go
-        through fp32 first -- the same numbers, since fp16 x fp16 products are exact in fp32."""
-        if INTERPRET:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        return tl.dot(a, b, acc)
+    def _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t, K, s_xm, s_wn, BLOCK_K: tl.constexpr):
+        """K tile t: activations [BM, BK] (model dtype) and e4m3 weights [BN, BK], zero outside."""
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        xt = tl.load(x + offs_m[:, None] * s_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        return xt, wt
 
     @triton.jit
     def _fp8_skinny_kernel(x, w, s_in, s_w, y, ws, counters, M, N, K, M_BUCKET, s_xm, s_wn, s_swn, s_ym,
@@ -67,6 +89,8 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (cdiv(N, BLOCK_N), SPLIT_K); x [M, K] float, w [N, K] e4m3 (unit K stride), s_in fp32 [], s_w fp32 []
         # (s_swn = 0) or [N]; y [M, N]; ws [SPLIT_K, M, N] fp32 partials (SPLIT_K > 1). M_BUCKET: autotune key only.
+        # CUDA cores, not tensor cores: at M <= 4 an MMA tile (>= 16 rows) would quantise and multiply >= 4x the
+        # rows there are (the first version did, on fp16 mma.sync: 1.4-2.4x slower than cuBLASLt on the H200).
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,17 +98,18 @@ if triton is not None:
         k_tiles = tl.cdiv(K, BLOCK_K)
         per = tl.cdiv(k_tiles, SPLIT_K)
         t0 = pid_k * per
+        t1 = tl.minimum(t0 + per, k_tiles)
         sx = tl.load(s_in)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(t0, tl.minimum(t0 + per, k_tiles)):
-            offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            xt = tl.load(x + offs_m[:, None] * s_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            q = static_grid(xt.to(tl.float32), sx).to(tl.float16)  # [BM, BK] e4m3 values, exact in fp16
-            wt = tl.load(w + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _mma16(q, tl.trans(wt.to(tl.float16)), acc, INTERPRET)
+        # the next tile's loads are issued before this tile's arithmetic (register double buffering: more bytes in
+        # flight per program; the loop has no dot for Triton's pipeliner to stage)
+        xt, wt = _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t0, K, s_xm, s_wn, BLOCK_K)
+        for t in range(t0, t1):
+            xn, wn = _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t + 1, K, s_xm, s_wn, BLOCK_K)  # past t1: unused
+            q = static_grid(xt.to(tl.float32), sx)  # [BM, BK] e4m3 values (fp32)
+            # e4m3 x e4m3 products are exact in fp32; summed in fp32
+            acc += tl.sum(q[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+            xt, wt = xn, wn
         alpha = sx * tl.load(s_w + offs_n * s_swn, mask=n_ok, other=0.0)  # input_scale * weight_scale, as the ref
         out_ok = m_ok[:, None] & n_ok[None, :]
         y_ptr = y + offs_m[:, None] * s_ym + offs_n[None, :]
@@ -103,8 +128,8 @@ if triton is not None:
                 tl.store(y_ptr, (tot * alpha[None, :]).to(y.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(counters + pid_n, 0)  # re-armed for the next launch (and the next graph replay)
 
-    _fp8_skinny_autotuned = triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K"])(
-        _fp8_skinny_kernel)
+    _fp8_skinny_autotuned = triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K"],
+                                            prune_configs_by={"early_config_prune": _prune})(_fp8_skinny_kernel)
 
 
 def _interpreted() -> bool:
@@ -126,7 +151,7 @@ def supported(m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype
 def fp8_skinny_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
                   out_dtype: torch.dtype, split_k: int = 0, block_n: int = 0, block_k: int = 0) -> torch.Tensor:
     """x [M, K] (unit K stride; M <= SKINNY_MAX_M), weight e4m3 [N, K] (unit K stride), weight_scale fp32 [] or [N],
-    input_scale fp32 [] -> y [M, N] in out_dtype. `split_k` 0: `split_k_for`'s choice; `block_n` / `block_k` 0: the
+    input_scale fp32 [] -> y [M, N] in out_dtype. `split_k` 0: `skinny_split`'s choice; `block_n` / `block_k` 0: the
     autotuner's (tests and benchmarks pin them). One launch; no host syncs (CUDA-graph capturable)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -141,7 +166,7 @@ def fp8_skinny_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     s_w = weight_scale.reshape(-1).float()
     s_in = input_scale.reshape(()).float()
     interp = _interpreted()
-    split = split_k or split_k_for(m, n, k, _num_sms(x.device.index))
+    split = split_k or skinny_split(n, k, _num_sms(x.device.index))
     bn_min = block_n or (INTERPRETER_CONFIG["BLOCK_N"] if interp else _MIN_BLOCK_N)
     counters = None if split == 1 else split_counters(x.device, triton.cdiv(n, bn_min))
     if split > 1 and counters is None:  # more tiles than there are counters (N > 131k): no split
@@ -151,9 +176,9 @@ def fp8_skinny_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     args = (x, weight, s_in, s_w, y, ws, counters if counters is not None else s_w, m, n, k,
             triton.next_power_of_2(m), x.stride(0), weight.stride(0), 1 if s_w.numel() > 1 else 0, y.stride(0))
-    meta = dict(SPLIT_K=split, INTERPRET=interp, BLOCK_M=16)
+    meta = dict(SPLIT_K=split, INTERPRET=interp, BLOCK_M=triton.next_power_of_2(m))
     if interp or block_n or block_k:
-        cfg = dict(INTERPRETER_CONFIG) if interp else dict(BLOCK_N=64, BLOCK_K=128)
+        cfg = dict(INTERPRETER_CONFIG) if interp else dict(BLOCK_N=32, BLOCK_K=256)
         cfg.update({kk: v for kk, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)) if v})
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
         _fp8_skinny_kernel[grid](*args, **meta, **cfg, num_warps=4)

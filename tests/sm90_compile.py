@@ -135,9 +135,9 @@ def main() -> int:
     skinny = {"x": "*bf16", "w": "*fp8e4nv", "s_in": "*fp32", "s_w": "*fp32", "y": "*bf16", "ws": "*fp32",
               "counters": "*i32"}
     for split in (4, 1):
-        ok.append(compile_one(f"fp8_skinny SPLIT_K={split} BLOCK_M=16 BLOCK_N=64 BLOCK_K=256 (bf16)",
+        ok.append(compile_one(f"fp8_skinny SPLIT_K={split} BLOCK_M=1 BLOCK_N=32 BLOCK_K=256 (bf16)",
                               fp8_skinny._fp8_skinny_kernel, skinny,
-                              dict(SPLIT_K=split, INTERPRET=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256)))
+                              dict(SPLIT_K=split, INTERPRET=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256)))
     # the router GEMV + top-k in one launch (split H reduced in the kernel), at a lone decode row's tiling
     tiling = moe_router._gemv_tiling(1, 256, 2048)
     warps = tiling.pop("num_warps")

@@ -2,10 +2,8 @@
 
 Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py) and on a GPU compiled. Tolerance, per output element,
 with S = sum_k |q_k w_k| x input_scale x weight_scale (the products' magnitudes):
-* fp32 output: |y - ref| <= A x S. A = (K - 1) 2^-24 on the CPU (both sum the same exact products in fp32, in other
-  orders: the recursive-summation bound); 2^-16 on a GPU, whose fp16 MMA adds a few products per step with truncating
-  alignment (Fasi et al., "Numerical behavior of NVIDIA tensor cores", 2021: ~fp32 unit roundoff per step), taken
-  with a wide margin and still 128x tighter than cuBLASLt's FP8 path (2^-9, `kernels.fp8_linear`).
+* fp32 output: |y - ref| <= A x S, A = (K - 1) 2^-24: both sum the same exact products in fp32 (CUDA-core FMAs on
+  the GPU), in other orders -- the recursive-summation bound (cuBLASLt's FP8 path needs 2^-9, `kernels.fp8_linear`).
 * bf16 output: the same plus 2^-8 |ref| (one rounding; 2x for a flipped tie).
 Exactly representable sums (integer-valued activations and weights) must come out bit for bit, split or not.
 """
@@ -38,7 +36,7 @@ def make(m, n, k, seed, rowwise=False, x_dtype=torch.bfloat16, clip=0.8):
 def bound(x, w):
     """A x S per output element (the module docstring)."""
     k = x.shape[-1]
-    a = (k - 1) * 2.0**-24 if DEVICE == "cpu" else 2.0**-16
+    a = (k - 1) * 2.0**-24
     xq = quantize_static_reference(x, w.input_scale).float()
     return a * (xq.abs() @ w.data.float().abs().T) * (w.input_scale * w.scale)
 
@@ -47,7 +45,7 @@ def run(x, w, out_dtype, **kw):
     return fp8_skinny.fp8_skinny_op(x, w.data, w.scale.float(), w.input_scale.float(), out_dtype, **kw)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 96, 128), (3, 70, 200), (16, 64, 256), (5, 130, 64)])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 128), (3, 70, 200), (4, 64, 256), (2, 130, 64)])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("rowwise", [False, True])
 def test_matches_reference_fp32(m, n, k, split, rowwise):
@@ -129,7 +127,7 @@ def test_clear_errors():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the autotuned launch (configs benchmarked) needs a GPU")
-@pytest.mark.parametrize("m,n,k", [(1, 2048, 4096), (1, 512, 2048), (8, 8192, 2048)])
+@pytest.mark.parametrize("m,n,k", [(1, 2048, 4096), (1, 512, 2048), (4, 8192, 2048)])
 def test_autotuned_model_shapes(m, n, k):
     """The engine's path on the GPU: autotuned tiles and `split_k_for`'s split at Qwen3.6's projection shapes."""
     x, w = make(m, n, k, seed=n)

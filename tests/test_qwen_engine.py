@@ -76,7 +76,8 @@ def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, grap
     from qwen_engine.model.moe import SparseMoE, TopKRouter
     from qwen_engine.model.norm import GatedRMSNorm, ZeroCentredRMSNorm
 
-    fused_ops = ("attn_decode_prep", "rms_norm_zc", "rms_norm_gated", "moe_combine", "router_gemv_topk")
+    fused_ops = ("attn_decode_prep", "rms_norm_zc", "rms_norm_gated", "moe_combine", "router_topk",
+                 "router_gemv_topk")
     reg = default_registry()
     before = {op: reg.preference(op) for op in fused_ops}
     calls0 = {op: reg.choices()[op]["calls"].get("triton", 0) for op in fused_ops}

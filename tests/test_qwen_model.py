@@ -370,7 +370,7 @@ def test_fused_kernels_equal_the_plain_model(models, monkeypatch, dtype, tol):
     from engine_core.registry import default_registry
 
     reg = default_registry()
-    ops = ("rms_norm_zc", "rms_norm_gated", "moe_combine", "router_gemv_topk")
+    ops = ("rms_norm_zc", "rms_norm_gated", "moe_combine", "router_topk")  # 18 rows: > moe_router.MAX_ROWS
     before = {op: reg.preference(op) for op in ops}
     for op in before:  # an engine built earlier in this process may have set them (QwenEngineConfig.kernels)
         reg.set_preference("auto", op)
