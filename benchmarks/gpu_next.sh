@@ -49,7 +49,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="12" bash benchmarks/gpu_next.sh      # ~6.5 min (ran: run 13)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="13" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="14" bash benchmarks/gpu_next.sh      # ~8 min (unrun)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="15" bash benchmarks/gpu_next.sh      # ~9.5 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="15" bash benchmarks/gpu_next.sh      # ~8 min (ran: run 14)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="16" bash benchmarks/gpu_next.sh      # ~8 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -190,5 +191,12 @@ timeout 400 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --de
 grep -E "^\| \(e\)" "$R/qwen_skinny/qwen_gpu.md" | cut -c1-200
 timeout 45 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_fp8_skinny.py > "$R/skinny_tests.log" 2>&1
 grep -E "passed|failed" "$R/skinny_tests.log" | tail -2
+fi
+if want 16; then
+say "16. the engine (defaults) beside: without the fused router, without the decode FP8 kernel, with dual experts"
+timeout 500 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --without router_gemv_topk:triton --without fp8_linear:triton_skinny+scaled_mm --compare-layout dual \
+  --out "$R/qwen_ab" > "$R/qwen_ab.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_ab/qwen_gpu.md" | cut -c1-200
 fi
 say "done"

@@ -193,11 +193,11 @@ def markdown(r: dict) -> str:
             f"{fmt((r.get('engine_layout') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
             f"{fmt(((r.get('engine_layout') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} / "
             f"{fmt((r.get('engine_layout') or {}).get('lone', {}).get('ttft_ms'))} | - |",
-            f"| (e) engine without {(r.get('engine_without') or {}).get('without')}: decode tok/s, lone request / "
-            f"all {st.get('n')} streams decoding / TTFT ms | "
-            f"{fmt((r.get('engine_without') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
-            f"{fmt(((r.get('engine_without') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} / "
-            f"{fmt((r.get('engine_without') or {}).get('lone', {}).get('ttft_ms'))} | - |",
+            *(f"| (e) engine without {w.get('without')}: decode tok/s, lone request / all {st.get('n')} streams "
+              f"decoding / TTFT ms | {fmt(w.get('lone', {}).get('decode_tok_per_s'))} / "
+              f"{fmt((w.get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} / "
+              f"{fmt(w.get('lone', {}).get('ttft_ms'))} | - |"
+              for key, w in r.items() if key.startswith("engine_without")),
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
             f" | {fmt(e.get('start_s'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
@@ -375,9 +375,10 @@ def main() -> None:
     ap.add_argument("--compare-layout", default="", choices=["", "checkpoint", "tile_major", "split_halves", "dual"],
                     help="(e) once more with the routed experts repacked into this byte layout (NVFP4Experts.repack; "
                          "the run's own is the loader's default), side by side")
-    ap.add_argument("--without", default="",
+    ap.add_argument("--without", action="append", default=[],
                     help="OP:IMPL -- (e) once more with this registry implementation disabled (e.g. "
-                         "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by side")
+                         "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
+                         "side; repeatable, one engine each")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
                     help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; needs >= 4 for a full-attention layer)")
     ap.add_argument("--only-oracle", action="store_true",
@@ -510,22 +511,23 @@ def main() -> None:
                 r["errors"].append(f"(e) engine with {options}: {type(e).__name__}: {e}")
             log(f"(e) {options} {r.get(key)}")
             save()
-        if args.without:  # the same engine with one kernel implementation taken out of the registry's choice
+        for i, without in enumerate(args.without):  # the same engine with one kernel taken out of the registry's choice
             from qwen_engine.model.quantized import forget_kernel_choices
 
-            op, _, impl = args.without.partition(":")
+            op, _, impl = without.partition(":")
             registry = default_registry()
+            key = "engine_without" if i == 0 else f"engine_without_{i}"
             try:
                 registry.disable(op, impl, "benchmarks/qwen_gpu.py --without (side-by-side run)")
                 forget_kernel_choices(model)
-                r["engine_without"] = dict(without=args.without, **asyncio.run(engine_phase(
+                r[key] = dict(without=without, **asyncio.run(engine_phase(
                     model, cfg, device, ctx, steps, streams, rand, prefill_buckets=buckets)))
             except Exception as e:  # noqa: BLE001 - recorded
-                r["errors"].append(f"(e) engine without {args.without}: {type(e).__name__}: {e}")
+                r["errors"].append(f"(e) engine without {without}: {type(e).__name__}: {e}")
             finally:
                 registry.enable(op, impl)
                 forget_kernel_choices(model)
-            log(f"(e) without {args.without} {r.get('engine_without')}")
+            log(f"(e) without {without} {r.get(key)}")
             save()
         if args.compare_layout:  # the same engine on the same weights in another expert byte layout
             from qwen_engine.load_packed import apply_expert_layout

@@ -118,12 +118,15 @@ def fp8_linear_triton_quant(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtyp
 
 
 def fp8_linear_skinny(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Decode-sized calls (at most `fp8_skinny.SKINNY_MAX_M` rows) in one Triton launch with the quantiser fused and
-    K split to fill the SMs (`kernels/fp8_skinny.py`); larger ones as `fp8_linear_triton_quant` (cuBLASLt)."""
+    """Decode-sized calls (at most `fp8_skinny.SKINNY_MAX_M` rows) of narrow layers (at most SKINNY_MAX_N outputs:
+    attention k_proj / v_proj) in one Triton launch with the quantiser fused and K split to fill the SMs
+    (`kernels/fp8_skinny.py`, where the measurements are); every other call as `fp8_linear_triton_quant`."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
+    n = w.data.shape[0]
     out_dtype = out_dtype or x.dtype
-    if w.input_scale is None or not fp8_skinny.supported(m, k, w.data.shape[0], x.dtype, out_dtype):
+    if (w.input_scale is None or n > fp8_skinny.SKINNY_MAX_N
+            or not fp8_skinny.supported(m, k, n, x.dtype, out_dtype)):
         return fp8_linear_triton_quant(x, w, out_dtype)
     y = fp8_skinny.fp8_skinny_op(x.reshape(m, k), w.data, w.scale.float(), w.input_scale.float(), out_dtype)
     return y.reshape(*x.shape[:-1], w.data.shape[0])

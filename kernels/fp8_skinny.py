@@ -49,6 +49,12 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Calls with more activation rows than this go to cuBLASLt (`fp8_linear_skinny`): the kernel's CUDA-core products
 # grow with M (M x BN x BK per K tile) where the tensor cores' do not. 4 = the decode graphs' smallest buckets (1, 2, 4).
 SKINNY_MAX_M = 4
+# ... and calls with more output rows than this: measured on the H200 (2026-11-30, results/fp8_skinny_bench_run2,
+# M = 1 / 2 / 4) this kernel beats the quantiser + cuBLASLt only where cuBLASLt's 64-row tiles leave most SMs idle:
+# k_proj / v_proj (N = 512) 4.8 / 5.3 / 6.5 us against 6.2 / 6.6 / 7.6; at N = 2048-8192 it is 1.3-3.5x SLOWER
+# (0.4-0.8 TB/s: it does not stream the weights at HBM speed; why is not profiled). In the engine with every FP8
+# layer on it, a lone request decoded 180 tok/s against 213 (results/qwen_gpu_run14).
+SKINNY_MAX_N = 1024
 MAX_SPLIT_K = 8
 TARGET_PROGRAMS_PER_SM = 4  # no cp.async staging on this loop: bytes in flight come from resident programs
 
@@ -143,7 +149,8 @@ _MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS) if triton is not None 
 
 
 def supported(m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """Shapes and dtypes the kernel takes: 1 <= M <= SKINNY_MAX_M rows, float activations and output."""
+    """Shapes and dtypes the kernel takes: 1 <= M <= SKINNY_MAX_M rows, float activations and output (any N: the
+    N <= SKINNY_MAX_N rule is `fp8_linear.fp8_linear_skinny`'s, where it is faster)."""
     return 0 < m <= SKINNY_MAX_M and k > 0 and n > 0 and dtype in IN_DTYPES and out_dtype in OUT_DTYPES
 
 
