@@ -105,11 +105,12 @@ class QwenEngineConfig:
     #                                     <= 28 tokens; 2 dense GEMM launches per layer fewer). H200 (Qwen run 12):
     #                                     no gain (lone 202 -> 203 tok/s; with async_decode 233 -> 232): off
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
-    #                              auto (split halves on Hopper for the swap-AB kernel, kernels/w4a16_swapped.py;
-    #                              tile_major on other GPUs; the checkpoint's on CPU) | split_halves | tile_major |
-    #                              checkpoint | dual (split halves + a tile-major copy for decode batches of <= 4
-    #                              tokens: +16 GB at full size; not measured as a whole). H200, Qwen run 13: split
-    #                              halves TTFT 65 -> 54 ms, 32 streams +15%, lone decode -11% against tile_major
+    #                              auto (dual on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
+    #                              dual (split halves for the swap-AB kernel, kernels/w4a16_swapped.py, plus a
+    #                              tile-major copy for decode batches of <= 4 tokens: +16 GB at full size) |
+    #                              split_halves | tile_major | checkpoint. H200, Qwen run 13: split halves TTFT
+    #                              65 -> 54 ms, 32 streams +15%, lone decode -11% against tile_major; run 15: dual
+    #                              lone decode 214 -> 239 tok/s against split halves, the rest equal
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start

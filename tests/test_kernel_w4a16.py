@@ -517,6 +517,16 @@ def test_registry_self_check():
                       ((8, 0), w4a16_gemm.TILE_MAJOR)):
         with mock.patch("torch.cuda.get_device_capability", return_value=cap):
             assert w4a16_gemm.default_expert_layout("cuda") == want, cap
+    # the loader's "auto": dual (split halves + a tile-major copy for small batches) on Hopper, else the above
+    from qwen_engine.load_packed import resolve_expert_layout
+
+    assert resolve_expert_layout("auto", "cpu") == "checkpoint"
+    for cap, want in (((9, 0), "dual"), ((10, 0), "tile_major"), ((8, 9), "tile_major")):
+        with mock.patch("torch.cuda.get_device_capability", return_value=cap):
+            assert resolve_expert_layout("auto", "cuda") == want, cap
+            assert resolve_expert_layout("split_halves", "cuda") == "split_halves"
+    with pytest.raises(ValueError, match="expert_layout must be one of"):
+        resolve_expert_layout("halves", "cpu")
     for layout in (w4a16_gemm.SPLIT_HALVES, w4a16_gemm.TILE_MAJOR):
         args, _ = w4a16_gemm._sample_moe(DEVICE, layout=layout)
         assert args[-1] == layout and supports_moe(**describe_moe(*args))
