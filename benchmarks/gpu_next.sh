@@ -26,13 +26,16 @@
 #      beside the same engine with them tile-major (the grouped kernel), then the swapped kernel's GPU tests.
 #  13. (written 2026-11-30, seventh session; not run) the two MoE kernels per call at 1-8 tokens, where the swap-AB
 #      kernel lost the lone decode; then the engine (split halves, async_decode on) beside expert_layout "dual" and
-#      beside async_decode off.
-#  15. (written 2026-11-30, eighth session) the decode FP8 linear (kernels/fp8_skinny.py) and the fused router
-#      GEMV + top-k: their GPU tests, kernel benches beside what they replace, then the engine (default) beside the
-#      same engine with the FP8 layers on the quantiser + cuBLASLt path (--without).
+#      beside async_decode off. (Its engine part is superseded by run 15, step 16: dual measured, now the default.)
 #  14. (written 2026-11-30, seventh session; not run) the GDN prefill conv kernel's and the multi-program moe_align's
 #      tests on CUDA and the prefill / fused-glue tests that now run through them, then the engine's TTFT with both
 #      (profile: kernels and device time).
+#  15. (eighth session; ran: runs 14 and fp8_skinny / router bench runs 1-2) the decode FP8 linear
+#      (kernels/fp8_skinny.py) and the fused router GEMV + top-k: kernel benches beside what they replace, then the
+#      engine (defaults) beside the same engine with the FP8 layers on the quantiser + cuBLASLt path (--without),
+#      then the fp8_skinny tests (needs > 45 s when the Triton cache is cold).
+#  16. (eighth session; ran: run 15) the engine beside: without the fused router, without the decode FP8 kernel,
+#      with dual experts (run 15; dual is now the Hopper default, so the step now compares split halves).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -50,7 +53,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="13" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="14" bash benchmarks/gpu_next.sh      # ~8 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="15" bash benchmarks/gpu_next.sh      # ~8 min (ran: run 14)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="16" bash benchmarks/gpu_next.sh      # ~8 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="16" bash benchmarks/gpu_next.sh      # ~8 min (ran: run 15)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -189,13 +192,13 @@ grep -E "^\| " "$R/router_bench/router_bench.md" | cut -c1-160
 timeout 400 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
   --without fp8_linear:triton_skinny+scaled_mm --out "$R/qwen_skinny" > "$R/qwen_skinny.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_skinny/qwen_gpu.md" | cut -c1-200
-timeout 45 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_fp8_skinny.py > "$R/skinny_tests.log" 2>&1
+timeout 120 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_fp8_skinny.py > "$R/skinny_tests.log" 2>&1
 grep -E "passed|failed" "$R/skinny_tests.log" | tail -2
 fi
 if want 16; then
-say "16. the engine (defaults) beside: without the fused router, without the decode FP8 kernel, with dual experts"
+say "16. the engine (defaults) beside: without the fused router, without the decode FP8 kernel, with split halves only"
 timeout 500 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
-  --without router_gemv_topk:triton --without fp8_linear:triton_skinny+scaled_mm --compare-layout dual \
+  --without router_gemv_topk:triton --without fp8_linear:triton_skinny+scaled_mm --compare-layout split_halves \
   --out "$R/qwen_ab" > "$R/qwen_ab.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_ab/qwen_gpu.md" | cut -c1-200
 fi

@@ -517,15 +517,16 @@ def main() -> None:
             op, _, impl = without.partition(":")
             registry = default_registry()
             key = "engine_without" if i == 0 else f"engine_without_{i}"
+            before = None
             try:
-                registry.disable(op, impl, "benchmarks/qwen_gpu.py --without (side-by-side run)")
+                before = registry.disable(op, impl, "benchmarks/qwen_gpu.py --without (side-by-side run)")
                 forget_kernel_choices(model)
                 r[key] = dict(without=without, **asyncio.run(engine_phase(
                     model, cfg, device, ctx, steps, streams, rand, prefill_buckets=buckets)))
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine without {without}: {type(e).__name__}: {e}")
             finally:
-                registry.enable(op, impl)
+                registry.enable(op, impl, before)  # a failed start-up self-check stays in force
                 forget_kernel_choices(model)
             log(f"(e) without {without} {r.get(key)}")
             save()

@@ -29,6 +29,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import split_k  # noqa: E402
 from kernels.nvfp4 import NVFP4Tensor  # noqa: E402
 from kernels.w4a16_gemm import _w4a16_dense_kernel, _w4a16_grouped_kernel, moe_align_fast, moe_block_m  # noqa: E402
 from kernels.w4a16_gemm import tile_major, w4a16_dense_launch, w4a16_grouped_launch  # noqa: E402
@@ -141,9 +142,9 @@ def dense(rows: list, g) -> None:
                     continue
                 modes = {key: modes[key] for key in ("DEQ", "SCALE_AHEAD")}
                 for reduce_by in ("kernel", "torch"):
-                    counters = w4a16_gemm.SPLIT_COUNTERS
+                    counters = split_k.SPLIT_COUNTERS
                     if reduce_by == "torch":
-                        w4a16_gemm.SPLIT_COUNTERS = 0  # no counters: partials summed (and activated) by torch
+                        split_k.SPLIT_COUNTERS = 0  # no counters: partials summed (and activated) by torch
                     j = [0]
 
                     def call():
@@ -161,14 +162,14 @@ def dense(rows: list, g) -> None:
                         j[0] = -1
                         out = call()
                         split = w4a16_gemm.split_k_for(m, n // 2 if swiglu else n, k,
-                                                       w4a16_gemm._num_sms(x.device.index))
+                                                       split_k.num_sms(x.device.index))
                         if reduce_by == "torch" and split == 1 and not swiglu:
                             continue  # the same launch as the kernel row
                         err = None if ref is None else float((out.float() - ref).abs().max() / ref.abs().max())
                         ref = out.float() if ref is None else ref
                         t_ms = ms(call)
                     finally:
-                        w4a16_gemm.SPLIT_COUNTERS = counters
+                        split_k.SPLIT_COUNTERS = counters
                     what = {"kernel": "", "torch": ", split-K summed / SwiGLU by torch (before)"}[reduce_by]
                     rows.append(dict(kind="dense", shape=name_s, tokens=m, mode=name + what, split_k=split,
                                      us=t_ms * 1e3, tb_s=nbytes(ws[0]) / (t_ms * 1e-3) / 1e12,  # autotuned

@@ -163,18 +163,25 @@ class Registry:
             self._record(op).preference = pref
         log.info("kernel preference %s for %s", pref.value, op or "all ops")
 
-    def disable(self, op: str, name: str, why: str) -> None:
+    def disable(self, op: str, name: str, why: str) -> str | None:
         """Take implementation `name` of `op` out of `choose()` (as a failed self-check does), with the reason
-        `choices()` reports. Modules that cached a choice keep it until they forget it (the Qwen model:
+        `choices()` reports. Returns the reason it was disabled for before (None: it was enabled), for `enable`.
+        Modules that cached a choice keep it until they forget it (the Qwen model:
         `qwen_engine.model.quantized.forget_kernel_choices`)."""
         if not any(i.name == name for i in self._spec(op).implementations):
             raise ValueError(f"op {op!r} has no implementation named {name!r}")
-        self._record(op).disabled[name] = why
+        rec = self._record(op)
+        before = rec.disabled.get(name)
+        rec.disabled[name] = why
         log.info("kernel %s/%s disabled: %s", op, name, why)
+        return before
 
-    def enable(self, op: str, name: str) -> None:
-        """Undo `disable` (and a failed self-check's verdict: use with care)."""
-        self._record(op).disabled.pop(name, None)
+    def enable(self, op: str, name: str, before: str | None = None) -> None:
+        """Undo `disable`: `before` is what it returned (a failed self-check's verdict stays in force)."""
+        if before is None:
+            self._record(op).disabled.pop(name, None)
+        else:
+            self._record(op).disabled[name] = before
 
     def preference(self, op: str) -> KernelPreference:
         return self._record(op).preference

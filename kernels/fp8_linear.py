@@ -269,7 +269,8 @@ def register(registry) -> None:
     # first: decode-sized calls in one Triton launch (quantiser fused, split K), larger ones as the next; then the
     # same cuBLASLt GEMM after a one-launch Triton quantiser (a decode step has ~130 of these layers: 390 launches
     # fewer than the torch-op quantiser); then the vendor GEMM through torch (cuBLASLt) with the torch-op quantiser:
-    # the registry's "torch" kind. The registry's sample (3 rows) checks the skinny kernel at start-up.
+    # the registry's "torch" kind. The registry's sample (3 rows, K = 128: unsplit) checks the skinny kernel at
+    # start-up; its split-K path is covered by tests/test_kernel_fp8_skinny.py.
     registry.add_implementation(NAME, "triton_skinny+scaled_mm", fp8_linear_skinny, supports_triton_quant,
                                 kind="triton")
     registry.add_implementation(NAME, "triton_quant+scaled_mm", fp8_linear_triton_quant, supports_triton_quant,

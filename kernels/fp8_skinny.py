@@ -1,13 +1,17 @@
 """FP8 W8A8 static-scale linear for skinny activations (decode: M <= SKINNY_MAX_M rows) in one Triton launch: the
-static activation quantiser fused into a split-K GEMM. Same contract and numbers as `kernels.nvfp4.
-fp8_linear_reference` (the checkpoint's GDN in_proj_qkv / in_proj_z / out_proj and attention q/k/v/o_proj).
+static activation quantiser fused into a split-K GEMM. Same contract as `kernels.nvfp4.fp8_linear_reference` (the
+checkpoint's GDN in_proj_qkv / in_proj_z / out_proj and attention q/k/v/o_proj), equal to it within fp32 summation
+rounding (below).
 
-Why. A lone decode step runs 130 of these layers. Today each is two launches: the one-launch Triton quantiser
+Outcome (H200, 2026-11-30): it is FASTER than what it replaces only for narrow layers -- k_proj / v_proj, N = 512 --
+and 1.3-3.5x slower for N >= 2048, streaming weights at 0.4-0.8 TB/s where cuBLASLt reaches 0.9-1.9 (SKINNY_MAX_N's
+comment). The engine uses it for N <= SKINNY_MAX_N only.
+
+Why it was written. A lone decode step runs 130 of these layers, each two launches: the one-launch Triton quantiser
 (`kernels.fp8_quant.quantize_static_triton`, ~1.5 us) and cuBLASLt's FP8 GEMM through `torch._scaled_mm`. At M = 1
 cuBLASLt picks 64-row tiles and no split-K: out_proj / o_proj (N = 2048) run 32 CTAs on the H200's 132 SMs, k / v_proj
 (N = 512) 8. Measured on the H200 (Qwen run 9 profile, lone decode step): the FP8 GEMMs 0.80 ms for 1.28 GB (~1.6
-TB/s of 4.8) plus 0.20 ms of quantiser launches. Napkin math for this kernel: 1.28 GB at ~3.5 TB/s = 0.37 ms, one
-launch per layer.
+TB/s of 4.8) plus 0.20 ms of quantiser launches. The hope was 1.28 GB at ~3.5 TB/s = 0.37 ms in one launch per layer.
 
 Computation (per program: one BLOCK_N slice of the output rows, one K split; BLOCK_M = next power of two of M):
     q[m, k]   = e4m3 value of RNE(clamp(x[m, k] / input_scale, -448, 448))   (`fp8_quant.static_grid`: the same
@@ -24,10 +28,10 @@ quantiser + cuBLASLt at M = 1 (8192 x 2048: 21.4 vs 8.9 us) -- hence CUDA cores 
 Split K (`skinny_split`: until the 32-row tiles x splits give each SM a few programs): each split writes its fp32 partial to
 a workspace and bumps the tile's arrival counter; the split that arrives last sums the partials in split order
 (deterministic) and writes y. The counters are `w4a16_gemm`'s (one int32 per output tile, re-armed by the last split,
-so CUDA-graph replays start from zero; launches sharing them must not overlap: the engine decodes on one stream).
+so CUDA-graph replays start from zero; launches sharing them must not overlap: `kernels/split_k.py`).
 
 Larger M (prefill, many streams) is the tensor-core regime where cuBLASLt is the right GEMM: `fp8_linear_skinny`
-hands those calls to `fp8_linear.fp8_linear_triton_quant` (where the two cross: SKINNY_MAX_M's comment).
+hands those calls, and those with N > SKINNY_MAX_N, to `fp8_linear.fp8_linear_triton_quant`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8_quant import IN_DTYPES
-from kernels.w4a16_gemm import _num_sms, split_counters
+from kernels.split_k import num_sms, split_counters
 
 try:
     import triton
@@ -49,11 +53,13 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Calls with more activation rows than this go to cuBLASLt (`fp8_linear_skinny`): the kernel's CUDA-core products
 # grow with M (M x BN x BK per K tile) where the tensor cores' do not. 4 = the decode graphs' smallest buckets (1, 2, 4).
 SKINNY_MAX_M = 4
-# ... and calls with more output rows than this: measured on the H200 (2026-11-30, results/fp8_skinny_bench_run2,
-# M = 1 / 2 / 4) this kernel beats the quantiser + cuBLASLt only where cuBLASLt's 64-row tiles leave most SMs idle:
-# k_proj / v_proj (N = 512) 4.8 / 5.3 / 6.5 us against 6.2 / 6.6 / 7.6; at N = 2048-8192 it is 1.3-3.5x SLOWER
-# (0.4-0.8 TB/s: it does not stream the weights at HBM speed; why is not profiled). In the engine with every FP8
-# layer on it, a lone request decoded 180 tok/s against 213 (results/qwen_gpu_run14).
+# ... and calls with more output features (N) than this: measured on the H200 (2026-11-30, results/
+# fp8_skinny_bench_run2, M = 1 / 2 / 4) this kernel beats the quantiser + cuBLASLt only where cuBLASLt's 64-row tiles
+# leave most SMs idle: k_proj / v_proj (N = 512) 4.8 / 5.3 / 6.5 us against 6.2 / 6.6 / 7.6; at N = 2048-8192 it is
+# 1.3-3.5x SLOWER (0.4-0.8 TB/s: it does not stream the weights at HBM speed; not profiled; that run's prefetch also
+# read one tile past each K split, and M = 4 ran one spilling config: both fixed since, not re-measured). 1,024 lies
+# between the measured win (512) and loss (2,048). With every FP8 layer on it the engine decoded a lone request at
+# 180 tok/s against 213 (results/qwen_gpu_run14); on k/v_proj only, 213.6 either way (run 15: within noise).
 SKINNY_MAX_N = 1024
 MAX_SPLIT_K = 8
 TARGET_PROGRAMS_PER_SM = 4  # no cp.async staging on this loop: bytes in flight come from resident programs
@@ -67,23 +73,29 @@ def skinny_split(n: int, k: int, sms: int) -> int:
         split *= 2
     return split
 
+
 if triton is not None:
     # (BLOCK_N, BLOCK_K, warps): the [BLOCK_M, BLOCK_N, BLOCK_K] fp32 products of one K tile live in registers, at most
-    # 128 per thread (`_prune`)
+    # MAX_PRODUCTS_PER_THREAD (`_prune`): 2,048 products per warp serve M <= 2, 1,024 per warp M = 4
+    MAX_PRODUCTS_PER_THREAD = 128
     _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=1)
                 for bn, bk, w in [(16, 256, 2), (32, 256, 4), (32, 128, 2), (64, 128, 4), (16, 512, 4), (64, 256, 8),
-                                  (32, 512, 8)]]
+                                  (32, 512, 8), (16, 128, 2), (32, 128, 4), (16, 256, 4), (32, 256, 8)]]
+
+    def _products_per_thread(c: "triton.Config", bm: int) -> int:
+        return bm * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] // (32 * c.num_warps)
 
     def _prune(configs, named_args, **_):
         bm = named_args["M_BUCKET"]  # = BLOCK_M (the next power of two of M)
-        return [c for c in configs
-                if bm * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 128 * 32 * c.num_warps] or configs[:1]
+        fit = [c for c in configs if _products_per_thread(c, bm) <= MAX_PRODUCTS_PER_THREAD]
+        return fit or [min(configs, key=lambda c: _products_per_thread(c, bm))]
 
     @triton.jit
-    def _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t, K, s_xm, s_wn, BLOCK_K: tl.constexpr):
-        """K tile t: activations [BM, BK] (model dtype) and e4m3 weights [BN, BK], zero outside."""
+    def _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t, k_end, s_xm, s_wn, BLOCK_K: tl.constexpr):
+        """K tile t: activations [BM, BK] (model dtype) and e4m3 weights [BN, BK], zero at and past k_end (the end of
+        the program's K split: the prefetch past its last tile reads nothing)."""
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+        k_ok = offs_k < k_end
         xt = tl.load(x + offs_m[:, None] * s_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         wt = tl.load(w + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                      other=0.0)
@@ -91,12 +103,12 @@ if triton is not None:
 
     @triton.jit
     def _fp8_skinny_kernel(x, w, s_in, s_w, y, ws, counters, M, N, K, M_BUCKET, s_xm, s_wn, s_swn, s_ym,
-                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
         # grid (cdiv(N, BLOCK_N), SPLIT_K); x [M, K] float, w [N, K] e4m3 (unit K stride), s_in fp32 [], s_w fp32 []
         # (s_swn = 0) or [N]; y [M, N]; ws [SPLIT_K, M, N] fp32 partials (SPLIT_K > 1). M_BUCKET: autotune key only.
         # CUDA cores, not tensor cores: at M <= 4 an MMA tile (>= 16 rows) would quantise and multiply >= 4x the
-        # rows there are (the first version did, on fp16 mma.sync: 1.4-2.4x slower than cuBLASLt on the H200).
+        # rows there are (the first version did, on fp16 mma.sync: 1.25-2.4x slower than cuBLASLt on the H200).
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,13 +117,14 @@ if triton is not None:
         per = tl.cdiv(k_tiles, SPLIT_K)
         t0 = pid_k * per
         t1 = tl.minimum(t0 + per, k_tiles)
+        k_end = tl.minimum(t1 * BLOCK_K, K)
         sx = tl.load(s_in)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # the next tile's loads are issued before this tile's arithmetic (register double buffering: more bytes in
         # flight per program; the loop has no dot for Triton's pipeliner to stage)
-        xt, wt = _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t0, K, s_xm, s_wn, BLOCK_K)
+        xt, wt = _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t0, k_end, s_xm, s_wn, BLOCK_K)
         for t in range(t0, t1):
-            xn, wn = _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t + 1, K, s_xm, s_wn, BLOCK_K)  # past t1: unused
+            xn, wn = _skinny_tile(x, w, offs_m, m_ok, offs_n, n_ok, t + 1, k_end, s_xm, s_wn, BLOCK_K)  # t1: zeros
             q = static_grid(xt.to(tl.float32), sx)  # [BM, BK] e4m3 values (fp32)
             # e4m3 x e4m3 products are exact in fp32; summed in fp32
             acc += tl.sum(q[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
@@ -149,9 +162,9 @@ _MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS) if triton is not None 
 
 
 def supported(m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """Shapes and dtypes the kernel takes: 1 <= M <= SKINNY_MAX_M rows, float activations and output (any N: the
-    N <= SKINNY_MAX_N rule is `fp8_linear.fp8_linear_skinny`'s, where it is faster)."""
-    return 0 < m <= SKINNY_MAX_M and k > 0 and n > 0 and dtype in IN_DTYPES and out_dtype in OUT_DTYPES
+    """Triton installed; shapes and dtypes the kernel takes: 1 <= M <= SKINNY_MAX_M rows, float activations and
+    output (any N: the N <= SKINNY_MAX_N rule is `fp8_linear.fp8_linear_skinny`'s, where it is faster)."""
+    return triton is not None and 0 < m <= SKINNY_MAX_M and k > 0 and n > 0 and dtype in IN_DTYPES and out_dtype in OUT_DTYPES
 
 
 @torch.library.custom_op("sammie::fp8_skinny_linear", mutates_args=())
@@ -173,17 +186,17 @@ def fp8_skinny_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     s_w = weight_scale.reshape(-1).float()
     s_in = input_scale.reshape(()).float()
     interp = _interpreted()
-    split = split_k or skinny_split(n, k, _num_sms(x.device.index))
+    split = split_k or skinny_split(n, k, num_sms(x.device.index))
     bn_min = block_n or (INTERPRETER_CONFIG["BLOCK_N"] if interp else _MIN_BLOCK_N)
     counters = None if split == 1 else split_counters(x.device, triton.cdiv(n, bn_min))
-    if split > 1 and counters is None:  # more tiles than there are counters (N > 131k): no split
-        split = 1
+    if split > 1 and counters is None:  # more tiles than counters (N > 65,536 at 16-row tiles), or a first use inside
+        split = 1  #                  a CUDA-graph capture (`split_counters`): no split
     # the interpreter truncates fp32 -> bf16 / fp16 casts (`w4a16_gemm`'s note): it writes fp32 and torch rounds
     y = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=x.device)
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     args = (x, weight, s_in, s_w, y, ws, counters if counters is not None else s_w, m, n, k,
             triton.next_power_of_2(m), x.stride(0), weight.stride(0), 1 if s_w.numel() > 1 else 0, y.stride(0))
-    meta = dict(SPLIT_K=split, INTERPRET=interp, BLOCK_M=triton.next_power_of_2(m))
+    meta = dict(SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m))
     if interp or block_n or block_k:
         cfg = dict(INTERPRETER_CONFIG) if interp else dict(BLOCK_N=32, BLOCK_K=256)
         cfg.update({kk: v for kk, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)) if v})

@@ -51,10 +51,11 @@ Prefill (N = 8192): 4 MB read, ~1 us of bandwidth; rows are packed BLOCK_R per p
 "router_gemv_topk": the router's F.linear fused in, for decode (N <= MAX_ROWS). x [N, H], W [E, H] (one dtype,
 unit last strides) -> (logits [N, E] x.dtype, weights [N, k] x.dtype, idx [N, k] int64); reference
 `router_gemv_topk_reference` = F.linear then `router_topk_reference`. At decode the F.linear is a cuBLAS GEMV of 1 MB
-(E = 256, H = 2048, bf16) that is latency-bound (measured 5.3 us per call, ~0.2 TB/s; router_topk 2.6 us; x 40 layers
-~0.32 ms of a ~4.3 ms step). Here one launch (grid: E tiles x H splits x row blocks; `GPU_TILING`)
+(E = 256, H = 2048, bf16) that is latency-bound: in the H200 profile of a lone decode step (Qwen run 9) 5.3 us per call
+(~0.2 TB/s) and router_topk 2.6 us, x 40 layers ~0.32 ms of a ~4.3 ms step; router_bench_run2 times the pair at 8.55 us
+in CUDA-graph replays. Here one launch (grid: E tiles x H splits x row blocks; `GPU_TILING`)
 each reads a slab of W and writes fp32 partial logits to a workspace; the program of a row block that arrives
-last (an int32 arrival counter per row block: `w4a16_gemm.split_counters`, as `_w4a16_dense_kernel` uses them; re-armed
+last (an int32 arrival counter per row block: `split_k.split_counters`, as `_w4a16_dense_kernel` uses them; re-armed
 to 0 by that program, so CUDA-graph replays work) sums the partials in split order, rounds to x.dtype, stores the
 logits and runs `_select_topk` -- router_topk's selection code -- on the rounded rows.
 Numerics: logits are the fp32 sum of x*W (bf16 products exact in fp32) rounded once to x.dtype (`_cast`: RNE also
@@ -74,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.device import triton_device_ok
-from kernels.w4a16_gemm import split_counters  # the per-device int32 arrival counters, zero between launches
+from kernels.split_k import split_counters  # the per-device int32 arrival counters, zero between launches
 
 try:
     import triton
@@ -401,7 +402,7 @@ def _gemv_check(x: torch.Tensor, w: torch.Tensor, k: int) -> str | None:
 def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernel call; `config` overrides `_gemv_tiling` (tests, benchmark sweeps). Without arrival counters
-    (`w4a16_gemm.split_counters`: none yet inside a CUDA-graph capture) the kernel writes the partials only, torch
+    (`split_k.split_counters`: none yet inside a CUDA-graph capture) the kernel writes the partials only, torch
     sums them and router_topk selects (same rounded logits up to the fp32 order of the split sum)."""
     problem = _gemv_check(x, w, k)
     if problem:
@@ -447,15 +448,30 @@ def router_gemv_topk_triton(x: torch.Tensor, w: torch.Tensor, k: int
     return router_gemv_topk_op(x, w, k)
 
 
-def supported_gemv(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
-    """Triton able to run on x's device (as `supported`); x [N, H] with N <= MAX_ROWS and w [E, H] of one dtype in
-    DTYPES, unit last strides (rows may be strided); 1 <= k <= min(E, MAX_TOP_K), E <= MAX_EXPERTS. Any H (masked)."""
+def _gemv_inputs_ok(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """Triton able to run on x's device (as `supported`); x [N, H] and w [E, H] of one dtype in DTYPES, unit last
+    strides (rows may be strided); 1 <= k <= min(E, MAX_TOP_K), E <= MAX_EXPERTS. Any H (masked), any N."""
     if triton is None or not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         return False
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
     if not triton_device_ok(x.device.type, cap, _interpreted(), MIN_CAPABILITY):
         return False
-    return _gemv_check(x, w, int(k)) is None and x.shape[0] <= MAX_ROWS
+    return _gemv_check(x, w, int(k)) is None
+
+
+def supported_gemv(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """The fused kernel's guard: `_gemv_inputs_ok` and N <= MAX_ROWS (decode sizes, where it was measured faster)."""
+    return _gemv_inputs_ok(x, w, k) and x.shape[0] <= MAX_ROWS
+
+
+def linear_then_router_topk(x: torch.Tensor, w: torch.Tensor, k: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op in two launches, F.linear (cuBLAS) then the router_topk kernel: what a decode step ran before the fused
+    kernel, and its fallback (without it a disabled fused kernel meant the op's reference, plain torch softmax /
+    top-k: 24.7 us per call on the H200 against 8.6, results/router_bench_run2). Logits are F.linear's exactly."""
+    logits = F.linear(x, w)
+    weights, idx = router_topk_triton(logits, k)
+    return logits, weights, idx
 
 
 def _ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -496,13 +512,18 @@ def compare_gemv(out, ref, x: torch.Tensor | None = None, w: torch.Tensor | None
 
 
 def describe_gemv(x: torch.Tensor, w: torch.Tensor, k: int) -> dict[str, Any]:
-    return dict(device=x.device.type, rows=x.shape[0] if x.dim() == 2 else None, supported=supported_gemv(x, w, k))
+    return dict(device=x.device.type, rows=x.shape[0] if x.dim() == 2 else None, supported=supported_gemv(x, w, k),
+                two_launch=_gemv_inputs_ok(x, w, k))
+
+
+def supports_two_launch(*, two_launch: bool, **_: Any) -> bool:
+    return two_launch
 
 
 def _gemv_sample(device) -> tuple[tuple, dict]:
-    # small integers: every fp32 sum (and every bf16 partial a library might keep) is exact, so the logits must equal
-    # the reference's bit for bit and the top-k are router_topk's on them; 3 rows x 60 experts x H = 72 (a masked H
-    # tail), bf16, top-8
+    # small integers: every fp32 sum is exact (|sum| <= 2 x 2 x 72 = 288), and both sides round the same sum to bf16,
+    # so the logits must equal the reference's bit for bit and the top-k are router_topk's on them; 3 rows x 60
+    # experts x H = 72 (a masked H tail), bf16, top-8
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(-2, 3, (3, 72), generator=gen).to(torch.bfloat16)
     w = torch.randint(-2, 3, (60, 72), generator=gen).to(torch.bfloat16)
@@ -537,3 +558,4 @@ def register(registry) -> None:
                     tolerance="logits within one ulp of the model dtype of F.linear's (fp32 summation order); "
                               "weights and idx exactly router_topk's on the returned logits (compare)")
     registry.add_implementation(GEMV_NAME, "triton", router_gemv_topk_triton, supports)
+    registry.add_implementation(GEMV_NAME, "linear+router_topk", linear_then_router_topk, supports_two_launch)

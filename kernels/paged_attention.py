@@ -47,7 +47,6 @@ Napkin math (Qwen3.6-35B-A3B full-attention layers: H = 16, KVH = 2, Dh = 256, b
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -56,6 +55,7 @@ import torch.nn.functional as F
 
 from kernels import tolerance
 from kernels.device import triton_device_ok
+from kernels.split_k import num_sms
 
 try:
     import triton
@@ -193,13 +193,6 @@ def _interpreted() -> bool:
     return triton is not None and type(_paged_decode_kernel).__name__ == "InterpretedFunction"
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    if not torch.cuda.is_available():
-        return 4  # interpreter: small, so that the heuristic still splits in tests
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-
-
 def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
     """Splits of each sequence's blocks so that programs (= D x KVH) x splits reaches about one program per SM;
     never more than the table has blocks (a split holds >= 1 block) or MAX_SPLITS. Shapes only: graph-safe."""
@@ -244,7 +237,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     group = heads // kvh
     max_blocks = block_tables.shape[1]
     if num_splits is None:
-        num_splits = num_splits_for(nd * kvh, max_blocks, _num_sms(q.device.index))
+        num_splits = num_splits_for(nd * kvh, max_blocks, num_sms(q.device.index))
     if block_n is None:  # >= 16 for tl.dot; 32 on a GPU for two 16 KB K/V tiles per step at Dh = 256 (unmeasured)
         block_n = max(16 if _interpreted() else 32, triton.next_power_of_2(bs))
     o_part = torch.empty((nd, heads, num_splits, dh), dtype=torch.float32, device=q.device)

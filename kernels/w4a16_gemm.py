@@ -69,7 +69,6 @@ experts is faster again (17-37% per call) and the engine's path on Hopper since 
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, NamedTuple
 
@@ -80,6 +79,7 @@ from kernels.device import triton_device_ok
 import torch.nn.functional as F
 
 from kernels.nvfp4 import BLOCK, NVFP4Tensor, w4a16_linear_reference
+from kernels.split_k import num_sms, split_counters
 
 try:
     import triton
@@ -632,13 +632,6 @@ def _launch(kernel, grid, args: tuple, config: dict | None, modes: dict, **meta)
     kernel.fn[grid](*args, **{k: v for k, v in cfg.items() if k in kernel.fn.arg_names or k.startswith("num_")})
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    if not torch.cuda.is_available():
-        return 4  # interpreter: enough to exercise split-K in tests
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-
-
 def split_k_for(m: int, n: int, k: int, sms: int) -> int:
     """Split K when the (16-row, 64-column) output tiles cannot fill the SMs twice: decode of the shared expert
     (N 1024 / 2048 -> 16-32 tiles on 132 SMs). Each split keeps >= 256 of K; power of two <= MAX_SPLIT_K."""
@@ -671,29 +664,6 @@ def _global_2d(g: torch.Tensor, e: int, n: int) -> tuple[torch.Tensor, int, int]
     raise ValueError(f"global scale of shape {tuple(g.shape)} is neither [], [{e}] nor [{e}, {n}]")
 
 
-# Split-K arrival counters of the dense kernel, one int32 per output tile, per device: all zero between launches (the
-# last split of a tile re-arms its counter). Launches that share them must not overlap: the engine runs its decode on
-# one CUDA stream; a launch on another stream while one is in flight would need counters of its own.
-SPLIT_COUNTERS = 4096  # output tiles: `split_k_for` splits only below 2 x SMs tiles of (16, 64), a few hundred; an
-#                        explicit split_k over more (16, 32) tiles than this is reduced by torch instead
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed counters, or None where they cannot be used: more tiles than SPLIT_COUNTERS, or a first
-    use inside a CUDA-graph capture (allocating there would put them in the graph's pool; the engine's eager warm-up
-    allocates them before any capture)."""
-    if tiles > SPLIT_COUNTERS:
-        return None
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return c
-
-
 def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                        *, swiglu: bool = False, split_k: int | None = None, config: dict | None = None,
                        modes: dict | None = None) -> torch.Tensor:
@@ -709,7 +679,7 @@ def w4a16_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     n_out = n // 2 if swiglu else n
     g, s_gn = _global_1d(global_scale, n)
     if split_k is None:
-        split_k = split_k_for(m, n_out, k, _num_sms(x.device.index))
+        split_k = split_k_for(m, n_out, k, num_sms(x.device.index))
     out_dtype = torch.float32 if _interpreted() else x.dtype  # the interpreter truncates fp32 -> bf16: torch rounds
     y = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     if m == 0:

@@ -99,20 +99,38 @@ def test_split_counters_rearmed_between_calls():
     first = run(x, w, torch.float32, split_k=4)
     second = run(x, w, torch.float32, split_k=4)
     assert torch.equal(first, second)
-    from kernels.w4a16_gemm import split_counters
+    from kernels.split_k import split_counters
 
     assert int(split_counters(x.device, 1).abs().sum()) == 0
 
 
-def test_dispatch_by_rows():
-    """`fp8_linear_skinny`: up to SKINNY_MAX_M rows through the fused kernel (leading dims kept), more through the
-    Triton quantiser + torch._scaled_mm (on the CPU too: torch 2.14 runs `_scaled_mm` there)."""
+def test_dispatch_by_rows_and_outputs(monkeypatch):
+    """`fp8_linear_skinny`: calls of up to SKINNY_MAX_M rows and SKINNY_MAX_N outputs through the fused kernel
+    (leading dims kept), every other call -- more rows, more outputs, no input scale -- through the Triton quantiser
+    + torch._scaled_mm (on the CPU too: torch 2.14 runs `_scaled_mm` there)."""
+    calls = []
+    real = fp8_skinny.fp8_skinny_op
+    monkeypatch.setattr(fp8_skinny, "fp8_skinny_op", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     x, w = make(2, 96, 128, seed=9)
     y = fp8_linear_skinny(x.reshape(1, 2, 128), w)
-    assert y.shape == (1, 2, 96) and y.dtype == x.dtype
-    assert torch.equal(y.reshape(2, 96), run(x, w, x.dtype))
-    big, wb = make(fp8_skinny.SKINNY_MAX_M + 1, 96, 128, seed=10)
-    assert torch.equal(fp8_linear_skinny(big, wb), fp8_linear_triton_quant(big, wb))
+    assert calls == [(2, 128)] and y.shape == (1, 2, 96) and y.dtype == x.dtype
+    assert torch.equal(y.reshape(2, 96), real(x, w.data, w.scale.float(), w.input_scale.float(), x.dtype))
+    for m, n in ((fp8_skinny.SKINNY_MAX_M + 1, 96), (1, fp8_skinny.SKINNY_MAX_N + 16)):
+        big, wb = make(m, n, 128, seed=m + n)
+        assert torch.equal(fp8_linear_skinny(big, wb), fp8_linear_triton_quant(big, wb))
+    _, w_only = make(1, 96, 128, seed=11)
+    with pytest.raises(ValueError, match="static input_scale"):  # weight-only: not this op's path
+        fp8_linear_skinny(x, FP8Tensor(w_only.data, w_only.scale, None))
+    assert calls == [(2, 128)]
+
+
+def test_no_counters_no_split(monkeypatch):
+    """Without arrival counters (a first use inside a CUDA-graph capture, or too many tiles) the launch does not
+    split K: the same bits as an explicit split of 1."""
+    x, w = make(3, 96, 256, seed=12)
+    one = run(x, w, torch.float32, split_k=1)
+    monkeypatch.setattr(fp8_skinny, "split_counters", lambda device, tiles: None)
+    assert torch.equal(run(x, w, torch.float32, split_k=4), one)
 
 
 def test_clear_errors():
@@ -127,10 +145,11 @@ def test_clear_errors():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the autotuned launch (configs benchmarked) needs a GPU")
-@pytest.mark.parametrize("m,n,k", [(1, 2048, 4096), (1, 512, 2048), (4, 8192, 2048)])
+@pytest.mark.parametrize("m,n,k", [(1, 512, 2048), (4, 512, 2048), (1, 2048, 4096), (4, 8192, 2048)])
 def test_autotuned_model_shapes(m, n, k):
-    """The engine's path on the GPU: autotuned tiles and `split_k_for`'s split at Qwen3.6's projection shapes."""
+    """The kernel on the GPU as the engine launches it (autotuned tiles, `skinny_split`'s split) at Qwen3.6's
+    projection shapes: k/v_proj (where the engine uses it) and the wider ones."""
     x, w = make(m, n, k, seed=n)
-    y = fp8_linear_skinny(x, w)
+    y = run(x, w, torch.bfloat16)
     ref32 = fp8_linear_reference(x, w, out_dtype=torch.float32)
     assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + bound(x, w)).all()

@@ -332,7 +332,27 @@ def test_gemv_custom_op_traces_and_registry():
 
     reg = Registry()
     mr.register(reg)
-    assert reg.self_check(DEVICE, ops=[mr.GEMV_NAME]) == {mr.GEMV_NAME: "triton passed"}
+    assert reg.self_check(DEVICE, ops=[mr.GEMV_NAME]) == {
+        mr.GEMV_NAME: "triton passed; linear+router_topk passed"}
+
+
+def test_gemv_falls_back_to_two_launches_not_the_reference():
+    """With the fused kernel disabled (a failed self-check, or by hand) the registry picks F.linear + the router_topk
+    kernel, not the plain-torch reference (3x slower on the H200); its logits are F.linear's bit for bit. Rows past
+    MAX_ROWS take it too."""
+    from engine_core.registry import Registry
+
+    reg = Registry()
+    mr.register(reg)
+    x, w = router_inputs(3, 64, 96, seed=4, dtype=torch.bfloat16)
+    assert reg.choose(mr.GEMV_NAME, **mr.describe_gemv(x, w, 8)).name == "triton"
+    big = router_inputs(mr.MAX_ROWS + 1, 64, 96, seed=5, dtype=torch.bfloat16)[0]
+    assert reg.choose(mr.GEMV_NAME, **mr.describe_gemv(big, w, 8)).name == "linear+router_topk"
+    reg.disable(mr.GEMV_NAME, "triton", "test")
+    impl = reg.choose(mr.GEMV_NAME, **mr.describe_gemv(x, w, 8))
+    assert impl.name == "linear+router_topk"
+    out, ref = impl.fn(x, w, 8), mr.router_gemv_topk_reference(x, w, 8)
+    assert torch.equal(out[0], ref[0]) and mr.compare_gemv(out, ref, x, w) is None
 
 
 def test_router_module_uses_the_fused_op(monkeypatch):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.registry import Registry
+from kernels import split_k as splits
 from kernels import w4a16_gemm, w4a16_swapped
 from kernels.nvfp4 import (
     E2M1_VALUES,
@@ -194,9 +195,9 @@ def test_dense_split_k_reduced_in_kernel_matches_torch_reduction(split_k, monkey
     ref32 = x.float() @ w_dq.T
     fused = w4a16_dense_launch(x, *w, split_k=split_k)
     fused_again = w4a16_dense_launch(x, *w, split_k=split_k)  # the counters were re-armed: same result
-    counters = w4a16_gemm._COUNTERS[(x.device.type, x.device.index)]
+    counters = splits._COUNTERS[(x.device.type, x.device.index)]
     assert int(counters.abs().sum()) == 0
-    monkeypatch.setattr(w4a16_gemm, "SPLIT_COUNTERS", 0)
+    monkeypatch.setattr(splits, "SPLIT_COUNTERS", 0)
     plain = w4a16_dense_launch(x, *w, split_k=split_k)
     for y, what in ((fused, "in-kernel"), (fused_again, "in-kernel, again"), (plain, "torch reduction")):
         check_gemm(y, x, w_dq, ref32, f"split {split_k}, {what}")
@@ -229,7 +230,7 @@ def test_dense_swiglu(split_k, m, monkeypatch):
     check_swiglu(y, x, w_dq, f"split {split_k}")
     assert compare(y, w4a16_swiglu_reference(x, w)) is None
     if split_k > 1:
-        monkeypatch.setattr(w4a16_gemm, "SPLIT_COUNTERS", 0)
+        monkeypatch.setattr(splits, "SPLIT_COUNTERS", 0)
         check_swiglu(w4a16_dense_launch(x, *w, swiglu=True, split_k=split_k), x, w_dq, f"split {split_k}, torch")
     with pytest.raises(ValueError, match="even number of rows"):
         w4a16_dense_launch(x, *rand_weight(47, 192, seed=9), swiglu=True)

@@ -538,8 +538,10 @@ def test_kernel_self_check_at_start():
     want = "triton passed" if INTERPRETED else "triton skipped (does not support the sample on cpu)"
     for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "w4a16_linear",
                "w4a16_swiglu", "w4a16_moe", "rms_norm_zc", "rms_norm_gated", "add_rms_norm_zc", "moe_combine",
-               "router_topk", "router_gemv_topk", "attn_decode_prep", "attn_output_gate"):
+               "router_topk", "attn_decode_prep", "attn_output_gate"):
         assert checks[op] == want, (op, checks)
+    two = want.replace("triton", "linear+router_topk")  # the fused router's fallback, checked after it
+    assert checks["router_gemv_topk"] == f"{want}; {two}", checks
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
 

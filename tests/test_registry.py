@@ -64,11 +64,18 @@ def test_auto_prefers_the_fast_path_and_records_fallbacks(caplog):
 
 def test_disable_and_enable_an_implementation():
     reg = toy_registry()
-    reg.disable("double", "triton", "side-by-side benchmark")
+    assert reg.disable("double", "triton", "side-by-side benchmark") is None
     assert reg.choose("double", n=3).name == "reference"
     assert "triton disabled: side-by-side benchmark" in reg.choices()["double"]["fallback"]
     reg.enable("double", "triton")
     assert reg.choose("double", n=3).name == "triton"
+    # a failed self-check's verdict survives a disable / enable round trip
+    bad = toy_registry(fast=double_wrong)
+    bad.self_check("cpu")
+    before = bad.disable("double", "triton", "benchmark")
+    assert before.startswith("self-check failed")
+    bad.enable("double", "triton", before)
+    assert bad.choose("double", n=3).name == "reference"
     with pytest.raises(ValueError, match="no implementation named 'cuda'"):
         reg.disable("double", "cuda", "typo")
 

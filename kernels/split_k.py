@@ -1,0 +1,44 @@
+"""What the split-K kernels share: the SM count their split heuristics aim at, and the per-device int32 arrival
+counters with which the split that finishes a tile last reduces the others' partials inside the kernel (CUTLASS's
+semaphore pattern: every thread's partial stored, a CTA barrier, one acq_rel atomic_add; the last arrival reads the
+partials through L2 and re-arms the counter to 0).
+
+Users: the dense W4A16 kernel (`w4a16_gemm`: one counter per output tile), the decode FP8 linear (`fp8_skinny`: one
+per N tile) and the router GEMV + top-k (`moe_router`: one per row block). Each launch leaves every counter it
+touched at 0, so launches may share them as long as they do not overlap in time: the engine runs its steps on one
+CUDA stream; a launch on another stream while one is in flight would need counters of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SPLIT_COUNTERS = 4096  # counters per device: more tiles than this in one launch -> no counters (the caller reduces
+#                        with torch or does not split); the decode shapes use a few hundred
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of CUDA device `device_index`; 4 without CUDA (the interpreter: small, so that the
+    split heuristics still split in tests)."""
+    if not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed counters, or None where they cannot be used: more tiles than SPLIT_COUNTERS, or a first
+    use inside a CUDA-graph capture (allocating there would put them in the graph's pool; the engine's eager warm-up
+    allocates them before any capture)."""
+    if tiles > SPLIT_COUNTERS:
+        return None
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return c
