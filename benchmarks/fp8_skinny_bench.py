@@ -98,7 +98,8 @@ def main() -> None:
         cells = [f"{r[lab]['us']:.2f} ({r[lab]['tb_s']:.2f})" if lab in r else "-" for lab in labels]
         ratio = (f"{r[labels[1]]['us'] / r[labels[0]]['us']:.2f}" if labels[1] in r else "-")
         err = f"{r['skinny_rel_err']:.1e}" if "skinny_rel_err" in r else "-"
-        lines.append(f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | " + " | ".join(cells) + f" | {ratio} | {err} |")
+        lines.append(f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | " + " | ".join(cells)
+                     + f" | {ratio} | {err} |")
     (out / "fp8_skinny_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

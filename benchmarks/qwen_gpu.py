@@ -157,6 +157,13 @@ def markdown(r: dict) -> str:
     a, b, c = r.get("decode_1stream", {}), r.get("ttft", {}), r.get("decode_streams", {})
     hf = r.get("transformers", {})
     fmt = lambda v, k=1: "-" if v is None else f"{v:.{k}f}"  # noqa: E731
+
+    def side_by_side(v: dict | None, ttft: bool = True) -> str:
+        """A side-by-side engine's lone decode tok/s / 32-stream tok/s (/ lone TTFT ms)."""
+        v = v or {}
+        cells = [v.get("lone", {}).get("decode_tok_per_s"),
+                 (v.get("streams", {}).get("decode_phase") or {}).get("tok_per_s")]
+        return " / ".join(fmt(c) for c in cells + ([v.get("lone", {}).get("ttft_ms")] if ttft else []))
     lines += [
         f"| (a) decode tok/s, 1 stream, {s['context']} ctx | {fmt(a.get('tok_per_s'))} | {fmt(hf.get('tok_per_s'))} |",
         f"| (b) TTFT ms, {s['context']}-token prompt (median) | {fmt(b.get('median_ms'))} | "
@@ -178,25 +185,15 @@ def markdown(r: dict) -> str:
             f"| (e) engine without prefill graphs: TTFT ms, lone {s['context']}-token request | "
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('ttft_ms'))} | - |",
             f"| (e) engine without async_decode (decode steps not overlapped): decode tok/s, lone request / all "
-            f"{st.get('n')} streams decoding | "
-            f"{fmt((r.get('engine_sync') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
-            f"{fmt(((r.get('engine_sync') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
-            f"| - |",
+            f"{st.get('n')} streams decoding | {side_by_side(r.get('engine_sync'), ttft=False)} | - |",
             f"| (e) engine with shared_expert_in_moe: decode tok/s, lone request / all {st.get('n')} streams decoding "
-            f"(the 32-token bucket keeps the dense shared expert) | "
-            f"{fmt((r.get('engine_shared') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
-            f"{fmt(((r.get('engine_shared') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} "
+            f"(the 32-token bucket keeps the dense shared expert) | {side_by_side(r.get('engine_shared'), ttft=False)} "
             f"| - |",
             f"| (e) engine with the experts in the {(r.get('engine_layout') or {}).get('layout')} layout: decode "
-            f"tok/s, "
-            f"lone request / all {st.get('n')} streams decoding / TTFT ms | "
-            f"{fmt((r.get('engine_layout') or {}).get('lone', {}).get('decode_tok_per_s'))} / "
-            f"{fmt(((r.get('engine_layout') or {}).get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} / "
-            f"{fmt((r.get('engine_layout') or {}).get('lone', {}).get('ttft_ms'))} | - |",
+            f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
+            f"{side_by_side(r.get('engine_layout'))} | - |",
             *(f"| (e) engine without {w.get('without')}: decode tok/s, lone request / all {st.get('n')} streams "
-              f"decoding / TTFT ms | {fmt(w.get('lone', {}).get('decode_tok_per_s'))} / "
-              f"{fmt((w.get('streams', {}).get('decode_phase') or {}).get('tok_per_s'))} / "
-              f"{fmt(w.get('lone', {}).get('ttft_ms'))} | - |"
+              f"decoding / TTFT ms | {side_by_side(w)} | - |"
               for key, w in r.items() if key.startswith("engine_without")),
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
             f" | {fmt(e.get('start_s'))} | - |",

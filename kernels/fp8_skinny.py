@@ -25,10 +25,10 @@ History: the first version ran the products on the tensor cores (fp16 mma.sync o
 all 16 rows every K tile); on the H200 (2026-11-30, results/fp8_skinny_bench_run1) it was 1.25-2.4x SLOWER than the
 quantiser + cuBLASLt at M = 1 (8192 x 2048: 21.4 vs 8.9 us) -- hence CUDA cores and M <= 4.
 
-Split K (`skinny_split`: until the 32-row tiles x splits give each SM a few programs): each split writes its fp32 partial to
-a workspace and bumps the tile's arrival counter; the split that arrives last sums the partials in split order
-(deterministic) and writes y. The counters are `w4a16_gemm`'s (one int32 per output tile, re-armed by the last split,
-so CUDA-graph replays start from zero; launches sharing them must not overlap: `kernels/split_k.py`).
+Split K (`skinny_split`: until the 32-row tiles x splits give each SM a few programs): each split writes its fp32
+partial to a workspace and bumps the tile's arrival counter; the split that arrives last sums the partials in split
+order (deterministic) and writes y. The counters and that protocol are `kernels/split_k.py`'s (one int32 per output
+tile, re-armed by the last split, so CUDA-graph replays start from zero; shared with the other split-K kernels).
 
 Larger M (prefill, many streams) is the tensor-core regime where cuBLASLt is the right GEMM: `fp8_linear_skinny`
 hands those calls, and those with N > SKINNY_MAX_N, to `fp8_linear.fp8_linear_triton_quant`.
@@ -46,12 +46,14 @@ try:
     import triton.language as tl
 
     from kernels.fp8_quant import static_grid
+    from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the registry's other implementations and the reference
     triton = None
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Calls with more activation rows than this go to cuBLASLt (`fp8_linear_skinny`): the kernel's CUDA-core products
-# grow with M (M x BN x BK per K tile) where the tensor cores' do not. 4 = the decode graphs' smallest buckets (1, 2, 4).
+# grow with M (M x BN x BK per K tile) where the tensor cores' do not. 4 = the decode graphs' smallest buckets
+# (1, 2, 4).
 SKINNY_MAX_M = 4
 # ... and calls with more output features (N) than this: measured on the H200 (2026-11-30, results/
 # fp8_skinny_bench_run2, M = 1 / 2 / 4) this kernel beats the quantiser + cuBLASLt only where cuBLASLt's 64-row tiles
@@ -137,15 +139,12 @@ if triton is not None:
         else:
             w_ptr = ws + offs_m[:, None] * N + offs_n[None, :]
             tl.store(w_ptr + pid_k * M * N, acc, mask=out_ok)
-            # every thread's partial is written before one thread's release (CUTLASS's semaphore pattern)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:  # the last split of this tile: the others' partials are visible
+            if last_arrival(counters, pid_n, SPLIT_K):  # the last split of this tile: the others' partials are visible
                 tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in tl.static_range(SPLIT_K):  # split order (deterministic); ".cg": L2, never a stale L1 line
                     tot += tl.load(w_ptr + p * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptr, (tot * alpha[None, :]).to(y.dtype.element_ty), mask=out_ok)
-                tl.atomic_xchg(counters + pid_n, 0)  # re-armed for the next launch (and the next graph replay)
+                rearm(counters, pid_n)
 
     _fp8_skinny_autotuned = triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "SPLIT_K"],
                                             prune_configs_by={"early_config_prune": _prune})(_fp8_skinny_kernel)
@@ -164,7 +163,8 @@ _MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS) if triton is not None 
 def supported(m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
     """Triton installed; shapes and dtypes the kernel takes: 1 <= M <= SKINNY_MAX_M rows, float activations and
     output (any N: the N <= SKINNY_MAX_N rule is `fp8_linear.fp8_linear_skinny`'s, where it is faster)."""
-    return triton is not None and 0 < m <= SKINNY_MAX_M and k > 0 and n > 0 and dtype in IN_DTYPES and out_dtype in OUT_DTYPES
+    return (triton is not None and 0 < m <= SKINNY_MAX_M and k > 0 and n > 0 and dtype in IN_DTYPES
+            and out_dtype in OUT_DTYPES)
 
 
 @torch.library.custom_op("sammie::fp8_skinny_linear", mutates_args=())

@@ -55,7 +55,7 @@ unit last strides) -> (logits [N, E] x.dtype, weights [N, k] x.dtype, idx [N, k]
 (~0.2 TB/s) and router_topk 2.6 us, x 40 layers ~0.32 ms of a ~4.3 ms step; router_bench_run2 times the pair at 8.55 us
 in CUDA-graph replays. Here one launch (grid: E tiles x H splits x row blocks; `GPU_TILING`)
 each reads a slab of W and writes fp32 partial logits to a workspace; the program of a row block that arrives
-last (an int32 arrival counter per row block: `split_k.split_counters`, as `_w4a16_dense_kernel` uses them; re-armed
+last (an int32 arrival counter per row block: `split_k.split_counters` and its `last_arrival` / `rearm`; re-armed
 to 0 by that program, so CUDA-graph replays work) sums the partials in split order, rounds to x.dtype, stores the
 logits and runs `_select_topk` -- router_topk's selection code -- on the rounded rows.
 Numerics: logits are the fp32 sum of x*W (bf16 products exact in fp32) rounded once to x.dtype (`_cast`: RNE also
@@ -83,6 +83,7 @@ try:
     from triton.language.extra import libdevice
 
     from kernels.rms_norm import _cast  # fp32 -> model dtype, round to nearest even (also under the interpreter)
+    from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
     triton = None
 
@@ -189,10 +190,7 @@ if triton is not None:
         part = ws + rows[:, None] * E  # [BR, 1]: row starts of split 0
         tl.store(part + pid_s * N * E + ex[None, :], acc, mask=r_ok[:, None] & e_ok[None, :])
         if REDUCE:
-            # every thread's partial is written before one thread's release (as `_w4a16_dense_kernel`)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counters + pid_r, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(0) * SPLIT - 1:  # last of this row block: every partial is visible
+            if last_arrival(counters, pid_r, tl.num_programs(0) * SPLIT):  # last of this row block: all partials seen
                 cols = tl.arange(0, BLOCK_EF)  # [BEF]: the whole row
                 c_ok = cols < E
                 ok = r_ok[:, None] & c_ok[None, :]
@@ -208,7 +206,7 @@ if triton is not None:
                 tl.store(w_out + rows[:, None] * K + kk[None, :], _cast(wts, w_out.dtype.element_ty, INTERPRET),
                          mask=k_ok)
                 tl.store(i_out + rows[:, None] * K + kk[None, :], ids.to(tl.int64), mask=k_ok)
-                tl.atomic_xchg(counters + pid_r, 0)  # re-armed for the next launch (and the next graph replay)
+                rearm(counters, pid_r)
 
 
 def _interpreted() -> bool:
@@ -272,7 +270,8 @@ def supported(logits: torch.Tensor, k: int) -> bool:
     if triton is None or not isinstance(logits, torch.Tensor):
         return False
     cap = torch.cuda.get_device_capability(logits.device) if logits.is_cuda else None
-    if not triton_device_ok(logits.device.type, cap, _interpreted(), MIN_CAPABILITY) or logits.dim() != 2 or logits.dtype not in DTYPES:
+    if (not triton_device_ok(logits.device.type, cap, _interpreted(), MIN_CAPABILITY) or logits.dim() != 2
+            or logits.dtype not in DTYPES):
         return False
     e = logits.shape[1]
     return logits.stride(1) == 1 and 1 <= e <= MAX_EXPERTS and 1 <= int(k) <= min(e, MAX_TOP_K)

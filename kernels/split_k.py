@@ -15,6 +15,12 @@ import functools
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton: the counters (torch) still work, the jit helpers do not exist
+    triton = None
+
 SPLIT_COUNTERS = 4096  # counters per device: more tiles than this in one launch -> no counters (the caller reduces
 #                        with torch or does not split); the decode shapes use a few hundred
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -42,3 +48,20 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
             return None
         c = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
     return c
+
+
+if triton is not None:
+
+    @triton.jit
+    def last_arrival(counters, tile, arrivals):
+        """Call after this program stored its partial of `tile`: True in the one program that arrives last of
+        `arrivals` -- every other partial of the tile is then visible to it (read them with ".cg" loads, L2, never a
+        stale L1 line). All threads' stores come before the release: a CTA barrier, then one acq_rel atomic."""
+        tl.debug_barrier()
+        return tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+    @triton.jit
+    def rearm(counters, tile):
+        """The last arrival, done with the partials: the tile's counter back to 0 for the next launch (and the next
+        CUDA-graph replay)."""
+        tl.atomic_xchg(counters + tile, 0)

@@ -84,6 +84,8 @@ from kernels.split_k import num_sms, split_counters
 try:
     import triton
     import triton.language as tl
+
+    from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the references work, supports() says no
     triton = None
 
@@ -465,11 +467,8 @@ if triton is not None:
             if SWIGLU:
                 tl.store(w_ptr + (pid_k * 2 + 1) * part, acc_up, mask=out_ok)
         if SPLIT_K > 1 and REDUCE:
-            # every thread's partial is written before one thread's release (CUTLASS's semaphore pattern)
-            tl.debug_barrier()
             tile = pid_m * tl.num_programs(1) + pid_n
-            arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:  # the last split of this tile: the others' partials are visible
+            if last_arrival(counters, tile, SPLIT_K):  # the last split of this tile: the others' partials are visible
                 tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 tot_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for p in tl.static_range(SPLIT_K):  # ".cg": L2, never a stale L1 line
@@ -480,7 +479,7 @@ if triton is not None:
                 if SWIGLU:
                     tot = tot / (1.0 + tl.exp(-tot)) * tot_up
                 tl.store(y_ptr, tot.to(y.dtype.element_ty), mask=out_ok)
-                tl.atomic_xchg(counters + tile, 0)  # re-armed for the next launch (and the next graph replay)
+                rearm(counters, tile)
 
     # narrow tiles for decode, where an expert has 1-2 real rows and a layer's (expert, N-tile) programs must still
     # fill 132 SMs and keep enough weight loads in flight. (A register-prefetch variant, PREFETCH, measured no faster
