@@ -36,6 +36,15 @@
 #      then the fp8_skinny tests (needs > 45 s when the Triton cache is cold).
 #  16. (eighth session; ran: run 15) the engine beside: without the fused router, without the decode FP8 kernel,
 #      with dual experts (run 15; dual is now the Hopper default, so the step now compares split halves).
+#  17. (ninth session) where the time goes now: the graphed decode step profiled at 1 and 32 streams and the lone
+#      1k prefill (TTFT, kernels), one process, engine defaults (dual experts, fused router); then the fp8_skinny and
+#      router per-call benches after the eighth session's review fixes.
+#  18. (ninth session) the decode W4A16 GEMV (kernels/w4a16_gemv.py): per call beside the tensor-core kernels, then the
+#      engine (GEMV on: experts, shared expert) beside the same engine with the three GEMV implementations disabled,
+#      then the GEMV's GPU tests (autotuning compiles every config cold: slow). (Ran: the bench; the engine part was
+#      cut by its 330 s limit -- hence step 19.)
+#  19. (ninth session) step 18's engine part alone: the engine (GEMV on) beside the same engine without the three GEMV
+#      implementations, then as many GEMV GPU tests as the call has time for.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -54,6 +63,9 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="14" bash benchmarks/gpu_next.sh      # ~8 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="15" bash benchmarks/gpu_next.sh      # ~8 min (ran: run 14)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="16" bash benchmarks/gpu_next.sh      # ~8 min (ran: run 15)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="17" bash benchmarks/gpu_next.sh      # ~9 min (ran: run 16)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="18" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: bench run 1)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="19" bash benchmarks/gpu_next.sh      # ~9.5 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -201,5 +213,37 @@ timeout 500 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --de
   --without router_gemv_topk:triton --without fp8_linear:triton_skinny+scaled_mm --compare-layout split_halves \
   --out "$R/qwen_ab" > "$R/qwen_ab.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_ab/qwen_gpu.md" | cut -c1-200
+fi
+if want 17; then
+say "17. decode profile (1 and 32 streams) and TTFT profile of the default engine; fp8_skinny / router benches"
+timeout 400 python benchmarks/qwen_profile.py --engine --engine-streams 1,32 --engine-prefill --prefill-buckets 1024 \
+  --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E "wall_ms_per_step|ttft_ms_median" "$R/qwen_profile.log" | cut -c1-300
+grep -E "^  engine" "$R/qwen_profile.log" | cut -c1-160 | head -90
+timeout 100 python benchmarks/fp8_skinny_bench.py --rows 1,2,4 --out "$R/fp8_skinny_bench" > "$R/fp8_skinny_bench.log" 2>&1
+grep -E "^\| " "$R/fp8_skinny_bench/fp8_skinny_bench.md" | cut -c1-160
+timeout 40 python benchmarks/router_bench.py --out "$R/router_bench" > "$R/router_bench.log" 2>&1
+grep -E "^\| " "$R/router_bench/router_bench.md" | cut -c1-160
+fi
+if want 18; then
+say "18. decode W4A16 GEMV: per-call bench, engine with / without it, GPU tests"
+timeout 150 python benchmarks/w4a16_gemv_bench.py --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-220
+timeout 330 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --without w4a16_moe:triton_gemv,w4a16_swiglu:triton_gemv,w4a16_linear:triton_gemv \
+  --out "$R/qwen_gemv" > "$R/qwen_gemv.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_gemv/qwen_gpu.md" | cut -c1-220
+grep -E "kernel_checks|w4a16" "$R/qwen_gemv.log" | cut -c1-300 | head -5
+timeout 75 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
+fi
+if want 19; then
+say "19. the engine with / without the decode W4A16 GEMV"
+timeout 520 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --without w4a16_moe:triton_gemv,w4a16_swiglu:triton_gemv,w4a16_linear:triton_gemv \
+  --out "$R/qwen_gemv" > "$R/qwen_gemv.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_gemv/qwen_gpu.md" | cut -c1-220
+timeout 35 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
 fi
 say "done"

@@ -373,7 +373,7 @@ def main() -> None:
                     help="(e) once more with the routed experts repacked into this byte layout (NVFP4Experts.repack; "
                          "the run's own is the loader's default), side by side")
     ap.add_argument("--without", action="append", default=[],
-                    help="OP:IMPL -- (e) once more with this registry implementation disabled (e.g. "
+                    help="OP:IMPL[,OP:IMPL...] -- (e) once more with these registry implementations disabled (e.g. "
                          "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
                          "side; repeatable, one engine each")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
@@ -508,22 +508,24 @@ def main() -> None:
                 r["errors"].append(f"(e) engine with {options}: {type(e).__name__}: {e}")
             log(f"(e) {options} {r.get(key)}")
             save()
-        for i, without in enumerate(args.without):  # the same engine with one kernel taken out of the registry's choice
+        for i, without in enumerate(args.without):  # the same engine with kernels taken out of the registry's choice
             from qwen_engine.model.quantized import forget_kernel_choices
 
-            op, _, impl = without.partition(":")
+            pairs = [w.partition(":")[::2] for w in without.split(",")]  # "OP:IMPL[,OP:IMPL...]": one engine
             registry = default_registry()
             key = "engine_without" if i == 0 else f"engine_without_{i}"
-            before = None
+            before = {}
             try:
-                before = registry.disable(op, impl, "benchmarks/qwen_gpu.py --without (side-by-side run)")
+                for op, impl in pairs:
+                    before[op, impl] = registry.disable(op, impl, "benchmarks/qwen_gpu.py --without (side by side)")
                 forget_kernel_choices(model)
                 r[key] = dict(without=without, **asyncio.run(engine_phase(
                     model, cfg, device, ctx, steps, streams, rand, prefill_buckets=buckets)))
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine without {without}: {type(e).__name__}: {e}")
             finally:
-                registry.enable(op, impl, before)  # a failed start-up self-check stays in force
+                for (op, impl), why in before.items():
+                    registry.enable(op, impl, why)  # a failed start-up self-check stays in force
                 forget_kernel_choices(model)
             log(f"(e) without {without} {r.get(key)}")
             save()

@@ -269,12 +269,12 @@ if triton is not None:
             "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
     @triton.jit
-    def _dequant(pw, sc, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEQ: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-        """Packed bytes [BN, BK/16, 8] + scale bytes [BN, BK/16] -> (even-k, odd-k) weights [BN, BK/2] in DTYPE,
-        times `_dequant_gain`'s inverse. DEQ (bf16 only, DEQ_MODES): 0 dequantise in fp16 and convert; 1 and 2 build
-        E2M1 x 2^-126 with integer ops (in Triton / in PTX) and multiply once by scale x 2^119, so the tile holds
-        weight x 2^-7: exact (>= 2^-17, a normal bf16), and the epilogue's fp32 x 2^7 undoes it exactly."""
+    def _dequant_groups(pw, sc, DTYPE: tl.constexpr, DEQ: tl.constexpr, INTERPRET: tl.constexpr):
+        """Packed bytes [BN, G, 8] + their scale bytes [BN, G] (G 16-weight groups per row) -> (even-k, odd-k)
+        weights [BN, G, 8] in DTYPE, times `_dequant_gain`'s inverse. DEQ (bf16 only, DEQ_MODES): 0 dequantise in
+        fp16 and convert; 1 and 2 build E2M1 x 2^-126 with integer ops (in Triton / in PTX) and multiply once by
+        scale x 2^119, so the tile holds weight x 2^-7: exact (>= 2^-17, a normal bf16), and the caller's fp32 x 2^7
+        undoes it exactly."""
         s = _e4m3_fp16(sc.to(tl.uint16))[:, :, None]  # 1/16 of the weights: its conversions cost little
         if DTYPE == tl.bfloat16 and DEQ > 0:
             s = s.to(tl.float32) * _TWO_119  # <= 448 x 2^119 < 2^128: a normal bf16, exact
@@ -282,20 +282,23 @@ if triton is not None:
                 p = pw.to(tl.uint32)
                 lo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True) * s
                 hi = ((((p >> 4) & 7) << 22) | (((p >> 4) & 8) << 28)).to(tl.float32, bitcast=True) * s
-                lo, hi = lo.to(DTYPE), hi.to(DTYPE)  # exact, so the interpreter's truncating cast is too
+                return lo.to(DTYPE), hi.to(DTYPE)  # exact, so the interpreter's truncating cast is too
+            s = s.to(tl.bfloat16)
+            if DEQ == 2:
+                lo, hi = _e2m1x2_bf16_tiny_ptx(pw)
             else:
-                s = s.to(tl.bfloat16)
-                if DEQ == 2:
-                    lo, hi = _e2m1x2_bf16_tiny_ptx(pw)
-                else:
-                    p = pw.to(tl.uint16)
-                    lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
-                lo, hi = lo * s, hi * s  # bf16 x bf16 (one HMUL2 per two weights), exact
-            return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
+                p = pw.to(tl.uint16)
+                lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
+            return lo * s, hi * s  # bf16 x bf16 (one HMUL2 per two weights), exact
         p = pw.to(tl.uint16)
-        lo = tl.reshape(_e2m1_fp16(p & 0xF) * s, (BLOCK_N, BLOCK_K // 2))
-        hi = tl.reshape(_e2m1_fp16(p >> 4) * s, (BLOCK_N, BLOCK_K // 2))
-        return lo.to(DTYPE), hi.to(DTYPE)
+        return (_e2m1_fp16(p & 0xF) * s).to(DTYPE), (_e2m1_fp16(p >> 4) * s).to(DTYPE)
+
+    @triton.jit
+    def _dequant(pw, sc, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEQ: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+        """`_dequant_groups` of a K tile ([BN, BK/16, 8] bytes, [BN, BK/16] scales) as [BN, BK/2] dot operands."""
+        lo, hi = _dequant_groups(pw, sc, DTYPE, DEQ, INTERPRET)
+        return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
 
     @triton.jit
     def _dequant_gain(DTYPE: tl.constexpr, DEQ: tl.constexpr):
@@ -1025,15 +1028,22 @@ def default_expert_layout(device) -> int:
 
 
 def register(registry) -> None:
+    """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe"; each first tries `kernels/w4a16_gemv.py` ("triton_gemv":
+    decode-sized calls on CUDA cores, the rest handed to this module's kernels), then this module's ("triton")."""
+    from kernels import w4a16_gemv as gemv
+
     registry.add_op(DENSE, w4a16_linear_reference, sample=_sample_dense, compare=compare, describe=describe_dense,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 output rounding 2^-9; exact dequant, fp32 "
                               "accumulation; only summation order differs)")
+    registry.add_implementation(DENSE, gemv.GEMV, gemv.w4a16_linear_gemv, supports_dense)
     registry.add_implementation(DENSE, "triton", w4a16_linear_triton, supports_dense)
     registry.add_op(SWIGLU, w4a16_swiglu_reference, sample=_sample_swiglu, compare=compare,
                     describe=describe_swiglu,
                     tolerance="max |diff| <= 1e-2 x max |ref| (as w4a16_linear; the SiLU and product in fp32)")
+    registry.add_implementation(SWIGLU, gemv.GEMV, gemv.w4a16_swiglu_gemv, supports_swiglu)
     registry.add_implementation(SWIGLU, "triton", w4a16_swiglu_triton, supports_swiglu)
     registry.add_op(MOE, moe_experts_w4a16_reference, sample=_sample_moe, compare=compare, describe=describe_moe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 rounding of the SwiGLU activations between the "
                               "two GEMMs and of the output; fp32 everywhere else)")
+    registry.add_implementation(MOE, gemv.GEMV, gemv.moe_experts_w4a16_gemv, supports_moe)
     registry.add_implementation(MOE, "triton", moe_experts_w4a16_triton, supports_moe)

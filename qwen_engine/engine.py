@@ -107,10 +107,12 @@ class QwenEngineConfig:
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
     #                              auto (dual on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
     #                              dual (split halves for the swap-AB kernel, kernels/w4a16_swapped.py, plus a
-    #                              tile-major copy for decode batches of <= 4 tokens: +16 GB at full size) |
+    #                              checkpoint-layout copy that decode batches of <= 4 tokens read with the GEMV,
+    #                              kernels/w4a16_gemv.py: +16 GB at full size) |
     #                              split_halves | tile_major | checkpoint. H200, Qwen run 13: split halves TTFT
     #                              65 -> 54 ms, 32 streams +15%, lone decode -11% against tile_major; run 15: dual
-    #                              lone decode 214 -> 239 tok/s against split halves, the rest equal
+    #                              (then with a tile-major copy) lone decode 214 -> 239 tok/s against split
+    #                              halves, the rest equal; run 16: the GEMV on the checkpoint copy 235 -> 284
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
@@ -664,8 +666,9 @@ def set_shared_expert_in_moe(model: torch.nn.Module, on: bool) -> int:
 def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry) -> dict[str, str]:
     """The routed-expert op on the device at every kernel layout the model's experts use that the registry's
     self-check sample (`w4a16_gemm._sample_moe`: the device's default layout) does not cover, e.g. tile_major, or
-    dual's tile-major copy. A failure puts the op on its reference (all layouts: it is one registry op) and says so.
-    -> {"w4a16_moe[<layout>]": outcome}."""
+    dual's small-batch copy (the checkpoint layout, 3 tokens: the decode GEMV), through the implementation the
+    registry chooses for it. A failure puts the op on its reference (all layouts: it is one registry op) and says
+    so. -> {"w4a16_moe[<layout>]": outcome}."""
     from kernels import w4a16_gemm as w
 
     from .model.quantized import NVFP4Experts
@@ -673,23 +676,24 @@ def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry)
     used = set()
     for mod in model.modules():
         if isinstance(mod, NVFP4Experts):
-            used |= {mod.layout} | ({w.TILE_MAJOR} if mod.small_tokens else set())
+            used |= {mod.layout} | ({mod.small_layout} if mod.small_tokens else set())
     out = {}
-    for layout in sorted(used - {w.CHECKPOINT, w.default_expert_layout(device)}):
+    for layout in sorted(used - {w.default_expert_layout(device)}):
         name = f"{w.MOE}[{w.LAYOUT_NAMES[layout]}]"
         if registry.preference(w.MOE).value == "reference":
             out[name] = "skipped (the reference runs)"
             continue
         args, _ = w._sample_moe(device, layout=layout)
+        impl = registry.choose(w.MOE, **registry.spec(w.MOE).describe(*args))
         try:
-            err = w.compare(w.moe_experts_w4a16_triton(*args), w.moe_experts_w4a16_reference(*args))
+            err = w.compare(impl.fn(*args), w.moe_experts_w4a16_reference(*args))
         except Exception as exc:  # noqa: BLE001 - reported; the reference then runs
             err = repr(exc)
         if err is None:
-            out[name] = "triton passed"
+            out[name] = f"{impl.name} passed"
         else:
             registry.set_preference("reference", op=w.MOE)
-            out[name] = f"triton FAILED ({err}); the reference runs"
+            out[name] = f"{impl.name} FAILED ({err}); the reference runs"
             log.error("kernel self-check %s failed: %s; w4a16_moe runs its reference", name, err)
     return out
 
@@ -704,7 +708,8 @@ def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
     for mod in model.modules():
         if isinstance(mod, NVFP4Experts):
-            dual = f" + tile_major for <= {mod.small_tokens} tokens" if mod.small_tokens else ""
+            dual = (f" + {LAYOUT_NAMES[mod.small_layout]} for <= {mod.small_tokens} tokens" if mod.small_tokens
+                    else "")
             name = LAYOUT_NAMES[mod.layout] + dual
             out[name] = out.get(name, 0) + 1
     return out

@@ -54,8 +54,10 @@ def check_expert_layout(expert_layout: str) -> None:
 
 def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> str:
     """"auto" -> the layout the loader stores on `device`: "dual" on Hopper (split halves for the swap-AB kernel plus a
-    tile-major copy for decode batches of <= 4 tokens; H200, Qwen run 15, one model side by side: lone decode 213.6
-    -> 238.8 tok/s, 32 streams 2,101 / 2,098 tok/s and TTFT 44.7 / 44.4 ms, for +16 GB of weights); otherwise
+    checkpoint-layout copy that decode batches of <= 4 tokens read with the GEMV, `kernels/w4a16_gemv.py`; H200, one
+    model side by side: run 15, with a tile-major copy for the grouped kernel, lone decode 213.6 -> 238.8 tok/s, 32
+    streams 2,101 / 2,098 tok/s and TTFT 44.7 / 44.4 ms, for +16 GB of weights; run 16, the GEMV: 235.0 -> 283.5
+    tok/s); otherwise
     `kernels.w4a16_gemm.default_expert_layout`'s (tile-major on other GPUs, the checkpoint's on the CPU). Any other
     name is returned as given."""
     from kernels.w4a16_gemm import LAYOUT_NAMES, default_expert_layout
@@ -71,8 +73,8 @@ def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> str
 
 def apply_expert_layout(experts: NVFP4Experts, expert_layout: str, device: torch.device | str) -> bool:
     """Repack `experts` for `expert_layout`: "auto" (`resolve_expert_layout`: dual on Hopper, tile-major on other
-    GPUs, the checkpoint's on the CPU), a name of `EXPERT_LAYOUTS`, or "dual" (split halves plus a tile-major copy
-    for small decode batches, `NVFP4Experts.repack_dual`). False: the shapes do not split into its tiles
+    GPUs, the checkpoint's on the CPU), a name of `EXPERT_LAYOUTS`, or "dual" (split halves plus a checkpoint-layout
+    copy for small decode batches, `NVFP4Experts.repack_dual`). False: the shapes do not split into its tiles
     (unchanged)."""
     from kernels.w4a16_gemm import EXPERT_LAYOUTS
 
@@ -104,8 +106,8 @@ def load_quantized(
     w4a4: "auto" | "off" | "emulate", for the dense layers the checkpoint exports as W4A4 (module docstring); layers
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
     expert_layout: the routed experts' byte layout (`apply_expert_layout`; same values): "checkpoint", "tile_major",
-    "split_halves", "dual" (split halves + a tile-major copy for decode batches of <= 4 tokens: +1 packed copy of the
-    experts) or "auto": split halves on Hopper (the swap-AB kernel; benchmarks/RESULTS.md, Qwen run 13), tile-major
+    "split_halves", "dual" (split halves + a checkpoint-layout copy for decode batches of <= 4 tokens, the GEMV's: +1
+    packed copy of the experts) or "auto": split halves on Hopper (the swap-AB kernel; benchmarks/RESULTS.md, Qwen run 13), tile-major
     on other GPUs, the checkpoint's on the CPU (`kernels.w4a16_gemm.default_expert_layout`).
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it

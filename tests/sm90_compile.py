@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
-from kernels import attn_prep, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_swapped  # noqa: E402
+from kernels import attn_prep, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -145,6 +145,14 @@ def main() -> int:
                           {"x": "*bf16", "w": "*bf16", "logits": "*bf16", "w_out": "*bf16", "i_out": "*i64",
                            "ws": "*fp32", "counters": "*i32"},
                           dict(K=8, BLOCK_K=8, REDUCE=True, BLOCK_EF=256, INTERPRET=False, **tiling)))
+    # the decode W4A16 GEMV: grouped gate_up + SwiGLU (bf16, PTX dequant), grouped down x routing weight, dense fp16
+    gemv = {"x": "*bf16", "w": "*u8", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "pair_expert": "*i64"}
+    for grouped, swiglu, dtype, deq in ((True, True, "bf16", 2), (True, False, "bf16", 2), (False, False, "fp16", 0)):
+        types = {**gemv, **({"x": "*fp16", "y": "*fp16", "rs": "*fp16"} if dtype == "fp16" else {})}
+        ok.append(compile_one(f"w4a16_gemv GROUPED={grouped} SWIGLU={swiglu} BLOCK_N=8 BLOCK_K=512 ({dtype})",
+                              w4a16_gemv._w4a16_gemv_kernel, types,
+                              dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, DEQ=deq,
+                                   INTERPRET=False, BLOCK_N=8, BLOCK_K=512)))
     return 0 if all(ok) else 1
 
 

@@ -200,20 +200,25 @@ def test_experts_repacked_layout(tensors, caplog, layout):
 
 
 @torch.no_grad()
-def test_experts_dual_layout(tensors, caplog):
-    """`NVFP4Experts.repack_dual` (expert_layout "dual"): split halves for every call plus a tile-major copy that calls
-    of at most `small_tokens` tokens read. Both paths equal the checkpoint-layout forward to bf16 rounding; each path
-    reads its own copy (spoiling one copy changes only its calls); the state_dict holds one copy; `repack` drops the
-    second; shapes that do not split keep the checkpoint layout in the loader, which says so."""
-    from kernels.w4a16_gemm import CHECKPOINT, SPLIT_HALVES, TILE_MAJOR
+@pytest.mark.parametrize("small_layout", ["checkpoint", "tile_major"])
+def test_experts_dual_layout(tensors, caplog, small_layout):
+    """`NVFP4Experts.repack_dual` (expert_layout "dual"): split halves for every call plus a copy in `small_layout`
+    (default the checkpoint's: the decode GEMV's) that calls of at most `small_tokens` tokens read. Both paths equal
+    the checkpoint-layout forward to bf16 rounding; each path reads its own copy (spoiling one copy changes only its
+    calls); the state_dict holds one copy; `repack` drops the second; shapes that do not split keep the checkpoint
+    layout in the loader, which says so."""
+    from kernels.w4a16_gemm import CHECKPOINT, EXPERT_LAYOUTS, SPLIT_HALVES, TILE_MAJOR
 
     reg = registry("auto")
     g = torch.Generator().manual_seed(8)
     e, h, i = 4, 256, 256
     gu = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
     dn = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
-    plain, dual = NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)
-    assert dual.repack_dual(small_tokens=2) and dual.layout == SPLIT_HALVES and dual.small_tokens == 2
+    own = lambda w: NVFP4Tensor(*(t.clone() for t in w))  # noqa: E731 - the checkpoint-layout copy keeps the storage
+    plain, dual = NVFP4Experts(gu, dn, reg), NVFP4Experts(own(gu), own(dn), reg)
+    layout = EXPERT_LAYOUTS[small_layout]
+    assert dual.repack_dual(small_tokens=2, small_layout=None if layout == CHECKPOINT else layout)
+    assert dual.layout == SPLIT_HALVES and dual.small_tokens == 2 and dual.small_layout == layout
     assert set(dual.state_dict()) == set(plain.state_dict())  # the copy is derived: not persistent
     calls = {}
     for t in (1, 2, 5):
@@ -223,7 +228,7 @@ def test_experts_dual_layout(tensors, caplog):
         calls[t] = (x, idx, wts, plain(x, idx, wts))
         assert rel_err(dual(x, idx, wts), calls[t][3]) <= 1e-2, t
     small = dual.small_gate_up_packed.clone()
-    dual.small_gate_up_packed.zero_()  # only the small calls read the tile-major copy
+    dual.small_gate_up_packed.zero_()  # only the small calls read the small-batch copy
     assert rel_err(dual(*calls[1][:3]), calls[1][3]) > 0.5 and rel_err(dual(*calls[5][:3]), calls[5][3]) <= 1e-2
     dual.small_gate_up_packed.copy_(small)
     dual.gate_up_packed.zero_()  # ... and only the larger ones the split halves

@@ -342,7 +342,8 @@ class NVFP4Experts(_Dispatch):
         from kernels.w4a16_gemm import CHECKPOINT
 
         self.layout = CHECKPOINT  # kernels.w4a16_gemm.EXPERT_LAYOUTS: the checkpoint's until `repack`
-        self.small_tokens = 0  # `repack_dual`: calls of at most this many tokens read the tile-major copy `small_*`
+        self.small_tokens = 0  # `repack_dual`: calls of at most this many tokens read the copy `small_*`,
+        self.small_layout = CHECKPOINT  # stored in this layout
 
     def repack(self, layout: int) -> bool:
         """Repack both stacks' bytes into `layout` (`kernels.w4a16_gemm.experts_repack`; EXPERT_LAYOUTS: tile-major
@@ -368,25 +369,28 @@ class NVFP4Experts(_Dispatch):
         self.layout = layout
         return True
 
-    def repack_dual(self, small_tokens: int = 4) -> bool:
-        """Split halves for the swap-AB kernel (`repack(SPLIT_HALVES)`), plus a tile-major copy of both packed stacks
-        that calls of at most `small_tokens` tokens read with the grouped kernel. On the H200 (benchmarks/RESULTS.md,
-        Qwen run 13) the swap-AB kernel made TTFT 17% shorter and 32 streams 15% faster, but a lone request's decode
-        11% slower; two copies keep both, for +1 packed copy of the experts (~400 MB per layer, ~16 GB at full
-        size). The crossover `small_tokens` is not measured: 4 is a guess from grid fill (the swap-AB gate_up launch
-        has 64 programs per token at decode sizes, against the grouped kernel's 128). Returns False, changing
-        nothing, when the shapes do not split into both layouts' tiles."""
-        from kernels.w4a16_gemm import SPLIT_HALVES, TILE_MAJOR, experts_repack, layout_ok
+    def repack_dual(self, small_tokens: int = 4, small_layout: int | None = None) -> bool:
+        """Split halves for the swap-AB kernel (`repack(SPLIT_HALVES)`), plus a second copy of both packed stacks in
+        `small_layout` that calls of at most `small_tokens` tokens read. On the H200 (benchmarks/RESULTS.md, Qwen run
+        13) the swap-AB kernel made TTFT 17% shorter and 32 streams 15% faster, but a lone request's decode 11%
+        slower; two copies keep both, for +1 packed copy of the experts (~400 MB per layer, ~16 GB at full size).
+        `small_layout` (default: the checkpoint's, which the decode GEMV `kernels/w4a16_gemv.py` reads; until the
+        ninth session tile-major, for the grouped kernel: run 15, lone decode 213.6 -> 238.8 tok/s). The crossover
+        `small_tokens` is not measured: 4 = the GEMV's limit (`GEMV_MAX_TOKENS`). Returns False, changing nothing,
+        when the shapes do not split into both layouts' tiles."""
+        from kernels.w4a16_gemm import CHECKPOINT, SPLIT_HALVES, experts_repack, layout_ok
 
+        small_layout = CHECKPOINT if small_layout is None else small_layout
         w13, w2 = self._checkpoint_layout()
-        if small_tokens < 1 or not (layout_ok(w13, w2, SPLIT_HALVES) and layout_ok(w13, w2, TILE_MAJOR)):
+        if small_tokens < 1 or not (layout_ok(w13, w2, SPLIT_HALVES) and layout_ok(w13, w2, small_layout)):
             return False
         self.repack(SPLIT_HALVES)
-        t13, t2 = experts_repack(w13, w2, TILE_MAJOR)
-        # not persistent: derived bytes, the state_dict keeps one copy (whose loads are refused once repacked)
+        t13, t2 = experts_repack(w13, w2, small_layout)
+        # not persistent: derived bytes, the state_dict keeps one copy (whose loads are refused once repacked). In
+        # the checkpoint layout these are the stacks from before the split-halves repack (new tensors replaced them)
         self.register_buffer("small_gate_up_packed", t13.packed, persistent=False)
         self.register_buffer("small_down_packed", t2.packed, persistent=False)
-        self.small_tokens = small_tokens
+        self.small_tokens, self.small_layout = small_tokens, small_layout
         return True
 
     def _drop_small_copy(self) -> None:
@@ -426,12 +430,10 @@ class NVFP4Experts(_Dispatch):
         `with_shared`: idx may name the stacked shared expert (`shared_index`); otherwise the launches see the
         routed experts only (views of the first E: the alignment and the kernels size for E, not E + 1)."""
         w13, w2, layout = self.gate_up_nvfp4, self.down_nvfp4, self.layout
-        if self.small_tokens and x.shape[0] <= self.small_tokens:  # `repack_dual`: the tile-major copy
-            from kernels.w4a16_gemm import TILE_MAJOR
-
+        if self.small_tokens and x.shape[0] <= self.small_tokens:  # `repack_dual`: the small-batch copy
             w13 = NVFP4Tensor(self.small_gate_up_packed, self.gate_up_scales, self.gate_up_global)
             w2 = NVFP4Tensor(self.small_down_packed, self.down_scales, self.down_global)
-            layout = TILE_MAJOR
+            layout = self.small_layout
         if self.shared_index is not None and not with_shared:
             e = self.num_experts
             w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))

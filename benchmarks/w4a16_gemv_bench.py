@@ -1,0 +1,140 @@
+"""The decode GEMV (`kernels/w4a16_gemv.py`, CUDA cores) beside the tensor-core W4A16 kernels it takes decode calls
+from, at Qwen3.6-35B-A3B's shapes, per token count: the routed-expert block (top-8 of 256 experts, H 2048, I 512;
+the tensor-core path on the tile-major copy the engine read until now, and on the checkpoint layout the GEMV reads),
+the shared expert's two dense calls, and lm_head (which `GEMV_MAX_WEIGHT_BYTES` keeps on the tensor cores).
+
+    python benchmarks/w4a16_gemv_bench.py --out benchmarks/results/w4a16_gemv_bench     # GPU; ~2 min on an H200
+
+Timing as the engine runs them: one CUDA graph of R calls replayed, us per call = replay time / R (median of 5).
+Dense calls cycle through weight copies >= 2 x the 50 MB L2 (every call reads HBM); the MoE calls share one stack of
+256 experts (453 MB) and each routes its tokens to a fresh random top-8 (8 of 256 experts: mostly HBM reads too).
+Random weights (speed does not depend on the values). Each GEMV result is compared with the reference (max |diff|
+/ max |ref|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+L2_BYTES = 50 * 2**20
+H, I, E, TOP_K, VOCAB = 2048, 512, 256, 8, 248320
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/w4a16_gemv_bench")
+    ap.add_argument("--tokens", default="1,2,4")
+    ap.add_argument("--calls", type=int, default=40, help="calls per graph (the MoE: 40 = the model's layers)")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("w4a16_gemv_bench needs a CUDA GPU")
+    from kernels import w4a16_gemm as tc
+    from kernels import w4a16_gemv as gv
+    from kernels.nvfp4 import NVFP4Tensor, w4a16_linear_reference
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def nvfp4(*shape) -> NVFP4Tensor:  # random bytes, scales in [1, 2), per-row globals
+        packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), device=dev, dtype=torch.uint8, generator=gen)
+        scales = (1 + torch.rand(*shape[:-1], shape[-1] // 16, device=dev, generator=gen)).to(torch.float8_e4m3fn)
+        return NVFP4Tensor(packed, scales, torch.full(shape[:-1], 1e-2, device=dev))
+
+    def per_call_us(calls) -> float:
+        for c in calls[:2]:
+            c()  # autotune / warm-up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        times = []
+        for _ in range(6):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / len(calls))
+        return statistics.median(times[1:])
+
+    def rel(a, b) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+    results = []
+
+    def record(row: dict) -> None:
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    # routed experts: one stack, checkpoint layout and the tile-major copy
+    w13, w2 = nvfp4(E, 2 * I, H), nvfp4(E, H, I)
+    t13, t2 = tc.experts_repack(w13, w2, tc.TILE_MAJOR)
+    moe_bytes = TOP_K * (w13.packed[0].numel() + w2.packed[0].numel()) * 1.125  # packed + scales, per token
+    for t in (int(v) for v in args.tokens.split(",")):
+        xs = [torch.randn(t, H, device=dev, dtype=torch.bfloat16) for _ in range(args.calls)]
+        idx = [torch.stack([torch.randperm(E, device=dev, generator=gen)[:TOP_K] for _ in range(t)])
+               for _ in range(args.calls)]
+        wts = [torch.softmax(torch.randn(t, TOP_K, device=dev), -1).to(torch.bfloat16) for _ in range(args.calls)]
+        paths = {"GEMV (checkpoint layout)": lambda i: gv.moe_experts_w4a16_gemv(xs[i], w13, w2, idx[i], wts[i]),
+                 "tensor cores, tile-major (run 15)": lambda i: tc.moe_experts_w4a16_triton(
+                     xs[i], t13, t2, idx[i], wts[i], True, tc.TILE_MAJOR),
+                 "tensor cores, checkpoint layout": lambda i: tc.moe_experts_w4a16_triton(
+                     xs[i], w13, w2, idx[i], wts[i])}
+        row = dict(call="routed experts (gate_up + SwiGLU, down x weight, sum)", tokens=t,
+                   bytes_per_call=moe_bytes * len(set(idx[0].view(-1).tolist())) / TOP_K)
+        for label, fn in paths.items():
+            us = per_call_us([lambda i=i: fn(i) for i in range(args.calls)])
+            row[label] = dict(us=us, tb_s=row["bytes_per_call"] / (us * 1e-6) / 1e12)
+        row["gemv_rel_err_vs_tensor_cores"] = rel(paths["GEMV (checkpoint layout)"](0),
+                                                  paths["tensor cores, checkpoint layout"](0))
+        record(row)
+
+
+    # dense: the shared expert's gate_up (+ SwiGLU) and down, lm_head
+    dense = [("shared expert gate_up + SwiGLU", 2 * I, H, True), ("shared expert down", H, I, False),
+             ("lm_head", VOCAB, H, False)]
+    for name, n, k, swiglu in dense:
+        nbytes = n * k // 2 * 1.125
+        copies = max(2, min(args.calls, -(-2 * L2_BYTES // int(nbytes))))
+        ws = [nvfp4(n, k) for _ in range(copies)]
+        for t in (int(v) for v in args.tokens.split(",")):
+            if n * k > 64e6 and t > 1:
+                continue  # lm_head: one row (the lone decode step)
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            gemv = lambda w: gv.w4a16_gemv_launch(x, *w, swiglu=swiglu)  # noqa: E731
+            core = (lambda w: tc.w4a16_swiglu_triton(x, w)) if swiglu else (lambda w: tc.w4a16_linear_triton(x, w))
+            row = dict(call=name, tokens=t, n=n, k=k, bytes_per_call=nbytes, copies=copies)
+            for label, fn in (("GEMV", gemv), ("tensor cores (dense kernel)", core)):
+                us = per_call_us([lambda w=w: fn(w) for w in ws])
+                row[label] = dict(us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
+            ref = core(ws[0]) if swiglu else w4a16_linear_reference(x, ws[0])
+            row["gemv_rel_err"] = rel(gemv(ws[0]), ref)
+            record(row)
+        del ws
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, calls_per_graph=args.calls)
+    (out / "w4a16_gemv_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    lines = [f"# w4a16_gemv_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
+             "| call | tokens | path: us per call (TB/s) | ... | GEMV max rel err |", "|---|---:|---|---|---:|"]
+    for r in results:
+        cells = [f"{k}: {v['us']:.2f} ({v['tb_s']:.2f})" for k, v in r.items() if isinstance(v, dict)]
+        err = r.get("gemv_rel_err", r.get("gemv_rel_err_vs_tensor_cores"))
+        lines.append(f"| {r['call']} | {r['tokens']} | " + " | ".join(cells) + f" | {err:.1e} |")
+    (out / "w4a16_gemv_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""NVFP4 W4A16 for decode-sized calls (1-4 activation rows) as a GEMV on CUDA cores: one program per (output row, slice
+of BLOCK_N weight rows), the whole K streamed in BLOCK_K tiles, no tensor cores, no split K. Dense (`y = x @ W^T`: the
+shared expert and lm_head of a lone decode step) and grouped for the MoE, where each (token, expert) pair is its own
+output row: the expert is read straight from the router's ids, so a decode step needs no `moe_align` launch.
+
+Why. At one token the tensor-core kernels of `kernels/w4a16_gemm.py` pad the MMA to 16 rows and stream each expert in
+2 KB K tiles per program (H200, Qwen run 15 profile, 2026-11-30: gate_up 15.9 us for 9.4 MB of weights, down 8.0 us,
+the shared expert's two dense calls ~9 us each for ~1 MB: 0.6 TB/s and less). Here a program holds a few weight rows
+and walks K with the next tile's loads issued before this tile's arithmetic (register double-buffering: the loop has
+no dot for Triton's pipeliner), and a launch has hundreds to thousands of programs to keep loads in flight.
+
+Arithmetic (same numbers as the tensor-core kernels): `w4a16_gemm._dequant_groups` builds each weight exactly in the
+activation dtype (bf16: E2M1 x 2^-126 in inline PTX, times scale x 2^119 -- the weight x 2^-7); each weight is
+widened to fp32 and multiplied by the fp32 activation (exact: <= 6 x 8 significant bits) and summed in fp32, per
+16-weight group first, then over groups at the end; the power-of-two gain, the global scale (per output row), SwiGLU
+and the routing weight in the fp32 epilogue; one rounding to the output dtype. So it differs from
+`kernels.nvfp4.w4a16_linear_reference` by fp32 summation order only (tests/test_kernel_w4a16_gemv.py: the bounds of
+tests/test_kernel_w4a16.py).
+
+Byte layout: the checkpoint's (packed [.., N, K/2], low nibble = even k; e4m3 scales [.., N, K/16]), each weight row
+one contiguous run of K/2 bytes. A program's tile is [BLOCK_N rows, BLOCK_K/16 groups, 8 bytes].
+
+API: `w4a16_gemv_launch(x, packed, scales, global, ...)` (the kernel launch, dense or grouped); `w4a16_linear_gemv`
+/ `w4a16_swiglu_gemv` (registry ops "w4a16_linear" / "w4a16_swiglu", implementation "triton_gemv": this kernel when
+`gemv_ok`, else `w4a16_gemm`'s); `moe_experts_w4a16_gemv` (op "w4a16_moe", implementation "triton_gemv": gate_up with
+SwiGLU, then down with the routing weight, over T x top_k pairs, for T <= GEMV_MAX_TOKENS on checkpoint-layout
+experts, else `w4a16_gemm.moe_experts_w4a16_triton`). `w4a16_gemm.register` puts them ahead of its "triton" ones,
+with the same `supports()` (what the GEMV does not serve, it hands on).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from kernels.nvfp4 import NVFP4Tensor
+from kernels.w4a16_gemm import (
+    CHECKPOINT,
+    _global_1d,
+    _global_2d,
+    _interpreted,
+    moe_experts_w4a16_triton,
+    w4a16_linear_triton,
+    w4a16_swiglu_triton,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.w4a16_gemm import _dequant_gain, _dequant_groups, _load_packed_tile, _load_scale_tile
+except ImportError:  # CPU-only installs without triton: the references work, supports() says no
+    triton = None
+
+GEMV = "triton_gemv"
+GEMV_MAX_TOKENS = 4  # the decode graphs' smallest buckets (1, 2, 4); more rows are the tensor cores' regime
+# Dense calls of 2-4 rows read the weight once per row (one program row per activation row): only up to this size,
+# where the repeats are L2 hits (50 MB L2; the shared expert is ~1 MB). One row takes the GEMV at any size: lm_head
+# (286 MB) measured 224 us against the tensor-core kernel's 345 us (H200, results/w4a16_gemv_bench_run1).
+GEMV_MAX_REPEAT_BYTES = 16 << 20
+
+
+def gemv_ok(m: int, n: int, k: int) -> bool:
+    """Whether a dense [m, k] x [n, k]^T call takes the GEMV (GEMV_MAX_TOKENS, GEMV_MAX_REPEAT_BYTES)."""
+    return m == 1 or (0 < m <= GEMV_MAX_TOKENS and n * k // 2 <= GEMV_MAX_REPEAT_BYTES)
+
+
+if triton is not None:
+    # (BLOCK_N, BLOCK_K, warps). A thread holds BLOCK_N x BLOCK_K / (32 warps) weights of a tile (two tiles in flight
+    # with the prefetch; twice that for SwiGLU's gate and up rows).
+    _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=1)
+                for bn, bk, w in [(4, 512, 2), (4, 1024, 4), (8, 512, 4), (8, 256, 2), (16, 256, 4), (16, 512, 4),
+                                  (32, 256, 4), (8, 1024, 8), (16, 512, 8), (32, 128, 4), (4, 256, 1), (2, 1024, 2)]]
+
+    @triton.jit
+    def _gemv_tiles(w, s, rows, row_ok, t, K, s_wn, s_sn, BLOCK_K: tl.constexpr):
+        """K tile t of weight rows `rows`: packed bytes [BN, BK/16, 8] and scale bytes [BN, BK/16]; zero (no memory
+        access) past K."""
+        return (_load_packed_tile(w, rows, row_ok, t, K, s_wn, BLOCK_K),
+                _load_scale_tile(s, rows, row_ok, t, K, s_sn, BLOCK_K))
+
+    @triton.jit
+    def _gemv_x(x, t, K, BLOCK_K: tl.constexpr):
+        """K tile t of one activation row as fp32 (even-k, odd-k) [BK/16, 8], zero past K."""
+        grp = t * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        k = grp[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
+        ok = k < K
+        return (tl.load(x + k, mask=ok, other=0.0).to(tl.float32),
+                tl.load(x + k + 1, mask=ok, other=0.0).to(tl.float32))
+
+    @triton.jit
+    def _gemv_fma(acc, pw, sc, xe, xo, DTYPE: tl.constexpr, DEQ: tl.constexpr, INTERPRET: tl.constexpr):
+        """acc [BN, G] += per-group sums of the tile's weights x activations, in fp32."""
+        lo, hi = _dequant_groups(pw, sc, DTYPE, DEQ, INTERPRET)  # [BN, G, 8], weight / gain, exact
+        return acc + tl.sum(lo.to(tl.float32) * xe[None, :, :] + hi.to(tl.float32) * xo[None, :, :], axis=2)
+
+    @triton.jit
+    def _w4a16_gemv_kernel(x, w, s, g, rs, y, pair_expert, N, K, A_DIV, s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn,
+                           s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+                           DEQ: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        # grid (cdiv(N_out, BN), R): output row r = program_id(1) reads activation row r // A_DIV and, GROUPED, expert
+        # pair_expert[r] (int64 router ids, flattened [T * top_k]: pair r = token r // top_k); y [R, N_out].
+        # SWIGLU: N = 2 N_out weight rows (gate then up); output column n = silu(row n) * row n + N_out.
+        pid_n, r = tl.program_id(0), tl.program_id(1)
+        if SWIGLU:
+            n_out = N // 2
+        else:
+            n_out = N
+        if GROUPED:
+            e = tl.load(pair_expert + r)
+        else:
+            e = 0
+        we = w + e * s_we
+        se = s + e * s_se
+        xr = x + (r // A_DIV).to(tl.int64) * s_xm
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = rows < n_out
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+        DT: tl.constexpr = x.dtype.element_ty
+        pw, sc = _gemv_tiles(we, se, rows, ok, 0, K, s_wn, s_sn, BLOCK_K)
+        pu, su = pw, sc  # SwiGLU's up rows (else unused)
+        if SWIGLU:
+            pu, su = _gemv_tiles(we, se, rows + n_out, ok, 0, K, s_wn, s_sn, BLOCK_K)
+        for t in range(0, tl.cdiv(K, BLOCK_K)):
+            # the next tile's weight loads go out before this tile's arithmetic (past K: masked, no access)
+            pw_n, sc_n = _gemv_tiles(we, se, rows, ok, t + 1, K, s_wn, s_sn, BLOCK_K)
+            pu_n, su_n = pw_n, sc_n
+            if SWIGLU:
+                pu_n, su_n = _gemv_tiles(we, se, rows + n_out, ok, t + 1, K, s_wn, s_sn, BLOCK_K)
+            xe, xo = _gemv_x(xr, t, K, BLOCK_K)
+            acc = _gemv_fma(acc, pw, sc, xe, xo, DT, DEQ, INTERPRET)
+            if SWIGLU:
+                acc_up = _gemv_fma(acc_up, pu, su, xe, xo, DT, DEQ, INTERPRET)
+            pw, sc, pu, su = pw_n, sc_n, pu_n, su_n
+        gain = _dequant_gain(DT, DEQ)
+        ge = g + e * s_ge
+        out = tl.sum(acc, axis=1) * (tl.load(ge + rows * s_gn, mask=ok, other=0.0) * gain)
+        if SWIGLU:
+            up = tl.sum(acc_up, axis=1) * (tl.load(ge + (rows + n_out) * s_gn, mask=ok, other=0.0) * gain)
+            out = out / (1.0 + tl.exp(-out)) * up
+        if HAS_ROW_SCALE:
+            out = out * tl.load(rs + r).to(tl.float32)
+        tl.store(y + r.to(tl.int64) * s_ym + rows, out.to(y.dtype.element_ty), mask=ok)
+
+    _w4a16_gemv_autotuned = triton.autotune(
+        configs=_CONFIGS, key=["N", "K", "GROUPED", "SWIGLU", "DEQ"])(_w4a16_gemv_kernel)
+
+
+# The interpreter cannot benchmark configs; it runs this one (small tiles keep masked edges and the K loop exercised).
+INTERPRETER_CONFIG = dict(BLOCK_N=8, BLOCK_K=64)
+DEQ_GPU = 2  # bf16 weights built in inline PTX (w4a16_gemm.DEQ_MODES); fp16 activations always take mode 0
+
+
+def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
+                      pair_expert: torch.Tensor | None = None, a_div: int = 1, row_scale: torch.Tensor | None = None,
+                      swiglu: bool = False, config: dict | None = None) -> torch.Tensor:
+    """Dense (`pair_expert` None): x [M, K] -> y [M, N] (or SwiGLU's [M, N/2]) in x.dtype.
+    Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int (the router's
+    ids, flattened): output row r reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)],
+    times `row_scale[r]` if given. `config` pins BLOCK_N / BLOCK_K / num_warps (tests, benchmarks). One launch, no
+    host syncs (CUDA-graph capturable)."""
+    grouped = pair_expert is not None
+    k = x.shape[-1]
+    if grouped:
+        e, n, kh = packed.shape
+        g, s_ge, s_gn = _global_2d(global_scale, e, n)
+        r = pair_expert.numel()
+        pe = pair_expert.reshape(-1)
+        s_we, s_wn, s_se, s_sn = packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1)
+    else:
+        n, kh = packed.shape
+        g, s_gn = _global_1d(global_scale, n)
+        s_ge, r, pe = 0, x.shape[0], g  # pe: any tensor (GROUPED is off)
+        s_we, s_wn, s_se, s_sn = 0, packed.stride(0), 0, scales.stride(0)
+    if 2 * kh != k or k % 16:
+        raise ValueError(f"w4a16_gemv: x has K = {k}, the weight {2 * kh} (a multiple of 16 is needed)")
+    if swiglu and n % 2:
+        raise ValueError(f"a SwiGLU weight needs an even number of rows (gate then up), got {n}")
+    n_out = n // 2 if swiglu else n
+    interp = _interpreted()
+    # the interpreter truncates fp32 -> bf16 casts (w4a16_gemm's note): it writes fp32 and torch rounds
+    y = torch.empty((r, n_out), dtype=torch.float32 if interp else x.dtype, device=x.device)
+    if r == 0:
+        return y.to(x.dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    sc = scales.view(torch.uint8)
+    rs = row_scale.reshape(-1) if row_scale is not None else g
+    deq = DEQ_GPU if (x.dtype == torch.bfloat16 and not interp) else (1 if x.dtype == torch.bfloat16 else 0)
+    args = (x, packed, sc, g, rs, y, pe, n, k, a_div, x.stride(0), s_we, s_wn, s_se, s_sn, s_ge, s_gn, y.stride(0))
+    meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, DEQ=deq, INTERPRET=interp)
+    if interp or config:
+        cfg = dict(INTERPRETER_CONFIG) if interp else {}
+        cfg.update(config or {})
+        warps = cfg.pop("num_warps", 4)
+        _w4a16_gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]), r)](*args, **meta, **cfg, num_warps=warps)
+    else:
+        _w4a16_gemv_autotuned[lambda c: (triton.cdiv(n_out, c["BLOCK_N"]), r)](*args, **meta)
+    return y.to(x.dtype)
+
+
+# ---- registry implementations (this kernel where it serves, else the tensor-core kernels) ---------------------------
+def _dense(x: torch.Tensor, w: NVFP4Tensor, swiglu: bool) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    g = torch.as_tensor(w.global_scale, device=x.device)
+    y = w4a16_gemv_launch(x2, w.packed, w.scales, g, swiglu=swiglu)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def w4a16_linear_gemv(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """Same contract as `w4a16_linear_reference`: the GEMV when `gemv_ok`, else `w4a16_gemm.w4a16_linear_triton`."""
+    m = x.numel() // x.shape[-1]
+    if not gemv_ok(m, w.packed.shape[0], x.shape[-1]):
+        return w4a16_linear_triton(x, w)
+    return _dense(x, w, swiglu=False)
+
+
+def w4a16_swiglu_gemv(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """Same contract as `w4a16_swiglu_reference`: the GEMV when `gemv_ok`, else `w4a16_gemm.w4a16_swiglu_triton`."""
+    m = x.numel() // x.shape[-1]
+    if not gemv_ok(m, w.packed.shape[0], x.shape[-1]):
+        return w4a16_swiglu_triton(x, w)
+    return _dense(x, w, swiglu=True)
+
+
+def moe_experts_w4a16_gemv(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
+                           weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
+    """Same contract as `moe_experts_w4a16_reference`. T <= GEMV_MAX_TOKENS tokens on checkpoint-layout experts: two
+    GEMV launches over the T x top_k pairs (gate_up + SwiGLU -> [P, I] in x.dtype; down x routing weight -> [T, k, H]),
+    then the sum over top_k (fp32, one rounding) unless `reduce=False`. Anything else:
+    `w4a16_gemm.moe_experts_w4a16_triton` (alignment + grouped tensor-core kernels)."""
+    t, top_k = idx.shape
+    if layout != CHECKPOINT or not 0 < t <= GEMV_MAX_TOKENS:
+        return moe_experts_w4a16_triton(x, w13, w2, idx, weights, reduce, layout)
+    h = w4a16_gemv_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True)  # [P, I]
+    y = w4a16_gemv_launch(h, *w2, pair_expert=idx, row_scale=weights).view(t, top_k, -1)  # [T, k, H], weighted
+    return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y

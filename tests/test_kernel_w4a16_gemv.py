@@ -1,0 +1,159 @@
+"""kernels/w4a16_gemv.py: the decode GEMV (NVFP4 W4A16 on CUDA cores, 1-4 rows) against `kernels/nvfp4.py`'s
+references (CPU: Triton's interpreter, tests/conftest.py; a GPU: the compiled kernel, autotuned).
+
+Tolerances (tests/test_kernel_w4a16.py's module docstring, whose `check_gemm` / `check_swiglu` these reuse): the
+GEMV builds every weight exactly and sums the exact fp32 products in another order than the reference, then rounds
+once: per element <= 2^-8 |ref| + 2^-20 (|x| @ |W|^T), and >= 95% equal to the reference rounded to bf16. The MoE
+block rounds the SwiGLU activations to bf16 between its two GEMVs (so does the tensor-core path): the registry's
+`compare` (1e-2 of max |ref|), and equal to the tensor-core path's result within the same bound.
+"""
+
+import pytest
+import torch
+
+from engine_core.registry import Registry
+from kernels import w4a16_gemm, w4a16_gemv
+from kernels.nvfp4 import NVFP4Tensor, dequantize_nvfp4, w4a16_linear_reference
+from kernels.w4a16_gemm import compare, moe_experts_w4a16_reference, w4a16_swiglu_reference
+from kernels.w4a16_gemv import (
+    GEMV,
+    GEMV_MAX_TOKENS,
+    gemv_ok,
+    moe_experts_w4a16_gemv,
+    w4a16_gemv_launch,
+    w4a16_linear_gemv,
+    w4a16_swiglu_gemv,
+)
+from tests.test_kernel_w4a16 import DEVICE, check_gemm, check_swiglu, moe_inputs, rand_weight, rand_x
+
+CONFIGS = [None] if DEVICE == "cuda" else [dict(BLOCK_N=8, BLOCK_K=64), dict(BLOCK_N=4, BLOCK_K=128)]
+
+
+def _dq(w: NVFP4Tensor) -> torch.Tensor:
+    return dequantize_nvfp4(w.packed, w.scales, w.global_scale, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("m,n,k,per_row", [(1, 40, 192, True), (3, 24, 48, False), (4, 33, 256, True),
+                                           (2, 8, 16, True)])  # N not a multiple of BLOCK_N; K of BLOCK_K; K = 16
+def test_dense_matches_reference(m, n, k, per_row, config):
+    w = rand_weight(n, k, seed=n + k, per_row=per_row)
+    x = rand_x(m, k, seed=m)
+    y = w4a16_gemv_launch(x, *w, config=config)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    check_gemm(y, x, _dq(w), x.float() @ _dq(w).T, f"gemv {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("m", [1, 4])
+def test_dense_swiglu(m, config):
+    w = rand_weight(2 * 24, 192, seed=3)
+    x = rand_x(m, 192, seed=4)
+    y = w4a16_gemv_launch(x, *w, swiglu=True, config=config)
+    assert y.shape == (m, 24)
+    check_swiglu(y, x, _dq(w), "gemv swiglu")
+
+
+def test_fp16_activations():
+    w = rand_weight(40, 128, seed=5)
+    x = rand_x(2, 128, seed=6, dtype=torch.float16)
+    y = w4a16_gemv_launch(x, *w)
+    assert y.dtype == torch.float16
+    check_gemm(y, x, _dq(w), x.float() @ _dq(w).T, "gemv fp16")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_grouped_rows_read_their_expert_and_token(config):
+    """Output row r = x[r // a_div] @ W[pair_expert[r]]^T x row_scale[r], for repeated and unused experts."""
+    e, n, k, t, top_k = 5, 40, 96, 3, 2
+    w = rand_weight(e, n, k, seed=7)
+    x = rand_x(t, k, seed=8)
+    idx = torch.tensor([[4, 1], [1, 1], [0, 4]], device=DEVICE)  # expert 1 twice in one token; 2 and 3 unused
+    rs = torch.rand(t, top_k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEVICE)
+    y = w4a16_gemv_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs, config=config)
+    assert y.shape == (t * top_k, n)
+    for r in range(t * top_k):
+        ex = int(idx.view(-1)[r])
+        we = NVFP4Tensor(w.packed[ex], w.scales[ex], w.global_scale[ex])
+        xr = x[r // top_k: r // top_k + 1]
+        ref = xr.float() @ _dq(we).T
+        assert compare(y[r:r + 1].float(), ref * rs.view(-1)[r].float()) is None, r  # the row scale multiplies last
+        plain = w4a16_gemv_launch(xr, we.packed, we.scales, we.global_scale, config=config)
+        check_gemm(plain, xr, _dq(we), ref, f"row {r}")
+
+
+@pytest.mark.parametrize("t", [1, 2, GEMV_MAX_TOKENS])
+def test_moe_block_matches_reference_and_tensor_core_path(t):
+    w13, w2, idx, wts, x = moe_inputs(t, e=6, h=64, i=32, top_k=2, seed=10 + t)
+    ref = moe_experts_w4a16_reference(x, w13, w2, idx, wts)
+    y = moe_experts_w4a16_gemv(x, w13, w2, idx, wts)
+    assert y.shape == ref.shape and compare(y, ref) is None
+    tc = w4a16_gemm.moe_experts_w4a16_triton(x, w13, w2, idx, wts)
+    assert compare(y, tc) is None
+    y3 = moe_experts_w4a16_gemv(x, w13, w2, idx, wts, reduce=False)
+    assert y3.shape == (t, 2, 64)
+    assert torch.equal(y3.sum(1, dtype=torch.float32).to(x.dtype), y)
+
+
+def test_moe_hands_larger_calls_and_other_layouts_to_the_tensor_cores(monkeypatch):
+    """More than GEMV_MAX_TOKENS tokens, or repacked experts: `w4a16_gemm.moe_experts_w4a16_triton` runs (counted)."""
+    calls = []
+    real = w4a16_gemv.moe_experts_w4a16_triton
+    monkeypatch.setattr(w4a16_gemv, "moe_experts_w4a16_triton", lambda *a: calls.append(a) or real(*a))
+    launches = []
+    real_launch = w4a16_gemv.w4a16_gemv_launch
+    monkeypatch.setattr(w4a16_gemv, "w4a16_gemv_launch", lambda *a, **k: launches.append(1) or real_launch(*a, **k))
+    w13, w2, idx, wts, x = moe_inputs(GEMV_MAX_TOKENS + 1, e=6, h=64, i=32, top_k=2, seed=20)
+    ref = moe_experts_w4a16_reference(x, w13, w2, idx, wts)
+    assert compare(moe_experts_w4a16_gemv(x, w13, w2, idx, wts), ref) is None
+    assert len(calls) == 1 and not launches
+    x1, idx1, wts1 = x[:1], idx[:1], wts[:1]
+    moe_experts_w4a16_gemv(x1, w13, w2, idx1, wts1)
+    assert len(calls) == 1 and len(launches) == 2  # gate_up + down, no alignment
+    moe_experts_w4a16_gemv(x1, w13, w2, idx1, wts1, True, w4a16_gemm.TILE_MAJOR + 99)  # not the checkpoint layout
+    assert len(calls) == 2
+
+
+def test_dense_dispatch(monkeypatch):
+    """`gemv_ok`: one row at any size, up to GEMV_MAX_TOKENS rows when the weight is at most GEMV_MAX_REPEAT_BYTES
+    (each row re-reads it); else the tensor-core kernel."""
+    assert gemv_ok(1, 1024, 2048) and gemv_ok(4, 2048, 512) and not gemv_ok(5, 1024, 2048)
+    assert gemv_ok(1, 248320, 2048) and not gemv_ok(2, 248320, 2048)  # lm_head: one row only
+    assert not gemv_ok(0, 8, 16)
+    calls = []
+    real = w4a16_gemv.w4a16_linear_triton
+    monkeypatch.setattr(w4a16_gemv, "w4a16_linear_triton", lambda *a: calls.append(a) or real(*a))
+    real_s = w4a16_gemv.w4a16_swiglu_triton
+    monkeypatch.setattr(w4a16_gemv, "w4a16_swiglu_triton", lambda *a: calls.append(a) or real_s(*a))
+    w = rand_weight(48, 64, seed=11)
+    x = rand_x(GEMV_MAX_TOKENS + 1, 64, seed=12)
+    assert compare(w4a16_linear_gemv(x, w), w4a16_linear_reference(x, w)) is None and len(calls) == 1
+    assert compare(w4a16_swiglu_gemv(x, w), w4a16_swiglu_reference(x, w)) is None and len(calls) == 2
+    x3 = x[:3].reshape(3, 1, 64)  # leading dims kept
+    y = w4a16_linear_gemv(x3, w)
+    assert y.shape == (3, 1, 48) and len(calls) == 2
+    assert compare(y, w4a16_linear_reference(x3, w)) is None
+    assert compare(w4a16_swiglu_gemv(x3, w), w4a16_swiglu_reference(x3, w)) is None and len(calls) == 2
+
+
+def test_registry_order_and_self_check():
+    """The GEMV is each W4A16 op's first choice, and the registry's start-up check passes it on its samples."""
+    reg = Registry("auto")
+    w4a16_gemm.register(reg)
+    for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU, w4a16_gemm.MOE):
+        assert [i.name for i in reg.spec(op).implementations][:2] == [GEMV, "triton"]
+    report = reg.self_check(DEVICE)
+    for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU):
+        assert report[op].startswith(f"{GEMV} passed"), report
+    args, _ = w4a16_gemm._sample_moe(DEVICE, layout=w4a16_gemm.CHECKPOINT)
+    impl = reg.choose(w4a16_gemm.MOE, **reg.spec(w4a16_gemm.MOE).describe(*args))
+    assert impl.name == GEMV and compare(impl.fn(*args), moe_experts_w4a16_reference(*args)) is None
+
+
+def test_errors():
+    w = rand_weight(8, 64, seed=13)
+    with pytest.raises(ValueError, match="K = 32"):
+        w4a16_gemv_launch(rand_x(1, 32, seed=1), *w)
+    with pytest.raises(ValueError, match="even number of rows"):
+        w4a16_gemv_launch(rand_x(1, 64, seed=1), *rand_weight(9, 64, seed=14), swiglu=True)
+    assert w4a16_gemv_launch(rand_x(0, 64, seed=1), *w).shape == (0, 8)
