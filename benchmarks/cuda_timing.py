@@ -22,3 +22,18 @@ def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_per_call_us(calls, replays: int = 5) -> float:
+    """Decode-kernel timing as the engine runs them: the `calls` (no-argument callables, each typically on its own
+    weight copy or routing) captured in one CUDA graph after two warm-up calls (autotuning happens there), the
+    graph replayed once untimed and `replays` times timed; -> median us per call (replay time / len(calls))."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    return 1e3 * cuda_median_ms(graph.replay, iters=replays, warmup=0) / len(calls)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("fp8_skinny_bench needs a CUDA GPU")
+    from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
     from kernels import fp8_skinny
     from kernels.fp8_linear import fp8_linear_triton_quant
     from kernels.nvfp4 import FP8Tensor, fp8_linear_reference
@@ -49,21 +49,7 @@ def main() -> None:
              "fp8_skinny (fused, split K)": skinny}
 
     def per_call_us(fn, x, ws) -> float:
-        fn(x, ws[0])  # autotune / warm-up outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for w in ws:
-                fn(x, w)
-        times = []
-        for _ in range(6):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / len(ws))
-        return statistics.median(times[1:])
+        return graph_per_call_us([lambda w=w: fn(x, w) for w in ws])
 
     results = []
     for name, n, k in SHAPES:

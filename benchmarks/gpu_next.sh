@@ -45,6 +45,8 @@
 #      cut by its 330 s limit -- hence step 19.)
 #  19. (ninth session) step 18's engine part alone: the engine (GEMV on) beside the same engine without the three GEMV
 #      implementations, then as many GEMV GPU tests as the call has time for.
+#  20. (ninth session) per call only: the one-program moe_align by warps per program (4 / 8 / 16) at decode sizes,
+#      then the GEMV bench again with three more autotune configs (the tuner's picks recorded).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -65,7 +67,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="16" bash benchmarks/gpu_next.sh      # ~8 min (ran: run 15)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="17" bash benchmarks/gpu_next.sh      # ~9 min (ran: run 16)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="18" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: bench run 1)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="19" bash benchmarks/gpu_next.sh      # ~9.5 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="19" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: run 16)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="20" bash benchmarks/gpu_next.sh      # ~3 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -245,5 +248,12 @@ timeout 520 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --de
 grep -E "^\| \(e\)" "$R/qwen_gemv/qwen_gpu.md" | cut -c1-220
 timeout 35 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
+fi
+if want 20; then
+say "20. moe_align by warps; the GEMV bench with the tuner's picks"
+timeout 45 python benchmarks/moe_align_bench.py --out "$R/moe_align_bench" > "$R/moe_align_bench.log" 2>&1
+grep -E "^\| " "$R/moe_align_bench/moe_align_bench.md"
+timeout 140 python benchmarks/w4a16_gemv_bench.py --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-220
 fi
 say "done"

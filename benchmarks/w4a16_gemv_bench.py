@@ -1,11 +1,12 @@
 """The decode GEMV (`kernels/w4a16_gemv.py`, CUDA cores) beside the tensor-core W4A16 kernels it takes decode calls
 from, at Qwen3.6-35B-A3B's shapes, per token count: the routed-expert block (top-8 of 256 experts, H 2048, I 512;
 the tensor-core path on the tile-major copy the engine read until now, and on the checkpoint layout the GEMV reads),
-the shared expert's two dense calls, and lm_head (which `GEMV_MAX_WEIGHT_BYTES` keeps on the tensor cores).
+the shared expert's two dense calls, and lm_head (one row: the GEMV takes it at any size, `gemv_ok`).
 
     python benchmarks/w4a16_gemv_bench.py --out benchmarks/results/w4a16_gemv_bench     # GPU; ~2 min on an H200
 
-Timing as the engine runs them: one CUDA graph of R calls replayed, us per call = replay time / R (median of 5).
+Timing as the engine runs them (`benchmarks/cuda_timing.py: graph_per_call_us`): one CUDA graph of R calls
+replayed, us per call = replay time / R (median of 5).
 Dense calls cycle through weight copies >= 2 x the 50 MB L2 (every call reads HBM); the MoE calls share one stack of
 256 experts (453 MB) and each routes its tokens to a fresh random top-8 (8 of 256 experts: mostly HBM reads too).
 Random weights (speed does not depend on the values). Each GEMV result is compared with the reference (max |diff|
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,6 +36,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("w4a16_gemv_bench needs a CUDA GPU")
+    from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
     from kernels import w4a16_gemm as tc
     from kernels import w4a16_gemv as gv
     from kernels.nvfp4 import NVFP4Tensor, w4a16_linear_reference
@@ -48,23 +49,7 @@ def main() -> None:
         scales = (1 + torch.rand(*shape[:-1], shape[-1] // 16, device=dev, generator=gen)).to(torch.float8_e4m3fn)
         return NVFP4Tensor(packed, scales, torch.full(shape[:-1], 1e-2, device=dev))
 
-    def per_call_us(calls) -> float:
-        for c in calls[:2]:
-            c()  # autotune / warm-up outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        times = []
-        for _ in range(6):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / len(calls))
-        return statistics.median(times[1:])
+    per_call_us = graph_per_call_us
 
     def rel(a, b) -> float:
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())
@@ -124,7 +109,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, calls_per_graph=args.calls)
+                triton=__import__("triton").__version__, calls_per_graph=args.calls,
+                gemv_configs={str(k): str(v) for k, v in gv._w4a16_gemv_autotuned.cache.items()})  # the tuner's picks
     (out / "w4a16_gemv_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     lines = [f"# w4a16_gemv_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
              "| call | tokens | path: us per call (TB/s) | ... | GEMV max rel err |", "|---|---:|---|---|---:|"]

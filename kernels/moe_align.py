@@ -46,6 +46,8 @@ MAX_EXPERTS = 512
 CHUNK = 32  # pairs per compare tile ([CHUNK, BLOCK_E] and [CHUNK, BLOCK_P] int32 tiles)
 CHUNK_MULTI = 256  # pairs per program of the multi-program path (compared in tiles of CHUNK against the chunk)
 MAX_PAIRS_MULTI = 1 << 16  # 8,192 tokens at top-8; more: the torch version
+ONE_PROGRAM_WARPS = 4  # warps of the one-program path (its [CHUNK, E] and [blocks, E] tiles spread over them);
+#                        `benchmarks/moe_align_bench.py` compares 4 / 8 / 16
 
 
 if triton is not None:
@@ -158,9 +160,11 @@ def supported(idx: torch.Tensor, num_experts: int) -> bool:
     return path(idx, num_experts) is not None
 
 
-def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int,
+                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """idx [T, k] expert ids -> (sorted_pairs int32 [R], block_expert int32 [R / block_m]) with R as in the
-    reference `kernels.w4a16_gemm.moe_align` (a function of (P, E, block_m) only: no host sync)."""
+    reference `kernels.w4a16_gemm.moe_align` (a function of (P, E, block_m) only: no host sync). `num_warps`: the
+    one-program path's (default ONE_PROGRAM_WARPS; benchmarks)."""
     flat = idx.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -183,5 +187,5 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int) -> tuple
     _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
                             BLOCK_P=triton.next_power_of_2(p), BLOCK_E=triton.next_power_of_2(num_experts),
                             BLOCK_B=triton.next_power_of_2(nblocks), CHUNK_P=min(CHUNK, triton.next_power_of_2(p)),
-                            num_warps=4)
+                            num_warps=num_warps or ONE_PROGRAM_WARPS)
     return sorted_pairs, block_expert

@@ -244,7 +244,7 @@ if triton is not None:
     def _e2m1_bf16_tiny(c):
         """uint16 E2M1 codes 0..15 -> E2M1 x 2^-126 as exact bf16 (e1 e0 m into bits 8-6, the sign into bit 15; code
         1 = 0.5 becomes the subnormal 2^-127). Integer ops only: no conversion instructions, which run at 1/8 rate.
-        `_dequant` multiplies it by scale x 2^119 (exact)."""
+        `_dequant_groups` multiplies it by scale x 2^119 (exact)."""
         return (((c & 7) << 6) | ((c & 8) << 12)).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
@@ -937,7 +937,8 @@ def _weight_ok(w: NVFP4Tensor, stacked: bool) -> bool:
 def describe_dense(x: torch.Tensor, w: NVFP4Tensor) -> dict[str, Any]:
     return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype, k=x.shape[-1],
                 weight_ok=_weight_ok(w, stacked=False), weight_k=w.shape[-1],
-                global_ok=tuple(w.global_scale.shape) in ((), (w.packed.shape[0],)))
+                global_ok=tuple(w.global_scale.shape) in ((), (w.packed.shape[0],)),
+                rows=x.numel() // max(x.shape[-1], 1), n=w.packed.shape[0])
 
 
 def supports_dense(*, device: str, capability, dtype: torch.dtype, k: int, weight_ok: bool, weight_k: int,
@@ -969,7 +970,7 @@ def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.
     if layout != CHECKPOINT:  # repacked bytes: only the tiles they were repacked for
         shapes_ok = shapes_ok and layout in EXPERT_LAYOUTS.values() and layout_ok(w13, w2, layout)
     return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype, shapes_ok=shapes_ok,
-                globals_ok=globals_ok, tokens=x.shape[0] if x.dim() == 2 else -1)
+                globals_ok=globals_ok, tokens=x.shape[0] if x.dim() == 2 else -1, layout=layout)
 
 
 def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool, globals_ok: bool,
@@ -1029,21 +1030,21 @@ def default_expert_layout(device) -> int:
 
 def register(registry) -> None:
     """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe"; each first tries `kernels/w4a16_gemv.py` ("triton_gemv":
-    decode-sized calls on CUDA cores, the rest handed to this module's kernels), then this module's ("triton")."""
+    the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then this module's ("triton")."""
     from kernels import w4a16_gemv as gemv
 
     registry.add_op(DENSE, w4a16_linear_reference, sample=_sample_dense, compare=compare, describe=describe_dense,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 output rounding 2^-9; exact dequant, fp32 "
                               "accumulation; only summation order differs)")
-    registry.add_implementation(DENSE, gemv.GEMV, gemv.w4a16_linear_gemv, supports_dense)
+    registry.add_implementation(DENSE, gemv.GEMV, gemv.w4a16_linear_gemv, gemv.supports_dense_gemv)
     registry.add_implementation(DENSE, "triton", w4a16_linear_triton, supports_dense)
     registry.add_op(SWIGLU, w4a16_swiglu_reference, sample=_sample_swiglu, compare=compare,
                     describe=describe_swiglu,
                     tolerance="max |diff| <= 1e-2 x max |ref| (as w4a16_linear; the SiLU and product in fp32)")
-    registry.add_implementation(SWIGLU, gemv.GEMV, gemv.w4a16_swiglu_gemv, supports_swiglu)
+    registry.add_implementation(SWIGLU, gemv.GEMV, gemv.w4a16_swiglu_gemv, gemv.supports_swiglu_gemv)
     registry.add_implementation(SWIGLU, "triton", w4a16_swiglu_triton, supports_swiglu)
     registry.add_op(MOE, moe_experts_w4a16_reference, sample=_sample_moe, compare=compare, describe=describe_moe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 rounding of the SwiGLU activations between the "
                               "two GEMMs and of the output; fp32 everywhere else)")
-    registry.add_implementation(MOE, gemv.GEMV, gemv.moe_experts_w4a16_gemv, supports_moe)
+    registry.add_implementation(MOE, gemv.GEMV, gemv.moe_experts_w4a16_gemv, gemv.supports_moe_gemv)
     registry.add_implementation(MOE, "triton", moe_experts_w4a16_triton, supports_moe)

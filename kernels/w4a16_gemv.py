@@ -21,15 +21,17 @@ Byte layout: the checkpoint's (packed [.., N, K/2], low nibble = even k; e4m3 sc
 one contiguous run of K/2 bytes. A program's tile is [BLOCK_N rows, BLOCK_K/16 groups, 8 bytes].
 
 API: `w4a16_gemv_launch(x, packed, scales, global, ...)` (the kernel launch, dense or grouped); `w4a16_linear_gemv`
-/ `w4a16_swiglu_gemv` (registry ops "w4a16_linear" / "w4a16_swiglu", implementation "triton_gemv": this kernel when
-`gemv_ok`, else `w4a16_gemm`'s); `moe_experts_w4a16_gemv` (op "w4a16_moe", implementation "triton_gemv": gate_up with
-SwiGLU, then down with the routing weight, over T x top_k pairs, for T <= GEMV_MAX_TOKENS on checkpoint-layout
-experts, else `w4a16_gemm.moe_experts_w4a16_triton`). `w4a16_gemm.register` puts them ahead of its "triton" ones,
-with the same `supports()` (what the GEMV does not serve, it hands on).
+/ `w4a16_swiglu_gemv` (registry ops "w4a16_linear" / "w4a16_swiglu", implementation "triton_gemv", for the calls
+`gemv_ok` accepts); `moe_experts_w4a16_gemv` (op "w4a16_moe", implementation "triton_gemv": gate_up with SwiGLU, then
+down with the routing weight, over T x top_k pairs, for T <= GEMV_MAX_TOKENS on checkpoint-layout experts).
+`w4a16_gemm.register` puts them ahead of its "triton" ones; their `supports_*_gemv` guards take the row count from
+the call, so the registry hands every other call to "triton" (a disabled "triton" stays disabled), and the model's
+choice cache keeps row counts <= 4 apart (`qwen_engine.model.quantized._Dispatch`).
 """
 
 from __future__ import annotations
 
+from typing import Any
 
 import torch
 
@@ -39,9 +41,9 @@ from kernels.w4a16_gemm import (
     _global_1d,
     _global_2d,
     _interpreted,
-    moe_experts_w4a16_triton,
-    w4a16_linear_triton,
-    w4a16_swiglu_triton,
+    supports_dense,
+    supports_moe,
+    supports_swiglu,
 )
 
 try:
@@ -70,7 +72,8 @@ if triton is not None:
     # with the prefetch; twice that for SwiGLU's gate and up rows).
     _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=1)
                 for bn, bk, w in [(4, 512, 2), (4, 1024, 4), (8, 512, 4), (8, 256, 2), (16, 256, 4), (16, 512, 4),
-                                  (32, 256, 4), (8, 1024, 8), (16, 512, 8), (32, 128, 4), (4, 256, 1), (2, 1024, 2)]]
+                                  (32, 256, 4), (8, 1024, 8), (16, 512, 8), (32, 128, 4), (4, 256, 1), (2, 1024, 2),
+                                  (64, 256, 8), (32, 512, 8), (2, 512, 1)]]
 
     @triton.jit
     def _gemv_tiles(w, s, rows, row_ok, t, K, s_wn, s_sn, BLOCK_K: tl.constexpr):
@@ -95,13 +98,14 @@ if triton is not None:
         return acc + tl.sum(lo.to(tl.float32) * xe[None, :, :] + hi.to(tl.float32) * xo[None, :, :], axis=2)
 
     @triton.jit
-    def _w4a16_gemv_kernel(x, w, s, g, rs, y, pair_expert, N, K, A_DIV, s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn,
-                           s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+    def _w4a16_gemv_kernel(x, w, s, g, rs, y, pair_expert, N, K, A_DIV, R_BUCKET, s_xm, s_we, s_wn, s_se, s_sn,
+                           s_ge, s_gn, s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
                            DEQ: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
         # grid (cdiv(N_out, BN), R): output row r = program_id(1) reads activation row r // A_DIV and, GROUPED, expert
         # pair_expert[r] (int64 router ids, flattened [T * top_k]: pair r = token r // top_k); y [R, N_out].
         # SWIGLU: N = 2 N_out weight rows (gate then up); output column n = silu(row n) * row n + N_out.
+        # R_BUCKET (the next power of two of R) is only an autotune key: the best tile depends on the grid's rows.
         pid_n, r = tl.program_id(0), tl.program_id(1)
         if SWIGLU:
             n_out = N // 2
@@ -145,11 +149,12 @@ if triton is not None:
         tl.store(y + r.to(tl.int64) * s_ym + rows, out.to(y.dtype.element_ty), mask=ok)
 
     _w4a16_gemv_autotuned = triton.autotune(
-        configs=_CONFIGS, key=["N", "K", "GROUPED", "SWIGLU", "DEQ"])(_w4a16_gemv_kernel)
+        configs=_CONFIGS, key=["N", "K", "R_BUCKET", "GROUPED", "SWIGLU", "HAS_ROW_SCALE", "DEQ"])(_w4a16_gemv_kernel)
 
 
-# The interpreter cannot benchmark configs; it runs this one (small tiles keep masked edges and the K loop exercised).
-INTERPRETER_CONFIG = dict(BLOCK_N=8, BLOCK_K=64)
+# The interpreter cannot benchmark configs; it runs this one (tests/test_kernel_w4a16_gemv.py also pins smaller tiles,
+# which exercise masked edges and the K loop; this one keeps the interpreted engine tests fast).
+INTERPRETER_CONFIG = dict(BLOCK_N=32, BLOCK_K=128)
 DEQ_GPU = 2  # bf16 weights built in inline PTX (w4a16_gemm.DEQ_MODES); fp16 activations always take mode 0
 
 
@@ -188,7 +193,8 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g
     deq = DEQ_GPU if (x.dtype == torch.bfloat16 and not interp) else (1 if x.dtype == torch.bfloat16 else 0)
-    args = (x, packed, sc, g, rs, y, pe, n, k, a_div, x.stride(0), s_we, s_wn, s_se, s_sn, s_ge, s_gn, y.stride(0))
+    args = (x, packed, sc, g, rs, y, pe, n, k, a_div, triton.next_power_of_2(r), x.stride(0), s_we, s_wn, s_se, s_sn,
+            s_ge, s_gn, y.stride(0))
     meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, DEQ=deq, INTERPRET=interp)
     if interp or config:
         cfg = dict(INTERPRETER_CONFIG) if interp else {}
@@ -200,39 +206,50 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return y.to(x.dtype)
 
 
-# ---- registry implementations (this kernel where it serves, else the tensor-core kernels) ---------------------------
+# ---- registry implementations ("triton_gemv": where `supports_*_gemv` accept; the registry hands the rest on) -------
 def _dense(x: torch.Tensor, w: NVFP4Tensor, swiglu: bool) -> torch.Tensor:
+    """`w4a16_gemv_launch` over x's leading dims (flattened to rows)."""
     x2 = x.reshape(-1, x.shape[-1])
-    g = torch.as_tensor(w.global_scale, device=x.device)
-    y = w4a16_gemv_launch(x2, w.packed, w.scales, g, swiglu=swiglu)
+    if not gemv_ok(x2.shape[0], w.packed.shape[0], x2.shape[1]):
+        raise ValueError(f"w4a16_gemv: {x2.shape[0]} rows x a {tuple(w.shape)} weight is not a GEMV call (gemv_ok)")
+    y = w4a16_gemv_launch(x2, w.packed, w.scales, torch.as_tensor(w.global_scale, device=x.device), swiglu=swiglu)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def w4a16_linear_gemv(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
-    """Same contract as `w4a16_linear_reference`: the GEMV when `gemv_ok`, else `w4a16_gemm.w4a16_linear_triton`."""
-    m = x.numel() // x.shape[-1]
-    if not gemv_ok(m, w.packed.shape[0], x.shape[-1]):
-        return w4a16_linear_triton(x, w)
+    """Same contract as `w4a16_linear_reference`, for the calls `gemv_ok` accepts."""
     return _dense(x, w, swiglu=False)
 
 
 def w4a16_swiglu_gemv(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
-    """Same contract as `w4a16_swiglu_reference`: the GEMV when `gemv_ok`, else `w4a16_gemm.w4a16_swiglu_triton`."""
-    m = x.numel() // x.shape[-1]
-    if not gemv_ok(m, w.packed.shape[0], x.shape[-1]):
-        return w4a16_swiglu_triton(x, w)
+    """Same contract as `w4a16_swiglu_reference`, for the calls `gemv_ok` accepts."""
     return _dense(x, w, swiglu=True)
 
 
 def moe_experts_w4a16_gemv(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
                            weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
-    """Same contract as `moe_experts_w4a16_reference`. T <= GEMV_MAX_TOKENS tokens on checkpoint-layout experts: two
-    GEMV launches over the T x top_k pairs (gate_up + SwiGLU -> [P, I] in x.dtype; down x routing weight -> [T, k, H]),
-    then the sum over top_k (fp32, one rounding) unless `reduce=False`. Anything else:
-    `w4a16_gemm.moe_experts_w4a16_triton` (alignment + grouped tensor-core kernels)."""
+    """Same contract as `moe_experts_w4a16_reference`, for T <= GEMV_MAX_TOKENS tokens on checkpoint-layout experts:
+    two launches over the T x top_k pairs (gate_up + SwiGLU -> [P, I] rounded to x.dtype; down x routing weight ->
+    [T, k, H] rounded to x.dtype), then the sum over top_k (fp32, one more rounding) unless `reduce=False`."""
     t, top_k = idx.shape
     if layout != CHECKPOINT or not 0 < t <= GEMV_MAX_TOKENS:
-        return moe_experts_w4a16_triton(x, w13, w2, idx, weights, reduce, layout)
+        raise ValueError(f"w4a16_gemv: the MoE GEMV takes <= {GEMV_MAX_TOKENS} tokens on checkpoint-layout experts, "
+                         f"got {t} tokens, layout {layout}")
     h = w4a16_gemv_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True)  # [P, I]
     y = w4a16_gemv_launch(h, *w2, pair_expert=idx, row_scale=weights).view(t, top_k, -1)  # [T, k, H], weighted
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
+
+
+def supports_dense_gemv(**info: Any) -> bool:
+    """`w4a16_gemm.supports_dense`, and `gemv_ok` for the call's rows (`describe_dense`: rows, n, k)."""
+    return supports_dense(**info) and gemv_ok(info["rows"], info["n"], info["k"])
+
+
+def supports_swiglu_gemv(**info: Any) -> bool:
+    """`w4a16_gemm.supports_swiglu`, and `gemv_ok` for the call's rows."""
+    return supports_swiglu(**info) and gemv_ok(info["rows"], info["n"], info["k"])
+
+
+def supports_moe_gemv(**info: Any) -> bool:
+    """`w4a16_gemm.supports_moe`, <= GEMV_MAX_TOKENS tokens, experts in the checkpoint layout (`describe_moe`)."""
+    return supports_moe(**info) and 0 < info["tokens"] <= GEMV_MAX_TOKENS and info["layout"] == CHECKPOINT

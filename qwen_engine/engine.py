@@ -667,11 +667,11 @@ def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry)
     """The routed-expert op on the device at every kernel layout the model's experts use that the registry's
     self-check sample (`w4a16_gemm._sample_moe`: the device's default layout) does not cover, e.g. tile_major, or
     dual's small-batch copy (the checkpoint layout, 3 tokens: the decode GEMV), through the implementation the
-    registry chooses for it. A failure puts the op on its reference (all layouts: it is one registry op) and says
-    so. -> {"w4a16_moe[<layout>]": outcome}."""
+    registry chooses for it. A failing implementation is disabled (as the registry's own self-check does) and the
+    next choice is checked, down to the reference. -> {"w4a16_moe[<layout>]": outcomes, "; "-joined}."""
     from kernels import w4a16_gemm as w
 
-    from .model.quantized import NVFP4Experts
+    from .model.quantized import NVFP4Experts, forget_kernel_choices
 
     used = set()
     for mod in model.modules():
@@ -684,17 +684,24 @@ def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry)
             out[name] = "skipped (the reference runs)"
             continue
         args, _ = w._sample_moe(device, layout=layout)
-        impl = registry.choose(w.MOE, **registry.spec(w.MOE).describe(*args))
-        try:
-            err = w.compare(impl.fn(*args), w.moe_experts_w4a16_reference(*args))
-        except Exception as exc:  # noqa: BLE001 - reported; the reference then runs
-            err = repr(exc)
-        if err is None:
-            out[name] = f"{impl.name} passed"
-        else:
-            registry.set_preference("reference", op=w.MOE)
-            out[name] = f"{impl.name} FAILED ({err}); the reference runs"
-            log.error("kernel self-check %s failed: %s; w4a16_moe runs its reference", name, err)
+        said = []
+        while True:
+            impl = registry.choose(w.MOE, **registry.spec(w.MOE).describe(*args))
+            if impl.name == "reference":
+                said.append("the reference runs")
+                break
+            try:
+                err = w.compare(impl.fn(*args), w.moe_experts_w4a16_reference(*args))
+            except Exception as exc:  # noqa: BLE001 - reported; the next implementation is checked
+                err = repr(exc)
+            if err is None:
+                said.append(f"{impl.name} passed")
+                break
+            said.append(f"{impl.name} FAILED ({err}); disabled")
+            registry.disable(w.MOE, impl.name, f"self-check on {w.LAYOUT_NAMES[layout]} experts failed: {err}")
+            forget_kernel_choices(model)
+            log.error("kernel self-check %s: %s failed: %s; disabled", name, impl.name, err)
+        out[name] = "; ".join(said)
     return out
 
 

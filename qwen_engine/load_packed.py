@@ -107,8 +107,8 @@ def load_quantized(
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
     expert_layout: the routed experts' byte layout (`apply_expert_layout`; same values): "checkpoint", "tile_major",
     "split_halves", "dual" (split halves + a checkpoint-layout copy for decode batches of <= 4 tokens, the GEMV's: +1
-    packed copy of the experts) or "auto": split halves on Hopper (the swap-AB kernel; benchmarks/RESULTS.md, Qwen run 13), tile-major
-    on other GPUs, the checkpoint's on the CPU (`kernels.w4a16_gemm.default_expert_layout`).
+    packed copy of the experts) or "auto" (`resolve_expert_layout`): dual on Hopper, tile-major on other GPUs, the
+    checkpoint's on the CPU.
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
     inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the

@@ -86,7 +86,7 @@ def main() -> int:
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
     # (the fourth: the down projection's checkpoint-layout defaults, GROUPED_MODES[False])
-    # and tile-major experts (`expert_layout` tile_major, and `dual`'s copy for small batches) (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128, down 64 x 128, DEQ 2,
+    # and tile-major experts (`expert_layout` tile_major) (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128, down 64 x 128, DEQ 2,
     # scales 1 ahead), and its prefill programs over several stored tiles (TILE_MAJOR_PREFILL: gate_up 64 wide over
     # tiles of 32 rows, BLOCK_M 32)
     for bn, bk, deq, ahead, swiglu, tiled, tile_n, bm in (

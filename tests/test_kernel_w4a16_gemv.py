@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_core.registry import Registry
-from kernels import w4a16_gemm, w4a16_gemv
+from kernels import w4a16_gemm
 from kernels.nvfp4 import NVFP4Tensor, dequantize_nvfp4, w4a16_linear_reference
 from kernels.w4a16_gemm import compare, moe_experts_w4a16_reference, w4a16_swiglu_reference
 from kernels.w4a16_gemv import (
@@ -88,52 +88,46 @@ def test_moe_block_matches_reference_and_tensor_core_path(t):
     ref = moe_experts_w4a16_reference(x, w13, w2, idx, wts)
     y = moe_experts_w4a16_gemv(x, w13, w2, idx, wts)
     assert y.shape == ref.shape and compare(y, ref) is None
-    tc = w4a16_gemm.moe_experts_w4a16_triton(x, w13, w2, idx, wts)
-    assert compare(y, tc) is None
-    y3 = moe_experts_w4a16_gemv(x, w13, w2, idx, wts, reduce=False)
-    assert y3.shape == (t, 2, 64)
-    assert torch.equal(y3.sum(1, dtype=torch.float32).to(x.dtype), y)
+    assert compare(y, w4a16_gemm.moe_experts_w4a16_triton(x, w13, w2, idx, wts)) is None
+    y3 = moe_experts_w4a16_gemv(x, w13, w2, idx, wts, reduce=False)  # the k weighted rows, unsummed
+    assert y3.shape == (t, 2, 64) and compare(y3, moe_experts_w4a16_reference(x, w13, w2, idx, wts, False)) is None
 
 
-def test_moe_hands_larger_calls_and_other_layouts_to_the_tensor_cores(monkeypatch):
-    """More than GEMV_MAX_TOKENS tokens, or repacked experts: `w4a16_gemm.moe_experts_w4a16_triton` runs (counted)."""
-    calls = []
-    real = w4a16_gemv.moe_experts_w4a16_triton
-    monkeypatch.setattr(w4a16_gemv, "moe_experts_w4a16_triton", lambda *a: calls.append(a) or real(*a))
-    launches = []
-    real_launch = w4a16_gemv.w4a16_gemv_launch
-    monkeypatch.setattr(w4a16_gemv, "w4a16_gemv_launch", lambda *a, **k: launches.append(1) or real_launch(*a, **k))
-    w13, w2, idx, wts, x = moe_inputs(GEMV_MAX_TOKENS + 1, e=6, h=64, i=32, top_k=2, seed=20)
-    ref = moe_experts_w4a16_reference(x, w13, w2, idx, wts)
-    assert compare(moe_experts_w4a16_gemv(x, w13, w2, idx, wts), ref) is None
-    assert len(calls) == 1 and not launches
-    x1, idx1, wts1 = x[:1], idx[:1], wts[:1]
-    moe_experts_w4a16_gemv(x1, w13, w2, idx1, wts1)
-    assert len(calls) == 1 and len(launches) == 2  # gate_up + down, no alignment
-    moe_experts_w4a16_gemv(x1, w13, w2, idx1, wts1, True, w4a16_gemm.TILE_MAJOR + 99)  # not the checkpoint layout
-    assert len(calls) == 2
+def test_registry_hands_other_calls_to_the_tensor_cores():
+    """`supports_*_gemv` take the call's rows: the registry chooses the GEMV for what it serves (<= GEMV_MAX_TOKENS
+    tokens; checkpoint-layout experts; dense weights within `gemv_ok`) and "triton" for the rest, and a direct call
+    outside that is refused (so a disabled "triton" can never run behind the GEMV)."""
+    reg = Registry("auto")
+    w4a16_gemm.register(reg)
+    moe, dense, swiglu = (reg.spec(op) for op in (w4a16_gemm.MOE, w4a16_gemm.DENSE, w4a16_gemm.SWIGLU))
+    w13, w2, idx, wts, x = moe_inputs(GEMV_MAX_TOKENS + 1, e=4, h=256, i=256, top_k=2, seed=20)
+    assert reg.choose(moe.name, **moe.describe(x, w13, w2, idx, wts)).name == "triton"  # 5 tokens
+    assert reg.choose(moe.name, **moe.describe(x[:1], w13, w2, idx[:1], wts[:1])).name == GEMV
+    t13, t2 = w4a16_gemm.experts_repack(w13, w2, w4a16_gemm.TILE_MAJOR)  # repacked experts: not the GEMV's bytes
+    tiled = (x[:1], t13, t2, idx[:1], wts[:1], True, w4a16_gemm.TILE_MAJOR)
+    assert reg.choose(moe.name, **moe.describe(*tiled)).name == "triton"
+    for args in ((x, w13, w2, idx, wts), tiled):
+        with pytest.raises(ValueError, match="checkpoint-layout experts"):
+            moe_experts_w4a16_gemv(*args)
+    w = rand_weight(48, 64, seed=11)
+    for spec in (dense, swiglu):
+        assert reg.choose(spec.name, **spec.describe(rand_x(GEMV_MAX_TOKENS + 1, 64, seed=12), w)).name == "triton"
+        assert reg.choose(spec.name, **spec.describe(rand_x(3, 64, seed=12).view(3, 1, 64), w)).name == GEMV
+    with pytest.raises(ValueError, match="not a GEMV call"):
+        w4a16_linear_gemv(rand_x(GEMV_MAX_TOKENS + 1, 64, seed=12), w)
 
 
-def test_dense_dispatch(monkeypatch):
+def test_dense_dispatch_rule_and_leading_dims():
     """`gemv_ok`: one row at any size, up to GEMV_MAX_TOKENS rows when the weight is at most GEMV_MAX_REPEAT_BYTES
-    (each row re-reads it); else the tensor-core kernel."""
+    (each row re-reads it). Leading dims are kept."""
     assert gemv_ok(1, 1024, 2048) and gemv_ok(4, 2048, 512) and not gemv_ok(5, 1024, 2048)
     assert gemv_ok(1, 248320, 2048) and not gemv_ok(2, 248320, 2048)  # lm_head: one row only
     assert not gemv_ok(0, 8, 16)
-    calls = []
-    real = w4a16_gemv.w4a16_linear_triton
-    monkeypatch.setattr(w4a16_gemv, "w4a16_linear_triton", lambda *a: calls.append(a) or real(*a))
-    real_s = w4a16_gemv.w4a16_swiglu_triton
-    monkeypatch.setattr(w4a16_gemv, "w4a16_swiglu_triton", lambda *a: calls.append(a) or real_s(*a))
     w = rand_weight(48, 64, seed=11)
-    x = rand_x(GEMV_MAX_TOKENS + 1, 64, seed=12)
-    assert compare(w4a16_linear_gemv(x, w), w4a16_linear_reference(x, w)) is None and len(calls) == 1
-    assert compare(w4a16_swiglu_gemv(x, w), w4a16_swiglu_reference(x, w)) is None and len(calls) == 2
-    x3 = x[:3].reshape(3, 1, 64)  # leading dims kept
+    x3 = rand_x(3, 64, seed=12).reshape(3, 1, 64)
     y = w4a16_linear_gemv(x3, w)
-    assert y.shape == (3, 1, 48) and len(calls) == 2
-    assert compare(y, w4a16_linear_reference(x3, w)) is None
-    assert compare(w4a16_swiglu_gemv(x3, w), w4a16_swiglu_reference(x3, w)) is None and len(calls) == 2
+    assert y.shape == (3, 1, 48) and compare(y, w4a16_linear_reference(x3, w)) is None
+    assert compare(w4a16_swiglu_gemv(x3, w), w4a16_swiglu_reference(x3, w)) is None
 
 
 def test_registry_order_and_self_check():
@@ -144,7 +138,7 @@ def test_registry_order_and_self_check():
         assert [i.name for i in reg.spec(op).implementations][:2] == [GEMV, "triton"]
     report = reg.self_check(DEVICE)
     for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU):
-        assert report[op].startswith(f"{GEMV} passed"), report
+        assert report[op] == f"{GEMV} passed; triton passed", report
     args, _ = w4a16_gemm._sample_moe(DEVICE, layout=w4a16_gemm.CHECKPOINT)
     impl = reg.choose(w4a16_gemm.MOE, **reg.spec(w4a16_gemm.MOE).describe(*args))
     assert impl.name == GEMV and compare(impl.fn(*args), moe_experts_w4a16_reference(*args)) is None
@@ -157,3 +151,10 @@ def test_errors():
     with pytest.raises(ValueError, match="even number of rows"):
         w4a16_gemv_launch(rand_x(1, 64, seed=1), *rand_weight(9, 64, seed=14), swiglu=True)
     assert w4a16_gemv_launch(rand_x(0, 64, seed=1), *w).shape == (0, 8)
+
+
+def test_small_rows_constant_matches_the_model_cache():
+    """The model's choice cache keeps row counts <= SMALL_ROWS apart: it must cover the GEMV's range."""
+    from qwen_engine.model.quantized import SMALL_ROWS
+
+    assert SMALL_ROWS == GEMV_MAX_TOKENS

@@ -246,9 +246,10 @@ def test_experts_dual_layout(tensors, caplog, small_layout):
 @torch.no_grad()
 def test_engine_checks_the_expert_layouts_its_model_uses(monkeypatch):
     """`qwen_engine.engine.check_expert_layouts`: the registry's self-check sample covers the device's default layout
-    only, so the engine also checks every other kernel layout its experts use (tile-major here, on the CPU where the
-    default is the checkpoint's; and dual's copy); a wrong kernel puts the op on its reference and says so."""
-    from kernels.w4a16_gemm import MOE, TILE_MAJOR
+    only, so the engine also checks every other kernel layout its experts use (tile-major and split halves here, on
+    the CPU where the default is the checkpoint's; dual's checkpoint-layout copy -- the decode GEMV -- where the
+    default is another), through the registry's choice; a wrong kernel is disabled and the next choice checked."""
+    from kernels.w4a16_gemm import MOE, SPLIT_HALVES, TILE_MAJOR
     from qwen_engine.engine import check_expert_layouts
 
     g = torch.Generator().manual_seed(9)
@@ -261,11 +262,17 @@ def test_engine_checks_the_expert_layouts_its_model_uses(monkeypatch):
     assert model[0].repack(TILE_MAJOR) and model[1].repack_dual()
     out = check_expert_layouts(model, torch.device("cpu"), reg)
     assert out == {"w4a16_moe[tile_major]": "triton passed", "w4a16_moe[split_halves]": "triton passed"}, out
+    with monkeypatch.context() as m:  # a GPU's view: split halves is the sample's layout, dual's copy is not
+        m.setattr(w4a16_gemm, "default_expert_layout", lambda device: SPLIT_HALVES)
+        out = check_expert_layouts(model, torch.device("cpu"), reg)
+    assert out == {"w4a16_moe[checkpoint]": "triton_gemv passed", "w4a16_moe[tile_major]": "triton passed"}, out
     monkeypatch.setattr(w4a16_gemm, "moe_experts_w4a16_triton", lambda *a: torch.zeros_like(a[0]))
-    out = check_expert_layouts(model, torch.device("cpu"), reg)
-    assert out["w4a16_moe[tile_major]"].startswith("triton FAILED"), out  # checked first (layout codes in order)
-    assert out["w4a16_moe[split_halves]"] == "skipped (the reference runs)", out  # the op is on its reference now
-    assert reg.preference(MOE).value == "reference"
+    bad = registry("auto")  # registers the broken tensor-core kernel
+    out = check_expert_layouts(model, torch.device("cpu"), bad)
+    first = out["w4a16_moe[tile_major]"]  # checked first (layout codes in order)
+    assert first.startswith("triton FAILED") and first.endswith("disabled; the reference runs"), out
+    assert out["w4a16_moe[split_halves]"] == "the reference runs", out  # "triton" stays disabled
+    assert bad.preference(MOE).value == "auto"  # only the failing implementation is out, not the GEMV
 
 
 @torch.no_grad()
@@ -295,7 +302,7 @@ def test_moe_fused_tail_with_unsummed_experts(tensors):
     print(f"fused MoE tail vs plain: rel err {err:.2e}")
     assert err <= 2e-2
     if w4a16_gemm._interpreted():
-        assert reg.choices()["w4a16_swiglu"]["last"] == "triton", reg.choices()
+        assert reg.choices()["w4a16_swiglu"]["last"] == "triton", reg.choices()  # 5 rows: not the GEMV's
 
 
 @torch.no_grad()
@@ -398,7 +405,7 @@ def test_bf16_triton_interpreter_matches_references(tensors):
     got, want = fast(ids.to(dev)).float().cpu(), slow(ids).float()
     if not torch.cuda.is_available() and w4a16_gemm._interpreted():
         ch = fast_reg.choices()
-        assert ch["w4a16_linear"]["last"] == "triton" and ch["w4a16_moe"]["last"] == "triton", ch
+        assert ch["w4a16_linear"]["last"] == "triton" and ch["w4a16_moe"]["last"] == "triton", ch  # 6 rows
     print("bf16 triton vs reference logits rel err", rel_err(got, want))
     assert rel_err(got, want) <= 2e-2
 

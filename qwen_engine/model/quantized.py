@@ -83,6 +83,9 @@ class _KeepStorageDtype(nn.Module):
         return super()._apply(keep, recurse)
 
 
+SMALL_ROWS = 4  # = kernels.w4a16_gemv.GEMV_MAX_TOKENS (tests check): row counts the choice cache keeps apart
+
+
 class _Dispatch(_KeepStorageDtype):
     """Chooses the registry implementation of one op per (device, dtype, preference) and caches it."""
 
@@ -94,11 +97,15 @@ class _Dispatch(_KeepStorageDtype):
 
     def _call(self, *args, op: str | None = None, variant=None):
         """`op` (default: the module's) on args, through the cached registry choice; `variant` overrides the module's
-        `_variant` for this call (state its `supports()` depends on that differs between calls)."""
+        `_variant` for this call (state its `supports()` depends on that differs between calls). Calls of up to
+        SMALL_ROWS activation rows are cached per row count (decode kernels, e.g. `kernels/w4a16_gemv.py`, support
+        only those), larger ones together."""
         op = op or self.op
         reg = self.registry = _registry(self.registry)
         x = args[0]
-        key = (op, x.device.type, x.dtype, reg.preference(op), self._variant if variant is None else variant)
+        rows = x.numel() // x.shape[-1] if x.dim() else 1
+        key = (op, x.device.type, x.dtype, reg.preference(op), self._variant if variant is None else variant,
+               rows if rows <= SMALL_ROWS else None)
         impl = self._impl.get(key)
         if impl is None:
             impl = self._impl[key] = reg.choose(op, **reg.spec(op).describe(*args))
@@ -369,25 +376,32 @@ class NVFP4Experts(_Dispatch):
         self.layout = layout
         return True
 
-    def repack_dual(self, small_tokens: int = 4, small_layout: int | None = None) -> bool:
+    def repack_dual(self, small_tokens: int | None = None, small_layout: int | None = None) -> bool:
         """Split halves for the swap-AB kernel (`repack(SPLIT_HALVES)`), plus a second copy of both packed stacks in
         `small_layout` that calls of at most `small_tokens` tokens read. On the H200 (benchmarks/RESULTS.md, Qwen run
         13) the swap-AB kernel made TTFT 17% shorter and 32 streams 15% faster, but a lone request's decode 11%
         slower; two copies keep both, for +1 packed copy of the experts (~400 MB per layer, ~16 GB at full size).
         `small_layout` (default: the checkpoint's, which the decode GEMV `kernels/w4a16_gemv.py` reads; until the
-        ninth session tile-major, for the grouped kernel: run 15, lone decode 213.6 -> 238.8 tok/s). The crossover
-        `small_tokens` is not measured: 4 = the GEMV's limit (`GEMV_MAX_TOKENS`). Returns False, changing nothing,
-        when the shapes do not split into both layouts' tiles."""
+        ninth session tile-major, for the grouped kernel: run 15, lone decode 213.6 -> 238.8 tok/s). `small_tokens`
+        (default and, for the checkpoint layout, maximum: the GEMV's GEMV_MAX_TOKENS = 4; larger calls on that copy
+        would run the grouped kernel on the checkpoint layout, the slowest decode path measured). Returns False,
+        changing nothing, when the shapes do not split into both layouts' tiles."""
         from kernels.w4a16_gemm import CHECKPOINT, SPLIT_HALVES, experts_repack, layout_ok
+        from kernels.w4a16_gemv import GEMV_MAX_TOKENS
 
         small_layout = CHECKPOINT if small_layout is None else small_layout
+        small_tokens = GEMV_MAX_TOKENS if small_tokens is None else small_tokens
+        if small_layout == CHECKPOINT and small_tokens > GEMV_MAX_TOKENS:
+            raise ValueError(f"repack_dual: a checkpoint-layout copy serves the GEMV's <= {GEMV_MAX_TOKENS} tokens, "
+                             f"got small_tokens={small_tokens}")
         w13, w2 = self._checkpoint_layout()
         if small_tokens < 1 or not (layout_ok(w13, w2, SPLIT_HALVES) and layout_ok(w13, w2, small_layout)):
             return False
         self.repack(SPLIT_HALVES)
         t13, t2 = experts_repack(w13, w2, small_layout)
         # not persistent: derived bytes, the state_dict keeps one copy (whose loads are refused once repacked). In
-        # the checkpoint layout these are the stacks from before the split-halves repack (new tensors replaced them)
+        # the checkpoint layout these are the stacks from before the split-halves repack (new tensors replaced them),
+        # which may share storage with the loader's tensors: nothing writes them in place
         self.register_buffer("small_gate_up_packed", t13.packed, persistent=False)
         self.register_buffer("small_down_packed", t2.packed, persistent=False)
         self.small_tokens, self.small_layout = small_tokens, small_layout
