@@ -47,6 +47,9 @@
 #      implementations, then as many GEMV GPU tests as the call has time for.
 #  20. (ninth session) per call only: the one-program moe_align by warps per program (4 / 8 / 16) at decode sizes,
 #      then the GEMV bench again with three more autotune configs (the tuner's picks recorded).
+#  21. (ninth session, written after the last call; unrun) the review's registry handoff in the engine: GEMV on / off
+#      and the first engine again last in the process (--again: run 16's TTFT +2.4 ms was possibly an order effect),
+#      then the GEMV's GPU tests in full (~3-4 min cold).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -68,7 +71,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="17" bash benchmarks/gpu_next.sh      # ~9 min (ran: run 16)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="18" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: bench run 1)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="19" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: run 16)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="20" bash benchmarks/gpu_next.sh      # ~3 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="20" bash benchmarks/gpu_next.sh      # ~3 min (ran: see RESULTS)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="21" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -255,5 +259,14 @@ timeout 45 python benchmarks/moe_align_bench.py --out "$R/moe_align_bench" > "$R
 grep -E "^\| " "$R/moe_align_bench/moe_align_bench.md"
 timeout 140 python benchmarks/w4a16_gemv_bench.py --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
 grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-220
+fi
+if want 21; then
+say "21. the engine with / without the GEMV, the first engine again; the GEMV GPU tests"
+timeout 400 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --without w4a16_moe:triton_gemv,w4a16_swiglu:triton_gemv,w4a16_linear:triton_gemv --again \
+  --out "$R/qwen_gemv" > "$R/qwen_gemv.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_gemv/qwen_gpu.md" | cut -c1-220
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
 fi
 say "done"

@@ -195,6 +195,8 @@ def markdown(r: dict) -> str:
             *(f"| (e) engine without {w.get('without')}: decode tok/s, lone request / all {st.get('n')} streams "
               f"decoding / TTFT ms | {side_by_side(w)} | - |"
               for key, w in r.items() if key.startswith("engine_without")),
+            f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
+            f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_again'))} | - |",
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
             f" | {fmt(e.get('start_s'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
@@ -376,6 +378,9 @@ def main() -> None:
                     help="OP:IMPL[,OP:IMPL...] -- (e) once more with these registry implementations disabled (e.g. "
                          "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
                          "side; repeatable, one engine each")
+    ap.add_argument("--again", action="store_true",
+                    help="(e) the first engine once more after all the others, in the same process (the first of a "
+                         "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
                     help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; needs >= 4 for a full-attention layer)")
     ap.add_argument("--only-oracle", action="store_true",
@@ -534,7 +539,7 @@ def main() -> None:
             from qwen_engine.model.quantized import NVFP4Experts
 
             experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
-            own = {id(m): (m.layout, m.small_tokens) for m in experts}  # restored after the comparison
+            own = {id(m): (m.layout, m.small_tokens, m.small_layout) for m in experts}  # restored afterwards
             try:
                 if not all(apply_expert_layout(m, args.compare_layout, device) for m in experts):
                     raise ValueError(f"experts do not split into the {args.compare_layout} tiles")
@@ -544,9 +549,17 @@ def main() -> None:
                 r["errors"].append(f"(e) engine with {args.compare_layout} experts: {type(e).__name__}: {e}")
             finally:
                 for m in experts:
-                    layout, small = own[id(m)]
-                    m.repack_dual(small) if small else m.repack(layout)
+                    layout, small, small_layout = own[id(m)]
+                    m.repack_dual(small, small_layout) if small else m.repack(layout)
             log(f"(e) {args.compare_layout} experts {r.get('engine_layout')}")
+            save()
+        if args.again:  # the first engine once more, after the others: separates order effects from the options'
+            try:
+                r["engine_again"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                             prefill_buckets=buckets))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine again: {type(e).__name__}: {e}")
+            log(f"(e) again {r.get('engine_again')}")
             save()
         if device.type == "cuda":
             torch.cuda.empty_cache()

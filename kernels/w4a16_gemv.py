@@ -3,6 +3,11 @@ of BLOCK_N weight rows), the whole K streamed in BLOCK_K tiles, no tensor cores,
 shared expert and lm_head of a lone decode step) and grouped for the MoE, where each (token, expert) pair is its own
 output row: the expert is read straight from the router's ids, so a decode step needs no `moe_align` launch.
 
+Outcome (H200, 2026-11-30, benchmarks/RESULTS.md run 16): a lone request decodes at 283.5 tok/s against 235.0 with
+it disabled (same process); per call the routed experts at 1 token take 20.4 us against 29-31 us, lm_head 219-224
+against 338-345 us. Still 0.7-1.3 TB/s, far from HBM speed: the compiled loop spends ~10 instructions per weight and
+moves the activation and scale tiles through shared memory every K tile (layout conversions; offline sm_90 SASS).
+
 Why. At one token the tensor-core kernels of `kernels/w4a16_gemm.py` pad the MMA to 16 rows and stream each expert in
 2 KB K tiles per program (H200, Qwen run 15 profile, 2026-11-30: gate_up 15.9 us for 9.4 MB of weights, down 8.0 us,
 the shared expert's two dense calls ~9 us each for ~1 MB: 0.6 TB/s and less). Here a program holds a few weight rows
