@@ -36,8 +36,6 @@ def main() -> None:
     dev, e, top_k, calls = torch.device("cuda"), 256, 8, 40
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    per_call_us = graph_per_call_us
-
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         idx = [torch.stack([torch.randperm(e, device=dev, generator=gen)[:top_k] for _ in range(t)])
@@ -48,9 +46,9 @@ def main() -> None:
             sp, be = align.moe_align_triton(idx[0], e, bm, num_warps=w)
             ref = moe_align(idx[0], e, bm)
             row[f"ok_{w}"] = bool(torch.equal(sp, ref.sorted_pairs) and torch.equal(be, ref.block_expert))
-            row[f"triton_{w}_warps_us"] = per_call_us(
+            row[f"triton_{w}_warps_us"] = graph_per_call_us(
                 [lambda i=i, w=w: align.moe_align_triton(idx[i], e, bm, num_warps=w) for i in range(calls)])
-        row["torch_us"] = per_call_us([lambda i=i: moe_align(idx[i], e, bm) for i in range(calls)])
+        row["torch_us"] = graph_per_call_us([lambda i=i: moe_align(idx[i], e, bm) for i in range(calls)])
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)

@@ -49,8 +49,6 @@ def main() -> None:
         scales = (1 + torch.rand(*shape[:-1], shape[-1] // 16, device=dev, generator=gen)).to(torch.float8_e4m3fn)
         return NVFP4Tensor(packed, scales, torch.full(shape[:-1], 1e-2, device=dev))
 
-    per_call_us = graph_per_call_us
-
     def rel(a, b) -> float:
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -77,7 +75,7 @@ def main() -> None:
         row = dict(call="routed experts (gate_up + SwiGLU, down x weight, sum)", tokens=t,
                    bytes_per_call=moe_bytes * len(set(idx[0].view(-1).tolist())) / TOP_K)
         for label, fn in paths.items():
-            us = per_call_us([lambda i=i: fn(i) for i in range(args.calls)])
+            us = graph_per_call_us([lambda i=i: fn(i) for i in range(args.calls)])
             row[label] = dict(us=us, tb_s=row["bytes_per_call"] / (us * 1e-6) / 1e12)
         row["gemv_rel_err_vs_tensor_cores"] = rel(paths["GEMV (checkpoint layout)"](0),
                                                   paths["tensor cores, checkpoint layout"](0))
@@ -99,7 +97,7 @@ def main() -> None:
             core = (lambda w: tc.w4a16_swiglu_triton(x, w)) if swiglu else (lambda w: tc.w4a16_linear_triton(x, w))
             row = dict(call=name, tokens=t, n=n, k=k, bytes_per_call=nbytes, copies=copies)
             for label, fn in (("GEMV", gemv), ("tensor cores (dense kernel)", core)):
-                us = per_call_us([lambda w=w: fn(w) for w in ws])
+                us = graph_per_call_us([lambda w=w: fn(w) for w in ws])
                 row[label] = dict(us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
             ref = core(ws[0]) if swiglu else w4a16_linear_reference(x, ws[0])
             row["gemv_rel_err"] = rel(gemv(ws[0]), ref)

@@ -830,12 +830,13 @@ def dequantize_nvfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: t
 
 # ---- custom ops (traceable by torch.compile) -------------------------------------------------------------------------
 def _dense_any_rank(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                    swiglu: bool) -> torch.Tensor:
-    """`w4a16_dense_launch` over x's leading dims (flattened to rows; unit inner stride made if missing)."""
+                    swiglu: bool, launch=None) -> torch.Tensor:
+    """`launch` (default `w4a16_dense_launch`; `kernels/w4a16_gemv.py` passes its own, same signature) over x's
+    leading dims (flattened to rows; unit inner stride made if missing)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = w4a16_dense_launch(x2, packed, scales, global_scale, swiglu=swiglu)
+    y = (launch or w4a16_dense_launch)(x2, packed, scales, global_scale, swiglu=swiglu)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

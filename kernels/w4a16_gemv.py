@@ -44,6 +44,7 @@ from kernels.nvfp4 import NVFP4Tensor
 from kernels.w4a16_gemm import (
     CHECKPOINT,
     _global_1d,
+    _dense_any_rank,
     _global_2d,
     _interpreted,
     supports_dense,
@@ -213,12 +214,12 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 # ---- registry implementations ("triton_gemv": where `supports_*_gemv` accept; the registry hands the rest on) -------
 def _dense(x: torch.Tensor, w: NVFP4Tensor, swiglu: bool) -> torch.Tensor:
-    """`w4a16_gemv_launch` over x's leading dims (flattened to rows)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if not gemv_ok(x2.shape[0], w.packed.shape[0], x2.shape[1]):
-        raise ValueError(f"w4a16_gemv: {x2.shape[0]} rows x a {tuple(w.shape)} weight is not a GEMV call (gemv_ok)")
-    y = w4a16_gemv_launch(x2, w.packed, w.scales, torch.as_tensor(w.global_scale, device=x.device), swiglu=swiglu)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    """`w4a16_gemv_launch` over x's leading dims (`w4a16_gemm._dense_any_rank`), for the calls `gemv_ok` accepts."""
+    rows = x.numel() // x.shape[-1]
+    if not gemv_ok(rows, w.packed.shape[0], x.shape[-1]):
+        raise ValueError(f"w4a16_gemv: {rows} rows x a {tuple(w.shape)} weight is not a GEMV call (gemv_ok)")
+    return _dense_any_rank(x, w.packed, w.scales, torch.as_tensor(w.global_scale, device=x.device), swiglu,
+                           launch=w4a16_gemv_launch)
 
 
 def w4a16_linear_gemv(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:

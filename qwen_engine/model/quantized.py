@@ -103,7 +103,7 @@ class _Dispatch(_KeepStorageDtype):
         op = op or self.op
         reg = self.registry = _registry(self.registry)
         x = args[0]
-        rows = x.numel() // x.shape[-1] if x.dim() else 1
+        rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
         key = (op, x.device.type, x.dtype, reg.preference(op), self._variant if variant is None else variant,
                rows if rows <= SMALL_ROWS else None)
         impl = self._impl.get(key)
