@@ -1,13 +1,15 @@
-"""The decode-sized FP8 linear (`kernels/fp8_skinny.py`: quantiser fused, split K) beside what it replaces (the
-one-launch Triton quantiser + cuBLASLt's FP8 GEMM, `fp8_linear_triton_quant`), at Qwen3.6-35B-A3B's FP8 projection
-shapes, per row count M: where the two cross decides `fp8_skinny.SKINNY_MAX_M`.
+"""The decode-sized FP8 linears beside what they replace (the one-launch Triton quantiser + cuBLASLt's FP8 GEMM,
+`fp8_linear_triton_quant`), at Qwen3.6-35B-A3B's FP8 projection shapes, per row count M: `kernels/fp8_skinny.py`
+(quantiser fused, split K) and `kernels/fp8_gemv.py` (CUDA-core GEMV, with the quantiser launch before it or its
+division in the loop). Where they cross decides `fp8_skinny.SKINNY_MAX_M` / `SKINNY_MAX_N`, `fp8_gemv.gemv_ok` and
+the registry order in `kernels.fp8_linear.register`.
 
     python benchmarks/fp8_skinny_bench.py --out benchmarks/results/fp8_skinny_bench     # GPU; ~1 min on an H200
 
 Timing as the engine runs them: one CUDA graph of R calls, each on its own weight copy (R copies >= 2 x the 50 MB L2,
 so every call reads its weights from HBM), replayed; us per call = replay time / R (median of 5 replays). Weights:
-random e4m3 bytes with a per-tensor scale (speed does not depend on the values). Each skinny result is compared with
-`fp8_linear_reference` (max |diff| / max |ref|; bf16 output).
+random e4m3 bytes with a per-tensor scale (speed does not depend on the values). Each Triton result is compared with
+`fp8_linear_reference` (max |diff| / max |ref|; bf16 output). The GEMV's autotuner picks are recorded.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("fp8_skinny_bench needs a CUDA GPU")
     from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
-    from kernels import fp8_skinny
+    from kernels import fp8_gemv, fp8_skinny
     from kernels.fp8_linear import fp8_linear_triton_quant
     from kernels.nvfp4 import FP8Tensor, fp8_linear_reference
 
@@ -45,8 +47,14 @@ def main() -> None:
     def skinny(x, w):
         return fp8_skinny.fp8_skinny_op(x, w.data, w.scale, w.input_scale, torch.bfloat16)
 
-    impls = {"quant + cuBLASLt (scaled_mm)": lambda x, w: fp8_linear_triton_quant(x, w),
-             "fp8_skinny (fused, split K)": skinny}
+    def gemv(prequantize):
+        return lambda x, w: fp8_gemv.fp8_gemv_op(x, w.data, w.scale, w.input_scale, torch.bfloat16, prequantize)
+
+    # label -> (call, largest M it takes)
+    impls = {"quant + cuBLASLt (scaled_mm)": (lambda x, w: fp8_linear_triton_quant(x, w), 1 << 30),
+             "fp8_skinny (fused, split K)": (skinny, fp8_skinny.SKINNY_MAX_M),
+             "quant + fp8_gemv": (gemv(True), fp8_gemv.GEMV_MAX_ROWS),
+             "fp8_gemv (quant in loop)": (gemv(False), fp8_gemv.GEMV_MAX_ROWS)}
 
     def per_call_us(fn, x, ws) -> float:
         return graph_per_call_us([lambda w=w: fn(x, w) for w in ws])
@@ -60,14 +68,17 @@ def main() -> None:
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = dict(shape=name, n=n, k=k, m=m, copies=copies)
-            for label, fn in impls.items():
-                if label.startswith("fp8_skinny") and m > fp8_skinny.SKINNY_MAX_M:
+            ref = fp8_linear_reference(x, ws[0], out_dtype=torch.float32)
+            for label, (fn, max_m) in impls.items():
+                if m > max_m:
                     continue
                 us = per_call_us(fn, x, ws)
-                row[label] = dict(us=us, tb_s=n * k / (us * 1e-6) / 1e12)
-            if m <= fp8_skinny.SKINNY_MAX_M:
-                ref = fp8_linear_reference(x, ws[0], out_dtype=torch.float32)
-                row["skinny_rel_err"] = float((skinny(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
+                err = float((fn(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
+                row[label] = dict(us=us, tb_s=n * k / (us * 1e-6) / 1e12, rel_err=err)
+            if m <= fp8_gemv.GEMV_MAX_ROWS:
+                picks = fp8_gemv._fp8_gemv_autotuned.cache  # {(R_BUCKET, N, K, X_CODES, dtypes..): Config}
+                row["gemv_configs"] = sorted(f"X_CODES={key[3]}: {c}" for key, c in picks.items()
+                                             if tuple(key[:3]) == (m, n, k))
             results.append(row)
             print(json.dumps(row), flush=True)
 
@@ -78,12 +89,14 @@ def main() -> None:
     (out / "fp8_skinny_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     labels = list(impls)
     lines = [f"# fp8_skinny_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
-             "| shape (N x K) | M | " + " | ".join(f"{lab}: us (TB/s)" for lab in labels) + " | skinny / cuBLASLt |"
-             " skinny max rel err |", "|---|---:|" + "---:|" * (len(labels) + 2)]
+             "| shape (N x K) | M | " + " | ".join(f"{lab}: us (TB/s)" for lab in labels)
+             + " | best / cuBLASLt | max rel err (Triton) |", "|---|---:|" + "---:|" * (len(labels) + 2)]
     for r in results:
         cells = [f"{r[lab]['us']:.2f} ({r[lab]['tb_s']:.2f})" if lab in r else "-" for lab in labels]
-        ratio = (f"{r[labels[1]]['us'] / r[labels[0]]['us']:.2f}" if labels[1] in r else "-")
-        err = f"{r['skinny_rel_err']:.1e}" if "skinny_rel_err" in r else "-"
+        best = min(r[lab]["us"] for lab in labels[1:] if lab in r) if any(lab in r for lab in labels[1:]) else None
+        ratio = f"{best / r[labels[0]]['us']:.2f}" if best is not None else "-"
+        errs = [r[lab]["rel_err"] for lab in labels[1:] if lab in r]
+        err = f"{max(errs):.1e}" if errs else "-"
         lines.append(f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | " + " | ".join(cells)
                      + f" | {ratio} | {err} |")
     (out / "fp8_skinny_bench.md").write_text("\n".join(lines) + "\n")

@@ -50,6 +50,9 @@
 #  21. (ninth session, written after the last call; unrun) the review's registry handoff in the engine: GEMV on / off
 #      and the first engine again last in the process (--again: run 16's TTFT +2.4 ms was possibly an order effect),
 #      then the GEMV's GPU tests in full (~3-4 min cold).
+#  22. (tenth session) the decode FP8 GEMV (kernels/fp8_gemv.py): per call beside cuBLASLt and fp8_skinny at 1 / 2 / 4
+#      rows, then the engine (FP8 GEMV on: the default) beside the same engine without both FP8 GEMV implementations.
+#  23. (tenth session) GPU tests: the FP8 GEMV's, then the W4A16 GEMV's in full (~3-4 min cold).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -73,6 +76,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="19" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: run 16)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="20" bash benchmarks/gpu_next.sh      # ~3 min (ran: see RESULTS)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="21" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="22" bash benchmarks/gpu_next.sh      # ~9.5 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="23" bash benchmarks/gpu_next.sh      # ~6 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -267,6 +272,24 @@ timeout 400 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --de
   --out "$R/qwen_gemv" > "$R/qwen_gemv.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_gemv/qwen_gpu.md" | cut -c1-220
 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
+fi
+if want 22; then
+say "22. decode FP8 GEMV: per-call bench, engine with / without it, GPU tests"
+timeout 150 python benchmarks/fp8_skinny_bench.py --rows 1,2,4 --out "$R/fp8_gemv_bench" > "$R/fp8_gemv_bench.log" 2>&1
+grep -E "^\| " "$R/fp8_gemv_bench/fp8_skinny_bench.md" | cut -c1-250
+grep -E "Error|error" "$R/fp8_gemv_bench.log" | tail -3
+timeout 420 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --without fp8_linear:triton_quant+gemv,fp8_linear:triton_gemv \
+  --out "$R/qwen_fp8_gemv" > "$R/qwen_fp8_gemv.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_fp8_gemv/qwen_gpu.md" | cut -c1-220
+grep -E "kernel_checks|fp8_linear|Error" "$R/qwen_fp8_gemv.log" | cut -c1-300 | head -5
+fi
+if want 23; then
+say "23. GPU tests: the FP8 GEMV, the W4A16 GEMV in full"
+timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_gemv.py > "$R/fp8_gemv_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/fp8_gemv_tests.log" | tail -3
+timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
 fi
 say "done"

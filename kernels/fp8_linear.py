@@ -56,7 +56,7 @@ import torch
 
 from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
 
-from kernels import fp8_skinny
+from kernels import fp8_gemv, fp8_skinny
 from kernels.fp8_quant import (
     quantize_rows_reference,
     quantize_rows_triton,
@@ -130,6 +130,29 @@ def fp8_linear_skinny(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | No
         return fp8_linear_triton_quant(x, w, out_dtype)
     y = fp8_skinny.fp8_skinny_op(x.reshape(m, k), w.data, w.scale.float(), w.input_scale.float(), out_dtype)
     return y.reshape(*x.shape[:-1], w.data.shape[0])
+
+
+def _gemv(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None, prequantize: bool) -> torch.Tensor:
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    n = w.data.shape[0]
+    if w.input_scale is None or not fp8_gemv.gemv_ok(m, n, k):
+        raise ValueError(f"fp8_gemv: {m} rows x a {tuple(w.data.shape)} weight (static input_scale: "
+                         f"{w.input_scale is not None}) is not a GEMV call (fp8_gemv.gemv_ok)")
+    y = fp8_gemv.fp8_gemv_op(x.reshape(m, k), w.data, w.scale.float(), w.input_scale.float(), out_dtype or x.dtype,
+                             prequantize)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def fp8_linear_gemv(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode-sized calls (`fp8_gemv.gemv_ok`: 1-4 rows) as one CUDA-core GEMV launch, the activations quantised in
+    its loop (`kernels/fp8_gemv.py`). Same contract as `fp8_linear_reference`."""
+    return _gemv(x, w, out_dtype, prequantize=False)
+
+
+def fp8_linear_quant_gemv(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`fp8_linear_gemv` with the activation codes from the one-launch quantiser first (two launches, same bits)."""
+    return _gemv(x, w, out_dtype, prequantize=True)
 
 
 # ---- dynamic row-wise W8A8 (the ViT) ------------------------------------------------------------------------------
@@ -223,8 +246,9 @@ def describe(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
     s = w.scale
     rowwise = s.dim() == 1
+    k = x.shape[-1]
     return dict(device=x.device.type, capability=cap, dtype=x.dtype, out_dtype=out_dtype or x.dtype,
-                k=x.shape[-1], weight_shape=tuple(w.data.shape), weight_dtype=w.data.dtype,
+                rows=x.numel() // k if k else 0, k=k, weight_shape=tuple(w.data.shape), weight_dtype=w.data.dtype,
                 weight_contiguous=w.data.is_contiguous(), rowwise=rowwise,
                 scale_ok=s.dim() == 0 or tuple(s.shape) == (w.data.shape[0],),
                 has_input_scale=w.input_scale is not None and w.input_scale.numel() == 1)
@@ -251,6 +275,12 @@ def supports_triton_quant(*, device: str, dtype: torch.dtype, **info: Any) -> bo
     return supports(device=device, dtype=dtype, **info) and static_supports(device=device, dtype=dtype)
 
 
+def supports_gemv(*, rows: int, k: int, weight_shape: tuple[int, ...], **info: Any) -> bool:
+    """`supports_triton_quant`, and `fp8_gemv.gemv_ok` for the call's rows (the registry hands other calls on)."""
+    return (fp8_gemv.triton is not None and supports_triton_quant(k=k, weight_shape=weight_shape, **info)
+            and fp8_gemv.gemv_ok(rows, weight_shape[0], k))
+
+
 def _sample(device) -> tuple[tuple, dict]:
     from kernels.nvfp4 import quantize_fp8
 
@@ -266,11 +296,16 @@ def register(registry) -> None:
     registry.add_op(NAME, fp8_linear_reference, sample=_sample, compare=compare, describe=describe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (identical quantised activations; fp32 accumulation; "
                               "bf16 output rounding 2^-9)")
-    # first: decode-sized calls in one Triton launch (quantiser fused, split K), larger ones as the next; then the
+    # first: decode-sized calls (1-4 rows, `fp8_gemv.gemv_ok`) as a CUDA-core GEMV after the one-launch quantiser,
+    # or with the quantiser's division in its loop (one launch; offline sm_90 SASS: 13-21 instructions per weight
+    # against ~6, so second) (`kernels/fp8_gemv.py`; the registry hands larger calls on); then decode-sized calls of narrow
+    # layers in one Triton launch (quantiser fused, split K), larger ones as the next; then the
     # same cuBLASLt GEMM after a one-launch Triton quantiser (a decode step has ~130 of these layers: 390 launches
     # fewer than the torch-op quantiser); then the vendor GEMM through torch (cuBLASLt) with the torch-op quantiser:
     # the registry's "torch" kind. The registry's sample (3 rows, K = 128: unsplit) checks the skinny kernel at
     # start-up; its split-K path is covered by tests/test_kernel_fp8_skinny.py.
+    registry.add_implementation(NAME, "triton_quant+gemv", fp8_linear_quant_gemv, supports_gemv, kind="triton")
+    registry.add_implementation(NAME, "triton_gemv", fp8_linear_gemv, supports_gemv, kind="triton")
     registry.add_implementation(NAME, "triton_skinny+scaled_mm", fp8_linear_skinny, supports_triton_quant,
                                 kind="triton")
     registry.add_implementation(NAME, "triton_quant+scaled_mm", fp8_linear_triton_quant, supports_triton_quant,

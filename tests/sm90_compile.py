@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
-from kernels import attn_prep, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
+from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -153,6 +153,14 @@ def main() -> int:
                               w4a16_gemv._w4a16_gemv_kernel, types,
                               dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, DEQ=deq,
                                    INTERPRET=False, BLOCK_N=8, BLOCK_K=512)))
+    # the decode FP8 GEMV: on the quantiser's codes (the default; whole tiles and masked edges) and with the
+    # quantiser's division in its loop
+    for codes, even in ((True, True), (True, False), (False, True)):
+        ok.append(compile_one(f"fp8_gemv X_CODES={codes} EVEN={even} BLOCK_N=4 BLOCK_K=512",
+                              fp8_gemv._fp8_gemv_kernel,
+                              {"x": "*fp8e4nv" if codes else "*bf16", "w": "*fp8e4nv", "s_in": "*fp32",
+                               "s_w": "*fp32", "y": "*bf16"},
+                              dict(X_CODES=codes, INTERPRET=False, EVEN=even, BLOCK_N=4, BLOCK_K=512)))
     return 0 if all(ok) else 1
 
 
