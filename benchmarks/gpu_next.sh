@@ -53,6 +53,8 @@
 #  22. (tenth session) the decode FP8 GEMV (kernels/fp8_gemv.py): per call beside cuBLASLt and fp8_skinny at 1 / 2 / 4
 #      rows, then the engine (FP8 GEMV on: the default) beside the same engine without both FP8 GEMV implementations.
 #  23. (tenth session) GPU tests: the FP8 GEMV's, then the W4A16 GEMV's in full (~3-4 min cold).
+#  24. (tenth session) the engine (decode q/k/v and in_proj_qkv/z fused into one FP8 call each: the default) beside
+#      the same engine with them unfused, then the FP8 GEMV's GPU tests.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -78,6 +80,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="21" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="22" bash benchmarks/gpu_next.sh      # ~9.5 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="23" bash benchmarks/gpu_next.sh      # ~6 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="24" bash benchmarks/gpu_next.sh      # ~9 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -291,5 +294,14 @@ timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_gemv.p
 grep -E "passed|failed|Error" "$R/fp8_gemv_tests.log" | tail -3
 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
+fi
+if want 24; then
+say "24. the engine with / without fused decode projections; the FP8 GEMV GPU tests"
+timeout 420 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 \
+  --unfused-projections --out "$R/qwen_fused_proj" > "$R/qwen_fused_proj.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_fused_proj/qwen_gpu.md" | cut -c1-220
+grep -E "Error|error" "$R/qwen_fused_proj.log" | cut -c1-300 | head -5
+timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_gemv.py > "$R/fp8_gemv_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/fp8_gemv_tests.log" | tail -3
 fi
 say "done"

@@ -195,6 +195,8 @@ def markdown(r: dict) -> str:
             *(f"| (e) engine without {w.get('without')}: decode tok/s, lone request / all {st.get('n')} streams "
               f"decoding / TTFT ms | {side_by_side(w)} | - |"
               for key, w in r.items() if key.startswith("engine_without")),
+            f"| (e) engine with q/k/v and in_proj_qkv/z unfused (separate FP8 calls): decode tok/s, lone request / "
+            f"all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_unfused'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_again'))} | - |",
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
@@ -378,6 +380,9 @@ def main() -> None:
                     help="OP:IMPL[,OP:IMPL...] -- (e) once more with these registry implementations disabled (e.g. "
                          "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
                          "side; repeatable, one engine each")
+    ap.add_argument("--unfused-projections", action="store_true",
+                    help="(e) once more with the decode steps' FP8 projections unfused (quantized."
+                         "FUSE_DECODE_PROJECTIONS off: q/k/v and in_proj_qkv/z as separate calls), side by side")
     ap.add_argument("--again", action="store_true",
                     help="(e) the first engine once more after all the others, in the same process (the first of a "
                          "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
@@ -533,6 +538,19 @@ def main() -> None:
                     registry.enable(op, impl, why)  # a failed start-up self-check stays in force
                 forget_kernel_choices(model)
             log(f"(e) without {without} {r.get(key)}")
+            save()
+        if args.unfused_projections:  # the same engine with q/k/v and in_proj_qkv/z as separate FP8 calls
+            from qwen_engine.model import quantized
+
+            try:
+                quantized.FUSE_DECODE_PROJECTIONS = False
+                r["engine_unfused"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                               prefill_buckets=buckets))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine without fused projections: {type(e).__name__}: {e}")
+            finally:
+                quantized.FUSE_DECODE_PROJECTIONS = True
+            log(f"(e) unfused projections {r.get('engine_unfused')}")
             save()
         if args.compare_layout:  # the same engine on the same weights in another expert byte layout
             from qwen_engine.load_packed import apply_expert_layout

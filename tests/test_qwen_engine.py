@@ -620,6 +620,40 @@ def test_async_decode_failures(monkeypatch, where):
     assert len(again) == 4  # still serving
 
 
+def test_engine_fused_decode_projections(monkeypatch):
+    """Packed weights, the decode steps' fused paths as on a GPU: every attention layer's q/k/v and every GDN layer's
+    in_proj_qkv/z run as one FP8 call (`quantized.fused_fp8_projections`) in decode steps of <= 4 rows, and the
+    greedy streams equal those of the same engine with the switch off (fp32: the registry's references, which
+    give each projection's columns bit for bit: tests/test_qwen_quantized.py)."""
+    from qwen_engine.model import quantized
+    from qwen_engine.model.attention import GatedAttention
+
+    monkeypatch.setattr(GatedAttention, "fused", True)
+    used = []
+    real = quantized.fused_fp8_projections
+
+    def spy(owner, names, rows):
+        out = real(owner, names, rows)
+        used.append((names[0], out is not None))
+        return out
+
+    monkeypatch.setattr("qwen_engine.model.attention.fused_fp8_projections", spy)
+    monkeypatch.setattr("qwen_engine.model.gdn.fused_fp8_projections", spy)
+    lengths = LENGTHS[:4]
+
+    async def body(engine):
+        used.clear()
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=5) for i, n in enumerate(lengths)))
+        return [o[0] for o in outs], set(used)
+
+    (on, used_on) = run(engine_config(weights="packed"), body)
+    monkeypatch.setattr(quantized, "FUSE_DECODE_PROJECTIONS", False)
+    (off, used_off) = run(engine_config(weights="packed"), body)
+    assert used_on == {("q_proj", True), ("in_proj_qkv", True)}, used_on
+    assert used_off == {("q_proj", False), ("in_proj_qkv", False)}, used_off
+    assert on == off
+
+
 def test_engine_shared_expert_in_moe(monkeypatch):
     """shared_expert_in_moe (packed weights, the MoE's fused path as on a GPU): every layer runs its shared expert
     inside the routed experts' launches and the greedy streams equal the dense-shared-expert engine's (fp32

@@ -140,6 +140,56 @@ def test_fp8_kernel_choice_follows_activation_quantisation():
 
 
 @torch.no_grad()
+def test_fused_fp8_projections(monkeypatch):
+    """`fused_fp8_projections` (decode steps: attention q/k/v, GDN in_proj_qkv/z as one FP8 call): its column slices
+    equal each projection's own output (CPU reference: the same codes, products and fp32 sums -- bit for bit);
+    the projections become views of the one concatenated weight (no second copy); the build is cached and redone
+    after an in-place weight write; it declines different input scales, weight-only layers, calls the GEMV would
+    not take, and the switch; `forget_kernel_choices` reaches its cached kernel choice."""
+    from qwen_engine.model import quantized
+
+    g = torch.Generator().manual_seed(12)
+    reg = registry()
+
+    def fp8(n, s_in=0.02):
+        data, scale = nvfp4.quantize_fp8(torch.randn(n, 64, generator=g) * 0.05)
+        return FP8Linear(FP8Tensor(data, scale, torch.tensor(s_in)), registry=reg)
+
+    owner = torch.nn.Module()
+    owner.q, owner.k, owner.v = fp8(48), fp8(16), fp8(16)
+    names = ("q", "k", "v")
+    x = torch.randn(3, 64, generator=g)
+    alone = [getattr(owner, n)(x) for n in names]
+    fused = quantized.fused_fp8_projections(owner, names, rows=3)
+    assert fused is not None and fused.weight.shape == (80, 64) and fused.weight_scale.shape == (80,)
+    for got, ref in zip(fused(x).split((48, 16, 16), dim=-1), alone):
+        assert torch.equal(got, ref)
+    base = fused.weight.untyped_storage().data_ptr()
+    assert all(getattr(owner, n).weight.untyped_storage().data_ptr() == base for n in names)  # views, one copy
+    assert quantized.fused_fp8_projections(owner, names, rows=1) is fused  # cached
+    owner.k.weight.copy_(owner.v.weight)  # an in-place write (a reload): the views share the fused storage
+    assert torch.equal(fused.weight[48:64], owner.v.weight)
+    rebuilt = quantized.fused_fp8_projections(owner, names, rows=1)
+    assert rebuilt is not fused and torch.equal(rebuilt(x)[:, 48:64], owner.k(x))
+    fused = rebuilt
+    fused(x)
+    assert fused._impl
+    quantized.forget_kernel_choices(owner)
+    assert not fused._impl
+    assert quantized.fused_fp8_projections(owner, names, rows=5) is None  # not a decode GEMV call
+    monkeypatch.setattr(quantized, "FUSE_DECODE_PROJECTIONS", False)
+    assert quantized.fused_fp8_projections(owner, names, rows=1) is None
+    monkeypatch.setattr(quantized, "FUSE_DECODE_PROJECTIONS", True)
+    owner.v.quantize_activations = False
+    assert quantized.fused_fp8_projections(owner, names, rows=1) is None
+    other = torch.nn.Module()
+    other.q, other.k = fp8(16), fp8(16, s_in=0.03)  # one input, two calibrations: the codes would differ
+    assert quantized.fused_fp8_projections(other, ("q", "k"), rows=1) is None
+    other.lin = torch.nn.Linear(64, 16)
+    assert quantized.fused_fp8_projections(other, ("q", "lin"), rows=1) is None
+
+
+@torch.no_grad()
 def test_nvfp4_modules_vs_dense(tensors):
     reg = registry()
     lm = NVFP4Linear(tensors["lm_head.weight"], reg)

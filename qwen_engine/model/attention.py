@@ -14,6 +14,7 @@ from torch import nn
 from ..config import QwenConfig
 from .norm import ZeroCentredRMSNorm
 from .paged import FlatBatch, PagedKV
+from .quantized import fused_fp8_projections
 from .state import KVCache
 
 
@@ -143,9 +144,14 @@ class GatedAttention(nn.Module):
 
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each (strided views)
-        k = self.k_proj(x).view(n, kvh, d)
-        v = self.v_proj(x).view(n, kvh, d)
+        fused = fused_fp8_projections(self, ("q_proj", "k_proj", "v_proj"), n)
+        if fused is not None:  # one quantiser + one GEMV for the three (column views of [N, 2 H D + 2 KV D])
+            q, k, v = fused(x).split((2 * h * d, kvh * d, kvh * d), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = q.view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each (strided views)
+        k = k.view(n, kvh, d)
+        v = v.view(n, kvh, d)
         q, _, _ = default_registry().call("attn_decode_prep", q, k, v, self.q_norm.weight, self.k_norm.weight,
                                           self.q_norm.eps, cos, sin, batch.slot_mapping, kv.k, kv.v)  # [N, H, D]
         o = batch.decode_attention(q, kv.k, kv.v, batch.block_tables[:n], batch.context_lens_t[:n], self.scaling)

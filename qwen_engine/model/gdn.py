@@ -28,6 +28,7 @@ from kernels.rms_norm import rounds_x
 from ..config import QwenConfig
 from .norm import GatedRMSNorm
 from .paged import FlatBatch, GDNSlots
+from .quantized import fused_fp8_projections
 from .state import GDNState
 
 
@@ -219,9 +220,14 @@ class GatedDeltaNet(nn.Module):
         """Decode rows only: projections, then conv step + head norms + gates in one op (`batch.gdn_prep`), the
         recurrent step, the gated norm and out_proj. Same maths as the general path below."""
         rows = batch.state_slots_t
-        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        fused = fused_fp8_projections(self, ("in_proj_qkv", "in_proj_z"), x.shape[0])
+        if fused is not None:  # one quantiser + one GEMV for both (column views of [N, conv_dim + value_dim])
+            qkv_in, z = fused(x).split((self.in_proj_qkv.out_features, self.value_dim), dim=-1)
+        else:
+            qkv_in, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
-            self.in_proj_qkv(x), slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
+            qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
             self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
         o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         return self._output(o, z, x.dtype)

@@ -124,10 +124,13 @@ class _Dispatch(_KeepStorageDtype):
 
 def forget_kernel_choices(model: nn.Module) -> None:
     """Every packed module chooses its registry implementation again on its next call (after `Registry.disable` /
-    `enable` or a preference change)."""
+    `enable` or a preference change), the fused decode projections (`fused_fp8_projections`) included."""
     for mod in model.modules():
         if isinstance(mod, _Dispatch):
             mod._impl.clear()
+        for _, fused in getattr(mod, FUSED_CACHE, {}).values():
+            if fused is not None:
+                fused._impl.clear()
 
 
 def check_w4a4_mode(mode: str) -> str:
@@ -266,6 +269,62 @@ class FP8Linear(_Dispatch):
     def extra_repr(self) -> str:
         act = "static e4m3 activations" if self.quantize_activations else "weight-only (activations unquantised)"
         return f"in_features={self.in_features}, out_features={self.out_features}, FP8 W8A8 per-tensor, {act}"
+
+
+# ---- fused decode projections ----------------------------------------------------------------------------------------
+FUSED_CACHE = "_fused_fp8"  # a plain attribute of the owner module: {names: (key, FP8Linear | None)}, no state_dict
+FUSE_DECODE_PROJECTIONS = True  # switch for A/B runs (benchmarks/qwen_gpu.py --unfused-projections) and tests
+
+
+def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], rows: int) -> FP8Linear | None:
+    """One FP8Linear over the concatenated rows of `owner`'s FP8 projections `names` (in that order), which read the
+    same activations -- attention q/k/v_proj, GDN in_proj_qkv/z -- for a call of `rows` rows, or None: when the
+    switch is off, any of them is not a W8A8 FP8Linear, their input scales differ, or the fused call would not be a
+    decode GEMV (`kernels.fp8_gemv.gemv_ok`: at 2-4 rows these fused weights, 19-25 MB, are cuBLASLt's regime).
+
+    Why: a lone decode step ran 130 FP8 projections, each a quantiser launch and a GEMM launch; q/k/v and
+    in_proj_qkv/z quantise the same row with the same static scale (one calibrated input), so one quantiser and one
+    GEMV over [sum N, K] give the same codes and the same exact products: 100 launches fewer per step. The output is
+    [rows, sum N]; callers take column slices (strided views). Numerics: identical quantised activations; products
+    and fp32 sums as each projection alone, the per-row weight scale of each row its projection's scale; only the
+    GEMV's tiling (summation order) may differ.
+
+    Memory: the concatenated weight is the only copy -- each projection's `weight` buffer becomes a view of it.
+    Built on the first call (the CUDA-graph warm-up runs decode steps eagerly before capture: the input-scale
+    comparison syncs with the host once) and rebuilt when any source buffer is replaced or written in place (key:
+    data_ptr and `_version` of each weight, weight scale and input scale, and the activation switch)."""
+    if not FUSE_DECODE_PROJECTIONS:
+        return None
+    mods = [getattr(owner, n) for n in names]
+    if not all(type(m) is FP8Linear and m.quantize_activations for m in mods):
+        return None
+    from kernels.fp8_gemv import gemv_ok
+
+    if not gemv_ok(rows, sum(m.out_features for m in mods), mods[0].in_features):
+        return None
+
+    def key():  # (inference tensors have no version counter: made under inference_mode, never written in place)
+        return tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
+                     for m in mods for t in (m.weight, m.weight_scale, m.input_scale))
+
+    cache = owner.__dict__.setdefault(FUSED_CACHE, {})
+    hit = cache.get(names)
+    if hit is not None and hit[0] == key():
+        return hit[1]
+    fused = None
+    s_in = mods[0].input_scale
+    if all(m.in_features == mods[0].in_features and torch.equal(m.input_scale, s_in) for m in mods[1:]):
+        # a normal tensor even when called under inference_mode (the engine's steps): versioned, like the sources
+        with torch.inference_mode(False), torch.no_grad():
+            w = torch.cat([m.weight for m in mods])  # e4m3 [sum N, K]
+            scale = torch.cat([m.weight_scale.float().reshape(-1).expand(m.out_features) for m in mods])
+            fused = FP8Linear(FP8Tensor(w, scale, s_in.clone()), registry=mods[0].registry)
+            start = 0
+            for m in mods:  # the projections keep working on their own, as views of the one copy
+                m.weight = w[start:start + m.out_features]
+                start += m.out_features
+    cache[names] = (key(), fused)
+    return fused
 
 
 # ---- MoE -------------------------------------------------------------------------------------------------------------
