@@ -55,6 +55,8 @@
 #  23. (tenth session) GPU tests: the FP8 GEMV's, then the W4A16 GEMV's in full (~3-4 min cold).
 #  24. (tenth session) the engine (decode q/k/v and in_proj_qkv/z fused into one FP8 call each: the default) beside
 #      the same engine with them unfused, then the FP8 GEMV's GPU tests.
+#  25. (tenth session) step 24's engine part alone, with 500 s (a cold Triton cache compiles the GEMV's 15 configs
+#      during the first engine's start-up); on a timeout Python dumps every thread's stack (faulthandler, SIGABRT).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -80,7 +82,9 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="21" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="22" bash benchmarks/gpu_next.sh      # ~9.5 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="23" bash benchmarks/gpu_next.sh      # ~6 min
-#   eval "$(bash .devbundle/install.sh)" && STEPS="24" bash benchmarks/gpu_next.sh      # ~9 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="24" bash benchmarks/gpu_next.sh      # ~9 min (the engine part
+#                                                        ran out of its 420 s: GEMV configs compiled cold; hence 25)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="25" bash benchmarks/gpu_next.sh      # ~8.5 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -303,5 +307,12 @@ grep -E "^\| \(e\)" "$R/qwen_fused_proj/qwen_gpu.md" | cut -c1-220
 grep -E "Error|error" "$R/qwen_fused_proj.log" | cut -c1-300 | head -5
 timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_gemv.py > "$R/fp8_gemv_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/fp8_gemv_tests.log" | tail -3
+fi
+if want 25; then
+say "25. the engine with / without fused decode projections"
+PYTHONFAULTHANDLER=1 timeout -s ABRT 500 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+  --decode-tokens 48 --prefill-buckets 1024 --unfused-projections --out "$R/qwen_fused_proj" > "$R/qwen_fused_proj.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_fused_proj/qwen_gpu.md" | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_fused_proj.log" | cut -c1-300 | head -30
 fi
 say "done"
