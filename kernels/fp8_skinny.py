@@ -5,7 +5,9 @@ rounding (below).
 
 Outcome (H200, 2026-11-30): it is FASTER than what it replaces only for narrow layers -- k_proj / v_proj, N = 512 --
 and 1.3-3.5x slower for N >= 2048, streaming weights at 0.4-0.8 TB/s where cuBLASLt reaches 0.9-1.9 (SKINNY_MAX_N's
-comment). The engine uses it for N <= SKINNY_MAX_N only.
+comment). Since the tenth session the registry puts the decode GEMV (`kernels/fp8_gemv.py`) ahead of it, which also
+beats it on k/v_proj (4.5 vs 4.6 us at one row, 6.2 vs 6.8 at four; results/fp8_gemv_bench_run1) and takes every
+call it would: it stays registered as the next choice if the GEMV is disabled.
 
 Why it was written. A lone decode step runs 130 of these layers, each two launches: the one-launch Triton quantiser
 (`kernels.fp8_quant.quantize_static_triton`, ~1.5 us) and cuBLASLt's FP8 GEMM through `torch._scaled_mm`. At M = 1
