@@ -77,8 +77,9 @@ def main() -> None:
                 row[label] = dict(us=us, tb_s=n * k / (us * 1e-6) / 1e12, rel_err=err)
             if m <= fp8_gemv.GEMV_MAX_ROWS:
                 picks = fp8_gemv._fp8_gemv_autotuned.cache  # {(R_BUCKET, N, K, X_CODES, dtypes..): Config}
+                bucket = 1 << (m - 1).bit_length()  # R_BUCKET: the next power of two of M
                 row["gemv_configs"] = sorted(f"X_CODES={key[3]}: {c}" for key, c in picks.items()
-                                             if tuple(key[:3]) == (m, n, k))
+                                             if tuple(key[:3]) == (bucket, n, k))
             results.append(row)
             print(json.dumps(row), flush=True)
 

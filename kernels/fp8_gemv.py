@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_quant import IN_DTYPES
+from kernels.fp8_quant import IN_DTYPES, decode_linear_args
 
 try:
     import triton
@@ -204,24 +204,16 @@ def fp8_gemv_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 out_dtype: torch.dtype, prequantize: bool = False, block_n: int = 0, block_k: int = 0,
                 num_warps: int = 0) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS), weight e4m3 [N, K] (read as int32 words: K, the row stride and the address
-    multiples of 4), weight_scale fp32 [] or [N], input_scale fp32 [] -> y [M, N] in out_dtype. `prequantize`: the activation codes from one quantiser launch first (else quantised in the
-    loop; the same bits). `block_n` / `block_k` / `num_warps` 0: the autotuner's (tests and benchmarks pin them).
+    multiples of 4), weight_scale fp32 [] or [N], input_scale fp32 [] -> y [M, N] in out_dtype. `prequantize`: the
+    activation codes from one quantiser launch first (else quantised in the loop; the same bits). `block_n` / `block_k` / `num_warps` 0: the autotuner's (tests and benchmarks pin them).
     One or two launches, no host syncs (CUDA-graph capturable)."""
     m, k = x.shape
     n = weight.shape[0]
-    if not supported(m, k, n, x.dtype, out_dtype) or weight.shape[1] != k or weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemv_linear: need x [M <= {GEMV_MAX_ROWS}, K] in {IN_DTYPES} and an e4m3 [N, K] "
-                         f"weight, got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    x, weight, s_w, s_in = decode_linear_args("fp8_gemv_linear", x, weight, weight_scale, input_scale, GEMV_MAX_ROWS,
+                                              supported(m, k, n, x.dtype, out_dtype))
     if k % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
         raise ValueError(f"fp8_gemv_linear: K ({k}), the weight's row stride ({weight.stride(0)}) and address must "
                          f"be multiples of 4 (rows read as int32 words)")
-    if weight_scale.numel() not in (1, n) or input_scale.numel() != 1:
-        raise ValueError(f"fp8_gemv_linear: weight_scale must be [] or [{n}] and input_scale [], got "
-                         f"{tuple(weight_scale.shape)} and {tuple(input_scale.shape)}")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    s_w = weight_scale.reshape(-1).float()
-    s_in = input_scale.reshape(()).float()
     if prequantize:
         x = quantize_static_triton(x, s_in)  # e4m3 [M, K], the codes the loop would compute
     interp = _interpreted()

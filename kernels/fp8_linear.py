@@ -4,13 +4,20 @@ one `torch._scaled_mm` (cuBLASLt FP8 GEMM with fp32 accumulation) that applies `
 
 Reference: `kernels.nvfp4.fp8_linear_reference` (quantise x the same way, exact e4m3 products summed in fp32, times the
 two scales). Format: design doc sections 2.2-2.3 (`weight` e4m3 [N, K], `weight_scale` = amax / 448 fp32 scalar,
-`input_scale` fp32 scalar). A per-output-row weight scale `[N]` is accepted too (q/k/v or in_proj_qkv/z fused at load
-without requantising, each row keeping its projection's scale): that is `_scaled_mm`'s row-wise mode (scale_a [M, 1],
-scale_b [1, N], bf16 output), CUTLASS on sm_90.
+`input_scale` fp32 scalar). A per-output-row weight scale `[N]` is accepted too (the decode steps' fused q/k/v and
+in_proj_qkv/z, `qwen_engine.model.quantized.fused_fp8_projections`: each row keeps its projection's scale): the
+decode GEMV takes it in any dtype; for `_scaled_mm` it is the row-wise mode (scale_a [M, 1], scale_b [1, N], bf16
+output), CUTLASS on sm_90.
+
+Implementations, in the registry's order: decode-sized calls (1-4 rows, `fp8_gemv.gemv_ok`) on the CUDA-core GEMV of
+`kernels/fp8_gemv.py` ("triton_quant+gemv", "triton_gemv"); then `kernels/fp8_skinny.py` for narrow decode-sized
+layers; then the one-launch quantiser + cuBLASLt ("triton_quant+scaled_mm": prefill and many streams); then the
+torch-op quantiser + cuBLASLt ("scaled_mm").
 
 Guard: FP8 tensor cores need compute capability >= 8.9 (Ada, Hopper, Blackwell); row-wise scaling needs >= 9.0 and a
-bf16 output; `_scaled_mm` needs K and N multiples of 16. Anything else (A100, fp32 out with row-wise scales, no
-input_scale) goes to the reference through the registry, which records and logs the fallback (STYLE P4, A2).
+bf16 output; `_scaled_mm` needs K and N multiples of 16 (the GEMV: cc >= 8.9, K a multiple of 4,
+`supports_gemv`). Anything else (A100, fp32 out with row-wise scales beyond the GEMV's rows, no input_scale) goes to
+the reference through the registry, which records and logs the fallback (STYLE P4, A2).
 
 Numerics: the quantised activations are identical to the reference's (same fp32 division, clamp and RNE cast); the
 GEMM differs only by summation order and by where the two fp32 scales multiply (cuBLASLt: in the epilogue, on the
@@ -23,8 +30,8 @@ Napkin math (decode, one token; H200 4.8 TB/s; FP8 = 1 B/param):
   attention layer: q(+gate) 8192 x 2048 + k, v 512 x 2048 + o 2048 x 4096 = 27.3 MB -> 5.7 us; x 10 = 273 MB -> 57 us.
   Total 1.28 GB -> 267 us per token: more than the NVFP4 experts (design doc section 5), so this GEMV matters.
   The activation quantisation reads 4-16 KB and writes half that: launch-bound (~2-3 us each, 130 per token); the
-  torch ops take 4 launches, `quantize_static_triton` one (implementation "triton_quant+scaled_mm", the default on
-  CUDA; under preference "triton" it is the one chosen, though its GEMM is cuBLASLt's). On the H200 the FP8 GEMMs
+  torch ops take 4 launches, `quantize_static_triton` one (implementations "triton_quant+scaled_mm", the default
+  on CUDA beyond the decode GEMV's rows, and "triton_quant+gemv"). On the H200 the FP8 GEMMs
   of a lone decode step take ~0.8 ms for ~1.3 GB (benchmarks/RESULTS.md, runs 7-8): ~1.6 TB/s, a third of HBM.
 
 Second op, "fp8_rowwise_linear" (the SAM 3 ViT's qkv / proj / fc1 / fc2): DYNAMIC row-wise W8A8. Weights quantised
@@ -247,8 +254,10 @@ def describe(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None
     s = w.scale
     rowwise = s.dim() == 1
     k = x.shape[-1]
+    word_aligned = k % 4 == 0 and w.data.dim() == 2 and w.data.stride(0) % 4 == 0 and w.data.data_ptr() % 4 == 0
     return dict(device=x.device.type, capability=cap, dtype=x.dtype, out_dtype=out_dtype or x.dtype,
-                rows=x.numel() // k if k else 0, k=k, weight_shape=tuple(w.data.shape), weight_dtype=w.data.dtype,
+                rows=x.numel() // k if k else 0, k=k, word_aligned=word_aligned, weight_shape=tuple(w.data.shape),
+                weight_dtype=w.data.dtype,
                 weight_contiguous=w.data.is_contiguous(), rowwise=rowwise,
                 scale_ok=s.dim() == 0 or tuple(s.shape) == (w.data.shape[0],),
                 has_input_scale=w.input_scale is not None and w.input_scale.numel() == 1)
@@ -275,10 +284,20 @@ def supports_triton_quant(*, device: str, dtype: torch.dtype, **info: Any) -> bo
     return supports(device=device, dtype=dtype, **info) and static_supports(device=device, dtype=dtype)
 
 
-def supports_gemv(*, rows: int, k: int, weight_shape: tuple[int, ...], **info: Any) -> bool:
-    """`supports_triton_quant`, and `fp8_gemv.gemv_ok` for the call's rows (the registry hands other calls on)."""
-    return (fp8_gemv.triton is not None and supports_triton_quant(k=k, weight_shape=weight_shape, **info)
-            and fp8_gemv.gemv_ok(rows, weight_shape[0], k))
+def supports_gemv(*, device: str, capability, dtype: torch.dtype, out_dtype: torch.dtype, rows: int, k: int,
+                  weight_shape: tuple[int, ...], weight_dtype: torch.dtype, weight_contiguous: bool, word_aligned: bool,
+                  scale_ok: bool, has_input_scale: bool, **_: Any) -> bool:
+    """The decode GEMV (`kernels/fp8_gemv.py`): CUDA with cc >= 8.9 (its PTX e4m3x2 -> f16x2 conversion) and Triton;
+    the 1-4 rows `fp8_gemv.gemv_ok` accepts (the registry hands other calls on); a contiguous e4m3 [N, K] weight
+    matching x, read as int32 words (`word_aligned`: K, the row stride and the address multiples of 4); a static
+    input scale; any of the float input / output dtypes, per-tensor or per-row weight scales (no cuBLASLt rules: N
+    and K multiples of 16, per-row scales with bf16 output on cc >= 9.0 only -- the fused decode projections,
+    `qwen_engine.model.quantized.fused_fp8_projections`, have per-row scales)."""
+    if device != "cuda" or capability is None or tuple(capability) < MIN_CAPABILITY or fp8_gemv.triton is None:
+        return False
+    return (dtype in IN_DTYPES and out_dtype in fp8_gemv.OUT_DTYPES and weight_dtype == torch.float8_e4m3fn
+            and weight_contiguous and len(weight_shape) == 2 and weight_shape[1] == k and word_aligned and scale_ok
+            and has_input_scale and fp8_gemv.gemv_ok(rows, weight_shape[0], k))
 
 
 def _sample(device) -> tuple[tuple, dict]:
@@ -297,8 +316,9 @@ def register(registry) -> None:
                     tolerance="max |diff| <= 1e-2 x max |ref| (identical quantised activations; fp32 accumulation; "
                               "bf16 output rounding 2^-9)")
     # first: decode-sized calls (1-4 rows, `fp8_gemv.gemv_ok`) as a CUDA-core GEMV after the one-launch quantiser,
-    # or with the quantiser's division in its loop (one launch; offline sm_90 SASS: 13-21 instructions per weight
-    # against ~6, so second) (`kernels/fp8_gemv.py`; the registry hands larger calls on); then decode-sized calls of narrow
+    # or with the quantiser's division in its loop (one launch; offline sm_90 SASS: 6.6-10.6 loop instructions per
+    # weight against 3.2-3.6, and slower on the H200 except on k/v_proj, so second) (`kernels/fp8_gemv.py`; the
+    # registry hands larger calls on); then decode-sized calls of narrow
     # layers in one Triton launch (quantiser fused, split K), larger ones as the next; then the
     # same cuBLASLt GEMM after a one-launch Triton quantiser (a decode step has ~130 of these layers: 390 launches
     # fewer than the torch-op quantiser); then the vendor GEMM through torch (cuBLASLt) with the torch-op quantiser:

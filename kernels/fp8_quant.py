@@ -195,6 +195,24 @@ def _(x, input_scale):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
 
 
+def decode_linear_args(name: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       input_scale: torch.Tensor, max_rows: int, supported: bool):
+    """The decode FP8 linears' argument checks (`kernels/fp8_skinny.py`, `kernels/fp8_gemv.py`): x [M, K] with
+    `supported` (the kernel's own shape / dtype rule for M <= max_rows), an e4m3 [N, K] weight, weight_scale [] or
+    [N], input_scale [] -> (x, weight) with unit K stride, weight_scale fp32 [1] or [N], input_scale fp32 []."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not supported or weight.shape[1] != k or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: need x [M <= {max_rows}, K] in {IN_DTYPES} and an e4m3 [N, K] weight, got x "
+                         f"{x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    if weight_scale.numel() not in (1, n) or input_scale.numel() != 1:
+        raise ValueError(f"{name}: weight_scale must be [] or [{n}] and input_scale [], got "
+                         f"{tuple(weight_scale.shape)} and {tuple(input_scale.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    return x, weight, weight_scale.reshape(-1).float(), input_scale.reshape(()).float()
+
+
 def static_supports(*, device: str, dtype: torch.dtype) -> bool:
     """Triton able to run on `device` (the interpreter: CPU) and a float input."""
     return triton is not None and device == ("cpu" if _interpreted() else "cuda") and dtype in IN_DTYPES

@@ -7,7 +7,8 @@ Outcome (H200, 2026-11-30): it is FASTER than what it replaces only for narrow l
 and 1.3-3.5x slower for N >= 2048, streaming weights at 0.4-0.8 TB/s where cuBLASLt reaches 0.9-1.9 (SKINNY_MAX_N's
 comment). Since the tenth session the registry puts the decode GEMV (`kernels/fp8_gemv.py`) ahead of it, which also
 beats it on k/v_proj (4.5 vs 4.6 us at one row, 6.2 vs 6.8 at four; results/fp8_gemv_bench_run1) and takes every
-call it would: it stays registered as the next choice if the GEMV is disabled.
+call it would at Qwen3.6's shapes (N <= 1,024 with K <= 4,096: rows x N x K <= 16 MiB, `fp8_gemv.gemv_ok`); it stays
+registered as the next choice if the GEMV is disabled.
 
 Why it was written. A lone decode step runs 130 of these layers, each two launches: the one-launch Triton quantiser
 (`kernels.fp8_quant.quantize_static_triton`, ~1.5 us) and cuBLASLt's FP8 GEMM through `torch._scaled_mm`. At M = 1
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_quant import IN_DTYPES
+from kernels.fp8_quant import IN_DTYPES, decode_linear_args
 from kernels.split_k import num_sms, split_counters
 
 try:
@@ -177,16 +178,8 @@ def fp8_skinny_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     autotuner's (tests and benchmarks pin them). One launch; no host syncs (CUDA-graph capturable)."""
     m, k = x.shape
     n = weight.shape[0]
-    if not supported(m, k, n, x.dtype, out_dtype) or weight.shape[1] != k or weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_skinny_linear: need x [M <= {SKINNY_MAX_M}, K] in {IN_DTYPES} and an e4m3 [N, K] "
-                         f"weight, got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
-    if weight_scale.numel() not in (1, n) or input_scale.numel() != 1:
-        raise ValueError(f"fp8_skinny_linear: weight_scale must be [] or [{n}] and input_scale [], got "
-                         f"{tuple(weight_scale.shape)} and {tuple(input_scale.shape)}")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    s_w = weight_scale.reshape(-1).float()
-    s_in = input_scale.reshape(()).float()
+    x, weight, s_w, s_in = decode_linear_args("fp8_skinny_linear", x, weight, weight_scale, input_scale,
+                                              SKINNY_MAX_M, supported(m, k, n, x.dtype, out_dtype))
     interp = _interpreted()
     split = split_k or skinny_split(n, k, num_sms(x.device.index))
     bn_min = block_n or (INTERPRETER_CONFIG["BLOCK_N"] if interp else _MIN_BLOCK_N)

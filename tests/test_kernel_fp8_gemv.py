@@ -83,11 +83,19 @@ def test_gemv_ok_rule():
     assert not fp8_gemv.gemv_ok(0, 64, 64) and not fp8_gemv.gemv_ok(1, 0, 64)
 
 
+def on_gpu(monkeypatch, capability=(9, 0)):
+    """The registry's view of a GPU for calls that run on the CPU here: `describe` reports CUDA with `capability`,
+    and the static quantiser's guard accepts it (the kernels themselves run under the interpreter)."""
+    real = fp8_linear.describe
+    monkeypatch.setattr(fp8_linear, "describe",
+                        lambda *a, **kw: {**real(*a, **kw), "device": "cuda", "capability": capability})
+    monkeypatch.setattr(fp8_linear, "static_supports", lambda **info: True)
+
+
 def test_registry_hands_larger_calls_on(monkeypatch):
     """`fp8_linear.register`: the GEMV implementations are first and take the calls `gemv_ok` accepts; a call with
-    more rows goes to the next implementation. On the CPU the guards' device test says no, so it is bypassed here
-    (supports_triton_quant -> True): what is checked is the row rule and the order."""
-    monkeypatch.setattr(fp8_linear, "supports_triton_quant", lambda **info: True)
+    more rows goes to the next implementation."""
+    on_gpu(monkeypatch)
     reg = Registry()
     fp8_linear.register(reg)
     impls = {impl.name: impl for impl in reg.spec(fp8_linear.NAME).implementations}
@@ -100,6 +108,37 @@ def test_registry_hands_larger_calls_on(monkeypatch):
     y = impls["triton_quant+gemv"].fn(x.reshape(1, 3, 128), w)  # leading dims kept
     assert y.shape == (1, 3, 96) and torch.equal(y.reshape(3, 96), run(x, w, x.dtype, True))
     assert torch.equal(impls["triton_gemv"].fn(x, w), run(x, w, x.dtype, False))
+
+
+@pytest.mark.parametrize("capability,out_dtype", [((9, 0), torch.float16), ((9, 0), torch.float32),
+                                                  ((8, 9), torch.bfloat16)])
+def test_registry_gives_per_row_scales_the_gemv(monkeypatch, capability, out_dtype):
+    """Per-row weight scales (the fused decode projections) with outputs or GPUs cuBLASLt's row-wise mode does not
+    take (fp16 / fp32 out, sm_89): still the GEMV, not the dequantising reference; N and K need not be multiples of
+    16 for it (K of 4)."""
+    on_gpu(monkeypatch, capability)
+    reg = Registry()
+    fp8_linear.register(reg)
+    x, w = make(1, 90, 132, seed=5, rowwise=True)
+    assert reg.choose(fp8_linear.NAME, **fp8_linear.describe(x, w, out_dtype)).name == "triton_quant+gemv"
+    w_misaligned = FP8Tensor(w.data.view(-1)[1:1 + 90 * 128].view(90, 128), w.scale, w.input_scale)
+    assert reg.choose(fp8_linear.NAME, **fp8_linear.describe(x[:, :128], w_misaligned, out_dtype)).name not in (
+        "triton_quant+gemv", "triton_gemv")  # an odd address: not int32 words
+
+
+def test_nan_weight_codes():
+    """A NaN weight code (0x7F / 0xFF) makes its output row NaN, as the reference's dequantised weight does (the
+    interpreter needs the explicit mapping; the GPU's cvt does it itself)."""
+    x, w = make(2, 40, 64, seed=6)
+    data = w.data.clone()
+    data.view(torch.uint8)[3, 10] = 0x7F
+    data.view(torch.uint8)[7, 0] = 0xFF
+    w = FP8Tensor(data, w.scale, w.input_scale)
+    y = run(x, w, torch.float32, True, block_n=8, block_k=32)
+    assert y[:, 3].isnan().all() and y[:, 7].isnan().all()
+    ok = [i for i in range(40) if i not in (3, 7)]
+    ref = fp8_linear_reference(x, w, out_dtype=torch.float32)
+    assert ref[:, 3].isnan().all() and not y[:, ok].isnan().any()
 
 
 def test_clear_errors():
@@ -116,17 +155,22 @@ def test_clear_errors():
     x6, w6 = make(1, 32, 6, seed=2)
     with pytest.raises(ValueError, match="multiples of 4"):  # rows are read as int32 words
         run(x6, w6, torch.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 4"):  # an odd address
+        fp8_gemv.fp8_gemv_op(x[:, :60].contiguous(), w.data.view(-1)[1:1 + 32 * 60].view(32, 60), w.scale,
+                             w.input_scale, torch.bfloat16)
     with pytest.raises(ValueError, match="not a GEMV call"):  # weight-only FP8 is the reference's
         fp8_linear.fp8_linear_gemv(x, FP8Tensor(w.data, w.scale, None))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the autotuned launch (configs benchmarked) needs a GPU")
-@pytest.mark.parametrize("m,n,k", [(1, 512, 2048), (4, 512, 2048), (1, 2048, 4096), (2, 8192, 2048),
-                                   (4, 12288, 2048)])
+@pytest.mark.parametrize("m,n,k,rowwise", [(1, 512, 2048, False), (4, 512, 2048, False), (1, 2048, 4096, False),
+                                           (2, 8192, 2048, False), (4, 12288, 2048, False),
+                                           (1, 9216, 2048, True), (1, 12288, 2048, True)])
 @pytest.mark.parametrize("prequantize", [False, True])
-def test_autotuned_model_shapes(m, n, k, prequantize):
-    """As the engine launches it (autotuned tiles) at Qwen3.6's projection shapes."""
-    x, w = make(m, n, k, seed=n)
+def test_autotuned_model_shapes(m, n, k, rowwise, prequantize):
+    """As the engine launches it (autotuned tiles) at Qwen3.6's projection shapes, the fused decode projections'
+    (attention q/k/v 9216 x 2048, GDN in_proj_qkv/z 12288 x 2048) with their per-row weight scales."""
+    x, w = make(m, n, k, seed=n, rowwise=rowwise)
     y = run(x, w, torch.bfloat16, prequantize)
     ref32 = fp8_linear_reference(x, w, out_dtype=torch.float32)
     assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + bound(x, w)).all()

@@ -142,51 +142,76 @@ def test_fp8_kernel_choice_follows_activation_quantisation():
 @torch.no_grad()
 def test_fused_fp8_projections(monkeypatch):
     """`fused_fp8_projections` (decode steps: attention q/k/v, GDN in_proj_qkv/z as one FP8 call): its column slices
-    equal each projection's own output (CPU reference: the same codes, products and fp32 sums -- bit for bit);
-    the projections become views of the one concatenated weight (no second copy); the build is cached and redone
-    after an in-place weight write; it declines different input scales, weight-only layers, calls the GEMV would
-    not take, and the switch; `forget_kernel_choices` reaches its cached kernel choice."""
+    equal each projection's own output (CPU reference: the same codes, products and fp32 sums -- bit for bit); the
+    projections become views of the one concatenated weight (no second copy), so in-place weight writes reach it and
+    in-place scale writes are copied into it without a new allocation; a replaced buffer means a rebuild; `.to()`
+    drops it; it declines different input scales, weight-only layers, calls the GEMV would not take, calls the
+    registry would not give a GEMV, and the switch; `forget_kernel_choices` reaches its cached choices. On the CPU
+    the registry runs the reference for every FP8 call, so "reference" counts as a GEMV here (the choice rule itself
+    is checked at the end and in tests/test_kernel_fp8_gemv.py)."""
+    from kernels import fp8_gemv
     from qwen_engine.model import quantized
+    from qwen_engine.model.attention import GatedAttention
 
+    monkeypatch.setattr(quantized, "GEMV_IMPLS", ("reference", *quantized.GEMV_IMPLS))
     g = torch.Generator().manual_seed(12)
     reg = registry()
 
     def fp8(n, s_in=0.02):
-        data, scale = nvfp4.quantize_fp8(torch.randn(n, 64, generator=g) * 0.05)
+        data, scale = nvfp4.quantize_fp8(torch.randn(n, CFG.hidden_size, generator=g) * 0.05)
         return FP8Linear(FP8Tensor(data, scale, torch.tensor(s_in)), registry=reg)
 
-    owner = torch.nn.Module()
-    owner.q, owner.k, owner.v = fp8(48), fp8(16), fp8(16)
-    names = ("q", "k", "v")
-    x = torch.randn(3, 64, generator=g)
-    alone = [getattr(owner, n)(x) for n in names]
-    fused = quantized.fused_fp8_projections(owner, names, rows=3)
-    assert fused is not None and fused.weight.shape == (80, 64) and fused.weight_scale.shape == (80,)
-    for got, ref in zip(fused(x).split((48, 16, 16), dim=-1), alone):
-        assert torch.equal(got, ref)
+    attn = GatedAttention(CFG)
+    nq, nkv = attn.q_proj.out_features, attn.k_proj.out_features
+    attn.q_proj, attn.k_proj, attn.v_proj = fp8(nq), fp8(nkv), fp8(nkv)
+    names = ("q_proj", "k_proj", "v_proj")
+    x = torch.randn(3, CFG.hidden_size, generator=g)
+
+    def check(fused):
+        for got, n in zip(fused(x).split((nq, nkv, nkv), dim=-1), names):
+            assert torch.equal(got, getattr(attn, n)(x)), n
+
+    fused = quantized.fused_fp8_projections(attn, names, x)
+    assert fused is not None and fused.weight.shape == (nq + 2 * nkv, CFG.hidden_size)
+    assert fused.weight_scale.shape == (nq + 2 * nkv,)
+    check(fused)
     base = fused.weight.untyped_storage().data_ptr()
-    assert all(getattr(owner, n).weight.untyped_storage().data_ptr() == base for n in names)  # views, one copy
-    assert quantized.fused_fp8_projections(owner, names, rows=1) is fused  # cached
-    owner.k.weight.copy_(owner.v.weight)  # an in-place write (a reload): the views share the fused storage
-    assert torch.equal(fused.weight[48:64], owner.v.weight)
-    rebuilt = quantized.fused_fp8_projections(owner, names, rows=1)
-    assert rebuilt is not fused and torch.equal(rebuilt(x)[:, 48:64], owner.k(x))
+    assert all(getattr(attn, n).weight.untyped_storage().data_ptr() == base for n in names)  # views: one copy
+    assert quantized.fused_fp8_projections(attn, names, x[:1]) is fused  # cached
+    attn.k_proj.weight.copy_(attn.v_proj.weight)  # in-place writes (a reload by copy_) reach the fused weight...
+    attn.k_proj.weight_scale.mul_(2.0)  # ...and in-place scale writes are copied into its buffers
+    assert quantized.fused_fp8_projections(attn, names, x) is fused and fused.weight.data_ptr() == base
+    check(fused)
+    attn.v_proj.weight_scale = attn.v_proj.weight_scale * 0.5  # a replaced buffer: rebuilt
+    rebuilt = quantized.fused_fp8_projections(attn, names, x)
+    assert rebuilt is not fused
     fused = rebuilt
+    check(fused)
     fused(x)
-    assert fused._impl
-    quantized.forget_kernel_choices(owner)
-    assert not fused._impl
-    assert quantized.fused_fp8_projections(owner, names, rows=5) is None  # not a decode GEMV call
+    entry = attn.__dict__[quantized.FUSED_CACHE][names]
+    assert fused._impl and entry.gemv_choice
+    quantized.forget_kernel_choices(attn)
+    assert not fused._impl and not entry.gemv_choice
+    attn.to(torch.float64).to(torch.float32)  # `.to()`: the fused copy is dropped (freed), rebuilt on the next call
+    assert quantized.FUSED_CACHE not in attn.__dict__
+    assert quantized.fused_fp8_projections(attn, names, x) is not fused
+    assert quantized.fused_fp8_projections(attn, names, torch.zeros(5, CFG.hidden_size)) is None  # 5 rows
+    monkeypatch.setattr(fp8_gemv, "GEMV_MAX_REPEAT_BYTES", 2 * CFG.hidden_size * (nq + 2 * nkv) - 1)
+    assert quantized.fused_fp8_projections(attn, names, x[:2]) is None  # 2 rows x the fused weight: too large
+    assert quantized.fused_fp8_projections(attn, names, x[:1]) is not None  # 1 row: always
     monkeypatch.setattr(quantized, "FUSE_DECODE_PROJECTIONS", False)
-    assert quantized.fused_fp8_projections(owner, names, rows=1) is None
+    assert quantized.fused_fp8_projections(attn, names, x) is None
     monkeypatch.setattr(quantized, "FUSE_DECODE_PROJECTIONS", True)
-    owner.v.quantize_activations = False
-    assert quantized.fused_fp8_projections(owner, names, rows=1) is None
-    other = torch.nn.Module()
-    other.q, other.k = fp8(16), fp8(16, s_in=0.03)  # one input, two calibrations: the codes would differ
-    assert quantized.fused_fp8_projections(other, ("q", "k"), rows=1) is None
-    other.lin = torch.nn.Linear(64, 16)
-    assert quantized.fused_fp8_projections(other, ("q", "lin"), rows=1) is None
+    attn.v_proj.input_scale.fill_(0.03)  # one input, now two calibrations: the codes would differ
+    assert quantized.fused_fp8_projections(attn, names, x) is None
+    other = GatedAttention(CFG)
+    other.q_proj, other.k_proj, other.v_proj = fp8(nq), fp8(nkv), fp8(nkv)
+    other.v_proj.quantize_activations = False  # weight-only
+    assert quantized.fused_fp8_projections(other, names, x) is None
+    assert quantized.fused_fp8_projections(GatedAttention(CFG), names, x) is None  # nn.Linear projections
+    monkeypatch.setattr(quantized, "GEMV_IMPLS", ("triton_quant+gemv", "triton_gemv"))
+    other.v_proj.quantize_activations = True
+    assert quantized.fused_fp8_projections(other, names, x) is None  # the registry's choice here: the reference
 
 
 @torch.no_grad()

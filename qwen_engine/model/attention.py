@@ -14,7 +14,7 @@ from torch import nn
 from ..config import QwenConfig
 from .norm import ZeroCentredRMSNorm
 from .paged import FlatBatch, PagedKV
-from .quantized import fused_fp8_projections
+from .quantized import drop_fused_projections, fused_fp8_projections
 from .state import KVCache
 
 
@@ -62,6 +62,10 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.scaling = d ** -0.5
+
+    def _apply(self, fn, recurse=True):
+        drop_fused_projections(self)  # `.to()` & co. move the projections' buffers: free the fused copy now
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """x [B, T, hidden]; cos/sin [T, rotary_dim] for the T new positions; cache appended in place."""
@@ -144,7 +148,7 @@ class GatedAttention(nn.Module):
 
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        fused = fused_fp8_projections(self, ("q_proj", "k_proj", "v_proj"), n)
+        fused = fused_fp8_projections(self, ("q_proj", "k_proj", "v_proj"), x)
         if fused is not None:  # one quantiser + one GEMV for the three (column views of [N, 2 H D + 2 KV D])
             q, k, v = fused(x).split((2 * h * d, kvh * d, kvh * d), dim=-1)
         else:

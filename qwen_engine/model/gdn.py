@@ -28,7 +28,7 @@ from kernels.rms_norm import rounds_x
 from ..config import QwenConfig
 from .norm import GatedRMSNorm
 from .paged import FlatBatch, GDNSlots
-from .quantized import fused_fp8_projections
+from .quantized import drop_fused_projections, fused_fp8_projections
 from .state import GDNState
 
 
@@ -132,6 +132,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
 
+    def _apply(self, fn, recurse=True):
+        # `.to()` & co. move the buffers: free the fused FP8 projections and the b/a weight copy now, not at the
+        # next decode call (both are rebuilt from the moved buffers)
+        drop_fused_projections(self)
+        self.__dict__.pop("_ba_cache", None)
+        return super()._apply(fn, recurse)
+
     # ---- shared pieces (any leading dims [...]: [B, T] for the contiguous path, [N] for the flat one)
 
     def _project_ba(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +227,7 @@ class GatedDeltaNet(nn.Module):
         """Decode rows only: projections, then conv step + head norms + gates in one op (`batch.gdn_prep`), the
         recurrent step, the gated norm and out_proj. Same maths as the general path below."""
         rows = batch.state_slots_t
-        fused = fused_fp8_projections(self, ("in_proj_qkv", "in_proj_z"), x.shape[0])
+        fused = fused_fp8_projections(self, ("in_proj_qkv", "in_proj_z"), x)
         if fused is not None:  # one quantiser + one GEMV for both (column views of [N, conv_dim + value_dim])
             qkv_in, z = fused(x).split((self.in_proj_qkv.out_features, self.value_dim), dim=-1)
         else:

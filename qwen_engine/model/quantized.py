@@ -13,7 +13,9 @@
                   loader repacks their bytes into split halves for the swap-AB kernel (`repack`)
     FP8Linear     FP8 W8A8 static per-tensor (GDN in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o):
                   e4m3 [N, K] + fp32 weight_scale [] + fp32 input_scale [] -> registry op "fp8_linear"
-                  (`torch._scaled_mm` on sm_89+, the emulating reference elsewhere)
+                  (on sm_89+: the decode GEMV for 1-4 rows, `torch._scaled_mm` beyond; the emulating reference
+                  elsewhere); `fused_fp8_projections`: the projections that read one input as one FP8Linear in decode
+                  steps
 
 Formats: `kernels/nvfp4.py`; design doc `../shared/design/qwen3.6-nvfp4.md` sections 2.3-2.5, 4.
 
@@ -47,6 +49,7 @@ are a storage format, not a compute dtype (`_KeepStorageDtype`); device moves ap
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -128,9 +131,10 @@ def forget_kernel_choices(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, _Dispatch):
             mod._impl.clear()
-        for _, fused in getattr(mod, FUSED_CACHE, {}).values():
-            if fused is not None:
-                fused._impl.clear()
+        for entry in getattr(mod, FUSED_CACHE, {}).values():
+            entry.gemv_choice.clear()  # the registry may now choose differently for the fused call
+            if entry.fused is not None:
+                entry.fused._impl.clear()
 
 
 def check_w4a4_mode(mode: str) -> str:
@@ -272,27 +276,91 @@ class FP8Linear(_Dispatch):
 
 
 # ---- fused decode projections ----------------------------------------------------------------------------------------
-FUSED_CACHE = "_fused_fp8"  # a plain attribute of the owner module: {names: (key, FP8Linear | None)}, no state_dict
+FUSED_CACHE = "_fused_fp8"  # a plain attribute of the owner module: {names: _FusedProjections}, no state_dict entry
 FUSE_DECODE_PROJECTIONS = True  # switch for A/B runs (benchmarks/qwen_gpu.py --unfused-projections) and tests
+GEMV_IMPLS = ("triton_quant+gemv", "triton_gemv")  # kernels/fp8_linear.py: the fused call must land on one of these
 
 
-def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], rows: int) -> FP8Linear | None:
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version  # inference tensors keep no version counter
+
+
+@dataclass
+class _FusedProjections:
+    """One owner's fused projections: the FP8Linear (None while the input scales differ), the source buffers it was
+    built from (kept alive and compared by identity: a replaced buffer -- a reload by assignment, `.to()` -- means a
+    rebuild), the versions of their scales (an in-place write is copied into the fused buffers), and per (device,
+    dtype, rows) whether the registry gives the fused call a GEMV."""
+
+    fused: FP8Linear | None
+    sources: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # (weight, weight_scale, input_scale) each
+    scale_versions: tuple[int, ...]
+    gemv_choice: dict = field(default_factory=dict)
+
+    def current(self, mods) -> bool:
+        return all(m.weight is w and m.weight_scale is sw and m.input_scale is si
+                   for m, (w, sw, si) in zip(mods, self.sources))
+
+    @staticmethod
+    def versions(mods) -> tuple[int, ...]:
+        return tuple(v for m in mods for v in (_version(m.weight_scale), _version(m.input_scale)))
+
+    @classmethod
+    def build(cls, mods) -> "_FusedProjections":
+        fused = None
+        s_in = mods[0].input_scale
+        if all(m.in_features == mods[0].in_features and torch.equal(m.input_scale, s_in) for m in mods[1:]):
+            # a normal tensor even when called under inference_mode (the engine's steps): versioned like the sources
+            with torch.inference_mode(False), torch.no_grad():
+                w = torch.cat([m.weight for m in mods])  # e4m3 [sum N, K]
+                scale = torch.cat([m.weight_scale.float().reshape(-1).expand(m.out_features) for m in mods])
+                fused = FP8Linear(FP8Tensor(w, scale, s_in.clone()), registry=mods[0].registry)
+                start = 0
+                for m in mods:  # the projections keep working on their own, as views of the one copy
+                    m.weight = w[start:start + m.out_features]
+                    start += m.out_features
+        return cls(fused, tuple((m.weight, m.weight_scale, m.input_scale) for m in mods), cls.versions(mods))
+
+    def sync_scales(self, mods) -> None:
+        """After an in-place write of a scale (a reload): the same values in the fused buffers, in place (captured
+        graphs keep their pointers); weights need nothing (they are views of the fused weight). Input scales that
+        no longer agree end the fusion (the weights stay views: each projection still runs alone)."""
+        if self.fused is None or self.versions(mods) == self.scale_versions:
+            return
+        s_in = mods[0].input_scale
+        with torch.inference_mode(False), torch.no_grad():
+            if all(torch.equal(m.input_scale, s_in) for m in mods[1:]):
+                self.fused.input_scale.copy_(s_in.reshape(()))
+                start = 0
+                for m in mods:
+                    self.fused.weight_scale[start:start + m.out_features].copy_(
+                        m.weight_scale.float().reshape(-1).expand(m.out_features))
+                    start += m.out_features
+            else:
+                self.fused = None
+        self.scale_versions = self.versions(mods)
+
+
+def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> FP8Linear | None:
     """One FP8Linear over the concatenated rows of `owner`'s FP8 projections `names` (in that order), which read the
-    same activations -- attention q/k/v_proj, GDN in_proj_qkv/z -- for a call of `rows` rows, or None: when the
-    switch is off, any of them is not a W8A8 FP8Linear, their input scales differ, or the fused call would not be a
-    decode GEMV (`kernels.fp8_gemv.gemv_ok`: at 2-4 rows these fused weights, 19-25 MB, are cuBLASLt's regime).
+    same activations x [rows, K] -- attention q/k/v_proj, GDN in_proj_qkv/z -- or None: when the switch is off, any
+    of them is not a W8A8 FP8Linear, their input scales differ, the call would not be a decode GEMV
+    (`kernels.fp8_gemv.gemv_ok`: at 2-4 rows these fused weights, 19-25 MB, are cuBLASLt's regime), or the registry
+    would not give the fused call a GEMV (disabled, another device: a per-row-scaled call elsewhere can fall to the
+    dequantising reference).
 
     Why: a lone decode step ran 130 FP8 projections, each a quantiser launch and a GEMM launch; q/k/v and
     in_proj_qkv/z quantise the same row with the same static scale (one calibrated input), so one quantiser and one
-    GEMV over [sum N, K] give the same codes and the same exact products: 100 launches fewer per step. The output is
-    [rows, sum N]; callers take column slices (strided views). Numerics: identical quantised activations; products
-    and fp32 sums as each projection alone, the per-row weight scale of each row its projection's scale; only the
-    GEMV's tiling (summation order) may differ.
+    GEMV over [sum N, K] give the same codes and the same exact products: 100 launches fewer per step (H200, run 18:
+    295.6 -> 315.0 tok/s). The output is [rows, sum N]; callers take column slices (strided views). Numerics:
+    identical quantised activations; products and fp32 sums as each projection alone, each row's weight scale its
+    projection's; only the GEMV's tiling (summation order) may differ.
 
-    Memory: the concatenated weight is the only copy -- each projection's `weight` buffer becomes a view of it.
-    Built on the first call (the CUDA-graph warm-up runs decode steps eagerly before capture: the input-scale
-    comparison syncs with the host once) and rebuilt when any source buffer is replaced or written in place (key:
-    data_ptr and `_version` of each weight, weight scale and input scale, and the activation switch)."""
+    Memory: the concatenated weight is the only copy -- each projection's `weight` buffer becomes a view of it, so an
+    in-place weight write reaches it and captured graphs keep their pointers (in-place scale writes are copied into
+    the fused buffers, `_FusedProjections.sync_scales`). Built on the first call (the CUDA-graph warm-up runs each
+    decode bucket eagerly before capture: the input-scale comparison syncs with the host then); rebuilt when a
+    source buffer is replaced (`.to()` drops it: the owners' `_apply`)."""
     if not FUSE_DECODE_PROJECTIONS:
         return None
     mods = [getattr(owner, n) for n in names]
@@ -300,31 +368,30 @@ def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], rows: int) -
         return None
     from kernels.fp8_gemv import gemv_ok
 
+    rows = x.numel() // max(x.shape[-1], 1)
     if not gemv_ok(rows, sum(m.out_features for m in mods), mods[0].in_features):
         return None
-
-    def key():  # (inference tensors have no version counter: made under inference_mode, never written in place)
-        return tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
-                     for m in mods for t in (m.weight, m.weight_scale, m.input_scale))
-
     cache = owner.__dict__.setdefault(FUSED_CACHE, {})
-    hit = cache.get(names)
-    if hit is not None and hit[0] == key():
-        return hit[1]
-    fused = None
-    s_in = mods[0].input_scale
-    if all(m.in_features == mods[0].in_features and torch.equal(m.input_scale, s_in) for m in mods[1:]):
-        # a normal tensor even when called under inference_mode (the engine's steps): versioned, like the sources
-        with torch.inference_mode(False), torch.no_grad():
-            w = torch.cat([m.weight for m in mods])  # e4m3 [sum N, K]
-            scale = torch.cat([m.weight_scale.float().reshape(-1).expand(m.out_features) for m in mods])
-            fused = FP8Linear(FP8Tensor(w, scale, s_in.clone()), registry=mods[0].registry)
-            start = 0
-            for m in mods:  # the projections keep working on their own, as views of the one copy
-                m.weight = w[start:start + m.out_features]
-                start += m.out_features
-    cache[names] = (key(), fused)
-    return fused
+    entry = cache.get(names)
+    if entry is None or not entry.current(mods):
+        entry = cache[names] = _FusedProjections.build(mods)
+    else:
+        entry.sync_scales(mods)
+    fused = entry.fused
+    if fused is None:
+        return None
+    key = (x.device.type, x.dtype, rows)
+    if key not in entry.gemv_choice:
+        reg = fused.registry = _registry(fused.registry)
+        impl = reg.choose(FP8_OP, **reg.spec(FP8_OP).describe(x, fused.weight_fp8))
+        entry.gemv_choice[key] = impl.name in GEMV_IMPLS
+    return fused if entry.gemv_choice[key] else None
+
+
+def drop_fused_projections(owner: nn.Module) -> None:
+    """Forget `owner`'s fused projections (its buffers are about to move: `.to()`, `.cuda()`): the next decode call
+    builds them again from the moved buffers, and the old fused copy is freed now, not then."""
+    owner.__dict__.pop(FUSED_CACHE, None)
 
 
 # ---- MoE -------------------------------------------------------------------------------------------------------------
