@@ -55,6 +55,8 @@
 #  23. (tenth session) GPU tests: the FP8 GEMV's, then the W4A16 GEMV's in full (~3-4 min cold).
 #  24. (tenth session) the engine (decode q/k/v and in_proj_qkv/z fused into one FP8 call each: the default) beside
 #      the same engine with them unfused, then the FP8 GEMV's GPU tests.
+#  26. (tenth session, unrun) where the time goes now: the default engine's graphed decode step profiled at 1 and 32
+#      streams (kernels per step, device ms), no prefill profile (run 13's 32-stream profile was cut by its limit).
 #  25. (tenth session) step 24's engine part alone, with 500 s (a cold Triton cache compiles the GEMV's 15 configs
 #      during the first engine's start-up); on a timeout Python dumps every thread's stack (faulthandler, SIGABRT).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
@@ -84,7 +86,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="23" bash benchmarks/gpu_next.sh      # ~6 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="24" bash benchmarks/gpu_next.sh      # ~9 min (the engine part
 #                                                        ran out of its 420 s: GEMV configs compiled cold; hence 25)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="25" bash benchmarks/gpu_next.sh      # ~8.5 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="25" bash benchmarks/gpu_next.sh      # ~8.5 min (ran: run 18)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="26" bash benchmarks/gpu_next.sh      # ~8 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -314,5 +317,12 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT 500 python benchmarks/qwen_gpu.py --skip-tr
   --decode-tokens 48 --prefill-buckets 1024 --unfused-projections --out "$R/qwen_fused_proj" > "$R/qwen_fused_proj.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_fused_proj/qwen_gpu.md" | cut -c1-220
 grep -E "Error|error|File " "$R/qwen_fused_proj.log" | cut -c1-300 | head -30
+fi
+if want 26; then
+say "26. decode profile (1 and 32 streams) of the default engine"
+PYTHONFAULTHANDLER=1 timeout -s ABRT 520 python benchmarks/qwen_profile.py --engine --engine-streams 1,32 \
+  --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E "wall_ms_per_step|started" "$R/qwen_profile.log" | cut -c1-300
+grep -E "^  engine" "$R/qwen_profile.log" | cut -c1-160 | head -120
 fi
 say "done"

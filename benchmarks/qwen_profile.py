@@ -123,7 +123,8 @@ def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
     return out
 
 
-def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, streams: int = 1) -> dict:
+def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, streams: int = 1,
+                          prefill_graphs: str = "auto") -> dict:
     """The serving path's decode step: a QwenEngine (decode graphs as configured by default: captured on CUDA) over
     `model`, `streams` concurrent `ctx`-token requests; once every one has its first token (all prefills done), the
     profiler records until the least-advanced stream has `tokens` more, every stream still decoding (a steady batch
@@ -140,7 +141,7 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
                             dtype="bf16", max_num_seqs=seqs, max_num_batched_tokens=max(2048, ctx), block_size=16,
                             num_kv_blocks=seqs * ((ctx + tokens + margin) // 16 + 1),
                             max_model_len=ctx + tokens + margin,
-                            request_timeout_s=None, warmup=True)
+                            request_timeout_s=None, warmup=True, prefill_graphs=prefill_graphs)
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)
@@ -297,7 +298,9 @@ def main() -> None:
                     help="comma-separated concurrent request counts for --engine (e.g. 1,32)")
     ap.add_argument("--engine-prefill", action="store_true",
                     help="also profile the serving engine's time to first token for one --context-token request")
-    ap.add_argument("--prefill-graphs", default="auto", help="--engine-prefill: the engine's prefill_graphs mode")
+    ap.add_argument("--prefill-graphs", default="auto",
+                    help="the engine's prefill_graphs mode (--engine-prefill; --engine too: 'off' saves the capture's "
+                         "start-up time where only decode steps are profiled)")
     ap.add_argument("--prefill-buckets", default="",
                     help="--engine-prefill: the engine's prefill_buckets, e.g. 1024 (default: the engine's)")
     args = ap.parse_args()
@@ -335,9 +338,9 @@ def main() -> None:
     for n in (int(x) for x in args.engine_streams.split(",") if x) if args.engine else ():
         log(f"profiling the engine's decode steps, {n} stream(s)")
         key = "engine" if n == 1 else f"engine_{n}"
-        r[key] = profile_engine_decode(model, cfg, device, rand, ctx, streams=n)
+        r[key] = profile_engine_decode(model, cfg, device, rand, ctx, streams=n, prefill_graphs=args.prefill_graphs)
         log(json.dumps({k: v for k, v in r[key].items() if k != "top"}))
-        for row in r[key].get("top", [])[:25]:
+        for row in r[key].get("top", [])[:40]:
             print(f"  {key} {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     for b in (int(x) for x in args.batches.split(",") if x):
