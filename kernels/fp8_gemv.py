@@ -26,7 +26,7 @@ the output rounding (tests/test_kernel_fp8_gemv.py), and both quantiser placemen
 Instruction budget (why words and PTX). At 4.8 TB/s an H200 must retire a weight per ~7 thread-instructions of its
 issue rate, so the loop has to stay near 3-4 per weight. Triton's own e4m3 -> fp32 conversion of a uint8 tile
 unpacks each loaded word into bytes and repacks byte pairs for `cvt.rn.f16x2.e4m3x2` (5.8-6.6 loop instructions
-per weight, offline sm_90 SASS); on int32 words, PTX converts two byte pairs and four halves (`_e4m3x4_f32`): 3.2-3.6
+per weight, offline sm_90 SASS); on int32 words, PTX converts two byte pairs and four halves (`_e4m3x4_f32`): 3.2-4.3
 per weight. The in-loop quantiser adds a division, clamp and rounding per activation element for every program of a
 row: 6.6-10.6 per weight, hence second in the registry; the per-call benchmark (benchmarks/fp8_skinny_bench.py)
 measures both.
@@ -71,7 +71,7 @@ def gemv_ok(m: int, n: int, k: int) -> bool:
 if triton is not None:
     # (BLOCK_N, BLOCK_K, warps): a thread holds BLOCK_N x BLOCK_K / (128 warps) fp32 accumulators (<= 32 here) and
     # as many weight words per tile, twice with the prefetch. One-warp programs convert the activation tile without
-    # barriers (offline sm_90 SASS: 3.2-3.5 loop instructions per weight, 3.4-3.6 with 2-4 warps).
+    # barriers (offline sm_90 SASS: 3.2-3.5 loop instructions per weight; 3.4-4.3 with 2-4 warps, which do).
     _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=1)
                 for bn, bk, w in [(4, 512, 1), (8, 512, 1), (4, 1024, 1), (2, 1024, 1), (8, 256, 1), (16, 256, 1),
                                   (4, 512, 2), (8, 512, 2), (8, 1024, 2), (16, 512, 2), (16, 512, 4), (8, 1024, 4),

@@ -317,7 +317,7 @@ def register(registry) -> None:
                               "bf16 output rounding 2^-9)")
     # first: decode-sized calls (1-4 rows, `fp8_gemv.gemv_ok`) as a CUDA-core GEMV after the one-launch quantiser,
     # or with the quantiser's division in its loop (one launch; offline sm_90 SASS: 6.6-10.6 loop instructions per
-    # weight against 3.2-3.6, and slower on the H200 except on k/v_proj, so second) (`kernels/fp8_gemv.py`; the
+    # weight against 3.2-4.3, and slower on the H200 except on k/v_proj, so second) (`kernels/fp8_gemv.py`; the
     # registry hands larger calls on); then decode-sized calls of narrow
     # layers in one Triton launch (quantiser fused, split K), larger ones as the next; then the
     # same cuBLASLt GEMM after a one-launch Triton quantiser (a decode step has ~130 of these layers: 390 launches
