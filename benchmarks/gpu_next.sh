@@ -57,6 +57,10 @@
 #      the same engine with them unfused, then the FP8 GEMV's GPU tests.
 #  26. (tenth session, unrun) where the time goes now: the default engine's graphed decode step profiled at 1 and 32
 #      streams (kernels per step, device ms), no prefill profile (run 13's 32-stream profile was cut by its limit).
+#  27. (eleventh session) the sorted one-program moe_align (kernels/moe_align.py, now the default): its GPU tests and
+#      the per-call bench beside the compare version, then the engine (defaults) beside the same engine with
+#      shared_expert_in_moe (the shared expert as a 9th pair of the routed launches: GEMV at <= 4 tokens, swap-AB
+#      kernel above; up to 113 tokens now that the one-program alignment takes 1,024 pairs).
 #  25. (tenth session) step 24's engine part alone, with 500 s (a cold Triton cache compiles the GEMV's 15 configs
 #      during the first engine's start-up); on a timeout Python dumps every thread's stack (faulthandler, SIGABRT).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
@@ -87,7 +91,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="24" bash benchmarks/gpu_next.sh      # ~9 min (the engine part
 #                                                        ran out of its 420 s: GEMV configs compiled cold; hence 25)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="25" bash benchmarks/gpu_next.sh      # ~8.5 min (ran: run 18)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="26" bash benchmarks/gpu_next.sh      # ~8 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="26" bash benchmarks/gpu_next.sh      # ~5 min (ran: profile run 14)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="27" bash benchmarks/gpu_next.sh      # ~9.5 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -324,5 +329,16 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT 520 python benchmarks/qwen_profile.py --eng
   --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
 grep -E "wall_ms_per_step|started" "$R/qwen_profile.log" | cut -c1-300
 grep -E "^  engine" "$R/qwen_profile.log" | cut -c1-160 | head -120
+fi
+if want 27; then
+say "27. sorted moe_align: GPU tests, per-call bench; the engine beside shared_expert_in_moe"
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_align.py > "$R/moe_align_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/moe_align_tests.log" | tail -3
+timeout 60 python benchmarks/moe_align_bench.py --warps 4 --out "$R/moe_align_bench" > "$R/moe_align_bench.log" 2>&1
+tail -9 "$R/moe_align_bench.log"
+PYTHONFAULTHANDLER=1 timeout -s ABRT 450 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+  --decode-tokens 48 --prefill-buckets 1024 --shared-in-moe --out "$R/qwen_shared" > "$R/qwen_shared.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_shared/qwen_gpu.md" | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_shared.log" | cut -c1-300 | head -30
 fi
 say "done"

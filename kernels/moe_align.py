@@ -6,21 +6,30 @@ Reference: `kernels.w4a16_gemm.moe_align` (torch: a stable sort, scatter_add cou
 searchsorted: ~25 kernel launches). This computes the identical tensors in 1 launch (it also writes the padding rows),
 which matters in a decode step: 40 MoE layers x ~25 launches were ~1,000 of its ~5,000 kernels (benchmarks/RESULTS.md).
 
-Algorithm (one program; P = T * top_k pairs <= MAX_PAIRS, E experts <= MAX_EXPERTS; flat expert ids e[P]):
+Algorithm at decode sizes (one program; P = T * top_k pairs <= MAX_PAIRS, E experts <= MAX_EXPERTS; flat expert
+ids e[P]; `_moe_align_sort_kernel`, ONE_PROGRAM_METHOD "sort", written 2026-12-01):
+    key    = sort(e[p] * BLOCK_P + p)                              (a bitonic sort in registers: the reference's
+                                                                    stable sort by expert, pair ids in order)
+    es[i]  = key[i] / BLOCK_P;  first[i], last[i] = the ends of i's run of equal es (two scans, forward and reverse)
+    pad    = (-(last - first + 1)) mod BLOCK_M at each run's last position, else 0
+    row[i] = i + (exclusive cumsum of pad)[i];   sorted_pairs[row[i]] = key[i] mod BLOCK_P;
+    block_expert[row[i] / BLOCK_M] = es[i]                          (every block of a run holds >= 1 real pair)
+after filling sorted_pairs with P and block_expert with E (the padding; one barrier orders the two writes of a row).
+Exact integer arithmetic: equal to the reference bit for bit (tests). O(P log^2 P) compare-exchanges.
+The first version ("compare", `_moe_align_kernel`, kept beside it for the per-call benchmark; <= COMPARE_MAX_PAIRS):
     counts[j]  = #{p : e[p] = j}                                   (compare-and-sum over chunks of pairs)
     padded[j]  = ceil(counts[j] / BLOCK_M) * BLOCK_M;   ends = cumsum(padded);   pstart = ends - padded
     rank[p]    = #{q < p : e[q] = e[p]}                            (the stable order of the reference's sort)
     sorted_pairs[:] = P (padding), then  row[p] = pstart[e[p]] + rank[p];   sorted_pairs[row[p]] = p
     block_expert[b] = #{j : ends[j] <= b * BLOCK_M}                (= searchsorted(ends, b BLOCK_M, right=True))
-Exact integer arithmetic: equal to the reference bit for bit (tests). Register gathers are written as one-hot
-compare-and-sum products ([chunk, E] tiles), so nothing goes through memory between phases; the one barrier orders
-the padding fill before the scatter.
-Cost: O(P^2 + P E + R E / BLOCK_M) integer ops in one program: ~0.1-0.3 M at decode sizes (P <= 256, E = 256);
-29 us per call at 32 streams on the H200 (run 9 profile).
+with register gathers written as one-hot compare-and-sum products ([chunk, E] tiles): O(P^2 + P E + R E / BLOCK_M)
+integer ops, ~0.1-0.3 M at decode sizes; 26 us per call at 32 streams on the H200 (results/moe_align_bench_run1),
+~1 ms of a 32-stream decode step (40 calls).
 
-Prefill sizes (MAX_PAIRS < P <= MAX_PAIRS_MULTI) run the same algorithm over G = cdiv(P, CHUNK_MULTI) programs in
-three launches (written 2026-11-30, seventh session; NOT YET RUN ON A GPU -- `moe_align_fast` checks it against
-the torch version on first use per device and switches it off on a mismatch):
+Prefill sizes (MAX_PAIRS < P <= MAX_PAIRS_MULTI) run the compare algorithm over G = cdiv(P, CHUNK_MULTI) programs
+in three launches (seventh session; on the H200 since Qwen run 14, where its start-up self-check passed --
+`moe_align_fast` checks every path against the torch version on first use per device and switches it off on a
+mismatch):
     count    program g: counts of its chunk of pairs per expert -> partial[g, E]
     offsets  one program: totals, padded starts (as above), then starts[g, j] = pstart[j] + sum_{h < g}
              partial[h, j] (each chunk's first row per expert, in chunk order: the stable sort's order); the padding
@@ -40,8 +49,12 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
     triton = None
 
-MAX_PAIRS = 256  # P = tokens x top_k: decode batches up to 32 tokens at top-8 (larger tiles spill registers: ptxas
-#                  sm_90 reports 4 KB of spills at P = 1024; prefill-sized P takes the multi-program path)
+MAX_PAIRS = 1024  # P = tokens x top_k of the one-program path: decode batches up to 128 tokens at top-8 (one
+#                   sorted [BLOCK_P] key vector; prefill-sized P takes the multi-program path)
+ONE_PROGRAM_METHOD = "sort"  # the one-program path: "sort" (a bitonic sort of (expert, pair) keys and run scans), or
+#                              "compare" (the first version: O(P^2 + P E) compare tiles, 26 us at 256 pairs on the H200)
+COMPARE_MAX_PAIRS = 256  # the compare version's limit (larger tiles spill registers: ptxas sm_90 reports 4 KB of
+#                          spills at P = 1024)
 MAX_EXPERTS = 512
 CHUNK = 32  # pairs per compare tile ([CHUNK, BLOCK_E] and [CHUNK, BLOCK_P] int32 tiles)
 CHUNK_MULTI = 256  # pairs per program of the multi-program path (compared in tiles of CHUNK against the chunk)
@@ -89,6 +102,42 @@ if triton is not None:
         owner = tl.sum(((ends[None, :] <= at) & (ej[None, :] < E)).to(tl.int32), axis=1)
         tl.store(block_expert + bs, owner, mask=bs < NUM_BLOCKS)
 
+
+    @triton.jit
+    def _run_start(e_a, f_a, e_b, f_b):
+        """Scan combine over expert-sorted positions: (expert of the range's last element, first index of its run).
+        Written symmetric in (a, b), and associative for sorted input (a run is contiguous)."""
+        return tl.maximum(e_a, e_b), tl.where(e_a == e_b, tl.minimum(f_a, f_b), tl.where(e_a > e_b, f_a, f_b))
+
+    @triton.jit
+    def _run_end(e_a, l_a, e_b, l_b):
+        """The reverse scan's combine: (expert of the range's first element, last index of its run)."""
+        return tl.minimum(e_a, e_b), tl.where(e_a == e_b, tl.maximum(l_a, l_b), tl.where(e_a < e_b, l_a, l_b))
+
+    @triton.jit
+    def _moe_align_sort_kernel(ids, sorted_pairs, block_expert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
+                               BLOCK_P: tl.constexpr):
+        # padding everywhere first (pair id P; block owner E), the scatter below overwrites the used rows / blocks;
+        # the barrier orders the two writes of a row, which different threads of this one program make
+        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
+            rs = r0 + tl.arange(0, 1024)
+            tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + P, mask=rs < NUM_BLOCKS * BLOCK_M)
+        for b0 in range(0, NUM_BLOCKS, 1024):
+            bs = b0 + tl.arange(0, 1024)
+            tl.store(block_expert + bs, tl.full((1024,), 0, tl.int32) + E, mask=bs < NUM_BLOCKS)
+        tl.debug_barrier()
+        i = tl.arange(0, BLOCK_P)
+        e = tl.load(ids + i, mask=i < P, other=E).to(tl.int32)  # past P: expert E, sorted after every real pair
+        key = tl.sort(e * BLOCK_P + i)  # (expert, pair) ascending: the reference's stable sort by expert
+        es = key // BLOCK_P  # [BLOCK_P] expert of sorted position i
+        first = tl.associative_scan((es, i), 0, _run_start)[1]  # first position of i's expert run
+        last = tl.associative_scan((es, i), 0, _run_end, reverse=True)[1]  # its last position
+        count = last - first + 1
+        used = es < E
+        pad = tl.where(used & (i == last), (BLOCK_M - count % BLOCK_M) % BLOCK_M, 0)  # each run's padding rows
+        row = i + tl.cumsum(pad, 0) - pad  # + the padding of every earlier run
+        tl.store(sorted_pairs + row, key % BLOCK_P, mask=used)
+        tl.store(block_expert + row // BLOCK_M, es, mask=used)  # every row of a block writes the same owner
 
     @triton.jit
     def _count_kernel(ids, partial, P, E, CHUNK_G: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -160,11 +209,12 @@ def supported(idx: torch.Tensor, num_experts: int) -> bool:
     return path(idx, num_experts) is not None
 
 
-def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int,
-                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int, num_warps: int | None = None,
+                     method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """idx [T, k] expert ids -> (sorted_pairs int32 [R], block_expert int32 [R / block_m]) with R as in the
-    reference `kernels.w4a16_gemm.moe_align` (a function of (P, E, block_m) only: no host sync). `num_warps`: the
-    one-program path's (default ONE_PROGRAM_WARPS; benchmarks)."""
+    reference `kernels.w4a16_gemm.moe_align` (a function of (P, E, block_m) only: no host sync). `num_warps` and
+    `method` ("sort", the default `ONE_PROGRAM_METHOD`, or "compare" up to COMPARE_MAX_PAIRS pairs): the one-program
+    path's (benchmarks)."""
     flat = idx.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -184,8 +234,18 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int,
         _scatter_kernel[(g,)](flat, partial[1], sorted_pairs, p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK,
                               num_warps=4)
         return sorted_pairs, block_expert
+    method = method or ONE_PROGRAM_METHOD
+    warps = num_warps or ONE_PROGRAM_WARPS
+    block_p = max(16, triton.next_power_of_2(p))
+    if method == "sort":
+        _moe_align_sort_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
+                                     BLOCK_P=block_p, num_warps=warps)
+        return sorted_pairs, block_expert
+    if method != "compare" or p > COMPARE_MAX_PAIRS:
+        raise ValueError(f"moe_align_triton: method {method!r} for {p} pairs (sort, or compare up to "
+                         f"{COMPARE_MAX_PAIRS})")
     _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
                             BLOCK_P=triton.next_power_of_2(p), BLOCK_E=triton.next_power_of_2(num_experts),
                             BLOCK_B=triton.next_power_of_2(nblocks), CHUNK_P=min(CHUNK, triton.next_power_of_2(p)),
-                            num_warps=num_warps or ONE_PROGRAM_WARPS)
+                            num_warps=warps)
     return sorted_pairs, block_expert

@@ -102,7 +102,7 @@ class QwenEngineConfig:
     #                            tok/s, 32 streams 1,626 -> 1,842 tok/s
     shared_expert_in_moe: bool = False  # packed models: each MoE layer's shared expert runs as one more (token,
     #                                     expert) pair inside the routed experts' grouped launches (decode batches of
-    #                                     <= 28 tokens; 2 dense GEMM launches per layer fewer). H200 (Qwen run 12):
+    #                                     <= 113 tokens; 2 dense GEMM launches per layer fewer). H200 (Qwen run 12):
     #                                     no gain (lone 202 -> 203 tok/s; with async_decode 233 -> 232): off
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
     #                              auto (dual on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |

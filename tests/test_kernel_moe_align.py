@@ -22,21 +22,46 @@ def routed(t: int, k: int, e: int, seed: int, skew: bool = False) -> torch.Tenso
     return ids.to(DEVICE)
 
 
-@pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 256, 16), (3, 8, 256, 16), (32, 8, 256, 16), (16, 16, 256, 16),
-                                           (5, 2, 6, 16), (17, 4, 10, 32), (32, 8, 256, 64), (2, 1, 3, 16),
-                                           # the multi-program path: one pair past the one-program limit, a ragged
-                                           # last chunk, many chunks per expert, a 1k-token prefill at BLOCK_M 64
-                                           (33, 8, 256, 16), (100, 4, 10, 16), (130, 8, 256, 32), (1024, 8, 256, 64),
-                                           (40, 8, 512, 64)])
+# decode sizes, which both one-program versions take (<= COMPARE_MAX_PAIRS pairs)
+SMALL = [(1, 8, 256, 16), (3, 8, 256, 16), (32, 8, 256, 16), (16, 16, 256, 16), (5, 2, 6, 16), (17, 4, 10, 32),
+         (32, 8, 256, 64), (2, 1, 3, 16)]
+# the sorted version's larger sizes: 32 tokens with the shared expert as a 9th pair over 257 experts, 100 tokens over
+# 10 experts (long runs), its MAX_PAIRS (128 tokens x top-8)
+SORT_ONLY = [(32, 9, 257, 16), (100, 4, 10, 16), (128, 8, 256, 16)]
+# the multi-program path: one token past the one-program limit (a ragged last chunk), many chunks per expert, a
+# 1k-token prefill at BLOCK_M 64, 512 experts
+MULTI = [(129, 8, 256, 16), (300, 4, 10, 16), (130, 8, 256, 32), (1024, 8, 256, 64), (160, 8, 512, 64)]
+
+
+def check_equal(idx, e, block_m, **kw):
+    ref = moe_align(idx, e, block_m)
+    sorted_pairs, block_expert = align.moe_align_triton(idx, e, block_m, **kw)
+    assert sorted_pairs.dtype == ref.sorted_pairs.dtype == torch.int32
+    assert torch.equal(sorted_pairs, ref.sorted_pairs), (sorted_pairs, ref.sorted_pairs)
+    assert torch.equal(block_expert, ref.block_expert), (block_expert, ref.block_expert)
+
+
+@pytest.mark.parametrize("t,k,e,block_m", SMALL + SORT_ONLY + MULTI)
 @pytest.mark.parametrize("skew", [False, True])
 def test_equals_torch_moe_align(t, k, e, block_m, skew):
     idx = routed(t, k, e, seed=t * 31 + e, skew=skew)
     assert align.path(idx, e) == ("one" if t * k <= align.MAX_PAIRS else "multi")
-    ref = moe_align(idx, e, block_m)
-    sorted_pairs, block_expert = align.moe_align_triton(idx, e, block_m)
-    assert sorted_pairs.dtype == ref.sorted_pairs.dtype == torch.int32
-    assert torch.equal(sorted_pairs, ref.sorted_pairs), (sorted_pairs, ref.sorted_pairs)
-    assert torch.equal(block_expert, ref.block_expert), (block_expert, ref.block_expert)
+    check_equal(idx, e, block_m)  # the default one-program version ("sort") or the multi-program path
+
+
+@pytest.mark.parametrize("t,k,e,block_m", SMALL)
+@pytest.mark.parametrize("skew", [False, True])
+def test_compare_version_equals_torch_moe_align(t, k, e, block_m, skew):
+    """The first one-program version (kept for the per-call benchmark against the sorted one)."""
+    check_equal(routed(t, k, e, seed=t * 37 + e, skew=skew), e, block_m, method="compare")
+
+
+def test_one_program_versions_refuse_what_they_cannot_take():
+    over = routed(align.COMPARE_MAX_PAIRS // 8 + 1, 8, 256, seed=6)
+    with pytest.raises(ValueError, match="compare up to"):
+        align.moe_align_triton(over, 256, 16, method="compare")
+    with pytest.raises(ValueError, match="method 'bitonic'"):
+        align.moe_align_triton(over, 256, 16, method="bitonic")
 
 
 def test_fast_path_choice():
@@ -73,7 +98,8 @@ def test_a_failing_kernel_is_switched_off(monkeypatch):
     monkeypatch.setattr(align, "moe_align_triton", real)
     moe_align_fast(idx, 256, 16)  # stays off for the process (here: the monkeypatched state)
     assert w4a16_gemm._ALIGN_STATE[key].startswith("off")
-    big = routed(40, 8, 256, seed=4)  # the other path has its own check: still on, and checked on first use
+    # the other path has its own check: still on, and checked on first use
+    big = routed(align.MAX_PAIRS // 8 + 1, 8, 256, seed=4)
     assert torch.equal(moe_align_fast(big, 256, 32).sorted_pairs, moe_align(big, 256, 32).sorted_pairs)
     assert w4a16_gemm._ALIGN_STATE[(idx.device.type, "multi", 32)] == "ok"
 
@@ -84,7 +110,8 @@ def test_first_use_check_probes_a_routing_of_its_own(monkeypatch):
     from kernels import w4a16_gemm
 
     monkeypatch.setattr(w4a16_gemm, "_ALIGN_STATE", {})
-    alike = routed(1, 8, 256, seed=5).expand(40, 8).contiguous()  # 40 tokens, all on the same 8 experts (multi path)
+    # 129 tokens, all on the same 8 experts (the multi-program path)
+    alike = routed(1, 8, 256, seed=5).expand(align.MAX_PAIRS // 8 + 1, 8).contiguous()
     real = align.moe_align_triton
 
     def right_only_when_alike(idx_, e, bm):
