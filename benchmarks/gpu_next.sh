@@ -61,6 +61,8 @@
 #      the per-call bench beside the compare version, then the engine (defaults) beside the same engine with
 #      shared_expert_in_moe (the shared expert as a 9th pair of the routed launches: GEMV at <= 4 tokens, swap-AB
 #      kernel above; up to 113 tokens now that the one-program alignment takes 1,024 pairs).
+#  28. (eleventh session) step 27's engine part again with fla-core carried (step 27's TTFT was the torch GDN
+#      prefill's: its bundle had no .devbundle/extra), and the first engine once more last (--again: noise).
 #  25. (tenth session) step 24's engine part alone, with 500 s (a cold Triton cache compiles the GEMV's 15 configs
 #      during the first engine's start-up); on a timeout Python dumps every thread's stack (faulthandler, SIGABRT).
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
@@ -92,7 +94,8 @@
 #                                                        ran out of its 420 s: GEMV configs compiled cold; hence 25)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="25" bash benchmarks/gpu_next.sh      # ~8.5 min (ran: run 18)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="26" bash benchmarks/gpu_next.sh      # ~5 min (ran: profile run 14)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="27" bash benchmarks/gpu_next.sh      # ~9.5 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="27" bash benchmarks/gpu_next.sh      # ~6 min (ran: run 19)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="28" bash benchmarks/gpu_next.sh      # ~7 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -104,9 +107,13 @@ archive() { tar czf "$OUT/next.tgz" -C "$R" . ; }
 trap archive EXIT
 STEPS=${STEPS:-"1 2 3 4"}
 # optional GPU-only libraries carried beside the bundle (pyproject's [gpu] extra: fla-core for the GDN prefill);
-# the device has no network, so their wheels travel in .devbundle/extra/ (pip download fla-core==0.6.0 --no-deps)
-if ls .devbundle/extra/*.whl > /dev/null 2>&1; then
+# the device has no network, so their wheels travel in .devbundle/extra/ (make_bundle.sh does not add them:
+#   pip download fla-core==0.6.0 einops --no-deps -d .devbundle/extra).
+# Without fla the GDN prefill runs the torch chunked rule: TTFT ~74 ms instead of ~44 (2026-12-01, Qwen run 19).
+if ls .devbundle/extra/fla_core-*.whl > /dev/null 2>&1; then
   python -m pip install -q --no-deps --no-index --target "${SITE:-/tmp/site}" .devbundle/extra/*.whl 2>&1 | tail -1
+else
+  say "WARNING: no fla-core wheel in .devbundle/extra: TTFT / prefill numbers of this call are the torch GDN prefill's"
 fi
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
@@ -340,5 +347,12 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT 450 python benchmarks/qwen_gpu.py --skip-tr
   --decode-tokens 48 --prefill-buckets 1024 --shared-in-moe --out "$R/qwen_shared" > "$R/qwen_shared.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_shared/qwen_gpu.md" | cut -c1-220
 grep -E "Error|error|File " "$R/qwen_shared.log" | cut -c1-300 | head -30
+fi
+if want 28; then
+say "28. the engine beside shared_expert_in_moe, then the first engine again (fla carried: TTFT valid)"
+PYTHONFAULTHANDLER=1 timeout -s ABRT 480 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+  --decode-tokens 48 --prefill-buckets 1024 --shared-in-moe --again --out "$R/qwen_shared" > "$R/qwen_shared.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_shared/qwen_gpu.md" | cut -c1-220
+grep -E "Error|error|File |fla" "$R/qwen_shared.log" | cut -c1-300 | head -30
 fi
 say "done"
