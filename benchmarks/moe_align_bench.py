@@ -1,7 +1,7 @@
-"""The one-program Triton `moe_align` (`kernels/moe_align.py`) per call at decode sizes, by version ("sort", the
-default since 2026-12-01, and the first "compare" version up to its 256 pairs) and warps per program, beside the torch
-version. At 32 streams (P = 256 pairs, E = 256, BLOCK_M 16) the compare version took 26 us per call
-(results/moe_align_bench_run1), 40 calls per decode step (~1 ms of a ~15 ms step).
+"""The one-program Triton `moe_align` (`kernels/moe_align.py`) per call at decode sizes, by warps per program, beside
+the torch version. At 32 streams (P = 256 pairs, E = 256, BLOCK_M 16): 3.3 us per call with the sorted kernel
+(results/moe_align_bench_run2, where the first, compare-tile version, since removed, took 26 us: run 1), 40 calls per
+decode step.
 
     python benchmarks/moe_align_bench.py --out benchmarks/results/moe_align_bench     # GPU; ~30 s
 
@@ -24,7 +24,6 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/moe_align_bench")
     ap.add_argument("--tokens", default="1,4,8,16,32,64,128")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--methods", default="sort,compare")
     args = ap.parse_args()
     import torch
 
@@ -44,16 +43,12 @@ def main() -> None:
                for _ in range(calls)]
         bm = swapped_block_m(t * top_k, e)
         row = dict(tokens=t, pairs=t * top_k, block_m=bm)
-        for m in args.methods.split(","):
-            for w in (int(v) for v in args.warps.split(",")):
-                if m == "compare" and t * top_k > align.COMPARE_MAX_PAIRS:
-                    continue
-                sp, be = align.moe_align_triton(idx[0], e, bm, num_warps=w, method=m)
-                ref = moe_align(idx[0], e, bm)
-                row[f"ok_{m}_{w}"] = bool(torch.equal(sp, ref.sorted_pairs) and torch.equal(be, ref.block_expert))
-                row[f"{m}_{w}_warps_us"] = graph_per_call_us(
-                    [lambda i=i, w=w, m=m: align.moe_align_triton(idx[i], e, bm, num_warps=w, method=m)
-                     for i in range(calls)])
+        for w in (int(v) for v in args.warps.split(",")):
+            sp, be = align.moe_align_triton(idx[0], e, bm, num_warps=w)
+            ref = moe_align(idx[0], e, bm)
+            row[f"ok_{w}"] = bool(torch.equal(sp, ref.sorted_pairs) and torch.equal(be, ref.block_expert))
+            row[f"triton_{w}_warps_us"] = graph_per_call_us(
+                [lambda i=i, w=w: align.moe_align_triton(idx[i], e, bm, num_warps=w) for i in range(calls)])
         row["torch_us"] = graph_per_call_us([lambda i=i: moe_align(idx[i], e, bm) for i in range(calls)])
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -61,12 +56,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__)
     (out / "moe_align_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    keys = list(dict.fromkeys(k for r in rows for k in r if k.endswith("_us")))  # compare stops at 256 pairs
+    keys = [k for k in rows[0] if k.endswith("_us")]
     lines = [f"# moe_align_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
              "| tokens | pairs | BLOCK_M | " + " | ".join(keys) + " | all equal |", "|" + "---:|" * (len(keys) + 4)]
     for r in rows:
         ok = all(v for k, v in r.items() if k.startswith("ok_"))
-        cells = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in keys)
+        cells = " | ".join(f"{r[k]:.2f}" for k in keys)
         lines.append(f"| {r['tokens']} | {r['pairs']} | {r['block_m']} | {cells} | {ok} |")
     (out / "moe_align_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -187,8 +187,7 @@ def markdown(r: dict) -> str:
             f"| (e) engine without async_decode (decode steps not overlapped): decode tok/s, lone request / all "
             f"{st.get('n')} streams decoding | {side_by_side(r.get('engine_sync'), ttft=False)} | - |",
             f"| (e) engine with shared_expert_in_moe: decode tok/s, lone request / all {st.get('n')} streams decoding "
-            f"(the 32-token bucket keeps the dense shared expert) | {side_by_side(r.get('engine_shared'), ttft=False)} "
-            f"| - |",
+            f"| {side_by_side(r.get('engine_shared'), ttft=False)} | - |",
             f"| (e) engine with the experts in the {(r.get('engine_layout') or {}).get('layout')} layout: decode "
             f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_layout'))} | - |",

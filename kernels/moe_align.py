@@ -6,8 +6,8 @@ Reference: `kernels.w4a16_gemm.moe_align` (torch: a stable sort, scatter_add cou
 searchsorted: ~25 kernel launches). This computes the identical tensors in 1 launch (it also writes the padding rows),
 which matters in a decode step: 40 MoE layers x ~25 launches were ~1,000 of its ~5,000 kernels (benchmarks/RESULTS.md).
 
-Algorithm at decode sizes (one program; P = T * top_k pairs <= MAX_PAIRS, E experts <= MAX_EXPERTS; flat expert
-ids e[P]; `_moe_align_sort_kernel`, ONE_PROGRAM_METHOD "sort", written 2026-12-01):
+Algorithm at decode sizes (one program, `_moe_align_sort_kernel`; P = T * top_k pairs <= MAX_PAIRS, E experts <=
+MAX_EXPERTS; flat expert ids e[P]):
     key    = sort(e[p] * BLOCK_P + p)                              (a bitonic sort in registers: the reference's
                                                                     stable sort by expert, pair ids in order)
     es[i]  = key[i] / BLOCK_P;  first[i], last[i] = the ends of i's run of equal es (two scans, forward and reverse)
@@ -16,24 +16,21 @@ ids e[P]; `_moe_align_sort_kernel`, ONE_PROGRAM_METHOD "sort", written 2026-12-0
     block_expert[row[i] / BLOCK_M] = es[i]                          (every block of a run holds >= 1 real pair)
 after filling sorted_pairs with P and block_expert with E (the padding; one barrier orders the two writes of a row).
 Exact integer arithmetic: equal to the reference bit for bit (tests). O(P log^2 P) compare-exchanges.
-The first version ("compare", `_moe_align_kernel`, kept beside it for the per-call benchmark; <= COMPARE_MAX_PAIRS):
-    counts[j]  = #{p : e[p] = j}                                   (compare-and-sum over chunks of pairs)
-    padded[j]  = ceil(counts[j] / BLOCK_M) * BLOCK_M;   ends = cumsum(padded);   pstart = ends - padded
-    rank[p]    = #{q < p : e[q] = e[p]}                            (the stable order of the reference's sort)
-    sorted_pairs[:] = P (padding), then  row[p] = pstart[e[p]] + rank[p];   sorted_pairs[row[p]] = p
-    block_expert[b] = #{j : ends[j] <= b * BLOCK_M}                (= searchsorted(ends, b BLOCK_M, right=True))
-with register gathers written as one-hot compare-and-sum products ([chunk, E] tiles): O(P^2 + P E + R E / BLOCK_M)
-integer ops, ~0.1-0.3 M at decode sizes; 26 us per call at 32 streams on the H200 (results/moe_align_bench_run1),
-~1 ms of a 32-stream decode step (40 calls).
+H200 (2026-12-01, results/moe_align_bench_run2; one CUDA graph of 40 calls): 1.7 / 2.3 / 3.3 / 5.2 / 12.0 us per call
+at 8 / 64 / 256 / 512 / 1,024 pairs, against 2.1 / 6.4 / 26.1 us for the first one-program version at 8 / 64 / 256
+(O(P^2 + P E) one-hot compare tiles for counts, ranks and gathers; limited to 256 pairs by register spills; removed)
+and 40-76 us for the torch version. At 32 streams that is ~0.9 ms of a ~14 ms decode step (40 calls), measured in the
+engine as 2,120 -> 2,284 tok/s (Qwen runs 18 -> 19, two processes).
 
-Prefill sizes (MAX_PAIRS < P <= MAX_PAIRS_MULTI) run the compare algorithm over G = cdiv(P, CHUNK_MULTI) programs
-in three launches (seventh session; on the H200 since Qwen run 14, where its start-up self-check passed --
-`moe_align_fast` checks every path against the torch version on first use per device and switches it off on a
-mismatch):
+Prefill sizes (MAX_PAIRS < P <= MAX_PAIRS_MULTI) run counts and ranks as one-hot compare tiles over
+G = cdiv(P, CHUNK_MULTI) programs in three launches (seventh session; on the H200 since Qwen run 14, where its
+start-up self-check passed -- `moe_align_fast` checks every path against the torch version on first use per device
+and switches it off on a mismatch); padded[j] = ceil(counts[j] / BLOCK_M) * BLOCK_M:
     count    program g: counts of its chunk of pairs per expert -> partial[g, E]
-    offsets  one program: totals, padded starts (as above), then starts[g, j] = pstart[j] + sum_{h < g}
-             partial[h, j] (each chunk's first row per expert, in chunk order: the stable sort's order); the padding
-             fill of sorted_pairs and block_expert
+    offsets  one program: totals, padded starts pstart = cumsum(padded) - padded, then
+             starts[g, j] = pstart[j] + sum_{h < g} partial[h, j] (each chunk's first row per expert, in chunk
+             order: the stable sort's order); the padding fill of sorted_pairs, and
+             block_expert[b] = #{j : ends[j] <= b * BLOCK_M} (ends = cumsum(padded): searchsorted, right=True)
     scatter  program g: row[p] = starts[g, e[p]] + #{q < p in chunk g : e[q] = e[p]}
 O(P CHUNK_MULTI + P E + G E + R E / BLOCK_M) in total, spread over G programs but the middle one. The torch version
 it replaces at 1,024 tokens is ~25 launches and ~2 ms of a 1k-token prefill's GPU time (Qwen run 12 profile).
@@ -51,57 +48,14 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
 
 MAX_PAIRS = 1024  # P = tokens x top_k of the one-program path: decode batches up to 128 tokens at top-8 (one
 #                   sorted [BLOCK_P] key vector; prefill-sized P takes the multi-program path)
-ONE_PROGRAM_METHOD = "sort"  # the one-program path: "sort" (a bitonic sort of (expert, pair) keys and run scans), or
-#                              "compare" (the first version: O(P^2 + P E) compare tiles, 26 us at 256 pairs on the H200)
-COMPARE_MAX_PAIRS = 256  # the compare version's limit (larger tiles spill registers: ptxas sm_90 reports 4 KB of
-#                          spills at P = 1024)
 MAX_EXPERTS = 512
-CHUNK = 32  # pairs per compare tile ([CHUNK, BLOCK_E] and [CHUNK, BLOCK_P] int32 tiles)
+CHUNK = 32  # pairs per compare tile of the multi-program path ([CHUNK, BLOCK_E] and [CHUNK, CHUNK_MULTI] int32)
 CHUNK_MULTI = 256  # pairs per program of the multi-program path (compared in tiles of CHUNK against the chunk)
 MAX_PAIRS_MULTI = 1 << 16  # 8,192 tokens at top-8; more: the torch version
-ONE_PROGRAM_WARPS = 4  # warps of the one-program path (its [CHUNK, E] and [blocks, E] tiles spread over them);
-#                        `benchmarks/moe_align_bench.py` compares 4 / 8 / 16
+ONE_PROGRAM_WARPS = 4  # warps of the one-program path (`benchmarks/moe_align_bench.py` compares others)
 
 
 if triton is not None:
-
-    @triton.jit
-    def _moe_align_kernel(ids, sorted_pairs, block_expert, P, E, NUM_BLOCKS,
-                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_B: tl.constexpr, CHUNK_P: tl.constexpr):
-        # every row starts as padding (pair id P); the scatter below overwrites the used ones. The barrier orders
-        # the two writes of a row, which different threads of this one program make.
-        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
-            rs = r0 + tl.arange(0, 1024)
-            tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + P, mask=rs < NUM_BLOCKS * BLOCK_M)
-        tl.debug_barrier()
-        ej = tl.arange(0, BLOCK_E)  # expert ids
-        qs = tl.arange(0, BLOCK_P)
-        e_all = tl.load(ids + qs, mask=qs < P, other=-1).to(tl.int32)  # [BLOCK_P]; -1 matches no expert
-        # counts per expert
-        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        for c in range(0, tl.cdiv(P, CHUNK_P)):
-            ps = c * CHUNK_P + tl.arange(0, CHUNK_P)
-            e_c = tl.load(ids + ps, mask=ps < P, other=-1).to(tl.int32)
-            counts += tl.sum((e_c[:, None] == ej[None, :]).to(tl.int32), axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
-        pstart = ends - padded
-        # each pair's row: its expert's padded start + its rank among earlier pairs of the same expert
-        for c in range(0, tl.cdiv(P, CHUNK_P)):
-            ps = c * CHUNK_P + tl.arange(0, CHUNK_P)
-            ok = ps < P
-            e_c = tl.load(ids + ps, mask=ok, other=-1).to(tl.int32)
-            same_before = (e_all[None, :] == e_c[:, None]) & (qs[None, :] < ps[:, None])  # [CHUNK, BLOCK_P]
-            rank = tl.sum(same_before.to(tl.int32), axis=1)
-            start = tl.sum(tl.where(e_c[:, None] == ej[None, :], pstart[None, :], 0), axis=1)  # pstart[e_c]
-            tl.store(sorted_pairs + start + rank, ps.to(tl.int32), mask=ok)
-        # expert of each row block
-        bs = tl.arange(0, BLOCK_B)
-        at = (bs * BLOCK_M)[:, None]
-        owner = tl.sum(((ends[None, :] <= at) & (ej[None, :] < E)).to(tl.int32), axis=1)
-        tl.store(block_expert + bs, owner, mask=bs < NUM_BLOCKS)
-
 
     @triton.jit
     def _run_start(e_a, f_a, e_b, f_b):
@@ -189,7 +143,7 @@ if triton is not None:
 
 
 def _interpreted() -> bool:
-    return triton is not None and type(_moe_align_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and type(_moe_align_sort_kernel).__name__ == "InterpretedFunction"
 
 
 def path(idx: torch.Tensor, num_experts: int) -> str | None:
@@ -209,12 +163,11 @@ def supported(idx: torch.Tensor, num_experts: int) -> bool:
     return path(idx, num_experts) is not None
 
 
-def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int, num_warps: int | None = None,
-                     method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int,
+                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """idx [T, k] expert ids -> (sorted_pairs int32 [R], block_expert int32 [R / block_m]) with R as in the
-    reference `kernels.w4a16_gemm.moe_align` (a function of (P, E, block_m) only: no host sync). `num_warps` and
-    `method` ("sort", the default `ONE_PROGRAM_METHOD`, or "compare" up to COMPARE_MAX_PAIRS pairs): the one-program
-    path's (benchmarks)."""
+    reference `kernels.w4a16_gemm.moe_align` (a function of (P, E, block_m) only: no host sync). `num_warps`: the
+    one-program path's (default ONE_PROGRAM_WARPS; benchmarks)."""
     flat = idx.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -234,18 +187,7 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int, num_warp
         _scatter_kernel[(g,)](flat, partial[1], sorted_pairs, p, num_experts, CHUNK_G=CHUNK_MULTI, SUB=CHUNK,
                               num_warps=4)
         return sorted_pairs, block_expert
-    method = method or ONE_PROGRAM_METHOD
-    warps = num_warps or ONE_PROGRAM_WARPS
-    block_p = max(16, triton.next_power_of_2(p))
-    if method == "sort":
-        _moe_align_sort_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
-                                     BLOCK_P=block_p, num_warps=warps)
-        return sorted_pairs, block_expert
-    if method != "compare" or p > COMPARE_MAX_PAIRS:
-        raise ValueError(f"moe_align_triton: method {method!r} for {p} pairs (sort, or compare up to "
-                         f"{COMPARE_MAX_PAIRS})")
-    _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
-                            BLOCK_P=triton.next_power_of_2(p), BLOCK_E=triton.next_power_of_2(num_experts),
-                            BLOCK_B=triton.next_power_of_2(nblocks), CHUNK_P=min(CHUNK, triton.next_power_of_2(p)),
-                            num_warps=warps)
+    _moe_align_sort_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
+                                 BLOCK_P=max(16, triton.next_power_of_2(p)),
+                                 num_warps=num_warps or ONE_PROGRAM_WARPS)
     return sorted_pairs, block_expert

@@ -38,11 +38,6 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict) -> bool:
 
 def main() -> int:
     ok = []
-    rows = 256 + 256 * 15  # P = 32 tokens x top-8, E = 256, BLOCK_M = 16
-    ok.append(compile_one("moe_align compare (32 tokens x top-8, 256 experts)", moe_align._moe_align_kernel,
-                          {"ids": "*i64", "sorted_pairs": "*i32", "block_expert": "*i32"},
-                          dict(BLOCK_M=16, BLOCK_P=256, BLOCK_E=256, BLOCK_B=triton.next_power_of_2(rows // 16),
-                               CHUNK_P=32)))
     for p in (256, 1024):  # the sorted one-program path at 32 tokens x top-8 and at its MAX_PAIRS
         ok.append(compile_one(f"moe_align sort ({p} pairs, 256 experts)", moe_align._moe_align_sort_kernel,
                               {"ids": "*i64", "sorted_pairs": "*i32", "block_expert": "*i32"},

@@ -22,7 +22,7 @@ def routed(t: int, k: int, e: int, seed: int, skew: bool = False) -> torch.Tenso
     return ids.to(DEVICE)
 
 
-# decode sizes, which both one-program versions take (<= COMPARE_MAX_PAIRS pairs)
+# decode sizes (the one-program path)
 SMALL = [(1, 8, 256, 16), (3, 8, 256, 16), (32, 8, 256, 16), (16, 16, 256, 16), (5, 2, 6, 16), (17, 4, 10, 32),
          (32, 8, 256, 64), (2, 1, 3, 16)]
 # the sorted version's larger sizes: 32 tokens with the shared expert as a 9th pair over 257 experts, 100 tokens over
@@ -46,22 +46,7 @@ def check_equal(idx, e, block_m, **kw):
 def test_equals_torch_moe_align(t, k, e, block_m, skew):
     idx = routed(t, k, e, seed=t * 31 + e, skew=skew)
     assert align.path(idx, e) == ("one" if t * k <= align.MAX_PAIRS else "multi")
-    check_equal(idx, e, block_m)  # the default one-program version ("sort") or the multi-program path
-
-
-@pytest.mark.parametrize("t,k,e,block_m", SMALL)
-@pytest.mark.parametrize("skew", [False, True])
-def test_compare_version_equals_torch_moe_align(t, k, e, block_m, skew):
-    """The first one-program version (kept for the per-call benchmark against the sorted one)."""
-    check_equal(routed(t, k, e, seed=t * 37 + e, skew=skew), e, block_m, method="compare")
-
-
-def test_one_program_versions_refuse_what_they_cannot_take():
-    over = routed(align.COMPARE_MAX_PAIRS // 8 + 1, 8, 256, seed=6)
-    with pytest.raises(ValueError, match="compare up to"):
-        align.moe_align_triton(over, 256, 16, method="compare")
-    with pytest.raises(ValueError, match="method 'bitonic'"):
-        align.moe_align_triton(over, 256, 16, method="bitonic")
+    check_equal(idx, e, block_m)
 
 
 def test_fast_path_choice():
