@@ -102,8 +102,10 @@ class QwenEngineConfig:
     #                            tok/s, 32 streams 1,626 -> 1,842 tok/s
     shared_expert_in_moe: bool = False  # packed models: each MoE layer's shared expert runs as one more (token,
     #                                     expert) pair inside the routed experts' grouped launches (decode batches of
-    #                                     <= 113 tokens; 2 dense GEMM launches per layer fewer). H200 (Qwen run 12):
-    #                                     no gain (lone 202 -> 203 tok/s; with async_decode 233 -> 232): off
+    #                                     <= 113 tokens; 2 dense GEMM launches per layer fewer). H200: no gain on
+    #                                     the older kernels (Qwen run 12); run 19: lone 313.1 -> 316.2 tok/s (within
+    #                                     the lone rate's spread), 32 streams 2,283.8 -> 2,346.3 (+2.7%), one run: off
+    #                                     until a second run agrees
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
     #                              auto (dual on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
     #                              dual (split halves for the swap-AB kernel, kernels/w4a16_swapped.py, plus a
