@@ -639,8 +639,7 @@ def test_engine_fused_decode_projections(monkeypatch):
         used.append((names[0], out is not None))
         return out
 
-    monkeypatch.setattr("qwen_engine.model.attention.fused_fp8_projections", spy)
-    monkeypatch.setattr("qwen_engine.model.gdn.fused_fp8_projections", spy)
+    monkeypatch.setattr(quantized, "fused_fp8_projections", spy)  # what `project_together` calls
     lengths = LENGTHS[:4]
 
     async def body(engine):

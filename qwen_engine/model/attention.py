@@ -14,7 +14,7 @@ from torch import nn
 from ..config import QwenConfig
 from .norm import ZeroCentredRMSNorm
 from .paged import FlatBatch, PagedKV
-from .quantized import drop_fused_projections, fused_fp8_projections
+from .quantized import drop_fused_projections, project_together
 from .state import KVCache
 
 
@@ -148,11 +148,7 @@ class GatedAttention(nn.Module):
 
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        fused = fused_fp8_projections(self, ("q_proj", "k_proj", "v_proj"), x)
-        if fused is not None:  # one quantiser + one GEMV for the three (column views of [N, 2 H D + 2 KV D])
-            q, k, v = fused(x).split((2 * h * d, kvh * d, kvh * d), dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project_together(self, ("q_proj", "k_proj", "v_proj"), x)  # fused: one quantiser + one GEMV
         q, gate = q.view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each (strided views)
         k = k.view(n, kvh, d)
         v = v.view(n, kvh, d)

@@ -28,7 +28,7 @@ from kernels.rms_norm import rounds_x
 from ..config import QwenConfig
 from .norm import GatedRMSNorm
 from .paged import FlatBatch, GDNSlots
-from .quantized import drop_fused_projections, fused_fp8_projections
+from .quantized import drop_fused_projections, project_together
 from .state import GDNState
 
 
@@ -227,11 +227,7 @@ class GatedDeltaNet(nn.Module):
         """Decode rows only: projections, then conv step + head norms + gates in one op (`batch.gdn_prep`), the
         recurrent step, the gated norm and out_proj. Same maths as the general path below."""
         rows = batch.state_slots_t
-        fused = fused_fp8_projections(self, ("in_proj_qkv", "in_proj_z"), x)
-        if fused is not None:  # one quantiser + one GEMV for both (column views of [N, conv_dim + value_dim])
-            qkv_in, z = fused(x).split((self.in_proj_qkv.out_features, self.value_dim), dim=-1)
-        else:
-            qkv_in, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x)  # fused: one quantiser + one GEMV
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
             qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),

@@ -388,6 +388,15 @@ def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], x: torch.Ten
     return fused if entry.gemv_choice[key] else None
 
 
+def project_together(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`owner`'s projections `names` of the same x, one output each (in that order): column views of one fused call
+    where `fused_fp8_projections` gives one (decode steps), else one call per projection."""
+    fused = fused_fp8_projections(owner, names, x)
+    if fused is None:
+        return tuple(getattr(owner, n)(x) for n in names)
+    return fused(x).split([getattr(owner, n).out_features for n in names], dim=-1)
+
+
 def drop_fused_projections(owner: nn.Module) -> None:
     """Forget `owner`'s fused projections (its buffers are about to move: `.to()`, `.cuda()`): the next decode call
     builds them again from the moved buffers, and the old fused copy is freed now, not then."""
