@@ -1,6 +1,6 @@
 """The one-program Triton `moe_align` (`kernels/moe_align.py`) per call at decode sizes, by warps per program, beside
 the torch version. At 32 streams (P = 256 pairs, E = 256, BLOCK_M 16): 3.3 us per call with the sorted kernel
-(results/moe_align_bench_run2, where the first, compare-tile version, since removed, took 26 us: run 1), 40 calls per
+against 26.1 us for the removed compare-tile version in the same run (results/moe_align_bench_run2), 40 calls per
 decode step.
 
     python benchmarks/moe_align_bench.py --out benchmarks/results/moe_align_bench     # GPU; ~30 s

@@ -52,7 +52,8 @@ MAX_EXPERTS = 512
 CHUNK = 32  # pairs per compare tile of the multi-program path ([CHUNK, BLOCK_E] and [CHUNK, CHUNK_MULTI] int32)
 CHUNK_MULTI = 256  # pairs per program of the multi-program path (compared in tiles of CHUNK against the chunk)
 MAX_PAIRS_MULTI = 1 << 16  # 8,192 tokens at top-8; more: the torch version
-ONE_PROGRAM_WARPS = 4  # warps of the one-program path (`benchmarks/moe_align_bench.py` compares others)
+ONE_PROGRAM_WARPS = 4  # warps of the one-program path (`benchmarks/moe_align_bench.py --warps`; only 4 measured
+#                        for the sorted kernel: more may help at 1,024 pairs, 12 us)
 
 
 if triton is not None:

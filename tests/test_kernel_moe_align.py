@@ -25,9 +25,9 @@ def routed(t: int, k: int, e: int, seed: int, skew: bool = False) -> torch.Tenso
 # decode sizes (the one-program path)
 SMALL = [(1, 8, 256, 16), (3, 8, 256, 16), (32, 8, 256, 16), (16, 16, 256, 16), (5, 2, 6, 16), (17, 4, 10, 32),
          (32, 8, 256, 64), (2, 1, 3, 16)]
-# the sorted version's larger sizes: 32 tokens with the shared expert as a 9th pair over 257 experts, 100 tokens over
+# the one-program path's larger sizes: 32 tokens with the shared expert as a 9th pair over 257 experts, 100 tokens over
 # 10 experts (long runs), its MAX_PAIRS (128 tokens x top-8)
-SORT_ONLY = [(32, 9, 257, 16), (100, 4, 10, 16), (128, 8, 256, 16)]
+LARGE_ONE_PROGRAM = [(32, 9, 257, 16), (100, 4, 10, 16), (128, 8, 256, 16)]
 # the multi-program path: one token past the one-program limit (a ragged last chunk), many chunks per expert, a
 # 1k-token prefill at BLOCK_M 64, 512 experts
 MULTI = [(129, 8, 256, 16), (300, 4, 10, 16), (130, 8, 256, 32), (1024, 8, 256, 64), (160, 8, 512, 64)]
@@ -41,7 +41,7 @@ def check_equal(idx, e, block_m, **kw):
     assert torch.equal(block_expert, ref.block_expert), (block_expert, ref.block_expert)
 
 
-@pytest.mark.parametrize("t,k,e,block_m", SMALL + SORT_ONLY + MULTI)
+@pytest.mark.parametrize("t,k,e,block_m", SMALL + LARGE_ONE_PROGRAM + MULTI)
 @pytest.mark.parametrize("skew", [False, True])
 def test_equals_torch_moe_align(t, k, e, block_m, skew):
     idx = routed(t, k, e, seed=t * 31 + e, skew=skew)

@@ -137,7 +137,8 @@ class SparseMoE(nn.Module):
     # run the shared expert as one more (token, expert) pair per token inside the routed experts' grouped launches,
     # where the experts hold it (`quantized.NVFP4Experts(shared=...)`, `load_quantized(shared_expert_in_moe=True)`):
     # on the fused path, while tokens x (top_k + 1) pairs fit the one-program routing alignment
-    # (kernels/moe_align.py MAX_PAIRS: decode batches up to 113 tokens at top-8). Same maths as the dense shared
+    # (kernels/moe_align.py MAX_PAIRS: calls of up to 113 tokens at top-8, prefill chunks included; 33-113 tokens
+    # have not run on a GPU). Same maths as the dense shared
     # expert (fp32 SwiGLU epilogue, bf16 roundings of its intermediate and output); other summation order.
     shared_in_experts: bool = False
 
