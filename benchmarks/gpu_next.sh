@@ -55,16 +55,23 @@
 #  23. (tenth session) GPU tests: the FP8 GEMV's, then the W4A16 GEMV's in full (~3-4 min cold).
 #  24. (tenth session) the engine (decode q/k/v and in_proj_qkv/z fused into one FP8 call each: the default) beside
 #      the same engine with them unfused, then the FP8 GEMV's GPU tests.
-#  26. (tenth session, unrun) where the time goes now: the default engine's graphed decode step profiled at 1 and 32
-#      streams (kernels per step, device ms), no prefill profile (run 13's 32-stream profile was cut by its limit).
-#  27. (eleventh session) the sorted one-program moe_align (kernels/moe_align.py, now the default): its GPU tests and
-#      the per-call bench beside the compare version, then the engine (defaults) beside the same engine with
-#      shared_expert_in_moe (the shared expert as a 9th pair of the routed launches: GEMV at <= 4 tokens, swap-AB
-#      kernel above; up to 113 tokens now that the one-program alignment takes 1,024 pairs).
-#  28. (eleventh session) step 27's engine part again with fla-core carried (step 27's TTFT was the torch GDN
-#      prefill's: its bundle had no .devbundle/extra), and the first engine once more last (--again: noise).
 #  25. (tenth session) step 24's engine part alone, with 500 s (a cold Triton cache compiles the GEMV's 15 configs
 #      during the first engine's start-up); on a timeout Python dumps every thread's stack (faulthandler, SIGABRT).
+#  26. (tenth session; ran: profile run 14) where the time goes now: the default engine's graphed decode step
+#      profiled at 1 and 32 streams (kernels per step, device ms), no prefill profile.
+#  27. (eleventh session; ran: run 19) the sorted one-program moe_align (kernels/moe_align.py, now the default): its
+#      GPU tests and the per-call bench (run 2 also timed the compare-tile version, since removed), then the engine
+#      (defaults) beside the same engine with shared_expert_in_moe (the shared expert as a 9th pair of the routed
+#      launches: GEMV at <= 4 tokens, swap-AB kernel above; calls of up to 113 tokens now that the one-program
+#      alignment takes 1,024 pairs).
+#  28. (eleventh session) step 27's engine part again with fla-core carried (step 27's TTFT was the torch GDN
+#      prefill's: its bundle had no .devbundle/extra). Its first run, with --again and 480 s, was cut in the first
+#      engine's start-up (results/qwen_gpu_run20_cut); now two engines and 560 s.
+#  29. (eleventh session, unrun) split halves in fragment order (kernels/w4a16_swapped.py `split_frag`, layout
+#      SPLIT_FRAG; offline sm_90 SASS 903 -> 690 loop instructions per K tile): the swapped kernel's and the MoE
+#      op's GPU tests (FRAG cases included), then per call beside split halves at the engine's launch config.
+#  30. (eleventh session, unrun) the engine (defaults: dual) beside the same engine on expert_layout dual_frag
+#      (--compare-layout dual_frag): 32 streams and TTFT are where the swap-AB kernel runs.
 # Steps 1-6 have run (2026-11-30: benchmarks/RESULTS.md, Qwen runs 6-10, serve_ceiling_run2); the script stays the
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
@@ -95,7 +102,10 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="25" bash benchmarks/gpu_next.sh      # ~8.5 min (ran: run 18)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="26" bash benchmarks/gpu_next.sh      # ~5 min (ran: profile run 14)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="27" bash benchmarks/gpu_next.sh      # ~6 min (ran: run 19)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="28" bash benchmarks/gpu_next.sh      # ~7 min
+#   eval "$(bash .devbundle/install.sh)" && STEPS="28" bash benchmarks/gpu_next.sh      # ~9.5 min (cut at 480 s
+#                                                        with --again: results/qwen_gpu_run20_cut; now 560 s)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="29" bash benchmarks/gpu_next.sh      # ~4 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -349,10 +359,26 @@ grep -E "^\| \(e\)" "$R/qwen_shared/qwen_gpu.md" | cut -c1-220
 grep -E "Error|error|File " "$R/qwen_shared.log" | cut -c1-300 | head -30
 fi
 if want 28; then
-say "28. the engine beside shared_expert_in_moe, then the first engine again (fla carried: TTFT valid)"
-PYTHONFAULTHANDLER=1 timeout -s ABRT 480 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
-  --decode-tokens 48 --prefill-buckets 1024 --shared-in-moe --again --out "$R/qwen_shared" > "$R/qwen_shared.log" 2>&1
+say "28. the engine beside shared_expert_in_moe (fla carried: TTFT valid)"
+PYTHONFAULTHANDLER=1 timeout -s ABRT 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+  --decode-tokens 48 --prefill-buckets 1024 --shared-in-moe --out "$R/qwen_shared" > "$R/qwen_shared.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_shared/qwen_gpu.md" | cut -c1-220
 grep -E "Error|error|File |fla" "$R/qwen_shared.log" | cut -c1-300 | head -30
+fi
+if want 29; then
+say "29. split_frag: swapped-kernel and MoE-op GPU tests, per call beside split halves"
+timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_swapped.py \
+  "tests/test_kernel_w4a16.py::test_moe_repacked_experts" > "$R/swapped_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/swapped_tests.log" | tail -3
+timeout 150 python benchmarks/w4a16_swapped_bench.py --tokens 32,1024 --layouts halves,frag --engine-config-only \
+  --out "$R/w4a16_swapped_bench" > "$R/w4a16_swapped_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_swapped_bench/w4a16_swapped_bench.md" | head -20
+fi
+if want 30; then
+say "30. the engine (dual) beside expert_layout dual_frag"
+PYTHONFAULTHANDLER=1 timeout -s ABRT 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+  --decode-tokens 48 --prefill-buckets 1024 --compare-layout dual_frag --out "$R/qwen_frag" > "$R/qwen_frag.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_frag/qwen_gpu.md" | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_frag.log" | cut -c1-300 | head -30
 fi
 say "done"

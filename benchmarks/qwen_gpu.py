@@ -372,7 +372,8 @@ def main() -> None:
     ap.add_argument("--prefill-buckets", default="",
                     help="the (e) engines' prefill-graph token buckets, comma-separated ('' = the engine default; each "
                          "bucket costs start-up time)")
-    ap.add_argument("--compare-layout", default="", choices=["", "checkpoint", "tile_major", "split_halves", "dual"],
+    ap.add_argument("--compare-layout", default="",
+                    choices=["", "checkpoint", "tile_major", "split_halves", "split_frag", "dual", "dual_frag"],
                     help="(e) once more with the routed experts repacked into this byte layout (NVFP4Experts.repack; "
                          "the run's own is the loader's default), side by side")
     ap.add_argument("--without", action="append", default=[],
@@ -567,7 +568,7 @@ def main() -> None:
             finally:
                 for m in experts:
                     layout, small, small_layout = own[id(m)]
-                    m.repack_dual(small, small_layout) if small else m.repack(layout)
+                    m.repack_dual(small, small_layout, layout) if small else m.repack(layout)
             log(f"(e) {args.compare_layout} experts {r.get('engine_layout')}")
             save()
         if args.again:  # the first engine once more, after the others: separates order effects from the options'

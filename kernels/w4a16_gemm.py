@@ -736,9 +736,12 @@ def tile_major_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 
 # Byte layouts of stacked experts (`experts_repack`; `NVFP4Experts.layout`; the MoE op's `layout` argument): the
 # checkpoint's; tile-major for the grouped kernel's TILED mode; split halves, tile-major too, for the swap-AB kernel
-# (`kernels/w4a16_swapped.py`, the engine's layout on CUDA). Block and global scales keep the checkpoint layout.
-CHECKPOINT, TILE_MAJOR, SPLIT_HALVES = 0, 1, 2
-EXPERT_LAYOUTS = {"checkpoint": CHECKPOINT, "tile_major": TILE_MAJOR, "split_halves": SPLIT_HALVES}
+# (`kernels/w4a16_swapped.py`, the engine's layout on CUDA); split halves in fragment order (`split_frag`: the same
+# kernel reading shared memory 4 bytes at a time; written 2026-12-01, NOT YET RUN ON A GPU, so not a default). Block
+# and global scales keep the checkpoint layout.
+CHECKPOINT, TILE_MAJOR, SPLIT_HALVES, SPLIT_FRAG = 0, 1, 2, 3
+EXPERT_LAYOUTS = {"checkpoint": CHECKPOINT, "tile_major": TILE_MAJOR, "split_halves": SPLIT_HALVES,
+                  "split_frag": SPLIT_FRAG}
 LAYOUT_NAMES = {code: name for name, code in EXPERT_LAYOUTS.items()}
 
 
@@ -748,7 +751,7 @@ def layout_ok(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int) -> bool:
         return True
     if layout == TILE_MAJOR:
         return tile_major_ok(w13, w2)
-    if layout == SPLIT_HALVES:
+    if layout in (SPLIT_HALVES, SPLIT_FRAG):
         from kernels.w4a16_swapped import split_halves_ok
 
         return split_halves_ok(w13, w2)
@@ -762,10 +765,10 @@ def experts_repack(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int,
         return w13, w2
     if layout == TILE_MAJOR:
         return experts_tile_major(w13, w2, inverse)
-    if layout == SPLIT_HALVES:
+    if layout in (SPLIT_HALVES, SPLIT_FRAG):
         from kernels.w4a16_swapped import experts_split_halves
 
-        return experts_split_halves(w13, w2, inverse)
+        return experts_split_halves(w13, w2, inverse, frag=layout == SPLIT_FRAG)
     raise ValueError(f"unknown expert layout {layout!r} (one of {EXPERT_LAYOUTS})")
 
 
@@ -871,17 +874,18 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     """Routed experts: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype (the k
     weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch).
     `layout` (EXPERT_LAYOUTS): CHECKPOINT -> the grouped kernel, autotuned; TILE_MAJOR -> the grouped kernel on
-    TILE_MAJOR_TILES (`_tile_major_config`, no autotuning); SPLIT_HALVES -> the swap-AB kernel
+    TILE_MAJOR_TILES (`_tile_major_config`, no autotuning); SPLIT_HALVES / SPLIT_FRAG -> the swap-AB kernel
     (`kernels/w4a16_swapped.py`, its fixed configs)."""
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if layout == SPLIT_HALVES:
+    if layout in (SPLIT_HALVES, SPLIT_FRAG):
         from kernels.w4a16_swapped import swapped_block_m, w4a16_grouped_swapped_launch
 
+        frag = layout == SPLIT_FRAG
         routing = moe_align_fast(idx, num_experts, swapped_block_m(t * top_k, num_experts))
-        h = w4a16_grouped_swapped_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True)  # [P, I]
-        y = w4a16_grouped_swapped_launch(h, p2, s2, g2, routing, row_scale=weights)  # [P, H], weighted
+        h = w4a16_grouped_swapped_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True, frag=frag)  # [P, I]
+        y = w4a16_grouped_swapped_launch(h, p2, s2, g2, routing, row_scale=weights, frag=frag)  # [P, H], weighted
     else:
         routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
         cfg13 = cfg2 = modes = None

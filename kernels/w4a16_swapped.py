@@ -89,6 +89,30 @@ def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> to
     return out[0] if flat else out
 
 
+# Fragment order ("split frag", layout SPLIT_FRAG): split halves with the bytes of every 16-byte group (16 K of a
+# half) reordered so that the four a wgmma A-fragment thread holds per row and K step -- k = 2c, 2c + 1, 2c + 8,
+# 2c + 9 for thread column c = lane % 4 -- are adjacent: stored position 4c + 2h + b holds the group's byte 8h + 2c + b.
+# The kernel undoes it in registers (`_frag_to_k`), so shared memory is read 4 bytes at a time instead of 2 and the
+# bytes need no PRMT shaping (offline sm_90 SASS, swap-AB SwiGLU BLOCK_M 16: 903 -> 754 loop instructions per K tile,
+# and the tile's 16 HGMMAs issue in batches of 4 instead of each waiting for the last; 690 with the scale conversion
+# below; NOT YET RUN ON A GPU).
+FRAG_GROUP = 16
+FRAG_ORDER = [8 * h + 2 * c + b for c in range(4) for h in range(2) for b in range(2)]  # stored m -> group byte
+FRAG_INVERSE = [FRAG_ORDER.index(j) for j in range(FRAG_GROUP)]  # group byte -> stored m
+
+
+def split_frag(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """Checkpoint-layout packed weights -> `split_halves` bytes with each 16-byte group in fragment order."""
+    s = split_halves(packed, block_n, block_k)
+    return s.reshape(-1, FRAG_GROUP)[:, FRAG_ORDER].reshape(s.shape)
+
+
+def unsplit_frag(packed_frag: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """The inverse of `split_frag`."""
+    s = packed_frag.reshape(-1, FRAG_GROUP)[:, FRAG_INVERSE].reshape(packed_frag.shape)
+    return unsplit_halves(s, block_n, block_k)
+
+
 def split_halves_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
     """Whether stacked gate_up [E, 2I, H] and down [E, H, I] split into SPLIT_TILE's tiles (gate_up's up rows must
     start on a tile: I a multiple of the tile's rows, so the SwiGLU launch's rows n + I stay tile-aligned)."""
@@ -97,11 +121,11 @@ def split_halves_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
     return i % bn == 0 and h % bk == 0 and w2.packed.shape[-2] % bn == 0 and 2 * w2.packed.shape[-1] % bk == 0
 
 
-def experts_split_halves(w13: NVFP4Tensor, w2: NVFP4Tensor,
-                         inverse: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-    """Both expert stacks into the split-halves layout of SPLIT_TILE (or back to the checkpoint's with `inverse`);
-    block and global scales stay."""
-    f = unsplit_halves if inverse else split_halves
+def experts_split_halves(w13: NVFP4Tensor, w2: NVFP4Tensor, inverse: bool = False,
+                         frag: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Both expert stacks into the split-halves layout of SPLIT_TILE (`frag`: in fragment order, `split_frag`), or
+    back to the checkpoint's with `inverse`; block and global scales stay."""
+    f = (unsplit_frag if inverse else split_frag) if frag else (unsplit_halves if inverse else split_halves)
     return tuple(NVFP4Tensor(f(w.packed, *SPLIT_TILE), w.scales, w.global_scale) for w in (w13, w2))
 
 
@@ -117,11 +141,36 @@ if triton is not None:
     _BLK = tl.constexpr(BLOCK)
 
     @triton.jit
+    def _frag_to_k(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAG: tl.constexpr):
+        """Weights [BN, BK/32, 16] in stored byte order -> [BN, BK/2] in K order (FRAG: stored 4c + 2h + b is K
+        offset 8h + 2c + b of its group, `split_frag`; a relabelling of registers, no data movement on the GPU)."""
+        if FRAG:
+            v = tl.permute(tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 4, 2, 2)), (0, 1, 3, 2, 4))
+        return tl.reshape(v, (BLOCK_N, BLOCK_K // 2))
+
+    @triton.jit
+    def _e4m3_bf16_gained(b):
+        """uint16 e4m3 bytes of non-negative scales -> scale x 2^119 as exact bf16 (`_dequant_groups`' scale factor):
+        the bits moved into a bf16 give scale x 2^-120 (subnormals included), then two exact power-of-two products
+        (bf16 x bf16, one HMUL2 per two scales) instead of the fp16 -> fp32 -> bf16 route (~5 instructions a scale)."""
+        return ((b & 0x7F) << 4).to(tl.bfloat16, bitcast=True) * 2.0 ** 120 * 2.0 ** 119
+
+    @triton.jit
     def _dequant_halves(pw, s_lo, s_hi, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DEQ: tl.constexpr, INTERPRET: tl.constexpr):
+                        DEQ: tl.constexpr, INTERPRET: tl.constexpr, FRAG: tl.constexpr):
         """Split-halves bytes [BN, BK/32, 16] + scale bytes of the low / high half [BN, BK/32] -> (first-half,
         second-half) weights [BN, BK/2] in DTYPE, times `_dequant_gain`'s inverse: `w4a16_gemm._dequant` with one
-        scale per nibble half instead of one per byte."""
+        scale per nibble half instead of one per byte. FRAG: bytes in fragment order (`split_frag`), and on the GPU
+        the scales converted by `_e4m3_bf16_gained` (the same values)."""
+        if DTYPE == tl.bfloat16 and DEQ > 0 and FRAG and not INTERPRET:
+            slo = _e4m3_bf16_gained(s_lo.to(tl.uint16))[:, :, None]
+            shi = _e4m3_bf16_gained(s_hi.to(tl.uint16))[:, :, None]
+            if DEQ == 2:
+                lo, hi = _e2m1x2_bf16_tiny_ptx(pw)
+            else:
+                p = pw.to(tl.uint16)
+                lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
+            return _frag_to_k(lo * slo, BLOCK_N, BLOCK_K, FRAG), _frag_to_k(hi * shi, BLOCK_N, BLOCK_K, FRAG)
         slo = _e4m3_fp16(s_lo.to(tl.uint16))[:, :, None]
         shi = _e4m3_fp16(s_hi.to(tl.uint16))[:, :, None]
         if DTYPE == tl.bfloat16 and DEQ > 0:
@@ -139,10 +188,10 @@ if triton is not None:
                     p = pw.to(tl.uint16)
                     lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
                 lo, hi = lo * slo.to(tl.bfloat16), hi * shi.to(tl.bfloat16)  # exact
-            return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
+            return _frag_to_k(lo, BLOCK_N, BLOCK_K, FRAG), _frag_to_k(hi, BLOCK_N, BLOCK_K, FRAG)
         p = pw.to(tl.uint16)
-        lo = tl.reshape(_e2m1_fp16(p & 0xF) * slo, (BLOCK_N, BLOCK_K // 2))
-        hi = tl.reshape(_e2m1_fp16(p >> 4) * shi, (BLOCK_N, BLOCK_K // 2))
+        lo = _frag_to_k(_e2m1_fp16(p & 0xF) * slo, BLOCK_N, BLOCK_K, FRAG)
+        hi = _frag_to_k(_e2m1_fp16(p >> 4) * shi, BLOCK_N, BLOCK_K, FRAG)
         return lo.to(DTYPE), hi.to(DTYPE)
 
     @triton.jit
@@ -176,10 +225,12 @@ if triton is not None:
                                       s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
                                       SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                                       DEQ: tl.constexpr, TILE_N: tl.constexpr,
-                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                      FRAG: tl.constexpr = False):
         # grid (R / BM, N_out / BN); one program = BN output columns (weight rows: the MMA's M) x BM sorted pairs of
         # one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows x BK; BN a multiple
         # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
+        # FRAG: the split-halves bytes in fragment order (`split_frag`).
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
@@ -199,14 +250,16 @@ if triton is not None:
                 pw = _load_split_tile(we, offs_n, t, K, BLOCK_K, TILE_N)
                 cl, ch = sl, sh
                 sl, sh = _load_half_scales(se, offs_n, t + 1, K, s_sn, BLOCK_K)
-                lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
+                lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET,
+                                            FRAG)
                 acc = _mma(lo, tl.trans(xlo), acc, INTERPRET)
                 acc = _mma(hi, tl.trans(xhi), acc, INTERPRET)
                 if SWIGLU:
                     pw = _load_split_tile(we, offs_n + n_out, t, K, BLOCK_K, TILE_N)
                     cl, ch = ul, uh
                     ul, uh = _load_half_scales(se, offs_n + n_out, t + 1, K, s_sn, BLOCK_K)
-                    lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET)
+                    lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET,
+                                            FRAG)
                     acc_up = _mma(lo, tl.trans(xlo), acc_up, INTERPRET)
                     acc_up = _mma(hi, tl.trans(xhi), acc_up, INTERPRET)
             ge = g + e * s_ge
@@ -224,10 +277,12 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
                                  global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1,
                                  swiglu: bool = False, row_scale: torch.Tensor | None = None,
                                  block_n: int = SPLIT_TILE[0], block_k: int = SPLIT_TILE[1],
-                                 config: dict | None = None, deq: int = 2, unverified: bool = False) -> torch.Tensor:
+                                 config: dict | None = None, deq: int = 2, unverified: bool = False,
+                                 frag: bool = False) -> torch.Tensor:
     """`w4a16_gemm.w4a16_grouped_launch`'s contract on split-halves weights: y[p] = f(x[p // a_div] @ W[e_p]^T) *
     row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
-    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype.
+    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype. `frag`: the
+    bytes are `split_frag`'s (fragment order) instead.
     `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
     result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages."""
     if triton is None:
@@ -260,5 +315,5 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
         x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
         x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
         s_ge, s_gn, y.stride(0), SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
-        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, **cfg)
+        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, **cfg)
     return y.to(x.dtype)

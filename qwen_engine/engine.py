@@ -102,7 +102,8 @@ class QwenEngineConfig:
     #                            tok/s, 32 streams 1,626 -> 1,842 tok/s
     shared_expert_in_moe: bool = False  # packed models: each MoE layer's shared expert runs as one more (token,
     #                                     expert) pair inside the routed experts' grouped launches (decode batches of
-    #                                     <= 113 tokens; 2 dense GEMM launches per layer fewer). H200: no gain on
+    #                                     <= 113 tokens, prefill chunks too; 2 dense GEMM launches per layer
+    #                                     fewer; 33-113 tokens not yet run on a GPU). H200: no gain on
     #                                     the older kernels (Qwen run 12); run 19: lone 313.1 -> 316.2 tok/s (within
     #                                     the lone rate's spread), 32 streams 2,283.8 -> 2,346.3 (+2.7%), one run: off
     #                                     until a second run agrees
@@ -111,10 +112,13 @@ class QwenEngineConfig:
     #                              dual (split halves for the swap-AB kernel, kernels/w4a16_swapped.py, plus a
     #                              checkpoint-layout copy that decode batches of <= 4 tokens read with the GEMV,
     #                              kernels/w4a16_gemv.py: +16 GB at full size) |
-    #                              split_halves | tile_major | checkpoint. H200, Qwen run 13: split halves TTFT
-    #                              65 -> 54 ms, 32 streams +15%, lone decode -11% against tile_major; run 15: dual
-    #                              (then with a tile-major copy) lone decode 214 -> 239 tok/s against split
-    #                              halves, the rest equal; run 16: the GEMV on the checkpoint copy 235 -> 284
+    #                              dual_frag (the same with split halves in fragment order: offline sm_90 SASS
+    #                              24% fewer loop instructions; written 2026-12-01, not yet run on a GPU) |
+    #                              split_halves | split_frag | tile_major | checkpoint. H200, Qwen run 13: split
+    #                              halves TTFT 65 -> 54 ms, 32 streams +15%, lone decode -11% against
+    #                              tile_major; run 15: dual (then with a tile-major copy) lone decode 214 -> 239
+    #                              tok/s against split halves, the rest equal; run 16: the GEMV on the checkpoint
+    #                              copy 235 -> 284
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start

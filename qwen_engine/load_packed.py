@@ -43,11 +43,17 @@ log = logging.getLogger(__name__)
 Packed = torch.Tensor | NVFP4Tensor | FP8Tensor
 
 
+# "dual" layouts: the swap-AB kernel's layout plus a checkpoint-layout copy for the decode GEMV's small batches
+# (`NVFP4Experts.repack_dual`); "dual_frag" has the fragment-ordered split halves (`kernels.w4a16_swapped.split_frag`,
+# not yet run on a GPU) as its large layout
+DUAL_LAYOUTS = {"dual": "split_halves", "dual_frag": "split_frag"}
+
+
 def check_expert_layout(expert_layout: str) -> None:
-    """"auto", a name of `kernels.w4a16_gemm.EXPERT_LAYOUTS`, or "dual"; else ValueError naming them."""
+    """"auto", a name of `kernels.w4a16_gemm.EXPERT_LAYOUTS`, "dual" or "dual_frag"; else ValueError naming them."""
     from kernels.w4a16_gemm import EXPERT_LAYOUTS
 
-    choices = ("auto", *EXPERT_LAYOUTS, "dual")
+    choices = ("auto", *EXPERT_LAYOUTS, *DUAL_LAYOUTS)
     if expert_layout not in choices:
         raise ValueError(f"expert_layout must be one of {' | '.join(choices)}, got {expert_layout!r}")
 
@@ -74,13 +80,13 @@ def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> str
 def apply_expert_layout(experts: NVFP4Experts, expert_layout: str, device: torch.device | str) -> bool:
     """Repack `experts` for `expert_layout`: "auto" (`resolve_expert_layout`: dual on Hopper, tile-major on other
     GPUs, the checkpoint's on the CPU), a name of `EXPERT_LAYOUTS`, or "dual" (split halves plus a checkpoint-layout
-    copy for small decode batches, `NVFP4Experts.repack_dual`). False: the shapes do not split into its tiles
-    (unchanged)."""
+    copy for small decode batches, `NVFP4Experts.repack_dual`; "dual_frag": the same with split halves in fragment
+    order). False: the shapes do not split into its tiles (unchanged)."""
     from kernels.w4a16_gemm import EXPERT_LAYOUTS
 
     expert_layout = resolve_expert_layout(expert_layout, device)
-    if expert_layout == "dual":
-        return experts.repack_dual()
+    if expert_layout in DUAL_LAYOUTS:
+        return experts.repack_dual(large_layout=EXPERT_LAYOUTS[DUAL_LAYOUTS[expert_layout]])
     return experts.repack(EXPERT_LAYOUTS[expert_layout])
 
 
@@ -106,8 +112,9 @@ def load_quantized(
     w4a4: "auto" | "off" | "emulate", for the dense layers the checkpoint exports as W4A4 (module docstring); layers
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
     expert_layout: the routed experts' byte layout (`apply_expert_layout`; same values): "checkpoint", "tile_major",
-    "split_halves", "dual" (split halves + a checkpoint-layout copy for decode batches of <= 4 tokens, the GEMV's: +1
-    packed copy of the experts) or "auto" (`resolve_expert_layout`): dual on Hopper, tile-major on other GPUs, the
+    "split_halves", "split_frag" (split halves in fragment order, not yet run on a GPU), "dual" (split halves + a
+    checkpoint-layout copy for decode batches of <= 4 tokens, the GEMV's: +1 packed copy of the experts), "dual_frag"
+    (the same on split_frag) or "auto" (`resolve_expert_layout`): dual on Hopper, tile-major on other GPUs, the
     checkpoint's on the CPU.
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it

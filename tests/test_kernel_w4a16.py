@@ -418,12 +418,13 @@ def test_moe_block_matches_reference_and_model(t):
 
 
 @pytest.mark.parametrize("t", [1, 5, 40])
-@pytest.mark.parametrize("layout", [w4a16_gemm.TILE_MAJOR, w4a16_gemm.SPLIT_HALVES])
+@pytest.mark.parametrize("layout", [w4a16_gemm.TILE_MAJOR, w4a16_gemm.SPLIT_HALVES, w4a16_gemm.SPLIT_FRAG])
 def test_moe_repacked_experts(t, layout):
     """Experts repacked for a kernel (`experts_repack`): tile-major, where the op runs the grouped kernel's fixed
     tiles of TILE_MAJOR_TILES (decode) or TILE_MAJOR_PREFILL's wider programs over them (t = 40: 26 pairs per used
     expert, BLOCK_M 32); split halves (the engine's layout on CUDA), where it runs the swap-AB kernel
-    (`kernels/w4a16_swapped.py`; BLOCK_M 64 at t = 40). Each equals the reference on the checkpoint layout (and the
+    (`kernels/w4a16_swapped.py`; BLOCK_M 64 at t = 40), and split halves in fragment order (the same kernel). Each
+    equals the reference on the checkpoint layout (and the
     reference handed the repacked bytes with their `layout`); unsummed rows (`reduce=False`) too; the layout
     round-trips; the guard refuses repacked stacks whose shapes do not split into the tiles."""
     e, h, i, top_k = 4, 256, 256, 2  # two K tiles of 128 in both projections (one tile: the layouts coincide)
@@ -449,7 +450,7 @@ def test_moe_repacked_experts(t, layout):
     info = describe_moe(x, t13, t2, idx, weights, layout=layout)
     assert supports_moe(**info)
     # the bytes handed over in another layout than they are in: wrong numbers (the layouts are really different)
-    other = w4a16_gemm.TILE_MAJOR if layout == w4a16_gemm.SPLIT_HALVES else w4a16_gemm.SPLIT_HALVES
+    other = w4a16_gemm.SPLIT_HALVES if layout != w4a16_gemm.SPLIT_HALVES else w4a16_gemm.SPLIT_FRAG
     assert compare(moe_experts_w4a16_triton(x, t13, t2, idx, weights, layout=other), ref) is not None
     small13, small2 = rand_weight(e, 2 * 64, h, seed=1), rand_weight(e, h, 64, seed=2)  # I = 64: no 128-wide K tile
     assert not supports_moe(**describe_moe(x, small13, small2, idx, weights, layout=layout))
@@ -526,9 +527,10 @@ def test_registry_self_check():
         with mock.patch("torch.cuda.get_device_capability", return_value=cap):
             assert resolve_expert_layout("auto", "cuda") == want, cap
             assert resolve_expert_layout("split_halves", "cuda") == "split_halves"
+            assert resolve_expert_layout("dual_frag", "cuda") == "dual_frag"
     with pytest.raises(ValueError, match="expert_layout must be one of"):
         resolve_expert_layout("halves", "cpu")
-    for layout in (w4a16_gemm.SPLIT_HALVES, w4a16_gemm.TILE_MAJOR):
+    for layout in (w4a16_gemm.SPLIT_HALVES, w4a16_gemm.SPLIT_FRAG, w4a16_gemm.TILE_MAJOR):
         args, _ = w4a16_gemm._sample_moe(DEVICE, layout=layout)
         assert args[-1] == layout and supports_moe(**describe_moe(*args))
         assert compare(moe_experts_w4a16_triton(*args), moe_experts_w4a16_reference(*args)) is None

@@ -15,7 +15,14 @@ import torch
 
 from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from kernels.w4a16_gemm import compare, moe_align, tile_major, w4a16_grouped_launch, w4a16_grouped_reference
-from kernels.w4a16_swapped import split_halves, unsplit_halves, w4a16_grouped_swapped_launch
+from kernels.w4a16_swapped import (
+    FRAG_ORDER,
+    split_frag,
+    split_halves,
+    unsplit_frag,
+    unsplit_halves,
+    w4a16_grouped_swapped_launch,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BK = 128  # K tile of the split-halves layout
@@ -54,6 +61,20 @@ def test_split_halves_round_trip_and_layout(shape, bn, bk):
         assert int(block[r, j]) == int(codes[r, k0]) | (int(codes[r, k0 + bk // 2]) << 4)
     with pytest.raises(ValueError):
         split_halves(p, 48, bk)
+
+
+def test_split_frag_order():
+    """`split_frag`: split halves with each 16-byte group reordered so that stored byte 4c + 2h + b is the group's
+    byte 8h + 2c + b (a wgmma A-fragment thread's four bytes k = 2c, 2c + 1, 2c + 8, 2c + 9 adjacent); round trip."""
+    assert sorted(FRAG_ORDER) == list(range(16)) and FRAG_ORDER[:4] == [0, 1, 8, 9] and FRAG_ORDER[-1] == 15
+    g = torch.Generator().manual_seed(3)
+    p = torch.randint(0, 256, (3, 64, 128), dtype=torch.uint8, generator=g)
+    s, f = split_halves(p, 32, BK), split_frag(p, 32, BK)
+    assert f.shape == p.shape and not torch.equal(f, s)
+    assert torch.equal(unsplit_frag(f, 32, BK), p)
+    groups_s, groups_f = s.reshape(-1, 16), f.reshape(-1, 16)
+    for c, h, b in ((0, 0, 0), (1, 1, 0), (3, 0, 1), (2, 1, 1)):
+        assert torch.equal(groups_f[:, 4 * c + 2 * h + b], groups_s[:, 8 * h + 2 * c + b])
 
 
 CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored tile), stored tile rows
@@ -104,6 +125,39 @@ def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, 
     wrong = w4a16_grouped_swapped_launch(x, tile_major(w.packed, tile, BK), w.scales, w.global_scale, routing,
                                          a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK,
                                          config=cfg)
+    assert compare(wrong, ref32.to(y.dtype)) is not None
+
+
+@pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", [CASES[i] for i in (1, 2, 4, 5, 7)])
+def test_swapped_on_fragment_order(t, top_k, mode, block_m, dtype, cfg, tile):
+    """FRAG (`split_frag` bytes): the same numbers as the split-halves launch -- bit for bit under the interpreter
+    (the same tiles after `_frag_to_k`); on a GPU, whose bf16 path also converts the scales another way (exactly),
+    within one output ulp of it; and within the reference's bound. Split-halves bytes read as fragment order are far
+    off."""
+    e, n, k = 6, 128, 256
+    swiglu = mode == "swiglu"
+    idx = routing_ids(t, top_k, e, seed=20 + t, empty=(0, 5))
+    w = rand_weight(e, n, k, seed=17)
+    a_div = 1 if mode == "down" else top_k
+    x = torch.randn(t * top_k // a_div, k, generator=torch.Generator().manual_seed(18)).to(dtype).to(DEVICE)
+    rs = (torch.rand(t * top_k, generator=torch.Generator().manual_seed(19)).to(DEVICE)
+          if mode in ("row_scale", "down") else None)
+    routing = moe_align(idx, e, block_m)
+    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg)
+    y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                     frag=True, **kw)
+    halves = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                          **kw)
+    ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
+    noise = 1e-6 * ref32.abs().max()
+    if DEVICE == "cpu":
+        assert torch.equal(y, halves)
+    else:
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        assert ((y.float() - halves.float()).abs() <= ulp * ref32.abs() + noise).all()
+    assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + noise).all()
+    wrong = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                         frag=True, **kw)
     assert compare(wrong, ref32.to(y.dtype)) is not None
 
 

@@ -234,7 +234,7 @@ def test_nvfp4_modules_vs_dense(tensors):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("layout", ["tile_major", "split_halves"])
+@pytest.mark.parametrize("layout", ["tile_major", "split_halves", "split_frag"])
 def test_experts_repacked_layout(tensors, caplog, layout):
     """`NVFP4Experts.repack` (split halves: the loader's default on CUDA): same dequantised weights, same forward to
     bf16 rounding (the repacked launch runs other tiles or another kernel), unsummed rows too; repacking from one
@@ -243,7 +243,7 @@ def test_experts_repacked_layout(tensors, caplog, layout):
     from kernels.w4a16_gemm import CHECKPOINT, EXPERT_LAYOUTS
 
     code = EXPERT_LAYOUTS[layout]
-    other = EXPERT_LAYOUTS["tile_major" if layout == "split_halves" else "split_halves"]
+    other = EXPERT_LAYOUTS["tile_major" if layout != "tile_major" else "split_frag"]
     reg = registry("auto")
     g = torch.Generator().manual_seed(7)
     e, h, i = 4, 256, 256
@@ -282,7 +282,7 @@ def test_experts_dual_layout(tensors, caplog, small_layout):
     the checkpoint-layout forward to bf16 rounding; each path reads its own copy (spoiling one copy changes only its
     calls); the state_dict holds one copy; `repack` drops the second; shapes that do not split keep the checkpoint
     layout in the loader, which says so."""
-    from kernels.w4a16_gemm import CHECKPOINT, EXPERT_LAYOUTS, SPLIT_HALVES, TILE_MAJOR
+    from kernels.w4a16_gemm import CHECKPOINT, EXPERT_LAYOUTS, SPLIT_FRAG, SPLIT_HALVES, TILE_MAJOR
 
     reg = registry("auto")
     g = torch.Generator().manual_seed(8)
@@ -311,6 +311,12 @@ def test_experts_dual_layout(tensors, caplog, small_layout):
     again = NVFP4Experts(gu, dn, reg)
     assert again.repack_dual() and again.repack(TILE_MAJOR) and again.small_tokens == 0
     assert not hasattr(again, "small_gate_up_packed") and again.layout == TILE_MAJOR
+    # "dual_frag": the large copy in fragment order, the same numbers
+    frag = NVFP4Experts(own(gu), own(dn), reg)
+    assert frag.repack_dual(small_tokens=2, large_layout=SPLIT_FRAG) and frag.layout == SPLIT_FRAG
+    assert rel_err(frag(*calls[5][:3]), calls[5][3]) <= 1e-2 and rel_err(frag(*calls[1][:3]), calls[1][3]) <= 1e-2
+    with pytest.raises(ValueError, match="large layout"):
+        frag.repack_dual(large_layout=TILE_MAJOR)
     with caplog.at_level(logging.WARNING, logger="qwen_engine.load_packed"):
         model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
                                expert_layout="dual")

@@ -511,7 +511,8 @@ class NVFP4Experts(_Dispatch):
         self.layout = layout
         return True
 
-    def repack_dual(self, small_tokens: int | None = None, small_layout: int | None = None) -> bool:
+    def repack_dual(self, small_tokens: int | None = None, small_layout: int | None = None,
+                    large_layout: int | None = None) -> bool:
         """Split halves for the swap-AB kernel (`repack(SPLIT_HALVES)`), plus a second copy of both packed stacks in
         `small_layout` that calls of at most `small_tokens` tokens read. On the H200 (benchmarks/RESULTS.md, Qwen run
         13) the swap-AB kernel made TTFT 17% shorter and 32 streams 15% faster, but a lone request's decode 11%
@@ -520,19 +521,24 @@ class NVFP4Experts(_Dispatch):
         ninth session tile-major, for the grouped kernel: run 15, lone decode 213.6 -> 238.8 tok/s). `small_tokens`
         (default and, for the checkpoint layout, maximum: the GEMV's GEMV_MAX_TOKENS = 4; larger calls on that copy
         would run the grouped kernel on the checkpoint layout, the slowest decode path measured). Returns False,
-        changing nothing, when the shapes do not split into both layouts' tiles."""
-        from kernels.w4a16_gemm import CHECKPOINT, SPLIT_HALVES, experts_repack, layout_ok
+        changing nothing, when the shapes do not split into both layouts' tiles. `large_layout`: SPLIT_HALVES (default)
+        or SPLIT_FRAG (the same kernel on fragment-ordered bytes, `kernels.w4a16_swapped.split_frag`)."""
+        from kernels.w4a16_gemm import CHECKPOINT, SPLIT_FRAG, SPLIT_HALVES, experts_repack, layout_ok
         from kernels.w4a16_gemv import GEMV_MAX_TOKENS
 
+        large_layout = SPLIT_HALVES if large_layout is None else large_layout
+        if large_layout not in (SPLIT_HALVES, SPLIT_FRAG):
+            raise ValueError(f"repack_dual: the large layout is the swap-AB kernel's (split halves, split frag), got "
+                             f"{large_layout}")
         small_layout = CHECKPOINT if small_layout is None else small_layout
         small_tokens = GEMV_MAX_TOKENS if small_tokens is None else small_tokens
         if small_layout == CHECKPOINT and small_tokens > GEMV_MAX_TOKENS:
             raise ValueError(f"repack_dual: a checkpoint-layout copy serves the GEMV's <= {GEMV_MAX_TOKENS} tokens, "
                              f"got small_tokens={small_tokens}")
         w13, w2 = self._checkpoint_layout()
-        if small_tokens < 1 or not (layout_ok(w13, w2, SPLIT_HALVES) and layout_ok(w13, w2, small_layout)):
+        if small_tokens < 1 or not (layout_ok(w13, w2, large_layout) and layout_ok(w13, w2, small_layout)):
             return False
-        self.repack(SPLIT_HALVES)
+        self.repack(large_layout)
         t13, t2 = experts_repack(w13, w2, small_layout)
         # not persistent: derived bytes, the state_dict keeps one copy (whose loads are refused once repacked). In
         # the checkpoint layout these are the stacks from before the split-halves repack (new tensors replaced them),
