@@ -91,19 +91,25 @@ CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the 
 ]
 
 
+def case_inputs(t, top_k, mode, block_m, dtype, seed):
+    """One CASES row's call: 6 experts of N = 128, K = 256 (two K tiles), experts 0 and 5 without tokens ->
+    (weights, ids, x, row scale or None, a_div, swiglu, routing)."""
+    e, n, k = 6, 128, 256
+    idx = routing_ids(t, top_k, e, seed=seed + 3 + t, empty=(0, 5))
+    w = rand_weight(e, n, k, seed=seed)
+    a_div = 1 if mode == "down" else top_k  # down: each pair reads its own row
+    x = torch.randn(t * top_k // a_div, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEVICE)
+    rs = (torch.rand(t * top_k, generator=torch.Generator().manual_seed(seed + 2)).to(DEVICE)
+          if mode in ("row_scale", "down") else None)
+    return w, idx, x, rs, a_div, mode == "swiglu", moe_align(idx, e, block_m)
+
+
 @pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", CASES)
 def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, dtype, cfg, tile):
     """Experts 0 and 5 get no tokens; K = 256 (two K tiles); 64 output columns with SwiGLU / 128 without over stored
     tiles of 32 or 64 rows; BLOCK_M 16 / 32 / 64 with ragged experts (padding rows masked)."""
-    e, n, k = 6, 128, 256
-    swiglu = mode == "swiglu"
-    idx = routing_ids(t, top_k, e, seed=10 + t, empty=(0, 5))
-    w = rand_weight(e, n, k, seed=7)
-    a_div = 1 if mode == "down" else top_k
-    x = torch.randn(t * top_k // a_div, k, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
-    rs = (torch.rand(t * top_k, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-          if mode in ("row_scale", "down") else None)
-    routing = moe_align(idx, e, block_m)
+    n = 128
+    w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=7)
     wsplit = split_halves(w.packed, tile, BK)
     y = w4a16_grouped_swapped_launch(x, wsplit, w.scales, w.global_scale, routing, a_div=a_div, swiglu=swiglu,
                                      row_scale=rs, block_n=tile, block_k=BK, config=cfg)
@@ -134,15 +140,7 @@ def test_swapped_on_fragment_order(t, top_k, mode, block_m, dtype, cfg, tile):
     (the same tiles after `_frag_to_k`); on a GPU, whose bf16 path also converts the scales another way (exactly),
     within one output ulp of it; and within the reference's bound. Split-halves bytes read as fragment order are far
     off."""
-    e, n, k = 6, 128, 256
-    swiglu = mode == "swiglu"
-    idx = routing_ids(t, top_k, e, seed=20 + t, empty=(0, 5))
-    w = rand_weight(e, n, k, seed=17)
-    a_div = 1 if mode == "down" else top_k
-    x = torch.randn(t * top_k // a_div, k, generator=torch.Generator().manual_seed(18)).to(dtype).to(DEVICE)
-    rs = (torch.rand(t * top_k, generator=torch.Generator().manual_seed(19)).to(DEVICE)
-          if mode in ("row_scale", "down") else None)
-    routing = moe_align(idx, e, block_m)
+    w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=17)
     kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg)
     y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
                                      frag=True, **kw)
