@@ -17,8 +17,10 @@ and each byte's two nibbles have their own block scale (groups of 16 bytes = one
 tile-major like `w4a16_gemm.tile_major`: each (row tile, K tile) one contiguous block of TILE_N x BK/2 bytes, rows
 of BK/2 bytes. Block scales ([E, N, K/16] e4m3) and the global scale stay in the checkpoint layout.
 
-Arithmetic: exactly `_dequant`'s (DEQ 0 / 1 / 2; the interpreter emulates 1 and 2 in fp32), so the result differs
-from `w4a16_grouped_reference` only by fp32 summation order (the same bound as the existing kernel).
+Arithmetic: exactly `_dequant`'s (DEQ 0 / 1 / 2; the interpreter emulates 1 and 2 in fp32; the fragment-order
+layout's bf16 path converts the block scales by another, exact route to the same values: `_e4m3_bf16_gained`), so
+the result differs from `w4a16_grouped_reference` only by fp32 summation order (the same bound as the existing
+kernel).
 """
 
 from __future__ import annotations

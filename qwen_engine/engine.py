@@ -235,8 +235,8 @@ class QwenEngine:
         self.checkpoint = cfg.checkpoint
         if cfg.kernels == "reference" and cfg.expert_layout not in ("auto", "checkpoint"):
             log.warning("expert_layout %r with kernels 'reference': no kernel reads the repacked experts, and the "
-                        "reference unpacks them on every call (slow; 'dual' also holds an unused second copy)",
-                        cfg.expert_layout)
+                        "reference unpacks them on every call (slow; 'dual' / 'dual_frag' also hold an unused second "
+                        "copy)", cfg.expert_layout)
         t0 = time.perf_counter()
         self.model = model if model is not None else build_model(
             cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights, cfg.shared_expert_in_moe,
