@@ -252,8 +252,7 @@ if triton is not None:
                 pw = _load_split_tile(we, offs_n, t, K, BLOCK_K, TILE_N)
                 cl, ch = sl, sh
                 sl, sh = _load_half_scales(se, offs_n, t + 1, K, s_sn, BLOCK_K)
-                lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET,
-                                            FRAG)
+                lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET, FRAG)
                 acc = _mma(lo, tl.trans(xlo), acc, INTERPRET)
                 acc = _mma(hi, tl.trans(xhi), acc, INTERPRET)
                 if SWIGLU:
@@ -261,7 +260,7 @@ if triton is not None:
                     cl, ch = ul, uh
                     ul, uh = _load_half_scales(se, offs_n + n_out, t + 1, K, s_sn, BLOCK_K)
                     lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET,
-                                            FRAG)
+                                             FRAG)
                     acc_up = _mma(lo, tl.trans(xlo), acc_up, INTERPRET)
                     acc_up = _mma(hi, tl.trans(xhi), acc_up, INTERPRET)
             ge = g + e * s_ge
