@@ -280,9 +280,9 @@ def test_experts_dual_layout(tensors, caplog, small_layout):
     """`NVFP4Experts.repack_dual` (expert_layout "dual"): split halves for every call plus a copy in `small_layout`
     (default the checkpoint's: the decode GEMV's) that calls of at most `small_tokens` tokens read. Both paths equal
     the checkpoint-layout forward to bf16 rounding; each path reads its own copy (spoiling one copy changes only its
-    calls); the state_dict holds one copy; `repack` drops the second; shapes that do not split keep the checkpoint
-    layout in the loader, which says so."""
-    from kernels.w4a16_gemm import CHECKPOINT, EXPERT_LAYOUTS, SPLIT_FRAG, SPLIT_HALVES, TILE_MAJOR
+    calls); the state_dict holds one copy; `repack` drops the second; "dual_frag"'s large copy in fragment order gives
+    the same numbers; shapes that do not split keep the checkpoint layout in the loader, which says so."""
+    from kernels.w4a16_gemm import CHECKPOINT, EXPERT_LAYOUTS, SPLIT_HALVES, TILE_MAJOR
 
     reg = registry("auto")
     g = torch.Generator().manual_seed(8)
@@ -311,17 +311,25 @@ def test_experts_dual_layout(tensors, caplog, small_layout):
     again = NVFP4Experts(gu, dn, reg)
     assert again.repack_dual() and again.repack(TILE_MAJOR) and again.small_tokens == 0
     assert not hasattr(again, "small_gate_up_packed") and again.layout == TILE_MAJOR
-    # "dual_frag": the large copy in fragment order, the same numbers
-    frag = NVFP4Experts(own(gu), own(dn), reg)
-    assert frag.repack_dual(small_tokens=2, large_layout=SPLIT_FRAG) and frag.layout == SPLIT_FRAG
-    assert rel_err(frag(*calls[5][:3]), calls[5][3]) <= 1e-2 and rel_err(frag(*calls[1][:3]), calls[1][3]) <= 1e-2
-    with pytest.raises(ValueError, match="large layout"):
-        frag.repack_dual(large_layout=TILE_MAJOR)
+    if layout == CHECKPOINT:  # "dual_frag": the large copy in fragment order, the same numbers (once: interpreted)
+        check_dual_frag(gu, dn, reg, calls)
     with caplog.at_level(logging.WARNING, logger="qwen_engine.load_packed"):
         model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
                                expert_layout="dual")
     experts = model.layers[0].mlp.experts
     assert experts.layout == CHECKPOINT and experts.small_tokens == 0 and "checkpoint layout kept" in caplog.text
+
+
+def check_dual_frag(gu, dn, reg, calls):
+    """`repack_dual(large_layout=SPLIT_FRAG)` (expert_layout "dual_frag"): both paths equal the checkpoint-layout
+    forward (`calls`: token count -> (x, idx, weights, expected)); other large layouts are refused."""
+    from kernels.w4a16_gemm import SPLIT_FRAG, TILE_MAJOR
+
+    frag = NVFP4Experts(NVFP4Tensor(*(t.clone() for t in gu)), NVFP4Tensor(*(t.clone() for t in dn)), reg)
+    assert frag.repack_dual(small_tokens=2, large_layout=SPLIT_FRAG) and frag.layout == SPLIT_FRAG
+    assert rel_err(frag(*calls[5][:3]), calls[5][3]) <= 1e-2 and rel_err(frag(*calls[1][:3]), calls[1][3]) <= 1e-2
+    with pytest.raises(ValueError, match="large layout"):
+        frag.repack_dual(large_layout=TILE_MAJOR)
 
 
 @torch.no_grad()
