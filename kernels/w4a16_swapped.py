@@ -164,20 +164,13 @@ if triton is not None:
         second-half) weights [BN, BK/2] in DTYPE, times `_dequant_gain`'s inverse: `w4a16_gemm._dequant` with one
         scale per nibble half instead of one per byte. FRAG: bytes in fragment order (`split_frag`), and on the GPU
         the scales converted by `_e4m3_bf16_gained` (the same values)."""
-        if DTYPE == tl.bfloat16 and DEQ > 0 and FRAG and not INTERPRET:
-            slo = _e4m3_bf16_gained(s_lo.to(tl.uint16))[:, :, None]
-            shi = _e4m3_bf16_gained(s_hi.to(tl.uint16))[:, :, None]
-            if DEQ == 2:
-                lo, hi = _e2m1x2_bf16_tiny_ptx(pw)
-            else:
-                p = pw.to(tl.uint16)
-                lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
-            return _frag_to_k(lo * slo, BLOCK_N, BLOCK_K, FRAG), _frag_to_k(hi * shi, BLOCK_N, BLOCK_K, FRAG)
-        slo = _e4m3_fp16(s_lo.to(tl.uint16))[:, :, None]
-        shi = _e4m3_fp16(s_hi.to(tl.uint16))[:, :, None]
         if DTYPE == tl.bfloat16 and DEQ > 0:
-            slo = slo.to(tl.float32) * _TWO_119  # a normal bf16, exact (see `_dequant`)
-            shi = shi.to(tl.float32) * _TWO_119
+            if FRAG and not INTERPRET:  # scale x 2^119 straight from the bits (bf16)
+                slo = _e4m3_bf16_gained(s_lo.to(tl.uint16))[:, :, None]
+                shi = _e4m3_bf16_gained(s_hi.to(tl.uint16))[:, :, None]
+            else:  # via fp16 and fp32: a normal bf16, exact (see `_dequant`)
+                slo = _e4m3_fp16(s_lo.to(tl.uint16))[:, :, None].to(tl.float32) * _TWO_119
+                shi = _e4m3_fp16(s_hi.to(tl.uint16))[:, :, None].to(tl.float32) * _TWO_119
             if INTERPRET:  # the same bits in fp32 (the interpreter flushes bf16 subnormals; see `_dequant`)
                 p = pw.to(tl.uint32)
                 lo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True) * slo
@@ -191,6 +184,8 @@ if triton is not None:
                     lo, hi = _e2m1_bf16_tiny(p & 0xF), _e2m1_bf16_tiny(p >> 4)
                 lo, hi = lo * slo.to(tl.bfloat16), hi * shi.to(tl.bfloat16)  # exact
             return _frag_to_k(lo, BLOCK_N, BLOCK_K, FRAG), _frag_to_k(hi, BLOCK_N, BLOCK_K, FRAG)
+        slo = _e4m3_fp16(s_lo.to(tl.uint16))[:, :, None]
+        shi = _e4m3_fp16(s_hi.to(tl.uint16))[:, :, None]
         p = pw.to(tl.uint16)
         lo = _frag_to_k(_e2m1_fp16(p & 0xF) * slo, BLOCK_N, BLOCK_K, FRAG)
         hi = _frag_to_k(_e2m1_fp16(p >> 4) * shi, BLOCK_N, BLOCK_K, FRAG)
