@@ -742,6 +742,7 @@ def tile_major_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 CHECKPOINT, TILE_MAJOR, SPLIT_HALVES, SPLIT_FRAG = 0, 1, 2, 3
 EXPERT_LAYOUTS = {"checkpoint": CHECKPOINT, "tile_major": TILE_MAJOR, "split_halves": SPLIT_HALVES,
                   "split_frag": SPLIT_FRAG}
+SWAPPED_LAYOUTS = (SPLIT_HALVES, SPLIT_FRAG)  # the layouts the swap-AB kernel reads (`kernels/w4a16_swapped.py`)
 LAYOUT_NAMES = {code: name for name, code in EXPERT_LAYOUTS.items()}
 
 
@@ -751,7 +752,7 @@ def layout_ok(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int) -> bool:
         return True
     if layout == TILE_MAJOR:
         return tile_major_ok(w13, w2)
-    if layout in (SPLIT_HALVES, SPLIT_FRAG):
+    if layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import split_halves_ok
 
         return split_halves_ok(w13, w2)
@@ -765,7 +766,7 @@ def experts_repack(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int,
         return w13, w2
     if layout == TILE_MAJOR:
         return experts_tile_major(w13, w2, inverse)
-    if layout in (SPLIT_HALVES, SPLIT_FRAG):
+    if layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import experts_split_halves
 
         return experts_split_halves(w13, w2, inverse, frag=layout == SPLIT_FRAG)
@@ -879,7 +880,7 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if layout in (SPLIT_HALVES, SPLIT_FRAG):
+    if layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import swapped_block_m, w4a16_grouped_swapped_launch
 
         frag = layout == SPLIT_FRAG

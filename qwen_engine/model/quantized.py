@@ -523,11 +523,11 @@ class NVFP4Experts(_Dispatch):
         would run the grouped kernel on the checkpoint layout, the slowest decode path measured). Returns False,
         changing nothing, when the shapes do not split into both layouts' tiles. `large_layout`: SPLIT_HALVES (default)
         or SPLIT_FRAG (the same kernel on fragment-ordered bytes, `kernels.w4a16_swapped.split_frag`)."""
-        from kernels.w4a16_gemm import CHECKPOINT, SPLIT_FRAG, SPLIT_HALVES, experts_repack, layout_ok
+        from kernels.w4a16_gemm import CHECKPOINT, SPLIT_HALVES, SWAPPED_LAYOUTS, experts_repack, layout_ok
         from kernels.w4a16_gemv import GEMV_MAX_TOKENS
 
         large_layout = SPLIT_HALVES if large_layout is None else large_layout
-        if large_layout not in (SPLIT_HALVES, SPLIT_FRAG):
+        if large_layout not in SWAPPED_LAYOUTS:
             raise ValueError(f"repack_dual: the large layout is the swap-AB kernel's (split halves, split frag), got "
                              f"{large_layout}")
         small_layout = CHECKPOINT if small_layout is None else small_layout
