@@ -126,6 +126,16 @@ else
   say "WARNING: no fla-core wheel in .devbundle/extra: TTFT / prefill numbers of this call are the torch GDN prefill's"
 fi
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+# engine_ab NAME LIMIT_S QWEN_GPU_ARGS...: the default engine beside the variant the arguments ask for, engines only
+# (one prefill bucket, 48 decode tokens), into $R/NAME; a stack dump on timeout (steps 27, 28, 30)
+engine_ab() {
+  local name=$1 limit=$2
+  shift 2
+  PYTHONFAULTHANDLER=1 timeout -s ABRT "$limit" python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+    --decode-tokens 48 --prefill-buckets 1024 "$@" --out "$R/$name" > "$R/$name.log" 2>&1
+  grep -E "^\| \(e\)" "$R/$name/qwen_gpu.md" | cut -c1-220
+  grep -E "Error|error|File |fla" "$R/$name.log" | cut -c1-300 | head -30
+}
 
 if want 1; then
 say "1. CUDA tests"
@@ -353,17 +363,11 @@ timeout 60 python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_align.p
 grep -E "passed|failed|Error" "$R/moe_align_tests.log" | tail -3
 timeout 60 python benchmarks/moe_align_bench.py --warps 4 --out "$R/moe_align_bench" > "$R/moe_align_bench.log" 2>&1
 tail -9 "$R/moe_align_bench.log"
-PYTHONFAULTHANDLER=1 timeout -s ABRT 450 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
-  --decode-tokens 48 --prefill-buckets 1024 --shared-in-moe --out "$R/qwen_shared" > "$R/qwen_shared.log" 2>&1
-grep -E "^\| \(e\)" "$R/qwen_shared/qwen_gpu.md" | cut -c1-220
-grep -E "Error|error|File " "$R/qwen_shared.log" | cut -c1-300 | head -30
+engine_ab qwen_shared 450 --shared-in-moe
 fi
 if want 28; then
 say "28. the engine beside shared_expert_in_moe (fla carried: TTFT valid)"
-PYTHONFAULTHANDLER=1 timeout -s ABRT 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
-  --decode-tokens 48 --prefill-buckets 1024 --shared-in-moe --out "$R/qwen_shared" > "$R/qwen_shared.log" 2>&1
-grep -E "^\| \(e\)" "$R/qwen_shared/qwen_gpu.md" | cut -c1-220
-grep -E "Error|error|File |fla" "$R/qwen_shared.log" | cut -c1-300 | head -30
+engine_ab qwen_shared 560 --shared-in-moe
 fi
 if want 29; then
 say "29. split_frag: swapped-kernel and MoE-op GPU tests, per call beside split halves"
@@ -376,9 +380,6 @@ grep -E "^\| " "$R/w4a16_swapped_bench/w4a16_swapped_bench.md" | head -20
 fi
 if want 30; then
 say "30. the engine (dual) beside expert_layout dual_frag"
-PYTHONFAULTHANDLER=1 timeout -s ABRT 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
-  --decode-tokens 48 --prefill-buckets 1024 --compare-layout dual_frag --out "$R/qwen_frag" > "$R/qwen_frag.log" 2>&1
-grep -E "^\| \(e\)" "$R/qwen_frag/qwen_gpu.md" | cut -c1-220
-grep -E "Error|error|File " "$R/qwen_frag.log" | cut -c1-300 | head -30
+engine_ab qwen_frag 560 --compare-layout dual_frag
 fi
 say "done"
