@@ -104,8 +104,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="27" bash benchmarks/gpu_next.sh      # ~6 min (ran: run 19)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="28" bash benchmarks/gpu_next.sh      # ~9.5 min (cut at 480 s
 #                                                        with --again: results/qwen_gpu_run20_cut; now 560 s)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="29" bash benchmarks/gpu_next.sh      # ~4 min (unrun)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~9.5 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="29" bash benchmarks/gpu_next.sh      # ~1 min (ran: swapped bench run 2)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: run 21)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -379,7 +379,7 @@ timeout 150 python benchmarks/w4a16_swapped_bench.py --tokens 32,1024 --layouts 
 grep -E "^\| " "$R/w4a16_swapped_bench/w4a16_swapped_bench.md" | head -20
 fi
 if want 30; then
-say "30. the engine (dual) beside expert_layout dual_frag"
+say "30. the engine beside expert_layout dual_frag (ran while the default was dual; now --compare-layout dual)"
 engine_ab qwen_frag 560 --compare-layout dual_frag
 fi
 say "done"

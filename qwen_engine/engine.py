@@ -108,17 +108,17 @@ class QwenEngineConfig:
     #                                     the lone rate's spread), 32 streams 2,283.8 -> 2,346.3 (+2.7%), one run: off
     #                                     until a second run agrees
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
-    #                              auto (dual on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
-    #                              dual (split halves for the swap-AB kernel, kernels/w4a16_swapped.py, plus a
-    #                              checkpoint-layout copy that decode batches of <= 4 tokens read with the GEMV,
-    #                              kernels/w4a16_gemv.py: +16 GB at full size) |
-    #                              dual_frag (the same with split halves in fragment order: offline sm_90 SASS
-    #                              24% fewer loop instructions; written 2026-12-01, not yet run on a GPU) |
+    #                              auto (dual_frag on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
+    #                              dual_frag (split halves in wgmma fragment order for the swap-AB kernel,
+    #                              kernels/w4a16_swapped.py, plus a checkpoint-layout copy that decode batches of
+    #                              <= 4 tokens read with the GEMV, kernels/w4a16_gemv.py: +16 GB at full size) |
+    #                              dual (the same with plain split halves) |
     #                              split_halves | split_frag | tile_major | checkpoint. H200, Qwen run 13: split
     #                              halves TTFT 65 -> 54 ms, 32 streams +15%, lone decode -11% against
     #                              tile_major; run 15: dual (then with a tile-major copy) lone decode 214 -> 239
     #                              tok/s against split halves, the rest equal; run 16: the GEMV on the checkpoint
-    #                              copy 235 -> 284
+    #                              copy 235 -> 284; run 21: dual_frag against dual, 32 streams 2,283 -> 2,625
+    #                              tok/s (+15%), TTFT 44.5 -> 39.4 ms, lone decode equal
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start

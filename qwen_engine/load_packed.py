@@ -44,8 +44,8 @@ Packed = torch.Tensor | NVFP4Tensor | FP8Tensor
 
 
 # "dual" layouts: the swap-AB kernel's layout plus a checkpoint-layout copy for the decode GEMV's small batches
-# (`NVFP4Experts.repack_dual`); "dual_frag" has the fragment-ordered split halves (`kernels.w4a16_swapped.split_frag`,
-# not yet run on a GPU) as its large layout
+# (`NVFP4Experts.repack_dual`); "dual_frag" has the fragment-ordered split halves (`kernels.w4a16_swapped.split_frag`)
+# as its large layout
 DUAL_LAYOUTS = {"dual": "split_halves", "dual_frag": "split_frag"}
 
 
@@ -59,11 +59,12 @@ def check_expert_layout(expert_layout: str) -> None:
 
 
 def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> str:
-    """"auto" -> the layout the loader stores on `device`: "dual" on Hopper (split halves for the swap-AB kernel plus a
-    checkpoint-layout copy that decode batches of <= 4 tokens read with the GEMV, `kernels/w4a16_gemv.py`; H200, one
-    model side by side: run 15, with a tile-major copy for the grouped kernel, lone decode 213.6 -> 238.8 tok/s, 32
-    streams 2,101 / 2,098 tok/s and TTFT 44.7 / 44.4 ms, for +16 GB of weights; run 16, the GEMV: 235.0 -> 283.5
-    tok/s); otherwise
+    """"auto" -> the layout the loader stores on `device`: "dual_frag" on Hopper (split halves in wgmma fragment order
+    for the swap-AB kernel plus a checkpoint-layout copy that decode batches of <= 4 tokens read with the GEMV,
+    `kernels/w4a16_gemv.py`; H200, one model side by side: run 15, with a tile-major copy for the grouped kernel, lone
+    decode 213.6 -> 238.8 tok/s, 32 streams 2,101 / 2,098 tok/s and TTFT 44.7 / 44.4 ms, for +16 GB of weights; run
+    16, the GEMV: 235.0 -> 283.5 tok/s; run 21, fragment order against plain split halves: 32 streams 2,283.1 ->
+    2,625.2 tok/s, TTFT 44.5 -> 39.4 ms, lone decode equal); otherwise
     `kernels.w4a16_gemm.default_expert_layout`'s (tile-major on other GPUs, the checkpoint's on the CPU). Any other
     name is returned as given."""
     from kernels.w4a16_gemm import LAYOUT_NAMES, default_expert_layout
@@ -73,12 +74,12 @@ def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> str
         return expert_layout
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
-        return "dual"
+        return "dual_frag"
     return LAYOUT_NAMES[default_expert_layout(device)]
 
 
 def apply_expert_layout(experts: NVFP4Experts, expert_layout: str, device: torch.device | str) -> bool:
-    """Repack `experts` for `expert_layout`: "auto" (`resolve_expert_layout`: dual on Hopper, tile-major on other
+    """Repack `experts` for `expert_layout`: "auto" (`resolve_expert_layout`: dual_frag on Hopper, tile-major on other
     GPUs, the checkpoint's on the CPU), a name of `EXPERT_LAYOUTS`, or "dual" (split halves plus a checkpoint-layout
     copy for small decode batches, `NVFP4Experts.repack_dual`; "dual_frag": the same with split halves in fragment
     order). False: the shapes do not split into its tiles (unchanged)."""
@@ -112,10 +113,10 @@ def load_quantized(
     w4a4: "auto" | "off" | "emulate", for the dense layers the checkpoint exports as W4A4 (module docstring); layers
     without an activation scale (this project's W4A16 checkpoint, tensor mappings) are W4A16 whatever it says.
     expert_layout: the routed experts' byte layout (`apply_expert_layout`; same values): "checkpoint", "tile_major",
-    "split_halves", "split_frag" (split halves in fragment order, not yet run on a GPU), "dual" (split halves + a
-    checkpoint-layout copy for decode batches of <= 4 tokens, the GEMV's: +1 packed copy of the experts), "dual_frag"
-    (the same on split_frag) or "auto" (`resolve_expert_layout`): dual on Hopper, tile-major on other GPUs, the
-    checkpoint's on the CPU.
+    "split_halves", "split_frag" (split halves in wgmma fragment order), "dual" (split halves + a checkpoint-layout
+    copy for decode batches of <= 4 tokens, the GEMV's: +1 packed copy of the experts), "dual_frag" (the same on
+    split_frag) or "auto" (`resolve_expert_layout`): dual_frag on Hopper, tile-major on other GPUs, the checkpoint's
+    on the CPU.
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (`NVFP4Experts(shared=)`,
     +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
     inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the

@@ -519,15 +519,16 @@ def test_registry_self_check():
                       ((8, 0), w4a16_gemm.TILE_MAJOR)):
         with mock.patch("torch.cuda.get_device_capability", return_value=cap):
             assert w4a16_gemm.default_expert_layout("cuda") == want, cap
-    # the loader's "auto": dual (split halves + a checkpoint-layout copy for small batches) on Hopper, else the above
+    # the loader's "auto": dual_frag (fragment-order split halves + a checkpoint-layout copy for small batches) on
+    # Hopper, else the above
     from qwen_engine.load_packed import resolve_expert_layout
 
     assert resolve_expert_layout("auto", "cpu") == "checkpoint"
-    for cap, want in (((9, 0), "dual"), ((10, 0), "tile_major"), ((8, 9), "tile_major")):
+    for cap, want in (((9, 0), "dual_frag"), ((10, 0), "tile_major"), ((8, 9), "tile_major")):
         with mock.patch("torch.cuda.get_device_capability", return_value=cap):
             assert resolve_expert_layout("auto", "cuda") == want, cap
             assert resolve_expert_layout("split_halves", "cuda") == "split_halves"
-            assert resolve_expert_layout("dual_frag", "cuda") == "dual_frag"
+            assert resolve_expert_layout("dual", "cuda") == "dual"
     with pytest.raises(ValueError, match="expert_layout must be one of"):
         resolve_expert_layout("halves", "cpu")
     for layout in (w4a16_gemm.SPLIT_HALVES, w4a16_gemm.SPLIT_FRAG, w4a16_gemm.TILE_MAJOR):
