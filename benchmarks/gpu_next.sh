@@ -380,6 +380,6 @@ grep -E "^\| " "$R/w4a16_swapped_bench/w4a16_swapped_bench.md" | head -20
 fi
 if want 30; then
 say "30. the engine beside expert_layout dual_frag (ran while the default was dual; now --compare-layout dual)"
-engine_ab qwen_frag 560 --compare-layout dual_frag
+engine_ab qwen_frag 560 --compare-layout dual
 fi
 say "done"
