@@ -102,10 +102,10 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="25" bash benchmarks/gpu_next.sh      # ~8.5 min (ran: run 18)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="26" bash benchmarks/gpu_next.sh      # ~5 min (ran: profile run 14)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="27" bash benchmarks/gpu_next.sh      # ~6 min (ran: run 19)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="28" bash benchmarks/gpu_next.sh      # ~9.5 min (cut at 480 s
-#                                                        with --again: results/qwen_gpu_run20_cut; now 560 s)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="28" bash benchmarks/gpu_next.sh      # ~2 min warm, > 9.5 min on a fresh
+#                                                        machine (cut: qwen_gpu_run20_cut, run22_cut; ran: run 23)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="29" bash benchmarks/gpu_next.sh      # ~1 min (ran: swapped bench run 2)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~9.5 min (ran: run 21)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~2 min warm (ran: runs 21, 24)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
