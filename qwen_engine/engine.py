@@ -101,12 +101,13 @@ class QwenEngineConfig:
     #                            costs one wasted row in N+1. H200 (RESULTS.md, Qwen run 12): lone decode 202 -> 233
     #                            tok/s, 32 streams 1,626 -> 1,842 tok/s
     shared_expert_in_moe: bool = False  # packed models: each MoE layer's shared expert runs as one more (token,
-    #                                     expert) pair inside the routed experts' grouped launches (decode batches of
-    #                                     <= 113 tokens, prefill chunks too; 2 dense GEMM launches per layer
-    #                                     fewer; 33-113 tokens not yet run on a GPU). H200: no gain on
-    #                                     the older kernels (Qwen run 12); run 19: lone 313.1 -> 316.2 tok/s (within
-    #                                     the lone rate's spread), 32 streams 2,283.8 -> 2,346.3 (+2.7%), one run: off
-    #                                     until a second run agrees
+    #                                     expert) pair inside the routed experts' grouped launches (calls of 5-113
+    #                                     tokens, prefill chunks too; 2 dense GEMM launches per layer fewer; the
+    #                                     decode GEMV's <= 4 tokens keep the dense shared expert; 33-113 tokens not
+    #                                     yet run on a GPU). H200: no gain on the older kernels (Qwen run 12); run
+    #                                     19: 32 streams +2.7%; run 23 (dual_frag): +3.9%, but lone 314.5 -> 295.3
+    #                                     tok/s with the 9th pair in the lone GEMV launches (run 19: +1.0%), which
+    #                                     it no longer takes: off until a run of this rule agrees
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
     #                              auto (dual_frag on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
     #                              dual_frag (split halves in wgmma fragment order for the swap-AB kernel,

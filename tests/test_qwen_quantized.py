@@ -399,7 +399,8 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
     """`load_quantized(shared_expert_in_moe=True)` stacks each shared expert after the routed experts (expert E);
     with `shared_in_experts` the fused MoE path runs it as one more pair per token inside the grouped launches (the
     dense module is not called), and gives the dense path's output to bf16 rounding level; batches whose pairs exceed
-    the one-program alignment (MAX_PAIRS) keep the dense shared expert; `dequantized` returns the routed experts
+    the one-program alignment (MAX_PAIRS), or that the experts' small-batch copy serves, keep the dense shared
+    expert; `dequantized` returns the routed experts
     only, so the dequantised model is unchanged."""
     from kernels.moe_align import MAX_PAIRS
 
@@ -441,6 +442,17 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
     # same roundings, and at these shapes (one K tile) the same fp32 sums: equal bit for bit (the swapped-scale and
     # 2%-off-scale mistakes a review tried gave 6.9e-3 and 1.8e-2: a tolerance would hide them)
     assert torch.equal(inside, dense)
+    # experts with a small-batch copy (`repack_dual`: the decode GEMV's <= 4 tokens) keep the dense shared expert
+    # for the calls that copy serves
+    k = CFG.num_experts_per_tok
+    moe.shared_in_experts = True
+    try:
+        assert moe.experts.small_tokens == 0 and moe._shared_as_pair(torch.zeros(1, k, dtype=torch.long))
+        moe.experts.small_tokens = 4
+        assert [moe._shared_as_pair(torch.zeros(n, k, dtype=torch.long)) for n in (1, 4, 5, big)] == [
+            False, False, True, False]
+    finally:
+        moe.experts.small_tokens, moe.shared_in_experts = 0, False
     g_last = moe.experts.gate_up_global[-1].clone()
     try:  # the shared slot's gate and up scales swapped: the output must change
         i = moe.experts.intermediate

@@ -136,7 +136,8 @@ class SparseMoE(nn.Module):
     fused: bool | None = None
     # run the shared expert as one more (token, expert) pair per token inside the routed experts' grouped launches,
     # where the experts hold it (`quantized.NVFP4Experts(shared=...)`, `load_quantized(shared_expert_in_moe=True)`):
-    # on the fused path, while tokens x (top_k + 1) pairs fit the one-program routing alignment
+    # on the fused path, above the experts' small-batch copy's tokens (the GEMV's <= 4) and while tokens x (top_k + 1)
+    # pairs fit the one-program routing alignment
     # (kernels/moe_align.py MAX_PAIRS: calls of up to 113 tokens at top-8, prefill chunks included; 33-113 tokens
     # have not run on a GPU). Same maths as the dense shared
     # expert (fp32 SwiGLU epilogue, bf16 roundings of its intermediate and output); other summation order.
@@ -174,9 +175,13 @@ class SparseMoE(nn.Module):
         return out if residual is None else residual + out
 
     def _shared_as_pair(self, idx: torch.Tensor) -> bool:
-        """Whether this call runs the shared expert inside the experts' launches (`shared_in_experts`)."""
+        """Whether this call runs the shared expert inside the experts' launches (`shared_in_experts`): not for the
+        calls that the experts' small-batch copy serves (`NVFP4Experts.repack_dual`: the decode GEMV at <= 4 tokens),
+        which keep the dense shared expert's own GEMV (H200, Qwen run 23: the 9th pair in the lone request's GEMV
+        launches measured 314.5 -> 295.3 tok/s; run 19 +1.0%), nor past the one-program alignment's MAX_PAIRS."""
         if not self.shared_in_experts or getattr(self.experts, "shared_index", None) is None:
             return False
         from kernels.moe_align import MAX_PAIRS
 
-        return idx.shape[0] * (idx.shape[1] + 1) <= MAX_PAIRS
+        n = idx.shape[0]
+        return getattr(self.experts, "small_tokens", 0) < n and n * (idx.shape[1] + 1) <= MAX_PAIRS
