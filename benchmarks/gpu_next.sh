@@ -106,6 +106,7 @@
 #                                                        machine (cut: qwen_gpu_run20_cut, run22_cut; ran: run 23)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="29" bash benchmarks/gpu_next.sh      # ~1 min (ran: swapped bench run 2)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~2 min warm (ran: runs 21, 24)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="31" bash benchmarks/gpu_next.sh      # ~3 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -381,5 +382,12 @@ fi
 if want 30; then
 say "30. the engine beside expert_layout dual_frag (ran while the default was dual; now --compare-layout dual)"
 engine_ab qwen_frag 560 --compare-layout dual
+fi
+if want 31; then
+say "31. the W4A16 GEMV's DEQ_WIDE mode: GPU tests, per call beside mode 2 (lone decode: 40% of the step)"
+timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv.py > "$R/gemv_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
+timeout 200 python benchmarks/w4a16_gemv_bench.py --deq 2,3 --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-260
 fi
 say "done"

@@ -4,6 +4,7 @@ the tensor-core path on the tile-major copy the engine read until now, and on th
 the shared expert's two dense calls, and lm_head (one row: the GEMV takes it at any size, `gemv_ok`).
 
     python benchmarks/w4a16_gemv_bench.py --out benchmarks/results/w4a16_gemv_bench     # GPU; ~2 min on an H200
+    python benchmarks/w4a16_gemv_bench.py --deq 2,3 ...   # also the GEMV's DEQ_WIDE mode (int32 words, fp32 PTX)
 
 Timing as the engine runs them (`benchmarks/cuda_timing.py: graph_per_call_us`): one CUDA graph of R calls
 replayed, us per call = replay time / R (median of 5).
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/w4a16_gemv_bench")
     ap.add_argument("--tokens", default="1,2,4")
     ap.add_argument("--calls", type=int, default=40, help="calls per graph (the MoE: 40 = the model's layers)")
+    ap.add_argument("--deq", default="2", help="the GEMV's dequant modes to time: 2 (the default), 3 (DEQ_WIDE)")
     args = ap.parse_args()
     import torch
 
@@ -42,6 +44,7 @@ def main() -> None:
     from kernels.nvfp4 import NVFP4Tensor, w4a16_linear_reference
 
     dev = torch.device("cuda")
+    wide = "3" in args.deq.split(",")
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def nvfp4(*shape) -> NVFP4Tensor:  # random bytes, scales in [1, 2), per-row globals
@@ -68,6 +71,8 @@ def main() -> None:
                for _ in range(args.calls)]
         wts = [torch.softmax(torch.randn(t, TOP_K, device=dev), -1).to(torch.bfloat16) for _ in range(args.calls)]
         paths = {"GEMV (checkpoint layout)": lambda i: gv.moe_experts_w4a16_gemv(xs[i], w13, w2, idx[i], wts[i]),
+                 **({"GEMV DEQ_WIDE": lambda i: gv.moe_experts_w4a16_gemv(xs[i], w13, w2, idx[i], wts[i],
+                                                                          deq=gv.DEQ_WIDE)} if wide else {}),
                  "tensor cores, tile-major (run 15)": lambda i: tc.moe_experts_w4a16_triton(
                      xs[i], t13, t2, idx[i], wts[i], True, tc.TILE_MAJOR),
                  "tensor cores, checkpoint layout": lambda i: tc.moe_experts_w4a16_triton(
@@ -79,6 +84,9 @@ def main() -> None:
             row[label] = dict(us=us, tb_s=row["bytes_per_call"] / (us * 1e-6) / 1e12)
         row["gemv_rel_err_vs_tensor_cores"] = rel(paths["GEMV (checkpoint layout)"](0),
                                                   paths["tensor cores, checkpoint layout"](0))
+        if wide:
+            row["wide_rel_err_vs_tensor_cores"] = rel(paths["GEMV DEQ_WIDE"](0),
+                                                      paths["tensor cores, checkpoint layout"](0))
         record(row)
 
 
@@ -94,13 +102,17 @@ def main() -> None:
                 continue  # lm_head: one row (the lone decode step)
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             gemv = lambda w: gv.w4a16_gemv_launch(x, *w, swiglu=swiglu)  # noqa: E731
+            gemv_wide = lambda w: gv.w4a16_gemv_launch(x, *w, swiglu=swiglu, deq=gv.DEQ_WIDE)  # noqa: E731
             core = (lambda w: tc.w4a16_swiglu_triton(x, w)) if swiglu else (lambda w: tc.w4a16_linear_triton(x, w))
             row = dict(call=name, tokens=t, n=n, k=k, bytes_per_call=nbytes, copies=copies)
-            for label, fn in (("GEMV", gemv), ("tensor cores (dense kernel)", core)):
+            timed = [("GEMV", gemv)] + ([("GEMV DEQ_WIDE", gemv_wide)] if wide else [])
+            for label, fn in timed + [("tensor cores (dense kernel)", core)]:
                 us = graph_per_call_us([lambda w=w: fn(w) for w in ws])
                 row[label] = dict(us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
             ref = core(ws[0]) if swiglu else w4a16_linear_reference(x, ws[0])
             row["gemv_rel_err"] = rel(gemv(ws[0]), ref)
+            if wide:
+                row["wide_rel_err"] = rel(gemv_wide(ws[0]), ref)
             record(row)
         del ws
 
@@ -115,7 +127,9 @@ def main() -> None:
     for r in results:
         cells = [f"{k}: {v['us']:.2f} ({v['tb_s']:.2f})" for k, v in r.items() if isinstance(v, dict)]
         err = r.get("gemv_rel_err", r.get("gemv_rel_err_vs_tensor_cores"))
-        lines.append(f"| {r['call']} | {r['tokens']} | " + " | ".join(cells) + f" | {err:.1e} |")
+        wide_err = r.get("wide_rel_err", r.get("wide_rel_err_vs_tensor_cores"))
+        errs = f"{err:.1e}" + (f" (DEQ_WIDE {wide_err:.1e})" if wide_err is not None else "")
+        lines.append(f"| {r['call']} | {r['tokens']} | " + " | ".join(cells) + f" | {errs} |")
     (out / "w4a16_gemv_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

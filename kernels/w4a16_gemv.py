@@ -56,7 +56,15 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.w4a16_gemm import _dequant_gain, _dequant_groups, _load_packed_tile, _load_scale_tile
+    from kernels.w4a16_gemm import (
+        _BLK,
+        _TWO_119,
+        _dequant_gain,
+        _dequant_groups,
+        _e4m3_fp16,
+        _load_packed_tile,
+        _load_scale_tile,
+    )
 except ImportError:  # CPU-only installs without triton: the references work, supports() says no
     triton = None
 
@@ -82,11 +90,14 @@ if triton is not None:
                                   (64, 256, 8), (32, 512, 8), (2, 512, 1)]]
 
     @triton.jit
-    def _gemv_tiles(w, s, rows, row_ok, t, K, s_wn, s_sn, BLOCK_K: tl.constexpr):
-        """K tile t of weight rows `rows`: packed bytes [BN, BK/16, 8] and scale bytes [BN, BK/16]; zero (no memory
-        access) past K."""
-        return (_load_packed_tile(w, rows, row_ok, t, K, s_wn, BLOCK_K),
-                _load_scale_tile(s, rows, row_ok, t, K, s_sn, BLOCK_K))
+    def _gemv_tiles(w, s, rows, row_ok, t, K, s_wn, s_sn, BLOCK_K: tl.constexpr, DEQ: tl.constexpr):
+        """K tile t of weight rows `rows`: packed bytes [BN, BK/16, 8] (DEQ_WIDE: int32 words [BN, BK/16, 2]) and
+        scale bytes [BN, BK/16]; zero (no memory access) past K."""
+        if DEQ == 3:
+            pw = _gemv_words(w, rows, row_ok, t, K, s_wn, BLOCK_K)
+        else:
+            pw = _load_packed_tile(w, rows, row_ok, t, K, s_wn, BLOCK_K)
+        return pw, _load_scale_tile(s, rows, row_ok, t, K, s_sn, BLOCK_K)
 
     @triton.jit
     def _gemv_x(x, t, K, BLOCK_K: tl.constexpr):
@@ -96,6 +107,68 @@ if triton is not None:
         ok = k < K
         return (tl.load(x + k, mask=ok, other=0.0).to(tl.float32),
                 tl.load(x + k + 1, mask=ok, other=0.0).to(tl.float32))
+
+    @triton.jit
+    def _e2m1x8_f32_scaled_ptx(word, s2):
+        """int32 words of 4 packed bytes (8 weights) + their scale x 2^119 as bf16 bits in both halves of an int32 ->
+        the 8 weights x 2^-7 as fp32 tensors of the words' shape: (w0, ..., w7) = k offsets (0, 2, 4, 6, 1, 3, 5, 7)
+        within the word (the low nibbles of bytes 0-3, then the high nibbles). `_e2m1x2_bf16_tiny_ptx`'s bf16 pairs,
+        times the scale in bf16x2 (the product `_dequant_groups` forms, exact), each 16-bit half then moved to the top
+        of a 32-bit register (bf16 -> fp32: the same bits and 16 zeros, exact): `_dequant_groups`' values, widened."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 r01, r23, a, b, d0, d1, d2, d3;
+            prmt.b32 r01, $8, 0, 0x4140;
+            prmt.b32 r23, $8, 0, 0x4342;
+            shl.b32 a, r01, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, r01, 12; and.b32 b, b, 0x80008000;
+            or.b32 d0, a, b;
+            shl.b32 a, r23, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, r23, 12; and.b32 b, b, 0x80008000;
+            or.b32 d1, a, b;
+            shl.b32 a, r01, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, r01, 8; and.b32 b, b, 0x80008000;
+            or.b32 d2, a, b;
+            shl.b32 a, r23, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, r23, 8; and.b32 b, b, 0x80008000;
+            or.b32 d3, a, b;
+            mul.rn.bf16x2 d0, d0, $9;
+            mul.rn.bf16x2 d1, d1, $9;
+            mul.rn.bf16x2 d2, d2, $9;
+            mul.rn.bf16x2 d3, d3, $9;
+            shl.b32 $0, d0, 16; and.b32 $1, d0, 0xFFFF0000;
+            shl.b32 $2, d1, 16; and.b32 $3, d1, 0xFFFF0000;
+            shl.b32 $4, d2, 16; and.b32 $5, d2, 0xFFFF0000;
+            shl.b32 $6, d3, 16; and.b32 $7, d3, 0xFFFF0000;
+            }""",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [word, s2], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+    @triton.jit
+    def _gemv_words(w, rows, row_ok, t, K, s_wn, BLOCK_K: tl.constexpr):
+        """`_load_packed_tile` as int32 words [BN, BK/16, 2] (4 bytes each; the launcher checks the alignment)."""
+        grp = t * (BLOCK_K // _BLK) + tl.arange(0, BLOCK_K // _BLK)
+        ok = row_ok[:, None] & (grp[None, :] < K // _BLK)
+        w32 = w.to(tl.pointer_type(tl.int32))
+        return tl.load(w32 + rows[:, None, None] * (s_wn // 4) + (grp * 2)[None, :, None] +
+                       tl.arange(0, 2)[None, None, :], mask=ok[:, :, None], other=0)
+
+    @triton.jit
+    def _gemv_fma_words(acc, pw, sc, x, t, K, BLOCK_K: tl.constexpr):
+        """acc [BN, G] += per-group sums of a tile of int32 words [BN, G, 2] (scale bytes [BN, G]) x K tile t of the
+        activation row x, in fp32 (the activations in `_e2m1x8_f32_scaled_ptx`'s k order)."""
+        s = (_e4m3_fp16(sc.to(tl.uint16)).to(tl.float32) * _TWO_119).to(tl.bfloat16)  # as `_dequant_groups`
+        sb = s.to(tl.uint16, bitcast=True).to(tl.int32)
+        s2 = tl.broadcast_to((sb | (sb << 16))[:, :, None], pw.shape)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _e2m1x8_f32_scaled_ptx(pw, s2)
+        grp = t * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        k = grp[:, None] * 16 + tl.arange(0, 2)[None, :] * 8  # [G, 2]: each word's first k
+        ok = k < K
+        xk = x + k
+        part = w0 * tl.load(xk, mask=ok, other=0.0).to(tl.float32)[None]
+        part += w1 * tl.load(xk + 2, mask=ok, other=0.0).to(tl.float32)[None]
+        part += w2 * tl.load(xk + 4, mask=ok, other=0.0).to(tl.float32)[None]
+        part += w3 * tl.load(xk + 6, mask=ok, other=0.0).to(tl.float32)[None]
+        part += w4 * tl.load(xk + 1, mask=ok, other=0.0).to(tl.float32)[None]
+        part += w5 * tl.load(xk + 3, mask=ok, other=0.0).to(tl.float32)[None]
+        part += w6 * tl.load(xk + 5, mask=ok, other=0.0).to(tl.float32)[None]
+        part += w7 * tl.load(xk + 7, mask=ok, other=0.0).to(tl.float32)[None]
+        return acc + tl.sum(part, axis=2)
 
     @triton.jit
     def _gemv_fma(acc, pw, sc, xe, xo, DTYPE: tl.constexpr, DEQ: tl.constexpr, INTERPRET: tl.constexpr):
@@ -129,20 +202,25 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         DT: tl.constexpr = x.dtype.element_ty
-        pw, sc = _gemv_tiles(we, se, rows, ok, 0, K, s_wn, s_sn, BLOCK_K)
+        pw, sc = _gemv_tiles(we, se, rows, ok, 0, K, s_wn, s_sn, BLOCK_K, DEQ)
         pu, su = pw, sc  # SwiGLU's up rows (else unused)
         if SWIGLU:
-            pu, su = _gemv_tiles(we, se, rows + n_out, ok, 0, K, s_wn, s_sn, BLOCK_K)
+            pu, su = _gemv_tiles(we, se, rows + n_out, ok, 0, K, s_wn, s_sn, BLOCK_K, DEQ)
         for t in range(0, tl.cdiv(K, BLOCK_K)):
             # the next tile's weight loads go out before this tile's arithmetic (past K: masked, no access)
-            pw_n, sc_n = _gemv_tiles(we, se, rows, ok, t + 1, K, s_wn, s_sn, BLOCK_K)
+            pw_n, sc_n = _gemv_tiles(we, se, rows, ok, t + 1, K, s_wn, s_sn, BLOCK_K, DEQ)
             pu_n, su_n = pw_n, sc_n
             if SWIGLU:
-                pu_n, su_n = _gemv_tiles(we, se, rows + n_out, ok, t + 1, K, s_wn, s_sn, BLOCK_K)
-            xe, xo = _gemv_x(xr, t, K, BLOCK_K)
-            acc = _gemv_fma(acc, pw, sc, xe, xo, DT, DEQ, INTERPRET)
-            if SWIGLU:
-                acc_up = _gemv_fma(acc_up, pu, su, xe, xo, DT, DEQ, INTERPRET)
+                pu_n, su_n = _gemv_tiles(we, se, rows + n_out, ok, t + 1, K, s_wn, s_sn, BLOCK_K, DEQ)
+            if DEQ == 3:  # DEQ_WIDE: int32 words, fp32 weights out of PTX
+                acc = _gemv_fma_words(acc, pw, sc, xr, t, K, BLOCK_K)
+                if SWIGLU:
+                    acc_up = _gemv_fma_words(acc_up, pu, su, xr, t, K, BLOCK_K)
+            else:
+                xe, xo = _gemv_x(xr, t, K, BLOCK_K)
+                acc = _gemv_fma(acc, pw, sc, xe, xo, DT, DEQ, INTERPRET)
+                if SWIGLU:
+                    acc_up = _gemv_fma(acc_up, pu, su, xe, xo, DT, DEQ, INTERPRET)
             pw, sc, pu, su = pw_n, sc_n, pu_n, su_n
         gain = _dequant_gain(DT, DEQ)
         ge = g + e * s_ge
@@ -161,17 +239,27 @@ if triton is not None:
 # The interpreter cannot benchmark configs; it runs this one (tests/test_kernel_w4a16_gemv.py also pins smaller tiles,
 # which exercise masked edges and the K loop; this one keeps the interpreted engine tests fast).
 INTERPRETER_CONFIG = dict(BLOCK_N=32, BLOCK_K=128)
-DEQ_GPU = 2  # bf16 weights built in inline PTX (w4a16_gemm.DEQ_MODES); fp16 activations always take mode 0
+# DEQ_WIDE (this kernel's own mode, beside w4a16_gemm.DEQ_MODES 0-2): the packed bytes loaded as int32 words and
+# turned into fp32 weights inside one inline PTX block (`_e2m1x8_f32_scaled_ptx`: mode 2's bf16 pairs times their
+# scales, then widened): the same weight values, the products summed in another order. Offline sm_90 SASS of the K
+# loop at the tiles the H200's autotuner picked (results/w4a16_gemv_bench_run2), instructions per weight, mode 2 ->
+# DEQ_WIDE: routed gate_up (4, 512, 2 warps) 10.4 -> 8.0, routed down (4, 256, 1) 12.1 -> 10.3, shared gate_up
+# (4, 1024, 4) 10.5 -> 8.2, shared down (2, 512, 1) 14.2 -> 11.2, lm_head (8, 256, 2) 11.4 -> 10.5. NOT YET RUN ON A
+# GPU, so not the default: `w4a16_gemv_launch(deq=DEQ_WIDE)`, benchmarks/w4a16_gemv_bench.py --deq 2,3.
+DEQ_WIDE = 3
+DEQ_GPU = 2  # bf16 activations on a GPU; fp16 activations always take mode 0
 
 
 def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
                       pair_expert: torch.Tensor | None = None, a_div: int = 1, row_scale: torch.Tensor | None = None,
-                      swiglu: bool = False, config: dict | None = None) -> torch.Tensor:
+                      swiglu: bool = False, config: dict | None = None, deq: int | None = None) -> torch.Tensor:
     """Dense (`pair_expert` None): x [M, K] -> y [M, N] (or SwiGLU's [M, N/2]) in x.dtype.
     Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int (the router's
     ids, flattened): output row r reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)],
-    times `row_scale[r]` if given. `config` pins BLOCK_N / BLOCK_K / num_warps (tests, benchmarks). One launch, no
-    host syncs (CUDA-graph capturable)."""
+    times `row_scale[r]` if given. `config` pins BLOCK_N / BLOCK_K / num_warps (tests, benchmarks). `deq`: the
+    dequantiser for bf16 activations on a GPU (None: DEQ_GPU; DEQ_WIDE needs 4-byte aligned weight rows and
+    activations, else ValueError); the interpreter and fp16 activations have one each. One launch, no host syncs
+    (CUDA-graph capturable)."""
     grouped = pair_expert is not None
     k = x.shape[-1]
     if grouped:
@@ -198,7 +286,11 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     x = x if x.stride(-1) == 1 else x.contiguous()
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g
-    deq = DEQ_GPU if (x.dtype == torch.bfloat16 and not interp) else (1 if x.dtype == torch.bfloat16 else 0)
+    deq = (DEQ_GPU if deq is None else deq) if (x.dtype == torch.bfloat16 and not interp) else (
+        1 if x.dtype == torch.bfloat16 else 0)
+    if deq == DEQ_WIDE and (packed.data_ptr() % 4 or s_wn % 4 or s_we % 4 or x.data_ptr() % 4 or x.stride(0) % 2):
+        raise ValueError("w4a16_gemv: DEQ_WIDE reads weights and activations in 4-byte words: their rows must be "
+                         "4-byte aligned")
     args = (x, packed, sc, g, rs, y, pe, n, k, a_div, triton.next_power_of_2(r), x.stride(0), s_we, s_wn, s_se, s_sn,
             s_ge, s_gn, y.stride(0))
     meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, DEQ=deq, INTERPRET=interp)
@@ -233,16 +325,18 @@ def w4a16_swiglu_gemv(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_gemv(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                           weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
+                           weights: torch.Tensor, reduce: bool = True, layout: int = 0, *,
+                           deq: int | None = None) -> torch.Tensor:
     """Same contract as `moe_experts_w4a16_reference`, for T <= GEMV_MAX_TOKENS tokens on checkpoint-layout experts:
     two launches over the T x top_k pairs (gate_up + SwiGLU -> [P, I] rounded to x.dtype; down x routing weight ->
-    [T, k, H] rounded to x.dtype), then the sum over top_k (fp32, one more rounding) unless `reduce=False`."""
+    [T, k, H] rounded to x.dtype), then the sum over top_k (fp32, one more rounding) unless `reduce=False`. `deq`:
+    `w4a16_gemv_launch`'s."""
     t, top_k = idx.shape
     if layout != CHECKPOINT or not 0 < t <= GEMV_MAX_TOKENS:
         raise ValueError(f"w4a16_gemv: the MoE GEMV takes <= {GEMV_MAX_TOKENS} tokens on checkpoint-layout experts, "
                          f"got {t} tokens, layout {layout}")
-    h = w4a16_gemv_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True)  # [P, I]
-    y = w4a16_gemv_launch(h, *w2, pair_expert=idx, row_scale=weights).view(t, top_k, -1)  # [T, k, H], weighted
+    h = w4a16_gemv_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True, deq=deq)  # [P, I]
+    y = w4a16_gemv_launch(h, *w2, pair_expert=idx, row_scale=weights, deq=deq).view(t, top_k, -1)  # [T, k, H]
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 
 

@@ -145,11 +145,13 @@ def main() -> int:
                           {"x": "*bf16", "w": "*bf16", "logits": "*bf16", "w_out": "*bf16", "i_out": "*i64",
                            "ws": "*fp32", "counters": "*i32"},
                           dict(K=8, BLOCK_K=8, REDUCE=True, BLOCK_EF=256, INTERPRET=False, **tiling)))
-    # the decode W4A16 GEMV: grouped gate_up + SwiGLU (bf16, PTX dequant), grouped down x routing weight, dense fp16
+    # the decode W4A16 GEMV: grouped gate_up + SwiGLU (bf16, PTX dequant), grouped down x routing weight, dense fp16;
+    # DEQ_WIDE (int32 words, fp32 weights out of PTX) for grouped gate_up and dense lm_head-style calls
     gemv = {"x": "*bf16", "w": "*u8", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "pair_expert": "*i64"}
-    for grouped, swiglu, dtype, deq in ((True, True, "bf16", 2), (True, False, "bf16", 2), (False, False, "fp16", 0)):
+    for grouped, swiglu, dtype, deq in ((True, True, "bf16", 2), (True, False, "bf16", 2), (False, False, "fp16", 0),
+                                        (True, True, "bf16", 3), (False, False, "bf16", 3)):
         types = {**gemv, **({"x": "*fp16", "y": "*fp16", "rs": "*fp16"} if dtype == "fp16" else {})}
-        ok.append(compile_one(f"w4a16_gemv GROUPED={grouped} SWIGLU={swiglu} BLOCK_N=8 BLOCK_K=512 ({dtype})",
+        ok.append(compile_one(f"w4a16_gemv GROUPED={grouped} SWIGLU={swiglu} DEQ={deq} BLOCK_N=8 BLOCK_K=512 ({dtype})",
                               w4a16_gemv._w4a16_gemv_kernel, types,
                               dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, DEQ=deq,
                                    INTERPRET=False, BLOCK_N=8, BLOCK_K=512)))

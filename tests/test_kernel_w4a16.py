@@ -49,6 +49,7 @@ from kernels.w4a16_gemm import (
     w4a16_swiglu_reference,
     w4a16_swiglu_triton,
 )
+from tests import ptx_emu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -119,30 +120,11 @@ def test_bf16_bit_construction_and_its_ptx_version():
     bits = ((c & 7) << 6) | ((c & 8) << 12)
     assert torch.equal(_bf16_bits(bits), E2M1_VALUES.float() * 2.0**-126)  # exact (code 1: the subnormal 2^-127)
 
+    asm = ptx_emu.asm_text(w4a16_gemm._e2m1x2_bf16_tiny_ptx)
+
     def ptx(word: int) -> list[int]:
-        """Run the asm text of `_e2m1x2_bf16_tiny_ptx` (prmt / shl / and / or on .b32) on one word -> $0..$3."""
-        import inspect
-        import re
-
-        from kernels import w4a16_gemm
-
-        src = inspect.getsource(w4a16_gemm._e2m1x2_bf16_tiny_ptx.fn)
-        asm = src[src.index('"""{', src.index("inline_asm_elementwise")) + 4:src.index('}"""')]
-        reg = {"$4": word}
-        val = lambda t: int(t, 16) if t.startswith("0x") else int(t) if t.isdigit() else reg[t]  # noqa: E731
-        for ins in filter(None, (i.strip() for i in asm.split(";"))):
-            op, args = ins.split(None, 1)
-            if op == ".reg":
-                continue
-            d, *a = [t.strip() for t in args.split(",")]
-            if op == "prmt.b32":  # byte j of d = byte (sel >> 4j) & 7 of the 8-byte {a[1]:a[0]}
-                src8 = [(val(a[0]) >> (8 * i)) & 0xFF for i in range(4)] + [(val(a[1]) >> (8 * i)) & 0xFF
-                                                                            for i in range(4)]
-                reg[d] = sum(src8[(val(a[2]) >> (4 * j)) & 7] << (8 * j) for j in range(4))
-            else:
-                f = {"shl.b32": lambda x, y: x << y, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y}[op]
-                reg[d] = f(val(a[0]), val(a[1])) & 0xFFFFFFFF
-            assert re.fullmatch(r"\$\d|[a-z]\w*", d), ins
+        """Run the asm text of `_e2m1x2_bf16_tiny_ptx` on one word -> $0..$3."""
+        reg = ptx_emu.run(asm, {"$4": word})
         return [reg[f"${i}"] for i in range(4)]
 
     g = torch.Generator().manual_seed(0)

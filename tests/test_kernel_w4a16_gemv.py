@@ -24,6 +24,7 @@ from kernels.w4a16_gemv import (
     w4a16_linear_gemv,
     w4a16_swiglu_gemv,
 )
+from tests import ptx_emu
 from tests.test_kernel_w4a16 import DEVICE, check_gemm, check_swiglu, moe_inputs, rand_weight, rand_x
 
 CONFIGS = [None] if DEVICE == "cuda" else [dict(BLOCK_N=8, BLOCK_K=64), dict(BLOCK_N=4, BLOCK_K=128)]
@@ -142,6 +143,67 @@ def test_registry_order_and_self_check():
     args, _ = w4a16_gemm._sample_moe(DEVICE, layout=w4a16_gemm.CHECKPOINT)
     impl = reg.choose(w4a16_gemm.MOE, **reg.spec(w4a16_gemm.MOE).describe(*args))
     assert impl.name == GEMV and compare(impl.fn(*args), moe_experts_w4a16_reference(*args)) is None
+
+
+def test_wide_dequant_ptx_bits():
+    """DEQ_WIDE's inline PTX (`_e2m1x8_f32_scaled_ptx`), run from its source text on the CPU (tests/ptx_emu.py): for
+    every byte value in every position and scales over all positive e4m3 codes (as the kernel passes them: scale x
+    2^119 in bf16, in both halves of an int32), output j of a word is the weight at k offset (0, 2, 4, 6, 1, 3, 5,
+    7)[j] -- byte j % 4's low nibble for j < 4, its high nibble after -- times its scale x 2^-7, exactly, in fp32."""
+    from kernels import w4a16_gemv
+    from kernels.nvfp4 import E2M1_VALUES
+
+    asm = ptx_emu.asm_text(w4a16_gemv._e2m1x8_f32_scaled_ptx)
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every positive finite code
+    s_bf16 = (e4m3 * 2.0**119).to(torch.bfloat16)  # exact: e4m3 has 4 significant bits
+    assert torch.equal(s_bf16.float(), e4m3 * 2.0**119)
+    g = torch.Generator().manual_seed(3)
+    words = [b * 0x01010101 for b in range(256)] + [0x01234567, 0x89ABCDEF, 0xFFFFFFFF, 0]
+    words += torch.randint(0, 2**31, (200,), generator=g).tolist()
+    for n, word in enumerate(words):
+        s = s_bf16[n % len(s_bf16)]
+        sbits = int(s.view(torch.int16)) & 0xFFFF
+        reg = ptx_emu.run(asm, {"$8": word, "$9": sbits | (sbits << 16)})
+        got = torch.tensor([reg[f"${i}"] for i in range(8)], dtype=torch.int64).to(torch.int32).view(torch.float32)
+        codes = [(word >> (8 * (j % 4) + 4 * (j // 4))) & 0xF for j in range(8)]
+        want = E2M1_VALUES.float()[codes] * e4m3[n % len(e4m3)] * 2.0**-7
+        assert torch.equal(got, want), (hex(word), got, want)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="DEQ_WIDE is inline PTX: GPU only (its bits: test_wide_dequant_ptx_bits)")
+@pytest.mark.parametrize("case", ["dense", "swiglu", "grouped"])
+def test_wide_dequant_matches_reference(case):
+    """`w4a16_gemv_launch(deq=DEQ_WIDE)` (not the default yet) within the module's bounds of the reference, and equal
+    to the default mode's result to fp32 summation order (the same weights, products summed in another order)."""
+    from kernels.w4a16_gemv import DEQ_WIDE
+
+    k = 2048
+    if case == "grouped":  # routed-expert rows with row scales (the MoE's down launch), 4-byte words per row
+        e, n, t, top_k = 8, 256, 2, 4
+        w = rand_weight(e, n, k, seed=23)
+        x = rand_x(t, k, seed=24)
+        idx = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(25 + i))[:top_k]
+                           for i in range(t)]).to(DEVICE)
+        rs = torch.rand(t, top_k, generator=torch.Generator().manual_seed(26)).to(torch.bfloat16).to(DEVICE)
+        wide = w4a16_gemv_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs, deq=DEQ_WIDE)
+        for r in range(t * top_k):
+            ex = int(idx.view(-1)[r])
+            we = NVFP4Tensor(w.packed[ex], w.scales[ex], w.global_scale[ex])
+            ref = x[r // top_k: r // top_k + 1].float() @ _dq(we).T
+            assert compare(wide[r:r + 1].float(), ref * rs.view(-1)[r].float()) is None, r
+        assert compare(wide, w4a16_gemv_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs)) is None
+        return
+    n = 1024
+    w = rand_weight(n, k, seed=21)
+    x = rand_x(1, k, seed=22)
+    swiglu = case == "swiglu"
+    wide = w4a16_gemv_launch(x, *w, swiglu=swiglu, deq=DEQ_WIDE)
+    base = w4a16_gemv_launch(x, *w, swiglu=swiglu)
+    if swiglu:
+        check_swiglu(wide, x, _dq(w), "DEQ_WIDE swiglu")
+    else:
+        check_gemm(wide, x, _dq(w), x.float() @ _dq(w).T, "DEQ_WIDE dense")
+    assert compare(wide, base) is None
 
 
 def test_errors():
