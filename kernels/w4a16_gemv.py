@@ -83,11 +83,14 @@ def gemv_ok(m: int, n: int, k: int) -> bool:
 
 if triton is not None:
     # (BLOCK_N, BLOCK_K, warps). A thread holds BLOCK_N x BLOCK_K / (32 warps) weights of a tile (two tiles in flight
-    # with the prefetch; twice that for SwiGLU's gate and up rows).
+    # with the prefetch; twice that for SwiGLU's gate and up rows). The last two take the model's K = 2048 in one tile:
+    # every load of a program issued at once, one DRAM round trip instead of a chain of 2-4 (the decode calls are
+    # latency-bound: results/w4a16_gemv_bench_run2, 0.7 TB/s for the routed experts at one token); offline sm_90: no
+    # spills. Added 2026-12-01, not yet tuned on a GPU.
     _CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=1)
                 for bn, bk, w in [(4, 512, 2), (4, 1024, 4), (8, 512, 4), (8, 256, 2), (16, 256, 4), (16, 512, 4),
                                   (32, 256, 4), (8, 1024, 8), (16, 512, 8), (32, 128, 4), (4, 256, 1), (2, 1024, 2),
-                                  (64, 256, 8), (32, 512, 8), (2, 512, 1)]]
+                                  (64, 256, 8), (32, 512, 8), (2, 512, 1), (2, 2048, 4), (4, 2048, 8)]]
 
     @triton.jit
     def _gemv_tiles(w, s, rows, row_ok, t, K, s_wn, s_sn, BLOCK_K: tl.constexpr, DEQ: tl.constexpr):
