@@ -422,6 +422,10 @@ def main() -> None:
     def save():
         (out_dir / "qwen_gpu.json").write_text(json.dumps(r, indent=2, default=str))
         (out_dir / "qwen_gpu.md").write_text(markdown(r))
+        if device.type == "cuda":  # the autotuners' picks so far: the table a fresh machine loads to skip tuning
+            from kernels import autotune_table  # (copy to kernels/tuned/<GPU model>.json; kernels/autotune_table.py)
+
+            autotune_table.dump(torch.cuda.get_device_name(), out_dir / "autotune_picks.json")
 
     # ---- build ----------------------------------------------------------------------------------------------------
     log(f"generating random packed weights for {'tiny' if tiny else 'full-size'} config on {device}")

@@ -29,6 +29,7 @@ import operator
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,6 +127,11 @@ class QwenEngineConfig:
     prefill_buckets: tuple = ()  # prefill token buckets (a chunk runs padded to the next one; each costs start-up
     #                              time: ~87 s for the first on an H200, compile + autotune); () = 256, 1024, 2048, up
     #                              to min(max_num_batched_tokens, max_model_len)
+    autotune_table: str = "auto"  # auto | off | a JSON path (kernels/autotune_table.py): autotune picks loaded before
+    #                               the warm-up, so that only the picked configuration of each known key compiles
+    #                               and none is timed (a fresh H200 took > 560 s to start without them, 42-44 s
+    #                               with Triton's cache warm: RESULTS.md runs 21-23); auto: kernels/tuned/<GPU
+    #                               model>.json when it exists. Unknown keys are tuned as before
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -157,6 +163,8 @@ class QwenEngineConfig:
         check_expert_layout(self.expert_layout)
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
+        if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
+            raise ValueError(f"autotune_table must be auto | off | an existing JSON file, got {self.autotune_table!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -255,6 +263,7 @@ class QwenEngine:
         for op in MODEL_OPS:
             if op in default_registry().ops():
                 default_registry().set_preference(cfg.kernels, op)
+        self.autotune_picks = self._load_autotune_table()
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -409,6 +418,7 @@ class QwenEngine:
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
             "kernel_checks": self.kernel_checks,
+            "autotune_table_picks": self.autotune_picks,
             "stats": s.stats.snapshot(),
         }
 
@@ -631,6 +641,16 @@ class QwenEngine:
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
         return {**out, **_MODEL_OPS_CHECKED[key], **check_expert_layouts(self.model, self.device, reg)}
+
+    def _load_autotune_table(self) -> int:
+        """`autotune_table` onto the Triton autotuners (CUDA only): the number of picks loaded."""
+        if self.cfg.autotune_table == "off" or self.device.type != "cuda":
+            return 0
+        from kernels import autotune_table
+
+        if self.cfg.autotune_table == "auto":
+            return autotune_table.load_for_device(self.device)
+        return autotune_table.load(self.cfg.autotune_table, torch.cuda.get_device_name(self.device))
 
     def _auto_num_blocks(self) -> int:
         """KV pool size when `num_kv_blocks` is None (see the config field)."""

@@ -1,0 +1,116 @@
+"""Autotune picks saved from one GPU run and loaded before the next start, so that a fresh machine neither benchmarks
+nor compiles every configuration of the autotuned kernels again.
+
+Why: on a fresh H200 (empty Triton cache) the Qwen engine's first start took more than 560 s (benchmarks/RESULTS.md,
+runs 21-23): each autotuned kernel compiles and times every configuration for every new key (decode bucket x shape)
+in the warm-up; with the cache warm the same start took 42-44 s. A table of the picks pre-fills each autotuner's
+`cache` (Triton's own in-memory `{key: Config}`), so only the picked configuration of each key is compiled and
+nothing is timed; keys the table lacks are tuned as before.
+
+Table (JSON, one per GPU model: `kernels/tuned/<device name>.json`, written by `dump`): {"device", "triton", "kernels":
+{name: [[key, config], ...]}} with Triton's key -- the kernel's `key=` argument values, then the dtype of every tensor
+argument, in order (`triton.runtime.autotuner.Autotuner.run`, the same in triton 3.6 and 3.8) -- and the config's
+kwargs, num_warps, num_stages, num_ctas, maxnreg. Loaded only onto the GPU model it was measured on. Every config of
+these kernels is a correct one (their tests run them); a table only chooses among them, so a stale table costs speed,
+never correctness.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TABLE_DIR = Path(__file__).with_name("tuned")
+# name -> (module, attribute) of each autotuned kernel (a `triton.runtime.autotuner.Autotuner`)
+AUTOTUNED = {
+    "w4a16_dense": ("kernels.w4a16_gemm", "_w4a16_dense_kernel"),
+    "w4a16_grouped": ("kernels.w4a16_gemm", "_w4a16_grouped_kernel"),
+    "w4a16_gemv": ("kernels.w4a16_gemv", "_w4a16_gemv_autotuned"),
+    "fp8_gemv": ("kernels.fp8_gemv", "_fp8_gemv_autotuned"),
+    "fp8_skinny": ("kernels.fp8_skinny", "_fp8_skinny_autotuned"),
+}
+_CONFIG_FIELDS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def autotuners() -> dict[str, Any]:
+    """name -> the Autotuner object (empty without triton)."""
+    out = {}
+    for name, (module, attr) in AUTOTUNED.items():
+        tuner = getattr(importlib.import_module(module), attr, None)
+        if tuner is not None and hasattr(tuner, "cache"):
+            out[name] = tuner
+    return out
+
+
+def table_path(device_name: str) -> Path:
+    """kernels/tuned/<device name, lower case, non-alphanumerics as '_'>.json."""
+    return TABLE_DIR / (re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") + ".json")
+
+
+def _config_json(config) -> dict:
+    return {"kwargs": dict(config.kwargs), **{f: getattr(config, f, None) for f in _CONFIG_FIELDS}}
+
+
+def dump(device_name: str, path: str | Path | None = None) -> dict:
+    """Every autotuner's picks so far (this process) as a table for `device_name`; written to `path` if given."""
+    import triton
+
+    kernels = {name: [[list(key), _config_json(cfg)] for key, cfg in tuner.cache.items()]
+               for name, tuner in autotuners().items() if tuner.cache}
+    table = {"device": device_name, "triton": triton.__version__, "kernels": kernels}
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(table, indent=1) + "\n")
+    return table
+
+
+def load(table: dict | str | Path, device_name: str) -> int:
+    """Pre-fill the autotuners' caches from `table` (a dict or a JSON file) when it was measured on `device_name`;
+    keys already tuned in this process are kept. Returns the number of picks loaded (0 for another GPU model, logged).
+    A malformed table, an unknown kernel or a configuration the kernel does not list raise ValueError."""
+    import triton
+
+    if not isinstance(table, dict):
+        try:
+            table = json.loads(Path(table).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"autotune table {table}: cannot read it ({exc})") from exc
+    if not isinstance(table, dict) or not isinstance(table.get("kernels"), dict) or "device" not in table:
+        raise ValueError("autotune table: expected {'device': ..., 'triton': ..., 'kernels': {name: [[key, config]]}}")
+    if table["device"] != device_name:
+        log.info("autotune table for %s not loaded on %s", table["device"], device_name)
+        return 0
+    tuners = autotuners()
+    n = 0
+    for name, picks in table["kernels"].items():
+        if name not in tuners:
+            raise ValueError(f"autotune table: unknown kernel {name!r} (known: {sorted(tuners)})")
+        tuner = tuners[name]
+        listed = {json.dumps(_config_json(c), sort_keys=True): c for c in tuner.configs}
+        for key, cfg in picks:
+            config = listed.get(json.dumps(cfg, sort_keys=True))
+            if config is None:  # the kernel's configurations changed since the table was written
+                raise ValueError(f"autotune table: {name} has no configuration {cfg} (regenerate the table)")
+            tuner.cache.setdefault(tuple(key), config)
+            n += 1
+    log.info("autotune table: %d picks for %s (measured with triton %s; this is %s)", n, device_name,
+             table.get("triton"), triton.__version__)
+    return n
+
+
+def load_for_device(device) -> int:
+    """`load` the shipped table of this CUDA device's model, if there is one (0 otherwise, and off CUDA)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    name = torch.cuda.get_device_name(device)
+    path = table_path(name)
+    return load(path, name) if path.exists() else 0
