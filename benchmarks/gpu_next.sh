@@ -107,6 +107,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="29" bash benchmarks/gpu_next.sh      # ~1 min (ran: swapped bench run 2)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~2 min warm (ran: runs 21, 24)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="31" bash benchmarks/gpu_next.sh      # ~3 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="32" bash benchmarks/gpu_next.sh      # ~2 min (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -389,5 +390,13 @@ timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv
 grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
 timeout 200 python benchmarks/w4a16_gemv_bench.py --deq 2,3 --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
 grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-260
+fi
+if want 32; then
+say "32. split_quad (the swap-AB kernel's quarter-order experiment): GPU tests, per call beside fragment order"
+timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_swapped.py > "$R/quad_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/quad_tests.log" | tail -3
+timeout 150 python benchmarks/w4a16_swapped_bench.py --tokens 32,1024 --layouts frag,quad --engine-config-only \
+  --out "$R/w4a16_swapped_bench" > "$R/w4a16_swapped_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_swapped_bench/w4a16_swapped_bench.md" | head -20
 fi
 say "done"

@@ -100,13 +100,14 @@ def main() -> int:
                                    BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, TILE_N=tile_n)))
     # the swap-AB grouped kernel on split-halves experts (the engine's MoE path on CUDA): decode (BLOCK_M 16, SwiGLU)
     # and prefill (BLOCK_M 64, routing weight) programs, PTX dequant
-    # (FRAG: the bytes in fragment order, `split_frag`, with its scale conversion)
-    for bm, swiglu, frag in ((16, True, False), (64, False, False), (16, True, True), (64, False, True)):
+    # (FRAG: the bytes in fragment order, `split_frag`, with its scale conversion; QUAD: `split_quad`, the experiment)
+    for bm, swiglu, frag, quad in ((16, True, False, False), (64, False, False, False), (16, True, True, False),
+                                   (64, False, True, False), (16, True, False, True)):
         what = "SwiGLU" if swiglu else "routing weight"
         ok.append(compile_one(f"w4a16 grouped swap-AB BLOCK_M={bm} BLOCK_N=64 BLOCK_K=128 DEQ=2 FRAG={int(frag)} "
-                              f"({what}, bf16)", w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
+                              f"QUAD={int(quad)} ({what}, bf16)", w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
-                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=frag)))
+                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=frag, QUAD=quad)))
     # the GDN prefill conv (a padded bucket: valid count read on the device), bf16
     ok.append(compile_one("gdn_prefill_conv (C = 8192, K = 4, valid on the device, bf16)",
                           gdn_conv._gdn_prefill_conv_kernel,
