@@ -10,7 +10,6 @@ Against the existing kernel (same products, other summation order): <= 1 output 
 for fp16) + the same 1e-6 max |ref|.
 """
 
-import functools
 import inspect
 
 import pytest
@@ -29,6 +28,7 @@ from kernels.w4a16_swapped import (
     unsplit_quad,
     w4a16_grouped_swapped_launch,
 )
+from tests import ptx_emu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BK = 128  # K tile of the split-halves layout
@@ -101,52 +101,6 @@ def test_split_quad_round_trip_and_fields():
         split_quad(p, 48, BK)
 
 
-@functools.cache
-def _ptx_instructions(fn) -> tuple:
-    """(opcode, operand text) of each instruction in the asm text of a `tl.inline_asm_elementwise` jit function."""
-    src = inspect.getsource(fn.fn)
-    asm = src[src.index('"""{', src.index("inline_asm_elementwise")) + 4:src.index('}"""')]
-    return tuple(tuple(i.split(None, 1)) for i in filter(None, (i.strip() for i in asm.split(";")))
-                 if not i.startswith(".reg"))
-
-
-def _run_ptx(fn, regs: dict) -> dict:
-    """Run the asm text of a `tl.inline_asm_elementwise` jit function on one set of 32-bit inputs (regs: {"$4": ...}):
-    the instructions its quad PTX uses (shl / shr / and / or / prmt / mov / mul.rn.bf16x2 on .b32, mov splits into
-    .b16 halves) -> all registers."""
-    import struct
-
-    reg = dict(regs)
-    val = lambda t: int(t, 16) if t.startswith("0x") else int(t) if t.isdigit() else reg[t]  # noqa: E731
-
-    def bf16x2_mul(a: int, b: int) -> int:  # exact products only (asserted): powers of two here, no rounding
-        out = 0
-        for h in (0, 16):
-            f = [struct.unpack("<f", struct.pack("<I", ((w >> h) & 0xFFFF) << 16))[0] for w in (a, b)]
-            bits = struct.unpack("<I", struct.pack("<f", f[0] * f[1]))[0]
-            assert bits & 0xFFFF == 0 and f[0] * f[1] == struct.unpack("<f", struct.pack("<I", bits))[0]
-            out |= (bits >> 16) << h
-        return out
-
-    for op, args in _ptx_instructions(fn):
-        if op == "mov.b32" and args.startswith("{"):  # {lo, hi}, word
-            halves, w = args.rsplit(",", 1)
-            lo, hi = (t.strip() for t in halves.strip(" {}").split(","))
-            reg[lo], reg[hi] = val(w.strip()) & 0xFFFF, val(w.strip()) >> 16
-            continue
-        d, *a = [t.strip() for t in args.split(",")]
-        if op == "prmt.b32":  # byte j of d = byte (sel >> 4j) & 7 of the 8-byte {a[1]:a[0]}
-            src8 = [(val(a[0]) >> (8 * i)) & 0xFF for i in range(4)] + [(val(a[1]) >> (8 * i)) & 0xFF for i in range(4)]
-            reg[d] = sum(src8[(val(a[2]) >> (4 * j)) & 7] << (8 * j) for j in range(4))
-        elif op == "mul.rn.bf16x2":
-            reg[d] = bf16x2_mul(val(a[0]), val(a[1]))
-        else:
-            f = {"shl.b32": lambda x, y: x << y, "shr.b32": lambda x, y: x >> y, "and.b32": lambda x, y: x & y,
-                 "or.b32": lambda x, y: x | y, "mov.b32": lambda x: x}[op]
-            reg[d] = f(*(val(t) for t in a)) & 0xFFFFFFFF
-    return reg
-
-
 def test_quad_ptx_bits():
     """The QUAD path's GPU decode, checked on the CPU (the interpreter runs an fp32 emulation instead) by executing the
     asm text: `_e2m1x4_quad_ptx` on a word of two `split_quad` elements gives, in output q, the `_e2m1_bf16_tiny`
@@ -155,12 +109,14 @@ def test_quad_ptx_bits():
     in every position and both k16 steps the bf16 of scale x 2^119 (the other routes' value)."""
     from kernels import w4a16_swapped
 
+    decode = ptx_emu.asm_text(w4a16_swapped._e2m1x4_quad_ptx)
+    scales = ptx_emu.asm_text(w4a16_swapped._e4m3_quad_bf16_gained_ptx)
     tiny = lambda c: ((c & 7) << 6) | ((c & 8) << 12)  # noqa: E731
     code = lambda v, q: ((v >> QUAD_FIELDS[q][0]) & 7) | (((v >> QUAD_FIELDS[q][1]) & 1) << 3)  # noqa: E731
     g = torch.Generator().manual_seed(5)
     other = torch.randint(0, 2**16, (2**16,), generator=g).tolist()
     for e0, e1 in zip(range(2**16), other):
-        out = _run_ptx(w4a16_swapped._e2m1x4_quad_ptx, {"$4": e0 | (e1 << 16)})
+        out = ptx_emu.run(decode, {"$4": e0 | (e1 << 16)})
         assert [out[f"${q}"] for q in range(4)] == [tiny(code(e0, q)) | (tiny(code(e1, q)) << 16)
                                                     for q in range(4)], hex(e0)
     b = torch.arange(256, dtype=torch.int32)
@@ -174,8 +130,7 @@ def test_quad_ptx_bits():
             w0 = sum(c << (8 * i) for i, c in enumerate(grp[:4]))
             w1 = sum(c << (8 * i) for i, c in enumerate(grp[4:]))
             for step in (0, 1):
-                out = _run_ptx(w4a16_swapped._e4m3_quad_bf16_gained_ptx,
-                               {"$4": w0, "$5": w1, "$6": 0x4240 + 0x101 * step})
+                out = ptx_emu.run(scales, {"$4": w0, "$5": w1, "$6": 0x4240 + 0x101 * step})
                 for q in range(4):  # quarter q's step: group 2q + step
                     if grp[2 * q + step] not in nan:
                         assert out[f"${q}"] == int(want[grp[2 * q + step]]), (byte, pos, step, q)
@@ -254,18 +209,27 @@ def test_fragment_order_scale_bits():
     assert torch.equal(tiny * 2.0**120 * 2.0**119, (scale * 2.0**119).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("layout", ["frag", "quad"])
 @pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", [CASES[i] for i in (1, 2, 4, 5, 7, 8)])
-def test_swapped_on_fragment_order(t, top_k, mode, block_m, dtype, cfg, tile):
-    """FRAG (`split_frag` bytes): the same numbers as the split-halves launch, bit for bit (the same tiles after
-    `_frag_to_k`; on a GPU the bf16 path converts the scales by another exact route, so still the same products),
-    with block-scale bytes spread over every non-NaN e4m3 code (subnormals included); within the reference's bound.
-    Split-halves bytes read as fragment order are far off."""
+def test_swapped_on_reordered_layouts(layout, t, top_k, mode, block_m, dtype, cfg, tile):
+    """FRAG (`split_frag` bytes) and QUAD (`split_quad` elements): the same numbers as the split-halves launch, bit
+    for bit -- FRAG: the same tiles after `_frag_to_k` (on a GPU the bf16 path converts the scales by another exact
+    route, so still the same products); QUAD: interpreter, the same fp32 emulation and the halves' dots; GPU, the
+    same k16 wgmma steps in the same order, by construction -- with block-scale bytes spread over every non-NaN e4m3
+    code (subnormals included); within the reference's bound. Split-halves bytes read in either order are far off;
+    QUAD refuses fp16 activations."""
+    split, flag = {"frag": (split_frag, "frag"), "quad": (split_quad, "quad")}[layout]
     w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=17)
     codes = torch.randint(0, 0x7F, tuple(w.scales.shape), generator=torch.Generator().manual_seed(21))
     w = NVFP4Tensor(w.packed, codes.to(torch.uint8).view(torch.float8_e4m3fn).to(DEVICE), w.global_scale)
     kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg)
-    y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                     frag=True, **kw)
+    if layout == "quad" and dtype != torch.bfloat16:
+        with pytest.raises(ValueError, match="quad"):
+            w4a16_grouped_swapped_launch(x, split(w.packed, tile, BK), w.scales, w.global_scale, routing, quad=True,
+                                         **kw)
+        return
+    y = w4a16_grouped_swapped_launch(x, split(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                     **{flag: True}, **kw)
     halves = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
                                           **kw)
     ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
@@ -273,7 +237,7 @@ def test_swapped_on_fragment_order(t, top_k, mode, block_m, dtype, cfg, tile):
     assert torch.equal(y, halves)
     assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + noise).all()
     wrong = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                         frag=True, **kw)
+                                         **{flag: True}, **kw)
     assert compare(wrong, ref32.to(y.dtype)) is not None
 
 
@@ -301,27 +265,3 @@ def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
     assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", [CASES[i] for i in (1, 2, 4, 7, 8)])
-def test_swapped_on_quad_order(t, top_k, mode, block_m, dtype, cfg, tile):
-    """QUAD (`split_quad` elements): the same numbers as the split-halves launch, bit for bit (interpreter: the same
-    fp32 emulation and the halves' dots; GPU: the same k16 wgmma steps in the same order, by construction), with
-    block-scale bytes spread over every non-NaN e4m3 code; within the reference's bound. Split-halves bytes read as
-    quad elements are far off; fp16 activations are refused."""
-    w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=27)
-    codes = torch.randint(0, 0x7F, tuple(w.scales.shape), generator=torch.Generator().manual_seed(29))
-    w = NVFP4Tensor(w.packed, codes.to(torch.uint8).view(torch.float8_e4m3fn).to(DEVICE), w.global_scale)
-    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg)
-    y = w4a16_grouped_swapped_launch(x, split_quad(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                     quad=True, **kw)
-    halves = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                          **kw)
-    ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
-    noise = 1e-6 * ref32.abs().max()
-    assert torch.equal(y, halves)
-    assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + noise).all()
-    wrong = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                         quad=True, **kw)
-    assert compare(wrong, ref32.to(y.dtype)) is not None
-    with pytest.raises(ValueError, match="quad"):
-        w4a16_grouped_swapped_launch(x.half(), split_quad(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                     quad=True, **kw)
