@@ -64,16 +64,24 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------------
+def _stacked_tiles(packed: torch.Tensor, block_n: int, block_k: int, k_multiple: int) -> tuple[torch.Tensor, bool]:
+    """packed [E, N, K/2] or [N, K/2] -> ([E, N, K/2], whether it was 2-D), after checking that it splits into
+    block_n x block_k tiles with block_k a multiple of `k_multiple` (ValueError otherwise)."""
+    flat = packed.dim() == 2
+    p = packed.unsqueeze(0) if flat else packed
+    e, n, kh = p.shape
+    if n % block_n or (2 * kh) % block_k or block_k % k_multiple:
+        raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles "
+                         f"(block_k a multiple of {k_multiple})")
+    return p, flat
+
+
 def split_halves(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """Checkpoint-layout packed weights [E, N, K/2] (or [N, K/2]; byte j = k 2j low nibble, 2j+1 high) -> the split-
     halves tile-major bytes of the same shape: per K tile byte j holds k = j (low) and j + BK/2 (high), then tiles of
     block_n rows x block_k are made contiguous (`tile_major`)."""
-    flat = packed.dim() == 2
-    p = packed.unsqueeze(0) if flat else packed
+    p, flat = _stacked_tiles(packed, block_n, block_k, 2 * BLOCK)
     e, n, kh = p.shape
-    if n % block_n or (2 * kh) % block_k or block_k % (2 * BLOCK):
-        raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles "
-                         f"(block_k a multiple of {2 * BLOCK})")
     codes = torch.stack((p & 0xF, p >> 4), -1).view(e, n, 2 * kh // block_k, 2, block_k // 2)  # k-ordered codes
     halves = (codes[..., 0, :] | (codes[..., 1, :] << 4)).view(e, n, kh)  # lo: first half of each K tile, hi: second
     out = tile_major(halves, block_n, block_k)
@@ -135,12 +143,8 @@ def split_quad(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor
     """Checkpoint-layout packed weights [E, N, K/2] (or [N, K/2]) -> the split-quad bytes of the same shape: per K tile
     uint16 element j holds codes k = j + q block_k/4 at QUAD_FIELDS[q] (little endian), then tiles of block_n rows x
     block_k made contiguous (`tile_major`)."""
-    flat = packed.dim() == 2
-    p = packed.unsqueeze(0) if flat else packed
+    p, flat = _stacked_tiles(packed, block_n, block_k, 4 * BLOCK)
     e, n, kh = p.shape
-    if n % block_n or (2 * kh) % block_k or block_k % (4 * BLOCK):
-        raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles "
-                         f"(block_k a multiple of {4 * BLOCK})")
     codes = torch.stack((p & 0xF, p >> 4), -1).to(torch.int32).view(e, n, 2 * kh // block_k, 4, block_k // 4)
     v = torch.zeros_like(codes[..., 0, :])
     for q, (m, sgn) in enumerate(QUAD_FIELDS):
