@@ -108,6 +108,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="30" bash benchmarks/gpu_next.sh      # ~2 min warm (ran: runs 21, 24)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="31" bash benchmarks/gpu_next.sh      # ~3 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="32" bash benchmarks/gpu_next.sh      # ~2 min (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="33" bash benchmarks/gpu_next.sh      # ~2 min warm (unrun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -129,7 +130,7 @@ else
 fi
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # engine_ab NAME LIMIT_S QWEN_GPU_ARGS...: the default engine beside the variant the arguments ask for, engines only
-# (one prefill bucket, 48 decode tokens), into $R/NAME; a stack dump on timeout (steps 27, 28, 30)
+# (one prefill bucket, 48 decode tokens), into $R/NAME; a stack dump on timeout (steps 27, 28, 30, 33)
 engine_ab() {
   local name=$1 limit=$2
   shift 2
@@ -398,5 +399,9 @@ grep -E "passed|failed|Error" "$R/quad_tests.log" | tail -3
 timeout 150 python benchmarks/w4a16_swapped_bench.py --tokens 32,1024 --layouts frag,quad --engine-config-only \
   --out "$R/w4a16_swapped_bench" > "$R/w4a16_swapped_bench.log" 2>&1
 grep -E "^\| " "$R/w4a16_swapped_bench/w4a16_swapped_bench.md" | head -20
+fi
+if want 33; then
+say "33. the engine beside the same engine with the GEMV's DEQ_WIDE (lone decode)"
+engine_ab qwen_gemv_wide 560 --gemv-wide
 fi
 say "done"

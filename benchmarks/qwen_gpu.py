@@ -196,6 +196,8 @@ def markdown(r: dict) -> str:
               for key, w in r.items() if key.startswith("engine_without")),
             f"| (e) engine with q/k/v and in_proj_qkv/z unfused (separate FP8 calls): decode tok/s, lone request / "
             f"all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_unfused'))} | - |",
+            f"| (e) engine with the W4A16 GEMV's DEQ_WIDE dequant: decode tok/s, lone request / all {st.get('n')} "
+            f"streams decoding / TTFT ms | {side_by_side(r.get('engine_gemv_wide'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_again'))} | - |",
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
@@ -383,6 +385,9 @@ def main() -> None:
     ap.add_argument("--unfused-projections", action="store_true",
                     help="(e) once more with the decode steps' FP8 projections unfused (quantized."
                          "FUSE_DECODE_PROJECTIONS off: q/k/v and in_proj_qkv/z as separate calls), side by side")
+    ap.add_argument("--gemv-wide", action="store_true",
+                    help="(e) once more with the W4A16 GEMV in its DEQ_WIDE mode (kernels/w4a16_gemv.py DEQ_GPU = "
+                         "DEQ_WIDE: int32 weight words, fp32 out of PTX; not the default), side by side")
     ap.add_argument("--again", action="store_true",
                     help="(e) the first engine once more after all the others, in the same process (the first of a "
                          "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
@@ -555,6 +560,20 @@ def main() -> None:
             finally:
                 quantized.FUSE_DECODE_PROJECTIONS = True
             log(f"(e) unfused projections {r.get('engine_unfused')}")
+            save()
+        if args.gemv_wide:  # the same engine with the decode GEMV's DEQ_WIDE dequant
+            from kernels import w4a16_gemv
+
+            default_deq = w4a16_gemv.DEQ_GPU
+            try:
+                w4a16_gemv.DEQ_GPU = w4a16_gemv.DEQ_WIDE
+                r["engine_gemv_wide"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                                 prefill_buckets=buckets))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine with the GEMV's DEQ_WIDE: {type(e).__name__}: {e}")
+            finally:
+                w4a16_gemv.DEQ_GPU = default_deq
+            log(f"(e) GEMV DEQ_WIDE {r.get('engine_gemv_wide')}")
             save()
         if args.compare_layout:  # the same engine on the same weights in another expert byte layout
             from qwen_engine.load_packed import apply_expert_layout
