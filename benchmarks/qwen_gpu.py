@@ -281,6 +281,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
+                            autotune_table="off",  # tune afresh: the dumped picks are this run's own
                             shared_expert_in_moe=shared_expert_in_moe,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))

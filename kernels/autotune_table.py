@@ -11,8 +11,9 @@ Table (JSON, one per GPU model: `kernels/tuned/<device name>.json`, written by `
 {name: [[key, config], ...]}} with Triton's key -- the kernel's `key=` argument values, then the dtype of every tensor
 argument, in order (`triton.runtime.autotuner.Autotuner.run`, the same in triton 3.6 and 3.8) -- and the config's
 kwargs, num_warps, num_stages, num_ctas, maxnreg. Loaded only onto the GPU model it was measured on. Every config of
-these kernels is a correct one (their tests run them); a table only chooses among them, so a stale table costs speed,
-never correctness.
+these kernels is a correct one (their tests run them); a table only chooses among them. A table naming a kernel or a
+configuration the code no longer has is refused (ValueError at the engine's start: regenerate it). Loading is
+process-wide and first-wins (the autotuners are module globals).
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def load(table: dict | str | Path, device_name: str) -> int:
             config = listed.get(json.dumps(cfg, sort_keys=True))
             if config is None:  # the kernel's configurations changed since the table was written
                 raise ValueError(f"autotune table: {name} has no configuration {cfg} (regenerate the table)")
-            tuner.cache.setdefault(tuple(key), config)
-            n += 1
+            if tuple(key) not in tuner.cache:
+                tuner.cache[tuple(key)] = config
+                n += 1
     log.info("autotune table: %d picks for %s (measured with triton %s; this is %s)", n, device_name,
              table.get("triton"), triton.__version__)
     return n

@@ -737,7 +737,7 @@ def tile_major_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 # Byte layouts of stacked experts (`experts_repack`; `NVFP4Experts.layout`; the MoE op's `layout` argument): the
 # checkpoint's; tile-major for the grouped kernel's TILED mode; split halves, tile-major too, for the swap-AB kernel
 # (`kernels/w4a16_swapped.py`, the engine's layout on CUDA); split halves in fragment order (`split_frag`: the same
-# kernel reading shared memory 4 bytes at a time: 16-27% faster per call on the H200, the engine's default on Hopper
+# kernel reading shared memory 4 bytes at a time: 15-27% faster per call on the H200, the engine's default on Hopper
 # through `qwen_engine.load_packed`'s "dual_frag"). Block and global scales keep the checkpoint layout.
 CHECKPOINT, TILE_MAJOR, SPLIT_HALVES, SPLIT_FRAG = 0, 1, 2, 3
 EXPERT_LAYOUTS = {"checkpoint": CHECKPOINT, "tile_major": TILE_MAJOR, "split_halves": SPLIT_HALVES,

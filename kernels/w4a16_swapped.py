@@ -133,7 +133,7 @@ def unsplit_frag(packed_frag: torch.Tensor, block_n: int, block_k: int) -> torch
 # cost model (code 2 needs only a mask, code 0 one shift; codes 1 and 3 a shift each for magnitude and sign). The
 # kernel (QUAD) runs one dot per quarter (K = BK/4): the same k16 wgmma steps in the same order as the halves' two dots,
 # so on a GPU the same bits as `split_frag` (not yet checked on one). Offline sm_90 SASS, K-loop instructions per K
-# tile (BLOCK_N 64, 4 warps, 3 stages): SwiGLU BLOCK_M 16 689 -> 461, BLOCK_M 64 708 -> 467, down BLOCK_M 16 373 ->
+# tile (BLOCK_N 64, 4 warps, 3 stages): SwiGLU BLOCK_M 16 689 -> 465, BLOCK_M 64 708 -> 469, down BLOCK_M 16 373 ->
 # 272, no spills; but Triton keeps this chain in the load's blocked layout and hands the A tiles to wgmma through
 # shared memory (16 STS.128 + 16 LDSM per K tile): the FRAG path's dequant stays in registers. Not yet timed.
 QUAD_FIELDS = ((0, 9), (3, 10), (6, 15), (11, 14))  # (magnitude bit offset, sign bit) of code q in an element
@@ -488,9 +488,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     if n_out % bn or bn % block_n or k % block_k or block_k % (2 * BLOCK) or (swiglu and n % 2):
         raise ValueError(f"BLOCK_N {bn} must be a multiple of the stored tile's {block_n} rows and divide N_out "
                          f"{n_out}; block_k {block_k} must divide K {k} and be a multiple of {2 * BLOCK}")
-    if quad and (frag or x.dtype != torch.bfloat16 or block_k != 128 or scales.stride(-2) % 4
+    if quad and (frag or deq == 0 or x.dtype != torch.bfloat16 or block_k != 128 or scales.stride(-2) % 4
                  or scales.stride(0) % 4 or scales.data_ptr() % 4 or packed_split.data_ptr() % 2):
-        raise ValueError(f"quad (split_quad weights) needs bf16 x, block_k 128, scales in whole 4-byte aligned int32 "
+        raise ValueError(f"quad (split_quad weights) needs bf16 x, deq 1 or 2, block_k 128, scales in whole 4-byte aligned int32 "
                          f"words and 2-byte aligned weights, not frag; got {x.dtype}, {block_k}, scale strides "
                          f"{scales.stride()}, frag={frag}")
     if cfg.get("num_warps") != 4 and not unverified:
