@@ -109,6 +109,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="31" bash benchmarks/gpu_next.sh      # ~3 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="32" bash benchmarks/gpu_next.sh      # ~2 min (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="33" bash benchmarks/gpu_next.sh      # ~2 min warm (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="34" bash benchmarks/gpu_next.sh      # ~9.5 min on a fresh machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -403,5 +404,14 @@ fi
 if want 33; then
 say "33. the engine beside the same engine with the GEMV's DEQ_WIDE (lone decode)"
 engine_ab qwen_gemv_wide 560 --gemv-wide
+fi
+if want 34; then
+say "34. the default engine on a fresh machine: its start time, its autotune picks (kernels/tuned/), the Triton cache"
+engine_ab qwen_default "${LIMIT_34:-560}"
+cp "$R/qwen_default/autotune_picks.json" "$OUT/" 2>/dev/null  # also outside the archive, should the call be cut
+grep -E "engine started|ready|start" "$R/qwen_default.log" | cut -c1-200 | head -5
+cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+say "Triton cache $cache: $(du -sh "$cache" 2>/dev/null | cut -f1), $(find "$cache" -name '*.cubin' 2>/dev/null | wc -l) cubins"
+tar czf "$R/triton_cache.tgz" -C "$cache" . 2>/dev/null && say "cache tgz $(du -h "$R/triton_cache.tgz" | cut -f1)"
 fi
 say "done"

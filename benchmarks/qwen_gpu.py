@@ -433,6 +433,26 @@ def main() -> None:
 
             autotune_table.dump(torch.cuda.get_device_name(), out_dir / "autotune_picks.json")
 
+    def dump_picks_every(seconds: float):
+        """Also every `seconds` from a daemon thread: a fresh machine's first engine start can outlast the call
+        (> 560 s, mostly tuning), and the picks tuned so far are what the next start needs (kernels/tuned/)."""
+        import threading
+
+        from kernels import autotune_table
+
+        def loop():
+            while True:
+                time.sleep(seconds)
+                try:  # an autotuner may insert a pick mid-copy: skip this round
+                    autotune_table.dump(torch.cuda.get_device_name(), out_dir / "autotune_picks.json")
+                except RuntimeError:
+                    pass
+
+        threading.Thread(target=loop, name="autotune-picks", daemon=True).start()
+
+    if device.type == "cuda":
+        dump_picks_every(15.0)
+
     # ---- build ----------------------------------------------------------------------------------------------------
     log(f"generating random packed weights for {'tiny' if tiny else 'full-size'} config on {device}")
     t = time.perf_counter()

@@ -62,12 +62,15 @@ def dump(device_name: str, path: str | Path | None = None) -> dict:
     """Every autotuner's picks so far (this process) as a table for `device_name`; written to `path` if given."""
     import triton
 
-    kernels = {name: [[list(key), _config_json(cfg)] for key, cfg in tuner.cache.items()]
+    kernels = {name: [[list(key), _config_json(cfg)] for key, cfg in list(tuner.cache.items())]
                for name, tuner in autotuners().items() if tuner.cache}
     table = {"device": device_name, "triton": triton.__version__, "kernels": kernels}
     if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(table, indent=1) + "\n")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")  # whole or absent, should the process be killed mid-write
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
+        tmp.replace(path)
     return table
 
 
