@@ -6,7 +6,6 @@ Qwen3.6-35B-A3B's expert shapes (E 256, H 2048, I 512, top-8), per projection an
     python benchmarks/w4a16_swapped_bench.py --dry-run                                          # CPU interpreter, tiny
     python benchmarks/w4a16_swapped_bench.py --tokens 32,1024 --layouts halves,frag --engine-config-only
                                      # split halves beside fragment order (`split_frag`) at the engine's launch config
-                                     # (--layouts frag,quad: beside `split_quad`, the quarter-order experiment)
 
 Times: medians of `triton.testing.do_bench` (CUDA events, L2 flushed between runs). Weights: random bytes and
 normal-range scales (speed does not depend on the values), one copy per projection (403 MB for all experts: past
@@ -36,8 +35,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,32,256,1024")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
     ap.add_argument("--layouts", default="halves",
-                    help="swapped-kernel byte layouts, comma-separated: halves (split_halves), frag (split_frag), "
-                         "quad (split_quad)")
+                    help="swapped-kernel byte layouts, comma-separated: halves (split_halves), frag (split_frag)")
     ap.add_argument("--engine-config-only", action="store_true",
                     help="the swapped kernel at the engine's config only (BLOCK_N 64, 4 warps, 3 stages)")
     args = ap.parse_args()
@@ -52,15 +50,15 @@ def main() -> None:
     from kernels import w4a16_gemm
     from kernels.nvfp4 import NVFP4Tensor
     from kernels.w4a16_gemm import TILE_MAJOR_MODES, TILE_MAJOR_TILES, moe_align, tile_major, w4a16_grouped_launch
-    from kernels.w4a16_swapped import split_frag, split_halves, split_quad, w4a16_grouped_swapped_launch
+    from kernels.w4a16_swapped import split_frag, split_halves, w4a16_grouped_swapped_launch
 
     dev = "cpu" if args.dry_run else "cuda"
     e, h, i, top_k = (4, 256, 128, 2) if args.dry_run else (256, 2048, 512, 8)
     tokens = [1, 5] if args.dry_run else [int(s) for s in args.tokens.split(",")]
     sweep = SWEEP[:1] if args.dry_run or args.engine_config_only else SWEEP
     layouts = args.layouts.split(",")
-    if not set(layouts) <= {"halves", "frag", "quad"}:
-        sys.exit(f"--layouts: halves, frag and / or quad, got {args.layouts}")
+    if not set(layouts) <= {"halves", "frag"}:
+        sys.exit(f"--layouts: halves and / or frag, got {args.layouts}")
 
     def bench(fn) -> float:
         if args.dry_run:
@@ -80,8 +78,8 @@ def main() -> None:
     w = {True: rand_nvfp4(e, 2 * i, h), False: rand_nvfp4(e, h, i)}  # gate_up (SwiGLU), down
     engine_w = {sw: NVFP4Tensor(tile_major(w[sw].packed, *TILE_MAJOR_TILES[sw]), w[sw].scales, w[sw].global_scale)
                 for sw in w}
-    split_of = {"halves": split_halves, "frag": split_frag, "quad": split_quad}
-    split_w = {(sw, lay): split_of[lay](w[sw].packed, *STORED) for sw in w for lay in layouts}
+    split_w = {(sw, lay): (split_frag if lay == "frag" else split_halves)(w[sw].packed, *STORED)
+               for sw in w for lay in layouts}
     rows, t0 = [], time.time()
     for t in tokens:
         x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
@@ -112,14 +110,14 @@ def main() -> None:
                     if n_out % bn:
                         continue
                     c = dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
-                    kernel = "swapped" if lay == "halves" else f"swapped_{lay}"
+                    kernel = "swapped" if lay == "halves" else "swapped_frag"
 
                     def call():
                         return w4a16_grouped_swapped_launch(xin, split_w[sw, lay], w[sw].scales, w[sw].global_scale,
                                                             r_bm, a_div=a_div, swiglu=sw, row_scale=rs,
                                                             block_n=STORED[0], block_k=STORED[1], config=c,
                                                             unverified=True,  # the sweep tries 8 warps too
-                                                            frag=lay == "frag", quad=lay == "quad")
+                                                            frag=lay == "frag")
 
                     try:
                         y = call().float()

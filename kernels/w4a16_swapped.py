@@ -64,24 +64,16 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------------
-def _stacked_tiles(packed: torch.Tensor, block_n: int, block_k: int, k_multiple: int) -> tuple[torch.Tensor, bool]:
-    """packed [E, N, K/2] or [N, K/2] -> ([E, N, K/2], whether it was 2-D), after checking that it splits into
-    block_n x block_k tiles with block_k a multiple of `k_multiple` (ValueError otherwise)."""
-    flat = packed.dim() == 2
-    p = packed.unsqueeze(0) if flat else packed
-    e, n, kh = p.shape
-    if n % block_n or (2 * kh) % block_k or block_k % k_multiple:
-        raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles "
-                         f"(block_k a multiple of {k_multiple})")
-    return p, flat
-
-
 def split_halves(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """Checkpoint-layout packed weights [E, N, K/2] (or [N, K/2]; byte j = k 2j low nibble, 2j+1 high) -> the split-
     halves tile-major bytes of the same shape: per K tile byte j holds k = j (low) and j + BK/2 (high), then tiles of
     block_n rows x block_k are made contiguous (`tile_major`)."""
-    p, flat = _stacked_tiles(packed, block_n, block_k, 2 * BLOCK)
+    flat = packed.dim() == 2
+    p = packed.unsqueeze(0) if flat else packed
     e, n, kh = p.shape
+    if n % block_n or (2 * kh) % block_k or block_k % (2 * BLOCK):
+        raise ValueError(f"[{e}, {n}, {kh}] packed weights do not split into {block_n} x {block_k} tiles "
+                         f"(block_k a multiple of {2 * BLOCK})")
     codes = torch.stack((p & 0xF, p >> 4), -1).view(e, n, 2 * kh // block_k, 2, block_k // 2)  # k-ordered codes
     halves = (codes[..., 0, :] | (codes[..., 1, :] << 4)).view(e, n, kh)  # lo: first half of each K tile, hi: second
     out = tile_major(halves, block_n, block_k)
@@ -107,6 +99,11 @@ def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> to
 # and the tile's 16 HGMMAs issue in batches of 4 instead of each waiting for the last; 690 with the scale conversion
 # below). H200 (results/w4a16_swapped_bench_run2, one call each): 32 tokens gate_up 149.3 -> 118.6 us, down 77.6 ->
 # 61.6; 1,024 tokens gate_up 297.3 -> 216.3 (BLOCK_M 64), down 184.1 -> 156.3 (BLOCK_M 32); bit-equal in the GPU tests.
+# A quarter-order layout (`split_quad`: four codes per 16-bit element, one dot per K quarter; offline sm_90 SASS 689 ->
+# 465 loop instructions per K tile, but the A tiles went to wgmma through shared memory) was tried and measured slower
+# on the H200 on 2026-12-01 (results/w4a16_swapped_bench_run3, per call, fragment order vs quarter order: 32 tokens
+# gate_up 118.5 vs 158.3 us; 1,024 tokens gate_up 216.7 vs 285.8, down 155.1 vs 198.0; and 2 of its GPU tests not
+# bit-equal to split halves), so it was removed.
 FRAG_GROUP = 16
 FRAG_ORDER = [8 * h + 2 * c + b for c in range(4) for h in range(2) for b in range(2)]  # stored m -> group byte
 FRAG_INVERSE = [FRAG_ORDER.index(j) for j in range(FRAG_GROUP)]  # group byte -> stored m
@@ -122,48 +119,6 @@ def unsplit_frag(packed_frag: torch.Tensor, block_n: int, block_k: int) -> torch
     """The inverse of `split_frag`."""
     s = packed_frag.reshape(-1, FRAG_GROUP)[:, FRAG_INVERSE].reshape(packed_frag.shape)
     return unsplit_halves(s, block_n, block_k)
-
-
-# Quarter order ("split quad", layout SPLIT_QUAD): per (row, K tile of BK) BK/4 little-endian uint16 elements, element j
-# holding the four codes k = j + q BK/4 (q = 0..3, the tile's quarters), code q's magnitude bits (e1 e0 m) at bits
-# QUAD_FIELDS[q][0] + 0..2 and its sign at QUAD_FIELDS[q][1]. One wgmma A-fragment register of quarter q is two such
-# elements (k = 2c, 2c + 1 of a row: one 32-bit word, one ldmatrix row), and the fields sit where shifts of the whole
-# word land them on a bf16's bits 6-8 and 15 in both halves at once: 11 shift / mask instructions per word (8 weights)
-# instead of the bytes' 18 + 1 PRMT (`_e2m1x4_quad_ptx`). The positions: the cheapest of all 16-bit layouts under that
-# cost model (code 2 needs only a mask, code 0 one shift; codes 1 and 3 a shift each for magnitude and sign). The
-# kernel (QUAD) runs one dot per quarter (K = BK/4): the same k16 wgmma steps in the same order as the halves' two dots,
-# so on a GPU the same bits as `split_frag` (not yet checked on one). Offline sm_90 SASS, K-loop instructions per K
-# tile (BLOCK_N 64, 4 warps, 3 stages): SwiGLU BLOCK_M 16 689 -> 465, BLOCK_M 64 708 -> 469, down BLOCK_M 16 373 ->
-# 272, no spills; but Triton keeps this chain in the load's blocked layout and hands the A tiles to wgmma through
-# shared memory (16 STS.128 + 16 LDSM per K tile): the FRAG path's dequant stays in registers. Not yet timed.
-QUAD_FIELDS = ((0, 9), (3, 10), (6, 15), (11, 14))  # (magnitude bit offset, sign bit) of code q in an element
-
-
-def split_quad(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """Checkpoint-layout packed weights [E, N, K/2] (or [N, K/2]) -> the split-quad bytes of the same shape: per K tile
-    uint16 element j holds codes k = j + q block_k/4 at QUAD_FIELDS[q] (little endian), then tiles of block_n rows x
-    block_k made contiguous (`tile_major`)."""
-    p, flat = _stacked_tiles(packed, block_n, block_k, 4 * BLOCK)
-    e, n, kh = p.shape
-    codes = torch.stack((p & 0xF, p >> 4), -1).to(torch.int32).view(e, n, 2 * kh // block_k, 4, block_k // 4)
-    v = torch.zeros_like(codes[..., 0, :])
-    for q, (m, sgn) in enumerate(QUAD_FIELDS):
-        v |= ((codes[..., q, :] & 7) << m) | ((codes[..., q, :] >> 3) << sgn)
-    out = tile_major(torch.stack((v & 0xFF, v >> 8), -1).to(torch.uint8).view(e, n, kh), block_n, block_k)
-    return out[0] if flat else out
-
-
-def unsplit_quad(packed_quad: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """The inverse of `split_quad`."""
-    flat = packed_quad.dim() == 2
-    p = packed_quad.unsqueeze(0) if flat else packed_quad
-    e, n, kh = p.shape
-    b = untile_major(p, block_n, block_k).to(torch.int32).view(e, n, 2 * kh // block_k, block_k // 4, 2)
-    v = b[..., 0] | (b[..., 1] << 8)
-    codes = torch.stack([((v >> m) & 7) | (((v >> sgn) & 1) << 3) for m, sgn in QUAD_FIELDS], -2)  # [.., 4, BK/4]
-    codes = codes.reshape(e, n, kh, 2)  # k order, pairs (2j, 2j + 1)
-    out = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
-    return out[0] if flat else out
 
 
 def split_halves_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
@@ -243,129 +198,6 @@ if triton is not None:
         return lo.to(DTYPE), hi.to(DTYPE)
 
     @triton.jit
-    def _e2m1x4_quad_ptx(pw):
-        """`split_quad` uint16 elements [..] -> their four codes (quarters 0-3) as `_e2m1_bf16_tiny` bf16 tensors, in
-        PTX on 32-bit words (two elements: one wgmma A-fragment register per quarter): the QUAD_FIELDS positions are
-        chosen so that one shift lands a field in both halves at once, 11 instructions per 8 weights, no PRMT."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b;
-            shl.b32 a, $4, 6; and.b32 $0, a, 0x81C081C0;
-            shl.b32 a, $4, 3; and.b32 a, a, 0x01C001C0; shl.b32 b, $4, 5; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
-            and.b32 $2, $4, 0x81C081C0;
-            shr.b32 a, $4, 5; and.b32 a, a, 0x01C001C0; shl.b32 b, $4, 1; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
-            }""",
-            "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-
-    @triton.jit
-    def _e4m3_quad_bf16_gained_ptx(w0, w1, sel):
-        """Block scales of one k16 step of the four quarters, x 2^119 as exact bf16 (`_e4m3_bf16_gained`): int32 scale
-        words w0 (groups 0-3 of the K tile), w1 (groups 4-7) and PRMT selectors sel (0x4240 + 0x101 s for step s) ->
-        the scales of groups s, 2 + s (from w0), 4 + s, 6 + s (from w1): two per instruction (PRMT, mask, shift, two
-        exact bf16x2 products by 2^120 and 2^119)."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 p, q, c0, c1;
-            prmt.b32 p, $4, 0, $6; and.b32 p, p, 0x007F007F; shl.b32 p, p, 4;
-            prmt.b32 q, $5, 0, $6; and.b32 q, q, 0x007F007F; shl.b32 q, q, 4;
-            mov.b32 c0, 0x7B807B80; mov.b32 c1, 0x7B007B00;
-            mul.rn.bf16x2 p, p, c0; mul.rn.bf16x2 p, p, c1;
-            mul.rn.bf16x2 q, q, c0; mul.rn.bf16x2 q, q, c1;
-            mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q;
-            }""",
-            "=h,=h,=h,=h,r,r,r", [w0, w1, sel], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=1)
-
-    @triton.jit
-    def _load_quad_tile(w16, rows, t, K, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr):
-        """`split_quad` uint16 elements [BN, 2, BK/8] of K tile t of weight rows `rows` (element 16 s + i of a row: the
-        quarters' k16 step s, k = 16 s + i within each quarter)."""
-        local = tl.arange(0, 2)[None, :, None] * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)[None, None, :]
-        base = (rows // TILE_N) * (K // 4 * TILE_N) + t * (TILE_N * (BLOCK_K // 4)) + (rows % TILE_N) * (BLOCK_K // 4)
-        return tl.load(w16 + base[:, None, None] + local)
-
-    @triton.jit
-    def _load_scale_words(s32, rows, t, K, s_sn, BLOCK_K: tl.constexpr):
-        """Block-scale bytes of K tile t as int32 words [BN] (groups 0-3, 4-7 of the tile); zero past the last tile."""
-        ok = (t * BLOCK_K < K) & (rows >= 0)
-        ptr = s32 + rows * (s_sn // 4) + t * (BLOCK_K // (4 * _BLK))
-        return tl.load(ptr, mask=ok, other=0), tl.load(ptr + 1, mask=ok, other=0)
-
-    @triton.jit
-    def _quad_to_halves(pw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Interpreter: `split_quad` elements [BN, 2, BK/8] -> `split_halves` bytes [BN, BK/32, 16] (the same codes)."""
-        p = pw.to(tl.uint32)  # QUAD_FIELDS
-        c0 = (p & 7) | (((p >> 9) & 1) << 3)
-        c1 = ((p >> 3) & 7) | (((p >> 10) & 1) << 3)
-        c2 = ((p >> 6) & 7) | (((p >> 15) & 1) << 3)
-        c3 = ((p >> 11) & 7) | (((p >> 14) & 1) << 3)
-        lo = tl.reshape(tl.permute(tl.join(c0, c1), (0, 3, 1, 2)), (BLOCK_N, BLOCK_K // 32, 16))  # quarters 0, 1
-        hi = tl.reshape(tl.permute(tl.join(c2, c3), (0, 3, 1, 2)), (BLOCK_N, BLOCK_K // 32, 16))
-        return (lo | (hi << 4)).to(tl.uint8)
-
-    @triton.jit
-    def _load_xt_quarters(x, a_rows, a_ok, t, s_xm, BLOCK_K: tl.constexpr):
-        """K tile t of the gathered activation rows as four contiguous tiles [BM, BK/4] (the quarters)."""
-        ks = t * BLOCK_K + tl.arange(0, BLOCK_K // 4)
-        ptr = x + a_rows[:, None] * s_xm + ks[None, :]
-        return (tl.load(ptr, mask=a_ok[:, None], other=0.0),
-                tl.load(ptr + BLOCK_K // 4, mask=a_ok[:, None], other=0.0),
-                tl.load(ptr + BLOCK_K // 2, mask=a_ok[:, None], other=0.0),
-                tl.load(ptr + 3 * (BLOCK_K // 4), mask=a_ok[:, None], other=0.0))
-
-    @triton.jit
-    def _quad_scales(w0, w1, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-        """Scale words w0, w1 [BN] (`_load_scale_words`) -> per quarter q the scales x 2^119 of its two k16 steps,
-        [BN, 2, 1] bf16 each (group 2q + s); converted where the words are loaded (one K tile ahead). Interpreter: the
-        same values in fp32 by the fp16 route."""
-        shape: tl.constexpr = (BLOCK_N, 2, 1)  # (row, k16 step s of the quarter, -)
-        step = tl.arange(0, 2)[None, :, None]
-        if INTERPRET:  # fp32, the fp16 route's values (`_dequant_halves`)
-            a = w0.to(tl.uint32)[:, None, None] >> (8 * step)
-            b = w1.to(tl.uint32)[:, None, None] >> (8 * step)
-            return (_e4m3_fp16((a & 0xFF).to(tl.uint16)).to(tl.float32) * _TWO_119,
-                    _e4m3_fp16(((a >> 16) & 0xFF).to(tl.uint16)).to(tl.float32) * _TWO_119,
-                    _e4m3_fp16((b & 0xFF).to(tl.uint16)).to(tl.float32) * _TWO_119,
-                    _e4m3_fp16(((b >> 16) & 0xFF).to(tl.uint16)).to(tl.float32) * _TWO_119)
-        sel = tl.broadcast_to(step * 0x101 + 0x4240, shape)
-        return _e4m3_quad_bf16_gained_ptx(tl.broadcast_to(w0[:, None, None], shape),
-                                          tl.broadcast_to(w1[:, None, None], shape), sel)
-
-    @triton.jit
-    def _quad_step(acc, x0, x1, x2, x3, pw, g0, g1, g2, g3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-        """acc [BN, BM] += the `split_quad` K tile pw [BN, 2, BK/8] (quarter scales g0..g3 from `_quad_scales`) @ the
-        quarters x0..x3 [BM, BK/4] transposed (bf16). GPU: four dots of K = BK/4, one per quarter: the k16 steps of
-        `_dequant_halves`' two dots in the same order, on the same operands. Interpreter: the halves' two dots (the
-        same fp32 emulation of the same products, the same sums)."""
-        tl.static_assert(BLOCK_K == 128)
-        if INTERPRET:
-            bm: tl.constexpr = x0.shape[0]
-            xlo = tl.reshape(tl.permute(tl.join(x0, x1), (0, 2, 1)), (bm, BLOCK_K // 2))
-            xhi = tl.reshape(tl.permute(tl.join(x2, x3), (0, 2, 1)), (bm, BLOCK_K // 2))
-            p = _quad_to_halves(pw, BLOCK_N, BLOCK_K).to(tl.uint32)
-            slo = tl.reshape(tl.permute(tl.join(g0, g1), (0, 3, 1, 2)), (BLOCK_N, BLOCK_K // 32, 1)).to(tl.float32)
-            shi = tl.reshape(tl.permute(tl.join(g2, g3), (0, 3, 1, 2)), (BLOCK_N, BLOCK_K // 32, 1)).to(tl.float32)
-            lo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True) * slo
-            hi = ((((p >> 4) & 7) << 22) | (((p >> 4) & 8) << 28)).to(tl.float32, bitcast=True) * shi
-            lo = tl.reshape(lo.to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
-            hi = tl.reshape(hi.to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
-            acc = _mma(lo, tl.trans(xlo), acc, INTERPRET)
-            acc = _mma(hi, tl.trans(xhi), acc, INTERPRET)
-        else:
-            c0, c1, c2, c3 = _e2m1x4_quad_ptx(pw)
-            # quarter q's k16 step s has group 2q + s: bf16 x bf16, exact (`_dequant_groups`)
-            a0 = tl.reshape(c0 * g0, (BLOCK_N, BLOCK_K // 4))
-            a1 = tl.reshape(c1 * g1, (BLOCK_N, BLOCK_K // 4))
-            a2 = tl.reshape(c2 * g2, (BLOCK_N, BLOCK_K // 4))
-            a3 = tl.reshape(c3 * g3, (BLOCK_N, BLOCK_K // 4))
-            acc = _mma(a0, tl.trans(x0), acc, INTERPRET)
-            acc = _mma(a1, tl.trans(x1), acc, INTERPRET)
-            acc = _mma(a2, tl.trans(x2), acc, INTERPRET)
-            acc = _mma(a3, tl.trans(x3), acc, INTERPRET)
-        return acc
-
-    @triton.jit
     def _load_split_tile(w, rows, t, K, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr):
         """Split-halves bytes [BN, BK/32, 16] of K tile t of weight rows `rows` [BN] (aligned to TILE_N, in range):
         len(rows) / TILE_N contiguous blocks of TILE_N x BK/2 bytes (one block when BLOCK_N = TILE_N)."""
@@ -397,11 +229,11 @@ if triton is not None:
                                       SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                                       DEQ: tl.constexpr, TILE_N: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                      FRAG: tl.constexpr = False, QUAD: tl.constexpr = False):
+                                      FRAG: tl.constexpr = False):
         # grid (R / BM, N_out / BN); one program = BN output columns (weight rows: the MMA's M) x BM sorted pairs of
         # one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows x BK; BN a multiple
         # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
-        # FRAG: the split-halves bytes in fragment order (`split_frag`); QUAD: `split_quad` elements instead (bf16).
+        # FRAG: the split-halves bytes in fragment order (`split_frag`).
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
@@ -413,45 +245,25 @@ if triton is not None:
             acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             # block scales one K tile ahead in registers (byte loads are too narrow for cp.async; see
             # `w4a16_gemm._load_scale_tile`)
-            if QUAD:  # `split_quad` weights, scales as int32 words (K tile one ahead)
-                we16 = we.to(tl.pointer_type(tl.uint16))
-                se32 = se.to(tl.pointer_type(tl.int32))
-                w0, w1 = _load_scale_words(se32, offs_n, 0, K, s_sn, BLOCK_K)
-                g0, g1, g2, g3 = _quad_scales(w0, w1, BLOCK_N, INTERPRET)
+            sl, sh = _load_half_scales(se, offs_n, 0, K, s_sn, BLOCK_K)
+            if SWIGLU:
+                ul, uh = _load_half_scales(se, offs_n + n_out, 0, K, s_sn, BLOCK_K)
+            for t in range(0, K // BLOCK_K):
+                xlo, xhi = _load_xt_halves(x, a_rows, p_ok, t, s_xm, BLOCK_K)
+                pw = _load_split_tile(we, offs_n, t, K, BLOCK_K, TILE_N)
+                cl, ch = sl, sh
+                sl, sh = _load_half_scales(se, offs_n, t + 1, K, s_sn, BLOCK_K)
+                lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET, FRAG)
+                acc = _mma(lo, tl.trans(xlo), acc, INTERPRET)
+                acc = _mma(hi, tl.trans(xhi), acc, INTERPRET)
                 if SWIGLU:
-                    w0, w1 = _load_scale_words(se32, offs_n + n_out, 0, K, s_sn, BLOCK_K)
-                    u0, u1, u2, u3 = _quad_scales(w0, w1, BLOCK_N, INTERPRET)
-                for t in range(0, K // BLOCK_K):
-                    x0, x1, x2, x3 = _load_xt_quarters(x, a_rows, p_ok, t, s_xm, BLOCK_K)
-                    pw = _load_quad_tile(we16, offs_n, t, K, BLOCK_K, TILE_N)
-                    acc = _quad_step(acc, x0, x1, x2, x3, pw, g0, g1, g2, g3, BLOCK_N, BLOCK_K, INTERPRET)
-                    w0, w1 = _load_scale_words(se32, offs_n, t + 1, K, s_sn, BLOCK_K)
-                    g0, g1, g2, g3 = _quad_scales(w0, w1, BLOCK_N, INTERPRET)
-                    if SWIGLU:
-                        pw = _load_quad_tile(we16, offs_n + n_out, t, K, BLOCK_K, TILE_N)
-                        acc_up = _quad_step(acc_up, x0, x1, x2, x3, pw, u0, u1, u2, u3, BLOCK_N, BLOCK_K, INTERPRET)
-                        w0, w1 = _load_scale_words(se32, offs_n + n_out, t + 1, K, s_sn, BLOCK_K)
-                        u0, u1, u2, u3 = _quad_scales(w0, w1, BLOCK_N, INTERPRET)
-            else:
-                sl, sh = _load_half_scales(se, offs_n, 0, K, s_sn, BLOCK_K)
-                if SWIGLU:
-                    ul, uh = _load_half_scales(se, offs_n + n_out, 0, K, s_sn, BLOCK_K)
-                for t in range(0, K // BLOCK_K):
-                    xlo, xhi = _load_xt_halves(x, a_rows, p_ok, t, s_xm, BLOCK_K)
-                    pw = _load_split_tile(we, offs_n, t, K, BLOCK_K, TILE_N)
-                    cl, ch = sl, sh
-                    sl, sh = _load_half_scales(se, offs_n, t + 1, K, s_sn, BLOCK_K)
-                    lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET, FRAG)
-                    acc = _mma(lo, tl.trans(xlo), acc, INTERPRET)
-                    acc = _mma(hi, tl.trans(xhi), acc, INTERPRET)
-                    if SWIGLU:
-                        pw = _load_split_tile(we, offs_n + n_out, t, K, BLOCK_K, TILE_N)
-                        cl, ch = ul, uh
-                        ul, uh = _load_half_scales(se, offs_n + n_out, t + 1, K, s_sn, BLOCK_K)
-                        lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET,
-                                                 FRAG)
-                        acc_up = _mma(lo, tl.trans(xlo), acc_up, INTERPRET)
-                        acc_up = _mma(hi, tl.trans(xhi), acc_up, INTERPRET)
+                    pw = _load_split_tile(we, offs_n + n_out, t, K, BLOCK_K, TILE_N)
+                    cl, ch = ul, uh
+                    ul, uh = _load_half_scales(se, offs_n + n_out, t + 1, K, s_sn, BLOCK_K)
+                    lo, hi = _dequant_halves(pw, cl, ch, x.dtype.element_ty, BLOCK_N, BLOCK_K, DEQ, INTERPRET,
+                                             FRAG)
+                    acc_up = _mma(lo, tl.trans(xlo), acc_up, INTERPRET)
+                    acc_up = _mma(hi, tl.trans(xhi), acc_up, INTERPRET)
             ge = g + e * s_ge
             gain = _dequant_gain(x.dtype.element_ty, DEQ)
             acc = acc * (tl.load(ge + offs_n * s_gn) * gain)[:, None]
@@ -468,12 +280,11 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
                                  swiglu: bool = False, row_scale: torch.Tensor | None = None,
                                  block_n: int = SPLIT_TILE[0], block_k: int = SPLIT_TILE[1],
                                  config: dict | None = None, deq: int = 2, unverified: bool = False,
-                                 frag: bool = False, quad: bool = False) -> torch.Tensor:
+                                 frag: bool = False) -> torch.Tensor:
     """`w4a16_gemm.w4a16_grouped_launch`'s contract on split-halves weights: y[p] = f(x[p // a_div] @ W[e_p]^T) *
     row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype. `frag`: the
-    bytes are `split_frag`'s (fragment order) instead; `quad`: `split_quad`'s (bf16 x, block_k 128; the PTX decode on
-    a GPU whatever `deq`).
+    bytes are `split_frag`'s (fragment order) instead.
     `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
     result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages."""
     if triton is None:
@@ -488,11 +299,6 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     if n_out % bn or bn % block_n or k % block_k or block_k % (2 * BLOCK) or (swiglu and n % 2):
         raise ValueError(f"BLOCK_N {bn} must be a multiple of the stored tile's {block_n} rows and divide N_out "
                          f"{n_out}; block_k {block_k} must divide K {k} and be a multiple of {2 * BLOCK}")
-    if quad and (frag or deq == 0 or x.dtype != torch.bfloat16 or block_k != 128 or scales.stride(-2) % 4
-                 or scales.stride(0) % 4 or scales.data_ptr() % 4 or packed_split.data_ptr() % 2):
-        raise ValueError(f"quad (split_quad weights) needs bf16 x, deq 1 or 2, block_k 128, scales in whole 4-byte aligned int32 "
-                         f"words and 2-byte aligned weights, not frag; got {x.dtype}, {block_k}, scale strides "
-                         f"{scales.stride()}, frag={frag}")
     if cfg.get("num_warps") != 4 and not unverified:
         raise ValueError(f"num_warps {cfg.get('num_warps')}: only 4 warps (one warpgroup) are verified on a GPU "
                          "(8 warps gave 4.5e-2 relative error in one configuration: RESULTS.md, the swap-AB kernel)")
@@ -511,5 +317,5 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
         x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
         x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
         s_ge, s_gn, y.stride(0), SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
-        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, QUAD=quad, **cfg)
+        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, **cfg)
     return y.to(x.dtype)

@@ -1,8 +1,7 @@
 """A tiny interpreter for the inline PTX of the Triton kernels' dequantisers, so that their bit formulas are checked on
 the CPU (the Triton interpreter cannot run inline asm). It runs the asm text of a `tl.inline_asm_elementwise` call
 taken from the jit function's source, on 32-bit registers, for the few instructions those blocks use: prmt.b32,
-shl.b32, shr.b32, and.b32, or.b32, mov.b32 (also `mov.b32 {lo, hi}, word`: a split into 16-bit halves) and
-mul.rn.bf16x2."""
+shl.b32, and.b32, or.b32 and mul.rn.bf16x2."""
 
 from __future__ import annotations
 
@@ -41,11 +40,6 @@ def run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
         op, args = ins.split(None, 1)
         if op == ".reg":
             continue
-        if op == "mov.b32" and args.startswith("{"):  # {lo, hi}, word: the word's 16-bit halves
-            halves, word = args.rsplit(",", 1)
-            lo, hi = (t.strip() for t in halves.strip(" {}").split(","))
-            reg[lo], reg[hi] = val(word.strip()) & 0xFFFF, val(word.strip()) >> 16
-            continue
         d, *a = [t.strip() for t in args.split(",")]
         assert re.fullmatch(r"\$\d+|[a-z]\w*", d), ins
         if op == "prmt.b32":  # byte j of d = byte (sel >> 4j) & 7 of the 8-byte {a[1]:a[0]}
@@ -55,7 +49,6 @@ def run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
         elif op == "mul.rn.bf16x2":
             reg[d] = _bf16x2_mul(val(a[0]), val(a[1]))
         else:
-            f = {"shl.b32": lambda x, y: x << y, "shr.b32": lambda x, y: x >> y, "and.b32": lambda x, y: x & y,
-                 "or.b32": lambda x, y: x | y, "mov.b32": lambda x: x}[op]
-            reg[d] = f(*(val(t) for t in a)) & 0xFFFFFFFF
+            f = {"shl.b32": lambda x, y: x << y, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y}[op]
+            reg[d] = f(val(a[0]), val(a[1])) & 0xFFFFFFFF
     return reg

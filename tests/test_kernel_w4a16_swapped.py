@@ -19,16 +19,12 @@ from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from kernels.w4a16_gemm import compare, moe_align, tile_major, w4a16_grouped_launch, w4a16_grouped_reference
 from kernels.w4a16_swapped import (
     FRAG_ORDER,
-    QUAD_FIELDS,
     split_frag,
     split_halves,
-    split_quad,
     unsplit_frag,
     unsplit_halves,
-    unsplit_quad,
     w4a16_grouped_swapped_launch,
 )
-from tests import ptx_emu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BK = 128  # K tile of the split-halves layout
@@ -81,59 +77,6 @@ def test_split_frag_order():
     groups_s, groups_f = s.reshape(-1, 16), f.reshape(-1, 16)
     for c, h, b in ((0, 0, 0), (1, 1, 0), (3, 0, 1), (2, 1, 1)):
         assert torch.equal(groups_f[:, 4 * c + 2 * h + b], groups_s[:, 8 * h + 2 * c + b])
-
-
-def test_split_quad_round_trip_and_fields():
-    """`split_quad`: per K tile, little-endian uint16 element j of a row holds code k = j + 32 q at QUAD_FIELDS[q]
-    (magnitude bits at offset m, sign at bit s), tile-major; round trip."""
-    assert sorted(b for m, sg in QUAD_FIELDS for b in (m, m + 1, m + 2, sg)) == list(range(16))  # a bit layout
-    g = torch.Generator().manual_seed(4)
-    p = torch.randint(0, 256, (3, 64, 128), dtype=torch.uint8, generator=g)
-    f = split_quad(p, 32, BK)
-    assert f.shape == p.shape and torch.equal(unsplit_quad(f, 32, BK), p)
-    codes = torch.stack((p & 0xF, p >> 4), -1).flatten(-2).to(torch.int32)  # [E, N, K] in k order
-    block = f[1].flatten()[32 * BK // 2: 2 * 32 * BK // 2].view(32, BK // 4, 2).to(torch.int32)  # row tile 0, K tile 1
-    for r, j in ((0, 0), (5, 17), (31, 31)):
-        v = int(block[r, j, 0]) | (int(block[r, j, 1]) << 8)
-        for q, (m, sg) in enumerate(QUAD_FIELDS):
-            assert ((v >> m) & 7) | (((v >> sg) & 1) << 3) == int(codes[1, r, BK + 32 * q + j])
-    with pytest.raises(ValueError):
-        split_quad(p, 48, BK)
-
-
-def test_quad_ptx_bits():
-    """The QUAD path's GPU decode, checked on the CPU (the interpreter runs an fp32 emulation instead) by executing the
-    asm text: `_e2m1x4_quad_ptx` on a word of two `split_quad` elements gives, in output q, the `_e2m1_bf16_tiny`
-    patterns ((c & 7) << 6 | (c & 8) << 12 = E2M1(c) x 2^-126) of code q of element 0 (low half) and element 1 (high
-    half), for every 16-bit element value as element 0 beside a random element 1; `_e4m3_quad_bf16_gained_ptx` gives for every scale byte
-    in every position and both k16 steps the bf16 of scale x 2^119 (the other routes' value)."""
-    from kernels import w4a16_swapped
-
-    decode = ptx_emu.asm_text(w4a16_swapped._e2m1x4_quad_ptx)
-    scales = ptx_emu.asm_text(w4a16_swapped._e4m3_quad_bf16_gained_ptx)
-    tiny = lambda c: ((c & 7) << 6) | ((c & 8) << 12)  # noqa: E731
-    code = lambda v, q: ((v >> QUAD_FIELDS[q][0]) & 7) | (((v >> QUAD_FIELDS[q][1]) & 1) << 3)  # noqa: E731
-    g = torch.Generator().manual_seed(5)
-    other = torch.randint(0, 2**16, (2**16,), generator=g).tolist()
-    for e0, e1 in zip(range(2**16), other):
-        out = ptx_emu.run(decode, {"$4": e0 | (e1 << 16)})
-        assert [out[f"${q}"] for q in range(4)] == [tiny(code(e0, q)) | (tiny(code(e1, q)) << 16)
-                                                    for q in range(4)], hex(e0)
-    b = torch.arange(256, dtype=torch.int32)
-    want = ((b & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn).float() * 2.0**119).to(torch.bfloat16)
-    want = want.view(torch.int16).to(torch.int32) & 0xFFFF
-    nan = {0x7F, 0xFF}  # e4m3 NaN: not a scale
-    rnd = torch.randint(0, 0x7F, (256, 8), generator=g).tolist()
-    for byte in range(256):
-        for pos in range(8):  # the tile's 8 groups: words w0 (groups 0-3), w1 (4-7)
-            grp = rnd[byte][:pos] + [byte] + rnd[byte][pos + 1:]
-            w0 = sum(c << (8 * i) for i, c in enumerate(grp[:4]))
-            w1 = sum(c << (8 * i) for i, c in enumerate(grp[4:]))
-            for step in (0, 1):
-                out = ptx_emu.run(scales, {"$4": w0, "$5": w1, "$6": 0x4240 + 0x101 * step})
-                for q in range(4):  # quarter q's step: group 2q + step
-                    if grp[2 * q + step] not in nan:
-                        assert out[f"${q}"] == int(want[grp[2 * q + step]]), (byte, pos, step, q)
 
 
 CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored tile), stored tile rows
@@ -209,27 +152,18 @@ def test_fragment_order_scale_bits():
     assert torch.equal(tiny * 2.0**120 * 2.0**119, (scale * 2.0**119).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("layout", ["frag", "quad"])
 @pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", [CASES[i] for i in (1, 2, 4, 5, 7, 8)])
-def test_swapped_on_reordered_layouts(layout, t, top_k, mode, block_m, dtype, cfg, tile):
-    """FRAG (`split_frag` bytes) and QUAD (`split_quad` elements): the same numbers as the split-halves launch, bit
-    for bit -- FRAG: the same tiles after `_frag_to_k` (on a GPU the bf16 path converts the scales by another exact
-    route, so still the same products); QUAD: interpreter, the same fp32 emulation and the halves' dots; GPU, the
-    same k16 wgmma steps in the same order, by construction -- with block-scale bytes spread over every non-NaN e4m3
-    code (subnormals included); within the reference's bound. Split-halves bytes read in either order are far off;
-    QUAD refuses fp16 activations."""
-    split, flag = {"frag": (split_frag, "frag"), "quad": (split_quad, "quad")}[layout]
+def test_swapped_on_fragment_order(t, top_k, mode, block_m, dtype, cfg, tile):
+    """FRAG (`split_frag` bytes): the same numbers as the split-halves launch, bit for bit (the same tiles after
+    `_frag_to_k`; on a GPU the bf16 path converts the scales by another exact route, so still the same products),
+    with block-scale bytes spread over every non-NaN e4m3 code (subnormals included); within the reference's bound.
+    Split-halves bytes read as fragment order are far off."""
     w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=17)
     codes = torch.randint(0, 0x7F, tuple(w.scales.shape), generator=torch.Generator().manual_seed(21))
     w = NVFP4Tensor(w.packed, codes.to(torch.uint8).view(torch.float8_e4m3fn).to(DEVICE), w.global_scale)
     kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg)
-    if layout == "quad" and dtype != torch.bfloat16:
-        with pytest.raises(ValueError, match="quad"):
-            w4a16_grouped_swapped_launch(x, split(w.packed, tile, BK), w.scales, w.global_scale, routing, quad=True,
-                                         **kw)
-        return
-    y = w4a16_grouped_swapped_launch(x, split(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                     **{flag: True}, **kw)
+    y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                     frag=True, **kw)
     halves = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
                                           **kw)
     ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
@@ -237,7 +171,7 @@ def test_swapped_on_reordered_layouts(layout, t, top_k, mode, block_m, dtype, cf
     assert torch.equal(y, halves)
     assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + noise).all()
     wrong = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                         **{flag: True}, **kw)
+                                         frag=True, **kw)
     assert compare(wrong, ref32.to(y.dtype)) is not None
 
 
@@ -263,5 +197,3 @@ def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
     empty = w4a16_grouped_swapped_launch(x[:0], wsplit, w.scales, w.global_scale, moe_align(idx[:0], 2, 16),
                                          block_n=32)
     assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
-
-
