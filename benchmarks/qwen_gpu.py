@@ -186,8 +186,8 @@ def markdown(r: dict) -> str:
             f"{fmt((r.get('engine_eager') or {}).get('lone', {}).get('ttft_ms'))} | - |",
             f"| (e) engine without async_decode (decode steps not overlapped): decode tok/s, lone request / all "
             f"{st.get('n')} streams decoding | {side_by_side(r.get('engine_sync'), ttft=False)} | - |",
-            f"| (e) engine with shared_expert_in_moe: decode tok/s, lone request / all {st.get('n')} streams decoding "
-            f"| {side_by_side(r.get('engine_shared'), ttft=False)} | - |",
+            f"| (e) engine without shared_expert_in_moe (the default: auto, on with dual_frag): decode tok/s, lone "
+            f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_shared'))} | - |",
             f"| (e) engine with the experts in the {(r.get('engine_layout') or {}).get('layout')} layout: decode "
             f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_layout'))} | - |",
@@ -196,8 +196,12 @@ def markdown(r: dict) -> str:
               for key, w in r.items() if key.startswith("engine_without")),
             f"| (e) engine with q/k/v and in_proj_qkv/z unfused (separate FP8 calls): decode tok/s, lone request / "
             f"all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_unfused'))} | - |",
-            f"| (e) engine with the W4A16 GEMV's DEQ_WIDE dequant: decode tok/s, lone request / all {st.get('n')} "
-            f"streams decoding / TTFT ms | {side_by_side(r.get('engine_gemv_wide'))} | - |",
+            f"| (e) engine with the W4A16 GEMV's dequant mode {(r.get('engine_gemv_deq') or {}).get('deq')} (default "
+            f"3, DEQ_WIDE): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
+            f"{side_by_side(r.get('engine_gemv_deq'))} | - |",
+            f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
+            f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
+            f"| - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_again'))} | - |",
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
@@ -267,9 +271,12 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
     return dict(layers=layers, prompts=prompts, tokens=tokens, **compare_logits(ours, ref))
 
 
+AUTOTUNE_TABLE = "off"  # the engines' autotune_table (--autotune-table)
+
+
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
                        decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
-                       async_decode: bool | None = None, shared_expert_in_moe: bool = False,
+                       async_decode: bool | None = None, shared_expert_in_moe: bool | str = "auto",
                        prefill_buckets: tuple = ()) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
@@ -281,7 +288,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
-                            autotune_table="off",  # tune afresh: the dumped picks are this run's own
+                            autotune_table=AUTOTUNE_TABLE,  # default off: tune afresh, the dumped picks are this run's
                             shared_expert_in_moe=shared_expert_in_moe,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
@@ -364,9 +371,9 @@ def main() -> None:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="keep random_weights.ACTIVATION_AMAX input scales instead of max-calibrating them")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--shared-in-moe", action="store_true",
-                    help="(e) once more with the engine's shared_expert_in_moe (the shared experts inside the "
-                         "grouped launches), side by side")
+    ap.add_argument("--no-shared-in-moe", action="store_true",
+                    help="(e) once more without the engine's shared_expert_in_moe (auto: on with the dual_frag "
+                         "experts, Hopper: the shared experts inside the grouped launches), side by side")
     ap.add_argument("--sync-decode", action="store_true",
                     help="(e) once more without the engine's async_decode (on by default: decode steps overlapped), "
                          "side by side")
@@ -386,9 +393,16 @@ def main() -> None:
     ap.add_argument("--unfused-projections", action="store_true",
                     help="(e) once more with the decode steps' FP8 projections unfused (quantized."
                          "FUSE_DECODE_PROJECTIONS off: q/k/v and in_proj_qkv/z as separate calls), side by side")
-    ap.add_argument("--gemv-wide", action="store_true",
-                    help="(e) once more with the W4A16 GEMV in its DEQ_WIDE mode (kernels/w4a16_gemv.py DEQ_GPU = "
-                         "DEQ_WIDE: int32 weight words, fp32 out of PTX; not the default), side by side")
+    ap.add_argument("--gemv-deq", type=int, choices=(0, 1, 2, 3), default=None,
+                    help="(e) once more with the W4A16 GEMV's dequantiser for bf16 activations set to this mode "
+                         "(kernels/w4a16_gemv.py DEQ_GPU; the default is 3, DEQ_WIDE), side by side")
+    ap.add_argument("--no-fused-ba", action="store_true",
+                    help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
+                         "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")
+    ap.add_argument("--autotune-table", default="off",
+                    help="the engines' autotune_table: off (default: tune afresh, so that autotune_picks.json holds "
+                         "this run's own picks), auto (the shipped kernels/tuned/<GPU>.json: a fresh machine's start "
+                         "time with it) or a JSON path")
     ap.add_argument("--again", action="store_true",
                     help="(e) the first engine once more after all the others, in the same process (the first of a "
                          "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
@@ -397,6 +411,8 @@ def main() -> None:
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
+    global AUTOTUNE_TABLE
+    AUTOTUNE_TABLE = args.autotune_table
     tiny = args.tiny
     d = lambda v, full, small: v if v is not None else (small if tiny else full)  # noqa: E731
     ctx, steps, streams = d(args.context, 1024, 24), d(args.decode_tokens, 64, 3), d(args.streams, 32, 2)
@@ -460,7 +476,7 @@ def main() -> None:
     # the shared experts also stacked with the routed ones (+1.8 MB per layer) when the engine will run them inside the
     # grouped launches in one phase; every other phase and the model-level rows keep the dense shared expert, and
     # their routed calls see the routed experts only (`NVFP4Experts.forward(with_shared=False)`)
-    model = load_quantized(tensors, cfg, device, dtype, shared_expert_in_moe=args.shared_in_moe)
+    model = load_quantized(tensors, cfg, device, dtype)  # shared_expert_in_moe auto: stacked with dual_frag (Hopper)
     del tensors
     sync(device)
     kinds = packed_modules(model)
@@ -535,9 +551,9 @@ def main() -> None:
                 r["errors"].append(f"(e) engine without graphs: {type(e).__name__}: {e}")
             log(f"(e) without graphs {r.get('engine_eager')}")
         # the same graphed engine with one option switched, side by side: decode steps not overlapped (async_decode
-        # off); the shared experts inside the grouped launches (shared_expert_in_moe)
+        # off); the shared experts outside the grouped launches (shared_expert_in_moe off: the auto default has them in)
         variants = (("engine_sync", dict(async_decode=False), args.sync_decode),
-                    ("engine_shared", dict(shared_expert_in_moe=True), args.shared_in_moe))
+                    ("engine_no_shared", dict(shared_expert_in_moe=False), args.no_shared_in_moe))
         for key, options, wanted in variants:
             if not wanted:
                 continue
@@ -569,33 +585,33 @@ def main() -> None:
                 forget_kernel_choices(model)
             log(f"(e) without {without} {r.get(key)}")
             save()
-        if args.unfused_projections:  # the same engine with q/k/v and in_proj_qkv/z as separate FP8 calls
+        def engine_with(module, attr: str, value, key: str, label: str, **extra):
+            """The same engine with `module.attr` = `value` (restored after), into r[key]."""
+            before = getattr(module, attr)
+            try:
+                setattr(module, attr, value)
+                r[key] = dict(**extra, **asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
+                                                                  prefill_buckets=buckets)))
+            except Exception as e:  # noqa: BLE001 - recorded
+                r["errors"].append(f"(e) engine with {label}: {type(e).__name__}: {e}")
+            finally:
+                setattr(module, attr, before)
+            log(f"(e) {label} {r.get(key)}")
+            save()
+
+        if args.unfused_projections:  # q/k/v and in_proj_qkv/z as separate FP8 calls
             from qwen_engine.model import quantized
 
-            try:
-                quantized.FUSE_DECODE_PROJECTIONS = False
-                r["engine_unfused"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                               prefill_buckets=buckets))
-            except Exception as e:  # noqa: BLE001 - recorded
-                r["errors"].append(f"(e) engine without fused projections: {type(e).__name__}: {e}")
-            finally:
-                quantized.FUSE_DECODE_PROJECTIONS = True
-            log(f"(e) unfused projections {r.get('engine_unfused')}")
-            save()
-        if args.gemv_wide:  # the same engine with the decode GEMV's DEQ_WIDE dequant
+            engine_with(quantized, "FUSE_DECODE_PROJECTIONS", False, "engine_unfused", "unfused projections")
+        if args.no_fused_ba:  # the GDN b / a projections as their own GEMM
+            from qwen_engine.model.gdn import GatedDeltaNet
+
+            engine_with(GatedDeltaNet, "fused_ba", False, "engine_no_fused_ba", "b / a GEMM outside the prep op")
+        if args.gemv_deq is not None:  # the decode GEMV's dequantiser
             from kernels import w4a16_gemv
 
-            default_deq = w4a16_gemv.DEQ_GPU
-            try:
-                w4a16_gemv.DEQ_GPU = w4a16_gemv.DEQ_WIDE
-                r["engine_gemv_wide"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                                 prefill_buckets=buckets))
-            except Exception as e:  # noqa: BLE001 - recorded
-                r["errors"].append(f"(e) engine with the GEMV's DEQ_WIDE: {type(e).__name__}: {e}")
-            finally:
-                w4a16_gemv.DEQ_GPU = default_deq
-            log(f"(e) GEMV DEQ_WIDE {r.get('engine_gemv_wide')}")
-            save()
+            engine_with(w4a16_gemv, "DEQ_GPU", args.gemv_deq, "engine_gemv_deq", f"GEMV dequant mode {args.gemv_deq}",
+                        deq=args.gemv_deq)
         if args.compare_layout:  # the same engine on the same weights in another expert byte layout
             from qwen_engine.load_packed import apply_expert_layout
             from qwen_engine.model.quantized import NVFP4Experts
@@ -693,7 +709,7 @@ def main() -> None:
     finally:
         torch.set_default_dtype(default)
     n = to_transformers(model, hf)
-    del model
+    model = None  # freed (a rebinding rather than `del`: the engine_with closure above reads the name)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         r["memory"]["transformers_gib"] = gib(torch.cuda.memory_allocated())

@@ -91,19 +91,25 @@ def load(table: dict | str | Path, device_name: str) -> int:
         log.info("autotune table for %s not loaded on %s", table["device"], device_name)
         return 0
     tuners = autotuners()
-    n = 0
+    resolved = []  # every pick checked before any cache is touched: a refused table leaves the autotuners as they were
     for name, picks in table["kernels"].items():
         if name not in tuners:
             raise ValueError(f"autotune table: unknown kernel {name!r} (known: {sorted(tuners)})")
         tuner = tuners[name]
         listed = {json.dumps(_config_json(c), sort_keys=True): c for c in tuner.configs}
-        for key, cfg in picks:
+        for pick in picks:
+            if not (isinstance(pick, list) and len(pick) == 2 and isinstance(pick[0], list)):
+                raise ValueError(f"autotune table: {name}: expected [key, config] pairs, got {pick!r}")
+            key, cfg = pick
             config = listed.get(json.dumps(cfg, sort_keys=True))
             if config is None:  # the kernel's configurations changed since the table was written
                 raise ValueError(f"autotune table: {name} has no configuration {cfg} (regenerate the table)")
-            if tuple(key) not in tuner.cache:
-                tuner.cache[tuple(key)] = config
-                n += 1
+            resolved.append((tuner, tuple(key), config))
+    n = 0
+    for tuner, key, config in resolved:
+        if key not in tuner.cache:
+            tuner.cache[key] = config
+            n += 1
     log.info("autotune table: %d picks for %s (measured with triton %s; this is %s)", n, device_name,
              table.get("triton"), triton.__version__)
     return n

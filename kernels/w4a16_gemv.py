@@ -247,10 +247,13 @@ INTERPRETER_CONFIG = dict(BLOCK_N=32, BLOCK_K=128)
 # scales, then widened): the same weight values, the products summed in another order. Offline sm_90 SASS of the K
 # loop at the tiles the H200's autotuner picked (results/w4a16_gemv_bench_run2), instructions per weight, mode 2 ->
 # DEQ_WIDE: routed gate_up (4, 512, 2 warps) 10.4 -> 8.0, routed down (4, 256, 1) 12.1 -> 10.3, shared gate_up
-# (4, 1024, 4) 10.5 -> 8.2, shared down (2, 512, 1) 14.2 -> 11.2, lm_head (8, 256, 2) 11.4 -> 10.5. NOT YET RUN ON A
-# GPU, so not the default: `w4a16_gemv_launch(deq=DEQ_WIDE)`, benchmarks/w4a16_gemv_bench.py --deq 2,3.
+# (4, 1024, 4) 10.5 -> 8.2, shared down (2, 512, 1) 14.2 -> 11.2, lm_head (8, 256, 2) 11.4 -> 10.5. H200
+# (results/w4a16_gemv_bench_run3, 2026-12-01), us per call, mode 2 -> DEQ_WIDE: routed experts at 1 / 2 / 4 tokens
+# 20.91 -> 18.60, 34.21 -> 30.44, 57.61 -> 49.06; lm_head 218.7 -> 204.1; same errors against the tensor-core path
+# (bf16 rounding). Engine side by side (Qwen run 26): lone decode 315.1 -> 322.6 tok/s, 32 streams equal. The
+# default for aligned rows (every engine call); others take mode 2 unless DEQ_WIDE is asked for by name.
 DEQ_WIDE = 3
-DEQ_GPU = 2  # bf16 activations on a GPU; fp16 activations always take mode 0
+DEQ_GPU = DEQ_WIDE  # bf16 activations on a GPU; fp16 activations always take mode 0
 
 
 def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
@@ -260,8 +263,8 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int (the router's
     ids, flattened): output row r reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)],
     times `row_scale[r]` if given. `config` pins BLOCK_N / BLOCK_K / num_warps (tests, benchmarks). `deq`: the
-    dequantiser for bf16 activations on a GPU (None: DEQ_GPU; DEQ_WIDE needs 4-byte aligned weight rows and
-    activations, else ValueError); the interpreter and fp16 activations have one each. One launch, no host syncs
+    dequantiser for bf16 activations on a GPU (None: DEQ_GPU, mode 2 where rows are not 4-byte aligned; DEQ_WIDE asked
+    for by name on such rows: ValueError); the interpreter and fp16 activations have one each. One launch, no host syncs
     (CUDA-graph capturable)."""
     grouped = pair_expert is not None
     k = x.shape[-1]
@@ -289,11 +292,15 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     x = x if x.stride(-1) == 1 else x.contiguous()
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g
-    deq = (DEQ_GPU if deq is None else deq) if (x.dtype == torch.bfloat16 and not interp) else (
+    if deq not in (None, 0, 1, 2, DEQ_WIDE):
+        raise ValueError(f"w4a16_gemv: deq must be None, 0, 1, 2 or {DEQ_WIDE} (DEQ_WIDE), got {deq!r}")
+    asked, deq = deq, (DEQ_GPU if deq is None else deq) if (x.dtype == torch.bfloat16 and not interp) else (
         1 if x.dtype == torch.bfloat16 else 0)
     if deq == DEQ_WIDE and (packed.data_ptr() % 4 or s_wn % 4 or s_we % 4 or x.data_ptr() % 4 or x.stride(0) % 2):
-        raise ValueError("w4a16_gemv: DEQ_WIDE reads weights and activations in 4-byte words: their rows must be "
-                         "4-byte aligned")
+        if asked == DEQ_WIDE:
+            raise ValueError("w4a16_gemv: DEQ_WIDE reads weights and activations in 4-byte words: their rows must be "
+                             "4-byte aligned")
+        deq = 2  # the default on rows it cannot read in words: mode 2, the same values
     args = (x, packed, sc, g, rs, y, pe, n, k, a_div, triton.next_power_of_2(r), x.stride(0), s_we, s_wn, s_se, s_sn,
             s_ge, s_gn, y.stride(0))
     meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, DEQ=deq, INTERPRET=interp)

@@ -101,14 +101,13 @@ class QwenEngineConfig:
     #                            waits for N+1 (up to one step more to its first token); a sequence that stops at N
     #                            costs one wasted row in N+1. H200 (RESULTS.md, Qwen run 12): lone decode 202 -> 233
     #                            tok/s, 32 streams 1,626 -> 1,842 tok/s
-    shared_expert_in_moe: bool = False  # packed models: each MoE layer's shared expert runs as one more (token,
-    #                                     expert) pair inside the routed experts' grouped launches (calls of 5-113
-    #                                     tokens, prefill chunks too; 2 dense GEMM launches per layer fewer; the
-    #                                     decode GEMV's <= 4 tokens keep the dense shared expert; 33-113 tokens not
-    #                                     yet run on a GPU). H200: no gain on the older kernels (Qwen run 12); run
-    #                                     19: 32 streams +2.7%; run 23 (dual_frag): +3.9%, but lone 314.5 -> 295.3
-    #                                     tok/s with the 9th pair in the lone GEMV launches (run 19: +1.0%), which
-    #                                     it no longer takes: off until a run of this rule agrees
+    shared_expert_in_moe: bool | str = "auto"  # packed models: each MoE layer's shared expert runs as one more
+    #                                     (token, expert) pair inside the routed experts' grouped launches (calls of
+    #                                     5-113 tokens, prefill chunks too; 2 dense GEMM launches per layer fewer; the
+    #                                     decode GEMV's <= 4 tokens keep the dense shared expert). auto: on where the
+    #                                     experts take the dual_frag layout (Hopper), off elsewhere (not measured
+    #                                     there). H200, Qwen run 27: 32 streams 2,623.9 -> 2,703.9 tok/s (+3.0%;
+    #                                     runs 19, 23: +2.7%, +3.9%), lone decode and TTFT equal; +1.8 MB per layer
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
     #                              auto (dual_frag on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
     #                              dual_frag (split halves in wgmma fragment order for the swap-AB kernel,
@@ -161,6 +160,8 @@ class QwenEngineConfig:
         from .load_packed import check_expert_layout
 
         check_expert_layout(self.expert_layout)
+        if isinstance(self.shared_expert_in_moe, str) and self.shared_expert_in_moe != "auto":
+            raise ValueError(f"shared_expert_in_moe must be true | false | auto, got {self.shared_expert_in_moe!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
@@ -649,7 +650,11 @@ class QwenEngine:
         from kernels import autotune_table
 
         if self.cfg.autotune_table == "auto":
-            return autotune_table.load_for_device(self.device)
+            try:
+                return autotune_table.load_for_device(self.device)
+            except ValueError as exc:  # a stale shipped table: tune as without one (a named table's error stands)
+                log.warning("%s; the autotuned kernels tune at start instead", exc)
+                return 0
         return autotune_table.load(self.cfg.autotune_table, torch.cuda.get_device_name(self.device))
 
     def _auto_num_blocks(self) -> int:
@@ -674,17 +679,20 @@ class QwenEngine:
 # Model construction
 
 
-def set_shared_expert_in_moe(model: torch.nn.Module, on: bool) -> int:
+def set_shared_expert_in_moe(model: torch.nn.Module, on: bool | str) -> int:
     """Set `SparseMoE.shared_in_experts` on every MoE layer whose experts hold the shared expert (the others keep
-    the dense shared expert); returns how many layers run it inside the grouped launches."""
+    the dense shared expert); returns how many layers run it inside the grouped launches. "auto": on wherever the
+    loader stacked it (`load_packed.resolve_shared_expert_in_moe`), without the warning True gives where none is."""
+    if not isinstance(on, bool) and on != "auto":
+        raise ValueError(f"shared_expert_in_moe must be true, false or 'auto', got {on!r}")
     from .model.moe import SparseMoE
 
     n = 0
     for mod in model.modules():
         if isinstance(mod, SparseMoE):
-            mod.shared_in_experts = on and getattr(mod.experts, "shared_index", None) is not None
+            mod.shared_in_experts = bool(on) and getattr(mod.experts, "shared_index", None) is not None
             n += mod.shared_in_experts
-    if on and n == 0:
+    if on is True and n == 0:
         log.warning("shared_expert_in_moe: no MoE layer holds its shared expert with the routed experts (a dense or "
                     "W4A4 model, or a model built without it); the dense shared expert runs")
     return n
@@ -750,7 +758,7 @@ def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
 
 
 def build_model(checkpoint: str | None, preset: str, device: torch.device, dtype: torch.dtype, seed: int,
-                weights: str = "auto", shared_expert_in_moe: bool = False, expert_layout: str = "auto"):
+                weights: str = "auto", shared_expert_in_moe: bool | str = "auto", expert_layout: str = "auto"):
     """A `QwenForCausalLM` in eval mode on `device`, activations in `dtype`.
 
     Packed (`qwen_engine/load_packed.py`): the checkpoint's NVFP4 / FP8 layers as packed modules, BF16 elsewhere; with

@@ -48,6 +48,29 @@ def test_dump_then_load_restores_the_picks(clean_caches, tmp_path):
     assert autotune_table.load(table, "NVIDIA H200") == 0 and gemv.cache[key] is gemv.configs[0]
 
 
+def test_shipped_tables_load(clean_caches):
+    """Every table in kernels/tuned/ names kernels and configurations the code still has, and loads whole."""
+    tables = sorted(autotune_table.TABLE_DIR.glob("*.json"))
+    assert tables, "no shipped table (kernels/tuned/nvidia_h200.json expected)"
+    for path in tables:
+        table = json.loads(path.read_text())
+        assert path == autotune_table.table_path(table["device"])
+        total = sum(len(picks) for picks in table["kernels"].values())
+        assert autotune_table.load(path, table["device"]) == total > 0
+        for t in clean_caches.values():
+            t.cache.clear()
+
+
+def test_a_refused_table_touches_no_cache(clean_caches):
+    good = autotune_table._config_json(clean_caches["fp8_gemv"].configs[0])
+    bad = {"device": "X", "kernels": {"fp8_gemv": [[[1, 2], good]], "fp8_skinny": [[[3], dict(good, num_warps=3)]]}}
+    with pytest.raises(ValueError, match="has no configuration"):
+        autotune_table.load(bad, "X")
+    assert all(not t.cache for t in clean_caches.values())
+    with pytest.raises(ValueError, match="pairs"):
+        autotune_table.load({"device": "X", "kernels": {"fp8_gemv": [[1, 2, 3]]}}, "X")
+
+
 def test_bad_tables_are_refused(clean_caches, tmp_path):
     good = autotune_table._config_json(clean_caches["fp8_gemv"].configs[0])
     bad = {"device": "X", "triton": "3.6.0", "kernels": {"fp8_gemv": [[[1, 2], dict(good, num_warps=3)]]}}

@@ -173,8 +173,8 @@ def test_wide_dequant_ptx_bits():
 @pytest.mark.skipif(DEVICE != "cuda", reason="DEQ_WIDE is inline PTX: GPU only (its bits: test_wide_dequant_ptx_bits)")
 @pytest.mark.parametrize("case", ["dense", "swiglu", "grouped"])
 def test_wide_dequant_matches_reference(case):
-    """`w4a16_gemv_launch(deq=DEQ_WIDE)` (not the default yet) within the module's bounds of the reference, and equal
-    to the default mode's result to fp32 summation order (the same weights, products summed in another order)."""
+    """`w4a16_gemv_launch(deq=DEQ_WIDE)` (the default on a GPU) within the module's bounds of the reference, and equal
+    to mode 2's result to fp32 summation order (the same weights, products summed in another order)."""
     from kernels.w4a16_gemv import DEQ_WIDE
 
     k = 2048
@@ -191,14 +191,14 @@ def test_wide_dequant_matches_reference(case):
             we = NVFP4Tensor(w.packed[ex], w.scales[ex], w.global_scale[ex])
             ref = x[r // top_k: r // top_k + 1].float() @ _dq(we).T
             assert compare(wide[r:r + 1].float(), ref * rs.view(-1)[r].float()) is None, r
-        assert compare(wide, w4a16_gemv_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs)) is None
+        assert compare(wide, w4a16_gemv_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs, deq=2)) is None
         return
     n = 1024
     w = rand_weight(n, k, seed=21)
     x = rand_x(1, k, seed=22)
     swiglu = case == "swiglu"
     wide = w4a16_gemv_launch(x, *w, swiglu=swiglu, deq=DEQ_WIDE)
-    base = w4a16_gemv_launch(x, *w, swiglu=swiglu)
+    base = w4a16_gemv_launch(x, *w, swiglu=swiglu, deq=2)
     if swiglu:
         check_swiglu(wide, x, _dq(w), "DEQ_WIDE swiglu")
     else:
@@ -206,8 +206,25 @@ def test_wide_dequant_matches_reference(case):
     assert compare(wide, base) is None
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="DEQ_WIDE is inline PTX: GPU only")
+def test_wide_dequant_default_takes_mode_2_on_unaligned_rows():
+    """The default (DEQ_WIDE) on activations that are not 4-byte aligned (a bf16 view one element in): mode 2's result,
+    not an error; DEQ_WIDE asked for by name on them: ValueError."""
+    from kernels.w4a16_gemv import DEQ_GPU, DEQ_WIDE
+
+    assert DEQ_GPU == DEQ_WIDE
+    w = rand_weight(256, 512, seed=31)
+    x = rand_x(1, 513, seed=32)[:, 1:]  # data_ptr % 4 == 2
+    assert x.data_ptr() % 4
+    assert torch.equal(w4a16_gemv_launch(x, *w), w4a16_gemv_launch(x, *w, deq=2))
+    with pytest.raises(ValueError, match="4-byte"):
+        w4a16_gemv_launch(x, *w, deq=DEQ_WIDE)
+
+
 def test_errors():
     w = rand_weight(8, 64, seed=13)
+    with pytest.raises(ValueError, match="deq must be"):
+        w4a16_gemv_launch(rand_x(1, 64, seed=1), *w, deq=5)
     with pytest.raises(ValueError, match="K = 32"):
         w4a16_gemv_launch(rand_x(1, 32, seed=1), *w)
     with pytest.raises(ValueError, match="even number of rows"):
