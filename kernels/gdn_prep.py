@@ -104,11 +104,15 @@ if triton is not None:
                  mask=ok[:, :, None] & (tt >= 1) & (tt <= KM1))
 
     @triton.jit
-    def _gdn_prep_kernel(qkv, pool, rows, w, b, a, a_log, dt_bias, q_out, k_out, v_out, beta_out, g_out,
-                         C, HK, HV, s_qd, s_pr, s_pc, s_wc, s_bd, s_ad, q_scale,
+    def _gdn_prep_kernel(qkv, pool, rows, w, b, a, a_log, dt_bias, q_out, k_out, v_out, beta_out, g_out, ba_out,
+                         C, HK, HV, H, s_qd, s_pr, s_pc, s_wc, s_bd, s_ad, q_scale,
                          DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+        # BA (`gdn_decode_prep_ba`): `b` is the layer input x [D, H] (row stride s_bd) and `a` the concatenated
+        # [in_proj_b; in_proj_a] weight [2 HV, H] (row stride s_ad); the program computes its value heads' b and a
+        # itself (fp32 dot products, rounded to the model dtype as F.linear's output is) and writes them to ba_out
+        # [D, 2 HV]. Otherwise `b`, `a` are the projections' outputs [D, HV] (row strides s_bd, s_ad).
         # In place: this program is the only reader and writer of its channels of pool row `row` (channel sets of
         # the HK programs of a row are disjoint; rows of distinct sequences are distinct -- CUDA-graph padding rows
         # share the scratch row, whose contents then do not matter). All reads of the row come first, then a
@@ -145,9 +149,28 @@ if triton is not None:
         tl.store(k_out + qk_off, tl.broadcast_to(kn, (BLOCK_R, BLOCK_K)), mask=qk_ok)
         tl.store(v_out + (d * HV + heads)[:, None] * DV + vv[None, :], vf, mask=v_ok)
         # gates of the value heads
-        bb = tl.load(b + d * s_bd + heads, mask=r_ok, other=0.0).to(tl.float32)
+        if BA:  # b, a = x . w_ba rows (heads) and (HV + heads): [BLOCK_R] each, over the hidden size in BLOCK_H steps
+            hh = tl.arange(0, BLOCK_H)[None, :]
+            acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
+            acc_a = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                h_ok = (h0 + hh) < H
+                xv = tl.load(b + d * s_bd + h0 + hh, mask=h_ok, other=0.0).to(tl.float32)  # [1, BH]
+                w_ok = r_ok[:, None] & h_ok
+                wb = tl.load(a + heads[:, None] * s_ad + h0 + hh, mask=w_ok, other=0.0).to(tl.float32)
+                wa = tl.load(a + (HV + heads)[:, None] * s_ad + h0 + hh, mask=w_ok, other=0.0).to(tl.float32)
+                acc_b += tl.sum(wb * xv, axis=1)
+                acc_a += tl.sum(wa * xv, axis=1)
+            b_dt = _cast(acc_b, dt, INTERPRET)  # the projections' outputs in the model dtype
+            a_dt = _cast(acc_a, dt, INTERPRET)
+            tl.store(ba_out + d * 2 * HV + heads, b_dt, mask=r_ok)
+            tl.store(ba_out + d * 2 * HV + HV + heads, a_dt, mask=r_ok)
+            bb = b_dt.to(tl.float32)
+            u = a_dt.to(tl.float32)
+        else:
+            bb = tl.load(b + d * s_bd + heads, mask=r_ok, other=0.0).to(tl.float32)
+            u = tl.load(a + d * s_ad + heads, mask=r_ok, other=0.0).to(tl.float32)
         beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
-        u = tl.load(a + d * s_ad + heads, mask=r_ok, other=0.0).to(tl.float32)
         u = u + tl.load(dt_bias + heads, mask=r_ok, other=0.0).to(tl.float32)
         # softplus = max(u, 0) + log1p(exp(-|u|)); log1p(t) for t in (0, 1] as 2 atanh(s), s = t / (2 + t) <= 1/3:
         # 2 s (1 + s^2/3 + ... + s^14/15), truncation < 2e-9 relative (log(1 + t) would lose bits for small t)
@@ -166,14 +189,10 @@ def _interpreted() -> bool:
     return triton is not None and type(_gdn_prep_kernel).__name__ == "InterpretedFunction"
 
 
-@torch.library.custom_op("qwen::gdn_decode_prep_", mutates_args=("conv_pool",))
-def gdn_decode_prep_(qkv_in: torch.Tensor, conv_pool: torch.Tensor, rows: torch.Tensor, conv_w: torch.Tensor,
-                     b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, num_k_heads: int,
-                     head_k_dim: int, head_v_dim: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k, v, beta, g); advances conv_pool[rows] in place. Guards: `supports` (checked by the registry)."""
+def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_k_heads: int, head_k_dim: int,
+            head_v_dim: int, ba: bool):
+    """(q, k, v, beta, g, ba_out); `b`, `a`: the projections' outputs [D, Hv] or (ba) x [D, H] and w_ba [2 Hv, H]."""
     d, c = qkv_in.shape
-    hv = b.shape[-1]
     km1 = conv_pool.shape[-1]
     dev = qkv_in.device
     q = torch.empty((d, hv, head_k_dim), dtype=torch.float32, device=dev)
@@ -181,26 +200,60 @@ def gdn_decode_prep_(qkv_in: torch.Tensor, conv_pool: torch.Tensor, rows: torch.
     v = torch.empty((d, hv, head_v_dim), dtype=torch.float32, device=dev)
     beta = torch.empty((d, hv), dtype=torch.float32, device=dev)
     g = torch.empty_like(beta)
+    ba_out = torch.empty((d, 2 * hv) if ba else (0, 2 * hv), dtype=qkv_in.dtype, device=dev)
     if d == 0:
-        return q, k, v, beta, g
+        return q, k, v, beta, g, ba_out
     r = hv // num_k_heads
+    hidden = b.shape[-1] if ba else 0
     _gdn_prep_kernel[(d, num_k_heads)](
-        qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, q, k, v, beta, g,
-        c, num_k_heads, hv, qkv_in.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_w.stride(0),
+        qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, q, k, v, beta, g, ba_out,
+        c, num_k_heads, hv, hidden, qkv_in.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_w.stride(0),
         b.stride(0), a.stride(0), head_k_dim ** -0.5,
         DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r),
-        BLOCK_T=triton.next_power_of_2(km1 + 1), INTERPRET=_interpreted(), num_warps=4)
-    return q, k, v, beta, g
+        BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(), num_warps=4)
+    return q, k, v, beta, g, ba_out
+
+
+BA_BLOCK_H = 512  # hidden elements per step of gdn_decode_prep_ba's b / a dot products (Qwen3.6: 2,048 in 4 steps)
+
+
+@torch.library.custom_op("qwen::gdn_decode_prep_", mutates_args=("conv_pool",))
+def gdn_decode_prep_(qkv_in: torch.Tensor, conv_pool: torch.Tensor, rows: torch.Tensor, conv_w: torch.Tensor,
+                     b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, num_k_heads: int,
+                     head_k_dim: int, head_v_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, beta, g); advances conv_pool[rows] in place. Guards: `supports` (checked by the registry)."""
+    return _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, b.shape[-1], num_k_heads, head_k_dim,
+                   head_v_dim, ba=False)[:5]
+
+
+def _fake_outputs(qkv_in, hv, head_k_dim, head_v_dim):
+    d = qkv_in.shape[0]
+    q = qkv_in.new_empty((d, hv, head_k_dim), dtype=torch.float32)
+    return (q, torch.empty_like(q), qkv_in.new_empty((d, hv, head_v_dim), dtype=torch.float32),
+            qkv_in.new_empty((d, hv), dtype=torch.float32), qkv_in.new_empty((d, hv), dtype=torch.float32))
 
 
 @gdn_decode_prep_.register_fake
 def _(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim):
-    d, c = qkv_in.shape
-    hv = b.shape[-1]
-    q = qkv_in.new_empty((d, hv, head_k_dim), dtype=torch.float32)
-    return (q, torch.empty_like(q), qkv_in.new_empty((d, hv, head_v_dim), dtype=torch.float32),
-            qkv_in.new_empty((d, hv), dtype=torch.float32), qkv_in.new_empty((d, hv), dtype=torch.float32))
+    return _fake_outputs(qkv_in, b.shape[-1], head_k_dim, head_v_dim)
+
+
+@torch.library.custom_op("qwen::gdn_decode_prep_ba_", mutates_args=("conv_pool",))
+def gdn_decode_prep_ba_(qkv_in: torch.Tensor, conv_pool: torch.Tensor, rows: torch.Tensor, conv_w: torch.Tensor,
+                        x: torch.Tensor, w_ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                        num_k_heads: int, head_k_dim: int, head_v_dim: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, beta, g, ba [D, 2 Hv]); advances conv_pool[rows] in place. Guards: `supports_ba`."""
+    return _launch(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, w_ba.shape[0] // 2, num_k_heads,
+                   head_k_dim, head_v_dim, ba=True)
+
+
+@gdn_decode_prep_ba_.register_fake
+def _(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim):
+    hv = w_ba.shape[0] // 2
+    return (*_fake_outputs(qkv_in, hv, head_k_dim, head_v_dim), qkv_in.new_empty((qkv_in.shape[0], 2 * hv)))
 
 
 def gdn_decode_prep_triton(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads, head_k_dim,
@@ -208,6 +261,37 @@ def gdn_decode_prep_triton(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias
     """Same contract as `gdn_decode_prep_reference`."""
     return (*gdn_decode_prep_(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, num_k_heads, head_k_dim,
                               head_v_dim), conv_pool)
+
+
+def gdn_decode_prep_ba_reference(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads: int,
+                                 head_k_dim: int, head_v_dim: int):
+    """`gdn_decode_prep_reference` with b, a = the two halves of F.linear(x, w_ba) (the model's `_project_ba`):
+    x [D, H] (model dtype), w_ba = cat(in_proj_b.weight, in_proj_a.weight) [2 Hv, H] -> (q, k, v, beta, g, ba
+    [D, 2 Hv] in the model dtype, conv_pool)."""
+    hv = w_ba.shape[0] // 2
+    ba = F.linear(x, w_ba)
+    out = gdn_decode_prep_reference(qkv_in, conv_pool, rows, conv_w, ba[:, :hv], ba[:, hv:], a_log, dt_bias,
+                                    num_k_heads, head_k_dim, head_v_dim)
+    return (*out[:5], ba, out[5])
+
+
+def gdn_decode_prep_ba_gemm_triton(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads,
+                                   head_k_dim, head_v_dim):
+    """The fallback after `gdn_decode_prep_ba_triton`: b / a by their GEMM (F.linear, as the reference), then the
+    plain prep kernel (the engine's path before b / a moved inside; should the fused one fail its self-check on a
+    GPU, the engine keeps this speed instead of the torch reference's ~35 launches per layer)."""
+    hv = w_ba.shape[0] // 2
+    ba = F.linear(x, w_ba)
+    out = gdn_decode_prep_triton(qkv_in, conv_pool, rows, conv_w, ba[:, :hv], ba[:, hv:], a_log, dt_bias,
+                                 num_k_heads, head_k_dim, head_v_dim)
+    return (*out[:5], ba, out[5])
+
+
+def gdn_decode_prep_ba_triton(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads, head_k_dim,
+                              head_v_dim):
+    """Same contract as `gdn_decode_prep_ba_reference`."""
+    return (*gdn_decode_prep_ba_(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads, head_k_dim,
+                                 head_v_dim), conv_pool)
 
 
 # ---- guard, registry entry ------------------------------------------------------------------------------------------
@@ -281,6 +365,76 @@ def _sample(device) -> tuple[tuple, dict]:
     return random_inputs(3, 2, 32, 2, 16, device=device), {}
 
 
+# ---- gdn_decode_prep_ba: the same with the b / a projections inside (x and their concatenated weight in) ----------
+# Why: the model's `_project_ba` is one bf16 cuBLAS GEMM per GDN layer, [D, 2,048] x [2,048, 64]: ~5 us per launch,
+# 30 per decode step (H200 profile run 16: 0.153 ms of a lone request's 2.97 ms step). Each program here reads its
+# r value heads' 2 r weight rows (r = 2: 16 KB) and the row of x (4 KB) and does the dot products on CUDA cores.
+NAME_BA = "gdn_decode_prep_ba"
+
+
+def describe_ba(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim
+                ) -> dict[str, Any]:
+    hv = w_ba.shape[0] // 2 if w_ba.dim() == 2 else 0
+    d = qkv_in.shape[0] if qkv_in.dim() == 2 else -1
+    ba_ok = (x.dim() == 2 and w_ba.dim() == 2 and x.shape[0] == d and w_ba.shape == (2 * hv, x.shape[1])
+             and x.shape[1] > 0)
+    fake_b = qkv_in.new_empty((max(d, 0), hv), device="meta")  # the gates' shapes as the plain op sees them
+    out = describe(qkv_in, conv_pool, rows, conv_w, fake_b, fake_b, a_log, dt_bias, num_k_heads, head_k_dim,
+                   head_v_dim)
+    out["shapes_ok"] = out["shapes_ok"] and ba_ok
+    out["dtypes"] = out["dtypes"] | {x.dtype, w_ba.dtype}
+    out["unit_strides"] = out["unit_strides"] and all(t.stride(-1) == 1 for t in (x, w_ba) if t.dim())
+    return out
+
+
+def compare_ba(out, ref, tol: float | None = None) -> str | None:
+    """ba (the kernel's own projections, model dtype) within tol x max |ref| (1e-2 bf16/fp16: one ulp of a rounded
+    dot product whose fp32 sum ran in another order; 1e-5 fp32). The decay g: within 1e-5 relative where the
+    kernel's a equals the reference's, and where it does not, |log(g / g_ref)| <= |a - a_ref| + 1e-5 -- the exact
+    reach of a different input, since g = -exp(A_log) softplus(a + dt_bias) and d log softplus(u) / du =
+    sigmoid(u) / softplus(u) <= 1 (log(1 + t) >= t / (1 + t)); one bf16 ulp of a moves g by up to ~6% at |u| = 10.
+    Then everything else `compare` checks (q, k, v, beta -- one ulp of b moves sigmoid by less than 1e-2 --, the
+    conv pool bit for bit)."""
+    if tol is None:
+        tol = 1e-5 if ref[-1].dtype == torch.float32 else 1e-2
+    ba, ba_ref = out[5], ref[5]
+    if ba.shape != ba_ref.shape or ba.dtype != ba_ref.dtype:
+        return f"ba: {tuple(ba.shape)} {ba.dtype}, expected {tuple(ba_ref.shape)} {ba_ref.dtype}"
+    problem = tolerance.compare(ba, ba_ref, tol)
+    if problem:
+        return f"ba: {problem}"
+    g, g_ref = out[4], ref[4]
+    if g.shape != g_ref.shape:
+        return f"g: shape {tuple(g.shape)}, expected {tuple(g_ref.shape)}"
+    if g.numel():
+        hv = ba.shape[-1] // 2
+        da = (ba[:, hv:].float() - ba_ref[:, hv:].float()).abs()
+        reach = torch.where(da == 0, torch.full_like(da, 1e-5), da + 1e-5)
+        log_ratio = (g.double() / g_ref.double()).log().abs()  # g, g_ref < 0; both 0 (softplus underflow): equal
+        log_ratio = torch.where((g == 0) & (g_ref == 0), torch.zeros_like(log_ratio), log_ratio)
+        worst = float((log_ratio - reach).max())
+        if not worst <= 0:  # (also fails on NaN)
+            return f"g: |log(g / g_ref)| exceeds its bound by {worst:.3g}"
+    return compare((*out[:4], g_ref, out[6]), (*ref[:5], ref[6]), tol)
+
+
+def random_inputs_ba(d: int, num_k_heads: int, head_k_dim: int, r: int, head_v_dim: int, hidden: int = 96,
+                     kernel: int = 4, slots: int | None = None, dtype=torch.bfloat16, seed: int = 0, device="cpu"):
+    """`random_inputs` with x [D, hidden] and w_ba [2 Hv, hidden] in place of b, a (b ~ N(0, 1), a ~ N(0, 9) as
+    there); `hidden` need not be a multiple of BA_BLOCK_H (masked tail)."""
+    args = random_inputs(d, num_k_heads, head_k_dim, r, head_v_dim, kernel, slots, dtype, seed, device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hv = num_k_heads * r
+    x = torch.randn(d, hidden, generator=gen)
+    w_ba = torch.randn(2 * hv, hidden, generator=gen) * hidden ** -0.5
+    w_ba[hv:] *= 3
+    return (*args[:4], x.to(dtype).to(device), w_ba.to(dtype).to(device), *args[6:])
+
+
+def _sample_ba(device) -> tuple[tuple, dict]:
+    return random_inputs_ba(3, 2, 32, 2, 16, hidden=600, device=device), {}
+
+
 def register(registry) -> None:
     registry.add_op(NAME, gdn_decode_prep_reference, sample=_sample, compare=compare, describe=describe,
                     mutates=True,
@@ -288,3 +442,10 @@ def register(registry) -> None:
                               "conv / SiLU output carried through the L2 norm), 1e-5 for fp32; the conv pool bit "
                               "for bit")
     registry.add_implementation(NAME, "triton", gdn_decode_prep_triton, supports)
+    registry.add_op(NAME_BA, gdn_decode_prep_ba_reference, sample=_sample_ba, compare=compare_ba,
+                    describe=describe_ba, mutates=True,
+                    tolerance="as gdn_decode_prep, plus ba (b / a) within 1e-2 x max |ref| for bf16/fp16 (1e-5 fp32) "
+                              "and the decay g within the reach of the kernel's own a: |log(g / g_ref)| <= |a - a_ref| "
+                              "+ 1e-5")
+    registry.add_implementation(NAME_BA, "triton", gdn_decode_prep_ba_triton, supports)
+    registry.add_implementation(NAME_BA, "gemm+triton", gdn_decode_prep_ba_gemm_triton, supports)

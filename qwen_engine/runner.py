@@ -127,13 +127,16 @@ class ModelRunner:
                 model, self.cache, buckets=tuple(decode_buckets) or (max_num_seqs,),
                 max_blocks=-(-max_model_len // block_size), scratch_block=num_blocks, scratch_slot=max_num_seqs,
                 device=self.device, gdn_decode=self._gdn_decode, decode_attention=self._decode_attention,
-                gdn_prep=self._gdn_prep, mode=decode_graphs)
+                gdn_prep=self._gdn_prep, mode=decode_graphs, gdn_prep_ba=self._gdn_prep_ba)
 
     def _gdn_decode(self, q, k, v, g, beta, pool, rows):
         return self.registry.call("gdn_decode_rows", q, k, v, g, beta, pool, rows)[0]
 
     def _gdn_prep(self, *args):
         return self.registry.call("gdn_decode_prep", *args)
+
+    def _gdn_prep_ba(self, *args):
+        return self.registry.call("gdn_decode_prep_ba", *args)
 
     def _gdn_chunk(self, q, k, v, g, beta, states, cu_seqlens):
         return self.registry.call("gdn_chunk_prefill", q, k, v, g, beta, states, cu_seqlens)
@@ -194,7 +197,8 @@ class ModelRunner:
         # same chunked rule the model's own loop runs)
         return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode,
                                self._decode_attention, self._gdn_prep,
-                               self._gdn_chunk if self.device.type == "cuda" else None, self._gdn_conv)
+                               self._gdn_chunk if self.device.type == "cuda" else None, self._gdn_conv,
+                               self._gdn_prep_ba)
 
     def _use_graphs(self, plan: StepPlan) -> bool:
         """Decode-only steps (the scheduler sets bucket_size) once the graphs exist (or in "static" mode)."""

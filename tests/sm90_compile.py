@@ -50,11 +50,12 @@ def main() -> int:
                           dict(BLOCK_M=64, BLOCK_E=256, BLOCK_B=32)))
     ok.append(compile_one("moe_align scatter (chunks of 256 pairs)", moe_align._scatter_kernel, ints,
                           dict(CHUNK_G=256, SUB=32)))
-    types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias")}
+    types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias", "ba_out")}
     types.update({n: "*fp32" for n in ("q_out", "k_out", "v_out", "beta_out", "g_out")}, rows="*i64", q_scale="fp32")
-    ok.append(compile_one("gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16)", gdn_prep._gdn_prep_kernel, types,
-                          dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, BLOCK_T=4,
-                               INTERPRET=False)))
+    for ba in (False, True):  # b / a read, or computed from x and w_ba (gdn_decode_prep_ba: the engine's default)
+        ok.append(compile_one(f"gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16, BA={int(ba)})", gdn_prep._gdn_prep_kernel,
+                              types, dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, BLOCK_T=4,
+                                          BA=ba, BLOCK_H=gdn_prep.BA_BLOCK_H, INTERPRET=False)))
     ok.append(compile_one("rms_norm_zc (D = 2048, bf16)", rms_norm._rms_norm_zc_kernel,
                           {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
                           dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False)))
@@ -100,14 +101,13 @@ def main() -> int:
                                    BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, TILE_N=tile_n)))
     # the swap-AB grouped kernel on split-halves experts (the engine's MoE path on CUDA): decode (BLOCK_M 16, SwiGLU)
     # and prefill (BLOCK_M 64, routing weight) programs, PTX dequant
-    # (FRAG: the bytes in fragment order, `split_frag`, with its scale conversion; QUAD: `split_quad`, the experiment)
-    for bm, swiglu, frag, quad in ((16, True, False, False), (64, False, False, False), (16, True, True, False),
-                                   (64, False, True, False), (16, True, False, True)):
+    # (FRAG: the bytes in fragment order, `split_frag`, with its scale conversion)
+    for bm, swiglu, frag in ((16, True, False), (64, False, False), (16, True, True), (64, False, True)):
         what = "SwiGLU" if swiglu else "routing weight"
         ok.append(compile_one(f"w4a16 grouped swap-AB BLOCK_M={bm} BLOCK_N=64 BLOCK_K=128 DEQ=2 FRAG={int(frag)} "
-                              f"QUAD={int(quad)} ({what}, bf16)", w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
+                              f"({what}, bf16)", w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
-                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=frag, QUAD=quad)))
+                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=frag)))
     # the GDN prefill conv (a padded bucket: valid count read on the device), bf16
     ok.append(compile_one("gdn_prefill_conv (C = 8192, K = 4, valid on the device, bf16)",
                           gdn_conv._gdn_prefill_conv_kernel,

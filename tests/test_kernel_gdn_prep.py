@@ -8,7 +8,16 @@ import torch
 
 from engine_core.registry import Registry
 from kernels import gdn_prep
-from kernels.gdn_prep import compare, gdn_decode_prep_reference, gdn_decode_prep_triton, random_inputs
+from kernels.gdn_prep import (
+    compare,
+    compare_ba,
+    gdn_decode_prep_ba_reference,
+    gdn_decode_prep_ba_triton,
+    gdn_decode_prep_reference,
+    gdn_decode_prep_triton,
+    random_inputs,
+    random_inputs_ba,
+)
 
 pytestmark = pytest.mark.skipif(gdn_prep.triton is None, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,8 +105,88 @@ def test_breaking_the_l2_norm_is_caught():
 def test_registry_self_check():
     reg = Registry("auto")
     gdn_prep.register(reg)
-    assert reg.self_check(DEVICE) == {"gdn_decode_prep": "triton passed"}
+    assert reg.self_check(DEVICE) == {"gdn_decode_prep": "triton passed",
+                                      "gdn_decode_prep_ba": "triton passed; gemm+triton passed"}
     args = random_inputs(2, 2, 32, 2, 16, dtype=torch.bfloat16, device=DEVICE)
     assert reg.choose("gdn_decode_prep", **gdn_prep.describe(*args)).name == "triton"
     args64 = random_inputs(2, 2, 32, 2, 16, dtype=torch.float64, device=DEVICE)
     assert reg.choose("gdn_decode_prep", **gdn_prep.describe(*args64)).name == "reference"
+
+
+# ---- gdn_decode_prep_ba: the b / a projections inside the kernel ----------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hk,dk,r,dv,hidden", [(1, 2, 32, 2, 16, 2048), (3, 2, 32, 2, 32, 600), (4, 1, 16, 1, 16, 96),
+                                                 (2, 3, 24, 3, 8, 1030), (5, 2, 16, 4, 16, 512)])
+def test_ba_matches_reference(dtype, d, hk, dk, r, dv, hidden):
+    """Hidden sizes below, at, between and above multiples of BA_BLOCK_H (masked tails), non-power-of-two repeat
+    counts. `compare_ba`'s bounds; in bf16 the kernel's b / a are the reference's bit for bit but for fp32 summation
+    order landing on a rounding boundary (>= 97% here), and q / k / v and the pool are exactly the plain op's."""
+    args = random_inputs_ba(d, hk, dk, r, dv, hidden=hidden, dtype=dtype, seed=d * 5 + hidden, device=DEVICE)
+    ref = gdn_decode_prep_ba_reference(*with_pool(args, args[1].clone()))
+    plain_pool = args[1].clone()
+    out = gdn_decode_prep_ba_triton(*args)
+    assert out[-1] is args[1]
+    problem = compare_ba(out, ref)
+    assert problem is None, problem
+    assert out[5].shape == (d, 2 * hk * r) and out[5].dtype == dtype
+    if dtype == torch.bfloat16:
+        assert float((out[5] == ref[5]).float().mean()) >= 0.97
+    # the plain op on the kernel's own b / a: the same q, k, v, beta, g, bit for bit
+    hv = hk * r
+    plain = gdn_decode_prep_triton(args[0], plain_pool, args[2], args[3], out[5][:, :hv], out[5][:, hv:], *args[6:])
+    for i in range(5):
+        assert torch.equal(out[i], plain[i]), i
+    assert torch.equal(out[-1], plain[-1])
+
+
+def test_ba_compare_has_teeth():
+    """compare_ba fails on b / a off by 2%, on g off by 1e-3 where a is the reference's, and on q unscaled; it
+    accepts g moved by exactly what one ulp of a moves it (the reach bound), and refuses the same g when a was not
+    moved."""
+    import torch.nn.functional as F
+
+    args = random_inputs_ba(3, 2, 32, 2, 16, hidden=300, dtype=torch.bfloat16, seed=9, device=DEVICE)
+    ref = gdn_decode_prep_ba_reference(*with_pool(args, args[1].clone()))
+    out = list(gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone())))
+    assert compare_ba(tuple(out), ref) is None
+    hv = out[5].shape[-1] // 2
+    bad = list(out)
+    bad[5] = (out[5].float() * 1.02).to(out[5].dtype)
+    assert "ba" in compare_ba(tuple(bad), ref)
+    bad = list(out)
+    bad[4] = out[4] * (1 + 1e-3)
+    assert "g" in compare_ba(tuple(bad), ref)
+    bad = list(out)
+    bad[0] = out[0] * 32 ** 0.5
+    assert compare_ba(tuple(bad), ref) is not None
+    # one bf16 ulp up on a[0, 0], and g[0, 0] recomputed from it with the op's own gate parameters
+    a_log, dt_bias = args[6], args[7]
+    moved = out[5].clone()
+    moved[0, hv] = (moved[0, hv].view(torch.int16) + 1).view(torch.bfloat16)  # one ulp away from zero
+    g_moved = out[4].clone()
+    g_moved[0, 0] = -a_log[0].float().exp() * F.softplus(moved[0, hv].float() + dt_bias[0].float())
+    assert not torch.equal(g_moved, out[4])
+    ok = list(out)
+    ok[5], ok[4] = moved, g_moved
+    assert compare_ba(tuple(ok), ref) is None
+    ok[5] = out[5]  # the same g without the moved input: beyond 1e-5
+    assert "g" in compare_ba(tuple(ok), ref)
+
+
+def test_ba_fallback_is_the_gemm_then_the_plain_kernel():
+    """A disabled fused kernel hands the call to F.linear + the plain prep kernel (not the torch reference), whose ba
+    is the reference's bit for bit."""
+    reg = Registry("auto")
+    gdn_prep.register(reg)
+    args = random_inputs_ba(2, 2, 32, 2, 16, hidden=200, dtype=torch.bfloat16, seed=4, device=DEVICE)
+    reg.disable("gdn_decode_prep_ba", "triton", "test")
+    assert reg.choose("gdn_decode_prep_ba", **gdn_prep.describe_ba(*args)).name == "gemm+triton"
+    ref = gdn_decode_prep_ba_reference(*with_pool(args, args[1].clone()))
+    out = reg.call("gdn_decode_prep_ba", *args)
+    assert torch.equal(out[5], ref[5]) and compare_ba(out, ref) is None
+
+
+def test_ba_mutating_op_schema():
+    args = random_inputs_ba(2, 2, 16, 2, 16, hidden=64, dtype=torch.float32, device=DEVICE)
+    torch.library.opcheck(torch.ops.qwen.gdn_decode_prep_ba_.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

@@ -132,7 +132,7 @@ def _drive_paged_vs_contiguous(model, dtype, num_kv_blocks, tol, graphs):
     if num_kv_blocks == 8:
         assert sched.stats.preemptions > 0
     if dtype == torch.float32 and INTERPRETED:  # the decode-only steps ran the fused GDN prep kernel (interpreted)
-        assert runner.registry.choices()["gdn_decode_prep"]["last"] == "triton"
+        assert runner.registry.choices()["gdn_decode_prep_ba"]["last"] == "triton"
     if graphs == "static":
         replays = runner.graphs.stats()["replays"]
         assert runner.graph_steps > 0 and set(replays) >= {"1", "2", "4"}, replays
@@ -536,7 +536,8 @@ def test_kernel_self_check_at_start():
     # on the CPU through the interpreter; on a GPU host this CPU engine's samples are CPU tensors that compiled
     # Triton cannot take (the GPU engine's checks are in benchmarks/RESULTS.md)
     want = "triton passed" if INTERPRETED else "triton skipped (does not support the sample on cpu)"
-    for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "rms_norm_zc",
+    for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "gdn_decode_prep_ba",
+               "rms_norm_zc",
                "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "attn_decode_prep",
                "attn_output_gate"):
         assert checks[op] == want, (op, checks)

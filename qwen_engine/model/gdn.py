@@ -114,6 +114,10 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
 
 
 class GatedDeltaNet(nn.Module):
+    # decode-only steps compute in_proj_b / in_proj_a inside the prep op (`batch.gdn_prep_ba`) when the runner offers
+    # it and both are plain linears; False: their concatenated GEMM, then `batch.gdn_prep` (tests pin either path)
+    fused_ba = True
+
     def __init__(self, cfg: QwenConfig, chunk_size: int = 64):
         super().__init__()
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -147,12 +151,17 @@ class GatedDeltaNet(nn.Module):
         gdn_prep reads through its row strides). The same dot products as two GEMMs; only the GEMM's summation order
         may differ (tests/test_gdn_fused_glue.py states the tolerance). Falls back to the two projections when
         either is not a plain bias-free nn.Linear (a quantized replacement)."""
-        b_lin, a_lin = self.in_proj_b, self.in_proj_a
-        if type(b_lin) is not nn.Linear or type(a_lin) is not nn.Linear or b_lin.bias is not None \
-                or a_lin.bias is not None:
-            return b_lin(x), a_lin(x)
+        if not self._plain_ba():
+            return self.in_proj_b(x), self.in_proj_a(x)
         ba = F.linear(x, self._ba_weight())
         return ba[..., :self.num_v_heads], ba[..., self.num_v_heads:]
+
+    def _plain_ba(self) -> bool:
+        """in_proj_b and in_proj_a are plain bias-free nn.Linear (BF16 in the checkpoints), so one concatenated weight
+        computes both (not a quantized replacement)."""
+        b_lin, a_lin = self.in_proj_b, self.in_proj_a
+        return (type(b_lin) is nn.Linear and type(a_lin) is nn.Linear and b_lin.bias is None
+                and a_lin.bias is None)
 
     def _ba_weight(self) -> torch.Tensor:
         """cat(in_proj_b.weight, in_proj_a.weight) [2 Hv, hidden], built lazily and cached. Never stale: the cache is
@@ -229,9 +238,14 @@ class GatedDeltaNet(nn.Module):
         rows = batch.state_slots_t
         qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x)  # fused: one quantiser + one GEMV
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
-            qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
-            self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        if self.fused_ba and batch.gdn_prep_ba is not None and self._plain_ba():  # b / a inside: a GEMM fewer
+            q, k, v, beta, g, _, _ = batch.gdn_prep_ba(  # advances slots.conv[rows] in place
+                qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], x, self._ba_weight(),
+                self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        else:
+            q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
+                qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
+                self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
         o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         return self._output(o, z, x.dtype)
 

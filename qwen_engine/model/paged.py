@@ -104,6 +104,10 @@ class FlatBatch:
     # GDN decode-row preparation (conv step, head norms, gates) for decode-only steps: `kernels/gdn_prep.py`'s op
     # signature; None -> the plain torch path of `GatedDeltaNet.forward_paged`
     gdn_prep: Callable | None = None
+    # the same with the in_proj_b / in_proj_a projections inside: `kernels/gdn_prep.py`'s gdn_decode_prep_ba op
+    # signature (x and the concatenated [2 Hv, hidden] b/a weight in place of b, a); None -> `gdn_prep` after the
+    # projections' own GEMM
+    gdn_prep_ba: Callable | None = None
     # GDN prefill of all prefill rows in one call: (q, k, v, g, beta of their tokens, entering states [P, H, Dk, Dv],
     # cu_seqlens int64 [P + 1] on the device) -> (o, final states) (`kernels/gdn_chunk.py`: flash-linear-attention's
     # kernels on CUDA); None -> `gdn.gated_delta_rule_chunked` per sequence
@@ -129,7 +133,7 @@ class FlatBatch:
     def build(cls, seqs: list[tuple[int, int, tuple[int, ...], int]], num_decode: int, block_size: int,
               device, gdn_decode: Callable | None = None, decode_attention: Callable | None = None,
               gdn_prep: Callable | None = None, gdn_chunk: Callable | None = None,
-              gdn_conv: Callable | None = None) -> FlatBatch:
+              gdn_conv: Callable | None = None, gdn_prep_ba: Callable | None = None) -> FlatBatch:
         """From per-sequence (start, num_tokens, block_table, state_slot), decode rows first; one host->device copy
         per field (pinned, non-blocking on CUDA)."""
         positions, slots, starts, ctx = [], [], [0], []
@@ -149,5 +153,5 @@ class FlatBatch:
             return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
 
         return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
-                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep, gdn_chunk,
-                   gdn_conv)
+                   tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep,
+                   gdn_prep_ba, gdn_chunk, gdn_conv)
