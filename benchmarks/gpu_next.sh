@@ -20,8 +20,9 @@
 #  10. the sixth session's open GPU checks: the prefill-graph tests on CUDA (the redesigned bf16 case never ran on a
 #      GPU) and fla's fixed-length call (`test_kernel_gdn_chunk.py`), then the grouped kernel's prefill tiles
 #      (`moe_prefill_bench.py`) and the engine's TTFT with the default prefill buckets (start-up time included);
-#  11. the engine's speed beside the same engine without async_decode (on by default since run 12) and with
-#      shared_expert_in_moe. Engines only (--engine-only), one prefill bucket each.
+#  11. the engine's speed beside the same engine without async_decode (on by default since run 12) and without
+#      shared_expert_in_moe (on by default with dual_frag since run 27). Engines only (--engine-only), one prefill
+#      bucket each.
 #  12. the engine with its experts in split halves (the swap-AB kernel, the default on CUDA since the seventh session)
 #      beside the same engine with them tile-major (the grouped kernel), then the swapped kernel's GPU tests.
 #  13. (written 2026-11-30, seventh session; not run) the two MoE kernels per call at 1-8 tokens, where the swap-AB
@@ -63,7 +64,7 @@
 #      GPU tests and the per-call bench (run 2 also timed the compare-tile version, since removed), then the engine
 #      (defaults) beside the same engine with shared_expert_in_moe (the shared expert as a 9th pair of the routed
 #      launches: GEMV at <= 4 tokens, swap-AB kernel above; calls of up to 113 tokens now that the one-program
-#      alignment takes 1,024 pairs).
+#      alignment takes 1,024 pairs). Since run 27 it is on by default (auto): the steps now run the engine without it.
 #  28. (eleventh session) step 27's engine part again with fla-core carried (step 27's TTFT was the torch GDN
 #      prefill's: its bundle had no .devbundle/extra). Its first run, with --again and 480 s, was cut in the first
 #      engine's start-up (results/qwen_gpu_run20_cut); now two engines and 560 s.
@@ -223,9 +224,9 @@ timeout 340 python benchmarks/qwen_profile.py --engine-prefill --batches "" --ou
 grep -E "started|ttft_ms_median" "$R/qwen_prefill.log" | cut -c1-300
 fi
 if want 11; then
-say "11. Qwen engine speed: defaults, without async_decode, with shared_expert_in_moe (one prefill bucket)"
+say "11. Qwen engine speed: defaults, without async_decode, without shared_expert_in_moe (one prefill bucket)"
 timeout 560 python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 --sync-decode \
-  --shared-in-moe --prefill-buckets 1024 --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
+  --no-shared-in-moe --prefill-buckets 1024 --out "$R/qwen_async" > "$R/qwen_async.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_async/qwen_gpu.md"
 fi
 if want 12; then
@@ -364,7 +365,7 @@ grep -E "wall_ms_per_step|started" "$R/qwen_profile.log" | cut -c1-300
 grep -E "^  engine" "$R/qwen_profile.log" | cut -c1-160 | head -120
 fi
 if want 27; then
-say "27. sorted moe_align: GPU tests, per-call bench; the engine beside shared_expert_in_moe"
+say "27. sorted moe_align: GPU tests, per-call bench; the engine beside shared_expert_in_moe off (on since run 27)"
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_align.py > "$R/moe_align_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/moe_align_tests.log" | tail -3
 timeout 60 python benchmarks/moe_align_bench.py --warps 4 --out "$R/moe_align_bench" > "$R/moe_align_bench.log" 2>&1
@@ -372,7 +373,7 @@ tail -9 "$R/moe_align_bench.log"
 engine_ab qwen_shared 450 --no-shared-in-moe
 fi
 if want 28; then
-say "28. the engine beside shared_expert_in_moe (fla carried: TTFT valid)"
+say "28. the engine beside shared_expert_in_moe off (its default, auto, is on with dual_frag since run 27)"
 engine_ab qwen_shared 560 --no-shared-in-moe
 fi
 if want 29; then

@@ -459,9 +459,9 @@ def main() -> None:
         def loop():
             while True:
                 time.sleep(seconds)
-                try:  # an autotuner may insert a pick mid-copy: skip this round
+                try:  # an autotuner may insert a pick mid-copy (RuntimeError): skip this round; never stop the loop
                     autotune_table.dump(torch.cuda.get_device_name(), out_dir / "autotune_picks.json")
-                except RuntimeError:
+                except Exception:  # noqa: BLE001 - the next round writes the file again
                     pass
 
         threading.Thread(target=loop, name="autotune-picks", daemon=True).start()
@@ -473,10 +473,11 @@ def main() -> None:
     log(f"generating random packed weights for {'tiny' if tiny else 'full-size'} config on {device}")
     t = time.perf_counter()
     tensors = random_packed_tensors(cfg, device, seed=args.seed, dtype=dtype)
-    # the shared experts also stacked with the routed ones (+1.8 MB per layer) when the engine will run them inside the
-    # grouped launches in one phase; every other phase and the model-level rows keep the dense shared expert, and
-    # their routed calls see the routed experts only (`NVFP4Experts.forward(with_shared=False)`)
-    model = load_quantized(tensors, cfg, device, dtype)  # shared_expert_in_moe auto: stacked with dual_frag (Hopper)
+    # shared_expert_in_moe auto: on Hopper (dual_frag experts) the shared experts are also stacked with the routed ones
+    # (in both copies: ~3.4 MB per layer), which the engines run inside the grouped launches unless told otherwise;
+    # the model-level rows keep the dense shared expert, and their routed calls see the routed experts only
+    # (`NVFP4Experts.forward(with_shared=False)`)
+    model = load_quantized(tensors, cfg, device, dtype)
     del tensors
     sync(device)
     kinds = packed_modules(model)

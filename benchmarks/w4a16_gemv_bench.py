@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/w4a16_gemv_bench")
     ap.add_argument("--tokens", default="1,2,4")
     ap.add_argument("--calls", type=int, default=40, help="calls per graph (the MoE: 40 = the model's layers)")
-    ap.add_argument("--deq", default="2", help="the GEMV's dequant modes to time: 2 (the default), 3 (DEQ_WIDE)")
+    ap.add_argument("--deq", default="2", help="the GEMV's dequant modes to time: 2 (always: the \"GEMV\" columns), "
+                                               "3 (DEQ_WIDE, the engine's default since 2026-12-01)")
     args = ap.parse_args()
     import torch
 
@@ -70,7 +71,8 @@ def main() -> None:
         idx = [torch.stack([torch.randperm(E, device=dev, generator=gen)[:TOP_K] for _ in range(t)])
                for _ in range(args.calls)]
         wts = [torch.softmax(torch.randn(t, TOP_K, device=dev), -1).to(torch.bfloat16) for _ in range(args.calls)]
-        paths = {"GEMV (checkpoint layout)": lambda i: gv.moe_experts_w4a16_gemv(xs[i], w13, w2, idx[i], wts[i]),
+        paths = {"GEMV (checkpoint layout)": lambda i: gv.moe_experts_w4a16_gemv(xs[i], w13, w2, idx[i], wts[i],
+                                                                                deq=2),
                  **({"GEMV DEQ_WIDE": lambda i: gv.moe_experts_w4a16_gemv(xs[i], w13, w2, idx[i], wts[i],
                                                                           deq=gv.DEQ_WIDE)} if wide else {}),
                  "tensor cores, tile-major (run 15)": lambda i: tc.moe_experts_w4a16_triton(
@@ -101,7 +103,7 @@ def main() -> None:
             if n * k > 64e6 and t > 1:
                 continue  # lm_head: one row (the lone decode step)
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
-            gemv = lambda w: gv.w4a16_gemv_launch(x, *w, swiglu=swiglu)  # noqa: E731
+            gemv = lambda w: gv.w4a16_gemv_launch(x, *w, swiglu=swiglu, deq=2)  # noqa: E731
             gemv_wide = lambda w: gv.w4a16_gemv_launch(x, *w, swiglu=swiglu, deq=gv.DEQ_WIDE)  # noqa: E731
             core = (lambda w: tc.w4a16_swiglu_triton(x, w)) if swiglu else (lambda w: tc.w4a16_linear_triton(x, w))
             row = dict(call=name, tokens=t, n=n, k=k, bytes_per_call=nbytes, copies=copies)

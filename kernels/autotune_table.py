@@ -21,7 +21,9 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,9 @@ def dump(device_name: str, path: str | Path | None = None) -> dict:
     if path is not None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")  # whole or absent, should the process be killed mid-write
+        # whole or absent should the process be killed mid-write; a name per process and thread (benchmarks dump
+        # from a timer thread and from the main one)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(table, indent=1) + "\n")
         tmp.replace(path)
     return table
@@ -95,11 +99,15 @@ def load(table: dict | str | Path, device_name: str) -> int:
     for name, picks in table["kernels"].items():
         if name not in tuners:
             raise ValueError(f"autotune table: unknown kernel {name!r} (known: {sorted(tuners)})")
+        if not isinstance(picks, list):
+            raise ValueError(f"autotune table: {name}: expected a list of [key, config] pairs, got {picks!r}")
         tuner = tuners[name]
         listed = {json.dumps(_config_json(c), sort_keys=True): c for c in tuner.configs}
         for pick in picks:
-            if not (isinstance(pick, list) and len(pick) == 2 and isinstance(pick[0], list)):
-                raise ValueError(f"autotune table: {name}: expected [key, config] pairs, got {pick!r}")
+            if not (isinstance(pick, list) and len(pick) == 2 and isinstance(pick[0], list)
+                    and all(isinstance(v, (int, float, str, bool)) or v is None for v in pick[0])):
+                raise ValueError(f"autotune table: {name}: expected [key, config] pairs with scalar keys, got "
+                                 f"{pick!r}")
             key, cfg = pick
             config = listed.get(json.dumps(cfg, sort_keys=True))
             if config is None:  # the kernel's configurations changed since the table was written

@@ -292,7 +292,7 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     x = x if x.stride(-1) == 1 else x.contiguous()
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g
-    if deq not in (None, 0, 1, 2, DEQ_WIDE):
+    if isinstance(deq, bool) or deq not in (None, 0, 1, 2, DEQ_WIDE):
         raise ValueError(f"w4a16_gemv: deq must be None, 0, 1, 2 or {DEQ_WIDE} (DEQ_WIDE), got {deq!r}")
     asked, deq = deq, (DEQ_GPU if deq is None else deq) if (x.dtype == torch.bfloat16 and not interp) else (
         1 if x.dtype == torch.bfloat16 else 0)
@@ -300,7 +300,7 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         if asked == DEQ_WIDE:
             raise ValueError("w4a16_gemv: DEQ_WIDE reads weights and activations in 4-byte words: their rows must be "
                              "4-byte aligned")
-        deq = 2  # the default on rows it cannot read in words: mode 2, the same values
+        deq = 2  # the default on rows it cannot read in words: mode 2 (the same weights, another summation order)
     args = (x, packed, sc, g, rs, y, pe, n, k, a_div, triton.next_power_of_2(r), x.stride(0), s_we, s_wn, s_se, s_sn,
             s_ge, s_gn, y.stride(0))
     meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, DEQ=deq, INTERPRET=interp)

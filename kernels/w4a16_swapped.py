@@ -102,8 +102,8 @@ def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> to
 # A quarter-order layout (`split_quad`: four codes per 16-bit element, one dot per K quarter; offline sm_90 SASS 689 ->
 # 465 loop instructions per K tile, but the A tiles went to wgmma through shared memory) was tried and measured slower
 # on the H200 on 2026-12-01 (results/w4a16_swapped_bench_run3, per call, fragment order vs quarter order: 32 tokens
-# gate_up 118.5 vs 158.3 us; 1,024 tokens gate_up 216.7 vs 285.8, down 155.1 vs 198.0; and 2 of its GPU tests not
-# bit-equal to split halves), so it was removed.
+# gate_up 118.5 vs 158.3 us; 1,024 tokens gate_up 216.7 vs 285.8, down 155.1 vs 181.4 (BLOCK_M 64; 17-34% slower at
+# every tile timed); and 2 of its GPU tests not bit-equal to split halves), so it was removed.
 FRAG_GROUP = 16
 FRAG_ORDER = [8 * h + 2 * c + b for c in range(4) for h in range(2) for b in range(2)]  # stored m -> group byte
 FRAG_INVERSE = [FRAG_ORDER.index(j) for j in range(FRAG_GROUP)]  # group byte -> stored m

@@ -107,7 +107,7 @@ class QwenEngineConfig:
     #                                     decode GEMV's <= 4 tokens keep the dense shared expert). auto: on where the
     #                                     experts take the dual_frag layout (Hopper), off elsewhere (not measured
     #                                     there). H200, Qwen run 27: 32 streams 2,623.9 -> 2,703.9 tok/s (+3.0%;
-    #                                     runs 19, 23: +2.7%, +3.9%), lone decode and TTFT equal; +1.8 MB per layer
+    #                                     runs 19, 23: +2.7%, +3.9%), lone decode and TTFT equal; +3.4 MB per layer
     expert_layout: str = "auto"  # packed models: the routed experts' byte layout (qwen_engine/load_packed.py):
     #                              auto (dual_frag on Hopper; tile_major on other GPUs; the checkpoint's on CPU) |
     #                              dual_frag (split halves in wgmma fragment order for the swap-AB kernel,

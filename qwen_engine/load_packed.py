@@ -132,9 +132,9 @@ def load_quantized(
     split_frag) or "auto" (`resolve_expert_layout`): dual_frag on Hopper, tile-major on other GPUs, the checkpoint's
     on the CPU.
     shared_expert_in_moe: also stack each layer's shared expert after its routed experts (True; "auto": where the
-    experts take the dual_frag layout, `resolve_shared_expert_in_moe`) (`NVFP4Experts(shared=)`,
-    +1.8 MB per layer at full size) where both are NVFP4 W4A16 of the same width, so that `SparseMoE` can run it
-    inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the
+    experts take the dual_frag layout, `resolve_shared_expert_in_moe`; `NVFP4Experts(shared=)`, +1.7 MB per layer
+    and expert copy at full size, dual_frag keeping two) where both are NVFP4 W4A16 of the same width, so that
+    `SparseMoE` can run it inside the grouped launches (it does when `SparseMoE.shared_in_experts` is set; the dense module stays for the
     other calls). The stacking copies every layer's expert stacks while the source tensors are alive, so the
     load-time peak holds a second copy of all experts until this function returns (~15 GB at full size).
     Raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor.

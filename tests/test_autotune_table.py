@@ -67,8 +67,10 @@ def test_a_refused_table_touches_no_cache(clean_caches):
     with pytest.raises(ValueError, match="has no configuration"):
         autotune_table.load(bad, "X")
     assert all(not t.cache for t in clean_caches.values())
-    with pytest.raises(ValueError, match="pairs"):
-        autotune_table.load({"device": "X", "kernels": {"fp8_gemv": [[1, 2, 3]]}}, "X")
+    for picks in ([[1, 2, 3]], [[[1, [2]], good]], {"k": good}):  # not a pair; a key Triton could not have; no list
+        with pytest.raises(ValueError, match="pairs"):
+            autotune_table.load({"device": "X", "kernels": {"fp8_gemv": picks}}, "X")
+    assert all(not t.cache for t in clean_caches.values())
 
 
 def test_bad_tables_are_refused(clean_caches, tmp_path):

@@ -223,8 +223,9 @@ def test_wide_dequant_default_takes_mode_2_on_unaligned_rows():
 
 def test_errors():
     w = rand_weight(8, 64, seed=13)
-    with pytest.raises(ValueError, match="deq must be"):
-        w4a16_gemv_launch(rand_x(1, 64, seed=1), *w, deq=5)
+    for deq in (5, True):
+        with pytest.raises(ValueError, match="deq must be"):
+            w4a16_gemv_launch(rand_x(1, 64, seed=1), *w, deq=deq)
     with pytest.raises(ValueError, match="K = 32"):
         w4a16_gemv_launch(rand_x(1, 32, seed=1), *w)
     with pytest.raises(ValueError, match="even number of rows"):

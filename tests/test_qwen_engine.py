@@ -536,13 +536,14 @@ def test_kernel_self_check_at_start():
     # on the CPU through the interpreter; on a GPU host this CPU engine's samples are CPU tensors that compiled
     # Triton cannot take (the GPU engine's checks are in benchmarks/RESULTS.md)
     want = "triton passed" if INTERPRETED else "triton skipped (does not support the sample on cpu)"
-    for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "gdn_decode_prep_ba",
-               "rms_norm_zc",
+    for op in ("gdn_decode", "gdn_decode_rows", "paged_decode_attention", "gdn_decode_prep", "rms_norm_zc",
                "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "attn_decode_prep",
                "attn_output_gate"):
         assert checks[op] == want, (op, checks)
     two = want.replace("triton", "linear+router_topk")  # the fused router's fallback, checked after it
     assert checks["router_gemv_topk"] == f"{want}; {two}", checks
+    two = want.replace("triton", "gemm+triton")  # b / a inside the GDN prep, then its GEMM + plain-kernel fallback
+    assert checks["gdn_decode_prep_ba"] == f"{want}; {two}", checks
     for op in ("w4a16_linear", "w4a16_swiglu", "w4a16_moe"):  # the decode GEMV first, then the tensor-core kernels
         assert checks[op] == f"{want.replace('triton', 'triton_gemv')}; {want}", (op, checks)
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only

@@ -701,3 +701,38 @@ def test_load_quantized_w4a4_switch(tensors, caplog):
     assert torch.equal(lm(h), w4a4_linear_reference(h, lm.weight_nvfp4, lm.input_scale, h.dtype))
     with pytest.raises(ValueError, match="unknown w4a4 mode"):
         load_quantized(ckpt, w4a4="native", **kw)
+
+
+def test_shared_expert_in_moe_auto(tensors, monkeypatch, caplog):
+    """"auto" stacks the shared expert only where the experts resolve to dual_frag (Hopper: the one place it was
+    measured); True / False as given; anything else refused. `set_shared_expert_in_moe("auto")` turns it on where the
+    loader stacked it, with no warning where it did not (True warns there)."""
+    import logging
+
+    from qwen_engine.engine import QwenEngineConfig, set_shared_expert_in_moe
+    from qwen_engine.load_packed import resolve_shared_expert_in_moe
+
+    assert resolve_shared_expert_in_moe(True, "checkpoint", "cpu") is True
+    assert resolve_shared_expert_in_moe(False, "dual_frag", "cpu") is False
+    assert resolve_shared_expert_in_moe("auto", "auto", "cpu") is False  # the CPU keeps the checkpoint layout
+    assert resolve_shared_expert_in_moe("auto", "tile_major", "cpu") is False
+    assert resolve_shared_expert_in_moe("auto", "dual_frag", "cpu") is True
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_shared_expert_in_moe("auto", "auto", "cuda") is True  # Hopper: dual_frag
+    with pytest.raises(ValueError, match="auto"):
+        resolve_shared_expert_in_moe("yes", "auto", "cpu")
+    with pytest.raises(ValueError, match="auto"):
+        QwenEngineConfig(config="tiny", shared_expert_in_moe="yes")
+
+    stacked = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=registry(),
+                             shared_expert_in_moe="auto", expert_layout="dual_frag")
+    plain = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=registry())
+    caplog.clear()  # (the tiny experts do not split into dual_frag's tiles: the loader said so)
+    with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
+        assert set_shared_expert_in_moe(stacked, "auto") == CFG.num_hidden_layers
+        assert set_shared_expert_in_moe(plain, "auto") == 0
+        assert not caplog.records
+        assert set_shared_expert_in_moe(plain, True) == 0
+        assert "no MoE layer" in caplog.text
+    with pytest.raises(ValueError, match="auto"):
+        set_shared_expert_in_moe(plain, "on")
