@@ -113,6 +113,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="35" bash benchmarks/gpu_next.sh      # ~5 min fresh
 #   eval "$(bash .devbundle/install.sh)" && STEPS="36" bash benchmarks/gpu_next.sh      # fresh: start time w/ table
 #   eval "$(bash .devbundle/install.sh)" && STEPS="37" bash benchmarks/gpu_next.sh      # ~3 min warm
+#   eval "$(bash .devbundle/install.sh)" && STEPS="38" bash benchmarks/gpu_next.sh      # ~8 min warm (PDL)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -424,5 +425,15 @@ fi
 if want 37; then
 say "37. the default beside the GEMV's mode 2 and beside shared_expert_in_moe off (the two defaults of 2026-12-01)"
 engine_ab qwen_defaults 560 --gemv-deq 2 --no-shared-in-moe
+fi
+if want 38; then
+say "38. programmatic dependent launch (kernels/pdl.py): the kernel tests and the graphed fused-glue engine test with"
+say "    every participating kernel launched with PDL (SAMMIE_PDL=1), then the engine beside --pdl"
+SAMMIE_PDL=1 timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kernel_rms_norm.py \
+  tests/test_kernel_moe_combine.py tests/test_kernel_moe_router.py tests/test_kernel_gdn.py tests/test_kernel_gdn_prep.py \
+  tests/test_kernel_fp8_gemv.py tests/test_kernel_paged_attention.py tests/test_kernel_attn_prep.py \
+  tests/test_kernel_w4a16_gemv.py tests/test_gdn_fused_glue.py tests/test_pdl.py > "$R/pdl_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/pdl_tests.log" | tail -5
+engine_ab qwen_pdl 560 --pdl
 fi
 say "done"

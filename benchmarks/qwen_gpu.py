@@ -202,6 +202,8 @@ def markdown(r: dict) -> str:
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
+            f"| (e) engine with programmatic_launch (PDL): decode tok/s, lone request / all {st.get('n')} streams "
+            f"decoding / TTFT ms | {side_by_side(r.get('engine_pdl'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_again'))} | - |",
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
@@ -277,7 +279,7 @@ AUTOTUNE_TABLE = "off"  # the engines' autotune_table (--autotune-table)
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
                        decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
                        async_decode: bool | None = None, shared_expert_in_moe: bool | str = "auto",
-                       prefill_buckets: tuple = ()) -> dict:
+                       prefill_buckets: tuple = (), programmatic_launch: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -289,7 +291,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
                             autotune_table=AUTOTUNE_TABLE,  # default off: tune afresh, the dumped picks are this run's
-                            shared_expert_in_moe=shared_expert_in_moe,
+                            shared_expert_in_moe=shared_expert_in_moe, programmatic_launch=programmatic_launch,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     engine = QwenEngine(ecfg, model=model)
@@ -354,6 +356,9 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         from qwen_engine.engine import set_shared_expert_in_moe
 
         set_shared_expert_in_moe(model, False)  # the model's later users (phases, the oracle) get the dense path
+        from kernels import pdl
+
+        pdl.set_enabled(False)  # nor programmatic launches (process-wide, set by the engine's config)
 
 
 def main() -> None:
@@ -396,6 +401,9 @@ def main() -> None:
     ap.add_argument("--gemv-deq", type=int, choices=(0, 1, 2, 3), default=None,
                     help="(e) once more with the W4A16 GEMV's dequantiser for bf16 activations set to this mode "
                          "(kernels/w4a16_gemv.py DEQ_GPU; the default is 3, DEQ_WIDE), side by side")
+    ap.add_argument("--pdl", action="store_true",
+                    help="(e) once more with the engine's programmatic_launch (kernels/pdl.py: programmatic dependent "
+                         "launch of the decode step's Triton kernels; off by default), side by side")
     ap.add_argument("--no-fused-ba", action="store_true",
                     help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
                          "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")
@@ -554,7 +562,8 @@ def main() -> None:
         # the same graphed engine with one option switched, side by side: decode steps not overlapped (async_decode
         # off); the shared experts outside the grouped launches (shared_expert_in_moe off: the auto default has them in)
         variants = (("engine_sync", dict(async_decode=False), args.sync_decode),
-                    ("engine_no_shared", dict(shared_expert_in_moe=False), args.no_shared_in_moe))
+                    ("engine_no_shared", dict(shared_expert_in_moe=False), args.no_shared_in_moe),
+                    ("engine_pdl", dict(programmatic_launch=True), args.pdl))
         for key, options, wanted in variants:
             if not wanted:
                 continue

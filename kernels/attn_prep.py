@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kernels import tolerance
+from kernels import pdl, tolerance
 from kernels.device import triton_device_ok
 
 try:
@@ -38,6 +38,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast, _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -80,11 +81,12 @@ if triton is not None:
 
     @triton.jit
     def _gate_kernel(o, gate, out, H, D, s_on, s_oh, s_gn, s_gh, s_outn, BLOCK_D: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
         # grid (N, H): one head row. Replaces three launches per attention layer: the copy of the strided gate that
         # its reshape makes, the sigmoid and the product. torch's numbers: sigmoid 1 / (1 + exp(-g)) in fp32 with
         # an accurate expf and an IEEE division (CUDA's opmath), rounded to the dtype (`_round`: bit ops, not
         # contracted), the product of two dtype values in fp32 (exact for bf16) rounded once
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         n, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         ok = d < D
@@ -118,8 +120,9 @@ if triton is not None:
     @triton.jit
     def _attn_prep_kernel(q, k, v, wq, wk, cos, sin, slots, k_pool, v_pool, q_out, H, D, RD, eps,
                           s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_cn, s_sn, s_on, s_oh, s_pt, s_ph,
-                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
         # grid (N, H + KVH): program (n, j) -- query head j of token n for j < H, else kv head j - H (k and v)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         n, j = tl.program_id(0), tl.program_id(1)
         n64 = n.to(tl.int64)
         d = tl.arange(0, BLOCK_D)
@@ -152,7 +155,7 @@ def attn_output_gate_op(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if out.numel():
         _gate_kernel[(n, heads)](o, gate, out, heads, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
                                  out.stride(0), BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(),
-                                 num_warps=1 if d <= 256 else 4)
+                                 num_warps=1 if d <= 256 else 4, **pdl.launch_options())
     return out
 
 
@@ -181,7 +184,8 @@ def attn_decode_prep_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weigh
         q, k, v, q_weight, k_weight, cos, sin, slot_mapping, kp, vp, q_out, heads, d, cos.shape[-1], eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         q_out.stride(0), q_out.stride(1), kp.stride(0), kp.stride(1),
-        BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(), num_warps=1 if d <= 256 else 4)
+        BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(), num_warps=1 if d <= 256 else 4,
+        **pdl.launch_options())
     return q_out
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import pdl
 from kernels.fp8_quant import IN_DTYPES, decode_linear_args
 
 try:
@@ -50,6 +51,7 @@ try:
     import triton.language as tl
 
     from kernels.fp8_quant import quantize_static_triton, static_grid
+    from kernels.pdl import enter as pdl_enter
 except ImportError:  # CPU-only installs without triton: the registry's other implementations and the reference
     triton = None
 
@@ -145,10 +147,11 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(x, w, s_in, s_w, y, R, N, K, R_BUCKET, s_xm, s_wn, s_swn, s_ym, X_CODES: tl.constexpr,
                          INTERPRET: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
         # 1-D grid of R x cdiv(N, BN) programs; x [R, K] (float, or e4m3 codes when X_CODES), w e4m3 [N, K] (unit K
         # stride), s_in fp32 [], s_w fp32 [] (s_swn = 0) or [N], y [R, N]. K a multiple of 4 (byte offsets of rows
         # and codes multiples of 4: the launch checks); R_BUCKET: an autotune key only.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         BLOCK_W: tl.constexpr = BLOCK_K // 4
         p = tl.program_id(0)
         r = p % R  # the R programs of one weight slice are adjacent: rows 2..R re-read it from L2
@@ -226,10 +229,11 @@ def fp8_gemv_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         cfg.update({kk: v for kk, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)) if v})
         even = k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0
         _fp8_gemv_kernel[(m * triton.cdiv(n, cfg["BLOCK_N"]),)](*args, X_CODES=prequantize, INTERPRET=interp,
-                                                                EVEN=even, **cfg, num_warps=num_warps or 2)
+                                                                EVEN=even, **cfg, num_warps=num_warps or 2,
+                                                                **pdl.launch_options())
     else:
         _fp8_gemv_autotuned[lambda c: (m * triton.cdiv(n, c["BLOCK_N"]),)](*args, X_CODES=prequantize,
-                                                                           INTERPRET=False)
+                                                                           INTERPRET=False, **pdl.launch_options())
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

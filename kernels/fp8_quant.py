@@ -29,11 +29,14 @@ from typing import Any
 
 import torch
 
+from kernels import pdl
 from kernels.nvfp4 import E4M3_MAX
 
 try:
     import triton
     import triton.language as tl
+
+    from kernels.pdl import enter as pdl_enter
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -108,9 +111,10 @@ if triton is not None:
 
     @triton.jit
     def _quant_static_kernel(x_ptr, s_ptr, q_ptr, M, K, stride_xm, stride_qm,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
         # static per-tensor scale s (fp32 [], read on the device: no host sync, CUDA-graph safe); grid
         # (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K)); each element read once, its code written once
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -186,7 +190,7 @@ def quantize_static_triton(x: torch.Tensor, input_scale: torch.Tensor) -> torch.
         block_m = max(1, min(triton.next_power_of_2(m), (4096 if not _interpreted() else 65536) // block_k))
         grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
         _quant_static_kernel[grid](x2, s, q, m, k, x2.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
-                                   num_warps=4)
+                                   num_warps=4, **pdl.launch_options())
     return q.view(shape)
 
 

@@ -26,11 +26,13 @@ from typing import Any
 
 import torch
 
-from kernels import tolerance
+from kernels import pdl, tolerance
 
 try:
     import triton
     import triton.language as tl
+
+    from kernels.pdl import enter as pdl_enter
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -51,11 +53,13 @@ if triton is not None:
     @triton.jit
     def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
                            s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr):
+                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
         # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
         # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
         # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
         # owns state row rows[b] of a pool (int64 [B]), else row b.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid, pv = tl.program_id(0), tl.program_id(1)
         b, h = pid // H, pid % H
         slot = tl.load(rows + b) if HAS_ROWS else b.to(tl.int64)
@@ -101,7 +105,7 @@ def _launch(q, k, v, g, beta, state, out_state, rows=None) -> torch.Tensor:
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              g.stride(0), beta.stride(0), state.stride(0), state.stride(1), state.stride(2),
                              o.stride(0), o.stride(1), BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv,
-                             HAS_ROWS=rows is not None)
+                             HAS_ROWS=rows is not None, **pdl.launch_options())
     return o
 
 

@@ -38,13 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import tolerance
+from kernels import pdl, tolerance
 from kernels.device import triton_device_ok
 
 try:
     import triton
     import triton.language as tl
 
+    from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -108,7 +109,8 @@ if triton is not None:
                          C, HK, HV, H, s_qd, s_pr, s_pc, s_wc, s_bd, s_ad, q_scale,
                          DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                         BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
         # BA (`gdn_decode_prep_ba`): `b` is the layer input x [D, H] (row stride s_bd) and `a` the concatenated
         # [in_proj_b; in_proj_a] weight [2 HV, H] (row stride s_ad); the program computes its value heads' b and a
         # itself (fp32 dot products, rounded to the model dtype as F.linear's output is) and writes them to ba_out
@@ -118,6 +120,7 @@ if triton is not None:
         # share the scratch row, whose contents then do not matter). All reads of the row come first, then a
         # barrier (warps of a small tile hold replicated elements: one warp's store must not overtake another's
         # load), then the stores.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         d, j = tl.program_id(0), tl.program_id(1)
         row = tl.load(rows + d)
         dt = qkv.dtype.element_ty
@@ -211,7 +214,8 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
         b.stride(0), a.stride(0), head_k_dim ** -0.5,
         DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r),
-        BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(), num_warps=4)
+        BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(), num_warps=4,
+        **pdl.launch_options())
     return q, k, v, beta, g, ba_out
 
 

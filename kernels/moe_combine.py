@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import tolerance
+from kernels import pdl, tolerance
 from kernels.device import triton_device_ok
 
 try:
@@ -38,6 +38,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast, _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -63,8 +64,9 @@ if triton is not None:
 
     @triton.jit
     def _moe_combine_kernel(x, w, shared, routed, residual, out, H, S, s_x, s_s, s_r, s_rs, s_res, s_o,
-                            BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                            BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
         # routed: S rows per token, s_rs apart (S = 1 for an already summed [N, H])
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < H
@@ -107,7 +109,8 @@ def moe_combine_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Ten
     _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, r3.shape[1], x.stride(0),
                               shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0),
                               BLOCK_H=block_h,
-                              INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)))
+                              INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)),
+                              **pdl.launch_options())
     return out
 
 

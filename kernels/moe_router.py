@@ -74,6 +74,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import pdl
 from kernels.device import triton_device_ok
 from kernels.split_k import split_counters  # the per-device int32 arrival counters, zero between launches
 
@@ -82,6 +83,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast  # fp32 -> model dtype, round to nearest even (also under the interpreter)
     from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
@@ -142,8 +144,10 @@ if triton is not None:
 
     @triton.jit
     def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
         # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K]
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
         r_ok = rows < N
         cols = tl.arange(0, BLOCK_E)  # [BE]
@@ -161,7 +165,7 @@ if triton is not None:
     def _router_gemv_topk_kernel(x, w, logits, w_out, i_out, ws, counters, N, E, H, s_x, s_w,
                                  K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr,
                                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                                 BLOCK_EF: tl.constexpr, INTERPRET: tl.constexpr):
+                                 BLOCK_EF: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
         # grid (cdiv(E, BLOCK_E), SPLIT, cdiv(N, BLOCK_R)); x [N, H] (row stride s_x), w [E, H] (row stride s_w),
         # unit last strides; logits [N, E], w_out / i_out [N, K] contiguous; ws [SPLIT, N, E] fp32; counters: one
         # int32 per row block, 0 between launches.
@@ -169,6 +173,7 @@ if triton is not None:
         # ws[split]. REDUCE: the program of a row block that arrives last (of E tiles x SPLIT) sums the SPLIT partials
         # of the whole rows in split order (deterministic), rounds them to the model dtype, stores the logits, selects
         # the top-k of the rounded rows (`_select_topk`) and re-arms the counter; no launch of its own.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_e, pid_s, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
         r_ok = rows < N
@@ -242,7 +247,7 @@ def _launch(logits: torch.Tensor, k: int, block_r: int | None = None) -> tuple[t
         cfg["BLOCK_R"] = block_r
     _router_topk_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
         logits, weights, idx, n, e, logits.stride(0), weights.stride(0), idx.stride(0), K=k,
-        BLOCK_K=triton.next_power_of_2(k), INTERPRET=_interpreted(), **cfg)
+        BLOCK_K=triton.next_power_of_2(k), INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
     return weights, idx
 
 
@@ -420,7 +425,7 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None =
     _router_gemv_topk_kernel[(triton.cdiv(e, cfg["BLOCK_E"]), cfg["SPLIT"], r_blocks)](
         x, w, logits, weights, idx, ws, counters if counters is not None else ws, n, e, h, x.stride(0), w.stride(0),
         K=k, BLOCK_K=triton.next_power_of_2(k), REDUCE=counters is not None,
-        BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg)
+        BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
     if counters is None:
         logits = ws.sum(0).to(x.dtype)
         weights, idx = _launch(logits, k)

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import tolerance
+from kernels import pdl, tolerance
 from kernels.device import triton_device_ok
 from kernels.split_k import num_sms
 
@@ -62,6 +62,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast  # fp32 -> out dtype, round to nearest even (also under the interpreter)
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -122,8 +123,10 @@ if triton is not None:
                              s_qd, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_td, s_tb, s_cd,
                              s_od, s_oh, s_os, s_ld, s_lh,
                              HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                             NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                             USE_PDL: tl.constexpr = False):
         # grid (D, KVH, NUM_SPLITS); qk_scale = scale * log2(e): scores in log2 units, exp2 throughout
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         i, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ctx = tl.load(ctx_lens + i * s_cd).to(tl.int32)
         per = tl.cdiv(tl.cdiv(ctx, BLOCK_SIZE), NUM_SPLITS) * BLOCK_SIZE  # tokens per split, whole blocks
@@ -167,9 +170,10 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(o_part, lse, out, S, s_od, s_oh, s_os, s_ld, s_lh, s_outd, s_outh,
                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                        INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
         # grid (D, H, HEAD_DIM / BLOCK_D): `_combine` for one (row, head, Dh slice) -- the same fp32 operations, one
         # launch for all of them; a [BLOCK_S, BLOCK_D] fp32 tile (<= 128 x 64: no register spills)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         i, h = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, BLOCK_S)
         s_ok = sp < S
@@ -212,7 +216,7 @@ def combine_triton(o_part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) 
         _combine_kernel[(nd, heads, dh // block_d)](
             o_part, lse, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
             lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dh, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=block_d, INTERPRET=_interpreted(), num_warps=4)
+            BLOCK_D=block_d, INTERPRET=_interpreted(), num_warps=4, **pdl.launch_options())
     return out
 
 
@@ -250,7 +254,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0), block_tables.stride(1),
         context_lens.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(), num_warps=4 if dh <= 128 else 8)
+        IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(), num_warps=4 if dh <= 128 else 8,
+        **pdl.launch_options())
     if num_splits == 1:
         return o_part[:, :, 0].to(q.dtype)
     return combine_triton(o_part, lse, q.dtype)

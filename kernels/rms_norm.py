@@ -52,12 +52,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import tolerance
+from kernels import pdl, tolerance
 from kernels.device import triton_device_ok
 
 try:
     import triton
     import triton.language as tl
+
+    from kernels.pdl import enter as pdl_enter
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -148,7 +150,9 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_zc_kernel(x, w, out, R, D, s_x, s_o, eps,
-                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
         wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
@@ -158,9 +162,11 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_zc_kernel(x, h, w, s_out, out, R, D, s_x, s_h, s_s, s_o, eps,
-                                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+                                USE_PDL: tl.constexpr = False):
         # s = x + h rounded to the model dtype (bits, `_round`: never contracted), stored as the new residual; the
         # norm then reads the rounded s, as the unfused code's norm reads the stored sum
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         dt = s_out.dtype.element_ty
         sf = _round(_load_rows(x, rows, cols, s_x, ok) + _load_rows(h, rows, cols, s_h, ok), dt, INTERPRET)
@@ -173,9 +179,10 @@ if triton is not None:
     @triton.jit
     def _rms_norm_gated_kernel(x, z, w, out, R, D, s_x, s_z, s_o, eps, ROUND_PRODUCT: tl.constexpr,
                                ROUND_X: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               INTERPRET: tl.constexpr):
+                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
         # ROUND_PRODUCT: torch computes `weight * y` in the model dtype (weight of that dtype, bf16/fp16), not fp32.
         # ROUND_X: x is fp32 (the GDN core's output), first rounded to the model dtype = out's (`rounds_x`)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         dt = out.dtype.element_ty  # the model dtype: x's, or z's when ROUND_X
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
@@ -231,7 +238,7 @@ def rms_norm_zc_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     cfg = _tiling(*x2.shape)
     grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
     _rms_norm_zc_kernel[grid](x2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), o2.stride(0), eps,
-                              INTERPRET=_interpreted(), **cfg)
+                              INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
     return out
 
 
@@ -255,7 +262,7 @@ def rms_norm_gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
     round_product = weight.dtype == z.dtype != torch.float32
     _rms_norm_gated_kernel[grid](x2, z2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), z2.stride(0),
                                  o2.stride(0), eps, ROUND_PRODUCT=round_product, ROUND_X=rounds_x(x, z),
-                                 INTERPRET=_interpreted(), **cfg)
+                                 INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
     return out
 
 
@@ -277,7 +284,8 @@ def add_rms_norm_zc_op(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, e
     cfg = _tiling(*x2.shape)
     grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
     _add_rms_norm_zc_kernel[grid](x2, h2, weight, s2, o2, x2.shape[0], x2.shape[1], x2.stride(0), h2.stride(0),
-                                  s2.stride(0), o2.stride(0), eps, INTERPRET=_interpreted(), **cfg)
+                                  s2.stride(0), o2.stride(0), eps, INTERPRET=_interpreted(), **cfg,
+                                  **pdl.launch_options())
     return s, out
 
 

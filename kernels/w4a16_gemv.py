@@ -40,11 +40,12 @@ from typing import Any
 
 import torch
 
+from kernels import pdl
 from kernels.nvfp4 import NVFP4Tensor
 from kernels.w4a16_gemm import (
     CHECKPOINT,
-    _global_1d,
     _dense_any_rank,
+    _global_1d,
     _global_2d,
     _interpreted,
     supports_dense,
@@ -56,6 +57,7 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels.pdl import enter as pdl_enter
     from kernels.w4a16_gemm import (
         _BLK,
         _TWO_119,
@@ -183,11 +185,12 @@ if triton is not None:
     def _w4a16_gemv_kernel(x, w, s, g, rs, y, pair_expert, N, K, A_DIV, R_BUCKET, s_xm, s_we, s_wn, s_se, s_sn,
                            s_ge, s_gn, s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
                            DEQ: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
         # grid (cdiv(N_out, BN), R): output row r = program_id(1) reads activation row r // A_DIV and, GROUPED, expert
         # pair_expert[r] (int64 router ids, flattened [T * top_k]: pair r = token r // top_k); y [R, N_out].
         # SWIGLU: N = 2 N_out weight rows (gate then up); output column n = silu(row n) * row n + N_out.
         # R_BUCKET (the next power of two of R) is only an autotune key: the best tile depends on the grid's rows.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_n, r = tl.program_id(0), tl.program_id(1)
         if SWIGLU:
             n_out = N // 2
@@ -308,9 +311,10 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         cfg = dict(INTERPRETER_CONFIG) if interp else {}
         cfg.update(config or {})
         warps = cfg.pop("num_warps", 4)
-        _w4a16_gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]), r)](*args, **meta, **cfg, num_warps=warps)
+        _w4a16_gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]), r)](*args, **meta, **cfg, num_warps=warps,
+        **pdl.launch_options())
     else:
-        _w4a16_gemv_autotuned[lambda c: (triton.cdiv(n_out, c["BLOCK_N"]), r)](*args, **meta)
+        _w4a16_gemv_autotuned[lambda c: (triton.cdiv(n_out, c["BLOCK_N"]), r)](*args, **meta, **pdl.launch_options())
     return y.to(x.dtype)
 
 

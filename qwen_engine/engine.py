@@ -131,6 +131,10 @@ class QwenEngineConfig:
     #                               and none is timed (a fresh H200 took > 560 s to start without them, 42-44 s
     #                               with Triton's cache warm: RESULTS.md runs 21-23); auto: kernels/tuned/<GPU
     #                               model>.json when it exists. Unknown keys are tuned as before
+    programmatic_launch: bool = False  # Hopper+: the decode step's Triton kernels launched with programmatic
+    #                                    dependent launch (kernels/pdl.py: each may be scheduled before its
+    #                                    predecessor ends and waits in-kernel for its outputs), in CUDA graphs too;
+    #                                    process-wide. NOT RUN ON A GPU YET (benchmarks/qwen_gpu.py --pdl), so off
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -265,6 +269,13 @@ class QwenEngine:
             if op in default_registry().ops():
                 default_registry().set_preference(cfg.kernels, op)
         self.autotune_picks = self._load_autotune_table()
+        from kernels import pdl  # before the self-checks, warm-up and graph captures: they launch with the setting
+
+        hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
+        self.programmatic_launch = pdl.set_enabled(cfg.programmatic_launch and hopper)
+        if cfg.programmatic_launch and not self.programmatic_launch:
+            log.warning("programmatic_launch: needs compiled Triton kernels on a CUDA GPU of compute capability >= 9; "
+                        "off")
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -420,6 +431,7 @@ class QwenEngine:
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
             "kernel_checks": self.kernel_checks,
             "autotune_table_picks": self.autotune_picks,
+            "programmatic_launch": self.programmatic_launch,
             "stats": s.stats.snapshot(),
         }
 

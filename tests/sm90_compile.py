@@ -24,13 +24,19 @@ from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(name: str, kernel, types: dict[str, str], consts: dict) -> bool:
-    """types: pointer / float argument types by name (other non-constexpr args are i32)."""
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in inspect.signature(kernel.fn).parameters}
+def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has: str | None = None) -> bool:
+    """types: pointer / float argument types by name (other non-constexpr args are i32); constexpr parameters with a
+    default (USE_PDL) take it unless `consts` names them. `ptx_has`: text the PTX must contain."""
+    params = inspect.signature(kernel.fn).parameters
+    consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}, **consts}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in params}
     try:
-        triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET)
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET)
     except Exception as exc:  # noqa: BLE001 - reported
         print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
+        return False
+    if ptx_has is not None and ptx_has not in compiled.asm["ptx"]:
+        print(f"FAIL {name}: no {ptx_has!r} in its PTX")
         return False
     print(f"ok   {name}")
     return True
@@ -164,6 +170,14 @@ def main() -> int:
                               {"x": "*fp8e4nv" if codes else "*bf16", "w": "*fp8e4nv", "s_in": "*fp32",
                                "s_w": "*fp32", "y": "*bf16"},
                               dict(X_CODES=codes, INTERPRET=False, EVEN=even, BLOCK_N=4, BLOCK_K=512)))
+    # programmatic dependent launch (kernels/pdl.py): the GEMV and a norm with USE_PDL, griddepcontrol in their PTX
+    ok.append(compile_one("w4a16_gemv DEQ=3 BLOCK_N=4 BLOCK_K=512 USE_PDL=1", w4a16_gemv._w4a16_gemv_kernel, gemv,
+                          dict(GROUPED=False, SWIGLU=False, HAS_ROW_SCALE=False, DEQ=3, INTERPRET=False, BLOCK_N=4,
+                               BLOCK_K=512, USE_PDL=True), ptx_has="griddepcontrol.wait"))
+    ok.append(compile_one("rms_norm_zc (D = 2048, bf16) USE_PDL=1", rms_norm._rms_norm_zc_kernel,
+                          {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
+                          dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False, USE_PDL=True),
+                          ptx_has="griddepcontrol.launch_dependents"))
     return 0 if all(ok) else 1
 
 

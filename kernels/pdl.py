@@ -1,0 +1,70 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels: opt-in, process-wide.
+
+Why. A lone decode step is a chain of ~600 small dependent kernels (H200, Qwen profile run 16: 2.97 ms of GPU time
+at ~5 us a kernel), and each one's launch and start-up (block scheduling, its first loads' latency) waits for the
+whole of the previous one. With PDL a kernel launched with the `launch_pdl` option may be scheduled before its
+predecessor has finished: its blocks become resident and wait at `griddepcontrol.wait` (`gdc_wait`) until the
+predecessor has completed and its memory is visible, so the launch latency overlaps the predecessor's tail. CUDA
+graphs keep these programmatic edges (CUDA >= 12.3).
+
+Contract of a kernel that takes part (`USE_PDL` constexpr, default False; `enter(USE_PDL)` as its first statement):
+    gdc_wait()                 before any global memory access: every input the predecessor wrote is visible, and
+                               no output overwrites memory the predecessor still reads
+    gdc_launch_dependents()    right after: the successor may be scheduled once every block of this kernel has
+                               started (so it never takes SM slots this grid still needs), and it waits in turn
+Launched with `**launch_options()`: {USE_PDL: True, launch_pdl: True} when enabled (`set_enabled`, the Qwen engine's
+`programmatic_launch` option), else {} -- the plain launch, the kernel's code unchanged (the constexpr removes both
+instructions). A kernel launched without the option after one launched with it waits for it as usual (stream order).
+Never under the interpreter (inline PTX). NOT RUN ON A GPU YET: `benchmarks/qwen_gpu.py --pdl` times it.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU-only installs without triton (or a triton without GDC): never enabled
+    triton = None
+
+_ENABLED = False
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton.jit does at import
+ENV = "SAMMIE_PDL"  # "1": enabled from import on (GPU test runs: every kernel test then launches with PDL; a Qwen
+#                     engine still sets it from its own `programmatic_launch` option)
+
+
+def available() -> bool:
+    """Triton with GDC support, compiled kernels (not the interpreter)."""
+    return triton is not None and not _INTERPRETED
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn PDL on or off for every later launch (process-wide: one engine per replica process); returns whether it
+    is on (False where `available()` is not). CUDA graphs keep the setting of their capture."""
+    global _ENABLED
+    _ENABLED = bool(on) and available()
+    return _ENABLED
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def launch_options() -> dict:
+    """Keyword arguments for a participating kernel's launch: the constexpr and Triton's `launch_pdl` option."""
+    return {"USE_PDL": True, "launch_pdl": True} if _ENABLED else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def enter(USE_PDL: tl.constexpr):
+        """A participating kernel's first statement (see the module docstring)."""
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+
+set_enabled(os.environ.get(ENV, "0") == "1")
