@@ -141,6 +141,7 @@ def load_quantized(
     """
     check_expert_layout(expert_layout)
     check_w4a4_mode(w4a4)
+    shared_auto = shared_expert_in_moe == "auto"
     shared_expert_in_moe = resolve_shared_expert_in_moe(shared_expert_in_moe, expert_layout, device)
     algos: dict[str, str] = {}
     input_scales: Mapping[str, torch.Tensor] = {}
@@ -214,6 +215,7 @@ def load_quantized(
         if not isinstance(experts, NVFP4Experts):
             continue
         shared = getattr(mod, "shared_expert", None)
+        routed_only = experts
         if shared_expert_in_moe and isinstance(shared, NVFP4SwiGLU) and not (
                 shared.gate_up_proj.w4a4_export or shared.down_proj.w4a4_export):
             try:
@@ -224,6 +226,8 @@ def load_quantized(
             else:
                 mod.experts = experts
         if not apply_expert_layout(experts, expert_layout, device):
+            if shared_auto and experts is not routed_only:  # "auto" stacks only where the layout applies
+                mod.experts = experts = routed_only
             log.warning("%s.experts: expert shapes do not split into the %s layout's tiles; checkpoint layout kept",
                         name, expert_layout)
 

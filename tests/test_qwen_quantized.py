@@ -725,7 +725,11 @@ def test_shared_expert_in_moe_auto(tensors, monkeypatch, caplog):
         QwenEngineConfig(config="tiny", shared_expert_in_moe="yes")
 
     stacked = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=registry(),
+                             shared_expert_in_moe=True, expert_layout="dual_frag")
+    # "auto" with dual_frag asked for, on experts too small for its tiles (checkpoint layout kept): not stacked
+    unsplit = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=registry(),
                              shared_expert_in_moe="auto", expert_layout="dual_frag")
+    assert all(getattr(layer.mlp.experts, "shared_index", None) is None for layer in unsplit.layers)
     plain = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=registry())
     caplog.clear()  # (the tiny experts do not split into dual_frag's tiles: the loader said so)
     with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
