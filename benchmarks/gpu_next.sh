@@ -435,5 +435,12 @@ SAMMIE_PDL=1 timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kern
   tests/test_kernel_w4a16_gemv.py tests/test_gdn_fused_glue.py tests/test_pdl.py > "$R/pdl_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/pdl_tests.log" | tail -5
 engine_ab qwen_pdl 560 --pdl
+python - "$R/qwen_pdl/qwen_gpu.json" <<'PY' 2>&1 | tail -3
+import json, sys
+r = json.load(open(sys.argv[1]))
+for key in ("engine", "engine_pdl"):  # PDL on in the second engine only, and both decoding from captured graphs
+    e = r.get(key) or {}
+    print(key, "programmatic_launch", e.get("programmatic_launch"), "graph steps", (e.get("runner") or {}).get("graph_steps"))
+PY
 fi
 say "done"

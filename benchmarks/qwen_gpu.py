@@ -294,10 +294,15 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             shared_expert_in_moe=shared_expert_in_moe, programmatic_launch=programmatic_launch,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
-    engine = QwenEngine(ecfg, model=model)
-    t_start = time.perf_counter()
-    await engine.start()  # warm-up, kernel self-checks, graph captures (compile + autotune when the cache is cold)
+    try:
+        engine = QwenEngine(ecfg, model=model)
+        t_start = time.perf_counter()
+        await engine.start()  # warm-up, kernel self-checks, graph captures (compile + autotune when the cache is cold)
+    except BaseException:
+        _engine_settings_off(model)  # a failed start must not leave them on for the rest of the process
+        raise
     start_s = time.perf_counter() - t_start
+    pdl_on = engine.health().get("programmatic_launch")
 
     async def one(ids: list[int], n: int) -> dict:
         t0 = time.perf_counter()
@@ -333,7 +338,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
             ref = greedy_ours(model, prompt.to(device), n_chk)[0]
         lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
-            return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s,
+            return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s, programmatic_launch=pdl_on,
                         expert_layouts=engine.health().get("expert_layouts"), runner=engine.health().get("runner"),
                         kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode,
                         steps_ahead=engine.scheduler.stats.steps_ahead)
@@ -342,6 +347,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
+                    programmatic_launch=pdl_on,
                     kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode, start_s=start_s,
                     expert_layouts=engine.health().get("expert_layouts"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
@@ -353,12 +359,17 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     stats=engine.health().get("stats"))
     finally:
         await engine.aclose()
-        from qwen_engine.engine import set_shared_expert_in_moe
+        _engine_settings_off(model)
 
-        set_shared_expert_in_moe(model, False)  # the model's later users (phases, the oracle) get the dense path
-        from kernels import pdl
 
-        pdl.set_enabled(False)  # nor programmatic launches (process-wide, set by the engine's config)
+def _engine_settings_off(model) -> None:
+    """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
+    oracle) get the dense shared expert and no programmatic launches."""
+    from kernels import pdl
+    from qwen_engine.engine import set_shared_expert_in_moe
+
+    set_shared_expert_in_moe(model, False)
+    pdl.set_enabled(False)
 
 
 def main() -> None:

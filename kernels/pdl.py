@@ -35,9 +35,21 @@ ENV = "SAMMIE_PDL"  # "1": enabled from import on (GPU test runs: every kernel t
 #                     engine still sets it from its own `programmatic_launch` option)
 
 
+SUPPORTED_MAJORS = (9, 10)  # Hopper (sm_90) and datacenter Blackwell (sm_100): griddepcontrol needs sm_90+; sm_120
+#                            is left out (CUDA-graph capture of PDL launches failed there: sglang PR #18596)
+
+
 def available() -> bool:
     """Triton with GDC support, compiled kernels (not the interpreter)."""
     return triton is not None and not _INTERPRETED
+
+
+def device_supports(device=None) -> bool:
+    """A CUDA (not ROCm) GPU whose compute capability major is in SUPPORTED_MAJORS."""
+    import torch
+
+    return (torch.version.hip is None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] in SUPPORTED_MAJORS)
 
 
 def set_enabled(on: bool) -> bool:
@@ -67,4 +79,5 @@ if triton is not None:
             gdc_launch_dependents()
 
 
-set_enabled(os.environ.get(ENV, "0") == "1")
+if os.environ.get(ENV, "0") == "1":  # (the GPU check initialises CUDA: only when asked for)
+    set_enabled(device_supports())

@@ -312,7 +312,7 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         cfg.update(config or {})
         warps = cfg.pop("num_warps", 4)
         _w4a16_gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]), r)](*args, **meta, **cfg, num_warps=warps,
-        **pdl.launch_options())
+                                                                    **pdl.launch_options())
     else:
         _w4a16_gemv_autotuned[lambda c: (triton.cdiv(n_out, c["BLOCK_N"]), r)](*args, **meta, **pdl.launch_options())
     return y.to(x.dtype)

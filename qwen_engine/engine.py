@@ -271,11 +271,11 @@ class QwenEngine:
         self.autotune_picks = self._load_autotune_table()
         from kernels import pdl  # before the self-checks, warm-up and graph captures: they launch with the setting
 
-        hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
-        self.programmatic_launch = pdl.set_enabled(cfg.programmatic_launch and hopper)
+        self.programmatic_launch = pdl.set_enabled(
+            cfg.programmatic_launch and self.device.type == "cuda" and pdl.device_supports(self.device))
         if cfg.programmatic_launch and not self.programmatic_launch:
-            log.warning("programmatic_launch: needs compiled Triton kernels on a CUDA GPU of compute capability >= 9; "
-                        "off")
+            log.warning("programmatic_launch: needs compiled Triton kernels on an NVIDIA GPU of compute capability 9.x "
+                        "or 10.x; off")
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))

@@ -39,6 +39,26 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
         print(f"FAIL {name}: no {ptx_has!r} in its PTX")
         return False
     print(f"ok   {name}")
+    if "USE_PDL" in params and not consts["USE_PDL"]:  # a PDL participant (kernels/pdl.py): also with USE_PDL
+        return pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True})
+    return True
+
+
+def pdl_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
+    """The kernel compiled with USE_PDL: griddepcontrol.wait, then launch_dependents, before its first global memory
+    access (load, store, atomic, async copy) in the PTX."""
+    try:
+        ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET).asm["ptx"]
+    except Exception as exc:  # noqa: BLE001 - reported
+        print(f"FAIL {name} USE_PDL: {type(exc).__name__}: {str(exc)[:2000]}")
+        return False
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    memory = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async")) if i >= 0]
+    if not (0 <= wait < launch and all(launch < i for i in memory)):
+        print(f"FAIL {name} USE_PDL: griddepcontrol at {wait} / {launch}, first global memory access at "
+              f"{min(memory, default=-1)}")
+        return False
+    print(f"pdl  {name}")
     return True
 
 
@@ -147,7 +167,7 @@ def main() -> int:
                               dict(SPLIT_K=split, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256)))
     # the router GEMV + top-k in one launch (split H reduced in the kernel), at a lone decode row's tiling
     tiling = moe_router._gemv_tiling(1, 256, 2048)
-    warps = tiling.pop("num_warps")
+    tiling.pop("num_warps")  # a launch option, not a constexpr (the offline compile keeps the default)
     ok.append(compile_one(f"router_gemv_topk N=1 E=256 H=2048 {tiling} (bf16)", moe_router._router_gemv_topk_kernel,
                           {"x": "*bf16", "w": "*bf16", "logits": "*bf16", "w_out": "*bf16", "i_out": "*i64",
                            "ws": "*fp32", "counters": "*i32"},

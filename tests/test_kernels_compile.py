@@ -28,3 +28,6 @@ def test_new_kernels_compile_for_sm90():
     print(proc.stdout, proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("ok   ") == 46
+    # every launch of a PDL participant (kernels/pdl.py) also compiled with USE_PDL: griddepcontrol.wait, then
+    # launch_dependents, before the kernel's first global memory access (15 kernels, 22 launches)
+    assert proc.stdout.count("pdl  ") == 22 and "FAIL" not in proc.stdout

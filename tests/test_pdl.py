@@ -12,6 +12,21 @@ import pytest
 from kernels import pdl
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
+
+
+@triton.jit
+def _late_writer(x, n, value, SPIN: tl.constexpr, BLOCK: tl.constexpr):
+    """Lets its dependents launch at once, then ~ms of dependent arithmetic (acc * 0 is kept: NaN semantics), then
+    writes x[:n] = value."""
+    gdc_launch_dependents()
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for _ in range(SPIN):
+        acc = acc * 0.999 + 1.0
+    tl.store(x + offs, (value + acc * 0.0).to(x.dtype.element_ty), mask=offs < n)
+
 
 # module -> kernels launched with `**pdl.launch_options()`: the lone decode step's Triton kernels
 PARTICIPANTS = {
@@ -26,6 +41,27 @@ PARTICIPANTS = {
     "kernels.paged_attention": ("_paged_decode_kernel", "_combine_kernel"),
     "kernels.attn_prep": ("_attn_prep_kernel", "_gate_kernel"),
 }
+
+
+def test_participant_list_is_every_kernel_with_use_pdl():
+    """The list above is every Triton kernel in kernels/ that takes USE_PDL (a new one must be checked here), and no
+    module outside kernels/ launches one (the launch-site scan below looks in the defining module)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = {}
+    for path in sorted((root / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "USE_PDL" for a in node.args.args):
+                found.setdefault(f"kernels.{path.stem}", set()).add(node.name)
+    found.pop("kernels.pdl", None)  # `enter` itself
+    assert found == {m: set(names) for m, names in PARTICIPANTS.items()}
+    names = [n for ns in PARTICIPANTS.values() for n in ns]
+    for path in root.rglob("*.py"):
+        if path.parts[len(root.parts)] in ("kernels", "tests") or ".devbundle" in path.parts:
+            continue
+        text = path.read_text(errors="ignore")
+        assert not [n for n in names if f"{n}[" in text], path
 
 
 def _source(kernel) -> ast.FunctionDef:
@@ -74,7 +110,49 @@ def test_options_empty_unless_enabled_on_compiled_kernels():
         pdl.set_enabled(before)
 
 
-def test_engine_option_is_off_by_default_and_off_on_cpu():
-    from qwen_engine.engine import QwenEngineConfig
+def test_engine_option_is_off_by_default_and_off_on_cpu(caplog):
+    """Off by default; asked for on the CPU it stays off, with a warning, and leaves the process setting off."""
+    import asyncio
+    import logging
+
+    from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
     assert QwenEngineConfig(config="tiny").programmatic_launch is False
+    before = pdl.enabled()
+    try:
+        with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
+            engine = QwenEngine(QwenEngineConfig(config="tiny", device="cpu", programmatic_launch=True, warmup=False,
+                                                 max_model_len=64, kernel_self_check=False))
+        assert engine.health()["programmatic_launch"] is False and not pdl.enabled()
+        assert "programmatic_launch" in caplog.text
+        asyncio.run(engine.aclose())
+    finally:
+        pdl.set_enabled(before)
+
+
+@pytest.mark.skipif(not pdl.available() or not pdl.device_supports(), reason="needs an sm_90 / sm_100 CUDA GPU")
+def test_participant_waits_for_a_late_writer():
+    """On the GPU: a producer that lets its dependents launch at once (launch_dependents first), then spins and only
+    then writes x; a participant (the zero-centred RMS norm) launched with PDL right after must read the final x. A
+    control launch of the same kernel with PDL but without its wait (USE_PDL=False, launch_pdl=True) shows that the
+    launches did overlap here, i.e. that the wait is what the correct result rests on."""
+    import torch
+
+    from kernels import rms_norm
+
+    d = 2048
+    w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for label, options in (("waits", {"USE_PDL": True, "launch_pdl": True}),
+                           ("control", {"USE_PDL": False, "launch_pdl": True})):
+        x = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        _late_writer[(1,)](x, d, 3.0, SPIN=200_000, BLOCK=d)
+        rms_norm._rms_norm_zc_kernel[(1,)](x, w, out, 1, d, x.stride(0), out.stride(0), 1e-6, BLOCK_R=1,
+                                           BLOCK_D=d, INTERPRET=False, num_warps=4, **options)
+        torch.cuda.synchronize()
+        results[label] = out.float()
+    want = rms_norm.rms_norm_zc_reference(torch.full((1, d), 3.0, device="cuda", dtype=torch.bfloat16), w, 1e-6)
+    assert torch.allclose(results["waits"], want.float(), rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(results["control"], want.float(), rtol=1e-2, atol=1e-2), \
+        "the control read the final x too: the launches did not overlap, so this test cannot show the wait matters"
