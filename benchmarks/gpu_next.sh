@@ -397,7 +397,7 @@ grep -E "passed|failed|Error" "$R/gemv_tests.log" | tail -3
 timeout 200 python benchmarks/w4a16_gemv_bench.py --deq 2,3 --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
 grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-260
 fi
-# (32: the split_quad layout's GPU tests and per-call bench, run once (swapped bench run 3: 25-35% slower than fragment
+# (32: the split_quad layout's GPU tests and per-call bench, run once (swapped bench run 3: 17-34% slower than fragment
 # order, 2 bit-equality failures); the layout was removed)
 if want 33; then
 say "33. the engine beside the same engine with the GEMV's DEQ_WIDE (lone decode)"
