@@ -134,9 +134,17 @@ def calibrate_fp8_input_scales(model: QwenForCausalLM, input_ids: torch.Tensor,
     """ModelOpt-style max calibration of every FP8Linear's static input_scale: run `input_ids` [B, T] with the FP8
     layers weight-only, record each layer's input amax, set input_scale = margin * amax / 448 and switch activation
     quantisation on. Returns module name -> amax."""
+    from .model.quantized import FP8_OP, _registry, forget_kernel_choices
+
     layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
     amax: dict[str, float] = {}
     hooks = []
+    # the weight-only pass runs the FP8 reference on purpose (no fast FP8 kernel takes unquantised activations at
+    # these shapes): asked for by name, so the registry does not report it as a fallback
+    registries = {id(r): r for r in (_registry(m.registry) for m in layers.values())}
+    before = {k: r.preference(FP8_OP) for k, r in registries.items()}
+    for r in registries.values():
+        r.set_preference("reference", FP8_OP)
     for n, m in layers.items():
         m.quantize_activations = False
 
@@ -150,6 +158,9 @@ def calibrate_fp8_input_scales(model: QwenForCausalLM, input_ids: torch.Tensor,
     finally:
         for h in hooks:
             h.remove()
+        for k, r in registries.items():
+            r.set_preference(before[k], FP8_OP)
+        forget_kernel_choices(model)  # the calibrated layers choose their kernels afresh
     for n, m in layers.items():
         m.input_scale.fill_(margin * max(amax[n], 1e-6) / 448.0)
         m.quantize_activations = True

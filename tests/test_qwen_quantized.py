@@ -570,15 +570,20 @@ def test_random_weights_are_seeded_and_in_the_checkpoint_formats(tensors):
 
 
 @torch.no_grad()
-def test_calibration_and_transformers_copy(tensors):
+def test_calibration_and_transformers_copy(tensors, caplog):
     from transformers import Qwen3_5MoeForCausalLM
 
     from tests.test_qwen_model import hf_config
 
-    model = load_quantized(tensors, CFG, "cpu", torch.float32, gdn_chunk_size=16, registry=registry())
+    reg = registry("auto")
+    model = load_quantized(tensors, CFG, "cpu", torch.float32, gdn_chunk_size=16, registry=reg)
     ids = torch.randint(0, CFG.vocab_size, (2, 30), generator=torch.Generator().manual_seed(7))
-    amax = calibrate_fp8_input_scales(model, ids)
+    with caplog.at_level(logging.WARNING, logger="engine_core.registry"):
+        amax = calibrate_fp8_input_scales(model, ids)
     assert len(amax) == 13 and all(a > 0 for a in amax.values())
+    # the weight-only pass ran the FP8 reference by name (no fallback warning) and left the preference as it was
+    assert "fp8_linear: falling back" not in caplog.text
+    assert reg.preference("fp8_linear").value == "auto" and reg.choices()["fp8_linear"]["calls"].get("reference")
     lin = model.layers[0].linear_attn.in_proj_qkv
     want = amax["layers.0.linear_attn.in_proj_qkv"] / 448
     assert lin.quantize_activations and float(lin.input_scale) == pytest.approx(want)
