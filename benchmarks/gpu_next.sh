@@ -114,9 +114,23 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="36" bash benchmarks/gpu_next.sh      # fresh: start time w/ table
 #   eval "$(bash .devbundle/install.sh)" && STEPS="37" bash benchmarks/gpu_next.sh      # ~3 min warm
 #   eval "$(bash .devbundle/install.sh)" && STEPS="38" bash benchmarks/gpu_next.sh      # ~8 min warm (PDL)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="39" bash benchmarks/gpu_next.sh      # < 1 min: the cache, in parts
+#
+# A Triton cache carried from an earlier session (a fresh machine's first Qwen engine compiles for ~5 min: run 25):
+# step 39 leaves the machine's cache under $OUT as <= 15 MiB parts (tcache.part.aa, ...); put them in .tritoncache/
+# here (ignored: `echo /.tritoncache/ >> .git/info/exclude`) and carry it. Qwen-only calls need no ray / locust /
+# sam3, so they can carry the fla wheels alone and stay under the 64 MiB carry limit:
+#   run(carry=[".devbundle/extra", ".tritoncache"],
+#       command='export PYTHONPATH=/tmp/site; OUT=$OUT STEPS="36" bash benchmarks/gpu_next.sh')
+# (the cache is keyed by kernel source and options: kernels changed since it was made compile again).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .tritoncache/tcache.part.* > /dev/null 2>&1; then
+  mkdir -p "${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+  cat .tritoncache/tcache.part.* | tar xzf - -C "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
+    && echo "[gpu_next] carried Triton cache: $(find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.cubin' | wc -l) cubins"
+fi
 R=$(mktemp -d /tmp/next.XXXXXX)
 OUT=${OUT:-$PWD/out/next}
 mkdir -p "$OUT"
@@ -442,5 +456,12 @@ for key in ("engine", "engine_pdl"):  # PDL on in the second engine only, and bo
     e = r.get(key) or {}
     print(key, "programmatic_launch", e.get("programmatic_launch"), "graph steps", (e.get("runner") or {}).get("graph_steps"))
 PY
+fi
+if want 39; then
+say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
+cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+rm -f "$OUT"/tcache.part.*
+tar czf - -C "$cache" . | split -b 15m - "$OUT/tcache.part."
+say "$(du -sh "$cache" | cut -f1) cache -> $(ls "$OUT"/tcache.part.* | wc -l) parts, $(du -ch "$OUT"/tcache.part.* | tail -1 | cut -f1)"
 fi
 say "done"
