@@ -267,16 +267,22 @@ def gdn_decode_prep_triton(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias
                               head_v_dim), conv_pool)
 
 
-def gdn_decode_prep_ba_reference(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads: int,
-                                 head_k_dim: int, head_v_dim: int):
-    """`gdn_decode_prep_reference` with b, a = the two halves of F.linear(x, w_ba) (the model's `_project_ba`):
-    x [D, H] (model dtype), w_ba = cat(in_proj_b.weight, in_proj_a.weight) [2 Hv, H] -> (q, k, v, beta, g, ba
-    [D, 2 Hv] in the model dtype, conv_pool)."""
+def _ba_by_gemm(prep, qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads, head_k_dim, head_v_dim):
+    """b, a = the two halves of F.linear(x, w_ba) (the model's `_project_ba`), then `prep` (the plain op's reference
+    or kernel) on them -> (q, k, v, beta, g, ba [D, 2 Hv] in the model dtype, conv_pool)."""
     hv = w_ba.shape[0] // 2
     ba = F.linear(x, w_ba)
-    out = gdn_decode_prep_reference(qkv_in, conv_pool, rows, conv_w, ba[:, :hv], ba[:, hv:], a_log, dt_bias,
-                                    num_k_heads, head_k_dim, head_v_dim)
+    out = prep(qkv_in, conv_pool, rows, conv_w, ba[:, :hv], ba[:, hv:], a_log, dt_bias, num_k_heads, head_k_dim,
+               head_v_dim)
     return (*out[:5], ba, out[5])
+
+
+def gdn_decode_prep_ba_reference(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads: int,
+                                 head_k_dim: int, head_v_dim: int):
+    """`gdn_decode_prep_reference` after the b / a GEMM: x [D, H] (model dtype), w_ba = cat(in_proj_b.weight,
+    in_proj_a.weight) [2 Hv, H] -> (q, k, v, beta, g, ba [D, 2 Hv] in the model dtype, conv_pool)."""
+    return _ba_by_gemm(gdn_decode_prep_reference, qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias,
+                       num_k_heads, head_k_dim, head_v_dim)
 
 
 def gdn_decode_prep_ba_gemm_triton(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads,
@@ -284,11 +290,8 @@ def gdn_decode_prep_ba_gemm_triton(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_l
     """The fallback after `gdn_decode_prep_ba_triton`: b / a by their GEMM (F.linear, as the reference), then the
     plain prep kernel (the engine's path before b / a moved inside; should the fused one fail its self-check on a
     GPU, the engine keeps this speed instead of the torch reference's ~35 launches per layer)."""
-    hv = w_ba.shape[0] // 2
-    ba = F.linear(x, w_ba)
-    out = gdn_decode_prep_triton(qkv_in, conv_pool, rows, conv_w, ba[:, :hv], ba[:, hv:], a_log, dt_bias,
-                                 num_k_heads, head_k_dim, head_v_dim)
-    return (*out[:5], ba, out[5])
+    return _ba_by_gemm(gdn_decode_prep_triton, qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias,
+                       num_k_heads, head_k_dim, head_v_dim)
 
 
 def gdn_decode_prep_ba_triton(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, num_k_heads, head_k_dim,

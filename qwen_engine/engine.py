@@ -161,11 +161,10 @@ class QwenEngineConfig:
         if any(b > limit for b in self.prefill_buckets):  # never used, yet each costs a capture and pool memory
             raise ValueError(f"prefill_buckets {self.prefill_buckets} exceed the largest prefill chunk a step can "
                              f"hold, min(max_num_batched_tokens, max_model_len) = {limit}")
-        from .load_packed import check_expert_layout
+        from .load_packed import check_expert_layout, check_shared_expert_in_moe
 
         check_expert_layout(self.expert_layout)
-        if isinstance(self.shared_expert_in_moe, str) and self.shared_expert_in_moe != "auto":
-            raise ValueError(f"shared_expert_in_moe must be true | false | auto, got {self.shared_expert_in_moe!r}")
+        check_shared_expert_in_moe(self.shared_expert_in_moe)
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
@@ -695,9 +694,10 @@ def set_shared_expert_in_moe(model: torch.nn.Module, on: bool | str) -> int:
     """Set `SparseMoE.shared_in_experts` on every MoE layer whose experts hold the shared expert (the others keep
     the dense shared expert); returns how many layers run it inside the grouped launches. "auto": on wherever the
     loader stacked it (`load_packed.resolve_shared_expert_in_moe`), without the warning True gives where none is."""
-    if not isinstance(on, bool) and on != "auto":
-        raise ValueError(f"shared_expert_in_moe must be true, false or 'auto', got {on!r}")
+    from .load_packed import check_shared_expert_in_moe
     from .model.moe import SparseMoE
+
+    check_shared_expert_in_moe(on)
 
     n = 0
     for mod in model.modules():

@@ -78,6 +78,13 @@ def resolve_expert_layout(expert_layout: str, device: torch.device | str) -> str
     return LAYOUT_NAMES[default_expert_layout(device)]
 
 
+def check_shared_expert_in_moe(value: bool | str) -> bool | str:
+    """True, False or "auto" (the engine config, the loader and `set_shared_expert_in_moe` all take these)."""
+    if not isinstance(value, bool) and value != "auto":
+        raise ValueError(f"shared_expert_in_moe must be true, false or 'auto', got {value!r}")
+    return value
+
+
 def resolve_shared_expert_in_moe(shared_expert_in_moe: bool | str, expert_layout: str,
                                  device: torch.device | str) -> bool:
     """"auto" -> whether the loader stacks each shared expert with the routed experts: where the experts take the
@@ -85,10 +92,8 @@ def resolve_shared_expert_in_moe(shared_expert_in_moe: bool | str, expert_layout
     as a 9th pair in the swap-AB launches of 5-113 tokens, the decode GEMV's <= 4 tokens keeping the dense one: Qwen
     run 27, 32 streams 2,623.9 -> 2,703.9 tok/s, lone decode 312.3 / 313.0 tok/s, TTFT 39.9 / 39.6 ms; runs 19, 23:
     +2.7%, +3.9% at 32 streams). True / False as given."""
-    if isinstance(shared_expert_in_moe, bool):
+    if isinstance(check_shared_expert_in_moe(shared_expert_in_moe), bool):
         return shared_expert_in_moe
-    if shared_expert_in_moe != "auto":
-        raise ValueError(f"shared_expert_in_moe must be true, false or 'auto', got {shared_expert_in_moe!r}")
     return resolve_expert_layout(expert_layout, device) == "dual_frag"
 
 

@@ -712,8 +712,6 @@ def test_shared_expert_in_moe_auto(tensors, monkeypatch, caplog):
     """"auto" stacks the shared expert only where the experts resolve to dual_frag (Hopper: the one place it was
     measured); True / False as given; anything else refused. `set_shared_expert_in_moe("auto")` turns it on where the
     loader stacked it, with no warning where it did not (True warns there)."""
-    import logging
-
     from qwen_engine.engine import QwenEngineConfig, set_shared_expert_in_moe
     from qwen_engine.load_packed import resolve_shared_expert_in_moe
 
