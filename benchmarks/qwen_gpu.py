@@ -202,8 +202,8 @@ def markdown(r: dict) -> str:
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
-            f"| (e) engine with programmatic_launch (PDL): decode tok/s, lone request / all {st.get('n')} streams "
-            f"decoding / TTFT ms | {side_by_side(r.get('engine_pdl'))} | - |",
+            f"| (e) engine without programmatic_launch (PDL; the default: auto, on for Hopper): decode tok/s, lone "
+            f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_pdl'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_again'))} | - |",
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
@@ -279,7 +279,7 @@ AUTOTUNE_TABLE = "off"  # the engines' autotune_table (--autotune-table)
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
                        decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
                        async_decode: bool | None = None, shared_expert_in_moe: bool | str = "auto",
-                       prefill_buckets: tuple = (), programmatic_launch: bool = False) -> dict:
+                       prefill_buckets: tuple = (), programmatic_launch: bool | str = "auto") -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -412,9 +412,9 @@ def main() -> None:
     ap.add_argument("--gemv-deq", type=int, choices=(0, 1, 2, 3), default=None,
                     help="(e) once more with the W4A16 GEMV's dequantiser for bf16 activations set to this mode "
                          "(kernels/w4a16_gemv.py DEQ_GPU; the default is 3, DEQ_WIDE), side by side")
-    ap.add_argument("--pdl", action="store_true",
-                    help="(e) once more with the engine's programmatic_launch (kernels/pdl.py: programmatic dependent "
-                         "launch of the decode step's Triton kernels; off by default), side by side")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="(e) once more without the engine's programmatic_launch (kernels/pdl.py: programmatic "
+                         "dependent launch of the decode step's Triton kernels; auto = on for Hopper), side by side")
     ap.add_argument("--no-fused-ba", action="store_true",
                     help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
                          "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")
@@ -574,7 +574,7 @@ def main() -> None:
         # off); the shared experts outside the grouped launches (shared_expert_in_moe off: the auto default has them in)
         variants = (("engine_sync", dict(async_decode=False), args.sync_decode),
                     ("engine_no_shared", dict(shared_expert_in_moe=False), args.no_shared_in_moe),
-                    ("engine_pdl", dict(programmatic_launch=True), args.pdl))
+                    ("engine_no_pdl", dict(programmatic_launch=False), args.no_pdl))
         for key, options, wanted in variants:
             if not wanted:
                 continue

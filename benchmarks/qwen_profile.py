@@ -141,7 +141,12 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
                             dtype="bf16", max_num_seqs=seqs, max_num_batched_tokens=max(2048, ctx), block_size=16,
                             num_kv_blocks=seqs * ((ctx + tokens + margin) // 16 + 1),
                             max_model_len=ctx + tokens + margin,
-                            request_timeout_s=None, warmup=True, prefill_graphs=prefill_graphs)
+                            request_timeout_s=None, warmup=True, prefill_graphs=prefill_graphs,
+                            # PDL off: a kernel launched with it starts before its predecessor ends and waits in
+                            # the kernel, so CUPTI's kernel times would overlap and count the waits (the sum of
+                            # kernel times per step stays comparable with the profiles before it; the step's wall
+                            # time without PDL is the one reported)
+                            programmatic_launch=False)
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)

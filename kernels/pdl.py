@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels: opt-in, process-wide.
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels: process-wide, on by
+default on Hopper (the Qwen engine's `programmatic_launch`).
 
 Why. A lone decode step is a chain of ~600 small dependent kernels (H200, Qwen profile run 16: 2.97 ms of GPU time
 at ~5 us a kernel), and each one's launch and start-up (block scheduling, its first loads' latency) waits for the
@@ -15,7 +16,16 @@ Contract of a kernel that takes part (`USE_PDL` constexpr, default False; `enter
 Launched with `**launch_options()`: {USE_PDL: True, launch_pdl: True} when enabled (`set_enabled`, the Qwen engine's
 `programmatic_launch` option), else {} -- the plain launch, the kernel's code unchanged (the constexpr removes both
 instructions). A kernel launched without the option after one launched with it waits for it as usual (stream order).
-Never under the interpreter (inline PTX). NOT RUN ON A GPU YET: `benchmarks/qwen_gpu.py --pdl` times it.
+Never under the interpreter (inline PTX).
+
+Outcome (H200, 2026-12-01, benchmarks/RESULTS.md runs 28-29): the lone decode step 331.1 -> 368.9 and 331.0 -> 370.3
+tok/s (two processes, the same engine without and with it; +11-12%), 32 streams 2,736 -> 2,750 (+0.5%), TTFT equal.
+GPU tests under `SAMMIE_PDL=1` (every participant launched with PDL): 313 passed, none failed, before a 400 s cut
+(tests/test_pdl.py, the graphed fused-glue engine test, rms_norm, moe_combine, moe_router, gdn, gdn_prep, 26 of
+fp8_gemv's 39), then test_pdl.py and the W4A16 GEMV's file: 35 passed, the late-writer race test among them (the
+participant reads the final value; the same launch without its wait reads the stale one, so the launches overlapped
+and the wait is what orders them). paged_attention's and attn_prep's tests have not run under PDL. On by default
+on Hopper (the engine's "auto", AUTO_MAJORS); sm_10x only when asked for (untested on hardware).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ ENV = "SAMMIE_PDL"  # "1": enabled from import on (GPU test runs: every kernel t
 
 SUPPORTED_MAJORS = (9, 10)  # Hopper (sm_90) and datacenter Blackwell (sm_100): griddepcontrol needs sm_90+; sm_120
 #                            is left out (CUDA-graph capture of PDL launches failed there: sglang PR #18596)
+AUTO_MAJORS = (9,)  # where the Qwen engine's programmatic_launch "auto" turns it on: measured on the H200 only
 
 
 def available() -> bool:
@@ -44,12 +55,12 @@ def available() -> bool:
     return triton is not None and not _INTERPRETED
 
 
-def device_supports(device=None) -> bool:
-    """A CUDA (not ROCm) GPU whose compute capability major is in SUPPORTED_MAJORS."""
+def device_supports(device=None, majors: tuple[int, ...] | None = None) -> bool:
+    """A CUDA (not ROCm) GPU whose compute capability major is in `majors` (None: SUPPORTED_MAJORS)."""
     import torch
 
     return (torch.version.hip is None and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device)[0] in SUPPORTED_MAJORS)
+            and torch.cuda.get_device_capability(device)[0] in (SUPPORTED_MAJORS if majors is None else majors))
 
 
 def set_enabled(on: bool) -> bool:

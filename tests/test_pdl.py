@@ -110,22 +110,28 @@ def test_options_empty_unless_enabled_on_compiled_kernels():
         pdl.set_enabled(before)
 
 
-def test_engine_option_is_off_by_default_and_off_on_cpu(caplog):
-    """Off by default; asked for on the CPU it stays off, with a warning, and leaves the process setting off."""
+def test_engine_option_auto_by_default_and_off_on_cpu(caplog):
+    """"auto" by default (on for Hopper only: AUTO_MAJORS); on the CPU both "auto" (silently) and True (with a
+    warning) leave it off, and the process setting with it; other values are refused."""
     import asyncio
     import logging
 
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
-    assert QwenEngineConfig(config="tiny").programmatic_launch is False
+    assert QwenEngineConfig(config="tiny").programmatic_launch == "auto"
+    assert pdl.AUTO_MAJORS == (9,) and set(pdl.AUTO_MAJORS) <= set(pdl.SUPPORTED_MAJORS)
+    with pytest.raises(ValueError, match="programmatic_launch"):
+        QwenEngineConfig(config="tiny", programmatic_launch="on")
     before = pdl.enabled()
     try:
-        with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
-            engine = QwenEngine(QwenEngineConfig(config="tiny", device="cpu", programmatic_launch=True, warmup=False,
-                                                 max_model_len=64, kernel_self_check=False))
-        assert engine.health()["programmatic_launch"] is False and not pdl.enabled()
-        assert "programmatic_launch" in caplog.text
-        asyncio.run(engine.aclose())
+        for option, warns in (("auto", False), (True, True)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
+                engine = QwenEngine(QwenEngineConfig(config="tiny", device="cpu", programmatic_launch=option,
+                                                     warmup=False, max_model_len=64, kernel_self_check=False))
+            assert engine.health()["programmatic_launch"] is False and not pdl.enabled()
+            assert ("programmatic_launch" in caplog.text) is warns, option
+            asyncio.run(engine.aclose())
     finally:
         pdl.set_enabled(before)
 
@@ -142,12 +148,19 @@ def test_participant_waits_for_a_late_writer():
 
     d = 2048
     w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    variants = (("waits", {"USE_PDL": True, "launch_pdl": True}),
+                ("control", {"USE_PDL": False, "launch_pdl": True}))
+    for _, options in variants:  # compiled first: a compile between the two launches would separate them
+        x = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16)
+        _late_writer[(1,)](x, d, 3.0, SPIN=2_000_000, BLOCK=d)
+        rms_norm._rms_norm_zc_kernel[(1,)](x, w, torch.empty_like(x), 1, d, x.stride(0), x.stride(0), 1e-6,
+                                           BLOCK_R=1, BLOCK_D=d, INTERPRET=False, num_warps=4, **options)
+    torch.cuda.synchronize()
     results = {}
-    for label, options in (("waits", {"USE_PDL": True, "launch_pdl": True}),
-                           ("control", {"USE_PDL": False, "launch_pdl": True})):
+    for label, options in variants:
         x = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(x)
-        _late_writer[(1,)](x, d, 3.0, SPIN=200_000, BLOCK=d)
+        _late_writer[(1,)](x, d, 3.0, SPIN=2_000_000, BLOCK=d)
         rms_norm._rms_norm_zc_kernel[(1,)](x, w, out, 1, d, x.stride(0), out.stride(0), 1e-6, BLOCK_R=1,
                                            BLOCK_D=d, INTERPRET=False, num_warps=4, **options)
         torch.cuda.synchronize()
