@@ -202,6 +202,9 @@ def markdown(r: dict) -> str:
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
+            f"| (e) engine with the shared pair's routing column by torch.cat + fill (not inside router_topk): decode "
+            f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
+            f"{side_by_side(r.get('engine_router_cat'))} | - |",
             f"| (e) engine without programmatic_launch (PDL; the default: auto, on for Hopper): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_pdl'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
@@ -415,6 +418,10 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true",
                     help="(e) once more without the engine's programmatic_launch (kernels/pdl.py: programmatic "
                          "dependent launch of the decode step's Triton kernels; auto = on for Hopper), side by side")
+    ap.add_argument("--router-cat", action="store_true",
+                    help="(e) once more with the shared expert's (k+1)-th routing column appended by torch.cat + fill "
+                         "after router_topk (TopKRouter.extra_in_kernel off; default: the kernel writes it), side by "
+                         "side")
     ap.add_argument("--no-fused-ba", action="store_true",
                     help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
                          "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")
@@ -628,6 +635,11 @@ def main() -> None:
             from qwen_engine.model.gdn import GatedDeltaNet
 
             engine_with(GatedDeltaNet, "fused_ba", False, "engine_no_fused_ba", "b / a GEMM outside the prep op")
+        if args.router_cat:  # the shared pair's router column by torch.cat + fill instead of inside router_topk
+            from qwen_engine.model.moe import TopKRouter
+
+            engine_with(TopKRouter, "extra_in_kernel", False, "engine_router_cat",
+                        "the shared pair's column by torch.cat after router_topk")
         if args.gemv_deq is not None:  # the decode GEMV's dequantiser
             from kernels import w4a16_gemv
 

@@ -40,9 +40,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from kernels.pdl import enter as pdl_enter
 except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
     triton = None
 
@@ -71,7 +75,8 @@ if triton is not None:
 
     @triton.jit
     def _moe_align_sort_kernel(ids, sorted_pairs, block_expert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
-                               BLOCK_P: tl.constexpr):
+                               BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         # padding everywhere first (pair id P; block owner E), the scatter below overwrites the used rows / blocks;
         # the barrier orders the two writes of a row, which different threads of this one program make
         for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
@@ -190,5 +195,5 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int,
         return sorted_pairs, block_expert
     _moe_align_sort_kernel[(1,)](flat, sorted_pairs, block_expert, p, num_experts, nblocks, BLOCK_M=block_m,
                                  BLOCK_P=max(16, triton.next_power_of_2(p)),
-                                 num_warps=num_warps or ONE_PROGRAM_WARPS)
+                                 num_warps=num_warps or ONE_PROGRAM_WARPS, **pdl.launch_options())
     return sorted_pairs, block_expert

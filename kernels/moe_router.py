@@ -101,12 +101,16 @@ ATOL = 1e-7  # weights: absolute slack for weights too small to matter (< 1e-7 o
 
 
 # ---- reference ------------------------------------------------------------------------------------------------------
-def router_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TopKRouter.forward` after the F.linear: (weights [N, k] logits.dtype, idx [N, k] int64)."""
+def router_topk_reference(logits: torch.Tensor, k: int, extra: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`TopKRouter.forward` after the F.linear: (weights [N, k] logits.dtype, idx [N, k] int64). `extra` >= 0: one
+    more column (weight 1, expert `extra`: the shared expert as a (k+1)-th pair, `SparseMoE`) -> [N, k + 1] each."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, idx = torch.topk(probs, k, dim=-1)
-    top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), idx
+    top = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+    if extra >= 0:
+        top = torch.cat((top, top.new_ones((top.shape[0], 1))), 1)
+        idx = torch.cat((idx, idx.new_full((idx.shape[0], 1), extra)), 1)
+    return top, idx
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------------------------
@@ -143,10 +147,11 @@ if triton is not None:
         return w, ids
 
     @triton.jit
-    def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, EXTRA, K: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
-                            USE_PDL: tl.constexpr = False):
-        # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K]
+                            HAS_EXTRA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K] (HAS_EXTRA:
+        # [N, K + 1], column K = (1, EXTRA): the shared expert's pair, so no torch.cat / fill launches follow)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
         r_ok = rows < N
@@ -160,6 +165,10 @@ if triton is not None:
         ok = r_ok[:, None] & (kk < K)[None, :]
         tl.store(w_out + rows64[:, None] * s_w + kk[None, :], _cast(w, w_out.dtype.element_ty, INTERPRET), mask=ok)
         tl.store(i_out + rows64[:, None] * s_i + kk[None, :], ids.to(tl.int64), mask=ok)
+        if HAS_EXTRA:
+            tl.store(w_out + rows64 * s_w + K, tl.full((BLOCK_R,), 1.0, tl.float32).to(w_out.dtype.element_ty),
+                     mask=r_ok)
+            tl.store(i_out + rows64 * s_i + K, tl.full((BLOCK_R,), EXTRA, tl.int64), mask=r_ok)
 
     @triton.jit
     def _router_gemv_topk_kernel(x, w, logits, w_out, i_out, ws, counters, N, E, H, s_x, s_w,
@@ -230,42 +239,48 @@ def _tiling(n: int, e: int) -> dict[str, int]:
     return dict(BLOCK_R=block_r, BLOCK_E=block_e, num_warps=min(4, max(1, block_r * block_e // 512)))
 
 
-def _launch(logits: torch.Tensor, k: int, block_r: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel call; `block_r` overrides the rows per program (tests exercise packing at small N)."""
+def _launch(logits: torch.Tensor, k: int, block_r: int | None = None, extra: int = -1
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel call; `block_r` overrides the rows per program (tests exercise packing at small N); `extra` >= 0:
+    the extra column of `router_topk_reference`, written by the kernel."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"router_topk needs 2-D logits with unit last stride, got {tuple(logits.shape)} strides "
                          f"{logits.stride()}")
     n, e = logits.shape
     if not 1 <= k <= min(e, MAX_TOP_K) or e > MAX_EXPERTS:
         raise ValueError(f"router_topk needs 1 <= k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got k={k} E={e}")
-    weights = logits.new_empty((n, k))
-    idx = torch.empty((n, k), dtype=torch.int64, device=logits.device)
+    width = k + (extra >= 0)
+    weights = logits.new_empty((n, width))
+    idx = torch.empty((n, width), dtype=torch.int64, device=logits.device)
     if n == 0:
         return weights, idx
     cfg = _tiling(n, e)
     if block_r is not None:
         cfg["BLOCK_R"] = block_r
     _router_topk_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
-        logits, weights, idx, n, e, logits.stride(0), weights.stride(0), idx.stride(0), K=k,
-        BLOCK_K=triton.next_power_of_2(k), INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
+        logits, weights, idx, n, e, logits.stride(0), weights.stride(0), idx.stride(0), max(extra, 0), K=k,
+        BLOCK_K=triton.next_power_of_2(k), INTERPRET=_interpreted(), HAS_EXTRA=extra >= 0, **cfg,
+        **pdl.launch_options())
     return weights, idx
 
 
 # ---- custom op (traceable by torch.compile) -------------------------------------------------------------------------
 @torch.library.custom_op("qwen::router_topk", mutates_args=())
-def router_topk_op(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] -> (weights [N, k] logits.dtype, idx [N, k] int64); contract: `router_topk_reference`."""
-    return _launch(logits, k)
+def router_topk_op(logits: torch.Tensor, k: int, extra: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, k] logits.dtype, idx [N, k] int64), [N, k + 1] with `extra` >= 0; contract:
+    `router_topk_reference`."""
+    return _launch(logits, k, extra=extra)
 
 
 @router_topk_op.register_fake
-def _(logits, k):
-    return logits.new_empty((logits.shape[0], k)), logits.new_empty((logits.shape[0], k), dtype=torch.int64)
+def _(logits, k, extra=-1):
+    width = k + (extra >= 0)
+    return logits.new_empty((logits.shape[0], width)), logits.new_empty((logits.shape[0], width), dtype=torch.int64)
 
 
-def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def router_topk_triton(logits: torch.Tensor, k: int, extra: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `router_topk_reference` (ties: lowest expert index first)."""
-    return router_topk_op(logits, k)
+    return router_topk_op(logits, k, extra)
 
 
 # ---- guard, comparison, inputs --------------------------------------------------------------------------------------
@@ -535,7 +550,7 @@ def _gemv_sample(device) -> tuple[tuple, dict]:
 
 
 # ---- registry entry -------------------------------------------------------------------------------------------------
-def describe(logits: torch.Tensor, k: int) -> dict[str, Any]:
+def describe(logits: torch.Tensor, k: int, extra: int = -1) -> dict[str, Any]:
     return dict(device=logits.device.type, supported=supported(logits, k))
 
 

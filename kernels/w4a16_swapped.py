@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import pdl
 from kernels.nvfp4 import BLOCK, NVFP4Tensor
 from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, tile_major, untile_major
 
@@ -34,6 +35,7 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels.pdl import enter as pdl_enter
     from kernels.w4a16_gemm import (
         _TWO_119,
         _dequant_gain,
@@ -229,11 +231,12 @@ if triton is not None:
                                       SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                                       DEQ: tl.constexpr, TILE_N: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                      FRAG: tl.constexpr = False):
+                                      FRAG: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # grid (R / BM, N_out / BN); one program = BN output columns (weight rows: the MMA's M) x BM sorted pairs of
         # one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows x BK; BN a multiple
         # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
         # FRAG: the split-halves bytes in fragment order (`split_frag`).
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
@@ -317,5 +320,6 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
         x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
         x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
         s_ge, s_gn, y.stride(0), SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
-        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, **cfg)
+        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, **cfg,
+        **pdl.launch_options())
     return y.to(x.dtype)

@@ -107,6 +107,9 @@ def main() -> int:
     ok.append(compile_one("router_topk (E = 256, top-8, bf16)", moe_router._router_topk_kernel,
                           {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False)))
+    ok.append(compile_one("router_topk (E = 256, top-8, bf16) HAS_EXTRA (the shared pair's column)",
+                          moe_router._router_topk_kernel, {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
+                          dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False, HAS_EXTRA=True)))
     grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only

@@ -60,6 +60,29 @@ def test_rows_per_program(block_r):
     assert torch.equal(idx, stable_topk_idx(logits, 8))
 
 
+@pytest.mark.parametrize("block_r", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_extra_column(block_r, dtype):
+    """`extra` >= 0 (the shared expert as a (k+1)-th pair): the first k columns exactly the plain call's, column k
+    (1, extra) on every row -- also on the masked tail of packed rows (N = 5) -- as the reference's torch.cat."""
+    logits = random_logits(5, 60, seed=11, dtype=dtype, device=DEVICE)
+    w, idx = mr._launch(logits, 8, block_r=block_r)
+    we, ie = mr._launch(logits, 8, block_r=block_r, extra=60)
+    assert we.shape == ie.shape == (5, 9) and we.dtype == dtype and ie.dtype == torch.int64
+    assert torch.equal(we[:, :8], w) and torch.equal(ie[:, :8], idx)
+    assert torch.equal(ie[:, 8], torch.full((5,), 60, device=DEVICE)) and torch.equal(we[:, 8], torch.ones_like(we[:, 8]))
+    rw, ri = router_topk_reference(logits, 8, extra=60)
+    assert rw.shape == ri.shape == (5, 9) and torch.equal(ri[:, 8], ie[:, 8]) and torch.equal(rw[:, 8], we[:, 8])
+    assert compare((we[:, :8], ie[:, :8]), (rw[:, :8], ri[:, :8]), logits) is None
+    assert torch.equal(torch.ops.qwen.router_topk(logits, 8, 60)[1], ie)  # the custom op passes it through
+    if block_r == 1:  # the op's fake (torch.compile's shapes) has the extra column too
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fw, fi = torch.ops.qwen.router_topk(mode.from_tensor(logits), 8, 60)
+        assert fw.shape == fi.shape == (5, 9)
+
+
 @pytest.mark.parametrize("e", [60, 256])
 def test_ties_lowest_index_first(e):
     """bf16 logits on a coarse grid: ties everywhere, at the k-th boundary too, and a row of all zeros (a fresh

@@ -1,6 +1,7 @@
-"""kernels/pdl.py (programmatic dependent launch, opt-in): every participating kernel waits before it touches memory,
-and the launch options are empty unless enabled on compiled kernels. Its PTX (griddepcontrol) is compiled for sm_90
-in tests/sm90_compile.py; its speed and its CUDA-graph capture need a GPU (benchmarks/qwen_gpu.py --pdl)."""
+"""kernels/pdl.py (programmatic dependent launch, on by default on Hopper): every participating kernel waits before it
+touches memory, and the launch options are empty unless enabled on compiled kernels. Its PTX (griddepcontrol) is
+compiled for sm_90 in tests/sm90_compile.py; its speed and its CUDA-graph capture need a GPU (benchmarks/qwen_gpu.py
+--no-pdl compares the default without it)."""
 
 import ast
 import importlib
@@ -28,7 +29,7 @@ def _late_writer(x, n, value, SPIN: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(x + offs, (value + acc * 0.0).to(x.dtype.element_ty), mask=offs < n)
 
 
-# module -> kernels launched with `**pdl.launch_options()`: the lone decode step's Triton kernels
+# module -> kernels launched with `**pdl.launch_options()`: the decode step's Triton kernels
 PARTICIPANTS = {
     "kernels.rms_norm": ("_rms_norm_zc_kernel", "_rms_norm_gated_kernel", "_add_rms_norm_zc_kernel"),
     "kernels.moe_combine": ("_moe_combine_kernel",),
@@ -40,6 +41,9 @@ PARTICIPANTS = {
     "kernels.w4a16_gemv": ("_w4a16_gemv_kernel",),
     "kernels.paged_attention": ("_paged_decode_kernel", "_combine_kernel"),
     "kernels.attn_prep": ("_attn_prep_kernel", "_gate_kernel"),
+    # above the GEMV's 4 tokens (32 streams, prefill chunks): the routing alignment and the swap-AB experts
+    "kernels.moe_align": ("_moe_align_sort_kernel",),
+    "kernels.w4a16_swapped": ("_w4a16_grouped_swapped_kernel",),
 }
 
 

@@ -429,27 +429,30 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
         moe.fused = True
         dense = moe(x, residual=residual)
         moe.shared_in_experts = True
-        inside = moe(x, residual=residual)
+        inside = moe(x, residual=residual)  # 5 tokens: router_topk writes the shared pair's column itself
+        moe.gate.extra_in_kernel = False
+        inside_cat = moe(x, residual=residual)  # the same column by torch.cat after it
+        moe.gate.extra_in_kernel = True
         big = MAX_PAIRS // (CFG.num_experts_per_tok + 1) + 1  # too many pairs for the one-program alignment
         moe(torch.randn(big, CFG.hidden_size, generator=g).to(torch.bfloat16),
             residual=torch.zeros(big, CFG.hidden_size, dtype=torch.bfloat16))
     finally:
         type(moe.shared_expert).forward = dense_forward
-        moe.fused, moe.shared_in_experts = None, False
+        moe.fused, moe.shared_in_experts, moe.gate.extra_in_kernel = None, False, True
     assert calls == [5, big]  # the dense module ran for the first and the large call, not inside the experts
     err = rel_err(inside, dense)
     print(f"shared expert inside the grouped launches vs dense: rel err {err:.2e}")
     # same roundings, and at these shapes (one K tile) the same fp32 sums: equal bit for bit (the swapped-scale and
     # 2%-off-scale mistakes a review tried gave 6.9e-3 and 1.8e-2: a tolerance would hide them)
-    assert torch.equal(inside, dense)
+    assert torch.equal(inside, dense) and torch.equal(inside_cat, dense)
     # experts with a small-batch copy (`repack_dual`: the decode GEMV's <= 4 tokens) keep the dense shared expert
     # for the calls that copy serves
     k = CFG.num_experts_per_tok
     moe.shared_in_experts = True
     try:
-        assert moe.experts.small_tokens == 0 and moe._shared_as_pair(torch.zeros(1, k, dtype=torch.long))
+        assert moe.experts.small_tokens == 0 and moe._shared_as_pair(1, k)
         moe.experts.small_tokens = 4
-        assert [moe._shared_as_pair(torch.zeros(n, k, dtype=torch.long)) for n in (1, 4, 5, big)] == [
+        assert [moe._shared_as_pair(n, k) for n in (1, 4, 5, big)] == [
             False, False, True, False]
     finally:
         moe.experts.small_tokens, moe.shared_in_experts = 0, False

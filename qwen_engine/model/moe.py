@@ -28,28 +28,44 @@ class TopKRouter(nn.Module):
     order open. `fused = False` never."""
 
     fused: bool | None = None
+    # the fused router_topk writes `extra`'s column itself (kernels/moe_router.py HAS_EXTRA); False: torch.cat + fill
+    # after it (two of each per MoE layer: 160 launches of a 32-stream decode step; side-by-side benchmarks)
+    extra_in_kernel: bool = True
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (logits [N, E] model dtype, weights [N, k] model dtype summing to 1, expert ids [N, k])."""
+    def forward(self, x: torch.Tensor, extra: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (logits [N, E] model dtype, weights [N, k] model dtype summing to 1, expert ids [N, k]).
+        `extra` >= 0: weights and ids get one more column, (1, `extra`) -- the shared expert as a (k+1)-th pair."""
         if self.fused if self.fused is not None else x.is_cuda:
             from engine_core.registry import default_registry
             from kernels.moe_router import MAX_ROWS
 
             if x.shape[0] <= MAX_ROWS:
-                return default_registry().call("router_gemv_topk", x, self.weight, self.top_k)
-            logits = F.linear(x, self.weight)
-            top, idx = default_registry().call("router_topk", logits, self.top_k)
-            return logits, top, idx
+                logits, top, idx = default_registry().call("router_gemv_topk", x, self.weight, self.top_k)
+            else:
+                logits = F.linear(x, self.weight)
+                if extra >= 0 and self.extra_in_kernel:
+                    top, idx = default_registry().call("router_topk", logits, self.top_k, extra)
+                    return logits, top, idx
+                top, idx = default_registry().call("router_topk", logits, self.top_k)
+            return (logits, *_with_extra(top, idx, extra))
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # fp32 island
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)  # renormalise the top-k (always, no norm_topk_prob switch)
-        return logits, top.to(logits.dtype), idx
+        return (logits, *_with_extra(top.to(logits.dtype), idx, extra))
+
+
+def _with_extra(top: torch.Tensor, idx: torch.Tensor, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [N, k] -> [N, k + 1] with the column (1, `extra`) where `extra` >= 0, else as they are."""
+    if extra < 0:
+        return top, idx
+    n = idx.shape[0]
+    return torch.cat((top, top.new_ones((n, 1))), 1), torch.cat((idx, idx.new_full((n, 1), extra)), 1)
 
 
 class Experts(nn.Module):
@@ -154,15 +170,15 @@ class SparseMoE(nn.Module):
         """x [..., H] -> [..., H]; with `residual` (x's shape): residual + the MoE output."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        _, weights, idx = self.gate(x)
         fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
-        if fused and self._shared_as_pair(idx):
-            n, k = idx.shape
-            idx = torch.cat((idx, idx.new_full((n, 1), self.experts.shared_index)), 1)  # [N, k + 1]
-            weights = torch.cat((weights, weights.new_ones((n, 1))), 1)  # the shared output unscaled (gated below)
+        k = self.gate.top_k
+        if fused and self._shared_as_pair(x.shape[0], k):
+            # [N, k + 1]: the shared expert's pair last, weight 1 (its output unscaled: gated in moe_combine)
+            _, weights, idx = self.gate(x, extra=self.experts.shared_index)
             rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
             routed, shared = rows[:, :k], rows[:, k]
         else:
+            _, weights, idx = self.gate(x)
             routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
             shared = self.shared_expert(x)
         if fused:
@@ -174,7 +190,7 @@ class SparseMoE(nn.Module):
         out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
         return out if residual is None else residual + out
 
-    def _shared_as_pair(self, idx: torch.Tensor) -> bool:
+    def _shared_as_pair(self, n: int, top_k: int) -> bool:
         """Whether this call runs the shared expert inside the experts' launches (`shared_in_experts`): not for the
         calls that the experts' small-batch copy serves (`NVFP4Experts.repack_dual`: the decode GEMV at <= 4 tokens),
         which keep the dense shared expert's own GEMV (H200, Qwen run 23: the 9th pair in the lone request's GEMV
@@ -183,5 +199,4 @@ class SparseMoE(nn.Module):
             return False
         from kernels.moe_align import MAX_PAIRS
 
-        n = idx.shape[0]
-        return getattr(self.experts, "small_tokens", 0) < n and n * (idx.shape[1] + 1) <= MAX_PAIRS
+        return getattr(self.experts, "small_tokens", 0) < n and n * (top_k + 1) <= MAX_PAIRS
