@@ -115,6 +115,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="37" bash benchmarks/gpu_next.sh      # ~3 min warm
 #   eval "$(bash .devbundle/install.sh)" && STEPS="38" bash benchmarks/gpu_next.sh      # ~8 min warm (PDL)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="39" bash benchmarks/gpu_next.sh      # < 1 min: the cache, in parts
+#   STEPS="40" (fresh machine, carrying .devbundle/extra and .tritoncache only, see below): ~5 min (ran: run 30,
+#                                                        engine start 20.6 s with the carried cache)
 #
 # A Triton cache carried from an earlier session (a fresh machine's first Qwen engine compiles for ~5 min: run 25):
 # step 39 leaves the machine's cache under $OUT as <= 15 MiB parts (tcache.part.aa, ...); put them in .tritoncache/
@@ -455,6 +457,15 @@ for key in ("engine", "engine_no_pdl"):  # PDL on in the first engine only, and 
     e = r.get(key) or {}
     print(key, "programmatic_launch", e.get("programmatic_launch"), "graph steps", (e.get("runner") or {}).get("graph_steps"))
 PY
+fi
+if want 40; then
+say "40. (ran as run 30) GPU tests of the PDL participants added 2026-12-01 (moe_align, swap-AB) and the router's"
+say "    extra column, every participant launched with PDL; then the default engine beside --router-cat and --no-pdl"
+SAMMIE_PDL=1 timeout "${LIMIT_40_TESTS:-170}" python -m pytest -q -p no:cacheprovider tests/test_pdl.py \
+  tests/test_kernel_moe_align.py "tests/test_kernel_moe_router.py::test_extra_column" tests/test_kernel_paged_attention.py \
+  tests/test_kernel_attn_prep.py tests/test_kernel_w4a16_swapped.py tests/test_kernel_fp8_gemv.py > "$R/pdl_tests3.log" 2>&1
+grep -E "passed|failed|Error" "$R/pdl_tests3.log" | tail -3
+engine_ab qwen_run30 "${LIMIT_40:-340}" --autotune-table auto --router-cat --no-pdl
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -18,14 +18,14 @@ Launched with `**launch_options()`: {USE_PDL: True, launch_pdl: True} when enabl
 instructions). A kernel launched without the option after one launched with it waits for it as usual (stream order).
 Never under the interpreter (inline PTX).
 
-Outcome (H200, 2026-12-01, benchmarks/RESULTS.md runs 28-29): the lone decode step 331.1 -> 368.9 and 331.0 -> 370.3
-tok/s (two processes, the same engine without and with it; +11-12%), 32 streams 2,736 -> 2,750 (+0.5%), TTFT equal.
-GPU tests under `SAMMIE_PDL=1` (every participant launched with PDL): 313 passed, none failed, before a 400 s cut
-(tests/test_pdl.py, the graphed fused-glue engine test, rms_norm, moe_combine, moe_router, gdn, gdn_prep, 26 of
-fp8_gemv's 39), then test_pdl.py and the W4A16 GEMV's file: 35 passed, the late-writer race test among them (the
-participant reads the final value; the same launch without its wait reads the stale one, so the launches overlapped
-and the wait is what orders them). paged_attention's and attn_prep's tests have not run under PDL. On by default
-on Hopper (the engine's "auto", AUTO_MAJORS); sm_10x only when asked for (untested on hardware).
+Outcome (H200, 2026-12-01, benchmarks/RESULTS.md runs 28-30): the lone decode step 331.1 -> 368.9, 331.0 -> 370.3
+and 329.3 -> 368.4 tok/s (three processes, the same engine without and with it; +11-12%); 32 streams +0.4-0.5% with
+the 15 lone-step kernels, +1.5% (2,784.9 -> 2,827.6) with the routing alignment and the swap-AB experts added (run
+30); TTFT equal. GPU tests with every participant launched with PDL (`SAMMIE_PDL=1`): every participant's test file
+passed (313 + 35 + 175 + 39 tests over four calls, none failed; results/pdl_gpu_tests_run1/), among them the
+late-writer race test: the participant reads the final value, the same launch without its wait the stale one, so
+the launches overlapped and the wait is what orders them. On by default on Hopper (the engine's "auto",
+AUTO_MAJORS); sm_10x only when asked for (untested on hardware).
 """
 
 from __future__ import annotations

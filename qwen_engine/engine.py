@@ -134,8 +134,8 @@ class QwenEngineConfig:
     programmatic_launch: bool | str = "auto"  # the decode step's Triton kernels launched with programmatic
     #                                    dependent launch (kernels/pdl.py: each may be scheduled before its
     #                                    predecessor ends and waits in-kernel for its outputs), in CUDA graphs too;
-    #                                    process-wide. auto: on for Hopper (sm_9x; H200, 2026-12-01: lone decode
-    #                                    331.1 -> 368.9 and 331.0 -> 370.3 tok/s in two runs, 32 streams +0.5%); true
+    #                                    process-wide. auto: on for Hopper (sm_9x; H200, 2026-12-01, runs 28-30: lone
+    #                                    decode +11-12% in three runs, 32 streams +0.4-1.5%); true
     #                                    also on sm_10x (untested on hardware); on CPUs and other GPUs it stays off
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
