@@ -158,6 +158,7 @@ engine_ab() {
   PYTHONFAULTHANDLER=1 timeout -s ABRT "$limit" python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
     --decode-tokens 48 --prefill-buckets 1024 "$@" --out "$R/$name" > "$R/$name.log" 2>&1
   grep -E "^\| \(e\)" "$R/$name/qwen_gpu.md" | cut -c1-220
+  grep -E "same greedy tokens" "$R/$name.log" | cut -c1-200  # side-by-side engines' tokens vs the first engine's
   grep -E "Error|error|File |fla" "$R/$name.log" | cut -c1-300 | head -30
 }
 

@@ -140,6 +140,25 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
                 top1_agreement_pct=100.0 * float((ours.argmax(-1) == ref.argmax(-1)).float().mean()))
 
 
+PROMPT_SEED = 20261201  # the engine phases' prompts (`engine_phase`): the same for every engine of a process
+
+
+def same_tokens(r: dict) -> None:
+    """Each side-by-side engine's greedy tokens against the first engine's (same prompts): r[key]["same_tokens"] =
+    {lone: equal, streams: how many of the streams equal}. Equal where the arithmetic is the same (PDL, the router's
+    column); an option that changes roundings (b / a outside the prep op, the GEMV's dequant mode) may flip a
+    near-tied token of the random weights, after which the sequences diverge."""
+    first = r.get("engine") or {}
+    lone0, streams0 = (first.get("lone") or {}).get("ids"), (first.get("streams") or {}).get("ids")
+    for key, v in r.items():
+        if key == "engine" or not key.startswith("engine_") or not isinstance(v, dict) or "lone" not in v:
+            continue
+        ids = (v.get("streams") or {}).get("ids")
+        v["same_tokens"] = dict(lone=lone0 is not None and v["lone"].get("ids") == lone0,
+                                streams=None if not (ids and streams0) else sum(a == b for a, b in zip(ids, streams0)))
+        log(f"(e) {key}: same greedy tokens as the first engine: {v['same_tokens']}")
+
+
 def greedy_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
     eq = a == b
     first = [int(row.logical_not().nonzero()[0]) if not row.all() else row.numel() for row in eq]
@@ -328,12 +347,16 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         toks = sum(k for m in many for t, k in m["arrivals"] if lo < t <= hi)
         return dict(tok_per_s=toks / (hi - lo) if hi > lo else None, window_s=hi - lo, tokens=toks)
 
+    # every engine of the process gets the same prompts (its own seeded generator), so side-by-side engines whose
+    # arithmetic is the same (PDL on / off, the router's column by kernel or cat) must give the same greedy tokens
+    pg = torch.Generator().manual_seed(PROMPT_SEED)
+    prand = lambda *shape: torch.randint(0, cfg.vocab_size, shape, generator=pg).to(device)  # noqa: E731
     try:
         await one(rand(1, ctx)[0].tolist(), 4)  # warm the 1k prefill shape
-        prompt = rand(1, ctx)
+        prompt = prand(1, ctx)
         lone = await one(prompt[0].tolist(), steps + 1)
         lone_r = dict(ttft_ms=1e3 * lone["ttft_s"], decode_tok_per_s=lone["decode_tok_per_s"], tokens=lone["tokens"],
-                      context=ctx)
+                      context=ctx, ids=lone["ids"])
         # the engine's paged path (fla prefill, paged attention, decode graphs) against the model's own contiguous
         # forward on the same prompt: greedy tokens (random weights: near-ties can flip a token, then they diverge)
         n_chk = min(16, steps + 1)
@@ -346,7 +369,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                         kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode,
                         steps_ahead=engine.scheduler.stats.steps_ahead)
         t0 = time.perf_counter()
-        many = await asyncio.gather(*(one(rand(1, ctx)[0].tolist(), steps + 1) for _ in range(streams)))
+        many = await asyncio.gather(*(one(prand(1, ctx)[0].tolist(), steps + 1) for _ in range(streams)))
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
@@ -357,6 +380,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     steps_ahead=engine.scheduler.stats.steps_ahead,
                     dropped_tokens=engine.scheduler.stats.dropped_tokens,
                     streams=dict(n=streams, output_tok_per_s=sum(m["tokens"] for m in many) / wall, wall_s=wall,
+                                 ids=[m["ids"] for m in many],
                                  decode_phase=decode_phase(many),
                                  ttft_p50_ms=1e3 * ttfts[len(ttfts) // 2], ttft_max_ms=1e3 * ttfts[-1]),
                     stats=engine.health().get("stats"))
@@ -672,6 +696,7 @@ def main() -> None:
                 r["errors"].append(f"(e) engine again: {type(e).__name__}: {e}")
             log(f"(e) again {r.get('engine_again')}")
             save()
+        same_tokens(r)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         save()

@@ -220,7 +220,8 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
                             dtype="bf16", max_num_seqs=4, max_num_batched_tokens=max(2048, ctx), block_size=16,
                             num_kv_blocks=4 * ((ctx + 64) // 16 + 1), max_model_len=ctx + 64,
                             request_timeout_s=None, warmup=True, prefill_graphs=prefill_graphs,
-                            prefill_buckets=prefill_buckets)
+                            prefill_buckets=prefill_buckets,
+                            programmatic_launch=False)  # kernel times without PDL's overlap (profile_engine_decode)
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)

@@ -9,7 +9,7 @@ logits.dtype summing to 1, idx [N, k] int64, both in descending order of weight.
 Custom op `qwen::router_topk` (traceable by torch.compile); no host reads of device values and shapes that depend on
 (N, k) only, so it can be captured in a CUDA graph. `extra` >= 0 appends one column (weight 1, expert `extra`) to both
 outputs, written by the kernel: the shared expert as a (k+1)-th pair of the MoE launches (`SparseMoE`), where a
-torch.cat and a fill per output had followed (H200, Qwen run 30: 32 streams 2,765.7 -> 2,827.6 tok/s).
+torch.cat and a fill per output had followed (H200, Qwen run 30, one run: 32 streams 2,765.7 -> 2,827.6 tok/s).
 
 Why. On the H200 the reference is ~7 small kernels (softmax, gatherTopK, a bitonic sort, sum, div, two casts) per MoE
 layer, 40 layers per decode step: ~280 launches of a few microseconds each for ~20 KB of data. This is 40.

@@ -20,12 +20,17 @@ Never under the interpreter (inline PTX).
 
 Outcome (H200, 2026-12-01, benchmarks/RESULTS.md runs 28-30): the lone decode step 331.1 -> 368.9, 331.0 -> 370.3
 and 329.3 -> 368.4 tok/s (three processes, the same engine without and with it; +11-12%); 32 streams +0.4-0.5% with
-the 15 lone-step kernels, +1.5% (2,784.9 -> 2,827.6) with the routing alignment and the swap-AB experts added (run
-30); TTFT equal. GPU tests with every participant launched with PDL (`SAMMIE_PDL=1`): every participant's test file
-passed (313 + 35 + 175 + 39 tests over four calls, none failed; results/pdl_gpu_tests_run1/), among them the
-late-writer race test: the participant reads the final value, the same launch without its wait the stale one, so
-the launches overlapped and the wait is what orders them. On by default on Hopper (the engine's "auto",
-AUTO_MAJORS); sm_10x only when asked for (untested on hardware).
+the 15 lone-step kernels (runs 28-29), +1.5% (2,784.9 -> 2,827.6, one run) with the routing alignment and the
+swap-AB experts added (run 30; the two were not isolated in one process); TTFT equal. GPU tests with every
+participant launched with PDL (`SAMMIE_PDL=1`, results/pdl_gpu_tests_run1/: 313 + 35 + 175 + 39 passed over four
+calls, none failed): test_pdl.py (the late-writer race test among them: the participant reads the final value, the
+same launch without its wait the stale one, so the launches overlapped and the wait is what orders them), the
+graphed fused-glue engine test, and the files of rms_norm, moe_combine, moe_router, gdn, gdn_prep, fp8_gemv (which
+runs the static quantiser), paged_attention, attn_prep, w4a16_gemv, moe_align and the swap-AB kernel. Not run under
+PDL: test_kernel_rms_norm_add.py, test_kernel_fp8.py (their kernels ran in the fused-glue and fp8_gemv tests), and
+an engine-level check of the MoE chain above 4 tokens (alignment -> swap-AB -> swap-AB, added in run 30; timed, not
+compared token for token: `benchmarks/qwen_gpu.py` now records whether side-by-side engines' lone tokens agree).
+On by default on Hopper (the engine's "auto", AUTO_MAJORS); sm_10x only when asked for (untested on hardware).
 """
 
 from __future__ import annotations
@@ -61,6 +66,14 @@ def device_supports(device=None, majors: tuple[int, ...] | None = None) -> bool:
 
     return (torch.version.hip is None and torch.cuda.is_available()
             and torch.cuda.get_device_capability(device)[0] in (SUPPORTED_MAJORS if majors is None else majors))
+
+
+def wanted(option: bool | str, device) -> bool:
+    """The Qwen engine's `programmatic_launch` option on `device` (a torch.device): "auto" -> a CUDA GPU of a major in
+    AUTO_MAJORS (where it was measured), True -> one in SUPPORTED_MAJORS, False -> never."""
+    if option is False or getattr(device, "type", None) != "cuda":
+        return False
+    return device_supports(device, majors=AUTO_MAJORS if option == "auto" else None)
 
 
 def set_enabled(on: bool) -> bool:

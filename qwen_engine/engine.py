@@ -167,7 +167,7 @@ class QwenEngineConfig:
 
         check_expert_layout(self.expert_layout)
         check_shared_expert_in_moe(self.shared_expert_in_moe)
-        if self.programmatic_launch not in (True, False, "auto"):
+        if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
@@ -274,9 +274,7 @@ class QwenEngine:
         self.autotune_picks = self._load_autotune_table()
         from kernels import pdl  # before the self-checks, warm-up and graph captures: they launch with the setting
 
-        self.programmatic_launch = pdl.set_enabled(
-            bool(cfg.programmatic_launch) and self.device.type == "cuda"
-            and pdl.device_supports(self.device, majors=pdl.AUTO_MAJORS if cfg.programmatic_launch == "auto" else None))
+        self.programmatic_launch = pdl.set_enabled(pdl.wanted(cfg.programmatic_launch, self.device))
         if cfg.programmatic_launch is True and not self.programmatic_launch:
             log.warning("programmatic_launch: needs compiled Triton kernels on an NVIDIA GPU of compute capability 9.x "
                         "or 10.x; off")

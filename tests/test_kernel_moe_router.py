@@ -70,7 +70,8 @@ def test_extra_column(block_r, dtype):
     we, ie = mr._launch(logits, 8, block_r=block_r, extra=60)
     assert we.shape == ie.shape == (5, 9) and we.dtype == dtype and ie.dtype == torch.int64
     assert torch.equal(we[:, :8], w) and torch.equal(ie[:, :8], idx)
-    assert torch.equal(ie[:, 8], torch.full((5,), 60, device=DEVICE)) and torch.equal(we[:, 8], torch.ones_like(we[:, 8]))
+    assert torch.equal(ie[:, 8], torch.full((5,), 60, device=DEVICE))
+    assert torch.equal(we[:, 8], torch.ones_like(we[:, 8]))
     rw, ri = router_topk_reference(logits, 8, extra=60)
     assert rw.shape == ri.shape == (5, 9) and torch.equal(ri[:, 8], ie[:, 8]) and torch.equal(rw[:, 8], we[:, 8])
     assert compare((we[:, :8], ie[:, :8]), (rw[:, :8], ri[:, :8]), logits) is None
@@ -405,6 +406,19 @@ def test_router_module_uses_the_fused_op(monkeypatch):
                 fused = router(x)
             assert reg.choices()[op]["calls"].get("triton", 0) == calls0[op] + 1, op
             assert mr.compare_gemv(fused, plain, x, router.weight) is None
+            # `extra` (the shared expert's (k+1)-th pair): written by the router_topk kernel above MAX_ROWS (one more
+            # "triton" call), appended by torch.cat on the other paths; the same k columns either way
+            with torch.no_grad():
+                monkeypatch.setattr(TopKRouter, "fused", False)
+                plain_x = router(x, extra=64)
+                monkeypatch.setattr(TopKRouter, "fused", True)
+                fused_x = router(x, extra=64)
+            assert reg.choices()[op]["calls"].get("triton", 0) == calls0[op] + 2, op
+            for got, want in ((fused_x, fused), (plain_x, plain)):
+                assert got[1].shape == got[2].shape == (n, 9) and torch.equal(got[0], want[0])
+                assert torch.equal(got[1][:, :8], want[1]) and torch.equal(got[2][:, :8], want[2])
+                assert torch.equal(got[2][:, 8], torch.full((n,), 64, device=DEVICE))
+                assert torch.equal(got[1][:, 8], torch.ones(n, dtype=torch.bfloat16, device=DEVICE))
     finally:
         for op, pref in before.items():
             reg.set_preference(pref, op)

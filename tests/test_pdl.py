@@ -114,6 +114,23 @@ def test_options_empty_unless_enabled_on_compiled_kernels():
         pdl.set_enabled(before)
 
 
+@pytest.mark.parametrize("major, auto, true", [(8, False, False), (9, True, True), (10, False, True),
+                                               (12, False, False)])
+def test_wanted_by_compute_capability(monkeypatch, major, auto, true):
+    """`wanted`: "auto" only on Hopper (AUTO_MAJORS, where it was measured), True on sm_9x and sm_10x, False never,
+    and never off CUDA or on ROCm (a faked device: the selection logic, not the GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    cuda = torch.device("cuda", 0)
+    assert (pdl.wanted("auto", cuda), pdl.wanted(True, cuda), pdl.wanted(False, cuda)) == (auto, true, False)
+    assert not pdl.wanted("auto", torch.device("cpu")) and not pdl.wanted(True, torch.device("cpu"))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not pdl.wanted(True, cuda)
+
+
 def test_engine_option_auto_by_default_and_off_on_cpu(caplog):
     """"auto" by default (on for Hopper only: AUTO_MAJORS); on the CPU both "auto" (silently) and True (with a
     warning) leave it off, and the process setting with it; other values are refused."""
@@ -124,8 +141,9 @@ def test_engine_option_auto_by_default_and_off_on_cpu(caplog):
 
     assert QwenEngineConfig(config="tiny").programmatic_launch == "auto"
     assert pdl.AUTO_MAJORS == (9,) and set(pdl.AUTO_MAJORS) <= set(pdl.SUPPORTED_MAJORS)
-    with pytest.raises(ValueError, match="programmatic_launch"):
-        QwenEngineConfig(config="tiny", programmatic_launch="on")
+    for bad in ("on", 1):
+        with pytest.raises(ValueError, match="programmatic_launch"):
+            QwenEngineConfig(config="tiny", programmatic_launch=bad)
     before = pdl.enabled()
     try:
         for option, warns in (("auto", False), (True, True)):

@@ -395,7 +395,7 @@ def test_moe_fused_tail_with_unsummed_experts(tensors):
 
 
 @torch.no_grad()
-def test_shared_expert_inside_the_grouped_launches(tensors):
+def test_shared_expert_inside_the_grouped_launches(tensors, monkeypatch):
     """`load_quantized(shared_expert_in_moe=True)` stacks each shared expert after the routed experts (expert E);
     with `shared_in_experts` the fused MoE path runs it as one more pair per token inside the grouped launches (the
     dense module is not called), and gives the dense path's output to bf16 rounding level; batches whose pairs exceed
@@ -419,6 +419,12 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
     residual = torch.zeros_like(x)
     calls = []
     dense_forward = type(moe.shared_expert).forward
+    from kernels import moe_router
+
+    router_launches = []  # (rows, extra) of each router_topk kernel launch
+    launch = moe_router._launch
+    monkeypatch.setattr(moe_router, "_launch", lambda logits, k, block_r=None, extra=-1: (
+        router_launches.append((logits.shape[0], extra)) or launch(logits, k, block_r, extra)))
 
     def counting(self, h):
         calls.append(h.shape[0])
@@ -426,7 +432,7 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
 
     try:
         type(moe.shared_expert).forward = counting
-        moe.fused = True
+        moe.fused = moe.gate.fused = True  # the router's fused ops too (on the CPU: the Triton interpreter)
         dense = moe(x, residual=residual)
         moe.shared_in_experts = True
         inside = moe(x, residual=residual)  # 5 tokens: router_topk writes the shared pair's column itself
@@ -438,8 +444,10 @@ def test_shared_expert_inside_the_grouped_launches(tensors):
             residual=torch.zeros(big, CFG.hidden_size, dtype=torch.bfloat16))
     finally:
         type(moe.shared_expert).forward = dense_forward
-        moe.fused, moe.shared_in_experts, moe.gate.extra_in_kernel = None, False, True
+        moe.fused, moe.shared_in_experts, moe.gate.extra_in_kernel, moe.gate.fused = None, False, True, None
     assert calls == [5, big]  # the dense module ran for the first and the large call, not inside the experts
+    # the kernel wrote the shared pair's column for `inside` only (`inside_cat` appended it with torch.cat)
+    assert router_launches == [(5, -1), (5, e), (5, -1), (big, -1)]
     err = rel_err(inside, dense)
     print(f"shared expert inside the grouped launches vs dense: rel err {err:.2e}")
     # same roundings, and at these shapes (one K tile) the same fp32 sums: equal bit for bit (the swapped-scale and
