@@ -135,8 +135,8 @@ class QwenEngineConfig:
     #                                    dependent launch (kernels/pdl.py: each may be scheduled before its
     #                                    predecessor ends and waits in-kernel for its outputs), in CUDA graphs too;
     #                                    process-wide. auto: on for Hopper (sm_9x; H200, 2026-12-01, runs 28-30: lone
-    #                                    decode +11-12% in three runs, 32 streams +0.4-1.5%); true
-    #                                    also on sm_10x (untested on hardware); on CPUs and other GPUs it stays off
+    #                                    decode +11-12% in three runs, 32 streams +0.4-1.5%); true: also on sm_10x
+    #                                    (untested on hardware); on CPUs and other GPUs it stays off (`pdl.wanted`)
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
