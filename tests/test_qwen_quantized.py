@@ -425,6 +425,11 @@ def test_shared_expert_inside_the_grouped_launches(tensors, monkeypatch):
     launch = moe_router._launch
     monkeypatch.setattr(moe_router, "_launch", lambda logits, k, block_r=None, extra=-1: (
         router_launches.append((logits.shape[0], extra)) or launch(logits, k, block_r, extra)))
+    from engine_core.registry import default_registry
+
+    # the router calls the process-wide registry, whose preference an earlier engine may have set ("reference")
+    router_preference = default_registry().preference(moe_router.NAME)
+    default_registry().set_preference("auto", moe_router.NAME)
 
     def counting(self, h):
         calls.append(h.shape[0])
@@ -445,6 +450,7 @@ def test_shared_expert_inside_the_grouped_launches(tensors, monkeypatch):
     finally:
         type(moe.shared_expert).forward = dense_forward
         moe.fused, moe.shared_in_experts, moe.gate.extra_in_kernel, moe.gate.fused = None, False, True, None
+        default_registry().set_preference(router_preference, moe_router.NAME)
     assert calls == [5, big]  # the dense module ran for the first and the large call, not inside the experts
     # the kernel wrote the shared pair's column for `inside` only (`inside_cat` appended it with torch.cat)
     assert router_launches == [(5, -1), (5, e), (5, -1), (big, -1)]
