@@ -117,6 +117,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="39" bash benchmarks/gpu_next.sh      # < 1 min: the cache, in parts
 #   STEPS="40" (fresh machine, carrying .devbundle/extra and .tritoncache only, see below): ~5 min (ran: run 30,
 #                                                        engine start 20.6 s with the carried cache)
+#   STEPS="41" (same carry): ~4 min; split K in the swap-AB kernel at 1-4 tokens beside the GEMV (unrun)
 #
 # A Triton cache carried from an earlier session (a fresh machine's first Qwen engine compiles for ~5 min: run 25):
 # step 39 leaves the machine's cache under $OUT as <= 15 MiB parts (tcache.part.aa, ...); put them in .tritoncache/
@@ -467,6 +468,15 @@ SAMMIE_PDL=1 timeout "${LIMIT_40_TESTS:-170}" python -m pytest -q -p no:cachepro
   tests/test_kernel_attn_prep.py tests/test_kernel_w4a16_swapped.py tests/test_kernel_fp8_gemv.py > "$R/pdl_tests3.log" 2>&1
 grep -E "passed|failed|Error" "$R/pdl_tests3.log" | tail -3
 engine_ab qwen_run30 "${LIMIT_40:-340}" --autotune-table auto --router-cat --no-pdl
+fi
+if want 41; then
+say "41. (written 2026-12-01, unrun) split K in the swap-AB expert kernel at decode sizes: its GPU tests, then per call"
+say "    at 1 / 2 / 4 tokens with split 1 / 2 / 4 / 8 beside the decode GEMV the engine runs there"
+timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_swapped.py > "$R/swapped_split_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/swapped_split_tests.log" | tail -3
+timeout 300 python benchmarks/w4a16_swapped_bench.py --tokens 1,2,4 --layouts frag --splits 1,2,4,8 \
+  --engine-config-only --out "$R/w4a16_swapped_split" > "$R/w4a16_swapped_split.log" 2>&1
+grep -E "^\| [124] \|" "$R/w4a16_swapped_split/w4a16_swapped_bench.md" | cut -c1-160
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -6,6 +6,8 @@ Qwen3.6-35B-A3B's expert shapes (E 256, H 2048, I 512, top-8), per projection an
     python benchmarks/w4a16_swapped_bench.py --dry-run                                          # CPU interpreter, tiny
     python benchmarks/w4a16_swapped_bench.py --tokens 32,1024 --layouts halves,frag --engine-config-only
                                      # split halves beside fragment order (`split_frag`) at the engine's launch config
+    python benchmarks/w4a16_swapped_bench.py --tokens 1,2,4 --layouts frag --splits 1,2,4,8 --engine-config-only
+                                     # split K at decode sizes, beside the decode GEMV the engine runs there
 
 Times: medians of `triton.testing.do_bench` (CUDA events, L2 flushed between runs). Weights: random bytes and
 normal-range scales (speed does not depend on the values), one copy per projection (403 MB for all experts: past
@@ -36,6 +38,10 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
     ap.add_argument("--layouts", default="halves",
                     help="swapped-kernel byte layouts, comma-separated: halves (split_halves), frag (split_frag)")
+    ap.add_argument("--splits", default="1",
+                    help="split-K factors of the swapped kernel, comma-separated (its `split`: the K tiles shared among "
+                         "programs, reduced by the last to arrive); at <= 4 tokens the decode GEMV "
+                         "(kernels/w4a16_gemv.py, checkpoint layout) is timed beside it")
     ap.add_argument("--engine-config-only", action="store_true",
                     help="the swapped kernel at the engine's config only (BLOCK_N 64, 4 warps, 3 stages)")
     args = ap.parse_args()
@@ -50,6 +56,7 @@ def main() -> None:
     from kernels import w4a16_gemm
     from kernels.nvfp4 import NVFP4Tensor
     from kernels.w4a16_gemm import TILE_MAJOR_MODES, TILE_MAJOR_TILES, moe_align, tile_major, w4a16_grouped_launch
+    from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv_launch
     from kernels.w4a16_swapped import split_frag, split_halves, w4a16_grouped_swapped_launch
 
     dev = "cpu" if args.dry_run else "cuda"
@@ -57,6 +64,7 @@ def main() -> None:
     tokens = [1, 5] if args.dry_run else [int(s) for s in args.tokens.split(",")]
     sweep = SWEEP[:1] if args.dry_run or args.engine_config_only else SWEEP
     layouts = args.layouts.split(",")
+    splits = [int(v) for v in args.splits.split(",")]
     if not set(layouts) <= {"halves", "frag"}:
         sys.exit(f"--layouts: halves and / or frag, got {args.layouts}")
 
@@ -104,20 +112,32 @@ def main() -> None:
             rows.append(dict(tokens=t, proj=proj, kernel="engine", block_m=bm0, config=cfg, us=t_ms * 1e3,
                              tb_s=wbytes / (t_ms * 1e-3) / 1e12, tflop_s=flop / (t_ms * 1e-3) / 1e12))
             print(json.dumps(rows[-1]), flush=True)
+            if t <= GEMV_MAX_TOKENS and dev == "cuda":  # the decode GEMV the engine runs at these sizes (checkpoint
+                def gemv():  # layout, autotuned: its first call tunes)
+                    return w4a16_gemv_launch(xin, *w[sw], pair_expert=idx, a_div=a_div, swiglu=sw, row_scale=rs)
+
+                err = float((gemv().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                t_ms = bench(gemv)
+                rows.append(dict(tokens=t, proj=proj, kernel="gemv", block_m=0, config={}, us=t_ms * 1e3,
+                                 tb_s=wbytes / (t_ms * 1e-3) / 1e12, tflop_s=flop / (t_ms * 1e-3) / 1e12,
+                                 max_rel_diff=err))
+                print(json.dumps(rows[-1]), flush=True)
             for bm in sorted({bm0, min(2 * bm0, 64)}) if not args.dry_run else [bm0]:
                 r_bm = moe_align(idx, e, bm)
-                for (bn, nw, ns), lay in ((cfg_, lay_) for cfg_ in sweep for lay_ in layouts):
-                    if n_out % bn:
+                for (bn, nw, ns), lay, split in ((cfg_, lay_, sp) for cfg_ in sweep for lay_ in layouts
+                                                 for sp in splits):
+                    if n_out % bn or split > (h if sw else i) // STORED[1]:  # K: H for gate_up, I for down
                         continue
                     c = dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
-                    kernel = "swapped" if lay == "halves" else "swapped_frag"
+                    kernel = ("swapped" if lay == "halves" else "swapped_frag") + (f"_split{split}" if split > 1
+                                                                                   else "")
 
                     def call():
                         return w4a16_grouped_swapped_launch(xin, split_w[sw, lay], w[sw].scales, w[sw].global_scale,
                                                             r_bm, a_div=a_div, swiglu=sw, row_scale=rs,
                                                             block_n=STORED[0], block_k=STORED[1], config=c,
                                                             unverified=True,  # the sweep tries 8 warps too
-                                                            frag=lay == "frag")
+                                                            frag=lay == "frag", split=split)
 
                     try:
                         y = call().float()

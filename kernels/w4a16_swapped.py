@@ -29,6 +29,7 @@ import torch
 
 from kernels import pdl
 from kernels.nvfp4 import BLOCK, NVFP4Tensor
+from kernels.split_k import split_counters
 from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, tile_major, untile_major
 
 try:
@@ -36,6 +37,7 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
+    from kernels.split_k import last_arrival, rearm
     from kernels.w4a16_gemm import (
         _TWO_119,
         _dequant_gain,
@@ -227,15 +229,19 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_grouped_swapped_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, K, E, A_DIV,
-                                      s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
+                                      s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym, ws, counters,
                                       SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                                       DEQ: tl.constexpr, TILE_N: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                      FRAG: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                                      FRAG: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+                                      USE_PDL: tl.constexpr = False):
         # grid (R / BM, N_out / BN); one program = BN output columns (weight rows: the MMA's M) x BM sorted pairs of
         # one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows x BK; BN a multiple
         # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
         # FRAG: the split-halves bytes in fragment order (`split_frag`).
+        # SPLIT > 1 (grid (.., .., SPLIT)): program_id(2) takes its share of the K tiles and stores its fp32 partials to
+        # ws [SPLIT, tiles, 2 (gate, up), BN, BM]; the last of a tile's SPLIT programs to arrive (`split_k`: one
+        # counter per tile, re-armed to 0) sums them in split order and runs the epilogue. SPLIT = 1: none of it.
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
@@ -251,7 +257,15 @@ if triton is not None:
             sl, sh = _load_half_scales(se, offs_n, 0, K, s_sn, BLOCK_K)
             if SWIGLU:
                 ul, uh = _load_half_scales(se, offs_n + n_out, 0, K, s_sn, BLOCK_K)
-            for t in range(0, K // BLOCK_K):
+            t_lo, t_hi = 0, K // BLOCK_K
+            if SPLIT > 1:  # this program's share of the K tiles (the launcher gives every split at least one)
+                per = tl.cdiv(K // BLOCK_K, SPLIT)
+                t_lo = tl.program_id(2) * per
+                t_hi = tl.minimum(t_lo + per, K // BLOCK_K)
+                sl, sh = _load_half_scales(se, offs_n, t_lo, K, s_sn, BLOCK_K)
+                if SWIGLU:
+                    ul, uh = _load_half_scales(se, offs_n + n_out, t_lo, K, s_sn, BLOCK_K)
+            for t in range(t_lo, t_hi):
                 xlo, xhi = _load_xt_halves(x, a_rows, p_ok, t, s_xm, BLOCK_K)
                 pw = _load_split_tile(we, offs_n, t, K, BLOCK_K, TILE_N)
                 cl, ch = sl, sh
@@ -267,15 +281,41 @@ if triton is not None:
                                              FRAG)
                     acc_up = _mma(lo, tl.trans(xlo), acc_up, INTERPRET)
                     acc_up = _mma(hi, tl.trans(xhi), acc_up, INTERPRET)
-            ge = g + e * s_ge
-            gain = _dequant_gain(x.dtype.element_ty, DEQ)
-            acc = acc * (tl.load(ge + offs_n * s_gn) * gain)[:, None]
-            if SWIGLU:
-                acc_up = acc_up * (tl.load(ge + (offs_n + n_out) * s_gn) * gain)[:, None]
-                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-            if HAS_ROW_SCALE:
-                acc = acc * tl.load(rs + pairs, mask=p_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
+            last = True
+            if SPLIT > 1:
+                tile = pid_m * tl.num_programs(1) + pid_n
+                rows_bn = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BN, BM]
+                part = ws + tile * (2 * BLOCK_N * BLOCK_M) + rows_bn  # this tile's (gate, up) slots of split 0
+                step = tl.num_programs(0) * tl.num_programs(1) * (2 * BLOCK_N * BLOCK_M)  # between splits
+                tl.store(part + tl.program_id(2) * step, acc)
+                if SWIGLU:
+                    tl.store(part + tl.program_id(2) * step + BLOCK_N * BLOCK_M, acc_up)
+                last = last_arrival(counters, tile, SPLIT)
+                if last:  # every split's partial is visible: their sum in split order (deterministic)
+                    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    for sp in tl.static_range(SPLIT):  # ".cg": L2, never a stale L1 line
+                        acc += tl.load(part + sp * step, cache_modifier=".cg")
+                        if SWIGLU:
+                            acc_up += tl.load(part + sp * step + BLOCK_N * BLOCK_M, cache_modifier=".cg")
+                    rearm(counters, tile)
+            if last:
+                _swapped_epilogue(acc, acc_up, g, rs, y, e, s_ge, s_gn, s_ym, offs_n, pairs, p_ok, n_out,
+                                  x.dtype.element_ty, SWIGLU, HAS_ROW_SCALE, DEQ)
+
+    @triton.jit
+    def _swapped_epilogue(acc, acc_up, g, rs, y, e, s_ge, s_gn, s_ym, offs_n, pairs, p_ok, n_out,
+                          DT: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, DEQ: tl.constexpr):
+        """acc / acc_up [BN, BM] fp32 (weight rows x pairs) -> y: the gain and global scales, SwiGLU, row scale."""
+        ge = g + e * s_ge
+        gain = _dequant_gain(DT, DEQ)
+        acc = acc * (tl.load(ge + offs_n * s_gn) * gain)[:, None]
+        if SWIGLU:
+            acc_up = acc_up * (tl.load(ge + (offs_n + n_out) * s_gn) * gain)[:, None]
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if HAS_ROW_SCALE:
+            acc = acc * tl.load(rs + pairs, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
 
 
 def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, scales: torch.Tensor,
@@ -283,13 +323,18 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
                                  swiglu: bool = False, row_scale: torch.Tensor | None = None,
                                  block_n: int = SPLIT_TILE[0], block_k: int = SPLIT_TILE[1],
                                  config: dict | None = None, deq: int = 2, unverified: bool = False,
-                                 frag: bool = False) -> torch.Tensor:
+                                 frag: bool = False, split: int = 1) -> torch.Tensor:
     """`w4a16_gemm.w4a16_grouped_launch`'s contract on split-halves weights: y[p] = f(x[p // a_div] @ W[e_p]^T) *
     row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype. `frag`: the
     bytes are `split_frag`'s (fragment order) instead.
     `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
-    result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages."""
+    result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages.
+    `split` > 1: the K tiles shared among that many programs per output tile, reduced inside the kernel by the last to
+    arrive (`split_k`; for decode-sized calls, where a launch has too few tiles to fill the GPU: one token's gate_up is
+    8 experts x 8 tiles = 64 programs walking all of K). Same result as split 1 up to the fp32 summation order of the
+    partials (split order, deterministic). Falls back to 1 where no counters can be had (`split_counters`: more tiles
+    than SPLIT_COUNTERS, or a first use inside a CUDA-graph capture). WRITTEN 2026-12-01, NOT RUN ON A GPU."""
     if triton is None:
         raise RuntimeError("w4a16_grouped_swapped_launch needs triton")
     e, n, kh = packed_split.shape
@@ -316,10 +361,18 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
     grid = (routing.block_expert.numel(), n_out // bn)
-    _w4a16_grouped_swapped_kernel[grid](
+    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= k // block_k:
+        raise ValueError(f"split must be an int in 1..{k // block_k} (the K tiles), got {split!r}")
+    counters = split_counters(x.device, grid[0] * grid[1]) if split > 1 else None
+    split = split if counters is not None else 1
+    split = triton.cdiv(k // block_k, triton.cdiv(k // block_k, split))  # no split without a K tile
+    ws = (torch.empty((split, grid[0] * grid[1], 2, bn, routing.block_m), dtype=torch.float32, device=x.device)
+          if split > 1 else g)  # any tensor when SPLIT is 1
+    _w4a16_grouped_swapped_kernel[grid + (split,)](
         x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
         x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
-        s_ge, s_gn, y.stride(0), SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
+        s_ge, s_gn, y.stride(0), ws, counters if counters is not None else g, SPLIT=split, SWIGLU=swiglu,
+        HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
         TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, **cfg,
         **pdl.launch_options())
     return y.to(x.dtype)

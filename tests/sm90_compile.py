@@ -137,6 +137,14 @@ def main() -> int:
                               f"({what}, bf16)", w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
                                    BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=frag)))
+    # split K with the last arrival's in-kernel reduction (decode-sized calls; not run on a GPU yet)
+    for swiglu in (True, False):
+        what = "SwiGLU" if swiglu else "routing weight"
+        ok.append(compile_one(f"w4a16 grouped swap-AB BLOCK_M=16 FRAG=1 SPLIT=4 ({what}, bf16)",
+                              w4a16_swapped._w4a16_grouped_swapped_kernel,
+                              {**grouped, "ws": "*fp32", "counters": "*i32"},
+                              dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FRAG=True, SPLIT=4)))
     # the GDN prefill conv (a padded bucket: valid count read on the device), bf16
     ok.append(compile_one("gdn_prefill_conv (C = 8192, K = 4, valid on the device, bf16)",
                           gdn_conv._gdn_prefill_conv_kernel,

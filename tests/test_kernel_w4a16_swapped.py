@@ -175,6 +175,28 @@ def test_swapped_on_fragment_order(t, top_k, mode, block_m, dtype, cfg, tile):
     assert compare(wrong, ref32.to(y.dtype)) is not None
 
 
+@pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", [CASES[i] for i in (0, 1, 2, 4, 8)])
+def test_swapped_split_k(t, top_k, mode, block_m, dtype, cfg, tile):
+    """`split=2` (K = 256: one 128-wide K tile per split; fragment order, the engine's layout): within the reference's
+    bound, and within one rounding of the output dtype of the unsplit launch (the partials are summed in another
+    fp32 order); a second launch gives the same bits (the last arrival re-armed the counters); more splits than K
+    tiles are refused."""
+    w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=27)
+    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg, frag=True)
+    packed = split_frag(w.packed, tile, BK)
+    one = w4a16_grouped_swapped_launch(x, packed, w.scales, w.global_scale, routing, **kw)
+    two = w4a16_grouped_swapped_launch(x, packed, w.scales, w.global_scale, routing, split=2, **kw)
+    again = w4a16_grouped_swapped_launch(x, packed, w.scales, w.global_scale, routing, split=2, **kw)
+    ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
+    noise = 1e-6 * ref32.abs().max()
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    assert torch.equal(two, again)
+    assert ((two.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + noise).all()
+    assert ((two.float() - one.float()).abs() <= ulp * ref32.abs() + noise).all()
+    with pytest.raises(ValueError, match="split"):
+        w4a16_grouped_swapped_launch(x, packed, w.scales, w.global_scale, routing, split=3, **kw)
+
+
 def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
     w = rand_weight(2, 64, 128, seed=1)
     x = torch.randn(3, 128).to(torch.bfloat16).to(DEVICE)
