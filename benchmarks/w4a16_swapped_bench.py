@@ -57,7 +57,7 @@ def main() -> None:
     from kernels.nvfp4 import NVFP4Tensor
     from kernels.w4a16_gemm import TILE_MAJOR_MODES, TILE_MAJOR_TILES, moe_align, tile_major, w4a16_grouped_launch
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv_launch
-    from kernels.w4a16_swapped import split_frag, split_halves, w4a16_grouped_swapped_launch
+    from kernels.w4a16_swapped import effective_split, split_frag, split_halves, w4a16_grouped_swapped_launch
 
     dev = "cpu" if args.dry_run else "cuda"
     e, h, i, top_k = (4, 256, 128, 2) if args.dry_run else (256, 2048, 512, 8)
@@ -126,7 +126,11 @@ def main() -> None:
                 r_bm = moe_align(idx, e, bm)
                 for (bn, nw, ns), lay, split in ((cfg_, lay_, sp) for cfg_ in sweep for lay_ in layouts
                                                  for sp in splits):
-                    if n_out % bn or split > (h if sw else i) // STORED[1]:  # K: H for gate_up, I for down
+                    k_tiles = (h if sw else i) // STORED[1]  # K: H for gate_up, I for down
+                    if n_out % bn or split > k_tiles:
+                        continue
+                    ran = effective_split(split, k_tiles, r_bm.block_expert.numel() * (n_out // bn), xin.device)[0]
+                    if ran != split:  # what the launcher would run instead (no counters, or fewer K tiles each)
                         continue
                     c = dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
                     kernel = ("swapped" if lay == "halves" else "swapped_frag") + (f"_split{split}" if split > 1

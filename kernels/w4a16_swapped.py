@@ -240,7 +240,7 @@ if triton is not None:
         # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
         # FRAG: the split-halves bytes in fragment order (`split_frag`).
         # SPLIT > 1 (grid (.., .., SPLIT)): program_id(2) takes its share of the K tiles and stores its fp32 partials to
-        # ws [SPLIT, tiles, 2 (gate, up), BN, BM]; the last of a tile's SPLIT programs to arrive (`split_k`: one
+        # ws [SPLIT, tiles, 2 (gate, up; 1 without SwiGLU), BN, BM]; the last of a tile's SPLIT programs to arrive (`split_k`: one
         # counter per tile, re-armed to 0) sums them in split order and runs the epilogue. SPLIT = 1: none of it.
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -284,9 +284,10 @@ if triton is not None:
             last = True
             if SPLIT > 1:
                 tile = pid_m * tl.num_programs(1) + pid_n
+                HALVES: tl.constexpr = 2 if SWIGLU else 1  # partials per tile: gate and up, or one
                 rows_bn = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BN, BM]
-                part = ws + tile * (2 * BLOCK_N * BLOCK_M) + rows_bn  # this tile's (gate, up) slots of split 0
-                step = tl.num_programs(0) * tl.num_programs(1) * (2 * BLOCK_N * BLOCK_M)  # between splits
+                part = ws + tile * (HALVES * BLOCK_N * BLOCK_M) + rows_bn  # this tile's slots of split 0
+                step = tl.num_programs(0) * tl.num_programs(1) * (HALVES * BLOCK_N * BLOCK_M)  # between splits
                 tl.store(part + tl.program_id(2) * step, acc)
                 if SWIGLU:
                     tl.store(part + tl.program_id(2) * step + BLOCK_N * BLOCK_M, acc_up)
@@ -316,6 +317,15 @@ if triton is not None:
         if HAS_ROW_SCALE:
             acc = acc * tl.load(rs + pairs, mask=p_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
+
+
+def effective_split(split: int, k_tiles: int, tiles: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """The split a launch of `tiles` output tiles over `k_tiles` K tiles runs with, and its arrival counters: 1 (and
+    None) without counters (`split_counters`), else the smallest split with the same K tiles per program."""
+    counters = split_counters(device, tiles) if split > 1 else None
+    if counters is None:
+        return 1, None
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split)), counters  # every split gets a K tile
 
 
 def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, scales: torch.Tensor,
@@ -355,19 +365,17 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
     interp = _interpreted()
     out_dtype = torch.float32 if interp else x.dtype  # the interpreter truncates fp32 -> bf16: torch rounds
+    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= k // block_k:
+        raise ValueError(f"split must be an int in 1..{k // block_k} (the K tiles), got {split!r}")
     y = torch.empty((routing.num_pairs, n_out), dtype=out_dtype, device=x.device)
     if routing.num_pairs == 0:
         return y.to(x.dtype)
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
     grid = (routing.block_expert.numel(), n_out // bn)
-    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= k // block_k:
-        raise ValueError(f"split must be an int in 1..{k // block_k} (the K tiles), got {split!r}")
-    counters = split_counters(x.device, grid[0] * grid[1]) if split > 1 else None
-    split = split if counters is not None else 1
-    split = triton.cdiv(k // block_k, triton.cdiv(k // block_k, split))  # no split without a K tile
-    ws = (torch.empty((split, grid[0] * grid[1], 2, bn, routing.block_m), dtype=torch.float32, device=x.device)
-          if split > 1 else g)  # any tensor when SPLIT is 1
+    split, counters = effective_split(split, k // block_k, grid[0] * grid[1], x.device)
+    ws = (torch.empty((split, grid[0] * grid[1], 2 if swiglu else 1, bn, routing.block_m), dtype=torch.float32,
+                      device=x.device) if split > 1 else g)  # any tensor when SPLIT is 1
     _w4a16_grouped_swapped_kernel[grid + (split,)](
         x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
         x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),

@@ -197,6 +197,40 @@ def test_swapped_split_k(t, top_k, mode, block_m, dtype, cfg, tile):
         w4a16_grouped_swapped_launch(x, packed, w.scales, w.global_scale, routing, split=3, **kw)
 
 
+@pytest.mark.parametrize("split,runs", [(2, 2), (3, 2), (4, 4)])
+def test_swapped_split_k_uneven_and_fallback(split, runs, monkeypatch):
+    """K = 512 (four K tiles), SwiGLU and the routing-weight projection, 3 tokens (several pairs per expert block):
+    a requested split runs as the smallest split with the same tiles per program (3 -> 2), every counter is back at 0
+    after the launch, and with no counters to be had (more tiles than SPLIT_COUNTERS) the launch runs unsplit."""
+    from kernels import split_k
+    from kernels.w4a16_swapped import effective_split
+
+    e, n, k, t, top_k = 4, 128, 512, 3, 2
+    idx = routing_ids(t, top_k, e, seed=31)
+    routing = moe_align(idx, e, 16)
+    w = rand_weight(e, n, k, seed=32)
+    packed = split_frag(w.packed, 64, BK)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(33)).to(torch.bfloat16).to(DEVICE)
+    for swiglu, a_div, rs in ((True, top_k, None), (False, 1, torch.rand(t * top_k).to(DEVICE))):
+        xin = x if swiglu else torch.randn(t * top_k, k, generator=torch.Generator().manual_seed(34)).to(
+            torch.bfloat16).to(DEVICE)
+        kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=64, block_k=BK, frag=True)
+        tiles = routing.block_expert.numel() * ((n // 2 if swiglu else n) // 64)
+        assert effective_split(split, k // BK, tiles, x.device)[0] == runs
+        one = w4a16_grouped_swapped_launch(xin, packed, w.scales, w.global_scale, routing, **kw)
+        got = w4a16_grouped_swapped_launch(xin, packed, w.scales, w.global_scale, routing, split=split, **kw)
+        assert bool((split_k.split_counters(x.device, tiles)[:tiles] == 0).all())  # re-armed
+        ref32 = w4a16_grouped_reference(xin.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
+        noise = 1e-6 * ref32.abs().max()
+        assert ((got.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + noise).all()
+        assert ((got.float() - one.float()).abs() <= 2.0**-7 * ref32.abs() + noise).all()
+        monkeypatch.setattr(split_k, "SPLIT_COUNTERS", tiles - 1)  # too many tiles for the counters: unsplit
+        assert effective_split(split, k // BK, tiles, x.device) == (1, None)
+        assert torch.equal(w4a16_grouped_swapped_launch(xin, packed, w.scales, w.global_scale, routing, split=split,
+                                                        **kw), one)
+        monkeypatch.undo()
+
+
 def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
     w = rand_weight(2, 64, 128, seed=1)
     x = torch.randn(3, 128).to(torch.bfloat16).to(DEVICE)
