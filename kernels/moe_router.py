@@ -108,11 +108,16 @@ def router_topk_reference(logits: torch.Tensor, k: int, extra: int = -1) -> tupl
     more column (weight 1, expert `extra`: the shared expert as a (k+1)-th pair, `SparseMoE`) -> [N, k + 1] each."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, idx = torch.topk(probs, k, dim=-1)
-    top = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
-    if extra >= 0:
-        top = torch.cat((top, top.new_ones((top.shape[0], 1))), 1)
-        idx = torch.cat((idx, idx.new_full((idx.shape[0], 1), extra)), 1)
-    return top, idx
+    return with_extra((top / top.sum(dim=-1, keepdim=True)).to(logits.dtype), idx, extra)
+
+
+def with_extra(top: torch.Tensor, idx: torch.Tensor, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [N, k] -> [N, k + 1] with the column (1, `extra`) where `extra` >= 0, else as they are: in torch,
+    what the kernel's HAS_EXTRA writes (the reference, and `TopKRouter` where the kernel does not run)."""
+    if extra < 0:
+        return top, idx
+    n = idx.shape[0]
+    return torch.cat((top, top.new_ones((n, 1))), 1), torch.cat((idx, idx.new_full((n, 1), extra)), 1)
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe_router import with_extra
+
 from ..config import QwenConfig
 
 
@@ -52,20 +54,12 @@ class TopKRouter(nn.Module):
                     top, idx = default_registry().call("router_topk", logits, self.top_k, extra)
                     return logits, top, idx
                 top, idx = default_registry().call("router_topk", logits, self.top_k)
-            return (logits, *_with_extra(top, idx, extra))
+            return (logits, *with_extra(top, idx, extra))
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # fp32 island
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)  # renormalise the top-k (always, no norm_topk_prob switch)
-        return (logits, *_with_extra(top.to(logits.dtype), idx, extra))
-
-
-def _with_extra(top: torch.Tensor, idx: torch.Tensor, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, ids) [N, k] -> [N, k + 1] with the column (1, `extra`) where `extra` >= 0, else as they are."""
-    if extra < 0:
-        return top, idx
-    n = idx.shape[0]
-    return torch.cat((top, top.new_ones((n, 1))), 1), torch.cat((idx, idx.new_full((n, 1), extra)), 1)
+        return (logits, *with_extra(top.to(logits.dtype), idx, extra))
 
 
 class Experts(nn.Module):
