@@ -118,6 +118,8 @@
 #   STEPS="40" (fresh machine, carrying .devbundle/extra and .tritoncache only, see below): ~5 min (ran: run 30,
 #                                                        engine start 20.6 s with the carried cache)
 #   STEPS="41" (same carry): ~4 min; split K in the swap-AB kernel at 1-4 tokens beside the GEMV (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
+#                                                        and release_when_idle rows (carry .devbundle)
 #
 # A Triton cache carried from an earlier session (a fresh machine's first Qwen engine compiles for ~5 min: run 25):
 # step 39 leaves the machine's cache under $OUT as <= 15 MiB parts (tcache.part.aa, ...); put them in .tritoncache/
@@ -477,6 +479,18 @@ grep -E "passed|failed|Error" "$R/swapped_split_tests.log" | tail -3
 timeout 420 python benchmarks/w4a16_swapped_bench.py --tokens 1,2,4 --layouts frag --splits 1,2,4,8 \
   --engine-config-only --out "$R/w4a16_swapped_split" > "$R/w4a16_swapped_split.log" 2>&1
 grep -E '^\{' "$R/w4a16_swapped_split.log" | cut -c1-200  # each row as it is timed (the table comes at the end)
+fi
+if want 42; then
+say "42. issue 4 (needs the whole .devbundle: ray, sam3): the FP8 quantiser's CUDA tests (fixed after waterfall run 1,"
+say "    not re-run since), then the waterfall's bf16 inductor engine beside the FP8 one, both detectors alone"
+say "    (model_only_best / model_only_fp8), the lone request without and with release_when_idle, the extra prompt"
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py \
+  > "$R/fp8_cuda_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/fp8_cuda_tests.log" | tail -3
+timeout "${LIMIT_42:-470}" python benchmarks/waterfall.py --out "$R/waterfall3" --budget-s 400 --no-profile \
+  --rows ours_bf16_inductor,ours_fp8_vit,model_only_best,model_only_fp8,latency_single,latency_single_idle,extra_prompt \
+  > "$R/waterfall3.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall3.log"
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -98,6 +98,8 @@ class Row:
     clients: int = 0  # requests in flight (engine rows); 0 = --clients
     autocast: bool = False  # Meta rows: bf16 autocast
     targets: tuple[Target, ...] = ()
+    reuse: str = ""  # model_only / latency / extra_prompt rows: the engine row whose engine they measure ("" = the
+    #                  fastest bf16 engine of BEST_CANDIDATES); that row's engine is kept alive for them
 
 
 ACC_BF16 = (Target("iou_mean", ">=", 0.99), Target("count_mismatch_pct", "<=", 1.0))
@@ -138,6 +140,9 @@ ROWS: tuple[Row, ...] = (
     Row("model_only_best", "the best bf16 engine's detector alone: encode_images + ground on a pre-processed batch "
         "of 8 (one prompt each, prompt features cached); no decode, no post-processing; latency per batch",
         "model_only", targets=(Target("img_per_s", ">=", 105),)),
+    Row("model_only_fp8", "the same with the FP8 engine's detector (ours_fp8_vit's engine, kept for this row): the "
+        "FP8 ViT's gain without the post-processing, whose cost follows the instance count (random weights)",
+        "model_only", reuse="ours_fp8_vit"),
     Row("latency_single", "one request alone (1 client, >= --latency-requests), the best bf16 engine as configured "
         "(its batch wait budgets included)", "latency", targets=(Target("p50_ms", "<=", 20),)),
     Row("latency_single_idle", "the same with release_when_idle (a stage with nothing running sends a partial batch "
@@ -197,6 +202,15 @@ def _flop_per_unit(row: Row, flops: dict) -> float | None:
     return flops["total"]  # one image + one prompt (text encoder included, as the design doc's 6.06 TFLOP)
 
 
+def _engine_for(b: Bench, row: Row, results: dict) -> tuple[str, object]:
+    """(name, engine) a reusing row measures: its `reuse` row's engine, else the fastest bf16 engine."""
+    if not row.reuse:
+        return best_engine(b, results)
+    if row.reuse not in b.engines:
+        raise Skipped(f"needs the engine of row {row.reuse}, which did not run or failed")
+    return row.reuse, b.engines[row.reuse]
+
+
 async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_row) -> tuple[dict, dict | None]:
     """Run `rows` in order; `on_row(results, profile)` after each (the files are rewritten, so a run killed at the
     device's time limit still leaves every finished row). Rows that would start after `deadline` are skipped."""
@@ -215,19 +229,21 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 r = run_meta_batched(b, row, model_only=row.kind == "meta_batched_model")
             elif row.kind == "engine":
                 r, engine = await run_engine(b, row)
-                if row.name in BEST_CANDIDATES:  # keep the fastest bf16 engine alive for the rows that reuse it
+                reused = {later.reuse for later in rows[i + 1:]}  # engines a later row measures: kept to the end
+                if row.name in BEST_CANDIDATES or row.name in reused:
                     b.engines[row.name] = engine
-                    best, _ = best_engine(b, {**results, row.name: r})
-                    for name in [n for n in b.engines if n != best]:
-                        await close_engine(b.engines.pop(name))
+                    if row.name in BEST_CANDIDATES:  # keep only the fastest bf16 engine for the rows that reuse it
+                        best, _ = best_engine(b, {**results, row.name: r})
+                        for name in [n for n in b.engines if n != best and n in BEST_CANDIDATES and n not in reused]:
+                            await close_engine(b.engines.pop(name))
                 else:
                     await close_engine(engine)
             elif row.kind == "model_only":
-                r = run_model_only(b, *best_engine(b, results))
+                r = run_model_only(b, *_engine_for(b, row, results))
             elif row.kind == "latency":
-                r = await run_latency(b, *best_engine(b, results), release_when_idle=row.name.endswith("_idle"))
+                r = await run_latency(b, *_engine_for(b, row, results), release_when_idle=row.name.endswith("_idle"))
             elif row.kind == "extra_prompt":
-                r = run_extra_prompt(b, *best_engine(b, results))
+                r = run_extra_prompt(b, *_engine_for(b, row, results))
             elif row.kind == "http":
                 r = run_http(b)
             else:

@@ -107,3 +107,39 @@ def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
         assert data["rows"][name]["iou_mean"] > 0.999 and data["rows"][name]["count_mismatch_pct"] == 0.0, name
     md = (tmp_path / "waterfall.md").read_text()
     assert all(f"| {name} |" in md for name in rows)
+
+
+def test_reusing_rows_measure_their_engine_which_stays_open_until_the_end(monkeypatch):
+    """model_only_fp8 measures ours_fp8_vit's engine (kept alive past its row, closed at the end), model_only_best
+    the fastest bf16 engine; without its engine row, a reusing row is skipped, not run on another engine."""
+    import asyncio
+
+    wf = _waterfall()
+    closed, measured = [], {}
+
+    async def fake_engine(b, row):
+        return {"img_per_s": {"ours_bf16_batched": 40.0, "ours_bf16_graphs": 50.0}.get(row.name, 45.0)}, row.name
+
+    async def fake_close(engine):
+        closed.append(engine)
+
+    def fake_model_only(b, name, engine):
+        measured[name] = engine
+        assert engine not in closed, f"{engine} measured after it was closed"
+        return {"img_per_s": 1.0}
+
+    monkeypatch.setattr(wf, "run_engine", fake_engine)
+    monkeypatch.setattr(wf, "close_engine", fake_close)
+    monkeypatch.setattr(wf, "run_model_only", fake_model_only)
+    names = ["ours_bf16_batched", "ours_bf16_graphs", "ours_fp8_vit", "model_only_best", "model_only_fp8"]
+    rows = [r for r in wf.ROWS if r.name in names]
+    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False), engines={}, free_meta=lambda: None)
+    flops = {"total": 1.0, "image": 1.0, "pair": 1.0}
+    results, _ = asyncio.run(wf.run_rows(b, rows, flops, float("inf"), lambda *a: None))
+    assert measured == {"ours_bf16_graphs": "ours_bf16_graphs", "ours_fp8_vit": "ours_fp8_vit"}
+    assert closed[0] == "ours_bf16_batched" and sorted(closed) == sorted(names[:3]) and b.engines == {}
+
+    closed.clear(), measured.clear()
+    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_graphs", "model_only_fp8")]
+    results, _ = asyncio.run(wf.run_rows(b, rows, flops, float("inf"), lambda *a: None))
+    assert "ours_fp8_vit" in results["model_only_fp8"]["skipped"] and measured == {}
