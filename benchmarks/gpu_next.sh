@@ -118,6 +118,9 @@
 #   STEPS="40" (fresh machine, carrying .devbundle/extra and .tritoncache only, see below): ~5 min (ran: run 30,
 #                                                        engine start 20.6 s with the carried cache)
 #   STEPS="41" (same carry): ~4 min; split K in the swap-AB kernel at 1-4 tokens beside the GEMV (unrun)
+#   STEPS="43" (carry .devbundle/extra and .tritoncache): ~6 min; the engine without the dual copy, split K at decode
+#   eval "$(bash .devbundle/install.sh)" && STEPS="44" bash benchmarks/gpu_next.sh      # ~5 min: issue 4,
+#                                                        release_when_idle under load
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -491,6 +494,23 @@ timeout "${LIMIT_42:-470}" python benchmarks/waterfall.py --out "$R/waterfall3" 
   --rows ours_bf16_inductor,ours_fp8_vit,model_only_best,model_only_fp8,latency_single,latency_single_idle,extra_prompt \
   > "$R/waterfall3.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall3.log"
+fi
+if want 43; then
+say "43. the experts without the dual copy (split_frag: the swap-AB kernel at every size, 16 GB less) beside the"
+say "    default (dual_frag: the decode GEMV at <= 4 tokens), then that engine with split K at <= 4 tokens"
+say "    (kernels/w4a16_swapped.py DECODE_SPLIT; step 41's per-call timings were host-bound)"
+engine_ab qwen_split "${LIMIT_43:-560}" --autotune-table auto --compare-layout split_frag \
+  --swapped-split 2,2 --swapped-split 4,4 --swapped-split 8,4
+fi
+if want 44; then
+say "44. issue 4 (the whole .devbundle): release_when_idle under load -- the bf16 inductor engine with 32 clients, then"
+say "    the same engine with the option on (it cut a lone request's p50 29.6 -> 24.3 ms in waterfall run 3)"
+timeout 60 python -m pytest -q -p no:cacheprovider "tests/test_kernel_fp8.py::test_registry_records_the_fallback" \
+  > "$R/fp8_fallback_test.log" 2>&1
+grep -E "passed|failed" "$R/fp8_fallback_test.log" | tail -1
+timeout "${LIMIT_44:-330}" python benchmarks/waterfall.py --out "$R/waterfall4" --budget-s 300 --no-profile \
+  --rows ours_bf16_inductor,best_batched_idle,latency_single_idle > "$R/waterfall4.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall4.log"
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

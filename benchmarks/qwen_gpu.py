@@ -210,6 +210,9 @@ def markdown(r: dict) -> str:
             f"| (e) engine with the experts in the {(r.get('engine_layout') or {}).get('layout')} layout: decode "
             f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_layout'))} | - |",
+            *(f"| (e) engine with the experts in the {v.get('layout')} layout and the <= 4-token calls split "
+              f"{v.get('split')} (gate_up, down): decode tok/s, lone request / all {st.get('n')} streams decoding / "
+              f"TTFT ms | {side_by_side(v)} | - |" for key, v in r.items() if key.startswith("engine_layout_split")),
             *(f"| (e) engine without {w.get('without')}: decode tok/s, lone request / all {st.get('n')} streams "
               f"decoding / TTFT ms | {side_by_side(w)} | - |"
               for key, w in r.items() if key.startswith("engine_without")),
@@ -429,6 +432,10 @@ def main() -> None:
                     choices=["", "checkpoint", "tile_major", "split_halves", "split_frag", "dual", "dual_frag"],
                     help="(e) once more with the routed experts repacked into this byte layout (NVFP4Experts.repack; "
                          "the run's own is the loader's default), side by side")
+    ap.add_argument("--swapped-split", action="append", default=[],
+                    help="G,D -- with --compare-layout split_frag / split_halves (no dual copy: the swap-AB kernel "
+                         "at every size): that engine once more with split K of the <= 4-token expert calls "
+                         "(kernels.w4a16_swapped.DECODE_SPLIT = (G, D) for gate_up, down), side by side; repeatable")
     ap.add_argument("--without", action="append", default=[],
                     help="OP:IMPL[,OP:IMPL...] -- (e) once more with these registry implementations disabled (e.g. "
                          "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
@@ -461,6 +468,11 @@ def main() -> None:
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
+    if args.swapped_split and args.compare_layout not in ("split_halves", "split_frag"):
+        ap.error("--swapped-split needs --compare-layout split_halves or split_frag (an engine without the dual copy)")
+    for spec in args.swapped_split:
+        if len(spec.split(",")) != 2 or not all(v.strip().isdigit() and int(v) >= 1 for v in spec.split(",")):
+            ap.error(f"--swapped-split {spec!r}: expected G,D, two positive integers")
     global AUTOTUNE_TABLE
     AUTOTUNE_TABLE = args.autotune_table
     tiny = args.tiny
@@ -680,14 +692,21 @@ def main() -> None:
                     raise ValueError(f"experts do not split into the {args.compare_layout} tiles")
                 r["engine_layout"] = dict(layout=args.compare_layout, **asyncio.run(engine_phase(
                     model, cfg, device, ctx, steps, streams, rand, prefill_buckets=buckets)))
+                log(f"(e) {args.compare_layout} experts {r.get('engine_layout')}")
+                save()
+                for spec in args.swapped_split:  # the same layout, split K at decode sizes
+                    from kernels import w4a16_swapped
+
+                    split = tuple(int(v) for v in spec.split(","))
+                    engine_with(w4a16_swapped, "DECODE_SPLIT", split, f"engine_layout_split_{split[0]}_{split[1]}",
+                                f"{args.compare_layout} experts, decode split {split}", layout=args.compare_layout,
+                                split=list(split))
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine with {args.compare_layout} experts: {type(e).__name__}: {e}")
             finally:
                 for m in experts:
                     layout, small, small_layout = own[id(m)]
                     m.repack_dual(small, small_layout, layout) if small else m.repack(layout)
-            log(f"(e) {args.compare_layout} experts {r.get('engine_layout')}")
-            save()
         if args.again:  # the first engine once more, after the others: separates order effects from the options'
             try:
                 r["engine_again"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,

@@ -265,9 +265,10 @@ def run_model_only(b: Bench, name: str, engine) -> dict:
             "the detector module are not in this row"}
 
 
-async def run_latency(b: Bench, name: str, engine, release_when_idle: bool = False) -> dict:
-    """One client at a time through `engine` as configured, or with its scheduler's stages switched to
-    `release_when_idle` for this row (restored after): the same engine, so the two latency rows differ only there."""
+async def run_latency(b: Bench, name: str, engine, release_when_idle: bool = False, clients: int = 1) -> dict:
+    """One client at a time (or `clients` in a closed loop) through `engine` as configured, or with its scheduler's
+    stages switched to `release_when_idle` for this row (restored after): the same engine, so rows differ only
+    there."""
     import dataclasses
 
     mem = MemoryWindow(b.dev)
@@ -279,12 +280,13 @@ async def run_latency(b: Bench, name: str, engine, release_when_idle: bool = Fal
             grounding=dataclasses.replace(saved.grounding, release_when_idle=True))
     try:
         with tf32(False):
-            stats = await drive(engine, b, 1, b.args.seconds, min_requests=b.args.latency_requests)
+            stats = await drive(engine, b, clients, b.args.seconds,
+                                min_requests=b.args.latency_requests if clients == 1 else 0)
     finally:
         sched.config = saved
     return {**stats, "img_per_s": stats["rate"], "peak_gb": mem.peak_gb(_detector_bytes(engine)),
             "engine_row": name, "image_wait_ms": engine.cfg.image_wait_ms, "pair_wait_ms": engine.cfg.pair_wait_ms,
-            "release_when_idle": release_when_idle or saved.image.release_when_idle}
+            "release_when_idle": release_when_idle or saved.image.release_when_idle, "clients": clients}
 
 
 def _postprocess_one(engine, out, height: int, width: int, threshold: float):

@@ -881,12 +881,15 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     if layout in SWAPPED_LAYOUTS:
-        from kernels.w4a16_swapped import swapped_block_m, w4a16_grouped_swapped_launch
+        from kernels.w4a16_swapped import SPLIT_TILE, decode_split, swapped_block_m, w4a16_grouped_swapped_launch
 
         frag = layout == SPLIT_FRAG
         routing = moe_align_fast(idx, num_experts, swapped_block_m(t * top_k, num_experts))
-        h = w4a16_grouped_swapped_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True, frag=frag)  # [P, I]
-        y = w4a16_grouped_swapped_launch(h, p2, s2, g2, routing, row_scale=weights, frag=frag)  # [P, H], weighted
+        split13, split2 = decode_split(t, (x.shape[-1] // SPLIT_TILE[1], p2.shape[-1] * 2 // SPLIT_TILE[1]))
+        h = w4a16_grouped_swapped_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True, frag=frag,
+                                         split=split13)  # [P, I]
+        y = w4a16_grouped_swapped_launch(h, p2, s2, g2, routing, row_scale=weights, frag=frag,
+                                         split=split2)  # [P, H], weighted
     else:
         routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
         cfg13 = cfg2 = modes = None

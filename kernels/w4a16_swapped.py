@@ -141,6 +141,24 @@ def experts_split_halves(w13: NVFP4Tensor, w2: NVFP4Tensor, inverse: bool = Fals
     return tuple(NVFP4Tensor(f(w.packed, *SPLIT_TILE), w.scales, w.global_scale) for w in (w13, w2))
 
 
+# Split K of decode-sized expert calls (`w4a16_gemm.w4a16_moe_op` on swapped layouts at <= DECODE_SPLIT_TOKENS
+# tokens): (gate_up, down). (1, 1) = unsplit, the default: the engine's <= 4-token calls read the dual copy through the
+# decode GEMV (`NVFP4Experts.repack_dual`), so this applies only to engines without one (expert_layout split_halves /
+# split_frag); `benchmarks/qwen_gpu.py --swapped-split` sets it for a side-by-side engine. Per-call timings at 1-4
+# tokens were host-bound (results/w4a16_swapped_bench_run4: 24-140 us against the ~7 us a decode expert call takes in
+# the engine's CUDA graphs), so only the engine can rank the splits.
+DECODE_SPLIT: tuple[int, int] = (1, 1)
+DECODE_SPLIT_TOKENS = 4
+
+
+def decode_split(tokens: int, k_tiles: tuple[int, int]) -> tuple[int, int]:
+    """(gate_up, down) split of a call of `tokens` tokens whose projections have `k_tiles` K tiles: DECODE_SPLIT
+    (each capped at its projection's K tiles) at <= DECODE_SPLIT_TOKENS tokens, else unsplit."""
+    if tokens > DECODE_SPLIT_TOKENS:
+        return 1, 1
+    return tuple(max(1, min(int(s), k)) for s, k in zip(DECODE_SPLIT, k_tiles))
+
+
 def swapped_block_m(num_pairs: int, num_experts: int) -> int:
     """Routed rows per program (the MMA's N) from the mean pairs per expert: 16 at decode sizes; 64 from 16 pairs per
     expert on (at 1,024 tokens x top-8 of 256, 32 per expert, 64 measured 9% faster than 32 for gate_up and equal

@@ -440,6 +440,36 @@ def test_moe_repacked_experts(t, layout):
     assert not supports_moe(**describe_moe(x, t13, t2, idx, weights, layout=7))  # no such layout
 
 
+@pytest.mark.parametrize("t", [1, 4, 5])
+def test_moe_decode_split(t, monkeypatch):
+    """`w4a16_swapped.DECODE_SPLIT` (split K of the swap-AB experts at <= DECODE_SPLIT_TOKENS tokens, for engines
+    without the GEMV's dual copy): at 1 and 4 tokens both projections run split (gate_up 2 of its 2 K tiles, down 4
+    capped to its 2), within the reference's bound and one output rounding of the unsplit op, the same bits on a
+    second call (the counters re-armed); at 5 tokens the op ignores it (bit-equal to unsplit)."""
+    e, h, i, top_k = 4, 256, 256, 2
+    w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=23, empty=(1,))
+    t13, t2 = w4a16_gemm.experts_repack(w13, w2, w4a16_gemm.SPLIT_FRAG)
+    ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
+    one = moe_experts_w4a16_triton(x, t13, t2, idx, weights, layout=w4a16_gemm.SPLIT_FRAG)
+    calls = []
+    launch = w4a16_swapped.w4a16_grouped_swapped_launch
+    monkeypatch.setattr(w4a16_swapped, "w4a16_grouped_swapped_launch",
+                        lambda *a, **kw: calls.append(kw["split"]) or launch(*a, **kw))
+    monkeypatch.setattr(w4a16_swapped, "DECODE_SPLIT", (2, 4))
+    split = moe_experts_w4a16_triton(x, t13, t2, idx, weights, layout=w4a16_gemm.SPLIT_FRAG)
+    again = moe_experts_w4a16_triton(x, t13, t2, idx, weights, layout=w4a16_gemm.SPLIT_FRAG)
+    assert torch.equal(split, again)
+    assert calls == ([2, 2] * 2 if t <= w4a16_swapped.DECODE_SPLIT_TOKENS else [1, 1] * 2)
+    if t > w4a16_swapped.DECODE_SPLIT_TOKENS:
+        assert torch.equal(split, one)
+    assert compare(split, ref) is None, compare(split, ref)
+    noise = 1e-6 * ref.float().abs().max()
+    assert ((split.float() - one.float()).abs() <= 2.0**-7 * ref.float().abs() + noise).all()
+    assert w4a16_swapped.decode_split(1, (16, 4)) == (2, 4) and w4a16_swapped.decode_split(9, (16, 4)) == (1, 1)
+    monkeypatch.setattr(w4a16_swapped, "DECODE_SPLIT", (8, 8))
+    assert w4a16_swapped.decode_split(1, (16, 4)) == (8, 4)  # capped at the projection's K tiles
+
+
 def test_moe_no_tokens():
     w13, w2 = rand_weight(4, 32, 64, seed=1), rand_weight(4, 64, 16, seed=2)
     idx = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)

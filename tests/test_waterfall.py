@@ -143,3 +143,30 @@ def test_reusing_rows_measure_their_engine_which_stays_open_until_the_end(monkey
     rows = [r for r in wf.ROWS if r.name in ("ours_bf16_graphs", "model_only_fp8")]
     results, _ = asyncio.run(wf.run_rows(b, rows, flops, float("inf"), lambda *a: None))
     assert "ours_fp8_vit" in results["model_only_fp8"]["skipped"] and measured == {}
+
+
+def test_batched_idle_row_drives_the_best_engine_under_load_with_release_when_idle(monkeypatch):
+    import asyncio
+
+    wf = _waterfall()
+    seen = []
+
+    async def fake_engine(b, row):
+        return {"img_per_s": 50.0}, row.name
+
+    async def fake_close(engine):
+        pass
+
+    async def fake_latency(b, name, engine, release_when_idle=False, clients=1):
+        seen.append((row_name := name, engine, release_when_idle, clients))
+        return {"img_per_s": 1.0, "engine_row": row_name}
+
+    monkeypatch.setattr(wf, "run_engine", fake_engine)
+    monkeypatch.setattr(wf, "close_engine", fake_close)
+    monkeypatch.setattr(wf, "run_latency", fake_latency)
+    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_graphs", "best_batched_idle", "latency_single")]
+    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, clients=32), engines={},
+                        free_meta=lambda: None)
+    asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"), lambda *a: None))
+    assert seen == [("ours_bf16_graphs", "ours_bf16_graphs", True, 32),
+                    ("ours_bf16_graphs", "ours_bf16_graphs", False, 1)]
