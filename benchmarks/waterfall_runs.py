@@ -265,19 +265,19 @@ def run_model_only(b: Bench, name: str, engine) -> dict:
             "the detector module are not in this row"}
 
 
-async def run_latency(b: Bench, name: str, engine, release_when_idle: bool = False, clients: int = 1) -> dict:
-    """One client at a time (or `clients` in a closed loop) through `engine` as configured, or with its scheduler's
-    stages switched to `release_when_idle` for this row (restored after): the same engine, so rows differ only
-    there."""
+async def run_latency(b: Bench, name: str, engine, release_when_idle: bool | None = None, clients: int = 1) -> dict:
+    """One client at a time (or `clients` in a closed loop) through `engine` as configured (`release_when_idle`
+    None), or with its scheduler's stages' `release_when_idle` set to the given value for this row (restored after):
+    the same engine, so rows differ only there."""
     import dataclasses
 
     mem = MemoryWindow(b.dev)
     sched = engine.scheduler
     saved = sched.config
-    if release_when_idle:
+    if release_when_idle is not None:
         sched.config = dataclasses.replace(
-            saved, image=dataclasses.replace(saved.image, release_when_idle=True),
-            grounding=dataclasses.replace(saved.grounding, release_when_idle=True))
+            saved, image=dataclasses.replace(saved.image, release_when_idle=release_when_idle),
+            grounding=dataclasses.replace(saved.grounding, release_when_idle=release_when_idle))
     try:
         with tf32(False):
             stats = await drive(engine, b, clients, b.args.seconds,
@@ -286,7 +286,8 @@ async def run_latency(b: Bench, name: str, engine, release_when_idle: bool = Fal
         sched.config = saved
     return {**stats, "img_per_s": stats["rate"], "peak_gb": mem.peak_gb(_detector_bytes(engine)),
             "engine_row": name, "image_wait_ms": engine.cfg.image_wait_ms, "pair_wait_ms": engine.cfg.pair_wait_ms,
-            "release_when_idle": release_when_idle or saved.image.release_when_idle, "clients": clients}
+            "release_when_idle": saved.image.release_when_idle if release_when_idle is None else release_when_idle,
+            "clients": clients}
 
 
 def _postprocess_one(engine, out, height: int, width: int, threshold: float):

@@ -15,7 +15,7 @@ Rules (each one is a test in `tests/test_scheduler.py`):
 
 - **Batch release.** A stage releases a batch when its queue holds `max_batch_size` items, or when the oldest
   queued item has waited `max_wait_ms` (counted from when it entered *this* stage's queue), or, with
-  `release_when_idle`, when none of its batches is running; and fewer than `max_inflight_batches` of its batches are
+  `release_when_idle`, when no batch of any stage is running; and fewer than `max_inflight_batches` of its batches are
   running. The batch takes the oldest items (FIFO per stage).
 - **Buckets.** `Batch.bucket_size` is the smallest `StageConfig.buckets` entry >= the number of real items; the
   runner pads to it so the compiled model only ever sees those batch sizes.
@@ -93,9 +93,9 @@ class StageConfig:
     max_wait_ms: float = 5.0  # wait budget: a partial batch goes once its oldest item has queued this long (ms)
     buckets: tuple[int, ...] = ()  # batch sizes the device sees, ascending, last == max_batch_size; () = powers of 2
     max_inflight_batches: int = 1  # batches of this stage running at once; overlap comes from the *other* stage
-    release_when_idle: bool = False  # a partial batch also goes at once while no batch of this stage runs: the
-    #                                  device would otherwise idle through the wait budget (a lone request skips it;
-    #                                  under load the queue fills while the previous batch runs)
+    release_when_idle: bool = False  # a partial batch also goes at once while no batch of ANY stage runs: the
+    #                                  device would otherwise idle through the wait budget (a lone request skips
+    #                                  both budgets; under load a batch runs and the queue fills)
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -478,11 +478,12 @@ class PipelineScheduler(SchedulerInterface[SegmentRequest]):
     # ---- internals
 
     def _release_now(self, stage: Stage) -> bool:
-        """A queued partial batch need not wait out its budget: the queue is full, or (release_when_idle) none of
-        the stage's batches is running."""
+        """A queued partial batch need not wait out its budget: the queue is full, or (release_when_idle) no batch
+        of any stage is running (the device would idle; a batch of the other stage running means it is busy and the
+        queue can fill: the per-stage rule measured 60.1 -> 45.6 img/s under load, waterfall run 4)."""
         cfg = self.config.stage(stage)
         return len(self._queues[stage]) >= cfg.max_batch_size or (
-            cfg.release_when_idle and not self.running_batches(stage))
+            cfg.release_when_idle and not self._running)
 
     def _check_running(self, batch: Batch) -> None:
         if self._running.get(batch.batch_id) is not batch:

@@ -383,4 +383,6 @@ def test_release_when_idle_skips_the_wait_budgets_of_a_lone_request():
         with pytest.raises(DeadlineExceeded):
             await engine.segment(image, ["person"], timeout_s=0.5)
 
-    run_engine(waits, **budgets)  # off (the default): the minute-long image budget holds it past its deadline
+    run_engine(waits, release_when_idle=False, **budgets)  # off: the minute-long image budget holds it past its
+    #                                                         deadline
+    assert EngineConfig().release_when_idle  # on by default (H200, waterfall run 5)

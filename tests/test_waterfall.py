@@ -145,7 +145,9 @@ def test_reusing_rows_measure_their_engine_which_stays_open_until_the_end(monkey
     assert "ours_fp8_vit" in results["model_only_fp8"]["skipped"] and measured == {}
 
 
-def test_batched_idle_row_drives_the_best_engine_under_load_with_release_when_idle(monkeypatch):
+def test_idle_rows_drive_the_best_engine_with_release_when_idle_forced_or_as_configured(monkeypatch):
+    """*_idle rows force release_when_idle on, *_waits off, the rest leave the engine as configured; batched_idle rows
+    drive --clients requests, latency rows one."""
     import asyncio
 
     wf = _waterfall()
@@ -157,16 +159,17 @@ def test_batched_idle_row_drives_the_best_engine_under_load_with_release_when_id
     async def fake_close(engine):
         pass
 
-    async def fake_latency(b, name, engine, release_when_idle=False, clients=1):
+    async def fake_latency(b, name, engine, release_when_idle=None, clients=1):
         seen.append((row_name := name, engine, release_when_idle, clients))
         return {"img_per_s": 1.0, "engine_row": row_name}
 
     monkeypatch.setattr(wf, "run_engine", fake_engine)
     monkeypatch.setattr(wf, "close_engine", fake_close)
     monkeypatch.setattr(wf, "run_latency", fake_latency)
-    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_graphs", "best_batched_idle", "latency_single")]
+    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_graphs", "best_batched_idle", "best_batched_waits",
+                                             "latency_single", "latency_single_waits")]
     b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, clients=32), engines={},
                         free_meta=lambda: None)
     asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"), lambda *a: None))
-    assert seen == [("ours_bf16_graphs", "ours_bf16_graphs", True, 32),
-                    ("ours_bf16_graphs", "ours_bf16_graphs", False, 1)]
+    assert seen == [("ours_bf16_graphs", "ours_bf16_graphs", True, 32), ("ours_bf16_graphs", "ours_bf16_graphs", False, 32),
+                    ("ours_bf16_graphs", "ours_bf16_graphs", None, 1), ("ours_bf16_graphs", "ours_bf16_graphs", False, 1)]
