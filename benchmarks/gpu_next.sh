@@ -117,8 +117,9 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="39" bash benchmarks/gpu_next.sh      # < 1 min: the cache, in parts
 #   STEPS="40" (fresh machine, carrying .devbundle/extra and .tritoncache only, see below): ~5 min (ran: run 30,
 #                                                        engine start 20.6 s with the carried cache)
-#   STEPS="41" (same carry): ~4 min; split K in the swap-AB kernel at 1-4 tokens beside the GEMV (unrun)
-#   STEPS="43" (carry .devbundle/extra and .tritoncache): ~6 min; the engine without the dual copy, split K at decode
+#   STEPS="41" (same carry): ~2 min; split K in the swap-AB kernel at 1-4 tokens beside the GEMV (ran: swapped
+#                                                        bench run 4: host-bound per-call timings)
+#   STEPS="43" (carry .devbundle/extra and .tritoncache): ~2.5 min (ran: run 32); no dual copy, split K at decode
 #   eval "$(bash .devbundle/install.sh)" && STEPS="44" bash benchmarks/gpu_next.sh      # ~5 min: issue 4,
 #                                                        release_when_idle under load
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -475,7 +476,7 @@ grep -E "passed|failed|Error" "$R/pdl_tests3.log" | tail -3
 engine_ab qwen_run30 "${LIMIT_40:-340}" --autotune-table auto --router-cat --no-pdl
 fi
 if want 41; then
-say "41. (written 2026-12-01, unrun) split K in the swap-AB expert kernel at decode sizes: its GPU tests, then per call"
+say "41. (ran: swapped bench run 4) split K in the swap-AB expert kernel at decode sizes: its GPU tests, then per call"
 say "    at 1 / 2 / 4 tokens with split 1 / 2 / 4 / 8 beside the decode GEMV the engine runs there"
 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_swapped.py > "$R/swapped_split_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/swapped_split_tests.log" | tail -3

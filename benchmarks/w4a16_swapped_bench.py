@@ -9,7 +9,9 @@ Qwen3.6-35B-A3B's expert shapes (E 256, H 2048, I 512, top-8), per projection an
     python benchmarks/w4a16_swapped_bench.py --tokens 1,2,4 --layouts frag --splits 1,2,4,8 --engine-config-only
                                      # split K at decode sizes, beside the decode GEMV the engine runs there
 
-Times: medians of `triton.testing.do_bench` (CUDA events, L2 flushed between runs). Weights: random bytes and
+Times: medians of `triton.testing.do_bench` (CUDA events, L2 flushed between runs). At 1-4 tokens they are launch-
+and host-bound (H200, run 4: 24-140 us per call, noisy from row to row, where an expert call takes ~7 us in the
+engine's CUDA graphs): rank decode-sized kernels in the engine (`qwen_gpu.py --compare-layout`, `--swapped-split`). Weights: random bytes and
 normal-range scales (speed does not depend on the values), one copy per projection (403 MB for all experts: past
 the 50 MB L2). Each swapped result is compared with the engine path's output (max |diff| / max |ref|: same exact
 products, only the fp32 summation order differs, so ~1 bf16 ulp).

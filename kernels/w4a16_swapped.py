@@ -144,7 +144,9 @@ def experts_split_halves(w13: NVFP4Tensor, w2: NVFP4Tensor, inverse: bool = Fals
 # Split K of decode-sized expert calls (`w4a16_gemm.w4a16_moe_op` on swapped layouts at <= DECODE_SPLIT_TOKENS
 # tokens): (gate_up, down). (1, 1) = unsplit, the default: the engine's <= 4-token calls read the dual copy through the
 # decode GEMV (`NVFP4Experts.repack_dual`), so this applies only to engines without one (expert_layout split_halves /
-# split_frag); `benchmarks/qwen_gpu.py --swapped-split` sets it for a side-by-side engine. Per-call timings at 1-4
+# split_frag); `benchmarks/qwen_gpu.py --swapped-split` sets it for a side-by-side engine. H200, Qwen run 32: without
+# the dual copy a lone request decodes at 311.1 tok/s, with splits (2, 2) / (4, 4) / (8, 4) 310.8 / 314.4 / 312.7,
+# the default (dual copy, GEMV) 369.4: split K does not close the gap. Per-call timings at 1-4
 # tokens were host-bound (results/w4a16_swapped_bench_run4: 24-140 us against the ~7 us a decode expert call takes in
 # the engine's CUDA graphs), so only the engine can rank the splits.
 DECODE_SPLIT: tuple[int, int] = (1, 1)
@@ -362,7 +364,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     arrive (`split_k`; for decode-sized calls, where a launch has too few tiles to fill the GPU: one token's gate_up is
     8 experts x 8 tiles = 64 programs walking all of K). Same result as split 1 up to the fp32 summation order of the
     partials (split order, deterministic). Falls back to 1 where no counters can be had (`split_counters`: more tiles
-    than SPLIT_COUNTERS, or a first use inside a CUDA-graph capture). WRITTEN 2026-12-01, NOT RUN ON A GPU."""
+    than SPLIT_COUNTERS, or a first use inside a CUDA-graph capture). H200 (2026-12-01): its GPU tests pass; in the
+    engine without the dual copy, split K at <= 4 tokens moved lone decode -0.1% to +1.1% (Qwen run 32), so the
+    engine keeps it off (`DECODE_SPLIT`)."""
     if triton is None:
         raise RuntimeError("w4a16_grouped_swapped_launch needs triton")
     e, n, kh = packed_split.shape
