@@ -120,8 +120,11 @@
 #   STEPS="41" (same carry): ~2 min; split K in the swap-AB kernel at 1-4 tokens beside the GEMV (ran: swapped
 #                                                        bench run 4: host-bound per-call timings)
 #   STEPS="43" (carry .devbundle/extra and .tritoncache): ~2.5 min (ran: run 32); no dual copy, split K at decode
-#   eval "$(bash .devbundle/install.sh)" && STEPS="44" bash benchmarks/gpu_next.sh      # ~5 min: issue 4,
-#                                                        release_when_idle under load
+#   eval "$(bash .devbundle/install.sh)" && STEPS="44" bash benchmarks/gpu_next.sh      # ~4 min: issue 4,
+#                                                        release_when_idle under load (ran: waterfall run 4)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="45" bash benchmarks/gpu_next.sh      # ~8 min (unrun): issue 4,
+#                                                        a lone request's profile, the FP8 engine's profile
+#   STEPS="46" (carry .devbundle/extra and .tritoncache): ~4 min (unrun); the 32-prompt burst's prefill profiled
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -512,6 +515,26 @@ grep -E "passed|failed" "$R/fp8_fallback_test.log" | tail -1
 timeout "${LIMIT_44:-330}" python benchmarks/waterfall.py --out "$R/waterfall4" --budget-s 300 --no-profile \
   --rows ours_bf16_inductor,best_batched_idle,latency_single_idle > "$R/waterfall4.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall4.log"
+fi
+if want 45; then
+say "45. issue 4 (the whole .devbundle; written 2026-12-01, unrun): where a lone request's ~23 ms go (torch.profiler over"
+say "    the inductor engine with one client), then the FP8 engine profiled under load (its detector alone was only"
+say "    1.6% faster than bf16's in waterfall run 3: which kernels eat the FP8 GEMMs' 1.6-1.8x)"
+timeout "${LIMIT_45A:-260}" python benchmarks/waterfall.py --out "$R/waterfall_lone" --budget-s 240 \
+  --rows ours_bf16_inductor,latency_single --profile-clients 1 > "$R/waterfall_lone.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall_lone.log"
+timeout "${LIMIT_45B:-200}" python benchmarks/waterfall.py --out "$R/waterfall_fp8" --budget-s 180 \
+  --rows ours_fp8_vit,model_only_fp8 --profile-engine ours_fp8_vit > "$R/waterfall_fp8.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall_fp8.log"
+grep -A18 "^Profile of" "$R/waterfall_lone/waterfall.md" "$R/waterfall_fp8/waterfall.md" | cut -c1-200
+fi
+if want 46; then
+say "46. (written 2026-12-01, unrun) a burst of 32 concurrent 1k prompts profiled: run 31's burst waited 7.3 s (p50) /"
+say "    11.9 s (max) for first tokens, a lone 1k prompt 40 ms; per-step plans (sequences, tokens, host ms), kernels"
+say "    and the host's side of the burst's prefill steps"
+timeout "${LIMIT_46:-300}" python benchmarks/qwen_profile.py --batches "" --engine-burst 32 --prefill-graphs off \
+  --out "$R/qwen_burst" > "$R/qwen_burst.log" 2>&1
+grep -E "engine_burst step|engine_burst +[0-9]|engine_burst host|burst_ttft|Error|error" "$R/qwen_burst.log" | cut -c1-220 | head -80
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

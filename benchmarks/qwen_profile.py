@@ -206,19 +206,23 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
 
 
 def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, trace_path: Path | None = None,
-                           prefill_graphs: str = "auto", prefill_buckets: tuple[int, ...] = ()) -> dict:
+                           prefill_graphs: str = "auto", prefill_buckets: tuple[int, ...] = (), burst: int = 1) -> dict:
     """The serving path's time to first token: a QwenEngine (paged prefill: fla's GDN prefill on CUDA, the
     scheduler's chunking) over `model`, lone `ctx`-token requests of one output token; `reps` timed (TTFT median and
     all), then one under the profiler (kernels and device time of the whole request, prefill chunks + first
-    sample), with the host's side (`host_table`: syncs, top host ops) and, given `trace_path`, a Chrome trace."""
+    sample), with the host's side (`host_table`: syncs, top host ops) and, given `trace_path`, a Chrome trace.
+    `burst` > 1: each "request" is that many `ctx`-token requests submitted at once (the engine's default token
+    budget of 2,048 per step, so multi-sequence prefill steps: no prefill graph), TTFTs per request and the plans'
+    tokens and sequences per step recorded -- where a burst's first tokens wait (H200 run 31: 32 x 1k prompts, TTFT
+    p50 7.3 s, max 11.9 s, against 40 ms for a lone one)."""
     import asyncio
 
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
     ecfg = QwenEngineConfig(config="tiny" if cfg.num_hidden_layers < 8 else "qwen3.6-35b-a3b", device=str(device),
-                            dtype="bf16", max_num_seqs=4, max_num_batched_tokens=max(2048, ctx), block_size=16,
-                            num_kv_blocks=4 * ((ctx + 64) // 16 + 1), max_model_len=ctx + 64,
+                            dtype="bf16", max_num_seqs=max(4, burst), max_num_batched_tokens=max(2048, ctx),
+                            block_size=16, num_kv_blocks=max(4, burst) * ((ctx + 64) // 16 + 1), max_model_len=ctx + 64,
                             request_timeout_s=None, warmup=True, prefill_graphs=prefill_graphs,
                             prefill_buckets=prefill_buckets,
                             programmatic_launch=False)  # kernel times without PDL's overlap (profile_engine_decode)
@@ -230,15 +234,23 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
         start_s = time.perf_counter() - t_start
         log(f"engine started in {start_s:.1f} s: {engine.runner.stats()}")
         try:
-            async def one() -> float:
-                t0 = time.perf_counter()
-                async for _ in engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=1,
-                                               sampling=SamplingParams(), eos_token_ids=()):
+            async def first_token(ids: list[int], t0: float) -> float:
+                async for _ in engine.generate(ids, max_new_tokens=1, sampling=SamplingParams(), eos_token_ids=()):
                     pass
                 return 1e3 * (time.perf_counter() - t0)
 
-            seen: list = []  # (plan, execute ms) of every step the engine runs
-            execute = engine.runner.execute
+            burst_ttfts: list[list[float]] = []
+
+            async def one() -> float:
+                """A lone request's TTFT ms, or (burst) the last of `burst` requests submitted together."""
+                t0 = time.perf_counter()
+                prompts = rand(burst, ctx).tolist()
+                ttfts = await asyncio.gather(*(first_token(ids, t0) for ids in prompts))
+                burst_ttfts.append(sorted(ttfts))
+                return max(ttfts)
+
+            seen: list = []  # (plan, host ms of its execute / launch call) of every step the engine runs
+            execute, launch = engine.runner.execute, engine.runner.launch
 
             def recording(plan):
                 t = time.perf_counter()
@@ -246,7 +258,13 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
                 seen.append((plan, 1e3 * (time.perf_counter() - t)))
                 return result
 
-            engine.runner.execute = recording
+            def recording_launch(plan, *a, **kw):  # async_decode (the default) launches steps instead; the
+                t = time.perf_counter()  # plans' list was empty since it became the default (Qwen run 12)
+                result = launch(plan, *a, **kw)
+                seen.append((plan, 1e3 * (time.perf_counter() - t)))
+                return result
+
+            engine.runner.execute, engine.runner.launch = recording, recording_launch
             await one()  # warm the shapes
             ttfts = sorted([await one() for _ in range(reps)])
             sync(device)
@@ -255,7 +273,8 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
                 wall = await one()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-            out = dict(prompt_tokens=ctx, ttft_ms_median=ttfts[len(ttfts) // 2], ttft_ms=ttfts,
+            out = dict(prompt_tokens=ctx, burst=burst, ttft_ms_median=ttfts[len(ttfts) // 2], ttft_ms=ttfts,
+                       burst_ttft_ms=burst_ttfts if burst > 1 else None,
                        profiled_wall_ms=wall, kernel_checks=engine.health().get("kernel_checks"),
                        runner=engine.runner.stats(), engine_start_s=start_s)
             if device.type == "cuda":
@@ -304,6 +323,9 @@ def main() -> None:
                     help="comma-separated concurrent request counts for --engine (e.g. 1,32)")
     ap.add_argument("--engine-prefill", action="store_true",
                     help="also profile the serving engine's time to first token for one --context-token request")
+    ap.add_argument("--engine-burst", type=int, default=0,
+                    help="also profile N concurrent --context-token requests submitted at once (multi-sequence "
+                         "prefill: where a burst's first tokens wait)")
     ap.add_argument("--prefill-graphs", default="auto",
                     help="the engine's prefill_graphs mode (--engine-prefill; --engine too: 'off' saves the capture's "
                          "start-up time where only decode steps are profiled)")
@@ -340,6 +362,18 @@ def main() -> None:
             print(f"  engine_prefill {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         for row in r["engine_prefill"].get("host_top", [])[:25]:
             print(f"  engine_prefill host {row['self_cpu_ms']:8.3f} ms  x{row['calls']:6d}  {row['name']}")
+        (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
+    if args.engine_burst > 1:
+        log(f"profiling a burst of {args.engine_burst} x {ctx}-token requests")
+        r["engine_burst"] = profile_engine_prefill(model, cfg, device, rand, ctx, reps=1, burst=args.engine_burst,
+                                                   prefill_graphs=args.prefill_graphs)
+        log(json.dumps({k: v for k, v in r["engine_burst"].items() if k not in ("top", "host_top", "plans")}))
+        for p in r["engine_burst"].get("plans", []):
+            print(f"  engine_burst step: {p['seqs']:3d} seqs {p['tokens']:5d} tokens {p['execute_ms']:9.1f} ms")
+        for row in r["engine_burst"].get("top", [])[:25]:
+            print(f"  engine_burst {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+        for row in r["engine_burst"].get("host_top", [])[:25]:
+            print(f"  engine_burst host {row['self_cpu_ms']:8.3f} ms  x{row['calls']:6d}  {row['name']}")
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     for n in (int(x) for x in args.engine_streams.split(",") if x) if args.engine else ():
         log(f"profiling the engine's decode steps, {n} stream(s)")

@@ -215,13 +215,13 @@ def _forced_idle(row: Row) -> bool | None:
     return True if row.name.endswith("_idle") else False if row.name.endswith("_waits") else None
 
 
-def _engine_for(b: Bench, row: Row, results: dict) -> tuple[str, object]:
-    """(name, engine) a reusing row measures: its `reuse` row's engine, else the fastest bf16 engine."""
-    if not row.reuse:
+def _engine_for(b: Bench, reuse: str, results: dict) -> tuple[str, object]:
+    """(name, engine) a reusing row (or the profile) measures: engine row `reuse`'s, else ("") the fastest bf16."""
+    if not reuse:
         return best_engine(b, results)
-    if row.reuse not in b.engines:
-        raise Skipped(f"needs the engine of row {row.reuse}, which did not run or failed")
-    return row.reuse, b.engines[row.reuse]
+    if reuse not in b.engines:
+        raise Skipped(f"needs the engine of row {reuse}, which did not run or failed")
+    return reuse, b.engines[reuse]
 
 
 async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_row) -> tuple[dict, dict | None]:
@@ -242,7 +242,7 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 r = run_meta_batched(b, row, model_only=row.kind == "meta_batched_model")
             elif row.kind == "engine":
                 r, engine = await run_engine(b, row)
-                reused = {later.reuse for later in rows[i + 1:]}  # engines a later row measures: kept to the end
+                reused = {later.reuse for later in rows[i + 1:]} | {b.args.profile_engine}  # kept to the end
                 if row.name in BEST_CANDIDATES or row.name in reused:
                     b.engines[row.name] = engine
                     if row.name in BEST_CANDIDATES:  # keep only the fastest bf16 engine for the rows that reuse it
@@ -252,14 +252,14 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 else:
                     await close_engine(engine)
             elif row.kind == "model_only":
-                r = run_model_only(b, *_engine_for(b, row, results))
+                r = run_model_only(b, *_engine_for(b, row.reuse, results))
             elif row.kind == "batched_idle":
-                r = await run_latency(b, *_engine_for(b, row, results), clients=b.args.clients,
+                r = await run_latency(b, *_engine_for(b, row.reuse, results), clients=b.args.clients,
                                       release_when_idle=_forced_idle(row))
             elif row.kind == "latency":
-                r = await run_latency(b, *_engine_for(b, row, results), release_when_idle=_forced_idle(row))
+                r = await run_latency(b, *_engine_for(b, row.reuse, results), release_when_idle=_forced_idle(row))
             elif row.kind == "extra_prompt":
-                r = run_extra_prompt(b, *_engine_for(b, row, results))
+                r = run_extra_prompt(b, *_engine_for(b, row.reuse, results))
             elif row.kind == "http":
                 r = run_http(b)
             else:
@@ -289,7 +289,9 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
         try:
             if time.perf_counter() > deadline:
                 raise Skipped("the run's time budget is spent")
-            profile = await profile_engine(b, *best_engine(b, results))
+            named = b.args.profile_engine if b.args.profile_engine != "best" else ""
+            profile = await profile_engine(b, *_engine_for(b, named, results),
+                                           clients=b.args.profile_clients or b.args.clients)
         except Exception as exc:  # noqa: BLE001
             profile = {"error": f"{type(exc).__name__}: {exc}"}
         on_row(results, profile)
@@ -310,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-results", default=None,
                     help="Locust *_stats.csv or JSON from benchmarks/serve_gpu.sh (comma list) for the http row")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler breakdown")
+    ap.add_argument("--profile-engine", default="best",
+                    help="the engine row to profile (kept open for it), e.g. ours_fp8_vit; best = the fastest bf16")
+    ap.add_argument("--profile-clients", type=int, default=0,
+                    help="requests in flight while profiling (0 = --clients; 1 = a lone request's kernels)")
     ap.add_argument("--cases", type=int, default=None, help="use only the first N (image, prompt) cases (dry runs)")
     ap.add_argument("--meta-batch", type=int, default=META_BATCH, help="batch of the Meta batched and model-only rows")
     ap.add_argument("--budget-s", type=float, default=540.0,
@@ -375,7 +381,7 @@ def markdown(info: dict, args, b: Bench, rows: list[Row], results: dict, profile
           f"Total {info['total_s']:.0f} s.", "", table(rows, results), "", "| step | what |", "|---|---|"]
     md += [f"| {r.name} | {r.what} |" for r in rows]
     if profile and not profile.get("error"):
-        md += ["", f"Profile of {profile['engine_row']} ({profile['requests']} requests, "
+        md += ["", f"Profile of {profile['engine_row']} ({profile['requests']} requests, {profile['clients']} in flight, "
                f"{profile['img_per_s']:.1f} img/s under the profiler): top kernels by self device time", "",
                "| kernel | self ms | share % | calls |", "|---|---|---|---|"]
         md += [f"| `{k.get('kernel', k.get('op'))[:90]}` | {k['self_ms']:.1f} | {k['share_pct']:.1f} | {k['calls']} |"

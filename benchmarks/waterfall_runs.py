@@ -381,13 +381,14 @@ def run_http(b: Bench) -> dict:
 # Profile of the best configuration
 
 
-async def profile_engine(b: Bench, name: str, engine) -> dict:
+async def profile_engine(b: Bench, name: str, engine, clients: int = 0) -> dict:
+    """torch.profiler over ~3 s of `clients` (0: --clients) requests in flight through `engine`."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = b.dev.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with tf32(False), profile(activities=activities) as prof:
-        stats = await drive(engine, b, b.args.clients, min(3.0, b.args.seconds))
+        stats = await drive(engine, b, clients or b.args.clients, min(3.0, b.args.seconds))
     events = prof.key_averages()
 
     def dev_self(e):
@@ -409,6 +410,7 @@ async def profile_engine(b: Bench, name: str, engine) -> dict:
                 "share_pct": 100 * e.self_cpu_time_total / total, "calls": e.count} for e in cpu[:15]]
     stages = {e.key: {"calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3, "device_total_ms": dev_total(e) / 1e3}
               for e in events if e.key.startswith("sammie.")}
-    return {"engine_row": name, "seconds": stats["elapsed_s"], "requests": stats["n"], "img_per_s": stats["rate"],
+    return {"engine_row": name, "clients": clients or b.args.clients, "seconds": stats["elapsed_s"],
+            "requests": stats["n"], "img_per_s": stats["rate"],
             "top_kernels": top, "device_time_total_ms": total / 1e3, "stages": stages,
             "engine_stage_ms_mean": stats["engine_stage_ms_mean"]}

@@ -133,7 +133,8 @@ def test_reusing_rows_measure_their_engine_which_stays_open_until_the_end(monkey
     monkeypatch.setattr(wf, "run_model_only", fake_model_only)
     names = ["ours_bf16_batched", "ours_bf16_graphs", "ours_fp8_vit", "model_only_best", "model_only_fp8"]
     rows = [r for r in wf.ROWS if r.name in names]
-    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False), engines={}, free_meta=lambda: None)
+    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, profile_engine="best"), engines={},
+                    free_meta=lambda: None)
     flops = {"total": 1.0, "image": 1.0, "pair": 1.0}
     results, _ = asyncio.run(wf.run_rows(b, rows, flops, float("inf"), lambda *a: None))
     assert measured == {"ours_bf16_graphs": "ours_bf16_graphs", "ours_fp8_vit": "ours_fp8_vit"}
@@ -168,7 +169,8 @@ def test_idle_rows_drive_the_best_engine_with_release_when_idle_forced_or_as_con
     monkeypatch.setattr(wf, "run_latency", fake_latency)
     rows = [r for r in wf.ROWS if r.name in ("ours_bf16_graphs", "best_batched_idle", "best_batched_waits",
                                              "latency_single", "latency_single_waits")]
-    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, clients=32), engines={},
+    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, clients=32, profile_engine="best"),
+                    engines={},
                         free_meta=lambda: None)
     asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"), lambda *a: None))
     assert seen == [("ours_bf16_graphs", "ours_bf16_graphs", True, 32), ("ours_bf16_graphs", "ours_bf16_graphs", False, 32),
