@@ -152,11 +152,11 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
         engine = QwenEngine(ecfg, model=model)
         await engine.start()
         try:
-            prof, counts, t0, first = None, [0] * streams, None, [0] * streams
+            prof, counts, t0, first, launched = None, [0] * streams, None, [0] * streams, 0
             done = asyncio.Event()
 
             async def one(i: int) -> None:
-                nonlocal prof, t0, first
+                nonlocal prof, t0, first, launched
                 # every stream must still be decoding when the window closes (a steady batch of `streams`)
                 gen = engine.generate(rand(1, ctx)[0].tolist(), max_new_tokens=tokens + margin - 4,
                                       sampling=SamplingParams(), eos_token_ids=())
@@ -169,6 +169,7 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
                             prof = torch.profiler.profile(activities=activities(device))
                             prof.__enter__()
                             first, t0 = list(counts), time.perf_counter()
+                            launched = engine.runner.launches  # steps launched before the window
                         if prof is not None and min(c - f for c, f in zip(counts, first)) >= tokens:
                             done.set()
                         if done.is_set():
@@ -189,15 +190,21 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             prof.__exit__(None, None, None)
+            # the steps whose kernels the window holds: those launched in it (the synchronise before it drained the
+            # one in flight; async decode launches one past the last token read, hence one more than the tokens --
+            # the 17 steps of a 16-token window that RESULTS normalised by hand from profile run 14 to run 17;
+            # `steps_launched` and the per-step kernel numbers use them since 2026-12-01, after profile run 17)
+            launched = engine.runner.launches - launched
             # every stream decoded in every step of the window: steps = the least-advanced stream's new tokens
             steps = min(c - f for c, f in zip(counts, first))
             produced = sum(c - f for c, f in zip(counts, first))
             await asyncio.gather(*tasks, return_exceptions=True)
-            out = dict(context=ctx, streams=streams, steps=steps, wall_ms_per_step=1e3 * wall / steps,
+            out = dict(context=ctx, streams=streams, steps=steps, steps_launched=launched,
+                       wall_ms_per_step=1e3 * wall / steps,
                        tok_per_s=produced / wall, runner=engine.health().get("runner"),
                        kernel_checks=engine.health().get("kernel_checks"))
             if device.type == "cuda":
-                out.update(kernel_table(prof, steps, top=80))  # the whole per-step kernel list, near enough
+                out.update(kernel_table(prof, launched or steps, top=80))  # per launched step
             return out
         finally:
             await engine.aclose()

@@ -93,7 +93,8 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype  # packed NVFP4/FP8 modules hold uint8/e4m3 buffers, not this
         # one block and one GDN state row past the scheduler's: the scratch sequence of the decode graphs' padding
         self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device)
-        self.steps = 0
+        self.steps = 0  # steps whose sampled ids were read (`result`)
+        self.launches = 0  # steps queued on the device (`launch`): async decode keeps one ahead of `steps`
         self.graph_steps = 0
         self.prefill_graph_steps = 0
         self.busy_s = 0.0  # host wall time in launch + result (incl. the wait for the sampled ids) of read steps
@@ -268,6 +269,7 @@ class ModelRunner:
         """Forward and sampling of `plan` queued on the device, and the sampled ids' copy to the host; returns
         without waiting for them (CUDA; elsewhere the work is done on return). `feed`: see `forward`."""
         t0 = time.perf_counter()
+        self.launches += 1
         logits = self.forward(plan, feed)
         ids = host = event = None
         if logits.shape[0]:
@@ -293,7 +295,7 @@ class ModelRunner:
         return StepOutput(tuple(ids))
 
     def stats(self) -> dict[str, float]:
-        out = {"steps": self.steps, "graph_steps": self.graph_steps, "prefill_graph_steps": self.prefill_graph_steps,
+        out = {"steps": self.steps, "launches": self.launches, "graph_steps": self.graph_steps, "prefill_graph_steps": self.prefill_graph_steps,
                "busy_s": round(self.busy_s, 3),
                "num_blocks": self.num_blocks, "block_size": self.block_size, "state_slots": self.max_num_seqs}
         if self.graphs is not None:
