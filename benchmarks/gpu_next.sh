@@ -125,6 +125,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="45" bash benchmarks/gpu_next.sh      # ~8 min (unrun): issue 4,
 #                                                        a lone request's profile, the FP8 engine's profile
 #   STEPS="46" (carry .devbundle/extra and .tritoncache): ~4 min (unrun); the 32-prompt burst's prefill profiled
+#   STEPS="47" (same carry): ~5 min (unrun); the FP8 quantiser in the producing ops beside the default
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -535,6 +536,16 @@ say "    and the host's side of the burst's prefill steps"
 timeout "${LIMIT_46:-300}" python benchmarks/qwen_profile.py --batches "" --engine-burst 32 --prefill-graphs off \
   --out "$R/qwen_burst" > "$R/qwen_burst.log" 2>&1
 grep -E "engine_burst step|engine_burst +[0-9]|engine_burst host|burst_ttft|Error|error" "$R/qwen_burst.log" | cut -c1-220 | head -80
+fi
+if want 47; then
+say "47. (written 2026-12-01, unrun) the FP8 activation quantiser in the producing ops (QUANT_IN_PRODUCERS: the input"
+say "    norm, the GDN gated norm, the attention output gate write the codes; 80 quantiser launches fewer in a lone"
+say "    step, 130 at 32 streams): the kernels' GPU tests with PDL, then the default engine beside it, tokens compared"
+SAMMIE_PDL=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_rms_norm.py \
+  tests/test_kernel_attn_prep.py "tests/test_kernel_fp8.py::test_implementations_with_producer_codes_give_the_same_bits" \
+  > "$R/quant_producers_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/quant_producers_tests.log" | tail -3
+engine_ab qwen_quant_producers "${LIMIT_47:-330}" --autotune-table auto --quant-in-producers
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

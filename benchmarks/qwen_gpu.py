@@ -221,6 +221,9 @@ def markdown(r: dict) -> str:
             f"| (e) engine with the W4A16 GEMV's dequant mode {(r.get('engine_gemv_deq') or {}).get('deq')} (default "
             f"3, DEQ_WIDE): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_gemv_deq'))} | - |",
+            f"| (e) engine with the FP8 activation codes written by the ops before the projections "
+            f"(QUANT_IN_PRODUCERS, off by default): decode tok/s, lone request / all {st.get('n')} streams decoding / "
+            f"TTFT ms | {side_by_side(r.get('engine_quant_producers'))} | - |",
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
@@ -440,6 +443,10 @@ def main() -> None:
                     help="OP:IMPL[,OP:IMPL...] -- (e) once more with these registry implementations disabled (e.g. "
                          "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
                          "side; repeatable, one engine each")
+    ap.add_argument("--quant-in-producers", action="store_true",
+                    help="(e) once more with the decode steps' FP8 activation quantiser in the ops that produce the "
+                         "projections' inputs (qwen_engine.model.quantized.QUANT_IN_PRODUCERS: the input norm, the "
+                         "GDN gated norm and the attention output gate write the codes), side by side")
     ap.add_argument("--unfused-projections", action="store_true",
                     help="(e) once more with the decode steps' FP8 projections unfused (quantized."
                          "FUSE_DECODE_PROJECTIONS off: q/k/v and in_proj_qkv/z as separate calls), side by side")
@@ -667,6 +674,11 @@ def main() -> None:
             from qwen_engine.model import quantized
 
             engine_with(quantized, "FUSE_DECODE_PROJECTIONS", False, "engine_unfused", "unfused projections")
+        if args.quant_in_producers:  # the FP8 quantiser's launches folded into the ops before the projections
+            from qwen_engine.model import quantized
+
+            engine_with(quantized, "QUANT_IN_PRODUCERS", True, "engine_quant_producers",
+                        "the FP8 activation quantiser in the producing ops")
         if args.no_fused_ba:  # the GDN b / a projections as their own GEMM
             from qwen_engine.model.gdn import GatedDeltaNet
 

@@ -39,12 +39,14 @@ try:
     from triton.language.extra import libdevice
 
     from kernels.pdl import enter as pdl_enter
+    from kernels.fp8_quant import static_codes
     from kernels.rms_norm import _cast, _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
 NAME = "attn_decode_prep"
 GATE = "attn_output_gate"
+GATE_FP8 = "attn_output_gate_fp8"  # + the e4m3 codes of the output (o_proj's static scale)
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024  # one head row per program in registers; the model has 256
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -80,8 +82,8 @@ def attn_output_gate_reference(o: torch.Tensor, gate: torch.Tensor) -> torch.Ten
 if triton is not None:
 
     @triton.jit
-    def _gate_kernel(o, gate, out, H, D, s_on, s_oh, s_gn, s_gh, s_outn, BLOCK_D: tl.constexpr,
-                     INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+    def _gate_kernel(o, gate, out, H, D, s_on, s_oh, s_gn, s_gh, s_outn, codes, s_cn, s_in, BLOCK_D: tl.constexpr,
+                     INTERPRET: tl.constexpr, QUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # grid (N, H): one head row. Replaces three launches per attention layer: the copy of the strided gate that
         # its reshape makes, the sigmoid and the product. torch's numbers: sigmoid 1 / (1 + exp(-g)) in fp32 with
         # an accurate expf and an IEEE division (CUDA's opmath), rounded to the dtype (`_round`: bit ops, not
@@ -98,7 +100,10 @@ if triton is not None:
             e = libdevice.exp(-g)
         sig = _round(tl.div_rn(tl.full((BLOCK_D,), 1.0, tl.float32), 1.0 + e), dt, INTERPRET)
         x = tl.load(o + n * s_on + h * s_oh + d, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out + n * s_outn + h * D + d, _cast(x * sig, dt, INTERPRET), mask=ok)
+        y = _cast(x * sig, dt, INTERPRET)
+        tl.store(out + n * s_outn + h * D + d, y, mask=ok)
+        if QUANT:  # o_proj's activation codes of the stored value (`fp8_quant.quantize_static_reference`'s bits)
+            tl.store(codes + n * s_cn + h * D + d, static_codes(y.to(tl.float32), tl.load(s_in)), mask=ok)
 
     @triton.jit
     def _norm_rope(src, w, eps, cos_row, sin_row, d, ok, D, RD, DT: tl.constexpr, INTERPRET: tl.constexpr):
@@ -146,17 +151,54 @@ def _interpreted() -> bool:
     return triton is not None and type(_attn_prep_kernel).__name__ == "InterpretedFunction"
 
 
+def _gate(o: torch.Tensor, gate: torch.Tensor, input_scale: torch.Tensor | None):
+    n, heads, d = o.shape
+    out = o.new_empty((n, heads * d))
+    if input_scale is None:
+        codes, cargs, quant = out, (out, 0, out), {}  # placeholder: never touched
+    else:
+        codes = torch.empty((n, heads * d), dtype=torch.float8_e4m3fn, device=o.device)
+        cargs, quant = (codes, codes.stride(0), input_scale.reshape(()).float()), {"QUANT": True}
+    if out.numel():
+        _gate_kernel[(n, heads)](o, gate, out, heads, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
+                                 out.stride(0), *cargs, BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(),
+                                 **quant, num_warps=1 if d <= 256 else 4, **pdl.launch_options())
+    return out, codes
+
+
 @torch.library.custom_op("qwen::attn_output_gate", mutates_args=())
 def attn_output_gate_op(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """o, gate [N, H, D] -> o * sigmoid(gate) [N, H * D] contiguous in o's dtype; contract:
     `attn_output_gate_reference`. Guards: `supports_gate` (checked by the registry)."""
-    n, heads, d = o.shape
-    out = o.new_empty((n, heads * d))
-    if out.numel():
-        _gate_kernel[(n, heads)](o, gate, out, heads, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
-                                 out.stride(0), BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(),
-                                 num_warps=1 if d <= 256 else 4, **pdl.launch_options())
-    return out
+    return _gate(o, gate, None)[0]
+
+
+@torch.library.custom_op("qwen::attn_output_gate_fp8", mutates_args=())
+def attn_output_gate_fp8_op(o: torch.Tensor, gate: torch.Tensor, input_scale: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn_output_gate_op` and the e4m3 codes of its output with o_proj's static scale (fp32 []), one launch;
+    contract: `attn_output_gate_fp8_reference`."""
+    return _gate(o, gate, input_scale)
+
+
+@attn_output_gate_fp8_op.register_fake
+def _(o, gate, input_scale):
+    shape = (o.shape[0], o.shape[1] * o.shape[2])
+    return o.new_empty(shape), o.new_empty(shape, dtype=torch.float8_e4m3fn)
+
+
+def attn_output_gate_fp8_reference(o: torch.Tensor, gate: torch.Tensor, input_scale: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, codes): y = `attn_output_gate_reference`, codes = `fp8_quant.quantize_static_reference(y, input_scale)`."""
+    from kernels.fp8_quant import quantize_static_reference
+
+    y = attn_output_gate_reference(o, gate)
+    return y, quantize_static_reference(y, input_scale)
+
+
+def attn_output_gate_fp8_triton(o, gate, input_scale):
+    """Same contract as `attn_output_gate_fp8_reference`."""
+    return attn_output_gate_fp8_op(o, gate, input_scale)
 
 
 @attn_output_gate_op.register_fake
@@ -246,6 +288,28 @@ def supports_gate(*, device: str, capability, same_device: bool, dtypes: set, sh
             and next(iter(dtypes)) in DTYPES and shapes_ok and 1 <= head_dim <= MAX_HEAD_DIM and unit_strides)
 
 
+def describe_gate_fp8(o, gate, input_scale=None) -> dict[str, Any]:
+    from kernels.rms_norm import _scale_ok
+
+    return dict(describe_gate(o, gate), scale_ok=_scale_ok(input_scale, o))
+
+
+def supports_gate_fp8(*, scale_ok: bool, **info: Any) -> bool:
+    """`supports_gate`, and a one-element fp32 scale on o's device."""
+    return scale_ok and supports_gate(**info)
+
+
+def compare_gate_fp8(out, ref) -> str | None:
+    """The output by `compare_gate`, the codes as `kernels.rms_norm.compare_fp8`'s (equal where the output is)."""
+    from kernels.rms_norm import compare_fp8
+
+    return compare_fp8(out, ref, TOLERANCE[ref[0].dtype])
+
+
+def _sample_gate_fp8(device) -> tuple[tuple, dict]:
+    return (*gate_inputs(3, 4, 96, seed=3, device=device), torch.tensor(0.004, device=device)), {}
+
+
 def compare_gate(out, ref) -> str | None:
     """Within TOLERANCE x max |ref| (bf16: an exp ulp may move sigmoid's rounding by one bf16 ulp; fp32 ulps)."""
     return tolerance.compare(out, ref, TOLERANCE[ref.dtype])
@@ -308,3 +372,7 @@ def register(registry) -> None:
                     describe=describe_gate, tolerance="within 1e-2 x max |ref| for bf16 (torch's roundings "
                     "reproduced; an exp ulp can move one), 1e-5 for fp32")
     registry.add_implementation(GATE, "triton", attn_output_gate_triton, supports_gate)
+    registry.add_op(GATE_FP8, attn_output_gate_fp8_reference, sample=_sample_gate_fp8, compare=compare_gate_fp8,
+                    describe=describe_gate_fp8, tolerance="the output as attn_output_gate's; its e4m3 codes equal "
+                    "wherever the output is bit-identical")
+    registry.add_implementation(GATE_FP8, "triton", attn_output_gate_fp8_triton, supports_gate_fp8)

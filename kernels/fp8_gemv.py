@@ -205,10 +205,12 @@ def supported(m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype
 @torch.library.custom_op("sammie::fp8_gemv_linear", mutates_args=())
 def fp8_gemv_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
                 out_dtype: torch.dtype, prequantize: bool = False, block_n: int = 0, block_k: int = 0,
-                num_warps: int = 0) -> torch.Tensor:
+                num_warps: int = 0, codes: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS), weight e4m3 [N, K] (read as int32 words: K, the row stride and the address
     multiples of 4), weight_scale fp32 [] or [N], input_scale fp32 [] -> y [M, N] in out_dtype. `prequantize`: the
-    activation codes from one quantiser launch first (else quantised in the loop; the same bits). `block_n` / `block_k` / `num_warps` 0: the autotuner's (tests and benchmarks pin them).
+    activation codes from one quantiser launch first (else quantised in the loop; the same bits). `codes`: those codes
+    [M, K] e4m3 already made (by the op that produced x: `kernels/rms_norm.py`'s *_fp8 ops) with this input_scale --
+    no quantiser launch. `block_n` / `block_k` / `num_warps` 0: the autotuner's (tests and benchmarks pin them).
     One or two launches, no host syncs (CUDA-graph capturable)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -217,7 +219,12 @@ def fp8_gemv_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if k % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
         raise ValueError(f"fp8_gemv_linear: K ({k}), the weight's row stride ({weight.stride(0)}) and address must "
                          f"be multiples of 4 (rows read as int32 words)")
-    if prequantize:
+    if codes is not None:
+        if codes.shape != (m, k) or codes.dtype != torch.float8_e4m3fn or codes.device != x.device:
+            raise ValueError(f"fp8_gemv_linear: codes must be e4m3 {(m, k)} on {x.device}, got {codes.dtype} "
+                             f"{tuple(codes.shape)} on {codes.device}")
+        x, prequantize = (codes if codes.stride(1) == 1 and codes.stride(0) % 4 == 0 else codes.contiguous()), True
+    elif prequantize:
         x = quantize_static_triton(x, s_in)  # e4m3 [M, K], the codes the loop would compute
     interp = _interpreted()
     # the interpreter truncates fp32 -> bf16 / fp16 casts (`w4a16_gemm`'s note): it writes fp32 and torch rounds
@@ -238,5 +245,6 @@ def fp8_gemv_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 
 @fp8_gemv_op.register_fake
-def _(x, weight, weight_scale, input_scale, out_dtype, prequantize=False, block_n=0, block_k=0, num_warps=0):
+def _(x, weight, weight_scale, input_scale, out_dtype, prequantize=False, block_n=0, block_k=0, num_warps=0,
+      codes=None):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)

@@ -139,7 +139,39 @@ def fp8_linear_skinny(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | No
     return y.reshape(*x.shape[:-1], w.data.shape[0])
 
 
-def _gemv(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None, prequantize: bool) -> torch.Tensor:
+# ---- activation codes made by the producer (the quantiser fused into the op before the projection) ----------------
+def with_codes(impl_name: str):
+    """The form of registry implementation `impl_name` of "fp8_linear" that takes the activation codes its input's
+    producer already wrote (`kernels/rms_norm.py` / `kernels/attn_prep.py` *_fp8 ops: the same bits as its own
+    quantiser), f(x, w, codes, out_dtype=None) -- or None where the implementation makes no separate codes (the
+    reference, the in-loop GEMV, the split-K kernel on the layers it serves: they compute the same numbers from x)."""
+    return _WITH_CODES.get(impl_name)
+
+
+def _scaled_mm_codes(x: torch.Tensor, w: FP8Tensor, codes: torch.Tensor, out_dtype: torch.dtype | None = None):
+    k = x.shape[-1]
+    return fp8_linear_scaled_mm(x, w, out_dtype, quantize=lambda x2, s: codes.reshape(-1, k))
+
+
+def _gemv_codes(x: torch.Tensor, w: FP8Tensor, codes: torch.Tensor, out_dtype: torch.dtype | None = None):
+    return _gemv(x, w, out_dtype, prequantize=True, codes=codes.reshape(-1, x.shape[-1]))
+
+
+def _skinny_codes(x: torch.Tensor, w: FP8Tensor, codes: torch.Tensor, out_dtype: torch.dtype | None = None):
+    k = x.shape[-1]
+    m, n = (x.numel() // k if k else 0), w.data.shape[0]
+    if (w.input_scale is None or n > fp8_skinny.SKINNY_MAX_N
+            or not fp8_skinny.supported(m, k, n, x.dtype, out_dtype or x.dtype)):
+        return _scaled_mm_codes(x, w, codes, out_dtype)
+    return fp8_linear_skinny(x, w, out_dtype)  # its kernel quantises as it loads x (no separate codes to skip)
+
+
+_WITH_CODES = {"triton_quant+gemv": _gemv_codes, "triton_quant+scaled_mm": _scaled_mm_codes,
+               "scaled_mm": _scaled_mm_codes, "triton_skinny+scaled_mm": _skinny_codes}
+
+
+def _gemv(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None, prequantize: bool,
+          codes: torch.Tensor | None = None) -> torch.Tensor:
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     n = w.data.shape[0]
@@ -147,7 +179,7 @@ def _gemv(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None, prequant
         raise ValueError(f"fp8_gemv: {m} rows x a {tuple(w.data.shape)} weight (static input_scale: "
                          f"{w.input_scale is not None}) is not a GEMV call (fp8_gemv.gemv_ok)")
     y = fp8_gemv.fp8_gemv_op(x.reshape(m, k), w.data, w.scale.float(), w.input_scale.float(), out_dtype or x.dtype,
-                             prequantize)
+                             prequantize, codes=codes)
     return y.reshape(*x.shape[:-1], n)
 
 

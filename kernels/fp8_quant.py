@@ -110,6 +110,17 @@ if triton is not None:
         return tl.where(nan, q, _round_to_e4m3_grid(tl.where(nan, 0.0, q)))
 
     @triton.jit
+    def static_codes(x, s):
+        """fp32 tile x, static scale s -> e4m3 codes of `static_grid` (NaN -> torch's e4m3fn NaN code 0x7F, set
+        explicitly: the interpreter's fp8 cast would turn it into a number). Shared by `_quant_static_kernel` and
+        the producers that write codes beside their output (`kernels/rms_norm.py`, `kernels/attn_prep.py`: the
+        quantiser fused into the op whose output an FP8 projection reads)."""
+        q = static_grid(x, s)
+        nan = q != q
+        code = tl.where(nan, 0.0, q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return tl.where(nan, 0x7F, code).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
     def _quant_static_kernel(x_ptr, s_ptr, q_ptr, M, K, stride_xm, stride_qm,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
         # static per-tensor scale s (fp32 [], read on the device: no host sync, CUDA-graph safe); grid
@@ -119,11 +130,7 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-        q = static_grid(x.to(tl.float32), tl.load(s_ptr))
-        nan = q != q  # NaN -> torch's e4m3fn NaN code 0x7F, set explicitly (the interpreter's fp8 cast would turn
-        #               it into a number)
-        code = tl.where(nan, 0.0, q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        code = tl.where(nan, 0x7F, code).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        code = static_codes(x.to(tl.float32), tl.load(s_ptr))
         tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], code, mask=mask)
 
 

@@ -59,11 +59,13 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels.fp8_quant import static_codes
     from kernels.pdl import enter as pdl_enter
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
 ZC, GATED, ADD_ZC = "rms_norm_zc", "rms_norm_gated", "add_rms_norm_zc"
+ZC_FP8, GATED_FP8 = "rms_norm_zc_fp8", "rms_norm_gated_fp8"  # + the e4m3 codes of the output (static scale)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ADD_DTYPES = (torch.bfloat16, torch.float32)  # the residual sum is rounded with `_round`: bf16 (or none in fp32)
 MIN_CAPABILITY = (8, 0)  # bf16 loads/stores and casts in hardware
@@ -102,6 +104,25 @@ def add_rms_norm_zc_reference(x: torch.Tensor, h: torch.Tensor, weight: torch.Te
     the fp32 sum once) and y = `rms_norm_zc_reference(s, weight, eps)`, the norm of the *rounded* sum."""
     s = x + h
     return s, rms_norm_zc_reference(s, weight, eps)
+
+
+def rms_norm_zc_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, input_scale: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, codes): y = `rms_norm_zc_reference`, codes = `fp8_quant.quantize_static_reference(y, input_scale)` -- the
+    norm and the quantiser of the FP8 projection that reads it (static per-tensor scale, fp32 [])."""
+    from kernels.fp8_quant import quantize_static_reference
+
+    y = rms_norm_zc_reference(x, weight, eps)
+    return y, quantize_static_reference(y, input_scale)
+
+
+def rms_norm_gated_fp8_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, codes) as `rms_norm_zc_fp8_reference`, for `rms_norm_gated_reference`."""
+    from kernels.fp8_quant import quantize_static_reference
+
+    y = rms_norm_gated_reference(x, z, weight, eps)
+    return y, quantize_static_reference(y, input_scale)
 
 
 # ---- Triton kernels -------------------------------------------------------------------------------------------------
@@ -149,16 +170,25 @@ if triton is not None:
         return tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
 
     @triton.jit
-    def _rms_norm_zc_kernel(x, w, out, R, D, s_x, s_o, eps,
+    def _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, y, INTERPRET: tl.constexpr, QUANT: tl.constexpr):
+        """Store fp32 y rounded to out's dtype; QUANT: also the e4m3 codes of that rounded value with the static scale
+        s_in (fp32 []) -- what `fp8_quant.quantize_static_reference` gives for the stored tensor, bit for bit."""
+        yo = _cast(y, out.dtype.element_ty, INTERPRET)
+        r64 = rows.to(tl.int64)[:, None]
+        tl.store(out + r64 * s_o + cols[None, :], yo, mask=ok)
+        if QUANT:
+            tl.store(codes + r64 * s_c + cols[None, :], static_codes(yo.to(tl.float32), tl.load(s_in)), mask=ok)
+
+    @triton.jit
+    def _rms_norm_zc_kernel(x, w, out, R, D, s_x, s_o, eps, codes, s_c, s_in,
                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
-                            USE_PDL: tl.constexpr = False):
+                            QUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
         wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
         y = (xf * _inv_rms(xf, D, eps)[:, None]) * (1.0 + wf)[None, :]
-        tl.store(out + rows.to(tl.int64)[:, None] * s_o + cols[None, :], _cast(y, out.dtype.element_ty, INTERPRET),
-                 mask=ok)
+        _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, y, INTERPRET, QUANT)
 
     @triton.jit
     def _add_rms_norm_zc_kernel(x, h, w, s_out, out, R, D, s_x, s_h, s_s, s_o, eps,
@@ -177,9 +207,9 @@ if triton is not None:
                  mask=ok)
 
     @triton.jit
-    def _rms_norm_gated_kernel(x, z, w, out, R, D, s_x, s_z, s_o, eps, ROUND_PRODUCT: tl.constexpr,
+    def _rms_norm_gated_kernel(x, z, w, out, R, D, s_x, s_z, s_o, eps, codes, s_c, s_in, ROUND_PRODUCT: tl.constexpr,
                                ROUND_X: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+                               INTERPRET: tl.constexpr, QUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # ROUND_PRODUCT: torch computes `weight * y` in the model dtype (weight of that dtype, bf16/fp16), not fp32.
         # ROUND_X: x is fp32 (the GDN core's output), first rounded to the model dtype = out's (`rounds_x`)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
@@ -198,8 +228,7 @@ if triton is not None:
             p = _cast(p, dt, INTERPRET).to(tl.float32)
         zf = _load_rows(z, rows, cols, s_z, ok)
         o = p * (zf / (1.0 + tl.exp(-zf)))  # * silu(z.float())
-        tl.store(out + rows.to(tl.int64)[:, None] * s_o + cols[None, :], _cast(o, out.dtype.element_ty, INTERPRET),
-                 mask=ok)
+        _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, o, INTERPRET, QUANT)
 
 
 def _interpreted() -> bool:
@@ -227,19 +256,45 @@ def _check(name: str, *ts: torch.Tensor) -> None:
 
 
 # ---- custom ops (traceable by torch.compile) ------------------------------------------------------------------------
-@torch.library.custom_op("qwen::rms_norm_zc", mutates_args=())
-def rms_norm_zc_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> y [..., D] in x.dtype (contiguous); contract: `rms_norm_zc_reference`."""
+def _codes_args(out2: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The codes output [R, D] e4m3 (or, without a scale, a placeholder: the kernel never touches it) and its
+    launch arguments (codes, row stride, the fp32 [] scale) + QUANT."""
+    if input_scale is None:
+        return out2, (out2, 0, out2), {}
+    codes = torch.empty(out2.shape, dtype=torch.float8_e4m3fn, device=out2.device)
+    return codes, (codes, codes.stride(0), input_scale.reshape(()).float()), {"QUANT": True}
+
+
+def _zc(x: torch.Tensor, weight: torch.Tensor, eps: float, input_scale: torch.Tensor | None):
     _check(ZC, x, weight)
     out = x.new_empty(x.shape)
     x2, o2 = _rows(x), out.view(-1, x.shape[-1])
-    if o2.numel() == 0:
-        return out
-    cfg = _tiling(*x2.shape)
-    grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
-    _rms_norm_zc_kernel[grid](x2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), o2.stride(0), eps,
-                              INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
-    return out
+    codes, cargs, quant = _codes_args(o2, input_scale)
+    if o2.numel():
+        cfg = _tiling(*x2.shape)
+        grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
+        _rms_norm_zc_kernel[grid](x2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), o2.stride(0), eps, *cargs,
+                                  INTERPRET=_interpreted(), **quant, **cfg, **pdl.launch_options())
+    return out, codes.view(x.shape)
+
+
+@torch.library.custom_op("qwen::rms_norm_zc", mutates_args=())
+def rms_norm_zc_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> y [..., D] in x.dtype (contiguous); contract: `rms_norm_zc_reference`."""
+    return _zc(x, weight, eps, None)[0]
+
+
+@torch.library.custom_op("qwen::rms_norm_zc_fp8", mutates_args=())
+def rms_norm_zc_fp8_op(x: torch.Tensor, weight: torch.Tensor, eps: float, input_scale: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_zc_op` and the e4m3 codes of its output with the static scale `input_scale` (fp32 []), both
+    [..., D], in one launch; contract: `rms_norm_zc_fp8_reference`."""
+    return _zc(x, weight, eps, input_scale)
+
+
+@rms_norm_zc_fp8_op.register_fake
+def _(x, weight, eps, input_scale):
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
 
 
 @rms_norm_zc_op.register_fake
@@ -247,23 +302,40 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
+def _gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, input_scale: torch.Tensor | None):
+    _check(GATED, x, z, weight)
+    out = z.new_empty(x.shape)
+    x2, z2, o2 = _rows(x), _rows(z), out.view(-1, x.shape[-1])
+    codes, cargs, quant = _codes_args(o2, input_scale)
+    if o2.numel():
+        cfg = _tiling(*x2.shape)
+        grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
+        # torch.promote_types(weight, y) over DTYPES is y's (the model dtype's) when the dtypes are equal, else fp32
+        round_product = weight.dtype == z.dtype != torch.float32
+        _rms_norm_gated_kernel[grid](x2, z2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), z2.stride(0),
+                                     o2.stride(0), eps, *cargs, ROUND_PRODUCT=round_product, ROUND_X=rounds_x(x, z),
+                                     INTERPRET=_interpreted(), **quant, **cfg, **pdl.launch_options())
+    return out, codes.view(x.shape)
+
+
 @torch.library.custom_op("qwen::rms_norm_gated", mutates_args=())
 def rms_norm_gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, z [..., D] -> y [..., D] in z.dtype (x's unless `rounds_x`; contiguous); contract:
     `rms_norm_gated_reference`."""
-    _check(GATED, x, z, weight)
-    out = z.new_empty(x.shape)
-    x2, z2, o2 = _rows(x), _rows(z), out.view(-1, x.shape[-1])
-    if o2.numel() == 0:
-        return out
-    cfg = _tiling(*x2.shape)
-    grid = (triton.cdiv(x2.shape[0], cfg["BLOCK_R"]),)
-    # torch.promote_types(weight, y) over DTYPES is y's (the model dtype's) when the dtypes are equal, else fp32
-    round_product = weight.dtype == z.dtype != torch.float32
-    _rms_norm_gated_kernel[grid](x2, z2, weight, o2, x2.shape[0], x2.shape[1], x2.stride(0), z2.stride(0),
-                                 o2.stride(0), eps, ROUND_PRODUCT=round_product, ROUND_X=rounds_x(x, z),
-                                 INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
-    return out
+    return _gated(x, z, weight, eps, None)[0]
+
+
+@torch.library.custom_op("qwen::rms_norm_gated_fp8", mutates_args=())
+def rms_norm_gated_fp8_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                          input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_gated_op` and the e4m3 codes of its output with the static scale `input_scale`, in one launch;
+    contract: `rms_norm_gated_fp8_reference`."""
+    return _gated(x, z, weight, eps, input_scale)
+
+
+@rms_norm_gated_fp8_op.register_fake
+def _(x, z, weight, eps, input_scale):
+    return z.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
 
 
 @rms_norm_gated_op.register_fake
@@ -310,6 +382,16 @@ def rms_norm_gated_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     return rms_norm_gated_op(x, z, weight, eps)
 
 
+def rms_norm_zc_fp8_triton(x, weight, eps, input_scale):
+    """Same contract as `rms_norm_zc_fp8_reference`."""
+    return rms_norm_zc_fp8_op(x, weight, eps, input_scale)
+
+
+def rms_norm_gated_fp8_triton(x, z, weight, eps, input_scale):
+    """Same contract as `rms_norm_gated_fp8_reference`."""
+    return rms_norm_gated_fp8_op(x, z, weight, eps, input_scale)
+
+
 # ---- guard, registry entries ----------------------------------------------------------------------------------------
 def _describe(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None) -> dict[str, Any]:
     ts = (x, weight) if z is None else (x, z, weight)
@@ -346,6 +428,37 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, weight_
     device_ok = triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
             and weight_dtype in DTYPES and shapes_ok and 1 <= dim <= MAX_DIM and unit_strides)
+
+
+def describe_zc_fp8(x, weight, eps=None, input_scale=None) -> dict[str, Any]:
+    return dict(_describe(x, weight, None), scale_ok=_scale_ok(input_scale, x))
+
+
+def describe_gated_fp8(x, z, weight, eps=None, input_scale=None) -> dict[str, Any]:
+    return dict(describe_gated(x, z, weight), scale_ok=_scale_ok(input_scale, x))
+
+
+def _scale_ok(s: torch.Tensor | None, x: torch.Tensor) -> bool:
+    return s is not None and s.numel() == 1 and s.dtype == torch.float32 and s.device == x.device
+
+
+def supports_fp8(*, scale_ok: bool, **info: Any) -> bool:
+    """`supports`, and a one-element fp32 scale on x's device."""
+    return scale_ok and supports(**info)
+
+
+def compare_fp8(out, ref, tol: float | None = None) -> str | None:
+    """The output by `compare`; the codes equal wherever the outputs are bit-identical (a code is a function of its
+    output element: where an ulp moved the output, the code may move with it -- the tests also check the kernel's
+    codes against the reference quantiser applied to the kernel's own output, everywhere)."""
+    problem = compare(out[0], ref[0], tol)
+    if problem:
+        return f"output: {problem}"
+    same = out[0].view(-1).view(torch.int16 if out[0].element_size() == 2 else torch.int32) == \
+        ref[0].view(-1).view(torch.int16 if ref[0].element_size() == 2 else torch.int32)
+    codes_out, codes_ref = out[1].view(-1).view(torch.uint8), ref[1].view(-1).view(torch.uint8)
+    bad = int((same & (codes_out != codes_ref)).sum())
+    return f"codes: {bad} differ where the outputs are bit-identical" if bad else None
 
 
 def supports_add(**info: Any) -> bool:
@@ -394,6 +507,17 @@ def _sample_gated(device) -> tuple[tuple, dict]:
     return random_inputs((3, 2, 96), torch.bfloat16, gated=True, seed=1, device=device), {}
 
 
+def _sample_zc_fp8(device) -> tuple[tuple, dict]:
+    # a hidden-state-like row pair; the scale saturates row 0's massive activation (+-448) and rounds the rest
+    x, w, eps = random_inputs((2, 96), torch.bfloat16, seed=4, device=device)
+    return (x, w, eps, torch.tensor(0.01, device=device)), {}
+
+
+def _sample_gated_fp8(device) -> tuple[tuple, dict]:
+    x, z, w, eps = random_inputs((3, 2, 96), torch.bfloat16, gated=True, seed=5, device=device)
+    return (x, z, w, eps, torch.tensor(0.005, device=device)), {}
+
+
 def _sample_add(device) -> tuple[tuple, dict]:
     # two hidden-state rows of a non-power-of-two D, bf16 like the model; h is the mixer output of the same scale
     x, w, eps = random_inputs((2, 96), torch.bfloat16, seed=2, device=device)
@@ -413,3 +537,10 @@ def register(registry) -> None:
     registry.add_op(ADD_ZC, add_rms_norm_zc_reference, sample=_sample_add, compare=compare_add, describe=describe_add,
                     tolerance="the sum bit-identical; the norm as rms_norm_zc's (" + tolerance + ")")
     registry.add_implementation(ADD_ZC, "triton", add_rms_norm_zc_triton, supports_add)
+    fp8 = " and the output's e4m3 codes equal wherever the output is bit-identical"
+    registry.add_op(ZC_FP8, rms_norm_zc_fp8_reference, sample=_sample_zc_fp8, compare=compare_fp8,
+                    describe=describe_zc_fp8, tolerance="the output as rms_norm_zc's (" + tolerance + ")" + fp8)
+    registry.add_implementation(ZC_FP8, "triton", rms_norm_zc_fp8_triton, supports_fp8)
+    registry.add_op(GATED_FP8, rms_norm_gated_fp8_reference, sample=_sample_gated_fp8, compare=compare_fp8,
+                    describe=describe_gated_fp8, tolerance="the output as rms_norm_gated's (" + tolerance + ")" + fp8)
+    registry.add_implementation(GATED_FP8, "triton", rms_norm_gated_fp8_triton, supports_fp8)

@@ -91,6 +91,14 @@ def main() -> int:
     ok.append(compile_one("rms_norm_gated (D = 128, fp32 x rounded to bf16)", rms_norm._rms_norm_gated_kernel,
                           {"x": "*fp32", "z": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
                           dict(ROUND_PRODUCT=True, ROUND_X=True, BLOCK_R=8, BLOCK_D=128, INTERPRET=False)))
+    # the FP8 projections' quantiser in the producing op (quantized.QUANT_IN_PRODUCERS): codes beside the output
+    codes = {"codes": "*fp8e4nv", "s_in": "*fp32"}
+    ok.append(compile_one("rms_norm_zc + e4m3 codes (D = 2048, bf16)", rms_norm._rms_norm_zc_kernel,
+                          {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32", **codes},
+                          dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False, QUANT=True)))
+    ok.append(compile_one("rms_norm_gated + e4m3 codes (D = 128, fp32 x)", rms_norm._rms_norm_gated_kernel,
+                          {"x": "*fp32", "z": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32", **codes},
+                          dict(ROUND_PRODUCT=True, ROUND_X=True, BLOCK_R=8, BLOCK_D=128, INTERPRET=False, QUANT=True)))
     ok.append(compile_one("paged_decode (Dh = 256, GQA 8, bf16)", paged_attention._paged_decode_kernel,
                           {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
                            "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
@@ -169,6 +177,9 @@ def main() -> int:
                           dict(BLOCK_D=256, INTERPRET=False)))
     ok.append(compile_one("attn_output_gate (D = 256, bf16)", attn_prep._gate_kernel,
                           {n: "*bf16" for n in ("o", "gate", "out")}, dict(BLOCK_D=256, INTERPRET=False)))
+    ok.append(compile_one("attn_output_gate + e4m3 codes (D = 256, bf16)", attn_prep._gate_kernel,
+                          {**{n: "*bf16" for n in ("o", "gate", "out")}, "codes": "*fp8e4nv", "s_in": "*fp32"},
+                          dict(BLOCK_D=256, INTERPRET=False, QUANT=True)))
     # the decode FP8 linear: the static quantiser fused, CUDA-core products, split K reduced in the kernel (and no split)
     skinny = {"x": "*bf16", "w": "*fp8e4nv", "s_in": "*fp32", "s_w": "*fp32", "y": "*bf16", "ws": "*fp32",
               "counters": "*i32"}

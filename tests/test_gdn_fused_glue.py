@@ -92,7 +92,8 @@ def test_ba_weight_follows_weight_changes(model):
 
 
 # ---- end to end: engine decode steps, fused vs plain -------------------------------------------------------------
-GLUE_OPS = ("add_rms_norm_zc", "rms_norm_gated", "rms_norm_zc", "attn_decode_prep", "attn_output_gate")
+GLUE_OPS = ("add_rms_norm_zc", "rms_norm_gated", "rms_norm_zc", "attn_decode_prep", "attn_output_gate",
+            "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8")
 
 
 def _drive(model, fused: bool, monkeypatch, tokens: list | None = None, reference_ops: tuple = ()):
@@ -202,3 +203,59 @@ def test_glue_is_bit_identical_end_to_end(model, monkeypatch, dtype):
     for (decode, o), (_, n) in zip(old, new):
         err = float((n - o).abs().max() / o.abs().max())
         assert err <= tol, f"{'decode' if decode else 'prefill'} step: {err:.2e} x max |logit|"
+
+
+# ---- the FP8 projections' activation quantiser in the producing ops (quantized.QUANT_IN_PRODUCERS) -----------------
+def _packed_model(dtype=torch.bfloat16):
+    from qwen_engine.load_packed import load_quantized
+    from qwen_engine.random_weights import calibrate_fp8_input_scales, random_packed_tensors
+
+    cfg = QwenConfig.tiny()
+    m = load_quantized(random_packed_tensors(cfg, "cpu", seed=0), cfg, "cpu", dtype, gdn_chunk_size=16).to(DEVICE)
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    calibrate_fp8_input_scales(m, ids)
+    return m
+
+
+def test_quant_in_producers_hands_each_projection_its_own_codes_and_changes_nothing(monkeypatch):
+    """Packed tiny model (W8A8 FP8 attention / GDN projections), engine decode steps with the fused glue: with
+    QUANT_IN_PRODUCERS the input norm, the GDN gated norm and the attention output gate write the codes; every FP8
+    projection of every decode step receives codes bit-identical to its own quantiser's (`quantize_static_reference`
+    of its input with its input_scale: checked at each call), and the logits of every step are bit-identical to the
+    run without it (on the CPU the projections' reference ignores the codes; the GPU implementations that read them
+    give the same bits: tests/test_kernel_fp8.py)."""
+    from kernels import fp8_linear
+    from kernels.fp8_quant import quantize_static_reference
+    from kernels.nvfp4 import fp8_linear_reference
+    from qwen_engine.model import quantized
+    from qwen_engine.model.attention import GatedAttention
+
+    with monkeypatch.context() as mp:
+        off, tokens = _drive(_packed_model(), True, mp)
+    seen = []
+
+    def spy(name):
+        def with_codes(x, w, codes, out_dtype=None):
+            want = quantize_static_reference(x, w.input_scale)
+            assert codes.shape == want.shape and torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), name
+            seen.append(tuple(x.shape))
+            real = fp8_linear._WITH_CODES.get(name)
+            return real(x, w, codes, out_dtype) if real else fp8_linear_reference(x, w, out_dtype)
+        return with_codes
+
+    monkeypatch.setattr(fp8_linear, "with_codes", spy)
+    monkeypatch.setattr(quantized, "QUANT_IN_PRODUCERS", True)
+    model = _packed_model()
+    on, _ = _drive(model, True, monkeypatch, tokens)
+    assert len(on) == len(off)
+    for (decode, a), (_, b) in zip(off, on):
+        assert torch.equal(a, b), "decode" if decode else "prefill"
+    n_attn = sum(isinstance(m, GatedAttention) for m in model.modules())
+    n_gdn = sum(isinstance(m, GatedDeltaNet) for m in model.modules())
+    decode_steps = sum(d for d, _ in on)
+    assert decode_steps and len(seen) == decode_steps * (4 * n_attn + 3 * n_gdn), (len(seen), decode_steps)
+    from engine_core.registry import default_registry
+
+    choices = default_registry().choices()
+    for op in ("rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8"):
+        assert choices[op]["last"] == "triton", (op, choices[op])

@@ -113,7 +113,31 @@ def test_registry_self_check():
 
     reg = Registry()
     attn_prep.register(reg)
-    assert reg.self_check(DEVICE) == {"attn_decode_prep": "triton passed", "attn_output_gate": "triton passed"}
+    assert reg.self_check(DEVICE) == {"attn_decode_prep": "triton passed", "attn_output_gate": "triton passed",
+                                      "attn_output_gate_fp8": "triton passed"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scale", [0.02, 1e-5], ids=["rounding", "saturating"])
+def test_output_gate_fp8_codes(dtype, scale):
+    """"attn_output_gate_fp8": the output bit-identical to "attn_output_gate"'s, and the codes exactly
+    `quantize_static_reference` of that output (o_proj's quantiser, fused); a scale small enough saturates to +-448.
+    A code changed by one step is caught by `compare_gate_fp8`."""
+    from kernels.attn_prep import (attn_output_gate_fp8_op, attn_output_gate_fp8_reference, attn_output_gate_op,
+                                   compare_gate_fp8, gate_inputs)
+    from kernels.fp8_quant import quantize_static_reference
+
+    o, gate = gate_inputs(3, 4, 96, dtype=dtype, seed=7, device=DEVICE)
+    s = torch.tensor(scale, device=DEVICE)
+    y, codes = attn_output_gate_fp8_op(o, gate, s)
+    assert torch.equal(y, attn_output_gate_op(o, gate))
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == y.shape
+    assert torch.equal(codes.view(torch.uint8), quantize_static_reference(y, s).view(torch.uint8))
+    assert (codes.float().abs() == 448).any() == (scale < 1e-3)
+    assert compare_gate_fp8((y, codes), attn_output_gate_fp8_reference(o, gate, s)) is None
+    bumped = codes.view(torch.uint8).clone()
+    bumped.view(-1)[5] ^= 1
+    assert "codes" in compare_gate_fp8((y, bumped.view(torch.float8_e4m3fn)), attn_output_gate_fp8_reference(o, gate, s))
 
 
 # ---- the output gate (o * sigmoid(gate)) in one launch ---------------------------------------------------------------

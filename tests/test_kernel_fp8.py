@@ -219,6 +219,34 @@ def test_registry_records_the_fallback():
     assert "FAILED" not in outcome, outcome
 
 
+def test_implementations_with_producer_codes_give_the_same_bits():
+    """`fp8_linear.with_codes`: each implementation with a separate quantiser, handed the codes its input's producer
+    made (= the quantiser's bits), returns exactly what it returns quantising itself -- the decode GEMV at 1 and 2
+    rows, the quantiser + scaled_mm, the split-K kernel on a narrow layer and past its width; the others have no
+    codes form. Wrong codes change the result (so they are read)."""
+    from kernels import fp8_linear
+
+    assert fp8_linear.with_codes("reference") is None and fp8_linear.with_codes("triton_gemv") is None
+    names = ["triton_quant+scaled_mm", "scaled_mm"]
+    if fp8_linear.fp8_gemv.supported(1, 64, 32, torch.bfloat16, torch.bfloat16):  # Triton here (interpreter or GPU)
+        names += ["triton_quant+gemv", "triton_skinny+scaled_mm"]
+    impls = {"triton_quant+scaled_mm": fp8_linear.fp8_linear_triton_quant, "scaled_mm": fp8_linear.fp8_linear_scaled_mm,
+             "triton_quant+gemv": lambda x, w: fp8_linear._gemv(x, w, None, prequantize=True),
+             "triton_skinny+scaled_mm": fp8_linear.fp8_linear_skinny}
+    for m, n in ((1, 96), (2, 96), (2, 4096)):  # 4096 > SKINNY_MAX_N: the skinny entry's scaled_mm branch
+        x, w = make(m, n, 128, seed=40 + m + n)
+        codes = fp8_quant.quantize_static_reference(x, w.input_scale)
+        for name in names:
+            if name == "triton_quant+gemv" and not fp8_linear.fp8_gemv.gemv_ok(m, n, 128):
+                continue
+            got = fp8_linear.with_codes(name)(x, w, codes)
+            assert torch.equal(got, impls[name](x, w)), (name, m, n)
+            if name != "triton_skinny+scaled_mm" or n > fp8_linear.fp8_skinny.SKINNY_MAX_N:
+                wrong = codes.view(torch.uint8).clone()
+                wrong[0, :8] = 0  # zero codes where x is not
+                assert not torch.equal(fp8_linear.with_codes(name)(x, w, wrong.view(torch.float8_e4m3fn)), got), name
+
+
 # ---- dynamic row-wise FP8 (the ViT's linears): quantiser and "fp8_rowwise_linear" ----------------------------------
 from kernels import fp8_quant  # noqa: E402
 from kernels.fp8_linear import (  # noqa: E402

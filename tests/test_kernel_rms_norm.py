@@ -237,3 +237,51 @@ def test_registry_self_check_and_choice():
     assert compare(reg.call("rms_norm_zc", x, w, eps), rms_norm_zc_reference(x, w, eps)) is None
     assert reg.choose("rms_norm_zc", **describe_zc(x.double(), w, eps)).name == "reference"  # recorded fallback
     assert reg.choices()["rms_norm_zc"]["fallback"]
+
+
+# ---- the FP8 projection's quantiser in the norm ("rms_norm_zc_fp8", "rms_norm_gated_fp8") -----------------------------
+@pytest.mark.parametrize("gated,dtype,shape,xdtype", [
+    (False, torch.bfloat16, (3, 96), None), (False, torch.float32, (5, 2, 64), None),
+    (True, torch.bfloat16, (3, 4, 96), None), (True, torch.bfloat16, (2, 4, 64), torch.float32),  # GDN: fp32 o
+    (True, torch.float32, (3, 64), None)], ids=["zc-bf16", "zc-fp32", "gated-bf16", "gated-fp32x-bf16z", "gated-fp32"])
+@pytest.mark.parametrize("scale", [0.1, 1e-4], ids=["rounding", "saturating"])
+def test_fp8_codes_beside_the_norm(gated, dtype, shape, xdtype, scale):
+    """The *_fp8 ops: the output bit-identical to the plain op's (same kernel, QUANT adds a store), the codes exactly
+    `quantize_static_reference` of that output with the projection's scale (its quantiser, fused), NaN-free inputs
+    saturating to +-448 at a small scale; `compare_fp8` passes against the reference and catches one code moved by
+    one step."""
+    from kernels.fp8_quant import quantize_static_reference
+    from kernels.rms_norm import (compare_fp8, rms_norm_gated_fp8_op, rms_norm_gated_fp8_reference,
+                                  rms_norm_zc_fp8_op, rms_norm_zc_fp8_reference)
+
+    s = torch.tensor(scale, device=DEVICE)
+    if gated:
+        x, z, w, eps = random_inputs(shape, dtype, gated=True, seed=11, device=DEVICE)
+        x = x if xdtype is None else x.to(xdtype)
+        (y, codes), ref = rms_norm_gated_fp8_op(x, z, w, eps, s), rms_norm_gated_fp8_reference(x, z, w, eps, s)
+        plain = rms_norm_gated_triton(x, z, w, eps)
+    else:
+        x, w, eps = random_inputs(shape, dtype, seed=12, device=DEVICE)
+        (y, codes), ref = rms_norm_zc_fp8_op(x, w, eps, s), rms_norm_zc_fp8_reference(x, w, eps, s)
+        plain = rms_norm_zc_triton(x, w, eps)
+    assert torch.equal(y, plain) and codes.shape == y.shape and codes.dtype == torch.float8_e4m3fn
+    assert torch.equal(codes.view(torch.uint8), quantize_static_reference(y, s).view(torch.uint8))
+    assert (codes.float().abs() == 448).any() == (scale < 1e-3)
+    assert compare_fp8((y, codes), ref) is None
+    bumped = codes.view(torch.uint8).clone()
+    bumped.view(-1)[1] ^= 1
+    assert "codes" in compare_fp8((y, bumped.view(torch.float8_e4m3fn)), ref)
+
+
+def test_fp8_registry_self_check():
+    from engine_core.registry import Registry
+
+    from kernels import rms_norm
+
+    reg = Registry()
+    rms_norm.register(reg)
+    outcomes = reg.self_check(DEVICE)
+    for op in ("rms_norm_zc_fp8", "rms_norm_gated_fp8"):
+        assert outcomes[op] == "triton passed", outcomes[op]
+    (x, w, eps, s), _ = rms_norm._sample_zc_fp8(DEVICE)
+    assert not rms_norm.supports_fp8(**rms_norm.describe_zc_fp8(x, w, eps, s.double()))  # an fp32 scale only

@@ -14,7 +14,7 @@ from torch import nn
 from ..config import QwenConfig
 from .norm import ZeroCentredRMSNorm
 from .paged import FlatBatch, PagedKV
-from .quantized import drop_fused_projections, project_together
+from .quantized import drop_fused_projections, producer_scale, project_together
 from .state import KVCache
 
 
@@ -93,16 +93,26 @@ class GatedAttention(nn.Module):
         o = o * torch.sigmoid(gate.reshape(b, t, -1))  # output gate, elementwise over all H*D channels
         return self.o_proj(o)
 
+    def _takes_decode_fused(self, x: torch.Tensor, batch: FlatBatch) -> bool:
+        fused = self.fused if self.fused is not None else x.is_cuda
+        return (fused and batch.num_decode == x.shape[0] and batch.decode_attention is not None
+                and self.q_norm.eps == self.k_norm.eps)  # (the op takes one eps; the model's are equal)
+
+    def decode_input_scale(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
+        """The static scale the input norm quantises x with for this step's q/k/v_proj, where the decode path reads
+        such codes (`quantized.producer_scale`), else None."""
+        if not self._takes_decode_fused(x, batch):
+            return None
+        return producer_scale(self, ("q_proj", "k_proj", "v_proj"))
+
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
-                      batch: FlatBatch) -> torch.Tensor:
+                      batch: FlatBatch, codes: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, hidden] (the flat tokens of `batch`); cos/sin [N, rotary_dim]; writes the N new keys/values into
         the pool at `batch.slot_mapping`, then attends each token to its own sequence's keys 0..position."""
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        fused = self.fused if self.fused is not None else x.is_cuda
-        if (fused and batch.num_decode == n and batch.decode_attention is not None
-                and self.q_norm.eps == self.k_norm.eps):  # (the op takes one eps; the model's are equal)
-            return self._decode_fused(x, cos, sin, kv, batch)
+        if self._takes_decode_fused(x, batch):
+            return self._decode_fused(x, cos, sin, kv, batch, codes)
         q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each
         q = self.q_norm(q).transpose(0, 1)[None]  # [1, H, N, D]
         k = self.k_norm(self.k_proj(x).view(n, kvh, d)).transpose(0, 1)[None]  # [1, KV, N, D]
@@ -140,7 +150,7 @@ class GatedAttention(nn.Module):
 
 
     def _decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
-                      batch: FlatBatch) -> torch.Tensor:
+                      batch: FlatBatch, codes: torch.Tensor | None = None) -> torch.Tensor:
         """A decode-only step (one token per sequence): projections, one "attn_decode_prep" launch (norms, RoPE,
         pool write), the decode attention kernel, the output gate ("attn_output_gate": the strided gate's copy, the
         sigmoid and the product in one launch), o_proj. Same maths as `forward_paged`."""
@@ -148,15 +158,19 @@ class GatedAttention(nn.Module):
 
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = project_together(self, ("q_proj", "k_proj", "v_proj"), x)  # fused: one quantiser + one GEMV
+        q, k, v = project_together(self, ("q_proj", "k_proj", "v_proj"), x, codes)  # fused: one GEMV
         q, gate = q.view(n, h, 2 * d).chunk(2, dim=-1)  # [N, H, D] each (strided views)
         k = k.view(n, kvh, d)
         v = v.view(n, kvh, d)
         q, _, _ = default_registry().call("attn_decode_prep", q, k, v, self.q_norm.weight, self.k_norm.weight,
                                           self.q_norm.eps, cos, sin, batch.slot_mapping, kv.k, kv.v)  # [N, H, D]
         o = batch.decode_attention(q, kv.k, kv.v, batch.block_tables[:n], batch.context_lens_t[:n], self.scaling)
-        o = default_registry().call("attn_output_gate", o, gate)  # o * sigmoid(gate) [N, H * D]: 3 launches -> 1
-        return self.o_proj(o)
+        scale = producer_scale(self, ("o_proj",))
+        if scale is None:
+            o = default_registry().call("attn_output_gate", o, gate)  # o * sigmoid(gate) [N, H * D]: 3 launches -> 1
+            return self.o_proj(o)
+        o, o_codes = default_registry().call("attn_output_gate_fp8", o, gate, scale)  # + o_proj's activation codes
+        return self.o_proj(o, o_codes)
 
 
 def gather_kv(kv: PagedKV, block_table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,11 +42,15 @@ class DecoderLayer(nn.Module):
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: PagedKV | GDNSlots,
                       batch: FlatBatch) -> torch.Tensor:
-        """x [N, hidden]: the flat tokens of a variable-length step over paged state (see `paged.py`)."""
-        h = self.input_layernorm(x)
+        """x [N, hidden]: the flat tokens of a variable-length step over paged state (see `paged.py`). Where the
+        mixer's decode path quantises its input for FP8 projections (`quantized.QUANT_IN_PRODUCERS`), the input norm
+        writes those codes too."""
+        mixer = self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
+        scale = mixer.decode_input_scale(x, batch)
+        h, codes = (self.input_layernorm(x), None) if scale is None else self.input_layernorm.forward_fp8(x, scale)
         if self.layer_type == FULL_ATTENTION:
-            h = self.self_attn.forward_paged(h, cos, sin, state, batch)
+            h = self.self_attn.forward_paged(h, cos, sin, state, batch, codes)
         else:
-            h = self.linear_attn.forward_paged(h, state, batch)
+            h = self.linear_attn.forward_paged(h, state, batch, codes)
         x, h = self.post_attention_layernorm.forward_add(x, h)  # x + h and its norm, one launch on CUDA
         return self.mlp(h, residual=x)  # x + mlp(...), the add fused on CUDA

@@ -28,7 +28,7 @@ from kernels.rms_norm import rounds_x
 from ..config import QwenConfig
 from .norm import GatedRMSNorm
 from .paged import FlatBatch, GDNSlots
-from .quantized import drop_fused_projections, project_together
+from .quantized import drop_fused_projections, producer_scale, project_together
 from .state import GDNState
 
 
@@ -232,11 +232,20 @@ class GatedDeltaNet(nn.Module):
 
     # ---- paged state (engine)
 
-    def _decode_fused(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch) -> torch.Tensor:
+    def decode_input_scale(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
+        """The static scale the input norm quantises x with for this step's in_proj_qkv / in_proj_z, where the
+        decode path reads such codes (`quantized.producer_scale`), else None."""
+        if batch.gdn_prep is None or batch.num_decode != x.shape[0]:
+            return None
+        return producer_scale(self, ("in_proj_qkv", "in_proj_z"))
+
+    def _decode_fused(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch,
+                      codes: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows only: projections, then conv step + head norms + gates in one op (`batch.gdn_prep`), the
-        recurrent step, the gated norm and out_proj. Same maths as the general path below."""
+        recurrent step, the gated norm and out_proj. Same maths as the general path below. `codes`: x's FP8
+        activation codes from the input norm (`decode_input_scale`)."""
         rows = batch.state_slots_t
-        qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x)  # fused: one quantiser + one GEMV
+        qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x, codes)  # fused: one GEMV
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         if self.fused_ba and batch.gdn_prep_ba is not None and self._plain_ba():  # b / a inside: a GEMM fewer
             q, k, v, beta, g, _, _ = batch.gdn_prep_ba(  # advances slots.conv[rows] in place
@@ -247,9 +256,16 @@ class GatedDeltaNet(nn.Module):
                 qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
                 self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
         o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
-        return self._output(o, z, x.dtype)
+        scale = producer_scale(self, ("out_proj",))
+        if scale is None:
+            return self._output(o, z, x.dtype)
+        if z.dtype != x.dtype or not rounds_x(o, z):
+            o = o.to(x.dtype)
+        o, o_codes = self.norm.forward_fp8(o, z, scale)  # the gated norm writes out_proj's activation codes
+        return self.out_proj(o.flatten(-2), o_codes.flatten(-2))
 
-    def forward_paged(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch,
+                      codes: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, hidden] (the flat tokens of `batch`) -> [N, hidden]; each sequence reads and advances its own
         state row `batch.state_slots[i]`. Decode rows: one batched conv step and one batched recurrent step
         (`batch.gdn_decode`, default `gated_delta_rows`); prefill chunks: all in one call of `batch.gdn_chunk` where
@@ -257,7 +273,7 @@ class GatedDeltaNet(nn.Module):
         the chunked rule (the recurrent step for a 1-token chunk, as the contiguous path does)."""
         nd = batch.num_decode
         if batch.gdn_prep is not None and nd == x.shape[0]:  # a decode-only step: one fused launch (gdn_prep.py)
-            return self._decode_fused(x, slots, batch)
+            return self._decode_fused(x, slots, batch, codes)
         z, beta, g, qkv_in = self._project(x)
         conv_out = torch.empty_like(qkv_in)  # [N, conv_dim]
         w = self.conv1d.weight

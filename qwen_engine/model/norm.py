@@ -58,6 +58,16 @@ class ZeroCentredRMSNorm(nn.Module):
         s = x + h
         return s, self._plain(s)
 
+    def forward_fp8(self, x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x), its e4m3 codes with the static `input_scale` of the FP8 projections reading it): one launch of
+        "rms_norm_zc_fp8" fused, else the norm then `fp8_quant.quantize_static_reference`."""
+        if _through_registry(self.fused, x):
+            return _registry().call("rms_norm_zc_fp8", x, self.weight, self.eps, input_scale)
+        from kernels.fp8_quant import quantize_static_reference
+
+        y = self(x)
+        return y, quantize_static_reference(y, input_scale)
+
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -88,3 +98,13 @@ class GatedRMSNorm(nn.Module):
         xf = x.float()
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * y * F.silu(z.float())).to(x.dtype)
+
+    def forward_fp8(self, x: torch.Tensor, z: torch.Tensor, input_scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the gated norm, its e4m3 codes with `input_scale`): "rms_norm_gated_fp8" fused, else the two steps."""
+        if _through_registry(self.fused, x):
+            return _registry().call("rms_norm_gated_fp8", x, z, self.weight, self.eps, input_scale)
+        from kernels.fp8_quant import quantize_static_reference
+
+        y = self(x, z)
+        return y, quantize_static_reference(y, input_scale)

@@ -103,6 +103,10 @@ class _Dispatch(_KeepStorageDtype):
         `_variant` for this call (state its `supports()` depends on that differs between calls). Calls of up to
         SMALL_ROWS activation rows are cached per row count (decode kernels, e.g. `kernels/w4a16_gemv.py`, support
         only those), larger ones together."""
+        return self._choose(*args, op=op, variant=variant).fn(*args)
+
+    def _choose(self, *args, op: str | None = None, variant=None):
+        """The registry implementation `_call` runs on args (cached as it describes)."""
         op = op or self.op
         reg = self.registry = _registry(self.registry)
         x = args[0]
@@ -112,7 +116,7 @@ class _Dispatch(_KeepStorageDtype):
         impl = self._impl.get(key)
         if impl is None:
             impl = self._impl[key] = reg.choose(op, **reg.spec(op).describe(*args))
-        return impl.fn(*args)
+        return impl
 
     @property
     def _variant(self):
@@ -263,9 +267,18 @@ class FP8Linear(_Dispatch):
         # runs measured the fp32 dequantising reference in every FP8 layer)
         return self.quantize_activations
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x.dtype."""
-        return self._call(x, self.weight_fp8)
+    def forward(self, x: torch.Tensor, codes: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x.dtype. `codes`: x's e4m3 activation codes with this layer's `input_scale`,
+        made by the op that produced x (`quant_in_producers`); implementations with a separate quantiser launch read
+        them instead (the same bits), the others ignore them."""
+        w = self.weight_fp8
+        if codes is None or not self.quantize_activations:
+            return self._call(x, w)
+        from kernels.fp8_linear import with_codes
+
+        impl = self._choose(x, w)
+        fn = with_codes(impl.name)
+        return impl.fn(x, w) if fn is None else fn(x, w, codes)
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale, dtype)
@@ -388,13 +401,46 @@ def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], x: torch.Ten
     return fused if entry.gemv_choice[key] else None
 
 
-def project_together(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def project_together(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor,
+                     codes: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """`owner`'s projections `names` of the same x, one output each (in that order): column views of one fused call
-    where `fused_fp8_projections` gives one (decode steps), else one call per projection."""
+    where `fused_fp8_projections` gives one (decode steps), else one call per projection. `codes`: x's activation
+    codes made with `producer_scale(owner, names)` (FP8Linear.forward)."""
     fused = fused_fp8_projections(owner, names, x)
+    extra = () if codes is None else (codes,)
     if fused is None:
-        return tuple(getattr(owner, n)(x) for n in names)
-    return fused(x).split([getattr(owner, n).out_features for n in names], dim=-1)
+        return tuple(getattr(owner, n)(x, *extra) for n in names)
+    return fused(x, *extra).split([getattr(owner, n).out_features for n in names], dim=-1)
+
+
+# ---- the activation quantiser in the producing op ----------------------------------------------------------------------
+# Off by default until measured on a GPU (benchmarks/qwen_gpu.py --quant-in-producers, gpu_next.sh step 47): a decode
+# step's FP8 projections each launch the one-launch quantiser before their GEMV / GEMM (80 launches in a lone step,
+# 130 at 32 streams; 0.12 / 0.40 ms of kernel time, Qwen profile run 17). With it on, the op that produces their input
+# writes the codes beside its output -- the mixers' input norm ("rms_norm_zc_fp8"), the GDN gated norm
+# ("rms_norm_gated_fp8"), the attention output gate ("attn_output_gate_fp8") -- with the same bits (the quantiser's
+# fp32 operations on the stored output), and the projections read them (`kernels.fp8_linear.with_codes`).
+QUANT_IN_PRODUCERS = False
+PRODUCER_SCALE_CACHE = "_fp8_producer_scale"  # a plain attribute of the owner: {names: (versions, scale or None)}
+
+
+def producer_scale(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The static scale an op producing the input of `owner`'s projections `names` quantises with, or None (switch
+    off; one of them not a W8A8 FP8Linear; their input scales differ). The comparison reads the device once per
+    version of the scales (the decode graphs' eager warm-up comes before their capture, as for
+    `fused_fp8_projections`)."""
+    if not QUANT_IN_PRODUCERS:
+        return None
+    mods = [getattr(owner, n) for n in names]
+    if not all(type(m) is FP8Linear and m.quantize_activations for m in mods):
+        return None
+    versions = tuple((id(m.input_scale), _version(m.input_scale)) for m in mods)
+    cache = owner.__dict__.setdefault(PRODUCER_SCALE_CACHE, {})
+    hit = cache.get(names)
+    if hit is None or hit[0] != versions:
+        s0 = mods[0].input_scale
+        hit = cache[names] = (versions, s0 if all(torch.equal(m.input_scale, s0) for m in mods[1:]) else None)
+    return hit[1]
 
 
 def drop_fused_projections(owner: nn.Module) -> None:
