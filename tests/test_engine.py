@@ -279,7 +279,9 @@ def test_odd_images_segment_with_post_rotation_size():
 # ---------------------------------------------------------------------------------------------------- load
 
 
-SLOW = {"image_wait_ms": 60_000.0}  # a partial image batch waits a minute: requests stay queued until we act
+# a partial image batch waits a minute, even with nothing running (release_when_idle off): requests stay queued until
+# we act
+SLOW = {"image_wait_ms": 60_000.0, "release_when_idle": False}
 
 
 def test_overload_rejects_at_once():

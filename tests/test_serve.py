@@ -3,7 +3,8 @@
 One Ray for the module (about 30 s to start both apps on 2 cores), two applications:
 
 * `sammie` at `/`: the default app, image batches wait up to 20 ms for company;
-* `slow` at `/slow`: `max_queued=1` and image batches that wait a minute, so a request stays queued until we act:
+* `slow` at `/slow`: `max_queued=1` and image batches that wait a minute (release_when_idle off), so a request stays
+  queued until we act:
   the overload (503 + Retry-After at once), deadline (504) and client-disconnect (work cancelled) cases.
 
 Masks are compared with the in-process `Segmenter.segment` at the same weights: exactly (RLE decoded with
@@ -43,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_BODY = 2 * 2**20
 MAIN = {"config": "tiny", "device": "cpu", "image_wait_ms": 20.0, "max_body_bytes": MAX_BODY, "decode_threads": 2}
 SLOW = {"config": "tiny", "device": "cpu", "warmup": False, "max_queued": 1, "image_wait_ms": 60_000.0,
-        "decode_threads": 1}
+        "release_when_idle": False, "decode_threads": 1}  # (idle release would send the parked request at once)
 
 
 METRICS_PORT = free_port()
