@@ -491,12 +491,12 @@ fi
 if want 42; then
 say "42. issue 4 (needs the whole .devbundle: ray, sam3): the FP8 quantiser's CUDA tests (fixed after waterfall run 1,"
 say "    not re-run since), then the waterfall's bf16 inductor engine beside the FP8 one, both detectors alone"
-say "    (model_only_best / model_only_fp8), the lone request without and with release_when_idle, the extra prompt"
+say "    (model_only_best / model_only_fp8), the lone request with release_when_idle (default) and without, the extra prompt"
 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py \
   > "$R/fp8_cuda_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/fp8_cuda_tests.log" | tail -3
 timeout "${LIMIT_42:-470}" python benchmarks/waterfall.py --out "$R/waterfall3" --budget-s 400 --no-profile \
-  --rows ours_bf16_inductor,ours_fp8_vit,model_only_best,model_only_fp8,latency_single,latency_single_idle,extra_prompt \
+  --rows ours_bf16_inductor,ours_fp8_vit,model_only_best,model_only_fp8,latency_single,latency_single_waits,extra_prompt \
   > "$R/waterfall3.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall3.log"
 fi
@@ -508,13 +508,13 @@ engine_ab qwen_split "${LIMIT_43:-560}" --autotune-table auto --compare-layout s
   --swapped-split 2,2 --swapped-split 4,4 --swapped-split 8,4
 fi
 if want 44; then
-say "44. issue 4 (the whole .devbundle): release_when_idle under load -- the bf16 inductor engine with 32 clients, then"
-say "    the same engine with the option on (it cut a lone request's p50 29.6 -> 24.3 ms in waterfall run 3)"
+say "44. issue 4 (the whole .devbundle; ran as waterfall run 4 with the per-stage rule): release_when_idle under load --"
+say "    the bf16 inductor engine with 32 clients (the option on by default since run 5), then with it off"
 timeout 60 python -m pytest -q -p no:cacheprovider "tests/test_kernel_fp8.py::test_registry_records_the_fallback" \
   > "$R/fp8_fallback_test.log" 2>&1
 grep -E "passed|failed" "$R/fp8_fallback_test.log" | tail -1
 timeout "${LIMIT_44:-330}" python benchmarks/waterfall.py --out "$R/waterfall4" --budget-s 300 --no-profile \
-  --rows ours_bf16_inductor,best_batched_idle,latency_single_idle > "$R/waterfall4.log" 2>&1
+  --rows ours_bf16_inductor,best_batched_waits,latency_single_waits > "$R/waterfall4.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall4.log"
 fi
 if want 45; then

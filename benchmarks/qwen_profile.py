@@ -193,7 +193,8 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
             # the steps whose kernels the window holds: those launched in it (the synchronise before it drained the
             # one in flight; async decode launches one past the last token read, hence one more than the tokens --
             # the 17 steps of a 16-token window that RESULTS normalised by hand from profile run 14 to run 17;
-            # `steps_launched` and the per-step kernel numbers use them since 2026-12-01, after profile run 17)
+            # `steps_launched` and the per-step kernel numbers use them since 2026-12-01, after profile run 17).
+            # To within one step: the counter is read on this thread while the worker may be mid-launch
             launched = engine.runner.launches - launched
             # every stream decoded in every step of the window: steps = the least-advanced stream's new tokens
             steps = min(c - f for c, f in zip(counts, first))
@@ -256,22 +257,16 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
                 burst_ttfts.append(sorted(ttfts))
                 return max(ttfts)
 
-            seen: list = []  # (plan, host ms of its execute / launch call) of every step the engine runs
-            execute, launch = engine.runner.execute, engine.runner.launch
+            seen: list = []  # (plan, host ms of its launch) of every step the engine runs
+            launch = engine.runner.launch
 
-            def recording(plan):
-                t = time.perf_counter()
-                result = execute(plan)
-                seen.append((plan, 1e3 * (time.perf_counter() - t)))
-                return result
-
-            def recording_launch(plan, *a, **kw):  # async_decode (the default) launches steps instead; the
-                t = time.perf_counter()  # plans' list was empty since it became the default (Qwen run 12)
+            def recording(plan, *a, **kw):  # every step goes through launch (execute = result(launch(plan))); it was
+                t = time.perf_counter()  # execute that was recorded, empty since async_decode became the default
                 result = launch(plan, *a, **kw)
                 seen.append((plan, 1e3 * (time.perf_counter() - t)))
                 return result
 
-            engine.runner.execute, engine.runner.launch = recording, recording_launch
+            engine.runner.launch = recording
             await one()  # warm the shapes
             ttfts = sorted([await one() for _ in range(reps)])
             sync(device)
@@ -281,7 +276,7 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
                 if device.type == "cuda":
                     torch.cuda.synchronize()
             out = dict(prompt_tokens=ctx, burst=burst, ttft_ms_median=ttfts[len(ttfts) // 2], ttft_ms=ttfts,
-                       burst_ttft_ms=burst_ttfts if burst > 1 else None,
+                       burst_ttft_ms=burst_ttfts[1:] if burst > 1 else None,  # (the first: the warm-up burst)
                        profiled_wall_ms=wall, kernel_checks=engine.health().get("kernel_checks"),
                        runner=engine.runner.stats(), engine_start_s=start_s)
             if device.type == "cuda":
@@ -292,7 +287,7 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
             # are free; the plan's reset_state zeroes the slot first)
             plans = [p for p, _ in seen[n_before:]]
             out["plans"] = [dict(seqs=len(p.seqs), tokens=sum(len(s.token_ids) for s in p.seqs),
-                                 execute_ms=ms) for p, ms in seen[n_before:]]
+                                 launch_ms=ms) for p, ms in seen[n_before:]]  # host time to queue the step
             if plans:
                 for plan in plans:  # warm, then timed
                     engine.runner.execute(plan)
@@ -376,7 +371,7 @@ def main() -> None:
                                                    prefill_graphs=args.prefill_graphs)
         log(json.dumps({k: v for k, v in r["engine_burst"].items() if k not in ("top", "host_top", "plans")}))
         for p in r["engine_burst"].get("plans", []):
-            print(f"  engine_burst step: {p['seqs']:3d} seqs {p['tokens']:5d} tokens {p['execute_ms']:9.1f} ms")
+            print(f"  engine_burst step: {p['seqs']:3d} seqs {p['tokens']:5d} tokens, launched in {p['launch_ms']:9.1f} ms")
         for row in r["engine_burst"].get("top", [])[:25]:
             print(f"  engine_burst {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         for row in r["engine_burst"].get("host_top", [])[:25]:

@@ -242,7 +242,9 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 r = run_meta_batched(b, row, model_only=row.kind == "meta_batched_model")
             elif row.kind == "engine":
                 r, engine = await run_engine(b, row)
-                reused = {later.reuse for later in rows[i + 1:]} | {b.args.profile_engine}  # kept to the end
+                reused = {later.reuse for later in rows[i + 1:]}  # kept to the end
+                if b.args.profile:
+                    reused.add(b.args.profile_engine)
                 if row.name in BEST_CANDIDATES or row.name in reused:
                     b.engines[row.name] = engine
                     if row.name in BEST_CANDIDATES:  # keep only the fastest bf16 engine for the rows that reuse it

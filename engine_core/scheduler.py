@@ -15,7 +15,9 @@ Rules (each one is a test in `tests/test_scheduler.py`):
 
 - **Batch release.** A stage releases a batch when its queue holds `max_batch_size` items, or when the oldest
   queued item has waited `max_wait_ms` (counted from when it entered *this* stage's queue), or, with
-  `release_when_idle`, when no batch of any stage is running; and fewer than `max_inflight_batches` of its batches are
+  `release_when_idle`, when no batch of any stage is running (when both stages then hold items, the one the
+  driver schedules first goes -- `AsyncBatchLoop` tries the image stage first -- and the other waits for its budget
+  or a slot, as under load); and fewer than `max_inflight_batches` of its batches are
   running. The batch takes the oldest items (FIFO per stage).
 - **Buckets.** `Batch.bucket_size` is the smallest `StageConfig.buckets` entry >= the number of real items; the
   runner pads to it so the compiled model only ever sees those batch sizes.

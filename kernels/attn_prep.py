@@ -40,7 +40,7 @@ try:
 
     from kernels.pdl import enter as pdl_enter
     from kernels.fp8_quant import static_codes
-    from kernels.rms_norm import _cast, _round
+    from kernels.rms_norm import _cast, _round, _stored_value
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -103,7 +103,8 @@ if triton is not None:
         y = _cast(x * sig, dt, INTERPRET)
         tl.store(out + n * s_outn + h * D + d, y, mask=ok)
         if QUANT:  # o_proj's activation codes of the stored value (`fp8_quant.quantize_static_reference`'s bits)
-            tl.store(codes + n * s_cn + h * D + d, static_codes(y.to(tl.float32), tl.load(s_in)), mask=ok)
+            tl.store(codes + n * s_cn + h * D + d, static_codes(_stored_value(x * sig, y, dt, INTERPRET),
+                                                                tl.load(s_in)), mask=ok)
 
     @triton.jit
     def _norm_rope(src, w, eps, cos_row, sin_row, d, ok, D, RD, DT: tl.constexpr, INTERPRET: tl.constexpr):

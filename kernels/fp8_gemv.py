@@ -223,7 +223,8 @@ def fp8_gemv_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         if codes.shape != (m, k) or codes.dtype != torch.float8_e4m3fn or codes.device != x.device:
             raise ValueError(f"fp8_gemv_linear: codes must be e4m3 {(m, k)} on {x.device}, got {codes.dtype} "
                              f"{tuple(codes.shape)} on {codes.device}")
-        x, prequantize = (codes if codes.stride(1) == 1 and codes.stride(0) % 4 == 0 else codes.contiguous()), True
+        aligned = codes.stride(1) == 1 and codes.stride(0) % 4 == 0 and codes.data_ptr() % 4 == 0  # int32 words
+        x, prequantize = (codes if aligned else codes.clone(memory_format=torch.contiguous_format)), True
     elif prequantize:
         x = quantize_static_triton(x, s_in)  # e4m3 [M, K], the codes the loop would compute
     interp = _interpreted()

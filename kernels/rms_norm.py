@@ -173,11 +173,22 @@ if triton is not None:
     def _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, y, INTERPRET: tl.constexpr, QUANT: tl.constexpr):
         """Store fp32 y rounded to out's dtype; QUANT: also the e4m3 codes of that rounded value with the static scale
         s_in (fp32 []) -- what `fp8_quant.quantize_static_reference` gives for the stored tensor, bit for bit."""
-        yo = _cast(y, out.dtype.element_ty, INTERPRET)
+        dt = out.dtype.element_ty
+        yo = _cast(y, dt, INTERPRET)
         r64 = rows.to(tl.int64)[:, None]
         tl.store(out + r64 * s_o + cols[None, :], yo, mask=ok)
         if QUANT:
-            tl.store(codes + r64 * s_c + cols[None, :], static_codes(yo.to(tl.float32), tl.load(s_in)), mask=ok)
+            tl.store(codes + r64 * s_c + cols[None, :], static_codes(_stored_value(y, yo, dt, INTERPRET),
+                                                                     tl.load(s_in)), mask=ok)
+
+    @triton.jit
+    def _stored_value(y, yo, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        """The fp32 value of the stored yo = `_cast(y, DTYPE)`: for bf16 by `_round`'s bit operations (the same
+        round to nearest even, which the compiler can neither drop nor contract, where a `.to(bf16).to(fp32)` round
+        trip was seen to be -- kernels/moe_combine.py), else the cast back."""
+        if DTYPE == tl.bfloat16:
+            return _round(y, DTYPE, INTERPRET)
+        return yo.to(tl.float32)
 
     @triton.jit
     def _rms_norm_zc_kernel(x, w, out, R, D, s_x, s_o, eps, codes, s_c, s_in,

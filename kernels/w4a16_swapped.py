@@ -365,7 +365,7 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     8 experts x 8 tiles = 64 programs walking all of K). Same result as split 1 up to the fp32 summation order of the
     partials (split order, deterministic). Falls back to 1 where no counters can be had (`split_counters`: more tiles
     than SPLIT_COUNTERS, or a first use inside a CUDA-graph capture). H200 (2026-12-01): its GPU tests pass; in the
-    engine without the dual copy, split K at <= 4 tokens moved lone decode -0.1% to +1.1% (Qwen run 32), so the
+    engine without the dual copy, split K at <= 4 tokens moved lone decode -0.1% to +1.0% (Qwen run 32), so the
     engine keeps it off (`DECODE_SPLIT`)."""
     if triton is None:
         raise RuntimeError("w4a16_grouped_swapped_launch needs triton")

@@ -269,7 +269,6 @@ class ModelRunner:
         """Forward and sampling of `plan` queued on the device, and the sampled ids' copy to the host; returns
         without waiting for them (CUDA; elsewhere the work is done on return). `feed`: see `forward`."""
         t0 = time.perf_counter()
-        self.launches += 1
         logits = self.forward(plan, feed)
         ids = host = event = None
         if logits.shape[0]:
@@ -282,6 +281,7 @@ class ModelRunner:
                 event.record()
             else:
                 host = ids
+        self.launches += 1  # queued (a launch that raised is not counted)
         return PendingStep(plan, ids, host, event, time.perf_counter() - t0)
 
     def result(self, pending: PendingStep) -> StepOutput:

@@ -217,19 +217,24 @@ def _packed_model(dtype=torch.bfloat16):
     return m
 
 
-def test_quant_in_producers_hands_each_projection_its_own_codes_and_changes_nothing(monkeypatch):
+@pytest.mark.parametrize("fused_projections", [False, True], ids=["per-projection", "fused-gemv-path"])
+def test_quant_in_producers_hands_each_projection_its_own_codes_and_changes_nothing(monkeypatch, fused_projections):
     """Packed tiny model (W8A8 FP8 attention / GDN projections), engine decode steps with the fused glue: with
     QUANT_IN_PRODUCERS the input norm, the GDN gated norm and the attention output gate write the codes; every FP8
     projection of every decode step receives codes bit-identical to its own quantiser's (`quantize_static_reference`
     of its input with its input_scale: checked at each call), and the logits of every step are bit-identical to the
     run without it (on the CPU the projections' reference ignores the codes; the GPU implementations that read them
-    give the same bits: tests/test_kernel_fp8.py)."""
+    give the same bits: tests/test_kernel_fp8.py). fused-gemv-path: "reference" counted as a GEMV (as
+    tests/test_qwen_quantized.py does), so decode steps take the fused q/k/v and in_proj_qkv/z call -- the lone decode
+    step's path on a GPU, with its per-row weight scales and its own copy of the input scale."""
     from kernels import fp8_linear
     from kernels.fp8_quant import quantize_static_reference
     from kernels.nvfp4 import fp8_linear_reference
     from qwen_engine.model import quantized
     from qwen_engine.model.attention import GatedAttention
 
+    if fused_projections:
+        monkeypatch.setattr(quantized, "GEMV_IMPLS", ("reference", *quantized.GEMV_IMPLS))
     with monkeypatch.context() as mp:
         off, tokens = _drive(_packed_model(), True, mp)
     seen = []
@@ -253,7 +258,8 @@ def test_quant_in_producers_hands_each_projection_its_own_codes_and_changes_noth
     n_attn = sum(isinstance(m, GatedAttention) for m in model.modules())
     n_gdn = sum(isinstance(m, GatedDeltaNet) for m in model.modules())
     decode_steps = sum(d for d, _ in on)
-    assert decode_steps and len(seen) == decode_steps * (4 * n_attn + 3 * n_gdn), (len(seen), decode_steps)
+    per_step = 2 * n_attn + 2 * n_gdn if fused_projections else 4 * n_attn + 3 * n_gdn
+    assert decode_steps and len(seen) == decode_steps * per_step, (len(seen), decode_steps)
     from engine_core.registry import default_registry
 
     choices = default_registry().choices()
