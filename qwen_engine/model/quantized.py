@@ -269,7 +269,7 @@ class FP8Linear(_Dispatch):
 
     def forward(self, x: torch.Tensor, codes: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x.dtype. `codes`: x's e4m3 activation codes with this layer's `input_scale`,
-        made by the op that produced x (`quant_in_producers`); implementations with a separate quantiser launch read
+        made by the op that produced x (`QUANT_IN_PRODUCERS`); implementations with a separate quantiser launch read
         them instead (the same bits), the others ignore them."""
         w = self.weight_fp8
         if codes is None or not self.quantize_activations:
