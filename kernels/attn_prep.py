@@ -40,7 +40,7 @@ try:
 
     from kernels.pdl import enter as pdl_enter
     from kernels.fp8_quant import static_codes
-    from kernels.rms_norm import _cast, _round, _stored_value
+    from kernels.rms_norm import _cast, _codes_args, _round, _stored_value
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -155,11 +155,7 @@ def _interpreted() -> bool:
 def _gate(o: torch.Tensor, gate: torch.Tensor, input_scale: torch.Tensor | None):
     n, heads, d = o.shape
     out = o.new_empty((n, heads * d))
-    if input_scale is None:
-        codes, cargs, quant = out, (out, 0, out), {}  # placeholder: never touched
-    else:
-        codes = torch.empty((n, heads * d), dtype=torch.float8_e4m3fn, device=o.device)
-        cargs, quant = (codes, codes.stride(0), input_scale.reshape(()).float()), {"QUANT": True}
+    codes, cargs, quant = _codes_args(out, input_scale)  # (a placeholder without a scale)
     if out.numel():
         _gate_kernel[(n, heads)](o, gate, out, heads, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
                                  out.stride(0), *cargs, BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(),

@@ -128,15 +128,21 @@ def fp8_linear_skinny(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | No
     """Decode-sized calls (at most `fp8_skinny.SKINNY_MAX_M` rows) of narrow layers (at most SKINNY_MAX_N outputs:
     attention k_proj / v_proj) in one Triton launch with the quantiser fused and K split to fill the SMs
     (`kernels/fp8_skinny.py`, where the measurements are); every other call as `fp8_linear_triton_quant`."""
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    n = w.data.shape[0]
     out_dtype = out_dtype or x.dtype
-    if (w.input_scale is None or n > fp8_skinny.SKINNY_MAX_N
-            or not fp8_skinny.supported(m, k, n, x.dtype, out_dtype)):
+    if not _skinny_serves(x, w, out_dtype):
         return fp8_linear_triton_quant(x, w, out_dtype)
-    y = fp8_skinny.fp8_skinny_op(x.reshape(m, k), w.data, w.scale.float(), w.input_scale.float(), out_dtype)
+    k = x.shape[-1]
+    y = fp8_skinny.fp8_skinny_op(x.reshape(-1, k), w.data, w.scale.float(), w.input_scale.float(), out_dtype)
     return y.reshape(*x.shape[:-1], w.data.shape[0])
+
+
+def _skinny_serves(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether `fp8_linear_skinny` runs its own kernel on this call (a static scale, a narrow layer, a supported
+    shape) rather than the quantiser + scaled_mm."""
+    k = x.shape[-1]
+    m, n = (x.numel() // k if k else 0), w.data.shape[0]
+    return (w.input_scale is not None and n <= fp8_skinny.SKINNY_MAX_N
+            and fp8_skinny.supported(m, k, n, x.dtype, out_dtype))
 
 
 # ---- activation codes made by the producer (the quantiser fused into the op before the projection) ----------------
@@ -158,10 +164,7 @@ def _gemv_codes(x: torch.Tensor, w: FP8Tensor, codes: torch.Tensor, out_dtype: t
 
 
 def _skinny_codes(x: torch.Tensor, w: FP8Tensor, codes: torch.Tensor, out_dtype: torch.dtype | None = None):
-    k = x.shape[-1]
-    m, n = (x.numel() // k if k else 0), w.data.shape[0]
-    if (w.input_scale is None or n > fp8_skinny.SKINNY_MAX_N
-            or not fp8_skinny.supported(m, k, n, x.dtype, out_dtype or x.dtype)):
+    if not _skinny_serves(x, w, out_dtype or x.dtype):
         return _scaled_mm_codes(x, w, codes, out_dtype)
     return fp8_linear_skinny(x, w, out_dtype)  # its kernel quantises as it loads x (no separate codes to skip)
 

@@ -267,7 +267,7 @@ def _check(name: str, *ts: torch.Tensor) -> None:
 
 
 # ---- custom ops (traceable by torch.compile) ------------------------------------------------------------------------
-def _codes_args(out2: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _codes_args(out2: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, tuple, dict]:
     """The codes output [R, D] e4m3 (or, without a scale, a placeholder: the kernel never touches it) and its
     launch arguments (codes, row stride, the fp32 [] scale) + QUANT."""
     if input_scale is None:

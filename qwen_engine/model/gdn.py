@@ -113,6 +113,12 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     return out.reshape(b, h, n * c, dv)[:, :, :t].transpose(1, 2), state
 
 
+def _norm_input(o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The GDN core's output o as the gated norm takes it: as it is where the norm rounds it to z's dtype itself
+    (`rounds_x`), else `o.to(dtype)` (fp32: no-op; fp64 (tests): widen)."""
+    return o if z.dtype == dtype and rounds_x(o, z) else o.to(dtype)
+
+
 class GatedDeltaNet(nn.Module):
     # decode-only steps compute in_proj_b / in_proj_a inside the prep op (`batch.gdn_prep_ba`) when the runner offers
     # it and both are plain linears; False: their concatenated GEMM, then `batch.gdn_prep` (tests pin either path)
@@ -200,10 +206,7 @@ class GatedDeltaNet(nn.Module):
         """o [..., Hv, Dv] fp32, z [..., Hv, Dv] in `dtype` -> [..., hidden]: gated norm per value head, out_proj.
         For a bf16/fp16 model the norm takes the fp32 o and rounds it to z's dtype itself (`GatedRMSNorm.forward`:
         the same numbers as `o.to(dtype)` first, without that copy's launch on the fused path)."""
-        if z.dtype != dtype or not rounds_x(o, z):
-            o = o.to(dtype)  # fp32: no-op; fp64 (tests): widen
-        o = self.norm(o, z)
-        return self.out_proj(o.flatten(-2))
+        return self.out_proj(self.norm(_norm_input(o, z, dtype), z).flatten(-2))
 
     # ---- contiguous state (reference)
 
@@ -259,9 +262,7 @@ class GatedDeltaNet(nn.Module):
         scale = producer_scale(self, ("out_proj",))
         if scale is None:
             return self._output(o, z, x.dtype)
-        if z.dtype != x.dtype or not rounds_x(o, z):
-            o = o.to(x.dtype)
-        o, o_codes = self.norm.forward_fp8(o, z, scale)  # the gated norm writes out_proj's activation codes
+        o, o_codes = self.norm.forward_fp8(_norm_input(o, z, x.dtype), z, scale)  # + out_proj's activation codes
         return self.out_proj(o.flatten(-2), o_codes.flatten(-2))
 
     def forward_paged(self, x: torch.Tensor, slots: GDNSlots, batch: FlatBatch,
