@@ -236,6 +236,7 @@ def test_quant_in_producers_hands_each_projection_its_own_codes_and_changes_noth
     if fused_projections:
         monkeypatch.setattr(quantized, "GEMV_IMPLS", ("reference", *quantized.GEMV_IMPLS))
     with monkeypatch.context() as mp:
+        mp.setattr(quantized, "QUANT_IN_PRODUCERS", False)
         off, tokens = _drive(_packed_model(), True, mp)
     seen = []
 

@@ -414,13 +414,15 @@ def project_together(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor,
 
 
 # ---- the activation quantiser in the producing op ----------------------------------------------------------------------
-# Off by default until measured on a GPU (benchmarks/qwen_gpu.py --quant-in-producers, gpu_next.sh step 47): a decode
-# step's FP8 projections each launch the one-launch quantiser before their GEMV / GEMM (80 launches in a lone step,
-# 130 at 32 streams; 0.12 / 0.40 ms of kernel time, Qwen profile run 17). With it on, the op that produces their input
-# writes the codes beside its output -- the mixers' input norm ("rms_norm_zc_fp8"), the GDN gated norm
+# On (Qwen run 33, H200, one process: 373.7 vs 369.3 tok/s lone, 2,926.7 vs 2,829.5 at 32 streams, the same greedy
+# tokens lone and 32/32 streams; set by QwenEngineConfig.quant_in_producers; benchmarks/qwen_gpu.py
+# --no-quant-in-producers runs the engine without it beside the default): a decode step's FP8
+# projections each launched the one-launch quantiser before their GEMV / GEMM (80 launches in a lone step, 130 at 32
+# streams; 0.12 / 0.40 ms of kernel time, Qwen profile run 17). With it on, the op that produces their input writes
+# the codes beside its output -- the mixers' input norm ("rms_norm_zc_fp8"), the GDN gated norm
 # ("rms_norm_gated_fp8"), the attention output gate ("attn_output_gate_fp8") -- with the same bits (the quantiser's
 # fp32 operations on the stored output), and the projections read them (`kernels.fp8_linear.with_codes`).
-QUANT_IN_PRODUCERS = False
+QUANT_IN_PRODUCERS = True
 PRODUCER_SCALE_CACHE = "_fp8_producer_scale"  # a plain attribute of the owner: {names: (versions, scale or None)}
 
 
