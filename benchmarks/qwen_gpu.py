@@ -177,12 +177,18 @@ def markdown(r: dict) -> str:
     hf = r.get("transformers", {})
     fmt = lambda v, k=1: "-" if v is None else f"{v:.{k}f}"  # noqa: E731
 
-    def side_by_side(v: dict | None, ttft: bool = True) -> str:
-        """A side-by-side engine's lone decode tok/s / 32-stream tok/s (/ lone TTFT ms)."""
+    def side_by_side(v: dict | None, ttft: bool = True, burst: bool = False) -> str:
+        """A side-by-side engine's lone decode tok/s / 32-stream tok/s (/ lone TTFT ms) (/ the concurrent requests'
+        output tok/s (TTFT p50 / max ms))."""
         v = v or {}
         cells = [v.get("lone", {}).get("decode_tok_per_s"),
                  (v.get("streams", {}).get("decode_phase") or {}).get("tok_per_s")]
-        return " / ".join(fmt(c) for c in cells + ([v.get("lone", {}).get("ttft_ms")] if ttft else []))
+        text = " / ".join(fmt(c) for c in cells + ([v.get("lone", {}).get("ttft_ms")] if ttft else []))
+        if burst:
+            st_v = v.get("streams", {})
+            text += (f" / {fmt(st_v.get('output_tok_per_s'))} ({fmt(st_v.get('ttft_p50_ms'))} / "
+                     f"{fmt(st_v.get('ttft_max_ms'))})")
+        return text
     lines += [
         f"| (a) decode tok/s, 1 stream, {s['context']} ctx | {fmt(a.get('tok_per_s'))} | {fmt(hf.get('tok_per_s'))} |",
         f"| (b) TTFT ms, {s['context']}-token prompt (median) | {fmt(b.get('median_ms'))} | "
@@ -221,9 +227,14 @@ def markdown(r: dict) -> str:
             f"| (e) engine with the W4A16 GEMV's dequant mode {(r.get('engine_gemv_deq') or {}).get('deq')} (default "
             f"3, DEQ_WIDE): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_gemv_deq'))} | - |",
-            f"| (e) engine with the FP8 activation codes written by the ops before the projections "
-            f"(QUANT_IN_PRODUCERS, off by default): decode tok/s, lone request / all {st.get('n')} streams decoding / "
-            f"TTFT ms | {side_by_side(r.get('engine_quant_producers'))} | - |",
+            f"| (e) engine with max_num_batched_tokens "
+            f"{((r.get('engine_batched_tokens') or {}).get('options') or {}).get('batched_tokens')}"
+            f" (the first's: max(2048, context)): decode tok/s, lone request / all {st.get('n')} streams decoding / "
+            f"TTFT ms / {st.get('n')} concurrent requests' output tok/s (TTFT p50 / max ms) | "
+            f"{side_by_side(r.get('engine_batched_tokens'), burst=True)} | - |",
+            f"| (e) engine without quant_in_producers (each FP8 projection launches its own activation quantiser; "
+            f"the default: on): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
+            f"{side_by_side(r.get('engine_no_quant_producers'))} | - |",
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
@@ -307,19 +318,22 @@ AUTOTUNE_TABLE = "off"  # the engines' autotune_table (--autotune-table)
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
                        decode_graphs: str = "auto", lone_only: bool = False, prefill_graphs: str = "auto",
                        async_decode: bool | None = None, shared_expert_in_moe: bool | str = "auto",
-                       prefill_buckets: tuple = (), programmatic_launch: bool | str = "auto") -> dict:
+                       prefill_buckets: tuple = (), programmatic_launch: bool | str = "auto",
+                       quant_in_producers: bool = True, batched_tokens: int | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
     ecfg = QwenEngineConfig(config="tiny" if cfg.num_hidden_layers < 8 else "qwen3.6-35b-a3b", device=str(device),
-                            dtype="bf16", max_num_seqs=max(streams, 1), max_num_batched_tokens=max(2048, ctx),
+                            dtype="bf16", max_num_seqs=max(streams, 1),
+                            max_num_batched_tokens=batched_tokens or max(2048, ctx),
                             block_size=16, num_kv_blocks=(streams + 1) * ((ctx + steps + 64) // 16 + 1),
                             max_model_len=ctx + steps + 64, max_queued=4 * streams, request_timeout_s=None,
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
                             autotune_table=AUTOTUNE_TABLE,  # default off: tune afresh, the dumped picks are this run's
                             shared_expert_in_moe=shared_expert_in_moe, programmatic_launch=programmatic_launch,
+                            quant_in_producers=quant_in_producers,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     try:
@@ -443,10 +457,14 @@ def main() -> None:
                     help="OP:IMPL[,OP:IMPL...] -- (e) once more with these registry implementations disabled (e.g. "
                          "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
                          "side; repeatable, one engine each")
-    ap.add_argument("--quant-in-producers", action="store_true",
-                    help="(e) once more with the decode steps' FP8 activation quantiser in the ops that produce the "
-                         "projections' inputs (qwen_engine.model.quantized.QUANT_IN_PRODUCERS: the input norm, the "
-                         "GDN gated norm and the attention output gate write the codes), side by side")
+    ap.add_argument("--batched-tokens", type=int, default=None,
+                    help="(e) once more with this token budget per step (max_num_batched_tokens; the first engine's: "
+                         "max(2048, context)): fewer, larger prefill steps for the concurrent requests' burst, "
+                         "side by side")
+    ap.add_argument("--no-quant-in-producers", action="store_true",
+                    help="(e) once more without the engine's quant_in_producers (the decode steps' FP8 projections "
+                         "each launch their own activation quantiser, instead of reading the codes the input norm, "
+                         "the GDN gated norm and the attention output gate write), side by side")
     ap.add_argument("--unfused-projections", action="store_true",
                     help="(e) once more with the decode steps' FP8 projections unfused (quantized."
                          "FUSE_DECODE_PROJECTIONS off: q/k/v and in_proj_qkv/z as separate calls), side by side")
@@ -624,13 +642,15 @@ def main() -> None:
         # off); the shared experts outside the grouped launches (shared_expert_in_moe off: the auto default has them in)
         variants = (("engine_sync", dict(async_decode=False), args.sync_decode),
                     ("engine_no_shared", dict(shared_expert_in_moe=False), args.no_shared_in_moe),
-                    ("engine_no_pdl", dict(programmatic_launch=False), args.no_pdl))
+                    ("engine_no_pdl", dict(programmatic_launch=False), args.no_pdl),
+                    ("engine_no_quant_producers", dict(quant_in_producers=False), args.no_quant_in_producers),
+                    ("engine_batched_tokens", dict(batched_tokens=args.batched_tokens), args.batched_tokens))
         for key, options, wanted in variants:
             if not wanted:
                 continue
             try:
-                r[key] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                  prefill_buckets=buckets, **options))
+                r[key] = dict(options=options, **asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams,
+                                                                          rand, prefill_buckets=buckets, **options)))
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine with {options}: {type(e).__name__}: {e}")
             log(f"(e) {options} {r.get(key)}")
@@ -674,11 +694,6 @@ def main() -> None:
             from qwen_engine.model import quantized
 
             engine_with(quantized, "FUSE_DECODE_PROJECTIONS", False, "engine_unfused", "unfused projections")
-        if args.quant_in_producers:  # the FP8 quantiser's launches folded into the ops before the projections
-            from qwen_engine.model import quantized
-
-            engine_with(quantized, "QUANT_IN_PRODUCERS", True, "engine_quant_producers",
-                        "the FP8 activation quantiser in the producing ops")
         if args.no_fused_ba:  # the GDN b / a projections as their own GEMM
             from qwen_engine.model.gdn import GatedDeltaNet
 

@@ -90,7 +90,8 @@ class QwenEngineConfig:
     max_model_len: int = 8192  # prompt + generated tokens per sequence
     max_queued: int = 256  # unanswered requests (waiting + running); more -> Overloaded (503 + Retry-After)
     request_timeout_s: float | None = 600.0  # default deadline per request, s from arrival (None: none) -> 504
-    warmup: bool = True  # run one prefill and one decode step of every decode bucket before reporting ready
+    warmup: bool = True  # before reporting ready: one prefill, one decode step of every decode bucket and, on a
+    #                      GPU, a burst of three prompts (multi-prompt and mixed steps: `QwenEngine.warmup`)
     decode_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/decode_graphs.py): CUDA graphs of
     #                              decode-only steps, one per decode bucket, captured at start (auto: capture on
     #                              cuda, off on cpu; static: the graphs' static-buffer path run eagerly)
@@ -137,6 +138,12 @@ class QwenEngineConfig:
     #                                    process-wide. auto: on for Hopper (sm_9x; H200, 2026-12-01, runs 28-30: lone
     #                                    decode +11-12% in three runs, 32 streams +0.4-1.5%); true: also on sm_10x
     #                                    (untested on hardware); on CPUs and other GPUs it stays off (`pdl.wanted`)
+    quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
+    #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
+    #                                  writes the e4m3 codes beside its output, the same bits, so the projections
+    #                                  launch no quantiser (qwen_engine/model/quantized.py: QUANT_IN_PRODUCERS);
+    #                                  process-wide. H200, Qwen run 33: lone decode 369.3 -> 373.7 tok/s, 32 streams
+    #                                  2,829.5 -> 2,926.7 (+3.4%), the same greedy tokens (one run)
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -278,6 +285,9 @@ class QwenEngine:
         if cfg.programmatic_launch is True and not self.programmatic_launch:
             log.warning("programmatic_launch: needs compiled Triton kernels on an NVIDIA GPU of compute capability 9.x "
                         "or 10.x; off")
+        from .model import quantized  # process-wide too, before the self-checks and the warm-up
+
+        quantized.QUANT_IN_PRODUCERS = cfg.quant_in_producers
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -365,12 +375,21 @@ class QwenEngine:
         return self._loop_task is not None and not self._loop_task.done()
 
     async def warmup(self) -> float:
-        """One long prefill (a full token budget, split if needed) and a full decode batch, so lazy allocations and
-        kernel autotuning happen before traffic; then forget the warm-up's statistics. Returns seconds taken."""
+        """One prefill, a full decode batch and, on a GPU, a burst, so lazy allocations, kernel compilation and
+        autotuning happen before traffic; then forget the warm-up's statistics. Returns seconds taken.
+
+        The burst: three concurrent prompts of 3/4 of the token budget each, so the steps hold two prompts' chunks
+        at once, a chunk that continues its prompt and decode rows beside chunks -- the kinds of step a burst of
+        requests makes, which the lone prefill and the decode batch never do (their kernels' first compilation
+        comes here, not under traffic). H200: it costs ~2 s of start-up (Qwen runs 33, 35: 30.6 -> 32.8 s); its own
+        effect on the first burst is not separated. That first burst is still slower than the next (run 35: 32
+        concurrent 1k prompts, the last first token after 12.7 s in a process's first engine, 3.9 s in its second;
+        17.2-17.8 s before the prefill attention left cuDNN's per-shape plans, `attention.PREFILL_BACKENDS`)."""
         from engine_core.continuous import ContinuousStats
 
         t0 = time.perf_counter()
-        n = max(1, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len - 3, 512))
+        cfg = self.cfg
+        n = max(1, min(cfg.max_num_batched_tokens, cfg.max_model_len - 3, 512))
         vocab = self.model_config.vocab_size
 
         async def one(prompt: list[int]) -> None:
@@ -378,7 +397,9 @@ class QwenEngine:
                 pass
 
         await one([i % vocab for i in range(n)])
-        await asyncio.gather(*(one([(7 * i + 1) % vocab]) for i in range(self.cfg.max_num_seqs)))
+        await asyncio.gather(*(one([(7 * i + 1) % vocab]) for i in range(cfg.max_num_seqs)))
+        if self.device.type == "cuda":  # nothing compiles or tunes lazily on a CPU
+            await asyncio.gather(*(one(prompt) for prompt in warmup_burst(cfg, vocab)))
         self.warmup_s = time.perf_counter() - t0
         self.scheduler.stats = ContinuousStats()
         log.info("warm-up done in %.2f s", self.warmup_s)
@@ -434,6 +455,7 @@ class QwenEngine:
             "kernel_checks": self.kernel_checks,
             "autotune_table_picks": self.autotune_picks,
             "programmatic_launch": self.programmatic_launch,
+            "quant_in_producers": self.cfg.quant_in_producers,
             "stats": s.stats.snapshot(),
         }
 
@@ -691,6 +713,17 @@ class QwenEngine:
 
 # --------------------------------------------------------------------------------------------------------------
 # Model construction
+
+
+def warmup_burst(cfg: QwenEngineConfig, vocab: int) -> list[list[int]]:
+    """The warm-up's burst (`QwenEngine.warmup`): up to three prompts of 3/4 of the token budget each (at most
+    max_model_len - 3 tokens: each generates 2), fed concurrently. With a budget B the steps hold the first prompt
+    and a quarter-budget chunk of the second, then the first's decode row, the second's continuation and a chunk of
+    the third, and so on. None without room for two sequences."""
+    if cfg.max_num_seqs < 2:
+        return []
+    n = max(1, min(cfg.max_model_len - 3, 3 * cfg.max_num_batched_tokens // 4))
+    return [[(13 * i + j) % vocab for i in range(n)] for j in range(min(3, cfg.max_num_seqs))]
 
 
 def set_shared_expert_in_moe(model: torch.nn.Module, on: bool | str) -> int:

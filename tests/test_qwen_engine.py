@@ -563,6 +563,58 @@ def test_health_and_warmup():
     assert h["stats"]["steps"] == 0  # warm-up statistics are forgotten
 
 
+@pytest.mark.parametrize("t,ctx", [(1, 37), (29, 29), (13, 50), (1, 1)], ids=["one-query", "causal", "chunk", "1x1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_causal_attention_against_the_explicit_mask(t, ctx, dtype):
+    """`causal_attention` (SDPA on backends without per-shape plans; a chunk continuing its sequence through the
+    lower-right CausalBias, kv heads repeated) against the rule written out: query j sees keys 0..ctx - t + j,
+    GQA 4:2 by repetition, softmax in fp64. Tolerance relative to max |o|: fp32 1e-5, bf16 2e-2 (inputs rounded to
+    bf16 first, so the gap is the kernels' bf16 arithmetic)."""
+    from qwen_engine.model.attention import causal_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(t * 100 + ctx)
+    q, k, v = (torch.randn(2, n, length, 32, generator=g).to(dtype) for n, length in ((4, t), (2, ctx), (2, ctx)))
+    scale = 32 ** -0.5
+    out = causal_attention(q.to(device), k.to(device), v.to(device), scale).cpu()
+    qd, kd, vd = q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    seen = torch.arange(ctx)[None, :] <= (ctx - t + torch.arange(t))[:, None]  # [t, ctx]
+    scores = (qd @ kd.transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+    want = scores.softmax(-1) @ vd
+    assert out.shape == want.shape and out.dtype == dtype
+    err = float((out.double() - want).abs().max() / want.abs().max())
+    assert err <= (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+@pytest.mark.parametrize("budget,max_len,seqs", [(2048, 4096, 32), (64, 200, 4), (64, 40, 2), (64, 200, 1)])
+def test_warmup_burst_makes_the_burst_shapes(budget, max_len, seqs):
+    """`warmup_burst` (the GPU warm-up's burst) scheduled as the engine schedules it: steps holding two prompts'
+    chunks, a chunk continuing its prompt (start > 0) and decode rows beside chunks -- none of which the lone
+    prefill and the decode batch make; each prompt fits max_model_len with its 2 tokens; no burst without room for
+    two sequences."""
+    from qwen_engine.engine import warmup_burst
+
+    cfg = QwenEngineConfig(config="tiny", max_num_batched_tokens=budget, max_model_len=max_len, max_num_seqs=seqs)
+    prompts = warmup_burst(cfg, vocab=512)
+    if seqs < 2:
+        assert prompts == []
+        return
+    assert len(prompts) == min(3, seqs) and len({tuple(p) for p in prompts}) == len(prompts)
+    assert all(len(p) + 2 <= max_len and max(p) < 512 for p in prompts)
+    sched = ContinuousScheduler(cfg.scheduler_config(num_kv_blocks=4 * max_len // cfg.block_size))
+    for p in prompts:
+        sched.add(GenerateRequest(p, 2))
+    plans = []
+    while (plan := sched.step()) is not None:
+        plans.append(plan)
+        sched.finish(plan, StepOutput(tuple(1 for _ in plan.sampled)))
+    chunks = [[s for s in plan.seqs if not s.is_decode] for plan in plans]
+    assert any(len(c) >= 2 for c in chunks), "two prompts' chunks in one step"
+    assert any(s.start > 0 for c in chunks for s in c), "a chunk continuing its prompt"
+    assert any(plan.num_decode and c for plan, c in zip(plans, chunks)), "decode rows beside chunks"
+    assert sched.num_unfinished == 0
+
+
 def _gdn_triton_runs_here() -> bool:
     from kernels import gdn_decode
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from ..config import QwenConfig
 from .norm import ZeroCentredRMSNorm
@@ -76,19 +78,9 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
 
-        past = 0
         if cache is not None:
-            past = cache.length
             k, v = cache.append(k, v)  # [B, KV, past + T, D]
-        if t == 1:
-            mask, causal = None, False  # one new token sees every cached position
-        elif past == 0:
-            mask, causal = None, True
-        else:  # chunked prefill: new token i (position past+i) sees keys 0..past+i
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            causal = False
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
-                                           enable_gqa=True)  # [B, H, T, D]
+        o = causal_attention(q, k, v, self.scaling)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         o = o * torch.sigmoid(gate.reshape(b, t, -1))  # output gate, elementwise over all H*D channels
         return self.o_proj(o)
@@ -132,18 +124,13 @@ class GatedAttention(nn.Module):
             o[:, :, :nd] = o_dec.transpose(0, 1)[None]
         for i in range(nd, batch.num_seqs):
             s, e, ctx = batch.starts[i], batch.starts[i + 1], batch.context_lens[i]
-            past, t = ctx - (e - s), e - s
-            if past == 0:  # the whole sequence is in this step: its keys are the ones just written (no gather; also
+            if ctx == e - s:  # the whole sequence is in this step: its keys are the ones just written (no gather; also
                 # what a padded prefill graph needs: its padding keys live in the scratch block, after the real ones)
                 keys = k[:, :, s:e].to(kv.k.dtype)
                 values = v[s:e].transpose(0, 1)[None].to(kv.v.dtype)
-                mask, causal = None, t > 1
             else:  # token j (position past+j) sees keys 0..past+j
                 keys, values = gather_kv(kv, batch.block_tables[i], ctx)  # [1, KV, ctx, D]
-                mask = torch.ones(t, ctx, dtype=torch.bool, device=x.device).tril(diagonal=past)
-                causal = False
-            o[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], keys, values, attn_mask=mask,
-                                                          is_causal=causal, scale=self.scaling, enable_gqa=True)
+            o[:, :, s:e] = causal_attention(q[:, :, s:e], keys, values, self.scaling)
         o = o[0].transpose(0, 1).reshape(n, h * d)
         o = o * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(o)
@@ -171,6 +158,30 @@ class GatedAttention(nn.Module):
             return self.o_proj(o)
         o, o_codes = default_registry().call("attn_output_gate_fp8", o, gate, scale)  # + o_proj's activation codes
         return self.o_proj(o, o_codes)
+
+
+# The prefill attention's SDPA backends: none that builds a plan per shape. cuDNN's attention (torch's first choice on
+# Hopper) builds one at each new (queries, keys) shape, and chunked prefill makes a new shape nearly every step of a
+# burst of requests (each cut where the step's token budget ends). H200, benchmarks/sdpa_shapes.py
+# (results/sdpa_shapes_run1): 12 new causal shapes took 1,874 ms by default against 1.8 ms with flash, 12 new
+# masked ones 7,659 ms against 4.1 ms as flash's lower-right causal; the second calls 1.2-3.3 ms either way. Qwen
+# runs 33-34: the last of 32 concurrent 1k prompts' first tokens at 17.2-17.8 s in a process's first engine, 4.0-4.7 s
+# in its second (the same prompts: the same shapes, planned).
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, T, D] at the last T of the ctx positions of k / v [B, KV, ctx, D] (GQA: H a multiple of KV) -> o
+    [B, H, T, D]: query j (position ctx - T + j) sees keys 0..ctx - T + j. One query sees every key; T = ctx is
+    plain causal; a chunk continuing its sequence (T < ctx) takes the lower-right causal mask (torch's CausalBias,
+    flash's own alignment), whose fused kernels need the kv heads repeated to H."""
+    t, ctx = q.shape[2], k.shape[2]
+    with sdpa_kernel(PREFILL_BACKENDS):
+        if t == 1 or t == ctx:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=scale, enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              attn_mask=causal_lower_right(t, ctx), scale=scale)
 
 
 def gather_kv(kv: PagedKV, block_table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
