@@ -110,11 +110,17 @@ class EngineConfig:
     pair_buckets: tuple = ()  # grounding batch sizes, likewise (last = max_pair_batch)
     vit_fp8: bool = False  # FP8 e4m3 ViT linears (sammie.model.fp8); kept only if its accuracy gate passes, else
     #                        ERROR log and bf16; the gate's report is in health()["vit_fp8"]
+    vit_fp8_linears: tuple = ("attn.qkv", "attn.proj", "mlp.fc1")  # which of each trunk block's linears vit_fp8
+    #                        swaps (sammie.model.fp8.VIT_LINEARS: + "mlp.fc2"). fc2 stays bf16 by default: its input
+    #                        is the GELU's output, 4.6x wider than the others', and under inductor its per-token
+    #                        quantiser took 0.9 ms a call (H200, waterfall run 6's profile: 22.7% of the FP8
+    #                        engine's GPU time) against 0.33 ms for its FP8 GEMM and 0.57 ms for bf16's. Waterfall
+    #                        run 7: the FP8 detector alone 63.8 -> 68.3 img/s without it, the engine 57.9 -> 60.4
     null_model: bool = False  # NO MODEL: a NullDetector (one tiny device op per call, never any instance) instead of
     #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
     def __post_init__(self):
-        for name in ("image_buckets", "pair_buckets"):  # YAML gives lists
+        for name in ("image_buckets", "pair_buckets", "vit_fp8_linears"):  # YAML gives lists
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         check_field_types(self)
@@ -141,6 +147,9 @@ class EngineConfig:
             raise ValueError(f"compile must be one of {list(COMPILE_MODES)}, got {self.compile!r}")
         if self.null_model and self.vit_fp8:
             raise ValueError("vit_fp8 needs the real detector; it cannot be combined with null_model")
+        from sammie.model.fp8 import check_linears
+
+        check_linears(self.vit_fp8_linears)
         if self.null_model and self.compile in ("graphs", "inductor"):
             raise ValueError(f"compile={self.compile!r} needs the real detector; with null_model use compile='none' "
                              "or 'auto'")
@@ -408,7 +417,7 @@ class SammieEngine:
         # (a separate quantise pass costs more than the FP8 GEMM saves: benchmarks/RESULTS.md, stage profile)
         preference = "torch" if self.compile == "inductor" and self.kernels != "reference" else "auto"
         report = enable_vit_fp8(self.detector, sample, registry=self.registry,  # its op's choice shows in health()
-                                preference=preference)
+                                preference=preference, linears=self.cfg.vit_fp8_linears)
         if report.enabled:
             log.info("vit_fp8: FP8 ViT linears enabled: %s", report.as_dict())
         else:

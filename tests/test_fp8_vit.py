@@ -48,6 +48,27 @@ def test_vit_linear_names(tiny):
                          for leaf in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
 
 
+def test_a_subset_of_the_linears(tiny):
+    """`linears` (EngineConfig.vit_fp8_linears): only those leaves are swapped, in block order; the rest keep their
+    bf16 nn.Linear; a leaf outside VIT_LINEARS, a repeat or nothing is refused before anything is swapped."""
+    detector, pixels = tiny
+    keep = ("attn.qkv", "attn.proj", "mlp.fc1")
+    names = vit_linear_names(detector, keep)
+    assert len(names) == 3 * detector.cfg.vision.depth and not any(n.endswith("mlp.fc2") for n in names)
+    report = enable_vit_fp8(detector, pixels, preference="reference", registry=registry(), linears=keep)
+    try:
+        assert report.enabled and report.layers == tuple(names), report.reason
+        fc2 = [m for n, m in detector.named_modules() if n.endswith("mlp.fc2")]
+        assert fc2 and all(type(m) is torch.nn.Linear for m in fc2)
+        assert sum(isinstance(m, Fp8Linear) for m in detector.modules()) == len(names)
+    finally:
+        disable_vit_fp8(detector)
+    for bad in ((), ("mlp.fc3",), ("attn.qkv", "attn.qkv")):
+        with pytest.raises(ValueError, match="vit_fp8_linears"):
+            enable_vit_fp8(detector, pixels, preference="reference", registry=registry(), linears=bad)
+    assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
+
+
 @pytest.mark.skipif(CUDA_FP8, reason="checks the refusal where no FP8 GEMM exists")
 def test_auto_refuses_without_fp8_gemm_and_leaves_outputs(tiny):
     detector, pixels = tiny

@@ -83,9 +83,18 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 row-wise, {self.impl_name}"
 
 
-def vit_linear_names(detector: nn.Module) -> list[str]:
+def check_linears(linears: tuple[str, ...]) -> None:
+    """ValueError unless `linears` is a non-empty subset of VIT_LINEARS without repeats."""
+    if not linears or len(set(linears)) != len(linears) or not set(linears) <= set(VIT_LINEARS):
+        raise ValueError(f"vit_fp8_linears must be a non-empty subset of {list(VIT_LINEARS)} without repeats, got "
+                         f"{list(linears)}")
+
+
+def vit_linear_names(detector: nn.Module, linears: tuple[str, ...] = VIT_LINEARS) -> list[str]:
+    """The module names of `linears` (leaves of VIT_LINEARS) in every trunk block, block by block."""
+    check_linears(linears)
     trunk = detector.get_submodule(TRUNK)
-    return [f"{TRUNK}.blocks.{i}.{leaf}" for i in range(len(trunk.blocks)) for leaf in VIT_LINEARS]
+    return [f"{TRUNK}.blocks.{i}.{leaf}" for i in range(len(trunk.blocks)) for leaf in VIT_LINEARS if leaf in linears]
 
 
 def _set(detector: nn.Module, name: str, module: nn.Module) -> None:
@@ -131,12 +140,13 @@ class _OpPreference:
 
 
 def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_err: float = DEFAULT_MAX_REL_ERR,
-                   preference: str = "auto", registry=None) -> Fp8Report:
+                   preference: str = "auto", registry=None, linears: tuple[str, ...] = VIT_LINEARS) -> Fp8Report:
     """Swap the ViT's linears for FP8 ones in place if the fast path runs here and the gate passes (module
     docstring). `preference`: "auto" (fastest supported FP8 GEMM; none -> enabled False with the reason),
     "triton" / "torch" (that implementation only; NotImplementedError from the registry if unsupported), or
     "reference" (the fp32 quantise-dequantise emulation on any device: for tests and numerics studies, slower than
-    bf16). `sample_pixels` [B, 3, S, S] in the model dtype: use real preprocessed images when you have them."""
+    bf16). `sample_pixels` [B, 3, S, S] in the model dtype: use real preprocessed images when you have them.
+    `linears`: which of each block's VIT_LINEARS to swap (the others stay bf16)."""
     if registry is None:
         from engine_core.registry import default_registry
 
@@ -144,7 +154,7 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
     if ROWWISE_NAME not in registry.ops():
         raise ValueError(f"kernel registry has no {ROWWISE_NAME!r} op (kernels.fp8_linear not registered)")
     disable_vit_fp8(detector)  # measure the bf16 baseline from a clean state
-    names = vit_linear_names(detector)
+    names = vit_linear_names(detector, linears)
     plan, skipped, fallbacks = [], [], []
     with _OpPreference(registry, preference):  # plan time: choose() outside any compiled region
         for name in names:
