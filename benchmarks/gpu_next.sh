@@ -590,9 +590,12 @@ timeout "${LIMIT_50:-90}" python benchmarks/sdpa_shapes.py --out "$R/sdpa_shapes
 cut -c1-250 "$R/sdpa_shapes.log" | tail -20
 fi
 if want 51; then
-say "51. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the FP8 engine with mlp.fc2 kept in bf16 beside all four"
-say "    linears in FP8: waterfall run 6's profile put fc2's input quantiser (0.9 ms a call) at 22.7% of the FP8"
-say "    engine's GPU time, against 0.33 ms for its FP8 GEMM"
+say "51. issue 4 (the whole .devbundle; ran as waterfall run 7; since then ours_fp8_vit's fc2 applies the GELU in a one-pass"
+say "    Triton quantiser, kernels/gelu_fp8_quant.py, unrun on a GPU): the FP8 engine with all four linears in FP8 beside"
+say "    mlp.fc2 in bf16 (the default); run 6's profile put fc2's inductor-fused quantiser (0.9 ms a call) at 22.7%"
+SAMMIE_PDL=0 timeout 120 python -m pytest -q -s -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py \
+  > "$R/fp8_gelu_tests.log" 2>&1
+grep -E "passed|failed|codes one step" "$R/fp8_gelu_tests.log" | tail -5
 timeout "${LIMIT_51:-380}" python benchmarks/waterfall.py --out "$R/waterfall_fc2" --budget-s 360 --no-profile \
   --rows ours_fp8_vit,model_only_fp8,ours_fp8_vit_no_fc2,model_only_fp8_no_fc2 > "$R/waterfall_fc2.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fc2.log" | cut -c1-250 | head -20

@@ -63,7 +63,7 @@ import torch
 
 from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
 
-from kernels import fp8_gemv, fp8_skinny
+from kernels import fp8_gemv, fp8_skinny, gelu_fp8_quant
 from kernels.fp8_quant import (
     quantize_rows_reference,
     quantize_rows_triton,
@@ -80,6 +80,7 @@ ROWWISE_MIN_CAPABILITY = (9, 0)  # row-wise scaled FP8 GEMM (CUTLASS) in torch._
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROWWISE_NAME = "fp8_rowwise_linear"
+ROWWISE_GELU_NAME = "fp8_rowwise_linear_gelu"  # the same of gelu(x): the ViT MLP's fc2, handed fc1's output
 # Error per output of an FP8 GEMM with fp32 scales, in units of S = sum_k |products| (module docstring):
 ACC_REL_BOUND_HOPPER = 2.0**-9  # tensor-core accumulator (~13 bits) promoted to fp32 every <= 128 products
 FP32_UNIT_ROUNDOFF = 2.0**-24  # CPU `_scaled_mm` / the reference: fp32 sums, recursive bound (K - 1) x 2^-24
@@ -240,6 +241,34 @@ def fp8_rowwise_linear_triton_quant(x: torch.Tensor, w_fp8: torch.Tensor, w_scal
     return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
 
 
+# ---- the same of gelu(x): fc2 of the ViT MLP, its input's GELU inside the quantiser ------------------------------------
+def fp8_rowwise_linear_gelu_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_rowwise_linear_reference(F.gelu(x), ...)`: x is the pre-activation (exact erf GELU in x.dtype)."""
+    return fp8_rowwise_linear_reference(torch.nn.functional.gelu(x), w_fp8, w_scale, bias)
+
+
+def fp8_rowwise_linear_gelu_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GELU and the quantiser as torch ops (what inductor fused into a 0.91 ms looped reduction at batch 8 on the
+    H200, waterfall run 6), then the row-wise GEMM."""
+    return fp8_rowwise_linear_scaled_mm(torch.nn.functional.gelu(x), w_fp8, w_scale, bias)
+
+
+def fp8_rowwise_linear_gelu_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GELU and the quantiser in one Triton pass (`kernels.gelu_fp8_quant`), then the row-wise GEMM."""
+    k = x.shape[-1]
+    xq, sx = gelu_fp8_quant.gelu_quantize_rows_triton(x.reshape(-1, k))
+    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def supports_rowwise_gelu_triton(*, device: str, dtype: torch.dtype, k: int, **info: Any) -> bool:
+    """`supports_rowwise` and the GELU-quantiser's guard."""
+    return (supports_rowwise(device=device, dtype=dtype, k=k, **info)
+            and gelu_fp8_quant.supports(device=device, dtype=dtype, shape=(1, k)))
+
+
 def describe_rowwise(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> dict[str, Any]:
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
@@ -378,3 +407,14 @@ def register(registry) -> None:
                                 supports_rowwise_triton_quant, kind="triton")
     registry.add_implementation(ROWWISE_NAME, "scaled_mm", fp8_rowwise_linear_scaled_mm, supports_rowwise,
                                 kind="torch")
+
+    registry.add_op(ROWWISE_GELU_NAME, fp8_rowwise_linear_gelu_reference, sample=_sample_rowwise,
+                    compare=compare_rowwise, describe=describe_rowwise,
+                    tolerance="as fp8_rowwise_linear (the GELU's bf16 values may differ by an ulp where the kernel's "
+                              "erf and torch's differ in the last fp32 bit; one e4m3 step on those codes)")
+    # the one-pass Triton GELU-quantiser first, eager and compiled alike: inductor's fusion of the torch ops was the
+    # slow part (0.91 ms a call against ~0.15 ms of memory traffic)
+    registry.add_implementation(ROWWISE_GELU_NAME, "triton_gelu_quant+scaled_mm", fp8_rowwise_linear_gelu_triton,
+                                supports_rowwise_gelu_triton, kind="triton")
+    registry.add_implementation(ROWWISE_GELU_NAME, "scaled_mm", fp8_rowwise_linear_gelu_scaled_mm,
+                                supports_rowwise, kind="torch")

@@ -80,6 +80,16 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def row_codes(x):
+        """fp32 tile x [BLOCK_M, BLOCK_K] of whole rows (masked entries 0) -> (its e4m3 values as fp32, the fp32
+        scales [BLOCK_M]): `quantize_rows_reference`'s three fp32 operations. Shared with the GELU-quantiser
+        (`kernels.gelu_fp8_quant`)."""
+        amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+        q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        return _round_to_e4m3_grid(tl.minimum(tl.maximum(q, -448.0), 448.0)), scale
+
+    @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # one program: BLOCK_M whole rows ([BLOCK_M, BLOCK_K] tile, BLOCK_K >= K): read once, write once
@@ -88,11 +98,7 @@ if triton is not None:
         row_ok = rows < M
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-        q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        q = _round_to_e4m3_grid(tl.minimum(tl.maximum(q, -448.0), 448.0))
+        q, scale = row_codes(x.to(tl.float32))
         tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + rows, scale, mask=row_ok)
 
@@ -146,20 +152,28 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"fp8_quant_rows: need a 2-D {IN_DTYPES} tensor with K <= {MAX_K}, got "
                          f"{x.dtype} {tuple(x.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    (m, k), (q, scale) = x.shape, rows_outputs(x)
     if m == 0 or k == 0:
         return q, scale.fill_(1.0)
-    block_k = triton.next_power_of_2(k)
-    # ~8K elements per program on the GPU (fp32 in registers: 32 per thread at 8 warps); the interpreter pays per
-    # operation, not per element, so it gets few, large programs
-    block_m = max(1, (65536 if _interpreted() else 8192) // block_k)
-    block_m = min(triton.next_power_of_2(m), block_m)
-    grid = (triton.cdiv(m, block_m),)
-    _quant_rows_kernel[grid](x, q, scale, m, k, x.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
-                             num_warps=8)
+    block_m, block_k = rows_tiling(m, k)
+    _quant_rows_kernel[(triton.cdiv(m, block_m),)](x, q, scale, m, k, x.stride(0), q.stride(0), BLOCK_M=block_m,
+                                                   BLOCK_K=block_k, num_warps=8)
     return q, scale
+
+
+def rows_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (codes e4m3 [M, K], scales fp32 [M, 1]) for a whole-row quantiser of x [M, K]."""
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
+
+
+def rows_tiling(m: int, k: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) of a whole-row kernel over [m, k]: ~8K elements per program on the GPU (fp32 in registers:
+    32 per thread at 8 warps); the interpreter pays per operation, not per element, so it gets few, large
+    programs."""
+    block_k = triton.next_power_of_2(k)
+    block_m = max(1, (65536 if _interpreted() else 8192) // block_k)
+    return min(triton.next_power_of_2(m), block_m), block_k
 
 
 @quantize_rows_triton.register_fake

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
+from kernels import gelu_fp8_quant  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -106,6 +107,13 @@ def main() -> int:
     ok.append(compile_one("fp8_quant_static (bf16 -> e4m3, 1 x 1024 tile)", fp8_quant._quant_static_kernel,
                           {"x_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*fp8e4nv"},
                           dict(BLOCK_M=1, BLOCK_K=1024)))
+    ok.append(compile_one("fp8_quant_rows (bf16 -> e4m3 + row scales, 1 x 8192 tile)", fp8_quant._quant_rows_kernel,
+                          {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, dict(BLOCK_M=1, BLOCK_K=8192)))
+    # the ViT fc2's input: the GELU, rounded to bf16, then the row-wise codes (kernels/gelu_fp8_quant.py)
+    ok.append(compile_one("fp8_gelu_quant_rows (bf16 -> e4m3 + row scales, 1 x 8192 tile)",
+                          gelu_fp8_quant._gelu_quant_rows_kernel,
+                          {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                          dict(DTYPE=triton.language.bfloat16, INTERPRET=False, BLOCK_M=1, BLOCK_K=8192)))
     ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
                           {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
                           dict(BLOCK_H=2048, INTERPRET=False)))

@@ -221,13 +221,17 @@ def test_vit_fp8_wiring_with_a_stand_in_gate(monkeypatch, caplog):
         def as_dict(self):
             return {"enabled": False, "reason": "stand-in gate refused"}
 
-    def enable_vit_fp8(detector, sample_pixels, *, registry, preference):
+    def enable_vit_fp8(detector, sample_pixels, *, registry, preference, linears):
         assert "fp8_rowwise_linear" in registry.ops()  # the engine's registry, with the FP8 ops registered
         assert preference == "auto"  # "torch" only under compile="inductor" (the fusable quantisation)
+        assert linears == ("attn.qkv", "attn.proj", "mlp.fc1")  # EngineConfig.vit_fp8_linears' default
         calls.append((detector, tuple(sample_pixels.shape), sample_pixels.dtype))
         return Report()
 
-    monkeypatch.setitem(sys.modules, "sammie.model.fp8", types.SimpleNamespace(enable_vit_fp8=enable_vit_fp8))
+    from sammie.model.fp8 import check_linears  # the config's validation, kept from the real module
+
+    monkeypatch.setitem(sys.modules, "sammie.model.fp8",
+                        types.SimpleNamespace(enable_vit_fp8=enable_vit_fp8, check_linears=check_linears))
 
     async def go(engine):
         return engine, engine.health()

@@ -48,6 +48,33 @@ def test_vit_linear_names(tiny):
                          for leaf in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
 
 
+def test_fc2_takes_the_pre_activation_with_the_gelu_in_its_quantiser(tiny, monkeypatch):
+    """With "fp8_rowwise_linear_gelu" in the registry each FP8 mlp.fc2 applies the GELU itself (`applies_gelu`: the
+    Mlp hands it fc1's output); in the emulation that is the same arithmetic as F.gelu then fc2's row-wise op, so the
+    image features are bit-identical to a run where fc2 takes the GELU's output (the op hidden)."""
+    from sammie.model import fp8
+
+    detector, pixels = tiny
+    report = enable_vit_fp8(detector, pixels, preference="reference", registry=registry())
+    try:
+        fc2 = [m for n, m in detector.named_modules() if n.endswith("mlp.fc2")]
+        assert report.enabled and fc2 and all(isinstance(m, Fp8Linear) and m.applies_gelu for m in fc2)
+        assert "GELU in the quantiser" in report.reason and "GELU" in repr(fc2[0])
+        fused = fpn(detector, pixels)
+    finally:
+        disable_vit_fp8(detector)
+    monkeypatch.setattr(fp8, "_gelu_implementation", lambda *a: None)
+    report = enable_vit_fp8(detector, pixels, preference="reference", registry=registry())
+    try:
+        fc2 = [m for n, m in detector.named_modules() if n.endswith("mlp.fc2")]
+        assert report.enabled and all(isinstance(m, Fp8Linear) and not m.applies_gelu for m in fc2)
+        plain = fpn(detector, pixels)
+    finally:
+        disable_vit_fp8(detector)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+
+
 def test_a_subset_of_the_linears(tiny):
     """`linears` (EngineConfig.vit_fp8_linears): only those leaves are swapped, in block order; the rest keep their
     bf16 nn.Linear; a leaf outside VIT_LINEARS, a repeat or nothing is refused before anything is swapped."""

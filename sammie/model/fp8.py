@@ -64,8 +64,11 @@ class Fp8Linear(nn.Module):
     `weight` / `bias` are the source layer's own Parameters (same state-dict keys, bf16 values kept for undo);
     `weight_fp8` [N, K] e4m3 and `weight_scale` [N] fp32 are non-persistent buffers derived from them."""
 
-    def __init__(self, linear: nn.Linear, fn: Callable[..., torch.Tensor], impl_name: str):
+    def __init__(self, linear: nn.Linear, fn: Callable[..., torch.Tensor], impl_name: str, applies_gelu: bool = False):
+        """`applies_gelu`: `fn` is an implementation of "fp8_rowwise_linear_gelu" -- it takes the pre-activation and
+        applies the GELU in its quantiser; the ViT's `Mlp` then hands it fc1's output (`sammie.model.vit.Mlp`)."""
         super().__init__()
+        self.applies_gelu = applies_gelu
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -80,7 +83,9 @@ class Fp8Linear(nn.Module):
         return self.fn(x, self.weight_fp8, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 row-wise, {self.impl_name}"
+        gelu = ", GELU of its input in the quantiser" if self.applies_gelu else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 row-wise, "
+                f"{self.impl_name}{gelu}")
 
 
 def check_linears(linears: tuple[str, ...]) -> None:
@@ -123,6 +128,25 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     ours, ref = ours.double(), ref.double()
     denom = ref.norm()
     return float((ours - ref).norm() / denom) if denom > 0 else float((ours - ref).norm())
+
+
+def _gelu_implementation(registry, linear: nn.Linear, preference: str):
+    """The "fp8_rowwise_linear_gelu" implementation for an FP8 `mlp.fc2` (its input's GELU in the quantiser), or
+    None: the op absent, or nothing but the reference where FP8 is wanted for speed. Chosen with the registry's own
+    preference (the Triton GELU-quantiser first, also under inductor, whose fusion of the same torch ops was the slow
+    part), except "reference" (the emulation)."""
+    from kernels.fp8_linear import ROWWISE_GELU_NAME
+
+    if ROWWISE_GELU_NAME not in registry.ops():
+        return None
+    probe = linear.weight.new_empty((1, linear.in_features))
+    w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
+    s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
+    info = describe_rowwise(probe, w_probe, s_probe, linear.bias)
+    if preference == "reference":
+        return registry.spec(ROWWISE_GELU_NAME).reference
+    impl = registry.choose(ROWWISE_GELU_NAME, **info)
+    return None if impl.name == "reference" else impl
 
 
 class _OpPreference:
@@ -168,8 +192,10 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
                 fallback = registry.choices()[ROWWISE_NAME]["fallback"] or "no FP8 implementation registered"
                 skipped.append(name)
                 fallbacks.append(fallback)
+            elif name.endswith(".mlp.fc2") and (gelu := _gelu_implementation(registry, linear, preference)):
+                plan.append((name, linear, gelu, True))  # the GELU inside the quantiser (`Fp8Linear.applies_gelu`)
             else:
-                plan.append((name, linear, impl))
+                plan.append((name, linear, impl, False))
 
     def report(enabled: bool, reason: str, rel: tuple[float, ...] = (), layers: tuple[str, ...] = ()) -> Fp8Report:
         impl_name = plan[0][2].name if plan else None
@@ -181,8 +207,8 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
                              f"{' ' + str(torch.cuda.get_device_capability(device)) if device.type == 'cuda' else ''}"
                              f": {fallbacks[0] if fallbacks else 'nothing to swap'}")
     baseline = _fpn(detector, sample_pixels)
-    for name, linear, impl in plan:
-        _set(detector, name, Fp8Linear(linear, impl.fn, impl.name))
+    for name, linear, impl, applies_gelu in plan:
+        _set(detector, name, Fp8Linear(linear, impl.fn, impl.name, applies_gelu))
     try:
         fp8 = _fpn(detector, sample_pixels)
     except Exception:
@@ -195,5 +221,7 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
         return report(False, f"FP8 rejected, relative error above {max_rel_err:g} ({'; '.join(bad)}); bf16 restored",
                       rel)
     partial = f", {len(skipped)} kept in bf16 ({fallbacks[0]})" if skipped else ""
-    return report(True, f"FP8 {plan[0][2].name} on {len(plan)} linears{partial}; max relative error "
-                        f"{max(rel):.3g} <= {max_rel_err:g}", rel, tuple(name for name, _, _ in plan))
+    gelu = sorted({impl.name for _, _, impl, applies_gelu in plan if applies_gelu})
+    gelu = f" (fc2: {gelu[0]}, its input's GELU in the quantiser)" if gelu else ""
+    return report(True, f"FP8 {plan[0][2].name} on {len(plan)} linears{gelu}{partial}; max relative error "
+                        f"{max(rel):.3g} <= {max_rel_err:g}", rel, tuple(name for name, *_ in plan))

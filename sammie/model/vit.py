@@ -122,7 +122,10 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))  # exact (erf) GELU, as nn.GELU() in Meta's timm Mlp
+        h = self.fc1(x)
+        if getattr(self.fc2, "applies_gelu", False):  # an FP8 fc2 whose quantiser applies the GELU (sammie.model.fp8)
+            return self.fc2(h)
+        return self.fc2(F.gelu(h))  # exact (erf) GELU, as nn.GELU() in Meta's timm Mlp
 
 
 class Attention(nn.Module):
