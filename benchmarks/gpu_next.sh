@@ -122,12 +122,12 @@
 #   STEPS="43" (carry .devbundle/extra and .tritoncache): ~2.5 min (ran: run 32); no dual copy, split K at decode
 #   eval "$(bash .devbundle/install.sh)" && STEPS="44" bash benchmarks/gpu_next.sh      # ~4 min: issue 4,
 #                                                        release_when_idle under load (ran: waterfall run 4)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="45" bash benchmarks/gpu_next.sh      # ~8 min (unrun): issue 4,
-#                                                        a lone request's profile, the FP8 engine's profile
+#   eval "$(bash .devbundle/install.sh)" && LIMIT_45B=0 STEPS="45" bash benchmarks/gpu_next.sh   # ~7 min: issue 4,
+#                                                        a lone request's profile (the FP8 engine's: waterfall run 6)
 #   STEPS="46" (carry .devbundle/extra and .tritoncache): ~4 min (unrun); the 32-prompt burst's prefill profiled
 #   STEPS="47" (same carry): ~5 min (ran: run 33); the FP8 quantiser in the producing ops beside the default
 #   STEPS="48" (same carry): ~1.5 min (ran); the norms' codes tests again after run 33's fp32 failures
-#   STEPS="49" (same carry): ~5 min (ran: run 34); the warm-up's burst, then an 8192-token step budget beside it
+#   STEPS="49" (same carry): ~5 min; a process's first burst (flash), the same again, then --warmup-burst alone
 #   STEPS="50" (any carry): ~1 min (ran: sdpa_shapes run 1); the prefill attention's SDPA: a new shape's first call
 #   eval "$(bash .devbundle/install.sh)" && STEPS="51" bash benchmarks/gpu_next.sh      # ~5 min: issue 4, FP8
 #                                                        with mlp.fc2 in bf16 beside all four linears in FP8
@@ -526,12 +526,16 @@ if want 45; then
 say "45. issue 4 (the whole .devbundle; written 2026-12-01, unrun): where a lone request's ~23 ms go (torch.profiler over"
 say "    the inductor engine with one client), then the FP8 engine profiled under load (its detector alone was only"
 say "    1.6% faster than bf16's in waterfall run 3: which kernels eat the FP8 GEMMs' 1.6-1.8x)"
-timeout "${LIMIT_45A:-260}" python benchmarks/waterfall.py --out "$R/waterfall_lone" --budget-s 240 \
+# run 6 (LIMIT_45A=230, after step 50) cut the lone part while the inductor engine compiled (165.6 s to start in
+# run 3): give it a call of its own; LIMIT_45B=0 skips the FP8 part (run 6 measured it)
+timeout "${LIMIT_45A:-400}" python benchmarks/waterfall.py --out "$R/waterfall_lone" --budget-s 380 \
   --rows ours_bf16_inductor,latency_single --profile-clients 1 > "$R/waterfall_lone.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall_lone.log"
+if [ "${LIMIT_45B:-200}" != 0 ]; then
 timeout "${LIMIT_45B:-200}" python benchmarks/waterfall.py --out "$R/waterfall_fp8" --budget-s 180 \
   --rows ours_fp8_vit,model_only_fp8 --profile-engine ours_fp8_vit > "$R/waterfall_fp8.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall_fp8.log"
+fi
 grep -A18 "^Profile of" "$R/waterfall_lone/waterfall.md" "$R/waterfall_fp8/waterfall.md" | cut -c1-200
 fi
 if want 46; then
@@ -561,31 +565,40 @@ SAMMIE_PDL=1 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kern
 grep -E "passed|failed|Error" "$R/quant_producers_tests.log" | tail -3
 fi
 if want 49; then
-say "49. (ran: run 34; again as run 35 with the SDPA backends fixed) the warm-up's burst (three prompts of 3/4 of the token budget: multi-prompt and mixed"
-say "    steps compiled before ready; run 33's first engine took 17.8 s to the last of 32 concurrent 1k prompts' first"
-say "    tokens, its second 4.7 s), then the same engine with an 8192-token step budget (fewer, larger prefill steps)"
+say "49. (ran as runs 34-35 with an 8192-token engine beside; rewritten after run 35) a process's first burst of 32"
+say "    concurrent 1k prompts with the prefill attention on flash: the default engine, then the same settings again"
+say "    last in the process (--again: the same chunk shapes, already compiled), then a second process whose engine"
+say "    warms up with the three-prompt burst (--warmup-burst, off by default); run 35's first burst 12.7 s to the"
+say "    last first token, run 33's second engine (cuDNN, planned) 4.7 s; the kernels compiled in the first process"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 touch "$R/t49_start"
-engine_ab qwen_burst_warm "${LIMIT_49:-420}" --autotune-table auto --batched-tokens 8192
-# the kernels this step compiled (seconds after the step's start; the log's [  s] times count from qwen_gpu's start):
-# those compiled after the first engine's start are what its first burst paid for
+engine_ab qwen_burst_first "${LIMIT_49:-260}" --autotune-table auto --again
+# the kernels compiled in that process (seconds after the step's start; the log's [  s] times count from qwen_gpu's
+# start): those compiled after the first engine's start are what its first burst paid for
 t0=$(stat -c %Y "$R/t49_start")
 find "$cache" -name "*.json" ! -name "__grp__*" -newer "$R/t49_start" -printf "%T@ %f\n" 2>/dev/null | sort -n |
-  awk -v t0="$t0" '{printf "  compiled at +%6.1f s  %s\n", $1 - t0, $2}' | tee "$R/qwen_burst_warm/compiled.txt" | head -60
-python - "$R/qwen_burst_warm/qwen_gpu.json" <<'PY'
+  awk -v t0="$t0" '{printf "  compiled at +%6.1f s  %s\n", $1 - t0, $2}' | tee "$R/qwen_burst_first/compiled.txt" | head -60
+engine_ab qwen_burst_warmup "${LIMIT_49B:-200}" --autotune-table auto --warmup-burst
+python - "$R/qwen_burst_first/qwen_gpu.json" "$R/qwen_burst_warmup/qwen_gpu.json" <<'PY'
 import json, sys
-r = json.load(open(sys.argv[1]))
-for key in ("engine", "engine_batched_tokens"):
-    v = r.get(key) or {}
-    s = v.get("streams") or {}
-    print(key, "start_s", v.get("start_s"), "burst: output tok/s", s.get("output_tok_per_s"), "ttft p50/max ms",
-          s.get("ttft_p50_ms"), s.get("ttft_max_ms"), "step_run_s p99", (v.get("stats") or {}).get("step_run_s.p99"))
+for path, keys in ((sys.argv[1], ("engine", "engine_again")), (sys.argv[2], ("engine",))):
+    try:
+        r = json.load(open(path))
+    except OSError as e:
+        print(path, e)
+        continue
+    for key in keys:
+        v = r.get(key) or {}
+        s = v.get("streams") or {}
+        print(path.split("/")[-2], key, "start_s", v.get("start_s"), "burst: output tok/s", s.get("output_tok_per_s"),
+              "ttft p50/max ms", s.get("ttft_p50_ms"), s.get("ttft_max_ms"), "step_run_s p99",
+              (v.get("stats") or {}).get("step_run_s.p99"))
 PY
 fi
 if want 50; then
-say "50. (written 2026-12-01, unrun) what a new (queries, keys) shape costs the prefill attention's SDPA per backend: run 34's"
-say "    warm-up burst did not shorten the first burst (17.2 s to the last first token; 4.0 s in the process's second"
-say "    engine, whose chunks had the same shapes): cuDNN's per-shape plans suspected"
+say "50. (ran: sdpa_shapes run 1) what a new (queries, keys) shape costs the prefill attention's SDPA per backend: run 34's"
+say "    warm-up burst did not shorten the first burst (17.2 s to the last first token; run 33's second engine, the same"
+say "    shapes already planned: 4.7 s): cuDNN's per-shape plans suspected"
 timeout "${LIMIT_50:-90}" python benchmarks/sdpa_shapes.py --out "$R/sdpa_shapes" > "$R/sdpa_shapes.log" 2>&1
 cut -c1-250 "$R/sdpa_shapes.log" | tail -20
 fi

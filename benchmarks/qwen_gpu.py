@@ -313,6 +313,7 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
 
 
 AUTOTUNE_TABLE = "off"  # the engines' autotune_table (--autotune-table)
+WARMUP_BURST = False  # the engines' warmup_burst (--warmup-burst)
 
 
 async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, rand,
@@ -333,7 +334,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             warmup=True, decode_graphs=decode_graphs, prefill_graphs=prefill_graphs,
                             autotune_table=AUTOTUNE_TABLE,  # default off: tune afresh, the dumped picks are this run's
                             shared_expert_in_moe=shared_expert_in_moe, programmatic_launch=programmatic_launch,
-                            quant_in_producers=quant_in_producers,
+                            quant_in_producers=quant_in_producers, warmup_burst=WARMUP_BURST,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     try:
@@ -411,12 +412,15 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
 def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
-    oracle) get the dense shared expert and no programmatic launches."""
+    oracle) get the dense shared expert, no programmatic launches and the FP8 quantiser in the producing ops as the
+    module's default (on)."""
     from kernels import pdl
     from qwen_engine.engine import set_shared_expert_in_moe
+    from qwen_engine.model import quantized
 
     set_shared_expert_in_moe(model, False)
     pdl.set_enabled(False)
+    quantized.QUANT_IN_PRODUCERS = True
 
 
 def main() -> None:
@@ -457,6 +461,10 @@ def main() -> None:
                     help="OP:IMPL[,OP:IMPL...] -- (e) once more with these registry implementations disabled (e.g. "
                          "fp8_linear:triton_skinny+scaled_mm: the FP8 layers on the next implementation), side by "
                          "side; repeatable, one engine each")
+    ap.add_argument("--warmup-burst", action="store_true",
+                    help="every engine of the process warms up with a burst of three prompts too (QwenEngineConfig."
+                         "warmup_burst); its effect on the first concurrent burst shows only in the process's first "
+                         "engine: compare with a process run without it")
     ap.add_argument("--batched-tokens", type=int, default=None,
                     help="(e) once more with this token budget per step (max_num_batched_tokens; the first engine's: "
                          "max(2048, context)): fewer, larger prefill steps for the concurrent requests' burst, "
@@ -498,8 +506,8 @@ def main() -> None:
     for spec in args.swapped_split:
         if len(spec.split(",")) != 2 or not all(v.strip().isdigit() and int(v) >= 1 for v in spec.split(",")):
             ap.error(f"--swapped-split {spec!r}: expected G,D, two positive integers")
-    global AUTOTUNE_TABLE
-    AUTOTUNE_TABLE = args.autotune_table
+    global AUTOTUNE_TABLE, WARMUP_BURST
+    AUTOTUNE_TABLE, WARMUP_BURST = args.autotune_table, args.warmup_burst
     tiny = args.tiny
     d = lambda v, full, small: v if v is not None else (small if tiny else full)  # noqa: E731
     ctx, steps, streams = d(args.context, 1024, 24), d(args.decode_tokens, 64, 3), d(args.streams, 32, 2)

@@ -134,9 +134,9 @@ ROWS: tuple[Row, ...] = (
                 "pair_buckets": [1, 8]},
         targets=(Target("img_per_s", ">=", 95), *ACC_BF16)),
     Row("ours_fp8_vit", "+ vit_fp8=True (FP8 ViT linears, quantisation fused by inductor; the engine's FP8 gate "
-        "decides) on all four linears of each block (qkv, proj, fc1, fc2; since waterfall run 7 fc2 takes fc1's output "
-        "and applies the GELU in its Triton quantiser, kernels/gelu_fp8_quant.py); inductor, buckets images 8 / pairs "
-        "8 only",
+        "decides) on all four linears of each block (qkv, proj, fc1, fc2; after waterfall run 7 fc2 takes fc1's output "
+        "and applies the GELU in its Triton quantiser, kernels/gelu_fp8_quant.py; runs 6-7: inductor's fusion of it); "
+        "inductor, buckets images 8 / pairs 8 only",
         "engine", engine={**BATCHED, "compile": "inductor", "kernels": "triton", "vit_fp8": True, "max_pair_batch": 8,
                           "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"],
                           "image_buckets": [8], "pair_buckets": [8]},

@@ -90,8 +90,11 @@ class QwenEngineConfig:
     max_model_len: int = 8192  # prompt + generated tokens per sequence
     max_queued: int = 256  # unanswered requests (waiting + running); more -> Overloaded (503 + Retry-After)
     request_timeout_s: float | None = 600.0  # default deadline per request, s from arrival (None: none) -> 504
-    warmup: bool = True  # before reporting ready: one prefill, one decode step of every decode bucket and, on a
-    #                      GPU, a burst of three prompts (multi-prompt and mixed steps: `QwenEngine.warmup`)
+    warmup: bool = True  # run one prefill and one decode step of every decode bucket before reporting ready
+    warmup_burst: bool = False  # the warm-up also feeds a burst of three prompts on a GPU (multi-prompt and mixed
+    #                             steps: `QwenEngine.warmup`); off until its gain is measured (H200 run 34, prefill
+    #                             attention then on cuDNN: start-up 30.6 -> 39.5 s, the first 32-prompt burst 17.8 ->
+    #                             17.2 s to its last first token)
     decode_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/decode_graphs.py): CUDA graphs of
     #                              decode-only steps, one per decode bucket, captured at start (auto: capture on
     #                              cuda, off on cpu; static: the graphs' static-buffer path run eagerly)
@@ -285,8 +288,10 @@ class QwenEngine:
         if cfg.programmatic_launch is True and not self.programmatic_launch:
             log.warning("programmatic_launch: needs compiled Triton kernels on an NVIDIA GPU of compute capability 9.x "
                         "or 10.x; off")
-        from .model import quantized  # process-wide too, before the self-checks and the warm-up
+        from .model import quantized
 
+        # process-wide too (the model's modules read the module flag; one engine per replica process is the
+        # deployment, so the last engine built in a process sets it), before the self-checks and the warm-up
         quantized.QUANT_IN_PRODUCERS = cfg.quant_in_producers
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
@@ -375,16 +380,16 @@ class QwenEngine:
         return self._loop_task is not None and not self._loop_task.done()
 
     async def warmup(self) -> float:
-        """One prefill, a full decode batch and, on a GPU, a burst, so lazy allocations, kernel compilation and
-        autotuning happen before traffic; then forget the warm-up's statistics. Returns seconds taken.
+        """One prefill, a full decode batch and (`warmup_burst`, on a GPU) a burst, so lazy allocations, kernel
+        compilation and autotuning happen before traffic; then forget the warm-up's statistics. Returns seconds taken.
 
         The burst: three concurrent prompts of 3/4 of the token budget each, so the steps hold two prompts' chunks
         at once, a chunk that continues its prompt and decode rows beside chunks -- the kinds of step a burst of
-        requests makes, which the lone prefill and the decode batch never do (their kernels' first compilation
-        comes here, not under traffic). H200: it costs ~2 s of start-up (Qwen runs 33, 35: 30.6 -> 32.8 s); its own
-        effect on the first burst is not separated. That first burst is still slower than the next (run 35: 32
-        concurrent 1k prompts, the last first token after 12.7 s in a process's first engine, 3.9 s in its second;
-        17.2-17.8 s before the prefill attention left cuDNN's per-shape plans, `attention.PREFILL_BACKENDS`)."""
+        requests makes, which the lone prefill and the decode batch never do. H200, Qwen runs 33-34 (the prefill
+        attention then on cuDNN, whose per-shape plans were the first burst's main cost: `attention.
+        PREFILL_BACKENDS`): start-up 30.6 -> 39.5 s, a process's first 32-prompt burst 17.8 -> 17.2 s to its last
+        first token. Whether it pays with the attention on flash (run 35's first burst: 12.7 s; run 33's second
+        engine, the same shapes planned: 4.7 s) is `gpu_next.sh` step 49's question."""
         from engine_core.continuous import ContinuousStats
 
         t0 = time.perf_counter()
@@ -398,7 +403,7 @@ class QwenEngine:
 
         await one([i % vocab for i in range(n)])
         await asyncio.gather(*(one([(7 * i + 1) % vocab]) for i in range(cfg.max_num_seqs)))
-        if self.device.type == "cuda":  # nothing compiles or tunes lazily on a CPU
+        if cfg.warmup_burst and self.device.type == "cuda":  # nothing compiles or tunes lazily on a CPU
             await asyncio.gather(*(one(prompt) for prompt in warmup_burst(cfg, vocab)))
         self.warmup_s = time.perf_counter() - t0
         self.scheduler.stats = ContinuousStats()
@@ -455,7 +460,7 @@ class QwenEngine:
             "kernel_checks": self.kernel_checks,
             "autotune_table_picks": self.autotune_picks,
             "programmatic_launch": self.programmatic_launch,
-            "quant_in_producers": self.cfg.quant_in_producers,
+            "quant_in_producers": _quant_in_producers(),  # process-wide: the last engine built set it
             "stats": s.stats.snapshot(),
         }
 
@@ -713,6 +718,13 @@ class QwenEngine:
 
 # --------------------------------------------------------------------------------------------------------------
 # Model construction
+
+
+def _quant_in_producers() -> bool:
+    """The FP8 quantiser-in-producers switch in force (`QwenEngineConfig.quant_in_producers`: process-wide)."""
+    from .model import quantized
+
+    return quantized.QUANT_IN_PRODUCERS
 
 
 def warmup_burst(cfg: QwenEngineConfig, vocab: int) -> list[list[int]]:

@@ -412,9 +412,11 @@ class SammieEngine:
         rgb = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, side, side), dtype=np.uint8))
         with torch.inference_mode():
             sample = preprocess_batch(self.registry, [rgb], self.model_cfg, self.device, self.dtype)  # [1, 3, S, S]
-        # under inductor the plain-torch quantise-and-_scaled_mm path ("torch") is the fast one: inductor fuses the
-        # per-token quantisation into the LayerNorm / GELU before it, which an opaque Triton quantiser prevents
-        # (a separate quantise pass costs more than the FP8 GEMM saves: benchmarks/RESULTS.md, stage profile)
+        # under inductor the plain-torch quantise-and-_scaled_mm path ("torch") is the fast one for qkv / proj / fc1:
+        # inductor fuses their per-token quantisation into the LayerNorm / attention output before them, which an
+        # opaque Triton quantiser prevents (a separate pass costs more than the FP8 GEMM saves: RESULTS.md, stage
+        # profile). An FP8 fc2 is exempt: its GELU + quantiser, fused by inductor, took 0.91 ms a call (waterfall
+        # run 6), so it takes the one-pass Triton GELU-quantiser (sammie.model.fp8._gelu_implementation)
         preference = "torch" if self.compile == "inductor" and self.kernels != "reference" else "auto"
         report = enable_vit_fp8(self.detector, sample, registry=self.registry,  # its op's choice shows in health()
                                 preference=preference, linears=self.cfg.vit_fp8_linears)

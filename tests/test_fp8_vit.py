@@ -77,7 +77,8 @@ def test_fc2_takes_the_pre_activation_with_the_gelu_in_its_quantiser(tiny, monke
 
 def test_a_subset_of_the_linears(tiny):
     """`linears` (EngineConfig.vit_fp8_linears): only those leaves are swapped, in block order; the rest keep their
-    bf16 nn.Linear; a leaf outside VIT_LINEARS, a repeat or nothing is refused before anything is swapped."""
+    bf16 nn.Linear; a leaf outside VIT_LINEARS, a repeat or nothing is refused before anything is touched (an FP8
+    detector stays FP8)."""
     detector, pixels = tiny
     keep = ("attn.qkv", "attn.proj", "mlp.fc1")
     names = vit_linear_names(detector, keep)
@@ -88,11 +89,12 @@ def test_a_subset_of_the_linears(tiny):
         fc2 = [m for n, m in detector.named_modules() if n.endswith("mlp.fc2")]
         assert fc2 and all(type(m) is torch.nn.Linear for m in fc2)
         assert sum(isinstance(m, Fp8Linear) for m in detector.modules()) == len(names)
+        for bad in ((), ("mlp.fc3",), ("attn.qkv", "attn.qkv")):  # refused with the FP8 modules left in place
+            with pytest.raises(ValueError, match="vit_fp8_linears"):
+                enable_vit_fp8(detector, pixels, preference="reference", registry=registry(), linears=bad)
+            assert sum(isinstance(m, Fp8Linear) for m in detector.modules()) == len(names)
     finally:
         disable_vit_fp8(detector)
-    for bad in ((), ("mlp.fc3",), ("attn.qkv", "attn.qkv")):
-        with pytest.raises(ValueError, match="vit_fp8_linears"):
-            enable_vit_fp8(detector, pixels, preference="reference", registry=registry(), linears=bad)
     assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
 
 

@@ -385,7 +385,8 @@ def test_gelu_quantize_rows_triton_against_the_reference(m, k, dtype):
     """Codes and scales of gelu(h) in one pass against `quantize_rows_reference(F.gelu(h))`: at most
     GELU_CODES_DIFFER_MAX of the codes differ, each by one e4m3 step (where the kernel's erf and torch's differ in the
     last fp32 bit and the GELU's value sits on a rounding boundary: 43 of 303,104 under the interpreter at the ViT's
-    width, 3 of 9,768 at the tiny's), scales within one fp32 ulp; the all-zero row keeps scale 1 and codes 0."""
+    width, 3 of 9,768 at the tiny's); a scale moves only with its row's largest GELU value: by one step of the
+    GELU's dtype at most (bf16 2^-8, fp32 2^-22 relative); the all-zero row keeps scale 1 and codes 0."""
     from kernels.gelu_fp8_quant import gelu_quantize_rows_reference, gelu_quantize_rows_triton
 
     h = gelu_rows(m, k, seed=m + k, dtype=dtype)
@@ -397,7 +398,7 @@ def test_gelu_quantize_rows_triton_against_the_reference(m, k, dtype):
     print(f"\n{m}x{k} {dtype}: {differ} of {q.numel()} codes one step off, "
           f"{int((s != s_ref).sum())} of {m} scales an ulp off")
     assert differ <= GELU_CODES_DIFFER_MAX * q.numel() and int(step.max()) <= 1 and bool(same_sign[step > 0].all())
-    assert ((s - s_ref).abs() <= s_ref * 2.0**-23).all()
+    assert ((s - s_ref).abs() <= s_ref * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-22)).all()
     assert (s[m // 2] == 1).all() and (q[m // 2].float() == 0).all()
 
 

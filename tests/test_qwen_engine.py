@@ -588,7 +588,7 @@ def test_causal_attention_against_the_explicit_mask(t, ctx, dtype):
 
 @pytest.mark.parametrize("budget,max_len,seqs", [(2048, 4096, 32), (64, 200, 4), (64, 40, 2), (64, 200, 1)])
 def test_warmup_burst_makes_the_burst_shapes(budget, max_len, seqs):
-    """`warmup_burst` (the GPU warm-up's burst) scheduled as the engine schedules it: steps holding two prompts'
+    """`warmup_burst` (the GPU warm-up's optional burst) scheduled as the engine schedules it: steps holding two prompts'
     chunks, a chunk continuing its prompt (start > 0) and decode rows beside chunks -- none of which the lone
     prefill and the decode batch make; each prompt fits max_model_len with its 2 tokens; no burst without room for
     two sequences."""

@@ -165,8 +165,8 @@ class GatedAttention(nn.Module):
 # burst of requests (each cut where the step's token budget ends). H200, benchmarks/sdpa_shapes.py
 # (results/sdpa_shapes_run1): 12 new causal shapes took 1,874 ms by default against 1.8 ms with flash, 12 new
 # masked ones 7,659 ms against 4.1 ms as flash's lower-right causal; the second calls 1.2-3.3 ms either way. Qwen
-# runs 33-34: the last of 32 concurrent 1k prompts' first tokens at 17.2-17.8 s in a process's first engine, 4.0-4.7 s
-# in its second (the same prompts: the same shapes, planned).
+# run 33: the last of 32 concurrent 1k prompts' first tokens at 17.8 s in a process's first engine, 4.7 s in its
+# second (the same prompts and budget: the same shapes, planned); run 35, on these backends: 12.7 s in the first.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -174,7 +174,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """q [B, H, T, D] at the last T of the ctx positions of k / v [B, KV, ctx, D] (GQA: H a multiple of KV) -> o
     [B, H, T, D]: query j (position ctx - T + j) sees keys 0..ctx - T + j. One query sees every key; T = ctx is
     plain causal; a chunk continuing its sequence (T < ctx) takes the lower-right causal mask (torch's CausalBias,
-    flash's own alignment), whose fused kernels need the kv heads repeated to H."""
+    flash's own alignment) with the kv heads repeated to H (the form sdpa_shapes.py measured; CausalBias with
+    enable_gqa is not measured on a GPU)."""
     t, ctx = q.shape[2], k.shape[2]
     with sdpa_kernel(PREFILL_BACKENDS):
         if t == 1 or t == ctx:

@@ -169,14 +169,18 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
     docstring). `preference`: "auto" (fastest supported FP8 GEMM; none -> enabled False with the reason),
     "triton" / "torch" (that implementation only; NotImplementedError from the registry if unsupported), or
     "reference" (the fp32 quantise-dequantise emulation on any device: for tests and numerics studies, slower than
-    bf16). `sample_pixels` [B, 3, S, S] in the model dtype: use real preprocessed images when you have them.
-    `linears`: which of each block's VIT_LINEARS to swap (the others stay bf16)."""
+    bf16). `preference` governs the row-wise op; an FP8 mlp.fc2 takes the GELU op ("fp8_rowwise_linear_gelu") with
+    the registry's own preference (its one-pass Triton quantiser first, also under inductor, whose fusion of the
+    same torch ops was measured slow) unless `preference` is "reference". `sample_pixels` [B, 3, S, S] in the model
+    dtype: use real preprocessed images when you have them. `linears`: which of each block's VIT_LINEARS to swap
+    (the others stay bf16); checked before anything is touched."""
     if registry is None:
         from engine_core.registry import default_registry
 
         registry = default_registry()
     if ROWWISE_NAME not in registry.ops():
         raise ValueError(f"kernel registry has no {ROWWISE_NAME!r} op (kernels.fp8_linear not registered)")
+    check_linears(linears)  # a bad list must not first undo an FP8 detector
     disable_vit_fp8(detector)  # measure the bf16 baseline from a clean state
     names = vit_linear_names(detector, linears)
     plan, skipped, fallbacks = [], [], []
