@@ -8,7 +8,8 @@ benchmarks/RESULTS.md). Contract, flat over the sequences of the step (T tokens,
     q, k [T, H, Dk] (L2-normalised, q scaled by Dk^-1/2, repeated to the H value heads, as `GatedDeltaNet._heads`
     gives them); v [T, H, Dv]; g (log decay <= 0), beta [T, H]; states [N, H, Dk, Dv] entering each sequence;
     cu_seqlens int64 [N + 1] (sequence i is tokens cu[i]:cu[i+1]), or None for one sequence of all T tokens (N = 1;
-    fla's fixed-length path, which reads nothing on the host: CUDA-graph capturable); all fp32 but cu_seqlens
+    fla's fixed-length path, which reads nothing on the host: CUDA-graph capturable); cu_seqlens_cpu: the same
+    offsets on the host, or None (then read from the device: a sync); all fp32 but the offsets
     -> (o [T, H, Dv], final states [N, H, Dk, Dv]), fp32; nothing is modified in place.
 
 Numerics: the same recurrence in another blocking; fla's kernels run their in-chunk products on tensor cores (TF32
@@ -32,11 +33,13 @@ TOLERANCE = 2e-3  # x max |ref|: TF32 products inside fla's chunk kernels (modul
 MAX_HEAD_DIM = 256  # fla's chunk kernels
 
 
-def gdn_chunk_reference(q, k, v, g, beta, states, cu_seqlens, chunk_size: int = 64):
-    """The contract above with `gated_delta_rule_chunked` per sequence (one host read of cu_seqlens)."""
+def gdn_chunk_reference(q, k, v, g, beta, states, cu_seqlens, cu_seqlens_cpu=None, chunk_size: int = 64):
+    """The contract above with `gated_delta_rule_chunked` per sequence (the host offsets, else one read of the
+    device's)."""
     from qwen_engine.model.gdn import gated_delta_rule_chunked
 
-    bounds = [0, q.shape[0]] if cu_seqlens is None else cu_seqlens.tolist()
+    offsets = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    bounds = [0, q.shape[0]] if cu_seqlens is None else offsets.tolist()
     o = torch.empty_like(v)
     finals = torch.empty_like(states)
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -57,15 +60,16 @@ def _fla():
     return chunk_gated_delta_rule
 
 
-def gdn_chunk_fla(q, k, v, g, beta, states, cu_seqlens):
+def gdn_chunk_fla(q, k, v, g, beta, states, cu_seqlens, cu_seqlens_cpu=None):
     """Same contract as `gdn_chunk_reference`, in fla's kernels (one varlen call, or fixed-length for one sequence;
-    scale 1: q comes scaled)."""
+    scale 1: q comes scaled). fla builds its chunk indices from the host offsets when given (no device sync) and
+    caches them by the offsets tensors' identity: the engine hands every GDN layer of a step the same pair."""
     o, finals = _fla()(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=states,
-                       output_final_state=True, cu_seqlens=cu_seqlens)
+                       output_final_state=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     return o[0].to(v.dtype), finals.to(states.dtype)
 
 
-def describe(q, k, v, g, beta, states, cu_seqlens) -> dict[str, Any]:
+def describe(q, k, v, g, beta, states, cu_seqlens, cu_seqlens_cpu=None) -> dict[str, Any]:
     shapes_ok = (q.dim() == 3 and q.shape == k.shape and v.dim() == 3 and v.shape[:2] == q.shape[:2]
                  and g.shape == beta.shape == q.shape[:2] and states.dim() == 4
                  and states.shape[1:] == (q.shape[1], q.shape[2], v.shape[2])
@@ -73,12 +77,16 @@ def describe(q, k, v, g, beta, states, cu_seqlens) -> dict[str, Any]:
                       cu_seqlens.dim() == 1 and cu_seqlens.numel() == states.shape[0] + 1))
     return dict(device=q.device.type, dtypes={t.dtype for t in (q, k, v, g, beta, states)}, shapes_ok=shapes_ok,
                 head_dims=(q.shape[-1], v.shape[-1]) if shapes_ok else (),
-                seqlens_ok=cu_seqlens is None or (cu_seqlens.dtype == torch.int64 and cu_seqlens.device == q.device))
+                seqlens_ok=cu_seqlens is None or (cu_seqlens.dtype == torch.int64 and cu_seqlens.device == q.device
+                                                  and (cu_seqlens_cpu is None or (
+                                                      cu_seqlens_cpu.device.type == "cpu"
+                                                      and cu_seqlens_cpu.dtype == torch.int64
+                                                      and cu_seqlens_cpu.shape == cu_seqlens.shape))))
 
 
 def supports(*, device: str, dtypes: set, shapes_ok: bool, head_dims: tuple, seqlens_ok: bool, **_: Any) -> bool:
-    """fla importable, CUDA tensors, fp32 with the contract's shapes, int64 cu_seqlens on the same device (or None),
-    head dims <= MAX_HEAD_DIM."""
+    """fla importable, CUDA tensors, fp32 with the contract's shapes, int64 cu_seqlens on the same device (or None;
+    its host copy int64 of the same shape, or None), head dims <= MAX_HEAD_DIM."""
     return (device == "cuda" and _fla() is not None and dtypes == {torch.float32} and shapes_ok and seqlens_ok
             and all(1 <= d <= MAX_HEAD_DIM for d in head_dims))
 
@@ -107,7 +115,8 @@ def random_inputs(lengths: tuple[int, ...], heads: int, dk: int, dv: int, seed: 
 
 
 def _sample(device) -> tuple[tuple, dict]:
-    return random_inputs((70, 5, 130), 2, 32, 32, device=device), {}
+    args = random_inputs((70, 5, 130), 2, 32, 32, device=device)
+    return (*args, args[-1].cpu()), {}  # the offsets on the host too, as the engine hands them
 
 
 def register(registry) -> None:

@@ -139,8 +139,8 @@ class ModelRunner:
     def _gdn_prep_ba(self, *args):
         return self.registry.call("gdn_decode_prep_ba", *args)
 
-    def _gdn_chunk(self, q, k, v, g, beta, states, cu_seqlens):
-        return self.registry.call("gdn_chunk_prefill", q, k, v, g, beta, states, cu_seqlens)
+    def _gdn_chunk(self, q, k, v, g, beta, states, cu_seqlens, cu_seqlens_cpu=None):
+        return self.registry.call("gdn_chunk_prefill", q, k, v, g, beta, states, cu_seqlens, cu_seqlens_cpu)
 
     def _gdn_conv(self, x, conv_pool, row, conv_w, valid=None):
         return self.registry.call("gdn_prefill_conv", x, conv_pool, row, conv_w, valid)

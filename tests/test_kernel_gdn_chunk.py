@@ -89,6 +89,9 @@ def test_fla_matches_reference_on_gpu(lengths, dk):
     err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
     print(f"\nfla vs reference, lengths {lengths}, Dk {dk}: max rel err {err:.2e}")
     assert compare(got, ref) is None
+    host = args[-1].cpu()  # the offsets on the host too (the engine's form: fla builds its chunk indices sync-free)
+    assert supports(**describe(*args, host)) and not supports(**describe(*args, host[:-1]))
+    assert compare(gdn_chunk.gdn_chunk_fla(*args, host), ref) is None
     if len(lengths) == 1:  # fla's fixed-length path (no cu_seqlens): what a single prefill row and its graph run
         fixed = gdn_chunk.gdn_chunk_fla(*args[:-1], None)
         assert compare(fixed, ref) is None
@@ -141,8 +144,8 @@ def test_model_prefill_rows_through_the_op():
     x, conv = x.to(torch.bfloat16), conv.to(torch.bfloat16)
     calls = []
 
-    def op_spy(*args):  # the op as the runner passes it: records the cu_seqlens it was handed
-        calls.append(args[-1].tolist())
+    def op_spy(*args):  # the op as the runner passes it: records the offsets (device, host) it was handed
+        calls.append((args[-2], args[-1]))
         return gdn_chunk_reference(*args)
 
     outs, states = [], []
@@ -151,17 +154,22 @@ def test_model_prefill_rows_through_the_op():
         batch = FlatBatch.build(seqs, 2, 64, "cpu", gdn_chunk=op)
         with torch.no_grad():
             outs.append(gdn.forward_paged(x, slots, batch))
+            if op is op_spy:  # a second GDN layer of the same step
+                gdn.forward_paged(x, GDNSlots(conv.clone(), rec.clone()), batch)
         states.append(slots.recurrent)
-    assert calls == [[0, 1, 21, 58]]  # one call for the 3 prefill rows, offsets relative to the first of them
+    # one call per layer for the 3 prefill rows, offsets relative to the first of them, on the host too; every layer
+    # of the step gets the very same tensors (fla caches its chunk indices by identity)
+    assert len(calls) == 2 and calls[0][0].tolist() == calls[0][1].tolist() == [0, 1, 21, 58]
+    assert calls[1][0] is calls[0][0] and calls[1][1] is calls[0][1] and calls[0][1].device.type == "cpu"
     # a step with one prefill row hands over no cu_seqlens (fla's fixed-length path)
     one = [seqs[0], seqs[1], seqs[3]]
     calls.clear()
     n1 = 2 + lengths[3]
     with torch.no_grad():
         gdn.forward_paged(x[:n1], GDNSlots(conv.clone(), rec.clone()),
-                          FlatBatch.build(one, 2, 64, "cpu", gdn_chunk=lambda *a: (calls.append(a[-1]),
+                          FlatBatch.build(one, 2, 64, "cpu", gdn_chunk=lambda *a: (calls.append(a[-2:]),
                                                                                      gdn_chunk_reference(*a))[1]))
-    assert calls == [None]
+    assert calls == [(None, None)]
     assert compare((outs[1].float(), states[1]), (outs[0].float(), states[0]), tol=1e-5) is None
     assert torch.equal(states[1][3], rec[3])  # row 3 belongs to nobody: untouched
     assert not torch.equal(states[1][5], rec[5])  # a prefill row advanced

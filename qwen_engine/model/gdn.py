@@ -311,12 +311,11 @@ class GatedDeltaNet(nn.Module):
         # torch chunked rule below (the oracle's fp32 gates are 1e-4)
         if batch.gdn_chunk is not None and batch.num_seqs > nd and x.dtype in (torch.bfloat16, torch.float16):
             t0, rows = batch.starts[nd], batch.state_slots_t[nd:]
-            # one prefill sequence: no cu_seqlens (fla's fixed-length path: no host reads of them, capturable)
-            cu = None if batch.num_seqs - nd == 1 else torch.tensor(
-                [b - t0 for b in batch.starts[nd:]], dtype=torch.int64, pin_memory=x.is_cuda).to(x.device,
-                                                                                                  non_blocking=True)
+            # one prefill sequence: no cu_seqlens (fla's fixed-length path: no host reads of them, capturable);
+            # several: the step's one pair of offsets (device, host), shared by every GDN layer (`FlatBatch`)
+            cu, cu_host = batch.prefill_cu or (None, None)
             o[t0:], slots.recurrent[rows] = batch.gdn_chunk(q[t0:], k[t0:], v[t0:], g[t0:], beta[t0:],
-                                                            slots.recurrent[rows], cu)
+                                                            slots.recurrent[rows], cu, cu_host)
             return self._output(o, z, x.dtype)
         for i in range(nd, batch.num_seqs):
             s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]

@@ -109,8 +109,8 @@ class FlatBatch:
     # projections' own GEMM
     gdn_prep_ba: Callable | None = None
     # GDN prefill of all prefill rows in one call: (q, k, v, g, beta of their tokens, entering states [P, H, Dk, Dv],
-    # cu_seqlens int64 [P + 1] on the device) -> (o, final states) (`kernels/gdn_chunk.py`: flash-linear-attention's
-    # kernels on CUDA); None -> `gdn.gated_delta_rule_chunked` per sequence
+    # cu_seqlens int64 [P + 1] on the device, the same on the host) -> (o, final states) (`kernels/gdn_chunk.py`:
+    # flash-linear-attention's kernels on CUDA); None -> `gdn.gated_delta_rule_chunked` per sequence
     gdn_chunk: Callable | None = None
     # GDN prefill conv of one sequence's chunk: (x rows [n, C], conv pool [S, C, K-1], state row int, weight [C, K],
     # valid int64 [1] | None) -> (y [n, C], pool advanced in place) (`kernels/gdn_conv.py`'s op); None -> the torch
@@ -120,6 +120,11 @@ class FlatBatch:
     # step is one prefill sequence from position 0 whose tokens at or past it are padding (they must not touch the
     # sequence's GDN state or be attended to by its real tokens). None: every token is real.
     valid_tokens: torch.Tensor | None = None
+    # the prefill rows' token offsets relative to the first of them, int64 [P + 1] (device, host), built once per
+    # step when P >= 2 (one prefill row: None, fla's fixed-length path). One object for every GDN layer of the step:
+    # fla caches its chunk indices by the tensors' identity, and the host copy spares it a device sync to build them
+    # (a fresh tensor per layer cost two syncs per layer: 60 per 2,048-token step, Qwen profile run 18)
+    prefill_cu: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -152,6 +157,10 @@ class FlatBatch:
         def put(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
 
+        prefill_cu = None
+        if len(seqs) - num_decode >= 2:
+            host = torch.tensor([b - starts[num_decode] for b in starts[num_decode:]], dtype=torch.int64)
+            prefill_cu = (host.pin_memory().to(device, non_blocking=True) if pin else host.to(device), host)
         return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
                    tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep,
-                   gdn_prep_ba, gdn_chunk, gdn_conv)
+                   gdn_prep_ba, gdn_chunk, gdn_conv, prefill_cu=prefill_cu)
