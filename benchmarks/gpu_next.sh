@@ -131,6 +131,8 @@
 #   STEPS="50" (any carry): ~1 min (ran: sdpa_shapes run 1); the prefill attention's SDPA: a new shape's first call
 #   eval "$(bash .devbundle/install.sh)" && STEPS="51" bash benchmarks/gpu_next.sh      # ~5 min: issue 4, FP8
 #                                                        with mlp.fc2 in bf16 beside all four linears in FP8
+#   eval "$(bash .devbundle/install.sh)" && STEPS="52" bash benchmarks/gpu_next.sh      # ~8 min: issue 4, a lone
+#                                                        request through the FP8 engine beside bf16's
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -612,6 +614,13 @@ grep -E "passed|failed|codes one step" "$R/fp8_gelu_tests.log" | tail -5
 timeout "${LIMIT_51:-380}" python benchmarks/waterfall.py --out "$R/waterfall_fc2" --budget-s 360 --no-profile \
   --rows ours_fp8_vit,model_only_fp8,ours_fp8_vit_no_fc2,model_only_fp8_no_fc2 > "$R/waterfall_fc2.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fc2.log" | cut -c1-250 | head -20
+fi
+if want 52; then
+say "52. issue 4 (the whole .devbundle; written 2026-12-01, unrun): a lone request through the FP8 engine (buckets 1 and 8)"
+say "    beside the bf16 inductor engine's, same run: the ViT at batch 1 (14.5 ms bf16) is most of the 23.3 ms p50"
+timeout "${LIMIT_52:-540}" python benchmarks/waterfall.py --out "$R/waterfall_lat" --budget-s 520 --no-profile \
+  --rows ours_bf16_inductor,latency_single,ours_fp8_vit_b1,latency_single_fp8 > "$R/waterfall_lat.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_lat.log" | cut -c1-250 | head -20
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
