@@ -124,7 +124,8 @@
 #                                                        release_when_idle under load (ran: waterfall run 4)
 #   eval "$(bash .devbundle/install.sh)" && LIMIT_45B=0 STEPS="45" bash benchmarks/gpu_next.sh   # ~7 min: issue 4,
 #                                                        a lone request's profile (the FP8 engine's: waterfall run 6)
-#   STEPS="46" (carry .devbundle/extra and .tritoncache): ~4 min (unrun); the 32-prompt burst's prefill profiled
+#   STEPS="46" (carry .devbundle/extra and .tritoncache): ~2.5 min (ran: profile run 18); the 32-prompt burst's
+#                                                        prefill profiled (again: the syncs after prefill_cu)
 #   STEPS="47" (same carry): ~5 min (ran: run 33); the FP8 quantiser in the producing ops beside the default
 #   STEPS="48" (same carry): ~1.5 min (ran); the norms' codes tests again after run 33's fp32 failures
 #   STEPS="49" (same carry): ~5 min; a process's first burst (flash), the same again, then --warmup-burst alone
@@ -541,9 +542,9 @@ fi
 grep -A18 "^Profile of" "$R/waterfall_lone/waterfall.md" "$R/waterfall_fp8/waterfall.md" | cut -c1-200
 fi
 if want 46; then
-say "46. (written 2026-12-01, unrun) a burst of 32 concurrent 1k prompts profiled: run 31's burst waited 7.3 s (p50) /"
-say "    11.9 s (max) for first tokens, a lone 1k prompt 40 ms; per-step plans (sequences, tokens, host ms), kernels"
-say "    and the host's side of the burst's prefill steps"
+say "46. (ran: profile run 18, 960 device syncs in 16 steps; again after the step's prefill offsets became one pair for every"
+say "    GDN layer, FlatBatch.prefill_cu) a burst of 32 concurrent 1k prompts profiled: per-step plans (sequences,"
+say "    tokens, host ms), kernels, host syncs and the host's side of the burst's prefill steps"
 timeout "${LIMIT_46:-300}" python benchmarks/qwen_profile.py --batches "" --engine-burst 32 --prefill-graphs off \
   --out "$R/qwen_burst" > "$R/qwen_burst.log" 2>&1
 grep -E "engine_burst step|engine_burst +[0-9]|engine_burst host|burst_ttft|Error|error" "$R/qwen_burst.log" | cut -c1-220 | head -80
