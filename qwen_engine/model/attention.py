@@ -128,7 +128,7 @@ class GatedAttention(nn.Module):
                 # what a padded prefill graph needs: its padding keys live in the scratch block, after the real ones)
                 keys = k[:, :, s:e].to(kv.k.dtype)
                 values = v[s:e].transpose(0, 1)[None].to(kv.v.dtype)
-            else:  # token j (position past+j) sees keys 0..past+j
+            else:  # a chunk continuing its sequence: its token j (position ctx - (e - s) + j) sees keys 0 .. that
                 keys, values = gather_kv(kv, batch.block_tables[i], ctx)  # [1, KV, ctx, D]
             o[:, :, s:e] = causal_attention(q[:, :, s:e], keys, values, self.scaling)
         o = o[0].transpose(0, 1).reshape(n, h * d)
