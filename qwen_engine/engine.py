@@ -386,9 +386,9 @@ class QwenEngine:
         The burst: three concurrent prompts of 3/4 of the token budget each, so the steps hold two prompts' chunks
         at once, a chunk that continues its prompt and decode rows beside chunks -- the kinds of step a burst of
         requests makes, which the lone prefill and the decode batch never do. H200, Qwen runs 33-34 (the prefill
-        attention then on cuDNN, whose per-shape plans were the first burst's main cost: `attention.
-        PREFILL_BACKENDS`): start-up 30.6 -> 39.5 s, a process's first 32-prompt burst 17.8 -> 17.2 s to its last
-        first token. Whether it pays with the attention on flash (run 35's first burst: 12.7 s; run 33's second
+        attention then on cuDNN, whose per-shape plans were a large part of the first burst's cost: `attention.
+        PREFILL_BACKENDS`): start-up 30.6 -> 39.5 s (different machines), a process's first 32-prompt burst 17.8 ->
+        17.2 s to its last first token. Whether it pays with the attention on flash (run 35's first burst: 12.7 s; run 33's second
         engine, the same shapes planned: 4.7 s) is `gpu_next.sh` step 49's question."""
         from engine_core.continuous import ContinuousStats
 

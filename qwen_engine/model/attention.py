@@ -163,8 +163,8 @@ class GatedAttention(nn.Module):
 # The prefill attention's SDPA backends: none that builds a plan per shape. cuDNN's attention (torch's first choice on
 # Hopper) builds one at each new (queries, keys) shape, and chunked prefill makes a new shape nearly every step of a
 # burst of requests (each cut where the step's token budget ends). H200, benchmarks/sdpa_shapes.py
-# (results/sdpa_shapes_run1): 12 new causal shapes took 1,874 ms by default against 1.8 ms with flash, 12 new
-# masked ones 7,659 ms against 4.1 ms as flash's lower-right causal; the second calls 1.2-3.3 ms either way. Qwen
+# (results/sdpa_shapes_run1): 12 new causal shapes took 1,874 ms by default against 1.8 ms with flash (60-71 ms a
+# shape after the first), 12 new masked ones 7,659 ms against 4.1 ms as flash's lower-right causal; Qwen
 # run 33: the last of 32 concurrent 1k prompts' first tokens at 17.8 s in a process's first engine, 4.7 s in its
 # second (the same prompts and budget: the same shapes, planned); run 35, on these backends: 12.7 s in the first.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
