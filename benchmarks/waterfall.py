@@ -108,6 +108,9 @@ ACC_FP8 = (Target("iou_mean", ">=", 0.98), Target("count_mismatch_pct", "<=", 2.
 B1 = {"max_image_batch": 1, "max_pair_batch": 1, "compile": "none", "kernels": "reference", "vit_fp8": False}
 BATCHED = {"dtype": "bf16", "max_image_batch": 8, "max_pair_batch": 16, "compile": "none", "kernels": "reference",
            "vit_fp8": False}
+# the FP8 engine rows: inductor, Triton kernels, batch-8 buckets, the default FP8 linears (qkv, proj, fc1)
+FP8_INDUCTOR = {**BATCHED, "compile": "inductor", "kernels": "triton", "vit_fp8": True, "max_pair_batch": 8,
+                "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1"], "image_buckets": [8], "pair_buckets": [8]}
 
 ROWS: tuple[Row, ...] = (
     Row("meta_processor_fp32", "Meta Sam3Processor, one image at a time (JPEG decode, set_image, set_text_prompt, "
@@ -137,22 +140,16 @@ ROWS: tuple[Row, ...] = (
         "decides) on all four linears of each block (qkv, proj, fc1, fc2; after waterfall run 7 fc2 takes fc1's output "
         "and applies the GELU in its Triton quantiser, kernels/gelu_fp8_quant.py; runs 6-7: inductor's fusion of it); "
         "inductor, buckets images 8 / pairs 8 only",
-        "engine", engine={**BATCHED, "compile": "inductor", "kernels": "triton", "vit_fp8": True, "max_pair_batch": 8,
-                          "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"],
-                          "image_buckets": [8], "pair_buckets": [8]},
+        "engine", engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_vit_no_fc2", "ours_fp8_vit with mlp.fc2 kept in bf16 (vit_fp8_linears: qkv, proj, fc1, the "
         "default since waterfall run 7): its per-token quantiser of the GELU's 4,736-wide output cost more than its "
         "FP8 GEMM saves (waterfall run 6)",
-        "engine", engine={**BATCHED, "compile": "inductor", "kernels": "triton", "vit_fp8": True,
-                          "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1"], "max_pair_batch": 8,
-                          "image_buckets": [8], "pair_buckets": [8]},
+        "engine", engine=FP8_INDUCTOR,
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_vit_b1", "ours_fp8_vit_no_fc2 (the default FP8 linears) with buckets images 1, 8 and pairs 1, 8, "
         "like ours_bf16_inductor: the engine of latency_single_fp8", "engine",
-        engine={**BATCHED, "compile": "inductor", "kernels": "triton", "vit_fp8": True, "max_pair_batch": 8,
-                "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1"], "image_buckets": [1, 8],
-                "pair_buckets": [1, 8]},
+        engine={**FP8_INDUCTOR, "image_buckets": [1, 8], "pair_buckets": [1, 8]},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("model_only_best", "the best bf16 engine's detector alone: encode_images + ground on a pre-processed batch "
         "of 8 (one prompt each, prompt features cached); no decode, no post-processing; latency per batch",

@@ -187,10 +187,9 @@ def _(o, gate, input_scale):
 def attn_output_gate_fp8_reference(o: torch.Tensor, gate: torch.Tensor, input_scale: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, codes): y = `attn_output_gate_reference`, codes = `fp8_quant.quantize_static_reference(y, input_scale)`."""
-    from kernels.fp8_quant import quantize_static_reference
+    from kernels.fp8_quant import with_static_codes
 
-    y = attn_output_gate_reference(o, gate)
-    return y, quantize_static_reference(y, input_scale)
+    return with_static_codes(attn_output_gate_reference(o, gate), input_scale)
 
 
 def attn_output_gate_fp8_triton(o, gate, input_scale):

@@ -225,20 +225,24 @@ def rowwise_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tens
                             out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
 
 
+def _quantised_rowwise(quantize_rows, x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: `quantize_rows` ([M, K] -> codes, scales [M, 1]) on x's rows, then the GEMM."""
+    k = x.shape[-1]
+    xq, sx = quantize_rows(x.reshape(-1, k))
+    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
 def fp8_rowwise_linear_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """Fast path, activations quantised with torch ops (which torch.compile can fuse into the op before)."""
-    k = x.shape[-1]
-    xq, sx = quantize_rows_reference(x.reshape(-1, k))
-    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+    return _quantised_rowwise(quantize_rows_reference, x, w_fp8, w_scale, bias)
 
 
 def fp8_rowwise_linear_triton_quant(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Fast path, activations quantised by the one-pass Triton kernel (`kernels.fp8_quant`)."""
-    k = x.shape[-1]
-    xq, sx = quantize_rows_triton(x.reshape(-1, k))
-    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+    return _quantised_rowwise(quantize_rows_triton, x, w_fp8, w_scale, bias)
 
 
 # ---- the same of gelu(x): fc2 of the ViT MLP, its input's GELU inside the quantiser ------------------------------------
@@ -258,9 +262,7 @@ def fp8_rowwise_linear_gelu_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, w_sc
 def fp8_rowwise_linear_gelu_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The GELU and the quantiser in one Triton pass (`kernels.gelu_fp8_quant`), then the row-wise GEMM."""
-    k = x.shape[-1]
-    xq, sx = gelu_fp8_quant.gelu_quantize_rows_triton(x.reshape(-1, k))
-    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+    return _quantised_rowwise(gelu_fp8_quant.gelu_quantize_rows_triton, x, w_fp8, w_scale, bias)
 
 
 def supports_rowwise_gelu_triton(*, device: str, dtype: torch.dtype, k: int, **info: Any) -> bool:

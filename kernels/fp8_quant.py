@@ -178,7 +178,7 @@ def rows_tiling(m: int, k: int) -> tuple[int, int]:
 
 @quantize_rows_triton.register_fake
 def _(x):
-    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32))
+    return rows_outputs(x)
 
 
 # ---- static per-tensor scale (the checkpoint's W8A8 layers: Qwen3.6's attention and GDN projections) ------------
@@ -187,6 +187,12 @@ def quantize_static_reference(x: torch.Tensor, input_scale: torch.Tensor) -> tor
     Four torch kernels on CUDA (cast to fp32, divide, clamp, cast to e4m3); tensor / tensor, so IEEE division on
     every device (see the module docstring)."""
     return (x.float() / input_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def with_static_codes(y: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, its e4m3 codes with the static scale): what an op that writes the codes of its own output beside it must
+    give (`kernels/rms_norm.py`, `kernels/attn_prep.py`: the *_fp8 references; the model norms' unfused path)."""
+    return y, quantize_static_reference(y, input_scale)
 
 
 @torch.library.custom_op("sammie::fp8_quant_static", mutates_args=())

@@ -110,19 +110,17 @@ def rms_norm_zc_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, codes): y = `rms_norm_zc_reference`, codes = `fp8_quant.quantize_static_reference(y, input_scale)` -- the
     norm and the quantiser of the FP8 projection that reads it (static per-tensor scale, fp32 [])."""
-    from kernels.fp8_quant import quantize_static_reference
+    from kernels.fp8_quant import with_static_codes
 
-    y = rms_norm_zc_reference(x, weight, eps)
-    return y, quantize_static_reference(y, input_scale)
+    return with_static_codes(rms_norm_zc_reference(x, weight, eps), input_scale)
 
 
 def rms_norm_gated_fp8_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                                  input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, codes) as `rms_norm_zc_fp8_reference`, for `rms_norm_gated_reference`."""
-    from kernels.fp8_quant import quantize_static_reference
+    from kernels.fp8_quant import with_static_codes
 
-    y = rms_norm_gated_reference(x, z, weight, eps)
-    return y, quantize_static_reference(y, input_scale)
+    return with_static_codes(rms_norm_gated_reference(x, z, weight, eps), input_scale)
 
 
 # ---- Triton kernels -------------------------------------------------------------------------------------------------

@@ -235,10 +235,15 @@ class GatedDeltaNet(nn.Module):
 
     # ---- paged state (engine)
 
+    @staticmethod
+    def _takes_decode_fused(x: torch.Tensor, batch: FlatBatch) -> bool:
+        """A decode-only step with the fused prep op offered: `_decode_fused` serves it."""
+        return batch.gdn_prep is not None and batch.num_decode == x.shape[0]
+
     def decode_input_scale(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
         """The static scale the input norm quantises x with for this step's in_proj_qkv / in_proj_z, where the
         decode path reads such codes (`quantized.producer_scale`), else None."""
-        if batch.gdn_prep is None or batch.num_decode != x.shape[0]:
+        if not self._takes_decode_fused(x, batch):
             return None
         return producer_scale(self, ("in_proj_qkv", "in_proj_z"))
 
@@ -273,7 +278,7 @@ class GatedDeltaNet(nn.Module):
         the runner sets it (CUDA: flash-linear-attention's kernels) and the model is bf16 / fp16, else per sequence,
         the chunked rule (the recurrent step for a 1-token chunk, as the contiguous path does)."""
         nd = batch.num_decode
-        if batch.gdn_prep is not None and nd == x.shape[0]:  # a decode-only step: one fused launch (gdn_prep.py)
+        if self._takes_decode_fused(x, batch):  # a decode-only step: one fused launch (gdn_prep.py)
             return self._decode_fused(x, slots, batch, codes)
         z, beta, g, qkv_in = self._project(x)
         conv_out = torch.empty_like(qkv_in)  # [N, conv_dim]

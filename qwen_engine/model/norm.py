@@ -63,10 +63,9 @@ class ZeroCentredRMSNorm(nn.Module):
         "rms_norm_zc_fp8" fused, else the norm then `fp8_quant.quantize_static_reference`."""
         if _through_registry(self.fused, x):
             return _registry().call("rms_norm_zc_fp8", x, self.weight, self.eps, input_scale)
-        from kernels.fp8_quant import quantize_static_reference
+        from kernels.fp8_quant import with_static_codes
 
-        y = self(x)
-        return y, quantize_static_reference(y, input_scale)
+        return with_static_codes(self(x), input_scale)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -104,7 +103,6 @@ class GatedRMSNorm(nn.Module):
         """(the gated norm, its e4m3 codes with `input_scale`): "rms_norm_gated_fp8" fused, else the two steps."""
         if _through_registry(self.fused, x):
             return _registry().call("rms_norm_gated_fp8", x, z, self.weight, self.eps, input_scale)
-        from kernels.fp8_quant import quantize_static_reference
+        from kernels.fp8_quant import with_static_codes
 
-        y = self(x, z)
-        return y, quantize_static_reference(y, input_scale)
+        return with_static_codes(self(x, z), input_scale)

@@ -130,19 +130,24 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).norm() / denom) if denom > 0 else float((ours - ref).norm())
 
 
-def _gelu_implementation(registry, linear: nn.Linear, preference: str):
-    """The "fp8_rowwise_linear_gelu" implementation for an FP8 `mlp.fc2` (its input's GELU in the quantiser), or
-    None: the op absent, or nothing but the reference where FP8 is wanted for speed. Chosen with the registry's own
-    preference (the Triton GELU-quantiser first, also under inductor, whose fusion of the same torch ops was the slow
-    part), except "reference" (the emulation)."""
+def _describe_call(linear: nn.Linear) -> dict[str, Any]:
+    """The row-wise ops' description of one call of `linear` in FP8: the token count does not enter the guards, one
+    row stands for all."""
+    probe = linear.weight.new_empty((1, linear.in_features))
+    w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
+    s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
+    return describe_rowwise(probe, w_probe, s_probe, linear.bias)
+
+
+def _gelu_implementation(registry, info: dict[str, Any], preference: str):
+    """The "fp8_rowwise_linear_gelu" implementation for an FP8 `mlp.fc2` described by `info` (its input's GELU in
+    the quantiser), or None: the op absent, or nothing but the reference where FP8 is wanted for speed. Chosen with
+    the registry's own preference (the Triton GELU-quantiser first, also under inductor, whose fusion of the same
+    torch ops was the slow part), except "reference" (the emulation)."""
     from kernels.fp8_linear import ROWWISE_GELU_NAME
 
     if ROWWISE_GELU_NAME not in registry.ops():
         return None
-    probe = linear.weight.new_empty((1, linear.in_features))
-    w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
-    s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
-    info = describe_rowwise(probe, w_probe, s_probe, linear.bias)
     if preference == "reference":
         return registry.spec(ROWWISE_GELU_NAME).reference
     impl = registry.choose(ROWWISE_GELU_NAME, **info)
@@ -187,16 +192,13 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
     with _OpPreference(registry, preference):  # plan time: choose() outside any compiled region
         for name in names:
             linear = detector.get_submodule(name)
-            # describe one call: the token count does not enter the guard, one row stands for all
-            probe = linear.weight.new_empty((1, linear.in_features))
-            w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
-            s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
-            impl = registry.choose(ROWWISE_NAME, **describe_rowwise(probe, w_probe, s_probe, linear.bias))
+            info = _describe_call(linear)
+            impl = registry.choose(ROWWISE_NAME, **info)
             if impl.name == "reference" and preference != "reference":
                 fallback = registry.choices()[ROWWISE_NAME]["fallback"] or "no FP8 implementation registered"
                 skipped.append(name)
                 fallbacks.append(fallback)
-            elif name.endswith(".mlp.fc2") and (gelu := _gelu_implementation(registry, linear, preference)):
+            elif name.endswith(".mlp.fc2") and (gelu := _gelu_implementation(registry, info, preference)):
                 plan.append((name, linear, gelu, True))  # the GELU inside the quantiser (`Fp8Linear.applies_gelu`)
             else:
                 plan.append((name, linear, impl, False))
