@@ -134,6 +134,8 @@
 #                                                        with mlp.fc2 in bf16 beside all four linears in FP8
 #   eval "$(bash .devbundle/install.sh)" && STEPS="52" bash benchmarks/gpu_next.sh      # ~8 min: issue 4, a lone
 #                                                        request through the FP8 engine beside bf16's
+#   eval "$(bash .devbundle/install.sh)" && STEPS="53" bash benchmarks/gpu_next.sh      # <= 9.5 min: issue 4,
+#       max-autotune for the ViT's matmuls beside inductor's default mode (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -622,6 +624,18 @@ say "    beside the bf16 inductor engine's, same run: the ViT at batch 1 (14.5 m
 timeout "${LIMIT_52:-540}" python benchmarks/waterfall.py --out "$R/waterfall_lat" --budget-s 520 --no-profile \
   --rows ours_bf16_inductor,latency_single,ours_fp8_vit_b1,latency_single_fp8 > "$R/waterfall_lat.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_lat.log" | cut -c1-250 | head -20
+fi
+if want 53; then
+say "53. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the ViT's matmuls under inductor's max-autotune"
+say "    (image_inductor_mode='max-autotune-no-cudagraphs': Triton GEMM templates against cuBLAS, the GELU in a winning"
+say "    template's epilogue; the GELU pass was 9.4 ms of ~117 per batch of 8) beside the same engine in 'default', one"
+say "    bucket per stage; the detectors alone too; the start-up cost of the autotuning"
+timeout "${LIMIT_53:-570}" python benchmarks/waterfall.py --out "$R/waterfall_autotune" --budget-s 550 --no-profile \
+  --rows ours_bf16_inductor_b8,ours_bf16_autotune,model_only_bf16_b8,model_only_autotune > "$R/waterfall_autotune.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_autotune.log" | cut -c1-250 | head -20
+grep -E "start|capture_s|load_s" "$R/waterfall_autotune.log" | cut -c1-200 | head -10
+grep -c "AUTOTUNE" "$R/waterfall_autotune.log"
+grep -A3 "AUTOTUNE mm\|AUTOTUNE addmm" "$R/waterfall_autotune.log" | cut -c1-160 | head -40
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

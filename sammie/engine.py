@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILE_MODES = ("auto", "none", "graphs", "inductor")
+INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")  # image_inductor_mode (GraphedDetector captures itself)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -105,6 +106,10 @@ class EngineConfig:
     #                        the eager detector per image / pair bucket (sammie.model.graphs.GraphedDetector),
     #                        captured at start in seconds; inductor: torch.compile (inductor) per bucket, then
     #                        graphs: ~25% faster steady state, ~35 s of compile per bucket at start (full size, H200)
+    image_inductor_mode: str = "default"  # the image stage's inductor mode with compile=inductor: default |
+    #                        max-autotune-no-cudagraphs (Triton GEMM templates benchmarked against cuBLAS per shape,
+    #                        the GELU fused into a winning template's epilogue; minutes more compile at start).
+    #                        The grounding stage always compiles in "default"
     image_buckets: tuple = ()  # image batch sizes the device sees (ascending, last = max_image_batch); () = powers
     #                            of two. Each is one CUDA graph (and, with compile=inductor, one compile)
     pair_buckets: tuple = ()  # grounding batch sizes, likewise (last = max_pair_batch)
@@ -145,6 +150,12 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {list(KERNEL_PREFERENCES)}, got {self.kernels!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {list(COMPILE_MODES)}, got {self.compile!r}")
+        if self.image_inductor_mode not in INDUCTOR_MODES:
+            raise ValueError(f"image_inductor_mode must be one of {list(INDUCTOR_MODES)}, got "
+                             f"{self.image_inductor_mode!r}")
+        if self.image_inductor_mode != "default" and self.compile != "inductor":
+            raise ValueError(f"image_inductor_mode={self.image_inductor_mode!r} needs compile='inductor', got "
+                             f"compile={self.compile!r}")
         if self.null_model and self.vit_fp8:
             raise ValueError("vit_fp8 needs the real detector; it cannot be combined with null_model")
         from sammie.model.fp8 import check_linears
@@ -383,7 +394,9 @@ class SammieEngine:
             sched = cfg.scheduler_config()
             self.detector = GraphedDetector(self.detector, image_buckets=sched.image.buckets,
                                             pair_buckets=sched.grounding.buckets,
-                                            compile_mode="default" if self.compile == "inductor" else None)
+                                            compile_mode="default" if self.compile == "inductor" else None,
+                                            image_compile_mode=(cfg.image_inductor_mode if self.compile == "inductor"
+                                                                else None))
         self.load_s = time.perf_counter() - t0
         self.prompt_cache = PromptCache(cfg.prompt_cache_size, self._encode_prompts)
         self.scheduler = PipelineScheduler(cfg.scheduler_config())

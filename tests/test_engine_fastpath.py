@@ -295,6 +295,12 @@ def test_bucket_lists_and_compile_modes_are_validated():
         EngineConfig(config="tiny", compile="reduce-overhead")
     with pytest.raises(ValueError, match="needs the real detector"):
         EngineConfig(config="tiny", null_model=True, compile="inductor")
+    assert EngineConfig(config="tiny", compile="inductor",
+                        image_inductor_mode="max-autotune-no-cudagraphs").image_inductor_mode.startswith("max-autotune")
+    with pytest.raises(ValueError, match="image_inductor_mode must be one of"):
+        EngineConfig(config="tiny", compile="inductor", image_inductor_mode="max-autotune")
+    with pytest.raises(ValueError, match="needs compile='inductor'"):
+        EngineConfig(config="tiny", compile="graphs", image_inductor_mode="max-autotune-no-cudagraphs")
     with pytest.raises(ValueError, match="needs a cuda device"):
         SammieEngine(EngineConfig(config="tiny", device="cpu", compile="inductor", warmup=False))
 

@@ -191,6 +191,40 @@ def test_clear_errors(cpu_graphed):
             GraphedDetector(det, [1], [1], cuda_graphs=True)
 
 
+def test_each_stage_compiles_with_its_own_inductor_mode(monkeypatch, detector):
+    """image_compile_mode reaches the image stage's inductor call only; the ground stage keeps compile_mode.
+
+    Stand-in stage functions (one op each) keep dynamo's trace to ~a second, and a spy in place of inductor's
+    compile_fx records the config patches each compile got and runs the graph uncompiled."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    import sammie.model.graphs as graphs
+
+    seen: list[dict] = []
+
+    def spy_compile_fx(gm, example_inputs, config_patches=None):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy_compile_fx)
+    monkeypatch.setattr(graphs, "_encode_images_stage", lambda det, pixels: pixels * 2)
+    monkeypatch.setattr(graphs, "_ground_stage", lambda det, fpn, pos, geometry, text, padding: text + 1)
+    torch._dynamo.reset()
+    g = GraphedDetector(detector, [1], [1], compile_mode="default", image_compile_mode="max-autotune-no-cudagraphs")
+    g.capture()
+    torch._dynamo.reset()
+    assert len(seen) == 2, seen  # images first, then ground (capture's order)
+    assert seen[0].get("max_autotune") is True and seen[0]["triton.cudagraphs"] is False, seen[0]
+    assert not seen[1].get("max_autotune") and seen[1]["triton.cudagraphs"] is False, seen[1]
+    stats = g.stats()
+    assert (stats["compile_mode"], stats["image_compile_mode"]) == ("default", "max-autotune-no-cudagraphs")
+    assert GraphedDetector(detector, [1], [1]).image_compile_mode == "default"  # None: the same as compile_mode
+    with pytest.raises(ValueError, match="image_compile_mode 'max-autotune' turns on inductor's own CUDA graphs"):
+        GraphedDetector(detector, [1], [1], image_compile_mode="max-autotune")
+    with pytest.raises(ValueError, match="needs a compile_mode"):
+        GraphedDetector(detector, [1], [1], compile_mode=None, image_compile_mode="default")
+
+
 # AOTAutograd traces of the whole tiny detector take ~30-60 s per bucket on the shared 2-core box and inductor's CPU
 # C++ codegen minutes: opt in.
 @pytest.mark.skipif(not os.environ.get("SAMMIE_TEST_INDUCTOR"), reason="slow (CPU codegen); set SAMMIE_TEST_INDUCTOR=1")

@@ -51,6 +51,20 @@ def test_threshold_in_gap_keeps_between_5_and_20_and_sits_in_the_widest_gap():
     assert 1 <= k <= 15
 
 
+def test_every_engine_row_is_a_valid_engine_config_and_every_reuse_names_an_engine_row():
+    """A row whose engine values EngineConfig refuses would fail only on the GPU, minutes into a device call."""
+    from sammie.engine import EngineConfig
+
+    wf = _waterfall()
+    engine_rows = {r.name for r in wf.ROWS if r.kind == "engine"}
+    for r in wf.ROWS:
+        if r.engine:
+            EngineConfig(**r.engine)  # raises on an unknown field or value
+        if r.reuse:
+            assert r.reuse in engine_rows, f"{r.name} reuses {r.reuse!r}, not an engine row"
+    assert wf.ROW_NAMES.index("ours_bf16_autotune") < wf.ROW_NAMES.index("model_only_autotune")
+
+
 def test_http_row_reads_locust_csv_and_takes_the_fastest_step(tmp_path):
     wf = _waterfall()
     header = "Type,Name,Request Count,Failure Count,Median Response Time,Requests/s,Failures/s,50%,99%\n"

@@ -53,6 +53,7 @@ and makes a call from another stream wait for it, so its static buffers are neve
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -100,17 +101,21 @@ def _ground_stage(
 
 
 class _CountingBackend:
-    """A torch.compile backend that counts the graphs it compiles, then hands them to inductor or a named backend.
+    """torch.compile backends that count the graphs they compile, then hand them to inductor or a named backend.
 
-    `sealed` is set once capture is done: any compile after that is a recompile."""
+    `for_mode(mode)` is the backend of one stage (its inductor mode); all of them count here. `sealed` is set once
+    capture is done: any compile after that is a recompile."""
 
-    def __init__(self, backend: str, compile_mode: str, fail_on_recompile: bool):
-        self.backend, self.compile_mode, self.fail_on_recompile = backend, compile_mode, fail_on_recompile
+    def __init__(self, backend: str, fail_on_recompile: bool):
+        self.backend, self.fail_on_recompile = backend, fail_on_recompile
         self.compiles = 0
         self.recompiles = 0
         self.sealed = False
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def for_mode(self, compile_mode: str) -> Callable[..., Any]:
+        return functools.partial(self._compile, compile_mode)
+
+    def _compile(self, compile_mode: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.compiles += 1
         if self.sealed:
             self.recompiles += 1
@@ -122,7 +127,7 @@ class _CountingBackend:
             from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
-            patches = {**list_mode_options(self.compile_mode), "triton.cudagraphs": False}
+            patches = {**list_mode_options(compile_mode), "triton.cudagraphs": False}
             return compile_fx(gm, example_inputs, config_patches=patches)
         return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
 
@@ -169,6 +174,9 @@ class GraphedDetector:
         image_buckets: batch sizes `encode_images` accepts (the engine's image buckets).
         pair_buckets: pair counts `ground` accepts (the engine's pair buckets).
         compile_mode: an inductor mode ("default", "max-autotune-no-cudagraphs", ...) or None for no torch.compile.
+        image_compile_mode: the image stage's inductor mode when it differs from `compile_mode` (None: the same).
+            max-autotune benchmarks Triton GEMM templates against cuBLAS per shape and can fuse an epilogue (the
+            ViT's GELU) into a winning template; it compiles for minutes, so it may be wanted for the ViT alone.
         backend: "inductor" or any torch.compile backend name (tests use "aot_eager": dynamo + AOTAutograd, no codegen).
         cuda_graphs: capture CUDA graphs; None -> when the detector is on a CUDA device. False runs the compiled
             function directly (CPU), still through the static buffers.
@@ -182,6 +190,7 @@ class GraphedDetector:
         pair_buckets: Sequence[int],
         *,
         compile_mode: str | None = "default",
+        image_compile_mode: str | None = None,
         backend: str = "inductor",
         cuda_graphs: bool | None = None,
         fail_on_recompile: bool = False,
@@ -193,23 +202,28 @@ class GraphedDetector:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the detector on a CUDA device, it is on {self.device}")
-        if compile_mode in _CUDAGRAPH_MODES:
-            raise ValueError(f"compile_mode {compile_mode!r} turns on inductor's own CUDA graphs; GraphedDetector "
-                             f"captures its own: use 'default' or 'max-autotune-no-cudagraphs'")
-        if compile_mode is not None and backend != "inductor" and compile_mode != "default":
-            raise ValueError(f"compile_mode {compile_mode!r} applies to backend='inductor' only, not {backend!r}")
+        if image_compile_mode is not None and compile_mode is None:
+            raise ValueError(f"image_compile_mode {image_compile_mode!r} needs a compile_mode (None: no torch.compile)")
+        image_compile_mode = image_compile_mode or compile_mode
+        for name, mode in (("compile_mode", compile_mode), ("image_compile_mode", image_compile_mode)):
+            if mode in _CUDAGRAPH_MODES:
+                raise ValueError(f"{name} {mode!r} turns on inductor's own CUDA graphs; GraphedDetector captures its "
+                                 f"own: use 'default' or 'max-autotune-no-cudagraphs'")
+            if mode is not None and backend != "inductor" and mode != "default":
+                raise ValueError(f"{name} {mode!r} applies to backend='inductor' only, not {backend!r}")
         self.cuda_graphs = cuda_graphs
-        self.compile_mode, self.backend = compile_mode, backend
-        self._counter = _CountingBackend(backend, compile_mode or "default", fail_on_recompile)
+        self.compile_mode, self.image_compile_mode, self.backend = compile_mode, image_compile_mode, backend
+        self._counter = _CountingBackend(backend, fail_on_recompile)
 
-        def compiled(fn):
-            if compile_mode is None:
+        def compiled(fn, mode):
+            if mode is None:
                 return fn
-            return torch.compile(fn, backend=self._counter, fullgraph=True, dynamic=False)
+            return torch.compile(fn, backend=self._counter.for_mode(mode), fullgraph=True, dynamic=False)
 
         self._image = _Stage("encode_images", _bucket_list("image_buckets", image_buckets),
-                             compiled(_encode_images_stage))
-        self._pair = _Stage("ground", _bucket_list("pair_buckets", pair_buckets), compiled(_ground_stage))
+                             compiled(_encode_images_stage, image_compile_mode))
+        self._pair = _Stage("ground", _bucket_list("pair_buckets", pair_buckets),
+                            compiled(_ground_stage, compile_mode))
         self._captured = False
         self.capture_s: float | None = None
 
@@ -423,6 +437,7 @@ class GraphedDetector:
         return {
             "cuda_graphs": self.cuda_graphs,
             "compile_mode": self.compile_mode,
+            "image_compile_mode": self.image_compile_mode,
             "backend": self.backend if self.compile_mode is not None else None,
             "captured": self._captured,
             "capture_s": None if self.capture_s is None else round(self.capture_s, 3),
