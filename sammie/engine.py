@@ -120,7 +120,9 @@ class EngineConfig:
     #                        is the GELU's output, 4.6x wider than the others', and under inductor its per-token
     #                        quantiser took 0.9 ms a call (H200, waterfall run 6's profile: 22.7% of the FP8
     #                        engine's GPU time) against 0.33 ms for its FP8 GEMM and 0.57 ms for bf16's. Waterfall
-    #                        run 7: the FP8 detector alone 63.8 -> 68.3 img/s without it, the engine 57.9 -> 60.4
+    #                        run 7: the FP8 detector alone 63.8 -> 68.3 img/s without it, the engine 57.9 -> 60.4.
+    #                        The one-pass Triton GELU quantiser that replaced inductor's fusion is slower still
+    #                        (run 8: fc2 in FP8 costs 0.40 ms per block more than bf16; 61.7 against 68.4 img/s)
     null_model: bool = False  # NO MODEL: a NullDetector (one tiny device op per call, never any instance) instead of
     #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
@@ -429,7 +431,8 @@ class SammieEngine:
         # inductor fuses their per-token quantisation into the LayerNorm / attention output before them, which an
         # opaque Triton quantiser prevents (a separate pass costs more than the FP8 GEMM saves: RESULTS.md, stage
         # profile). An FP8 fc2 is exempt: its GELU + quantiser, fused by inductor, took 0.91 ms a call (waterfall
-        # run 6), so it takes the one-pass Triton GELU-quantiser (sammie.model.fp8._gelu_implementation)
+        # run 6), so it takes the one-pass Triton GELU-quantiser (sammie.model.fp8._gelu_implementation); that one
+        # measured slower still (waterfall run 8), which is why fc2 is not among the default vit_fp8_linears
         preference = "torch" if self.compile == "inductor" and self.kernels != "reference" else "auto"
         report = enable_vit_fp8(self.detector, sample, registry=self.registry,  # its op's choice shows in health()
                                 preference=preference, linears=self.cfg.vit_fp8_linears)
