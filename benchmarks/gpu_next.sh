@@ -136,6 +136,8 @@
 #                                                        request through the FP8 engine beside bf16's
 #   eval "$(bash .devbundle/install.sh)" && STEPS="53" bash benchmarks/gpu_next.sh      # <= 9.5 min: issue 4,
 #       max-autotune for the ViT's matmuls beside inductor's default mode (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="54" bash benchmarks/gpu_next.sh      # <= 5.5 min: issue 4,
+#       SDPA backends per attention, the box bias's layout, the patch embedding as a GEMM; the detector alone
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -636,6 +638,20 @@ grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_autotune.log" | c
 grep -E "start|capture_s|load_s" "$R/waterfall_autotune.log" | cut -c1-200 | head -10
 grep -c "AUTOTUNE" "$R/waterfall_autotune.log"
 grep -A3 "AUTOTUNE mm\|AUTOTUNE addmm" "$R/waterfall_autotune.log" | cut -c1-160 | head -40
+fi
+if want 54; then
+say "54. issue 4 (the whole .devbundle; written 2026-12-01): benchmarks/sam_probe.py -- which SDPA backend each attention of"
+say "    the detector gets and why (the decoder's box bias is now contiguous: the lone-request profile of waterfall run 10"
+say "    showed SDPA's fp32 math fallback six times a request), ground with the old bias layout beside the new, and the"
+say "    patch embedding as a GEMM against cuDNN's conv; then the bf16 detector alone (images 8 / pairs 8) with both"
+say "    changes, against waterfall run 9's 63.0 img/s (model_only_bf16_b8, the same engine before them)"
+timeout "${LIMIT_54A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" > "$R/sam_probe.log" 2>&1
+grep -E "^\[sam_probe\] (box_bias|patch_embed|aten|ground kernel)" "$R/sam_probe.log" | cut -c1-400
+grep -A4 "can_use_.*decoder.py:167" "$R/sam_probe.log" | cut -c1-300 | head -24
+grep -E "^\[sam_probe\] sdpa|^\[sam_probe\]     " "$R/sam_probe.log" | cut -c1-300 | head -60
+timeout "${LIMIT_54B:-150}" python benchmarks/waterfall.py --out "$R/waterfall_b8" --budget-s 140 --no-profile \
+  --rows ours_bf16_inductor_b8,model_only_bf16_b8 > "$R/waterfall_b8.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_b8.log" | cut -c1-250 | head -10
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -123,6 +123,20 @@ def test_box_bias_matters(models):
     assert rel_error(b.logits, a.logits) > 1e-2
 
 
+def test_box_bias_is_contiguous_for_sdpa(models):
+    """SDPA's fused kernels refuse a bias whose last dim is not innermost; the permuted box embeddings once made the
+    bias channels-last (stride(-1) = heads), so the decoder's image cross-attention ran the math fallback, in fp32
+    (waterfall run 10's lone-request profile). bf16, as the engine runs it."""
+    ours_dec = copy.deepcopy(models[0]).to(torch.bfloat16)
+    boxes = torch.rand(2, CFG.num_queries, 4) * 0.5 + 0.25
+    with torch.inference_mode():
+        bias = ours_dec._box_bias(boxes, torch.bfloat16)
+    g = CFG.feat_size
+    assert bias.shape == (2, CFG.heads, 1 + CFG.num_queries, g * g)
+    assert bias.is_contiguous(), bias.stride()
+    assert bias.dtype == torch.bfloat16 and bool((bias[:, :, 0] == 0).all())  # the presence row
+
+
 def test_rows_are_independent(models):
     """Batching must not mix images: each row equals the same input run alone."""
     ours_dec, ours_sc, _, _ = models

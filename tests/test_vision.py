@@ -192,6 +192,43 @@ def test_reset_buffers_after_meta_init(cfg, meta_backbone, fp32_out):
 
 # bf16 keeps 8 mantissa bits (rel. rounding 2^-9 = 2e-3 per op); through 4 blocks and the neck we
 # measured 1.0e-2..1.1e-2 relative error against fp32 at these weights (8e-3 under CPU autocast, where
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
+def test_patch_embed_as_gemm_matches_the_conv(dtype, tol):
+    """The CUDA path (unfolded patches @ flattened weight) against Meta's conv on random inputs, full-size patch
+    (14 x 14, stride 14, width 64). fp32: the same products summed in another order, rel <= 1e-6 (measured ~1e-7);
+    bf16: both accumulate in fp32 and round once, so they differ by at most ~one bf16 ulp, rel <= 2^-7. A patch
+    flattened in the wrong order ((kh, kw, c), or rows and columns swapped) gives O(1)."""
+    from sammie.config import VisionConfig
+    from sammie.model.vit import PatchEmbed
+
+    torch.manual_seed(0)
+    vcfg = VisionConfig(image_size=112, patch_size=14, width=64, depth=1, heads=4, mlp_dim=256, window_size=4,
+                        global_blocks=(0,), pretrain_image_size=56)
+    embed = PatchEmbed(vcfg).to(dtype)
+    pixels = torch.randn(2, 3, 112, 112).to(dtype)
+    with torch.inference_mode():
+        embed.as_gemm = False
+        want = embed(pixels)
+        embed.as_gemm = True
+        got = embed(pixels)
+    assert got.shape == want.shape == (2, 8, 8, 64) and got.dtype == dtype
+    assert_rel_close(got.float(), want.float(), tol=tol, what=f"patch embed GEMM vs conv, {dtype}")
+    assert embed.as_gemm and PatchEmbed(vcfg).as_gemm is None  # None: by device (conv on the CPU)
+
+
+def test_backbone_with_the_gemm_patch_embed_matches_the_conv_path(cfg, fp32_out, backbone):
+    """The whole backbone with the CUDA path forced on the CPU, against the conv path's fp32 output (itself equal to
+    Meta's: test_backbone_matches_meta); 1e-5, the parity tests' tolerance."""
+    backbone.trunk.patch_embed.as_gemm = True
+    try:
+        with torch.inference_mode():
+            features, _ = backbone(_pixels(cfg))
+    finally:
+        backbone.trunk.patch_embed.as_gemm = None
+    for i, (f, rf) in enumerate(zip(features, fp32_out[0])):
+        assert_rel_close(f, rf, tol=1e-5, what=f"feature level {i} with the GEMM patch embed")
+
+
 # the residual stream stays fp32); 3e-2 leaves headroom and still catches a wrong path (O(1) errors).
 BF16_REL_TOL = 3e-2
 

@@ -205,9 +205,13 @@ class Decoder(nn.Module):
         ys = torch.stack((cy - 0.5 * h, cy + 0.5 * h), dim=-1)  # [N, Q, 2] (y0, y1)
         bx = self.boxRPB_embed_x(_log_distance(coords, xs).to(dtype))  # [N, Q, G(W), heads]
         by = self.boxRPB_embed_y(_log_distance(coords, ys).to(dtype))  # [N, Q, G(H), heads]
-        bx = F.pad(bx.permute(0, 3, 1, 2), (0, 0, 1, 0))[:, :, :, None, :]  # [N, heads, 1+Q, 1, W]
-        by = F.pad(by.permute(0, 3, 1, 2), (0, 0, 1, 0))[:, :, :, :, None]  # [N, heads, 1+Q, H, 1]
-        return (by + bx).flatten(3)  # [N, heads, 1+Q, H*W], index y * W + x like the memory
+        # contiguous before the pad: a permuted [N, heads, 1+Q, W] is channels-last to torch, the pad and the add keep
+        # that layout, and a bias whose last dim is not its innermost (stride(-1) = heads) is refused by SDPA's fused
+        # kernels: the decoder's image cross-attention then ran SDPA's math fallback, which upcasts bf16 to fp32
+        # (a lone request's profile, waterfall run 10: fp32 GEMMs and softmax, six per request)
+        bx = F.pad(bx.permute(0, 3, 1, 2).contiguous(), (0, 0, 1, 0))[:, :, :, None, :]  # [N, heads, 1+Q, 1, W]
+        by = F.pad(by.permute(0, 3, 1, 2).contiguous(), (0, 0, 1, 0))[:, :, :, :, None]  # [N, heads, 1+Q, H, 1]
+        return (by + bx).flatten(3)  # [N, heads, 1+Q, H*W] contiguous, index y * W + x like the memory
 
     def forward(
         self,

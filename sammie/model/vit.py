@@ -109,10 +109,30 @@ def from_window_major(x: torch.Tensor, window: int, side: int) -> torch.Tensor:
 
 
 class PatchEmbed(nn.Module):
+    """pixels [B, 3, S, S] -> patch tokens [B, G, G, width] (G = S / patch_size), Meta's stride-p conv.
+
+    On CUDA the conv runs as one GEMM over the unfolded patches ([B*G*G, 3*p*p] @ [3*p*p, width]): cuDNN serves this
+    conv (3 input channels, 14 x 14 kernel, stride 14) with a CUDA-core kernel (`implicit_convolve_sgemm`), 2.45 ms
+    per batch of 8 on the H200 (compiled stage profile, RESULTS.md), where the same 50 GFLOP on tensor cores take
+    ~0.1 ms. The products are the conv's (the weight flattened in its (c, kh, kw) order); only the summation order
+    differs, so fp32 agrees to rounding (`tests/test_vision.py`). Elsewhere (CPU) the conv stays: it keeps fp32
+    bit-equal to Meta's model there. `as_gemm` overrides the choice (None: by device)."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         p = cfg.patch_size
         self.proj = nn.Conv2d(3, cfg.width, kernel_size=p, stride=p, bias=False)
+        self.as_gemm: bool | None = None
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        if not (self.as_gemm if self.as_gemm is not None else pixels.is_cuda):
+            return self.proj(pixels).permute(0, 2, 3, 1)  # [B, G, G, width], channels-last memory
+        B, C, S, _ = pixels.shape
+        p = self.proj.kernel_size[0]
+        G = S // p
+        # [B, C, G, p, G, p] -> [B, G, G, C, p, p]: one copy, each patch's values in the weight's (c, kh, kw) order
+        patches = pixels.view(B, C, G, p, G, p).permute(0, 2, 4, 1, 3, 5).reshape(B, G, G, C * p * p)
+        return patches @ self.proj.weight.reshape(self.proj.out_channels, C * p * p).t()  # [B, G, G, width]
 
 
 class Mlp(nn.Module):
@@ -213,7 +233,7 @@ class ViT(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         G, w = cfg.grid_size, cfg.window_size
-        x = self.patch_embed.proj(pixels).permute(0, 2, 3, 1)  # [B, G, G, width]
+        x = self.patch_embed(pixels)  # [B, G, G, width]
         x = self.ln_pre(x + self.abs_pos())
         B, C = x.shape[0], x.shape[-1]
         # Window blocks run in window-major token order (a window is a free view), global blocks
