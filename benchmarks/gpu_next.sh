@@ -138,6 +138,8 @@
 #       max-autotune for the ViT's matmuls beside inductor's default mode (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="54" bash benchmarks/gpu_next.sh      # <= 5.5 min: issue 4,
 #       SDPA backends per attention, the box bias's layout, the patch embedding as a GEMM; the detector alone
+#   eval "$(bash .devbundle/install.sh)" && STEPS="55" bash benchmarks/gpu_next.sh      # ~6 min: issue 4, the
+#       engine after the box-bias and patch-embedding changes (throughput, lone request, detector alone; unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -640,7 +642,7 @@ grep -c "AUTOTUNE" "$R/waterfall_autotune.log"
 grep -A3 "AUTOTUNE mm\|AUTOTUNE addmm" "$R/waterfall_autotune.log" | cut -c1-160 | head -40
 fi
 if want 54; then
-say "54. issue 4 (the whole .devbundle; written 2026-12-01): benchmarks/sam_probe.py -- which SDPA backend each attention of"
+say "54. issue 4 (the whole .devbundle; ran: sam_probe run 1, its waterfall part cut by its 150 s): benchmarks/sam_probe.py -- which SDPA backend each attention of"
 say "    the detector gets and why (the decoder's box bias is now contiguous: the lone-request profile of waterfall run 10"
 say "    showed SDPA's fp32 math fallback six times a request), ground with the old bias layout beside the new, and the"
 say "    patch embedding as a GEMM against cuDNN's conv; then the bf16 detector alone (images 8 / pairs 8) with both"
@@ -652,6 +654,15 @@ grep -E "^\[sam_probe\] sdpa|^\[sam_probe\]     " "$R/sam_probe.log" | cut -c1-3
 timeout "${LIMIT_54B:-150}" python benchmarks/waterfall.py --out "$R/waterfall_b8" --budget-s 140 --no-profile \
   --rows ours_bf16_inductor_b8,model_only_bf16_b8 > "$R/waterfall_b8.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_b8.log" | cut -c1-250 | head -10
+fi
+if want 55; then
+say "55. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the engine with the decoder's box bias contiguous (SDPA"
+say "    fused, not the fp32 math fallback) and the patch embedding as a GEMM (sam_probe run 1: 2.4 -> 0.4 ms per batch of"
+say "    8 eager): the bf16 inductor engine under 32 clients, a lone request, the detector alone; waterfall run 10 (before"
+say "    both): 57.6 img/s, lone p50 24.2 ms; run 9's detector alone 63.0 img/s (one bucket per stage, 126.9 ms a batch)"
+timeout "${LIMIT_55:-520}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 500 --no-profile \
+  --rows ours_bf16_inductor,model_only_best,latency_single > "$R/waterfall_fixes.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fixes.log" | cut -c1-250 | head -10
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
