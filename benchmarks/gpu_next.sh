@@ -135,7 +135,7 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="52" bash benchmarks/gpu_next.sh      # ~8 min: issue 4, a lone
 #                                                        request through the FP8 engine beside bf16's
 #   eval "$(bash .devbundle/install.sh)" && STEPS="53" bash benchmarks/gpu_next.sh      # <= 9.5 min: issue 4,
-#       max-autotune for the ViT's matmuls beside inductor's default mode (unrun)
+#       max-autotune for the ViT's matmuls beside inductor's default mode (ran: waterfall run 9)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="54" bash benchmarks/gpu_next.sh      # <= 5.5 min: issue 4,
 #       SDPA backends per attention, the box bias's layout, the patch embedding as a GEMM; the detector alone
 #   eval "$(bash .devbundle/install.sh)" && STEPS="55" bash benchmarks/gpu_next.sh      # ~6 min: issue 4, the
@@ -532,7 +532,7 @@ timeout "${LIMIT_44:-330}" python benchmarks/waterfall.py --out "$R/waterfall4" 
 grep -E "^\[waterfall\] [a-z0-9_]+:" "$R/waterfall4.log"
 fi
 if want 45; then
-say "45. issue 4 (the whole .devbundle; written 2026-12-01, unrun): where a lone request's ~23 ms go (torch.profiler over"
+say "45. issue 4 (the whole .devbundle; ran: waterfall runs 6 (cut) and 10): where a lone request's ~23 ms go (torch.profiler over"
 say "    the inductor engine with one client), then the FP8 engine profiled under load (its detector alone was only"
 say "    1.6% faster than bf16's in waterfall run 3: which kernels eat the FP8 GEMMs' 1.6-1.8x)"
 # run 6 (LIMIT_45A=230, after step 50) cut the lone part while the inductor engine compiled (165.6 s to start in
@@ -612,8 +612,8 @@ timeout "${LIMIT_50:-90}" python benchmarks/sdpa_shapes.py --out "$R/sdpa_shapes
 cut -c1-250 "$R/sdpa_shapes.log" | tail -20
 fi
 if want 51; then
-say "51. issue 4 (the whole .devbundle; ran as waterfall run 7; since then ours_fp8_vit's fc2 applies the GELU in a one-pass"
-say "    Triton quantiser, kernels/gelu_fp8_quant.py, unrun on a GPU): the FP8 engine with all four linears in FP8 beside"
+say "51. issue 4 (the whole .devbundle; ran as waterfall runs 7 and 8; run 8: ours_fp8_vit's fc2 applied the GELU in a one-pass"
+say "    Triton quantiser, kernels/gelu_fp8_quant.py: slower; since then inductor fuses it again): the FP8 engine, all four linears in FP8, beside"
 say "    mlp.fc2 in bf16 (the default); run 6's profile put fc2's inductor-fused quantiser (0.9 ms a call) at 22.7%"
 SAMMIE_PDL=0 timeout 120 python -m pytest -q -s -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py \
   > "$R/fp8_gelu_tests.log" 2>&1
@@ -630,7 +630,7 @@ timeout "${LIMIT_52:-540}" python benchmarks/waterfall.py --out "$R/waterfall_la
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_lat.log" | cut -c1-250 | head -20
 fi
 if want 53; then
-say "53. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the ViT's matmuls under inductor's max-autotune"
+say "53. issue 4 (the whole .devbundle; ran: waterfall run 9): the ViT's matmuls under inductor's max-autotune"
 say "    (image_inductor_mode='max-autotune-no-cudagraphs': Triton GEMM templates against cuBLAS, the GELU in a winning"
 say "    template's epilogue; the GELU pass was 9.4 ms of ~117 per batch of 8) beside the same engine in 'default', one"
 say "    bucket per stage; the detectors alone too; the start-up cost of the autotuning"
@@ -651,16 +651,22 @@ timeout "${LIMIT_54A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" 
 grep -E "^\[sam_probe\] (box_bias|patch_embed|aten|ground kernel)" "$R/sam_probe.log" | cut -c1-400
 grep -A4 "can_use_.*decoder.py:167" "$R/sam_probe.log" | cut -c1-300 | head -24
 grep -E "^\[sam_probe\] sdpa|^\[sam_probe\]     " "$R/sam_probe.log" | cut -c1-300 | head -60
-timeout "${LIMIT_54B:-150}" python benchmarks/waterfall.py --out "$R/waterfall_b8" --budget-s 140 --no-profile \
+timeout "${LIMIT_54B:-300}" python benchmarks/waterfall.py --out "$R/waterfall_b8" --budget-s 290 --no-profile \
   --rows ours_bf16_inductor_b8,model_only_bf16_b8 > "$R/waterfall_b8.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_b8.log" | cut -c1-250 | head -10
 fi
 if want 55; then
-say "55. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the engine with the decoder's box bias contiguous (SDPA"
-say "    fused, not the fp32 math fallback) and the patch embedding as a GEMM (sam_probe run 1: 2.4 -> 0.4 ms per batch of"
-say "    8 eager): the bf16 inductor engine under 32 clients, a lone request, the detector alone; waterfall run 10 (before"
+say "55. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the decoder's box bias contiguous and on the"
+say "    memory-efficient kernel (was: SDPA's fp32 math fallback) and the patch embedding as a GEMM (sam_probe run 1: 2.4"
+say "    -> 0.4 ms per batch of 8 eager): the kernel's CUDA test, the probe again (efficient / SDPA's cuDNN / old layout),"
+say "    then the bf16 inductor engine under 32 clients, the detector alone, a lone request; waterfall run 10 (before"
 say "    both): 57.6 img/s, lone p50 24.2 ms; run 9's detector alone 63.0 img/s (one bucket per stage, 126.9 ms a batch)"
-timeout "${LIMIT_55:-520}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 500 --no-profile \
+timeout 120 python -m pytest -q -p no:cacheprovider tests/test_prompt_encoders.py -k "cuda or efficient" \
+  > "$R/bias_kernel_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/bias_kernel_tests.log" | tail -3
+timeout "${LIMIT_55A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" > "$R/sam_probe.log" 2>&1
+grep -E "^\[sam_probe\] (box_bias|patch_embed)" "$R/sam_probe.log" | cut -c1-600
+timeout "${LIMIT_55:-420}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 400 --no-profile \
   --rows ours_bf16_inductor,model_only_best,latency_single > "$R/waterfall_fixes.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fixes.log" | cut -c1-250 | head -10
 fi

@@ -6,8 +6,8 @@
    upcasts bf16 to fp32. One eager pass of `encode_images` (batch 1), `encode_prompts` and `ground` (1 pair) runs
    with `F.scaled_dot_product_attention` wrapped: per call site, the shapes, the mask, the backends' verdicts
    (`torch.backends.cuda.can_use_*(..., debug=True)` warnings) and the aten SDPA op that actually ran.
-   `box_bias`: `ground` at 1 and 8 pairs with the decoder's box bias contiguous (now) and in its old channels-last
-   layout (which the fused kernels refuse), side by side.
+   `box_bias`: `ground` at 1 and 8 pairs with the decoder's box bias on the memory-efficient kernel (now), left to
+   SDPA's choice (cuDNN), and in its old channels-last layout (which the fused kernels refuse), side by side.
 2. `patch_embed`: the ViT's patch embedding as Meta's conv (cuDNN serves it with a CUDA-core kernel,
    `implicit_convolve_sgemm`: 2.45 ms per batch of 8 in the compiled stage profile) against the unfolded-patches GEMM
    `sammie.model.vit.PatchEmbed` uses on CUDA: median ms at batch 1 and 8, eager and compiled, and the largest
@@ -117,11 +117,14 @@ def probe_sdpa(det, tokenizer, cfg) -> dict:
 
 
 def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
-    """`ground` (eager) at 1 and 8 pairs with the decoder's box bias contiguous (now) against the channels-last
-    layout it had before (emulated by a wrapper): median ms, and the aten SDPA ops each ran."""
+    """`ground` (eager) at 1 and 8 pairs three ways: the decoder's box bias contiguous and sent straight to the
+    memory-efficient kernel (now: `sammie.model.attention._biased_attention`), contiguous but left to SDPA's choice
+    (cuDNN on Hopper; sam_probe run 1), and channels-last as it was before (SDPA's fp32 math fallback): median ms,
+    and the aten attention ops each ran."""
+    import sammie.model.attention as attention
     from sammie.model.decoder import Decoder
 
-    plain = Decoder._box_bias
+    plain, devices = Decoder._box_bias, attention.EFFICIENT_BIAS_DEVICES
 
     def channels_last(self, boxes, dtype):  # the old layout: heads innermost, stride(-1) = heads
         return plain(self, boxes, dtype).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
@@ -135,8 +138,9 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
             index = torch.arange(p, device=param.device)
             row = {"pairs": p}
             outs = {}
-            for name, fn in (("contiguous", plain), ("channels_last", channels_last)):
-                Decoder._box_bias = fn
+            for name, fn, direct in (("efficient", plain, devices), ("sdpa_choice", plain, ()),
+                                     ("channels_last", channels_last, devices)):
+                Decoder._box_bias, attention.EFFICIENT_BIAS_DEVICES = fn, direct
                 try:
                     def run():
                         return det.ground(images, prompts, index, index)
@@ -148,9 +152,10 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
                     row[f"{name}_sdpa_ops"] = dict(collections.Counter(
                         e.name for e in prof.events() if "scaled_dot_product" in e.name or "attention" in e.name))
                 finally:
-                    Decoder._box_bias = plain
-            a, b = outs["contiguous"], outs["channels_last"]
-            row["logits_max_abs_diff"] = (a.logits.float() - b.logits.float()).abs().max().item()
+                    Decoder._box_bias, attention.EFFICIENT_BIAS_DEVICES = plain, devices
+            for other in ("sdpa_choice", "channels_last"):
+                a, b = outs["efficient"], outs[other]
+                row[f"logits_max_abs_diff_vs_{other}"] = (a.logits.float() - b.logits.float()).abs().max().item()
             print(f"[sam_probe] box_bias {row}", flush=True)
             rows.append(row)
     return rows

@@ -150,8 +150,8 @@ ROWS: tuple[Row, ...] = (
         engine={**BF16_INDUCTOR_B8, "image_inductor_mode": "max-autotune-no-cudagraphs"},
         targets=(Target("img_per_s", ">=", 95), *ACC_BF16)),
     Row("ours_fp8_vit", "+ vit_fp8=True (FP8 ViT linears, quantisation fused by inductor; the engine's FP8 gate "
-        "decides) on all four linears of each block (qkv, proj, fc1, fc2; after waterfall run 7 fc2 takes fc1's output "
-        "and applies the GELU in its Triton quantiser, kernels/gelu_fp8_quant.py; runs 6-7: inductor's fusion of it); "
+        "decides) on all four linears of each block (qkv, proj, fc1, fc2; fc2's input GELU + quantiser fused by "
+        "inductor, as in runs 6-7: run 8's one-pass Triton kernel, kernels/gelu_fp8_quant.py, was slower); "
         "inductor, buckets images 8 / pairs 8 only",
         "engine", engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),

@@ -414,8 +414,8 @@ def register(registry) -> None:
                     compare=compare_rowwise, describe=describe_rowwise,
                     tolerance="as fp8_rowwise_linear (the GELU's bf16 values may differ by an ulp where the kernel's "
                               "erf and torch's differ in the last fp32 bit; one e4m3 step on those codes)")
-    # the one-pass Triton GELU-quantiser first, eager and compiled alike: inductor's fusion of the torch ops was the
-    # slow part (0.91 ms a call against ~0.15 ms of memory traffic)
+    # eager: the one-pass Triton GELU-quantiser first; under inductor the engine asks for "torch" (sammie.model.fp8):
+    # inductor's fusion of these torch ops measured faster than the Triton kernel there (waterfall run 8)
     registry.add_implementation(ROWWISE_GELU_NAME, "triton_gelu_quant+scaled_mm", fp8_rowwise_linear_gelu_triton,
                                 supports_rowwise_gelu_triton, kind="triton")
     registry.add_implementation(ROWWISE_GELU_NAME, "scaled_mm", fp8_rowwise_linear_gelu_scaled_mm,

@@ -9,9 +9,10 @@ reads the 4,736-wide row twice and recomputes the GELU: 0.91 ms a call at batch 
 profile: 22.7% of the FP8 engine's GPU time), more than fc2's FP8 GEMM saves over bf16 (0.33 against 0.57 ms), so
 fc2 stays bf16 by default (`EngineConfig.vit_fp8_linears`). Here each row is read once and written once as codes:
 393 MB read + 196 MB written at batch 8 (M = 41,472, K = 4,736), ~0.12-0.15 ms at the H200's bandwidth. Measured
-(waterfall run 8): SLOWER than inductor's fusion -- fc2 in FP8 with it costs 0.40 ms per ViT block more than fc2 in
-bf16 (inductor's: 0.27 ms), so it is compute-bound, probably on the fp32 erf over a row padded from 4,736 to 8,192
-lanes. fc2 stays bf16 by default; this path runs only when `vit_fp8_linears` names `mlp.fc2`.
+(waterfall run 8): SLOWER than inductor's fusion -- fc2 in FP8 with it cost 0.40 ms per ViT block (batch of 8)
+more than fc2 in bf16 (inductor's: 0.27 ms), ~0.9 ms a call by inference; not profiled (candidates: the fp32 erf on
+a row padded from 4,736 to 8,192 lanes, the exact divisions, one row per program). fc2 stays bf16 by default; this
+kernel runs for an FP8 fc2 in eager mode only (under inductor the engine takes inductor's fusion).
 
 Numerics: the GELU in fp32 as torch computes it (0.5 x (1 + erf(x / sqrt 2)), x * M_SQRT1_2), rounded to bf16 by
 bit operations (`kernels.rms_norm._round`: the compiler can neither drop nor contract it); then `row_codes`. The

@@ -109,7 +109,8 @@ class EngineConfig:
     image_inductor_mode: str = "default"  # the image stage's inductor mode with compile=inductor: default |
     #                        max-autotune-no-cudagraphs (Triton GEMM templates benchmarked against cuBLAS per shape,
     #                        a GELU fused into a winning template's epilogue). H200, waterfall run 9: cuBLAS won all
-    #                        four ViT GEMMs, the detector alone +1.3%, start-up 82 -> 344 s. The grounding stage
+    #                        four ViT GEMMs, the detector alone +1.3%, the engine -0.6%; the image stage's compile
+    #                        35 -> 339 s. The grounding stage
     #                        always compiles in "default"
     image_buckets: tuple = ()  # image batch sizes the device sees (ascending, last = max_image_batch); () = powers
     #                            of two. Each is one CUDA graph (and, with compile=inductor, one compile)
@@ -122,8 +123,8 @@ class EngineConfig:
     #                        quantiser took 0.9 ms a call (H200, waterfall run 6's profile: 22.7% of the FP8
     #                        engine's GPU time) against 0.33 ms for its FP8 GEMM and 0.57 ms for bf16's. Waterfall
     #                        run 7: the FP8 detector alone 63.8 -> 68.3 img/s without it, the engine 57.9 -> 60.4.
-    #                        The one-pass Triton GELU quantiser that replaced inductor's fusion is slower still
-    #                        (run 8: fc2 in FP8 costs 0.40 ms per block more than bf16; 61.7 against 68.4 img/s)
+    #                        The one-pass Triton GELU quantiser measured slower still (run 8: fc2 in FP8 cost
+    #                        0.40 ms per block of a batch of 8 more than bf16; 61.7 against 68.4 img/s)
     null_model: bool = False  # NO MODEL: a NullDetector (one tiny device op per call, never any instance) instead of
     #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
@@ -431,9 +432,8 @@ class SammieEngine:
         # under inductor the plain-torch quantise-and-_scaled_mm path ("torch") is the fast one for qkv / proj / fc1:
         # inductor fuses their per-token quantisation into the LayerNorm / attention output before them, which an
         # opaque Triton quantiser prevents (a separate pass costs more than the FP8 GEMM saves: RESULTS.md, stage
-        # profile). An FP8 fc2 is exempt: its GELU + quantiser, fused by inductor, took 0.91 ms a call (waterfall
-        # run 6), so it takes the one-pass Triton GELU-quantiser (sammie.model.fp8._gelu_implementation); that one
-        # measured slower still (waterfall run 8), which is why fc2 is not among the default vit_fp8_linears
+        # profile). An FP8 fc2 (not a default vit_fp8_linears) follows the same preference: inductor's fusion of its
+        # GELU + quantiser (0.91 ms a call, waterfall run 6) still beat the one-pass Triton kernel (run 8)
         preference = "torch" if self.compile == "inductor" and self.kernels != "reference" else "auto"
         report = enable_vit_fp8(self.detector, sample, registry=self.registry,  # its op's choice shows in health()
                                 preference=preference, linears=self.cfg.vit_fp8_linears)

@@ -75,6 +75,28 @@ def test_fc2_takes_the_pre_activation_with_the_gelu_in_its_quantiser(tiny, monke
         assert torch.equal(a, b)
 
 
+def test_fc2_gelu_op_follows_the_row_wise_preference():
+    """fc2's GELU op is chosen with the engine's preference: "auto" (eager) the Triton GELU-quantiser, "torch" (under
+    inductor) the torch ops inductor fuses -- measured faster there than the Triton kernel (waterfall run 8) --
+    "reference" the emulation; the registry's own preference is left as it was."""
+    from sammie.model.fp8 import _gelu_implementation
+
+    reg = Registry()
+
+    def always(**_):
+        return True
+
+    reg.add_op(fp8_linear.ROWWISE_GELU_NAME, lambda *a: None, tolerance="-")
+    reg.add_implementation(fp8_linear.ROWWISE_GELU_NAME, "triton_gelu_quant+scaled_mm", lambda *a: None, always,
+                           kind="triton")
+    reg.add_implementation(fp8_linear.ROWWISE_GELU_NAME, "scaled_mm", lambda *a: None, always, kind="torch")
+    before = reg.preference(fp8_linear.ROWWISE_GELU_NAME)
+    assert _gelu_implementation(reg, {}, "auto").name == "triton_gelu_quant+scaled_mm"
+    assert _gelu_implementation(reg, {}, "torch").name == "scaled_mm"
+    assert _gelu_implementation(reg, {}, "reference").name == "reference"
+    assert reg.preference(fp8_linear.ROWWISE_GELU_NAME) == before
+
+
 def test_a_subset_of_the_linears(tiny):
     """`linears` (EngineConfig.vit_fp8_linears): only those leaves are swapped, in block order; the rest keep their
     bf16 nn.Linear; a leaf outside VIT_LINEARS, a repeat or nothing is refused before anything is touched (an FP8

@@ -293,6 +293,60 @@ def test_attention_bias_matches_nn_mha(attention_pair):
     assert_rel_close(got_nomask, want_nomask, what="attention with bias")
 
 
+def test_bias_attention_takes_the_efficient_kernel_where_it_applies(attention_pair, monkeypatch):
+    """A float bias without padding goes to the memory-efficient kernel directly (CUDA; here the CPU stands in, with
+    SDPA as the kernel): the full [B, h, Lq, Lk] bias, no log-sum-exp; the same output as nn.MultiheadAttention.
+    Not taken with padding (SDPA keeps an all-padded row finite) or with keys not 16-aligned (the kernel's rule)."""
+    import torch.nn.functional as F
+
+    import sammie.model.attention as attention
+
+    ours, ref = attention_pair
+    calls = []
+
+    def kernel(q, k, v, bias, compute_log_sumexp):
+        calls.append((tuple(bias.shape), compute_log_sumexp))
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=bias),)
+
+    monkeypatch.setattr(attention, "EFFICIENT_BIAS_DEVICES", ("cpu",))
+    monkeypatch.setattr(attention, "_efficient_attention", kernel)
+    gen = torch.Generator().manual_seed(64)
+    b, h, lq, d = 2, CFG.heads, 5, CFG.d_model
+    x = torch.randn(b, lq, d, generator=gen)
+    with torch.inference_mode():
+        for lk, bias_batch, taken in ((32, b, True), (16, 1, True), (6, b, False)):
+            y = torch.randn(b, lk, d, generator=gen)
+            bias = torch.randn(bias_batch, h, lq, lk, generator=gen) * 3
+            calls.clear()
+            got = ours(x, y, y, attn_bias=bias)
+            want = ref(x, y, y, attn_mask=bias.expand(b, -1, -1, -1).flatten(0, 1), need_weights=False)[0]
+            assert_rel_close(got, want, what=f"bias attention, {lk} keys")
+            assert calls == ([((b, h, lq, lk), False)] if taken else []), (lk, calls)
+        calls.clear()
+        ours(x, y, y, key_padding_mask=torch.zeros(b, 6, dtype=torch.bool), attn_bias=bias)
+        assert calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the memory-efficient kernel is CUDA-only")
+def test_efficient_bias_kernel_matches_sdpa_math_on_cuda():
+    """The decoder's image cross-attention shape (2 pairs, 8 heads, 201 queries, 5,184 keys, head dim 32), bf16:
+    the direct efficient-kernel call against SDPA's math backend; both accumulate in fp32, rel <= 2e-2."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sammie.model.attention import _biased_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(65)
+    q = torch.randn(2, 8, 201, 32, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(2, 8, 5184, 32, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    bias = (torch.randn(2, 8, 201, 5184, device="cuda", generator=gen) * 3).bfloat16()
+    with torch.inference_mode():
+        got = _biased_attention(q, k, v, bias)
+        with sdpa_kernel([SDPBackend.MATH]):
+            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                    attn_mask=bias.float())
+    assert_rel_close(got.float(), want, tol=2e-2, what="efficient bias kernel vs math")
+
+
 def test_attention_all_padded_row(attention_pair):
     """A fully padded key row: zero attention output (SDPA safe softmax), so out_proj.bias, as
     nn.MultiheadAttention gives on this torch; never NaN. The text path never produces such a row

@@ -190,11 +190,11 @@ def test_reset_buffers_after_meta_init(cfg, meta_backbone, fp32_out):
 
 # --- bf16 and torch.compile --------------------------------------------------------------------
 
-# bf16 keeps 8 mantissa bits (rel. rounding 2^-9 = 2e-3 per op); through 4 blocks and the neck we
-# measured 1.0e-2..1.1e-2 relative error against fp32 at these weights (8e-3 under CPU autocast, where
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
 def test_patch_embed_as_gemm_matches_the_conv(dtype, tol):
-    """The CUDA path (unfolded patches @ flattened weight) against Meta's conv on random inputs, full-size patch
+    """The GEMM path CUDA takes (unfolded patches @ flattened weight; here on the CPU: it checks the layout, not
+    cuBLAS's numerics, which sam_probe checks on the GPU) against Meta's conv on random inputs, full-size patch
     (14 x 14, stride 14, width 64). fp32: the same products summed in another order, rel <= 1e-6 (measured ~1e-7);
     bf16: both accumulate in fp32 and round once, so they differ by at most ~one bf16 ulp, rel <= 2^-7. A patch
     flattened in the wrong order ((kh, kw, c), or rows and columns swapped) gives O(1)."""
@@ -229,6 +229,8 @@ def test_backbone_with_the_gemm_patch_embed_matches_the_conv_path(cfg, fp32_out,
         assert_rel_close(f, rf, tol=1e-5, what=f"feature level {i} with the GEMM patch embed")
 
 
+# bf16 keeps 8 mantissa bits (rel. rounding 2^-9 = 2e-3 per op); through 4 blocks and the neck we
+# measured 1.0e-2..1.1e-2 relative error against fp32 at these weights (8e-3 under CPU autocast, where
 # the residual stream stays fp32); 3e-2 leaves headroom and still catches a wrong path (O(1) errors).
 BF16_REL_TOL = 3e-2
 

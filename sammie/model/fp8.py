@@ -142,30 +142,34 @@ def _describe_call(linear: nn.Linear) -> dict[str, Any]:
 def _gelu_implementation(registry, info: dict[str, Any], preference: str):
     """The "fp8_rowwise_linear_gelu" implementation for an FP8 `mlp.fc2` described by `info` (its input's GELU in
     the quantiser), or None: the op absent, or nothing but the reference where FP8 is wanted for speed. Chosen with
-    the registry's own preference (the Triton GELU-quantiser first, also under inductor, whose fusion of the same
-    torch ops was the slow part), except "reference" (the emulation)."""
+    the same preference as the row-wise op: "auto" (eager) takes the one-pass Triton GELU-quantiser; "torch" (the
+    engine under inductor) the torch ops, which inductor fuses into one looped pass -- measured faster than the
+    Triton kernel there (waterfall run 8: fc2 in FP8 cost 0.27 ms per block more than bf16 with inductor's fusion,
+    0.40 ms with the Triton kernel); "reference" the emulation."""
     from kernels.fp8_linear import ROWWISE_GELU_NAME
 
     if ROWWISE_GELU_NAME not in registry.ops():
         return None
     if preference == "reference":
         return registry.spec(ROWWISE_GELU_NAME).reference
-    impl = registry.choose(ROWWISE_GELU_NAME, **info)
+    with _OpPreference(registry, preference, ROWWISE_GELU_NAME):
+        impl = registry.choose(ROWWISE_GELU_NAME, **info)
     return None if impl.name == "reference" else impl
 
 
 class _OpPreference:
-    """`with _OpPreference(registry, pref):` sets the preference of the FP8 op only, restoring the registry's own."""
+    """`with _OpPreference(registry, pref, op):` sets the preference of one op only (the row-wise FP8 op by default),
+    restoring the registry's own."""
 
-    def __init__(self, registry, preference: str):
-        self.registry, self.preference = registry, preference
+    def __init__(self, registry, preference: str, op: str = ROWWISE_NAME):
+        self.registry, self.preference, self.op = registry, preference, op
 
     def __enter__(self):
-        self.before = self.registry.preference(ROWWISE_NAME)
-        self.registry.set_preference(self.preference, ROWWISE_NAME)
+        self.before = self.registry.preference(self.op)
+        self.registry.set_preference(self.preference, self.op)
 
     def __exit__(self, *exc):
-        self.registry.set_preference(self.before, ROWWISE_NAME)
+        self.registry.set_preference(self.before, self.op)
 
 
 def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_err: float = DEFAULT_MAX_REL_ERR,
@@ -174,9 +178,8 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
     docstring). `preference`: "auto" (fastest supported FP8 GEMM; none -> enabled False with the reason),
     "triton" / "torch" (that implementation only; NotImplementedError from the registry if unsupported), or
     "reference" (the fp32 quantise-dequantise emulation on any device: for tests and numerics studies, slower than
-    bf16). `preference` governs the row-wise op; an FP8 mlp.fc2 takes the GELU op ("fp8_rowwise_linear_gelu") with
-    the registry's own preference (its one-pass Triton quantiser first, also under inductor, whose fusion of the
-    same torch ops was measured slow) unless `preference` is "reference". `sample_pixels` [B, 3, S, S] in the model
+    bf16). `preference` governs the row-wise op and, for an FP8 mlp.fc2, the GELU op ("fp8_rowwise_linear_gelu":
+    the input's GELU inside the quantiser; see `_gelu_implementation`). `sample_pixels` [B, 3, S, S] in the model
     dtype: use real preprocessed images when you have them. `linears`: which of each block's VIT_LINEARS to swap
     (the others stay bf16); checked before anything is touched."""
     if registry is None:

@@ -127,9 +127,12 @@ class PatchEmbed(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         if not (self.as_gemm if self.as_gemm is not None else pixels.is_cuda):
             return self.proj(pixels).permute(0, 2, 3, 1)  # [B, G, G, width], channels-last memory
-        B, C, S, _ = pixels.shape
+        B, C, S, W = pixels.shape
         p = self.proj.kernel_size[0]
         G = S // p
+        if S != W or S % p or self.proj.bias is not None:  # the detector's pixels always qualify (VisionConfig)
+            raise ValueError(f"PatchEmbed as a GEMM needs square pixels whose side is a multiple of {p} and no conv "
+                             f"bias, got {tuple(pixels.shape)}, bias {self.proj.bias is not None}")
         # [B, C, G, p, G, p] -> [B, G, G, C, p, p]: one copy, each patch's values in the weight's (c, kh, kw) order
         patches = pixels.view(B, C, G, p, G, p).permute(0, 2, 4, 1, 3, 5).reshape(B, G, G, C * p * p)
         return patches @ self.proj.weight.reshape(self.proj.out_channels, C * p * p).t()  # [B, G, G, width]
