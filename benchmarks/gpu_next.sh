@@ -140,6 +140,8 @@
 #       SDPA backends per attention, the box bias's layout, the patch embedding as a GEMM; the detector alone
 #   eval "$(bash .devbundle/install.sh)" && STEPS="55" bash benchmarks/gpu_next.sh      # ~6 min: issue 4, the
 #       engine after the box-bias and patch-embedding changes (throughput, lone request, detector alone; unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="56" bash benchmarks/gpu_next.sh      # ~8 min: issue 4,
+#       vit_fused_gelu (fc1 + GELU in one cuBLASLt GEMM) beside the default bf16 inductor engine (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -669,6 +671,17 @@ grep -E "^\[sam_probe\] (box_bias|patch_embed)" "$R/sam_probe.log" | cut -c1-600
 timeout "${LIMIT_55:-420}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 400 --no-profile \
   --rows ours_bf16_inductor,model_only_best,latency_single > "$R/waterfall_fixes.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fixes.log" | cut -c1-250 | head -10
+fi
+if want 56; then
+say "56. issue 4 (the whole .devbundle; written 2026-12-01, unrun): vit_fused_gelu -- fc1 + GELU as one cuBLASLt GEMM with"
+say "    its GELU epilogue (tanh approximation), no separate GELU pass (9.4 of ~117 ms per batch of 8): its CUDA tests,"
+say "    then the bf16 inductor engine (one bucket per stage) beside the same with it, and both detectors alone"
+timeout 120 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/fused_gelu_tests.log" | tail -3
+timeout "${LIMIT_56:-480}" python benchmarks/waterfall.py --out "$R/waterfall_gelu" --budget-s 460 --no-profile \
+  --rows ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu \
+  > "$R/waterfall_gelu.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_gelu.log" | cut -c1-250 | head -10
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -125,6 +125,10 @@ class EngineConfig:
     #                        run 7: the FP8 detector alone 63.8 -> 68.3 img/s without it, the engine 57.9 -> 60.4.
     #                        The one-pass Triton GELU quantiser measured slower still (run 8: fc2 in FP8 cost
     #                        0.40 ms per block of a batch of 8 more than bf16; 61.7 against 68.4 img/s)
+    vit_fused_gelu: bool = False  # each ViT block's fc1 + GELU as one cuBLASLt GEMM with its GELU epilogue (CUDA;
+    #                        sammie.model.vit.Mlp): spares the separate GELU pass (9.4 of ~117 ms per batch of 8 on
+    #                        the H200), but cuBLASLt's GELU is the tanh approximation, not Meta's exact erf GELU
+    #                        (<= 4.7e-4 apart: rounding level in bf16). Off until measured; FP8 fc1s are not fused
     null_model: bool = False  # NO MODEL: a NullDetector (one tiny device op per call, never any instance) instead of
     #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
@@ -160,6 +164,8 @@ class EngineConfig:
         if self.image_inductor_mode != "default" and self.compile != "inductor":
             raise ValueError(f"image_inductor_mode={self.image_inductor_mode!r} needs compile='inductor', got "
                              f"compile={self.compile!r}")
+        if self.null_model and self.vit_fused_gelu:
+            raise ValueError("vit_fused_gelu needs the real detector; it cannot be combined with null_model")
         if self.null_model and self.vit_fp8:
             raise ValueError("vit_fp8 needs the real detector; it cannot be combined with null_model")
         from sammie.model.fp8 import check_linears
@@ -392,6 +398,7 @@ class SammieEngine:
                 self.checkpoint, PRESETS[cfg.config](), str(self.device), self.dtype, cfg.seed)
         self.random_weights = bool(self.detector.random_weights)
         self.vit_fp8 = self._enable_vit_fp8() if cfg.vit_fp8 else None
+        self.vit_fused_gelu = self._fuse_vit_gelu() if cfg.vit_fused_gelu else None
         if self.compile in ("graphs", "inductor"):
             from sammie.model.graphs import GraphedDetector
 
@@ -418,6 +425,21 @@ class SammieEngine:
                  None if self.vit_fp8 is None else self.vit_fp8.enabled, self.load_s)
         if cfg.null_model:
             log.warning("NULL MODEL: this engine answers every request with no instances (serving-path ceiling)")
+
+    def _fuse_vit_gelu(self) -> dict[str, Any]:
+        """vit_fused_gelu: fc1 + GELU in one cuBLASLt GEMM in every ViT block whose fc1 is a plain bf16 linear (FP8 ones
+        keep their own path); only on CUDA (elsewhere the model is left as it is, and health() says why)."""
+        from sammie.model.vit import FUSED_GELU_DEVICES, Mlp, set_fused_gelu
+
+        if self.device.type not in FUSED_GELU_DEVICES:
+            return {"enabled": False, "reason": f"cuBLASLt's GELU epilogue needs {FUSED_GELU_DEVICES}, not "
+                                                f"{self.device.type}"}
+        mlps = set_fused_gelu(self.detector, True)
+        fused = sum(type(m.fc1) is torch.nn.Linear for m in self.detector.modules() if isinstance(m, Mlp))
+        log.info("vit_fused_gelu: fc1 + GELU (tanh approximation) as one cuBLASLt GEMM in %d of %d ViT MLPs",
+                 fused, mlps)
+        return {"enabled": fused > 0, "mlps": mlps, "fused": fused,
+                "reason": "cuBLASLt GELU epilogue (tanh approximation); FP8 fc1s keep their own GEMM"}
 
     def _enable_vit_fp8(self):
         """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample (a seeded uniform-noise
@@ -582,6 +604,7 @@ class SammieEngine:
                         "capture_s": None if self.capture_s is None else round(self.capture_s, 3),
                         "stats": self.detector.stats() if self.compile in ("graphs", "inductor") else None},
             "vit_fp8": None if self.vit_fp8 is None else self.vit_fp8.as_dict(),
+            "vit_fused_gelu": self.vit_fused_gelu,
             "load_s": round(self.load_s, 3),
             "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 3),
             "queue": {"admitted": self._admitted, "unanswered": s.num_unfinished,

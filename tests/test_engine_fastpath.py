@@ -243,6 +243,30 @@ def test_vit_fp8_wiring_with_a_stand_in_gate(monkeypatch, caplog):
     assert any(r.levelname == "ERROR" and "vit_fp8" in r.getMessage() for r in caplog.records)
 
 
+def test_vit_fused_gelu_wiring(monkeypatch):
+    """vit_fused_gelu sets every ViT MLP's fused_gelu where cuBLASLt's GELU epilogue exists (the CPU stands in here)
+    and leaves the model alone elsewhere, saying why in health(); the answers stay the same at this tiny size on the
+    CPU, where torch._addmm_activation applies the exact GELU (the tanh epilogue's numerics: tests/test_vision.py)."""
+    import sammie.model.vit as vit
+
+    async def go(engine):
+        res = await engine.segment(encode(Image.fromarray(photos()[3])), ["person"], threshold=0.0, max_instances=3)
+        mlps = [m for m in engine.detector.modules() if isinstance(m, vit.Mlp)]
+        return res, engine.health(), mlps
+
+    _, health, mlps = run_engine(go, vit_fused_gelu=True)  # the tiny engine runs on the CPU
+    assert health["vit_fused_gelu"]["enabled"] is False and "cuda" in health["vit_fused_gelu"]["reason"]
+    assert mlps and not any(m.fused_gelu for m in mlps)
+    plain, health, _ = run_engine(go)
+    assert health["vit_fused_gelu"] is None
+    monkeypatch.setattr(vit, "FUSED_GELU_DEVICES", ("cpu",))
+    fused, health, mlps = run_engine(go, vit_fused_gelu=True)
+    assert health["vit_fused_gelu"]["enabled"] and health["vit_fused_gelu"]["fused"] == len(mlps) > 0
+    assert all(m.fused_gelu for m in mlps)
+    # the exact GELU either way on the CPU: the same instances
+    assert_close(fused.prompts[0].instances, plain.prompts[0].instances, min_iou=0.99, max_score=1e-4, max_box_px=0.5)
+
+
 def test_bad_fast_path_config_raises_clear_errors():
     cases = {
         "kernels must be one of": {"kernels": "fast"},
@@ -250,6 +274,7 @@ def test_bad_fast_path_config_raises_clear_errors():
         "compile must be one of": {"compile": "jit"},
         "EngineConfig.kernel_self_check must be bool": {"kernel_self_check": "yes"},
         "vit_fp8 needs the real detector": {"null_model": True, "vit_fp8": True},
+        "vit_fused_gelu needs the real detector": {"null_model": True, "vit_fused_gelu": True},
         "compile='graphs' needs the real detector": {"null_model": True, "compile": "graphs"},
         "EngineConfig.null_model must be bool": {"null_model": 1},
     }

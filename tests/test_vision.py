@@ -229,6 +229,59 @@ def test_backbone_with_the_gemm_patch_embed_matches_the_conv_path(cfg, fp32_out,
         assert_rel_close(f, rf, tol=1e-5, what=f"feature level {i} with the GEMM patch embed")
 
 
+def test_mlp_fused_gelu_takes_one_addmm_activation(monkeypatch):
+    """`Mlp.fused_gelu`: fc1 + GELU as one `torch._addmm_activation(bias, x, W^T, use_gelu=True)` on the devices of
+    FUSED_GELU_DEVICES (CUDA; the CPU stands in here, where that op applies the exact GELU, so the result equals the
+    unfused path to fp32 rounding, rel <= 1e-6: this checks the bias, the transpose and the shapes); not taken when
+    off, on other devices, or with a non-Linear fc1."""
+    import sammie.model.vit as vit
+
+    torch.manual_seed(0)
+    mlp = vit.Mlp(16, 40).eval()
+    x = torch.randn(2, 3, 5, 16)
+    calls = []
+    real = torch._addmm_activation
+
+    def spy(bias, mat1, mat2, **kw):
+        calls.append((tuple(mat1.shape), tuple(mat2.shape), kw))
+        return real(bias, mat1, mat2, **kw)
+
+    monkeypatch.setattr(torch, "_addmm_activation", spy)
+    with torch.inference_mode():
+        want = mlp(x)
+        assert calls == []  # off by default
+        mlp.fused_gelu = True
+        assert torch.equal(mlp(x), want) and calls == []  # on, but the CPU is not a fused device
+        monkeypatch.setattr(vit, "FUSED_GELU_DEVICES", ("cpu",))
+        got = mlp(x)
+    assert calls == [((30, 16), (16, 40), {"use_gelu": True})]
+    assert got.shape == want.shape
+    assert_rel_close(got, want, tol=1e-6, what="fused fc1 + GELU vs fc1, F.gelu")
+    assert vit.set_fused_gelu(torch.nn.Sequential(mlp, vit.Mlp(8, 8)), False) == 2 and not mlp.fused_gelu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's GELU epilogue: CUDA only")
+def test_mlp_fused_gelu_is_the_tanh_gelu_on_cuda():
+    """On CUDA the fused path is fc1 -> GELU(tanh approximation) -> fc2: against that written out in fp32, bf16
+    within 2e-2 relative (bf16 rounding through two GEMMs); against the exact-GELU path the same bound."""
+    import torch.nn.functional as F
+
+    import sammie.model.vit as vit
+
+    torch.manual_seed(0)
+    mlp = vit.Mlp(1024, 4736).cuda().bfloat16().eval()
+    x = torch.randn(2, 576, 1024, device="cuda").bfloat16()
+    with torch.inference_mode():
+        exact = mlp(x)
+        mlp.fused_gelu = True
+        got = mlp(x)
+        f = {k: v.float() for k, v in mlp.state_dict().items()}
+        h = F.gelu(x.float() @ f["fc1.weight"].t() + f["fc1.bias"], approximate="tanh")
+        want = h @ f["fc2.weight"].t() + f["fc2.bias"]
+    assert_rel_close(got.float(), want, tol=2e-2, what="fused GELU vs tanh GELU in fp32")
+    assert_rel_close(got.float(), exact.float(), tol=2e-2, what="fused GELU vs the exact-GELU path")
+
+
 # bf16 keeps 8 mantissa bits (rel. rounding 2^-9 = 2e-3 per op); through 4 blocks and the neck we
 # measured 1.0e-2..1.1e-2 relative error against fp32 at these weights (8e-3 under CPU autocast, where
 # the residual stream stays fp32); 3e-2 leaves headroom and still catches a wrong path (O(1) errors).
