@@ -667,7 +667,7 @@ timeout 120 python -m pytest -q -p no:cacheprovider tests/test_prompt_encoders.p
   > "$R/bias_kernel_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/bias_kernel_tests.log" | tail -3
 timeout "${LIMIT_55A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" > "$R/sam_probe.log" 2>&1
-grep -E "^\[sam_probe\] (box_bias|patch_embed)" "$R/sam_probe.log" | cut -c1-600
+grep -E "^\[sam_probe\] (box_bias|patch_embed|attention)" "$R/sam_probe.log" | cut -c1-600
 timeout "${LIMIT_55:-420}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 400 --no-profile \
   --rows ours_bf16_inductor,model_only_best,latency_single > "$R/waterfall_fixes.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fixes.log" | cut -c1-250 | head -10

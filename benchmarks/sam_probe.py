@@ -8,6 +8,8 @@
    (`torch.backends.cuda.can_use_*(..., debug=True)` warnings) and the aten SDPA op that actually ran.
    `box_bias`: `ground` at 1 and 8 pairs with the decoder's box bias on the memory-efficient kernel (now), left to
    SDPA's choice (cuDNN), and in its old channels-last layout (which the fused kernels refuse), side by side.
+   `attention_backends`: the ViT's and the encoder's attention shapes at batch 8 on cuDNN, flash and efficient
+   alone (is SDPA's first choice the fastest?).
 2. `patch_embed`: the ViT's patch embedding as Meta's conv (cuDNN serves it with a CUDA-core kernel,
    `implicit_convolve_sgemm`: 2.45 ms per batch of 8 in the compiled stage profile) against the unfolded-patches GEMM
    `sammie.model.vit.PatchEmbed` uses on CUDA: median ms at batch 1 and 8, eager and compiled, and the largest
@@ -161,6 +163,40 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
     return rows
 
 
+def probe_attention_backends(det, cfg) -> list[dict]:
+    """The ViT's attention shapes at batch 8 (window blocks [8 x 9 windows, heads, 576, 64], global blocks [8, heads,
+    5,184, 64]) and the fusion encoder's self-attention [8, 8, 5,184, 32], bf16, on each SDPA backend alone: median
+    ms a call, and each output's largest difference from the math backend's (fp32) -- is cuDNN, SDPA's first choice
+    on Hopper (18.6 ms of ~117 per batch of 8 in the compiled stage profile), the fastest here?"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    v = cfg.vision
+    w2, g2, hd = v.window_size ** 2, v.grid_size ** 2, v.width // v.heads
+    shapes = {"vit_window": (8 * (v.grid_size // v.window_size) ** 2, v.heads, w2, hd),
+              "vit_global": (8, v.heads, g2, hd),
+              "encoder_self": (8, cfg.heads, cfg.feat_size ** 2, cfg.d_model // cfg.heads)}
+    param, rows = next(det.parameters()), []
+    gen = torch.Generator(device=param.device).manual_seed(0)
+    with torch.inference_mode():
+        for name, shape in shapes.items():
+            q, k, vv = (torch.randn(shape, device=param.device, generator=gen).to(param.dtype) for _ in range(3))
+            with sdpa_kernel([SDPBackend.MATH]):
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), vv.float())
+            row = {"case": name, "shape": list(shape)}
+            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+                key = backend.name.lower()
+                try:
+                    with sdpa_kernel([backend]):
+                        out = F.scaled_dot_product_attention(q, k, vv)
+                        row[f"{key}_ms"] = _median_ms(lambda: F.scaled_dot_product_attention(q, k, vv), iters=20)
+                    row[f"{key}_max_abs_diff"] = (out.float() - ref).abs().max().item()
+                except RuntimeError as e:  # this backend refuses the inputs (or is absent)
+                    row[f"{key}_ms"] = f"refused: {str(e)[:120]}"
+            print(f"[sam_probe] attention {row}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def _median_ms(fn, iters: int = 30) -> float:
     for _ in range(3):
         fn()
@@ -225,6 +261,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
     for name, fn in (("sdpa", lambda: probe_sdpa(det, tokenizer, cfg)),
                      ("box_bias", lambda: probe_box_bias(det, tokenizer, cfg)),
+                     ("attention_backends", lambda: probe_attention_backends(det, cfg)),
                      ("patch_embed", lambda: probe_patch_embed(det, cfg))):
         try:
             result[name] = fn()

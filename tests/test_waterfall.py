@@ -123,6 +123,21 @@ def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
     assert all(f"| {name} |" in md for name in rows)
 
 
+@pytest.mark.skipif(not os.environ.get("SAMMIE_SLOW_TESTS"), reason="20-70 s on 2 shared cores; set SAMMIE_SLOW_TESTS=1")
+def test_sam_probe_cpu_dry_run(tmp_path):
+    """benchmarks/sam_probe.py at the tiny config on the CPU: every part runs and lands in sam_probe.json (the GPU
+    run is what it is for; this keeps a device call from failing on a broken script)."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sam_probe.py"), "--out", str(tmp_path),
+                           "--config", "tiny", "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "sam_probe.json").read_text())
+    for part in ("sdpa", "box_bias", "attention_backends", "patch_embed"):
+        assert part in data and not (isinstance(data[part], dict) and "error" in data[part]), (part, data.get(part))
+    assert any("decoder.py" in site and "mask [" in site for site in data["sdpa"]["sites"])  # the biased call
+    assert [r["pairs"] for r in data["box_bias"]] == [1, 8] and [r["batch"] for r in data["patch_embed"]] == [1, 8]
+
+
 def test_reusing_rows_measure_their_engine_which_stays_open_until_the_end(monkeypatch):
     """model_only_fp8 measures ours_fp8_vit's engine (kept alive past its row, closed at the end), model_only_best
     the fastest bf16 engine; without its engine row, a reusing row is skipped, not run on another engine."""
