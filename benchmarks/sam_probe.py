@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -33,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: sammie
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: cuda_timing
 
+from cuda_timing import cuda_median_ms  # noqa: E402
 from sammie.build import build_detector  # noqa: E402
 from sammie.config import PRESETS  # noqa: E402
 
@@ -198,24 +201,17 @@ def probe_attention_backends(det, cfg) -> list[dict]:
 
 
 def _median_ms(fn, iters: int = 30) -> float:
+    """`cuda_timing.cuda_median_ms` on CUDA; wall time on the CPU (the dry run, --device cpu)."""
+    if torch.cuda.is_available():
+        return cuda_median_ms(fn, iters=iters)
     for _ in range(3):
         fn()
-    if not torch.cuda.is_available():  # the CPU dry run (--device cpu): wall time
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        t0 = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def probe_patch_embed(det, cfg) -> list[dict]:
