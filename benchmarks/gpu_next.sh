@@ -138,9 +138,9 @@
 #       max-autotune for the ViT's matmuls beside inductor's default mode (ran: waterfall run 9)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="54" bash benchmarks/gpu_next.sh      # <= 5.5 min: issue 4,
 #       SDPA backends per attention, the box bias's layout, the patch embedding as a GEMM; the detector alone
-#   eval "$(bash .devbundle/install.sh)" && STEPS="55" bash benchmarks/gpu_next.sh      # ~6 min: issue 4, the
+#   eval "$(bash .devbundle/install.sh)" && STEPS="55" bash benchmarks/gpu_next.sh      # <= 9.2 min: issue 4, the
 #       engine after the box-bias and patch-embedding changes (throughput, lone request, detector alone; unrun)
-#   eval "$(bash .devbundle/install.sh)" && STEPS="56" bash benchmarks/gpu_next.sh      # ~8 min: issue 4,
+#   eval "$(bash .devbundle/install.sh)" && STEPS="56" bash benchmarks/gpu_next.sh      # <= 8 min: issue 4,
 #       vit_fused_gelu (fc1 + GELU in one cuBLASLt GEMM) beside the default bf16 inductor engine (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
@@ -663,12 +663,12 @@ say "    memory-efficient kernel (was: SDPA's fp32 math fallback) and the patch 
 say "    -> 0.4 ms per batch of 8 eager): the kernel's CUDA test, the probe again (efficient / SDPA's cuDNN / old layout),"
 say "    then the bf16 inductor engine under 32 clients, the detector alone, a lone request; waterfall run 10 (before"
 say "    both): 57.6 img/s, lone p50 24.2 ms; run 9's detector alone 63.0 img/s (one bucket per stage, 126.9 ms a batch)"
-timeout 120 python -m pytest -q -p no:cacheprovider tests/test_prompt_encoders.py -k "cuda or efficient" \
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_prompt_encoders.py -k "cuda or efficient" \
   > "$R/bias_kernel_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/bias_kernel_tests.log" | tail -3
 timeout "${LIMIT_55A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" > "$R/sam_probe.log" 2>&1
 grep -E "^\[sam_probe\] (box_bias|patch_embed|attention)" "$R/sam_probe.log" | cut -c1-600
-timeout "${LIMIT_55:-420}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 400 --no-profile \
+timeout "${LIMIT_55:-330}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 310 --no-profile \
   --rows ours_bf16_inductor,model_only_best,latency_single > "$R/waterfall_fixes.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fixes.log" | cut -c1-250 | head -10
 fi
@@ -676,9 +676,9 @@ if want 56; then
 say "56. issue 4 (the whole .devbundle; written 2026-12-01, unrun): vit_fused_gelu -- fc1 + GELU as one cuBLASLt GEMM with"
 say "    its GELU epilogue (tanh approximation), no separate GELU pass (9.4 of ~117 ms per batch of 8): its CUDA tests,"
 say "    then the bf16 inductor engine (one bucket per stage) beside the same with it, and both detectors alone"
-timeout 120 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/fused_gelu_tests.log" | tail -3
-timeout "${LIMIT_56:-480}" python benchmarks/waterfall.py --out "$R/waterfall_gelu" --budget-s 460 --no-profile \
+timeout "${LIMIT_56:-420}" python benchmarks/waterfall.py --out "$R/waterfall_gelu" --budget-s 400 --no-profile \
   --rows ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu \
   > "$R/waterfall_gelu.log" 2>&1
 grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_gelu.log" | cut -c1-250 | head -10

@@ -42,11 +42,14 @@ from sammie.config import PRESETS  # noqa: E402
 
 
 def _site() -> str:
-    """Where SDPA was called from: the two innermost frames inside sammie/model ("attention.py:81 <- decoder.py:120":
-    the shared attention module and the layer that used it)."""
+    """Where SDPA was called from: the innermost frame inside sammie/model and the innermost one outside the shared
+    attention module ("attention.py:81 <- decoder.py:120": the module and the layer that used it)."""
     frames = [f"{Path(f.filename).name}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-2])
               if "/sammie/model/" in f.filename]
-    return " <- ".join(frames[:2]) or "?"
+    if not frames:
+        return "?"
+    caller = next((f for f in frames[1:] if not f.startswith("attention.py:")), None)
+    return frames[0] if caller is None or caller == frames[0] else f"{frames[0]} <- {caller}"
 
 
 def _describe(t: torch.Tensor | None) -> str | None:
@@ -93,11 +96,22 @@ def probe_sdpa(det, tokenizer, cfg) -> dict:
         return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)
 
+    import sammie.model.attention as attention
+
+    direct = attention._efficient_attention
+
+    def direct_wrapped(q, k, v, bias, compute_log_sumexp):  # the biased call goes to the kernel, past SDPA
+        site = f"{_site()} q {list(q.shape)} bias {list(bias.shape)} (direct memory-efficient kernel)"
+        counts[site] += 1
+        calls.setdefault(site, {"q": _describe(q), "k": _describe(k), "v": _describe(v), "mask": _describe(bias),
+                                "is_causal": False, "verdicts": {}})
+        return direct(q, k, v, bias, compute_log_sumexp)
+
     side, dev = cfg.image_size, next(det.parameters()).device
     dtype = next(det.parameters()).dtype
     px = torch.randn(1, 3, side, side, device=dev).to(dtype)
     ids = tokenizer(["a water bottle"]).to(dev)
-    F.scaled_dot_product_attention = wrapped
+    F.scaled_dot_product_attention, attention._efficient_attention = wrapped, direct_wrapped
     try:
         with torch.inference_mode():
             images = det.encode_images(px)
@@ -109,7 +123,7 @@ def probe_sdpa(det, tokenizer, cfg) -> dict:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
     finally:
-        F.scaled_dot_product_attention = plain
+        F.scaled_dot_product_attention, attention._efficient_attention = plain, direct
     ran = collections.Counter()
     for e in prof.events():
         if "scaled_dot_product" in e.name or "_attention" in e.name or e.name in ("aten::bmm", "aten::baddbmm"):
@@ -151,7 +165,7 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
                         return det.ground(images, prompts, index, index)
 
                     outs[name] = run()
-                    row[f"{name}_ms"] = _median_ms(run, iters=10)
+                    row[f"{name}_ms"] = _median_ms(run, param.device, iters=10)
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                         run()
                     row[f"{name}_sdpa_ops"] = dict(collections.Counter(
@@ -173,25 +187,46 @@ def probe_attention_backends(det, cfg) -> list[dict]:
     on Hopper (18.6 ms of ~117 per batch of 8 in the compiled stage profile), the fastest here?"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from sammie.model.attention import _biased_attention
+
     v = cfg.vision
     w2, g2, hd = v.window_size ** 2, v.grid_size ** 2, v.width // v.heads
-    shapes = {"vit_window": (8 * (v.grid_size // v.window_size) ** 2, v.heads, w2, hd),
-              "vit_global": (8, v.heads, g2, hd),
-              "encoder_self": (8, cfg.heads, cfg.feat_size ** 2, cfg.d_model // cfg.heads)}
+    dh, f2 = cfg.d_model // cfg.heads, cfg.feat_size ** 2
+    cases = {  # name -> (q shape, k / v shape, bias shape or None)
+        "vit_window": ((8 * (v.grid_size // v.window_size) ** 2, v.heads, w2, hd),) * 2 + (None,),
+        "vit_global": ((8, v.heads, g2, hd),) * 2 + (None,),
+        "encoder_self": ((8, cfg.heads, f2, dh),) * 2 + (None,),
+        # the decoder's image cross-attention with its box bias, 8 pairs: 1 + num_queries rows
+        "decoder_cross_bias": ((8, cfg.heads, 1 + cfg.num_queries, dh), (8, cfg.heads, f2, dh),
+                               (8, cfg.heads, 1 + cfg.num_queries, f2)),
+    }
     param, rows = next(det.parameters()), []
     gen = torch.Generator(device=param.device).manual_seed(0)
+
+    def rand(shape, scale=1.0):
+        return (torch.randn(shape, device=param.device, generator=gen) * scale).to(param.dtype)
+
     with torch.inference_mode():
-        for name, shape in shapes.items():
-            q, k, vv = (torch.randn(shape, device=param.device, generator=gen).to(param.dtype) for _ in range(3))
+        for name, (q_shape, kv_shape, bias_shape) in cases.items():
+            q, k, vv = rand(q_shape), rand(kv_shape), rand(kv_shape)
+            bias = None if bias_shape is None else rand(bias_shape, 3.0)
             with sdpa_kernel([SDPBackend.MATH]):
-                ref = F.scaled_dot_product_attention(q.float(), k.float(), vv.float())
-            row = {"case": name, "shape": list(shape)}
-            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-                key = backend.name.lower()
-                try:
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), vv.float(),
+                                                     attn_mask=None if bias is None else bias.float())
+            row = {"case": name, "q": list(q_shape), "kv": list(kv_shape), "bias": bias_shape and list(bias_shape)}
+            calls = {f"sdpa_{b.name.lower()}": b for b in
+                     (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)}
+            if bias is not None:
+                calls["biased_attention"] = None  # the engine's call: sammie.model.attention._biased_attention
+            for key, backend in calls.items():
+                def attend(backend=backend):
+                    if backend is None:
+                        return _biased_attention(q, k, vv, bias)
                     with sdpa_kernel([backend]):
-                        out = F.scaled_dot_product_attention(q, k, vv)
-                        row[f"{key}_ms"] = _median_ms(lambda: F.scaled_dot_product_attention(q, k, vv), iters=20)
+                        return F.scaled_dot_product_attention(q, k, vv, attn_mask=bias)
+                try:
+                    out = attend()
+                    row[f"{key}_ms"] = _median_ms(attend, param.device, iters=20)
                     row[f"{key}_max_abs_diff"] = (out.float() - ref).abs().max().item()
                 except RuntimeError as e:  # this backend refuses the inputs (or is absent)
                     row[f"{key}_ms"] = f"refused: {str(e)[:120]}"
@@ -200,9 +235,9 @@ def probe_attention_backends(det, cfg) -> list[dict]:
     return rows
 
 
-def _median_ms(fn, iters: int = 30) -> float:
-    """`cuda_timing.cuda_median_ms` on CUDA; wall time on the CPU (the dry run, --device cpu)."""
-    if torch.cuda.is_available():
+def _median_ms(fn, device: torch.device, iters: int = 30) -> float:
+    """`cuda_timing.cuda_median_ms` on CUDA; wall time elsewhere (the dry run, --device cpu)."""
+    if device.type == "cuda":
         return cuda_median_ms(fn, iters=iters)
     for _ in range(3):
         fn()
@@ -229,10 +264,10 @@ def probe_patch_embed(det, cfg) -> list[dict]:
                     return embed(px)
 
                 outs[path] = run().float()
-                row[f"{path}_eager_ms"] = _median_ms(run)
+                row[f"{path}_eager_ms"] = _median_ms(run, param.device)
                 if param.device.type == "cuda":  # inductor's CPU codegen would take minutes here
                     compiled = torch.compile(lambda x: embed(x).contiguous(), dynamic=False)
-                    row[f"{path}_compiled_ms"] = _median_ms(lambda px=px: compiled(px))
+                    row[f"{path}_compiled_ms"] = _median_ms(lambda px=px: compiled(px), param.device)
                     torch._dynamo.reset()
             embed.as_gemm = None
             row["max_abs_diff"] = (outs["gemm"] - outs["conv"]).abs().max().item()

@@ -435,11 +435,12 @@ class SammieEngine:
             return {"enabled": False, "reason": f"cuBLASLt's GELU epilogue needs {FUSED_GELU_DEVICES}, not "
                                                 f"{self.device.type}"}
         mlps = set_fused_gelu(self.detector, True)
-        fused = sum(type(m.fc1) is torch.nn.Linear for m in self.detector.modules() if isinstance(m, Mlp))
+        fused = sum(m.can_fuse_gelu() for m in self.detector.modules() if isinstance(m, Mlp))
         log.info("vit_fused_gelu: fc1 + GELU (tanh approximation) as one cuBLASLt GEMM in %d of %d ViT MLPs",
                  fused, mlps)
         return {"enabled": fused > 0, "mlps": mlps, "fused": fused,
-                "reason": "cuBLASLt GELU epilogue (tanh approximation); FP8 fc1s keep their own GEMM"}
+                "reason": "cuBLASLt GELU epilogue (tanh approximation); MLPs with an FP8 fc1, or an FP8 fc2 applying "
+                          "the GELU itself, keep their own path"}
 
     def _enable_vit_fp8(self):
         """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample (a seeded uniform-noise

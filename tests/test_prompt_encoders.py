@@ -328,23 +328,33 @@ def test_bias_attention_takes_the_efficient_kernel_where_it_applies(attention_pa
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the memory-efficient kernel is CUDA-only")
-def test_efficient_bias_kernel_matches_sdpa_math_on_cuda():
+def test_efficient_bias_kernel_matches_sdpa_math_on_cuda(monkeypatch):
     """The decoder's image cross-attention shape (2 pairs, 8 heads, 201 queries, 5,184 keys, head dim 32), bf16:
-    the direct efficient-kernel call against SDPA's math backend; both accumulate in fp32, rel <= 2e-2."""
+    the direct efficient-kernel call (a spy says it ran) against SDPA's math backend in fp32, rel <= 2e-2; also with
+    a bias broadcast over the batch (stride 0) and under torch.compile (inductor)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from sammie.model.attention import _biased_attention
+    import sammie.model.attention as attention
 
+    calls = []
+    real = attention._efficient_attention
+    monkeypatch.setattr(attention, "_efficient_attention", lambda *a: calls.append(a[3].stride()) or real(*a))
     gen = torch.Generator(device="cuda").manual_seed(65)
     q = torch.randn(2, 8, 201, 32, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(2, 8, 5184, 32, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    bias = (torch.randn(2, 8, 201, 5184, device="cuda", generator=gen) * 3).bfloat16()
+    for bias_batch in (2, 1):
+        bias = (torch.randn(bias_batch, 8, 201, 5184, device="cuda", generator=gen) * 3).bfloat16()
+        with torch.inference_mode():
+            got = attention._biased_attention(q, k, v, bias)
+            with sdpa_kernel([SDPBackend.MATH]):
+                want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                        attn_mask=bias.float())
+        assert_rel_close(got.float(), want, tol=2e-2, what=f"efficient bias kernel vs math, bias batch {bias_batch}")
+    assert len(calls) == 2 and calls[1][0] == 0  # the second bias broadcast over the batch
+    monkeypatch.setattr(attention, "_efficient_attention", real)  # dynamo traces the real op
+    compiled = torch.compile(attention._biased_attention, fullgraph=True)
     with torch.inference_mode():
-        got = _biased_attention(q, k, v, bias)
-        with sdpa_kernel([SDPBackend.MATH]):
-            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                                    attn_mask=bias.float())
-    assert_rel_close(got.float(), want, tol=2e-2, what="efficient bias kernel vs math")
+        assert_rel_close(compiled(q, k, v, bias).float(), want, tol=2e-2, what="under torch.compile")
 
 
 def test_attention_all_padded_row(attention_pair):

@@ -26,16 +26,20 @@ _efficient_attention = torch.ops.aten._scaled_dot_product_efficient_attention
 def _biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """SDPA with a float additive bias [B, h, Lq, Lk] (the decoder's box bias: full size, contiguous).
 
-    On CUDA it calls the memory-efficient kernel directly rather than letting SDPA choose: SDPA's first choice there,
+    On CUDA it calls the memory-efficient kernel directly rather than letting SDPA choose. SDPA's first choice there,
     cuDNN, accepted this bias but cost ~6-10 ms more host time per grounding call in eager mode (sam_probe run 1,
-    H200: it apparently prepares its plan on every call), work that would also run while CUDA graphs are captured;
-    the efficient kernel accepts the bias too (torch's `can_use_efficient_attention`, same run) and plans nothing.
-    A direct call also leaves SDPA's process-wide backend flags alone (two engine threads attend at once).
-    Elsewhere, or when the bias rows are not 16-element aligned (the efficient kernel's requirement, which SDPA's
-    dispatcher would pad), plain SDPA. Same maths: softmax(q k^T / sqrt(d) + bias) v."""
+    H200: it apparently prepares its plan on every call); with CUDA graphs (the engine's default on CUDA) that cost
+    is paid once, at capture, and whether the efficient kernel's device time beats cuDNN's for this shape is NOT YET
+    MEASURED (`benchmarks/sam_probe.py`, attention backends, case decoder_cross_bias). The efficient kernel accepts
+    the bias (torch's `can_use_efficient_attention`, same run), plans nothing, and a direct call leaves SDPA's
+    process-wide backend flags alone (two engine threads attend at once). Elsewhere, or when the bias rows are not
+    16-element aligned (the kernel's requirement, which SDPA's dispatcher would pad), plain SDPA. Same maths:
+    softmax(q k^T / sqrt(d) + bias) v."""
     full = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # [B, h, Lq, Lk] (a view)
     aligned = full.shape[-1] % 16 == 0 and full.stride(-1) == 1 and full.stride(-2) % 16 == 0
-    if q.device.type in EFFICIENT_BIAS_DEVICES and aligned:
+    # no capability check (it would not constant-fold under dynamo's fullgraph trace): torch builds the kernel for
+    # every CUDA architecture it supports, for fp32 / fp16 and, from sm_80 on, bf16 -- the engine's dtypes there
+    if aligned and q.device.type in EFFICIENT_BIAS_DEVICES:
         return _efficient_attention(q, k, v, full, False)[0]  # compute_log_sumexp=False; scale 1/sqrt(d)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
@@ -99,7 +103,7 @@ class MultiheadAttention(nn.Module):
         if attn_bias is not None and mask is None:  # the decoder's box bias (its image keys are never padded)
             out = _biased_attention(q, k, v, attn_bias.to(q.dtype))  # [B, h, Lq, d/h]
         else:
-            if attn_bias is not None:  # bias + padding: SDPA, whose math path keeps an all-padded row finite
+            if attn_bias is not None:  # bias + padding: SDPA's choice, as before (no caller passes both today)
                 mask = attn_bias.to(q.dtype).masked_fill(~mask, float("-inf"))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, Lq, d/h]
         return self.out_proj(out.transpose(1, 2).flatten(2))  # [B, Lq, d]

@@ -152,8 +152,11 @@ def _gelu_implementation(registry, info: dict[str, Any], preference: str):
         return None
     if preference == "reference":
         return registry.spec(ROWWISE_GELU_NAME).reference
-    with _OpPreference(registry, preference, ROWWISE_GELU_NAME):
-        impl = registry.choose(ROWWISE_GELU_NAME, **info)
+    try:
+        with _OpPreference(registry, preference, ROWWISE_GELU_NAME):
+            impl = registry.choose(ROWWISE_GELU_NAME, **info)
+    except NotImplementedError:  # that kind disabled (a failed self-check) or unsupported: fc2 takes F.gelu + row-wise
+        return None
     return None if impl.name == "reference" else impl
 
 

@@ -157,9 +157,13 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, width)
         self.fused_gelu = False
 
+    def can_fuse_gelu(self) -> bool:
+        """fc1 + GELU can be one cuBLASLt GEMM: a plain nn.Linear fc1 and an fc2 that does not apply the GELU itself
+        (an FP8 fc2 with `applies_gelu`); the device is checked per call."""
+        return type(self.fc1) is nn.Linear and not getattr(self.fc2, "applies_gelu", False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gelu and x.device.type in FUSED_GELU_DEVICES and type(self.fc1) is nn.Linear \
-                and not getattr(self.fc2, "applies_gelu", False):
+        if self.fused_gelu and x.device.type in FUSED_GELU_DEVICES and self.can_fuse_gelu():
             h = torch._addmm_activation(self.fc1.bias, x.reshape(-1, x.shape[-1]), self.fc1.weight.t(), use_gelu=True)
             return self.fc2(h.view(*x.shape[:-1], h.shape[-1]))
         h = self.fc1(x)
