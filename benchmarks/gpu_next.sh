@@ -189,6 +189,13 @@ engine_ab() {
   grep -E "Error|error|File |fla" "$R/$name.log" | cut -c1-300 | head -30
 }
 
+# waterfall_rows NAME LIMIT_S BUDGET_S ROWS: `waterfall.py --rows ROWS --no-profile` into $R/NAME (log $R/NAME.log),
+# cut at LIMIT_S, its own budget BUDGET_S; prints the row lines and any error (steps 51-56)
+waterfall_rows() {
+  timeout "$2" python benchmarks/waterfall.py --out "$R/$1" --budget-s "$3" --no-profile --rows "$4" > "$R/$1.log" 2>&1
+  grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/$1.log" | cut -c1-250 | head -20
+}
+
 if want 1; then
 say "1. CUDA tests"
 timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py > "$R/cuda_tests.log" 2>&1
@@ -620,25 +627,19 @@ say "    mlp.fc2 in bf16 (the default); run 6's profile put fc2's inductor-fused
 SAMMIE_PDL=0 timeout 120 python -m pytest -q -s -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py \
   > "$R/fp8_gelu_tests.log" 2>&1
 grep -E "passed|failed|codes one step" "$R/fp8_gelu_tests.log" | tail -5
-timeout "${LIMIT_51:-380}" python benchmarks/waterfall.py --out "$R/waterfall_fc2" --budget-s 360 --no-profile \
-  --rows ours_fp8_vit,model_only_fp8,ours_fp8_vit_no_fc2,model_only_fp8_no_fc2 > "$R/waterfall_fc2.log" 2>&1
-grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fc2.log" | cut -c1-250 | head -20
+waterfall_rows waterfall_fc2 "${LIMIT_51:-380}" 360 ours_fp8_vit,model_only_fp8,ours_fp8_vit_no_fc2,model_only_fp8_no_fc2
 fi
 if want 52; then
 say "52. issue 4 (the whole .devbundle; written 2026-12-01, unrun): a lone request through the FP8 engine (buckets 1 and 8)"
 say "    beside the bf16 inductor engine's, same run: the ViT at batch 1 (14.5 ms bf16) is most of the 23.3 ms p50"
-timeout "${LIMIT_52:-540}" python benchmarks/waterfall.py --out "$R/waterfall_lat" --budget-s 520 --no-profile \
-  --rows ours_bf16_inductor,latency_single,ours_fp8_vit_b1,latency_single_fp8 > "$R/waterfall_lat.log" 2>&1
-grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_lat.log" | cut -c1-250 | head -20
+waterfall_rows waterfall_lat "${LIMIT_52:-540}" 520 ours_bf16_inductor,latency_single,ours_fp8_vit_b1,latency_single_fp8
 fi
 if want 53; then
 say "53. issue 4 (the whole .devbundle; ran: waterfall run 9): the ViT's matmuls under inductor's max-autotune"
 say "    (image_inductor_mode='max-autotune-no-cudagraphs': Triton GEMM templates against cuBLAS, the GELU in a winning"
 say "    template's epilogue; the GELU pass was 9.4 ms of ~117 per batch of 8) beside the same engine in 'default', one"
 say "    bucket per stage; the detectors alone too; the start-up cost of the autotuning"
-timeout "${LIMIT_53:-570}" python benchmarks/waterfall.py --out "$R/waterfall_autotune" --budget-s 550 --no-profile \
-  --rows ours_bf16_inductor_b8,ours_bf16_autotune,model_only_bf16_b8,model_only_autotune > "$R/waterfall_autotune.log" 2>&1
-grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_autotune.log" | cut -c1-250 | head -20
+waterfall_rows waterfall_autotune "${LIMIT_53:-570}" 550 ours_bf16_inductor_b8,ours_bf16_autotune,model_only_bf16_b8,model_only_autotune
 grep -E "start|capture_s|load_s" "$R/waterfall_autotune.log" | cut -c1-200 | head -10
 grep -c "AUTOTUNE" "$R/waterfall_autotune.log"
 grep -A3 "AUTOTUNE mm\|AUTOTUNE addmm" "$R/waterfall_autotune.log" | cut -c1-160 | head -40
@@ -653,9 +654,7 @@ timeout "${LIMIT_54A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" 
 grep -E "^\[sam_probe\] (box_bias|patch_embed|aten|ground kernel)" "$R/sam_probe.log" | cut -c1-400
 grep -A4 "can_use_.*decoder.py:167" "$R/sam_probe.log" | cut -c1-300 | head -24
 grep -E "^\[sam_probe\] sdpa|^\[sam_probe\]     " "$R/sam_probe.log" | cut -c1-300 | head -60
-timeout "${LIMIT_54B:-300}" python benchmarks/waterfall.py --out "$R/waterfall_b8" --budget-s 290 --no-profile \
-  --rows ours_bf16_inductor_b8,model_only_bf16_b8 > "$R/waterfall_b8.log" 2>&1
-grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_b8.log" | cut -c1-250 | head -10
+waterfall_rows waterfall_b8 "${LIMIT_54B:-300}" 290 ours_bf16_inductor_b8,model_only_bf16_b8
 fi
 if want 55; then
 say "55. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the decoder's box bias contiguous and on the"
@@ -668,9 +667,7 @@ timeout 60 python -m pytest -q -p no:cacheprovider tests/test_prompt_encoders.py
 grep -E "passed|failed|Error" "$R/bias_kernel_tests.log" | tail -3
 timeout "${LIMIT_55A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" > "$R/sam_probe.log" 2>&1
 grep -E "^\[sam_probe\] (box_bias|patch_embed|attention)" "$R/sam_probe.log" | cut -c1-600
-timeout "${LIMIT_55:-330}" python benchmarks/waterfall.py --out "$R/waterfall_fixes" --budget-s 310 --no-profile \
-  --rows ours_bf16_inductor,model_only_best,latency_single > "$R/waterfall_fixes.log" 2>&1
-grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_fixes.log" | cut -c1-250 | head -10
+waterfall_rows waterfall_fixes "${LIMIT_55:-330}" 310 ours_bf16_inductor,model_only_best,latency_single
 fi
 if want 56; then
 say "56. issue 4 (the whole .devbundle; written 2026-12-01, unrun): vit_fused_gelu -- fc1 + GELU as one cuBLASLt GEMM with"
@@ -678,10 +675,7 @@ say "    its GELU epilogue (tanh approximation), no separate GELU pass (9.4 of ~
 say "    then the bf16 inductor engine (one bucket per stage) beside the same with it, and both detectors alone"
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/fused_gelu_tests.log" | tail -3
-timeout "${LIMIT_56:-420}" python benchmarks/waterfall.py --out "$R/waterfall_gelu" --budget-s 400 --no-profile \
-  --rows ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu \
-  > "$R/waterfall_gelu.log" 2>&1
-grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_gelu.log" | cut -c1-250 | head -10
+waterfall_rows waterfall_gelu "${LIMIT_56:-420}" 400 ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

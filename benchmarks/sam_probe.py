@@ -82,29 +82,29 @@ def _verdicts(site: str, q, k, v, attn_mask, is_causal, enable_gqa) -> dict[str,
 
 
 def probe_sdpa(det, tokenizer, cfg) -> dict:
+    import sammie.model.attention as attention
+
     calls: dict[str, dict] = {}
     counts: collections.Counter = collections.Counter()
-    plain = F.scaled_dot_product_attention
+    plain, direct = F.scaled_dot_product_attention, attention._efficient_attention
+
+    def record(site, q, k, v, mask, is_causal, verdicts) -> None:
+        """Count a call at `site`; the first time, its inputs and the backends' verdicts (a callable, run once)."""
+        counts[site] += 1
+        if site not in calls:
+            calls[site] = {"q": _describe(q), "k": _describe(k), "v": _describe(v), "mask": _describe(mask),
+                           "is_causal": is_causal, "verdicts": verdicts()}
 
     def wrapped(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         site = f"{_site()} q {list(q.shape)} mask {None if attn_mask is None else list(attn_mask.shape)}"
-        counts[site] += 1
-        if site not in calls:
-            calls[site] = {"q": _describe(q), "k": _describe(k), "v": _describe(v), "mask": _describe(attn_mask),
-                           "is_causal": is_causal,
-                           "verdicts": _verdicts(site, q, k, v, attn_mask, is_causal, enable_gqa)}
+        record(site, q, k, v, attn_mask, is_causal,
+               lambda: _verdicts(site, q, k, v, attn_mask, is_causal, enable_gqa))
         return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)
 
-    import sammie.model.attention as attention
-
-    direct = attention._efficient_attention
-
     def direct_wrapped(q, k, v, bias, compute_log_sumexp):  # the biased call goes to the kernel, past SDPA
         site = f"{_site()} q {list(q.shape)} bias {list(bias.shape)} (direct memory-efficient kernel)"
-        counts[site] += 1
-        calls.setdefault(site, {"q": _describe(q), "k": _describe(k), "v": _describe(v), "mask": _describe(bias),
-                                "is_causal": False, "verdicts": {}})
+        record(site, q, k, v, bias, False, dict)
         return direct(q, k, v, bias, compute_log_sumexp)
 
     side, dev = cfg.image_size, next(det.parameters()).device

@@ -110,8 +110,7 @@ class EngineConfig:
     #                        max-autotune-no-cudagraphs (Triton GEMM templates benchmarked against cuBLAS per shape,
     #                        a GELU fused into a winning template's epilogue). H200, waterfall run 9: cuBLAS won all
     #                        four ViT GEMMs, the detector alone +1.3%, the engine -0.6%; the image stage's compile
-    #                        35 -> 339 s. The grounding stage
-    #                        always compiles in "default"
+    #                        35 -> 339 s. The grounding stage always compiles in "default"
     image_buckets: tuple = ()  # image batch sizes the device sees (ascending, last = max_image_batch); () = powers
     #                            of two. Each is one CUDA graph (and, with compile=inductor, one compile)
     pair_buckets: tuple = ()  # grounding batch sizes, likewise (last = max_pair_batch)
@@ -429,16 +428,16 @@ class SammieEngine:
     def _fuse_vit_gelu(self) -> dict[str, Any]:
         """vit_fused_gelu: fc1 + GELU in one cuBLASLt GEMM in every ViT block whose fc1 is a plain bf16 linear (FP8 ones
         keep their own path); only on CUDA (elsewhere the model is left as it is, and health() says why)."""
-        from sammie.model.vit import FUSED_GELU_DEVICES, Mlp, set_fused_gelu
+        from sammie.model.vit import FUSED_GELU_DEVICES, set_fused_gelu
 
         if self.device.type not in FUSED_GELU_DEVICES:
             return {"enabled": False, "reason": f"cuBLASLt's GELU epilogue needs {FUSED_GELU_DEVICES}, not "
                                                 f"{self.device.type}"}
         mlps = set_fused_gelu(self.detector, True)
-        fused = sum(m.can_fuse_gelu() for m in self.detector.modules() if isinstance(m, Mlp))
+        fused = sum(m.can_fuse_gelu() for m in mlps)
         log.info("vit_fused_gelu: fc1 + GELU (tanh approximation) as one cuBLASLt GEMM in %d of %d ViT MLPs",
-                 fused, mlps)
-        return {"enabled": fused > 0, "mlps": mlps, "fused": fused,
+                 fused, len(mlps))
+        return {"enabled": fused > 0, "mlps": len(mlps), "fused": fused,
                 "reason": "cuBLASLt GELU epilogue (tanh approximation); MLPs with an FP8 fc1, or an FP8 fc2 applying "
                           "the GELU itself, keep their own path"}
 

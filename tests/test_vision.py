@@ -257,7 +257,7 @@ def test_mlp_fused_gelu_takes_one_addmm_activation(monkeypatch):
     assert calls == [((30, 16), (16, 40), {"use_gelu": True})]
     assert got.shape == want.shape
     assert_rel_close(got, want, tol=1e-6, what="fused fc1 + GELU vs fc1, F.gelu")
-    assert vit.set_fused_gelu(torch.nn.Sequential(mlp, vit.Mlp(8, 8)), False) == 2 and not mlp.fused_gelu
+    assert len(vit.set_fused_gelu(torch.nn.Sequential(mlp, vit.Mlp(8, 8)), False)) == 2 and not mlp.fused_gelu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's GELU epilogue: CUDA only")

@@ -172,12 +172,12 @@ class Mlp(nn.Module):
         return self.fc2(F.gelu(h))  # exact (erf) GELU, as nn.GELU() in Meta's timm Mlp
 
 
-def set_fused_gelu(module: nn.Module, on: bool) -> int:
-    """Turn `Mlp.fused_gelu` on or off in every ViT MLP under `module`; returns how many MLPs it set."""
+def set_fused_gelu(module: nn.Module, on: bool) -> list[Mlp]:
+    """Turn `Mlp.fused_gelu` on or off in every ViT MLP under `module`; returns the MLPs it set."""
     mlps = [m for m in module.modules() if isinstance(m, Mlp)]
     for m in mlps:
         m.fused_gelu = on
-    return len(mlps)
+    return mlps
 
 
 class Attention(nn.Module):
