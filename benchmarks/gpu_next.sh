@@ -142,6 +142,8 @@
 #       engine after the box-bias and patch-embedding changes (throughput, lone request, detector alone; unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="56" bash benchmarks/gpu_next.sh      # <= 8 min: issue 4,
 #       vit_fused_gelu (fc1 + GELU in one cuBLASLt GEMM) beside the default bf16 inductor engine (unrun)
+#   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
+#       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
 #                                                        and release_when_idle rows (carry .devbundle)
 #
@@ -676,6 +678,17 @@ say "    then the bf16 inductor engine (one bucket per stage) beside the same wi
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/fused_gelu_tests.log" | tail -3
 waterfall_rows waterfall_gelu "${LIMIT_56:-420}" 400 ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu
+fi
+if want 57; then
+say "57. issue 4 (any carry; written 2026-12-01, unrun): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"
+say "    inferred ~0.9 ms a call): its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile against the"
+say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 warps, beside inductor's fusion, the"
+say "    GELU pass and fc2's GEMM in bf16 and FP8 (the break-even)"
+timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py -k "gelu" > "$R/gelu_quant_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/gelu_quant_tests.log" | tail -3
+timeout "${LIMIT_57:-200}" python benchmarks/quant_probe.py --out "$R/quant_probe" > "$R/quant_probe.log" 2>&1
+grep -E "^\[quant_probe\]" "$R/quant_probe.log" | cut -c1-260
+grep -E "Error|error" "$R/quant_probe.log" | head -5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

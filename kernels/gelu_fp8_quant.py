@@ -10,31 +10,36 @@ profile: 22.7% of the FP8 engine's GPU time), more than fc2's FP8 GEMM saves ove
 fc2 stays bf16 by default (`EngineConfig.vit_fp8_linears`). Here each row is read once and written once as codes:
 393 MB read + 196 MB written at batch 8 (M = 41,472, K = 4,736), ~0.12-0.15 ms at the H200's bandwidth. Measured
 (waterfall run 8): SLOWER than inductor's fusion -- fc2 in FP8 with it cost 0.40 ms per ViT block (batch of 8)
-more than fc2 in bf16 (inductor's: 0.27 ms), ~0.9 ms a call by inference; not profiled (candidates: the fp32 erf on
-a row padded from 4,736 to 8,192 lanes, the exact divisions, one row per program). fc2 stays bf16 by default; this
-kernel runs for an FP8 fc2 in eager mode only (under inductor the engine takes inductor's fusion).
+more than fc2 in bf16 (inductor's: 0.27 ms), ~0.9 ms a call by inference. By the arithmetic it is compute-bound
+(~90 instructions per lane by the run's time: erf, an IEEE division, two bit-level roundings) over a row padded from
+4,736 to 8,192 lanes; so each row is now two power-of-two tiles, 4,096 + 1,024 lanes (`split_tiling`), and the
+rounding to the e4m3 grid by fp32 arithmetic (needed by the interpreter) can be left to the GPU's RNE cast
+(`Launch.round_in_fp32`). NOT YET TIMED: `benchmarks/quant_probe.py` times the variants alone on the H200 against
+inductor's fusion and fc2's GEMMs (gpu_next.sh step 57). fc2 stays bf16 by default; this kernel runs for an FP8
+fc2 in eager mode only (under inductor the engine takes inductor's fusion).
 
 Numerics: the GELU in fp32 as torch computes it (0.5 x (1 + erf(x / sqrt 2)), x * M_SQRT1_2), rounded to bf16 by
-bit operations (`kernels.rms_norm._round`: the compiler can neither drop nor contract it); then `row_codes`. The
-codes equal the reference's wherever the kernel's erf and torch's agree to the bf16 rounding: libdevice's erff on
-the GPU, the interpreter's and torch's CPU erf may differ in the last fp32 bit, which moves a GELU value by one bf16
-ulp where it lies on a rounding boundary (tests/test_kernel_fp8.py states the bound).
+bit operations (`kernels.rms_norm._round`: the compiler can neither drop nor contract it); then the per-row rule
+(`_store_codes`). The codes equal the reference's wherever the kernel's erf and torch's agree to the bf16 rounding:
+libdevice's erff on the GPU, the interpreter's and torch's CPU erf may differ in the last fp32 bit, which moves a GELU
+value by one bf16 ulp where it lies on a rounding boundary (tests/test_kernel_fp8.py states the bound).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_quant import MAX_K, quantize_rows_reference, rows_outputs, rows_tiling
+from kernels.fp8_quant import MAX_K, quantize_rows_reference, rows_outputs
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.fp8_quant import row_codes
+    from kernels.fp8_quant import _round_to_e4m3_grid
     from kernels.rms_norm import _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -52,23 +57,96 @@ if triton is not None:
     SQRT1_2 = tl.constexpr(0.7071067811865476)  # M_SQRT1_2, torch's GELU constant (as fp32: 0.70710677)
 
     @triton.jit
-    def _gelu_quant_rows_kernel(h_ptr, q_ptr, s_ptr, M, K, stride_hm, stride_qm, DTYPE: tl.constexpr,
-                                INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # one program: BLOCK_M whole rows ([BLOCK_M, BLOCK_K], BLOCK_K >= K): read once, codes written once
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_K)
-        row_ok = rows < M
-        mask = row_ok[:, None] & (cols[None, :] < K)
-        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], mask=mask, other=0.0)
+    def _gelu_tile(h_ptr, rows, cols, stride_hm, ok, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        """[BLOCK_M, BLOCK] tile of gelu(h) in fp32, rounded to DTYPE as F.gelu stores it; masked entries 0."""
+        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], mask=ok, other=0.0)
         h = h.to(tl.float32)
-        g = _round(0.5 * h * (1.0 + tl.math.erf(h * SQRT1_2)), DTYPE, INTERPRET)  # F.gelu's value, stored in DTYPE
-        q, scale = row_codes(g)  # masked entries: gelu(0) = 0, so they never raise a row's amax
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=mask)
+        return _round(0.5 * h * (1.0 + tl.math.erf(h * SQRT1_2)), DTYPE, INTERPRET)  # gelu(0) = 0: masks stay 0
+
+    @triton.jit
+    def _store_codes(q_ptr, rows, cols, stride_qm, ok, g, scale, ROUND_IN_FP32: tl.constexpr):
+        """e4m3 codes of g / scale (IEEE division, clamped to +-448): rounded to the e4m3 grid in fp32 arithmetic
+        first where the cast alone is not RNE (the interpreter), else by the GPU's cast (cvt.rn.satfinite)."""
+        q = tl.math.div_rn(g, tl.broadcast_to(scale[:, None], g.shape))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        if ROUND_IN_FP32:
+            q = _round_to_e4m3_grid(q)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=ok)
+
+    @triton.jit
+    def _gelu_quant_rows_kernel(h_ptr, q_ptr, s_ptr, M, K, stride_hm, stride_qm, DTYPE: tl.constexpr,
+                                INTERPRET: tl.constexpr, ROUND_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+        # one program: BLOCK_M whole rows, read once and written once as codes, held in registers as two power-of-two
+        # tiles, columns [0, BLOCK_HEAD) and [BLOCK_HEAD, BLOCK_HEAD + BLOCK_TAIL) (0: no tail), so a 4,736-wide row
+        # costs 4,096 + 1,024 lanes of erf and division, not the 8,192 of one padded tile (`split_tiling`)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        head = tl.arange(0, BLOCK_HEAD)
+        head_ok = row_ok[:, None] & (head < K)[None, :]
+        g_head = _gelu_tile(h_ptr, rows, head, stride_hm, head_ok, DTYPE, INTERPRET)
+        amax = tl.max(tl.abs(g_head), axis=1)  # [BLOCK_M]
+        if BLOCK_TAIL > 0:
+            tail = BLOCK_HEAD + tl.arange(0, BLOCK_TAIL)
+            tail_ok = row_ok[:, None] & (tail < K)[None, :]
+            g_tail = _gelu_tile(h_ptr, rows, tail, stride_hm, tail_ok, DTYPE, INTERPRET)
+            amax = tl.maximum(amax, tl.max(tl.abs(g_tail), axis=1))
+        # `quantize_rows_reference`'s scale: amax / 448 (IEEE), 1 for an all-zero row
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+        _store_codes(q_ptr, rows, head, stride_qm, head_ok, g_head, scale, ROUND_IN_FP32)
+        if BLOCK_TAIL > 0:
+            _store_codes(q_ptr, rows, tail, stride_qm, tail_ok, g_tail, scale, ROUND_IN_FP32)
         tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
 def _interpreted() -> bool:
     return triton is not None and type(_gelu_quant_rows_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one call runs: BLOCK_M rows a program, each row as a BLOCK_HEAD tile and a BLOCK_TAIL tile (0: none);
+    ROUND_IN_FP32 rounds to the e4m3 grid by fp32 arithmetic before the cast (needed by the interpreter, whose cast
+    is not RNE; on the GPU the cast alone is RNE). `benchmarks/quant_probe.py` times the choices on the H200."""
+
+    block_m: int
+    block_head: int
+    block_tail: int
+    round_in_fp32: bool
+    num_warps: int = 8
+
+
+def split_tiling(m: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_HEAD, BLOCK_TAIL) for rows of k: the head the largest power of two <= k, the tail the smallest
+    power of two covering the rest (0 when k is a power of two). k = 4,736: 4,096 + 1,024 = 5,120 lanes (one padded
+    tile: 8,192). ~8K lanes per program on the GPU (fp32 in registers: 32 per thread at 8 warps), as `rows_tiling`."""
+    head = 1 << (k.bit_length() - 1)
+    tail = triton.next_power_of_2(k - head) if k > head else 0
+    block_m = max(1, (65536 if _interpreted() else 8192) // (head + tail))
+    return min(triton.next_power_of_2(m), 1 << (block_m.bit_length() - 1)), head, tail
+
+
+def default_launch(m: int, k: int) -> Launch:
+    """The two-tile split, rounded by the cast alone: on sm_90 Triton emits `cvt.rn.satfinite.e4m3x2.f32` (RNE,
+    saturating; tests/sm90_compile.py checks the PTX), the same rounding as torch's cast in the reference; the
+    interpreter, whose cast is not RNE, rounds in fp32 whatever this says (`launch`)."""
+    return Launch(*split_tiling(m, k), round_in_fp32=False)
+
+
+def launch(h: torch.Tensor, how: Launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on a 2-D h (last dim contiguous) as `how` says -> (e4m3 [M, K], fp32 [M, 1])."""
+    (m, k), (q, scale) = h.shape, rows_outputs(h)
+    if m == 0 or k == 0:
+        return q, scale.fill_(1.0)
+    if how.block_head + how.block_tail < k or (how.block_tail and how.block_head >= k):
+        raise ValueError(f"{NAME}: tiles {how.block_head} + {how.block_tail} do not cover a row of {k} as head + tail")
+    dtype = tl.bfloat16 if h.dtype == torch.bfloat16 else tl.float32
+    interpret = _interpreted()
+    _gelu_quant_rows_kernel[(triton.cdiv(m, how.block_m),)](
+        h, q, scale, m, k, h.stride(0), q.stride(0), DTYPE=dtype, INTERPRET=interpret,
+        ROUND_IN_FP32=how.round_in_fp32 or interpret, BLOCK_M=how.block_m, BLOCK_HEAD=how.block_head,
+        BLOCK_TAIL=how.block_tail, num_warps=how.num_warps)
+    return q, scale
 
 
 @torch.library.custom_op("sammie::fp8_gelu_quant_rows", mutates_args=())
@@ -77,15 +155,7 @@ def gelu_quantize_rows_triton(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if h.dim() != 2 or h.dtype not in IN_DTYPES or h.shape[1] > MAX_K:
         raise ValueError(f"{NAME}: need a 2-D {IN_DTYPES} tensor with K <= {MAX_K}, got {h.dtype} {tuple(h.shape)}")
     h = h if h.stride(1) == 1 else h.contiguous()
-    (m, k), (q, scale) = h.shape, rows_outputs(h)
-    if m == 0 or k == 0:
-        return q, scale.fill_(1.0)
-    block_m, block_k = rows_tiling(m, k)
-    dtype = tl.bfloat16 if h.dtype == torch.bfloat16 else tl.float32
-    _gelu_quant_rows_kernel[(triton.cdiv(m, block_m),)](h, q, scale, m, k, h.stride(0), q.stride(0), DTYPE=dtype,
-                                                        INTERPRET=_interpreted(), BLOCK_M=block_m,
-                                                        BLOCK_K=block_k, num_warps=8)
-    return q, scale
+    return launch(h, default_launch(*h.shape))
 
 
 @gelu_quantize_rows_triton.register_fake

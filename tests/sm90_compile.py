@@ -110,10 +110,12 @@ def main() -> int:
     ok.append(compile_one("fp8_quant_rows (bf16 -> e4m3 + row scales, 1 x 8192 tile)", fp8_quant._quant_rows_kernel,
                           {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, dict(BLOCK_M=1, BLOCK_K=8192)))
     # the ViT fc2's input: the GELU, rounded to bf16, then the row-wise codes (kernels/gelu_fp8_quant.py)
-    ok.append(compile_one("fp8_gelu_quant_rows (bf16 -> e4m3 + row scales, 1 x 8192 tile)",
+    # (4,096 + 1,024 lanes a row, rounded by the cast alone: the PTX must hold the RNE, saturating fp32 -> e4m3 cvt)
+    ok.append(compile_one("fp8_gelu_quant_rows (bf16 -> e4m3 + row scales, 4096 + 1024 tiles, cast-rounded)",
                           gelu_fp8_quant._gelu_quant_rows_kernel,
                           {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                          dict(DTYPE=triton.language.bfloat16, INTERPRET=False, BLOCK_M=1, BLOCK_K=8192)))
+                          dict(DTYPE=triton.language.bfloat16, INTERPRET=False, ROUND_IN_FP32=False, BLOCK_M=1,
+                               BLOCK_HEAD=4096, BLOCK_TAIL=1024), ptx_has="cvt.rn.satfinite.e4m3x2.f32"))
     ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
                           {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
                           dict(BLOCK_H=2048, INTERPRET=False)))

@@ -402,6 +402,28 @@ def test_gelu_quantize_rows_triton_against_the_reference(m, k, dtype):
     assert (s[m // 2] == 1).all() and (q[m // 2].float() == 0).all()
 
 
+@pytest.mark.skipif(not TRITON_HERE, reason="Triton quantiser does not run here")
+def test_gelu_quantiser_tilings_agree_bit_for_bit():
+    """The head + tail split (`split_tiling`: 4,096 + 1,024 lanes for the ViT's 4,736) against the single padded tile
+    of waterfall run 8 and a split with several rows per program: the same codes and scales bit for bit (the tiling
+    changes which lanes compute, not what); a power-of-two width has no tail; tiles that do not cover a row raise."""
+    from kernels import gelu_fp8_quant as gq
+
+    assert [gq.split_tiling(1, k)[1:] for k in (4736, 1000, 296, 512, 1)] == [
+        (4096, 1024), (512, 512), (256, 64), (512, 0), (1, 0)]
+    h = gelu_rows(24, 4736, seed=5)
+    q, s = gq.launch(h, gq.Launch(1, 8192, 0, True))
+    for how in (gq.Launch(1, 4096, 1024, True), gq.Launch(8, 4096, 1024, True, 4), gq.default_launch(24, 4736)):
+        q2, s2 = gq.launch(h, how)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s), how
+    h512 = gelu_rows(5, 512, seed=6)
+    assert gq.default_launch(5, 512).block_tail == 0
+    assert torch.equal(gq.launch(h512, gq.default_launch(5, 512))[0].view(torch.uint8),
+                       gq.launch(h512, gq.Launch(1, 1024, 0, True))[0].view(torch.uint8))
+    with pytest.raises(ValueError, match="do not cover"):
+        gq.launch(h, gq.Launch(1, 4096, 512, True))
+
+
 @pytest.mark.parametrize("fast", ["scaled_mm", "triton_gelu_quant"])
 def test_rowwise_gelu_fast_paths_match_reference(fast):
     """fc2 handed fc1's output: the torch-op GELU + quantiser (what inductor fuses) within the row-wise bound of
