@@ -142,6 +142,8 @@
 #       engine after the box-bias and patch-embedding changes (throughput, lone request, detector alone; unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="56" bash benchmarks/gpu_next.sh      # <= 8 min: issue 4,
 #       vit_fused_gelu (fc1 + GELU in one cuBLASLt GEMM) beside the default bf16 inductor engine (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="58" bash benchmarks/gpu_next.sh      # <= 7.5 min: issue 4, a
+#       CUDA stream per engine stage (stage_streams) beside both stages on the default stream (unrun)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -678,6 +680,16 @@ say "    then the bf16 inductor engine (one bucket per stage) beside the same wi
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/fused_gelu_tests.log" | tail -3
 waterfall_rows waterfall_gelu "${LIMIT_56:-420}" 400 ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu
+fi
+if want 58; then
+say "58. issue 4 (the whole .devbundle; written 2026-12-02, unrun): a CUDA stream per engine stage (stage_streams, the"
+say "    grounding stream waiting on each image batch's event, at high priority): run 11 had ~150 ms per grounding batch"
+say "    (~21 ms of it the ground graph) behind queued image batches, 55.5 img/s against the detector's 65.2 alone. The"
+say "    CUDA tests (a late image stream, bit-exact results), then the bf16 inductor b8 engine with and without it"
+timeout 120 python -m pytest -q -p no:cacheprovider tests/test_engine_fastpath.py -k "stage_streams" \
+  > "$R/stream_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/stream_tests.log" | tail -3
+waterfall_rows waterfall_streams "${LIMIT_58:-330}" 310 ours_bf16_inductor_b8,ours_bf16_b8_shared_stream
 fi
 if want 57; then
 say "57. issue 4 (any carry; written 2026-12-01, unrun): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"

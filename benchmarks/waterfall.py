@@ -143,6 +143,9 @@ ROWS: tuple[Row, ...] = (
     Row("ours_bf16_inductor_b8", "ours_bf16_inductor with one bucket per stage (images 8 / pairs 8): the base "
         "of ours_bf16_autotune, same start-up work but the autotuning", "engine", engine=BF16_INDUCTOR_B8,
         targets=(Target("img_per_s", ">=", 95), *ACC_BF16)),
+    Row("ours_bf16_b8_shared_stream", "ours_bf16_inductor_b8 with stage_streams=False: both stages on the default "
+        "stream (the engine before 2026-12-02), whose grounding syncs waited behind queued image batches", "engine",
+        engine={**BF16_INDUCTOR_B8, "stage_streams": False}, targets=(Target("img_per_s", ">=", 95), *ACC_BF16)),
     Row("ours_bf16_autotune", "ours_bf16_inductor_b8 with image_inductor_mode='max-autotune-no-cudagraphs': "
         "inductor benchmarks Triton GEMM templates against cuBLAS for the image stage's matmuls (a winning template "
         "can take the GELU after fc1 in its epilogue: 9.4 ms of 117 per batch of 8 unfused) and tunes its "

@@ -305,6 +305,57 @@ def test_cuda_graphs_match_eager():
             assert_close(pb.instances, pa.instances, min_iou=0.99, max_score=1e-2, max_box_px=1.0)
 
 
+def test_stage_streams_only_on_cuda():
+    """The image and grounding stages get a stream each on cuda only (`EngineConfig.stage_streams`); on the CPU, or
+    switched off, both run on the default stream and image batches carry no event."""
+    from engine_core.request import Stage
+
+    async def go(engine):
+        result = await engine.segment(encode(Image.fromarray(small_photos()[2])), PROMPTS[:1], threshold=0.0)
+        return engine._batch_loop.runner.streams, result
+
+    streams, result = run_engine(go, device="cpu")
+    assert streams == {} and result.prompts[0].instances
+    if torch.cuda.is_available():
+        streams, _ = run_engine(go, device="cuda")
+        assert set(streams) == {Stage.IMAGE, Stage.GROUNDING}
+        assert streams[Stage.GROUNDING].priority < streams[Stage.IMAGE].priority  # grounding first
+        assert run_engine(go, device="cuda", stage_streams=False)[0] == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stage streams need a GPU")
+@pytest.mark.parametrize("compile_mode", ["none", "graphs"])
+def test_stage_streams_wait_for_a_late_image_batch(compile_mode):
+    """The grounding stream must wait on each image batch's event: here a ~50 ms device sleep is queued on the image
+    stream before every encode, so the image stage returns long before its features exist. The results must equal
+    the same engine's without the delay and the shared-stream engine's, bit for bit (one request at a time: the same
+    batch shapes everywhere). A grounding stream that did not wait would read the features' memory unwritten."""
+    cases = [(im, PROMPTS[:k]) for im, k in zip(small_photos(), (1, 2, 3))]
+
+    async def go(engine, delay_cycles):
+        if delay_cycles:
+            encode_images = engine.detector.encode_images
+
+            def late(pixels):
+                torch.cuda._sleep(delay_cycles)  # on the caller's stream: the image stream
+                return encode_images(pixels)
+            engine.detector.encode_images = late
+        return [await engine.segment(encode(Image.fromarray(im)), ps, threshold=0.0, max_instances=4)
+                for im, ps in cases]
+
+    cuda = {"device": "cuda", "warmup": True, "compile": compile_mode}
+    late = run_engine(lambda e: go(e, 100_000_000), **cuda)
+    on_time = run_engine(lambda e: go(e, 0), **cuda)
+    shared = run_engine(lambda e: go(e, 0), **(cuda | {"stage_streams": False}))
+    n = 0
+    for a, b, c in zip(late, on_time, shared):
+        for pa, pb, pc in zip(a.prompts, b.prompts, c.prompts):
+            assert_identical(pa.instances, pb.instances)
+            assert_identical(pb.instances, pc.instances)
+            n += len(pa.instances)
+    assert n > 0
+
+
 def test_bucket_lists_and_compile_modes_are_validated():
     """YAML lists become tuples and reach the scheduler; bad lists, and graph modes off cuda, fail at construction."""
     cfg = EngineConfig(config="tiny", max_image_batch=8, image_buckets=[1, 8], pair_buckets=(2, 16))
