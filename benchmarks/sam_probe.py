@@ -6,10 +6,10 @@
    upcasts bf16 to fp32. One eager pass of `encode_images` (batch 1), `encode_prompts` and `ground` (1 pair) runs
    with `F.scaled_dot_product_attention` wrapped: per call site, the shapes, the mask, the backends' verdicts
    (`torch.backends.cuda.can_use_*(..., debug=True)` warnings) and the aten SDPA op that actually ran.
-   `box_bias`: `ground` at 1 and 8 pairs with the decoder's box bias on the memory-efficient kernel (now), left to
-   SDPA's choice (cuDNN), and in its old channels-last layout (which the fused kernels refuse), side by side.
-   `attention_backends`: the ViT's and the encoder's attention shapes at batch 8 on cuDNN, flash and efficient
-   alone (is SDPA's first choice the fastest?).
+   `box_bias`: `ground` at 1 and 8 pairs with the decoder's box bias contiguous (SDPA's choice: cuDNN) and in its
+   old channels-last layout (which the fused kernels refuse), side by side.
+   `attention_backends`: the ViT's, the encoder's and the decoder's biased attention shapes at batch 8 on cuDNN,
+   flash and efficient alone (is SDPA's first choice the fastest? run 2: yes, for all four).
 2. `patch_embed`: the ViT's patch embedding as Meta's conv (cuDNN serves it with a CUDA-core kernel,
    `implicit_convolve_sgemm`: 2.45 ms per batch of 8 in the compiled stage profile) against the unfolded-patches GEMM
    `sammie.model.vit.PatchEmbed` uses on CUDA: median ms at batch 1 and 8, eager and compiled, and the largest
@@ -82,11 +82,9 @@ def _verdicts(site: str, q, k, v, attn_mask, is_causal, enable_gqa) -> dict[str,
 
 
 def probe_sdpa(det, tokenizer, cfg) -> dict:
-    import sammie.model.attention as attention
-
     calls: dict[str, dict] = {}
     counts: collections.Counter = collections.Counter()
-    plain, direct = F.scaled_dot_product_attention, attention._efficient_attention
+    plain = F.scaled_dot_product_attention
 
     def record(site, q, k, v, mask, is_causal, verdicts) -> None:
         """Count a call at `site`; the first time, its inputs and the backends' verdicts (a callable, run once)."""
@@ -102,16 +100,11 @@ def probe_sdpa(det, tokenizer, cfg) -> dict:
         return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)
 
-    def direct_wrapped(q, k, v, bias, compute_log_sumexp):  # the biased call goes to the kernel, past SDPA
-        site = f"{_site()} q {list(q.shape)} bias {list(bias.shape)} (direct memory-efficient kernel)"
-        record(site, q, k, v, bias, False, dict)
-        return direct(q, k, v, bias, compute_log_sumexp)
-
     side, dev = cfg.image_size, next(det.parameters()).device
     dtype = next(det.parameters()).dtype
     px = torch.randn(1, 3, side, side, device=dev).to(dtype)
     ids = tokenizer(["a water bottle"]).to(dev)
-    F.scaled_dot_product_attention, attention._efficient_attention = wrapped, direct_wrapped
+    F.scaled_dot_product_attention = wrapped
     try:
         with torch.inference_mode():
             images = det.encode_images(px)
@@ -123,7 +116,7 @@ def probe_sdpa(det, tokenizer, cfg) -> dict:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
     finally:
-        F.scaled_dot_product_attention, attention._efficient_attention = plain, direct
+        F.scaled_dot_product_attention = plain
     ran = collections.Counter()
     for e in prof.events():
         if "scaled_dot_product" in e.name or "_attention" in e.name or e.name in ("aten::bmm", "aten::baddbmm"):
@@ -136,14 +129,13 @@ def probe_sdpa(det, tokenizer, cfg) -> dict:
 
 
 def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
-    """`ground` (eager) at 1 and 8 pairs three ways: the decoder's box bias contiguous and sent straight to the
-    memory-efficient kernel (now: `sammie.model.attention._biased_attention`), contiguous but left to SDPA's choice
-    (cuDNN on Hopper; sam_probe run 1), and channels-last as it was before (SDPA's fp32 math fallback): median ms,
-    and the aten attention ops each ran."""
-    import sammie.model.attention as attention
+    """`ground` (eager) at 1 and 8 pairs two ways: the decoder's box bias contiguous (now; SDPA's choice, cuDNN on
+    Hopper) and channels-last as it was before (SDPA's fp32 math fallback): median ms, and the aten attention ops
+    each ran. (Sam_probe run 2 also had the bias sent straight to the memory-efficient kernel: its device time lost
+    to cuDNN's, `probe_attention_backends`.)"""
     from sammie.model.decoder import Decoder
 
-    plain, devices = Decoder._box_bias, attention.EFFICIENT_BIAS_DEVICES
+    plain = Decoder._box_bias
 
     def channels_last(self, boxes, dtype):  # the old layout: heads innermost, stride(-1) = heads
         return plain(self, boxes, dtype).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
@@ -157,9 +149,8 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
             index = torch.arange(p, device=param.device)
             row = {"pairs": p}
             outs = {}
-            for name, fn, direct in (("efficient", plain, devices), ("sdpa_choice", plain, ()),
-                                     ("channels_last", channels_last, devices)):
-                Decoder._box_bias, attention.EFFICIENT_BIAS_DEVICES = fn, direct
+            for name, fn in (("sdpa_choice", plain), ("channels_last", channels_last)):
+                Decoder._box_bias = fn
                 try:
                     def run():
                         return det.ground(images, prompts, index, index)
@@ -171,10 +162,9 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
                     row[f"{name}_sdpa_ops"] = dict(collections.Counter(
                         e.name for e in prof.events() if "scaled_dot_product" in e.name or "attention" in e.name))
                 finally:
-                    Decoder._box_bias, attention.EFFICIENT_BIAS_DEVICES = plain, devices
-            for other in ("sdpa_choice", "channels_last"):
-                a, b = outs["efficient"], outs[other]
-                row[f"logits_max_abs_diff_vs_{other}"] = (a.logits.float() - b.logits.float()).abs().max().item()
+                    Decoder._box_bias = plain
+            a, b = outs["sdpa_choice"], outs["channels_last"]
+            row["logits_max_abs_diff"] = (a.logits.float() - b.logits.float()).abs().max().item()
             print(f"[sam_probe] box_bias {row}", flush=True)
             rows.append(row)
     return rows
@@ -186,8 +176,6 @@ def probe_attention_backends(det, cfg) -> list[dict]:
     ms a call, and each output's largest difference from the math backend's (fp32) -- is cuDNN, SDPA's first choice
     on Hopper (18.6 ms of ~117 per batch of 8 in the compiled stage profile), the fastest here?"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from sammie.model.attention import _biased_attention
 
     v = cfg.vision
     w2, g2, hd = v.window_size ** 2, v.grid_size ** 2, v.width // v.heads
@@ -216,12 +204,8 @@ def probe_attention_backends(det, cfg) -> list[dict]:
             row = {"case": name, "q": list(q_shape), "kv": list(kv_shape), "bias": bias_shape and list(bias_shape)}
             calls = {f"sdpa_{b.name.lower()}": b for b in
                      (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)}
-            if bias is not None:
-                calls["biased_attention"] = None  # the engine's call: sammie.model.attention._biased_attention
             for key, backend in calls.items():
                 def attend(backend=backend):
-                    if backend is None:
-                        return _biased_attention(q, k, vv, bias)
                     with sdpa_kernel([backend]):
                         return F.scaled_dot_product_attention(q, k, vv, attn_mask=bias)
                 try:
