@@ -144,6 +144,8 @@
 #       vit_fused_gelu (fc1 + GELU in one cuBLASLt GEMM) beside the default bf16 inductor engine (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="58" bash benchmarks/gpu_next.sh      # <= 7.5 min: issue 4, a
 #       CUDA stream per engine stage (stage_streams) beside both stages on the default stream (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="59" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, the
+#       stage-streams engine profiled under load (GPU busy share, the grounding syncs), + vit_fused_gelu with streams
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -690,6 +692,25 @@ timeout 120 python -m pytest -q -p no:cacheprovider tests/test_engine_fastpath.p
   > "$R/stream_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/stream_tests.log" | tail -3
 waterfall_rows waterfall_streams "${LIMIT_58:-330}" 310 ours_bf16_inductor_b8,ours_bf16_b8_shared_stream
+fi
+if want 59; then
+say "59. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the bf16 inductor b8 engine (stage streams) profiled"
+say "    under 32 clients: GPU busy share of the window (kernel intervals' union), the grounding stage's ground call and"
+say "    its two host syncs (record_function); then the same engine with vit_fused_gelu (stage streams too) and its detector"
+timeout "${LIMIT_59:-400}" python benchmarks/waterfall.py --out "$R/waterfall_busy" --budget-s 380 \
+  --rows ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_fused_gelu --profile-engine ours_bf16_inductor_b8 \
+  --profile-clients 32 > "$R/waterfall_busy.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_busy.log" | cut -c1-250 | head -20
+python - "$R/waterfall_busy/waterfall.json" <<'PY' 2>&1 | head -30
+import json, sys
+p = json.load(open(sys.argv[1])).get("profile") or {}
+print("profile:", p.get("error") or f"{p.get('requests')} requests, {p.get('img_per_s', 0):.1f} img/s")
+print("device_busy:", p.get("device_busy"))
+for k, v in sorted((p.get("stages") or {}).items()):
+    print(f"  {k}: {v}")
+for k in (p.get("top_kernels") or [])[:8]:
+    print(f"  {k['self_ms']:8.1f} ms {k['calls']:6d} {k['kernel'][:90]}")
+PY
 fi
 if want 57; then
 say "57. issue 4 (any carry; written 2026-12-01, unrun): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"

@@ -413,4 +413,26 @@ async def profile_engine(b: Bench, name: str, engine, clients: int = 0) -> dict:
     return {"engine_row": name, "clients": clients or b.args.clients, "seconds": stats["elapsed_s"],
             "requests": stats["n"], "img_per_s": stats["rate"],
             "top_kernels": top, "device_time_total_ms": total / 1e3, "stages": stages,
+            "device_busy": device_busy(prof.events()) if cuda else None,
             "engine_stage_ms_mean": stats["engine_stage_ms_mean"]}
+
+
+def device_busy(events) -> dict:
+    """How much of the profiled window the GPU ran any kernel: the union of the kernels' [start, end) intervals (ms),
+    against the window from the first kernel's start to the last one's end. The kernels' summed time exceeds the union
+    where two streams overlapped."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if "CUDA" in str(getattr(e, "device_type", "")) and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    busy, (cur_start, cur_end) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy, cur_start, cur_end = busy + cur_end - cur_start, start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    window = max(end for _, end in spans) - spans[0][0]
+    summed = sum(end - start for start, end in spans)
+    return {"window_ms": window / 1e3, "busy_ms": busy / 1e3, "busy_pct": 100 * busy / window if window else 0.0,
+            "kernels_summed_ms": summed / 1e3}
