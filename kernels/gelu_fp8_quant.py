@@ -14,8 +14,11 @@ more than fc2 in bf16 (inductor's: 0.27 ms), ~0.9 ms a call by inference. By the
 (~90 instructions per lane by the run's time: erf, an IEEE division, two bit-level roundings) over a row padded from
 4,736 to 8,192 lanes; so each row is now two power-of-two tiles, 4,096 + 1,024 lanes (`split_tiling`), and the
 rounding to the e4m3 grid by fp32 arithmetic (needed by the interpreter) can be left to the GPU's RNE cast
-(`Launch.round_in_fp32`). NOT YET TIMED: `benchmarks/quant_probe.py` times the variants alone on the H200 against
-inductor's fusion and fc2's GEMMs (gpu_next.sh step 57). fc2 stays bf16 by default; this kernel runs for an FP8
+(`Launch.round_in_fp32`). Timed alone on the H200 (`benchmarks/quant_probe.py`, quant_probe run 1, batch 8):
+0.846 ms a call (697 GB/s) against run 8's 1.295 and inductor's fusion 1.052 (whose codes are not the reference's:
+3.3 M of 196 M differ), with the reference's codes but the erf's last bit. Still too slow for an FP8 fc2 to pay: it
+must stay under 0.462 ms (the bf16 path's GELU + GEMM less the FP8 GEMM); the arithmetic per element, not memory
+(a bare cast runs at 3 TB/s), bounds it. fc2 stays bf16 by default; this kernel runs for an FP8
 fc2 in eager mode only (under inductor the engine takes inductor's fusion).
 
 Numerics: the GELU in fp32 as torch computes it (0.5 x (1 + erf(x / sqrt 2)), x * M_SQRT1_2), rounded to bf16 by

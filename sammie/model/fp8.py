@@ -144,8 +144,9 @@ def _gelu_implementation(registry, info: dict[str, Any], preference: str):
     the quantiser), or None: the op absent, or nothing but the reference where FP8 is wanted for speed. Chosen with
     the same preference as the row-wise op: "auto" (eager) takes the one-pass Triton GELU-quantiser; "torch" (the
     engine under inductor) the torch ops, which inductor fuses into one looped pass -- measured faster than the
-    Triton kernel there (waterfall run 8: fc2 in FP8 cost 0.27 ms per block more than bf16 with inductor's fusion,
-    0.40 ms with the Triton kernel); "reference" the emulation."""
+    Triton kernel there in waterfall run 8 (fc2 in FP8 cost 0.27 ms per block more than bf16 with inductor's fusion,
+    0.40 ms with the Triton kernel of then); alone, the kernel's two-tile version now beats that fusion (quant_probe
+    run 1: 0.846 against 1.052 ms a call), not yet measured inside the engine; "reference" the emulation."""
     from kernels.fp8_linear import ROWWISE_GELU_NAME
 
     if ROWWISE_GELU_NAME not in registry.ops():
