@@ -218,9 +218,10 @@ fi
 
 if want 3; then
 say "3. HTTP end to end, real model, direct ingress"
-CONFIG=serve_configs/local_gpu.yaml NULL=0 VARIANTS="direct1" USERS=64 STEP_S=30 WARMUP_S=10 PROCS=6 OUT="$R/http" \
-  timeout 420 bash benchmarks/serve_ceiling.sh > "$R/http.log" 2>&1
+CONFIG=serve_configs/local_gpu.yaml NULL=0 VARIANTS="direct1" USERS=64 STEP_S="${STEP_S_3:-30}" WARMUP_S=10 PROCS=6 \
+  OUT="$R/http" timeout "${LIMIT_3:-420}" bash benchmarks/serve_ceiling.sh > "$R/http.log" 2>&1
 grep -E "ceiling|ready" "$R/http.log" | tail -3
+grep -hE "img/s|requests|failures" "$R"/http/*.md 2>/dev/null | head -8
 fi
 
 if want 4; then
