@@ -193,12 +193,14 @@ PYEOF
 
 for v in $VARIANTS; do run_variant "$v"; done
 
-python3 - "$TMP" "$OUT" "$CONFIG" "$USERS" "$STEP_S" "$PROCS" "$BODY" $VARIANTS <<'EOF'
+python3 - "$TMP" "$OUT" "$CONFIG" "$USERS" "$STEP_S" "$PROCS" "$BODY" "$NULL" $VARIANTS <<'EOF'
 import csv, json, pathlib, sys
 tmp, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-config, users, step_s, procs, body, variants = *sys.argv[3:8], sys.argv[8:]
-lines = ["# Sammie serving-path ceiling (null model)", "",
-         f"Config `{config}` (args.null_model=true), Locust {procs} processes x {users} users, closed loop, "
+config, users, step_s, procs, body, null, variants = *sys.argv[3:9], sys.argv[9:]
+model = "null model" if null == "1" else "the config's model"
+lines = [f"# Sammie serving path, {model}", "",
+         f"Config `{config}` ({'args.null_model=true' if null == '1' else 'as written'}), Locust {procs} processes x "
+         f"{users} users, closed loop, "
          f"{step_s} s, body={body} (640x480 JPEG photographs, 1 prompt).", "",
          "| variant | requests | failures | req/s | p50 ms | p99 ms | Ray CPU ms/req | top processes (ms/req) | locust rc |",
          "|---|---|---|---|---|---|---|---|---|"]
