@@ -77,7 +77,8 @@
 # way to repeat them after a change. Step 6 needs ~230 s when the Triton cache is cold. Step 7 is new.
 #
 #   eval "$(bash .devbundle/install.sh)" && STEPS="1 2" bash benchmarks/gpu_next.sh     # ~5 min
-#   eval "$(bash .devbundle/install.sh)" && STEPS="3" bash benchmarks/gpu_next.sh       # ~6.5 min (inductor start)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="3" bash benchmarks/gpu_next.sh       # ~6.5 min (inductor start;
+#                                                        LIMIT_3 / STEP_S_3: its limit and Locust step, 420 / 30 s)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="4" bash benchmarks/gpu_next.sh       # ~2 min
 #   eval "$(bash .devbundle/install.sh)" && STEPS="5" bash benchmarks/gpu_next.sh       # ~9 min (one call)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="6" bash benchmarks/gpu_next.sh       # ~4 min
@@ -139,11 +140,11 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="54" bash benchmarks/gpu_next.sh      # <= 5.5 min: issue 4,
 #       SDPA backends per attention, the box bias's layout, the patch embedding as a GEMM; the detector alone
 #   eval "$(bash .devbundle/install.sh)" && STEPS="55" bash benchmarks/gpu_next.sh      # <= 9.2 min: issue 4, the
-#       engine after the box-bias and patch-embedding changes (throughput, lone request, detector alone; unrun)
+#       engine after the box-bias and patch-embedding changes (throughput, lone request, detector alone; ran: run 11)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="56" bash benchmarks/gpu_next.sh      # <= 8 min: issue 4,
-#       vit_fused_gelu (fc1 + GELU in one cuBLASLt GEMM) beside the default bf16 inductor engine (unrun)
+#       vit_fused_gelu (fc1 + GELU in one cuBLASLt GEMM) beside the default bf16 inductor engine (ran: run 12)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="58" bash benchmarks/gpu_next.sh      # <= 7.5 min: issue 4, a
-#       CUDA stream per engine stage (stage_streams) beside both stages on the default stream (unrun)
+#       CUDA stream per engine stage (stage_streams) beside both stages on the default stream (ran: run 13)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="59" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, the
 #       stage-streams engine profiled under load (GPU busy share, the grounding syncs), + vit_fused_gelu with streams
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
@@ -664,12 +665,12 @@ grep -E "^\[sam_probe\] sdpa|^\[sam_probe\]     " "$R/sam_probe.log" | cut -c1-3
 waterfall_rows waterfall_b8 "${LIMIT_54B:-300}" 290 ours_bf16_inductor_b8,model_only_bf16_b8
 fi
 if want 55; then
-say "55. issue 4 (the whole .devbundle; written 2026-12-01, unrun): the decoder's box bias contiguous and on the"
-say "    memory-efficient kernel (was: SDPA's fp32 math fallback) and the patch embedding as a GEMM (sam_probe run 1: 2.4"
-say "    -> 0.4 ms per batch of 8 eager): the kernel's CUDA test, the probe again (efficient / SDPA's cuDNN / old layout),"
+say "55. issue 4 (the whole .devbundle; ran: waterfall run 11, sam_probe run 2): the decoder's box bias contiguous"
+say "    (was: SDPA's fp32 math fallback) and the patch embedding as a GEMM (sam_probe run 1: 2.4 -> 0.4 ms per batch of"
+say "    8 eager): the box-bias CUDA test, the probe again (the bias contiguous / the old layout; attention backends),"
 say "    then the bf16 inductor engine under 32 clients, the detector alone, a lone request; waterfall run 10 (before"
 say "    both): 57.6 img/s, lone p50 24.2 ms; run 9's detector alone 63.0 img/s (one bucket per stage, 126.9 ms a batch)"
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_prompt_encoders.py -k "cuda or efficient" \
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_decoder.py tests/test_vision.py -k "box_bias or gemm" \
   > "$R/bias_kernel_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/bias_kernel_tests.log" | tail -3
 timeout "${LIMIT_55A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" > "$R/sam_probe.log" 2>&1
@@ -677,7 +678,7 @@ grep -E "^\[sam_probe\] (box_bias|patch_embed|attention)" "$R/sam_probe.log" | c
 waterfall_rows waterfall_fixes "${LIMIT_55:-330}" 310 ours_bf16_inductor,model_only_best,latency_single
 fi
 if want 56; then
-say "56. issue 4 (the whole .devbundle; written 2026-12-01, unrun): vit_fused_gelu -- fc1 + GELU as one cuBLASLt GEMM with"
+say "56. issue 4 (the whole .devbundle; ran: waterfall run 12): vit_fused_gelu -- fc1 + GELU as one cuBLASLt GEMM with"
 say "    its GELU epilogue (tanh approximation), no separate GELU pass (9.4 of ~117 ms per batch of 8): its CUDA tests,"
 say "    then the bf16 inductor engine (one bucket per stage) beside the same with it, and both detectors alone"
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
@@ -685,7 +686,7 @@ grep -E "passed|failed|Error" "$R/fused_gelu_tests.log" | tail -3
 waterfall_rows waterfall_gelu "${LIMIT_56:-420}" 400 ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu
 fi
 if want 58; then
-say "58. issue 4 (the whole .devbundle; written 2026-12-02, unrun): a CUDA stream per engine stage (stage_streams, the"
+say "58. issue 4 (the whole .devbundle; ran: waterfall run 13): a CUDA stream per engine stage (stage_streams, the"
 say "    grounding stream waiting on each image batch's event, at high priority): run 11 had ~150 ms per grounding batch"
 say "    (~21 ms of it the ground graph) behind queued image batches, 55.5 img/s against the detector's 65.2 alone. The"
 say "    CUDA tests (a late image stream, bit-exact results), then the bf16 inductor b8 engine with and without it"
@@ -695,7 +696,7 @@ grep -E "passed|failed|Error" "$R/stream_tests.log" | tail -3
 waterfall_rows waterfall_streams "${LIMIT_58:-330}" 310 ours_bf16_inductor_b8,ours_bf16_b8_shared_stream
 fi
 if want 59; then
-say "59. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the bf16 inductor b8 engine (stage streams) profiled"
+say "59. issue 4 (the whole .devbundle; ran: waterfall run 14): the bf16 inductor b8 engine (stage streams) profiled"
 say "    under 32 clients: GPU busy share of the window (kernel intervals' union), the grounding stage's ground call and"
 say "    its two host syncs (record_function); then the same engine with vit_fused_gelu (stage streams too) and its detector"
 timeout "${LIMIT_59:-400}" python benchmarks/waterfall.py --out "$R/waterfall_busy" --budget-s 380 \
@@ -714,7 +715,7 @@ for k in (p.get("top_kernels") or [])[:8]:
 PY
 fi
 if want 57; then
-say "57. issue 4 (any carry; written 2026-12-01, unrun): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"
+say "57. issue 4 (any carry; ran: quant_probe run 1): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"
 say "    inferred ~0.9 ms a call): its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile against the"
 say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 warps, beside inductor's fusion, the"
 say "    GELU pass and fc2's GEMM in bf16 and FP8 (the break-even)"

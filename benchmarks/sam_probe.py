@@ -172,7 +172,8 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
 
 def probe_attention_backends(det, cfg) -> list[dict]:
     """The ViT's attention shapes at batch 8 (window blocks [8 x 9 windows, heads, 576, 64], global blocks [8, heads,
-    5,184, 64]) and the fusion encoder's self-attention [8, 8, 5,184, 32], bf16, on each SDPA backend alone: median
+    5,184, 64]), the fusion encoder's self-attention [8, 8, 5,184, 32] and the decoder's image cross-attention with
+    its box bias [8, 8, 201, 5,184], bf16, on each SDPA backend alone: median
     ms a call, and each output's largest difference from the math backend's (fp32) -- is cuDNN, SDPA's first choice
     on Hopper (18.6 ms of ~117 per batch of 8 in the compiled stage profile), the fastest here?"""
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -82,8 +82,7 @@ if triton is not None:
     @triton.jit
     def row_codes(x):
         """fp32 tile x [BLOCK_M, BLOCK_K] of whole rows (masked entries 0) -> (its e4m3 values as fp32, the fp32
-        scales [BLOCK_M]): `quantize_rows_reference`'s three fp32 operations. Shared with the GELU-quantiser
-        (`kernels.gelu_fp8_quant`)."""
+        scales [BLOCK_M]): `quantize_rows_reference`'s three fp32 operations."""
         amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
         scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
         q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))

@@ -15,11 +15,13 @@ more than fc2 in bf16 (inductor's: 0.27 ms), ~0.9 ms a call by inference. By the
 4,736 to 8,192 lanes; so each row is now two power-of-two tiles, 4,096 + 1,024 lanes (`split_tiling`), and the
 rounding to the e4m3 grid by fp32 arithmetic (needed by the interpreter) can be left to the GPU's RNE cast
 (`Launch.round_in_fp32`). Timed alone on the H200 (`benchmarks/quant_probe.py`, quant_probe run 1, batch 8):
-0.846 ms a call (697 GB/s) against run 8's 1.295 and inductor's fusion 1.052 (whose codes are not the reference's:
+0.846-0.894 ms a call (two timings of this launch; ~680 GB/s) against 1.295 for the padded tile of run 8 and 1.052
+for inductor's fusion (whose codes are not the reference's:
 3.3 M of 196 M differ), with the reference's codes but the erf's last bit. Still too slow for an FP8 fc2 to pay: it
 must stay under 0.462 ms (the bf16 path's GELU + GEMM less the FP8 GEMM); the arithmetic per element, not memory
 (a bare cast runs at 3 TB/s), bounds it. fc2 stays bf16 by default; this kernel runs for an FP8
-fc2 in eager mode only (under inductor the engine takes inductor's fusion).
+fc2 in eager mode only (under inductor the engine takes inductor's fusion, faster inside the engine in run 8; the
+two have not been compared inside the engine since the split).
 
 Numerics: the GELU in fp32 as torch computes it (0.5 x (1 + erf(x / sqrt 2)), x * M_SQRT1_2), rounded to bf16 by
 bit operations (`kernels.rms_norm._round`: the compiler can neither drop nor contract it); then the per-row rule
@@ -123,7 +125,7 @@ def split_tiling(m: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_HEAD, BLOCK_TAIL) for rows of k: the head the largest power of two <= k, the tail the smallest
     power of two covering the rest (0 when k is a power of two). k = 4,736: 4,096 + 1,024 = 5,120 lanes (one padded
     tile: 8,192). ~8K lanes per program on the GPU (fp32 in registers: 32 per thread at 8 warps), as `rows_tiling`."""
-    head = 1 << (k.bit_length() - 1)
+    head = 1 << max(k.bit_length() - 1, 0)  # k = 0 (an empty row): 1, masked off entirely
     tail = triton.next_power_of_2(k - head) if k > head else 0
     block_m = max(1, (65536 if _interpreted() else 8192) // (head + tail))
     return min(triton.next_power_of_2(m), 1 << (block_m.bit_length() - 1)), head, tail

@@ -128,7 +128,8 @@ class EngineConfig:
     vit_fused_gelu: bool = False  # each ViT block's fc1 + GELU as one cuBLASLt GEMM with its GELU epilogue (CUDA;
     #                        sammie.model.vit.Mlp): spares the separate GELU pass (9.4 of ~117 ms per batch of 8 on
     #                        the H200), but cuBLASLt's GELU is the tanh approximation, not Meta's exact erf GELU
-    #                        (<= 4.7e-4 apart: rounding level in bf16). Off until measured; FP8 fc1s are not fused
+    #                        (<= 4.7e-4 apart: rounding level in bf16), hence off. H200: the detector alone +5.8%, the engine
+    #                        +5.3% (waterfall runs 12, 14). FP8 fc1s are not fused
     stage_streams: bool = True  # cuda: the image stage and the grounding stage issue their kernels on two streams
     #                             (grounding at high priority), the grounding stage waiting on each image batch's
     #                             event, so its host syncs (scores, masks) wait for its own kernels only, not for
@@ -328,9 +329,10 @@ class _Runner:
     on its stream (`record_stream`: the allocator may not hand their memory to the image stream again before the
     grounding kernels that read it are done). The grounding stage's two host syncs (`postprocess_batch`) then wait
     for its own kernels only. On one shared stream they also waited for every image batch queued ahead (~63 ms of
-    ViT each at batch 8): waterfall run 11 measured ~150 ms per grounding batch of ~7.7 pairs (~21 ms of it the
-    ground graph), the engine's bottleneck (55.5 img/s against the detector's 65.2 alone). Without stage_streams
-    both threads use the default stream, whose order alone keeps features before their readers.
+    ViT each at batch 8; waterfall run 11: ~150 ms per grounding batch of ~7.7 pairs, ~21 ms of it the ground
+    graph). H200, waterfall run 13: 62.0 against 59.3 img/s at 32 clients (one paired run); run 14: the GPU then
+    ran kernels 99.7% of the time. Without stage_streams both threads use the default stream, whose order alone
+    keeps features before their readers.
     """
 
     def __init__(self, engine: SammieEngine):
@@ -340,6 +342,8 @@ class _Runner:
             low, high = torch.cuda.Stream.priority_range()  # (0, -5) on Hopper: lower number = higher priority
             self.streams = {Stage.IMAGE: torch.cuda.Stream(engine.device, priority=low),
                             Stage.GROUNDING: torch.cuda.Stream(engine.device, priority=high)}
+            for stream in self.streams.values():  # after everything start-up queued (weights, graph buffers)
+                stream.wait_stream(torch.cuda.current_stream(engine.device))
 
     def run(self, stage: Stage, batch: Batch) -> list[Any]:
         stream = self.streams.get(stage)
@@ -376,9 +380,10 @@ class _Runner:
                 row_of[key] = len(images)
                 images.append(pair.features)
             image_index.append(row_of[key])
+        # prompts first: a cache miss's text encoding need not wait for the image batch
+        prompt_feats, prompt_index = e.prompt_cache.gather([pair.prompt for pair in batch.payloads])
         if Stage.GROUNDING in self.streams:
             _wait_for_images(self.streams[Stage.GROUNDING], images)
-        prompt_feats, prompt_index = e.prompt_cache.gather([pair.prompt for pair in batch.payloads])
         pad = batch.num_padding  # repeat the last pair up to the bucket; padded outputs are dropped below
         image_index += image_index[-1:] * pad
         prompt_index += prompt_index[-1:] * pad
@@ -492,7 +497,9 @@ class SammieEngine:
         # inductor fuses their per-token quantisation into the LayerNorm / attention output before them, which an
         # opaque Triton quantiser prevents (a separate pass costs more than the FP8 GEMM saves: RESULTS.md, stage
         # profile). An FP8 fc2 (not a default vit_fp8_linears) follows the same preference: inductor's fusion of its
-        # GELU + quantiser (0.91 ms a call, waterfall run 6) still beat the one-pass Triton kernel (run 8)
+        # GELU + quantiser (0.91 ms a call, waterfall run 6) beat the one-pass Triton kernel inside the engine (run 8);
+        # alone, the kernel's two-tile version is now faster (quant_probe run 1: 0.85-0.89 against 1.05 ms), not yet
+        # compared inside the engine
         preference = "torch" if self.compile == "inductor" and self.kernels != "reference" else "auto"
         report = enable_vit_fp8(self.detector, sample, registry=self.registry,  # its op's choice shows in health()
                                 preference=preference, linears=self.cfg.vit_fp8_linears)
@@ -642,6 +649,8 @@ class SammieEngine:
                         "stats": self.detector.stats() if self.compile in ("graphs", "inductor") else None},
             "vit_fp8": None if self.vit_fp8 is None else self.vit_fp8.as_dict(),
             "vit_fused_gelu": self.vit_fused_gelu,
+            # a CUDA stream per stage (EngineConfig.stage_streams; cuda only), once the batch loop runs
+            "stage_streams": bool(self._batch_loop is not None and self._batch_loop.runner.streams),
             "load_s": round(self.load_s, 3),
             "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 3),
             "queue": {"admitted": self._admitted, "unanswered": s.num_unfinished,

@@ -306,19 +306,19 @@ def test_cuda_graphs_match_eager():
 
 
 def test_stage_streams_only_on_cuda():
-    """The image and grounding stages get a stream each on cuda only (`EngineConfig.stage_streams`); on the CPU, or
-    switched off, both run on the default stream and image batches carry no event."""
+    """The image and grounding stages get a stream each on cuda only (`EngineConfig.stage_streams`), as health()
+    says; on the CPU, or switched off, both run on the default stream."""
     from engine_core.request import Stage
 
     async def go(engine):
         result = await engine.segment(encode(Image.fromarray(small_photos()[2])), PROMPTS[:1], threshold=0.0)
-        return engine._batch_loop.runner.streams, result
+        return engine._batch_loop.runner.streams, result, engine.health()["stage_streams"]
 
-    streams, result = run_engine(go, device="cpu")
-    assert streams == {} and result.prompts[0].instances
+    streams, result, reported = run_engine(go, device="cpu")
+    assert streams == {} and result.prompts[0].instances and reported is False
     if torch.cuda.is_available():
-        streams, _ = run_engine(go, device="cuda")
-        assert set(streams) == {Stage.IMAGE, Stage.GROUNDING}
+        streams, _, reported = run_engine(go, device="cuda")
+        assert set(streams) == {Stage.IMAGE, Stage.GROUNDING} and reported is True
         assert streams[Stage.GROUNDING].priority < streams[Stage.IMAGE].priority  # grounding first
         assert run_engine(go, device="cuda", stage_streams=False)[0] == {}
 
@@ -330,13 +330,23 @@ def test_stage_streams_wait_for_a_late_image_batch(compile_mode):
     stream before every encode, so the image stage returns long before its features exist. The results must equal
     the same engine's without the delay and the shared-stream engine's, bit for bit (one request at a time: the same
     batch shapes everywhere). A grounding stream that did not wait would read the features' memory unwritten."""
+    import sammie.engine
+    from engine_core.request import Stage
+
     cases = [(im, PROMPTS[:k]) for im, k in zip(small_photos(), (1, 2, 3))]
+    early = []  # per grounding batch: had its image batch's event NOT yet completed when the grounding stream waited?
+    wait_for_images = sammie.engine._wait_for_images
+
+    def spy(stream, images):
+        early.append(any(not im.ready.query() for im in images))
+        return wait_for_images(stream, images)
 
     async def go(engine, delay_cycles):
         if delay_cycles:
-            encode_images = engine.detector.encode_images
+            encode_images, image_stream = engine.detector.encode_images, engine._batch_loop.runner.streams[Stage.IMAGE]
 
             def late(pixels):
+                assert torch.cuda.current_stream() == image_stream  # the stage really runs on its stream
                 torch.cuda._sleep(delay_cycles)  # on the caller's stream: the image stream
                 return encode_images(pixels)
             engine.detector.encode_images = late
@@ -344,7 +354,12 @@ def test_stage_streams_wait_for_a_late_image_batch(compile_mode):
                 for im, ps in cases]
 
     cuda = {"device": "cuda", "warmup": True, "compile": compile_mode}
-    late = run_engine(lambda e: go(e, 100_000_000), **cuda)
+    sammie.engine._wait_for_images = spy
+    try:
+        late = run_engine(lambda e: go(e, 100_000_000), **cuda)
+    finally:
+        sammie.engine._wait_for_images = wait_for_images
+    assert early[-len(cases):] == [True] * len(cases)  # the race window was open for every request
     on_time = run_engine(lambda e: go(e, 0), **cuda)
     shared = run_engine(lambda e: go(e, 0), **(cuda | {"stage_streams": False}))
     n = 0

@@ -411,9 +411,9 @@ def test_gelu_quantiser_tilings_agree_bit_for_bit():
 
     assert [gq.split_tiling(1, k)[1:] for k in (4736, 1000, 296, 512, 1)] == [
         (4096, 1024), (512, 512), (256, 64), (512, 0), (1, 0)]
-    h = gelu_rows(24, 4736, seed=5)
+    h = gelu_rows(25, 4736, seed=5)  # 25 rows: the last program of 8 rows holds one
     q, s = gq.launch(h, gq.Launch(1, 8192, 0, True))
-    for how in (gq.Launch(1, 4096, 1024, True), gq.Launch(8, 4096, 1024, True, 4), gq.default_launch(24, 4736)):
+    for how in (gq.Launch(1, 4096, 1024, True), gq.Launch(8, 4096, 1024, True, 4), gq.default_launch(25, 4736)):
         q2, s2 = gq.launch(h, how)
         assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s), how
     h512 = gelu_rows(5, 512, seed=6)
@@ -422,6 +422,11 @@ def test_gelu_quantiser_tilings_agree_bit_for_bit():
                        gq.launch(h512, gq.Launch(1, 1024, 0, True))[0].view(torch.uint8))
     with pytest.raises(ValueError, match="do not cover"):
         gq.launch(h, gq.Launch(1, 4096, 512, True))
+    with pytest.raises(ValueError, match="do not cover"):  # a tail beyond a head that already covers the row
+        gq.launch(h512, gq.Launch(1, 512, 256, True))
+    for empty in (torch.empty(3, 0), torch.empty(0, 4736)):  # empty rows / no rows: codes of that shape, scales 1
+        q0, s0 = gq.gelu_quantize_rows_triton(empty.to(torch.bfloat16).to(DEVICE))
+        assert q0.shape == empty.shape and s0.shape == (empty.shape[0], 1) and bool((s0 == 1).all())
 
 
 @pytest.mark.parametrize("fast", ["scaled_mm", "triton_gelu_quant"])

@@ -46,7 +46,7 @@ recompile, counted in `stats()["recompiles"]` (and raised with `fail_on_recompil
 steady state never enters the compiled function at all (replays only); without them (CPU) it must hit its cache.
 
 Streams: capture runs on a side stream (CUDA requires a non-default capture stream); replays run on the caller's
-current stream (the engine's two stages: both on the default stream). A stage remembers the stream of its last call
+current stream (the engine's two stages: a stream each with `stage_streams`, else both on the default stream). A stage remembers the stream of its last call
 and makes a call from another stream wait for it, so its static buffers are never rewritten under a running replay.
 `capture()` must run before any other thread issues CUDA work (the capture mode is global).
 """
