@@ -285,3 +285,7 @@ def test_cuda_graph_replay(compile_mode):
     assert s["encode_images"]["captured"] == [1, 2] and s["ground"]["captured"] == [1, 4]
     assert s["encode_images"]["replays"] == {1: 1, 2: 2} and s["ground"]["replays"] == {1: 1, 4: 2}
     assert s["recompiles"] == 0
+    # each stage's graphs were captured on its own side stream (their cuBLAS workspaces: the engine replays the two
+    # stages concurrently on two streams)
+    assert None not in (g._image.capture_stream, g._pair.capture_stream)
+    assert g._image.capture_stream != g._pair.capture_stream

@@ -148,6 +148,11 @@ class _Stage:
     capture_s: dict[int, float] = field(default_factory=dict)  # compile + warm-up + capture, per bucket
     pool: Any = None  # CUDA graph memory pool shared by this stage's graphs
     last_stream: Any = None  # stream of the previous call (see module docstring, Streams)
+    # the side stream every graph of this stage is captured on: a captured cuBLAS call keeps the workspace of its
+    # capture stream, so the two stages' graphs, which the engine replays concurrently on two streams
+    # (`EngineConfig.stage_streams`), must not have been captured on one stream (PyTorch's pool hands out 32 per
+    # priority, round robin: a stream per bucket could repeat)
+    capture_stream: Any = None
 
     def check_bucket(self, n: int, what: str) -> None:
         if n not in self.buckets:
@@ -280,8 +285,9 @@ class GraphedDetector:
         limit = torch._dynamo.config.recompile_limit + len(self._image.buckets) + len(self._pair.buckets)
         with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
             if self.cuda_graphs:
-                self._image.pool = torch.cuda.graph_pool_handle()
-                self._pair.pool = torch.cuda.graph_pool_handle()
+                for stage in (self._image, self._pair):
+                    stage.pool = torch.cuda.graph_pool_handle()
+                    stage.capture_stream = torch.cuda.Stream(self.device)  # consecutive: two distinct streams
             for b in reversed(self._image.buckets):
                 self._capture_bucket(self._image, b, lambda b=b: self._image_args(b))
             for p in reversed(self._pair.buckets):
@@ -299,7 +305,7 @@ class GraphedDetector:
         if not self.cuda_graphs:
             stage.run(self.detector, *args())  # compile now, not in the first request
         else:
-            side = torch.cuda.Stream(self.device)
+            side = stage.capture_stream
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(_WARMUP_ITERS):
