@@ -147,6 +147,10 @@
 #       CUDA stream per engine stage (stage_streams) beside both stages on the default stream (ran: run 13)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="59" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, the
 #       stage-streams engine profiled under load (GPU busy share, the grounding syncs), + vit_fused_gelu with streams
+#   eval "$(bash .devbundle/install.sh)" && STEPS="60" bash benchmarks/gpu_next.sh      # <= 8.5 min: issue 4,
+#       stage streams A/B in three interleaved rounds (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="61" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, FP8
+#       with stage streams, and FP8 attention linears + the fused fc1 GELU (unrun)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -713,6 +717,22 @@ for k, v in sorted((p.get("stages") or {}).items()):
 for k in (p.get("top_kernels") or [])[:8]:
     print(f"  {k['self_ms']:8.1f} ms {k['calls']:6d} {k['kernel'][:90]}")
 PY
+fi
+if want 60; then
+say "60. issue 4 (the whole .devbundle; written 2026-12-02, unrun): stage streams A/B, three interleaved rounds of the bf16"
+say "    inductor b8 engine with and without them (run 13's +4.6% was one pair; one-stream rows read 55.5-61.3 across runs);"
+say "    the second and third rounds start from the warm inductor cache (~15-30 s an engine)"
+for round in 1 2 3; do  # the first round compiles (run 14's b8 engine: 83 s to start cold)
+  limit=$([ "$round" = 1 ] && echo 230 || echo 150)
+  waterfall_rows "streams_ab_$round" "$limit" $((limit - 10)) ours_bf16_inductor_b8,ours_bf16_b8_shared_stream
+done
+fi
+if want 61; then
+say "61. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the FP8 engine (qkv, proj, fc1 in FP8) with stage"
+say "    streams, and FP8 qkv / proj with fc1 + GELU fused in bf16 (vit_fused_gelu), each beside its detector alone;"
+say "    run 14: bf16 b8 62.4, + fused GELU 65.7 img/s; run 8 (one stream): FP8 engine 62.2, its detector 68.4"
+waterfall_rows waterfall_fp8_streams "${LIMIT_61:-420}" 400 \
+  ours_fp8_vit_no_fc2,model_only_fp8_no_fc2,ours_fp8_attn_fused_gelu,model_only_fp8_attn_fused_gelu
 fi
 if want 57; then
 say "57. issue 4 (any carry; ran: quant_probe run 1): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"
