@@ -151,6 +151,8 @@
 #       stage streams A/B in three interleaved rounds (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="61" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, FP8
 #       with stage streams, and FP8 attention linears + the fused fc1 GELU (unrun)
+#   STEPS="62" (any carry) bash benchmarks/gpu_next.sh                                   # ~1.5 min: issue 4, the
+#       CUDA tests of the eighteenth session's review mends (unrun; pair it with step 61)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -735,6 +737,14 @@ say "    streams, and FP8 qkv / proj with fc1 + GELU fused in bf16 (vit_fused_ge
 say "    run 14: bf16 b8 62.4, + fused GELU 65.7 img/s; run 8 (one stream): FP8 engine 62.2, its detector 68.4"
 waterfall_rows waterfall_fp8_streams "${LIMIT_61:-420}" 400 \
   ours_fp8_vit_no_fc2,model_only_fp8_no_fc2,ours_fp8_attn_fused_gelu,model_only_fp8_attn_fused_gelu
+fi
+if want 62; then
+say "62. issue 4 (any carry; written 2026-12-02, unrun): the CUDA tests of the eighteenth session's review mends -- each"
+say "    stage's graphs on its own capture stream, the late-image-batch test (the stage on its stream, the race window"
+say "    open), health()'s stage_streams, the GELU-quantiser's empty rows and tilings"
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_engine_fastpath.py \
+  tests/test_kernel_fp8.py -k "cuda_graph_replay or stage_streams or gelu" > "$R/mend_tests.log" 2>&1
+grep -E "passed|failed|Error" "$R/mend_tests.log" | tail -4
 fi
 if want 57; then
 say "57. issue 4 (any carry; ran: quant_probe run 1): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"
