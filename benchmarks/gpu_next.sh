@@ -151,7 +151,7 @@
 #       stage streams A/B in three interleaved rounds (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="61" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, FP8
 #       with stage streams, and FP8 attention linears + the fused fc1 GELU (unrun)
-#   STEPS="62" (any carry) bash benchmarks/gpu_next.sh                                   # ~1.5 min: issue 4, the
+#   eval "$(bash .devbundle/install.sh)" && STEPS="62" bash benchmarks/gpu_next.sh      # ~1.5 min: issue 4, the
 #       CUDA tests of the eighteenth session's review mends (unrun; pair it with step 61)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
@@ -739,7 +739,7 @@ waterfall_rows waterfall_fp8_streams "${LIMIT_61:-420}" 400 \
   ours_fp8_vit_no_fc2,model_only_fp8_no_fc2,ours_fp8_attn_fused_gelu,model_only_fp8_attn_fused_gelu
 fi
 if want 62; then
-say "62. issue 4 (any carry; written 2026-12-02, unrun): the CUDA tests of the eighteenth session's review mends -- each"
+say "62. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the CUDA tests of the eighteenth session's review mends -- each"
 say "    stage's graphs on its own capture stream, the late-image-batch test (the stage on its stream, the race window"
 say "    open), health()'s stage_streams, the GELU-quantiser's empty rows and tilings"
 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_engine_fastpath.py \
