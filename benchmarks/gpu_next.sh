@@ -747,10 +747,10 @@ timeout 150 python -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/t
 grep -E "passed|failed|Error" "$R/mend_tests.log" | tail -4
 fi
 if want 57; then
-say "57. issue 4 (any carry; ran: quant_probe run 1): the GELU-quantiser of an FP8 fc2 timed alone at batch 8 (run 8"
-say "    inferred ~0.9 ms a call): its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile against the"
-say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 warps, beside inductor's fusion, the"
-say "    GELU pass and fc2's GEMM in bf16 and FP8 (the break-even)"
+say "57. issue 4 (any carry; ran: quant_probe run 1; the max-first variants since, unrun): the GELU-quantiser of an"
+say "    FP8 fc2 timed alone at batch 8: its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile, the"
+say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 warps, the chunked max-first kernel,"
+say "    beside inductor's fusion, the GELU pass and fc2's GEMM in bf16 and FP8 (the break-even: 0.46-0.52 ms)"
 timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py -k "gelu" > "$R/gelu_quant_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/gelu_quant_tests.log" | tail -3
 timeout "${LIMIT_57:-200}" python benchmarks/quant_probe.py --out "$R/quant_probe" > "$R/quant_probe.log" 2>&1

@@ -4,7 +4,8 @@ Waterfall run 8 found fc2 in FP8 with the one-pass kernel SLOWER than fc2 in bf1
 against ~0.12-0.15 ms of memory traffic. This probe measures instead of inferring, at the ViT's batch of 8
 (h [41,472, 4,736] bf16, the fc1 output before its GELU):
 - each kernel variant (`gelu_fp8_quant.Launch`): the old single padded tile (8,192 lanes a row) against the
-  head + tail split (4,096 + 1,024), fp32 rounding to the e4m3 grid against the cast alone, 4 / 8 / 16 warps;
+  head + tail split (4,096 + 1,024), fp32 rounding to the e4m3 grid against the cast alone, 4 / 8 / 16 warps, and
+  the chunked max-first kernel (the row's amax from the GELU of its largest input; chunk width and warps);
 - per variant: median ms, effective GB/s (bf16 read + e4m3 and scales written), and how many codes and scales differ
   from `gelu_quantize_rows_reference` (exact GELU, IEEE division) computed on the same GPU;
 - what they compete with: the reference eager and under torch.compile (inductor's fusion: the engine's FP8 fc2 under
@@ -48,6 +49,8 @@ def variants(m: int, k: int) -> dict[str, gq.Launch]:
         for warps in (4, 8, 16):
             out[f"split_{'fp32round' if rnd else 'cast'}_w{warps}"] = gq.Launch(block_m, head, tail, rnd, warps)
     out["padded_cast_w8"] = gq.Launch(1, padded, 0, False, 8)
+    for chunk, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)):  # the row's largest input first
+        out[f"max_first_c{chunk}_w{warps}"] = gq.Launch(1, chunk, 0, False, warps, max_first=True)
     return out
 
 

@@ -19,7 +19,12 @@ rounding to the e4m3 grid by fp32 arithmetic (needed by the interpreter) can be 
 for inductor's fusion (whose codes are not the reference's:
 3.3 M of 196 M differ), with the reference's codes but the erf's last bit. Still too slow for an FP8 fc2 to pay: it
 must stay under 0.462 ms (the bf16 path's GELU + GEMM less the FP8 GEMM); the arithmetic per element, not memory
-(a bare cast runs at 3 TB/s), bounds it. fc2 stays bf16 by default; this kernel runs for an FP8
+(a bare cast runs at 3 TB/s), bounds it -- or its occupancy: a whole row lives in registers (20 fp32 a thread) until
+the row's amax is known. Hence a second kernel, NOT YET TIMED (`Launch.max_first`, bf16 rows): the row's amax is the
+GELU of its largest input whenever that input is >= 0.5 (gelu increases above -0.75 and its negative values lie
+above -0.17), so one cheap pass takes the row's max (no erf), and a second reads the row again (from L2) in small
+chunks, each GELU computed once; rows of small values only take a fallback pass over |gelu|. Bit-identical to the
+two-tile kernel (tests/test_kernel_fp8.py); quant_probe times its chunk widths. fc2 stays bf16 by default; this kernel runs for an FP8
 fc2 in eager mode only (under inductor the engine takes inductor's fusion, faster inside the engine in run 8; the
 two have not been compared inside the engine since the split).
 
@@ -62,11 +67,15 @@ if triton is not None:
     SQRT1_2 = tl.constexpr(0.7071067811865476)  # M_SQRT1_2, torch's GELU constant (as fp32: 0.70710677)
 
     @triton.jit
+    def _gelu(h, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        """gelu of fp32 h (any shape) as F.gelu computes it, rounded to DTYPE as it stores it; gelu(0) = 0."""
+        return _round(0.5 * h * (1.0 + tl.math.erf(h * SQRT1_2)), DTYPE, INTERPRET)
+
+    @triton.jit
     def _gelu_tile(h_ptr, rows, cols, stride_hm, ok, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
         """[BLOCK_M, BLOCK] tile of gelu(h) in fp32, rounded to DTYPE as F.gelu stores it; masked entries 0."""
         h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], mask=ok, other=0.0)
-        h = h.to(tl.float32)
-        return _round(0.5 * h * (1.0 + tl.math.erf(h * SQRT1_2)), DTYPE, INTERPRET)  # gelu(0) = 0: masks stay 0
+        return _gelu(h.to(tl.float32), DTYPE, INTERPRET)  # masked entries: gelu(0) = 0
 
     @triton.jit
     def _store_codes(q_ptr, rows, cols, stride_qm, ok, g, scale, ROUND_IN_FP32: tl.constexpr):
@@ -104,6 +113,46 @@ if triton is not None:
         tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
+if triton is not None:
+    # gelu(x) increases for x > -0.7518 and its negative values lie above -0.170: a row whose largest input is at
+    # least this has gelu(max) >= gelu(0.5) = 0.3457 as its largest |gelu| (bf16 inputs are >= 2^-8 apart relatively,
+    # far more than the fp32 evaluation's error, so no smaller input rounds to a larger GELU)
+    MAX_FIRST_SAFE = tl.constexpr(0.5)
+
+    @triton.jit
+    def _gelu_quant_rows_max_first_kernel(h_ptr, q_ptr, s_ptr, K, stride_hm, stride_qm, DTYPE: tl.constexpr,
+                                          INTERPRET: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                                          BLOCK_K: tl.constexpr):
+        # one program: one row, in BLOCK_K chunks (few registers, so many programs per SM). Pass 1 finds the row's
+        # largest INPUT (a max, no erf); its GELU is the row's amax (MAX_FIRST_SAFE), else (rows of small or negative
+        # values only) a second pass takes max |gelu| as the tile kernel does. Pass 3 reads the row again (from L2:
+        # 9.5 KB a row at the ViT's width), computes each GELU once, and writes the codes.
+        rows = tl.program_id(0) + tl.arange(0, 1)  # [1]: the tile helpers' row vector
+        cols = tl.arange(0, BLOCK_K)
+        top = tl.full([1, BLOCK_K], float("-inf"), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ok = (k0 + cols < K)[None, :]
+            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hm + k0 + cols[None, :], mask=ok,
+                        other=float("-inf"))
+            top = tl.maximum(top, h.to(tl.float32))
+        hmax = tl.max(tl.max(top, axis=1), axis=0)  # scalar
+        if hmax >= MAX_FIRST_SAFE:
+            amax = _gelu(hmax, DTYPE, INTERPRET)
+        else:
+            amax = 0.0
+            for k0 in range(0, K, BLOCK_K):
+                ok = (k0 + cols < K)[None, :]
+                g = _gelu_tile(h_ptr, rows, k0 + cols, stride_hm, ok, DTYPE, INTERPRET)
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
+        amax = tl.zeros([1], tl.float32) + amax  # [1]
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+        for k0 in range(0, K, BLOCK_K):
+            ok = (k0 + cols < K)[None, :]
+            g = _gelu_tile(h_ptr, rows, k0 + cols, stride_hm, ok, DTYPE, INTERPRET)
+            _store_codes(q_ptr, rows, k0 + cols, stride_qm, ok, g, scale, ROUND_IN_FP32)
+        tl.store(s_ptr + rows, scale)
+
+
 def _interpreted() -> bool:
     return triton is not None and type(_gelu_quant_rows_kernel).__name__ == "InterpretedFunction"
 
@@ -115,10 +164,11 @@ class Launch:
     is not RNE; on the GPU the cast alone is RNE). `benchmarks/quant_probe.py` times the choices on the H200."""
 
     block_m: int
-    block_head: int
+    block_head: int  # max_first: the chunk width (block_m 1, no tail)
     block_tail: int
     round_in_fp32: bool
     num_warps: int = 8
+    max_first: bool = False  # the chunked kernel that finds the row's largest input first (bf16 input only)
 
 
 def split_tiling(m: int, k: int) -> tuple[int, int, int]:
@@ -143,10 +193,18 @@ def launch(h: torch.Tensor, how: Launch) -> tuple[torch.Tensor, torch.Tensor]:
     (m, k), (q, scale) = h.shape, rows_outputs(h)
     if m == 0 or k == 0:
         return q, scale.fill_(1.0)
-    if how.block_head + how.block_tail < k or (how.block_tail and how.block_head >= k):
-        raise ValueError(f"{NAME}: tiles {how.block_head} + {how.block_tail} do not cover a row of {k} as head + tail")
     dtype = tl.bfloat16 if h.dtype == torch.bfloat16 else tl.float32
     interpret = _interpreted()
+    if how.max_first:
+        if h.dtype != torch.bfloat16 or how.block_m != 1 or how.block_tail:
+            raise ValueError(f"{NAME}: the max-first kernel takes bf16 rows, one a program, in chunks; got {h.dtype}, "
+                             f"{how}")
+        _gelu_quant_rows_max_first_kernel[(m,)](h, q, scale, k, h.stride(0), q.stride(0), DTYPE=dtype,
+                                                INTERPRET=interpret, ROUND_IN_FP32=how.round_in_fp32 or interpret,
+                                                BLOCK_K=how.block_head, num_warps=how.num_warps)
+        return q, scale
+    if how.block_head + how.block_tail < k or (how.block_tail and how.block_head >= k):
+        raise ValueError(f"{NAME}: tiles {how.block_head} + {how.block_tail} do not cover a row of {k} as head + tail")
     _gelu_quant_rows_kernel[(triton.cdiv(m, how.block_m),)](
         h, q, scale, m, k, h.stride(0), q.stride(0), DTYPE=dtype, INTERPRET=interpret,
         ROUND_IN_FP32=how.round_in_fp32 or interpret, BLOCK_M=how.block_m, BLOCK_HEAD=how.block_head,

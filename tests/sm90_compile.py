@@ -116,6 +116,11 @@ def main() -> int:
                           {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                           dict(DTYPE=triton.language.bfloat16, INTERPRET=False, ROUND_IN_FP32=False, BLOCK_M=1,
                                BLOCK_HEAD=4096, BLOCK_TAIL=1024), ptx_has="cvt.rn.satfinite.e4m3x2.f32"))
+    ok.append(compile_one("fp8_gelu_quant_rows max-first (one row in 1024-wide chunks, its largest input first)",
+                          gelu_fp8_quant._gelu_quant_rows_max_first_kernel,
+                          {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                          dict(DTYPE=triton.language.bfloat16, INTERPRET=False, ROUND_IN_FP32=False, BLOCK_K=1024),
+                          ptx_has="cvt.rn.satfinite.e4m3x2.f32"))
     ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
                           {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
                           dict(BLOCK_H=2048, INTERPRET=False)))

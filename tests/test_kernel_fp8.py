@@ -429,6 +429,26 @@ def test_gelu_quantiser_tilings_agree_bit_for_bit():
         assert q0.shape == empty.shape and s0.shape == (empty.shape[0], 1) and bool((s0 == 1).all())
 
 
+@pytest.mark.skipif(not TRITON_HERE, reason="Triton quantiser does not run here")
+def test_gelu_quantiser_max_first_equals_the_tile_kernel():
+    """The chunked kernel that takes a row's amax from the GELU of its largest input (`Launch.max_first`) against the
+    two-tile kernel, bit for bit: rows whose largest input is >= 0.5 (amax = gelu(max)), rows of small values only
+    (its fallback pass over |gelu|), an all-negative row, an all-zero row (scale 1), chunks that do not divide the
+    width; fp32 rows are refused (their fp32 GELU need not be monotonic to the last bit)."""
+    from kernels import gelu_fp8_quant as gq
+
+    h = gelu_rows(26, 4736, seed=8)  # row scales 1e-2 .. 10^1.5: the first rows stay below 0.5, the fallback
+    h[3] = -h[3].abs()  # all negative: |gelu| peaks inside the row, not at its largest input
+    assert float(h[0].max()) < 0.5 < float(h[-1].max())
+    q, s = gq.launch(h, gq.default_launch(26, 4736))
+    for chunk, warps in ((1024, 4), (512, 2), (2048, 8)):
+        q2, s2 = gq.launch(h, gq.Launch(1, chunk, 0, False, warps, max_first=True))
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s), chunk
+    assert (s[13] == 1).all()  # gelu_rows' all-zero row (m // 2)
+    with pytest.raises(ValueError, match="max-first kernel takes bf16 rows"):
+        gq.launch(h.float(), gq.Launch(1, 1024, 0, False, 4, max_first=True))
+
+
 @pytest.mark.parametrize("fast", ["scaled_mm", "triton_gelu_quant"])
 def test_rowwise_gelu_fast_paths_match_reference(fast):
     """fc2 handed fc1's output: the torch-op GELU + quantiser (what inductor fuses) within the row-wise bound of
