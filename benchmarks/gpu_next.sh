@@ -147,12 +147,12 @@
 #       CUDA stream per engine stage (stage_streams) beside both stages on the default stream (ran: run 13)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="59" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, the
 #       stage-streams engine profiled under load (GPU busy share, the grounding syncs), + vit_fused_gelu with streams
-#   eval "$(bash .devbundle/install.sh)" && STEPS="60" bash benchmarks/gpu_next.sh      # <= 8.5 min: issue 4,
-#       stage streams A/B in three interleaved rounds (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="60" bash benchmarks/gpu_next.sh      # <= 9 min (230 + 2 x 150 s;
+#       LIMIT_60A / LIMIT_60B): issue 4, stage streams A/B in three interleaved rounds (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="61" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, FP8
 #       with stage streams, and FP8 attention linears + the fused fc1 GELU (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="62" bash benchmarks/gpu_next.sh      # ~1.5 min: issue 4, the
-#       CUDA tests of the eighteenth session's review mends (unrun; pair it with step 61)
+#       CUDA tests of the eighteenth session's review mends (unrun; pair it with step 57, not 61: 600 s a call)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -722,10 +722,10 @@ PY
 fi
 if want 60; then
 say "60. issue 4 (the whole .devbundle; written 2026-12-02, unrun): stage streams A/B, three interleaved rounds of the bf16"
-say "    inductor b8 engine with and without them (run 13's +4.6% was one pair; one-stream rows read 55.5-61.3 across runs);"
+say "    inductor b8 engine with and without them (run 13's +4.6% was one pair; b8 one-stream rows: 56.4-59.3, runs 9-13);"
 say "    the second and third rounds start from the warm inductor cache (~15-30 s an engine)"
 for round in 1 2 3; do  # the first round compiles (run 14's b8 engine: 83 s to start cold)
-  limit=$([ "$round" = 1 ] && echo 230 || echo 150)
+  limit=$([ "$round" = 1 ] && echo "${LIMIT_60A:-230}" || echo "${LIMIT_60B:-150}")
   rows=$([ "$round" = 2 ] && echo ours_bf16_b8_shared_stream,ours_bf16_inductor_b8 \
          || echo ours_bf16_inductor_b8,ours_bf16_b8_shared_stream)  # the order alternates (A B, B A, A B)
   waterfall_rows "streams_ab_$round" "$limit" $((limit - 10)) "$rows"
@@ -741,7 +741,7 @@ fi
 if want 62; then
 say "62. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the CUDA tests of the eighteenth session's review mends -- each"
 say "    stage's graphs on its own capture stream, the late-image-batch test (the stage on its stream, the race window"
-say "    open), health()'s stage_streams, the GELU-quantiser's empty rows and tilings"
+say "    open), health()'s stage_streams, the GELU-quantiser's empty rows, tilings and max-first kernel"
 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_engine_fastpath.py \
   tests/test_kernel_fp8.py -k "cuda_graph_replay or stage_streams or gelu" > "$R/mend_tests.log" 2>&1
 grep -E "passed|failed|Error" "$R/mend_tests.log" | tail -4

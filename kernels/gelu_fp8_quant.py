@@ -24,7 +24,9 @@ the row's amax is known. Hence a second kernel, NOT YET TIMED (`Launch.max_first
 GELU of its largest input whenever that input is >= 0.5 (gelu increases above -0.75 and its negative values lie
 above -0.17), so one cheap pass takes the row's max (no erf), and a second reads the row again (from L2) in small
 chunks, each GELU computed once; rows of small values only take a fallback pass over |gelu|. Bit-identical to the
-two-tile kernel (tests/test_kernel_fp8.py); quant_probe times its chunk widths. fc2 stays bf16 by default; this kernel runs for an FP8
+two-tile kernel under the interpreter (tests/test_kernel_fp8.py; on the GPU: gpu_next.sh steps 57 and 62); the 0.5
+is pinned by an exhaustive check over all bf16 inputs; quant_probe times its chunk widths. Non-finite inputs: like the
+two-tile kernel, a NaN is left out of the amax and its code clamps to -448 (the reference propagates it). fc2 stays bf16 by default; this kernel runs for an FP8
 fc2 in eager mode only (under inductor the engine takes inductor's fusion, faster inside the engine in run 8; the
 two have not been compared inside the engine since the split).
 

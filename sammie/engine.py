@@ -129,7 +129,7 @@ class EngineConfig:
     #                        sammie.model.vit.Mlp): spares the separate GELU pass (9.4 of ~117 ms per batch of 8 on
     #                        the H200), but cuBLASLt's GELU is the tanh approximation, not Meta's exact erf GELU
     #                        (<= 4.7e-4 apart: rounding level in bf16), hence off. H200: the detector alone +5.8%, the engine
-    #                        +5.3% (waterfall runs 12, 14). FP8 fc1s are not fused
+    #                        +5.3-10.6% (waterfall runs 14, 12). FP8 fc1s are not fused
     stage_streams: bool = True  # cuda: the image stage and the grounding stage issue their kernels on two streams
     #                             (grounding at high priority), the grounding stage waiting on each image batch's
     #                             event, so its host syncs (scores, masks) wait for its own kernels only, not for
@@ -649,7 +649,7 @@ class SammieEngine:
                         "stats": self.detector.stats() if self.compile in ("graphs", "inductor") else None},
             "vit_fp8": None if self.vit_fp8 is None else self.vit_fp8.as_dict(),
             "vit_fused_gelu": self.vit_fused_gelu,
-            # a CUDA stream per stage (EngineConfig.stage_streams; cuda only), once the batch loop runs
+            # a CUDA stream per stage (EngineConfig.stage_streams; cuda only): known once start() built the loop
             "stage_streams": bool(self._batch_loop is not None and self._batch_loop.runner.streams),
             "load_s": round(self.load_s, 3),
             "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 3),

@@ -439,6 +439,8 @@ def test_gelu_quantiser_max_first_equals_the_tile_kernel():
 
     h = gelu_rows(26, 4736, seed=8)  # row scales 1e-2 .. 10^1.5: the first rows stay below 0.5, the fallback
     h[3] = -h[3].abs()  # all negative: |gelu| peaks inside the row, not at its largest input
+    h[4], h[5] = -0.75, -0.75  # the negative side's largest |gelu| everywhere but one element at the threshold:
+    h[4, 100], h[5, 100] = 0.5, 0.498  # exactly 0.5 (the max branch) and the bf16 value just below it (fallback)
     assert float(h[0].max()) < 0.5 < float(h[-1].max())
     q, s = gq.launch(h, gq.default_launch(26, 4736))
     for chunk, warps in ((1024, 4), (512, 2), (2048, 8)):
@@ -447,6 +449,19 @@ def test_gelu_quantiser_max_first_equals_the_tile_kernel():
     assert (s[13] == 1).all()  # gelu_rows' all-zero row (m // 2)
     with pytest.raises(ValueError, match="max-first kernel takes bf16 rows"):
         gq.launch(h.float(), gq.Launch(1, 1024, 0, False, 4, max_first=True))
+
+
+def test_gelu_max_first_threshold_over_every_bf16_input():
+    """The max-first kernel's premise, over all 65,536 bf16 values with torch's own bf16 GELU: it never decreases from
+    -0.75 upwards, and every input below MAX_FIRST_SAFE (0.5) has |gelu| below gelu(0.5), so a row whose largest
+    input is >= 0.5 has gelu(its largest input) as its largest |gelu|, the amax the reference takes."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)].float().unique().to(torch.bfloat16)  # ascending
+    g = torch.nn.functional.gelu(x).float()
+    rising = x.float() >= -0.75
+    assert bool((g[rising][1:] >= g[rising][:-1]).all())
+    top = float(torch.nn.functional.gelu(torch.tensor(0.5, dtype=torch.bfloat16)))
+    assert float(g[x.float() < 0.5].abs().max()) < top
 
 
 @pytest.mark.parametrize("fast", ["scaled_mm", "triton_gelu_quant"])

@@ -45,9 +45,11 @@ Recompiles: every graph the compiler builds goes through a counting backend; a c
 recompile, counted in `stats()["recompiles"]` (and raised with `fail_on_recompile=True`). With CUDA graphs the
 steady state never enters the compiled function at all (replays only); without them (CPU) it must hit its cache.
 
-Streams: capture runs on a side stream (CUDA requires a non-default capture stream); replays run on the caller's
-current stream (the engine's two stages: a stream each with `stage_streams`, else both on the default stream). A stage remembers the stream of its last call
-and makes a call from another stream wait for it, so its static buffers are never rewritten under a running replay.
+Streams: capture runs on a side stream, one per stage (CUDA requires a non-default capture stream; a captured cuBLAS
+call keeps its capture stream's workspace, and the engine replays the two stages concurrently); replays run on the
+caller's current stream (the engine's two stages: a stream each with `stage_streams`, else both on the default
+stream). A stage remembers the stream of its last call and makes a call from another stream wait for it, so its static
+buffers are never rewritten under a running replay.
 `capture()` must run before any other thread issues CUDA work (the capture mode is global).
 """
 
