@@ -15,20 +15,20 @@ more than fc2 in bf16 (inductor's: 0.27 ms), ~0.9 ms a call by inference. By the
 4,736 to 8,192 lanes; so each row is now two power-of-two tiles, 4,096 + 1,024 lanes (`split_tiling`), and the
 rounding to the e4m3 grid by fp32 arithmetic (needed by the interpreter) can be left to the GPU's RNE cast
 (`Launch.round_in_fp32`). Timed alone on the H200 (`benchmarks/quant_probe.py`, quant_probe run 1, batch 8):
-0.846-0.894 ms a call (two timings of this launch; ~680 GB/s) against 1.295 for the padded tile of run 8 and 1.052
-for inductor's fusion (whose codes are not the reference's:
-3.3 M of 196 M differ), with the reference's codes but the erf's last bit. Still too slow for an FP8 fc2 to pay: it
-must stay under 0.462 ms (the bf16 path's GELU + GEMM less the FP8 GEMM); the arithmetic per element, not memory
-(a bare cast runs at 3 TB/s), bounds it -- or its occupancy: a whole row lives in registers (20 fp32 a thread) until
-the row's amax is known. Hence a second kernel, NOT YET TIMED (`Launch.max_first`, bf16 rows): the row's amax is the
-GELU of its largest input whenever that input is >= 0.5 (gelu increases above -0.75 and its negative values lie
-above -0.17), so one cheap pass takes the row's max (no erf), and a second reads the row again (from L2) in small
-chunks, each GELU computed once; rows of small values only take a fallback pass over |gelu|. Bit-identical to the
-two-tile kernel under the interpreter (tests/test_kernel_fp8.py; on the GPU: gpu_next.sh steps 57 and 62); the 0.5
-is pinned by an exhaustive check over all bf16 inputs; quant_probe times its chunk widths. Non-finite inputs: like the
-two-tile kernel, a NaN is left out of the amax and its code clamps to -448 (the reference propagates it). fc2 stays bf16 by default; this kernel runs for an FP8
-fc2 in eager mode only (under inductor the engine takes inductor's fusion, faster inside the engine in run 8; the
-two have not been compared inside the engine since the split).
+0.846-0.894 ms a call (two timings of this launch; ~680 GB/s) against 1.295 for the padded tile of run 8 and 1.052 for
+inductor's fusion (whose codes are not the reference's: 3.3 M of 196 M differ), with the reference's codes but the
+erf's last bit. Still too slow for an FP8 fc2 to pay: it must stay under 0.462 ms (the bf16 path's GELU + GEMM less
+the FP8 GEMM); the arithmetic per element, not memory (a bare cast runs at 3 TB/s), bounds it -- or its occupancy: a
+whole row lives in registers (20 fp32 a thread) until the row's amax is known. Hence a second kernel, NOT YET TIMED
+(`Launch.max_first`, bf16 rows): the row's amax is the GELU of its largest input whenever that input is >= 0.5 (gelu
+increases above -0.75 and its negative values lie above -0.17), so one cheap pass takes the row's max (no erf), and a
+second reads the row again (from L2) in small chunks, each GELU computed once; rows of small values only take a
+fallback pass over |gelu|. Bit-identical to the two-tile kernel under the interpreter (tests/test_kernel_fp8.py; on
+the GPU: gpu_next.sh steps 57 and 62); the 0.5 is pinned by an exhaustive check over all bf16 inputs; quant_probe
+times its chunk widths. Non-finite inputs: like the two-tile kernel, a NaN is left out of the amax and its code clamps
+to -448 (the reference propagates it). fc2 stays bf16 by default; this kernel runs for an FP8 fc2 in eager mode only
+(under inductor the engine takes inductor's fusion, faster inside the engine in run 8; the two have not been compared
+inside the engine since the split).
 
 Numerics: the GELU in fp32 as torch computes it (0.5 x (1 + erf(x / sqrt 2)), x * M_SQRT1_2), rounded to bf16 by
 bit operations (`kernels.rms_norm._round`: the compiler can neither drop nor contract it); then the per-row rule

@@ -128,8 +128,8 @@ class EngineConfig:
     vit_fused_gelu: bool = False  # each ViT block's fc1 + GELU as one cuBLASLt GEMM with its GELU epilogue (CUDA;
     #                        sammie.model.vit.Mlp): spares the separate GELU pass (9.4 of ~117 ms per batch of 8 on
     #                        the H200), but cuBLASLt's GELU is the tanh approximation, not Meta's exact erf GELU
-    #                        (<= 4.7e-4 apart: rounding level in bf16), hence off. H200: the detector alone +5.8%, the engine
-    #                        +5.3-10.6% (waterfall runs 14, 12). FP8 fc1s are not fused
+    #                        (<= 4.7e-4 apart: rounding level in bf16), hence off. H200: the detector alone
+    #                        +5.8%, the engine +5.3-10.6% (waterfall runs 14, 12). FP8 fc1s are not fused
     stage_streams: bool = True  # cuda: the image stage and the grounding stage issue their kernels on two streams
     #                             (grounding at high priority), the grounding stage waiting on each image batch's
     #                             event, so its host syncs (scores, masks) wait for its own kernels only, not for
