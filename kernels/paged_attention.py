@@ -25,7 +25,10 @@ exp(lse - max lse)) and rounds to q.dtype once (`combine_triton`; its torch refe
 
 Splitting per sequence, not over the table's static width: the table is as wide as the longest context the engine
 allows (the CUDA-graph bucket), so splitting its width would leave a 1k context in an 8k-wide table on 1/8 of the
-splits. NUM_SPLITS itself is static: `num_splits_for(D * KVH, max_blocks, SMs)` asks for about one program per SM.
+splits. `num_splits_for(D * KVH, max_blocks, SMs)` asks for about one program per SM. The split count is the grid's
+third dimension, read in-kernel with `tl.num_programs(2)`, not a constexpr: it follows the batch (132 SMs: 16
+distinct counts for 1-66 sequences at 2 kv heads), and as a constexpr each new count compiled a variant of the
+kernel, some first met in traffic (a process's first burst of requests paid ~0.3-0.5 s a compile, Qwen run 36).
 
 Numerics. Scores q k^T accumulate in fp32 (bf16/fp16 products are exact in fp32; fp32 inputs use tl.dot's "ieee"
 precision, not tf32); exp2 with the scale folded into log2(e) units. On a GPU with bf16/fp16 inputs the P V dot takes
@@ -123,13 +126,14 @@ if triton is not None:
                              s_qd, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_td, s_tb, s_cd,
                              s_od, s_oh, s_os, s_ld, s_lh,
                              HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                             IEEE: tl.constexpr, INTERPRET: tl.constexpr,
                              USE_PDL: tl.constexpr = False):
         # grid (D, KVH, NUM_SPLITS); qk_scale = scale * log2(e): scores in log2 units, exp2 throughout
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         i, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ctx = tl.load(ctx_lens + i * s_cd).to(tl.int32)
-        per = tl.cdiv(tl.cdiv(ctx, BLOCK_SIZE), NUM_SPLITS) * BLOCK_SIZE  # tokens per split, whole blocks
+        # tokens per split, whole blocks; the split count from the grid (runtime: no variant per count)
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_SIZE), tl.num_programs(2)) * BLOCK_SIZE
         lo = split * per
         hi = tl.minimum(lo + per, ctx)  # lo >= hi: no keys in this split
 
@@ -253,7 +257,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0), block_tables.stride(1),
         context_lens.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(), num_warps=4 if dh <= 128 else 8,
         **pdl.launch_options())
     if num_splits == 1:

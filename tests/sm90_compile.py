@@ -103,7 +103,7 @@ def main() -> int:
     ok.append(compile_one("paged_decode (Dh = 256, GQA 8, bf16)", paged_attention._paged_decode_kernel,
                           {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
                            "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
-                          dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, NUM_SPLITS=8, IEEE=False, INTERPRET=False)))
+                          dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, IEEE=False, INTERPRET=False)))
     ok.append(compile_one("fp8_quant_static (bf16 -> e4m3, 1 x 1024 tile)", fp8_quant._quant_static_kernel,
                           {"x_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*fp8e4nv"},
                           dict(BLOCK_M=1, BLOCK_K=1024)))

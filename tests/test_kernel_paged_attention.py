@@ -68,6 +68,26 @@ def test_model_head_shape_with_heuristic_splits():
     check(args, None, "H16 KVH2 Dh256 bs16 ctx 100 heuristic splits")
 
 
+def test_split_count_is_not_a_compile_time_constant():
+    """The split count follows the batch (`num_splits_for`): it comes from the grid (`tl.num_programs(2)`), so a new
+    count reuses the compiled kernel instead of compiling a variant (each was ~0.3-0.5 s, some first met in traffic).
+    Every count still matches the reference; on a GPU the kernel's cache gains no entry after the first count."""
+    import inspect
+
+    from kernels.paged_attention import _paged_decode_kernel
+
+    assert "NUM_SPLITS" not in inspect.signature(_paged_decode_kernel.fn).parameters
+    args = random_inputs([5, 40, 77], heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.bfloat16, seed=11,
+                         device=DEVICE)
+    check(args, 2, "splits=2")
+    compiled = (lambda: len(_paged_decode_kernel.device_caches[torch.cuda.current_device()][0])) \
+        if DEVICE == "cuda" else (lambda: 0)
+    before = compiled()
+    for splits in (3, 5, 7, 10):
+        check(args, splits, f"splits={splits}")
+    assert compiled() == before
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_only_visible_keys_matter(num_splits):
     """Poison every pool slot that no sequence can see (the tail of each last block, spare blocks) with large
