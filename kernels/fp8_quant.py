@@ -80,13 +80,28 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def row_scale(amax):
+        """fp32 row amax [BLOCK_M] -> `quantize_rows_reference`'s scale: amax / 448 (IEEE), 1 for an all-zero row.
+        Shared with the GELU-quantisers (`kernels.gelu_fp8_quant`)."""
+        return tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+
+    @triton.jit
+    def scaled_codes(x, scale, ROUND_IN_FP32: tl.constexpr):
+        """fp32 tile x [BLOCK_M, BLOCK_K], scales [BLOCK_M] -> the e4m3 values of x / scale (IEEE division, clamped
+        to +-448) as fp32; ROUND_IN_FP32 rounds them to the e4m3 grid here (`_round_to_e4m3_grid`), else the caller's
+        cast does (RNE on the GPU, not in the interpreter). Shared with the GELU-quantisers."""
+        q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        if ROUND_IN_FP32:
+            q = _round_to_e4m3_grid(q)
+        return q
+
+    @triton.jit
     def row_codes(x):
         """fp32 tile x [BLOCK_M, BLOCK_K] of whole rows (masked entries 0) -> (its e4m3 values as fp32, the fp32
         scales [BLOCK_M]): `quantize_rows_reference`'s three fp32 operations."""
-        amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-        q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        return _round_to_e4m3_grid(tl.minimum(tl.maximum(q, -448.0), 448.0)), scale
+        scale = row_scale(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]
+        return scaled_codes(x, scale, True), scale
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,

@@ -51,7 +51,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.fp8_quant import _round_to_e4m3_grid
+    from kernels.fp8_quant import row_scale, scaled_codes
     from kernels.rms_norm import _round
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -81,12 +81,9 @@ if triton is not None:
 
     @triton.jit
     def _store_codes(q_ptr, rows, cols, stride_qm, ok, g, scale, ROUND_IN_FP32: tl.constexpr):
-        """e4m3 codes of g / scale (IEEE division, clamped to +-448): rounded to the e4m3 grid in fp32 arithmetic
-        first where the cast alone is not RNE (the interpreter), else by the GPU's cast (cvt.rn.satfinite)."""
-        q = tl.math.div_rn(g, tl.broadcast_to(scale[:, None], g.shape))
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        if ROUND_IN_FP32:
-            q = _round_to_e4m3_grid(q)
+        """e4m3 codes of g / scale (`fp8_quant.scaled_codes`): rounded to the e4m3 grid in fp32 arithmetic first where
+        the cast alone is not RNE (the interpreter), else by the GPU's cast (cvt.rn.satfinite)."""
+        q = scaled_codes(g, scale, ROUND_IN_FP32)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=ok)
 
     @triton.jit
@@ -107,8 +104,7 @@ if triton is not None:
             tail_ok = row_ok[:, None] & (tail < K)[None, :]
             g_tail = _gelu_tile(h_ptr, rows, tail, stride_hm, tail_ok, DTYPE, INTERPRET)
             amax = tl.maximum(amax, tl.max(tl.abs(g_tail), axis=1))
-        # `quantize_rows_reference`'s scale: amax / 448 (IEEE), 1 for an all-zero row
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+        scale = row_scale(amax)  # `quantize_rows_reference`'s: amax / 448, 1 for an all-zero row
         _store_codes(q_ptr, rows, head, stride_qm, head_ok, g_head, scale, ROUND_IN_FP32)
         if BLOCK_TAIL > 0:
             _store_codes(q_ptr, rows, tail, stride_qm, tail_ok, g_tail, scale, ROUND_IN_FP32)
@@ -146,8 +142,7 @@ if triton is not None:
                 ok = (k0 + cols < K)[None, :]
                 g = _gelu_tile(h_ptr, rows, k0 + cols, stride_hm, ok, DTYPE, INTERPRET)
                 amax = tl.maximum(amax, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
-        amax = tl.zeros([1], tl.float32) + amax  # [1]
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+        scale = row_scale(tl.zeros([1], tl.float32) + amax)  # [1]
         for k0 in range(0, K, BLOCK_K):
             ok = (k0 + cols < K)[None, :]
             g = _gelu_tile(h_ptr, rows, k0 + cols, stride_hm, ok, DTYPE, INTERPRET)
