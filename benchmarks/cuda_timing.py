@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -21,6 +22,21 @@ def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def median_ms(fn, device: torch.device, iters: int = 10, warmup: int = 3) -> float:
+    """`cuda_median_ms` on a CUDA device; elsewhere (the probes' CPU dry runs) the median wall time of `iters` calls
+    after `warmup` untimed ones."""
+    if device.type == "cuda":
+        return cuda_median_ms(fn, iters=iters, warmup=warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 

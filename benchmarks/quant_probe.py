@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: cuda_timing
 
-from cuda_timing import cuda_median_ms  # noqa: E402
+from cuda_timing import median_ms  # noqa: E402
 from kernels import gelu_fp8_quant as gq  # noqa: E402
 
 
@@ -61,21 +59,6 @@ def differ(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
             "scales_differ": int((got[1] != want[1]).sum())}
 
 
-def timer(device: torch.device, iters: int):
-    if device.type == "cuda":
-        return lambda fn: cuda_median_ms(fn, iters=iters, warmup=3)
-
-    def cpu_ms(fn):
-        fn()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
-    return cpu_ms
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -97,7 +80,9 @@ def main() -> None:
     h = (torch.randn(m, k, generator=g) * torch.logspace(args.scale_lo, 1.5, m)[:, None]).to(torch.bfloat16).to(device)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16).to(device)
     bias = torch.randn(n, generator=g).to(torch.bfloat16).to(device)
-    time_ms = timer(device, args.iters)
+
+    def time_ms(fn) -> float:  # 3 warm-up calls on the GPU, 1 in the CPU dry run (the interpreter is slow)
+        return median_ms(fn, device, iters=args.iters, warmup=3 if device.type == "cuda" else 1)
     bytes_moved = m * k * 2 + m * k + m * 4  # bf16 read, e4m3 written, fp32 scales written
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "m": m, "k": k, "n": n, "bytes_moved": bytes_moved, "rows": {},

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: sammie
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: cuda_timing
 
-from cuda_timing import cuda_median_ms  # noqa: E402
+from cuda_timing import median_ms  # noqa: E402
 from sammie.build import build_detector  # noqa: E402
 from sammie.config import PRESETS  # noqa: E402
 
@@ -156,7 +154,7 @@ def probe_box_bias(det, tokenizer, cfg) -> list[dict]:
                         return det.ground(images, prompts, index, index)
 
                     outs[name] = run()
-                    row[f"{name}_ms"] = _median_ms(run, param.device, iters=10)
+                    row[f"{name}_ms"] = median_ms(run, param.device, iters=10)
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                         run()
                     row[f"{name}_sdpa_ops"] = dict(collections.Counter(
@@ -211,27 +209,13 @@ def probe_attention_backends(det, cfg) -> list[dict]:
                         return F.scaled_dot_product_attention(q, k, vv, attn_mask=bias)
                 try:
                     out = attend()
-                    row[f"{key}_ms"] = _median_ms(attend, param.device, iters=20)
+                    row[f"{key}_ms"] = median_ms(attend, param.device, iters=20)
                     row[f"{key}_max_abs_diff"] = (out.float() - ref).abs().max().item()
                 except RuntimeError as e:  # this backend refuses the inputs (or is absent)
                     row[f"{key}_ms"] = f"refused: {str(e)[:120]}"
             print(f"[sam_probe] attention {row}", flush=True)
             rows.append(row)
     return rows
-
-
-def _median_ms(fn, device: torch.device, iters: int = 30) -> float:
-    """`cuda_timing.cuda_median_ms` on CUDA; wall time elsewhere (the dry run, --device cpu)."""
-    if device.type == "cuda":
-        return cuda_median_ms(fn, iters=iters)
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def probe_patch_embed(det, cfg) -> list[dict]:
@@ -249,10 +233,10 @@ def probe_patch_embed(det, cfg) -> list[dict]:
                     return embed(px)
 
                 outs[path] = run().float()
-                row[f"{path}_eager_ms"] = _median_ms(run, param.device)
+                row[f"{path}_eager_ms"] = median_ms(run, param.device, iters=30)
                 if param.device.type == "cuda":  # inductor's CPU codegen would take minutes here
                     compiled = torch.compile(lambda x: embed(x).contiguous(), dynamic=False)
-                    row[f"{path}_compiled_ms"] = _median_ms(lambda px=px: compiled(px), param.device)
+                    row[f"{path}_compiled_ms"] = median_ms(lambda px=px: compiled(px), param.device, iters=30)
                     torch._dynamo.reset()
             embed.as_gemm = None
             row["max_abs_diff"] = (outs["gemm"] - outs["conv"]).abs().max().item()
