@@ -208,6 +208,13 @@ waterfall_rows() {
   timeout "$2" python benchmarks/waterfall.py --out "$R/$1" --budget-s "$3" --no-profile --rows "$4" > "$R/$1.log" 2>&1
   grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/$1.log" | cut -c1-250 | head -20
 }
+# gpu_tests NAME LIMIT PYTEST_ARGS...: the CUDA tests named, into $R/NAME.log; prints the summary lines (steps 55-62)
+gpu_tests() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1
+  grep -E "passed|failed|Error" "$R/$name.log" | tail -4
+}
 
 if want 1; then
 say "1. CUDA tests"
@@ -676,9 +683,7 @@ say "    (was: SDPA's fp32 math fallback) and the patch embedding as a GEMM (sam
 say "    8 eager): the box-bias CUDA test, the probe again (the bias contiguous / the old layout; attention backends),"
 say "    then the bf16 inductor engine under 32 clients, the detector alone, a lone request; waterfall run 10 (before"
 say "    both): 57.6 img/s, lone p50 24.2 ms; run 9's detector alone 63.0 img/s (one bucket per stage, 126.9 ms a batch)"
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_decoder.py tests/test_vision.py -k "box_bias or gemm" \
-  > "$R/bias_kernel_tests.log" 2>&1
-grep -E "passed|failed|Error" "$R/bias_kernel_tests.log" | tail -3
+gpu_tests bias_kernel_tests 60 tests/test_decoder.py tests/test_vision.py -k "box_bias or gemm"
 timeout "${LIMIT_55A:-150}" python benchmarks/sam_probe.py --out "$R/sam_probe" > "$R/sam_probe.log" 2>&1
 grep -E "^\[sam_probe\] (box_bias|patch_embed|attention)" "$R/sam_probe.log" | cut -c1-600
 waterfall_rows waterfall_fixes "${LIMIT_55:-330}" 310 ours_bf16_inductor,model_only_best,latency_single
@@ -687,8 +692,7 @@ if want 56; then
 say "56. issue 4 (the whole .devbundle; ran: waterfall run 12): vit_fused_gelu -- fc1 + GELU as one cuBLASLt GEMM with"
 say "    its GELU epilogue (tanh approximation), no separate GELU pass (9.4 of ~117 ms per batch of 8): its CUDA tests,"
 say "    then the bf16 inductor engine (one bucket per stage) beside the same with it, and both detectors alone"
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_vision.py -k "fused_gelu" > "$R/fused_gelu_tests.log" 2>&1
-grep -E "passed|failed|Error" "$R/fused_gelu_tests.log" | tail -3
+gpu_tests fused_gelu_tests 60 tests/test_vision.py -k "fused_gelu"
 waterfall_rows waterfall_gelu "${LIMIT_56:-420}" 400 ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_bf16_b8,model_only_fused_gelu
 fi
 if want 58; then
@@ -696,9 +700,7 @@ say "58. issue 4 (the whole .devbundle; ran: waterfall run 13): a CUDA stream pe
 say "    grounding stream waiting on each image batch's event, at high priority): run 11 had ~150 ms per grounding batch"
 say "    (~21 ms of it the ground graph) behind queued image batches, 55.5 img/s against the detector's 65.2 alone. The"
 say "    CUDA tests (a late image stream, bit-exact results), then the bf16 inductor b8 engine with and without it"
-timeout 120 python -m pytest -q -p no:cacheprovider tests/test_engine_fastpath.py -k "stage_streams" \
-  > "$R/stream_tests.log" 2>&1
-grep -E "passed|failed|Error" "$R/stream_tests.log" | tail -3
+gpu_tests stream_tests 120 tests/test_engine_fastpath.py -k "stage_streams"
 waterfall_rows waterfall_streams "${LIMIT_58:-330}" 310 ours_bf16_inductor_b8,ours_bf16_b8_shared_stream
 fi
 if want 59; then
@@ -742,17 +744,15 @@ if want 62; then
 say "62. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the CUDA tests of the eighteenth session's review mends -- each"
 say "    stage's graphs on its own capture stream, the late-image-batch test (the stage on its stream, the race window"
 say "    open), health()'s stage_streams, the GELU-quantiser's empty rows, tilings and max-first kernel"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_engine_fastpath.py \
-  tests/test_kernel_fp8.py -k "cuda_graph_replay or stage_streams or gelu" > "$R/mend_tests.log" 2>&1
-grep -E "passed|failed|Error" "$R/mend_tests.log" | tail -4
+gpu_tests mend_tests 150 tests/test_graphs.py tests/test_engine_fastpath.py tests/test_kernel_fp8.py \
+  -k "cuda_graph_replay or stage_streams or gelu"
 fi
 if want 57; then
 say "57. issue 4 (any carry; ran: quant_probe run 1; the max-first variants since, unrun): the GELU-quantiser of an"
 say "    FP8 fc2 timed alone at batch 8: its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile, the"
 say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 warps, the chunked max-first kernel,"
 say "    beside inductor's fusion, the GELU pass and fc2's GEMM in bf16 and FP8 (the break-even: 0.46-0.52 ms)"
-timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py -k "gelu" > "$R/gelu_quant_tests.log" 2>&1
-grep -E "passed|failed|Error" "$R/gelu_quant_tests.log" | tail -3
+gpu_tests gelu_quant_tests 90 tests/test_kernel_fp8.py -k "gelu"
 timeout "${LIMIT_57:-200}" python benchmarks/quant_probe.py --out "$R/quant_probe" > "$R/quant_probe.log" 2>&1
 grep -E "^\[quant_probe\]" "$R/quant_probe.log" | cut -c1-260
 grep -E "Error|error" "$R/quant_probe.log" | head -5
