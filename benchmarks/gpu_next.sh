@@ -705,8 +705,8 @@ waterfall_rows waterfall_streams "${LIMIT_58:-330}" 310 ours_bf16_inductor_b8,ou
 fi
 if want 59; then
 say "59. issue 4 (the whole .devbundle; ran: waterfall run 14): the bf16 inductor b8 engine (stage streams) profiled"
-say "    under 32 clients: GPU busy share of the window (kernel intervals' union), the grounding stage's ground call and"
-say "    its two host syncs (record_function); then the same engine with vit_fused_gelu (stage streams too) and its detector"
+say "    under 32 clients: GPU busy share of the window (kernel intervals' union) and the top kernels; then the same"
+say "    engine with vit_fused_gelu (stage streams too) and its detector"
 timeout "${LIMIT_59:-400}" python benchmarks/waterfall.py --out "$R/waterfall_busy" --budget-s 380 \
   --rows ours_bf16_inductor_b8,ours_bf16_fused_gelu,model_only_fused_gelu --profile-engine ours_bf16_inductor_b8 \
   --profile-clients 32 > "$R/waterfall_busy.log" 2>&1

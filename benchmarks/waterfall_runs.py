@@ -385,7 +385,7 @@ async def profile_engine(b: Bench, name: str, engine, clients: int = 0) -> dict:
     """torch.profiler over ~3 s of `clients` (0: --clients) requests in flight through `engine`. The kernels are
     captured whatever thread launched them (CUPTI); the CPU ops and `record_function` ranges of the engine's stage
     worker threads are NOT (the profiler's callbacks are per thread, enabled in this one: pytorch/kineto#443), so
-    `stages` stays empty for an engine (Nsight Systems under `torch.autograd.profiler.emit_nvtx()` shows them)."""
+    `stages` stays empty for an engine."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = b.dev.type == "cuda"

@@ -387,12 +387,11 @@ class _Runner:
         pad = batch.num_padding  # repeat the last pair up to the bucket; padded outputs are dropped below
         image_index += image_index[-1:] * pad
         prompt_index += prompt_index[-1:] * pad
-        with torch.profiler.record_function("sammie.grounding.ground"):
-            out = e.detector.ground(
-                _cat_features([im.features for im in images]), prompt_feats,
-                *((image_index, prompt_index) if e.compile != "none" else  # GraphedDetector: one pinned async copy
-                  (torch.tensor(image_index, device=e.device), torch.tensor(prompt_index, device=e.device))),
-            )
+        out = e.detector.ground(
+            _cat_features([im.features for im in images]), prompt_feats,
+            *((image_index, prompt_index) if e.compile != "none" else  # GraphedDetector: one pinned async copy
+              (torch.tensor(image_index, device=e.device), torch.tensor(prompt_index, device=e.device))),
+        )
         ims: list[EncodedImage] = [pair.features for pair in batch.payloads]
         return postprocess_batch(e.registry, out.logits, out.presence_logits, out.boxes, out.mask_logits,
                                  [(im.height, im.width) for im in ims], [im.threshold for im in ims],

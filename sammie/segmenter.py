@@ -166,8 +166,7 @@ def postprocess_batch(
     if n == 0:
         return []
     scores = logits[:n].float().sigmoid() * presence_logits[:n].float().sigmoid()[:, None]  # [N, Q]
-    with torch.profiler.record_function("sammie.post.scores_to_host"):  # the profile's view of the wait
-        host = torch.cat([scores[..., None], boxes[:n].float()], dim=-1).cpu()  # [N, Q, 5]: sync 1
+    host = torch.cat([scores[..., None], boxes[:n].float()], dim=-1).cpu()  # [N, Q, 5]: sync 1
     keeps = [select_instances(host[i, :, 0], thresholds[i], max_instances[i]) for i in range(n)]
     # kept rows grouped by image size (pairs of one request share it): one mask_post launch per group
     groups: dict[tuple[int, int], list[int]] = {}
@@ -186,8 +185,7 @@ def postprocess_batch(
             k = sum(keeps[i].numel() for i in members)
             outs.append(registry.call("mask_post", gathered[start:start + k], h, w, mask_threshold))  # [k, W, HB]
             start += k
-        with torch.profiler.record_function("sammie.post.masks_to_host"):
-            packed_host = torch.cat([o.flatten() for o in outs]).cpu().numpy()  # sync 2
+        packed_host = torch.cat([o.flatten() for o in outs]).cpu().numpy()  # sync 2
         offset = 0
         for (h, w), members in groups.items():
             row_bytes = w * ((h + 7) // 8)
