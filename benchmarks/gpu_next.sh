@@ -747,6 +747,16 @@ say "    open), health()'s stage_streams, the GELU-quantiser's empty rows, tilin
 gpu_tests mend_tests 150 tests/test_graphs.py tests/test_engine_fastpath.py tests/test_kernel_fp8.py \
   -k "cuda_graph_replay or stage_streams or gelu"
 fi
+if want 63; then
+say "63. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the grounding batch's image rows copied straight"
+say "    from the image batches into the graph's buffers (copy_rows: one copy per run of adjacent rows) instead of a"
+say "    concatenation plus index_select (run 14: indexSelectSmallIndex 1.8% of the GPU time, ~0.8 ms a call): the"
+say "    graphs' and the engine's CUDA tests, then sam_probe's pair_gather (old against new at 8 pairs, full size)"
+gpu_tests gather_tests 150 tests/test_graphs.py tests/test_engine_fastpath.py -k "cuda or stage_streams or views"
+timeout "${LIMIT_63:-90}" python benchmarks/sam_probe.py --out "$R/sam_probe" --parts pair_gather \
+  > "$R/sam_probe_gather.log" 2>&1
+grep -E "^\[sam_probe\] pair_gather|Error" "$R/sam_probe_gather.log" | cut -c1-400
+fi
 if want 57; then
 say "57. issue 4 (any carry; ran: quant_probe run 1; the max-first variants since, unrun): the GELU-quantiser of an"
 say "    FP8 fc2 timed alone at batch 8: its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile, the"

@@ -14,6 +14,8 @@
    `implicit_convolve_sgemm`: 2.45 ms per batch of 8 in the compiled stage profile) against the unfolded-patches GEMM
    `sammie.model.vit.PatchEmbed` uses on CUDA: median ms at batch 1 and 8, eager and compiled, and the largest
    difference between the two.
+3. `pair_gather`: the grounding batch's input gather at 8 pairs (concatenation + `index_select`, as the engine did,
+   against `copy_rows`' run copies), in one image batch's order and split over two batches.
 
     python benchmarks/sam_probe.py --out DIR     # CUDA, full size, random weights (the speed does not depend on them)
 """
@@ -246,11 +248,51 @@ def probe_patch_embed(det, cfg) -> list[dict]:
     return rows
 
 
+def probe_pair_gather(det, cfg) -> list[dict]:
+    """The grounding batch's input gather at 8 pairs, full-size neck levels: the old way (the engine concatenated
+    the batch's distinct images, then `index_select` into the graph's static buffers; waterfall run 14's profile:
+    `indexSelectSmallIndex` ~0.8 ms a call, 1.8% of the GPU time) against `sammie.model.graphs.copy_rows` (one copy
+    per run of adjacent rows, no concatenation): pairs in one image batch's order, and split over two batches."""
+    from sammie.model.graphs import copy_rows
+
+    param, rows = next(det.parameters()), []
+    levels = [tuple(p.shape[-3:]) for p in det.backbone.vision_backbone.positions()]  # (d, h, w) per neck level
+    with torch.inference_mode():
+        batches = [[torch.randn(8, *shape, device=param.device).to(param.dtype) for shape in levels] for _ in range(2)]
+        static = [torch.empty(8, *shape, device=param.device, dtype=param.dtype) for shape in levels]
+        cases = {"one_batch_in_order": [(0, i) for i in range(8)],  # (batch, row) of each pair
+                 "two_batches_5_3": [(0, 3 + i) for i in range(5)] + [(1, i) for i in range(3)]}
+        for case, pairs in cases.items():
+            views = [[batches[b][level][r:r + 1] for b, r in pairs] for level in range(len(levels))]
+            index = torch.arange(8, device=param.device)
+
+            def cat_then_select(views=views):
+                for level, dst in enumerate(static):
+                    torch.index_select(torch.cat(views[level]), 0, index, out=dst)
+
+            def run_copies(views=views):
+                for level, dst in enumerate(static):
+                    copy_rows(dst, views[level])
+
+            cat_then_select()
+            want = [t.clone() for t in static]
+            run_copies()
+            row = {"case": case, "pairs": 8, "mb_per_pair": round(sum(t[0].numel() for t in static) * 2 / 1e6, 2),
+                   "identical": all(torch.equal(a, b) for a, b in zip(static, want)),
+                   "cat_index_select_ms": median_ms(cat_then_select, param.device, iters=30),
+                   "copy_rows_ms": median_ms(run_copies, param.device, iters=30)}
+            print(f"[sam_probe] pair_gather {row}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="sam3")
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a dry run (tests: --config tiny, fp32)")
+    ap.add_argument("--parts", default="sdpa,box_bias,attention_backends,patch_embed,pair_gather",
+                    help="comma-separated parts to run")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("sam_probe.py needs a CUDA device (or --device cpu for a dry run)")
@@ -262,12 +304,17 @@ def main() -> None:
     for name, fn in (("sdpa", lambda: probe_sdpa(det, tokenizer, cfg)),
                      ("box_bias", lambda: probe_box_bias(det, tokenizer, cfg)),
                      ("attention_backends", lambda: probe_attention_backends(det, cfg)),
-                     ("patch_embed", lambda: probe_patch_embed(det, cfg))):
+                     ("patch_embed", lambda: probe_patch_embed(det, cfg)),
+                     ("pair_gather", lambda: probe_pair_gather(det, cfg))):
+        if name not in args.parts.split(","):
+            continue
         try:
             result[name] = fn()
         except Exception as e:  # one part failing must not lose the other
             result[name] = {"error": repr(e), "traceback": traceback.format_exc()}
         (out / "sam_probe.json").write_text(json.dumps(result, indent=1))
+    if "sdpa" not in result:
+        return
     for site, c in (result["sdpa"].get("sites") or {}).items():
         print(f"[sam_probe] sdpa {site} x{c['calls']}: q {c['q']}, k {c['k']}, mask {c['mask']}", flush=True)
         for backend, verdict in c["verdicts"].items():

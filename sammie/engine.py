@@ -387,11 +387,12 @@ class _Runner:
         pad = batch.num_padding  # repeat the last pair up to the bucket; padded outputs are dropped below
         image_index += image_index[-1:] * pad
         prompt_index += prompt_index[-1:] * pad
-        out = e.detector.ground(
-            _cat_features([im.features for im in images]), prompt_feats,
-            *((image_index, prompt_index) if e.compile != "none" else  # GraphedDetector: one pinned async copy
-              (torch.tensor(image_index, device=e.device), torch.tensor(prompt_index, device=e.device))),
-        )
+        if e.compile != "none":  # GraphedDetector: copies each run of adjacent image rows straight to its buffers
+            out = e.detector.ground([im.features for im in images], prompt_feats, image_index, prompt_index)
+        else:
+            out = e.detector.ground(_cat_features([im.features for im in images]), prompt_feats,
+                                    torch.tensor(image_index, device=e.device),
+                                    torch.tensor(prompt_index, device=e.device))
         ims: list[EncodedImage] = [pair.features for pair in batch.payloads]
         return postprocess_batch(e.registry, out.logits, out.presence_logits, out.boxes, out.mask_logits,
                                  [(im.height, im.width) for im in ims], [im.threshold for im in ims],

@@ -22,7 +22,7 @@ import torch
 import torch._dynamo
 
 from sammie.config import Sam3Config
-from sammie.model.detector import Sam3Detector
+from sammie.model.detector import ImageFeatures, Sam3Detector
 from sammie.model.graphs import GraphedDetector
 from tests.parity import rel_error
 
@@ -118,6 +118,42 @@ def test_ground_every_bucket_with_mixed_indices_matches_eager(cpu_graphed):
 
 
 @torch.inference_mode()
+def test_ground_from_single_image_views_matches_eager(cpu_graphed):
+    """The engine's call: per-image views into two image batches, pairs in batch order, out of order, repeated
+    (padding) and mixed across batches. Host index lists -> run copies; the result equals the eager call on the
+    concatenated images."""
+    det, g = cpu_graphed
+    first, second = det.encode_images(_pixels(2, seed=11)), det.encode_images(_pixels(3, seed=12))
+    views = [ImageFeatures([f[i:i + 1] for f in batch.fpn], batch.pos, batch.geometry[i:i + 1])
+             for batch, n in ((first, 2), (second, 3)) for i in range(n)]  # 5 distinct images, as the engine has them
+    joined = ImageFeatures([torch.cat(level) for level in zip(first.fpn, second.fpn)], first.pos,
+                           torch.cat([first.geometry, second.geometry]))
+    prompts = det.encode_prompts(_tokens(3, seed=13))
+    for p in g.pair_buckets:
+        gen = torch.Generator().manual_seed(p)
+        cases = [list(range(min(p, 5))) + [min(p, 5) - 1] * (p - min(p, 5)),  # in order, then padding
+                 torch.randint(0, 5, (p,), generator=gen).tolist()]  # mixed
+        for image_index in cases:
+            prompt_index = [j % 3 for j in range(p)]
+            want = det.ground(joined, prompts, torch.tensor(image_index), torch.tensor(prompt_index))
+            _assert_close(g.ground(views, prompts, image_index, prompt_index), want, f"views P={p} {image_index}")
+
+
+def test_copy_rows_copies_each_adjacent_run_once():
+    """Runs: consecutive rows of one tensor (any layout) join; a repeat, a step back or another tensor splits."""
+    from sammie.model.graphs import adjacent_runs, copy_rows
+
+    a = torch.randn(4, 3, 5)
+    b = torch.randn(6, 5, 3).transpose(1, 2)[::2]  # [3, 3, 5], non-contiguous rows two apart in memory
+    rows = [a[1:2], a[2:3], a[3:4], b[0:1], b[1:2], b[1:2], a[0:1], b[2:3]]
+    assert adjacent_runs(rows) == [(0, 3), (3, 5), (5, 6), (6, 7), (7, 8)]
+    assert adjacent_runs([a[i:i + 1] for i in range(4)]) == [(0, 4)]  # a whole batch in order: one copy
+    dst = torch.full((9, 3, 5), float("nan"))
+    copy_rows(dst, rows)
+    assert torch.equal(dst[:8], torch.cat(rows)) and dst[8].isnan().all()  # rows past len(rows) untouched
+
+
+@torch.inference_mode()
 def test_ground_one_image_one_prompt_repeated(cpu_graphed):
     """All pairs on one row: the gather must broadcast it, not read rows that do not exist."""
     det, g = cpu_graphed
@@ -179,6 +215,13 @@ def test_clear_errors(cpu_graphed):
         g.ground(images, prompts, [0, 0], [0])
     with pytest.raises(ValueError, match="prompt features is"):
         g.ground(images, prompts._replace(features=prompts.features[..., :8]), [0], [0])
+    with pytest.raises(ValueError, match="needs a host image_index"):
+        g.ground([images], prompts, torch.zeros(1, dtype=torch.long), [0])
+    with pytest.raises(ValueError, match="must hold single-image features"):
+        g.ground([ImageFeatures([torch.cat([f, f]) for f in images.fpn], images.pos, images.geometry)], prompts,
+                 [0], [0])
+    with pytest.raises(ValueError, match="out of range for 1 images"):
+        g.ground([images], prompts, [1], [0])
     fresh = GraphedDetector(det, [1], [1], compile_mode=None)
     with pytest.raises(RuntimeError, match="call capture"):
         fresh.encode_images(_pixels(1, seed=0))

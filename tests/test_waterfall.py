@@ -132,10 +132,12 @@ def test_sam_probe_cpu_dry_run(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "sam_probe.json").read_text())
-    for part in ("sdpa", "box_bias", "attention_backends", "patch_embed"):
+    for part in ("sdpa", "box_bias", "attention_backends", "patch_embed", "pair_gather"):
         assert part in data and not (isinstance(data[part], dict) and "error" in data[part]), (part, data.get(part))
     assert any("decoder.py" in site and "mask [" in site for site in data["sdpa"]["sites"])  # the biased call
     assert [r["pairs"] for r in data["box_bias"]] == [1, 8] and [r["batch"] for r in data["patch_embed"]] == [1, 8]
+    assert [r["case"] for r in data["pair_gather"]] == ["one_batch_in_order", "two_batches_5_3"]
+    assert all(r["identical"] for r in data["pair_gather"]), data["pair_gather"]
 
 
 def test_reusing_rows_measure_their_engine_which_stays_open_until_the_end(monkeypatch):
