@@ -726,7 +726,7 @@ if want 60; then
 say "60. issue 4 (the whole .devbundle; written 2026-12-02, unrun): stage streams A/B, three interleaved rounds of the bf16"
 say "    inductor b8 engine with and without them (run 13's +4.6% was one pair; b8 one-stream rows: 56.4-59.3, runs 9-13);"
 say "    the second and third rounds start from the warm inductor cache (~15-30 s an engine)"
-for round in 1 2 3; do  # the first round compiles (run 14's b8 engine: 83 s to start cold)
+for round in ${ROUNDS_60:-1 2 3}; do  # the first round compiles (run 14's b8 engine: 83 s to start cold)
   limit=$([ "$round" = 1 ] && echo "${LIMIT_60A:-230}" || echo "${LIMIT_60B:-150}")
   rows=$([ "$round" = 2 ] && echo ours_bf16_b8_shared_stream,ours_bf16_inductor_b8 \
          || echo ours_bf16_inductor_b8,ours_bf16_b8_shared_stream)  # the order alternates (A B, B A, A B)
@@ -756,6 +756,16 @@ gpu_tests gather_tests 150 tests/test_graphs.py tests/test_engine_fastpath.py -k
 timeout "${LIMIT_63:-90}" python benchmarks/sam_probe.py --out "$R/sam_probe" --parts pair_gather \
   > "$R/sam_probe_gather.log" 2>&1
 grep -E "^\[sam_probe\] pair_gather|Error" "$R/sam_probe_gather.log" | cut -c1-400
+fi
+if want 64; then
+say "64. issue 4 (any carry; written 2026-12-02, unrun): fc1 + exact GELU as one Triton GEMM (kernels/linear_gelu.py,"
+say "    TMA descriptors, erf GELU in the epilogue) against cuBLAS + the GELU pass (run 14: 7.7% of the engine's GPU"
+say "    time), cuBLASLt's tanh epilogue and the bare cuBLAS GEMM, at 1 and 8 images; its CUDA tests first"
+gpu_tests linear_gelu_tests 90 tests/test_kernel_linear_gelu.py
+gpu_tests engine_graph_test 150 tests/test_engine_fastpath.py -k "cuda_graphs_match_eager"  # run 63: its stats key
+timeout "${LIMIT_64:-200}" python benchmarks/linear_gelu_probe.py --out "$R/linear_gelu_probe" \
+  > "$R/linear_gelu_probe.log" 2>&1
+grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe.log" | cut -c1-300
 fi
 if want 57; then
 say "57. issue 4 (any carry; ran: quant_probe run 1; the max-first variants since, unrun): the GELU-quantiser of an"

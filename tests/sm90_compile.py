@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gelu_fp8_quant  # noqa: E402
+from kernels import gelu_fp8_quant, linear_gelu  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -121,6 +121,13 @@ def main() -> int:
                           {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                           dict(DTYPE=triton.language.bfloat16, INTERPRET=False, ROUND_IN_FP32=False, BLOCK_K=1024),
                           ptx_has="cvt.rn.satfinite.e4m3x2.f32"))
+    # the ViT's fc1 + exact GELU (kernels/linear_gelu.py): TMA descriptors in, wgmma on the tensor cores
+    ok.append(compile_one("linear_gelu (bf16, 128 x 256 x 64 tiles through TMA descriptors, erf GELU epilogue)",
+                          linear_gelu._linear_gelu_kernel,
+                          {"x_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[256,64]>", "b_ptr": "*bf16",
+                           "o_desc": "tensordesc<bf16[128,256]>"},
+                          dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, INTERPRET=False),
+                          ptx_has="wgmma.mma_async"))
     ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
                           {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
                           dict(BLOCK_H=2048, INTERPRET=False)))
