@@ -767,6 +767,16 @@ timeout "${LIMIT_64:-200}" python benchmarks/linear_gelu_probe.py --out "$R/line
   > "$R/linear_gelu_probe.log" 2>&1
 grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe.log" | cut -c1-300
 fi
+if want 65; then
+say "65. issues 4 and 5 (any carry: torch only; written 2026-12-02, unrun): the paged decode attention's CUDA tests (the"
+say "    split count from the grid: no new kernel variant per count), then linear_gelu_probe's inductor variants: the GELU"
+say "    as ATen's kernel opaque to inductor, and inductor with coordinate-descent tuning (run 1: inductor's fc1 + GELU"
+say "    0.902 ms against eager cuBLAS + ATen GELU 0.829 at 8 images)"
+gpu_tests paged_attention_tests 120 tests/test_kernel_paged_attention.py
+timeout "${LIMIT_65:-150}" python benchmarks/linear_gelu_probe.py --out "$R/linear_gelu_probe2" --skip-triton \
+  > "$R/linear_gelu_probe2.log" 2>&1
+grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe2.log" | cut -c1-300
+fi
 if want 57; then
 say "57. issue 4 (any carry; ran: quant_probe run 1; the max-first variants since, unrun): the GELU-quantiser of an"
 say "    FP8 fc2 timed alone at batch 8: its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile, the"

@@ -7,6 +7,9 @@ here: does a Triton GEMM with the exact GELU in its epilogue beat cuBLAS + the G
 1,024, N 4,736; M = 5,184 tokens an image: batch 1 and 8), median ms of:
 - `cublas_then_gelu`: F.linear then F.gelu, eager (two kernels; the reference);
 - `inductor`: the same two ops under torch.compile (cuBLAS + inductor's GELU kernel: what the engine runs);
+- `inductor_aten_gelu`: the same with the GELU as `sammie.model.vit.aten_gelu` (ATen's kernel, opaque to inductor);
+- `inductor_cdt`: the `inductor` path compiled with `coordinate_descent_tuning` (inductor tunes its GELU kernel's
+  block size and warps; part of the max-autotune mode, which run 9 measured as a whole);
 - `cublaslt_tanh`: `torch._addmm_activation(use_gelu=True)` (one kernel, tanh GELU: `vit_fused_gelu`);
 - `cublas_linear_only`: F.linear alone (the bare GEMM: what any fusion must approach);
 - `triton <launch>`: each launch configuration of `linear_gelu_triton`;
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: kernels, sammie
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: cuda_timing
 
 from cuda_timing import median_ms  # noqa: E402
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4_736)
     ap.add_argument("--k", type=int, default=1_024)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--skip-triton", action="store_true", help="only cuBLAS / ATen / inductor paths")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
@@ -63,7 +67,14 @@ def main() -> None:
     launches = LAUNCHES if device.type == "cuda" else {"smoke": SMOKE_LAUNCH}
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "n": args.n, "k": args.k, "rows": []}
-    compiled = torch.compile(lambda x: F.gelu(F.linear(x, w, b)), dynamic=False) if device.type == "cuda" else None
+    compiled = {}
+    if device.type == "cuda":
+        from sammie.model.vit import aten_gelu
+
+        compiled = {"inductor": torch.compile(lambda x: F.gelu(F.linear(x, w, b)), dynamic=False),
+                    "inductor_aten_gelu": torch.compile(lambda x: aten_gelu(F.linear(x, w, b)), dynamic=False),
+                    "inductor_cdt": torch.compile(lambda x: F.gelu(F.linear(x, w, b)), dynamic=False,
+                                                  options={"coordinate_descent_tuning": True})}
     for m in args.m:
         x = torch.randn(m, args.k, generator=gen).to(device, torch.bfloat16)
         ref = linear_gelu_reference(x, w, b)
@@ -71,9 +82,9 @@ def main() -> None:
         paths = {"cublas_then_gelu": lambda: linear_gelu_reference(x, w, b),
                  "cublas_linear_only": lambda: F.linear(x, w, b),
                  "cublaslt_tanh": lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)}
-        if compiled is not None:
-            paths["inductor"] = lambda: compiled(x)
-        paths |= {f"triton {name}": (lambda c=c: linear_gelu_triton(x, w, b, c)) for name, c in launches.items()}
+        paths |= {name: (lambda fn=fn: fn(x)) for name, fn in compiled.items()}
+        if not args.skip_triton:
+            paths |= {f"triton {name}": (lambda c=c: linear_gelu_triton(x, w, b, c)) for name, c in launches.items()}
         for name, fn in paths.items():
             row = {"m": m, "path": name}
             try:
@@ -92,8 +103,12 @@ def main() -> None:
         del x, ref
     for m in args.m:  # the question, one line per M
         rows = {r["path"]: r for r in result["rows"] if r["m"] == m and "ms" in r}
-        best = min((r for p, r in rows.items() if p.startswith("triton")), key=lambda r: r["ms"], default=None)
         base = rows.get("inductor", rows.get("cublas_then_gelu"))
+        for path in ("inductor_aten_gelu", "inductor_cdt"):
+            if path in rows and base:
+                print(f"[linear_gelu_probe] M={m}: {path} {rows[path]['ms']:.4f} ms against {base['path']} "
+                      f"{base['ms']:.4f} ms ({base['ms'] / rows[path]['ms']:.3f}x)", flush=True)
+        best = min((r for p, r in rows.items() if p.startswith("triton")), key=lambda r: r["ms"], default=None)
         if best and base:
             print(f"[linear_gelu_probe] M={m}: best Triton {best['path']} {best['ms']:.4f} ms against "
                   f"{base['path']} {base['ms']:.4f} ms ({base['ms'] / best['ms']:.3f}x); cuBLAS GEMM alone "

@@ -7,8 +7,15 @@ ATen's GELU pass over the [M, 4,736] activation).
 Why: the GELU pass is a read and a write of fc1's output, 0.26-0.32 ms a call at batch 8 (M = 41,472 tokens; H200,
 7.7% of the engine's GPU time in waterfall run 14). cuBLASLt's own GELU epilogue (`vit_fused_gelu`) is the tanh
 approximation, not Meta's GELU; inductor's max-autotune did not fuse it because its Triton templates lost the bare
-GEMM to cuBLAS by 13-17% (waterfall run 9), which the saved pass may more than pay back. This kernel is what
-`benchmarks/linear_gelu_probe.py` times against cuBLAS + the GELU pass before anything uses it.
+GEMM to cuBLAS by 13-17% (waterfall run 9), which the saved pass might have paid back.
+
+MEASURED, and it LOSES, so nothing uses it (H200, linear_gelu_probe run 1, `benchmarks/results/`): at 8 images
+(M 41,472) its best launch takes 1.154 ms (348 TFLOP/s) against 0.902 for what the engine runs (cuBLAS + inductor's
+GELU) and 0.829 eager (cuBLAS + ATen's GELU); the bare cuBLAS GEMM is 0.575 ms (699 TFLOP/s). At one image 0.244
+against 0.217 ms. One output tile per program leaves the erf epilogue serial after each tile's main loop and no
+warp specialisation overlaps them. To pay, a fused kernel must run GEMM + epilogue at >= 446 TFLOP/s (64% of
+cuBLAS's bare rate; this one: 50%), e.g. persistent with the epilogue overlapped. Kept, with its tests and probe, as
+the measured baseline for such an attempt.
 
 Kernel: one [BLOCK_M, BLOCK_N] output tile per program, grouped tile order (GROUP_M row tiles share their weight
 tiles in L2), x and w tiles through TMA tensor descriptors (out-of-bounds rows and columns read as zeros, stores
