@@ -723,7 +723,7 @@ for k in (p.get("top_kernels") or [])[:8]:
 PY
 fi
 if want 60; then
-say "60. issue 4 (the whole .devbundle; written 2026-12-02, unrun): stage streams A/B, three interleaved rounds of the bf16"
+say "60. issue 4 (the whole .devbundle; ran: streams A/B run 1): stage streams A/B, three interleaved rounds of the bf16"
 say "    inductor b8 engine with and without them (run 13's +4.6% was one pair; b8 one-stream rows: 56.4-59.3, runs 9-13);"
 say "    the second and third rounds start from the warm inductor cache (~15-30 s an engine)"
 for round in ${ROUNDS_60:-1 2 3}; do  # the first round compiles (run 14's b8 engine: 83 s to start cold)
@@ -741,14 +741,14 @@ waterfall_rows waterfall_fp8_streams "${LIMIT_61:-420}" 400 \
   ours_fp8_vit_no_fc2,model_only_fp8_no_fc2,ours_fp8_attn_fused_gelu,model_only_fp8_attn_fused_gelu
 fi
 if want 62; then
-say "62. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the CUDA tests of the eighteenth session's review mends -- each"
+say "62. issue 4 (the whole .devbundle; ran 2026-12-02, 14 passed): the CUDA tests of the eighteenth session's review mends -- each"
 say "    stage's graphs on its own capture stream, the late-image-batch test (the stage on its stream, the race window"
 say "    open), health()'s stage_streams, the GELU-quantiser's empty rows, tilings and max-first kernel"
 gpu_tests mend_tests 150 tests/test_graphs.py tests/test_engine_fastpath.py tests/test_kernel_fp8.py \
   -k "cuda_graph_replay or stage_streams or gelu"
 fi
 if want 63; then
-say "63. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the grounding batch's image rows copied straight"
+say "63. issue 4 (the whole .devbundle; ran: pair_gather run 1): the grounding batch's image rows copied straight"
 say "    from the image batches into the graph's buffers (copy_rows: one copy per run of adjacent rows) instead of a"
 say "    concatenation plus index_select (run 14: indexSelectSmallIndex 1.8% of the GPU time, ~0.8 ms a call): the"
 say "    graphs' and the engine's CUDA tests, then sam_probe's pair_gather (old against new at 8 pairs, full size)"
@@ -758,7 +758,7 @@ timeout "${LIMIT_63:-90}" python benchmarks/sam_probe.py --out "$R/sam_probe" --
 grep -E "^\[sam_probe\] pair_gather|Error" "$R/sam_probe_gather.log" | cut -c1-400
 fi
 if want 64; then
-say "64. issue 4 (any carry; written 2026-12-02, unrun): fc1 + exact GELU as one Triton GEMM (kernels/linear_gelu.py,"
+say "64. issue 4 (any carry; ran: linear_gelu_probe run 1): fc1 + exact GELU as one Triton GEMM (kernels/linear_gelu.py,"
 say "    TMA descriptors, erf GELU in the epilogue) against cuBLAS + the GELU pass (run 14: 7.7% of the engine's GPU"
 say "    time), cuBLASLt's tanh epilogue and the bare cuBLAS GEMM, at 1 and 8 images; its CUDA tests first"
 gpu_tests linear_gelu_tests 90 tests/test_kernel_linear_gelu.py
@@ -778,7 +778,7 @@ timeout "${LIMIT_65:-150}" python benchmarks/linear_gelu_probe.py --out "$R/line
 grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe2.log" | cut -c1-300
 fi
 if want 57; then
-say "57. issue 4 (any carry; ran: quant_probe run 1; the max-first variants since, unrun): the GELU-quantiser of an"
+say "57. issue 4 (any carry; ran: quant_probe runs 1-2): the GELU-quantiser of an"
 say "    FP8 fc2 timed alone at batch 8: its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile, the"
 say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 warps, the chunked max-first kernel,"
 say "    beside inductor's fusion, the GELU pass and fc2's GEMM in bf16 and FP8 (the break-even: 0.46-0.52 ms)"
