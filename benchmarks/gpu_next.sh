@@ -604,7 +604,7 @@ SAMMIE_PDL=1 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kern
 grep -E "passed|failed|Error" "$R/quant_producers_tests.log" | tail -3
 fi
 if want 49; then
-say "49. (ran as runs 34-35 with an 8192-token engine beside; rewritten after run 35) a process's first burst of 32"
+say "49. (ran as runs 34-37, 34-35 with an 8192-token engine beside; rewritten after run 35) a process's first burst of 32"
 say "    concurrent 1k prompts with the prefill attention on flash: the default engine, then the same settings again"
 say "    last in the process (--again: the same chunk shapes, already compiled), then a second process whose engine"
 say "    warms up with the three-prompt burst (--warmup-burst, off by default); run 35's first burst 12.7 s to the"
@@ -729,7 +729,8 @@ say "    the second and third rounds start from the warm inductor cache (~15-30 
 for round in ${ROUNDS_60:-1 2 3}; do  # the first round compiles (run 14's b8 engine: 83 s to start cold)
   limit=$([ "$round" = 1 ] && echo "${LIMIT_60A:-230}" || echo "${LIMIT_60B:-150}")
   rows=$([ "$round" = 2 ] && echo ours_bf16_b8_shared_stream,ours_bf16_inductor_b8 \
-         || echo ours_bf16_inductor_b8,ours_bf16_b8_shared_stream)  # the order alternates (A B, B A, A B)
+         || echo ours_bf16_inductor_b8,ours_bf16_b8_shared_stream)  # A B, B A, A B (waterfall's run_order; in
+                                                                      # run 1 every round ran the streams row first)
   waterfall_rows "streams_ab_$round" "$limit" $((limit - 10)) "$rows"
 done
 fi
@@ -768,10 +769,10 @@ timeout "${LIMIT_64:-200}" python benchmarks/linear_gelu_probe.py --out "$R/line
 grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe.log" | cut -c1-300
 fi
 if want 65; then
-say "65. issues 4 and 5 (any carry: torch only; written 2026-12-02, unrun): the paged decode attention's CUDA tests (the"
-say "    split count from the grid: no new kernel variant per count), then linear_gelu_probe's inductor variants: the GELU"
-say "    as ATen's kernel opaque to inductor, and inductor with coordinate-descent tuning (run 1: inductor's fc1 + GELU"
-say "    0.902 ms against eager cuBLAS + ATen GELU 0.829 at 8 images)"
+say "65. issues 4 and 5 (any carry: torch only; ran: run 37's tests, linear_gelu_probe run 2): the paged decode"
+say "    attention's CUDA tests (the split count from the grid: no new kernel variant per count), then linear_gelu_probe's"
+say "    inductor paths (run 2 also timed ATen's GELU opaque to inductor: 0.98x, removed; coordinate-descent tuning"
+say "    1.04x at 8 images, 0.97x at one)"
 gpu_tests paged_attention_tests 120 tests/test_kernel_paged_attention.py
 timeout "${LIMIT_65:-150}" python benchmarks/linear_gelu_probe.py --out "$R/linear_gelu_probe2" --skip-triton \
   > "$R/linear_gelu_probe2.log" 2>&1

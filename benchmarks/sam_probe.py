@@ -277,7 +277,8 @@ def probe_pair_gather(det, cfg) -> list[dict]:
             cat_then_select()
             want = [t.clone() for t in static]
             run_copies()
-            row = {"case": case, "pairs": 8, "mb_per_pair": round(sum(t[0].numel() for t in static) * 2 / 1e6, 2),
+            row = {"case": case, "pairs": 8,
+                   "mb_per_pair": round(sum(t[0].numel() * t.element_size() for t in static) / 1e6, 2),
                    "identical": all(torch.equal(a, b) for a, b in zip(static, want)),
                    "cat_index_select_ms": median_ms(cat_then_select, param.device, iters=30),
                    "copy_rows_ms": median_ms(run_copies, param.device, iters=30)}

@@ -15,8 +15,9 @@ between the 5th and 20th highest Meta fp32 score (random weights put no score ne
 few 1e-3; a gap keeps small rounding from flipping queries, and 5-20 instances per request keeps post-processing
 realistic); every row, Meta's and ours, uses these thresholds.
 
-Rows (`ROWS`; `--rows` picks a subset, in table order): Meta per image (fp32 with TF32 as Meta's import sets it, and
-bf16 autocast), Meta's batched Datapoint path at batch 8 (end to end, and model forward only), then Sammie's engine
+Rows (`ROWS`; `--rows` picks a subset: Meta's and the engine rows run in the order given, so A/B rounds can alternate;
+the rows that measure an earlier row's engine, and the HTTP slot, follow them in table order): Meta per image (fp32
+with TF32 as Meta's import sets it, and bf16 autocast), Meta's batched Datapoint path at batch 8 (end to end, and model forward only), then Sammie's engine
 in-process (asyncio, JPEG bytes in, instances out incl. decode and post-processing; `--clients` requests in flight):
 fp32 and bf16 one request at a time, bf16 batched, + CUDA graphs, + Triton kernels, + FP8 ViT; then the best bf16
 engine's detector alone on a pre-processed batch of 8, a lone request's latency, a second prompt on a cached image,
@@ -266,6 +267,19 @@ def _forced_idle(row: Row) -> bool | None:
     return True if row.name.endswith("_idle") else False if row.name.endswith("_waits") else None
 
 
+# rows that build what they measure; the others (model_only, batched_idle, latency, extra_prompt, http) measure an
+# engine an earlier row built, or fill a slot, so they follow
+_BUILDING_KINDS = ("meta_processor", "meta_batched", "meta_batched_model", "engine")
+
+
+def run_order(wanted: list[str]) -> list[Row]:
+    """The rows named in `wanted`: the building rows in the order given, then the others in table order. (Until
+    2026-12-02 every row ran in table order whatever the order given: streams A/B run 1's rounds did not alternate.)"""
+    by_name = {r.name: r for r in ROWS}
+    building = [by_name[n] for n in dict.fromkeys(wanted) if by_name[n].kind in _BUILDING_KINDS]
+    return building + [r for r in ROWS if r.name in wanted and r.kind not in _BUILDING_KINDS]
+
+
 def _engine_for(b: Bench, reuse: str, results: dict) -> tuple[str, object]:
     """(name, engine) a reusing row (or the profile) measures: engine row `reuse`'s, else ("") the fastest bf16."""
     if not reuse:
@@ -380,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(wanted) - set(ROW_NAMES))
     if unknown:
         ap.error(f"unknown row(s) {unknown}; valid: {', '.join(ROW_NAMES)}")
-    rows = [r for r in ROWS if r.name in wanted]
+    rows = run_order(wanted)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     earlier = json.loads(Path(args.merge).read_text())["rows"] if args.merge else {}

@@ -10,7 +10,7 @@ approximation, not Meta's GELU; inductor's max-autotune did not fuse it because 
 GEMM to cuBLAS by 13-17% (waterfall run 9), which the saved pass might have paid back.
 
 MEASURED, and it LOSES, so nothing uses it (H200, linear_gelu_probe run 1, `benchmarks/results/`): at 8 images
-(M 41,472) its best launch takes 1.154 ms (348 TFLOP/s) against 0.902 for what the engine runs (cuBLAS + inductor's
+(M 41,472) its best launch takes 1.154 ms (349 TFLOP/s) against 0.902 for what the engine runs (cuBLAS + inductor's
 GELU) and 0.829 eager (cuBLAS + ATen's GELU); the bare cuBLAS GEMM is 0.575 ms (699 TFLOP/s). At one image 0.244
 against 0.217 ms. One output tile per program leaves the erf epilogue serial after each tile's main loop and no
 warp specialisation overlaps them. To pay, a fused kernel must run GEMM + epilogue at >= 446 TFLOP/s (64% of
@@ -92,13 +92,13 @@ if triton is not None:
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """bf16 on a CUDA device of compute capability >= 9 (TMA), or anywhere under TRITON_INTERPRET=1; K a multiple
-    of 8 (16-byte rows for the descriptors)."""
+    """bf16 on a CUDA device of compute capability >= 9 (TMA), or anywhere under TRITON_INTERPRET=1; K and N
+    multiples of 8 (16-byte rows for the descriptors); a bias, if any, of shape [N]."""
     import os
 
     if triton is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return False
-    if b is not None and b.dtype != torch.bfloat16:
+    if b is not None and (b.dtype != torch.bfloat16 or tuple(b.shape) != (w.shape[0],)):
         return False
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     on_hopper = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
@@ -116,6 +116,7 @@ def linear_gelu_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     w = w.contiguous()
+    b = b.contiguous() if b is not None else None  # the kernel reads the bias with stride 1
     m, n = x2.shape[0], w.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:

@@ -149,6 +149,8 @@ def test_copy_rows_copies_each_adjacent_run_once():
     assert adjacent_runs(rows) == [(0, 3), (3, 5), (5, 6), (6, 7), (7, 8)]
     assert adjacent_runs([a[i:i + 1] for i in range(4)]) == [(0, 4)]  # a whole batch in order: one copy
     dst = torch.full((9, 3, 5), float("nan"))
+    with pytest.raises(ValueError, match=r"rows must be \[1, \.\.\.\]"):
+        copy_rows(dst, [a[0:2]])
     copy_rows(dst, rows)
     assert torch.equal(dst[:8], torch.cat(rows)) and dst[8].isnan().all()  # rows past len(rows) untouched
 
@@ -215,13 +217,15 @@ def test_clear_errors(cpu_graphed):
         g.ground(images, prompts, [0, 0], [0])
     with pytest.raises(ValueError, match="prompt features is"):
         g.ground(images, prompts._replace(features=prompts.features[..., :8]), [0], [0])
-    with pytest.raises(ValueError, match="needs a host image_index"):
+    with pytest.raises(ValueError, match="needs the image_index as a host list"):
         g.ground([images], prompts, torch.zeros(1, dtype=torch.long), [0])
     with pytest.raises(ValueError, match="must hold single-image features"):
         g.ground([ImageFeatures([torch.cat([f, f]) for f in images.fpn], images.pos, images.geometry)], prompts,
                  [0], [0])
     with pytest.raises(ValueError, match="out of range for 1 images"):
         g.ground([images], prompts, [1], [0])
+    with pytest.raises(ValueError, match="out of range for 1 images"):  # one [I, ...] with a host index: the same
+        g.ground(images, prompts, [1], [0])
     fresh = GraphedDetector(det, [1], [1], compile_mode=None)
     with pytest.raises(RuntimeError, match="call capture"):
         fresh.encode_images(_pixels(1, seed=0))

@@ -2,7 +2,8 @@
 
 CPU: under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes and tiles: ragged M and N (the descriptors' zero
 fill and clipped stores), several K tiles, no bias, leading dims, an empty batch. GPU (Hopper): the ViT's fc1 shape at
-one image with the default launch. Tolerance: max |diff| <= 1e-2 x max |ref| (bf16: the GEMM's summation order is
+one image with two launches (the default and 128 x 128 x 64); the ragged and empty cases run under the interpreter
+only. Tolerance: max |diff| <= 1e-2 x max |ref| (bf16: the GEMM's summation order is
 the only difference, the epilogue rounds as torch does), and most outputs bit-identical (>= 90%; measured ~99.9% under
 the interpreter); a wrong tile, a missing bias or the tanh GELU fails both by far.
 """
@@ -53,6 +54,8 @@ def test_leading_dims_and_the_difference_from_tanh():
     x3 = x.reshape(2, 24, 32)
     got = linear_gelu_triton(x3, w, b, SMALL)
     _check(got, linear_gelu_reference(x3, w, b), "[2, 24, K]")
+    strided_bias = torch.stack([b, -b], dim=1)[:, 0]  # b's values with stride 2: the wrapper makes it contiguous
+    assert torch.equal(linear_gelu_triton(x3, w, strided_bias, SMALL), got)
     tanh = F.gelu(F.linear(x3, w, b), approximate="tanh")  # what cuBLASLt's epilogue computes: must not pass
     assert (got == tanh).float().mean().item() < 0.9
 
@@ -63,6 +66,7 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="not supported"):
         linear_gelu_triton(x.float(), w.float(), b.float())
     assert not supports(x[:, :12], w[:, :12], b)  # K not a multiple of 8: rows not 16-byte aligned
+    assert not supports(x, w, b[:8])  # a bias shorter than N would be read past its end
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

@@ -206,3 +206,15 @@ def test_idle_rows_drive_the_best_engine_with_release_when_idle_forced_or_as_con
     asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"), lambda *a: None))
     assert seen == [("ours_bf16_graphs", "ours_bf16_graphs", True, 32), ("ours_bf16_graphs", "ours_bf16_graphs", False, 32),
                     ("ours_bf16_graphs", "ours_bf16_graphs", None, 1), ("ours_bf16_graphs", "ours_bf16_graphs", False, 1)]
+
+
+def test_building_rows_run_in_the_order_given_and_measuring_rows_after():
+    """--rows B,A runs engine B before engine A (A/B rounds alternate); a row measuring an engine follows the
+    building rows in table order whatever its place in the list."""
+    wf = _waterfall()
+    order = [r.name for r in wf.run_order(["model_only_bf16_b8", "ours_bf16_b8_shared_stream", "ours_bf16_inductor_b8",
+                                           "meta_processor_fp32"])]
+    assert order == ["ours_bf16_b8_shared_stream", "ours_bf16_inductor_b8", "meta_processor_fp32",
+                     "model_only_bf16_b8"]
+    assert [r.name for r in wf.run_order(["ours_bf16_inductor_b8", "ours_bf16_b8_shared_stream"])] == \
+        ["ours_bf16_inductor_b8", "ours_bf16_b8_shared_stream"]

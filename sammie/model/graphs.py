@@ -100,7 +100,7 @@ def _ground_stage(
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `b` is the row right after `a` in one tensor's memory (both [1, ...] views of the same layout)."""
-    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
             and b.storage_offset() == a.storage_offset() + a.stride(0))
 
@@ -113,6 +113,8 @@ def copy_rows(dst: torch.Tensor, rows: Sequence[torch.Tensor]) -> None:
     small-index kernel took ~0.8 ms a call on the H200, waterfall run 14). Rows out of order, repeated (padding)
     or from other tensors start a new run. Only copies, so the result equals `index_select` exactly.
     """
+    if any(r.shape[0] != 1 for r in rows):
+        raise ValueError(f"copy_rows: rows must be [1, ...] each, got batch dims {[r.shape[0] for r in rows]}")
     for start, end in adjacent_runs(rows):
         first = rows[start]
         span = first.as_strided((end - start, *first.shape[1:]), first.stride(), first.storage_offset())
@@ -420,8 +422,8 @@ class GraphedDetector:
         host_index = None if on_device else [int(i) for i in torch.as_tensor(image_index).tolist()]
         per_image = None if isinstance(images, ImageFeatures) else list(images)
         if per_image is not None and host_index is None:
-            raise ValueError("GraphedDetector.ground: images as a sequence of single-image features needs a host "
-                             "image_index (a list of ints), not a device tensor")
+            raise ValueError(f"GraphedDetector.ground: images as a sequence of single-image features needs the "
+                             f"image_index as a host list of ints, not a tensor on {self.device}")
         image_index, prompt_index = self._indices(image_index, prompt_index)
         p = image_index.shape[0]
         stage.check_bucket(p, "pair count")
@@ -430,12 +432,14 @@ class GraphedDetector:
         if per_image is not None:
             if not per_image:
                 raise ValueError("GraphedDetector.ground: no images")
-            if any(im.fpn[0].shape[0] != 1 for im in per_image):
+            dims = [(*(f.shape[0] for f in im.fpn), im.geometry.shape[0]) for im in per_image]
+            if any(d != (1,) * len(d) for d in dims):
                 raise ValueError("GraphedDetector.ground: a sequence of images must hold single-image features "
-                                 f"(batch dims {[im.fpn[0].shape[0] for im in per_image]})")
-            if max(host_index) >= len(per_image) or min(host_index) < 0:
-                raise ValueError(f"GraphedDetector.ground: image_index {host_index} out of range for "
-                                 f"{len(per_image)} images")
+                                 f"(batch dims of fpn levels and geometry: {dims})")
+        if host_index is not None:  # slices and run copies would not raise on a bad row the way index_select does
+            count = len(per_image) if per_image is not None else images.fpn[0].shape[0]
+            if max(host_index) >= count or min(host_index) < 0:
+                raise ValueError(f"GraphedDetector.ground: image_index {host_index} out of range for {count} images")
         with torch.inference_mode(), stage.lock:
             self._enter(stage)
             if host_index is None:
@@ -448,9 +452,8 @@ class GraphedDetector:
                     else:
                         rows = [images.fpn[level][i:i + 1] for i in host_index]
                     copy_rows(dst, rows)
-            if per_image is not None:
-                for j, i in enumerate(host_index):  # [1, 1, d] each: P tiny copies
-                    self._pair_geometry[j:j + 1].copy_(per_image[i].geometry)
+            if per_image is not None:  # [1, 1, d] each: adjacent ones in one copy too
+                copy_rows(self._pair_geometry, [per_image[i].geometry for i in host_index])
             else:
                 torch.index_select(images.geometry, 0, image_index, out=self._pair_geometry[:p])
             torch.index_select(prompts.features, 0, prompt_index, out=self._pair_text[:p])

@@ -143,21 +143,6 @@ class PatchEmbed(nn.Module):
 FUSED_GELU_DEVICES = ("cuda",)
 
 
-@torch.library.custom_op("sammie::aten_gelu", mutates_args=())
-def aten_gelu(h: torch.Tensor) -> torch.Tensor:
-    """F.gelu (exact, erf) as ATen computes it, opaque to torch.compile: inductor calls ATen's kernel instead of
-    generating its own. Why it may pay: over fc1's output at 8 images ([41,472, 4,736] bf16, H200) inductor's GELU
-    kernel took 0.319 ms a call (waterfall run 14's profile) against ATen's 0.265 (quant_probe run 2), and compiled
-    fc1 + GELU 0.902 ms against 0.829 eager (linear_gelu_probe run 1). Not used by the model yet: the probe's
-    `inductor_aten_gelu` path measures it first. Same values as F.gelu (the same kernel)."""
-    return F.gelu(h)
-
-
-@aten_gelu.register_fake
-def _(h: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(h)
-
-
 class Mlp(nn.Module):
     """fc1 -> GELU -> fc2. `fused_gelu` (off by default; `set_fused_gelu`): on CUDA, fc1 and the GELU as one cuBLASLt
     GEMM with its GELU epilogue (`torch._addmm_activation`), which spares the separate GELU pass over the 4,736-wide
