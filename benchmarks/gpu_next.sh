@@ -723,7 +723,7 @@ for k in (p.get("top_kernels") or [])[:8]:
 PY
 fi
 if want 60; then
-say "60. issue 4 (the whole .devbundle; ran: streams A/B run 1): stage streams A/B, three interleaved rounds of the bf16"
+say "60. issue 4 (the whole .devbundle; ran: streams A/B runs 1-2): stage streams A/B, three interleaved rounds of the bf16"
 say "    inductor b8 engine with and without them (run 13's +4.6% was one pair; b8 one-stream rows: 56.4-59.3, runs 9-13);"
 say "    the second and third rounds start from the warm inductor cache (~15-30 s an engine)"
 first=1
