@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_parity (photos, 
 
 from waterfall_bench import (GAP_RANKS, IMAGE_SIZE, JPEG_QUALITY, Bench, Skipped,  # noqa: E402
                              threshold_in_gap, versions)
-from waterfall_runs import (BEST_CANDIDATES, best_engine, close_engine, profile_engine, run_engine,  # noqa: E402
-                            run_extra_prompt, run_http, run_latency, run_meta_batched, run_meta_processor,
+from waterfall_runs import (BEST_CANDIDATES, best_engine, close_engine, free_device_memory, profile_engine,  # noqa: E402
+                            run_engine, run_extra_prompt, run_http, run_latency, run_meta_batched, run_meta_processor,
                             run_model_only)
 
 # What callers (tests/test_waterfall.py) use, some of it re-exported from waterfall_bench / waterfall_runs.
@@ -318,6 +318,10 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                             await close_engine(b.engines.pop(name))
                 else:
                     await close_engine(engine)
+                # the loop's own reference: until 2026-12-02 a closed engine stayed alive through the next row
+                # (streams A/B runs 1-2 found the process's first engine ~4% faster whichever it was)
+                del engine
+                free_device_memory()
             elif row.kind == "model_only":
                 r = run_model_only(b, *_engine_for(b, row.reuse, results))
             elif row.kind == "batched_idle":

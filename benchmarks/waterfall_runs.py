@@ -187,9 +187,14 @@ def _health(engine) -> dict:
 
 
 async def close_engine(engine) -> None:
+    """Stop `engine` (its loop and threads). Its memory goes with its last reference: callers drop theirs, then
+    call `free_device_memory()`."""
     with contextlib.suppress(Exception):
         await engine.aclose()
-    del engine
+
+
+def free_device_memory() -> None:
+    """Collect what the dropped engines left (reference cycles) and hand the allocator's cached blocks back."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -216,6 +221,8 @@ async def run_engine(b: Bench, row: Row) -> tuple[dict, Any]:
             outputs = await engine_outputs(engine, b)
         except BaseException:
             await close_engine(engine)
+            del engine
+            free_device_memory()
             raise
     result = {**stats, "img_per_s": stats["rate"], "peak_gb": mem.peak_gb(), "tf32": False, "clients": clients,
               "engine_config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "checkpoint"},

@@ -218,3 +218,34 @@ def test_building_rows_run_in_the_order_given_and_measuring_rows_after():
                      "model_only_bf16_b8"]
     assert [r.name for r in wf.run_order(["ours_bf16_inductor_b8", "ours_bf16_b8_shared_stream"])] == \
         ["ours_bf16_inductor_b8", "ours_bf16_b8_shared_stream"]
+
+
+def test_a_closed_engine_is_gone_before_the_next_row_builds_its_own(monkeypatch):
+    """run_rows drops its reference to an engine it closed: until 2026-12-02 the loop's variable kept the first
+    engine (weights, graphs) alive through the second row's build and measurement."""
+    import asyncio
+    import weakref
+
+    wf = _waterfall()
+    built = []
+
+    class FakeEngine:
+        pass
+
+    async def fake_engine(b, row):
+        assert all(ref() is None for ref in built), "a closed engine is still alive while the next one is built"
+        engine = FakeEngine()
+        built.append(weakref.ref(engine))
+        return {"img_per_s": 50.0}, engine
+
+    async def fake_close(engine):
+        pass
+
+    monkeypatch.setattr(wf, "run_engine", fake_engine)
+    monkeypatch.setattr(wf, "close_engine", fake_close)
+    rows = wf.run_order(["ours_bf16_inductor_b8", "ours_bf16_b8_shared_stream", "ours_bf16_fused_gelu"])
+    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, profile_engine="best"), engines={},
+                        free_meta=lambda: None)
+    results, _ = asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"),
+                                         lambda *a: None))
+    assert len(built) == 3 and all("error" not in r for r in results.values()), results
