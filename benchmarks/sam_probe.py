@@ -295,6 +295,9 @@ def main() -> None:
     ap.add_argument("--parts", default="sdpa,box_bias,attention_backends,patch_embed,pair_gather",
                     help="comma-separated parts to run")
     args = ap.parse_args()
+    unknown = set(args.parts.split(",")) - set(ap.get_default("parts").split(","))
+    if unknown:
+        ap.error(f"unknown --parts {sorted(unknown)}; valid: {ap.get_default('parts')}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("sam_probe.py needs a CUDA device (or --device cpu for a dry run)")
     out = Path(args.out)

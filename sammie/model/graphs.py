@@ -11,7 +11,8 @@ captured graph replays all of a stage's kernels with one launch and no Python in
 How each stage is made graphable:
 - fixed shapes per bucket. `encode_images` takes only B in `image_buckets` (the engine pads to a bucket).
   `ground` sees a varying number of distinct images and prompts per batch, so the gather that maps pairs to their
-  image and prompt rows runs OUTSIDE the graph, straight into static per-pair buffers (`index_select(out=...)`):
+  image and prompt rows runs OUTSIDE the graph, straight into static per-pair buffers (`index_select(out=...)`,
+  or for image rows given by a host index, one copy per run of rows adjacent in memory: `copy_rows`):
   fpn levels [P, d, h, w], geometry token [P, 1, d], text [P, L, d], text padding [P, L]. The captured function is
   `detector.ground(gathered images, gathered prompts, arange(P), arange(P))`, which depends on P only.
   Equivalence: `ground` reads the per-image and per-prompt tensors only through `index_select(0, index)` (text,
