@@ -780,6 +780,26 @@ timeout "${LIMIT_65:-150}" python benchmarks/linear_gelu_probe.py --out "$R/line
   > "$R/linear_gelu_probe2.log" 2>&1
 grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe2.log" | cut -c1-300
 fi
+if want 66 || want 67; then
+# every test file with a CUDA path, run whole on the GPU (GPU calls otherwise select a few tests, and a CUDA-only test
+# can break unseen: test_cuda_graphs_match_eager failed on a renamed stats key, found only by step 63's call)
+sam_files="tests/test_decode.py tests/test_engine_fastpath.py tests/test_fp8_vit.py tests/test_graphs.py
+  tests/test_kernel_fp8.py tests/test_kernel_linear_gelu.py tests/test_kernel_mask_post.py tests/test_kernel_preprocess.py
+  tests/test_registry.py tests/test_serve_configs.py tests/test_vision.py"
+qwen_files="$(ls tests/test_*.py | grep -v -x -F -f <(echo "$sam_files" | tr -s ' \n' '\n') |
+  xargs grep -l cuda | tr '\n' ' ')"
+fi
+if want 66; then
+say "66. issue 4 (the whole .devbundle; written 2026-12-02, unrun): every Sammie test file with a CUDA path, whole"
+gpu_tests sam_suite "${LIMIT_66:-540}" $sam_files -rf
+grep -E "^(FAILED|ERROR)" "$R/sam_suite.log" | cut -c1-300 | head -30
+fi
+if want 67; then
+say "67. issue 5 (the whole .devbundle; written 2026-12-02, unrun): every other test file with a CUDA path (the Qwen"
+say "    engine's kernels, model, engine and server), whole"
+gpu_tests qwen_suite "${LIMIT_67:-540}" $qwen_files -rf
+grep -E "^(FAILED|ERROR)" "$R/qwen_suite.log" | cut -c1-300 | head -30
+fi
 if want 57; then
 say "57. issue 4 (any carry; ran: quant_probe runs 1-2): the GELU-quantiser of an"
 say "    FP8 fc2 timed alone at batch 8: its CUDA tests, then benchmarks/quant_probe.py -- the old padded tile, the"
