@@ -147,12 +147,19 @@
 #       CUDA stream per engine stage (stage_streams) beside both stages on the default stream (ran: run 13)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="59" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, the
 #       stage-streams engine profiled under load (GPU busy share, the grounding syncs), + vit_fused_gelu with streams
-#   eval "$(bash .devbundle/install.sh)" && STEPS="60" bash benchmarks/gpu_next.sh      # <= 9 min (230 + 2 x 150 s;
-#       LIMIT_60A / LIMIT_60B): issue 4, stage streams A/B in three interleaved rounds (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="60" bash benchmarks/gpu_next.sh      # <= 9.3 min (230 + 3 x 110
+#       s; LIMIT_60A / LIMIT_60B, ROUNDS_60): issue 4, stage streams A/B in four rounds, A B, B A, A B, B A (ran: streams
+#       A/B runs 1-2, before the order was honoured / one reversed round)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="61" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, FP8
 #       with stage streams, and FP8 attention linears + the fused fc1 GELU (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="62" bash benchmarks/gpu_next.sh      # ~1.5 min: issue 4, the
-#       CUDA tests of the eighteenth session's review mends (unrun; pair it with step 57, not 61: 600 s a call)
+#       CUDA tests of the eighteenth session's review mends (ran 2026-12-02)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="63" / "64" bash benchmarks/gpu_next.sh   # ~3 / ~2 min: issue 4,
+#       the pair gather's tests and probe; fc1 + GELU as one Triton GEMM, probed (ran: pair_gather / linear_gelu runs 1)
+#   STEPS="65" (carry .devbundle/extra and .tritoncache): ~2 min: the paged attention's CUDA tests, linear_gelu's
+#       inductor paths (ran: run 37's call)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="66" / "67" bash benchmarks/gpu_next.sh   # <= 9.3 min each:
+#       every test file with a CUDA path run whole, Sammie's files / the rest (unrun)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -212,7 +219,8 @@ waterfall_rows() {
 gpu_tests() {
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" python -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1
+  # SIGINT first: pytest then still prints its summary (a SIGTERM'd run leaves none)
+  timeout -s INT -k 15 "$limit" python -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1
   grep -E "passed|failed|Error" "$R/$name.log" | tail -4
 }
 
@@ -723,16 +731,16 @@ for k in (p.get("top_kernels") or [])[:8]:
 PY
 fi
 if want 60; then
-say "60. issue 4 (the whole .devbundle; ran: streams A/B runs 1-2): stage streams A/B, three interleaved rounds of the bf16"
-say "    inductor b8 engine with and without them (run 13's +4.6% was one pair; b8 one-stream rows: 56.4-59.3, runs 9-13);"
-say "    the second and third rounds start from the warm inductor cache (~15-30 s an engine)"
+say "60. issue 4 (the whole .devbundle; ran: streams A/B runs 1-2): stage streams A/B, four rounds of the bf16 inductor"
+say "    b8 engine with and without them, A B, B A, A B, B A (run 1 ran A B thrice, run 2 B A once: the first engine in a"
+say "    process read faster); the later rounds start from the warm inductor cache (~11-21 s an engine)"
 first=1
-for round in ${ROUNDS_60:-1 2 3}; do  # the call's first round compiles (run 14's b8 engine: 83 s to start cold)
-  limit=$([ "$first" = 1 ] && echo "${LIMIT_60A:-230}" || echo "${LIMIT_60B:-150}")
+for round in ${ROUNDS_60:-1 2 3 4}; do  # the call's first round compiles (run 14's b8 engine: 83 s to start cold)
+  limit=$([ "$first" = 1 ] && echo "${LIMIT_60A:-230}" || echo "${LIMIT_60B:-110}")  # warm rounds took 82-93 s
   first=0
-  rows=$([ "$round" = 2 ] && echo ours_bf16_b8_shared_stream,ours_bf16_inductor_b8 \
-         || echo ours_bf16_inductor_b8,ours_bf16_b8_shared_stream)  # A B, B A, A B (waterfall's run_order; in
-                                                                      # run 1 every round ran the streams row first)
+  rows=$([ $((round % 2)) = 0 ] && echo ours_bf16_b8_shared_stream,ours_bf16_inductor_b8 \
+         || echo ours_bf16_inductor_b8,ours_bf16_b8_shared_stream)  # odd rounds A B, even B A (waterfall's
+                                                                      # run_order; streams A/B run 1 ran A B thrice)
   waterfall_rows "streams_ab_$round" "$limit" $((limit - 10)) "$rows"
 done
 fi
@@ -791,13 +799,13 @@ qwen_files="$(ls tests/test_*.py | grep -v -x -F -f <(echo "$sam_files" | tr -s 
 fi
 if want 66; then
 say "66. issue 4 (the whole .devbundle; written 2026-12-02, unrun): every Sammie test file with a CUDA path, whole"
-gpu_tests sam_suite "${LIMIT_66:-540}" $sam_files -rf
+gpu_tests sam_suite "${LIMIT_66:-540}" $sam_files -rfE
 grep -E "^(FAILED|ERROR)" "$R/sam_suite.log" | cut -c1-300 | head -30
 fi
 if want 67; then
 say "67. issue 5 (the whole .devbundle; written 2026-12-02, unrun): every other test file with a CUDA path (the Qwen"
 say "    engine's kernels, model, engine and server), whole"
-gpu_tests qwen_suite "${LIMIT_67:-540}" $qwen_files -rf
+gpu_tests qwen_suite "${LIMIT_67:-540}" $qwen_files -rfE
 grep -E "^(FAILED|ERROR)" "$R/qwen_suite.log" | cut -c1-300 | head -30
 fi
 if want 57; then

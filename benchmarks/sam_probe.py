@@ -295,7 +295,8 @@ def main() -> None:
     ap.add_argument("--parts", default="sdpa,box_bias,attention_backends,patch_embed,pair_gather",
                     help="comma-separated parts to run")
     args = ap.parse_args()
-    unknown = set(args.parts.split(",")) - set(ap.get_default("parts").split(","))
+    parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    unknown = parts - set(ap.get_default("parts").split(","))
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}; valid: {ap.get_default('parts')}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -310,7 +311,7 @@ def main() -> None:
                      ("attention_backends", lambda: probe_attention_backends(det, cfg)),
                      ("patch_embed", lambda: probe_patch_embed(det, cfg)),
                      ("pair_gather", lambda: probe_pair_gather(det, cfg))):
-        if name not in args.parts.split(","):
+        if name not in parts:
             continue
         try:
             result[name] = fn()

@@ -17,13 +17,14 @@ realistic); every row, Meta's and ours, uses these thresholds.
 
 Rows (`ROWS`; `--rows` picks a subset: Meta's and the engine rows run in the order given, so A/B rounds can alternate;
 the rows that measure an earlier row's engine, and the HTTP slot, follow them in table order): Meta per image (fp32
-with TF32 as Meta's import sets it, and bf16 autocast), Meta's batched Datapoint path at batch 8 (end to end, and model forward only), then Sammie's engine
-in-process (asyncio, JPEG bytes in, instances out incl. decode and post-processing; `--clients` requests in flight):
-fp32 and bf16 one request at a time, bf16 batched, + CUDA graphs, + Triton kernels, + FP8 ViT; then the best bf16
-engine's detector alone on a pre-processed batch of 8, a lone request's latency, a second prompt on a cached image,
-and an HTTP slot filled from `--http-results` (`benchmarks/serve_gpu.sh`). Every row runs in try/except: a failing
-row records its error and the run goes on. Engine rows are built only from `EngineConfig` values; a baseline value
-(compile "none", kernels "reference", vit_fp8 False) for a field this EngineConfig lacks is dropped and noted.
+with TF32 as Meta's import sets it, and bf16 autocast), Meta's batched Datapoint path at batch 8 (end to end, and
+model forward only), then Sammie's engine in-process (asyncio, JPEG bytes in, instances out incl. decode and
+post-processing; `--clients` requests in flight): fp32 and bf16 one request at a time, bf16 batched, + CUDA graphs, +
+Triton kernels, + FP8 ViT; then the best bf16 engine's detector alone on a pre-processed batch of 8, a lone request's
+latency, a second prompt on a cached image, and an HTTP slot filled from `--http-results` (`benchmarks/serve_gpu.sh`).
+Every row runs in try/except: a failing row records its error and the run goes on. Engine rows are built only from
+`EngineConfig` values; a baseline value (compile "none", kernels "reference", vit_fp8 False) for a field this
+EngineConfig lacks is dropped and noted.
 
 Columns: img/s; p50/p99 ms per request (per batch for batched Meta and model-only rows); peak GB =
 `torch.cuda.max_memory_allocated` during the row minus what other live objects held at its start (plus the weights of
@@ -56,9 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_parity (photos, 
 
 from waterfall_bench import (GAP_RANKS, IMAGE_SIZE, JPEG_QUALITY, Bench, Skipped,  # noqa: E402
                              threshold_in_gap, versions)
-from waterfall_runs import (BEST_CANDIDATES, best_engine, close_engine, free_device_memory, profile_engine,  # noqa: E402
-                            run_engine, run_extra_prompt, run_http, run_latency, run_meta_batched, run_meta_processor,
-                            run_model_only)
+from waterfall_runs import (BEST_CANDIDATES, best_engine, close_engine, free_device_memory,  # noqa: E402
+                            profile_engine, run_engine, run_extra_prompt, run_http, run_latency, run_meta_batched,
+                            run_meta_processor, run_model_only)
 
 # What callers (tests/test_waterfall.py) use, some of it re-exported from waterfall_bench / waterfall_runs.
 __all__ = ["BEST_CANDIDATES", "ROWS", "ROW_NAMES", "Row", "Skipped", "Target", "main", "markdown", "run_http",
@@ -313,15 +314,14 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 if row.name in BEST_CANDIDATES or row.name in reused:
                     b.engines[row.name] = engine
                     if row.name in BEST_CANDIDATES:  # keep only the fastest bf16 engine for the rows that reuse it
-                        best, _ = best_engine(b, {**results, row.name: r})
+                        best = best_engine(b, {**results, row.name: r})[0]
                         for name in [n for n in b.engines if n != best and n in BEST_CANDIDATES and n not in reused]:
                             await close_engine(b.engines.pop(name))
                 else:
                     await close_engine(engine)
                 # the loop's own reference: until 2026-12-02 a closed engine stayed alive through the next row
-                # (streams A/B runs 1-2 found the process's first engine ~4% faster whichever it was)
+                # (streams A/B runs 1-2: the process's first engine may run faster, whichever it is)
                 del engine
-                free_device_memory()
             elif row.kind == "model_only":
                 r = run_model_only(b, *_engine_for(b, row.reuse, results))
             elif row.kind == "batched_idle":
@@ -340,6 +340,8 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
         except Exception as exc:  # noqa: BLE001  (one failing row must not hide the others)
             r = {"error": f"{type(exc).__name__}: {exc}".replace("\n", " "), "traceback": traceback.format_exc()}
             print(r["traceback"], flush=True)
+        if row.kind == "engine":  # after the except block: a failed engine's traceback (its frames) is gone by now
+            free_device_memory()
         rate = r.get("img_per_s") if r.get("img_per_s") is not None else r.get("pairs_per_s")
         fpu = _flop_per_unit(row, flops)
         if rate is not None and "error" not in r and "skipped" not in r:

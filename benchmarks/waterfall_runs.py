@@ -209,9 +209,9 @@ async def run_engine(b: Bench, row: Row) -> tuple[dict, Any]:
     with tf32(False):  # Sammie sets no global torch flags (STYLE A1): production numerics
         t0 = time.perf_counter()
         engine = SammieEngine(cfg)
-        await engine.start()
-        start_s = time.perf_counter() - t0
         try:
+            await engine.start()  # a failed warm-up or capture must not leave the loop's threads running
+            start_s = time.perf_counter() - t0
             gate = getattr(engine, "vit_fp8", None)  # the engine's FP8 accuracy gate report (None: not requested)
             if row.engine.get("vit_fp8") and not getattr(gate, "enabled", False):
                 raise RuntimeError(f"FP8 gate did not pass, the engine serves bf16: "
@@ -219,10 +219,8 @@ async def run_engine(b: Bench, row: Row) -> tuple[dict, Any]:
             await drive(engine, b, clients, 0.0, min_requests=clients)  # untimed: caches, allocator, first batches
             stats = await drive(engine, b, clients, b.args.seconds)
             outputs = await engine_outputs(engine, b)
-        except BaseException:
+        except BaseException:  # closed here; its memory goes once the caller's exception is gone (run_rows frees it)
             await close_engine(engine)
-            del engine
-            free_device_memory()
             raise
     result = {**stats, "img_per_s": stats["rate"], "peak_gb": mem.peak_gb(), "tf32": False, "clients": clients,
               "engine_config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "checkpoint"},
