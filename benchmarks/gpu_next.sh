@@ -769,9 +769,10 @@ timeout "${LIMIT_63:-90}" python benchmarks/sam_probe.py --out "$R/sam_probe" --
 grep -E "^\[sam_probe\] pair_gather|Error" "$R/sam_probe_gather.log" | cut -c1-400
 fi
 if want 64; then
-say "64. issue 4 (any carry; ran: linear_gelu_probe run 1): fc1 + exact GELU as one Triton GEMM (kernels/linear_gelu.py,"
-say "    TMA descriptors, erf GELU in the epilogue) against cuBLAS + the GELU pass (run 14: 7.7% of the engine's GPU"
-say "    time), cuBLASLt's tanh epilogue and the bare cuBLAS GEMM, at 1 and 8 images; its CUDA tests first"
+say "64. issue 4 (any carry; ran: linear_gelu_probe run 1; the persistent and GEMM-only paths since, unrun): fc1 +"
+say "    exact GELU as one Triton GEMM (kernels/linear_gelu.py, TMA descriptors, erf GELU in the epilogue; one tile per"
+say "    program and persistent) against cuBLAS + the GELU pass (run 14: 7.7% of the engine's GPU time), cuBLASLt's"
+say "    tanh epilogue and the bare cuBLAS GEMM, at 1 and 8 images; its CUDA tests first"
 gpu_tests linear_gelu_tests 90 tests/test_kernel_linear_gelu.py
 gpu_tests engine_graph_test 150 tests/test_engine_fastpath.py -k "cuda_graphs_match_eager"  # run 63: its stats key
 timeout "${LIMIT_64:-200}" python benchmarks/linear_gelu_probe.py --out "$R/linear_gelu_probe" \

@@ -11,8 +11,11 @@ here: does a Triton GEMM with the exact GELU in its epilogue beat cuBLAS + the G
   block size and warps; part of the max-autotune mode, which run 9 measured as a whole);
 - `cublaslt_tanh`: `torch._addmm_activation(use_gelu=True)` (one kernel, tanh GELU: `vit_fused_gelu`);
 - `cublas_linear_only`: F.linear alone (the bare GEMM: what any fusion must approach);
-- `triton <launch>`: each launch configuration of `linear_gelu_triton`;
-and for each Triton variant the largest difference from the reference and the share of outputs bit-identical to it.
+- `triton <launch>`: each launch configuration of `linear_gelu_triton` (one tile per program, and persistent: one
+  program per SM, the tile and K loops flattened into one pipelined loop);
+- `triton_linear_only <launch>`: two of them without the GELU (`linear_triton`), the GEMM's own rate;
+and for each Triton variant the largest difference from the reference (F.linear for the linear-only ones) and the
+share of outputs bit-identical to it.
 
     python benchmarks/linear_gelu_probe.py --out DIR                   # CUDA (Hopper)
     TRITON_INTERPRET=1 python benchmarks/linear_gelu_probe.py --out DIR --m 64 --n 256 --k 64 --iters 1   # CPU smoke
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: cuda_timing
 
 from cuda_timing import median_ms  # noqa: E402
-from kernels.linear_gelu import Launch, linear_gelu_reference, linear_gelu_triton  # noqa: E402
+from kernels.linear_gelu import Launch, linear_gelu_reference, linear_gelu_triton, linear_triton  # noqa: E402
 
 LAUNCHES = {  # name -> Launch (block_m, block_n, block_k, group_m, num_warps, num_stages)
     "128x256x64_w8_s3": Launch(128, 256, 64, 8, 8, 3),
@@ -44,8 +47,17 @@ LAUNCHES = {  # name -> Launch (block_m, block_n, block_k, group_m, num_warps, n
     "128x128x64_w8_s4": Launch(128, 128, 64, 8, 8, 4),
     "128x256x32_w8_s5": Launch(128, 256, 32, 8, 8, 5),
     "64x256x64_w4_s4": Launch(64, 256, 64, 8, 4, 4),
+    # one program per SM walking the tiles, the tile and K loops flattened (next tile's loads during the epilogue)
+    "persistent_128x256x64_w8_s3": Launch(128, 256, 64, 8, 8, 3, persistent=True),
+    "persistent_128x256x64_w8_s4": Launch(128, 256, 64, 8, 8, 4, persistent=True),
+    "persistent_128x256x64_w8_s3_unflattened": Launch(128, 256, 64, 8, 8, 3, persistent=True, flatten=False),
+    "persistent_128x128x64_w8_s4": Launch(128, 128, 64, 8, 8, 4, persistent=True),
 }
-SMOKE_LAUNCH = Launch(32, 32, 16, 2, 4, 2)  # the interpreter's dry run: small tiles
+# launches also timed without the GELU (`linear_triton`): the GEMM's own rate against cuBLAS's, so the epilogue's
+# cost reads off the difference (run 1: 349 TFLOP/s with it, unknown without)
+LINEAR_ONLY = ("128x256x64_w8_s4", "persistent_128x256x64_w8_s3")
+SMOKE_LAUNCHES = {"smoke": Launch(32, 32, 16, 2, 4, 2),  # the interpreter's dry run: small tiles
+                  "persistent_smoke": Launch(32, 32, 16, 2, 4, 2, persistent=True)}
 
 
 def main() -> None:
@@ -63,7 +75,8 @@ def main() -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     w = (torch.randn(args.n, args.k, generator=gen) / args.k ** 0.5).to(device, torch.bfloat16)
     b = (0.1 * torch.randn(args.n, generator=gen)).to(device, torch.bfloat16)
-    launches = LAUNCHES if device.type == "cuda" else {"smoke": SMOKE_LAUNCH}
+    launches = LAUNCHES if device.type == "cuda" else SMOKE_LAUNCHES
+    linear_only = LINEAR_ONLY if device.type == "cuda" else ("persistent_smoke",)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "n": args.n, "k": args.k, "rows": []}
     compiled = {}
@@ -81,16 +94,19 @@ def main() -> None:
         paths |= {name: (lambda fn=fn: fn(x)) for name, fn in compiled.items()}
         if not args.skip_triton:
             paths |= {f"triton {name}": (lambda c=c: linear_gelu_triton(x, w, b, c)) for name, c in launches.items()}
+            paths |= {f"triton_linear_only {name}": (lambda c=launches[name]: linear_triton(x, w, b, c))
+                      for name in linear_only}
         for name, fn in paths.items():
             row = {"m": m, "path": name}
             try:
                 got = fn()
                 ms = median_ms(fn, device, iters=args.iters)
                 row |= {"ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1)}
-                if got.shape == ref.shape and name != "cublas_linear_only":
-                    diff = (got.float() - ref.float()).abs()
-                    row |= {"max_abs_diff": diff.max().item(), "max_abs_ref": ref.float().abs().max().item(),
-                            "identical_pct": round(100 * (got == ref).float().mean().item(), 3)}
+                want = F.linear(x, w, b) if name.startswith("triton_linear_only") else ref
+                if got.shape == want.shape and name != "cublas_linear_only":
+                    diff = (got.float() - want.float()).abs()
+                    row |= {"max_abs_diff": diff.max().item(), "max_abs_ref": want.float().abs().max().item(),
+                            "identical_pct": round(100 * (got == want).float().mean().item(), 3)}
             except Exception as e:  # one configuration failing (shared memory, a compile error) must not lose the rest
                 row["error"] = repr(e)[:400]
             print(f"[linear_gelu_probe] {json.dumps(row)}", flush=True)
@@ -104,7 +120,7 @@ def main() -> None:
             if path in rows and base:
                 print(f"[linear_gelu_probe] M={m}: {path} {rows[path]['ms']:.4f} ms against {base['path']} "
                       f"{base['ms']:.4f} ms ({base['ms'] / rows[path]['ms']:.3f}x)", flush=True)
-        best = min((r for p, r in rows.items() if p.startswith("triton")), key=lambda r: r["ms"], default=None)
+        best = min((r for p, r in rows.items() if p.startswith("triton ")), key=lambda r: r["ms"], default=None)
         if best and base:
             bare = rows.get("cublas_linear_only", {}).get("ms", float("nan"))
             print(f"[linear_gelu_probe] M={m}: best Triton {best['path']} {best['ms']:.4f} ms against "

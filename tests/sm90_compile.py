@@ -128,6 +128,12 @@ def main() -> int:
                            "o_desc": "tensordesc<bf16[128,256]>"},
                           dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, INTERPRET=False),
                           ptx_has="wgmma.mma_async"))
+    ok.append(compile_one("linear_gelu persistent (132 programs walking the tiles, tile and K loops flattened)",
+                          linear_gelu._linear_gelu_persistent_kernel,
+                          {"x_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[256,64]>", "b_ptr": "*bf16",
+                           "o_desc": "tensordesc<bf16[128,256]>"},
+                          dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, INTERPRET=False,
+                               NUM_PROGRAMS=132, FLATTEN=True), ptx_has="wgmma.mma_async"))
     ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
                           {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
                           dict(BLOCK_H=2048, INTERPRET=False)))
