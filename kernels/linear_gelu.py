@@ -86,6 +86,17 @@ if triton is not None:
         return tile_m * BLOCK_M, tile_n * BLOCK_N
 
     @triton.jit
+    def _tile_acc(x_desc, w_desc, off_m, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+        """fp32 [BM, BN] accumulator of x[off_m:, :] @ w[off_n:, :]^T over all of K (the main loop)."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = x_desc.load([off_m, k * BLOCK_K])  # [BM, BK]
+            b = w_desc.load([off_n, k * BLOCK_K])  # [BN, BK]
+            acc = _mma(a, b.T, acc, INTERPRET)
+        return acc
+
+    @triton.jit
     def _epilogue(acc, b_ptr, off_n, N, HAS_BIAS: tl.constexpr, APPLY_GELU: tl.constexpr,
                   BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
         """fp32 accumulator [BM, BN] -> the bf16 tile: + bias, rounded as F.linear stores it, then (APPLY_GELU) the
@@ -105,11 +116,7 @@ if triton is not None:
         # one output tile per program
         off_m, off_n = _tile_origin(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), BLOCK_M, BLOCK_N,
                                     GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            a = x_desc.load([off_m, k * BLOCK_K])  # [BM, BK]
-            b = w_desc.load([off_n, k * BLOCK_K])  # [BN, BK]
-            acc = _mma(a, b.T, acc, INTERPRET)
+        acc = _tile_acc(x_desc, w_desc, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
         o_desc.store([off_m, off_n], _epilogue(acc, b_ptr, off_n, N, HAS_BIAS, APPLY_GELU, BLOCK_N, INTERPRET))
 
     @triton.jit
@@ -122,11 +129,7 @@ if triton is not None:
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
             off_m, off_n = _tile_origin(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, tl.cdiv(K, BLOCK_K)):
-                a = x_desc.load([off_m, k * BLOCK_K])
-                b = w_desc.load([off_n, k * BLOCK_K])
-                acc = _mma(a, b.T, acc, INTERPRET)
+            acc = _tile_acc(x_desc, w_desc, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
             o_desc.store([off_m, off_n], _epilogue(acc, b_ptr, off_n, N, HAS_BIAS, APPLY_GELU, BLOCK_N, INTERPRET))
 
 
