@@ -223,6 +223,14 @@ gpu_tests() {
   timeout -s INT -k 15 "$limit" python -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1
   grep -E "passed|failed|Error" "$R/$name.log" | tail -4
 }
+# probe NAME LIMIT SCRIPT ARGS...: benchmarks/SCRIPT --out $R/NAME ARGS, into $R/NAME.log; prints the script's own
+# "[tag]" lines and any errors (steps 57, 63-65)
+probe() {
+  local name=$1 limit=$2 script=$3
+  shift 3
+  timeout "$limit" python "benchmarks/$script" --out "$R/$name" "$@" > "$R/$name.log" 2>&1
+  grep -E "^\[${script%.py}\]|Error|error" "$R/$name.log" | cut -c1-400
+}
 
 if want 1; then
 say "1. CUDA tests"
@@ -764,9 +772,7 @@ say "    from the image batches into the graph's buffers (copy_rows: one copy pe
 say "    concatenation plus index_select (run 14: indexSelectSmallIndex 1.8% of the GPU time, ~0.8 ms a call): the"
 say "    graphs' and the engine's CUDA tests, then sam_probe's pair_gather (old against new at 8 pairs, full size)"
 gpu_tests gather_tests 150 tests/test_graphs.py tests/test_engine_fastpath.py -k "cuda or stage_streams or views"
-timeout "${LIMIT_63:-90}" python benchmarks/sam_probe.py --out "$R/sam_probe" --parts pair_gather \
-  > "$R/sam_probe_gather.log" 2>&1
-grep -E "^\[sam_probe\] pair_gather|Error" "$R/sam_probe_gather.log" | cut -c1-400
+probe sam_probe_gather "${LIMIT_63:-90}" sam_probe.py --parts pair_gather
 fi
 if want 64; then
 say "64. issue 4 (any carry; ran: linear_gelu_probe run 1; the persistent and GEMM-only paths since, unrun): fc1 +"
@@ -775,9 +781,7 @@ say "    program and persistent) against cuBLAS + the GELU pass (run 14: 7.7% of
 say "    tanh epilogue and the bare cuBLAS GEMM, at 1 and 8 images; its CUDA tests first"
 gpu_tests linear_gelu_tests 90 tests/test_kernel_linear_gelu.py
 gpu_tests engine_graph_test 150 tests/test_engine_fastpath.py -k "cuda_graphs_match_eager"  # run 63: its stats key
-timeout "${LIMIT_64:-200}" python benchmarks/linear_gelu_probe.py --out "$R/linear_gelu_probe" \
-  > "$R/linear_gelu_probe.log" 2>&1
-grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe.log" | cut -c1-300
+probe linear_gelu_probe "${LIMIT_64:-200}" linear_gelu_probe.py
 fi
 if want 65; then
 say "65. issues 4 and 5 (any carry: torch only; ran: run 37's tests, linear_gelu_probe run 2): the paged decode"
@@ -785,9 +789,7 @@ say "    attention's CUDA tests (the split count from the grid: no new kernel va
 say "    inductor paths (run 2 also timed ATen's GELU opaque to inductor: 0.98x, removed; coordinate-descent tuning"
 say "    1.04x at 8 images, 0.97x at one)"
 gpu_tests paged_attention_tests 120 tests/test_kernel_paged_attention.py
-timeout "${LIMIT_65:-150}" python benchmarks/linear_gelu_probe.py --out "$R/linear_gelu_probe2" --skip-triton \
-  > "$R/linear_gelu_probe2.log" 2>&1
-grep -E "^\[linear_gelu_probe\]|Error" "$R/linear_gelu_probe2.log" | cut -c1-300
+probe linear_gelu_probe2 "${LIMIT_65:-150}" linear_gelu_probe.py --skip-triton
 fi
 if want 66 || want 67; then
 # every test file with a CUDA path, run whole on the GPU (GPU calls otherwise select a few tests, and a CUDA-only test
@@ -815,9 +817,7 @@ say "    FP8 fc2 timed alone at batch 8: its CUDA tests, then benchmarks/quant_p
 say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 warps, the chunked max-first kernel,"
 say "    beside inductor's fusion, the GELU pass and fc2's GEMM in bf16 and FP8 (the break-even: 0.46-0.52 ms)"
 gpu_tests gelu_quant_tests 90 tests/test_kernel_fp8.py -k "gelu"
-timeout "${LIMIT_57:-200}" python benchmarks/quant_probe.py --out "$R/quant_probe" > "$R/quant_probe.log" 2>&1
-grep -E "^\[quant_probe\]" "$R/quant_probe.log" | cut -c1-260
-grep -E "Error|error" "$R/quant_probe.log" | head -5
+probe quant_probe "${LIMIT_57:-200}" quant_probe.py
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
