@@ -158,6 +158,9 @@
 #       the pair gather's tests and probe; fc1 + GELU as one Triton GEMM, probed (ran: pair_gather / linear_gelu runs 1)
 #   STEPS="65" (carry .devbundle/extra and .tritoncache): ~2 min: the paged attention's CUDA tests, linear_gelu's
 #       inductor paths (ran: run 37's call)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="68" bash benchmarks/gpu_next.sh      # <= 9.3 min: issue 4, FP8
+#       fc2 on one calibrated input scale per block (vit_fp8_static) beside the default FP8 engine (unrun);
+#       ROWS_68=...,ours_fp8_static_all,model_only_fp8_static_all adds every input on a static scale
 #   eval "$(bash .devbundle/install.sh)" && STEPS="66" / "67" bash benchmarks/gpu_next.sh   # <= 9.3 min each:
 #       every test file with a CUDA path run whole, Sammie's files / the rest (unrun)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
@@ -790,6 +793,15 @@ say "    inductor paths (run 2 also timed ATen's GELU opaque to inductor: 0.98x,
 say "    1.04x at 8 images, 0.97x at one)"
 gpu_tests paged_attention_tests 120 tests/test_kernel_paged_attention.py
 probe linear_gelu_probe2 "${LIMIT_65:-150}" linear_gelu_probe.py --skip-triton
+fi
+if want 68; then
+say "68. issue 4 (the whole .devbundle; written 2026-12-02, unrun): FP8 fc2 with ONE calibrated input scale per block"
+say "    (vit_fp8_static: the GELU + quantiser elementwise, fused by inductor; runs 6-8: the per-token quantiser made an"
+say "    FP8 fc2 lose) beside the default FP8 engine (fc2 in bf16), each with its detector alone; the static op's CUDA"
+say "    tests first. Run 8: ours_fp8_vit_no_fc2 62.2 img/s, its detector 68.4"
+gpu_tests fp8_static_tests 120 tests/test_kernel_fp8.py tests/test_fp8_vit.py -k "static or self_check"
+rows_68=ours_fp8_vit_no_fc2,ours_fp8_static_fc2,model_only_fp8_no_fc2,model_only_fp8_static_fc2
+waterfall_rows waterfall_fp8_static "${LIMIT_68:-430}" 410 "${ROWS_68:-$rows_68}"
 fi
 if want 66 || want 67; then
 # every test file with a CUDA path, run whole on the GPU (GPU calls otherwise select a few tests, and a CUDA-only test

@@ -81,6 +81,7 @@ IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROWWISE_NAME = "fp8_rowwise_linear"
 ROWWISE_GELU_NAME = "fp8_rowwise_linear_gelu"  # the same of gelu(x): the ViT MLP's fc2, handed fc1's output
+STATIC_ROWWISE_NAME = "fp8_static_rowwise_linear"  # row-wise weights, ONE calibrated activation scale (the ViT)
 # Error per output of an FP8 GEMM with fp32 scales, in units of S = sum_k |products| (module docstring):
 ACC_REL_BOUND_HOPPER = 2.0**-9  # tensor-core accumulator (~13 bits) promoted to fp32 every <= 128 products
 FP32_UNIT_ROUNDOFF = 2.0**-24  # CPU `_scaled_mm` / the reference: fp32 sums, recursive bound (K - 1) x 2^-24
@@ -314,6 +315,74 @@ def _sample_rowwise(device) -> tuple[tuple, dict]:
     return (x.to(device), w_fp8.to(device), w_scale.to(device), bias.to(device)), {}
 
 
+# ---- one static (calibrated) activation scale, row-wise weights: the ViT's `vit_fp8_static` linears ---------------
+# Why: a per-token scale needs a reduction over each row before the first code can be written. For fc2, whose input
+# is the GELU of fc1's 4,736-wide output, that reduction is what made an FP8 fc2 lose (0.634-0.91 ms a call at 8
+# images against a 0.466 ms break-even; RESULTS.md, quant_probe runs 1-2, waterfall runs 6-8). With one scale per
+# layer, calibrated once at start (`sammie.model.fp8`), the GELU, the division, the clamp and the cast are
+# elementwise, which inductor fuses into the GELU pass the bf16 path runs anyway (or, eager, one Triton launch).
+def fp8_static_rowwise_linear_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                        bias: torch.Tensor | None, input_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype: x quantised with the one scale `input_scale` (fp32, one element;
+    `quantize_static_reference`: RNE e4m3 of x / s saturated at +-448), both operands dequantised in fp32,
+    multiplied in fp32, + bias, one rounding to x.dtype. Any device, any shape."""
+    k, n = x.shape[-1], w_fp8.shape[0]
+    s = input_scale.float().reshape(())
+    xq = quantize_static_reference(x.reshape(-1, k), s)
+    y = (xq.float() * s) @ (w_fp8.float() * w_scale.float().reshape(n, 1)).T  # [M, N] fp32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _static_rowwise(quantize, x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, input_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> [..., N]: `quantize` (x [M, K], s []) -> codes, then the row-wise GEMM with the one scale as
+    every row's (`_scaled_mm` takes no tensor-wise x scale beside row-wise weight scales)."""
+    k = x.shape[-1]
+    s = input_scale.float().reshape(())
+    xq = quantize(x.reshape(-1, k), s)
+    sx = s.expand(xq.shape[0], 1).contiguous()  # [M, 1] fp32: 4 bytes a token
+    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def fp8_static_rowwise_linear_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                        bias: torch.Tensor | None, input_scale: torch.Tensor) -> torch.Tensor:
+    """Fast path, the quantiser as torch ops (elementwise: torch.compile fuses it into the op before, e.g. the
+    GELU), then the row-wise GEMM."""
+    return _static_rowwise(quantize_static_reference, x, w_fp8, w_scale, bias, input_scale)
+
+
+def fp8_static_rowwise_linear_triton_quant(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                                           bias: torch.Tensor | None, input_scale: torch.Tensor) -> torch.Tensor:
+    """Fast path, the quantiser in one Triton launch (`quantize_static_triton`, the same codes), then the GEMM."""
+    return _static_rowwise(quantize_static_triton, x, w_fp8, w_scale, bias, input_scale)
+
+
+def describe_static_rowwise(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                            input_scale: torch.Tensor) -> dict[str, Any]:
+    return dict(describe_rowwise(x, w_fp8, w_scale, bias),
+                input_scale_ok=input_scale.dtype == torch.float32 and input_scale.numel() == 1
+                and input_scale.device == x.device)
+
+
+def supports_static_rowwise(*, input_scale_ok: bool, **info: Any) -> bool:
+    """`supports_rowwise` and one fp32 activation scale on x's device."""
+    return input_scale_ok and supports_rowwise(**info)
+
+
+def supports_static_rowwise_triton_quant(*, device: str, dtype: torch.dtype, **info: Any) -> bool:
+    """`supports_static_rowwise` and the static Triton quantiser's guard (Triton present)."""
+    return (supports_static_rowwise(device=device, dtype=dtype, **info)
+            and static_supports(device=device, dtype=dtype))
+
+
+def _sample_static_rowwise(device) -> tuple[tuple, dict]:
+    (x, w_fp8, w_scale, bias), _ = _sample_rowwise(device)
+    input_scale = (x.float().abs().amax() / E4M3_MAX * 0.9).reshape(1)  # a little below the batch's amax: saturates
+    return (x, w_fp8, w_scale, bias, input_scale.to(device)), {}
+
+
 # ---- guard, registry entry ------------------------------------------------------------------------------------------
 def describe(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> dict[str, Any]:
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
@@ -420,3 +489,13 @@ def register(registry) -> None:
                                 supports_rowwise_gelu_triton, kind="triton")
     registry.add_implementation(ROWWISE_GELU_NAME, "scaled_mm", fp8_rowwise_linear_gelu_scaled_mm,
                                 supports_rowwise, kind="torch")
+
+    registry.add_op(STATIC_ROWWISE_NAME, fp8_static_rowwise_linear_reference, sample=_sample_static_rowwise,
+                    compare=compare_rowwise, describe=describe_static_rowwise,
+                    tolerance="as fp8_rowwise_linear (identical codes: the same fp32 division, clamp and RNE cast)")
+    # eager: the one-launch quantiser first; under inductor the engine asks for "torch" (sammie.model.fp8): the torch
+    # ops fuse into the GELU / LayerNorm pass before them
+    registry.add_implementation(STATIC_ROWWISE_NAME, "triton_quant+scaled_mm", fp8_static_rowwise_linear_triton_quant,
+                                supports_static_rowwise_triton_quant, kind="triton")
+    registry.add_implementation(STATIC_ROWWISE_NAME, "scaled_mm", fp8_static_rowwise_linear_scaled_mm,
+                                supports_static_rowwise, kind="torch")

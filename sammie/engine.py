@@ -39,6 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -106,7 +107,7 @@ class EngineConfig:
     compile: str = "auto"  # none | graphs | inductor | auto (graphs on cuda, none on cpu). graphs: CUDA graphs of
     #                        the eager detector per image / pair bucket (sammie.model.graphs.GraphedDetector),
     #                        captured at start in seconds; inductor: torch.compile (inductor) per bucket, then
-    #                        graphs: ~25% faster steady state, ~35 s of compile per bucket at start (full size, H200)
+    #                        graphs: ~35-40% faster (61 vs 43-45 img/s, waterfall), ~35 s of compile per bucket at start
     image_inductor_mode: str = "default"  # the image stage's inductor mode with compile=inductor: default |
     #                        max-autotune-no-cudagraphs (Triton GEMM templates benchmarked against cuBLAS per shape,
     #                        a GELU fused into a winning template's epilogue). H200, waterfall run 9: cuBLAS won all
@@ -125,6 +126,14 @@ class EngineConfig:
     #                        run 7: the FP8 detector alone 63.8 -> 68.3 img/s without it, the engine 57.9 -> 60.4.
     #                        The one-pass Triton GELU quantiser measured slower still (run 8: fc2 in FP8 cost
     #                        0.40 ms per block of a batch of 8 more than bf16; 61.7 against 68.4 img/s)
+    vit_fp8_static: tuple = ()  # which of vit_fp8_linears quantise their input with ONE activation scale per layer,
+    #                        calibrated at start (2 x the input's amax over the calibration sample / 448) instead of
+    #                        one per token: the quantiser becomes elementwise and fuses into the op before it (for
+    #                        mlp.fc2: the GELU pass), which a per-token reduction cannot (sammie.model.fp8). Written
+    #                        for an FP8 fc2 (["mlp.fc2"] with vit_fp8_linears = all four); NOT YET TIMED on a GPU
+    vit_fp8_calibration_images: tuple = ()  # image files (JPEG / PNG, <= 8) the FP8 gate and the static scales run
+    #                        on instead of the seeded noise image; give real images of your traffic with a real
+    #                        checkpoint (static scales calibrated on noise only suit speed measurements)
     vit_fused_gelu: bool = False  # each ViT block's fc1 + GELU as one cuBLASLt GEMM with its GELU epilogue (CUDA;
     #                        sammie.model.vit.Mlp): spares the separate GELU pass (9.4 of ~117 ms per batch of 8 on
     #                        the H200), but cuBLASLt's GELU is the tanh approximation, not Meta's exact erf GELU
@@ -141,7 +150,8 @@ class EngineConfig:
     #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
     def __post_init__(self):
-        for name in ("image_buckets", "pair_buckets", "vit_fp8_linears"):  # YAML gives lists
+        for name in ("image_buckets", "pair_buckets", "vit_fp8_linears", "vit_fp8_static",
+                     "vit_fp8_calibration_images"):  # YAML gives lists
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         check_field_types(self)
@@ -176,9 +186,19 @@ class EngineConfig:
             raise ValueError("vit_fused_gelu needs the real detector; it cannot be combined with null_model")
         if self.null_model and self.vit_fp8:
             raise ValueError("vit_fp8 needs the real detector; it cannot be combined with null_model")
-        from sammie.model.fp8 import check_linears
+        from sammie.model.fp8 import MAX_CALIBRATION_IMAGES, check_linears, check_static
 
         check_linears(self.vit_fp8_linears)
+        for name in ("vit_fp8_static", "vit_fp8_calibration_images"):
+            if getattr(self, name) and not self.vit_fp8:
+                raise ValueError(f"{name} needs vit_fp8: true, got {name}={list(getattr(self, name))} with vit_fp8 off")
+        check_static(self.vit_fp8_static, self.vit_fp8_linears)
+        if not all(isinstance(p, str) and p for p in self.vit_fp8_calibration_images):
+            raise ValueError(f"vit_fp8_calibration_images must be a list of file paths, got "
+                             f"{list(self.vit_fp8_calibration_images)!r}")
+        if len(self.vit_fp8_calibration_images) > MAX_CALIBRATION_IMAGES:
+            raise ValueError(f"vit_fp8_calibration_images: at most {MAX_CALIBRATION_IMAGES} images (one ViT batch "
+                             f"at start), got {len(self.vit_fp8_calibration_images)}")
         if self.null_model and self.compile in ("graphs", "inductor"):
             raise ValueError(f"compile={self.compile!r} needs the real detector; with null_model use compile='none' "
                              "or 'auto'")
@@ -487,15 +507,32 @@ class SammieEngine:
                           "the GELU itself, keep their own path"}
 
     def _enable_vit_fp8(self):
-        """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample (a seeded uniform-noise
-        image through the real preprocessing: no photograph is available at start; real images may err
-        differently). Returns its report; a refusal is logged at ERROR and bf16 stays."""
+        """FP8 ViT linears, kept only if `enable_vit_fp8`'s accuracy gate passes on a sample: the images of
+        `vit_fp8_calibration_images`, else a seeded uniform-noise image (no photograph is available at start; real
+        images may err differently), through the real decoding and preprocessing. The static activation scales of
+        `vit_fp8_static` are calibrated on the same sample. Returns its report; a refusal is logged at ERROR and
+        bf16 stays."""
         from sammie.model.fp8 import enable_vit_fp8
 
-        side = self.model_cfg.image_size
-        rgb = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, side, side), dtype=np.uint8))
+        paths = self.cfg.vit_fp8_calibration_images
+        if paths:
+            rgbs = []
+            for path in paths:
+                try:
+                    data = Path(path).read_bytes()
+                except OSError as e:
+                    raise FileNotFoundError(f"vit_fp8_calibration_images: cannot read {path!r}: {e}") from e
+                try:
+                    rgbs.append(decode_image(data, self.cfg.max_image_pixels))
+                except InvalidImage as e:
+                    raise ValueError(f"vit_fp8_calibration_images: {path!r} is not a usable image: {e}") from e
+            calibration = f"{len(rgbs)} calibration image{'s' if len(rgbs) > 1 else ''}"
+        else:
+            side = self.model_cfg.image_size
+            rgbs = [torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, side, side), dtype=np.uint8))]
+            calibration = "a seeded noise image (no vit_fp8_calibration_images)"
         with torch.inference_mode():
-            sample = preprocess_batch(self.registry, [rgb], self.model_cfg, self.device, self.dtype)  # [1, 3, S, S]
+            sample = preprocess_batch(self.registry, rgbs, self.model_cfg, self.device, self.dtype)  # [n, 3, S, S]
         # under inductor the plain-torch quantise-and-_scaled_mm path ("torch") is the fast one for qkv / proj / fc1:
         # inductor fuses their per-token quantisation into the LayerNorm / attention output before them, which an
         # opaque Triton quantiser prevents (a separate pass costs more than the FP8 GEMM saves: RESULTS.md, stage
@@ -505,7 +542,8 @@ class SammieEngine:
         # compared inside the engine
         preference = "torch" if self.compile == "inductor" and self.kernels != "reference" else "auto"
         report = enable_vit_fp8(self.detector, sample, registry=self.registry,  # its op's choice shows in health()
-                                preference=preference, linears=self.cfg.vit_fp8_linears)
+                                preference=preference, linears=self.cfg.vit_fp8_linears,
+                                static=self.cfg.vit_fp8_static, calibration=calibration)
         if report.enabled:
             log.info("vit_fp8: FP8 ViT linears enabled: %s", report.as_dict())
         else:

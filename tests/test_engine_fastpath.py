@@ -221,17 +221,15 @@ def test_vit_fp8_wiring_with_a_stand_in_gate(monkeypatch, caplog):
         def as_dict(self):
             return {"enabled": False, "reason": "stand-in gate refused"}
 
-    def enable_vit_fp8(detector, sample_pixels, *, registry, preference, linears):
+    def enable_vit_fp8(detector, sample_pixels, *, registry, preference, linears, static, calibration):
         assert "fp8_rowwise_linear" in registry.ops()  # the engine's registry, with the FP8 ops registered
         assert preference == "auto"  # "torch" only under compile="inductor" (the fusable quantisation)
         assert linears == ("attn.qkv", "attn.proj", "mlp.fc1")  # EngineConfig.vit_fp8_linears' default
+        assert static == () and calibration.startswith("a seeded noise image")  # the defaults
         calls.append((detector, tuple(sample_pixels.shape), sample_pixels.dtype))
         return Report()
 
-    from sammie.model.fp8 import check_linears  # the config's validation, kept from the real module
-
-    monkeypatch.setitem(sys.modules, "sammie.model.fp8",
-                        types.SimpleNamespace(enable_vit_fp8=enable_vit_fp8, check_linears=check_linears))
+    stand_in_fp8(monkeypatch, enable_vit_fp8)
 
     async def go(engine):
         return engine, engine.health()
@@ -241,6 +239,53 @@ def test_vit_fp8_wiring_with_a_stand_in_gate(monkeypatch, caplog):
     assert calls[0][2] == engine.dtype
     assert health["vit_fp8"] == {"enabled": False, "reason": "stand-in gate refused"}
     assert any(r.levelname == "ERROR" and "vit_fp8" in r.getMessage() for r in caplog.records)
+
+
+def stand_in_fp8(monkeypatch, enable_vit_fp8):
+    """Replace sammie/model/fp8.py by `enable_vit_fp8`, keeping the real module's config checks."""
+    from sammie.model import fp8
+
+    monkeypatch.setitem(sys.modules, "sammie.model.fp8", types.SimpleNamespace(
+        enable_vit_fp8=enable_vit_fp8, check_linears=fp8.check_linears, check_static=fp8.check_static,
+        MAX_CALIBRATION_IMAGES=fp8.MAX_CALIBRATION_IMAGES))
+
+
+def test_vit_fp8_static_scales_calibrate_on_the_given_images(monkeypatch, tmp_path):
+    """vit_fp8_static and vit_fp8_calibration_images reach the gate: the listed images (any size: the real decoding
+    and preprocessing) are the sample, static names the linears with calibrated scales, and the report says what
+    the sample was. A missing or broken image fails the engine's construction with its path in the message."""
+    calls = []
+
+    class Report:
+        enabled = False
+
+        def as_dict(self):
+            return {"enabled": False, "reason": "stand-in"}
+
+    def enable_vit_fp8(detector, sample_pixels, *, registry, preference, linears, static, calibration):
+        calls.append((tuple(sample_pixels.shape), linears, static, calibration))
+        return Report()
+
+    stand_in_fp8(monkeypatch, enable_vit_fp8)
+    paths = []
+    for i, im in enumerate(photos()[:2]):
+        paths.append(str(tmp_path / f"calib{i}.{'png' if i else 'jpg'}"))
+        Image.fromarray(im[: 40 + 20 * i]).save(paths[-1])
+    all_four = ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]
+    cfg = {"vit_fp8": True, "vit_fp8_linears": all_four, "vit_fp8_static": ["mlp.fc2"]}
+
+    async def go(engine):
+        return engine.health()
+
+    health = run_engine(go, **cfg, vit_fp8_calibration_images=paths)
+    assert calls == [((2, 3, 112, 112), tuple(all_four), ("mlp.fc2",), "2 calibration images")]
+    assert health["vit_fp8"] == {"enabled": False, "reason": "stand-in"}
+    (tmp_path / "broken.jpg").write_bytes(b"not an image")
+    for bad, error, message in ((str(tmp_path / "missing.jpg"), FileNotFoundError, "missing.jpg"),
+                                (str(tmp_path / "broken.jpg"), ValueError, "broken.jpg.*not a usable image")):
+        with pytest.raises(error, match=message):
+            SammieEngine(EngineConfig(**(TINY | cfg | {"vit_fp8_calibration_images": [paths[0], bad]})))
+    assert len(calls) == 1  # neither reached the gate
 
 
 def test_vit_fused_gelu_wiring(monkeypatch):
@@ -274,6 +319,13 @@ def test_bad_fast_path_config_raises_clear_errors():
         "compile must be one of": {"compile": "jit"},
         "EngineConfig.kernel_self_check must be bool": {"kernel_self_check": "yes"},
         "vit_fp8 needs the real detector": {"null_model": True, "vit_fp8": True},
+        "vit_fp8_static needs vit_fp8: true": {"vit_fp8_static": ["attn.qkv"]},
+        "vit_fp8_calibration_images needs vit_fp8: true": {"vit_fp8_calibration_images": ["a.jpg"]},
+        "vit_fp8_static must be a subset of vit_fp8_linears": {"vit_fp8": True, "vit_fp8_static": ["mlp.fc2"]},
+        "vit_fp8_static must be a subset.*without repeats": {"vit_fp8": True,
+                                                              "vit_fp8_static": ["attn.qkv", "attn.qkv"]},
+        "at most 8 images": {"vit_fp8": True, "vit_fp8_calibration_images": ["a.jpg"] * 9},
+        "must be a list of file paths": {"vit_fp8": True, "vit_fp8_calibration_images": [""]},
         "vit_fused_gelu needs the real detector": {"null_model": True, "vit_fused_gelu": True},
         "compile='graphs' needs the real detector": {"null_model": True, "compile": "graphs"},
         "EngineConfig.null_model must be bool": {"null_model": 1},

@@ -13,7 +13,15 @@ from engine_core.registry import Registry
 from kernels import fp8_linear, fp8_quant
 from sammie.build import build_detector
 from sammie.config import PRESETS
-from sammie.model.fp8 import DEFAULT_MAX_REL_ERR, Fp8Linear, disable_vit_fp8, enable_vit_fp8, vit_linear_names
+from sammie.model.fp8 import (
+    DEFAULT_MAX_REL_ERR,
+    STATIC_HEADROOM,
+    Fp8Linear,
+    disable_vit_fp8,
+    enable_vit_fp8,
+    static_input_scale,
+    vit_linear_names,
+)
 
 CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,6 +194,87 @@ def test_fp8_linear_module_matches_the_op_reference():
     assert mod.weight is lin.weight and mod.source is lin
 
 
+def input_amax(detector, pixels, names):
+    """max |input| of each module in `names` over one bf16 pass, recorded independently of sammie.model.fp8."""
+    seen = {}
+
+    def hook(name):
+        return lambda _m, args: seen.__setitem__(name, max(seen.get(name, 0.0), float(args[0].abs().amax())))
+
+    handles = [detector.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        fpn(detector, pixels)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_static_scales_are_calibrated_on_the_bf16_pass(tiny):
+    """`static=("mlp.fc2",)`: every fc2 takes one input scale, STATIC_HEADROOM x its bf16 input's amax over the
+    sample / 448 (its input is the GELU's output: the Mlp applies the GELU, not the quantiser), runs the static op,
+    and the report lists them; the other linears keep per-token scales. The static path changes the features against
+    the per-token one (it really runs), stays within the gate, and restores the bf16 modules exactly."""
+    detector, pixels = tiny
+    before = fpn(detector, pixels)
+    fc2_names = vit_linear_names(detector, ("mlp.fc2",))
+    amax = input_amax(detector, pixels, fc2_names)
+    dynamic = enable_vit_fp8(detector, pixels, preference="reference", registry=registry())
+    dynamic_out = fpn(detector, pixels)
+    report = enable_vit_fp8(detector, pixels, preference="reference", registry=registry(), static=("mlp.fc2",),
+                            calibration="the test's two images")
+    try:
+        assert dynamic.enabled and report.enabled, report.reason
+        assert report.static == tuple(fc2_names) and len(report.layers) == 4 * detector.cfg.vision.depth
+        expected = [static_input_scale(torch.tensor(amax[n], dtype=torch.float32)) for n in fc2_names]
+        assert report.input_scales == tuple(float(e) for e in expected)
+        assert all(float(e) == pytest.approx(STATIC_HEADROOM * amax[n] / 448, rel=1e-6)
+                   for e, n in zip(expected, fc2_names))
+        assert "2 x the amax on the test's two images" in report.reason and report.calibration
+        for name, scale in zip(fc2_names, expected):
+            fc2 = detector.get_submodule(name)
+            assert isinstance(fc2, Fp8Linear) and fc2.static and not fc2.applies_gelu
+            assert torch.equal(fc2.input_scale.cpu(), scale) and "static input scale" in repr(fc2)
+            x = torch.randn(3, fc2.in_features, generator=torch.Generator().manual_seed(4)).to(pixels)
+            assert torch.equal(fc2(x), fp8_linear.fp8_static_rowwise_linear_reference(
+                x, fc2.weight_fp8, fc2.weight_scale, fc2.bias, fc2.input_scale))
+        others = [detector.get_submodule(n) for n in report.layers if n not in fc2_names]
+        assert others and all(isinstance(m, Fp8Linear) and not m.static for m in others)
+        static_out = fpn(detector, pixels)
+        assert any(not torch.equal(a, b) for a, b in zip(static_out, dynamic_out))
+        print(f"\nstatic fc2 scales, tiny config: rel err {report.rel_err} (per-token: {dynamic.rel_err})")
+        assert all(0 < e <= DEFAULT_MAX_REL_ERR for e in report.rel_err)
+    finally:
+        disable_vit_fp8(detector)
+    for a, b in zip(fpn(detector, pixels), before):
+        assert torch.equal(a, b)
+
+
+def test_static_must_be_a_subset_of_the_linears(tiny):
+    detector, pixels = tiny
+    for linears, static in ((("attn.qkv",), ("mlp.fc2",)), (("attn.qkv",), ("attn.qkv", "attn.qkv"))):
+        with pytest.raises(ValueError, match="vit_fp8_static must be a subset"):
+            enable_vit_fp8(detector, pixels, preference="reference", registry=registry(), linears=linears,
+                           static=static)
+    assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
+
+
+def test_static_scales_refuse_a_non_finite_sample(tiny):
+    """A NaN in the sample makes the calibrated amax NaN: refused with the reason before any swap (the bf16 modules
+    stay)."""
+    detector, pixels = tiny
+    bad = pixels.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    report = enable_vit_fp8(detector, bad, preference="reference", registry=registry(), static=("mlp.fc2",))
+    assert not report.enabled and "non-finite" in report.reason and report.static == ()
+    assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
+
+
+def test_static_scale_of_an_all_zero_input_is_not_zero():
+    assert float(static_input_scale(torch.tensor(0.0))) > 0
+    assert float(static_input_scale(torch.tensor(448.0))) == STATIC_HEADROOM
+
+
 def _cpu_rowwise_scaled_mm() -> bool:
     """torch >= 2.14 runs row-wise-scaled `_scaled_mm` on the CPU; 2.11 (the GPU machine's) only per-tensor."""
     a = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
@@ -243,3 +332,35 @@ def test_cuda_fp8_enables_and_matches_emulation(tiny):
     for a, b in zip(captured, out):
         assert torch.equal(a, b)
     disable_vit_fp8(detector)
+
+
+@pytest.mark.skipif(not CUDA_FP8, reason="needs CUDA with row-wise FP8 GEMMs (sm_90)")
+def test_cuda_static_scales_match_emulation_and_capture(tiny):
+    """The static op on the GPU (tiny's attention linears: its fc1 / fc2 are 296 wide, kept bf16): enabled, near its
+    emulation, and capturable in a CUDA graph (the scales are buffers: no host sync)."""
+    detector, pixels = tiny
+    reg = registry()
+    static = ("attn.qkv", "attn.proj")
+    emulated = enable_vit_fp8(detector, pixels, preference="reference", registry=reg, static=static)
+    emu_out = fpn(detector, pixels)
+    report = enable_vit_fp8(detector, pixels, registry=reg, static=static)
+    try:
+        print(f"\nCUDA FP8, static attention inputs: {report.reason}; rel err {report.rel_err}")
+        assert emulated.enabled and report.enabled, report.reason
+        assert len(report.static) == 2 * detector.cfg.vision.depth and report.input_scales == emulated.input_scales
+        assert report.implementation == "triton_quant+scaled_mm"
+        out = fpn(detector, pixels)
+        from tests.parity import rel_error
+
+        for a, b in zip(out, emu_out):
+            assert rel_error(a, b) <= 0.5 * DEFAULT_MAX_REL_ERR
+        with torch.no_grad():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = detector.encode_images(pixels).fpn
+            graph.replay()
+            torch.cuda.synchronize()
+        for a, b in zip(captured, out):
+            assert torch.equal(a, b)
+    finally:
+        disable_vit_fp8(detector)

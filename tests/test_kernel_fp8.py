@@ -520,3 +520,86 @@ def test_rowwise_registry_self_check():
     if on_hopper:
         assert outcomes["fp8_rowwise_linear"] == "triton_quant+scaled_mm passed; scaled_mm passed"
         assert outcomes["fp8_rowwise_linear_gelu"] == "triton_gelu_quant+scaled_mm passed; scaled_mm passed"
+        assert outcomes["fp8_static_rowwise_linear"] == "triton_quant+scaled_mm passed; scaled_mm passed"
+    assert "FAILED" not in outcomes["fp8_static_rowwise_linear"], outcomes
+
+
+# ---- one static activation scale, row-wise weights ("fp8_static_rowwise_linear": the ViT's vit_fp8_static) ----------
+def static_case(m, n, k, seed, clip=0.8):
+    """Row-wise weights; x with rows of very different magnitudes (what one scale per layer must cover) and a
+    static scale that clips the largest values (saturation exercised: clip < 1)."""
+    g = torch.Generator().manual_seed(seed)
+    w8, sw = quantize_weight_rowwise(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m)[:, None]).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+    s = (x.float().abs().amax() / E4M3_MAX * clip).reshape(1)
+    return x.to(DEVICE), w8.to(DEVICE), sw.to(DEVICE), bias.to(DEVICE), s.to(DEVICE)
+
+
+def check_static(y, x, w8, sw, bias, s, what):
+    """Per element against the fp32 product of the codes `quantize_static_reference` gives: 2^-8 |ref| (bf16
+    rounding) + the accumulation bound x S, and the registry's compare against the op's reference."""
+    from kernels.fp8_linear import fp8_static_rowwise_linear_reference
+
+    k, n = x.shape[-1], w8.shape[0]
+    xq = quantize_input_fp8(x.reshape(-1, k), s).float()
+    ref32 = (xq * s) @ (w8.float() * sw[:, None]).T + (bias.float() if bias is not None else 0)
+    s_abs = (xq.abs() * s) @ (w8.float().abs() * sw[:, None]).T
+    bound = 2.0**-8 * ref32.abs() + accumulation_bound(k, y.device.type) * s_abs
+    err = (y.reshape(-1, n).float() - ref32).abs()
+    assert (err <= bound).all(), f"{what}: max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
+    ref = fp8_static_rowwise_linear_reference(x.reshape(-1, k), w8, sw, bias, s)
+    assert compare(y.reshape(-1, n), ref) is None
+
+
+def test_static_rowwise_reference_uses_the_one_scale():
+    """The reference's codes are x / s saturated at +-448 with ONE s for every row (not the per-token codes), and it
+    is their dequantised fp32 product (float64 check): a row far below the calibrated amax keeps its relative
+    precision only through e4m3's exponent, a row above it saturates."""
+    from kernels.fp8_linear import fp8_static_rowwise_linear_reference
+
+    x, w8, sw, bias, s = (t.cpu() for t in static_case(9, 32, 80, seed=21))
+    y = fp8_static_rowwise_linear_reference(x.view(3, 3, 80), w8, sw, bias, s)
+    assert y.shape == (3, 3, 32) and y.dtype == torch.bfloat16
+    xq = quantize_input_fp8(x, s)
+    assert xq.float().abs().max() == E4M3_MAX  # clip 0.8: the largest values saturate
+    assert not torch.equal(xq, quantize_rows_reference(x)[0])  # not the per-token codes
+    direct = (xq.double() * s.double()) @ (w8.double() * sw.double()[:, None]).T + bias.double()
+    s_abs = (xq.double().abs() * s.double()) @ (w8.double().abs() * sw.double()[:, None]).T
+    bound = 2.0**-8 * direct.abs() + 2 * 80 * 2.0**-24 * s_abs + 1e-30
+    assert ((y.reshape(9, 32).double() - direct).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fast", ["scaled_mm", "triton_quant"])
+@pytest.mark.parametrize("m,n,k", [(17, 96, 256), (64, 48, 1024)])
+def test_static_rowwise_fast_paths_match_reference(fast, m, n, k):
+    """Both fast paths quantise with the reference's arithmetic (torch ops / the bit-exact one-launch kernel) and
+    run the row-wise `_scaled_mm` (CPU: fp32 sums; sm_90: CUTLASS) with the one scale as every row's; leading dims
+    and no bias too."""
+    from kernels.fp8_linear import fp8_static_rowwise_linear_scaled_mm, fp8_static_rowwise_linear_triton_quant
+
+    if fast == "triton_quant" and not TRITON_HERE:
+        pytest.skip("Triton quantiser does not run here")
+    x, w8, sw, bias, s = static_case(m, n, k, seed=m + n + k)
+    fn = fp8_static_rowwise_linear_scaled_mm if fast == "scaled_mm" else fp8_static_rowwise_linear_triton_quant
+    y = fn(x.view(1, m, k), w8, sw, bias, s)
+    assert y.shape == (1, m, n) and y.dtype == torch.bfloat16
+    check_static(y, x, w8, sw, bias, s, f"{fast} M={m} N={n} K={k}")
+    check_static(fn(x, w8, sw, None, s), x, w8, sw, None, s, f"{fast} no bias")
+    # a wrong scale must fail the check (the test can fail): the codes of 2 s differ
+    with pytest.raises(AssertionError):
+        check_static(fn(x, w8, sw, bias, 2 * s), x, w8, sw, bias, s, "wrong scale")
+
+
+def test_static_rowwise_guard():
+    """`supports_static_rowwise` = the row-wise guard and one fp32 scale on x's device."""
+    from kernels.fp8_linear import describe_static_rowwise, supports_static_rowwise
+
+    x, w8, sw, bias, s = (t.cpu() for t in static_case(3, 64, 128, seed=5))
+    info = {**describe_static_rowwise(x, w8, sw, bias, s), "device": "cuda", "capability": (9, 0)}
+    assert supports_static_rowwise(**info)
+    assert not supports_static_rowwise(**{**info, "capability": (8, 9)})
+    assert not supports_static_rowwise(**{**info, "device": "cpu", "capability": None})
+    for bad in (s.double(), s.expand(2).clone()):  # fp64, two elements
+        assert not supports_static_rowwise(**{**describe_static_rowwise(x, w8, sw, bias, bad), "device": "cuda",
+                                              "capability": (9, 0)})

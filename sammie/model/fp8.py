@@ -11,6 +11,15 @@ activations per token at run time, one row-wise scaled FP8 GEMM (op "fp8_rowwise
 chosen through the kernel registry with its supports() guard; no host syncs, so CUDA graphs capture it, and
 torch.compile(fullgraph=True) traces it). Attention (SDPA), LayerNorms, patch embedding and neck stay bf16.
 
+Static activation scales (`static=`, EngineConfig.vit_fp8_static; off by default, NOT YET TIMED on a GPU). A listed
+linear quantises its input with ONE scale per layer instead of one per token: s = STATIC_HEADROOM x amax / 448, the
+amax of that layer's bf16 input over the sample, recorded during the gate's bf16 pass (op
+"fp8_static_rowwise_linear"). No reduction runs before the first code is written, so the quantiser is elementwise
+and fuses into the op before it (for fc2: the GELU pass the bf16 path runs anyway). Values beyond the headroom
+saturate at +-448 x s; e4m3's normal range spans 2^14.8 (2^-6 .. 448), so the headroom's one binade leaves values
+down to amax / 2^13.8 normal. The scales are only as good as the sample: the engine calibrates on
+`vit_fp8_calibration_images` when given, else on its seeded noise image (fine for speed, not for a real checkpoint).
+
 The gate. `enable_vit_fp8` runs `detector.encode_images(sample_pixels)` in bf16, swaps, runs it again and keeps FP8
 only if every FPN level's relative error ||fp8 - bf16|| / ||bf16|| is <= max_rel_err; otherwise it restores the
 bf16 modules (bit-identical outputs: the very same nn.Linear objects go back). The gate is a cheap guard against a
@@ -31,15 +40,25 @@ Memory: the bf16 weights stay allocated (the undo path), so FP8 adds ~0.3 GB for
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from kernels.fp8_linear import ROWWISE_NAME, describe_rowwise, quantize_weight_rowwise
+from kernels.fp8_linear import (
+    ROWWISE_NAME,
+    STATIC_ROWWISE_NAME,
+    describe_rowwise,
+    describe_static_rowwise,
+    quantize_weight_rowwise,
+)
+from kernels.nvfp4 import E4M3_MAX
 
 DEFAULT_MAX_REL_ERR = 0.1  # per FPN level, FP8 vs bf16; see the module docstring
+STATIC_HEADROOM = 2.0  # static activation scale = headroom x calibrated amax / 448 (module docstring)
+MAX_CALIBRATION_IMAGES = 8  # the engine's calibration sample runs as one ViT batch at start
 VIT_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")  # inside each trunk block
 TRUNK = "backbone.vision_backbone.trunk"
 
@@ -53,6 +72,9 @@ class Fp8Report:
     max_rel_err: float  # the gate
     implementation: str | None  # the registry implementation the swapped layers use ("reference" = emulation)
     skipped: tuple[str, ...] = ()  # linears the fast path does not support (kept in bf16); why: see `reason`
+    static: tuple[str, ...] = ()  # of `layers`, those with one calibrated activation scale (module docstring)
+    input_scales: tuple[float, ...] = ()  # their scales, in `static`'s order
+    calibration: str = ""  # what the sample (and so the static scales) came from; "" = not said
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,10 +86,15 @@ class Fp8Linear(nn.Module):
     `weight` / `bias` are the source layer's own Parameters (same state-dict keys, bf16 values kept for undo);
     `weight_fp8` [N, K] e4m3 and `weight_scale` [N] fp32 are non-persistent buffers derived from them."""
 
-    def __init__(self, linear: nn.Linear, fn: Callable[..., torch.Tensor], impl_name: str, applies_gelu: bool = False):
+    def __init__(self, linear: nn.Linear, fn: Callable[..., torch.Tensor], impl_name: str, applies_gelu: bool = False,
+                 input_scale: torch.Tensor | None = None):
         """`applies_gelu`: `fn` is an implementation of "fp8_rowwise_linear_gelu" -- it takes the pre-activation and
-        applies the GELU in its quantiser; the ViT's `Mlp` then hands it fc1's output (`sammie.model.vit.Mlp`)."""
+        applies the GELU in its quantiser; the ViT's `Mlp` then hands it fc1's output (`sammie.model.vit.Mlp`).
+        `input_scale` (fp32, one element): `fn` is an implementation of "fp8_static_rowwise_linear", which quantises
+        the input with this one calibrated scale (a buffer, so CUDA graphs and inductor see a constant)."""
         super().__init__()
+        if applies_gelu and input_scale is not None:
+            raise ValueError("an Fp8Linear applies the GELU (row-wise op) or takes a static input scale, not both")
         self.applies_gelu = applies_gelu
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -77,15 +104,22 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", w_scale, persistent=False)
         self.fn = fn
         self.impl_name = impl_name
+        self.static = input_scale is not None
+        if self.static:
+            self.register_buffer("input_scale", input_scale.detach().float().reshape(1).to(w_fp8.device),
+                                 persistent=False)
         self.__dict__["source"] = linear  # not a submodule: restored as is by `disable_vit_fp8`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.static:
+            return self.fn(x, self.weight_fp8, self.weight_scale, self.bias, self.input_scale)
         return self.fn(x, self.weight_fp8, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         gelu = ", GELU of its input in the quantiser" if self.applies_gelu else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 row-wise, "
-                f"{self.impl_name}{gelu}")
+        act = f", static input scale {float(self.input_scale):.4g}" if self.static else ", per-token input scales"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 row-wise weights"
+                f"{act}, {self.impl_name}{gelu}")
 
 
 def check_linears(linears: tuple[str, ...]) -> None:
@@ -93,6 +127,13 @@ def check_linears(linears: tuple[str, ...]) -> None:
     if not linears or len(set(linears)) != len(linears) or not set(linears) <= set(VIT_LINEARS):
         raise ValueError(f"vit_fp8_linears must be a non-empty subset of {list(VIT_LINEARS)} without repeats, got "
                          f"{list(linears)}")
+
+
+def check_static(static: tuple[str, ...], linears: tuple[str, ...]) -> None:
+    """ValueError unless `static` is a subset of `linears` (leaves of VIT_LINEARS) without repeats."""
+    if len(set(static)) != len(static) or not set(static) <= set(linears):
+        raise ValueError(f"vit_fp8_static must be a subset of vit_fp8_linears {list(linears)} without repeats, got "
+                         f"{list(static)}")
 
 
 def vit_linear_names(detector: nn.Module, linears: tuple[str, ...] = VIT_LINEARS) -> list[str]:
@@ -176,52 +217,109 @@ class _OpPreference:
         self.registry.set_preference(self.before, self.op)
 
 
+def _describe_static_call(linear: nn.Linear) -> dict[str, Any]:
+    """`_describe_call` for the static op (a one-element fp32 scale on the weight's device)."""
+    probe = linear.weight.new_empty((1, linear.in_features))
+    w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
+    s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
+    scale = torch.ones(1, dtype=torch.float32, device=linear.weight.device)
+    return describe_static_rowwise(probe, w_probe, s_probe, linear.bias, scale)
+
+
+@contextlib.contextmanager
+def _input_amax(detector: nn.Module, names: list[str]):
+    """While inside, every call of the modules `names` folds its input's max |x| into `amax[name]` (fp32 [] on the
+    device, no host sync); yields that dict."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def pre(_module, args):
+            a = args[0].detach().abs().amax().float()
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+        return pre
+
+    handles = [detector.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        yield amax
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def static_input_scale(amax: torch.Tensor, headroom: float = STATIC_HEADROOM) -> torch.Tensor:
+    """Calibrated amax (fp32 []) -> the one activation scale, headroom x amax / 448 (an all-zero input gives the
+    smallest normal fp32 amax instead of a zero scale)."""
+    return (headroom * amax.float().clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX).reshape(1)
+
+
 def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_err: float = DEFAULT_MAX_REL_ERR,
-                   preference: str = "auto", registry=None, linears: tuple[str, ...] = VIT_LINEARS) -> Fp8Report:
+                   preference: str = "auto", registry=None, linears: tuple[str, ...] = VIT_LINEARS,
+                   static: tuple[str, ...] = (), calibration: str = "") -> Fp8Report:
     """Swap the ViT's linears for FP8 ones in place if the fast path runs here and the gate passes (module
     docstring). `preference`: "auto" (fastest supported FP8 GEMM; none -> enabled False with the reason),
     "triton" / "torch" (that implementation only; NotImplementedError from the registry if unsupported), or
     "reference" (the fp32 quantise-dequantise emulation on any device: for tests and numerics studies, slower than
     bf16). `preference` governs the row-wise op and, for an FP8 mlp.fc2, the GELU op ("fp8_rowwise_linear_gelu":
-    the input's GELU inside the quantiser; see `_gelu_implementation`). `sample_pixels` [B, 3, S, S] in the model
-    dtype: use real preprocessed images when you have them. `linears`: which of each block's VIT_LINEARS to swap
-    (the others stay bf16); checked before anything is touched."""
+    the input's GELU inside the quantiser; see `_gelu_implementation`), and the static op. `sample_pixels`
+    [B, 3, S, S] in the model dtype: use real preprocessed images when you have them. `linears`: which of each
+    block's VIT_LINEARS to swap (the others stay bf16); `static`: which of `linears` take one activation scale
+    calibrated on `sample_pixels` (module docstring; an FP8 fc2 listed there gets its GELU from the Mlp, not from
+    its quantiser); `calibration`: what the sample is, for the report. Both lists are checked before anything is
+    touched."""
     if registry is None:
         from engine_core.registry import default_registry
 
         registry = default_registry()
-    if ROWWISE_NAME not in registry.ops():
-        raise ValueError(f"kernel registry has no {ROWWISE_NAME!r} op (kernels.fp8_linear not registered)")
+    needed = [ROWWISE_NAME] + ([STATIC_ROWWISE_NAME] if static else [])
+    for op in needed:
+        if op not in registry.ops():
+            raise ValueError(f"kernel registry has no {op!r} op (kernels.fp8_linear not registered)")
     check_linears(linears)  # a bad list must not first undo an FP8 detector
+    check_static(static, linears)
     disable_vit_fp8(detector)  # measure the bf16 baseline from a clean state
     names = vit_linear_names(detector, linears)
-    plan, skipped, fallbacks = [], [], []
-    with _OpPreference(registry, preference):  # plan time: choose() outside any compiled region
+    static_names = set(vit_linear_names(detector, static)) if static else set()
+    plan, skipped, fallbacks = [], [], []  # plan: (name, linear, implementation, "rowwise" | "gelu" | "static")
+    with contextlib.ExitStack() as prefs:  # plan time: choose() outside any compiled region
+        for op in needed:
+            prefs.enter_context(_OpPreference(registry, preference, op))
         for name in names:
             linear = detector.get_submodule(name)
-            info = _describe_call(linear)
-            impl = registry.choose(ROWWISE_NAME, **info)
+            op = STATIC_ROWWISE_NAME if name in static_names else ROWWISE_NAME
+            info = _describe_static_call(linear) if op == STATIC_ROWWISE_NAME else _describe_call(linear)
+            impl = registry.choose(op, **info)
             if impl.name == "reference" and preference != "reference":
-                fallback = registry.choices()[ROWWISE_NAME]["fallback"] or "no FP8 implementation registered"
+                fallback = registry.choices()[op]["fallback"] or "no FP8 implementation registered"
                 skipped.append(name)
                 fallbacks.append(fallback)
+            elif op == STATIC_ROWWISE_NAME:
+                plan.append((name, linear, impl, "static"))
             elif name.endswith(".mlp.fc2") and (gelu := _gelu_implementation(registry, info, preference)):
-                plan.append((name, linear, gelu, True))  # the GELU inside the quantiser (`Fp8Linear.applies_gelu`)
+                plan.append((name, linear, gelu, "gelu"))  # the GELU inside the quantiser (`Fp8Linear.applies_gelu`)
             else:
-                plan.append((name, linear, impl, False))
+                plan.append((name, linear, impl, "rowwise"))
+    planned_static = [name for name, *_, mode in plan if mode == "static"]
 
-    def report(enabled: bool, reason: str, rel: tuple[float, ...] = (), layers: tuple[str, ...] = ()) -> Fp8Report:
+    def report(enabled: bool, reason: str, rel: tuple[float, ...] = (), layers: tuple[str, ...] = (),
+               scales: tuple[float, ...] = ()) -> Fp8Report:
         impl_name = plan[0][2].name if plan else None
-        return Fp8Report(enabled, reason, layers, rel, max_rel_err, impl_name, tuple(skipped))
+        return Fp8Report(enabled, reason, layers, rel, max_rel_err, impl_name, tuple(skipped),
+                         tuple(planned_static) if enabled else (), scales if enabled else (), calibration)
 
     if not plan:
         device = sample_pixels.device
         return report(False, f"no FP8 GEMM for the ViT on {device.type}"
                              f"{' ' + str(torch.cuda.get_device_capability(device)) if device.type == 'cuda' else ''}"
                              f": {fallbacks[0] if fallbacks else 'nothing to swap'}")
-    baseline = _fpn(detector, sample_pixels)
-    for name, linear, impl, applies_gelu in plan:
-        _set(detector, name, Fp8Linear(linear, impl.fn, impl.name, applies_gelu))
+    with _input_amax(detector, planned_static) as amax:  # the static layers' calibration rides on the bf16 pass
+        baseline = _fpn(detector, sample_pixels)
+    scales = {name: static_input_scale(amax[name]) for name in planned_static}
+    bad_amax = [name for name in planned_static if not torch.isfinite(amax[name]).item()]
+    if bad_amax:
+        return report(False, f"FP8 not enabled: non-finite activations on the sample at {bad_amax[0]} (static "
+                             f"scales cannot be calibrated); bf16 kept")
+    for name, linear, impl, mode in plan:
+        _set(detector, name, Fp8Linear(linear, impl.fn, impl.name, mode == "gelu", input_scale=scales.get(name)))
     try:
         fp8 = _fpn(detector, sample_pixels)
     except Exception:
@@ -234,7 +332,10 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
         return report(False, f"FP8 rejected, relative error above {max_rel_err:g} ({'; '.join(bad)}); bf16 restored",
                       rel)
     partial = f", {len(skipped)} kept in bf16 ({fallbacks[0]})" if skipped else ""
-    gelu = sorted({impl.name for _, _, impl, applies_gelu in plan if applies_gelu})
+    gelu = sorted({impl.name for _, _, impl, mode in plan if mode == "gelu"})
     gelu = f" (fc2: {gelu[0]}, its input's GELU in the quantiser)" if gelu else ""
-    return report(True, f"FP8 {plan[0][2].name} on {len(plan)} linears{gelu}{partial}; max relative error "
-                        f"{max(rel):.3g} <= {max_rel_err:g}", rel, tuple(name for name, *_ in plan))
+    fixed = (f", {len(planned_static)} with a static input scale ({STATIC_HEADROOM:g} x the amax on "
+             f"{calibration or 'the sample'})") if planned_static else ""
+    return report(True, f"FP8 {plan[0][2].name} on {len(plan)} linears{gelu}{fixed}{partial}; max relative error "
+                        f"{max(rel):.3g} <= {max_rel_err:g}", rel, tuple(name for name, *_ in plan),
+                  tuple(float(scales[name]) for name in planned_static))
