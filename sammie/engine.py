@@ -143,9 +143,10 @@ class EngineConfig:
     #                             (grounding at high priority), the grounding stage waiting on each image batch's
     #                             event, so its host syncs (scores, masks) wait for its own kernels only, not for
     #                             the image batches queued ahead of them on a shared stream. False: both on the
-    #                             default stream (before 2026-12-02). H200 at 32 clients: no throughput gain
-    #                             shown (+3.6% as the first engine in its process, -4.5% as the second), a
-    #                             lower p99 in all four pairs (streams A/B runs 1-2). Ignored on cpu
+    #                             default stream (before 2026-12-02). H200 at 32 clients, one balanced pair
+    #                             with the closed engines freed: +3.4% as the first engine of its process, +1.6%
+    #                             as the second (~+2.5%), and a lower p99 in all six pairs (streams A/B runs 1-3;
+    #                             runs 1-2 kept closed engines alive and showed no gain). Ignored on cpu
     null_model: bool = False  # NO MODEL: a NullDetector (one tiny device op per call, never any instance) instead of
     #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
@@ -352,9 +353,9 @@ class _Runner:
     grounding kernels that read it are done). The grounding stage's two host syncs (`postprocess_batch`) then wait
     for its own kernels only. On one shared stream they also waited for every image batch queued ahead (~63 ms of
     ViT each at batch 8; waterfall run 11: ~150 ms per grounding batch of ~7.7 pairs, ~21 ms of it the ground
-    graph). H200 at 32 clients: no throughput gain shown (streams A/B runs 1-2: +3.6% on the mean of three rounds
-    as the first engine in its process, -4.5% as the second; run 13's +4.6% also ran it first), but a lower p99 in
-    all four pairs; run 14: the GPU ran kernels 99.7% of the time with it. Without stage_streams both threads
+    graph). H200 at 32 clients (streams A/B run 3, one balanced pair, closed engines freed): +3.4% as the first
+    engine of its process, +1.6% as the second, ~+2.5%; p99 lower in all six pairs of runs 1-3 (runs 1-2 kept the
+    closed engines alive: +3.6% first, -4.5% second); run 14: the GPU ran kernels 99.7% of the time with it. Without stage_streams both threads
     use the default stream, whose order alone keeps features before their readers.
     """
 
