@@ -159,7 +159,7 @@
 #   STEPS="65" (carry .devbundle/extra and .tritoncache): ~2 min: the paged attention's CUDA tests, linear_gelu's
 #       inductor paths (ran: run 37's call)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="68" bash benchmarks/gpu_next.sh      # <= 9.3 min: issue 4, FP8
-#       fc2 on one calibrated input scale per block (vit_fp8_static) beside the default FP8 engine (unrun);
+#       fc2 on one calibrated input scale per block (vit_fp8_static) beside the default FP8 engine (ran: run 16);
 #       ROWS_68=...,ours_fp8_static_all,model_only_fp8_static_all adds every input on a static scale
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
 #       PIL per image, batched / single (benchmarks/nvjpeg_probe.py), and step 66's three failures again
@@ -797,7 +797,7 @@ gpu_tests paged_attention_tests 120 tests/test_kernel_paged_attention.py
 probe linear_gelu_probe2 "${LIMIT_65:-150}" linear_gelu_probe.py --skip-triton
 fi
 if want 68; then
-say "68. issue 4 (the whole .devbundle; written 2026-12-02, unrun): FP8 fc2 with ONE calibrated input scale per block"
+say "68. issue 4 (the whole .devbundle; ran: waterfall run 16): FP8 fc2 with ONE calibrated input scale per block"
 say "    (vit_fp8_static: the GELU + quantiser elementwise, fused by inductor; runs 6-8: the per-token quantiser made an"
 say "    FP8 fc2 lose) beside the default FP8 engine (fc2 in bf16), each with its detector alone; the static op's CUDA"
 say "    tests first. Run 8: ours_fp8_vit_no_fc2 62.2 img/s, its detector 68.4"
@@ -806,7 +806,7 @@ rows_68=ours_fp8_vit_no_fc2,ours_fp8_static_fc2,model_only_fp8_no_fc2,model_only
 waterfall_rows waterfall_fp8_static "${LIMIT_68:-430}" 410 "${ROWS_68:-$rows_68}"
 fi
 if want 69; then
-say "69. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the three failures of step 66's first run -- nvJPEG"
+say "69. issue 4 (the whole .devbundle; ran 2026-12-02: nvjpeg_probe run 1; the GPU decode since removed): the three failures of step 66's first run -- nvJPEG"
 say "    against PIL (image 15 off by 13.1 levels: benchmarks/nvjpeg_probe.py tells batched / single / the grayscale"
 say "    neighbours apart), the static FP8 scales' test (a 1-ulp CUDA division, fixed) and the registry's op list"
 say "    (fixed) -- then those tests again"

@@ -9,13 +9,16 @@ Runs on a worker thread (`SammieEngine`'s pool), never on the event loop: PIL ho
 decode and a 20 MP JPEG takes ~0.2 s. Every failure is an `InvalidImage` naming the problem; nothing here
 touches PIL's process-wide settings (`Image.MAX_IMAGE_PIXELS`, `ImageFile.LOAD_TRUNCATED_IMAGES`).
 
-JPEG fast paths (plain JPEGs only, as told by `is_gpu_decodable`, a header walk of a few microseconds):
+JPEG fast path (plain JPEGs only, as told by `is_plain_jpeg`, a header walk of a few microseconds):
+`decode_jpeg_cpu`, torchvision's libjpeg-turbo decode straight into [3, H, W] (no PIL image, no HWC -> CHW copy),
+bit-identical to PIL's `decode_image_pil` (tests/test_decode.py); `decode_image` uses it, ~2x less CPU (640x480
+photo: 1.9 vs 3.7 ms, measured on the 2-core dev machine).
 
-* `decode_jpeg_cpu`: torchvision's libjpeg-turbo decode straight into [3, H, W] (no PIL image, no HWC -> CHW copy):
-  bit-identical to PIL's `decode_image_pil` (tests/test_decode.py); `decode_image` uses it, ~2x less CPU (640x480 photo: 1.9 vs 3.7 ms, measured
-  on the 2-core dev machine);
-* `decode_jpeg_batch_cuda`: nvJPEG on the GPU for a list of JPEGs; its IDCT and chroma upsampling differ from
-  libjpeg-turbo's by a few levels (tests/test_decode.py::test_cuda_batch_matches_pil states the bound).
+No GPU decode. torchvision's nvJPEG path (the H200 image's torch 2.11 build, `benchmarks/nvjpeg_probe.py`,
+RESULTS.md) decoded a 143 x 61 photograph with 4:2:0 or 4:2:2 chroma 13 levels off PIL on average (the bound for
+IDCT rounding is 2), and with `apply_exif_orientation=True` left orientations 2-8 unapplied (flips ~61 levels off,
+transposes the wrong shape), batched or one image at a time. A `decode_jpeg_batch_cuda` helper, unused by the engine,
+was removed with its tests on 2026-12-02.
 
 Everything else (PNG, WebP, CMYK/YCCK or Adobe-RGB JPEGs, 12-bit, arithmetic-coded or lossless JPEGs, ...) goes
 through PIL (`decode_image_pil`).
@@ -85,9 +88,9 @@ def decode_image_pil(data: bytes, max_pixels: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Plain JPEGs: header check and the torchvision / nvJPEG decoders
+# Plain JPEGs: header check and torchvision's libjpeg-turbo decoder
 
-# Start-of-frame markers nvJPEG and torchvision decode: SOF0 baseline, SOF1 extended sequential (Huffman, 8-bit
+# Start-of-frame markers torchvision decodes: SOF0 baseline, SOF1 extended sequential (Huffman, 8-bit
 # here), SOF2 progressive (Huffman). Not: SOF3 lossless, SOF5-7 hierarchical, SOF9-15 arithmetic coding.
 _SOF_OK = (0xC0, 0xC1, 0xC2)
 _SOF_ALL = (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)
@@ -132,12 +135,12 @@ def jpeg_frame(data: bytes) -> tuple[int, int, int, int, tuple[tuple[int, int, i
     return None
 
 
-def is_gpu_decodable(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> bool:
-    """True if `data` is a plain JPEG that nvJPEG (and torchvision's CPU decoder) turn into the same RGB image PIL
-    does: Huffman-coded baseline or progressive, 8-bit, 1 component (gray) or 3 components in YCbCr (no Adobe
+def is_plain_jpeg(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> bool:
+    """True if `data` is a plain JPEG that torchvision's CPU decoder (libjpeg-turbo) turns into the same RGB image
+    PIL does: Huffman-coded baseline or progressive, 8-bit, 1 component (gray) or 3 components in YCbCr (no Adobe
     RGB transform, no 'R','G','B' component ids), chroma sampled 4:4:4 / 4:2:2 / 4:2:0 / 4:4:0, at most
     `max_pixels` pixels, and the data ends with the end-of-image marker (a cheap guard against truncated uploads,
-    which libjpeg and nvJPEG would pad with grey instead of failing). False means: use `decode_image` (PIL)."""
+    which libjpeg would pad with grey instead of failing). False means: use `decode_image` (PIL)."""
     if len(data) < 4 or data[-2:] != b"\xff\xd9":
         return False
     frame = jpeg_frame(data)
@@ -159,9 +162,9 @@ def _as_uint8_tensor(data: bytes) -> torch.Tensor:
 
 
 def decode_jpeg_cpu(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
-    """A plain JPEG (`is_gpu_decodable`) -> uint8 RGB [3, H, W] via torchvision's libjpeg-turbo, EXIF orientation
+    """A plain JPEG (`is_plain_jpeg`) -> uint8 RGB [3, H, W] via torchvision's libjpeg-turbo, EXIF orientation
     applied; bit-identical to `decode_image`. Anything else -> `decode_image` (PIL). Raises `InvalidImage`."""
-    if not is_gpu_decodable(data, max_pixels):
+    if not is_plain_jpeg(data, max_pixels):
         return decode_image_pil(data, max_pixels)
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -169,32 +172,3 @@ def decode_jpeg_cpu(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.
         return decode_jpeg(_as_uint8_tensor(data), mode=ImageReadMode.RGB, apply_exif_orientation=True)
     except RuntimeError:  # corrupt entropy-coded data: let PIL name the problem (or decode what it can)
         return decode_image_pil(data, max_pixels)
-
-
-def decode_jpeg_batch_cuda(datas: list[bytes], device: torch.device | str = "cuda") -> list[torch.Tensor]:
-    """Plain JPEGs (each must pass `is_gpu_decodable`: check first, send the rest to `decode_image`) -> uint8 RGB
-    [3, H, W] tensors on `device`, EXIF orientation applied, decoded by nvJPEG in one batched call.
-
-    nvJPEG's IDCT and chroma upsampling are not libjpeg-turbo's: pixels differ from `decode_image` by a few levels
-    (bound: tests/test_decode.py::test_cuda_batch_matches_pil). Raises ValueError for data that fails the header
-    check, `InvalidImage` (naming the position) if nvJPEG refuses an image of the batch."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"decode_jpeg_batch_cuda needs a cuda device, got {device}")
-    bad = [i for i, d in enumerate(datas) if not is_gpu_decodable(d, max_pixels=2**62)]
-    if bad:
-        raise ValueError(f"images {bad} are not plain JPEGs (is_gpu_decodable is False): decode them with PIL")
-    if not datas:
-        return []
-    tensors = [_as_uint8_tensor(d) for d in datas]
-    try:
-        return list(decode_jpeg(tensors, mode=ImageReadMode.RGB, apply_exif_orientation=True, device=device))
-    except RuntimeError:  # one bad image fails the batch: find it
-        for i, t in enumerate(tensors):
-            try:
-                decode_jpeg(t, mode=ImageReadMode.RGB, apply_exif_orientation=True, device=device)
-            except RuntimeError as exc:
-                raise InvalidImage("invalid_image", f"image {i} of the batch is corrupt ({exc})") from None
-        raise
