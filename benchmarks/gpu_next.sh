@@ -161,6 +161,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="68" bash benchmarks/gpu_next.sh      # <= 9.3 min: issue 4, FP8
 #       fc2 on one calibrated input scale per block (vit_fp8_static) beside the default FP8 engine (ran: run 16);
 #       ROWS_68=...,ours_fp8_static_all,model_only_fp8_static_all adds every input on a static scale
+#   eval "$(bash .devbundle/install.sh)" && STEPS="70" bash benchmarks/gpu_next.sh      # <= 7.5 min: issue 4, step
+#       68 with the engines in the other order (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
 #       PIL per image, batched / single (benchmarks/nvjpeg_probe.py), and step 66's three failures again
 #   eval "$(bash .devbundle/install.sh)" && STEPS="66" / "67" bash benchmarks/gpu_next.sh   # <= 9.3 min each:
@@ -804,6 +806,12 @@ say "    tests first. Run 8: ours_fp8_vit_no_fc2 62.2 img/s, its detector 68.4"
 gpu_tests fp8_static_tests 120 tests/test_kernel_fp8.py tests/test_fp8_vit.py -k "static or self_check"
 rows_68=ours_fp8_vit_no_fc2,ours_fp8_static_fc2,model_only_fp8_no_fc2,model_only_fp8_static_fc2
 waterfall_rows waterfall_fp8_static "${LIMIT_68:-430}" 410 "${ROWS_68:-$rows_68}"
+fi
+if want 70; then
+say "70. issue 4 (the whole .devbundle; written 2026-12-02, unrun): step 68 in the other order (the static-scale FP8"
+say "    engine first): runs 15-16's first engines reached 88-90% of their detector's rate, the second 95%"
+rows_70=ours_fp8_static_fc2,ours_fp8_vit_no_fc2,model_only_fp8_static_fc2,model_only_fp8_no_fc2
+waterfall_rows waterfall_fp8_static_ba "${LIMIT_70:-430}" 410 "${ROWS_70:-$rows_70}"
 fi
 if want 69; then
 say "69. issue 4 (the whole .devbundle; ran 2026-12-02: nvjpeg_probe run 1; the GPU decode since removed): the three failures of step 66's first run -- nvJPEG"

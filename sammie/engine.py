@@ -132,7 +132,7 @@ class EngineConfig:
     #                        mlp.fc2: the GELU pass), which a per-token reduction cannot (sammie.model.fp8). Written
     #                        for an FP8 fc2 (["mlp.fc2"] with vit_fp8_linears = all four). H200, waterfall run 16:
     #                        the detector alone +5.0% (76.5 img/s), the engine 65.5 -> 72.7 img/s against fc2 in
-    #                        bf16. Off by default: scales calibrated on noise only suit random-weight benchmarks
+    #                        bf16 (the engine second in its process: part of that is position). Off by default: scales calibrated on noise only suit random-weight benchmarks
     vit_fp8_calibration_images: tuple = ()  # image files (JPEG / PNG, <= 8) the FP8 gate and the static scales run
     #                        on instead of the seeded noise image; give real images of your traffic with a real
     #                        checkpoint (static scales calibrated on noise only suit speed measurements)

@@ -20,7 +20,8 @@ saturate at +-448 x s; e4m3's normal range spans 2^14.8 (2^-6 .. 448), so the he
 down to amax / 2^13.8 normal. The scales are only as good as the sample: the engine calibrates on
 `vit_fp8_calibration_images` when given, else on its seeded noise image (fine for speed, not for a real checkpoint).
 H200 (waterfall run 16): with all four linears in FP8 and fc2 static, the detector alone 72.9 -> 76.5 img/s (+5.0%,
-0.16 ms per block) against fc2 in bf16, the engine 65.5 -> 72.7; the gate's error 0.070 -> 0.081 on the noise sample.
+0.16 ms per block) against fc2 in bf16, the engine 65.5 -> 72.7 (second in its process, so partly position); the
+gate's error 0.070 -> 0.081 on the noise sample.
 
 The gate. `enable_vit_fp8` runs `detector.encode_images(sample_pixels)` in bf16, swaps, runs it again and keeps FP8
 only if every FPN level's relative error ||fp8 - bf16|| / ||bf16|| is <= max_rel_err; otherwise it restores the
