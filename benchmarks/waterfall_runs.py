@@ -145,8 +145,10 @@ def run_meta_batched(b: Bench, row: Row, model_only: bool) -> dict:
 # Sammie engine rows
 
 
-async def drive(engine, b: Bench, clients: int, seconds: float, min_requests: int = 0) -> dict:
-    """Closed loop: `clients` tasks each send the next (JPEG, prompt) case when their last answer arrives."""
+async def drive(engine, b: Bench, clients: int, seconds: float, min_requests: int = 0,
+                max_instances: int | None = None) -> dict:
+    """Closed loop: `clients` tasks each send the next (JPEG, prompt) case when their last answer arrives, each with
+    its case's threshold and, if given, `max_instances` (the request option: the highest-scoring instances kept)."""
     cases = b.cases
     latencies, stages, kept = [], {}, []
     t_end = time.perf_counter() + seconds
@@ -160,7 +162,8 @@ async def drive(engine, b: Bench, clients: int, seconds: float, min_requests: in
             photo, prompt = cases[i % len(cases)]
             i += clients
             t = time.perf_counter()
-            res = await engine.segment(b.jpeg[photo], [prompt], threshold=b.thresholds[(photo, prompt)])
+            res = await engine.segment(b.jpeg[photo], [prompt], threshold=b.thresholds[(photo, prompt)],
+                                       max_instances=max_instances)
             latencies.append((time.perf_counter() - t) * 1e3)
             kept.append(len(res.prompts[0].instances))
             for name, ms in res.timings_ms.items():
@@ -270,10 +273,11 @@ def run_model_only(b: Bench, name: str, engine) -> dict:
             "the detector module are not in this row"}
 
 
-async def run_latency(b: Bench, name: str, engine, release_when_idle: bool | None = None, clients: int = 1) -> dict:
+async def run_latency(b: Bench, name: str, engine, release_when_idle: bool | None = None, clients: int = 1,
+                      max_instances: int | None = None) -> dict:
     """One client at a time (or `clients` in a closed loop) through `engine` as configured (`release_when_idle`
     None), or with its scheduler's stages' `release_when_idle` set to the given value for this row (restored after):
-    the same engine, so rows differ only there."""
+    the same engine, so rows differ only there. `max_instances`: every request's cap (None: none)."""
     import dataclasses
 
     mem = MemoryWindow(b.dev)
@@ -286,13 +290,13 @@ async def run_latency(b: Bench, name: str, engine, release_when_idle: bool | Non
     try:
         with tf32(False):
             stats = await drive(engine, b, clients, b.args.seconds,
-                                min_requests=b.args.latency_requests if clients == 1 else 0)
+                                min_requests=b.args.latency_requests if clients == 1 else 0, max_instances=max_instances)
     finally:
         sched.config = saved
     return {**stats, "img_per_s": stats["rate"], "peak_gb": mem.peak_gb(_detector_bytes(engine)),
             "engine_row": name, "image_wait_ms": engine.cfg.image_wait_ms, "pair_wait_ms": engine.cfg.pair_wait_ms,
             "release_when_idle": saved.image.release_when_idle if release_when_idle is None else release_when_idle,
-            "clients": clients}
+            "clients": clients, "max_instances": max_instances}
 
 
 def _postprocess_one(engine, out, height: int, width: int, threshold: float):

@@ -256,3 +256,48 @@ def test_a_closed_engine_is_gone_before_the_next_row_builds_its_own(monkeypatch)
     assert len(built) == 3, results
     assert [n for n, r in results.items() if "error" in r] == ["ours_bf16_b8_shared_stream"], results
     assert "still alive" not in results["ours_bf16_fused_gelu"].get("error", "")
+
+
+def test_capped_rows_cap_every_request_of_the_engine_they_reuse(monkeypatch):
+    """A capped row drives its reused engine with --clients requests in flight, each with the row's max_instances;
+    drive() hands that cap to engine.segment and counts the instances the answers keep."""
+    import asyncio
+
+    wf = _waterfall()
+    seen = []
+
+    async def fake_engine(b, row):
+        return {"img_per_s": 50.0}, row.name
+
+    async def fake_close(engine):
+        pass
+
+    async def fake_latency(b, name, engine, release_when_idle=None, clients=1, max_instances=None):
+        seen.append((name, engine, clients, max_instances))
+        return {"img_per_s": 1.0, "engine_row": name}
+
+    monkeypatch.setattr(wf, "run_engine", fake_engine)
+    monkeypatch.setattr(wf, "close_engine", fake_close)
+    monkeypatch.setattr(wf, "run_latency", fake_latency)
+    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_inductor_b8", "capped_bf16_b8")]
+    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, clients=32, profile_engine="best"),
+                        engines={}, free_meta=lambda: None)
+    asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"), lambda *a: None))
+    assert seen == [("ours_bf16_inductor_b8", "ours_bf16_inductor_b8", 32, 9)]
+
+    from waterfall_runs import drive
+
+    calls = []
+
+    class Engine:
+        async def segment(self, data, prompts, threshold, max_instances=None):
+            calls.append((data, tuple(prompts), threshold, max_instances))
+            kept = [object()] * (3 if max_instances is None else min(3, max_instances))
+            return SimpleNamespace(prompts=[SimpleNamespace(instances=kept)], timings_ms={"total": 1.0})
+
+    bench = SimpleNamespace(cases=[("p", "cat")], jpeg={"p": b"jpg"}, thresholds={("p", "cat"): 0.3})
+    for cap, kept in ((None, 3.0), (2, 2.0)):
+        calls.clear()
+        stats = asyncio.run(drive(Engine(), bench, clients=2, seconds=0.0, min_requests=4, max_instances=cap))
+        assert calls and all(c == (b"jpg", ("cat",), 0.3, cap) for c in calls)
+        assert stats["instances_per_request"] == kept
