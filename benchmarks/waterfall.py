@@ -405,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for waterfall.json and waterfall.md")
     ap.add_argument("--rows", default=",".join(ROW_NAMES), help=f"comma list, from: {', '.join(ROW_NAMES)}")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per row (after warm-up)")
+    ap.add_argument("--warmup-s", type=float, default=3.0,
+                    help="untimed closed-loop seconds before an engine row's measurement (at least --clients "
+                         "requests); runs 15-16's first engines read 88-90%% of their detector's rate after one "
+                         "round of --clients requests, the second 95%%")
     ap.add_argument("--config", default="sam3", help="sammie.config.PRESETS key (tiny for dry runs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--clients", type=int, default=32, help="requests in flight for the batched engine rows")

@@ -219,7 +219,8 @@ async def run_engine(b: Bench, row: Row) -> tuple[dict, Any]:
             if row.engine.get("vit_fp8") and not getattr(gate, "enabled", False):
                 raise RuntimeError(f"FP8 gate did not pass, the engine serves bf16: "
                                    f"{gate.as_dict() if hasattr(gate, 'as_dict') else gate}")
-            await drive(engine, b, clients, 0.0, min_requests=clients)  # untimed: caches, allocator, first batches
+            # untimed: caches, allocator, first batches; --warmup-s (0 before 2026-12-02: one round of requests)
+            await drive(engine, b, clients, b.args.warmup_s, min_requests=clients)
             stats = await drive(engine, b, clients, b.args.seconds)
             outputs = await engine_outputs(engine, b)
         except BaseException:  # closed here; its memory goes once the caller's exception is gone (run_rows frees it)

@@ -101,8 +101,8 @@ def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
     rows = ["meta_processor_fp32", "meta_batched_bf16", "ours_fp32_b1", "ours_bf16_batched", "model_only_best",
             "latency_single", "latency_single_idle", "extra_prompt"]
     cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--config", "tiny", "--device", "cpu",
-           "--seconds", "1", "--rows", ",".join(rows), "--cases", "2", "--meta-batch", "2", "--clients", "4",
-           "--latency-requests", "5", "--no-profile"]
+           "--seconds", "1", "--warmup-s", "0.5", "--rows", ",".join(rows), "--cases", "2", "--meta-batch", "2",
+           "--clients", "4", "--latency-requests", "5", "--no-profile"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "waterfall.json").read_text())
