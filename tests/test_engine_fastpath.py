@@ -209,17 +209,29 @@ def test_null_model_answers_without_instances_and_never_builds_the_detector(monk
     assert health["kernels"]["preprocess"]["calls"], health["kernels"]  # pre-processing still ran
 
 
+class RefusedReport:
+    """What a stand-in FP8 gate returns: refused."""
+
+    enabled = False
+
+    def as_dict(self):
+        return {"enabled": False, "reason": "stand-in gate refused"}
+
+
+def stand_in_fp8(monkeypatch, enable_vit_fp8):
+    """Replace sammie/model/fp8.py by `enable_vit_fp8`, keeping the real module's config checks."""
+    from sammie.model import fp8
+
+    monkeypatch.setitem(sys.modules, "sammie.model.fp8", types.SimpleNamespace(
+        enable_vit_fp8=enable_vit_fp8, check_linears=fp8.check_linears, check_static=fp8.check_static,
+        MAX_CALIBRATION_IMAGES=fp8.MAX_CALIBRATION_IMAGES))
+
+
 def test_vit_fp8_wiring_with_a_stand_in_gate(monkeypatch, caplog):
     """A stand-in for sammie/model/fp8.py checks the engine's side of the contract on CPU: called once with the
     detector, a [1, 3, S, S] sample in the model dtype and the engine's registry; a refused report is logged at ERROR
     and shown in health(). (The real gate runs on the GPU: tests/test_fp8_vit.py.)"""
     calls = []
-
-    class Report:
-        enabled = False
-
-        def as_dict(self):
-            return {"enabled": False, "reason": "stand-in gate refused"}
 
     def enable_vit_fp8(detector, sample_pixels, *, registry, preference, linears, static, calibration):
         assert "fp8_rowwise_linear" in registry.ops()  # the engine's registry, with the FP8 ops registered
@@ -227,7 +239,7 @@ def test_vit_fp8_wiring_with_a_stand_in_gate(monkeypatch, caplog):
         assert linears == ("attn.qkv", "attn.proj", "mlp.fc1")  # EngineConfig.vit_fp8_linears' default
         assert static == () and calibration.startswith("a seeded noise image")  # the defaults
         calls.append((detector, tuple(sample_pixels.shape), sample_pixels.dtype))
-        return Report()
+        return RefusedReport()
 
     stand_in_fp8(monkeypatch, enable_vit_fp8)
 
@@ -241,30 +253,15 @@ def test_vit_fp8_wiring_with_a_stand_in_gate(monkeypatch, caplog):
     assert any(r.levelname == "ERROR" and "vit_fp8" in r.getMessage() for r in caplog.records)
 
 
-def stand_in_fp8(monkeypatch, enable_vit_fp8):
-    """Replace sammie/model/fp8.py by `enable_vit_fp8`, keeping the real module's config checks."""
-    from sammie.model import fp8
-
-    monkeypatch.setitem(sys.modules, "sammie.model.fp8", types.SimpleNamespace(
-        enable_vit_fp8=enable_vit_fp8, check_linears=fp8.check_linears, check_static=fp8.check_static,
-        MAX_CALIBRATION_IMAGES=fp8.MAX_CALIBRATION_IMAGES))
-
-
 def test_vit_fp8_static_scales_calibrate_on_the_given_images(monkeypatch, tmp_path):
     """vit_fp8_static and vit_fp8_calibration_images reach the gate: the listed images (any size: the real decoding
     and preprocessing) are the sample, static names the linears with calibrated scales, and the report says what
     the sample was. A missing or broken image fails the engine's construction with its path in the message."""
     calls = []
 
-    class Report:
-        enabled = False
-
-        def as_dict(self):
-            return {"enabled": False, "reason": "stand-in"}
-
     def enable_vit_fp8(detector, sample_pixels, *, registry, preference, linears, static, calibration):
         calls.append((tuple(sample_pixels.shape), linears, static, calibration))
-        return Report()
+        return RefusedReport()
 
     stand_in_fp8(monkeypatch, enable_vit_fp8)
     paths = []
@@ -279,7 +276,7 @@ def test_vit_fp8_static_scales_calibrate_on_the_given_images(monkeypatch, tmp_pa
 
     health = run_engine(go, **cfg, vit_fp8_calibration_images=paths)
     assert calls == [((2, 3, 112, 112), tuple(all_four), ("mlp.fc2",), "2 calibration images")]
-    assert health["vit_fp8"] == {"enabled": False, "reason": "stand-in"}
+    assert health["vit_fp8"] == {"enabled": False, "reason": "stand-in gate refused"}
     (tmp_path / "broken.jpg").write_bytes(b"not an image")
     for bad, error, message in ((str(tmp_path / "missing.jpg"), FileNotFoundError, "missing.jpg"),
                                 (str(tmp_path / "broken.jpg"), ValueError, "broken.jpg.*not a usable image")):

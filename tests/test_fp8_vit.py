@@ -324,16 +324,22 @@ def test_cuda_fp8_enables_and_matches_emulation(tiny):
         assert rel_error(a, b) <= 2 * DEFAULT_MAX_REL_ERR
     # CUDA graph capture: no host syncs in the FP8 path
     enable_vit_fp8(detector, pixels, registry=reg)
+    for a, b in zip(graphed_fpn(detector, pixels), out):
+        assert torch.equal(a, b)
+    disable_vit_fp8(detector)
+
+
+def graphed_fpn(detector, pixels):
+    """The image features of one eager warm-up call (Triton compile, cuBLASLt heuristics), then of a CUDA graph
+    captured and replayed (a host sync inside the FP8 path would fail the capture)."""
     with torch.no_grad():
-        detector.encode_images(pixels)  # warm up (Triton compile, cuBLASLt heuristics) outside capture
+        detector.encode_images(pixels)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = detector.encode_images(pixels).fpn
         graph.replay()
         torch.cuda.synchronize()
-    for a, b in zip(captured, out):
-        assert torch.equal(a, b)
-    disable_vit_fp8(detector)
+    return captured
 
 
 @pytest.mark.skipif(not CUDA_FP8, reason="needs CUDA with row-wise FP8 GEMMs (sm_90)")
@@ -356,13 +362,7 @@ def test_cuda_static_scales_match_emulation_and_capture(tiny):
 
         for a, b in zip(out, emu_out):
             assert rel_error(a, b) <= 0.5 * DEFAULT_MAX_REL_ERR
-        with torch.no_grad():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = detector.encode_images(pixels).fpn
-            graph.replay()
-            torch.cuda.synchronize()
-        for a, b in zip(captured, out):
+        for a, b in zip(graphed_fpn(detector, pixels), out):
             assert torch.equal(a, b)
     finally:
         disable_vit_fp8(detector)

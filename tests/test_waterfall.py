@@ -177,9 +177,9 @@ def test_reusing_rows_measure_their_engine_which_stays_open_until_the_end(monkey
     assert "ours_fp8_vit" in results["model_only_fp8"]["skipped"] and measured == {}
 
 
-def test_idle_rows_drive_the_best_engine_with_release_when_idle_forced_or_as_configured(monkeypatch):
-    """*_idle rows force release_when_idle on, *_waits off, the rest leave the engine as configured; batched_idle rows
-    drive --clients requests, latency rows one."""
+def _measured(monkeypatch, names: tuple[str, ...]) -> list[tuple]:
+    """Run the rows `names` with stand-in engines: (engine row, engine, release_when_idle, clients, max_instances) of
+    each run_latency call, in order."""
     import asyncio
 
     wf = _waterfall()
@@ -191,21 +191,27 @@ def test_idle_rows_drive_the_best_engine_with_release_when_idle_forced_or_as_con
     async def fake_close(engine):
         pass
 
-    async def fake_latency(b, name, engine, release_when_idle=None, clients=1):
-        seen.append((row_name := name, engine, release_when_idle, clients))
-        return {"img_per_s": 1.0, "engine_row": row_name}
+    async def fake_latency(b, name, engine, release_when_idle=None, clients=1, max_instances=None):
+        seen.append((name, engine, release_when_idle, clients, max_instances))
+        return {"img_per_s": 1.0, "engine_row": name}
 
     monkeypatch.setattr(wf, "run_engine", fake_engine)
     monkeypatch.setattr(wf, "close_engine", fake_close)
     monkeypatch.setattr(wf, "run_latency", fake_latency)
-    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_graphs", "best_batched_idle", "best_batched_waits",
-                                             "latency_single", "latency_single_waits")]
+    rows = [r for r in wf.ROWS if r.name in names]
     b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, clients=32, profile_engine="best"),
-                    engines={},
-                        free_meta=lambda: None)
+                        engines={}, free_meta=lambda: None)
     asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"), lambda *a: None))
-    assert seen == [("ours_bf16_graphs", "ours_bf16_graphs", True, 32), ("ours_bf16_graphs", "ours_bf16_graphs", False, 32),
-                    ("ours_bf16_graphs", "ours_bf16_graphs", None, 1), ("ours_bf16_graphs", "ours_bf16_graphs", False, 1)]
+    return seen
+
+
+def test_idle_rows_drive_the_best_engine_with_release_when_idle_forced_or_as_configured(monkeypatch):
+    """*_idle rows force release_when_idle on, *_waits off, the rest leave the engine as configured; batched_idle rows
+    drive --clients requests, latency rows one."""
+    seen = _measured(monkeypatch, ("ours_bf16_graphs", "best_batched_idle", "best_batched_waits", "latency_single",
+                                   "latency_single_waits"))
+    g = "ours_bf16_graphs"
+    assert seen == [(g, g, True, 32, None), (g, g, False, 32, None), (g, g, None, 1, None), (g, g, False, 1, None)]
 
 
 def test_building_rows_run_in_the_order_given_and_measuring_rows_after():
@@ -263,27 +269,8 @@ def test_capped_rows_cap_every_request_of_the_engine_they_reuse(monkeypatch):
     drive() hands that cap to engine.segment and counts the instances the answers keep."""
     import asyncio
 
-    wf = _waterfall()
-    seen = []
-
-    async def fake_engine(b, row):
-        return {"img_per_s": 50.0}, row.name
-
-    async def fake_close(engine):
-        pass
-
-    async def fake_latency(b, name, engine, release_when_idle=None, clients=1, max_instances=None):
-        seen.append((name, engine, clients, max_instances))
-        return {"img_per_s": 1.0, "engine_row": name}
-
-    monkeypatch.setattr(wf, "run_engine", fake_engine)
-    monkeypatch.setattr(wf, "close_engine", fake_close)
-    monkeypatch.setattr(wf, "run_latency", fake_latency)
-    rows = [r for r in wf.ROWS if r.name in ("ours_bf16_inductor_b8", "capped_bf16_b8")]
-    b = SimpleNamespace(args=SimpleNamespace(budget_s=1e9, profile=False, clients=32, profile_engine="best"),
-                        engines={}, free_meta=lambda: None)
-    asyncio.run(wf.run_rows(b, rows, {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"), lambda *a: None))
-    assert seen == [("ours_bf16_inductor_b8", "ours_bf16_inductor_b8", 32, 9)]
+    b8 = "ours_bf16_inductor_b8"
+    assert _measured(monkeypatch, (b8, "capped_bf16_b8")) == [(b8, b8, None, 32, 9)]
 
     from waterfall_runs import drive
 
