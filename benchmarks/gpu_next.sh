@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Follow-up GPU checks as one device call (< 10 min), results in one archive, $OUT/next.tgz (the device tool returns
 # at most 8 files):
-#   1. CUDA tests of the kernels and graphs (FP8 quantiser, FP8 ViT, GraphedDetector, nvJPEG divergence printout);
+#   1. CUDA tests of the kernels and graphs (FP8 quantiser, FP8 ViT, GraphedDetector; nvJPEG's, since removed);
 #   2. the Qwen full-size oracle with the kernel bisection and the fp32 noise floor;
 #   3. HTTP end to end with the real model through direct ingress (serve_configs/local_gpu.yaml: inductor + graphs;
 #      the replica needs ~280 s to compile and warm up, so give this step the whole call);
@@ -800,8 +800,8 @@ probe linear_gelu_probe2 "${LIMIT_65:-150}" linear_gelu_probe.py --skip-triton
 fi
 if want 68; then
 say "68. issue 4 (the whole .devbundle; ran: waterfall run 16): FP8 fc2 with ONE calibrated input scale per block"
-say "    (vit_fp8_static: the GELU + quantiser elementwise, fused by inductor; runs 6-8: the per-token quantiser made an"
-say "    FP8 fc2 lose) beside the default FP8 engine (fc2 in bf16), each with its detector alone; the static op's CUDA"
+say "    (vit_fp8_static: the GELU + quantiser elementwise, fusable by inductor; runs 6-8: the per-token quantiser made"
+say "    an FP8 fc2 lose) beside the default FP8 engine (fc2 in bf16), each with its detector alone; the static op's CUDA"
 say "    tests first. Run 8: ours_fp8_vit_no_fc2 62.2 img/s, its detector 68.4"
 gpu_tests fp8_static_tests 120 tests/test_kernel_fp8.py tests/test_fp8_vit.py -k "static or self_check"
 rows_68=ours_fp8_vit_no_fc2,ours_fp8_static_fc2,model_only_fp8_no_fc2,model_only_fp8_static_fc2
@@ -815,20 +815,21 @@ rows_70=ours_fp8_static_fc2,ours_fp8_vit_no_fc2,model_only_fp8_static_fc2,model_
 waterfall_rows waterfall_fp8_static_ba "${LIMIT_70:-430}" 410 "${ROWS_70:-$rows_70}"
 fi
 if want 69; then
-say "69. issue 4 (the whole .devbundle; ran 2026-12-02: nvjpeg_probe run 1; the GPU decode since removed): the three failures of step 66's first run -- nvJPEG"
-say "    against PIL (image 15 off by 13.1 levels: benchmarks/nvjpeg_probe.py tells batched / single / the grayscale"
-say "    neighbours apart), the static FP8 scales' test (a 1-ulp CUDA division, fixed) and the registry's op list"
+say "69. issue 4 (the whole .devbundle; ran: nvjpeg_probe run 1; the GPU decode since removed): step 66's first run's"
+say "    three failures -- nvJPEG against PIL (image 15 off by 13.1 levels: benchmarks/nvjpeg_probe.py tells"
+say "    batched / single / the grayscale neighbours apart), the static FP8 scales' test (a 1-ulp CUDA division, fixed) and the registry's op list"
 say "    (fixed) -- then those tests again"
 probe nvjpeg_probe "${LIMIT_69:-90}" nvjpeg_probe.py
-gpu_tests step66_failures 150 tests/test_decode.py tests/test_fp8_vit.py tests/test_registry.py -rfE \
-  -k "cuda_batch or static or default_registry_self_check"
+gpu_tests step66_failures 150 tests/test_fp8_vit.py tests/test_registry.py -rfE \
+  -k "static or default_registry_self_check"  # (ran with tests/test_decode.py's removed nvJPEG test too)
 grep -E "^(FAILED|ERROR)" "$R/step66_failures.log" | cut -c1-300 | head -10
 fi
 if want 66 || want 67; then
 # every test file with a CUDA path, run whole on the GPU (GPU calls otherwise select a few tests, and a CUDA-only test
 # can break unseen: test_cuda_graphs_match_eager failed on a renamed stats key, found only by step 63's call)
-sam_files="tests/test_decode.py tests/test_engine_fastpath.py tests/test_fp8_vit.py tests/test_graphs.py
-  tests/test_kernel_fp8.py tests/test_kernel_linear_gelu.py tests/test_kernel_mask_post.py tests/test_kernel_preprocess.py
+# (tests/test_decode.py left the list with the GPU decode, 2026-12-02: it has no CUDA path now)
+sam_files="tests/test_engine_fastpath.py tests/test_fp8_vit.py tests/test_graphs.py tests/test_kernel_fp8.py
+  tests/test_kernel_linear_gelu.py tests/test_kernel_mask_post.py tests/test_kernel_preprocess.py
   tests/test_registry.py tests/test_serve_configs.py tests/test_vision.py"
 qwen_files="$(ls tests/test_*.py | grep -v -x -F -f <(echo "$sam_files" | tr -s ' \n' '\n') |
   xargs grep -l cuda | tr '\n' ' ')"

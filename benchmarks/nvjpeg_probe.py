@@ -1,10 +1,10 @@
-"""Why `decode_jpeg_batch_cuda` disagrees with PIL: tests/test_decode.py::test_cuda_batch_matches_pil's 28 JPEGs
-(4 photographs x quality 90 / 75 + 4:2:2 / 95 + 4:4:4 / progressive / grayscale, then 8 EXIF orientations) decoded
-by nvJPEG (torchvision) in one batched call, one call per image, and batched without the grayscale ones, each image's
-mean |diff| against PIL (the test's bound: 2 levels).
+"""Why Sammie does not decode JPEGs on the GPU: 28 JPEGs (4 photographs x quality 90 / 75 + 4:2:2 / 95 + 4:4:4 /
+progressive / grayscale, then 8 EXIF orientations of the fourth) decoded by torchvision's nvJPEG path in one batched
+call, one call per image, and batched without the grayscale ones; each image's mean |diff| against PIL (torchvision's
+own tests allow 2 levels).
 
-The first GPU run of the whole test file (2026-12-02) failed at image 15 (the fourth photograph at quality 90, right
-after the third's grayscale JPEG) with a mean |diff| of 13.1 (the test stops at its first failure): this tells whether the batch (and which neighbour) or the image itself is the cause.
+Written for a test that failed on the GPU (2026-12-02: image 15, the fourth photograph at quality 90, 13.1 levels
+off): `sammie.decode.decode_jpeg_batch_cuda` and that test were removed after nvjpeg_probe run 1 (RESULTS.md).
 
     python benchmarks/nvjpeg_probe.py --out DIR      # CUDA only; writes DIR/nvjpeg_probe.json, prints one line a case
 """
@@ -45,6 +45,7 @@ def mean_diff(got: torch.Tensor, ref: torch.Tensor) -> float | None:
 
 
 def main() -> None:
+    import torchvision
     from torchvision.io import ImageReadMode, decode_jpeg
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +77,8 @@ def main() -> None:
           f"{[r['i'] for r in rows if (r['single'] or 0) >= 2.0]}; batched without grayscale >= 2: "
           f"{[r['i'] for r in rows if (r['batched_without_gray'] or 0) >= 2.0]}")
     with open(os.path.join(args.out, "nvjpeg_probe.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump({"torch": torch.__version__, "torchvision": torchvision.__version__,
+                   "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

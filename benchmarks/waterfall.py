@@ -292,8 +292,8 @@ def _forced_idle(row: Row) -> bool | None:
     return True if row.name.endswith("_idle") else False if row.name.endswith("_waits") else None
 
 
-# rows that build what they measure; the others (model_only, batched_idle, capped, latency, extra_prompt, http) measure an
-# engine an earlier row built, or fill a slot, so they follow
+# rows that build what they measure; the others (model_only, batched_idle, capped, latency, extra_prompt, http)
+# measure an engine an earlier row built, or fill a slot, so they follow
 _BUILDING_KINDS = ("meta_processor", "meta_batched", "meta_batched_model", "engine")
 
 

@@ -291,7 +291,8 @@ async def run_latency(b: Bench, name: str, engine, release_when_idle: bool | Non
     try:
         with tf32(False):
             stats = await drive(engine, b, clients, b.args.seconds,
-                                min_requests=b.args.latency_requests if clients == 1 else 0, max_instances=max_instances)
+                                min_requests=b.args.latency_requests if clients == 1 else 0,
+                                max_instances=max_instances)
     finally:
         sched.config = saved
     return {**stats, "img_per_s": stats["rate"], "peak_gb": mem.peak_gb(_detector_bytes(engine)),

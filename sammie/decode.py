@@ -14,11 +14,11 @@ JPEG fast path (plain JPEGs only, as told by `is_plain_jpeg`, a header walk of a
 bit-identical to PIL's `decode_image_pil` (tests/test_decode.py); `decode_image` uses it, ~2x less CPU (640x480
 photo: 1.9 vs 3.7 ms, measured on the 2-core dev machine).
 
-No GPU decode. torchvision's nvJPEG path (the H200 image's torch 2.11 build, `benchmarks/nvjpeg_probe.py`,
-RESULTS.md) decoded a 143 x 61 photograph with 4:2:0 or 4:2:2 chroma 13 levels off PIL on average (the bound for
-IDCT rounding is 2), and with `apply_exif_orientation=True` left orientations 2-8 unapplied (flips ~61 levels off,
-transposes the wrong shape), batched or one image at a time. A `decode_jpeg_batch_cuda` helper, unused by the engine,
-was removed with its tests on 2026-12-02.
+No GPU decode. torchvision's nvJPEG path (on the H200 machine's torch 2.11 build; `benchmarks/nvjpeg_probe.py`,
+RESULTS.md) decoded a 143 x 61 photograph with 4:2:0 or 4:2:2 chroma 13 levels off PIL on average (torchvision's
+own tests allow 2), and with `apply_exif_orientation=True` orientations 2-8 came out ~61 levels off (flips) or in
+the wrong shape (transposes), as if not applied; batched or one image at a time. A `decode_jpeg_batch_cuda` helper,
+unused by the engine, was removed with its tests on 2026-12-02.
 
 Everything else (PNG, WebP, CMYK/YCCK or Adobe-RGB JPEGs, 12-bit, arithmetic-coded or lossless JPEGs, ...) goes
 through PIL (`decode_image_pil`).

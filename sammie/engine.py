@@ -107,7 +107,8 @@ class EngineConfig:
     compile: str = "auto"  # none | graphs | inductor | auto (graphs on cuda, none on cpu). graphs: CUDA graphs of
     #                        the eager detector per image / pair bucket (sammie.model.graphs.GraphedDetector),
     #                        captured at start in seconds; inductor: torch.compile (inductor) per bucket, then
-    #                        graphs: ~35-40% faster (61 vs 43-45 img/s, waterfall), ~35 s of compile per bucket at start
+    #                        graphs: ~35% faster (61.0 vs 45.3 img/s with the same kernels, waterfall), ~30-35 s
+    #                        of compile per bucket at start
     image_inductor_mode: str = "default"  # the image stage's inductor mode with compile=inductor: default |
     #                        max-autotune-no-cudagraphs (Triton GEMM templates benchmarked against cuBLAS per shape,
     #                        a GELU fused into a winning template's epilogue). H200, waterfall run 9: cuBLAS won all
@@ -131,11 +132,15 @@ class EngineConfig:
     #                        one per token: the quantiser becomes elementwise and fuses into the op before it (for
     #                        mlp.fc2: the GELU pass), which a per-token reduction cannot (sammie.model.fp8). Written
     #                        for an FP8 fc2 (["mlp.fc2"] with vit_fp8_linears = all four). H200, waterfall run 16:
-    #                        the detector alone +5.0% (76.5 img/s), the engine 65.5 -> 72.7 img/s against fc2 in
-    #                        bf16 (the engine second in its process: part of that is position). Off by default: scales calibrated on noise only suit random-weight benchmarks
-    vit_fp8_calibration_images: tuple = ()  # image files (JPEG / PNG, <= 8) the FP8 gate and the static scales run
-    #                        on instead of the seeded noise image; give real images of your traffic with a real
-    #                        checkpoint (static scales calibrated on noise only suit speed measurements)
+    #                        the detector alone +5.1% (76.5 img/s), the engine 65.5 -> 72.7 img/s against fc2 in
+    #                        bf16 (the engine second in its process: part of that is position). Off by default:
+    #                        scales calibrated on noise only suit random-weight benchmarks. With vit_fused_gelu
+    #                        and fc1 in bf16, fc2's scale is calibrated on the exact GELU but runs on the tanh one
+    #                        (<= 4.7e-4 apart: negligible against 2x headroom)
+    vit_fp8_calibration_images: tuple = ()  # image files (JPEG / PNG, <= 8) the FP8 gate (also without static
+    #                        layers) and the static scales run on instead of the seeded noise image; give real
+    #                        images of your traffic with a real checkpoint (noise-calibrated scales only suit speed
+    #                        measurements). Absolute paths: relative ones resolve in the replica's working dir
     vit_fused_gelu: bool = False  # each ViT block's fc1 + GELU as one cuBLASLt GEMM with its GELU epilogue (CUDA;
     #                        sammie.model.vit.Mlp): spares the separate GELU pass (9.4 of ~117 ms per batch of 8 on
     #                        the H200), but cuBLASLt's GELU is the tanh approximation, not Meta's exact erf GELU
@@ -147,8 +152,8 @@ class EngineConfig:
     #                             the image batches queued ahead of them on a shared stream. False: both on the
     #                             default stream (before 2026-12-02). H200 at 32 clients, one balanced pair
     #                             with the closed engines freed: +3.4% as the first engine of its process, +1.6%
-    #                             as the second (~+2.5%), and a lower p99 in all six pairs (streams A/B runs 1-3;
-    #                             runs 1-2 kept closed engines alive and showed no gain). Ignored on cpu
+    #                             as the second, and a lower p99 in all six pairs (streams A/B runs 1-3; runs 1-2
+    #                             kept closed engines alive and showed no gain). Ignored on cpu
     null_model: bool = False  # NO MODEL: a NullDetector (one tiny device op per call, never any instance) instead of
     #                           the detector, which is then never built; measures HTTP + decode + scheduler alone
 
@@ -356,9 +361,9 @@ class _Runner:
     for its own kernels only. On one shared stream they also waited for every image batch queued ahead (~63 ms of
     ViT each at batch 8; waterfall run 11: ~150 ms per grounding batch of ~7.7 pairs, ~21 ms of it the ground
     graph). H200 at 32 clients (streams A/B run 3, one balanced pair, closed engines freed): +3.4% as the first
-    engine of its process, +1.6% as the second, ~+2.5%; p99 lower in all six pairs of runs 1-3 (runs 1-2 kept the
-    closed engines alive: +3.6% first, -4.5% second); run 14: the GPU ran kernels 99.7% of the time with it. Without stage_streams both threads
-    use the default stream, whose order alone keeps features before their readers.
+    engine of its process, +1.6% as the second; p99 lower in all six pairs of runs 1-3 (runs 1-2 kept the closed
+    engines alive: +3.6% first, -4.5% second); run 14: the GPU ran kernels 99.7% of the time with it. Without
+    stage_streams both threads use the default stream, whose order alone keeps features before their readers.
     """
 
     def __init__(self, engine: SammieEngine):
@@ -523,8 +528,9 @@ class SammieEngine:
             for path in paths:
                 try:
                     data = Path(path).read_bytes()
-                except OSError as e:
-                    raise FileNotFoundError(f"vit_fp8_calibration_images: cannot read {path!r}: {e}") from e
+                except OSError as e:  # missing, a directory, no permission: the path and the reason
+                    raise OSError(f"vit_fp8_calibration_images: cannot read {path!r} (working directory "
+                                  f"{os.getcwd()!r}): {e}") from e
                 try:
                     rgbs.append(decode_image(data, self.cfg.max_image_pixels))
                 except InvalidImage as e:

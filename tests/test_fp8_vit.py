@@ -226,9 +226,9 @@ def test_static_scales_are_calibrated_on_the_bf16_pass(tiny):
     try:
         assert dynamic.enabled and report.enabled, report.reason
         assert report.static == tuple(fc2_names) and len(report.layers) == 4 * detector.cfg.vision.depth
-        # on the model's device: CUDA divides a tensor by a Python scalar through its reciprocal (1 ulp off IEEE)
-        expected = [static_input_scale(torch.tensor(amax[n], dtype=torch.float32, device=DEVICE)).cpu()
-                    for n in fc2_names]
+        # computed on the CPU: the scale is device-independent (IEEE division; the first GPU run of this test found
+        # a Python-scalar division, which CUDA does through the reciprocal)
+        expected = [static_input_scale(torch.tensor(amax[n], dtype=torch.float32)) for n in fc2_names]
         assert report.input_scales == tuple(float(e) for e in expected)
         assert all(float(e) == pytest.approx(STATIC_HEADROOM * amax[n] / 448, rel=1e-6)
                    for e, n in zip(expected, fc2_names))
@@ -270,6 +270,36 @@ def test_static_scales_refuse_a_non_finite_sample(tiny):
     report = enable_vit_fp8(detector, bad, preference="reference", registry=registry(), static=("mlp.fc2",))
     assert not report.enabled and "non-finite" in report.reason and report.static == ()
     assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
+
+
+def test_static_fc1_under_the_fused_gelu_is_refused(tiny, monkeypatch):
+    """With vit_fused_gelu on, the Mlp runs fc1's weights through cuBLASLt and never calls fc1, so a static fc1
+    cannot be calibrated: refused with the reason (not a KeyError), the bf16 modules left in place."""
+    from sammie.model import vit
+
+    detector, pixels = tiny
+    monkeypatch.setattr(vit, "FUSED_GELU_DEVICES", (DEVICE,))  # the CPU stands in (exact GELU there)
+    mlps = vit.set_fused_gelu(detector, True)
+    try:
+        report = enable_vit_fp8(detector, pixels, preference="reference", registry=registry(),
+                                linears=("mlp.fc1",), static=("mlp.fc1",))
+    finally:
+        vit.set_fused_gelu(detector, False)
+    assert mlps and not report.enabled and "never ran on the sample" in report.reason, report.reason
+    assert not any(isinstance(m, Fp8Linear) for m in detector.modules())
+
+
+def test_input_amax_keeps_the_largest_of_several_calls():
+    """A layer called more than once in the sample's pass (or once per image) keeps the largest |x| of all calls."""
+    from sammie.model.fp8 import _input_amax
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with _input_amax(model, ["0"]) as amax:
+        model(torch.tensor([[1.0, -7.0, 2.0, 0.5]]))
+        model(torch.tensor([[3.0, 1.0, -2.0, 0.0]]))
+    assert float(amax["0"]) == 7.0
+    model(torch.tensor([[100.0, 0.0, 0.0, 0.0]]))  # the hook is gone after the block
+    assert float(amax["0"]) == 7.0 and not model[0]._forward_pre_hooks
 
 
 def test_static_scale_of_an_all_zero_input_is_not_zero():
@@ -348,20 +378,20 @@ def test_cuda_static_scales_match_emulation_and_capture(tiny):
     emulation, and capturable in a CUDA graph (the scales are buffers: no host sync)."""
     detector, pixels = tiny
     reg = registry()
-    static = ("attn.qkv", "attn.proj")
-    emulated = enable_vit_fp8(detector, pixels, preference="reference", registry=reg, static=static)
+    static = ("attn.qkv", "attn.proj")  # the same layers in both runs: the static op against its own emulation
+    emulated = enable_vit_fp8(detector, pixels, preference="reference", registry=reg, linears=static, static=static)
     emu_out = fpn(detector, pixels)
-    report = enable_vit_fp8(detector, pixels, registry=reg, static=static)
+    report = enable_vit_fp8(detector, pixels, registry=reg, linears=static, static=static)
     try:
         print(f"\nCUDA FP8, static attention inputs: {report.reason}; rel err {report.rel_err}")
         assert emulated.enabled and report.enabled, report.reason
-        assert len(report.static) == 2 * detector.cfg.vision.depth and report.input_scales == emulated.input_scales
+        assert report.static == emulated.static and len(report.static) == 2 * detector.cfg.vision.depth
         assert report.implementation == "triton_quant+scaled_mm"
         out = fpn(detector, pixels)
         from tests.parity import rel_error
 
-        for a, b in zip(out, emu_out):
-            assert rel_error(a, b) <= 0.5 * DEFAULT_MAX_REL_ERR
+        for a, b in zip(out, emu_out):  # identical codes; the GEMMs' summation order and bf16 roundings differ
+            assert rel_error(a, b) <= 0.2 * DEFAULT_MAX_REL_ERR
         for a, b in zip(graphed_fpn(detector, pixels), out):
             assert torch.equal(a, b)
     finally:
