@@ -163,6 +163,8 @@
 #       ROWS_68=...,ours_fp8_static_all,model_only_fp8_static_all adds every input on a static scale
 #   eval "$(bash .devbundle/install.sh)" && STEPS="70" bash benchmarks/gpu_next.sh      # <= 7.5 min: issue 4, step
 #       68 with the engines in the other order (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="71" bash benchmarks/gpu_next.sh      # <= 9.3 min: issue 4, a lone
+#       request through the static-scale FP8 engine (buckets 1, 8) beside the bf16 one (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
 #       PIL per image, batched / single (benchmarks/nvjpeg_probe.py), and step 66's three failures again
 #   eval "$(bash .devbundle/install.sh)" && STEPS="66" / "67" bash benchmarks/gpu_next.sh   # <= 9.3 min each:
@@ -813,6 +815,13 @@ say "    engine first): runs 15-16's first engines reached 88-90% of their detec
 say "    static engine with every answer capped at 9 instances (a real model's post-processing load)"
 rows_70=ours_fp8_static_fc2,ours_fp8_vit_no_fc2,model_only_fp8_static_fc2,model_only_fp8_no_fc2,capped_fp8_static_fc2
 waterfall_rows waterfall_fp8_static_ba "${LIMIT_70:-430}" 410 "${ROWS_70:-$rows_70}"
+fi
+if want 71; then
+say "71. issue 4 (the whole .devbundle; written 2026-12-02, unrun): a lone request through the FP8 engine with fc2 on a"
+say "    static scale (buckets 1 and 8) beside the bf16 inductor engine's, same run (the lone target: 20 ms; runs 5-11:"
+say "    23.3-24.7 ms in bf16)"
+waterfall_rows waterfall_lat_static "${LIMIT_71:-540}" 520 \
+  ours_bf16_inductor,latency_single,ours_fp8_static_b1,latency_single_fp8_static
 fi
 if want 69; then
 say "69. issue 4 (the whole .devbundle; ran: nvjpeg_probe run 1; the GPU decode since removed): step 66's first run's"

@@ -174,6 +174,11 @@ ROWS: tuple[Row, ...] = (
         "like ours_bf16_inductor: the engine of latency_single_fp8", "engine",
         engine={**FP8_INDUCTOR, "image_buckets": [1, 8], "pair_buckets": [1, 8]},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
+    Row("ours_fp8_static_b1", "ours_fp8_static_fc2 (all four linears in FP8, fc2 on a static scale) with buckets "
+        "images 1, 8 and pairs 1, 8: the engine of latency_single_fp8_static", "engine",
+        engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"],
+                "vit_fp8_static": ["mlp.fc2"], "image_buckets": [1, 8], "pair_buckets": [1, 8]},
+        targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_attn_fused_gelu", "the FP8 engine with only the attention's linears in FP8 (vit_fp8_linears: qkv, "
         "proj) and each block's fc1 + GELU as one bf16 cuBLASLt GEMM (vit_fused_gelu; the tanh GELU): the two gains "
         "together, as an FP8 fc1 cannot take the fused GELU", "engine",
@@ -232,6 +237,9 @@ ROWS: tuple[Row, ...] = (
     Row("latency_single_fp8", "one request alone through ours_fp8_vit_b1's engine (FP8 ViT at batch 1; "
         "release_when_idle on by default): the ViT's 14.5 ms at batch 1 is most of a lone request's 23 ms", "latency",
         reuse="ours_fp8_vit_b1", targets=(Target("p50_ms", "<=", 20),)),
+    Row("latency_single_fp8_static", "one request alone through ours_fp8_static_b1's engine (every ViT linear in "
+        "FP8 at batch 1, fc2 on a static scale)", "latency", reuse="ours_fp8_static_b1",
+        targets=(Target("p50_ms", "<=", 20),)),
     Row("extra_prompt", "second prompt on an image whose features are cached: ground + post-processing of one pair, "
         "prompt features cached (with the text encoder: see extra_prompt.uncached)", "extra_prompt",
         targets=(Target("p50_ms", "<=", 3),)),
