@@ -72,10 +72,12 @@ def main() -> None:
                "batched_again_equal": bool(torch.equal(again[i], batched[i]))}
         rows.append(row)
         print("[nvjpeg_probe]", json.dumps(row))
-    bad = [r["i"] for r in rows if (r["batched"] or 0) >= 2.0]
-    print(f"[nvjpeg_probe] batched >= 2 levels: {bad}; single >= 2: "
-          f"{[r['i'] for r in rows if (r['single'] or 0) >= 2.0]}; batched without grayscale >= 2: "
-          f"{[r['i'] for r in rows if (r['batched_without_gray'] or 0) >= 2.0]}")
+    def off(key):  # >= 2 levels off, or the wrong shape (None); batched_without_gray is None for the grayscale ones
+        return [r["i"] for r in rows if (r[key] is None and not (key == "batched_without_gray" and
+                                                                 "grayscale" in r["case"])) or (r[key] or 0) >= 2.0]
+
+    print(f"[nvjpeg_probe] >= 2 levels off or the wrong shape: batched {off('batched')}; single {off('single')}; "
+          f"batched without grayscale {off('batched_without_gray')}")
     with open(os.path.join(args.out, "nvjpeg_probe.json"), "w") as f:
         json.dump({"torch": torch.__version__, "torchvision": torchvision.__version__,
                    "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

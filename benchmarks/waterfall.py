@@ -186,8 +186,8 @@ ROWS: tuple[Row, ...] = (
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_static_fc2", "ours_fp8_vit (all four linears in FP8) with fc2's input quantised with ONE "
         "calibrated scale per block (vit_fp8_static: mlp.fc2; 2 x the amax over the engine's calibration sample / "
-        "448) instead of one per token: the GELU + quantiser elementwise, fused by inductor into the GELU pass the "
-        "bf16 path runs anyway (the per-token reduction made an FP8 fc2 lose: runs 6-8)", "engine",
+        "448) instead of one per token: the GELU + quantiser elementwise, which inductor can fuse into the GELU pass "
+        "the bf16 path runs anyway (the per-token reduction made an FP8 fc2 lose: runs 6-8)", "engine",
         engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"],
                 "vit_fp8_static": ["mlp.fc2"]},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
@@ -414,9 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=",".join(ROW_NAMES), help=f"comma list, from: {', '.join(ROW_NAMES)}")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per row (after warm-up)")
     ap.add_argument("--warmup-s", type=float, default=3.0,
-                    help="untimed closed-loop seconds before an engine row's measurement (at least --clients "
-                         "requests); runs 15-16's first engines read 88-90%% of their detector's rate after one "
-                         "round of --clients requests, the second 95%%")
+                    help="untimed closed-loop seconds before an engine row's measurement (at least one request per "
+                         "client of the row); before 2026-12-02 one round of requests: run 16's first engine read "
+                         "89.9%% of its detector's rate, the second 95.0%%")
     ap.add_argument("--config", default="sam3", help="sammie.config.PRESETS key (tiny for dry runs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--clients", type=int, default=32, help="requests in flight for the batched engine rows")
@@ -448,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
 
     b = Bench(args)
     info = {**versions(b.dev), "command": " ".join(sys.argv), "config": args.config, "device": str(b.dev),
-            "seconds_per_row": args.seconds, "clients": args.clients, "cases": [list(c) for c in b.cases],
+            "seconds_per_row": args.seconds, "warmup_s_per_engine_row": args.warmup_s, "clients": args.clients,
+            "cases": [list(c) for c in b.cases],
             "image_size": IMAGE_SIZE, "thresholds": {f"{p}/{q}": t for (p, q), t in b.thresholds.items()},
             "truth_instances_per_case": statistics.fmean(len(v) for v in b.truth.values()),
             "build_s": b.build_s, "truth_s": b.truth_s, "merged_from": args.merge,
@@ -485,7 +486,8 @@ def markdown(info: dict, args, b: Bench, rows: list[Row], results: dict, profile
           f"`{info['command']}`" + ("" if info["complete"] else " (**incomplete: written after each row**)"), "",
           f"Config `{args.config}`, {info['weights']}. Inputs: {len({p for p, _ in b.cases})} photographs at "
           f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} JPEG q{JPEG_QUALITY}, {len(b.cases)} (image, prompt) cases, one prompt per "
-          f"request; {args.seconds:g} s per row, {args.clients} requests in flight on batched engine rows. FLOP per "
+          f"request; {args.seconds:g} s per row (engine rows after {args.warmup_s:g} s of warm-up), {args.clients} "
+          f"requests in flight on batched engine rows. FLOP per "
           f"image + prompt {flops['total'] / 1e12:.3f} TFLOP counted on our detector (design doc: {DESIGN_DOC_TFLOP});"
           f" % of {CEILING_TFLOPS:.0f} TFLOP/s (measured bf16 matmul rate). Oracle: vs Meta fp32 (TF32 off) at "
           f"identical weights, {len(b.cases)} cases, {info['truth_instances_per_case']:.1f} instances per case "

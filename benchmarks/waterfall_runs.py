@@ -227,6 +227,7 @@ async def run_engine(b: Bench, row: Row) -> tuple[dict, Any]:
             await close_engine(engine)
             raise
     result = {**stats, "img_per_s": stats["rate"], "peak_gb": mem.peak_gb(), "tf32": False, "clients": clients,
+              "warmup_s": b.args.warmup_s,
               "engine_config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "checkpoint"},
               "config_dropped": dropped, "start_s": start_s, "engine_health": _health(engine),
               "vit_fp8_gate": gate.as_dict() if hasattr(gate, "as_dict") else None,

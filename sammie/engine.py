@@ -107,7 +107,7 @@ class EngineConfig:
     compile: str = "auto"  # none | graphs | inductor | auto (graphs on cuda, none on cpu). graphs: CUDA graphs of
     #                        the eager detector per image / pair bucket (sammie.model.graphs.GraphedDetector),
     #                        captured at start in seconds; inductor: torch.compile (inductor) per bucket, then
-    #                        graphs: ~35% faster (61.0 vs 45.3 img/s with the same kernels, waterfall), ~30-35 s
+    #                        graphs: ~40% faster than eager batching (61.0 vs 43.3 img/s, waterfall run 1), ~30-35 s
     #                        of compile per bucket at start
     image_inductor_mode: str = "default"  # the image stage's inductor mode with compile=inductor: default |
     #                        max-autotune-no-cudagraphs (Triton GEMM templates benchmarked against cuBLAS per shape,
@@ -129,10 +129,10 @@ class EngineConfig:
     #                        0.40 ms per block of a batch of 8 more than bf16; 61.7 against 68.4 img/s)
     vit_fp8_static: tuple = ()  # which of vit_fp8_linears quantise their input with ONE activation scale per layer,
     #                        calibrated at start (2 x the input's amax over the calibration sample / 448) instead of
-    #                        one per token: the quantiser becomes elementwise and fuses into the op before it (for
-    #                        mlp.fc2: the GELU pass), which a per-token reduction cannot (sammie.model.fp8). Written
-    #                        for an FP8 fc2 (["mlp.fc2"] with vit_fp8_linears = all four). H200, waterfall run 16:
-    #                        the detector alone +5.1% (76.5 img/s), the engine 65.5 -> 72.7 img/s against fc2 in
+    #                        one per token: the quantiser becomes elementwise and can fuse into the op before it
+    #                        (for mlp.fc2: the GELU pass), which a per-token reduction cannot (sammie.model.fp8).
+    #                        Written for an FP8 fc2 (["mlp.fc2"] with vit_fp8_linears = all four). H200, waterfall
+    #                        run 16: the detector alone +5.1% (76.5 img/s), the engine 65.5 -> 72.7 img/s against fc2 in
     #                        bf16 (the engine second in its process: part of that is position). Off by default:
     #                        scales calibrated on noise only suit random-weight benchmarks. With vit_fused_gelu
     #                        and fc1 in bf16, fc2's scale is calibrated on the exact GELU but runs on the tanh one
@@ -145,7 +145,7 @@ class EngineConfig:
     #                        sammie.model.vit.Mlp): spares the separate GELU pass (9.4 of ~117 ms per batch of 8 on
     #                        the H200), but cuBLASLt's GELU is the tanh approximation, not Meta's exact erf GELU
     #                        (<= 4.7e-4 apart: rounding level in bf16), hence off. H200: the detector alone
-    #                        +5.8%, the engine +5.3-10.6% (waterfall runs 14, 12). FP8 fc1s are not fused
+    #                        +5.8%, the engine +5.2-10.7% (waterfall runs 14, 12). FP8 fc1s are not fused
     stage_streams: bool = True  # cuda: the image stage and the grounding stage issue their kernels on two streams
     #                             (grounding at high priority), the grounding stage waiting on each image batch's
     #                             event, so its host syncs (scores, masks) wait for its own kernels only, not for
@@ -528,9 +528,9 @@ class SammieEngine:
             for path in paths:
                 try:
                     data = Path(path).read_bytes()
-                except OSError as e:  # missing, a directory, no permission: the path and the reason
-                    raise OSError(f"vit_fp8_calibration_images: cannot read {path!r} (working directory "
-                                  f"{os.getcwd()!r}): {e}") from e
+                except OSError as e:  # missing, a directory, no permission: the same subclass (errno), the path
+                    raise OSError(e.errno, f"vit_fp8_calibration_images: cannot read {path!r} (working directory "
+                                           f"{os.getcwd()!r}): {e.strerror}") from e
                 try:
                     rgbs.append(decode_image(data, self.cfg.max_image_pixels))
                 except InvalidImage as e:

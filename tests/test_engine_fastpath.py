@@ -278,7 +278,8 @@ def test_vit_fp8_static_scales_calibrate_on_the_given_images(monkeypatch, tmp_pa
     assert calls == [((2, 3, 112, 112), tuple(all_four), ("mlp.fc2",), "2 calibration images")]
     assert health["vit_fp8"] == {"enabled": False, "reason": "stand-in gate refused"}
     (tmp_path / "broken.jpg").write_bytes(b"not an image")
-    for bad, error, message in ((str(tmp_path / "missing.jpg"), OSError, "missing.jpg"),
+    for bad, error, message in ((str(tmp_path / "missing.jpg"), FileNotFoundError,
+                                                      r"missing\.jpg.*working directory"),
                                 (str(tmp_path / "broken.jpg"), ValueError, "broken.jpg.*not a usable image")):
         with pytest.raises(error, match=message):
             SammieEngine(EngineConfig(**(TINY | cfg | {"vit_fp8_calibration_images": [paths[0], bad]})))

@@ -386,12 +386,16 @@ def test_cuda_static_scales_match_emulation_and_capture(tiny):
         print(f"\nCUDA FP8, static attention inputs: {report.reason}; rel err {report.rel_err}")
         assert emulated.enabled and report.enabled, report.reason
         assert report.static == emulated.static and len(report.static) == 2 * detector.cfg.vision.depth
+        assert report.input_scales == emulated.input_scales  # the CUDA path's scales: the same bf16 pass, IEEE
         assert report.implementation == "triton_quant+scaled_mm"
         out = fpn(detector, pixels)
         from tests.parity import rel_error
 
-        for a, b in zip(out, emu_out):  # identical codes; the GEMMs' summation order and bf16 roundings differ
-            assert rel_error(a, b) <= 0.2 * DEFAULT_MAX_REL_ERR
+        errors = [rel_error(a, b) for a, b in zip(out, emu_out)]
+        print(f"CUDA static path against its emulation, per FPN level: {errors}")
+        # identical codes; the GEMMs' summation order and bf16 roundings differ. The bound is the earlier one (passed
+        # on the H200 when the emulation also ran fc1 / fc2 in FP8); tighten it from the printed values
+        assert all(e <= 0.5 * DEFAULT_MAX_REL_ERR for e in errors), errors
         for a, b in zip(graphed_fpn(detector, pixels), out):
             assert torch.equal(a, b)
     finally:

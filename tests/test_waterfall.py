@@ -288,3 +288,46 @@ def test_capped_rows_cap_every_request_of_the_engine_they_reuse(monkeypatch):
         stats = asyncio.run(drive(Engine(), bench, clients=2, seconds=0.0, min_requests=4, max_instances=cap))
         assert calls and all(c == (b"jpg", ("cat",), 0.3, cap) for c in calls)
         assert stats["instances_per_request"] == kept
+
+
+def test_engine_rows_warm_up_for_warmup_s_then_measure_seconds(monkeypatch):
+    """run_engine drives the row's engine untimed for --warmup-s (at least one request per client), then for
+    --seconds measured, and records the warm-up in the row's result."""
+    import asyncio
+
+    import torch
+
+    import sammie.engine
+
+    _waterfall()  # puts benchmarks/ on the path
+    import waterfall_runs
+
+    calls = []
+
+    async def fake_drive(engine, b, clients, seconds, min_requests=0, max_instances=None):
+        calls.append((clients, seconds, min_requests))
+        return {"rate": 10.0, "n": 1}
+
+    class FakeEngine:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        async def start(self):
+            pass
+
+        def health(self):
+            return {}
+
+    async def no_outputs(engine, b):
+        return {}
+
+    monkeypatch.setattr(waterfall_runs, "drive", fake_drive)
+    monkeypatch.setattr(waterfall_runs, "engine_outputs", no_outputs)
+    monkeypatch.setattr(waterfall_runs, "oracle_columns", lambda outputs, truth: {})
+    monkeypatch.setattr(sammie.engine, "SammieEngine", FakeEngine)
+    cfg = sammie.engine.EngineConfig(config="tiny", device="cpu")
+    b = SimpleNamespace(args=SimpleNamespace(clients=32, seconds=10.0, warmup_s=3.0), dev=torch.device("cpu"),
+                        truth={}, engine_config=lambda engine: (cfg, []))
+    row = SimpleNamespace(engine={}, clients=0)
+    result, engine = asyncio.run(waterfall_runs.run_engine(b, row))
+    assert calls == [(32, 3.0, 32), (32, 10.0, 0)] and result["warmup_s"] == 3.0 and isinstance(engine, FakeEngine)

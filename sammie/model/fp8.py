@@ -15,7 +15,8 @@ Static activation scales (`static=`, EngineConfig.vit_fp8_static; off by default
 linear quantises its input with ONE scale per layer instead of one per token: s = STATIC_HEADROOM x amax / 448, the
 amax of that layer's bf16 input over the sample, recorded during the gate's bf16 pass (op
 "fp8_static_rowwise_linear"). No reduction runs before the first code is written, so the quantiser is elementwise
-and fuses into the op before it (for fc2: the GELU pass the bf16 path runs anyway). Values beyond the headroom
+and can fuse into the op before it (for fc2: the GELU pass the bf16 path runs anyway; under inductor, which was
+chosen there in waterfall run 16: the fusion itself not profiled). Values beyond the headroom
 saturate at +-448 x s; e4m3's normal range spans 2^14.8 (2^-6 .. 448), so the headroom's one binade leaves values
 down to amax / 2^13.8 normal. The scales are only as good as the sample: the engine calibrates on
 `vit_fp8_calibration_images` when given, else on its seeded noise image (fine for speed, not for a real checkpoint).
@@ -45,6 +46,7 @@ Memory: the bf16 weights stay allocated (the undo path), so FP8 adds ~0.3 GB for
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -320,14 +322,22 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
     with _input_amax(detector, planned_static) as amax:  # the static layers' calibration rides on the bf16 pass
         baseline = _fpn(detector, sample_pixels)
     unseen = [name for name in planned_static if name not in amax]
-    if unseen:  # e.g. an fc1 under vit_fused_gelu: the Mlp calls cuBLASLt with fc1's weights, not fc1
+    if unseen:  # e.g. an fc1 under vit_fused_gelu: the Mlp calls cuBLASLt with fc1's weights, not fc1 (the engine
+        #         enables FP8 before the fused GELU, so only direct callers meet this)
+        mlp = detector.get_submodule(unseen[0].rpartition(".")[0])
+        why = " (vit_fused_gelu bypasses fc1)" if unseen[0].endswith("mlp.fc1") and getattr(mlp, "fused_gelu", False) \
+            else ""
         return report(False, f"FP8 not enabled: {unseen[0]} (static) never ran on the sample, so its scale cannot be "
-                             f"calibrated (vit_fused_gelu bypasses fc1); bf16 kept")
-    finite = torch.stack([amax[name] for name in planned_static]).isfinite().tolist() if planned_static else []
-    if not all(finite):  # one host sync for all the layers (start-up only)
+                             f"calibrated{why}; bf16 kept")
+    scales = {name: static_input_scale(amax[name]) for name in planned_static}
+    # one host sync (start-up only): every static layer's amax and scale, for the check and the report
+    host = torch.cat([torch.stack([amax[n] for n in planned_static]), *scales.values()]).tolist() \
+        if planned_static else []
+    k = len(planned_static)
+    finite = [math.isfinite(v) for v in host[:k]]
+    if not all(finite):
         return report(False, f"FP8 not enabled: non-finite activations on the sample at "
                              f"{planned_static[finite.index(False)]} (static scales cannot be calibrated); bf16 kept")
-    scales = {name: static_input_scale(amax[name]) for name in planned_static}
     for name, linear, impl, mode in plan:
         _set(detector, name, Fp8Linear(linear, impl.fn, impl.name, mode == "gelu", input_scale=scales.get(name)))
     try:
@@ -346,6 +356,5 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
     gelu = f" (fc2: {gelu[0]}, its input's GELU in the quantiser)" if gelu else ""
     fixed = (f", {len(planned_static)} with a static input scale ({STATIC_HEADROOM:g} x the amax on "
              f"{calibration or 'the sample'})") if planned_static else ""
-    values = torch.cat([scales[name] for name in planned_static]).tolist() if planned_static else []
     return report(True, f"FP8 {plan[0][2].name} on {len(plan)} linears{gelu}{fixed}{partial}; max relative error "
-                        f"{max(rel):.3g} <= {max_rel_err:g}", rel, tuple(name for name, *_ in plan), tuple(values))
+                        f"{max(rel):.3g} <= {max_rel_err:g}", rel, tuple(name for name, *_ in plan), tuple(host[k:]))
