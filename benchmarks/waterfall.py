@@ -1,7 +1,8 @@
 """The speed waterfall of issue 4: Meta's reference, then Sammie one optimisation at a time, in ONE process and run,
 with accuracy against Meta's fp32 model on every row that produces instances. One markdown table out.
 
-    python benchmarks/waterfall.py --out benchmarks/results/waterfall            # on the H200 (~8 min)
+    python benchmarks/waterfall.py --out benchmarks/results/waterfall            # on the H200 (~8 min for the first
+    #                                                                  runs' rows; today's full table needs --rows splits)
     python benchmarks/waterfall.py --out /tmp/wf --config tiny --device cpu --seconds 1 \
         --rows meta_processor_fp32,ours_fp32_b1                         # CPU dry run (tests/test_waterfall.py)
 
@@ -22,6 +23,9 @@ model forward only), then Sammie's engine in-process (asyncio, JPEG bytes in, in
 post-processing; `--clients` requests in flight): fp32 and bf16 one request at a time, bf16 batched, + CUDA graphs, +
 Triton kernels, + FP8 ViT; then the best bf16 engine's detector alone on a pre-processed batch of 8, a lone request's
 latency, a second prompt on a cached image, and an HTTP slot filled from `--http-results` (`benchmarks/serve_gpu.sh`).
+Later rows added variants (FP8 subsets and static scales, the fused GELU, stage streams, batch-1 engines) and capped
+rows (an engine driven again with every answer capped at `max_instances`). Engine rows warm up for `--warmup-s`
+(default 3 s; before 2026-12-02 one round of requests) before their `--seconds` of measurement.
 Every row runs in try/except: a failing row records its error and the run goes on. Engine rows are built only from
 `EngineConfig` values; a baseline value (compile "none", kernels "reference", vit_fp8 False) for a field this
 EngineConfig lacks is dropped and noted.
