@@ -122,6 +122,8 @@ BF16_INDUCTOR_B8 = {**BATCHED, "compile": "inductor", "kernels": "triton", "max_
 # the FP8 engine rows: inductor, Triton kernels, batch-8 buckets, the default FP8 linears (qkv, proj, fc1)
 FP8_INDUCTOR = {**BATCHED, "compile": "inductor", "kernels": "triton", "vit_fp8": True, "max_pair_batch": 8,
                 "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1"], "image_buckets": [8], "pair_buckets": [8]}
+FP8_ALL_LINEARS = ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]
+FP8_STATIC_FC2 = {**FP8_INDUCTOR, "vit_fp8_linears": FP8_ALL_LINEARS, "vit_fp8_static": ["mlp.fc2"]}
 
 ROWS: tuple[Row, ...] = (
     Row("meta_processor_fp32", "Meta Sam3Processor, one image at a time (JPEG decode, set_image, set_text_prompt, "
@@ -167,7 +169,7 @@ ROWS: tuple[Row, ...] = (
         "decides) on all four linears of each block (qkv, proj, fc1, fc2; fc2's input GELU + quantiser fused by "
         "inductor, as in runs 6-7: run 8's one-pass Triton kernel, kernels/gelu_fp8_quant.py, was slower); "
         "inductor, buckets images 8 / pairs 8 only",
-        "engine", engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]},
+        "engine", engine={**FP8_INDUCTOR, "vit_fp8_linears": FP8_ALL_LINEARS},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_vit_no_fc2", "ours_fp8_vit with mlp.fc2 kept in bf16 (vit_fp8_linears: qkv, proj, fc1, the "
         "default since waterfall run 7): its per-token quantiser of the GELU's 4,736-wide output cost more than its "
@@ -180,8 +182,7 @@ ROWS: tuple[Row, ...] = (
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_static_b1", "ours_fp8_static_fc2 (all four linears in FP8, fc2 on a static scale) with buckets "
         "images 1, 8 and pairs 1, 8: the engine of latency_single_fp8_static", "engine",
-        engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"],
-                "vit_fp8_static": ["mlp.fc2"], "image_buckets": [1, 8], "pair_buckets": [1, 8]},
+        engine={**FP8_STATIC_FC2, "image_buckets": [1, 8], "pair_buckets": [1, 8]},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_attn_fused_gelu", "the FP8 engine with only the attention's linears in FP8 (vit_fp8_linears: qkv, "
         "proj) and each block's fc1 + GELU as one bf16 cuBLASLt GEMM (vit_fused_gelu; the tanh GELU): the two gains "
@@ -192,14 +193,12 @@ ROWS: tuple[Row, ...] = (
         "calibrated scale per block (vit_fp8_static: mlp.fc2; 2 x the amax over the engine's calibration sample / "
         "448) instead of one per token: the GELU + quantiser elementwise, which inductor can fuse into the GELU pass "
         "the bf16 path runs anyway (the per-token reduction made an FP8 fc2 lose: runs 6-8)", "engine",
-        engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"],
-                "vit_fp8_static": ["mlp.fc2"]},
+        engine=FP8_STATIC_FC2,
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("ours_fp8_static_all", "ours_fp8_static_fc2 with every FP8 linear's input on a calibrated scale "
         "(vit_fp8_static: all four; the LayerNorms' and the attention output's quantisers lose their per-token "
         "reduction too)", "engine",
-        engine={**FP8_INDUCTOR, "vit_fp8_linears": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"],
-                "vit_fp8_static": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]},
+        engine={**FP8_STATIC_FC2, "vit_fp8_static": FP8_ALL_LINEARS},
         targets=(Target("img_per_s", ">=", 140), *ACC_FP8)),
     Row("model_only_best", "the best bf16 engine's detector alone: encode_images + ground on a pre-processed batch "
         "of 8 (one prompt each, prompt features cached); no decode, no post-processing; latency per batch",
@@ -360,12 +359,9 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 del engine
             elif row.kind == "model_only":
                 r = run_model_only(b, *_engine_for(b, row.reuse, results))
-            elif row.kind == "batched_idle":
+            elif row.kind in ("batched_idle", "capped"):  # --clients in flight; capped rows cap every answer
                 r = await run_latency(b, *_engine_for(b, row.reuse, results), clients=b.args.clients,
-                                      release_when_idle=_forced_idle(row))
-            elif row.kind == "capped":
-                r = await run_latency(b, *_engine_for(b, row.reuse, results), clients=b.args.clients,
-                                      max_instances=row.max_instances)
+                                      release_when_idle=_forced_idle(row), max_instances=row.max_instances or None)
             elif row.kind == "latency":
                 r = await run_latency(b, *_engine_for(b, row.reuse, results), release_when_idle=_forced_idle(row))
             elif row.kind == "extra_prompt":

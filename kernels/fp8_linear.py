@@ -210,8 +210,15 @@ def fp8_rowwise_linear_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: 
                                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype: x quantised per token (`quantize_rows_reference`), both operands
     dequantised in fp32, multiplied in fp32, + bias, one rounding to x.dtype. Any device, any shape."""
-    k, n = x.shape[-1], w_fp8.shape[0]
-    xq, sx = quantize_rows_reference(x.reshape(-1, k))
+    xq, sx = quantize_rows_reference(x.reshape(-1, x.shape[-1]))
+    return _dequantised_linear(x, xq, sx, w_fp8, w_scale, bias)
+
+
+def _dequantised_linear(x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, w_fp8: torch.Tensor,
+                        w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The references' product: codes xq [M, K] times their scales sx ([M, 1] or one), row-wise weights dequantised,
+    multiplied in fp32, + bias, one rounding to x.dtype, in x's leading shape."""
+    n = w_fp8.shape[0]
     y = (xq.float() * sx) @ (w_fp8.float() * w_scale.float().reshape(n, 1)).T  # [M, N] fp32
     if bias is not None:
         y = y + bias.float()
@@ -320,35 +327,31 @@ def _sample_rowwise(device) -> tuple[tuple, dict]:
 # is the GELU of fc1's 4,736-wide output, that reduction is what made an FP8 fc2 lose (0.634-0.91 ms a call at 8
 # images against a 0.466 ms break-even; RESULTS.md, quant_probe runs 1-2, waterfall runs 6-8). With one scale per
 # layer, calibrated once at start (`sammie.model.fp8`), the GELU, the division, the clamp and the cast are
-# elementwise, which inductor fuses into the GELU pass the bf16 path runs anyway (or, eager, one Triton launch).
+# elementwise, which inductor can fuse into the GELU pass the bf16 path runs anyway (or, eager, one Triton launch).
 def fp8_static_rowwise_linear_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                                         bias: torch.Tensor | None, input_scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype: x quantised with the one scale `input_scale` (fp32, one element;
     `quantize_static_reference`: RNE e4m3 of x / s saturated at +-448), both operands dequantised in fp32,
     multiplied in fp32, + bias, one rounding to x.dtype. Any device, any shape."""
-    k, n = x.shape[-1], w_fp8.shape[0]
     s = input_scale.float().reshape(())
-    xq = quantize_static_reference(x.reshape(-1, k), s)
-    y = (xq.float() * s) @ (w_fp8.float() * w_scale.float().reshape(n, 1)).T  # [M, N] fp32
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return _dequantised_linear(x, quantize_static_reference(x.reshape(-1, x.shape[-1]), s), s, w_fp8, w_scale, bias)
 
 
 def _static_rowwise(quantize, x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None, input_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> [..., N]: `quantize` (x [M, K], s []) -> codes, then the row-wise GEMM with the one scale as
-    every row's (`_scaled_mm` takes no tensor-wise x scale beside row-wise weight scales)."""
-    k = x.shape[-1]
+    """x [..., K] -> [..., N]: `quantize` (x [M, K], s []) -> codes, then the row-wise GEMM (`_quantised_rowwise`)
+    with the one scale as every row's (`_scaled_mm` takes no tensor-wise x scale beside row-wise weight scales)."""
     s = input_scale.float().reshape(())
-    xq = quantize(x.reshape(-1, k), s)
-    sx = s.expand(xq.shape[0], 1).contiguous()  # [M, 1] fp32: 4 bytes a token
-    return rowwise_scaled_mm(xq, sx, w_fp8, w_scale, bias).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+    def rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize(x2, s), s.expand(x2.shape[0], 1).contiguous()  # scales [M, 1] fp32: 4 bytes a token
+
+    return _quantised_rowwise(rows, x, w_fp8, w_scale, bias)
 
 
 def fp8_static_rowwise_linear_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                                         bias: torch.Tensor | None, input_scale: torch.Tensor) -> torch.Tensor:
-    """Fast path, the quantiser as torch ops (elementwise: torch.compile fuses it into the op before, e.g. the
+    """Fast path, the quantiser as torch ops (elementwise: torch.compile can fuse it into the op before, e.g. the
     GELU), then the row-wise GEMM."""
     return _static_rowwise(quantize_static_reference, x, w_fp8, w_scale, bias, input_scale)
 

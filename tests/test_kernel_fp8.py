@@ -336,17 +336,26 @@ def test_rowwise_reference_is_the_dequantised_float_product():
     assert ((y.reshape(14, 32).double() - direct).abs() <= bound).all()
 
 
-def check_rowwise(y, x, w8, sw, bias, what):
-    """Per element: 2^-8 |ref| (bf16 rounding) + the accumulation bound x S (see the module docstring)."""
+def check_rowwise(y, x, w8, sw, bias, what, input_scale=None):
+    """Per element against the fp32 product of the reference's codes (per token, or with the one `input_scale`:
+    `quantize_static_reference`): 2^-8 |ref| (bf16 rounding) + the accumulation bound x S (see the module
+    docstring), and the registry's compare against the op's reference (row-wise, or static)."""
+    from kernels.fp8_linear import fp8_static_rowwise_linear_reference
+
     k = x.shape[-1]
-    xq, sx = quantize_rows_reference(x.reshape(-1, k))
+    if input_scale is None:
+        xq, sx = quantize_rows_reference(x.reshape(-1, k))
+        ref = fp8_rowwise_linear_reference(x.reshape(-1, k), w8, sw, bias)
+    else:
+        xq, sx = quantize_input_fp8(x.reshape(-1, k), input_scale), input_scale
+        ref = fp8_static_rowwise_linear_reference(x.reshape(-1, k), w8, sw, bias, input_scale)
     ref32 = (xq.float() * sx) @ (w8.float() * sw[:, None]).T + (bias.float() if bias is not None else 0)
     s_abs = (xq.float().abs() * sx) @ (w8.float().abs() * sw[:, None]).T
     acc = accumulation_bound(k, y.device.type)
     bound = 2.0**-8 * ref32.abs() + acc * s_abs
     err = (y.reshape(-1, w8.shape[0]).float() - ref32).abs()
     assert (err <= bound).all(), f"{what}: max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
-    assert compare(y.reshape(-1, w8.shape[0]), fp8_rowwise_linear_reference(x.reshape(-1, k), w8, sw, bias)) is None
+    assert compare(y.reshape(-1, w8.shape[0]), ref) is None
 
 
 @pytest.mark.parametrize("fast", ["scaled_mm", "triton_quant"])
@@ -536,22 +545,6 @@ def static_case(m, n, k, seed, clip=0.8):
     return x.to(DEVICE), w8.to(DEVICE), sw.to(DEVICE), bias.to(DEVICE), s.to(DEVICE)
 
 
-def check_static(y, x, w8, sw, bias, s, what):
-    """Per element against the fp32 product of the codes `quantize_static_reference` gives: 2^-8 |ref| (bf16
-    rounding) + the accumulation bound x S, and the registry's compare against the op's reference."""
-    from kernels.fp8_linear import fp8_static_rowwise_linear_reference
-
-    k, n = x.shape[-1], w8.shape[0]
-    xq = quantize_input_fp8(x.reshape(-1, k), s).float()
-    ref32 = (xq * s) @ (w8.float() * sw[:, None]).T + (bias.float() if bias is not None else 0)
-    s_abs = (xq.abs() * s) @ (w8.float().abs() * sw[:, None]).T
-    bound = 2.0**-8 * ref32.abs() + accumulation_bound(k, y.device.type) * s_abs
-    err = (y.reshape(-1, n).float() - ref32).abs()
-    assert (err <= bound).all(), f"{what}: max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
-    ref = fp8_static_rowwise_linear_reference(x.reshape(-1, k), w8, sw, bias, s)
-    assert compare(y.reshape(-1, n), ref) is None
-
-
 def test_static_rowwise_reference_uses_the_one_scale():
     """The reference's codes are x / s saturated at +-448 with ONE s for every row (not the per-token codes), and it
     is their dequantised fp32 product (float64 check): a row far below the calibrated amax keeps its relative
@@ -584,11 +577,11 @@ def test_static_rowwise_fast_paths_match_reference(fast, m, n, k):
     fn = fp8_static_rowwise_linear_scaled_mm if fast == "scaled_mm" else fp8_static_rowwise_linear_triton_quant
     y = fn(x.view(1, m, k), w8, sw, bias, s)
     assert y.shape == (1, m, n) and y.dtype == torch.bfloat16
-    check_static(y, x, w8, sw, bias, s, f"{fast} M={m} N={n} K={k}")
-    check_static(fn(x, w8, sw, None, s), x, w8, sw, None, s, f"{fast} no bias")
+    check_rowwise(y, x, w8, sw, bias, f"{fast} M={m} N={n} K={k}", input_scale=s)
+    check_rowwise(fn(x, w8, sw, None, s), x, w8, sw, None, f"{fast} no bias", input_scale=s)
     # a wrong scale must fail the check (the test can fail): the codes of 2 s differ
     with pytest.raises(AssertionError):
-        check_static(fn(x, w8, sw, bias, 2 * s), x, w8, sw, bias, s, "wrong scale")
+        check_rowwise(fn(x, w8, sw, bias, 2 * s), x, w8, sw, bias, "wrong scale", input_scale=s)
 
 
 def test_static_rowwise_guard():

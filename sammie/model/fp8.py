@@ -177,12 +177,15 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).norm() / denom) if denom > 0 else float((ours - ref).norm())
 
 
-def _describe_call(linear: nn.Linear) -> dict[str, Any]:
-    """The row-wise ops' description of one call of `linear` in FP8: the token count does not enter the guards, one
-    row stands for all."""
+def _describe_call(linear: nn.Linear, static: bool = False) -> dict[str, Any]:
+    """The row-wise ops' description of one call of `linear` in FP8 (`static`: the static op's, with a one-element
+    fp32 scale on the weight's device): the token count does not enter the guards, one row stands for all."""
     probe = linear.weight.new_empty((1, linear.in_features))
     w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
     s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
+    if static:
+        scale = torch.ones(1, dtype=torch.float32, device=linear.weight.device)
+        return describe_static_rowwise(probe, w_probe, s_probe, linear.bias, scale)
     return describe_rowwise(probe, w_probe, s_probe, linear.bias)
 
 
@@ -221,15 +224,6 @@ class _OpPreference:
 
     def __exit__(self, *exc):
         self.registry.set_preference(self.before, self.op)
-
-
-def _describe_static_call(linear: nn.Linear) -> dict[str, Any]:
-    """`_describe_call` for the static op (a one-element fp32 scale on the weight's device)."""
-    probe = linear.weight.new_empty((1, linear.in_features))
-    w_probe = torch.empty(linear.weight.shape, dtype=torch.float8_e4m3fn, device=linear.weight.device)
-    s_probe = torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device)
-    scale = torch.ones(1, dtype=torch.float32, device=linear.weight.device)
-    return describe_static_rowwise(probe, w_probe, s_probe, linear.bias, scale)
 
 
 @contextlib.contextmanager
@@ -294,7 +288,7 @@ def enable_vit_fp8(detector: nn.Module, sample_pixels: torch.Tensor, *, max_rel_
         for name in names:
             linear = detector.get_submodule(name)
             op = STATIC_ROWWISE_NAME if name in static_names else ROWWISE_NAME
-            info = _describe_static_call(linear) if op == STATIC_ROWWISE_NAME else _describe_call(linear)
+            info = _describe_call(linear, static=op == STATIC_ROWWISE_NAME)
             impl = registry.choose(op, **info)
             if impl.name == "reference" and preference != "reference":
                 fallback = registry.choices()[op]["fallback"] or "no FP8 implementation registered"
