@@ -828,9 +828,10 @@ fi
 if want 71; then
 say "71. issue 4 (the whole .devbundle; written 2026-12-02, unrun): a lone request through the FP8 engine with fc2 on a"
 say "    static scale (buckets 1 and 8) beside the bf16 inductor engine's, same run (the lone target: 20 ms; runs 5-11:"
-say "    23.3-24.7 ms in bf16)"
+say "    23.3-24.7 ms in bf16), each also with its answer capped at 9 instances (latency_capped*: a real model's"
+say "    post-processing load; random weights give 27-68 instances a request)"
 waterfall_rows waterfall_lat_static "${LIMIT_71:-540}" 520 \
-  ours_bf16_inductor,latency_single,ours_fp8_static_b1,latency_single_fp8_static
+  ours_bf16_inductor,latency_single,latency_capped,ours_fp8_static_b1,latency_single_fp8_static,latency_capped_fp8_static
 fi
 if want 69; then
 say "69. issue 4 (the whole .devbundle; ran: nvjpeg_probe run 1; the GPU decode since removed): step 66's first run's"
