@@ -359,8 +359,12 @@ def test_cuda_graphs_match_eager():
 
 def test_stage_streams_only_on_cuda():
     """The image and grounding stages get a stream each on cuda only (`EngineConfig.stage_streams`), as health()
-    says; on the CPU, or switched off, both run on the default stream."""
+    says, before start() too (until 2026-12-02 it read False until the batch loop existed); on the CPU, or switched
+    off, both run on the default stream."""
     from engine_core.request import Stage
+
+    def before_start(**overrides):
+        return SammieEngine(EngineConfig(**(TINY | overrides))).health()["stage_streams"]
 
     async def go(engine):
         result = await engine.segment(encode(Image.fromarray(small_photos()[2])), PROMPTS[:1], threshold=0.0)
@@ -368,9 +372,11 @@ def test_stage_streams_only_on_cuda():
 
     streams, result, reported = run_engine(go, device="cpu")
     assert streams == {} and result.prompts[0].instances and reported is False
+    assert before_start(device="cpu") is False
     if torch.cuda.is_available():
         streams, _, reported = run_engine(go, device="cuda")
         assert set(streams) == {Stage.IMAGE, Stage.GROUNDING} and reported is True
+        assert before_start(device="cuda") is True and before_start(device="cuda", stage_streams=False) is False
         assert streams[Stage.GROUNDING].priority < streams[Stage.IMAGE].priority  # grounding first
         assert run_engine(go, device="cuda", stage_streams=False)[0] == {}
 
