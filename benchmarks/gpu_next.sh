@@ -166,6 +166,8 @@
 #       68 with the engines in the other order (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="71" bash benchmarks/gpu_next.sh      # <= 9.3 min: issue 4, a lone
 #       request through the static-scale FP8 engine (buckets 1, 8) beside the bf16 one (unrun)
+#   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 7.5 min: issues 5 and 4, the GDN glue test file whole
+#       (its fixed per-projection case) and the CUDA static-scale FP8 test's printed errors (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
 #       PIL per image, batched / single (benchmarks/nvjpeg_probe.py), and step 66's three failures again
 #   eval "$(bash .devbundle/install.sh)" && STEPS="66" / "67" bash benchmarks/gpu_next.sh   # <= 9.3 min each:
@@ -842,6 +844,14 @@ probe nvjpeg_probe "${LIMIT_69:-90}" nvjpeg_probe.py
 gpu_tests step66_failures 150 tests/test_fp8_vit.py tests/test_registry.py -rfE \
   -k "static or default_registry_self_check"  # (ran with tests/test_decode.py's removed nvJPEG test too)
 grep -E "^(FAILED|ERROR)" "$R/step66_failures.log" | cut -c1-300 | head -10
+fi
+if want 72; then
+say "72. issues 5 and 4 (carry .devbundle/extra and .tritoncache; written 2026-12-02, unrun): the Qwen GDN glue test"
+say "    file whole (its per-projection case failed on the GPU in step 67's run, fixed on the CPU since), then the CUDA"
+say "    static-scale FP8 test with its printed errors (-s: its bound, 0.5 x the gate's, is to be tightened from them)"
+gpu_tests gdn_glue "${LIMIT_72A:-300}" tests/test_gdn_fused_glue.py -rfE
+gpu_tests static_scales "${LIMIT_72B:-150}" tests/test_fp8_vit.py -rfE -s -k test_cuda_static_scales_match_emulation
+grep -E "^(FAILED|ERROR)|CUDA FP8|CUDA static path" "$R/gdn_glue.log" "$R/static_scales.log" | cut -c1-400 | head -20
 fi
 if want 66 || want 67; then
 # every test file with a CUDA path, run whole on the GPU (GPU calls otherwise select a few tests, and a CUDA-only test
