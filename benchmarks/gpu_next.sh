@@ -166,6 +166,10 @@
 #       68 with the engines in the other order (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="71" bash benchmarks/gpu_next.sh      # <= 9.3 min: issue 4, a lone
 #       request through the static-scale FP8 engine (buckets 1, 8) beside the bf16 one (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="73" bash benchmarks/gpu_next.sh      # <= 6.7 min: issue 4, a lone
+#       request's kernels through the static FP8 engine at batch 1, answers capped at 9 (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="74" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, every
+#       ViT linear's input on a static scale beside fc2's alone, with their detectors (unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 7.5 min: issues 5 and 4, the GDN glue test file whole
 #       (its fixed per-projection case) and the CUDA static-scale FP8 test's printed errors (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -844,6 +848,33 @@ probe nvjpeg_probe "${LIMIT_69:-90}" nvjpeg_probe.py
 gpu_tests step66_failures 150 tests/test_fp8_vit.py tests/test_registry.py -rfE \
   -k "static or default_registry_self_check"  # (ran with tests/test_decode.py's removed nvJPEG test too)
 grep -E "^(FAILED|ERROR)" "$R/step66_failures.log" | cut -c1-300 | head -10
+fi
+if want 73; then
+say "73. issue 4 (the whole .devbundle; written 2026-12-02, unrun): a lone request's kernels through the static FP8"
+say "    engine at batch 1, every answer capped at 9 instances (step 71: latency_capped_fp8_static p50 20.4 ms, target"
+say "    20): the kernels' time per request against its latency, the top kernels, the GPU's busy share"
+# (not waterfall_rows: it passes --no-profile)
+timeout "${LIMIT_73:-400}" python benchmarks/waterfall.py --out "$R/waterfall_lone_profile" --budget-s 380 \
+  --rows ours_fp8_static_b1,latency_capped_fp8_static --profile-engine ours_fp8_static_b1 --profile-clients 1 \
+  --profile-max-instances 9 > "$R/waterfall_lone_profile.log" 2>&1
+grep -E "^\[waterfall\] [a-z0-9_]+:|Error|error" "$R/waterfall_lone_profile.log" | cut -c1-250 | head -20
+python - "$R/waterfall_lone_profile/waterfall.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+p = d.get("profile") or {}
+print("profile:", {k: p.get(k) for k in ("engine_row", "clients", "max_instances", "instances_per_request",
+                                         "requests", "img_per_s", "device_time_total_ms", "device_busy",
+                                         "engine_stage_ms_mean", "error")})
+for k in p.get("top_kernels", []):
+    print(f"  {k['self_ms']:9.2f} ms {k['share_pct']:5.1f}% {k['calls']:6d}  {k['kernel'][:110]}")
+PY
+fi
+if want 74; then
+say "74. issue 4 (the whole .devbundle; written 2026-12-02, unrun): every ViT linear's input on a static scale"
+say "    (ours_fp8_static_all) beside fc2's alone (ours_fp8_static_fc2; run 16: 72.7 img/s, its detector 76.5), each"
+say "    with its detector alone; no tests first (step 68 ran them)"
+waterfall_rows waterfall_fp8_static_all "${LIMIT_74:-420}" 400 \
+  ours_fp8_static_all,ours_fp8_static_fc2,model_only_fp8_static_all,model_only_fp8_static_fc2
 fi
 if want 72; then
 say "72. issues 5 and 4 (carry .devbundle/extra and .tritoncache; written 2026-12-02, unrun): the Qwen GDN glue test"

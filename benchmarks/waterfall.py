@@ -405,7 +405,8 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 raise Skipped("the run's time budget is spent")
             named = b.args.profile_engine if b.args.profile_engine != "best" else ""
             profile = await profile_engine(b, *_engine_for(b, named, results),
-                                           clients=b.args.profile_clients or b.args.clients)
+                                           clients=b.args.profile_clients or b.args.clients,
+                                           max_instances=b.args.profile_max_instances or None)
         except Exception as exc:  # noqa: BLE001
             profile = {"error": f"{type(exc).__name__}: {exc}"}
         on_row(results, profile)
@@ -434,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine row to profile (kept open for it), e.g. ours_fp8_vit; best = the fastest bf16")
     ap.add_argument("--profile-clients", type=int, default=0,
                     help="requests in flight while profiling (0 = --clients; 1 = a lone request's kernels)")
+    ap.add_argument("--profile-max-instances", type=int, default=0,
+                    help="cap every profiled answer at this many instances (0 = no cap; 9: the capped rows' load)")
     ap.add_argument("--cases", type=int, default=None, help="use only the first N (image, prompt) cases (dry runs)")
     ap.add_argument("--meta-batch", type=int, default=META_BATCH, help="batch of the Meta batched and model-only rows")
     ap.add_argument("--budget-s", type=float, default=540.0,

@@ -393,8 +393,9 @@ def run_http(b: Bench) -> dict:
 # Profile of the best configuration
 
 
-async def profile_engine(b: Bench, name: str, engine, clients: int = 0) -> dict:
-    """torch.profiler over ~3 s of `clients` (0: --clients) requests in flight through `engine`. The kernels are
+async def profile_engine(b: Bench, name: str, engine, clients: int = 0, max_instances: int | None = None) -> dict:
+    """torch.profiler over ~3 s of `clients` (0: --clients) requests in flight through `engine`, each answer capped
+    at `max_instances` (None: none; a capped row's post-processing load). The kernels are
     captured whatever thread launched them (CUPTI); the CPU ops and `record_function` ranges of the engine's stage
     worker threads are NOT (the profiler's callbacks are per thread, enabled in this one: pytorch/kineto#443), so
     `stages` stays empty for an engine."""
@@ -403,7 +404,7 @@ async def profile_engine(b: Bench, name: str, engine, clients: int = 0) -> dict:
     cuda = b.dev.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with tf32(False), profile(activities=activities) as prof:
-        stats = await drive(engine, b, clients or b.args.clients, min(3.0, b.args.seconds))
+        stats = await drive(engine, b, clients or b.args.clients, min(3.0, b.args.seconds), max_instances=max_instances)
     events = prof.key_averages()
 
     def dev_self(e):
@@ -425,7 +426,8 @@ async def profile_engine(b: Bench, name: str, engine, clients: int = 0) -> dict:
                 "share_pct": 100 * e.self_cpu_time_total / total, "calls": e.count} for e in cpu[:15]]
     stages = {e.key: {"calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3, "device_total_ms": dev_total(e) / 1e3}
               for e in events if e.key.startswith("sammie.")}
-    return {"engine_row": name, "clients": clients or b.args.clients, "seconds": stats["elapsed_s"],
+    return {"engine_row": name, "clients": clients or b.args.clients, "max_instances": max_instances,
+            "instances_per_request": stats.get("instances_per_request"), "seconds": stats["elapsed_s"],
             "requests": stats["n"], "img_per_s": stats["rate"],
             "top_kernels": top, "device_time_total_ms": total / 1e3, "stages": stages,
             "device_busy": device_busy(prof.events()) if cuda else None,
@@ -441,13 +443,19 @@ def device_busy(events) -> dict:
     if not spans:
         return {}
     busy, (cur_start, cur_end) = 0.0, spans[0]
+    gaps = []  # idle stretches (us) between busy ones: launch bubbles are short, a host-only phase long
     for start, end in spans[1:]:
         if start > cur_end:
-            busy, cur_start, cur_end = busy + cur_end - cur_start, start, end
+            busy, gaps = busy + cur_end - cur_start, gaps + [start - cur_end]
+            cur_start, cur_end = start, end
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     window = max(end for _, end in spans) - spans[0][0]
     summed = sum(end - start for start, end in spans)
+    short = [g for g in gaps if g < 100]
     return {"window_ms": window / 1e3, "busy_ms": busy / 1e3, "busy_pct": 100 * busy / window if window else 0.0,
-            "kernels_summed_ms": summed / 1e3}
+            "kernels_summed_ms": summed / 1e3,
+            # idle time in gaps under 0.1 ms (launch bubbles) and at or over it (host phases: decode, post-processing)
+            "idle_short_ms": sum(short) / 1e3, "idle_short_gaps": len(short),
+            "idle_long_ms": (sum(gaps) - sum(short)) / 1e3, "idle_long_gaps": len(gaps) - len(short)}

@@ -336,3 +336,65 @@ def test_engine_rows_warm_up_for_warmup_s_then_measure_seconds(monkeypatch):
     row = SimpleNamespace(engine={}, clients=0)
     result, engine = asyncio.run(waterfall_runs.run_engine(b, row))
     assert calls == [(32, 3.0, 32), (32, 10.0, 0)] and result["warmup_s"] == 3.0 and isinstance(engine, FakeEngine)
+
+
+def test_the_profile_drives_the_named_engine_with_its_clients_and_cap(monkeypatch):
+    """--profile-engine NAME --profile-clients 1 --profile-max-instances 9 profiles NAME's engine (kept open for it)
+    with one request at a time, each answer capped at 9; profile_engine hands the cap to drive() and records it."""
+    import asyncio
+
+    import torch
+
+    wf = _waterfall()  # puts benchmarks/ on the path
+    import waterfall_runs
+
+    seen = []
+
+    async def fake_engine(b, row):
+        return {"img_per_s": 50.0}, row.name
+
+    async def fake_close(engine):
+        seen.append(("closed", engine))
+
+    async def fake_profile(b, name, engine, clients=0, max_instances=None):
+        seen.append((name, engine, clients, max_instances))
+        return {}
+
+    monkeypatch.setattr(wf, "run_engine", fake_engine)
+    monkeypatch.setattr(wf, "close_engine", fake_close)
+    monkeypatch.setattr(wf, "profile_engine", fake_profile)
+    s1 = "ours_fp8_static_b1"
+    args = SimpleNamespace(budget_s=1e9, profile=True, clients=32, profile_engine=s1, profile_clients=1,
+                           profile_max_instances=9)
+    b = SimpleNamespace(args=args, engines={}, free_meta=lambda: None)
+    asyncio.run(wf.run_rows(b, wf.run_order([s1]), {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"),
+                            lambda *a: None))
+    assert seen == [(s1, s1, 1, 9), ("closed", s1)]  # kept open for the profile, closed after it
+
+    driven = []
+
+    async def fake_drive(engine, b, clients, seconds, min_requests=0, max_instances=None):
+        driven.append((clients, max_instances))
+        return {"elapsed_s": 1.0, "n": 3, "rate": 3.0, "instances_per_request": 2.0, "engine_stage_ms_mean": {}}
+
+    monkeypatch.setattr(waterfall_runs, "drive", fake_drive)
+    bench = SimpleNamespace(dev=torch.device("cpu"), args=SimpleNamespace(clients=32, seconds=10.0))
+    out = asyncio.run(waterfall_runs.profile_engine(bench, s1, object(), clients=1, max_instances=9))
+    assert driven == [(1, 9)] and out["max_instances"] == 9 and out["instances_per_request"] == 2.0
+
+
+def test_device_busy_splits_idle_time_into_launch_bubbles_and_host_phases():
+    """device_busy: the union of kernel intervals (us) against the window; overlapping kernels count once; idle gaps
+    under 0.1 ms are launch bubbles, longer ones host-only phases."""
+    _waterfall()
+    from waterfall_runs import device_busy
+
+    def kernel(start, end):
+        return SimpleNamespace(device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start, end=end))
+
+    cpu_op = SimpleNamespace(device_type="DeviceType.CPU", time_range=SimpleNamespace(start=0, end=5000))
+    # busy 0-100 and 50-150 (one stretch), gap 10, busy 160-200, gap 800, busy 1000-1100
+    d = device_busy([kernel(0, 100), kernel(50, 150), cpu_op, kernel(160, 200), kernel(1000, 1100)])
+    assert d["window_ms"] == 1.1 and math.isclose(d["busy_ms"], 0.29) and math.isclose(d["kernels_summed_ms"], 0.34)
+    assert (d["idle_short_gaps"], d["idle_long_gaps"]) == (1, 1)
+    assert math.isclose(d["idle_short_ms"], 0.01) and math.isclose(d["idle_long_ms"], 0.8)
