@@ -170,6 +170,8 @@
 #       request's kernels through the static FP8 engine at batch 1, answers capped at 9 (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="74" bash benchmarks/gpu_next.sh      # <= 7 min: issue 4, every
 #       ViT linear's input on a static scale beside fc2's alone, with their detectors (unrun)
+#   STEPS="75" (any carry) bash benchmarks/gpu_next.sh                                   # ~1-2 min: issue 4, the
+#       static-scale GELU-quantiser's variants timed alone (quant_probe.py --static; unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 7.5 min: issues 5 and 4, the GDN glue test file whole
 #       (its fixed per-projection case) and the CUDA static-scale FP8 test's printed errors (unrun)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -875,6 +877,12 @@ say "    (ours_fp8_static_all) beside fc2's alone (ours_fp8_static_fc2; run 16: 
 say "    with its detector alone; no tests first (step 68 ran them)"
 waterfall_rows waterfall_fp8_static_all "${LIMIT_74:-420}" 400 \
   ours_fp8_static_all,ours_fp8_static_fc2,model_only_fp8_static_all,model_only_fp8_static_fc2
+fi
+if want 75; then
+say "75. issue 4 (any carry; written 2026-12-02, unrun): the static-scale GELU-quantiser of an FP8 fc2 timed alone"
+say "    (quant_probe.py --static): run 19 put inductor's fused kernel at 47 us a call at batch 1, 9.8% of a lone"
+say "    request's kernels; its variants, inductor's GELU alone and the cast floor, at batch 1 and 8"
+probe quant_probe_static "${LIMIT_75:-200}" quant_probe.py --static
 fi
 if want 72; then
 say "72. issues 5 and 4 (carry .devbundle/extra and .tritoncache; written 2026-12-02, unrun): the Qwen GDN glue test"

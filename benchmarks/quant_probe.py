@@ -15,6 +15,13 @@ against ~0.12-0.15 ms of memory traffic. This probe measures instead of inferrin
 
     python benchmarks/quant_probe.py --out DIR          # CUDA; ~1 min on an H200 (the compiles)
     python benchmarks/quant_probe.py --out DIR --m 64 --k 4736 --iters 1     # CPU smoke run (Triton interpreter)
+    python benchmarks/quant_probe.py --out DIR --static      # the static-scale quantiser only (below), ~1 min
+
+`--static` (2026-12-02): the quantiser of `vit_fp8_static` (one calibrated scale: elementwise), which inductor fuses
+into the GELU pass. Waterfall run 19's lone-request profile put that fused kernel at 47 us a call at batch 1 (9.8% of
+the kernels), against a memory floor near 15-18 us. Timed at batch 1 and 8 (M 5,184 and 41,472): the engine's fusion
+(exact GELU, IEEE division), the same multiplying by the reciprocal, with the tanh GELU, without the GELU, inductor's
+GELU alone, the cast alone and the Triton static quantiser after an eager GELU; codes that differ from the engine's.
 
 Random inputs (the GELU's negative tail to its linear part, as tests/test_kernel_fp8.py); speed does not depend on
 the values.
@@ -59,6 +66,51 @@ def differ(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
             "scales_differ": int((got[1] != want[1]).sum())}
 
 
+def static_rows(args, device: torch.device, out: Path) -> None:
+    """--static: the static-scale GELU-quantiser's variants at each M of --static-m (see the module docstring)."""
+    from kernels.fp8_quant import quantize_static_reference, quantize_static_triton
+
+    def engine(h, s):  # the engine's FP8 fc2 input under inductor: bf16 GELU, then x / s, clamp, RNE to e4m3
+        return quantize_static_reference(F.gelu(h), s)
+
+    def reciprocal(h, s):  # one multiply instead of the IEEE division (not the reference's codes everywhere)
+        return (F.gelu(h).float() * (1.0 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    def tanh(h, s):
+        return quantize_static_reference(F.gelu(h, approximate="tanh"), s)
+
+    variants = {"engine: exact GELU + x / s (inductor)": engine, "exact GELU + x * (1 / s) (inductor)": reciprocal,
+                "tanh GELU + x / s (inductor)": tanh, "x / s alone, no GELU (inductor)": quantize_static_reference,
+                "GELU alone, bf16 out (inductor)": lambda h, s: F.gelu(h),
+                "cast alone h.to(e4m3) (memory floor)": lambda h, s: h.to(torch.float8_e4m3fn)}
+    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "k": args.k, "rows": {}}
+    g = torch.Generator().manual_seed(0)
+    for m in args.static_m:
+        h = (torch.randn(m, args.k, generator=g) * 2).to(torch.bfloat16).to(device)
+        s = (F.gelu(h).float().abs().amax() * 2 / 448).reshape(()).to(device)  # 2 x amax / 448, as calibrated
+        with torch.inference_mode():
+            want = engine(h, s)
+            for name, fn in variants.items():
+                f = fn if args.no_compile else torch.compile(fn, fullgraph=True, dynamic=False)
+                got = f(h, s)
+                ms = median_ms(lambda f=f: f(h, s), device, iters=args.iters, warmup=3 if device.type == "cuda" else 1)
+                extra = {}
+                if "GELU +" in name:  # the variants computing the engine's function: how many codes they change
+                    extra["codes_differ"] = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
+                report["rows"][f"M={m} {name}"] = {"ms": round(ms, 4), **extra}
+                print(f"[quant_probe] M={m:6d} {name:44s} {ms:8.4f} ms {extra}", flush=True)
+            act = F.gelu(h)
+            ms = median_ms(lambda: quantize_static_triton(act, s), device, iters=args.iters,
+                           warmup=3 if device.type == "cuda" else 1)
+            diff = int((quantize_static_triton(act, s).view(torch.uint8) != want.view(torch.uint8)).sum())
+            report["rows"][f"M={m} Triton static quantiser after an eager GELU"] = {"ms": round(ms, 4),
+                                                                                  "codes_differ": diff}
+            print(f"[quant_probe] M={m:6d} {'Triton static quantiser (its input: an eager GELU)':44s} {ms:8.4f} ms "
+                  f"{{'codes_differ': {diff}}}", flush=True)
+    (out / "quant_probe_static.json").write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -68,10 +120,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--scale-lo", type=float, default=-0.5, help="log10 of the smallest row scale of the input")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row (the CPU smoke run)")
+    ap.add_argument("--static", action="store_true", help="only the static-scale quantiser's rows (module docstring)")
+    ap.add_argument("--static-m", type=int, nargs="+", default=[5184, 8 * 5184], help="rows of the --static runs")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.static:
+        return static_rows(args, device, out)
     m, k, n = args.m, args.k, args.n
     g = torch.Generator().manual_seed(0)
     # row scales 10^-0.5 .. 10^1.5: every row's largest input >= 0.5, as fc1 outputs have it (the max-first kernel's
