@@ -393,9 +393,10 @@ def test_cuda_static_scales_match_emulation_and_capture(tiny):
 
         errors = [rel_error(a, b) for a, b in zip(out, emu_out)]
         print(f"CUDA static path against its emulation, per FPN level: {errors}")
-        # identical codes; the GEMMs' summation order and bf16 roundings differ. The bound is the earlier one (passed
-        # on the H200 when the emulation also ran fc1 / fc2 in FP8); tighten it from the printed values
-        assert all(e <= 0.5 * DEFAULT_MAX_REL_ERR for e in errors), errors
+        # identical codes; the GEMMs' summation order and bf16 roundings differ. On the H200 (2026-12-02,
+        # results/gpu_suites_run2/static_scales.log): 0.0042, 0.0071, 0.0070; the bound is ~3x the largest (it was
+        # 0.5 x the gate's 0.1 until those values were seen)
+        assert all(e <= 0.02 for e in errors), errors
         for a, b in zip(graphed_fpn(detector, pixels), out):
             assert torch.equal(a, b)
     finally:
