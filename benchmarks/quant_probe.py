@@ -22,6 +22,8 @@ into the GELU pass. Waterfall run 19's lone-request profile put that fused kerne
 the kernels), against a memory floor near 15-18 us. Timed at batch 1 and 8 (M 5,184 and 41,472): the engine's fusion
 (exact GELU, IEEE division), the same multiplying by the reciprocal, with the tanh GELU, without the GELU, inductor's
 GELU alone, the cast alone and the Triton static quantiser after an eager GELU; codes that differ from the engine's.
+Each row: `ms`, CUDA events around one Python call (a compiled function's host time included: quant_probe run 3's
+batch-1 rows all read 0.095-0.18 ms), and on CUDA `graph_ms`, ten calls replayed from one CUDA graph (kernels only).
 
 Random inputs (the GELU's negative tail to its linear part, as tests/test_kernel_fp8.py); speed does not depend on
 the values.
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: cuda_timing
 
-from cuda_timing import median_ms  # noqa: E402
+from cuda_timing import graph_per_call_us, median_ms  # noqa: E402
 from kernels import gelu_fp8_quant as gq  # noqa: E402
 
 
@@ -64,6 +66,14 @@ def differ(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
     step = (got[0].view(torch.uint8).int() - want[0].view(torch.uint8).int()).abs()
     return {"codes_differ": int((step > 0).sum()), "codes_max_step": int(step.max()),
             "scales_differ": int((got[1] != want[1]).sum())}
+
+
+def graph_ms(call) -> float | str:
+    """ms a call of `call`, ten calls replayed from one CUDA graph (kernels only); a capture failure as its text."""
+    try:
+        return round(graph_per_call_us([call] * 10) / 1e3, 4)
+    except Exception as err:  # noqa: BLE001  (a call that cannot be captured is a result, not the end of the probe)
+        return f"{type(err).__name__}: {err}"[:200]
 
 
 def static_rows(args, device: torch.device, out: Path) -> None:
@@ -96,6 +106,8 @@ def static_rows(args, device: torch.device, out: Path) -> None:
                 got = f(h, s)
                 ms = median_ms(lambda f=f: f(h, s), device, iters=args.iters, warmup=3 if device.type == "cuda" else 1)
                 extra = {}
+                if device.type == "cuda":  # the kernels alone: 10 calls replayed from one CUDA graph, no host time
+                    extra["graph_ms"] = graph_ms(lambda f=f: f(h, s))
                 if "GELU +" in name:  # the variants computing the engine's function: how many codes they change
                     extra["codes_differ"] = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
                 report["rows"][f"M={m} {name}"] = {"ms": round(ms, 4), **extra}
@@ -103,11 +115,13 @@ def static_rows(args, device: torch.device, out: Path) -> None:
             act = F.gelu(h)
             ms = median_ms(lambda: quantize_static_triton(act, s), device, iters=args.iters,
                            warmup=3 if device.type == "cuda" else 1)
-            diff = int((quantize_static_triton(act, s).view(torch.uint8) != want.view(torch.uint8)).sum())
-            report["rows"][f"M={m} Triton static quantiser after an eager GELU"] = {"ms": round(ms, 4),
-                                                                                  "codes_differ": diff}
+            extra = {"codes_differ": int((quantize_static_triton(act, s).view(torch.uint8) !=
+                                          want.view(torch.uint8)).sum())}
+            if device.type == "cuda":
+                extra["graph_ms"] = graph_ms(lambda: quantize_static_triton(act, s))
+            report["rows"][f"M={m} Triton static quantiser after an eager GELU"] = {"ms": round(ms, 4), **extra}
             print(f"[quant_probe] M={m:6d} {'Triton static quantiser (its input: an eager GELU)':44s} {ms:8.4f} ms "
-                  f"{{'codes_differ': {diff}}}", flush=True)
+                  f"{extra}", flush=True)
     (out / "quant_probe_static.json").write_text(json.dumps(report, indent=1))
 
 
