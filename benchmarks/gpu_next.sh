@@ -172,6 +172,8 @@
 #       ViT linear's input on a static scale beside fc2's alone, with their detectors (ran: waterfall run 20)
 #   STEPS="75" (any carry) bash benchmarks/gpu_next.sh                                   # ~1-2 min: issue 4, the
 #       static-scale GELU-quantiser's variants timed alone (quant_probe.py --static; ran: quant_probe run 3)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="76" bash benchmarks/gpu_next.sh      # <= 9.3 min: issue 4, a
+#       capped lone request through the every-input-static FP8 engine beside fc2-static's (unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; unrun: two of its cases by hand did not finish in 160 s, results/gpu_suites_run2/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -883,6 +885,13 @@ say "75. issue 4 (any carry; ran: quant_probe run 3): the static-scale GELU-quan
 say "    (quant_probe.py --static): run 19 put inductor's fused kernel at 47 us a call at batch 1, 9.8% of a lone"
 say "    request's kernels; its variants, inductor's GELU alone and the cast floor, at batch 1 and 8"
 probe quant_probe_static "${LIMIT_75:-200}" quant_probe.py --static
+fi
+if want 76; then
+say "76. issue 4 (the whole .devbundle; written 2026-12-02, unrun): a lone request, capped at 9 instances, through the"
+say "    FP8 engine with every input on a static scale (batch-1 buckets) beside fc2's alone (runs 17, 19: 20.4 / 20.07 ms"
+say "    p50; the target 20): run 19's profile put the per-token quantisers static_all removes at 0.82 ms a request"
+waterfall_rows waterfall_lat_static_all "${LIMIT_76:-560}" 540 \
+  ours_fp8_static_all_b1,ours_fp8_static_b1,latency_capped_fp8_static_all,latency_capped_fp8_static
 fi
 if want 72; then
 say "72. issue 5 (carry .devbundle/extra and .tritoncache; written 2026-12-02, unrun): the Qwen GDN glue test file"

@@ -273,9 +273,10 @@ def test_capped_rows_cap_every_request_of_the_engine_they_reuse(monkeypatch):
     assert _measured(monkeypatch, (b8, "capped_bf16_b8")) == [(b8, b8, None, 32, 9)]
 
     # the lone-request rows capped the same way: one client, the row's cap, the engine latency_single* measures
-    g, s1 = "ours_bf16_graphs", "ours_fp8_static_b1"
-    assert _measured(monkeypatch, (g, s1, "latency_single", "latency_capped", "latency_capped_fp8_static")) == \
-        [(g, g, None, 1, None), (g, g, None, 1, 9), (s1, s1, None, 1, 9)]
+    g, s1, a1 = "ours_bf16_graphs", "ours_fp8_static_b1", "ours_fp8_static_all_b1"
+    assert _measured(monkeypatch, (g, s1, a1, "latency_single", "latency_capped", "latency_capped_fp8_static",
+                                   "latency_capped_fp8_static_all")) == \
+        [(g, g, None, 1, None), (g, g, None, 1, 9), (s1, s1, None, 1, 9), (a1, a1, None, 1, 9)]
 
     from waterfall_runs import drive
 
