@@ -446,7 +446,8 @@ def device_busy(events) -> dict:
     gaps = []  # idle stretches (us) between busy ones: launch bubbles are short, a host-only phase long
     for start, end in spans[1:]:
         if start > cur_end:
-            busy, gaps = busy + cur_end - cur_start, gaps + [start - cur_end]
+            busy += cur_end - cur_start
+            gaps.append(start - cur_end)
             cur_start, cur_end = start, end
         else:
             cur_end = max(cur_end, end)

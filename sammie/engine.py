@@ -699,8 +699,10 @@ class SammieEngine:
                         "stats": self.detector.stats() if self.compile in ("graphs", "inductor") else None},
             "vit_fp8": None if self.vit_fp8 is None else self.vit_fp8.as_dict(),
             "vit_fused_gelu": self.vit_fused_gelu,
-            # a CUDA stream per stage (EngineConfig.stage_streams; cuda only), as the batch loop builds them at start()
-            "stage_streams": self.device.type == "cuda" and self.cfg.stage_streams,
+            # a CUDA stream per stage (EngineConfig.stage_streams; cuda only): the batch loop's once start() built it,
+            # before that what it will build
+            "stage_streams": (bool(self._batch_loop.runner.streams) if self._batch_loop is not None
+                              else self.device.type == "cuda" and self.cfg.stage_streams),
             "load_s": round(self.load_s, 3),
             "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 3),
             "queue": {"admitted": self._admitted, "unanswered": s.num_unfinished,

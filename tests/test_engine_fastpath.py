@@ -366,6 +366,16 @@ def test_stage_streams_only_on_cuda():
     def before_start(**overrides):
         return SammieEngine(EngineConfig(**(TINY | overrides))).health()["stage_streams"]
 
+    # before start() health reports what the loop will build from the device and the option (nothing runs on it):
+    # the CPU-built engine told it holds a cuda device says True, and False with the option off
+    import dataclasses
+
+    unstarted = SammieEngine(EngineConfig(**TINY))
+    unstarted.device = torch.device("cuda")
+    assert unstarted.health()["stage_streams"] is True
+    unstarted.cfg = dataclasses.replace(unstarted.cfg, stage_streams=False)
+    assert unstarted.health()["stage_streams"] is False
+
     async def go(engine):
         result = await engine.segment(encode(Image.fromarray(small_photos()[2])), PROMPTS[:1], threshold=0.0)
         return engine._batch_loop.runner.streams, result, engine.health()["stage_streams"]

@@ -339,7 +339,7 @@ def test_engine_rows_warm_up_for_warmup_s_then_measure_seconds(monkeypatch):
     assert calls == [(32, 3.0, 32), (32, 10.0, 0)] and result["warmup_s"] == 3.0 and isinstance(engine, FakeEngine)
 
 
-def test_the_profile_drives_the_named_engine_with_its_clients_and_cap(monkeypatch):
+def test_the_profile_drives_the_named_engine_with_its_clients_and_cap(monkeypatch, tmp_path):
     """--profile-engine NAME --profile-clients 1 --profile-max-instances 9 profiles NAME's engine (kept open for it)
     with one request at a time, each answer capped at 9; profile_engine hands the cap to drive() and records it."""
     import asyncio
@@ -365,8 +365,20 @@ def test_the_profile_drives_the_named_engine_with_its_clients_and_cap(monkeypatc
     monkeypatch.setattr(wf, "close_engine", fake_close)
     monkeypatch.setattr(wf, "profile_engine", fake_profile)
     s1 = "ours_fp8_static_b1"
-    args = SimpleNamespace(budget_s=1e9, profile=True, clients=32, profile_engine=s1, profile_clients=1,
-                           profile_max_instances=9)
+
+    class Parsed(Exception):
+        pass
+
+    def fake_bench(args):  # main's arguments as parsed, before anything is built
+        raise Parsed(args)
+
+    monkeypatch.setattr(wf, "Bench", fake_bench)
+    with pytest.raises(Parsed) as parsed:
+        wf.main(["--out", str(tmp_path), "--rows", s1, "--profile-engine", s1, "--profile-clients", "1",
+                 "--profile-max-instances", "9"])
+    args = parsed.value.args[0]
+    assert (args.profile, args.profile_engine, args.profile_clients, args.profile_max_instances) == (True, s1, 1, 9)
+    args.budget_s, args.clients = 1e9, 32
     b = SimpleNamespace(args=args, engines={}, free_meta=lambda: None)
     asyncio.run(wf.run_rows(b, wf.run_order([s1]), {"total": 1.0, "image": 1.0, "pair": 1.0}, float("inf"),
                             lambda *a: None))
@@ -394,8 +406,10 @@ def test_device_busy_splits_idle_time_into_launch_bubbles_and_host_phases():
         return SimpleNamespace(device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start, end=end))
 
     cpu_op = SimpleNamespace(device_type="DeviceType.CPU", time_range=SimpleNamespace(start=0, end=5000))
-    # busy 0-100 and 50-150 (one stretch), gap 10, busy 160-200, gap 800, busy 1000-1100
-    d = device_busy([kernel(0, 100), kernel(50, 150), cpu_op, kernel(160, 200), kernel(1000, 1100)])
-    assert d["window_ms"] == 1.1 and math.isclose(d["busy_ms"], 0.29) and math.isclose(d["kernels_summed_ms"], 0.34)
-    assert (d["idle_short_gaps"], d["idle_long_gaps"]) == (1, 1)
-    assert math.isclose(d["idle_short_ms"], 0.01) and math.isclose(d["idle_long_ms"], 0.8)
+    # busy 0-100 and 50-150 (one stretch), gap 10, busy 160-200, gap 800, busy 1000-1100, gap 100 (long: >= 0.1 ms),
+    # busy 1200-1250
+    d = device_busy([kernel(0, 100), kernel(50, 150), cpu_op, kernel(160, 200), kernel(1000, 1100),
+                     kernel(1200, 1250)])
+    assert d["window_ms"] == 1.25 and math.isclose(d["busy_ms"], 0.34) and math.isclose(d["kernels_summed_ms"], 0.39)
+    assert (d["idle_short_gaps"], d["idle_long_gaps"]) == (1, 2)
+    assert math.isclose(d["idle_short_ms"], 0.01) and math.isclose(d["idle_long_ms"], 0.9)
