@@ -174,6 +174,8 @@
 #       static-scale GELU-quantiser's variants timed alone (quant_probe.py --static; ran: quant_probe run 3)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="76" bash benchmarks/gpu_next.sh      # <= 7.5 min: issue 4, a
 #       capped lone request through the every-input-static FP8 engine (unrun)
+#   eval "$(bash .devbundle/install.sh)" && STEPS="77" bash benchmarks/gpu_next.sh      # <= 5.5 min: issue 4, the
+#       extra prompt on a cached image, split into ground alone and the answer capped at 9 (unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; unrun: a call by hand for two of its cases was cut at 160 s without a result,
 #       results/gpu_suites_run2/)
@@ -892,6 +894,17 @@ say "76. issue 4 (the whole .devbundle; written 2026-12-02, unrun): a lone reque
 say "    FP8 engine with every input on a static scale (batch-1 buckets; fc2 alone static: runs 17, 19, 20.4 / 20.07 ms"
 say "    p50, other calls; the target 20). One engine: a cold batch-1 FP8 build took 165-246 s, two would not fit"
 waterfall_rows waterfall_lat_static_all "${LIMIT_76:-450}" 430 ours_fp8_static_all_b1,latency_capped_fp8_static_all
+fi
+if want 77; then
+say "77. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the extra prompt on a cached image again (last"
+say "    measured in run 3, 6.0 ms p50, before the decoder's SDPA fp32 fallback was removed: 1.48 ms of a lone request"
+say "    in run 10), now split: ground alone, and the answer capped at 9 instances; target 3 ms"
+waterfall_rows waterfall_extra_prompt "${LIMIT_77:-330}" 310 ours_bf16_inductor,extra_prompt
+python - "$R/waterfall_extra_prompt/waterfall.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))["rows"].get("extra_prompt", {})
+print({k: r.get(k) for k in ("p50_ms", "p99_ms", "instances", "uncached", "ground_only", "capped", "error")})
+PY
 fi
 if want 72; then
 say "72. issue 5 (carry .devbundle/extra and .tritoncache; written 2026-12-02, unrun): the Qwen GDN glue test file"

@@ -258,7 +258,8 @@ ROWS: tuple[Row, ...] = (
         "capped at 9 instances", "latency", reuse="ours_fp8_static_all_b1", max_instances=9,
         targets=(Target("p50_ms", "<=", 20),)),
     Row("extra_prompt", "second prompt on an image whose features are cached: ground + post-processing of one pair, "
-        "prompt features cached (with the text encoder: see extra_prompt.uncached)", "extra_prompt",
+        "prompt features cached (with the text encoder: see extra_prompt.uncached; ground alone and the answer capped at "
+        "9 instances: extra_prompt.ground_only, .capped)", "extra_prompt",
         targets=(Target("p50_ms", "<=", 3),)),
     Row("http", "HTTP end-to-end (Ray Serve + Locust, benchmarks/serve_gpu.sh), read from --http-results", "http",
         targets=(Target("img_per_s", ">=", 95),)),

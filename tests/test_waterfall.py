@@ -116,6 +116,10 @@ def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
         r = data["rows"][name]
         assert 0.0 <= r["iou_min"] <= r["iou_mean"] <= 1.0 and 0.0 <= r["count_mismatch_pct"] <= 100.0, name
         assert math.isfinite(r["score_max_abs_diff"]), name
+    # extra_prompt's split: ground alone and the answer capped at 9 instances, each timed
+    extra = data["rows"]["extra_prompt"]
+    assert extra["ground_only"]["p50_ms"] > 0 and extra["ground_only"]["n"] >= 10
+    assert extra["capped"]["p50_ms"] > 0 and extra["capped"]["instances"] == min(extra["instances"], 9)
     # identical weights: Meta fp32 with TF32 (a no-op on the CPU) and our fp32 engine reproduce the ground truth
     for name in ("meta_processor_fp32", "ours_fp32_b1"):
         assert data["rows"][name]["iou_mean"] > 0.999 and data["rows"][name]["count_mismatch_pct"] == 0.0, name
