@@ -104,21 +104,22 @@ def static_rows(args, device: torch.device, out: Path) -> None:
             for name, fn in variants.items():
                 f = fn if args.no_compile else torch.compile(fn, fullgraph=True, dynamic=False)
                 got = f(h, s)
-                ms = median_ms(lambda f=f: f(h, s), device, iters=args.iters, warmup=3 if device.type == "cuda" else 1)
+                ms = median_ms(lambda f=f, h=h, s=s: f(h, s), device, iters=args.iters,
+                               warmup=3 if device.type == "cuda" else 1)
                 extra = {}
                 if device.type == "cuda":  # the kernels alone: 10 calls replayed from one CUDA graph, no host time
-                    extra["graph_ms"] = graph_ms(lambda f=f: f(h, s))
+                    extra["graph_ms"] = graph_ms(lambda f=f, h=h, s=s: f(h, s))
                 if "GELU +" in name:  # the variants computing the engine's function: how many codes they change
                     extra["codes_differ"] = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
                 report["rows"][f"M={m} {name}"] = {"ms": round(ms, 4), **extra}
                 print(f"[quant_probe] M={m:6d} {name:44s} {ms:8.4f} ms {extra}", flush=True)
             act = F.gelu(h)
-            ms = median_ms(lambda: quantize_static_triton(act, s), device, iters=args.iters,
+            ms = median_ms(lambda act=act, s=s: quantize_static_triton(act, s), device, iters=args.iters,
                            warmup=3 if device.type == "cuda" else 1)
             extra = {"codes_differ": int((quantize_static_triton(act, s).view(torch.uint8) !=
                                           want.view(torch.uint8)).sum())}
             if device.type == "cuda":
-                extra["graph_ms"] = graph_ms(lambda: quantize_static_triton(act, s))
+                extra["graph_ms"] = graph_ms(lambda act=act, s=s: quantize_static_triton(act, s))
             report["rows"][f"M={m} Triton static quantiser after an eager GELU"] = {"ms": round(ms, 4), **extra}
             print(f"[quant_probe] M={m:6d} {'Triton static quantiser (its input: an eager GELU)':44s} {ms:8.4f} ms "
                   f"{extra}", flush=True)
