@@ -95,6 +95,18 @@ def static_rows(args, device: torch.device, out: Path) -> None:
                 "cast alone h.to(e4m3) (memory floor)": lambda h, s: h.to(torch.float8_e4m3fn)}
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "k": args.k, "rows": {}}
+
+    def measure(m: int, want: torch.Tensor, label: str, call, codes: bool) -> None:
+        """One row: `call` timed (and on CUDA replayed from a graph); `codes`: its e4m3 output against `want`."""
+        ms = median_ms(call, device, iters=args.iters, warmup=3 if device.type == "cuda" else 1)
+        extra = {}
+        if device.type == "cuda":  # the kernels alone: 10 calls replayed from one CUDA graph, no host time
+            extra["graph_ms"] = graph_ms(call)
+        if codes:  # the variants computing the engine's function: how many codes they change
+            extra["codes_differ"] = int((call().view(torch.uint8) != want.view(torch.uint8)).sum())
+        report["rows"][f"M={m} {label}"] = {"ms": round(ms, 4), **extra}
+        print(f"[quant_probe] M={m:6d} {label:44s} {ms:8.4f} ms {extra}", flush=True)
+
     g = torch.Generator().manual_seed(0)
     for m in args.static_m:
         h = (torch.randn(m, args.k, generator=g) * 2).to(torch.bfloat16).to(device)
@@ -103,26 +115,10 @@ def static_rows(args, device: torch.device, out: Path) -> None:
             want = engine(h, s)
             for name, fn in variants.items():
                 f = fn if args.no_compile else torch.compile(fn, fullgraph=True, dynamic=False)
-                got = f(h, s)
-                ms = median_ms(lambda f=f, h=h, s=s: f(h, s), device, iters=args.iters,
-                               warmup=3 if device.type == "cuda" else 1)
-                extra = {}
-                if device.type == "cuda":  # the kernels alone: 10 calls replayed from one CUDA graph, no host time
-                    extra["graph_ms"] = graph_ms(lambda f=f, h=h, s=s: f(h, s))
-                if "GELU +" in name:  # the variants computing the engine's function: how many codes they change
-                    extra["codes_differ"] = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
-                report["rows"][f"M={m} {name}"] = {"ms": round(ms, 4), **extra}
-                print(f"[quant_probe] M={m:6d} {name:44s} {ms:8.4f} ms {extra}", flush=True)
+                measure(m, want, name, lambda f=f, h=h, s=s: f(h, s), "GELU +" in name)
             act = F.gelu(h)
-            ms = median_ms(lambda act=act, s=s: quantize_static_triton(act, s), device, iters=args.iters,
-                           warmup=3 if device.type == "cuda" else 1)
-            extra = {"codes_differ": int((quantize_static_triton(act, s).view(torch.uint8) !=
-                                          want.view(torch.uint8)).sum())}
-            if device.type == "cuda":
-                extra["graph_ms"] = graph_ms(lambda act=act, s=s: quantize_static_triton(act, s))
-            report["rows"][f"M={m} Triton static quantiser after an eager GELU"] = {"ms": round(ms, 4), **extra}
-            print(f"[quant_probe] M={m:6d} {'Triton static quantiser (its input: an eager GELU)':44s} {ms:8.4f} ms "
-                  f"{extra}", flush=True)
+            measure(m, want, "Triton static quantiser after an eager GELU",
+                    lambda act=act, s=s: quantize_static_triton(act, s), True)
     (out / "quant_probe_static.json").write_text(json.dumps(report, indent=1))
 
 

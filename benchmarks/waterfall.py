@@ -1,8 +1,8 @@
 """The speed waterfall of issue 4: Meta's reference, then Sammie one optimisation at a time, in ONE process and run,
 with accuracy against Meta's fp32 model on every row that produces instances. One markdown table out.
 
-    python benchmarks/waterfall.py --out benchmarks/results/waterfall            # on the H200 (~8 min for the first
-    #                                                                  runs' rows; today's full table needs --rows splits)
+    python benchmarks/waterfall.py --out benchmarks/results/waterfall            # on the H200 (~8 min for the
+    #                                                       first runs' rows; today's full table needs --rows splits)
     python benchmarks/waterfall.py --out /tmp/wf --config tiny --device cpu --seconds 1 \
         --rows meta_processor_fp32,ours_fp32_b1                         # CPU dry run (tests/test_waterfall.py)
 
@@ -258,8 +258,8 @@ ROWS: tuple[Row, ...] = (
         "capped at 9 instances", "latency", reuse="ours_fp8_static_all_b1", max_instances=9,
         targets=(Target("p50_ms", "<=", 20),)),
     Row("extra_prompt", "second prompt on an image whose features are cached: ground + post-processing of one pair, "
-        "prompt features cached (with the text encoder: see extra_prompt.uncached; ground alone and the answer capped at "
-        "9 instances: extra_prompt.ground_only, .capped)", "extra_prompt",
+        "prompt features cached (with the text encoder: see extra_prompt.uncached; ground alone and the answer capped "
+        "at 9 instances: extra_prompt.ground_only, .capped)", "extra_prompt",
         targets=(Target("p50_ms", "<=", 3),)),
     Row("http", "HTTP end-to-end (Ray Serve + Locust, benchmarks/serve_gpu.sh), read from --http-results", "http",
         targets=(Target("img_per_s", ">=", 95),)),
@@ -374,12 +374,11 @@ async def run_rows(b: Bench, rows: list[Row], flops: dict, deadline: float, on_r
                 del engine
             elif row.kind == "model_only":
                 r = run_model_only(b, *_engine_for(b, row.reuse, results))
-            elif row.kind in ("batched_idle", "capped"):  # --clients in flight; capped rows cap every answer
-                r = await run_latency(b, *_engine_for(b, row.reuse, results), clients=b.args.clients,
+            elif row.kind in ("batched_idle", "capped", "latency"):  # latency: one client, the others --clients;
+                #                                                       rows with max_instances cap every answer
+                r = await run_latency(b, *_engine_for(b, row.reuse, results),
+                                      clients=1 if row.kind == "latency" else b.args.clients,
                                       release_when_idle=_forced_idle(row), max_instances=row.max_instances or None)
-            elif row.kind == "latency":
-                r = await run_latency(b, *_engine_for(b, row.reuse, results), release_when_idle=_forced_idle(row),
-                                      max_instances=row.max_instances or None)
             elif row.kind == "extra_prompt":
                 r = run_extra_prompt(b, *_engine_for(b, row.reuse, results))
             elif row.kind == "http":

@@ -331,15 +331,14 @@ def run_extra_prompt(b: Bench, name: str, engine) -> dict:
             cached[p] = (det.encode_images(pixels), (int(rgb.shape[1]), int(rgb.shape[2])))
         text = {p: det.encode_prompts(engine.tokenizer([b.second_prompt[p]]).to(dev)) for p in photos}
 
-        def pair(p, with_text: bool, max_instances: int | None = None):
-            feats, (h, w) = cached[p]
+        def ground(p, with_text: bool = False):  # alone: the model's share of the row (timed_loop synchronises)
             prompt = det.encode_prompts(engine.tokenizer([b.second_prompt[p]]).to(dev)) if with_text else text[p]
-            return _postprocess_one(engine, det.ground(feats, prompt, zero, zero), h, w,
-                                    b.thresholds[(p, b.second_prompt[p])], max_instances)
+            return det.ground(cached[p][0], prompt, zero, zero)
 
-        def ground_only(p):  # no post-processing: the model's share of the row (timed_loop synchronises)
-            feats, _ = cached[p]
-            return det.ground(feats, text[p], zero, zero)
+        def pair(p, with_text: bool, max_instances: int | None = None):
+            h, w = cached[p][1]
+            return _postprocess_one(engine, ground(p, with_text), h, w, b.thresholds[(p, b.second_prompt[p])],
+                                    max_instances)
 
         for p in photos:  # warm-up
             pair(p, True)
@@ -349,7 +348,7 @@ def run_extra_prompt(b: Bench, name: str, engine) -> dict:
         lat_text = timed_loop(lambda i: pair(p0, True), b.args.seconds / 2, min_iters=10, dev=dev)
         # the split (2026-12-02): ground alone, and the answer capped at 9 instances (a real model's few; random
         # weights' near-threshold scores keep dozens, whose masks the post-processing upsamples and copies)
-        lat_ground = timed_loop(lambda i: ground_only(p0), b.args.seconds / 4, min_iters=10, dev=dev)
+        lat_ground = timed_loop(lambda i: ground(p0), b.args.seconds / 4, min_iters=10, dev=dev)
         lat_capped = timed_loop(lambda i: pair(p0, False, 9), b.args.seconds / 4, min_iters=10, dev=dev)
         outputs = {(p, b.second_prompt[p]): pair(p, False) for p in photos}
         kept = len(outputs[(p0, b.second_prompt[p0])])
