@@ -220,6 +220,8 @@ ROWS: tuple[Row, ...] = (
         reuse="ours_fp8_static_fc2"),
     Row("model_only_fp8_static_all", "the same with ours_fp8_static_all's detector", "model_only",
         reuse="ours_fp8_static_all"),
+    Row("model_only_fp8_static_b1", "the same with ours_fp8_static_b1's detector (its batch-8 bucket)",
+        "model_only", reuse="ours_fp8_static_b1"),
     Row("model_only_bf16_b8", "the same with ours_bf16_inductor_b8's detector", "model_only",
         reuse="ours_bf16_inductor_b8", targets=(Target("img_per_s", ">=", 105),)),
     Row("model_only_autotune", "the same with ours_bf16_autotune's detector (the ViT's matmuls autotuned)",
@@ -260,6 +262,9 @@ ROWS: tuple[Row, ...] = (
     Row("extra_prompt", "second prompt on an image whose features are cached: ground + post-processing of one pair, "
         "prompt features cached (with the text encoder: see extra_prompt.uncached; ground alone and the answer capped "
         "at 9 instances: extra_prompt.ground_only, .capped)", "extra_prompt",
+        targets=(Target("p50_ms", "<=", 3),)),
+    Row("extra_prompt_fp8_static", "extra_prompt on ours_fp8_static_b1's engine (the ViT's FP8 does not enter: "
+        "the image features are cached; its pair bucket 1 does)", "extra_prompt", reuse="ours_fp8_static_b1",
         targets=(Target("p50_ms", "<=", 3),)),
     Row("http", "HTTP end-to-end (Ray Serve + Locust, benchmarks/serve_gpu.sh), read from --http-results", "http",
         targets=(Target("img_per_s", ">=", 95),)),
@@ -446,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests in flight while profiling (0 = --clients; 1 = a lone request's kernels)")
     ap.add_argument("--profile-max-instances", type=int, default=0,
                     help="cap every profiled answer at this many instances (0 = no cap; 9: the capped rows' load)")
+    ap.add_argument("--profile-extra-prompt", action="store_true",
+                    help="extra_prompt rows: torch.profiler over 50 ground calls at one pair (JSON: ground_profile)")
     ap.add_argument("--cases", type=int, default=None, help="use only the first N (image, prompt) cases (dry runs)")
     ap.add_argument("--meta-batch", type=int, default=META_BATCH, help="batch of the Meta batched and model-only rows")
     ap.add_argument("--budget-s", type=float, default=540.0,

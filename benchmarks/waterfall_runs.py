@@ -350,6 +350,8 @@ def run_extra_prompt(b: Bench, name: str, engine) -> dict:
         # weights' near-threshold scores keep dozens, whose masks the post-processing upsamples and copies)
         lat_ground = timed_loop(lambda i: ground(p0), b.args.seconds / 4, min_iters=10, dev=dev)
         lat_capped = timed_loop(lambda i: pair(p0, False, 9), b.args.seconds / 4, min_iters=10, dev=dev)
+        # --profile-extra-prompt: where ground's time goes at one pair (the kernels of ground_only's call)
+        ground_profile = profile_calls(lambda: ground(p0), 50, dev) if b.args.profile_extra_prompt else None
         outputs = {(p, b.second_prompt[p]): pair(p, False) for p in photos}
         kept = len(outputs[(p0, b.second_prompt[p0])])
     stats = summarise(lat, len(lat), sum(lat) / 1e3)
@@ -362,6 +364,7 @@ def run_extra_prompt(b: Bench, name: str, engine) -> dict:
             "engine_row": name, "photo": p0, "prompt": b.second_prompt[p0], "instances": kept,
             "uncached": brief(lat_text), "ground_only": brief(lat_ground),
             "capped": {**brief(lat_capped), "max_instances": 9, "instances": min(kept, 9)},
+            **({"ground_profile": ground_profile} if ground_profile is not None else {}),
             **oracle_columns(outputs, b.truth)}
 
 
@@ -420,23 +423,10 @@ async def profile_engine(b: Bench, name: str, engine, clients: int = 0, max_inst
         stats = await drive(engine, b, clients or b.args.clients, min(3.0, b.args.seconds), max_instances=max_instances)
     events = prof.key_averages()
 
-    def dev_self(e):
-        return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
-
     def dev_total(e):
         return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0)
 
-    if cuda:
-        kernels = [e for e in events if "CUDA" in str(getattr(e, "device_type", "")) and dev_self(e) > 0]
-        kernels.sort(key=dev_self, reverse=True)
-        total = sum(dev_self(e) for e in kernels) or 1.0
-        top = [{"kernel": e.key[:160], "self_ms": dev_self(e) / 1e3, "share_pct": 100 * dev_self(e) / total,
-                "calls": e.count} for e in kernels[:15]]
-    else:
-        cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
-        total = sum(e.self_cpu_time_total for e in cpu) or 1.0
-        top = [{"op": e.key[:160], "self_ms": e.self_cpu_time_total / 1e3,
-                "share_pct": 100 * e.self_cpu_time_total / total, "calls": e.count} for e in cpu[:15]]
+    top, total = _top_events(events, cuda, 15)
     stages = {e.key: {"calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3, "device_total_ms": dev_total(e) / 1e3}
               for e in events if e.key.startswith("sammie.")}
     return {"engine_row": name, "clients": clients or b.args.clients, "max_instances": max_instances,
@@ -445,6 +435,48 @@ async def profile_engine(b: Bench, name: str, engine, clients: int = 0, max_inst
             "top_kernels": top, "device_time_total_ms": total / 1e3, "stages": stages,
             "device_busy": device_busy(prof.events()) if cuda else None,
             "engine_stage_ms_mean": stats["engine_stage_ms_mean"]}
+
+
+def _dev_self(e) -> float:
+    """An event's own device time (us), under either of torch's attribute names."""
+    return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
+
+
+def _top_events(events, cuda: bool, top: int) -> tuple[list[dict], float]:
+    """The `top` kernels by device time (on the CPU: ops by self CPU time) of `prof.key_averages()`, each with its ms,
+    share and calls, and the total (us) the shares are of."""
+    if cuda:
+        kernels = sorted((e for e in events if "CUDA" in str(getattr(e, "device_type", "")) and _dev_self(e) > 0),
+                         key=_dev_self, reverse=True)
+        total = sum(_dev_self(e) for e in kernels) or 1.0
+        return [{"kernel": e.key[:160], "self_ms": _dev_self(e) / 1e3, "share_pct": 100 * _dev_self(e) / total,
+                 "calls": e.count} for e in kernels[:top]], total
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in cpu) or 1.0
+    return [{"op": e.key[:160], "self_ms": e.self_cpu_time_total / 1e3,
+             "share_pct": 100 * e.self_cpu_time_total / total, "calls": e.count} for e in cpu[:top]], total
+
+
+def profile_calls(fn, calls: int, dev: torch.device, top: int = 30) -> dict:
+    """torch.profiler over `calls` synchronous calls of `fn` on this thread (after one untimed call): the kernels per
+    call, their device ms per call, the `top` kernels (ms per call) and the GPU's busy share (`device_busy`). On the
+    CPU the ops by self CPU time instead. For a stage timed alone (extra_prompt's ground)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    fn()
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            fn()
+        sync(dev)
+    events = prof.key_averages()
+    ranked, total = _top_events(events, cuda, top)
+    count = sum(e.count for e in events if cuda and "CUDA" in str(getattr(e, "device_type", "")) and _dev_self(e) > 0)
+    per_call = [{**k, "self_ms": k["self_ms"] / calls, "calls": k["calls"] / calls} for k in ranked]
+    return {"calls": calls, "kernels_per_call": count / calls if cuda else None,
+            "device_ms_per_call": total / 1e3 / calls, "top": per_call,
+            "device_busy": device_busy(prof.events()) if cuda else None}
 
 
 def device_busy(events) -> dict:

@@ -102,7 +102,7 @@ def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
             "latency_single", "latency_single_idle", "extra_prompt"]
     cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--config", "tiny", "--device", "cpu",
            "--seconds", "1", "--warmup-s", "0.5", "--rows", ",".join(rows), "--cases", "2", "--meta-batch", "2",
-           "--clients", "4", "--latency-requests", "5", "--no-profile"]
+           "--clients", "4", "--latency-requests", "5", "--no-profile", "--profile-extra-prompt"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "waterfall.json").read_text())
@@ -120,6 +120,10 @@ def test_cpu_dry_run_writes_every_row_with_numbers_and_oracle_columns(tmp_path):
     extra = data["rows"]["extra_prompt"]
     assert extra["ground_only"]["p50_ms"] > 0 and extra["ground_only"]["n"] >= 10
     assert extra["capped"]["p50_ms"] > 0 and extra["capped"]["instances"] == min(extra["instances"], 9)
+    # --profile-extra-prompt: ground's 50 calls profiled (on the CPU: its ops by self time)
+    prof = extra["ground_profile"]
+    assert prof["calls"] == 50 and prof["device_ms_per_call"] > 0 and prof["top"], prof
+    assert any("linear" in k["op"] or "addmm" in k["op"] or "mm" in k["op"] for k in prof["top"]), prof["top"]
     # identical weights: Meta fp32 with TF32 (a no-op on the CPU) and our fp32 engine reproduce the ground truth
     for name in ("meta_processor_fp32", "ours_fp32_b1"):
         assert data["rows"][name]["iou_mean"] > 0.999 and data["rows"][name]["count_mismatch_pct"] == 0.0, name
@@ -417,3 +421,17 @@ def test_device_busy_splits_idle_time_into_launch_bubbles_and_host_phases():
     assert d["window_ms"] == 1.25 and math.isclose(d["busy_ms"], 0.34) and math.isclose(d["kernels_summed_ms"], 0.39)
     assert (d["idle_short_gaps"], d["idle_long_gaps"]) == (1, 2)
     assert math.isclose(d["idle_short_ms"], 0.01) and math.isclose(d["idle_long_ms"], 0.9)
+
+
+def test_profile_calls_counts_per_call():
+    """profile_calls divides by the number of profiled calls: 4 calls of one matmul -> one aten::mm a call."""
+    import torch
+
+    _waterfall()  # puts benchmarks/ on sys.path
+    from waterfall_runs import profile_calls
+
+    a = torch.ones(16, 16)
+    prof = profile_calls(lambda: a @ a, 4, torch.device("cpu"))
+    assert prof["calls"] == 4 and prof["kernels_per_call"] is None and prof["device_busy"] is None
+    mm = [k for k in prof["top"] if k["op"] == "aten::mm"]
+    assert len(mm) == 1 and mm[0]["calls"] == 1.0 and mm[0]["self_ms"] > 0, prof["top"]
