@@ -178,7 +178,7 @@
 #       extra prompt on a cached image, split into ground alone and the answer capped at 9 (ran: waterfall run 22)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="78" bash benchmarks/gpu_next.sh      # <= 9.5 min: issue 4, the
 #       scorecard: Meta's reference rows beside the fastest FP8 and bf16 engines, their detectors, a capped lone
-#       request and the extra prompt, in one run (unrun)
+#       request and the extra prompt, in one run (ran: waterfall run 23)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="79" bash benchmarks/gpu_next.sh      # <= 5 min: issue 4, the
 #       extra prompt's ground at one pair under torch.profiler (--profile-extra-prompt; its first call, LIMIT_79=235
 #       on a fresh machine, was cut while the engine compiled: results/waterfall_run24_cut/; give it the default 300)
@@ -913,7 +913,7 @@ print({k: r.get(k) for k in ("p50_ms", "p99_ms", "instances", "uncached", "groun
 PY
 fi
 if want 78; then
-say "78. issue 4 (the whole .devbundle; written 2026-12-02, unrun): the scorecard -- Meta's reference rows and our"
+say "78. issue 4 (the whole .devbundle; ran: waterfall run 23): the scorecard -- Meta's reference rows and our"
 say "    fastest engines in ONE run: the static FP8 engine (batch-1 buckets) with its detector, a capped lone request"
 say "    and the extra prompt, then the bf16 inductor engine with the same three (last, as the rows the limit may cut)"
 waterfall_rows waterfall_scorecard "${LIMIT_78:-570}" 540 meta_processor_bf16,meta_batched_bf16,meta_batched_model_bf16,\
@@ -927,7 +927,7 @@ for name, r in json.load(open(sys.argv[1]))["rows"].items():
 PY
 fi
 if want 79; then
-say "79. issue 4 (the whole .devbundle; written 2026-12-02, unrun): where the extra prompt's ground goes at one pair"
+say "79. issue 4 (the whole .devbundle; written 2026-12-02; its first call was cut): where the extra prompt's ground goes at one pair"
 say "    (run 22: ground alone 4.14 ms p50, the row 4.94, target 3): 50 ground calls under torch.profiler"
 waterfall_rows waterfall_ground_profile "${LIMIT_79:-300}" 280 ours_bf16_inductor,extra_prompt --profile-extra-prompt
 python - "$R/waterfall_ground_profile/waterfall.json" <<'PY' || true
@@ -935,7 +935,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))["rows"].get("extra_prompt", {})
 p = r.get("ground_profile") or {}
 print({k: r.get(k) for k in ("p50_ms", "ground_only", "error")})
-print({k: p.get(k) for k in ("calls", "kernels_per_call", "device_ms_per_call", "device_busy")})
+print({k: p.get(k) for k in ("calls", "timed", "ms_per_call", "device_events_per_call", "device_busy")})
 for k in p.get("top", []):
     print(f"  {k['self_ms']:8.4f} ms {k['share_pct']:5.1f}% {k['calls']:6.1f}  {k['kernel'][:120]}")
 PY

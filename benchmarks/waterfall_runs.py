@@ -458,9 +458,11 @@ def _top_events(events, cuda: bool, top: int) -> tuple[list[dict], float]:
 
 
 def profile_calls(fn, calls: int, dev: torch.device, top: int = 30) -> dict:
-    """torch.profiler over `calls` synchronous calls of `fn` on this thread (after one untimed call): the kernels per
-    call, their device ms per call, the `top` kernels (ms per call) and the GPU's busy share (`device_busy`). On the
-    CPU the ops by self CPU time instead. For a stage timed alone (extra_prompt's ground)."""
+    """torch.profiler over `calls` calls of `fn` on this thread, each waited for before the next (as a timed call
+    is: the latency's kernels and gaps, not a pipelined stream), after one untimed call. Returns the device events
+    (kernels, memcpys, memsets) per call, `ms_per_call` (device time on CUDA; on the CPU, the ops' self CPU time),
+    the `top` kernels (ops on the CPU) per call and, on CUDA, the GPU's busy share (`device_busy`). For a stage timed
+    alone (extra_prompt's ground)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -469,13 +471,13 @@ def profile_calls(fn, calls: int, dev: torch.device, top: int = 30) -> dict:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(calls):
             fn()
-        sync(dev)
+            sync(dev)
     events = prof.key_averages()
     ranked, total = _top_events(events, cuda, top)
     count = sum(e.count for e in events if cuda and "CUDA" in str(getattr(e, "device_type", "")) and _dev_self(e) > 0)
-    per_call = [{**k, "self_ms": k["self_ms"] / calls, "calls": k["calls"] / calls} for k in ranked]
-    return {"calls": calls, "kernels_per_call": count / calls if cuda else None,
-            "device_ms_per_call": total / 1e3 / calls, "top": per_call,
+    return {"calls": calls, "timed": "device" if cuda else "cpu self", "ms_per_call": total / 1e3 / calls,
+            "device_events_per_call": count / calls if cuda else None,
+            "top": [{**k, "self_ms": k["self_ms"] / calls, "calls": k["calls"] / calls} for k in ranked],
             "device_busy": device_busy(prof.events()) if cuda else None}
 
 
