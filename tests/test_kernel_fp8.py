@@ -395,19 +395,25 @@ def test_gelu_quantize_rows_triton_against_the_reference(m, k, dtype):
     GELU_CODES_DIFFER_MAX of the codes differ, each by one e4m3 step (where the kernel's erf and torch's differ in the
     last fp32 bit and the GELU's value sits on a rounding boundary: 43 of 303,104 under the interpreter at the ViT's
     width, 3 of 9,768 at the tiny's); a scale moves only with its row's largest GELU value: by one step of the
-    GELU's dtype at most (bf16 2^-8, fp32 2^-22 relative); the all-zero row keeps scale 1 and codes 0."""
+    GELU's dtype at most (bf16 2^-8; fp32 2^-21 relative: a few ulps of torch's CPU erf); the all-zero row keeps
+    scale 1 and codes 0. A GELU of +0 and one of -0 count as the same code."""
     from kernels.gelu_fp8_quant import gelu_quantize_rows_reference, gelu_quantize_rows_triton
 
     h = gelu_rows(m, k, seed=m + k, dtype=dtype)
     (q, s), (q_ref, s_ref) = gelu_quantize_rows_triton(h), gelu_quantize_rows_reference(h)
     assert q.shape == q_ref.shape and q.dtype == torch.float8_e4m3fn and s.shape == (m, 1) and s.dtype == torch.float32
-    step = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
-    same_sign = (q.view(torch.uint8) >> 7) == (q_ref.view(torch.uint8) >> 7)
+    # -0 and +0 are one value: the GELU of a large negative input is a signed zero whose sign depends on torch's CPU
+    # kernel (AVX2 gives +0 where AVX-512 and the kernel give -0), so both zeros compare as +0 (code 0x00)
+    codes, codes_ref = (torch.where(c.view(torch.uint8) == 0x80, 0, c.view(torch.uint8)) for c in (q, q_ref))
+    step = (codes.int() - codes_ref.int()).abs()
+    same_sign = (codes >> 7) == (codes_ref >> 7)
     differ = int((step > 0).sum())
     print(f"\n{m}x{k} {dtype}: {differ} of {q.numel()} codes one step off, "
           f"{int((s != s_ref).sum())} of {m} scales an ulp off")
     assert differ <= GELU_CODES_DIFFER_MAX * q.numel() and int(step.max()) <= 1 and bool(same_sign[step > 0].all())
-    assert ((s - s_ref).abs() <= s_ref * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-22)).all()
+    # fp32: torch's AVX2 CPU GELU sits up to ~3 ulps from the correctly rounded erf the interpreter uses (3.2e-7
+    # relative on this case's smallest row; AVX-512 machines read <= 2^-22), hence 2^-21
+    assert ((s - s_ref).abs() <= s_ref * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-21)).all()
     assert (s[m // 2] == 1).all() and (q[m // 2].float() == 0).all()
 
 
