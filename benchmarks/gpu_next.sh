@@ -180,15 +180,17 @@
 #       scorecard: Meta's reference rows beside the fastest FP8 and bf16 engines, their detectors, a capped lone
 #       request and the extra prompt, in one run (ran: waterfall run 23)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="79" bash benchmarks/gpu_next.sh      # <= 5 min: issue 4, the
-#       extra prompt's ground at one pair under torch.profiler (--profile-extra-prompt; its first call, LIMIT_79=235
-#       on a fresh machine, was cut while the engine compiled: results/waterfall_run24_cut/; give it the default 300)
+#       extra prompt's ground at one pair under torch.profiler (--profile-extra-prompt; ran: waterfall run 25, 218 s
+#       on a fresh machine with the default LIMIT 300; LIMIT_79=235 was cut while the engine compiled: run 24)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
-#       fixed per-projection case; unrun: a call by hand for two of its cases was cut at 160 s without a result,
-#       results/gpu_suites_run2/)
+#       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
 #       PIL per image, batched / single (benchmarks/nvjpeg_probe.py), and step 66's three failures again
 #   eval "$(bash .devbundle/install.sh)" && STEPS="66" / "67" bash benchmarks/gpu_next.sh   # <= 9.3 min each:
-#       every test file with a CUDA path run whole, Sammie's files / the rest (unrun)
+#       every test file with a CUDA path run whole, Sammie's files / the rest (ran, results/gpu_suites_run3/: 66 whole,
+#       194 passed and 16 skipped in 216 s; 67 cut at 500 s after 112 of its 874 tests, all passed: its first 4 of
+#       25 files whole and 8 of test_kernel_gdn.py's 9; continue with FILES_67 set to the other 21 from
+#       test_kernel_gdn.py on, a few files a call, with the Triton cache carried)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
