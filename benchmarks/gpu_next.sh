@@ -190,7 +190,12 @@
 #       every test file with a CUDA path run whole, Sammie's files / the rest (ran, results/gpu_suites_run3/: 66 whole,
 #       194 passed and 16 skipped in 216 s; 67 cut at 500 s after 112 of its 874 tests, all passed: its first 4 of
 #       25 files whole and 8 of test_kernel_gdn.py's 9; continue with FILES_67 set to the other 21 from
-#       test_kernel_gdn.py on, a few files a call, with the Triton cache carried)
+#       test_kernel_gdn.py on, a few files a call, with the Triton cache carried; by test count (874 in all) e.g.
+#       "tests/test_kernel_gdn*.py tests/test_kernel_moe_align.py tests/test_kernel_moe_combine.py" (144),
+#       "tests/test_kernel_moe_router.py tests/test_kernel_paged_attention.py" (177),
+#       "tests/test_kernel_rms_norm*.py tests/test_kernel_w4a16*.py" (231), and "tests/test_nvfp4.py tests/test_pdl.py
+#       tests/test_prefill_graphs.py tests/test_qwen_*.py tests/test_sampling.py" (218 + the CPU-only checkpoint and
+#       tokenizer files); the time goes to Triton's compiles and autotuning, not the count)
 #   STEPS="57" (any carry) bash benchmarks/gpu_next.sh                                   # ~2 min: issue 4, the
 #       GELU-quantiser's variants timed alone beside inductor's fusion and fc2's GEMMs (benchmarks/quant_probe.py)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="42" bash benchmarks/gpu_next.sh      # ~9 min: issue 4's FP8
@@ -929,8 +934,9 @@ for name, r in json.load(open(sys.argv[1]))["rows"].items():
 PY
 fi
 if want 79; then
-say "79. issue 4 (the whole .devbundle; written 2026-12-02; its first call was cut): where the extra prompt's ground goes at one pair"
-say "    (run 22: ground alone 4.14 ms p50, the row 4.94, target 3): 50 ground calls under torch.profiler"
+say "79. issue 4 (the whole .devbundle; written 2026-12-02; ran: waterfall run 25): where the extra prompt's"
+say "    ground goes at one pair (run 22: ground alone 4.14 ms p50, the row 4.94, target 3): 50 ground calls under"
+say "    torch.profiler"
 waterfall_rows waterfall_ground_profile "${LIMIT_79:-300}" 280 ours_bf16_inductor,extra_prompt --profile-extra-prompt
 python - "$R/waterfall_ground_profile/waterfall.json" <<'PY' || true
 import json, sys

@@ -445,12 +445,21 @@ def _dev_self(e) -> float:
     return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
 
 
+def _on_device(e) -> bool:
+    """A profiler event that ran on the GPU (kernel, memcpy, memset)."""
+    return "CUDA" in str(getattr(e, "device_type", ""))
+
+
+def _device_events(events) -> list:
+    """The averaged events with device time of their own (`prof.key_averages()`): what the kernel tables rank."""
+    return [e for e in events if _on_device(e) and _dev_self(e) > 0]
+
+
 def _top_events(events, cuda: bool, top: int) -> tuple[list[dict], float]:
     """The `top` kernels by device time (on the CPU: ops by self CPU time) of `prof.key_averages()`, each with its ms,
     share and calls, and the total (us) the shares are of."""
     if cuda:
-        kernels = sorted((e for e in events if "CUDA" in str(getattr(e, "device_type", "")) and _dev_self(e) > 0),
-                         key=_dev_self, reverse=True)
+        kernels = sorted(_device_events(events), key=_dev_self, reverse=True)
         total = sum(_dev_self(e) for e in kernels) or 1.0
         return [{"kernel": e.key[:160], "self_ms": _dev_self(e) / 1e3, "share_pct": 100 * _dev_self(e) / total,
                  "calls": e.count} for e in kernels[:top]], total
@@ -477,7 +486,7 @@ def profile_calls(fn, calls: int, dev: torch.device, top: int = 30) -> dict:
             sync(dev)
     events = prof.key_averages()
     ranked, total = _top_events(events, cuda, top)
-    count = sum(e.count for e in events if cuda and "CUDA" in str(getattr(e, "device_type", "")) and _dev_self(e) > 0)
+    count = sum(e.count for e in _device_events(events)) if cuda else 0
     return {"calls": calls, "timed": "device" if cuda else "cpu self", "ms_per_call": total / 1e3 / calls,
             "device_events_per_call": count / calls if cuda else None,
             "top": [{**k, "self_ms": k["self_ms"] / calls, "calls": k["calls"] / calls} for k in ranked],
@@ -489,7 +498,7 @@ def device_busy(events) -> dict:
     against the window from the first kernel's start to the last one's end. The kernels' summed time exceeds the union
     where two streams overlapped."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if "CUDA" in str(getattr(e, "device_type", "")) and e.time_range.end > e.time_range.start)
+                   if _on_device(e) and e.time_range.end > e.time_range.start)
     if not spans:
         return {}
     busy, (cur_start, cur_end) = 0.0, spans[0]
