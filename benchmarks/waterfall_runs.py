@@ -317,7 +317,6 @@ def _postprocess_one(engine, out, height: int, width: int, threshold: float, max
 
 def run_extra_prompt(b: Bench, name: str, engine) -> dict:
     from sammie.decode import decode_image
-    from sammie.engine import ground_pairs
     from sammie.preprocess import Preprocessor
 
     det, dev = engine.detector, b.dev
@@ -336,7 +335,7 @@ def run_extra_prompt(b: Bench, name: str, engine) -> dict:
             # the engine's own call, so the row times the gather the server runs (every run up to 25 passed a device
             # index, which made a graphed detector `index_select` the image's neck levels: 0.2 ms of ground's 3.74 in
             # run 25's profile, where the server copies them)
-            return ground_pairs(det, engine.compile != "none", [cached[p][0]], prompt, [0], [0], dev)
+            return engine.ground_pairs([cached[p][0]], prompt, [0], [0])
 
         def pair(p, with_text: bool, max_instances: int | None = None):
             h, w = cached[p][1]

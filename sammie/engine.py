@@ -339,22 +339,6 @@ def _cat_features(images: list[ImageFeatures]) -> ImageFeatures:
                          torch.cat([im.geometry for im in images]))
 
 
-def ground_pairs(detector, graphed: bool, images: list[ImageFeatures], prompts: PromptFeatures,
-                 image_index: list[int], prompt_index: list[int], device: torch.device) -> Grounding:
-    """The grounding stage's model call for P pairs: pair i grounds `prompts` row prompt_index[i] in `images`
-    [image_index[i]] (I distinct single-image features; host lists of P ints).
-
-    A GraphedDetector takes the images as they are with host indices and copies each run of adjacent image rows
-    straight into its static buffers (one copy per neck level for a whole image batch); the eager detector takes
-    one concatenated ImageFeatures and device indices (`index_select`). Benchmarks call this too, so that they time
-    the gather the server runs (at one pair the `index_select` form's kernels took 0.2 ms in waterfall run 25; the
-    copies, ~0.03 ms by pair_gather run 1's 8-pair timing)."""
-    if graphed:
-        return detector.ground(images, prompts, image_index, prompt_index)
-    return detector.ground(_cat_features(images), prompts, torch.tensor(image_index, device=device),
-                           torch.tensor(prompt_index, device=device))
-
-
 def _wait_for_images(stream, images: list[EncodedImage]) -> None:
     """Order `stream` after the image batches that computed `images` (one wait per distinct event) and mark their
     feature tensors as in use on it, so their memory is not reused before its kernels have read them."""
@@ -434,8 +418,7 @@ class _Runner:
         pad = batch.num_padding  # repeat the last pair up to the bucket; padded outputs are dropped below
         image_index += image_index[-1:] * pad
         prompt_index += prompt_index[-1:] * pad
-        out = ground_pairs(e.detector, e.compile != "none", [im.features for im in images], prompt_feats,
-                           image_index, prompt_index, e.device)
+        out = e.ground_pairs([im.features for im in images], prompt_feats, image_index, prompt_index)
         ims: list[EncodedImage] = [pair.features for pair in batch.payloads]
         return postprocess_batch(e.registry, out.logits, out.presence_logits, out.boxes, out.mask_logits,
                                  [(im.height, im.width) for im in ims], [im.threshold for im in ims],
@@ -744,6 +727,21 @@ class SammieEngine:
 
     def _encode_prompts(self, prompts: list[str]) -> PromptFeatures:
         return self.detector.encode_prompts(self.tokenizer(prompts).to(self.device))
+
+    def ground_pairs(self, images: list[ImageFeatures], prompts: PromptFeatures, image_index: list[int],
+                     prompt_index: list[int]) -> Grounding:
+        """The grounding stage's model call for P pairs: pair i grounds `prompts` row prompt_index[i] in `images`
+        [image_index[i]] (I distinct single-image features; host lists of P ints).
+
+        The GraphedDetector (compile graphs / inductor) takes the images as they are with host indices and copies
+        each run of adjacent image rows straight into its static buffers (one copy per neck level for a whole image
+        batch); the eager detector takes one concatenated ImageFeatures and device indices (`index_select`).
+        Benchmarks call this too, so that they time the gather the server runs (at one pair the `index_select`
+        form's kernels took 0.2 ms in waterfall run 25; the copies, ~0.03 ms by pair_gather run 1's 8-pair timing)."""
+        if self.compile != "none":
+            return self.detector.ground(images, prompts, image_index, prompt_index)
+        return self.detector.ground(_cat_features(images), prompts, torch.tensor(image_index, device=self.device),
+                                    torch.tensor(prompt_index, device=self.device))
 
     def _check_prompts(self, prompts: Any) -> tuple[str, ...]:
         if isinstance(prompts, str):

@@ -311,41 +311,42 @@ def test_vit_fused_gelu_wiring(monkeypatch):
 
 
 def test_ground_pairs_eager_and_graphed_forms():
-    """`ground_pairs`, the grounding stage's call that the waterfall's extra-prompt row shares: the eager form equals
-    the detector's own call on the concatenated images with device indices; the graphed form passes the per-image
-    features and host lists through untouched (a GraphedDetector copies adjacent rows itself; on CUDA
-    test_cuda_graphs_match_eager checks its result)."""
-    from sammie.config import Sam3Config
-    from sammie.engine import ground_pairs
-    from sammie.model.detector import ImageFeatures, Sam3Detector
-    from sammie.tokenizer import ClipTokenizer
+    """`SammieEngine.ground_pairs`, the grounding stage's call that the waterfall's extra-prompt row shares: the eager
+    form equals the detector's own call on the concatenated images with device indices; the graphed form (compile
+    graphs / inductor) passes the per-image features and host lists through untouched (a GraphedDetector copies
+    adjacent rows itself; on CUDA test_cuda_graphs_match_eager checks its result)."""
+    from sammie.model.detector import ImageFeatures
 
-    cfg = Sam3Config.tiny()
-    torch.manual_seed(0)
-    det = Sam3Detector(cfg).eval()
-    with torch.inference_mode():
-        pixels = torch.randn(2, 3, cfg.vision.image_size, cfg.vision.image_size)
-        both = det.encode_images(pixels)
-        prompts = det.encode_prompts(ClipTokenizer(context_length=cfg.text.context_length)(["person", "a red car"]))
-        singles = [ImageFeatures([f[i:i + 1] for f in both.fpn], both.pos, both.geometry[i:i + 1]) for i in (0, 1)]
-        image_index, prompt_index = [1, 0, 1], [0, 1, 1]
-        got = ground_pairs(det, False, singles, prompts, image_index, prompt_index, torch.device("cpu"))
-        want = det.ground(both, prompts, torch.tensor(image_index), torch.tensor(prompt_index))
-    for name, a, b in zip(got._fields, got, want, strict=True):
-        assert torch.equal(a, b), name
-    assert got.logits.shape[0] == 3
+    engine = SammieEngine(EngineConfig(**TINY))  # unstarted: only its detector is used
+    det, cfg = engine.detector, engine.model_cfg
+    try:
+        with torch.inference_mode():
+            torch.manual_seed(0)
+            both = det.encode_images(torch.randn(2, 3, cfg.vision.image_size, cfg.vision.image_size))
+            prompts = det.encode_prompts(engine.tokenizer(["person", "a red car"]))
+            singles = [ImageFeatures([f[i:i + 1] for f in both.fpn], both.pos, both.geometry[i:i + 1])
+                       for i in (0, 1)]
+            image_index, prompt_index = [1, 0, 1], [0, 1, 1]
+            got = engine.ground_pairs(singles, prompts, image_index, prompt_index)
+            want = det.ground(both, prompts, torch.tensor(image_index), torch.tensor(prompt_index))
+        for name, a, b in zip(got._fields, got, want, strict=True):
+            assert torch.equal(a, b), name
+        assert got.logits.shape[0] == 3
 
-    calls = []
+        calls = []
 
-    class Recorder:  # stands in for a GraphedDetector: records what it is handed
-        def ground(self, *args):
-            calls.append(args)
-            return "out"
+        class Recorder:  # stands in for a GraphedDetector: records what it is handed
+            def ground(self, *args):
+                calls.append(args)
+                return "out"
 
-    assert ground_pairs(Recorder(), True, singles, prompts, image_index, prompt_index, torch.device("cpu")) == "out"
-    (images, got_prompts, got_image_index, got_prompt_index), = calls
-    assert images is singles and got_prompts is prompts
-    assert got_image_index == [1, 0, 1] and got_prompt_index == [0, 1, 1]
+        engine.detector, engine.compile = Recorder(), "graphs"
+        assert engine.ground_pairs(singles, prompts, image_index, prompt_index) == "out"
+        (images, got_prompts, got_image_index, got_prompt_index), = calls
+        assert images is singles and got_prompts is prompts
+        assert got_image_index == [1, 0, 1] and got_prompt_index == [0, 1, 1]
+    finally:
+        asyncio.run(engine.aclose())
 
 
 def test_bad_fast_path_config_raises_clear_errors():
