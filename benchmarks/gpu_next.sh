@@ -182,6 +182,8 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="79" bash benchmarks/gpu_next.sh      # <= 5 min: issue 4, the
 #       extra prompt's ground at one pair under torch.profiler (--profile-extra-prompt; ran: waterfall run 25, 218 s
 #       on a fresh machine with the default LIMIT 300; LIMIT_79=235 was cut while the engine compiled: run 24)
+#   STEPS="80" then "81" (carry .devbundle/extra and .tritoncache): ~4 / <= 9 min: issue 5, the decode MoE in one
+#       launch (kernels/moe_decode.py): its CUDA tests and per-call bench, then the engine beside moe_fused_decode
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -987,6 +989,19 @@ say "    4,096 + 1,024 split, fp32 rounding against the cast alone, 4 / 8 / 16 w
 say "    beside inductor's fusion, the GELU pass and fc2's GEMM in bf16 and FP8 (the break-even: 0.46-0.52 ms)"
 gpu_tests gelu_quant_tests 90 tests/test_kernel_fp8.py -k "gelu"
 probe quant_probe "${LIMIT_57:-200}" quant_probe.py
+fi
+if want 80; then
+say "80. issue 5 (carry .devbundle/extra and .tritoncache; written 2026-12-02, twenty-fourth session): the decode MoE in"
+say "    one launch (kernels/moe_decode.py: routed + shared experts, fp32 partial rows summed by moe_combine): its CUDA"
+say "    tests and moe_combine's, then per call at 1 / 2 / 4 tokens beside the unfused path (moe_decode_bench.py)"
+gpu_tests moe_decode_tests "${LIMIT_80A:-240}" tests/test_kernel_moe_decode.py tests/test_kernel_moe_combine.py -rfE
+grep -E "^(FAILED|ERROR)" "$R/moe_decode_tests.log" | cut -c1-300 | head -20
+probe moe_decode_bench "${LIMIT_80B:-200}" moe_decode_bench.py
+fi
+if want 81; then
+say "81. issue 5 (same carry): the engine beside moe_fused_decode (off by default), then the first engine's settings"
+say "    again last in the process (--again: order effects); greedy tokens compared"
+engine_ab qwen_moe_fused_decode "${LIMIT_81:-540}" --autotune-table auto --moe-fused-decode --again
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

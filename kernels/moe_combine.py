@@ -13,6 +13,11 @@ Why: these are 7 kernels per layer (top-k sum, its cast, GEMV, sigmoid, mul, add
 layers, each a few microseconds of launch-bound work on [N, 2048] bf16 tensors. One program per row: it reads x,
 w_gate, shared, the k routed rows and residual once ((4 + k) x 4 KB at H = 2048, bf16) and writes the row once.
 
+The decode MoE (`kernels/moe_decode.py`) hands over fp32 partial rows instead: routed [N, k S, H] and the shared
+expert's [N, S, H] (S intermediate slices, ~150 rows of a token at top-8 and S = 16). Those go to a second kernel
+with a program per (row, block of 128 columns), which sums each group of rows in fp32 and rounds it once (the shared
+expert's sum takes the rounding of the dense shared expert's output), then the same tail.
+
 Numerics: the same fp32 operations and the same roundings to the model dtype (the top-k sum: fp32 in slot order,
 one rounding, as `w4a16_moe`'s own sum up to fp32 summation order) (`kernels.rms_norm._round` / `_cast`, RNE
 under the interpreter too); only the GEMV's sum runs in another order than cuBLAS's, so the rounded gate may differ
@@ -46,21 +51,74 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
 NAME = "moe_combine"
 DTYPES = (torch.bfloat16, torch.float32)  # fp16 would need integer rounding too (compiled, its casts contract)
 MAX_DIM = 8192  # one row per program in registers
+# partial rows (3-D shared): columns per program and rows per load; at H = 2048 a token's row is 16 programs, each
+# summing its ~150 rows x 128 columns in loads of 32 rows (4 warps: 32 fp32 values a thread per load). Not tuned.
+PARTS_BLOCK_C = 128
+PARTS_BLOCK_S = 32
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # x max |ref|, module docstring
 
 
 def moe_combine_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
                           residual: torch.Tensor) -> torch.Tensor:
-    """x, shared, residual [N, H]; routed [N, H], or [N, S, H]: the S weighted expert outputs of each token, summed
-    here in fp32 with one rounding (as the grouped W4A16 op's own sum); gate_weight [1, H]
-    (`shared_expert_gate.weight`) -> [N, H] in x.dtype."""
+    """x, residual [N, H]; routed [N, H], or [N, S, H]: the S weighted expert outputs of each token, summed here in
+    fp32 with one rounding (as the grouped W4A16 op's own sum); shared [N, H], or [N, S2, H]: the shared expert's
+    output in S2 partial rows, summed the same way (the decode MoE's fp32 slices, `kernels/moe_decode.py`); 3-D
+    routed / shared may be fp32 beside a bf16 x; gate_weight [1, H] (`shared_expert_gate.weight`) -> [N, H] in
+    x.dtype."""
     if routed.dim() == 3:
         routed = routed.sum(1, dtype=torch.float32).to(x.dtype)
+    if shared.dim() == 3:
+        shared = shared.sum(1, dtype=torch.float32).to(x.dtype)
     gate = torch.sigmoid(F.linear(x, gate_weight))  # [N, 1]
     return residual + (routed + gate * shared)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _shared_gate(xr, w, cols, ok, dt: tl.constexpr, INTERPRET: tl.constexpr):
+        """sigmoid(x . w_gate) of the row at xr, both roundings to dt as torch's two ops (`cols` cover all of H)."""
+        xv = tl.load(xr + cols, mask=ok, other=0.0).to(tl.float32)
+        wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
+        gate = _round(tl.sum(xv * wv, axis=0), dt, INTERPRET)  # the GEMV's one rounding
+        # torch's sigmoid: 1 / (1 + expf(-g)) with the accurate expf and an IEEE division (tl.sigmoid is
+        # ex2.approx + div.full on NVIDIA: a few fp32 ulps off, enough to flip the rounded gate now and then)
+        if INTERPRET:  # numpy's exp; libdevice is not interpreted
+            ex = tl.exp(-gate)
+        else:
+            ex = libdevice.exp(-gate)
+        return _round(tl.div_rn(tl.full(ex.shape, 1.0, tl.float32), 1.0 + ex), dt, INTERPRET)
+
+    @triton.jit
+    def _sum_rows(base, n, s_row, cols, ok, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        """fp32 sum of n rows (s_row apart) at columns `cols`, BLOCK_S rows per load (all in flight at once)."""
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for r0 in range(0, n, BLOCK_S):
+            r = r0 + tl.arange(0, BLOCK_S)
+            tile = tl.load(base + r[:, None] * s_row + cols[None, :], mask=(r < n)[:, None] & ok[None, :], other=0.0)
+            acc += tl.sum(tile.to(tl.float32), axis=0)
+        return acc
+
+    @triton.jit
+    def _moe_combine_parts_kernel(x, w, shared, routed, residual, out, H, S, S2, s_x, s_s, s_ss, s_r, s_rs, s_res,
+                                  s_o, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+                                  INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+        # grid (N, cdiv(H, BLOCK_C)): routed [N, S, H] and shared [N, S2, H] partial rows (fp32 or dt), summed in
+        # fp32 (BLOCK_S rows per load: a decode MoE hands over ~150 rows per token), each sum rounded once; the
+        # gate's dot is over the whole row in every program (x and w_gate: 8 KB at H = 2048, L2 hits)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        row = tl.program_id(0).to(tl.int64)
+        dt = out.dtype.element_ty
+        full = tl.arange(0, BLOCK_H)
+        gate = _shared_gate(x + row * s_x, w, full, full < H, dt, INTERPRET)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = cols < H
+        sh = _round(_sum_rows(shared + row * s_s, S2, s_ss, cols, ok, BLOCK_S, BLOCK_C), dt, INTERPRET)
+        ro = _round(_sum_rows(routed + row * s_r, S, s_rs, cols, ok, BLOCK_S, BLOCK_C), dt, INTERPRET)
+        res = tl.load(residual + row * s_res + cols, mask=ok, other=0.0).to(tl.float32)
+        t = _round(gate * sh, dt, INTERPRET)
+        u = _round(ro + t, dt, INTERPRET)
+        tl.store(out + row * s_o + cols, _cast(res + u, dt, INTERPRET), mask=ok)
 
     @triton.jit
     def _moe_combine_kernel(x, w, shared, routed, residual, out, H, S, s_x, s_s, s_r, s_rs, s_res, s_o,
@@ -71,16 +129,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_H)
         ok = cols < H
         dt = out.dtype.element_ty
-        xv = tl.load(x + row * s_x + cols, mask=ok, other=0.0).to(tl.float32)
-        wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
-        gate = _round(tl.sum(xv * wv, axis=0), dt, INTERPRET)  # the GEMV's one rounding
-        # torch's sigmoid: 1 / (1 + expf(-g)) with the accurate expf and an IEEE division (tl.sigmoid is
-        # ex2.approx + div.full on NVIDIA: a few fp32 ulps off, enough to flip the rounded gate now and then)
-        if INTERPRET:  # numpy's exp; libdevice is not interpreted
-            ex = tl.exp(-gate)
-        else:
-            ex = libdevice.exp(-gate)
-        gate = _round(tl.div_rn(tl.full(ex.shape, 1.0, tl.float32), 1.0 + ex), dt, INTERPRET)
+        gate = _shared_gate(x + row * s_x, w, cols, ok, dt, INTERPRET)
         sh = tl.load(shared + row * s_s + cols, mask=ok, other=0.0).to(tl.float32)
         ro = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for j in range(S):  # the top-k sum in fp32, in slot order, rounded once
@@ -106,6 +155,13 @@ def moe_combine_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Ten
         return out
     block_h = triton.next_power_of_2(h)
     r3 = routed if routed.dim() == 3 else routed[:, None]
+    if shared.dim() == 3:  # the decode MoE's partial rows: a program per (row, column block)
+        block_c = min(block_h, PARTS_BLOCK_C)
+        _moe_combine_parts_kernel[(n, triton.cdiv(h, block_c))](
+            x, gate_weight, shared, r3, residual, out, h, r3.shape[1], shared.shape[1], x.stride(0), shared.stride(0),
+            shared.stride(1), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0), BLOCK_H=block_h,
+            BLOCK_C=block_c, BLOCK_S=PARTS_BLOCK_S, INTERPRET=_interpreted(), num_warps=4, **pdl.launch_options())
+        return out
     _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, r3.shape[1], x.stride(0),
                               shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0),
                               BLOCK_H=block_h,
@@ -129,19 +185,26 @@ def describe(x, gate_weight, shared, routed, residual) -> dict[str, Any]:
     ts = (x, gate_weight, shared, routed, residual)
     h = x.shape[-1] if x.dim() == 2 else 0
     return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
-                same_device=len({t.device for t in ts}) == 1, dtypes={t.dtype for t in ts}, dim=h,
-                shapes_ok=x.dim() == 2 and tuple(gate_weight.shape) == (1, h)
-                and shared.shape == residual.shape == x.shape
-                and (routed.shape == x.shape or (routed.dim() == 3 and routed.shape[0] == x.shape[0]
-                                                 and routed.shape[2] == h and routed.shape[1] >= 1)),
+                same_device=len({t.device for t in ts}) == 1, dim=h,
+                # 3-D partial rows may be fp32 beside a bf16 model
+                dtypes={t.dtype for t in ts if not (t.dim() == 3 and t.dtype == torch.float32)} or {torch.float32},
+                shapes_ok=x.dim() == 2 and tuple(gate_weight.shape) == (1, h) and residual.shape == x.shape
+                and (shared.shape == x.shape or _partial_rows(shared, x))
+                and (routed.shape == x.shape or _partial_rows(routed, x)),
                 unit_strides=all(t.dim() and t.stride(-1) == 1 for t in ts))
+
+
+def _partial_rows(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """t is [N, S >= 1, H] beside x [N, H], in x's dtype or fp32."""
+    return (t.dim() == 3 and x.dim() == 2 and t.shape[0] == x.shape[0] and t.shape[2] == x.shape[1]
+            and t.shape[1] >= 1 and t.dtype in (x.dtype, torch.float32))
 
 
 def supports(*, device: str, capability, same_device: bool, dtypes: set, dim: int, shapes_ok: bool,
              unit_strides: bool, **_: Any) -> bool:
     """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); every tensor on it, of one dtype in
-    DTYPES; 2-D [N, H] tensors (routed also [N, S, H]), a [1, H] gate weight, 1 <= H <= MAX_DIM; unit inner
-    strides."""
+    DTYPES (3-D partial rows also fp32); 2-D [N, H] tensors (routed and shared also [N, S, H]), a [1, H] gate weight,
+    1 <= H <= MAX_DIM; unit inner strides."""
     if triton is None:
         return False
     device_ok = triton_device_ok(device, capability, _interpreted())

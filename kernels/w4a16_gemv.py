@@ -182,6 +182,36 @@ if triton is not None:
         return acc + tl.sum(lo.to(tl.float32) * xe[None, :, :] + hi.to(tl.float32) * xo[None, :, :], axis=2)
 
     @triton.jit
+    def _gemv_rows(we, se, xr, rows, ok, n_out, K, s_wn, s_sn, SWIGLU: tl.constexpr, DT: tl.constexpr,
+                   DEQ: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Per-group fp32 sums [BN, BK/16] of weight rows `rows` (and, SWIGLU, of rows + n_out: the up rows) times
+        the activation row at xr, over the whole K, in BLOCK_K tiles; still to be summed over axis 1 and scaled by
+        the global scale and `_dequant_gain`. The next tile's weight loads go out before this tile's arithmetic."""
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+        pw, sc = _gemv_tiles(we, se, rows, ok, 0, K, s_wn, s_sn, BLOCK_K, DEQ)
+        pu, su = pw, sc  # SwiGLU's up rows (else unused)
+        if SWIGLU:
+            pu, su = _gemv_tiles(we, se, rows + n_out, ok, 0, K, s_wn, s_sn, BLOCK_K, DEQ)
+        for t in range(0, tl.cdiv(K, BLOCK_K)):
+            # the next tile's weight loads go out before this tile's arithmetic (past K: masked, no access)
+            pw_n, sc_n = _gemv_tiles(we, se, rows, ok, t + 1, K, s_wn, s_sn, BLOCK_K, DEQ)
+            pu_n, su_n = pw_n, sc_n
+            if SWIGLU:
+                pu_n, su_n = _gemv_tiles(we, se, rows + n_out, ok, t + 1, K, s_wn, s_sn, BLOCK_K, DEQ)
+            if DEQ == 3:  # DEQ_WIDE: int32 words, fp32 weights out of PTX
+                acc = _gemv_fma_words(acc, pw, sc, xr, t, K, BLOCK_K)
+                if SWIGLU:
+                    acc_up = _gemv_fma_words(acc_up, pu, su, xr, t, K, BLOCK_K)
+            else:
+                xe, xo = _gemv_x(xr, t, K, BLOCK_K)
+                acc = _gemv_fma(acc, pw, sc, xe, xo, DT, DEQ, INTERPRET)
+                if SWIGLU:
+                    acc_up = _gemv_fma(acc_up, pu, su, xe, xo, DT, DEQ, INTERPRET)
+            pw, sc, pu, su = pw_n, sc_n, pu_n, su_n
+        return acc, acc_up
+
+    @triton.jit
     def _w4a16_gemv_kernel(x, w, s, g, rs, y, pair_expert, N, K, A_DIV, R_BUCKET, s_xm, s_we, s_wn, s_se, s_sn,
                            s_ge, s_gn, s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
                            DEQ: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -205,29 +235,9 @@ if triton is not None:
         xr = x + (r // A_DIV).to(tl.int64) * s_xm
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = rows < n_out
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         DT: tl.constexpr = x.dtype.element_ty
-        pw, sc = _gemv_tiles(we, se, rows, ok, 0, K, s_wn, s_sn, BLOCK_K, DEQ)
-        pu, su = pw, sc  # SwiGLU's up rows (else unused)
-        if SWIGLU:
-            pu, su = _gemv_tiles(we, se, rows + n_out, ok, 0, K, s_wn, s_sn, BLOCK_K, DEQ)
-        for t in range(0, tl.cdiv(K, BLOCK_K)):
-            # the next tile's weight loads go out before this tile's arithmetic (past K: masked, no access)
-            pw_n, sc_n = _gemv_tiles(we, se, rows, ok, t + 1, K, s_wn, s_sn, BLOCK_K, DEQ)
-            pu_n, su_n = pw_n, sc_n
-            if SWIGLU:
-                pu_n, su_n = _gemv_tiles(we, se, rows + n_out, ok, t + 1, K, s_wn, s_sn, BLOCK_K, DEQ)
-            if DEQ == 3:  # DEQ_WIDE: int32 words, fp32 weights out of PTX
-                acc = _gemv_fma_words(acc, pw, sc, xr, t, K, BLOCK_K)
-                if SWIGLU:
-                    acc_up = _gemv_fma_words(acc_up, pu, su, xr, t, K, BLOCK_K)
-            else:
-                xe, xo = _gemv_x(xr, t, K, BLOCK_K)
-                acc = _gemv_fma(acc, pw, sc, xe, xo, DT, DEQ, INTERPRET)
-                if SWIGLU:
-                    acc_up = _gemv_fma(acc_up, pu, su, xe, xo, DT, DEQ, INTERPRET)
-            pw, sc, pu, su = pw_n, sc_n, pu_n, su_n
+        acc, acc_up = _gemv_rows(we, se, xr, rows, ok, n_out, K, s_wn, s_sn, SWIGLU, DT, DEQ, INTERPRET, BLOCK_N,
+                                 BLOCK_K)
         gain = _dequant_gain(DT, DEQ)
         ge = g + e * s_ge
         out = tl.sum(acc, axis=1) * (tl.load(ge + rows * s_gn, mask=ok, other=0.0) * gain)

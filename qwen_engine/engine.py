@@ -147,6 +147,12 @@ class QwenEngineConfig:
     #                                  launch no quantiser (qwen_engine/model/quantized.py: QUANT_IN_PRODUCERS);
     #                                  process-wide. H200, Qwen run 33: lone decode 369.3 -> 373.7 tok/s, 32 streams
     #                                  2,829.5 -> 2,926.7 (+3.4%), the same greedy tokens (one run)
+    moe_fused_decode: bool = False  # packed models' decode calls of <= 4 tokens: each MoE layer's routed experts
+    #                                 and shared expert in one launch (kernels/moe_decode.py, fp32 partial rows summed
+    #                                 by moe_combine: 3 launches per layer instead of 6), where the experts keep a
+    #                                 checkpoint-layout copy (dual_frag, dual, checkpoint). Off: SLOWER on the H200
+    #                                 (2026-12-02, per layer at one token: 47-58 us against 26-33 for the default
+    #                                 path; RESULTS.md); kept as a tested option for a faster kernel to build on
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -215,7 +221,8 @@ class QwenEngineConfig:
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
-             "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8")
+             "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
+             "w4a16_moe_decode")
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -270,6 +277,7 @@ class QwenEngine:
             # kernels "reference": no kernel reads a repacked layout, and the reference would undo it on every call
             "checkpoint" if cfg.kernels == "reference" and cfg.expert_layout == "auto" else cfg.expert_layout)
         self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
+        self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -454,6 +462,7 @@ class QwenEngine:
             "rejected": self.rejected,
             "async_decode": self.cfg.async_decode,
             "shared_expert_in_moe_layers": self.shared_expert_in_moe,
+            "moe_fused_decode_layers": self.moe_fused_decode,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
@@ -755,6 +764,25 @@ def set_shared_expert_in_moe(model: torch.nn.Module, on: bool | str) -> int:
     if on is True and n == 0:
         log.warning("shared_expert_in_moe: no MoE layer holds its shared expert with the routed experts (a dense or "
                     "W4A4 model, or a model built without it); the dense shared expert runs")
+    return n
+
+
+def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
+    """Set `SparseMoE.fused_decode` on every MoE layer (off everywhere for False); returns how many layers' experts
+    can take it for a one-token call (`NVFP4Experts.fused_decode_ok`: packed experts with a checkpoint-layout copy and
+    a W4A16 shared expert); True with none logs a warning."""
+    from .model.moe import SparseMoE
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, SparseMoE):
+            mod.fused_decode = bool(on)
+            ok = getattr(mod.experts, "fused_decode_ok", None)
+            n += bool(on) and ok is not None and ok(1, mod.shared_expert)
+    if on and n == 0:
+        log.warning("moe_fused_decode: no MoE layer holds packed experts with a checkpoint-layout copy and a W4A16 "
+                    "shared expert (a dense or W4A4 model, or tile-major / split-halves experts); the unfused "
+                    "decode path runs")
     return n
 
 

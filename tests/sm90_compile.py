@@ -9,7 +9,10 @@ must be real JITFunctions); prints one line per kernel, exits 1 if any failed. U
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -20,29 +23,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gelu_fp8_quant, linear_gelu  # noqa: E402
+from kernels import gelu_fp8_quant, linear_gelu, moe_decode  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has: str | None = None) -> bool:
+def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has: str | None = None,
+                num_warps: int = 4) -> bool:
     """types: pointer / float argument types by name (other non-constexpr args are i32); constexpr parameters with a
-    default (USE_PDL) take it unless `consts` names them. `ptx_has`: text the PTX must contain."""
+    default (USE_PDL) take it unless `consts` names them. `ptx_has`: text the PTX must contain. Prints the kernel's
+    registers per thread and spill bytes (ptxas)."""
     params = inspect.signature(kernel.fn).parameters
     consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in params}
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET)
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET,
+                                  options=dict(num_warps=num_warps))
     except Exception as exc:  # noqa: BLE001 - reported
         print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
         return False
     if ptx_has is not None and ptx_has not in compiled.asm["ptx"]:
         print(f"FAIL {name}: no {ptx_has!r} in its PTX")
         return False
-    print(f"ok   {name}")
+    print(f"ok   {name}{resources(compiled.asm['cubin'])}")
     if "USE_PDL" in params and not consts["USE_PDL"]:  # a PDL participant (kernels/pdl.py): also with USE_PDL
         return pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True})
     return True
+
+
+def resources(cubin: bytes) -> str:
+    """' (N registers, M spill bytes)' from the cubin (the bundled cuobjdump), or '' without it."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, spill = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return f" ({regs.group(1)} registers, stack {spill.group(1)} bytes)" if regs and spill else ""
 
 
 def pdl_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
@@ -137,6 +156,20 @@ def main() -> int:
     ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
                           {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
                           dict(BLOCK_H=2048, INTERPRET=False)))
+    ok.append(compile_one("moe_combine over partial rows (H = 2048, bf16, fp32 rows)",
+                          moe_combine._moe_combine_parts_kernel,
+                          {**{n: "*bf16" for n in ("x", "w", "residual", "out")}, "shared": "*fp32", "routed": "*fp32"},
+                          dict(BLOCK_H=2048, BLOCK_C=moe_combine.PARTS_BLOCK_C, BLOCK_S=moe_combine.PARTS_BLOCK_S,
+                               INTERPRET=False)))
+    # the decode MoE in one launch (kernels/moe_decode.py): DEQ_WIDE and the byte path at the first config's tiles
+    # (2026-12-02: every config compiled, 182-245 registers, no spills)
+    decode = {"x": "*bf16", "idx": "*i64", "rw": "*bf16", "hidden": "*fp32", "parts": "*fp32",
+              **{n: "*u8" for n in ("w13", "s13", "w2", "s2", "sw13", "ss13", "sw2", "ss2")},
+              **{n: "*fp32" for n in ("g13", "g2", "sg13", "sg2")}}
+    for deq, cfg in ((3, moe_decode._CONFIGS[0]), (2, moe_decode._CONFIGS[0])):
+        tiles = dict(cfg.kwargs)
+        ok.append(compile_one(f"moe_decode DEQ={deq} {tiles} warps={cfg.num_warps}", moe_decode._moe_decode_kernel,
+                              decode, dict(DEQ=deq, INTERPRET=False, **tiles), num_warps=cfg.num_warps))
     ok.append(compile_one("gdn_decode over pool rows (Dk = Dv = 128)", gdn_decode._gdn_decode_kernel,
                           {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "s_in", "s_out", "o")}, "rows": "*i64"},
                           dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True)))

@@ -736,3 +736,28 @@ def test_engine_shared_expert_in_moe(monkeypatch):
     assert h_off["shared_expert_in_moe_layers"] == 0
     assert dense_on == 0 and dense_off > 0  # steps of <= 16 tokens: every shared expert call inside the experts
     assert on == off
+
+
+def test_engine_moe_fused_decode(monkeypatch):
+    """moe_fused_decode (packed weights, the MoE's fused path as on a GPU): the decode steps' MoE layers (<= 4 decode
+    tokens) run the routed and shared experts through the registry op "w4a16_moe_decode" and moe_combine over its
+    partial rows; prefill steps keep the unfused path; the greedy streams equal the engine's without it (fp32
+    activations: the registry's references; the kernel's own check is tests/test_kernel_moe_decode.py)."""
+    from engine_core.registry import default_registry
+    from qwen_engine.model.moe import SparseMoE
+
+    monkeypatch.setattr(SparseMoE, "fused", True)
+    lengths = LENGTHS[:2]
+
+    async def body(engine):
+        before = sum(default_registry().choices()["w4a16_moe_decode"]["calls"].values())
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)))
+        after = sum(default_registry().choices()["w4a16_moe_decode"]["calls"].values())
+        return engine.health(), [o[0] for o in outs], after - before
+
+    (h_on, on, calls_on), (h_off, off, calls_off) = (
+        run(engine_config(weights="packed", moe_fused_decode=flag), body) for flag in (True, False))
+    assert h_on["moe_fused_decode_layers"] == QwenConfig.tiny().num_hidden_layers
+    assert h_off["moe_fused_decode_layers"] == 0
+    assert calls_on > 0 and calls_off == 0
+    assert on == off

@@ -191,8 +191,9 @@ def test_default_registry_self_check_on_this_machine():
                               "gdn_decode", "gdn_decode_rows",
                               "nvfp4_w4a4_linear", "paged_decode_attention", "rms_norm_zc", "rms_norm_gated",
                               "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk", "attn_decode_prep",
-                              "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8"}
-    assert len(KERNEL_MODULES) == 12
+                              "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
+                              "w4a16_moe_decode"}
+    assert len(KERNEL_MODULES) == 13
     device = "cuda" if torch.cuda.is_available() else "cpu"
     outcomes = reg.self_check(device, ops=["preprocess", "mask_post"])
     assert outcomes == {"preprocess": "triton passed", "mask_post": "triton passed"}, outcomes

@@ -152,6 +152,14 @@ class SparseMoE(nn.Module):
     # have not run on a GPU). Same maths as the dense shared
     # expert (fp32 SwiGLU epilogue, bf16 roundings of its intermediate and output); other summation order.
     shared_in_experts: bool = False
+    # decode calls (<= 4 tokens: kernels.w4a16_gemv.GEMV_MAX_TOKENS) on the fused path run the routed experts and
+    # the shared expert in one launch of the registry op "w4a16_moe_decode" (kernels/moe_decode.py), whose fp32
+    # partial rows moe_combine sums (three launches per layer instead of six), where the experts allow it
+    # (`NVFP4Experts.fused_decode_ok`: a checkpoint-layout copy, a W4A16 shared expert of the same width). Set by
+    # the engine (QwenEngineConfig.moe_fused_decode; off: measured slower on the H200, kernels/moe_decode.py). Same
+    # maths as the unfused path without its bf16 roundings of the SwiGLU intermediate and of each expert's output
+    # (fp32 until moe_combine's sums).
+    fused_decode: bool = False
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -166,7 +174,12 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
         k = self.gate.top_k
-        if fused and self._shared_as_pair(x.shape[0], k):
+        if fused and self.fused_decode and getattr(self.experts, "fused_decode_ok", None) is not None and \
+                self.experts.fused_decode_ok(x.shape[0], self.shared_expert):
+            _, weights, idx = self.gate(x)
+            parts = self.experts.decode_with_shared(x, idx, weights, self.shared_expert)  # [N, k + 1, S, H] fp32
+            routed, shared = parts[:, :k].flatten(1, 2), parts[:, k]  # [N, k S, H], [N, S, H]: summed in moe_combine
+        elif fused and self._shared_as_pair(x.shape[0], k):
             # [N, k + 1]: the shared expert's pair last, weight 1 (its output unscaled: gated in moe_combine)
             _, weights, idx = self.gate(x, extra=self.experts.shared_index)
             rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 W4A16_DENSE_OP = "w4a16_linear"  # kernels/w4a16_gemm.py
 W4A16_SWIGLU_OP = "w4a16_swiglu"  # the same GEMM with silu(gate) * up in its epilogue
 W4A16_MOE_OP = "w4a16_moe"
+W4A16_MOE_DECODE_OP = "w4a16_moe_decode"  # kernels/moe_decode.py: routed + shared experts of <= 4 tokens, one launch
 FP8_OP = "fp8_linear"  # kernels/fp8_linear.py
 W4A4_MODES = ("auto", "off", "emulate")  # NVFP4Linear.w4a4, see the module docstring
 
@@ -641,6 +642,51 @@ class NVFP4Experts(_Dispatch):
             e = self.num_experts
             w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
         return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, layout, variant=layout)
+
+    def _decode_stacks(self, n: int) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
+        """The routed experts' stacks in the checkpoint layout that a call of n tokens reads (the `repack_dual`
+        small-batch copy, or the stacks themselves when not repacked), or None."""
+        from kernels.w4a16_gemm import CHECKPOINT
+
+        if self.small_tokens and n <= self.small_tokens and self.small_layout == CHECKPOINT:
+            w13 = NVFP4Tensor(self.small_gate_up_packed, self.gate_up_scales, self.gate_up_global)
+            w2 = NVFP4Tensor(self.small_down_packed, self.down_scales, self.down_global)
+        elif self.layout == CHECKPOINT:
+            w13, w2 = self.gate_up_nvfp4, self.down_nvfp4
+        else:
+            return None
+        e = self.num_experts
+        return tuple(NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
+
+    def fused_decode_ok(self, n: int, shared: nn.Module) -> bool:
+        """Whether `decode_with_shared` can serve a call of n tokens with this shared expert: n <= the decode
+        kernel's GEMV_MAX_TOKENS, checkpoint-layout stacks for n (`_decode_stacks`), and a W4A16 `NVFP4SwiGLU`
+        shared expert as wide as the routed experts, and the op in the module's registry."""
+        from kernels.w4a16_gemv import GEMV_MAX_TOKENS
+
+        if not 0 < n <= GEMV_MAX_TOKENS or not isinstance(shared, NVFP4SwiGLU):
+            return False
+        if W4A16_MOE_DECODE_OP not in _registry(self.registry).ops():  # a registry built without kernels.moe_decode
+            return False
+        gu = shared.gate_up_proj
+        if gu.w4a4_export and gu.w4a4 != "off":  # the W4A4 layers run their own GEMM
+            return False
+        return shared.intermediate == self.intermediate and self._decode_stacks(n) is not None
+
+    def decode_with_shared(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                           shared: NVFP4SwiGLU) -> torch.Tensor:
+        """x [N, H] (N <= 4); idx, weights [N, k] -> [N, k + 1, S, H] fp32 through the registry op
+        "w4a16_moe_decode" (`kernels/moe_decode.py`): slots :k the routed experts' outputs times their weights,
+        slot k the shared expert's (ungated), each in S partial rows for `moe_combine` to sum. Needs
+        `fused_decode_ok`."""
+        stacks = self._decode_stacks(x.shape[0])
+        if stacks is None:
+            raise ValueError("decode_with_shared: no checkpoint-layout copy of the experts for this call "
+                             "(fused_decode_ok)")
+        from kernels.w4a16_gemm import CHECKPOINT
+
+        return self._call(x, *stacks, idx, weights.to(x.dtype), shared.gate_up_proj.weight_nvfp4,
+                          shared.down_proj.weight_nvfp4, op=W4A16_MOE_DECODE_OP, variant=CHECKPOINT)
 
     def dequantized(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """Dense stacks in `Experts`' parameter names (full size in bf16: 2.1 GB per layer; dequantise per layer)."""
