@@ -37,6 +37,7 @@ AUTOTUNED = {
     "w4a16_gemv": ("kernels.w4a16_gemv", "_w4a16_gemv_autotuned"),
     "fp8_gemv": ("kernels.fp8_gemv", "_fp8_gemv_autotuned"),
     "fp8_skinny": ("kernels.fp8_skinny", "_fp8_skinny_autotuned"),
+    "moe_decode": ("kernels.moe_decode", "_moe_decode_autotuned"),  # moe_fused_decode (off); no picks shipped yet
 }
 _CONFIG_FIELDS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 

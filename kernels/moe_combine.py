@@ -14,9 +14,9 @@ layers, each a few microseconds of launch-bound work on [N, 2048] bf16 tensors. 
 w_gate, shared, the k routed rows and residual once ((4 + k) x 4 KB at H = 2048, bf16) and writes the row once.
 
 The decode MoE (`kernels/moe_decode.py`) hands over fp32 partial rows instead: routed [N, k S, H] and the shared
-expert's [N, S, H] (S intermediate slices, ~150 rows of a token at top-8 and S = 16). Those go to a second kernel
-with a program per (row, block of 128 columns), which sums each group of rows in fp32 and rounds it once (the shared
-expert's sum takes the rounding of the dense shared expert's output), then the same tail.
+expert's [N, S, H] (S intermediate slices: 288 rows of a token at top-8 and S = 32, the kernel's BLOCK_I 16). Those
+go to a second kernel with a program per (row, block of 128 columns), which sums each group of rows in fp32 and
+rounds it once (the shared expert's sum takes the rounding of the dense shared expert's output), then the same tail.
 
 Numerics: the same fp32 operations and the same roundings to the model dtype (the top-k sum: fp32 in slot order,
 one rounding, as `w4a16_moe`'s own sum up to fp32 summation order) (`kernels.rms_norm._round` / `_cast`, RNE
@@ -52,7 +52,9 @@ NAME = "moe_combine"
 DTYPES = (torch.bfloat16, torch.float32)  # fp16 would need integer rounding too (compiled, its casts contract)
 MAX_DIM = 8192  # one row per program in registers
 # partial rows (3-D shared): columns per program and rows per load; at H = 2048 a token's row is 16 programs, each
-# summing its ~150 rows x 128 columns in loads of 32 rows (4 warps: 32 fp32 values a thread per load). Not tuned.
+# summing its 288 rows x 128 columns in loads of 32 rows (4 warps: 32 fp32 values a thread per load). Not tuned; H200
+# (results/moe_decode_bench_run2): ~31 us a call at 1-4 tokens against 2.9 us for the one-program kernel over bf16
+# rows, the cause not identified (the decode MoE that produces these rows is off by default)
 PARTS_BLOCK_C = 128
 PARTS_BLOCK_S = 32
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # x max |ref|, module docstring
@@ -104,7 +106,7 @@ if triton is not None:
                                   s_o, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
                                   INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
         # grid (N, cdiv(H, BLOCK_C)): routed [N, S, H] and shared [N, S2, H] partial rows (fp32 or dt), summed in
-        # fp32 (BLOCK_S rows per load: a decode MoE hands over ~150 rows per token), each sum rounded once; the
+        # fp32 (BLOCK_S rows per load: a decode MoE hands over 288 rows per token), each sum rounded once; the
         # gate's dot is over the whole row in every program (x and w_gate: 8 KB at H = 2048, L2 hits)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         row = tl.program_id(0).to(tl.int64)

@@ -13,13 +13,17 @@ multiplies the slice by its [H, BLOCK_I] block of the down weight. So the MoE's 
 this, combine) instead of six.
 
 Outcome (H200, 2026-12-02, benchmarks/RESULTS.md "the decode MoE in one launch"; results/moe_decode_bench_run{1,2}):
-SLOWER, so the engine keeps it off (QwenEngineConfig.moe_fused_decode). At one token this launch alone took 27.0-33.0
-us by config (the autotuned pick 29.9-30.3) against 26.0-33.0 us for the whole unfused path (four GEMV launches and
-moe_combine), ~0.5 TB/s: the compiled configs hold 182-245 registers a thread (one or two CTAs per SM; the
-double-buffered gate / up tiles, DEQ_WIDE's eight fp32 values per word and the prefetched down tile), so a program's
-two dependent phases are not hidden by others. moe_combine over its partial rows took ~31 us a call at 1, 2 and 4
-tokens alike (2.9 us over bf16 rows): constant in the row count, so not bandwidth; the cause is not identified. The
-bits are right (GPU tests; the per-pair sums within 1e-4 of the reference at full size).
+SLOWER with its combine, so the engine keeps it off (QwenEngineConfig.moe_fused_decode). At one token this launch
+alone took 27.0-51.3 us by config (the autotuned pick 29.9-30.3), about what the whole unfused path took (four GEMV
+launches and moe_combine: 26.0 and 33.0 us in two runs); ~0.5 TB/s for the 15.9 MB of packed weights and block
+scales. A program's work is a chain of dependent tile loads (gate / up over K, then down), and the configs trade its
+length against registers (results/moe_decode_bench_run2/sm90_registers.txt): the fastest, BLOCK_K 128, holds 64
+registers a thread but walks 16 K tiles at a prefetch depth of one; BLOCK_K 512-1024 walks 2-4 at 184-245 registers
+(the double-buffered tiles, DEQ_WIDE's eight fp32 values per word, the prefetched down tile), one or two CTAs per
+SM. Neither beat the unfused GEMVs' short programs (64-123 registers, 2-4 K tiles). moe_combine over its partial
+rows took ~31 us a call at 1, 2 and 4 tokens alike (2.9 us over bf16 rows): constant in the token count, so not
+bandwidth; the cause is not identified. The bits are right (GPU tests; at full size the per-pair sums within
+1e-4 x max |ref| of the reference).
 
 Arithmetic (the decode GEMV's): weights built exactly (`w4a16_gemm._dequant_groups` / DEQ_WIDE's PTX), products
 with the activations in fp32, per-16-group sums first; SwiGLU in fp32 on the gate and up rows' sums times their
@@ -72,6 +76,7 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
     triton = None
 
 NAME = "w4a16_moe_decode"
+AUTOTUNED_BLOCK_I = 16  # the intermediate slice of every autotuned config (the H200's pick; see _CONFIGS)
 TOLERANCE = 1e-4  # x max |ref| of the per-pair sums: fp32 everywhere, only summation order differs (docstring)
 
 
@@ -89,17 +94,16 @@ def moe_decode_reference(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx
 
 
 if triton is not None:
-    # (BLOCK_I, BLOCK_K, BLOCK_H, warps): a program's intermediate slice, its gate/up K tile, its down chunk of output
-    # rows. At T = 1 the grid is (I / BLOCK_I) x 9 programs: 288 / 144 / 72 for BLOCK_I 16 / 32 / 64 at I = 512 (132
-    # SMs on an H200). H200 (results/moe_decode_bench_run2): 27.0-51.3 us a call by config at one token, the tuner's
-    # picks BLOCK_I 16 (BLOCK_K 512 / 1024 at one token, 256 at two and four).
-    # Per thread, a phase-1 tile (gate + up) is BI x BK / 4 / threads int32 words and a down chunk BH x BI / 8 /
-    # threads: both kept at 16 words, the prefetched copies and DEQ_WIDE's 8 fp32 values per word on top (offline
-    # sm_90 compile, tests/sm90_compile.py: larger tiles reach 255 registers and spill).
-    _CONFIGS = [triton.Config(dict(BLOCK_I=bi, BLOCK_K=bk, BLOCK_H=bh), num_warps=w, num_stages=1)
-                for bi, bk, bh, w in [(16, 512, 1024, 4), (32, 256, 512, 4), (64, 128, 256, 4), (16, 256, 512, 4),
-                                      (16, 1024, 2048, 8), (32, 512, 1024, 8), (64, 256, 512, 8),
-                                      (32, 256, 1024, 8)]]
+    # (BLOCK_K, BLOCK_H, warps) at BLOCK_I = AUTOTUNED_BLOCK_I: a program's gate / up K tile and its down chunk of
+    # output rows for a slice of 16 intermediate columns; at T = 1 the grid is I / 16 x 9 = 288 programs (I = 512; 132
+    # SMs on an H200). Offline sm_90: 64-245 registers a thread, no stack (results/moe_decode_bench_run2/
+    # sm90_registers.txt; (1024, 1024, 4) reached 255 and a 208-byte stack, left out). H200 at one token (that run,
+    # pinned): (128, 256, 4) 27.0 us, (256, 512, 4) 27.1, (256, 256, 2) 31.1, (1024, 1024, 4) 31.4, (512, 2048, 8)
+    # 32.0, (512, 512, 4) 32.1; BLOCK_I 32 / 64 ran 32.3-51.3, and the tuner picked BLOCK_I 16 at 1, 2 and 4 tokens.
+    # One BLOCK_I keeps the output's slice count S = cdiv(I, 16) independent of the pick.
+    _CONFIGS = [triton.Config(dict(BLOCK_I=AUTOTUNED_BLOCK_I, BLOCK_K=bk, BLOCK_H=bh), num_warps=w, num_stages=1)
+                for bk, bh, w in [(128, 256, 4), (256, 512, 4), (512, 1024, 4), (256, 256, 2), (512, 2048, 8),
+                                  (1024, 2048, 8)]]
 
     @triton.jit
     def _moe_decode_kernel(x, idx, rw, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, hidden, parts,
@@ -169,8 +173,9 @@ INTERPRETER_CONFIG = dict(BLOCK_I=16, BLOCK_K=32, BLOCK_H=32)
 def moe_decode_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor, weights: torch.Tensor,
                       shared13: NVFP4Tensor, shared2: NVFP4Tensor, *, config: dict | None = None,
                       deq: int | None = None) -> torch.Tensor:
-    """Same contract as `moe_decode_reference`, with S = cdiv(I, BLOCK_I) slices: [T, k + 1, S, H] fp32. `config`
-    pins BLOCK_I / BLOCK_K / BLOCK_H / num_warps (tests, benchmarks); `deq`: the GEMV's dequantiser mode (None:
+    """Same contract as `moe_decode_reference`, with S = cdiv(I, BLOCK_I) slices: [T, k + 1, S, H] fp32 (autotuned:
+    BLOCK_I = AUTOTUNED_BLOCK_I). `config` pins BLOCK_K / BLOCK_H / num_warps and optionally BLOCK_I (tests,
+    benchmarks); `deq`: the GEMV's dequantiser mode (None:
     DEQ_WIDE for bf16 on a GPU, `w4a16_gemv_launch`'s rules). One launch, no host syncs (CUDA-graph capturable)."""
     info = describe(x, w13, w2, idx, weights, shared13, shared2)
     if not info["shapes_ok"]:
@@ -205,21 +210,17 @@ def moe_decode_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: t
                s_ge13, s_gn13, w2.packed.stride(0), w2.scales.stride(0), s_ge2, s_gn2, s_sgn13, s_sgn2,
                w13.packed.stride(1), w13.scales.stride(1), w2.packed.stride(1), w2.scales.stride(1))
     meta = dict(DEQ=deq, INTERPRET=interp)
+    warps = cfg.pop("num_warps", 4)
     if cfg:
-        warps = cfg.pop("num_warps", 4)
-        s = triton.cdiv(i, cfg["BLOCK_I"])
-        parts = torch.empty((t, k + 1, s, h), dtype=torch.float32, device=x.device)
+        cfg.setdefault("BLOCK_I", AUTOTUNED_BLOCK_I)
+    s = triton.cdiv(i, cfg.get("BLOCK_I", AUTOTUNED_BLOCK_I))  # the autotuned configs all slice by 16
+    parts = torch.empty((t, k + 1, s, h), dtype=torch.float32, device=x.device)
+    if cfg:
         _moe_decode_kernel[(s, pairs)](*args, parts, *strides, **meta, **cfg, num_warps=warps,
                                        **pdl.launch_options())
-        return parts
-    # autotuned: S depends on the pick, so the output is sized for the smallest BLOCK_I and viewed to the pick's S
-    # (a launch writes rows [0, S) of each pair; the view keeps exactly those)
-    s_max = triton.cdiv(i, min(c.kwargs["BLOCK_I"] for c in _CONFIGS))
-    buf = torch.empty((pairs * s_max * h,), dtype=torch.float32, device=x.device)
-    _moe_decode_autotuned[lambda c: (triton.cdiv(i, c["BLOCK_I"]), pairs)](*args, buf, *strides, **meta,
-                                                                           **pdl.launch_options())
-    s = triton.cdiv(i, _moe_decode_autotuned.best_config.kwargs["BLOCK_I"])
-    return buf[: pairs * s * h].view(t, k + 1, s, h)
+    else:
+        _moe_decode_autotuned[(s, pairs)](*args, parts, *strides, **meta, **pdl.launch_options())
+    return parts
 
 
 # ---- guard, registry entry ------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
                 num_warps: int = 4) -> bool:
     """types: pointer / float argument types by name (other non-constexpr args are i32); constexpr parameters with a
     default (USE_PDL) take it unless `consts` names them. `ptx_has`: text the PTX must contain. Prints the kernel's
-    registers per thread and spill bytes (ptxas)."""
+    registers per thread and stack frame bytes (where spills go) from the cubin."""
     params = inspect.signature(kernel.fn).parameters
     consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in params}
@@ -162,7 +162,7 @@ def main() -> int:
                           dict(BLOCK_H=2048, BLOCK_C=moe_combine.PARTS_BLOCK_C, BLOCK_S=moe_combine.PARTS_BLOCK_S,
                                INTERPRET=False)))
     # the decode MoE in one launch (kernels/moe_decode.py): DEQ_WIDE and the byte path at the first config's tiles
-    # (2026-12-02: every config compiled, 182-245 registers, no spills)
+    # (2026-12-02, every config of then: 182-245 registers, no stack; results/moe_decode_bench_run2/sm90_registers.txt)
     decode = {"x": "*bf16", "idx": "*i64", "rw": "*bf16", "hidden": "*fp32", "parts": "*fp32",
               **{n: "*u8" for n in ("w13", "s13", "w2", "s2", "sw13", "ss13", "sw2", "ss2")},
               **{n: "*fp32" for n in ("g13", "g2", "sg13", "sg2")}}

@@ -550,6 +550,10 @@ def test_kernel_self_check_at_start():
     for op in ("w4a16_linear", "w4a16_swiglu", "w4a16_moe"):  # the decode GEMV first, then the tensor-core kernels
         assert checks[op] == f"{want.replace('triton', 'triton_gemv')}; {want}", (op, checks)
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
+    # the decode MoE in one launch (off by default) is checked only by an engine that may run it
+    assert "w4a16_moe_decode" not in checks, checks
+    fused = run(engine_config(kernels="auto", kernel_self_check=True, moe_fused_decode=True), body)["kernel_checks"]
+    assert fused["w4a16_moe_decode"] == want, fused
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
 
 
@@ -739,10 +743,11 @@ def test_engine_shared_expert_in_moe(monkeypatch):
 
 
 def test_engine_moe_fused_decode(monkeypatch):
-    """moe_fused_decode (packed weights, the MoE's fused path as on a GPU): the decode steps' MoE layers (<= 4 decode
-    tokens) run the routed and shared experts through the registry op "w4a16_moe_decode" and moe_combine over its
-    partial rows; prefill steps keep the unfused path; the greedy streams equal the engine's without it (fp32
-    activations: the registry's references; the kernel's own check is tests/test_kernel_moe_decode.py)."""
+    """moe_fused_decode (packed weights, the MoE's fused path as on a GPU): MoE calls of <= 4 rows (decode steps, and
+    prefill chunks that short) run the routed and shared experts through the registry op "w4a16_moe_decode" and
+    moe_combine over its partial rows, larger ones the unfused path; the greedy streams equal the engine's without it
+    (fp32 activations: the registry's references, so this checks the wiring and the combine over partial rows; the
+    kernel's own check is tests/test_kernel_moe_decode.py)."""
     from engine_core.registry import default_registry
     from qwen_engine.model.moe import SparseMoE
 

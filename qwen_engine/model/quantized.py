@@ -668,9 +668,8 @@ class NVFP4Experts(_Dispatch):
             return False
         if W4A16_MOE_DECODE_OP not in _registry(self.registry).ops():  # a registry built without kernels.moe_decode
             return False
-        gu = shared.gate_up_proj
-        if gu.w4a4_export and gu.w4a4 != "off":  # the W4A4 layers run their own GEMM
-            return False
+        if any(m.w4a4_export and m.w4a4 != "off" for m in (shared.gate_up_proj, shared.down_proj)):
+            return False  # the W4A4 layers run their own GEMM
         return shared.intermediate == self.intermediate and self._decode_stacks(n) is not None
 
     def decode_with_shared(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
@@ -678,7 +677,8 @@ class NVFP4Experts(_Dispatch):
         """x [N, H] (N <= 4); idx, weights [N, k] -> [N, k + 1, S, H] fp32 through the registry op
         "w4a16_moe_decode" (`kernels/moe_decode.py`): slots :k the routed experts' outputs times their weights,
         slot k the shared expert's (ungated), each in S partial rows for `moe_combine` to sum. Needs
-        `fused_decode_ok`."""
+        `fused_decode_ok`. A call the kernel does not support (`kernels.moe_decode.supports`: row strides, dtype)
+        runs the op's reference, which the registry logs once as a fallback."""
         stacks = self._decode_stacks(x.shape[0])
         if stacks is None:
             raise ValueError("decode_with_shared: no checkpoint-layout copy of the experts for this call "
