@@ -182,8 +182,10 @@
 #   eval "$(bash .devbundle/install.sh)" && STEPS="79" bash benchmarks/gpu_next.sh      # <= 5 min: issue 4, the
 #       extra prompt's ground at one pair under torch.profiler (--profile-extra-prompt; ran: waterfall run 25, 218 s
 #       on a fresh machine with the default LIMIT 300; LIMIT_79=235 was cut while the engine compiled: run 24)
-#   STEPS="80" then "81" (carry .devbundle/extra and .tritoncache): ~4 / <= 9 min: issue 5, the decode MoE in one
-#       launch (kernels/moe_decode.py): its CUDA tests and per-call bench, then the engine beside moe_fused_decode
+#   STEPS="80" then "81" (carry .devbundle/extra and .tritoncache): ~5 / <= 9 min: issue 5, the decode MoE in one
+#       launch (kernels/moe_decode.py): its CUDA tests and per-call bench (ran: moe_decode_bench run 1, 301 s on a
+#       fresh machine; slower than the unfused path per layer), then the engine beside moe_fused_decode (unrun: for
+#       when the per-layer bench shows a faster kernel)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -991,7 +993,7 @@ gpu_tests gelu_quant_tests 90 tests/test_kernel_fp8.py -k "gelu"
 probe quant_probe "${LIMIT_57:-200}" quant_probe.py
 fi
 if want 80; then
-say "80. issue 5 (carry .devbundle/extra and .tritoncache; written 2026-12-02, twenty-fourth session): the decode MoE in"
+say "80. issue 5 (carry .devbundle/extra and .tritoncache; ran: moe_decode_bench run 1, 2026-12-02): the decode MoE in"
 say "    one launch (kernels/moe_decode.py: routed + shared experts, fp32 partial rows summed by moe_combine): its CUDA"
 say "    tests and moe_combine's, then per call at 1 / 2 / 4 tokens beside the unfused path (moe_decode_bench.py)"
 gpu_tests moe_decode_tests "${LIMIT_80A:-240}" tests/test_kernel_moe_decode.py tests/test_kernel_moe_combine.py -rfE
