@@ -184,8 +184,8 @@
 #       on a fresh machine with the default LIMIT 300; LIMIT_79=235 was cut while the engine compiled: run 24)
 #   STEPS="80" then "81" (carry .devbundle/extra and .tritoncache): ~5 / <= 9 min: issue 5, the decode MoE in one
 #       launch (kernels/moe_decode.py): its CUDA tests and per-call bench (ran: moe_decode_bench run 1, 301 s on a
-#       fresh machine; slower than the unfused path per layer), then the engine beside moe_fused_decode (unrun: for
-#       when the per-layer bench shows a faster kernel)
+#       fresh machine, slower per layer; run 3, the combine retiled: -11% per layer at one token), then the engine
+#       beside moe_fused_decode (unrun: the device time ran out; the next measurement of it)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs

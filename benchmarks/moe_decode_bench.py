@@ -3,6 +3,7 @@ the fused launch (`kernels/moe_decode.py`) + `moe_combine` over its partial rows
 (the routed experts' two GEMV launches, the shared expert's two, `moe_combine`), at 1 / 2 / 4 tokens.
 
     python benchmarks/moe_decode_bench.py --out benchmarks/results/moe_decode_bench     # GPU; ~1 min
+    python benchmarks/moe_decode_bench.py --combine-probe --layers 1 --out ...           # moe_combine alone
 
 Random packed weights in the checkpoint's layout (speed does not depend on the values): `--layers` distinct layers'
 stacks (default 8: ~3.6 GB, so that the experts a call touches are not L2-resident from the call before), 40 calls
@@ -28,6 +29,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--combine-probe", action="store_true",
+                    help="only moe_combine at one token: over the partial rows and over bf16 rows, PDL on and off, "
+                         "in CUDA graphs and one call under torch.profiler (its kernel time)")
     ap.add_argument("--sweep", default="16:128:256:4,16:256:512:4,16:512:512:4,16:256:256:2,32:128:256:4,"
                                        "32:128:512:8,64:64:256:4,16:1024:1024:4,16:512:2048:8,64:128:512:8",
                     help="pinned BLOCK_I:BLOCK_K:BLOCK_H:warps configs timed (kernel only) at one token")
@@ -67,6 +71,8 @@ def main() -> None:
         parts = moe_decode.moe_decode_triton(x, lay["w13"], lay["w2"], idx, wts, lay["s13"], lay["s2"])
         return moe_combine.moe_combine_triton(x, lay["gate"], parts[:, k], parts[:, :k].flatten(1, 2), res)
 
+    if args.combine_probe:
+        return combine_probe(args, layers, k, h, dev, gen)
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         inputs = []
@@ -120,6 +126,54 @@ def main() -> None:
                 pdl=pdl.enabled(), layers=args.layers)
     (out / "moe_decode_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print("[moe_decode_bench]", json.dumps(meta))
+
+
+def combine_probe(args, layers, k: int, h: int, dev, gen) -> None:
+    """moe_combine at one token over the fused kernel's fp32 partial rows and over bf16 [1, k, H] rows, with PDL on
+    and off: graph-timed (40 calls) and one call's kernels under torch.profiler (device time by kernel name)."""
+    import torch
+
+    from cuda_timing import graph_per_call_us
+    from kernels import moe_combine, moe_decode, pdl
+
+    lay = layers[0]
+    x = torch.randn(1, h, device=dev, generator=gen).to(torch.bfloat16)
+    idx = torch.randperm(256, device=dev, generator=gen)[:k][None]
+    wts = torch.softmax(torch.randn(1, k, device=dev, generator=gen), -1).to(torch.bfloat16)
+    res = torch.randn(1, h, device=dev, generator=gen).to(torch.bfloat16)
+    parts = moe_decode.moe_decode_triton(x, lay["w13"], lay["w2"], idx, wts, lay["s13"], lay["s2"])
+    summed = parts.sum(2).to(torch.bfloat16)
+    calls = dict(parts=lambda: moe_combine.moe_combine_triton(x, lay["gate"], parts[:, k], parts[:, :k].flatten(1, 2),
+                                                              res),
+                 bf16_rows=lambda: moe_combine.moe_combine_triton(x, lay["gate"], summed[:, k], summed[:, :k], res))
+    row = dict(partial_rows=int(parts.shape[1] * parts.shape[2]))
+    for on in (True, False):
+        pdl.set_enabled(on and pdl.device_supports())
+        for name, fn in calls.items():
+            row[f"{name}_pdl_{on}_graph_us"] = graph_per_call_us([fn] * 40)
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            row[f"{name}_pdl_{on}_kernels_us"] = {e.key: round(e.device_time_total, 2)
+                                                  for e in prof.key_averages() if e.device_time_total > 0}
+    # the partial-rows kernel's tiles (columns per program, rows per load), PDL as the engine (on for Hopper)
+    pdl.set_enabled(not args.no_pdl and pdl.device_supports())
+    saved = moe_combine.PARTS_BLOCK_C, moe_combine.PARTS_BLOCK_S
+    first = calls["parts"]().float()
+    try:
+        for bc, bs in ((128, 32), (64, 64), (32, 64), (32, 128), (16, 128), (16, 256), (64, 128), (8, 512)):
+            moe_combine.PARTS_BLOCK_C, moe_combine.PARTS_BLOCK_S = bc, bs
+            out = calls["parts"]()
+            row[f"parts_tiles_{bc}x{bs}_graph_us"] = graph_per_call_us([calls["parts"]] * 40)
+            row[f"parts_tiles_{bc}x{bs}_max_diff_vs_first"] = float((out.float() - first).abs().max())
+    finally:
+        moe_combine.PARTS_BLOCK_C, moe_combine.PARTS_BLOCK_S = saved
+    print("[moe_decode_bench] combine probe", json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "combine_probe.json").write_text(json.dumps(row, indent=1))
 
 
 if __name__ == "__main__":

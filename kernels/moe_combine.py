@@ -15,7 +15,7 @@ w_gate, shared, the k routed rows and residual once ((4 + k) x 4 KB at H = 2048,
 
 The decode MoE (`kernels/moe_decode.py`) hands over fp32 partial rows instead: routed [N, k S, H] and the shared
 expert's [N, S, H] (S intermediate slices: 288 rows of a token at top-8 and S = 32, the kernel's BLOCK_I 16). Those
-go to a second kernel with a program per (row, block of 128 columns), which sums each group of rows in fp32 and
+go to a second kernel with a program per (row, block of 16 columns), which sums each group of rows in fp32 and
 rounds it once (the shared expert's sum takes the rounding of the dense shared expert's output), then the same tail.
 
 Numerics: the same fp32 operations and the same roundings to the model dtype (the top-k sum: fp32 in slot order,
@@ -51,12 +51,13 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
 NAME = "moe_combine"
 DTYPES = (torch.bfloat16, torch.float32)  # fp16 would need integer rounding too (compiled, its casts contract)
 MAX_DIM = 8192  # one row per program in registers
-# partial rows (3-D shared): columns per program and rows per load; at H = 2048 a token's row is 16 programs, each
-# summing its 288 rows x 128 columns in loads of 32 rows (4 warps: 32 fp32 values a thread per load). Not tuned; H200
-# (results/moe_decode_bench_run2): ~31 us a call at 1-4 tokens against 2.9 us for the one-program kernel over bf16
-# rows, the cause not identified (the decode MoE that produces these rows is off by default)
-PARTS_BLOCK_C = 128
-PARTS_BLOCK_S = 32
+# partial rows (3-D shared): columns per program and rows per load. At H = 2048 a token's row is 128 programs of 16
+# columns, each summing its 288 rows (top-8, BLOCK_I 16) in two loads of 256 rows (4 warps: 32 fp32 values a thread
+# per load). H200, one token, L2-hot rows, PDL on (results/moe_decode_bench_run3/combine_probe.json, graph-timed):
+# 16 x 256 3.28 us, 8 x 512 3.39, 32 x 128 3.89, 16 x 128 3.92, 32 x 64 5.11, 64 x 128 5.67, 64 x 64 8.20, and the
+# first choice 128 x 32 15.5 (16 programs, 9 dependent loads each); the one-program kernel over bf16 rows 3.41
+PARTS_BLOCK_C = 16
+PARTS_BLOCK_S = 256
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # x max |ref|, module docstring
 
 

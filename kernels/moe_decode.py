@@ -12,18 +12,17 @@ multiplies the slice by its [H, BLOCK_I] block of the down weight. So the MoE's 
 (I / BLOCK_I) x T (k + 1) programs in one DRAM round trip per program, and a layer's MoE is three launches (router,
 this, combine) instead of six.
 
-Outcome (H200, 2026-12-02, benchmarks/RESULTS.md "the decode MoE in one launch"; results/moe_decode_bench_run{1,2}):
-SLOWER with its combine, so the engine keeps it off (QwenEngineConfig.moe_fused_decode). At one token this launch
-alone took 27.0-51.3 us by config (the autotuned pick 29.9-30.3), about what the whole unfused path took (four GEMV
-launches and moe_combine: 26.0 and 33.0 us in two runs); ~0.5 TB/s for the 15.9 MB of packed weights and block
-scales. A program's work is a chain of dependent tile loads (gate / up over K, then down), and the configs trade its
-length against registers (results/moe_decode_bench_run2/sm90_registers.txt): the fastest, BLOCK_K 128, holds 64
-registers a thread but walks 16 K tiles at a prefetch depth of one; BLOCK_K 512-1024 walks 2-4 at 184-245 registers
-(the double-buffered tiles, DEQ_WIDE's eight fp32 values per word, the prefetched down tile), one or two CTAs per
-SM. Neither beat the unfused GEMVs' short programs (64-123 registers, 2-4 K tiles). moe_combine over its partial
-rows took ~31 us a call at 1, 2 and 4 tokens alike (2.9 us over bf16 rows): constant in the token count, so not
-bandwidth; the cause is not identified. The bits are right (GPU tests; at full size the per-pair sums within
-1e-4 x max |ref| of the reference).
+Outcome (H200, 2026-12-02, benchmarks/RESULTS.md "the decode MoE in one launch"; results/moe_decode_bench_run{1,2,3}):
+per layer with moe_combine, at one token 26.6 us against 29.9 for the unfused path (four GEMV launches and
+moe_combine; -11%, one run, once the combine over partial rows was retiled: 15.5 -> 3.3 us), at four tokens 75.9
+against 58.8. So the model sends it one-token calls only (MODEL_MAX_TOKENS), and the engine keeps it off
+(QwenEngineConfig.moe_fused_decode) until an engine run measures it. This launch alone: 27.0-51.3 us by config at one
+token, ~0.5-0.6 TB/s for the 15.9 MB of packed weights and block scales. A program's work is a chain of dependent
+tile loads (gate / up over K, then down), and the configs trade its length against registers
+(results/moe_decode_bench_run2/sm90_registers.txt): BLOCK_K 128 holds 64 registers a thread but walks 16 K tiles at a
+prefetch depth of one; BLOCK_K 512-1024 walks 2-4 at 184-245 registers (the double-buffered tiles, DEQ_WIDE's eight
+fp32 values per word, the prefetched down tile), one or two CTAs per SM. The bits are right (GPU tests; at full size
+the per-pair sums within 1e-4 x max |ref| of the reference).
 
 Arithmetic (the decode GEMV's): weights built exactly (`w4a16_gemm._dequant_groups` / DEQ_WIDE's PTX), products
 with the activations in fp32, per-16-group sums first; SwiGLU in fp32 on the gate and up rows' sums times their
@@ -77,6 +76,10 @@ except ImportError:  # CPU-only installs without triton: the reference works, su
 
 NAME = "w4a16_moe_decode"
 AUTOTUNED_BLOCK_I = 16  # the intermediate slice of every autotuned config (the H200's pick; see _CONFIGS)
+# the model sends it calls of at most this many tokens (`NVFP4Experts.fused_decode_ok`); the kernel takes up to
+# GEMV_MAX_TOKENS. H200 (results/moe_decode_bench_run3): per layer with moe_combine, 26.6 us against 29.9 for the
+# unfused path at one token, 75.9 against 58.8 at four
+MODEL_MAX_TOKENS = 1
 TOLERANCE = 1e-4  # x max |ref| of the per-pair sums: fp32 everywhere, only summation order differs (docstring)
 
 

@@ -147,12 +147,12 @@ class QwenEngineConfig:
     #                                  launch no quantiser (qwen_engine/model/quantized.py: QUANT_IN_PRODUCERS);
     #                                  process-wide. H200, Qwen run 33: lone decode 369.3 -> 373.7 tok/s, 32 streams
     #                                  2,829.5 -> 2,926.7 (+3.4%), the same greedy tokens (one run)
-    moe_fused_decode: bool = False  # packed models' decode calls of <= 4 tokens: each MoE layer's routed experts
-    #                                 and shared expert in one launch (kernels/moe_decode.py, fp32 partial rows summed
-    #                                 by moe_combine: 3 launches per layer instead of 6), where the experts keep a
-    #                                 checkpoint-layout copy (dual_frag, dual, checkpoint). Off: SLOWER on the H200
-    #                                 (2026-12-02, per layer at one token: 47-58 us against 26-33 for the default
-    #                                 path; RESULTS.md); kept as a tested option for a faster kernel to build on
+    moe_fused_decode: bool = False  # packed models' one-token decode steps (a lone request): each MoE layer's routed
+    #                                 experts and shared expert in one launch (kernels/moe_decode.py, fp32 partial
+    #                                 rows summed by moe_combine: 3 launches per layer instead of 6), where the
+    #                                 experts keep a checkpoint-layout copy (dual_frag, dual, checkpoint). H200
+    #                                 2026-12-02, per layer: 26.6 us against 29.9 (-11%, one run; slower at 4
+    #                                 tokens, so 1-token calls only). Off until measured in the engine (RESULTS.md)
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and

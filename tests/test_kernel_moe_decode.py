@@ -96,7 +96,7 @@ def test_combine_over_partial_rows():
     """`moe_combine` with the decode kernel's fp32 partial rows ([N, k S, H] routed, [N, S, H] shared) equals its
     reference (each group summed in fp32 and rounded once, then the tail's roundings), and the same numbers handed
     over pre-summed in bf16 through the one-program kernel give the same output."""
-    t, k, h, s = 3, 4, 200, 5  # H not a multiple of the 128-column blocks; k S = 20 rows: one load of 32
+    t, k, h, s = 3, 4, 200, 5  # H not a multiple of the column blocks (PARTS_BLOCK_C); k S = 20 rows
     g = torch.Generator().manual_seed(1)
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     w = (torch.randn(1, h, generator=g) * 0.05).to(torch.bfloat16)
@@ -136,10 +136,10 @@ def test_registry_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
 @needs_kernel
 @torch.no_grad()
 def test_model_fused_decode_path():
-    """A packed tiny model's MoE layer on its fused path: decode calls (1-4 tokens) with `fused_decode` run the
-    registry's "w4a16_moe_decode" (routed + shared experts, one launch) and moe_combine over its partial rows, within
-    bf16 rounding of the unfused path; 5 tokens and `fused_decode` off keep the unfused path; the engine's setter
-    counts the layers that can take it."""
+    """A packed tiny model's MoE layer on its fused path: one-token calls (`moe_decode.MODEL_MAX_TOKENS`) with
+    `fused_decode` run the registry's "w4a16_moe_decode" (routed + shared experts, one launch) and moe_combine over
+    its partial rows, within bf16 rounding of the unfused path; 2, 4 and 5 tokens and `fused_decode` off keep the
+    unfused path; the engine's setter counts the layers that can take it."""
     from engine_core.registry import default_registry
     from kernels import fp8_linear, nvfp4, w4a16_gemm
     from qwen_engine.config import QwenConfig
@@ -169,12 +169,14 @@ def test_model_fused_decode_path():
             after = reg.choices()[moe_decode.NAME]["calls"].get("triton", 0)
             moe.fused_decode = False
             plain = moe(x, residual=residual)
-            assert after - before == (1 if n <= 4 else 0), (n, before, after)
+            assert after - before == (1 if n <= moe_decode.MODEL_MAX_TOKENS else 0), (n, before, after)
             err = float((fused.float() - plain.float()).abs().max() / plain.float().abs().max())
             print(f"{n} tokens: fused decode vs unfused, rel err {err:.2e}")
             assert err <= 2e-2
-            if n <= 4:  # the fused path rounds less: not the same bits, so the paths really differ
+            if n <= moe_decode.MODEL_MAX_TOKENS:  # the fused path rounds less: not the same bits
                 assert not torch.equal(fused, plain)
+            else:  # the unfused path both times
+                assert torch.equal(fused, plain)
     finally:
         moe.fused, moe.fused_decode = None, False
         default_registry().set_preference(combine_pref, moe_combine.NAME)

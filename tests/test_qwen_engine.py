@@ -743,11 +743,11 @@ def test_engine_shared_expert_in_moe(monkeypatch):
 
 
 def test_engine_moe_fused_decode(monkeypatch):
-    """moe_fused_decode (packed weights, the MoE's fused path as on a GPU): MoE calls of <= 4 rows (decode steps, and
-    prefill chunks that short) run the routed and shared experts through the registry op "w4a16_moe_decode" and
-    moe_combine over its partial rows, larger ones the unfused path; the greedy streams equal the engine's without it
-    (fp32 activations: the registry's references, so this checks the wiring and the combine over partial rows; the
-    kernel's own check is tests/test_kernel_moe_decode.py)."""
+    """moe_fused_decode (packed weights, the MoE's fused path as on a GPU): one-row MoE calls (a lone request's decode
+    steps) run the routed and shared experts through the registry op "w4a16_moe_decode" and moe_combine over its
+    partial rows, larger ones the unfused path; the greedy streams equal the engine's without it (fp32 activations:
+    the registry's references, so this checks the wiring and the combine over partial rows; the kernel's own check
+    is tests/test_kernel_moe_decode.py). The requests run one after the other, so their decode steps have one row."""
     from engine_core.registry import default_registry
     from qwen_engine.model.moe import SparseMoE
 
@@ -756,7 +756,7 @@ def test_engine_moe_fused_decode(monkeypatch):
 
     async def body(engine):
         before = sum(default_registry().choices()["w4a16_moe_decode"]["calls"].values())
-        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)))
+        outs = [await collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)]
         after = sum(default_registry().choices()["w4a16_moe_decode"]["calls"].values())
         return engine.health(), [o[0] for o in outs], after - before
 

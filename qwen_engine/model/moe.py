@@ -152,11 +152,11 @@ class SparseMoE(nn.Module):
     # have not run on a GPU). Same maths as the dense shared
     # expert (fp32 SwiGLU epilogue, bf16 roundings of its intermediate and output); other summation order.
     shared_in_experts: bool = False
-    # decode calls (<= 4 tokens: kernels.w4a16_gemv.GEMV_MAX_TOKENS) on the fused path run the routed experts and
-    # the shared expert in one launch of the registry op "w4a16_moe_decode" (kernels/moe_decode.py), whose fp32
-    # partial rows moe_combine sums (three launches per layer instead of six), where the experts allow it
-    # (`NVFP4Experts.fused_decode_ok`: a checkpoint-layout copy, a W4A16 shared expert of the same width). Set by
-    # the engine (QwenEngineConfig.moe_fused_decode; off: measured slower on the H200, kernels/moe_decode.py). Same
+    # one-token calls (kernels.moe_decode.MODEL_MAX_TOKENS: a lone request's decode steps) on the fused path run the
+    # routed experts and the shared expert in one launch of the registry op "w4a16_moe_decode"
+    # (kernels/moe_decode.py), whose fp32 partial rows moe_combine sums (three launches per layer instead of six),
+    # where the experts allow it (`NVFP4Experts.fused_decode_ok`: a checkpoint-layout copy, a W4A16 shared expert
+    # of the same width). Set by the engine (QwenEngineConfig.moe_fused_decode; off until measured in the engine). Same
     # maths as the unfused path without its bf16 roundings of the SwiGLU intermediate and of each expert's output
     # (fp32 until moe_combine's sums).
     fused_decode: bool = False

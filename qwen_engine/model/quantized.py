@@ -659,12 +659,13 @@ class NVFP4Experts(_Dispatch):
         return tuple(NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
 
     def fused_decode_ok(self, n: int, shared: nn.Module) -> bool:
-        """Whether `decode_with_shared` can serve a call of n tokens with this shared expert: n <= the decode
-        kernel's GEMV_MAX_TOKENS, checkpoint-layout stacks for n (`_decode_stacks`), and a W4A16 `NVFP4SwiGLU`
-        shared expert as wide as the routed experts, and the op in the module's registry."""
-        from kernels.w4a16_gemv import GEMV_MAX_TOKENS
+        """Whether `decode_with_shared` serves a call of n tokens with this shared expert: n <= the kernel's
+        MODEL_MAX_TOKENS (one: the H200 measured it faster there, slower at four), checkpoint-layout stacks for n
+        (`_decode_stacks`), a W4A16 `NVFP4SwiGLU` shared expert as wide as the routed experts, and the op in the
+        module's registry."""
+        from kernels.moe_decode import MODEL_MAX_TOKENS
 
-        if not 0 < n <= GEMV_MAX_TOKENS or not isinstance(shared, NVFP4SwiGLU):
+        if not 0 < n <= MODEL_MAX_TOKENS or not isinstance(shared, NVFP4SwiGLU):
             return False
         if W4A16_MOE_DECODE_OP not in _registry(self.registry).ops():  # a registry built without kernels.moe_decode
             return False
@@ -674,7 +675,7 @@ class NVFP4Experts(_Dispatch):
 
     def decode_with_shared(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                            shared: NVFP4SwiGLU) -> torch.Tensor:
-        """x [N, H] (N <= 4); idx, weights [N, k] -> [N, k + 1, S, H] fp32 through the registry op
+        """x [N, H] (N <= 4, the kernel's limit); idx, weights [N, k] -> [N, k + 1, S, H] fp32 through the registry op
         "w4a16_moe_decode" (`kernels/moe_decode.py`): slots :k the routed experts' outputs times their weights,
         slot k the shared expert's (ungated), each in S partial rows for `moe_combine` to sum. Needs
         `fused_decode_ok`. A call the kernel does not support (`kernels.moe_decode.supports`: row strides, dtype)
