@@ -235,7 +235,7 @@ def markdown(r: dict) -> str:
             f"| (e) engine without quant_in_producers (each FP8 projection launches its own activation quantiser; "
             f"the default: on): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_no_quant_producers'))} | - |",
-            f"| (e) engine with moe_fused_decode (a decode step's routed + shared experts in one launch per layer; "
+            f"| (e) engine with moe_fused_decode (a one-token decode step's routed + shared experts in one launch per layer; "
             f"the default: off): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_moe_fused_decode'))} | - |",
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
@@ -486,7 +486,7 @@ def main() -> None:
                     help="(e) once more with the W4A16 GEMV's dequantiser for bf16 activations set to this mode "
                          "(kernels/w4a16_gemv.py DEQ_GPU; the default is 3, DEQ_WIDE), side by side")
     ap.add_argument("--moe-fused-decode", action="store_true",
-                    help="(e) once more with moe_fused_decode (a decode step's routed + shared experts in one launch "
+                    help="(e) once more with moe_fused_decode (a one-token decode step's routed + shared experts in one launch "
                          "per layer, kernels/moe_decode.py)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="(e) once more without the engine's programmatic_launch (kernels/pdl.py: programmatic "

@@ -110,6 +110,15 @@ def test_combine_over_partial_rows():
     assert moe_combine.compare(out, ref) is None
     err = float((out.float() - ref.float()).abs().max())
     assert err <= 2 ** -7 * float(ref.float().abs().max()), err  # a couple of bf16 ulps: only fp32 sum order differs
+    # several loads per program (the default tiles take these 20 rows in one): the loop over row tiles
+    saved = moe_combine.PARTS_BLOCK_C, moe_combine.PARTS_BLOCK_S
+    try:
+        moe_combine.PARTS_BLOCK_C, moe_combine.PARTS_BLOCK_S = 32, 8
+        looped = moe_combine.moe_combine_triton(x, w, shared, routed, residual)
+    finally:
+        moe_combine.PARTS_BLOCK_C, moe_combine.PARTS_BLOCK_S = saved
+    assert moe_combine.compare(looped, ref) is None
+    assert float((looped.float() - ref.float()).abs().max()) <= 2 ** -7 * float(ref.float().abs().max())
     summed = moe_combine.moe_combine_triton(x, w, shared.sum(1).to(x.dtype), routed.sum(1).to(x.dtype), residual)
     assert float((out.float() - summed.float()).abs().max()) <= 2 ** -7 * float(ref.float().abs().max())
     # a kernel that dropped the shared rows, or the routed ones, would fail the check
