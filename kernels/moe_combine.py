@@ -53,9 +53,10 @@ DTYPES = (torch.bfloat16, torch.float32)  # fp16 would need integer rounding too
 MAX_DIM = 8192  # one row per program in registers
 # partial rows (3-D shared): columns per program and rows per load. At H = 2048 a token's row is 128 programs of 16
 # columns, each summing its 288 rows (top-8, BLOCK_I 16): one load of the 256 routed rows and one masked load of the
-# 32 shared ones (4 warps: 32 fp32 values a thread per load). H200, one token, L2-hot rows, PDL on (results/moe_decode_bench_run3/combine_probe.json, graph-timed):
-# 16 x 256 3.28 us, 8 x 512 3.39, 32 x 128 3.89, 16 x 128 3.92, 32 x 64 5.11, 64 x 128 5.67, 64 x 64 8.20, and the
-# first choice 128 x 32 15.5 (16 programs, 9 dependent loads each); the one-program kernel over bf16 rows 3.41
+# 32 shared ones (4 warps: 32 fp32 values a thread per load). H200, one token, L2-hot rows, PDL on, graph-timed
+# (results/moe_decode_bench_run3/combine_probe.json): 16 x 256 3.28 us, 8 x 512 3.39, 32 x 128 3.89, 16 x 128
+# 3.92, 32 x 64 5.11, 64 x 128 5.67, 64 x 64 8.20, and the first choice 128 x 32 15.5 (16 programs, 9 dependent
+# loads each); the one-program kernel over bf16 rows 3.41
 PARTS_BLOCK_C = 16
 PARTS_BLOCK_S = 256
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # x max |ref|, module docstring

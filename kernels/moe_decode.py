@@ -18,8 +18,9 @@ moe_combine; -11%, one run, once the combine over partial rows was retiled: 15.5
 against 58.8. So the model sends it one-token calls only (MODEL_MAX_TOKENS), and the engine keeps it off
 (QwenEngineConfig.moe_fused_decode) until an engine run measures it; timed apart, this launch (26.7 us) and the
 combine (5.4) sum to more than the unfused path, so the 26.6 relies on the two overlapping under PDL, or on noise.
-This launch alone: 26.7-51.3 us by config at one token, ~0.5-0.6 TB/s for the 15.9 MB of packed weights and block scales. A program's work is a chain of dependent
-tile loads (gate / up over K, then down), and the configs trade its length against registers
+This launch alone: 26.7-51.3 us by config at one token, ~0.5-0.6 TB/s for the 15.9 MB of packed weights and block
+scales. A program's work is a chain of dependent tile loads (gate / up over K, then down), and the configs trade its
+length against registers
 (results/moe_decode_bench_run2/sm90_registers.txt): BLOCK_K 128 holds 64 registers a thread but walks 16 K tiles at a
 prefetch depth of one; BLOCK_K 512-1024 walks 2-4 at 184-245 registers (the double-buffered tiles, DEQ_WIDE's eight
 fp32 values per word, the prefetched down tile), one or two CTAs per SM. The bits are right (GPU tests; at full size
