@@ -32,7 +32,7 @@ def _late_writer(x, n, value, SPIN: tl.constexpr, BLOCK: tl.constexpr):
 # module -> kernels launched with `**pdl.launch_options()`: the decode step's Triton kernels
 PARTICIPANTS = {
     "kernels.rms_norm": ("_rms_norm_zc_kernel", "_rms_norm_gated_kernel", "_add_rms_norm_zc_kernel"),
-    "kernels.moe_combine": ("_moe_combine_kernel",),
+    "kernels.moe_combine": ("_moe_combine_kernel", "_moe_combine_parts_kernel"),
     "kernels.moe_router": ("_router_topk_kernel", "_router_gemv_topk_kernel"),
     "kernels.gdn_decode": ("_gdn_decode_kernel",),
     "kernels.gdn_prep": ("_gdn_prep_kernel",),
@@ -44,6 +44,8 @@ PARTICIPANTS = {
     # above the GEMV's 4 tokens (32 streams, prefill chunks): the routing alignment and the swap-AB experts
     "kernels.moe_align": ("_moe_align_sort_kernel",),
     "kernels.w4a16_swapped": ("_w4a16_grouped_swapped_kernel",),
+    # moe_fused_decode (off by default): a one-token step's experts in one launch, and the combine over its rows
+    "kernels.moe_decode": ("_moe_decode_kernel",),
 }
 
 
