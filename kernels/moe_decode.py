@@ -64,7 +64,7 @@ from kernels.w4a16_gemm import (
     moe_experts_w4a16_reference,
     w4a16_linear_reference,
 )
-from kernels.w4a16_gemv import DEQ_WIDE, GEMV_MAX_TOKENS
+from kernels.w4a16_gemv import GEMV_MAX_TOKENS, resolve_deq
 
 try:
     import triton
@@ -180,8 +180,8 @@ def moe_decode_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: t
                       deq: int | None = None) -> torch.Tensor:
     """Same contract as `moe_decode_reference`, with S = cdiv(I, BLOCK_I) slices: [T, k + 1, S, H] fp32 (autotuned:
     BLOCK_I = AUTOTUNED_BLOCK_I). `config` pins BLOCK_K / BLOCK_H / num_warps and optionally BLOCK_I (tests,
-    benchmarks); `deq`: the GEMV's dequantiser mode (None:
-    DEQ_WIDE for bf16 on a GPU, `w4a16_gemv_launch`'s rules). One launch, no host syncs (CUDA-graph capturable)."""
+    benchmarks); `deq`: the GEMV's dequantiser mode (`w4a16_gemv.resolve_deq`: None is DEQ_WIDE for bf16 on a GPU,
+    mode 2 on rows it cannot read in words). One launch, no host syncs (CUDA-graph capturable)."""
     info = describe(x, w13, w2, idx, weights, shared13, shared2)
     if not info["shapes_ok"]:
         raise ValueError(f"w4a16_moe_decode: shapes do not fit (x {tuple(x.shape)}, gate_up {tuple(w13.shape)}, down "
@@ -195,14 +195,7 @@ def moe_decode_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: t
     sg13, s_sgn13 = _global_1d(shared13.global_scale, n13)
     sg2, s_sgn2 = _global_1d(shared2.global_scale, h)
     interp = _interpreted()
-    if isinstance(deq, bool) or deq not in (None, 0, 1, 2, DEQ_WIDE):
-        raise ValueError(f"w4a16_moe_decode: deq must be None, 0, 1, 2 or {DEQ_WIDE}, got {deq!r}")
-    if x.dtype == torch.bfloat16 and not interp:
-        deq = DEQ_WIDE if deq is None else deq
-        if deq == DEQ_WIDE and not info["words_ok"]:
-            deq = 2  # rows not 4-byte aligned: the same weights through the byte path
-    else:
-        deq = 1 if x.dtype == torch.bfloat16 else 0  # the interpreter: mode 1; fp16 activations: mode 0
+    deq = resolve_deq(deq, x.dtype, interp, info["words_ok"], NAME)  # the GEMV's rule (its K loop runs here)
     cfg = dict(INTERPRETER_CONFIG) if interp else {}
     cfg.update(config or {})
     pairs = t * (k + 1)
@@ -251,10 +244,10 @@ def describe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tens
                      and tuple(w2.global_scale.shape) in ((), (e,), (e, h))
                      and tuple(shared13.global_scale.shape) in ((), (n13,))
                      and tuple(shared2.global_scale.shape) in ((), (h,)))
-        # DEQ_WIDE reads the packed rows as int32 words
+        # DEQ_WIDE reads the packed rows as int32 words, and the activations as the GEMV's DEQ_WIDE does
         words_ok = all(t.data_ptr() % 4 == 0 for t in (w13.packed, w2.packed, shared13.packed, shared2.packed)) and \
             all(s % 4 == 0 for s in (w13.packed.stride(0), w13.packed.stride(1), w2.packed.stride(0),
-                                     w2.packed.stride(1)))
+                                     w2.packed.stride(1))) and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
     return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
                 dtype=x.dtype, shapes_ok=shapes_ok, words_ok=words_ok,
                 same_device=len({t.device for t in (x, idx, weights, w13.packed, w2.packed, shared13.packed,

@@ -269,6 +269,24 @@ DEQ_WIDE = 3
 DEQ_GPU = DEQ_WIDE  # bf16 activations on a GPU; fp16 activations always take mode 0
 
 
+def resolve_deq(deq: int | None, dtype: torch.dtype, interp: bool, words_ok: bool, who: str) -> int:
+    """The dequantiser mode of a launch reading these weights: for bf16 activations on a GPU `deq` (None: DEQ_GPU),
+    DEQ_WIDE falling back to mode 2 on rows it cannot read in 4-byte words (`words_ok` False) unless asked for by name
+    (ValueError); the interpreter and fp16 activations have one each (1 for bf16, 0 for fp16). `who` names the caller
+    in the errors."""
+    if isinstance(deq, bool) or deq not in (None, 0, 1, 2, DEQ_WIDE):
+        raise ValueError(f"{who}: deq must be None, 0, 1, 2 or {DEQ_WIDE} (DEQ_WIDE), got {deq!r}")
+    if dtype != torch.bfloat16 or interp:
+        return 1 if dtype == torch.bfloat16 else 0
+    mode = DEQ_GPU if deq is None else deq
+    if mode == DEQ_WIDE and not words_ok:
+        if deq == DEQ_WIDE:
+            raise ValueError(f"{who}: DEQ_WIDE reads weights and activations in 4-byte words: their rows must be "
+                             "4-byte aligned")
+        return 2  # the default on rows it cannot read in words: mode 2 (the same weights, another summation order)
+    return mode
+
+
 def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
                       pair_expert: torch.Tensor | None = None, a_div: int = 1, row_scale: torch.Tensor | None = None,
                       swiglu: bool = False, config: dict | None = None, deq: int | None = None) -> torch.Tensor:
@@ -305,15 +323,8 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     x = x if x.stride(-1) == 1 else x.contiguous()
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g
-    if isinstance(deq, bool) or deq not in (None, 0, 1, 2, DEQ_WIDE):
-        raise ValueError(f"w4a16_gemv: deq must be None, 0, 1, 2 or {DEQ_WIDE} (DEQ_WIDE), got {deq!r}")
-    asked, deq = deq, (DEQ_GPU if deq is None else deq) if (x.dtype == torch.bfloat16 and not interp) else (
-        1 if x.dtype == torch.bfloat16 else 0)
-    if deq == DEQ_WIDE and (packed.data_ptr() % 4 or s_wn % 4 or s_we % 4 or x.data_ptr() % 4 or x.stride(0) % 2):
-        if asked == DEQ_WIDE:
-            raise ValueError("w4a16_gemv: DEQ_WIDE reads weights and activations in 4-byte words: their rows must be "
-                             "4-byte aligned")
-        deq = 2  # the default on rows it cannot read in words: mode 2 (the same weights, another summation order)
+    words_ok = not (packed.data_ptr() % 4 or s_wn % 4 or s_we % 4 or x.data_ptr() % 4 or x.stride(0) % 2)
+    deq = resolve_deq(deq, x.dtype, interp, words_ok, "w4a16_gemv")
     args = (x, packed, sc, g, rs, y, pe, n, k, a_div, triton.next_power_of_2(r), x.stride(0), s_we, s_wn, s_se, s_sn,
             s_ge, s_gn, y.stride(0))
     meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, DEQ=deq, INTERPRET=interp)

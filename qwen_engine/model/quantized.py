@@ -633,30 +633,30 @@ class NVFP4Experts(_Dispatch):
         """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype; `reduce=False`: [N, k, H] unsummed (moe.Experts).
         `with_shared`: idx may name the stacked shared expert (`shared_index`); otherwise the launches see the
         routed experts only (views of the first E: the alignment and the kernels size for E, not E + 1)."""
+        w13, w2, layout = self._stacks(x.shape[0], with_shared)
+        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, layout, variant=layout)
+
+    def _stacks(self, n: int, with_shared: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor, int]:
+        """(gate_up, down, their layout) that a call of n tokens reads: the `repack_dual` small-batch copy for n <=
+        small_tokens, else the stacks; without `with_shared`, views of the routed experts only (the alignment and
+        the kernels size for E, not E + 1)."""
         w13, w2, layout = self.gate_up_nvfp4, self.down_nvfp4, self.layout
-        if self.small_tokens and x.shape[0] <= self.small_tokens:  # `repack_dual`: the small-batch copy
+        if self.small_tokens and n <= self.small_tokens:  # `repack_dual`: the small-batch copy
             w13 = NVFP4Tensor(self.small_gate_up_packed, self.gate_up_scales, self.gate_up_global)
             w2 = NVFP4Tensor(self.small_down_packed, self.down_scales, self.down_global)
             layout = self.small_layout
         if self.shared_index is not None and not with_shared:
             e = self.num_experts
             w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
-        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, layout, variant=layout)
+        return w13, w2, layout
 
     def _decode_stacks(self, n: int) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
-        """The routed experts' stacks in the checkpoint layout that a call of n tokens reads (the `repack_dual`
-        small-batch copy, or the stacks themselves when not repacked), or None."""
+        """The routed experts' stacks that a call of n tokens reads (`_stacks`) when they are in the checkpoint
+        layout, which the decode MoE kernel reads; else None."""
         from kernels.w4a16_gemm import CHECKPOINT
 
-        if self.small_tokens and n <= self.small_tokens and self.small_layout == CHECKPOINT:
-            w13 = NVFP4Tensor(self.small_gate_up_packed, self.gate_up_scales, self.gate_up_global)
-            w2 = NVFP4Tensor(self.small_down_packed, self.down_scales, self.down_global)
-        elif self.layout == CHECKPOINT:
-            w13, w2 = self.gate_up_nvfp4, self.down_nvfp4
-        else:
-            return None
-        e = self.num_experts
-        return tuple(NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
+        w13, w2, layout = self._stacks(n)
+        return (w13, w2) if layout == CHECKPOINT else None
 
     def fused_decode_ok(self, n: int, shared: nn.Module) -> bool:
         """Whether `decode_with_shared` serves a call of n tokens with this shared expert: n <= the kernel's
