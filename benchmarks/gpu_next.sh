@@ -1005,6 +1005,11 @@ say "81. issue 5 (same carry): the engine beside moe_fused_decode (off by defaul
 say "    again last in the process (--again: order effects); greedy tokens compared"
 engine_ab qwen_moe_fused_decode "${LIMIT_81:-540}" --autotune-table auto --moe-fused-decode --again
 fi
+if want 82; then
+say "82. issue 5 (same carry): the engine (lm_head_layout checkpoint, the default) beside lm_head_layout split_frag"
+say "    (the swap-AB kernel), then the first engine again last (--again); greedy tokens compared"
+engine_ab qwen_lm_head_frag "${LIMIT_82:-540}" --autotune-table auto --lm-head-frag --again
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

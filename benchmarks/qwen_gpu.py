@@ -238,6 +238,9 @@ def markdown(r: dict) -> str:
             f"| (e) engine with moe_fused_decode (a one-token decode step's routed + shared experts in one launch per layer; "
             f"the default: off): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_moe_fused_decode'))} | - |",
+            f"| (e) engine with lm_head_layout split_frag (lm_head by the swap-AB kernel on fragment-order bytes; the "
+            f"default: checkpoint, the decode GEMV / dense tensor-core kernel): decode tok/s, lone request / all "
+            f"{st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_lm_head_frag'))} | - |",
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
@@ -324,7 +327,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        async_decode: bool | None = None, shared_expert_in_moe: bool | str = "auto",
                        prefill_buckets: tuple = (), programmatic_launch: bool | str = "auto",
                        quant_in_producers: bool = True, batched_tokens: int | None = None,
-                       moe_fused_decode: bool = False) -> dict:
+                       moe_fused_decode: bool = False, lm_head_layout: str = "checkpoint") -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -339,7 +342,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             autotune_table=AUTOTUNE_TABLE,  # default off: tune afresh, the dumped picks are this run's
                             shared_expert_in_moe=shared_expert_in_moe, programmatic_launch=programmatic_launch,
                             quant_in_producers=quant_in_producers, warmup_burst=WARMUP_BURST,
-                            moe_fused_decode=moe_fused_decode,
+                            moe_fused_decode=moe_fused_decode, lm_head_layout=lm_head_layout,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     try:
@@ -417,14 +420,15 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
 def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
-    oracle) get the dense shared expert, no programmatic launches and the FP8 quantiser in the producing ops as the
-    module's default (on)."""
+    oracle) get the dense shared expert, lm_head in the checkpoint layout, no programmatic launches and the FP8
+    quantiser in the producing ops as the module's default (on)."""
     from kernels import pdl
-    from qwen_engine.engine import set_moe_fused_decode, set_shared_expert_in_moe
+    from qwen_engine.engine import set_lm_head_layout, set_moe_fused_decode, set_shared_expert_in_moe
     from qwen_engine.model import quantized
 
     set_shared_expert_in_moe(model, False)
     set_moe_fused_decode(model, False)
+    set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)
     quantized.QUANT_IN_PRODUCERS = True
 
@@ -488,6 +492,9 @@ def main() -> None:
     ap.add_argument("--moe-fused-decode", action="store_true",
                     help="(e) once more with moe_fused_decode (a one-token decode step's routed + shared experts in one launch "
                          "per layer, kernels/moe_decode.py)")
+    ap.add_argument("--lm-head-frag", action="store_true",
+                    help="(e) once more with lm_head in fragment order (lm_head_layout split_frag: the swap-AB kernel "
+                         "instead of the decode GEMV / dense tensor-core kernel)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="(e) once more without the engine's programmatic_launch (kernels/pdl.py: programmatic "
                          "dependent launch of the decode step's Triton kernels; auto = on for Hopper), side by side")
@@ -662,7 +669,8 @@ def main() -> None:
                     ("engine_no_pdl", dict(programmatic_launch=False), args.no_pdl),
                     ("engine_no_quant_producers", dict(quant_in_producers=False), args.no_quant_in_producers),
                     ("engine_batched_tokens", dict(batched_tokens=args.batched_tokens), args.batched_tokens),
-                    ("engine_moe_fused_decode", dict(moe_fused_decode=True), args.moe_fused_decode))
+                    ("engine_moe_fused_decode", dict(moe_fused_decode=True), args.moe_fused_decode),
+                    ("engine_lm_head_frag", dict(lm_head_layout="split_frag"), args.lm_head_frag))
         for key, options, wanted in variants:
             if not wanted:
                 continue

@@ -1039,7 +1039,8 @@ def default_expert_layout(device) -> int:
 
 def register(registry) -> None:
     """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe"; each first tries `kernels/w4a16_gemv.py` ("triton_gemv":
-    the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then this module's ("triton")."""
+    the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then this module's ("triton"). Also
+    `kernels/w4a16_swapped.py`'s "w4a16_linear_frag" (dense calls on fragment-order bytes: lm_head on Hopper)."""
     from kernels import w4a16_gemv as gemv
 
     registry.add_op(DENSE, w4a16_linear_reference, sample=_sample_dense, compare=compare, describe=describe_dense,
@@ -1057,3 +1058,6 @@ def register(registry) -> None:
                               "two GEMMs and of the output; fp32 everywhere else)")
     registry.add_implementation(MOE, gemv.GEMV, gemv.moe_experts_w4a16_gemv, gemv.supports_moe_gemv)
     registry.add_implementation(MOE, "triton", moe_experts_w4a16_triton, supports_moe)
+    from kernels.w4a16_swapped import register_frag_dense
+
+    register_frag_dense(registry)  # "w4a16_linear_frag": dense calls on fragment-order weights (lm_head)

@@ -161,6 +161,17 @@ def decode_split(tokens: int, k_tiles: tuple[int, int]) -> tuple[int, int]:
     return tuple(max(1, min(int(s), k)) for s, k in zip(DECODE_SPLIT, k_tiles))
 
 
+def dense_routing(rows: int, block_m: int, device: torch.device) -> MoeRouting:
+    """A dense call ([rows, K] x one [N, K] weight) as a one-expert `MoeRouting`: row r is pair r, padded to a
+    multiple of block_m with the sentinel `rows`; every block is expert 0. Built on the device from sizes only (no
+    host copy, no sync: capturable)."""
+    if rows < 1 or block_m < 1:
+        raise ValueError(f"dense_routing: rows and block_m must be >= 1, got {rows}, {block_m}")
+    padded = -(-rows // block_m) * block_m
+    pairs = torch.arange(padded, dtype=torch.int32, device=device).clamp_(max=rows)  # padding: the sentinel P
+    return MoeRouting(pairs, torch.zeros(padded // block_m, dtype=torch.int32, device=device), rows, block_m)
+
+
 def swapped_block_m(num_pairs: int, num_experts: int) -> int:
     """Routed rows per program (the MMA's N) from the mean pairs per expert: 16 at decode sizes; 64 from 16 pairs per
     expert on (at 1,024 tokens x top-8 of 256, 32 per expert, 64 measured 9% faster than 32 for gate_up and equal
@@ -406,3 +417,104 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
         TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, **cfg,
         **pdl.launch_options())
     return y.to(x.dtype)
+
+
+# ---- dense calls on fragment-order weights: lm_head (registry op "w4a16_linear_frag") ------------------------------
+# lm_head (NVFP4 [248,320, 2048], 286 MB) as a one-expert swap-AB launch (`dense_routing`) on its bytes in fragment
+# order. H200 (benchmarks/lm_head_bench.py, results/lm_head_bench_run1, 2026-12-02, per call in CUDA graphs, PDL on):
+# 1 row 142-143 us against the decode GEMV's 198 (2.0 against 1.4 TB/s); 2-16 rows 141-145 against the dense
+# tensor-core kernel's 330-333; 32 rows 165 against 390. BLOCK_N 128 / 256 were slower (255-290 us), 4 stages equal
+# to 3. The layout is the module's (`qwen_engine.model.quantized.NVFP4Linear.repack_frag`).
+FRAG_DENSE = "w4a16_linear_frag"
+FRAG_DENSE_TILES = ((64, 128), (64, 64))  # stored (rows, K) tiles, the first that divides the weight is used
+
+
+def frag_dense_tile(n: int, k: int) -> tuple[int, int] | None:
+    """The stored tile of a dense [N, K] weight in fragment order: the first of FRAG_DENSE_TILES dividing it (the
+    full-size lm_head takes the experts' SPLIT_TILE; the tiny test model's K = 64 the second), or None."""
+    return next(((bn, bk) for bn, bk in FRAG_DENSE_TILES if n % bn == 0 and k % bk == 0), None)
+
+
+def _frag_tile_of(w: NVFP4Tensor) -> tuple[int, int]:
+    n, kh = w.packed.shape
+    tile = frag_dense_tile(n, 2 * kh)
+    if tile is None:
+        raise ValueError(f"w4a16_linear_frag: a [{n}, {2 * kh}] weight splits into none of the tiles "
+                         f"{FRAG_DENSE_TILES}")
+    return tile
+
+
+def linear_to_frag(w: NVFP4Tensor, inverse: bool = False) -> NVFP4Tensor:
+    """A dense checkpoint-layout NVFP4 weight [N, K] into fragment order at `frag_dense_tile` (or back, `inverse`);
+    block and global scales stay."""
+    f = unsplit_frag if inverse else split_frag
+    return NVFP4Tensor(f(w.packed, *_frag_tile_of(w)), w.scales, w.global_scale)
+
+
+def w4a16_linear_frag_reference(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """`kernels.nvfp4.w4a16_linear_reference` of the weight `w` holds in fragment order (`linear_to_frag`)."""
+    from kernels.nvfp4 import w4a16_linear_reference
+
+    return w4a16_linear_reference(x, linear_to_frag(w, inverse=True))
+
+
+_DENSE_ROUTINGS: dict[tuple, MoeRouting] = {}  # (rows, block_m, device) -> `dense_routing`, built once
+
+
+def w4a16_linear_frag_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x.dtype, W in fragment order: one swap-AB launch, x's rows as the pairs of
+    one expert (16 per program up to 16 rows, 32 up to 32, then 64), BLOCK_N = the stored tile's 64 rows, 3 stages
+    (DEFAULT_CONFIG). Same numbers as `w4a16_linear_reference` up to fp32 summation order."""
+    n = w.packed.shape[0]
+    bn, bk = _frag_tile_of(w)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    key = (m, block_m, str(x.device))
+    routing = _DENSE_ROUTINGS.get(key)
+    if routing is None:
+        routing = _DENSE_ROUTINGS[key] = dense_routing(m, block_m, x.device)
+    g = torch.as_tensor(w.global_scale, dtype=torch.float32, device=x.device)
+    y = w4a16_grouped_swapped_launch(x2, w.packed[None], w.scales[None], g.reshape(1, -1) if g.dim() else g,
+                                     routing, block_n=bn, block_k=bk, frag=True)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def describe_frag_dense(x: torch.Tensor, w: NVFP4Tensor) -> dict:
+    """`supports_frag_dense`'s facts of a call."""
+    from kernels.w4a16_gemm import _capability
+
+    n, kh = w.packed.shape
+    return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype,
+                tile_ok=frag_dense_tile(n, 2 * kh) is not None and x.shape[-1] == 2 * kh)
+
+
+def supports_frag_dense(*, device: str, capability, dtype: torch.dtype, tile_ok: bool, **_) -> bool:
+    """Compiled Triton (or the interpreter) on a tensor-core GPU, bf16 / fp16 activations, a weight that splits."""
+    from kernels.w4a16_gemm import ACT_DTYPES, _device_ok
+
+    return _device_ok(device, capability) and dtype in ACT_DTYPES and tile_ok
+
+
+def _sample_frag_dense(device) -> tuple[tuple, dict]:
+    from kernels.nvfp4 import quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    w = quantize_nvfp4(torch.randn(128, 256, generator=g) * 0.02)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    return (x.to(device), linear_to_frag(NVFP4Tensor(*(t.to(device) for t in w)))), {}
+
+
+def register_frag_dense(registry) -> None:
+    """Op "w4a16_linear_frag" (called from `w4a16_gemm.register`): reference and "triton" (the swap-AB launch)."""
+    from kernels.w4a16_gemm import compare
+
+    registry.add_op(FRAG_DENSE, w4a16_linear_frag_reference, sample=_sample_frag_dense, compare=compare,
+                    describe=describe_frag_dense,
+                    tolerance="max |diff| <= 1e-2 x max |ref| (as w4a16_linear: exact dequant, fp32 accumulation, "
+                              "only summation order differs)")
+    registry.add_implementation(FRAG_DENSE, "triton", w4a16_linear_frag_triton, supports_frag_dense)

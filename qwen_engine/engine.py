@@ -153,6 +153,14 @@ class QwenEngineConfig:
     #                                 experts keep a checkpoint-layout copy (dual_frag, dual, checkpoint). H200
     #                                 2026-12-02, per layer: 26.6 us against 29.9 (-11%, one run; slower at 4
     #                                 tokens, so 1-token calls only). Off until measured in the engine (RESULTS.md)
+    lm_head_layout: str = "checkpoint"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
+    #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
+    #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
+    #                               registry op "w4a16_linear_frag"; converted in place, no second copy) | checkpoint
+    #                               (the decode GEMV at one row, the dense tensor-core kernel above) | auto
+    #                               (split_frag on Hopper with Triton kernels, checkpoint elsewhere). H200 per call,
+    #                               2026-12-02 (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165
+    #                               against 390; the default stays checkpoint until measured in the engine
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -185,6 +193,9 @@ class QwenEngineConfig:
         check_shared_expert_in_moe(self.shared_expert_in_moe)
         if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
+        if self.lm_head_layout not in LM_HEAD_LAYOUTS:
+            raise ValueError(f"lm_head_layout must be one of {' | '.join(LM_HEAD_LAYOUTS)}, got "
+                             f"{self.lm_head_layout!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
@@ -218,12 +229,13 @@ class QwenEngineConfig:
 # Results and errors
 
 
+LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-             MOE_DECODE_OP)
+             "w4a16_linear_frag", MOE_DECODE_OP)
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -279,6 +291,7 @@ class QwenEngine:
             "checkpoint" if cfg.kernels == "reference" and cfg.expert_layout == "auto" else cfg.expert_layout)
         self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
         self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
+        self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -464,6 +477,7 @@ class QwenEngine:
             "async_decode": self.cfg.async_decode,
             "shared_expert_in_moe_layers": self.shared_expert_in_moe,
             "moe_fused_decode_layers": self.moe_fused_decode,
+            "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
@@ -786,6 +800,36 @@ def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
                     "shared expert (a dense or W4A4 model, or tile-major / split-halves experts); the unfused "
                     "decode path runs")
     return n
+
+
+def resolve_lm_head_layout(cfg: QwenEngineConfig, device: torch.device) -> str:
+    """`QwenEngineConfig.lm_head_layout` on `device`: "auto" -> "split_frag" on Hopper (compute capability 9.x, where
+    it was measured) unless the kernels are the references (which would undo the order on every call), else
+    "checkpoint"; the others as given."""
+    if cfg.lm_head_layout != "auto":
+        return cfg.lm_head_layout
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return "split_frag" if hopper and cfg.kernels != "reference" else "checkpoint"
+
+
+def set_lm_head_layout(model: torch.nn.Module, layout: str) -> str:
+    """Store a packed lm_head (`NVFP4Linear`) in `layout` ("split_frag": `NVFP4Linear.repack_frag`; "checkpoint":
+    `repack_checkpoint`, for a model shared between engines) -> the layout it has ("dense" for an lm_head that is not
+    packed). A W4A4 export or a shape no tile divides keeps the checkpoint's (split_frag asked for: a warning)."""
+    from .model.quantized import NVFP4Linear
+
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, NVFP4Linear):
+        if layout == "split_frag":
+            log.warning("lm_head_layout split_frag: the lm_head is not a packed NVFP4 module (dequantized weights); "
+                        "unchanged")
+        return "dense"
+    if layout == "checkpoint":
+        head.repack_checkpoint()
+    elif not head.repack_frag():
+        log.warning("lm_head_layout split_frag: lm_head [%d, %d] is a W4A4 export or splits into no stored tile; "
+                    "checkpoint layout kept", head.out_features, head.in_features)
+    return head.layout
 
 
 def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry) -> dict[str, str]:

@@ -15,10 +15,11 @@ import inspect
 import pytest
 import torch
 
-from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4
+from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4, w4a16_linear_reference
 from kernels.w4a16_gemm import compare, moe_align, tile_major, w4a16_grouped_launch, w4a16_grouped_reference
 from kernels.w4a16_swapped import (
     FRAG_ORDER,
+    dense_routing,
     split_frag,
     split_halves,
     unsplit_frag,
@@ -253,3 +254,61 @@ def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
     empty = w4a16_grouped_swapped_launch(x[:0], wsplit, w.scales, w.global_scale, moe_align(idx[:0], 2, 16),
                                          block_n=32)
     assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows,block_m,tile", [(1, 16, 64), (3, 16, 32), (20, 16, 64), (32, 32, 64)])
+def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
+    """`dense_routing`: a dense [rows, K] x [N, K]^T call (lm_head's shape, small) as a one-expert swap-AB launch on
+    fragment-order bytes: within the reference's bound (`w4a16_linear_reference` in fp32, per element 2^-8 relative
+    + 1e-6 max |ref|, as above); padding rows hold the sentinel and are never written; bad sizes are refused."""
+    w = rand_weight(1, 128, 256, seed=31)
+    dense = NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
+    x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(32))).to(torch.bfloat16).to(DEVICE)
+    routing = dense_routing(rows, block_m, torch.device(DEVICE))
+    padded = -(-rows // block_m) * block_m
+    assert routing.sorted_pairs.tolist() == [min(r, rows) for r in range(padded)]
+    assert routing.block_expert.tolist() == [0] * (padded // block_m) and routing.num_pairs == rows
+    y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                     block_n=tile, block_k=BK, frag=True)
+    ref32 = w4a16_linear_reference(x.float(), dense)
+    assert y.shape == (rows, 128)
+    assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
+    with pytest.raises(ValueError, match="rows and block_m"):
+        dense_routing(0, 16, torch.device(DEVICE))
+
+
+@pytest.mark.parametrize("n,k,lead", [(128, 256, (1,)), (128, 256, (5,)), (192, 128, (20,)), (128, 64, (2, 3)),
+                                      (64, 256, (40,))])
+def test_linear_frag_op_matches_reference(n, k, lead):
+    """Op "w4a16_linear_frag" (lm_head on fragment-order bytes): `linear_to_frag` round-trips; the reference equals
+    `w4a16_linear_reference` on the checkpoint bytes exactly; the swap-AB implementation (1-40 rows: BLOCK_M 16, 32,
+    64; x with two leading dims; K = 64 takes the second stored tile) is within the reference's bound (2^-8 relative
+    + 1e-6 max |ref| per element, as above); `supports` accepts the call; a weight no tile divides is refused."""
+    from engine_core.registry import default_registry
+    from kernels.w4a16_swapped import (
+        FRAG_DENSE,
+        frag_dense_tile,
+        linear_to_frag,
+        w4a16_linear_frag_reference,
+        w4a16_linear_frag_triton,
+    )
+
+    w = rand_weight(1, n, k, seed=41)
+    dense = NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
+    frag = linear_to_frag(dense)
+    assert frag_dense_tile(n, k) == ((64, 128) if k % 128 == 0 else (64, 64))
+    assert not torch.equal(frag.packed, dense.packed)
+    assert torch.equal(linear_to_frag(frag, inverse=True).packed, dense.packed)
+    x = torch.randn(*lead, k, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16).to(DEVICE)
+    assert torch.equal(w4a16_linear_frag_reference(x, frag), w4a16_linear_reference(x, dense))
+    ref32 = w4a16_linear_reference(x.float(), dense)
+    y = w4a16_linear_frag_triton(x, frag)
+    assert y.shape == (*lead, n) and y.dtype == x.dtype
+    assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
+    spec = default_registry().spec(FRAG_DENSE)
+    assert spec.describe(x, frag)["tile_ok"]
+    o = rand_weight(1, 96, k, seed=43)  # 96 rows: no 64-row tile
+    odd = NVFP4Tensor(o.packed[0], o.scales[0], o.global_scale[0])
+    assert frag_dense_tile(96, k) is None and not spec.describe(x, odd)["tile_ok"]
+    with pytest.raises(ValueError, match="splits into none"):
+        linear_to_frag(odd)

@@ -766,3 +766,30 @@ def test_engine_moe_fused_decode(monkeypatch):
     assert h_off["moe_fused_decode_layers"] == 0
     assert calls_on > 0 and calls_off == 0
     assert on == off
+
+
+def test_engine_lm_head_layout():
+    """lm_head_layout (packed weights): split_frag stores lm_head in fragment order and computes it through registry
+    op "w4a16_linear_frag" (here its reference: fp32 on the CPU), with the same greedy streams as the checkpoint
+    layout; auto on the CPU keeps the checkpoint's, as does the default; dequantized weights report "dense"; a bad value is
+    refused."""
+    from engine_core.registry import default_registry
+
+    lengths = LENGTHS[:2]
+
+    async def body(engine):
+        before = sum(default_registry().choices()["w4a16_linear_frag"]["calls"].values())
+        outs = [await collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)]
+        after = sum(default_registry().choices()["w4a16_linear_frag"]["calls"].values())
+        return engine.health(), [o[0] for o in outs], after - before
+
+    (h_frag, frag, calls_frag), (h_auto, auto, calls_auto) = (
+        run(engine_config(weights="packed", lm_head_layout=layout), body) for layout in ("split_frag", "auto"))
+    assert h_frag["lm_head_layout"] == "split_frag" and h_auto["lm_head_layout"] == "checkpoint"
+    assert calls_frag > 0 and calls_auto == 0
+    assert frag == auto
+    h_dense, _, _ = run(engine_config(lm_head_layout="split_frag"), body)
+    assert h_dense["lm_head_layout"] == "dense"
+    assert QwenEngineConfig().lm_head_layout == "checkpoint"
+    with pytest.raises(ValueError, match="lm_head_layout must be one of"):
+        engine_config(lm_head_layout="tiles")

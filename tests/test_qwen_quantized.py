@@ -760,3 +760,34 @@ def test_shared_expert_in_moe_auto(tensors, monkeypatch, caplog):
         assert "no MoE layer" in caplog.text
     with pytest.raises(ValueError, match="auto"):
         set_shared_expert_in_moe(plain, "on")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_linear_repack_frag(dtype):
+    """`NVFP4Linear.repack_frag` (lm_head on Hopper): the bytes go to fragment order in place and forward runs op
+    "w4a16_linear_frag"; fp32 on the CPU takes its reference (bit for bit the checkpoint-layout module's output),
+    bf16 the swap-AB kernel under the interpreter (the kernel's bound, `compare`); `dequantized` is unchanged;
+    `repack_checkpoint` restores the bytes exactly; a W4A4 export and a shape no tile divides are refused."""
+    g = torch.Generator().manual_seed(5)
+    w = quantize_nvfp4(torch.randn(128, 256, generator=g) * 0.02)
+    x = torch.randn(3, 256, generator=g).to(dtype)
+    reg = registry()
+    plain = NVFP4Linear(w, reg)
+    lin = NVFP4Linear(w, reg)
+    want, dense = plain(x), plain.dequantized()
+    assert lin.repack_frag() and lin.layout == "split_frag" and lin.op == "w4a16_linear_frag"
+    assert not torch.equal(lin.packed, plain.packed) and lin.repack_frag()  # a second call changes nothing
+    got = lin(x)
+    if dtype == torch.float32:
+        assert torch.equal(got, want) and lin.implementation == "reference"
+    else:
+        assert compare(got, w4a16_gemm.w4a16_linear_reference(x.float(), w).to(dtype)) is None
+        assert lin.implementation == "triton"
+    assert torch.equal(lin.dequantized(), dense)
+    lin.repack_checkpoint()
+    assert lin.layout == "checkpoint" and torch.equal(lin.packed, plain.packed) and torch.equal(lin(x), want)
+    w4a4 = NVFP4Linear(w, reg, torch.tensor(0.01))
+    assert not w4a4.repack_frag() and w4a4.layout == "checkpoint"
+    odd = NVFP4Linear(quantize_nvfp4(torch.randn(96, 256, generator=g)), reg)
+    assert not odd.repack_frag() and odd.layout == "checkpoint"

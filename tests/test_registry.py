@@ -179,13 +179,15 @@ def test_default_registry_self_check_on_this_machine():
 
     reg = default_registry()
     assert reg is default_registry()
-    # kernels.w4a16_gemm registers three ops (dense, dense with the SwiGLU epilogue, MoE), kernels.fp8_linear four
+    # kernels.w4a16_gemm registers four ops (dense, dense with the SwiGLU epilogue, MoE, and kernels.w4a16_swapped's
+    # dense on fragment-order bytes: lm_head), kernels.fp8_linear four
     # (per-tensor static, row-wise dynamic, row-wise of gelu(x): the ViT's fc2, row-wise weights with one static
     # activation scale: the ViT's vit_fp8_static), kernels.gdn_decode two (out of place, and in place over the state
     # pool), kernels.rms_norm five (zero-centred, gated, residual add + zero-centred, the first two with FP8 codes),
     # kernels.attn_prep three (decode prep, output gate, the gate with FP8 codes), kernels.moe_router two (top-k over given logits; the router GEMV and the top-k in one launch),
     # kernels.nvfp4 the Blackwell W4A4 linear; every other module one
     assert set(reg.ops()) == {"preprocess", "mask_post", "w4a16_linear", "w4a16_swiglu", "w4a16_moe",
+                              "w4a16_linear_frag",
                               "fp8_quant_rows", "fp8_linear", "fp8_rowwise_linear", "fp8_rowwise_linear_gelu",
                               "fp8_static_rowwise_linear",
                               "gdn_decode", "gdn_decode_rows",

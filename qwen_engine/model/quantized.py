@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 W4A16_DENSE_OP = "w4a16_linear"  # kernels/w4a16_gemm.py
 W4A16_SWIGLU_OP = "w4a16_swiglu"  # the same GEMM with silu(gate) * up in its epilogue
 W4A16_MOE_OP = "w4a16_moe"
+W4A16_FRAG_OP = "w4a16_linear_frag"  # kernels/w4a16_swapped.py: dense calls on fragment-order bytes (lm_head)
 W4A16_MOE_DECODE_OP = "w4a16_moe_decode"  # kernels/moe_decode.py: routed + shared experts of <= 4 tokens, one launch
 FP8_OP = "fp8_linear"  # kernels/fp8_linear.py
 W4A4_MODES = ("auto", "off", "emulate")  # NVFP4Linear.w4a4, see the module docstring
@@ -184,9 +185,44 @@ class NVFP4Linear(_Dispatch):
         self._w4a4_impl: dict[tuple, object] = {}  # (device, dtype, preference) -> native implementation or None
         self._w4a4_registered: bool | None = None  # does the registry have op "nvfp4_w4a4_linear"
 
+    layout = "checkpoint"  # of `packed`: "checkpoint", or "split_frag" after `repack_frag`
+
     @property
     def weight_nvfp4(self) -> NVFP4Tensor:
+        """The stored weight (bytes in `layout`)."""
         return NVFP4Tensor(self.packed, self.scales, self.global_scale)
+
+    @property
+    def weight_checkpoint(self) -> NVFP4Tensor:
+        """The weight with its bytes in the checkpoint's layout (a converted copy after `repack_frag`)."""
+        if self.layout == "checkpoint":
+            return self.weight_nvfp4
+        from kernels.w4a16_swapped import linear_to_frag
+
+        return linear_to_frag(self.weight_nvfp4, inverse=True)
+
+    def repack_frag(self) -> bool:
+        """Store the bytes in wgmma fragment order (`kernels.w4a16_swapped.linear_to_frag`, in place: no second copy)
+        and compute through registry op "w4a16_linear_frag" (the swap-AB kernel as a one-expert launch, at every row
+        count; its reference elsewhere): lm_head on Hopper (`qwen_engine.engine.set_lm_head_layout`). False
+        (unchanged) for a W4A4 export (its op reads the checkpoint layout) or a shape no stored tile divides."""
+        from kernels.w4a16_swapped import frag_dense_tile, linear_to_frag
+
+        if self.layout == "split_frag":
+            return True
+        if self.w4a4_export or frag_dense_tile(self.out_features, self.in_features) is None:
+            return False
+        self.packed = linear_to_frag(self.weight_nvfp4).packed
+        self.layout, self.op = "split_frag", W4A16_FRAG_OP
+        self._impl.clear()
+        return True
+
+    def repack_checkpoint(self) -> None:
+        """Undo `repack_frag` (in place): the checkpoint's bytes and op "w4a16_linear" again."""
+        if self.layout != "checkpoint":
+            self.packed = self.weight_checkpoint.packed
+            self.layout, self.op = "checkpoint", W4A16_DENSE_OP
+            self._impl.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x.dtype."""
@@ -235,10 +271,10 @@ class NVFP4Linear(_Dispatch):
         return f"W4A4 native ({impl.name})" if impl is not None else "W4A16"
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
-        return dequantize_nvfp4(*self.weight_nvfp4, dtype=dtype)
+        return dequantize_nvfp4(*self.weight_checkpoint, dtype=dtype)
 
     def extra_repr(self) -> str:
-        fmt = f"NVFP4 W4A4 export, w4a4={self.w4a4}" if self.w4a4_export else "W4A16_NVFP4"
+        fmt = f"NVFP4 W4A4 export, w4a4={self.w4a4}" if self.w4a4_export else f"W4A16_NVFP4, {self.layout} layout"
         return f"in_features={self.in_features}, out_features={self.out_features}, {fmt}"
 
 
