@@ -461,27 +461,34 @@ def w4a16_linear_frag_reference(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor
 _DENSE_ROUTINGS: dict[tuple, MoeRouting] = {}  # (rows, block_m, device) -> `dense_routing`, built once
 
 
-def w4a16_linear_frag_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x.dtype, W in fragment order: one swap-AB launch, x's rows as the pairs of
-    one expert (16 per program up to 16 rows, 32 up to 32, then 64), BLOCK_N = the stored tile's 64 rows, 3 stages
-    (DEFAULT_CONFIG). Same numbers as `w4a16_linear_reference` up to fp32 summation order."""
-    n = w.packed.shape[0]
-    bn, bk = _frag_tile_of(w)
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    m = x2.shape[0]
+def _frag_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                       swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] (unit inner stride) @ W^T -> [M, N], W [N, K] in fragment order: one swap-AB launch, the M rows as
+    the pairs of one expert (16 per program up to 16 rows, 32 up to 32, then 64), BLOCK_N = the stored tile's 64
+    rows, 3 stages (DEFAULT_CONFIG). `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
+    if swiglu:
+        raise ValueError("w4a16_linear_frag: no SwiGLU epilogue")
+    n = packed.shape[0]
+    bn, bk = _frag_tile_of(NVFP4Tensor(packed, scales, global_scale))
+    m = x.shape[0]
     if m == 0:
-        return x.new_empty(*x.shape[:-1], n)
+        return x.new_empty(0, n)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     key = (m, block_m, str(x.device))
     routing = _DENSE_ROUTINGS.get(key)
     if routing is None:
         routing = _DENSE_ROUTINGS[key] = dense_routing(m, block_m, x.device)
-    g = torch.as_tensor(w.global_scale, dtype=torch.float32, device=x.device)
-    y = w4a16_grouped_swapped_launch(x2, w.packed[None], w.scales[None], g.reshape(1, -1) if g.dim() else g,
-                                     routing, block_n=bn, block_k=bk, frag=True)
-    return y.reshape(*x.shape[:-1], n)
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    return w4a16_grouped_swapped_launch(x, packed[None], scales[None], g.reshape(1, -1) if g.dim() else g, routing,
+                                        block_n=bn, block_k=bk, frag=True)
+
+
+def w4a16_linear_frag_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x.dtype, W in fragment order (`_frag_dense_launch` over x's leading dims).
+    Same numbers as `w4a16_linear_reference` up to fp32 summation order."""
+    from kernels.w4a16_gemm import _dense_any_rank
+
+    return _dense_any_rank(x, *w, swiglu=False, launch=_frag_dense_launch)
 
 
 def describe_frag_dense(x: torch.Tensor, w: NVFP4Tensor) -> dict:

@@ -742,24 +742,32 @@ def test_engine_shared_expert_in_moe(monkeypatch):
     assert on == off
 
 
+def one_by_one_counting(op: str):
+    """An engine body for `run`: two prompts (LENGTHS[:2]), one after the other (so their decode steps have one
+    row), 4 greedy tokens each -> (health, the token streams, how many calls registry op `op` took meanwhile)."""
+    from engine_core.registry import default_registry
+
+    def calls() -> int:
+        return sum(default_registry().choices()[op]["calls"].values())
+
+    async def body(engine):
+        before = calls()
+        outs = [await collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(LENGTHS[:2])]
+        return engine.health(), [o[0] for o in outs], calls() - before
+
+    return body
+
+
 def test_engine_moe_fused_decode(monkeypatch):
     """moe_fused_decode (packed weights, the MoE's fused path as on a GPU): one-row MoE calls (a lone request's decode
     steps) run the routed and shared experts through the registry op "w4a16_moe_decode" and moe_combine over its
     partial rows, larger ones the unfused path; the greedy streams equal the engine's without it (fp32 activations:
     the registry's references, so this checks the wiring and the combine over partial rows; the kernel's own check
     is tests/test_kernel_moe_decode.py). The requests run one after the other, so their decode steps have one row."""
-    from engine_core.registry import default_registry
     from qwen_engine.model.moe import SparseMoE
 
     monkeypatch.setattr(SparseMoE, "fused", True)
-    lengths = LENGTHS[:2]
-
-    async def body(engine):
-        before = sum(default_registry().choices()["w4a16_moe_decode"]["calls"].values())
-        outs = [await collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)]
-        after = sum(default_registry().choices()["w4a16_moe_decode"]["calls"].values())
-        return engine.health(), [o[0] for o in outs], after - before
-
+    body = one_by_one_counting("w4a16_moe_decode")
     (h_on, on, calls_on), (h_off, off, calls_off) = (
         run(engine_config(weights="packed", moe_fused_decode=flag), body) for flag in (True, False))
     assert h_on["moe_fused_decode_layers"] == QwenConfig.tiny().num_hidden_layers
@@ -771,18 +779,9 @@ def test_engine_moe_fused_decode(monkeypatch):
 def test_engine_lm_head_layout():
     """lm_head_layout (packed weights): split_frag stores lm_head in fragment order and computes it through registry
     op "w4a16_linear_frag" (here its reference: fp32 on the CPU), with the same greedy streams as the checkpoint
-    layout; auto on the CPU keeps the checkpoint's, as does the default; dequantized weights report "dense"; a bad value is
-    refused."""
-    from engine_core.registry import default_registry
-
-    lengths = LENGTHS[:2]
-
-    async def body(engine):
-        before = sum(default_registry().choices()["w4a16_linear_frag"]["calls"].values())
-        outs = [await collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)]
-        after = sum(default_registry().choices()["w4a16_linear_frag"]["calls"].values())
-        return engine.health(), [o[0] for o in outs], after - before
-
+    layout; auto on the CPU keeps the checkpoint's, as does the default; dequantized weights report "dense"; a bad
+    value is refused."""
+    body = one_by_one_counting("w4a16_linear_frag")
     (h_frag, frag, calls_frag), (h_auto, auto, calls_auto) = (
         run(engine_config(weights="packed", lm_head_layout=layout), body) for layout in ("split_frag", "auto"))
     assert h_frag["lm_head_layout"] == "split_frag" and h_auto["lm_head_layout"] == "checkpoint"
