@@ -1006,9 +1006,37 @@ say "    again last in the process (--again: order effects); greedy tokens compa
 engine_ab qwen_moe_fused_decode "${LIMIT_81:-540}" --autotune-table auto --moe-fused-decode --again
 fi
 if want 82; then
-say "82. issue 5 (same carry): the engine (lm_head_layout checkpoint, the default) beside lm_head_layout split_frag"
-say "    (the swap-AB kernel), then the first engine again last (--again); greedy tokens compared"
+say "82. issue 5 (same carry; ran: run 39, which found the capture bug; again after its fix, 2026-12-03): the swap-AB"
+say "    kernel's CUDA tests (the lm_head op's first use inside a graph capture among them), then the engine"
+say "    (lm_head_layout checkpoint, the default) beside lm_head_layout split_frag (the swap-AB kernel), then the first"
+say "    engine again last (--again); greedy tokens compared. Since runs 39-41 (2026-12-03): the op's stages per row block"
+say "    (FRAG_DENSE_STAGES) repeated 30,000 times each bit for bit first (benchmarks/swapped_race.py)"
+gpu_tests swapped_tests "${LIMIT_82A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
+grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
+probe lm_head_repeats "${LIMIT_82B:-120}" swapped_race.py --lm-head-options --calls 30000 --configs 32:2:2,16:3:2
 engine_ab qwen_lm_head_frag "${LIMIT_82:-540}" --autotune-table auto --lm-head-frag --again
+fi
+if want 83; then
+say "83. issue 5 (same carry): bisecting runs 39-40's lm_head split_frag token difference (every stream's token wrong"
+say "    in one mixed step, ~6 adjacent vocab ids): the engine (checkpoint) beside split_frag, split_frag without PDL,"
+say "    split_frag without async_decode; each one's first differing token per stream"
+engine_ab qwen_lm_head_bisect "${LIMIT_83:-560}" --autotune-table auto \
+  --variant 'frag={"lm_head_layout": "split_frag"}' \
+  --variant 'frag_no_pdl={"lm_head_layout": "split_frag", "programmatic_launch": false}' \
+  --variant 'frag_sync={"lm_head_layout": "split_frag", "async_decode": false}'
+grep -E "first differing" "$R/qwen_lm_head_bisect.log" | cut -c1-400
+fi
+if want 84; then
+say "84. issue 5 (same carry): lm_head on the swap-AB kernel checked at full size (benchmarks/lm_head_check.py): rows"
+say "    1-64 against the checkpoint path per 64-column tile, then the eager chain (gather -> RMSNorm -> lm_head)"
+say "    repeated with PDL on / off, each output compared bit for bit with the same call after a sync"
+probe lm_head_check "${LIMIT_84:-300}" lm_head_check.py
+fi
+if want 85; then
+say "85. issue 5 (same carry): is the swap-AB kernel deterministic? The same call repeated, bit for bit, over its"
+say "    switches (PDL, block_m, fragment order, dequant mode, stages) and the engine's expert shapes"
+say "    (benchmarks/swapped_race.py; step 84 found ~1% of lm_head calls differing in 8 columns)"
+probe swapped_race "${LIMIT_85:-300}" swapped_race.py
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -59,7 +59,7 @@ def main() -> None:
         xs = [torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16) for _ in range(calls)]
         engine = w4a16_linear_gemv if t == 1 else w4a16_linear_triton
         block_m = 16 if t <= 16 else 32
-        routing = dense_routing(t, block_m, dev)
+        routing = dense_routing(t, block_m)
 
         def swapped(x, bn=SPLIT_TILE[0], stages=3):
             return w4a16_grouped_swapped_launch(x, frag, w.scales[None], w.global_scale[None], routing, frag=True,

@@ -156,6 +156,11 @@ def same_tokens(r: dict) -> None:
         ids = (v.get("streams") or {}).get("ids")
         v["same_tokens"] = dict(lone=lone0 is not None and v["lone"].get("ids") == lone0,
                                 streams=None if not (ids and streams0) else sum(a == b for a, b in zip(ids, streams0)))
+        if ids and streams0:  # where each differing stream first differs: (stream, token index, first's, this one's)
+            v["stream_divergence"] = [(i, j, a[j], b[j]) for i, (a, b) in enumerate(zip(streams0, ids))
+                                      for j in [next((j for j, (p, q) in enumerate(zip(a, b)) if p != q), None)]
+                                      if j is not None]
+            log(f"(e) {key}: streams' first differing tokens: {v['stream_divergence'][:12]}")
         log(f"(e) {key}: same greedy tokens as the first engine: {v['same_tokens']}")
 
 
@@ -495,6 +500,10 @@ def main() -> None:
     ap.add_argument("--lm-head-frag", action="store_true",
                     help="(e) once more with lm_head in fragment order (lm_head_layout split_frag: the swap-AB kernel "
                          "instead of the decode GEMV / dense tensor-core kernel)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="(e) once more with these QwenEngineConfig options, NAME=JSON (repeatable), e.g. "
+                         "'frag_no_pdl={\"lm_head_layout\": \"split_frag\", \"programmatic_launch\": false}': "
+                         "its greedy tokens compared with the first engine's like the other variants")
     ap.add_argument("--no-pdl", action="store_true",
                     help="(e) once more without the engine's programmatic_launch (kernels/pdl.py: programmatic "
                          "dependent launch of the decode step's Triton kernels; auto = on for Hopper), side by side")
@@ -671,6 +680,9 @@ def main() -> None:
                     ("engine_batched_tokens", dict(batched_tokens=args.batched_tokens), args.batched_tokens),
                     ("engine_moe_fused_decode", dict(moe_fused_decode=True), args.moe_fused_decode),
                     ("engine_lm_head_frag", dict(lm_head_layout="split_frag"), args.lm_head_frag))
+        for spec in args.variant:  # NAME=JSON options: any combination, e.g. to bisect a token difference
+            name, _, opts = spec.partition("=")
+            variants += ((f"engine_{name}", json.loads(opts), True),)
         for key, options, wanted in variants:
             if not wanted:
                 continue

@@ -151,8 +151,9 @@ class MoeRouting(NamedTuple):
     """(token, slot) pairs p = t * top_k + j grouped by expert, each expert's group padded to a multiple of block_m.
     Sizes depend only on (num_pairs, num_experts, block_m), so building it never syncs with the host."""
 
-    sorted_pairs: torch.Tensor  # int32 [R]: pair id per row; num_pairs marks a padding row
-    block_expert: torch.Tensor  # int32 [R / block_m]: expert of each row block; num_experts past the last used block
+    sorted_pairs: torch.Tensor | None  # int32 [R]: pair id per row; num_pairs marks a padding row (None: dense)
+    block_expert: torch.Tensor | None  # int32 [R / block_m]: expert of each row block; num_experts past the last used
+    #                                    block (None: `w4a16_swapped.dense_routing`, rows in order, all expert 0)
     num_pairs: int  # P = T * top_k
     block_m: int
 
@@ -788,6 +789,9 @@ def w4a16_grouped_launch(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting, *
                          config: dict | None = None, modes: dict | None = None) -> torch.Tensor:
     """Grouped GEMM over the routed pairs: y[p] = f(x[p // a_div] @ dequant(W[e_p])^T) * row_scale[p].
     x [R, K]; w stacked [E, N, K]; -> y [P, N (or N/2 with swiglu)] in x.dtype (pair order = routing's pair ids)."""
+    if routing.sorted_pairs is None:
+        raise ValueError("w4a16_grouped_launch takes a routing with tensors (`moe_align`); a dense routing runs on "
+                         "w4a16_swapped.w4a16_grouped_swapped_launch")
     e, n, kh = w.packed.shape
     k = 2 * kh
     n_out = n // 2 if swiglu else n

@@ -161,15 +161,15 @@ def decode_split(tokens: int, k_tiles: tuple[int, int]) -> tuple[int, int]:
     return tuple(max(1, min(int(s), k)) for s, k in zip(DECODE_SPLIT, k_tiles))
 
 
-def dense_routing(rows: int, block_m: int, device: torch.device) -> MoeRouting:
-    """A dense call ([rows, K] x one [N, K] weight) as a one-expert `MoeRouting`: row r is pair r, padded to a
-    multiple of block_m with the sentinel `rows`; every block is expert 0. Built on the device from sizes only (no
-    host copy, no sync: capturable)."""
+def dense_routing(rows: int, block_m: int) -> MoeRouting:
+    """A dense call ([rows, K] x one [N, K] weight) as a one-expert `MoeRouting` without tensors: row r is pair r, and
+    every row block is expert 0, which the kernel computes (`DENSE`) instead of loading. Sizes only, so nothing is
+    allocated, cached or captured: a routing tensor cached by its first use would, when that use sits inside a CUDA
+    graph capture, hold bytes nobody wrote until the graph replays (Qwen run 39: an eager 29-row call read one and
+    every stream's next token went wrong)."""
     if rows < 1 or block_m < 1:
         raise ValueError(f"dense_routing: rows and block_m must be >= 1, got {rows}, {block_m}")
-    padded = -(-rows // block_m) * block_m
-    pairs = torch.arange(padded, dtype=torch.int32, device=device).clamp_(max=rows)  # padding: the sentinel P
-    return MoeRouting(pairs, torch.zeros(padded // block_m, dtype=torch.int32, device=device), rows, block_m)
+    return MoeRouting(None, None, rows, block_m)
 
 
 def swapped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -265,19 +265,29 @@ if triton is not None:
                                       DEQ: tl.constexpr, TILE_N: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                       FRAG: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                                      USE_PDL: tl.constexpr = False):
+                                      DENSE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # grid (R / BM, N_out / BN); one program = BN output columns (weight rows: the MMA's M) x BM sorted pairs of
         # one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows x BK; BN a multiple
         # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
-        # FRAG: the split-halves bytes in fragment order (`split_frag`).
+        # FRAG: the split-halves bytes in fragment order (`split_frag`). DENSE: `dense_routing` (no routing tensors:
+        # sorted_pairs / block_expert unused, row block pid_m = pairs pid_m BM.., expert 0).
         # SPLIT > 1 (grid (.., .., SPLIT)): program_id(2) takes its share of the K tiles and stores its fp32 partials to
         # ws [SPLIT, tiles, 2 (gate, up; 1 without SwiGLU), BN, BM]; the last of a tile's SPLIT programs to arrive (`split_k`: one
         # counter per tile, re-armed to 0) sums them in split order and runs the epilogue. SPLIT = 1: none of it.
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        e = tl.load(block_expert + pid_m)
+        if DENSE:  # `dense_routing`: row block pid_m is rows pid_m BM.., all of expert 0
+            e = 0
+        else:
+            e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
-            pairs, p_ok, a_rows, n_out = _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU, BLOCK_M)
+            if DENSE:
+                pairs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                p_ok = pairs < P
+                a_rows = pairs // A_DIV
+                n_out = N // 2 if SWIGLU else N
+            else:
+                pairs, p_ok, a_rows, n_out = _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             we = w + e.to(tl.int64) * s_we
             se = s + e.to(tl.int64) * s_se
@@ -405,16 +415,20 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
         return y.to(x.dtype)
     sc = scales.view(torch.uint8)
     rs = row_scale.reshape(-1) if row_scale is not None else g  # any tensor when HAS_ROW_SCALE is off
-    grid = (routing.block_expert.numel(), n_out // bn)
+    dense = routing.sorted_pairs is None  # `dense_routing`
+    if dense and e != 1:
+        raise ValueError(f"a dense routing needs one expert, got {e}")
+    grid = (triton.cdiv(routing.num_pairs, routing.block_m) if dense else routing.block_expert.numel(), n_out // bn)
     split, counters = effective_split(split, k // block_k, grid[0] * grid[1], x.device)
     ws = (torch.empty((split, grid[0] * grid[1], 2 if swiglu else 1, bn, routing.block_m), dtype=torch.float32,
                       device=x.device) if split > 1 else g)  # any tensor when SPLIT is 1
     _w4a16_grouped_swapped_kernel[grid + (split,)](
-        x, packed_split, sc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, k, e, a_div,
+        x, packed_split, sc, g, rs, y, y if dense else routing.sorted_pairs, y if dense else routing.block_expert,
+        routing.num_pairs, n, k, e, a_div,
         x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
         s_ge, s_gn, y.stride(0), ws, counters if counters is not None else g, SPLIT=split, SWIGLU=swiglu,
         HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
-        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, **cfg,
+        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, DENSE=dense, **cfg,
         **pdl.launch_options())
     return y.to(x.dtype)
 
@@ -426,6 +440,13 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
 # tensor-core kernel's 330-333; 32 rows 165 against 390. BLOCK_N 128 / 256 were slower (255-290 us), 4 stages equal
 # to 3. The layout is the module's (`qwen_engine.model.quantized.NVFP4Linear.repack_frag`).
 FRAG_DENSE = "w4a16_linear_frag"
+# pipeline stages per row block. 32 rows: 2, not 3: at 3 stages (fragment order, DEQ 2) the H200 gave a different
+# result for ~0.5% of repeated identical calls (benchmarks/swapped_race.py, 2026-12-03: 16-18 of 3,000 at 24 and 32
+# rows, one 8-row x 8-column MMA fragment wrong each time, PDL on or off), and none at 2 stages (0 of 3,000, same
+# 165 us per call), nor with 16 / 64 rows per block, without fragment order or with DEQ 1 at 3 stages (0 of 3,000
+# each). The cause is not known (a pipelining hazard in the compiled kernel is suspected); the engine's experts use
+# 16 / 64 only (`swapped_block_m`). Found by Qwen runs 39-41: one engine step's tokens all wrong.
+FRAG_DENSE_STAGES = {16: 3, 32: 2, 64: 3}
 FRAG_DENSE_TILES = ((64, 128), (64, 64))  # stored (rows, K) tiles, the first that divides the weight is used
 
 
@@ -458,14 +479,11 @@ def w4a16_linear_frag_reference(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor
     return w4a16_linear_reference(x, linear_to_frag(w, inverse=True))
 
 
-_DENSE_ROUTINGS: dict[tuple, MoeRouting] = {}  # (rows, block_m, device) -> `dense_routing`, built once
-
-
 def _frag_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                        swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (unit inner stride) @ W^T -> [M, N], W [N, K] in fragment order: one swap-AB launch, the M rows as
     the pairs of one expert (16 per program up to 16 rows, 32 up to 32, then 64), BLOCK_N = the stored tile's 64
-    rows, 3 stages (DEFAULT_CONFIG). `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
+    rows, FRAG_DENSE_STAGES stages. `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
     if swiglu:
         raise ValueError("w4a16_linear_frag: no SwiGLU epilogue")
     n = packed.shape[0]
@@ -474,13 +492,10 @@ def _frag_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     if m == 0:
         return x.new_empty(0, n)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    key = (m, block_m, str(x.device))
-    routing = _DENSE_ROUTINGS.get(key)
-    if routing is None:
-        routing = _DENSE_ROUTINGS[key] = dense_routing(m, block_m, x.device)
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    return w4a16_grouped_swapped_launch(x, packed[None], scales[None], g.reshape(1, -1) if g.dim() else g, routing,
-                                        block_n=bn, block_k=bk, frag=True)
+    return w4a16_grouped_swapped_launch(x, packed[None], scales[None], g.reshape(1, -1) if g.dim() else g,
+                                        dense_routing(m, block_m), block_n=bn, block_k=bk, frag=True,
+                                        config=dict(num_stages=FRAG_DENSE_STAGES[block_m]))
 
 
 def w4a16_linear_frag_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:

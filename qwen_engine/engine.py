@@ -160,7 +160,9 @@ class QwenEngineConfig:
     #                               (the decode GEMV at one row, the dense tensor-core kernel above) | auto
     #                               (split_frag on Hopper with Triton kernels, checkpoint elsewhere). H200 per call,
     #                               2026-12-02 (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165
-    #                               against 390; the default stays checkpoint until measured in the engine
+    #                               against 390; in the engine +2% (runs 39-41, 2026-12-03), which also found a race
+    #                               in its 32-row-block build (fixed: FRAG_DENSE_STAGES). The default stays checkpoint
+    #                               until the fixed kernel is measured in the engine
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and

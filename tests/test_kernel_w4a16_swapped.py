@@ -20,6 +20,7 @@ from kernels.w4a16_gemm import compare, moe_align, tile_major, w4a16_grouped_lau
 from kernels.w4a16_swapped import (
     FRAG_ORDER,
     dense_routing,
+    linear_to_frag,
     split_frag,
     split_halves,
     unsplit_frag,
@@ -259,22 +260,74 @@ def test_swapped_rejects_bad_tiles_and_handles_no_pairs():
 @pytest.mark.parametrize("rows,block_m,tile", [(1, 16, 64), (3, 16, 32), (20, 16, 64), (32, 32, 64)])
 def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
     """`dense_routing`: a dense [rows, K] x [N, K]^T call (lm_head's shape, small) as a one-expert swap-AB launch on
-    fragment-order bytes: within the reference's bound (`w4a16_linear_reference` in fp32, per element 2^-8 relative
-    + 1e-6 max |ref|, as above); padding rows hold the sentinel and are never written; bad sizes are refused."""
+    fragment-order bytes, with no routing tensors (the kernel's DENSE rows): within the reference's bound
+    (`w4a16_linear_reference` in fp32, per element 2^-8 relative + 1e-6 max |ref|, as above); bad sizes, a dense
+    routing over two experts and the grouped kernel given one are refused."""
     w = rand_weight(1, 128, 256, seed=31)
     dense = NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
     x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(32))).to(torch.bfloat16).to(DEVICE)
-    routing = dense_routing(rows, block_m, torch.device(DEVICE))
-    padded = -(-rows // block_m) * block_m
-    assert routing.sorted_pairs.tolist() == [min(r, rows) for r in range(padded)]
-    assert routing.block_expert.tolist() == [0] * (padded // block_m) and routing.num_pairs == rows
+    routing = dense_routing(rows, block_m)
+    assert routing == (None, None, rows, block_m)
     y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
                                      block_n=tile, block_k=BK, frag=True)
     ref32 = w4a16_linear_reference(x.float(), dense)
     assert y.shape == (rows, 128)
     assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
     with pytest.raises(ValueError, match="rows and block_m"):
-        dense_routing(0, 16, torch.device(DEVICE))
+        dense_routing(0, 16)
+    two = rand_weight(2, 128, 256, seed=33)
+    with pytest.raises(ValueError, match="one expert"):
+        w4a16_grouped_swapped_launch(x, split_frag(two.packed, tile, BK), two.scales, two.global_scale, routing,
+                                     block_n=tile, block_k=BK, frag=True)
+    with pytest.raises(ValueError, match="dense routing"):
+        w4a16_grouped_launch(x, w, routing)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_linear_frag_first_use_inside_a_capture():
+    """Qwen run 39's bug: the op's first call at a row count inside a CUDA-graph capture, then an eager call at that
+    row count before any replay, then the replay: all three equal the reference (the old per-row-count routing cache
+    handed the eager call bytes the capture had allocated but nobody had written)."""
+    from kernels.w4a16_swapped import w4a16_linear_frag_triton
+
+    w = rand_weight(1, 128, 256, seed=34)
+    dense = NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
+    frag = linear_to_frag(dense)
+    for rows, warm in ((29, 30), (7, 5)):  # row counts no other test uses; warm: same block_m and specialisation
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+        ref32 = w4a16_linear_reference(x.float(), dense)
+        bound = 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()
+        w4a16_linear_frag_triton(torch.randn(warm, 256, generator=g).to(x), frag)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = w4a16_linear_frag_triton(x, frag)
+        y_eager = w4a16_linear_frag_triton(x, frag)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert ((y_eager.float() - ref32).abs() <= bound).all(), rows
+        assert ((y_graph.float() - ref32).abs() <= bound).all(), rows
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a race on the GPU")
+def test_linear_frag_repeats_bit_for_bit():
+    """The lm_head op at full size (NVFP4 [248,320, 2048]) called 1,000 times on the same 24 and 32 rows gives the
+    same bits every time (no atomics, split 1). At 3 stages with 32 rows per block ~0.5% of calls differed in one
+    8 x 8 MMA fragment on the H200 (benchmarks/swapped_race.py), hence FRAG_DENSE_STAGES; this fails at that rate."""
+    from kernels.w4a16_swapped import FRAG_DENSE_STAGES, w4a16_linear_frag_triton
+
+    assert FRAG_DENSE_STAGES[32] == 2
+    g = torch.Generator(device=DEVICE).manual_seed(35)
+    n, k = 248_320, 2048
+    w = NVFP4Tensor(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE, generator=g),
+                    (0.5 + 1.5 * torch.rand((n, k // 16), device=DEVICE, generator=g)).to(torch.float8_e4m3fn),
+                    1e-2 * (0.5 + torch.rand(n, device=DEVICE, generator=g)))
+    frag = linear_to_frag(w)
+    for rows in (24, 32):
+        x = torch.randn(rows, k, device=DEVICE, generator=g).to(torch.bfloat16)
+        first = w4a16_linear_frag_triton(x, frag)
+        differing = sum(not torch.equal(w4a16_linear_frag_triton(x, frag), first) for _ in range(1000))
+        assert differing == 0, (rows, differing)
 
 
 @pytest.mark.parametrize("n,k,lead", [(128, 256, (1,)), (128, 256, (5,)), (192, 128, (20,)), (128, 64, (2, 3)),
