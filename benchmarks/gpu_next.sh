@@ -1011,10 +1011,15 @@ say "    kernel's CUDA tests (the lm_head op's first use inside a graph capture 
 say "    (lm_head_layout checkpoint, the default) beside lm_head_layout split_frag (the swap-AB kernel), then the first"
 say "    engine again last (--again); greedy tokens compared. Since runs 39-41 (2026-12-03): the op's stages per row block"
 say "    (FRAG_DENSE_STAGES) repeated 30,000 times each bit for bit first (benchmarks/swapped_race.py)"
-gpu_tests swapped_tests "${LIMIT_82A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
-grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
-probe lm_head_repeats "${LIMIT_82B:-120}" swapped_race.py --lm-head-options --calls 30000 --configs 32:2:2,16:3:2
-engine_ab qwen_lm_head_frag "${LIMIT_82:-540}" --autotune-table auto --lm-head-frag --again
+# (a short call: TESTS_82=0 skips the test file, REPS_82 sets the repeats, AGAIN_82=0 drops --again)
+if [ "${TESTS_82:-1}" = 1 ]; then
+  gpu_tests swapped_tests "${LIMIT_82A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
+  grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
+fi
+probe lm_head_repeats "${LIMIT_82B:-120}" swapped_race.py --lm-head-options --calls "${REPS_82:-30000}" \
+  --configs 32:2:2,16:3:2
+engine_ab qwen_lm_head_frag "${LIMIT_82:-540}" --autotune-table auto --lm-head-frag \
+  $([ "${AGAIN_82:-1}" = 1 ] && echo --again)
 fi
 if want 83; then
 say "83. issue 5 (same carry): bisecting runs 39-40's lm_head split_frag token difference (every stream's token wrong"
