@@ -40,8 +40,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("lm_head_bench needs a CUDA GPU")
     from cuda_timing import graph_per_call_us
+    from random_packed import random_nvfp4
+
     from kernels import pdl
-    from kernels.nvfp4 import NVFP4Tensor
     from kernels.w4a16_gemm import w4a16_linear_triton
     from kernels.w4a16_gemv import w4a16_linear_gemv
     from kernels.w4a16_swapped import SPLIT_TILE, dense_routing, split_frag, w4a16_grouped_swapped_launch
@@ -49,9 +50,7 @@ def main() -> None:
     pdl.set_enabled(pdl.device_supports())
     dev, n, k, calls = torch.device("cuda"), args.vocab, args.hidden, 10
     gen = torch.Generator(device=dev).manual_seed(0)
-    w = NVFP4Tensor(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=gen),
-                    (0.5 + 1.5 * torch.rand((n, k // 16), device=dev, generator=gen)).to(torch.float8_e4m3fn),
-                    1e-2 * (0.5 + torch.rand(n, device=dev, generator=gen)))
+    w = random_nvfp4((n, k), dev, gen)
     frag = split_frag(w.packed[None], *SPLIT_TILE)  # [1, N, K/2]
     nbytes = n * k // 2 + n * k // 16
     rows_out = []

@@ -36,8 +36,9 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("lm_head_check needs a CUDA GPU")
+    from random_packed import random_nvfp4
+
     from kernels import pdl
-    from kernels.nvfp4 import NVFP4Tensor
     from kernels.rms_norm import rms_norm_zc_op
     from kernels.w4a16_gemm import w4a16_linear_triton
     from kernels.w4a16_gemv import w4a16_linear_gemv
@@ -45,9 +46,7 @@ def main() -> None:
 
     dev, n, k = torch.device("cuda"), args.vocab, args.hidden
     gen = torch.Generator(device=dev).manual_seed(0)
-    w = NVFP4Tensor(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=gen),
-                    (0.5 + 1.5 * torch.rand((n, k // 16), device=dev, generator=gen)).to(torch.float8_e4m3fn),
-                    1e-2 * (0.5 + torch.rand(n, device=dev, generator=gen)))
+    w = random_nvfp4((n, k), dev, gen)
     frag = linear_to_frag(w)
 
     def checkpoint_path(x):
@@ -97,8 +96,8 @@ def main() -> None:
                                         rows_with_wrong_argmax=int((ids != ref.argmax(1)).sum())))
         key = "chain_pdl" if use_pdl else "chain_no_pdl"
         out[key] = dict(iters=args.iters, mismatching_iters=mismatches, samples=samples, pdl=pdl.enabled())
-        print(f"[lm_head_check] {key}: {mismatches} of {args.iters} iterations whose output differs from the same call after a sync; {samples[:3]}",
-              flush=True)
+        print(f"[lm_head_check] {key}: {mismatches} of {args.iters} iterations whose output differs from the same "
+              f"call after a sync; {samples[:3]}", flush=True)
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "lm_head_check.json").write_text(json.dumps(out, indent=1))

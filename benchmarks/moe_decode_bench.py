@@ -45,17 +45,14 @@ def main() -> None:
     from kernels import moe_combine, moe_decode, pdl
     from kernels.nvfp4 import NVFP4Tensor
     from kernels.w4a16_gemv import moe_experts_w4a16_gemv, w4a16_linear_gemv, w4a16_swiglu_gemv
+    from random_packed import random_nvfp4
 
     pdl.set_enabled(not args.no_pdl and pdl.device_supports())
     dev, e, k, h, i, calls = torch.device("cuda"), 256, 8, 2048, 512, 40
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def packed(*shape) -> NVFP4Tensor:
-        """Random bytes (every E2M1 code), e4m3 block scales in [0.5, 2), fp32 global scales per row ~1e-2."""
-        p = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=dev, generator=gen)
-        s = (0.5 + 1.5 * torch.rand((*shape[:-1], shape[-1] // 16), device=dev, generator=gen)).to(
-            torch.float8_e4m3fn)
-        return NVFP4Tensor(p, s, 1e-2 * (0.5 + torch.rand(shape[:-1], device=dev, generator=gen)))
+        return random_nvfp4(shape, dev, gen)
 
     layers = [dict(w13=packed(e, 2 * i, h), w2=packed(e, h, i), s13=packed(2 * i, h), s2=packed(h, i),
                    gate=(torch.randn(1, h, device=dev, generator=gen) * 0.02).to(torch.bfloat16))

@@ -37,20 +37,18 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("swapped_race needs a CUDA GPU")
+    from random_packed import random_nvfp4
+
     from kernels import pdl
-    from kernels.nvfp4 import NVFP4Tensor
     from kernels.w4a16_gemm import moe_align
-    from kernels.w4a16_swapped import (SPLIT_TILE, dense_routing, split_frag, split_halves,
-                                       w4a16_grouped_swapped_launch)
+    from kernels.w4a16_swapped import SPLIT_TILE, dense_routing, split_frag, split_halves, w4a16_grouped_swapped_launch
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     t_end = time.perf_counter() + args.budget_s
 
     def rand_w(e, n, k):
-        return NVFP4Tensor(torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=dev, generator=gen),
-                           (0.5 + 1.5 * torch.rand((e, n, k // 16), device=dev, generator=gen)).to(torch.float8_e4m3fn),
-                           1e-2 * (0.5 + torch.rand((e, n), device=dev, generator=gen)))
+        return random_nvfp4((e, n, k), dev, gen)
 
     def repeat(fn) -> dict:
         ref = fn()
