@@ -62,7 +62,9 @@ except ImportError:  # CPU-only installs without triton: the layout helpers stil
 # 128 wide, 8 warps (178.6 us: noise) and with BLOCK_M 64, 128 wide, 8 warps (166.7 us, but 4.5e-2 of max |ref| from
 # the other kernel where every other config is within 2.3e-3; not understood). So the launcher refuses 8 warps
 # unless asked for (`unverified`, benchmarks only). One token was not benched per call (the engine's lone decode was
-# 11% slower than with the grouped kernel: RESULTS.md, Qwen run 13).
+# 11% slower than with the grouped kernel: RESULTS.md, Qwen run 13). 2026-12-03: the 4-warp build with BLOCK_M 32,
+# fragment order, DEQ 2 and 3 stages is nondeterministic (~0.5% of repeated calls differ in one 8 x 8 fragment:
+# `FRAG_DENSE_STAGES`); the 8-warp outlier above may be the same kind of fault. BLOCK_M 16 / 64 gave 0 of 3,000.
 SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 
