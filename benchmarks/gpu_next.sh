@@ -1043,6 +1043,14 @@ say "    switches (PDL, block_m, fragment order, dequant mode, stages) and the e
 say "    (benchmarks/swapped_race.py; step 84 found ~1% of lm_head calls differing in 8 columns)"
 probe swapped_race "${LIMIT_85:-300}" swapped_race.py
 fi
+if want 86; then
+say "86. issue 5 (same carry; for a call with time for one engine start-up only): the lm_head op's repeats at its"
+say "    stages (FRAG_DENSE_STAGES), then the engine with lm_head_layout split_frag alone (--base); its greedy tokens"
+say "    compared offline with run 41's checkpoint engine (same code, same seeds: runs 40 and 41 agreed 32 of 32)"
+probe lm_head_repeats "${LIMIT_86A:-60}" swapped_race.py --lm-head-options --calls "${REPS_86:-10000}" \
+  --configs 32:2:2,16:3:2
+engine_ab qwen_lm_head_frag_alone "${LIMIT_86:-200}" --autotune-table auto --base '{"lm_head_layout": "split_frag"}'
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -500,6 +500,10 @@ def main() -> None:
     ap.add_argument("--lm-head-frag", action="store_true",
                     help="(e) once more with lm_head in fragment order (lm_head_layout split_frag: the swap-AB kernel "
                          "instead of the decode GEMV / dense tensor-core kernel)")
+    ap.add_argument("--base", default="{}",
+                    help="(e) the first engine's options (and --again's), JSON, e.g. '{\"lm_head_layout\": "
+                         "\"split_frag\"}': an engine alone when a call has time for one start-up only (its tokens "
+                         "then compared offline with an earlier run's)")
     ap.add_argument("--variant", action="append", default=[],
                     help="(e) once more with these QwenEngineConfig options, NAME=JSON (repeatable), e.g. "
                          "'frag_no_pdl={\"lm_head_layout\": \"split_frag\", \"programmatic_launch\": false}': "
@@ -654,11 +658,14 @@ def main() -> None:
         save()
 
     buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
+    base = json.loads(args.base)  # the first engine's (and --again's) options
+    if base:
+        r["settings"]["base_engine_options"] = base
     if not args.only_oracle:
         # ---- (e) the same through the serving engine (QwenEngine: continuous batching, paged KV, sampling) ---------
         try:
             r["engine"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                   prefill_buckets=buckets))
+                                                   prefill_buckets=buckets, **base))
         except Exception as e:  # noqa: BLE001 - recorded, the oracle still runs
             r["errors"].append(f"(e) engine: {type(e).__name__}: {e}")
         log(f"(e) {r.get('engine')}")
@@ -775,7 +782,7 @@ def main() -> None:
         if args.again:  # the first engine once more, after the others: separates order effects from the options'
             try:
                 r["engine_again"] = asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams, rand,
-                                                             prefill_buckets=buckets))
+                                                             prefill_buckets=buckets, **base))
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine again: {type(e).__name__}: {e}")
             log(f"(e) again {r.get('engine_again')}")
