@@ -63,8 +63,9 @@ except ImportError:  # CPU-only installs without triton: the layout helpers stil
 # the other kernel where every other config is within 2.3e-3; not understood). So the launcher refuses 8 warps
 # unless asked for (`unverified`, benchmarks only). One token was not benched per call (the engine's lone decode was
 # 11% slower than with the grouped kernel: RESULTS.md, Qwen run 13). 2026-12-03: the 4-warp build with BLOCK_M 32,
-# fragment order, DEQ 2 and 3 stages is nondeterministic (~0.5% of repeated calls differ in 1-3 groups of 8 output columns:
-# `FRAG_DENSE_STAGES`); the 8-warp outlier above may be the same kind of fault. BLOCK_M 16 / 64 gave 0 of 3,000.
+# fragment order, DEQ 2 and 3 stages is nondeterministic (~0.5% of repeated calls differ in 1-3 groups of 8 output
+# columns: `FRAG_DENSE_STAGES`); the 8-warp outlier above may be the same kind of fault. BLOCK_M 16 / 64 gave 0 of
+# 3,000.
 SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 
@@ -444,9 +445,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
 FRAG_DENSE = "w4a16_linear_frag"
 # pipeline stages per row block. 32 rows: 2, not 3: at 3 stages (fragment order, DEQ 2) the H200 gave a different
 # result for ~0.5% of repeated identical calls (benchmarks/swapped_race.py, 2026-12-03: 16-18 of 3,000 at 24 and 32
-# rows, 1-3 groups of 8 consecutive output columns wrong each time, PDL on or off), and none at 2 stages (0 of 3,000, same
-# 165 us per call), nor with 16 / 64 rows per block, without fragment order or with DEQ 1 at 3 stages (0 of 3,000
-# each). The cause is not known (a pipelining hazard in the compiled kernel is suspected); the engine's experts use
+# rows, 1-3 groups of 8 consecutive output columns wrong each time, PDL on or off), and none at 2 stages (0 of 3,000,
+# same 165 us per call), nor with 16 / 64 rows per block, without fragment order or with DEQ 1 at 3 stages (0 of
+# 3,000 each). The cause is not known (a pipelining hazard in the compiled kernel is suspected); the engine's experts use
 # 16 / 64 only (`swapped_block_m`). Found by Qwen runs 39-41: one engine step's tokens all wrong.
 FRAG_DENSE_STAGES = {16: 3, 32: 2, 64: 3}
 FRAG_DENSE_TILES = ((64, 128), (64, 64))  # stored (rows, K) tiles, the first that divides the weight is used
