@@ -1009,8 +1009,8 @@ if want 82; then
 say "82. issue 5 (same carry; ran: run 39, which found the capture bug; again after its fix, 2026-12-03): the swap-AB"
 say "    kernel's CUDA tests (the lm_head op's first use inside a graph capture among them), then the engine"
 say "    (lm_head_layout checkpoint, the default) beside lm_head_layout split_frag (the swap-AB kernel), then the first"
-say "    engine again last (--again); greedy tokens compared. Since runs 39-41 (2026-12-03): the op's stages per row block"
-say "    (FRAG_DENSE_STAGES) repeated 30,000 times each bit for bit first (benchmarks/swapped_race.py)"
+say "    engine again last (--again); greedy tokens compared. Since runs 39-41 (2026-12-03): first the op's 16- and"
+say "    32-row-block builds (verified_stages) repeated 30,000 times each, bit for bit (benchmarks/swapped_race.py)"
 # (a short call: TESTS_82=0 skips the test file, REPS_82 sets the repeats, AGAIN_82=0 drops --again)
 if [ "${TESTS_82:-1}" = 1 ]; then
   gpu_tests swapped_tests "${LIMIT_82A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
@@ -1045,9 +1045,9 @@ probe swapped_race "${LIMIT_85:-300}" swapped_race.py
 fi
 if want 86; then
 say "86. issue 5 (same carry; for a call with time for one engine start-up only): the lm_head op's repeats at its"
-say "    stages (FRAG_DENSE_STAGES), then the engine with lm_head_layout split_frag alone (--base); its greedy tokens"
+say "    16- and 32-row-block stages (verified_stages), then the engine with lm_head_layout split_frag alone (--base); its greedy tokens"
 say "    compared offline with run 41's checkpoint engine (same code, same seeds: runs 40 and 41 agreed 32 of 32)"
-probe lm_head_repeats "${LIMIT_86A:-60}" swapped_race.py --lm-head-options --calls "${REPS_86:-10000}" \
+probe lm_head_repeats_86 "${LIMIT_86A:-60}" swapped_race.py --lm-head-options --calls "${REPS_86:-10000}" \
   --configs 32:2:2,16:3:2
 engine_ab qwen_lm_head_frag_alone "${LIMIT_86:-200}" --autotune-table auto --base '{"lm_head_layout": "split_frag"}'
 fi

@@ -62,7 +62,8 @@ def main() -> None:
 
         def swapped(x, bn=SPLIT_TILE[0], stages=3):
             return w4a16_grouped_swapped_launch(x, frag, w.scales[None], w.global_scale[None], routing, frag=True,
-                                                config=dict(BLOCK_N=bn, num_warps=4, num_stages=stages))
+                                                config=dict(BLOCK_N=bn, num_warps=4, num_stages=stages),
+                                                unverified=True)  # the sweep times 3-4 stages at 32 rows too
 
         ref = engine(xs[0], w).float()
         got = swapped(xs[0]).float()

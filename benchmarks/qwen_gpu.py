@@ -157,9 +157,10 @@ def same_tokens(r: dict) -> None:
         v["same_tokens"] = dict(lone=lone0 is not None and v["lone"].get("ids") == lone0,
                                 streams=None if not (ids and streams0) else sum(a == b for a, b in zip(ids, streams0)))
         if ids and streams0:  # where each differing stream first differs: (stream, token index, first's, this one's)
-            v["stream_divergence"] = [(i, j, a[j], b[j]) for i, (a, b) in enumerate(zip(streams0, ids))
-                                      for j in [next((j for j, (p, q) in enumerate(zip(a, b)) if p != q), None)]
-                                      if j is not None]
+            v["stream_divergence"] = [  # a stream that is a prefix of the other: (i, shorter length, None, None)
+                (i, j, a[j] if j < len(a) else None, b[j] if j < len(b) else None)
+                for i, (a, b) in enumerate(zip(streams0, ids)) if a != b
+                for j in [next((j for j, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))]]
             log(f"(e) {key}: streams' first differing tokens: {v['stream_divergence'][:12]}")
         log(f"(e) {key}: same greedy tokens as the first engine: {v['same_tokens']}")
 
@@ -262,6 +263,13 @@ def markdown(r: dict) -> str:
             f"{fmt(st.get('output_tok_per_s'))} ({fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}) "
             f"| - |",
         ]
+        if s.get("base_engine_options"):
+            lines.append(f"| (e) the first engine's options (--base) | {json.dumps(s['base_engine_options'])} | - |")
+        for key in sorted(k for k in r if k.startswith("engine_v_")):  # --variant engines
+            v = r[key] or {}
+            lines.append(f"| (e) engine {key[len('engine_v_'):]} ({json.dumps(v.get('options'))}): decode tok/s, lone "
+                         f"request / all {st.get('n')} streams decoding / TTFT ms; same greedy tokens (lone, streams) "
+                         f"| {side_by_side(v)}; {v.get('same_tokens')} | - |")
     o = r.get("oracle", {})
     for mode in ("w8a8", "fp8_weight_only"):
         m = o.get(mode)
@@ -438,6 +446,22 @@ def _engine_settings_off(model) -> None:
     quantized.QUANT_IN_PRODUCERS = True
 
 
+def _json_options(text: str) -> dict:
+    """argparse type of --base: a JSON object (checked when the arguments are parsed, not after the model is built)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _variant(text: str) -> tuple[str, dict]:
+    """argparse type of --variant: NAME=JSON -> (name, options)."""
+    name, eq, opts = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=JSON with NAME an identifier, got {text!r}")
+    return name, _json_options(opts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/qwen_gpu")
@@ -500,12 +524,14 @@ def main() -> None:
     ap.add_argument("--lm-head-frag", action="store_true",
                     help="(e) once more with lm_head in fragment order (lm_head_layout split_frag: the swap-AB kernel "
                          "instead of the decode GEMV / dense tensor-core kernel)")
-    ap.add_argument("--base", default="{}",
-                    help="(e) the first engine's options (and --again's), JSON, e.g. '{\"lm_head_layout\": "
-                         "\"split_frag\"}': an engine alone when a call has time for one start-up only (its tokens "
-                         "then compared offline with an earlier run's)")
-    ap.add_argument("--variant", action="append", default=[],
-                    help="(e) once more with these QwenEngineConfig options, NAME=JSON (repeatable), e.g. "
+    ap.add_argument("--base", type=_json_options, default={},
+                    help="(e) the first engine's engine_phase options (and --again's and every --variant's, which "
+                         "add to them), JSON, e.g. '{\"lm_head_layout\": \"split_frag\"}': an engine alone when a "
+                         "call has time for one start-up only (its tokens then compared offline with an earlier "
+                         "run's). The other side-by-side engines (--without, --sync-decode, ...) do not take them")
+    ap.add_argument("--variant", type=_variant, action="append", default=[],
+                    help="(e) once more with these engine_phase options (async_decode, programmatic_launch, "
+                         "lm_head_layout, moe_fused_decode, decode_graphs, ...), NAME=JSON (repeatable), e.g. "
                          "'frag_no_pdl={\"lm_head_layout\": \"split_frag\", \"programmatic_launch\": false}': "
                          "its greedy tokens compared with the first engine's like the other variants")
     ap.add_argument("--no-pdl", action="store_true",
@@ -658,7 +684,7 @@ def main() -> None:
         save()
 
     buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
-    base = json.loads(args.base)  # the first engine's (and --again's) options
+    base = args.base  # the first engine's (and --again's and the --variant engines') options
     if base:
         r["settings"]["base_engine_options"] = base
     if not args.only_oracle:
@@ -687,9 +713,8 @@ def main() -> None:
                     ("engine_batched_tokens", dict(batched_tokens=args.batched_tokens), args.batched_tokens),
                     ("engine_moe_fused_decode", dict(moe_fused_decode=True), args.moe_fused_decode),
                     ("engine_lm_head_frag", dict(lm_head_layout="split_frag"), args.lm_head_frag))
-        for spec in args.variant:  # NAME=JSON options: any combination, e.g. to bisect a token difference
-            name, _, opts = spec.partition("=")
-            variants += ((f"engine_{name}", json.loads(opts), True),)
+        variants += tuple((f"engine_v_{name}", {**base, **options}, True)  # any combination (e.g. to bisect a
+                          for name, options in args.variant)                 # token difference), on top of --base
         for key, options, wanted in variants:
             if not wanted:
                 continue

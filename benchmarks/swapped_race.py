@@ -1,6 +1,6 @@
 """Is the swap-AB kernel (`kernels/w4a16_swapped.py`) deterministic on this GPU? The same call repeated on the same
 inputs must give the same bits (no atomics; split 1). benchmarks/lm_head_check.py found ~1% of full-size lm_head
-calls (NVFP4 [248,320, 2048], fragment order, 20-28 rows) differing from a repeat in one group of 8 consecutive
+calls (NVFP4 [248,320, 2048], fragment order, 20-28 rows) differing from a repeat in 1-2 groups of 8 consecutive
 output columns, with PDL on and off (2026-12-03). This script bisects that across the kernel's switches, and runs
 the engine's MoE expert shapes the same way.
 
@@ -81,7 +81,7 @@ def main() -> None:
                 def call(x, rows=rows):
                     return w4a16_grouped_swapped_launch(x, lm_frag, lm.scales, lm.global_scale,
                                                         dense_routing(rows, bm), frag=True, deq=deq,
-                                                        config=dict(num_warps=4, num_stages=stages))
+                                                        config=dict(num_warps=4, num_stages=stages), unverified=True)
                 row[f"us_{rows}"] = graph_per_call_us([lambda x=x: call(x) for x in xs])
                 if rows not in (17, 8):  # repeats at 24 and 32 rows (1 and 16 for 16-row blocks)
                     row[f"differing_{rows}"] = repeat(lambda: call(xs[0]))["differing_calls"]
@@ -94,7 +94,7 @@ def main() -> None:
     lm_frag, lm_halves = split_frag(lm.packed, *SPLIT_TILE), split_halves(lm.packed, *SPLIT_TILE)
     cases = []  # (name, rows, block_m, frag, deq, warps, stages, pdl)
     for pdl_on in (True, False):
-        cases.append(("lm_head frag (the op's)", 24, 32, True, 2, 4, 3, pdl_on))
+        cases.append(("lm_head frag, 3 stages (the op's until 2026-12-03)", 24, 32, True, 2, 4, 3, pdl_on))
     cases += [("lm_head frag bm16", 24, 16, True, 2, 4, 3, False),
               ("lm_head halves (no frag)", 24, 32, False, 2, 4, 3, False),
               ("lm_head frag deq1", 24, 32, True, 1, 4, 3, False),
@@ -110,7 +110,7 @@ def main() -> None:
         packed = lm_frag if frag else lm_halves
         r = repeat(lambda: w4a16_grouped_swapped_launch(
             x, packed, lm.scales, lm.global_scale, routing, frag=frag, deq=deq,
-            config=dict(num_warps=warps, num_stages=stages)))
+            config=dict(num_warps=warps, num_stages=stages), unverified=True))
         r.update(case=name, rows=rows, block_m=bm, frag=frag, deq=deq, warps=warps, stages=stages, pdl=pdl.enabled())
         results.append(r)
         print("[swapped_race]", json.dumps(r), flush=True)

@@ -63,11 +63,26 @@ except ImportError:  # CPU-only installs without triton: the layout helpers stil
 # the other kernel where every other config is within 2.3e-3; not understood). So the launcher refuses 8 warps
 # unless asked for (`unverified`, benchmarks only). One token was not benched per call (the engine's lone decode was
 # 11% slower than with the grouped kernel: RESULTS.md, Qwen run 13). 2026-12-03: the 4-warp build with BLOCK_M 32,
-# fragment order, DEQ 2 and 3 stages is nondeterministic (~0.5% of repeated calls differ in 1-3 groups of 8 output
-# columns: `FRAG_DENSE_STAGES`); the 8-warp outlier above may be the same kind of fault. BLOCK_M 16 / 64 gave 0 of
-# 3,000.
+# fragment order, DEQ 2 and 3 stages is nondeterministic (below); the 8-warp outlier above may be the same kind of
+# fault.
 SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
+# pipeline stages per row block where the bytes are in fragment order with the PTX dequant (DEQ 2). 32 rows: 2, not
+# 3: at 3 stages the H200 gave a different result for ~0.5% of repeated identical calls (benchmarks/swapped_race.py,
+# 2026-12-03: 16-18 of 3,000 at 24 and 32 rows, 1-3 groups of 8 consecutive output columns wrong each time, PDL on or
+# off), and none at 2 stages (0 of 3,000, the same 165 us per lm_head call), nor with 16 / 64 rows per block, without
+# fragment order or with DEQ 1 at 3 stages (0 of 3,000 each). The cause is not known (RESULTS.md, twenty-sixth
+# session: a pipelining hazard in the compiled kernel is suspected). The engine's experts use 16 / 64 rows per block
+# only (`swapped_block_m`); lm_head (`_frag_dense_launch`) 16 / 32 / 64. Found by Qwen runs 39-41: one engine step's
+# tokens all wrong.
+FRAG_DENSE_STAGES = {16: 3, 32: 2, 64: 3}
+
+
+def verified_stages(block_m: int, frag: bool, deq: int) -> int | None:
+    """The most pipeline stages verified race-free for a build: FRAG_DENSE_STAGES' for fragment-order bytes with the
+    PTX dequant, None (no limit known) otherwise. The launcher's default num_stages (else 3) and, without
+    `unverified`, its maximum."""
+    return FRAG_DENSE_STAGES.get(block_m) if frag and deq == 2 else None
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------------
@@ -269,14 +284,15 @@ if triton is not None:
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                       FRAG: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                                       DENSE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-        # grid (R / BM, N_out / BN); one program = BN output columns (weight rows: the MMA's M) x BM sorted pairs of
-        # one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows x BK; BN a multiple
-        # of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column n uses n, n + N_out.
-        # FRAG: the split-halves bytes in fragment order (`split_frag`). DENSE: `dense_routing` (no routing tensors:
-        # sorted_pairs / block_expert unused, row block pid_m = pairs pid_m BM.., expert 0).
-        # SPLIT > 1 (grid (.., .., SPLIT)): program_id(2) takes its share of the K tiles and stores its fp32 partials to
-        # ws [SPLIT, tiles, 2 (gate, up; 1 without SwiGLU), BN, BM]; the last of a tile's SPLIT programs to arrive (`split_k`: one
-        # counter per tile, re-armed to 0) sums them in split order and runs the epilogue. SPLIT = 1: none of it.
+        # grid (R / BM (DENSE: cdiv(P, BM)), N_out / BN); one program = BN output columns (weight rows: the MMA's M)
+        # x BM sorted pairs of one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows
+        # x BK; BN a multiple of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column
+        # n uses n, n + N_out. FRAG: the split-halves bytes in fragment order (`split_frag`). DENSE: `dense_routing`
+        # (no routing tensors: sorted_pairs / block_expert unused, row block pid_m = pairs pid_m BM.., expert 0).
+        # SPLIT > 1 (grid (.., .., SPLIT)): program_id(2) takes its share of the K tiles and stores its fp32 partials
+        # to ws [SPLIT, tiles, 2 (gate, up; 1 without SwiGLU), BN, BM]; the last of a tile's SPLIT programs to arrive
+        # (`split_k`: one counter per tile, re-armed to 0) sums them in split order and runs the epilogue. SPLIT = 1:
+        # none of it.
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if DENSE:  # `dense_routing`: row block pid_m is rows pid_m BM.., all of expert 0
@@ -383,7 +399,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype. `frag`: the
     bytes are `split_frag`'s (fragment order) instead.
     `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
-    result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages.
+    result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages
+    (default 3, or `verified_stages` where it knows a limit: 2 for the 32-row fragment-order PTX-dequant build, which
+    raced at 3; more than the limit only with `unverified=True`).
     `split` > 1: the K tiles shared among that many programs per output tile, reduced inside the kernel by the last to
     arrive (`split_k`; for decode-sized calls, where a launch has too few tiles to fill the GPU: one token's gate_up is
     8 experts x 8 tiles = 64 programs walking all of K). Same result as split 1 up to the fp32 summation order of the
@@ -396,7 +414,8 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     e, n, kh = packed_split.shape
     k = 2 * kh
     n_out = n // 2 if swiglu else n
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    cap = verified_stages(routing.block_m, frag, deq)
+    cfg = {**DEFAULT_CONFIG, **({} if cap is None else {"num_stages": cap}), **(config or {})}
     bn = cfg.pop("BLOCK_N", block_n)
     if x.shape[-1] != k or x.stride(-1) != 1:
         raise ValueError(f"x {tuple(x.shape)} (strides {x.stride()}) does not match weights of K = {k}")
@@ -406,6 +425,10 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     if cfg.get("num_warps") != 4 and not unverified:
         raise ValueError(f"num_warps {cfg.get('num_warps')}: only 4 warps (one warpgroup) are verified on a GPU "
                          "(8 warps gave 4.5e-2 relative error in one configuration: RESULTS.md, the swap-AB kernel)")
+    if cap is not None and cfg["num_stages"] > cap and not unverified:
+        raise ValueError(f"num_stages {cfg['num_stages']} with BLOCK_M {routing.block_m}, fragment order and DEQ "
+                         f"{deq}: verified race-free up to {cap} (3 stages at BLOCK_M 32 gave ~0.5% nondeterministic "
+                         "results on the H200: FRAG_DENSE_STAGES); more only with unverified=True")
     if deq == 2 and _interpreted():
         deq = 1  # the interpreter has no PTX; `_dequant_halves` runs one fp32 emulation of modes 1 and 2 anyway
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
@@ -443,13 +466,6 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
 # tensor-core kernel's 330-333; 32 rows 165 against 390. BLOCK_N 128 / 256 were slower (255-290 us), 4 stages equal
 # to 3. The layout is the module's (`qwen_engine.model.quantized.NVFP4Linear.repack_frag`).
 FRAG_DENSE = "w4a16_linear_frag"
-# pipeline stages per row block. 32 rows: 2, not 3: at 3 stages (fragment order, DEQ 2) the H200 gave a different
-# result for ~0.5% of repeated identical calls (benchmarks/swapped_race.py, 2026-12-03: 16-18 of 3,000 at 24 and 32
-# rows, 1-3 groups of 8 consecutive output columns wrong each time, PDL on or off), and none at 2 stages (0 of 3,000,
-# same 165 us per call), nor with 16 / 64 rows per block, without fragment order or with DEQ 1 at 3 stages (0 of
-# 3,000 each). The cause is not known (a pipelining hazard in the compiled kernel is suspected); the engine's experts use
-# 16 / 64 only (`swapped_block_m`). Found by Qwen runs 39-41: one engine step's tokens all wrong.
-FRAG_DENSE_STAGES = {16: 3, 32: 2, 64: 3}
 FRAG_DENSE_TILES = ((64, 128), (64, 64))  # stored (rows, K) tiles, the first that divides the weight is used
 
 
@@ -486,7 +502,7 @@ def _frag_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
                        swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (unit inner stride) @ W^T -> [M, N], W [N, K] in fragment order: one swap-AB launch, the M rows as
     the pairs of one expert (16 per program up to 16 rows, 32 up to 32, then 64), BLOCK_N = the stored tile's 64
-    rows, FRAG_DENSE_STAGES stages. `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
+    rows, `verified_stages` (FRAG_DENSE_STAGES). `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
     if swiglu:
         raise ValueError("w4a16_linear_frag: no SwiGLU epilogue")
     n = packed.shape[0]
@@ -497,8 +513,7 @@ def _frag_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     return w4a16_grouped_swapped_launch(x, packed[None], scales[None], g.reshape(1, -1) if g.dim() else g,
-                                        dense_routing(m, block_m), block_n=bn, block_k=bk, frag=True,
-                                        config=dict(num_stages=FRAG_DENSE_STAGES[block_m]))
+                                        dense_routing(m, block_m), block_n=bn, block_k=bk, frag=True)
 
 
 def w4a16_linear_frag_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:

@@ -214,6 +214,12 @@ def main() -> int:
                               {**grouped, "ws": "*fp32", "counters": "*i32"},
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FRAG=True, SPLIT=4)))
+    # the dense call on fragment-order bytes (lm_head, `dense_routing`: the rows computed in the kernel, DENSE)
+    for bm in (16, 32, 64):
+        ok.append(compile_one(f"w4a16 grouped swap-AB DENSE BLOCK_M={bm} FRAG=1 DEQ=2 (lm_head, bf16)",
+                              w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
+                              dict(SWIGLU=False, HAS_ROW_SCALE=False, INTERPRET=False, DEQ=2, TILE_N=64,
+                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=True, DENSE=True)))
     # the GDN prefill conv (a padded bucket: valid count read on the device), bf16
     ok.append(compile_one("gdn_prefill_conv (C = 8192, K = 4, valid on the device, bf16)",
                           gdn_conv._gdn_prefill_conv_kernel,

@@ -283,10 +283,30 @@ def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
         w4a16_grouped_launch(x, w, routing)
 
 
+def test_stage_limit_of_the_racing_build():
+    """`verified_stages`: the 32-row fragment-order PTX-dequant build is limited to 2 stages (3 raced on the H200), the
+    others keep the default; the launcher refuses more than the limit unless `unverified` (benchmarks)."""
+    from kernels.w4a16_swapped import verified_stages
+
+    assert verified_stages(32, True, 2) == 2
+    assert verified_stages(16, True, 2) == verified_stages(64, True, 2) == 3
+    assert verified_stages(32, False, 2) is None and verified_stages(32, True, 1) is None
+    w = rand_weight(1, 128, 256, seed=36)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(37)).to(torch.bfloat16).to(DEVICE)
+    args = (x, split_frag(w.packed, 64, BK), w.scales, w.global_scale, dense_routing(20, 32))
+    kw = dict(block_n=64, block_k=BK, frag=True)
+    with pytest.raises(ValueError, match="verified race-free up to 2"):
+        w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3))
+    ref32 = w4a16_linear_reference(x.float(), NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0]))
+    for y in (w4a16_grouped_swapped_launch(*args, **kw),  # the default: 2 stages
+              w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3), unverified=True)):
+        assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_linear_frag_first_use_inside_a_capture():
     """Qwen run 39's bug: the op's first call at a row count inside a CUDA-graph capture, then an eager call at that
-    row count before any replay, then the replay: all three equal the reference (the old per-row-count routing cache
+    row count before any replay, then the replay: the eager output and the replayed one both equal the reference (the old per-row-count routing cache
     handed the eager call bytes the capture had allocated but nobody had written)."""
     from kernels.w4a16_swapped import w4a16_linear_frag_triton
 
@@ -313,11 +333,11 @@ def test_linear_frag_first_use_inside_a_capture():
 def test_linear_frag_repeats_bit_for_bit():
     """The lm_head op at full size (NVFP4 [248,320, 2048]) called 1,000 times on the same 24 and 32 rows gives the
     same bits every time (no atomics, split 1). At 3 stages with 32 rows per block ~0.5% of calls differed in 1-3
-    groups of 8 output columns on the H200 (benchmarks/swapped_race.py), hence FRAG_DENSE_STAGES; this test fails
-    at that rate (~5 expected)."""
-    from kernels.w4a16_swapped import FRAG_DENSE_STAGES, w4a16_linear_frag_triton
+    groups of 8 output columns on the H200 (benchmarks/swapped_race.py), hence `verified_stages`; this test fails at
+    that rate (~5 expected)."""
+    from kernels.w4a16_swapped import verified_stages, w4a16_linear_frag_triton
 
-    assert FRAG_DENSE_STAGES[32] == 2
+    assert verified_stages(32, True, 2) == 2
     g = torch.Generator(device=DEVICE).manual_seed(35)
     n, k = 248_320, 2048
     w = NVFP4Tensor(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE, generator=g),
