@@ -1041,7 +1041,8 @@ if want 85; then
 say "85. issue 5 (same carry): is the swap-AB kernel deterministic? The same call repeated, bit for bit, over its"
 say "    switches (PDL, block_m, fragment order, dequant mode, stages) and the engine's expert shapes"
 say "    (benchmarks/swapped_race.py; step 84 found ~1% of lm_head calls differing in 8 columns)"
-probe swapped_race "${LIMIT_85:-300}" swapped_race.py --calls "${CALLS_85:-3000}"  # 30,000: ~3 min, every case
+# CALLS_85=30000 LIMIT_85=560 BUDGET_85=500: every case 30,000 times (~0.2 ms a call: ~2-4 min)
+probe swapped_race "${LIMIT_85:-300}" swapped_race.py --calls "${CALLS_85:-3000}" --budget-s "${BUDGET_85:-240}"
 fi
 if want 86; then
 say "86. issue 5 (same carry; for a call with time for one engine start-up only): the lm_head op's repeats at its"
