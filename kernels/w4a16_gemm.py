@@ -384,11 +384,16 @@ if triton is not None:
         return tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
 
     @triton.jit
-    def _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                      DENSE: tl.constexpr = False):
         """Row block pid_m of a `MoeRouting` (grouped kernels, both operand orders) -> (pair ids [BM] (P on padding
         rows), which are real, the activation row each reads (gate_up reads token p // top_k; down its own pair row),
-        the output columns N_out (SWIGLU: gate rows then up rows, N / 2))."""
-        pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        the output columns N_out (SWIGLU: gate rows then up rows, N / 2)). DENSE (`w4a16_swapped.dense_routing`, no
+        routing tensors): the pairs are the block's rows in order, computed, sorted_pairs unread."""
+        if DENSE:
+            pairs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        else:
+            pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         if SWIGLU:
             n_out = N // 2
         else:

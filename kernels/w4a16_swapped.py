@@ -300,13 +300,7 @@ if triton is not None:
         else:
             e = tl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
-            if DENSE:
-                pairs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                p_ok = pairs < P
-                a_rows = pairs // A_DIV
-                n_out = N // 2 if SWIGLU else N
-            else:
-                pairs, p_ok, a_rows, n_out = _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU, BLOCK_M)
+            pairs, p_ok, a_rows, n_out = _routed_block(sorted_pairs, pid_m, P, A_DIV, N, SWIGLU, BLOCK_M, DENSE)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             we = w + e.to(tl.int64) * s_we
             se = s + e.to(tl.int64) * s_se

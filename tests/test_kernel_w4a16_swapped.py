@@ -40,6 +40,11 @@ def rand_weight(e, n, k, seed):
     return NVFP4Tensor(*(t.to(DEVICE) for t in w))
 
 
+def first_expert(w: NVFP4Tensor) -> NVFP4Tensor:
+    """Expert 0 of a stacked weight [E, N, K] as a dense [N, K] one (lm_head's shape, small)."""
+    return NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
+
+
 def routing_ids(t, top_k, num_experts, seed, empty=()):
     """[T, k] distinct expert ids per token, never using the experts in `empty`."""
     g = torch.Generator().manual_seed(seed)
@@ -264,7 +269,7 @@ def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
     (`w4a16_linear_reference` in fp32, per element 2^-8 relative + 1e-6 max |ref|, as above); bad sizes, a dense
     routing over two experts and the grouped kernel given one are refused."""
     w = rand_weight(1, 128, 256, seed=31)
-    dense = NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
+    dense = first_expert(w)
     x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(32))).to(torch.bfloat16).to(DEVICE)
     routing = dense_routing(rows, block_m)
     assert routing == (None, None, rows, block_m)
@@ -297,7 +302,7 @@ def test_stage_limit_of_the_racing_build():
     kw = dict(block_n=64, block_k=BK, frag=True)
     with pytest.raises(ValueError, match="verified race-free up to 2"):
         w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3))
-    ref32 = w4a16_linear_reference(x.float(), NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0]))
+    ref32 = w4a16_linear_reference(x.float(), first_expert(w))
     for y in (w4a16_grouped_swapped_launch(*args, **kw),  # the default: 2 stages
               w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3), unverified=True)):
         assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
@@ -311,7 +316,7 @@ def test_linear_frag_first_use_inside_a_capture():
     from kernels.w4a16_swapped import w4a16_linear_frag_triton
 
     w = rand_weight(1, 128, 256, seed=34)
-    dense = NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
+    dense = first_expert(w)
     frag = linear_to_frag(dense)
     for rows, warm in ((29, 30), (7, 5)):  # row counts no other test uses; warm: same block_m and specialisation
         g = torch.Generator().manual_seed(rows)
@@ -368,7 +373,7 @@ def test_linear_frag_op_matches_reference(n, k, lead):
     )
 
     w = rand_weight(1, n, k, seed=41)
-    dense = NVFP4Tensor(w.packed[0], w.scales[0], w.global_scale[0])
+    dense = first_expert(w)
     frag = linear_to_frag(dense)
     assert frag_dense_tile(n, k) == ((64, 128) if k % 128 == 0 else (64, 64))
     assert not torch.equal(frag.packed, dense.packed)
