@@ -1006,11 +1006,11 @@ say "    again last in the process (--again: order effects); greedy tokens compa
 engine_ab qwen_moe_fused_decode "${LIMIT_81:-540}" --autotune-table auto --moe-fused-decode --again
 fi
 if want 82; then
-say "82. issue 5 (same carry; ran: run 39, which found the capture bug; again after its fix, 2026-12-03): the swap-AB"
-say "    kernel's CUDA tests (the lm_head op's first use inside a graph capture among them), then the engine"
-say "    (lm_head_layout checkpoint, the default) beside lm_head_layout split_frag (the swap-AB kernel), then the first"
-say "    engine again last (--again); greedy tokens compared. Since runs 39-41 (2026-12-03): first the op's 16- and"
-say "    32-row-block builds (verified_stages) repeated 30,000 times each, bit for bit (benchmarks/swapped_race.py)"
+say "82. issue 5 (same carry; ran: runs 39, 40 and 42, 2026-12-03): the swap-AB kernel's CUDA tests (the lm_head op's"
+say "    first use inside a graph capture among them), the op's 16- and 32-row-block builds (verified_stages) repeated"
+say "    30,000 times each, bit for bit (benchmarks/swapped_race.py), then the engine (lm_head_layout auto: split_frag"
+say "    on Hopper, the default since run 42) beside lm_head_layout checkpoint, then the first engine again last"
+say "    (--again); greedy tokens compared"
 # (a short call: TESTS_82=0 skips the test file, REPS_82 sets the repeats, AGAIN_82=0 drops --again)
 if [ "${TESTS_82:-1}" = 1 ]; then
   gpu_tests swapped_tests "${LIMIT_82A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
@@ -1018,7 +1018,7 @@ if [ "${TESTS_82:-1}" = 1 ]; then
 fi
 probe lm_head_repeats "${LIMIT_82B:-120}" swapped_race.py --lm-head-options --calls "${REPS_82:-30000}" \
   --configs 32:2:2,16:3:2
-engine_ab qwen_lm_head_frag "${LIMIT_82:-540}" --autotune-table auto --lm-head-frag \
+engine_ab qwen_lm_head_frag "${LIMIT_82:-540}" --autotune-table auto --lm-head-checkpoint \
   $([ "${AGAIN_82:-1}" = 1 ] && echo --again)
 fi
 if want 83; then
@@ -1045,7 +1045,7 @@ say "    (benchmarks/swapped_race.py; step 84 found ~1% of lm_head calls differi
 probe swapped_race "${LIMIT_85:-300}" swapped_race.py --calls "${CALLS_85:-3000}" --budget-s "${BUDGET_85:-240}"
 fi
 if want 86; then
-say "86. issue 5 (same carry; for a call with time for one engine start-up only): the lm_head op's repeats at its"
+say "86. issue 5 (same carry; superseded by run 42, split_frag now the Hopper default): the lm_head op's repeats at its"
 say "    16- and 32-row-block stages (verified_stages), then the engine with lm_head_layout split_frag alone (--base); its greedy tokens"
 say "    compared offline with run 41's checkpoint engine (same code, same seeds: runs 40 and 41 agreed 32 of 32)"
 probe lm_head_repeats_86 "${LIMIT_86A:-60}" swapped_race.py --lm-head-options --calls "${REPS_86:-10000}" \

@@ -244,9 +244,9 @@ def markdown(r: dict) -> str:
             f"| (e) engine with moe_fused_decode (a one-token decode step's routed + shared experts in one launch per layer; "
             f"the default: off): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_moe_fused_decode'))} | - |",
-            f"| (e) engine with lm_head_layout split_frag (lm_head by the swap-AB kernel on fragment-order bytes; the "
-            f"default: checkpoint, the decode GEMV / dense tensor-core kernel): decode tok/s, lone request / all "
-            f"{st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_lm_head_frag'))} | - |",
+            f"| (e) engine with lm_head_layout checkpoint (the decode GEMV / dense tensor-core kernel; the default: "
+            f"auto, split_frag on Hopper: the swap-AB kernel on fragment-order bytes): decode tok/s, lone request / "
+            f"all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_lm_head_checkpoint'))} | - |",
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
@@ -340,7 +340,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        async_decode: bool | None = None, shared_expert_in_moe: bool | str = "auto",
                        prefill_buckets: tuple = (), programmatic_launch: bool | str = "auto",
                        quant_in_producers: bool = True, batched_tokens: int | None = None,
-                       moe_fused_decode: bool = False, lm_head_layout: str = "checkpoint") -> dict:
+                       moe_fused_decode: bool = False, lm_head_layout: str = "auto") -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -521,9 +521,9 @@ def main() -> None:
     ap.add_argument("--moe-fused-decode", action="store_true",
                     help="(e) once more with moe_fused_decode (a one-token decode step's routed + shared experts in one launch "
                          "per layer, kernels/moe_decode.py)")
-    ap.add_argument("--lm-head-frag", action="store_true",
-                    help="(e) once more with lm_head in fragment order (lm_head_layout split_frag: the swap-AB kernel "
-                         "instead of the decode GEMV / dense tensor-core kernel)")
+    ap.add_argument("--lm-head-checkpoint", action="store_true",
+                    help="(e) once more with lm_head in the checkpoint layout (lm_head_layout checkpoint: the decode "
+                         "GEMV / dense tensor-core kernel instead of the swap-AB kernel, the Hopper default since run 42)")
     ap.add_argument("--base", type=_json_options, default={},
                     help="(e) the first engine's engine_phase options (and --again's and every --variant's, which "
                          "add to them), JSON, e.g. '{\"lm_head_layout\": \"split_frag\"}': an engine alone when a "
@@ -712,7 +712,7 @@ def main() -> None:
                     ("engine_no_quant_producers", dict(quant_in_producers=False), args.no_quant_in_producers),
                     ("engine_batched_tokens", dict(batched_tokens=args.batched_tokens), args.batched_tokens),
                     ("engine_moe_fused_decode", dict(moe_fused_decode=True), args.moe_fused_decode),
-                    ("engine_lm_head_frag", dict(lm_head_layout="split_frag"), args.lm_head_frag))
+                    ("engine_lm_head_checkpoint", dict(lm_head_layout="checkpoint"), args.lm_head_checkpoint))
         variants += tuple((f"engine_v_{name}", {**base, **options}, True)  # any combination (e.g. to bisect a
                           for name, options in args.variant)                 # token difference), on top of --base
         for key, options, wanted in variants:

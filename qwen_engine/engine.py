@@ -153,11 +153,15 @@ class QwenEngineConfig:
     #                                 experts keep a checkpoint-layout copy (dual_frag, dual, checkpoint). H200
     #                                 2026-12-02, per layer: 26.6 us against 29.9 (-11%, one run; slower at 4
     #                                 tokens, so 1-token calls only). Off until measured in the engine (RESULTS.md)
-    lm_head_layout: str = "checkpoint"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
+    lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
     #                               registry op "w4a16_linear_frag"; converted in place, no second copy) | checkpoint
-    #                               (the decode GEMV at one row, the dense tensor-core kernel above) | auto
+    #                               (the decode GEMV at one row, the dense tensor-core kernel above) | auto: split_frag
+    #                               on Hopper (resolve_lm_head_layout). H200 run 42 (2026-12-03), against checkpoint
+    #                               before and after it: lone decode 377.7 vs 370.5 / 370.2 tok/s, 32 streams 3,005.6
+    #                               vs 2,941.2 / 2,937.2, TTFT equal, greedy tokens equal on all 33 streams; the op's
+    #                               builds repeated 120,000 times bit for bit (benchmarks/swapped_race.py)
     #                               (split_frag on Hopper with Triton kernels, checkpoint elsewhere). H200 per call,
     #                               2026-12-02 (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165
     #                               against 390; in the engine +2% (runs 39-41, 2026-12-03), which also found a race

@@ -789,6 +789,6 @@ def test_engine_lm_head_layout():
     assert frag == auto
     h_dense, _, _ = run(engine_config(lm_head_layout="split_frag"), body)
     assert h_dense["lm_head_layout"] == "dense"
-    assert QwenEngineConfig().lm_head_layout == "checkpoint"
+    assert QwenEngineConfig().lm_head_layout == "auto"
     with pytest.raises(ValueError, match="lm_head_layout must be one of"):
         engine_config(lm_head_layout="tiles")
