@@ -1052,6 +1052,11 @@ probe lm_head_repeats_86 "${LIMIT_86A:-60}" swapped_race.py --lm-head-options --
   --configs 32:2:2,16:3:2
 engine_ab qwen_lm_head_frag_alone "${LIMIT_86:-200}" --autotune-table auto --base '{"lm_head_layout": "split_frag"}'
 fi
+if want 87; then
+say "87. issue 5 (same carry): the engine's 32-token expert calls (16-row blocks, fragment order) at 3 and 2 stages:"
+say "    per call in CUDA graphs, then repeated bit for bit (run 43 / step 85: 2 of 30,000 down calls differed at 3)"
+probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" --calls "${CALLS_87:-60000}"
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

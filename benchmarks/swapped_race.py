@@ -31,6 +31,10 @@ def main() -> None:
                          "dequant mode), each checked for repeats (rows 24, 32) and timed per call in CUDA graphs")
     ap.add_argument("--configs", default="32:3:2,16:3:2,64:3:2,32:2:2,32:3:1,16:2:2",
                     help="with --lm-head-options: BLOCK_M:stages:DEQ settings (16-row blocks run 1 / 8 / 16 rows)")
+    ap.add_argument("--experts-stages", default="",
+                    help="instead: the engine's 32-token expert calls (16-row blocks) at these stages, e.g. 3,2: each "
+                         "timed per call in CUDA graphs and repeated --calls times (run 43 found 2 of 30,000 down "
+                         "calls differing at the default 3)")
     args = ap.parse_args()
     import torch
     import triton
@@ -90,6 +94,33 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "lm_head_options.json").write_text(json.dumps(results, indent=1))
+        return
+    if args.experts_stages:
+        from cuda_timing import graph_per_call_us
+
+        pdl.set_enabled(pdl.device_supports())
+        w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
+        w13f, w2f = split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
+        idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(32)])
+        routing = moe_align(idx, 256, 16)
+        x = torch.randn(32, 2048, device=dev, generator=gen).to(torch.bfloat16)
+        h = torch.randn(32 * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
+        for stages in (int(v) for v in args.experts_stages.split(",")):
+            cfg = dict(num_warps=4, num_stages=stages)
+            for name, fn in (("experts gate_up (SwiGLU)", lambda: w4a16_grouped_swapped_launch(
+                                  x, w13f, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True, frag=True,
+                                  config=cfg, unverified=True)),
+                             ("experts down", lambda: w4a16_grouped_swapped_launch(
+                                  h, w2f, w2.scales, w2.global_scale, routing, frag=True, config=cfg,
+                                  unverified=True))):
+                r = dict(case=name, tokens=32, block_m=16, stages=stages, pdl=pdl.enabled(),
+                         us=graph_per_call_us([fn] * 20))
+                r.update(repeat(fn))
+                results.append(r)
+                print("[swapped_race]", json.dumps(r), flush=True)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "experts_stages.json").write_text(json.dumps(results, indent=1))
         return
     lm_frag, lm_halves = split_frag(lm.packed, *SPLIT_TILE), split_halves(lm.packed, *SPLIT_TILE)
     cases = []  # (name, rows, block_m, frag, deq, warps, stages, pdl)
