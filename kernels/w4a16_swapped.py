@@ -74,15 +74,25 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 # fragment order or with DEQ 1 at 3 stages (0 of 3,000 each). The cause is not known (RESULTS.md, twenty-sixth
 # session: a pipelining hazard in the compiled kernel is suspected). The engine's experts use 16 / 64 rows per block
 # only (`swapped_block_m`); lm_head (`_frag_dense_launch`) 16 / 32 / 64. Found by Qwen runs 39-41: one engine step's
-# tokens all wrong.
-FRAG_DENSE_STAGES = {16: 3, 32: 2, 64: 3}
+# tokens all wrong. Run 43 (2026-12-03, 30,000-60,000 repeats per case) found the routed down projection (no SwiGLU)
+# at 16 rows per block racing too: 2 of 30,000 and 3 of 60,000 calls at 3 stages (8 columns each), 0 of 60,000 at 2
+# stages, 57.2 against 57.8 us a call at 32 tokens; gate_up (SwiGLU) at 16 rows: 0 of 90,000 at 3 stages, 7% slower
+# at 2 (119.8 against 111.7 us), so it keeps 3. Keyed by the call's kind: "dense" (lm_head, `dense_routing`),
+# "swiglu" (routed gate_up) or "plain" (routed, no SwiGLU: down); any other (kind, BLOCK_M) gets
+# UNMEASURED_FRAG_STAGES, the fewest stages that raced nowhere.
+FRAG_STAGES = {("dense", 16): 3, ("dense", 32): 2, ("dense", 64): 3,
+               ("swiglu", 16): 3, ("swiglu", 64): 3,
+               ("plain", 16): 2, ("plain", 64): 3}
+UNMEASURED_FRAG_STAGES = 2
 
 
-def verified_stages(block_m: int, frag: bool, deq: int) -> int | None:
-    """The most pipeline stages verified race-free for a build: FRAG_DENSE_STAGES' for fragment-order bytes with the
-    PTX dequant, None (no limit known) otherwise. The launcher's default num_stages (else 3) and, without
-    `unverified`, its maximum."""
-    return FRAG_DENSE_STAGES.get(block_m) if frag and deq == 2 else None
+def verified_stages(block_m: int, frag: bool, deq: int, kind: str = "dense") -> int | None:
+    """The most pipeline stages verified race-free for a build: FRAG_STAGES' for fragment-order bytes with the PTX
+    dequant (`kind`: "dense" | "swiglu" | "plain", UNMEASURED_FRAG_STAGES for a pair not measured), None (no limit
+    known) otherwise. The launcher's default num_stages (else 3) and, without `unverified`, its maximum."""
+    if kind not in ("dense", "swiglu", "plain"):
+        raise ValueError(f"verified_stages: kind must be dense | swiglu | plain, got {kind!r}")
+    return FRAG_STAGES.get((kind, block_m), UNMEASURED_FRAG_STAGES) if frag and deq == 2 else None
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------------
@@ -394,8 +404,8 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     bytes are `split_frag`'s (fragment order) instead.
     `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
     result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages
-    (default 3, or `verified_stages` where it knows a limit: 2 for the 32-row fragment-order PTX-dequant build, which
-    raced at 3; more than the limit only with `unverified=True`).
+    (default 3, or `verified_stages` where it knows a limit: 2 for the fragment-order PTX-dequant builds that raced at
+    3, lm_head's 32-row and the routed down's 16-row; more than the limit only with `unverified=True`).
     `split` > 1: the K tiles shared among that many programs per output tile, reduced inside the kernel by the last to
     arrive (`split_k`; for decode-sized calls, where a launch has too few tiles to fill the GPU: one token's gate_up is
     8 experts x 8 tiles = 64 programs walking all of K). Same result as split 1 up to the fp32 summation order of the
@@ -408,7 +418,8 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     e, n, kh = packed_split.shape
     k = 2 * kh
     n_out = n // 2 if swiglu else n
-    cap = verified_stages(routing.block_m, frag, deq)
+    kind = "dense" if routing.block_expert is None else "swiglu" if swiglu else "plain"
+    cap = verified_stages(routing.block_m, frag, deq, kind)
     cfg = {**DEFAULT_CONFIG, **({} if cap is None else {"num_stages": cap}), **(config or {})}
     bn = cfg.pop("BLOCK_N", block_n)
     if x.shape[-1] != k or x.stride(-1) != 1:
@@ -420,9 +431,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
         raise ValueError(f"num_warps {cfg.get('num_warps')}: only 4 warps (one warpgroup) are verified on a GPU "
                          "(8 warps gave 4.5e-2 relative error in one configuration: RESULTS.md, the swap-AB kernel)")
     if cap is not None and cfg["num_stages"] > cap and not unverified:
-        raise ValueError(f"num_stages {cfg['num_stages']} with BLOCK_M {routing.block_m}, fragment order and DEQ "
-                         f"{deq}: verified race-free up to {cap} (3 stages at BLOCK_M 32 gave ~0.5% nondeterministic "
-                         "results on the H200: FRAG_DENSE_STAGES); more only with unverified=True")
+        raise ValueError(f"num_stages {cfg['num_stages']} with BLOCK_M {routing.block_m}, fragment order, DEQ {deq} "
+                         f"and a {kind} call: verified race-free up to {cap} (3 stages gave nondeterministic results "
+                         "on the H200 in some builds: FRAG_STAGES); more only with unverified=True")
     if deq == 2 and _interpreted():
         deq = 1  # the interpreter has no PTX; `_dequant_halves` runs one fp32 emulation of modes 1 and 2 anyway
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
@@ -496,7 +507,7 @@ def _frag_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
                        swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (unit inner stride) @ W^T -> [M, N], W [N, K] in fragment order: one swap-AB launch, the M rows as
     the pairs of one expert (16 per program up to 16 rows, 32 up to 32, then 64), BLOCK_N = the stored tile's 64
-    rows, `verified_stages` (FRAG_DENSE_STAGES). `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
+    rows, `verified_stages` (FRAG_STAGES). `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
     if swiglu:
         raise ValueError("w4a16_linear_frag: no SwiGLU epilogue")
     n = packed.shape[0]

@@ -161,12 +161,9 @@ class QwenEngineConfig:
     #                               on Hopper (resolve_lm_head_layout). H200 run 42 (2026-12-03), against checkpoint
     #                               before and after it: lone decode 377.7 vs 370.5 / 370.2 tok/s, 32 streams 3,005.6
     #                               vs 2,941.2 / 2,937.2, TTFT equal, greedy tokens equal on all 33 streams; the op's
-    #                               builds repeated 120,000 times bit for bit (benchmarks/swapped_race.py)
-    #                               (split_frag on Hopper with Triton kernels, checkpoint elsewhere). H200 per call,
-    #                               2026-12-02 (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165
-    #                               against 390; in the engine +2% (runs 39-41, 2026-12-03), which also found a race
-    #                               in its 32-row-block build (fixed: FRAG_DENSE_STAGES). The default stays checkpoint
-    #                               until the fixed kernel is measured in the engine
+    #                               builds repeated 120,000 times bit for bit (benchmarks/swapped_race.py). Per call
+    #                               (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165 against 390.
+    #                               Runs 39-41 found a race in its 32-row-block build (fixed: FRAG_STAGES)
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and

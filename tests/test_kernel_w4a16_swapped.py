@@ -296,6 +296,12 @@ def test_stage_limit_of_the_racing_build():
     assert verified_stages(32, True, 2) == 2
     assert verified_stages(16, True, 2) == verified_stages(64, True, 2) == 3
     assert verified_stages(32, False, 2) is None and verified_stages(32, True, 1) is None
+    # the routed down projection (no SwiGLU) raced at 16 rows per block and 3 stages (run 43), gate_up did not
+    assert verified_stages(16, True, 2, "plain") == 2 and verified_stages(16, True, 2, "swiglu") == 3
+    assert verified_stages(64, True, 2, "plain") == verified_stages(64, True, 2, "swiglu") == 3
+    assert verified_stages(128, True, 2) == verified_stages(32, True, 2, "plain") == 2  # unmeasured: the fewest
+    with pytest.raises(ValueError, match="kind must be"):
+        verified_stages(16, True, 2, "down")
     w = rand_weight(1, 128, 256, seed=36)
     x = torch.randn(20, 256, generator=torch.Generator().manual_seed(37)).to(torch.bfloat16).to(DEVICE)
     args = (x, split_frag(w.packed, 64, BK), w.scales, w.global_scale, dense_routing(20, 32))
@@ -306,6 +312,15 @@ def test_stage_limit_of_the_racing_build():
     for y in (w4a16_grouped_swapped_launch(*args, **kw),  # the default: 2 stages
               w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3), unverified=True)):
         assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
+    # a routed call without SwiGLU (the experts' down) at 16 rows per block: 3 stages refused, the default (2) right
+    w, idx, x, rs, a_div, swiglu, routing = case_inputs(5, 2, "down", 16, torch.bfloat16, 40)
+    args = (x, split_frag(w.packed, 64, BK), w.scales, w.global_scale, routing)
+    kw = dict(row_scale=rs, block_n=64, block_k=BK, frag=True)
+    with pytest.raises(ValueError, match="plain call: verified race-free up to 2"):
+        w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3))
+    ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs)
+    y = w4a16_grouped_swapped_launch(*args, **kw)
+    assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
