@@ -54,6 +54,25 @@ def main() -> None:
     def rand_w(e, n, k):
         return random_nvfp4((e, n, k), dev, gen)
 
+    experts = {}  # the engine's experts, drawn once: gate_up [256, 1024, 2048] with SwiGLU, down [256, 2048, 512]
+
+    def expert_calls(tokens: int, bm: int, config: dict | None = None) -> list:
+        """The engine's two routed calls at `tokens` (top-8 of 256, `bm` rows per block) -> [(name, call)]."""
+        if not experts:
+            w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
+            experts.update(w13=w13, w2=w2, w13f=split_frag(w13.packed, *SPLIT_TILE),
+                           w2f=split_frag(w2.packed, *SPLIT_TILE))
+        w13, w2, w13f, w2f = experts["w13"], experts["w2"], experts["w13f"], experts["w2f"]
+        idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(tokens)])
+        routing = moe_align(idx, 256, bm)
+        x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
+        h = torch.randn(tokens * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
+        kw = dict(frag=True, config=config, unverified=config is not None)
+        return [("experts gate_up (SwiGLU)", lambda: w4a16_grouped_swapped_launch(
+                    x, w13f, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True, **kw)),
+                ("experts down", lambda: w4a16_grouped_swapped_launch(
+                    h, w2f, w2.scales, w2.global_scale, routing, **kw))]
+
     def repeat(fn) -> dict:
         ref = fn()
         torch.cuda.synchronize()
@@ -99,20 +118,8 @@ def main() -> None:
         from cuda_timing import graph_per_call_us
 
         pdl.set_enabled(pdl.device_supports())
-        w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
-        w13f, w2f = split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
-        idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(32)])
-        routing = moe_align(idx, 256, 16)
-        x = torch.randn(32, 2048, device=dev, generator=gen).to(torch.bfloat16)
-        h = torch.randn(32 * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
         for stages in (int(v) for v in args.experts_stages.split(",")):
-            cfg = dict(num_warps=4, num_stages=stages)
-            for name, fn in (("experts gate_up (SwiGLU)", lambda: w4a16_grouped_swapped_launch(
-                                  x, w13f, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True, frag=True,
-                                  config=cfg, unverified=True)),
-                             ("experts down", lambda: w4a16_grouped_swapped_launch(
-                                  h, w2f, w2.scales, w2.global_scale, routing, frag=True, config=cfg,
-                                  unverified=True))):
+            for name, fn in expert_calls(32, 16, dict(num_warps=4, num_stages=stages)):
                 r = dict(case=name, tokens=32, block_m=16, stages=stages, pdl=pdl.enabled(),
                          us=graph_per_call_us([fn] * 20))
                 r.update(repeat(fn))
@@ -146,21 +153,12 @@ def main() -> None:
         results.append(r)
         print("[swapped_race]", json.dumps(r), flush=True)
 
-    # the engine's experts: gate_up [256, 1024, 2048] with SwiGLU, down [256, 2048, 512], top-8 of 256
+    # the engine's experts at their launch defaults (`verified_stages`)
     pdl.set_enabled(pdl.device_supports())
-    w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
-    w13f, w2f = split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
     for tokens, bm in ((32, 16), (1024, 64)):
         if time.perf_counter() > t_end:
             break
-        idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(tokens)])
-        routing = moe_align(idx, 256, bm)
-        x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
-        h = torch.randn(tokens * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
-        for name, fn in (("experts gate_up (SwiGLU)", lambda: w4a16_grouped_swapped_launch(
-                              x, w13f, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True, frag=True)),
-                         ("experts down", lambda: w4a16_grouped_swapped_launch(
-                              h, w2f, w2.scales, w2.global_scale, routing, frag=True))):
+        for name, fn in expert_calls(tokens, bm):
             r = repeat(fn)
             r.update(case=name, tokens=tokens, block_m=bm, pdl=pdl.enabled())
             results.append(r)
