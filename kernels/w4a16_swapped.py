@@ -74,10 +74,10 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 # fragment order or with DEQ 1 at 3 stages (0 of 3,000 each). The cause is not known (RESULTS.md, twenty-sixth
 # session: a pipelining hazard in the compiled kernel is suspected). The engine's experts use 16 / 64 rows per block
 # only (`swapped_block_m`); lm_head (`_frag_dense_launch`) 16 / 32 / 64. Found by Qwen runs 39-41: one engine step's
-# tokens all wrong. Run 43 (2026-12-03, 30,000-60,000 repeats per case) found the routed down projection (no SwiGLU)
-# at 16 rows per block racing too: 2 of 30,000 and 3 of 60,000 calls at 3 stages (8 columns each), 0 of 60,000 at 2
-# stages, 57.2 against 57.8 us a call at 32 tokens; gate_up (SwiGLU) at 16 rows: 0 of 90,000 at 3 stages, 7% slower
-# at 2 (119.8 against 111.7 us), so it keeps 3. Keyed by the call's kind: "dense" (lm_head, `dense_routing`),
+# tokens all wrong. Runs 43-44 (2026-12-03, 30,000-60,000 repeats per case) found the routed down projection (no
+# SwiGLU) at 16 rows per block racing too: 2 of 30,000, 3 and 11 of 60,000 calls at 3 stages (8-31 columns each), 0 of
+# 120,000 at 2 stages, 56.6-57.2 against 57.8-58.1 us a call at 32 tokens; gate_up (SwiGLU) at 16 rows: 0 of 150,000
+# at 3 stages, 7% slower at 2 (118.8-119.8 against 111.3-111.7 us), so it keeps 3. Keyed by the call's kind: "dense" (lm_head, `dense_routing`),
 # "swiglu" (routed gate_up) or "plain" (routed, no SwiGLU: down); any other (kind, BLOCK_M) gets
 # UNMEASURED_FRAG_STAGES, the fewest stages that raced nowhere.
 FRAG_STAGES = {("dense", 16): 3, ("dense", 32): 2, ("dense", 64): 3,
