@@ -13,6 +13,7 @@ the first differing output columns. Random weights (values change no control flo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -54,15 +55,16 @@ def main() -> None:
     def rand_w(e, n, k):
         return random_nvfp4((e, n, k), dev, gen)
 
-    experts = {}  # the engine's experts, drawn once: gate_up [256, 1024, 2048] with SwiGLU, down [256, 2048, 512]
+    @functools.cache
+    def engine_experts():
+        """The engine's experts, drawn at first use: gate_up [256, 1024, 2048] with SwiGLU, down [256, 2048, 512] ->
+        (w13, w2, their fragment-order bytes)."""
+        w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
+        return w13, w2, split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
 
     def expert_calls(tokens: int, bm: int, config: dict | None = None) -> list:
         """The engine's two routed calls at `tokens` (top-8 of 256, `bm` rows per block) -> [(name, call)]."""
-        if not experts:
-            w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
-            experts.update(w13=w13, w2=w2, w13f=split_frag(w13.packed, *SPLIT_TILE),
-                           w2f=split_frag(w2.packed, *SPLIT_TILE))
-        w13, w2, w13f, w2f = experts["w13"], experts["w2"], experts["w13f"], experts["w2f"]
+        w13, w2, w13f, w2f = engine_experts()
         idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(tokens)])
         routing = moe_align(idx, 256, bm)
         x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
@@ -72,6 +74,11 @@ def main() -> None:
                     x, w13f, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True, **kw)),
                 ("experts down", lambda: w4a16_grouped_swapped_launch(
                     h, w2f, w2.scales, w2.global_scale, routing, **kw))]
+
+    def save(name: str, payload) -> None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps(payload, indent=1))
 
     def repeat(fn) -> dict:
         ref = fn()
@@ -110,9 +117,7 @@ def main() -> None:
                     row[f"differing_{rows}"] = repeat(lambda: call(xs[0]))["differing_calls"]
             results.append(row)
             print("[swapped_race]", json.dumps(row), flush=True)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "lm_head_options.json").write_text(json.dumps(results, indent=1))
+        save("lm_head_options.json", results)
         return
     if args.experts_stages:
         from cuda_timing import graph_per_call_us
@@ -125,9 +130,7 @@ def main() -> None:
                 r.update(repeat(fn))
                 results.append(r)
                 print("[swapped_race]", json.dumps(r), flush=True)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "experts_stages.json").write_text(json.dumps(results, indent=1))
+        save("experts_stages.json", results)
         return
     lm_frag, lm_halves = split_frag(lm.packed, *SPLIT_TILE), split_halves(lm.packed, *SPLIT_TILE)
     cases = []  # (name, rows, block_m, frag, deq, warps, stages, pdl)
@@ -163,10 +166,8 @@ def main() -> None:
             r.update(case=name, tokens=tokens, block_m=bm, pdl=pdl.enabled())
             results.append(r)
             print("[swapped_race]", json.dumps(r), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    (out / "swapped_race.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    save("swapped_race.json", dict(meta=meta, results=results))
 
 
 if __name__ == "__main__":

@@ -77,9 +77,10 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 # tokens all wrong. Runs 43-44 (2026-12-03, 30,000-60,000 repeats per case) found the routed down projection (no
 # SwiGLU) at 16 rows per block racing too: 2 of 30,000, 3 and 11 of 60,000 calls at 3 stages (8-31 columns each), 0 of
 # 120,000 at 2 stages, 56.6-57.2 against 57.8-58.1 us a call at 32 tokens; gate_up (SwiGLU) at 16 rows: 0 of 150,000
-# at 3 stages, 7% slower at 2 (118.8-119.8 against 111.3-111.7 us), so it keeps 3. Keyed by the call's kind: "dense" (lm_head, `dense_routing`),
-# "swiglu" (routed gate_up) or "plain" (routed, no SwiGLU: down); any other (kind, BLOCK_M) gets
-# UNMEASURED_FRAG_STAGES, the fewest stages that raced nowhere.
+# at 3 stages, 7% slower at 2 (118.8-119.8 against 111.3-111.7 us), so it keeps 3. Keyed by the call's kind
+# (FRAG_KINDS): "dense" (lm_head, `dense_routing`), "swiglu" (routed gate_up) or "plain" (routed, no SwiGLU: down);
+# any other (kind, BLOCK_M) gets UNMEASURED_FRAG_STAGES, the fewest stages that raced nowhere.
+FRAG_KINDS = ("dense", "swiglu", "plain")
 FRAG_STAGES = {("dense", 16): 3, ("dense", 32): 2, ("dense", 64): 3,
                ("swiglu", 16): 3, ("swiglu", 64): 3,
                ("plain", 16): 2, ("plain", 64): 3}
@@ -90,8 +91,8 @@ def verified_stages(block_m: int, frag: bool, deq: int, kind: str = "dense") -> 
     """The most pipeline stages verified race-free for a build: FRAG_STAGES' for fragment-order bytes with the PTX
     dequant (`kind`: "dense" | "swiglu" | "plain", UNMEASURED_FRAG_STAGES for a pair not measured), None (no limit
     known) otherwise. The launcher's default num_stages (else 3) and, without `unverified`, its maximum."""
-    if kind not in ("dense", "swiglu", "plain"):
-        raise ValueError(f"verified_stages: kind must be dense | swiglu | plain, got {kind!r}")
+    if kind not in FRAG_KINDS:
+        raise ValueError(f"verified_stages: kind must be {' | '.join(FRAG_KINDS)}, got {kind!r}")
     return FRAG_STAGES.get((kind, block_m), UNMEASURED_FRAG_STAGES) if frag and deq == 2 else None
 
 

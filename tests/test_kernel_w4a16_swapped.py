@@ -289,8 +289,9 @@ def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
 
 
 def test_stage_limit_of_the_racing_build():
-    """`verified_stages`: the 32-row fragment-order PTX-dequant build is limited to 2 stages (3 raced on the H200), the
-    others keep the default; the launcher refuses more than the limit unless `unverified` (benchmarks)."""
+    """`verified_stages`: the fragment-order PTX-dequant builds that raced at 3 stages on the H200 (lm_head's 32-row
+    dense build, the routed down's 16-row build) and unmeasured ones are limited to 2, the others keep the default;
+    the launcher refuses more than the limit unless `unverified` (benchmarks)."""
     from kernels.w4a16_swapped import verified_stages
 
     assert verified_stages(32, True, 2) == 2
