@@ -278,6 +278,15 @@ probe() {
   grep -E "^\[${script%.py}\]|Error|error" "$R/$name.log" | cut -c1-400
 }
 
+# old_tree DIR: the tree of another commit (AB_TAR, default .devbundle/extra/ab_old.tar, from `git archive`) unpacked
+# into DIR once per call (steps 88-89), for side-by-side runs of the same script in both trees
+old_tree() {
+  [ -d "$1/kernels" ] && return 0
+  mkdir -p "$1" && tar xf "${AB_TAR:-.devbundle/extra/ab_old.tar}" -C "$1" \
+    && say "old tree: $(tar tf "${AB_TAR:-.devbundle/extra/ab_old.tar}" | wc -l) files into $1"
+  cp benchmarks/swapped_ab.py "$1/benchmarks/"  # the A/B script itself is this tree's
+}
+
 if want 1; then
 say "1. CUDA tests"
 timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py > "$R/cuda_tests.log" 2>&1
@@ -1056,6 +1065,37 @@ if want 87; then
 say "87. issue 5 (same carry): the engine's 32-token expert calls (16-row blocks, fragment order) at 3 and 2 stages:"
 say "    per call in CUDA graphs, then repeated bit for bit (run 43 / step 85: 2 of 30,000 down calls differed at 3)"
 probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" --calls "${CALLS_87:-60000}"
+fi
+if want 88; then
+say "88. issue 5 (carry .devbundle/extra with AB_TAR in it, and .tritoncache): the swap-AB kernel of this tree beside"
+say "    another commit's (AB_TAR: \`git archive -o .devbundle/extra/ab_old.tar <commit> kernels qwen_engine"
+say "    engine_core benchmarks\`): the GPU tests, then benchmarks/swapped_ab.py in the old tree, here, and the old"
+say "    tree again (per call in CUDA graphs; outputs compared bit for bit)"
+old_tree /tmp/ab_old
+if [ "${TESTS_88:-1}" = 1 ]; then
+  gpu_tests swapped_tests "${LIMIT_88A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
+  grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
+fi
+in_old() { (cd /tmp/ab_old && PYTHONPATH="/tmp/ab_old${SITE:+:$SITE}:${PYTHONPATH#$PWD:}" "$@"); }
+in_old timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old --save /tmp/ab_old.pt \
+  > "$R/swapped_ab_old.log" 2>&1
+timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --compare /tmp/ab_old.pt \
+  --save /tmp/ab_new.pt > "$R/swapped_ab_new.log" 2>&1
+in_old timeout 100 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
+  --compare /tmp/ab_new.pt > "$R/swapped_ab_old_again.log" 2>&1
+grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
+fi
+if want 89; then
+say "89. issue 5 (same carry as 88): the engine of this tree, then the old tree's (AB_TAR), each alone (--base {}),"
+say "    in that order; greedy tokens compared offline from the two JSONs"
+old_tree /tmp/ab_old
+engine_ab qwen_engine_new "${LIMIT_89A:-270}" --autotune-table auto
+(cd /tmp/ab_old && PYTHONPATH="/tmp/ab_old${SITE:+:$SITE}:${PYTHONPATH#$PWD:}" PYTHONFAULTHANDLER=1 \
+  timeout -s ABRT "${LIMIT_89B:-270}" python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+  --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_engine_old" \
+  > "$R/qwen_engine_old.log" 2>&1)
+grep -E "^\| \(e\)" "$R/qwen_engine_old/qwen_gpu.md" | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_engine_old.log" | cut -c1-300 | head -20
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

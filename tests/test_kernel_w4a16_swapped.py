@@ -10,8 +10,6 @@ Against the existing kernel (same products, other summation order): <= 1 output 
 for fp16) + the same 1e-6 max |ref|.
 """
 
-import inspect
-
 import pytest
 import torch
 
@@ -27,6 +25,7 @@ from kernels.w4a16_swapped import (
     unsplit_halves,
     w4a16_grouped_swapped_launch,
 )
+from tests import ptx_emu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BK = 128  # K tile of the split-halves layout
@@ -144,19 +143,26 @@ def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, 
 
 
 def test_fragment_order_scale_bits():
-    """The fragment-order path's GPU scale conversion (`_e4m3_bf16_gained`; the interpreter runs the fp32 route
-    instead), checked on the CPU in torch's bf16: the bits (b & 0x7F) << 4 are scale x 2^-120 (a bf16 subnormal for
-    b < 8), and x 2^120, then x 2^119, give scale x 2^119 exactly -- the other route's value -- for every non-NaN
-    e4m3 byte."""
+    """The fragment-order path's GPU scale conversion (`_e4m3_bf16_gained`, inline PTX; the interpreter runs the fp32
+    route instead), its asm text executed on the CPU by tests/ptx_emu.py: byte i of the word -> half i % 2 of output
+    i // 2, scale x 2^119 as bf16 exactly -- the other route's value -- for every non-NaN e4m3 byte (subnormals
+    included) in every byte position. The bits it starts from, (b & 0x7F) << 4, are scale x 2^-120 in torch's bf16."""
     from kernels import w4a16_swapped
 
-    src = inspect.getsource(w4a16_swapped._e4m3_bf16_gained.fn)
-    assert "((b & 0x7F) << 4).to(tl.bfloat16, bitcast=True) * 2.0 ** 120 * 2.0 ** 119" in src  # what is checked
     b = torch.arange(0x7F, dtype=torch.int32)
     scale = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
     tiny = ((b & 0x7F) << 4).to(torch.int16).view(torch.bfloat16)
     assert torch.equal(tiny.float(), scale * 2.0**-120)
-    assert torch.equal(tiny * 2.0**120 * 2.0**119, (scale * 2.0**119).to(torch.bfloat16))
+    want = (scale * 2.0**119).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # [127] bf16 bits
+
+    asm = ptx_emu.asm_text(w4a16_swapped._e4m3_bf16_gained)
+    g = torch.Generator().manual_seed(3)
+    words = torch.randint(0, 0x7F, (300, 4), generator=g).tolist() + [[v] * 4 for v in range(0x7F)]
+    words += [[v, 0, 0x7E, 1] for v in range(0x7F)] + [[0x7E, 1, v, 0] for v in range(0x7F)]
+    for bytes4 in words:
+        reg = ptx_emu.run(asm, {"$2": sum(v << (8 * i) for i, v in enumerate(bytes4))})
+        got = [(reg[f"${i // 2}"] >> (16 * (i % 2))) & 0xFFFF for i in range(4)]
+        assert got == [int(want[v]) for v in bytes4], bytes4
 
 
 @pytest.mark.parametrize("t,top_k,mode,block_m,dtype,cfg,tile", [CASES[i] for i in (1, 2, 4, 5, 7, 8)])

@@ -1,0 +1,91 @@
+"""Instructions per K tile of the swap-AB expert kernel's main loop, from an offline sm_90 compile (no GPU needed):
+the cost model behind `kernels/w4a16_swapped.py`'s dequant changes. Each build is compiled as a launch would be --
+pointers, K, N and the strides marked divisible by 16 (Triton's specialisation of 16-aligned arguments; without it
+the loads are not vectorised and the loop is not pipelined at all) -- then the cubin is disassembled with the
+cuobjdump Triton bundles, and the loop (the span of the one backward branch) is counted by opcode.
+
+Use the device's Triton version for numbers comparable with it (the H200 image has 3.6: `python -m venv
+--system-site-packages /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0`), outside the interpreter:
+
+    env -u TRITON_INTERPRET /tmp/t36/bin/python benchmarks/sass_loop.py [--stages 3] [--opcodes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import w4a16_swapped  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {"x": "*bf16", "w": "*u8", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
+            "block_expert": "*i32", "ws": "*fp32", "counters": "*i32"}
+ALIGNED = set(POINTERS) | {"N", "K", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}  # 16-divisible at the engine's shapes
+# (name, constexprs): the engine's builds (SPLIT_TILE 64 x 128, fragment order, the PTX dequant)
+BUILDS = [(f"{what} BLOCK_M={bm}", dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu and not dense, DENSE=dense, BLOCK_M=bm))
+          for what, swiglu, dense, bms in (("gate_up (SwiGLU)", True, False, (16, 64)),
+                                           ("down (routing weight)", False, False, (16, 64)),
+                                           ("lm_head (dense)", False, True, (16, 32)))
+          for bm in bms]
+
+
+def sass(consts: dict, stages: int) -> str:
+    """The cubin's SASS of one build of the swap-AB kernel."""
+    kernel = w4a16_swapped._w4a16_grouped_swapped_kernel
+    params = inspect.signature(kernel.fn).parameters
+    consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty},
+              **dict(INTERPRET=False, DEQ=2, TILE_N=64, BLOCK_N=64, BLOCK_K=128, FRAG=True), **consts}
+    names = list(params)
+    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ALIGNED and n not in consts}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                              options=dict(num_warps=4, num_stages=stages))
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_opcodes(text: str) -> collections.Counter:
+    """Opcode counts of the instructions between a backward branch's target and the branch (the K loop)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
+    back = [(int(m.group(1), 16), a) for a, t in ins
+            if (m := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
+    if len(back) != 1:
+        raise RuntimeError(f"expected one loop, found {len(back)} backward branches")
+    lo, hi = back[0]
+    return collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0]
+                               for a, t in ins if lo <= a <= hi)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", type=int, default=3, help="num_stages (the engine runs 3, 2 for the routed down "
+                                                          "at 16 rows and lm_head at 32: FRAG_STAGES)")
+    ap.add_argument("--opcodes", action="store_true", help="also the 12 most frequent opcodes of each loop")
+    args = ap.parse_args()
+    print(f"[sass_loop] triton {triton.__version__}, sm_90, num_stages {args.stages}, per K tile of 128")
+    for name, consts in BUILDS:
+        ops = loop_opcodes(sass(consts, args.stages))
+        print(f"[sass_loop] {name:28s} {sum(ops.values()):5d} instructions; HGMMA {ops['HGMMA']}, BAR {ops['BAR']}, "
+              f"LDS {ops['LDS'] + ops['LDSM']}, STS {ops['STS']}")
+        if args.opcodes:
+            print("           ", ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
+
+
+if __name__ == "__main__":
+    main()

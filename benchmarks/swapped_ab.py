@@ -1,0 +1,92 @@
+"""The swap-AB kernel's calls as the engine makes them, timed per call and their outputs kept, so that two source
+trees -- this one and a copy at another commit -- are compared side by side on one GPU, bit for bit. Cases: the
+routed experts at 32 tokens (decode at 32 streams: 16-row blocks) and 1,024 tokens (prefill: 64-row blocks), gate_up
+with SwiGLU and down, and lm_head (`w4a16_linear_frag`) at 1, 16 and 32 rows; every call at its launch defaults
+(`verified_stages`), PDL as the engine runs it, random packed weights in the checkpoint's format (speed does not
+depend on the values; the same seed in both trees, so the same inputs).
+
+    python benchmarks/swapped_ab.py --out DIR [--save OUT.pt | --compare OTHER.pt]
+
+Run it in the other tree with --save, then here with --compare (see gpu_next.sh step 88): each case's us per call
+(CUDA-graph replays, `cuda_timing.graph_per_call_us`) and whether its output equals the other tree's exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for swapped_ab.json")
+    ap.add_argument("--save", help="write the cases' outputs to this .pt file")
+    ap.add_argument("--compare", help="compare the outputs with this .pt file (from --save in the other tree)")
+    ap.add_argument("--label", default="", help="a name for this tree in the JSON")
+    args = ap.parse_args()
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("swapped_ab needs a CUDA GPU")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cuda_timing import graph_per_call_us
+    from random_packed import random_nvfp4
+
+    from kernels import pdl
+    from kernels.nvfp4 import NVFP4Tensor
+    from kernels.w4a16_gemm import moe_align
+    from kernels.w4a16_swapped import SPLIT_TILE, linear_to_frag, split_frag, w4a16_grouped_swapped_launch
+    from kernels.w4a16_swapped import w4a16_linear_frag_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pdl.set_enabled(pdl.device_supports())
+    w13, w2 = random_nvfp4((256, 1024, 2048), dev, gen), random_nvfp4((256, 2048, 512), dev, gen)
+    w13f, w2f = split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
+    lm = random_nvfp4((248_320, 2048), dev, gen)
+    lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
+
+    cases = []  # (name, [calls]): several inputs per case, as a graph of decode steps would see
+    for tokens, bm in ((32, 16), (1024, 64)):
+        gate_up, down = [], []
+        for _ in range(4):
+            idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(tokens)])
+            routing = moe_align(idx, 256, bm)
+            x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
+            h = torch.randn(tokens * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
+            gate_up.append(lambda x=x, r=routing: w4a16_grouped_swapped_launch(
+                x, w13f, w13.scales, w13.global_scale, r, a_div=8, swiglu=True, frag=True))
+            down.append(lambda h=h, r=routing: w4a16_grouped_swapped_launch(
+                h, w2f, w2.scales, w2.global_scale, r, frag=True))
+        cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
+    for rows in (1, 16, 32):
+        xs = [torch.randn(rows, 2048, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4)]
+        cases.append((f"lm_head, {rows} rows", [lambda x=x: w4a16_linear_frag_triton(x, lm_frag) for x in xs]))
+
+    other = torch.load(args.compare) if args.compare else None
+    outputs, rows_out = {}, []
+    for name, calls in cases:
+        outs = [c() for c in calls]
+        torch.cuda.synchronize()
+        outputs[name] = [o.cpu() for o in outs]
+        row = dict(case=name, us=round(graph_per_call_us(calls * 5), 2))
+        if other is not None:
+            row["equal_to_other"] = name in other and all(torch.equal(a, b) for a, b in zip(outputs[name],
+                                                                                          other[name]))
+        rows_out.append(row)
+        print("[swapped_ab]", args.label, json.dumps(row), flush=True)
+    if args.save:
+        torch.save(outputs, args.save)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(label=args.label, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, pdl=pdl.enabled())
+    (out / f"swapped_ab{('_' + args.label) if args.label else ''}.json").write_text(
+        json.dumps(dict(meta=meta, results=rows_out), indent=1))
+
+
+if __name__ == "__main__":
+    main()
