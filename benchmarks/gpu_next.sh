@@ -1070,7 +1070,7 @@ if want 88; then
 say "88. issue 5 (carry .devbundle/extra with AB_TAR in it, and .tritoncache): the swap-AB kernel of this tree beside"
 say "    another commit's (AB_TAR: \`git archive -o .devbundle/extra/ab_old.tar <commit> kernels qwen_engine"
 say "    engine_core benchmarks\`): the GPU tests, then benchmarks/swapped_ab.py in the old tree, here, and the old"
-say "    tree again (per call in CUDA graphs; outputs compared bit for bit)"
+say "    tree again (per call in CUDA graphs; outputs compared bit for bit); this tree's lm_head builds repeated"
 old_tree /tmp/ab_old
 if [ "${TESTS_88:-1}" = 1 ]; then
   gpu_tests swapped_tests "${LIMIT_88A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
@@ -1084,6 +1084,9 @@ timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --
 in_old timeout 100 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
   --compare /tmp/ab_new.pt > "$R/swapped_ab_old_again.log" 2>&1
 grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
+# this tree's lm_head builds (verified_stages) repeated bit for bit, as step 82 (the experts' builds: step 87)
+probe lm_head_repeats "${LIMIT_88B:-120}" swapped_race.py --lm-head-options --calls "${REPS_88:-20000}" \
+  --configs 32:2:2,16:3:2
 fi
 if want 89; then
 say "89. issue 5 (same carry as 88): the engine of this tree, then the old tree's (AB_TAR), each alone (--base {}),"
