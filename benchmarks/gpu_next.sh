@@ -1064,7 +1064,8 @@ fi
 if want 87; then
 say "87. issue 5 (same carry): the engine's 32-token expert calls (16-row blocks, fragment order) at 3 and 2 stages:"
 say "    per call in CUDA graphs, then repeated bit for bit (run 43 / step 85: 2 of 30,000 down calls differed at 3)"
-probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" --calls "${CALLS_87:-60000}"
+probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" --calls "${CALLS_87:-60000}" \
+  --experts-tokens "${TOKENS_87:-32}"  # TOKENS_87=1024: the prefill's 64-row-block calls
 fi
 if want 88; then
 say "88. issue 5 (carry .devbundle/extra with AB_TAR in it, and .tritoncache): the swap-AB kernel of this tree beside"
@@ -1099,6 +1100,12 @@ engine_ab qwen_engine_new "${LIMIT_89A:-270}" --autotune-table auto
   > "$R/qwen_engine_old.log" 2>&1)
 grep -E "^\| \(e\)" "$R/qwen_engine_old/qwen_gpu.md" | cut -c1-220
 grep -E "Error|error|File " "$R/qwen_engine_old.log" | cut -c1-300 | head -20
+fi
+if want 90; then
+say "90. issue 5 (same carry): the lm_head op's builds at CONFIGS_90 (BLOCK_M:stages:DEQ) timed per call in CUDA graphs"
+say "    and repeated REPS_90 times bit for bit (benchmarks/swapped_race.py --lm-head-options)"
+probe lm_head_repeats_90 "${LIMIT_90:-200}" swapped_race.py --lm-head-options --calls "${REPS_90:-20000}" \
+  --configs "${CONFIGS_90:-16:2:2,64:3:2,64:2:2}"
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -33,9 +33,12 @@ def main() -> None:
     ap.add_argument("--configs", default="32:3:2,16:3:2,64:3:2,32:2:2,32:3:1,16:2:2",
                     help="with --lm-head-options: BLOCK_M:stages:DEQ settings (16-row blocks run 1 / 8 / 16 rows)")
     ap.add_argument("--experts-stages", default="",
-                    help="instead: the engine's 32-token expert calls (16-row blocks) at these stages, e.g. 3,2: each "
+                    help="instead: the engine's expert calls (--experts-tokens) at these stages, e.g. 3,2: each "
                          "timed per call in CUDA graphs and repeated --calls times (run 43 found 2 of 30,000 down "
                          "calls differing at the default 3)")
+    ap.add_argument("--experts-tokens", type=int, default=32,
+                    help="with --experts-stages: tokens per call (rows per block as the engine picks them: 16 up to "
+                         "16 pairs per expert, else 64)")
     args = ap.parse_args()
     import torch
     import triton
@@ -46,7 +49,8 @@ def main() -> None:
 
     from kernels import pdl
     from kernels.w4a16_gemm import moe_align
-    from kernels.w4a16_swapped import SPLIT_TILE, dense_routing, split_frag, split_halves, w4a16_grouped_swapped_launch
+    from kernels.w4a16_swapped import (SPLIT_TILE, dense_routing, split_frag, split_halves, swapped_block_m,
+                                       w4a16_grouped_swapped_launch)
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -123,9 +127,11 @@ def main() -> None:
         from cuda_timing import graph_per_call_us
 
         pdl.set_enabled(pdl.device_supports())
+        tokens = args.experts_tokens
+        bm = swapped_block_m(tokens * 8, 256)
         for stages in (int(v) for v in args.experts_stages.split(",")):
-            for name, fn in expert_calls(32, 16, dict(num_warps=4, num_stages=stages)):
-                r = dict(case=name, tokens=32, block_m=16, stages=stages, pdl=pdl.enabled(),
+            for name, fn in expert_calls(tokens, bm, dict(num_warps=4, num_stages=stages)):
+                r = dict(case=name, tokens=tokens, block_m=bm, stages=stages, pdl=pdl.enabled(),
                          us=graph_per_call_us([fn] * 20))
                 r.update(repeat(fn))
                 results.append(r)

@@ -67,23 +67,21 @@ except ImportError:  # CPU-only installs without triton: the layout helpers stil
 # fault.
 SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
-# pipeline stages per row block where the bytes are in fragment order with the PTX dequant (DEQ 2). 32 rows: 2, not
-# 3: at 3 stages the H200 gave a different result for ~0.5% of repeated identical calls (benchmarks/swapped_race.py,
-# 2026-12-03: 16-18 of 3,000 at 24 and 32 rows, 1-3 groups of 8 consecutive output columns wrong each time, PDL on or
-# off), and none at 2 stages (0 of 3,000, the same 165 us per lm_head call), nor with 16 / 64 rows per block, without
-# fragment order or with DEQ 1 at 3 stages (0 of 3,000 each). The cause is not known (RESULTS.md, twenty-sixth
-# session: a pipelining hazard in the compiled kernel is suspected). The engine's experts use 16 / 64 rows per block
-# only (`swapped_block_m`); lm_head (`_frag_dense_launch`) 16 / 32 / 64. Found by Qwen runs 39-41: one engine step's
-# tokens all wrong. Runs 43-44 (2026-12-03, 30,000-60,000 repeats per case) found the routed down projection (no
-# SwiGLU) at 16 rows per block racing too: 2 of 30,000, 3 and 11 of 60,000 calls at 3 stages (8-31 columns each), 0 of
-# 120,000 at 2 stages, 56.6-57.2 against 57.8-58.1 us a call at 32 tokens; gate_up (SwiGLU) at 16 rows: 0 of 150,000
-# at 3 stages, 7% slower at 2 (118.8-119.8 against 111.3-111.7 us), so it keeps 3. Keyed by the call's kind
-# (FRAG_KINDS): "dense" (lm_head, `dense_routing`), "swiglu" (routed gate_up) or "plain" (routed, no SwiGLU: down);
-# any other (kind, BLOCK_M) gets UNMEASURED_FRAG_STAGES, the fewest stages that raced nowhere.
+# pipeline stages per row block where the bytes are in fragment order with the PTX dequant (DEQ 2). Some of these
+# builds race at 3 stages on the H200: a repeated identical call now and then gives 1-3 groups of 8 consecutive output
+# columns different (benchmarks/swapped_race.py; cause unknown, a pipelining hazard in the compiled kernel is
+# suspected: RESULTS.md, twenty-sixth session), and none has raced at 2. Which builds race moves with the kernel's
+# code. Before 2026-12-03's scale-conversion change (commit d149e84): lm_head's 32-row build (~0.5% of calls) and the
+# routed down's 16-row build (2-11 of 30,000-60,000); after it (swapped_race at d149e84, results/experts_stages_run3
+# and lm_head_options_run4): lm_head's 16-row build (116 and 133 of 20,000 calls at 1 and 16 rows) and the routed
+# down's 16-row build (18 of 30,000); lm_head's 32-row build at 2 stages, the down at 2 and gate_up (SwiGLU, 16 rows)
+# at 3 gave 0 of 20,000-30,000. gate_up keeps 3 (7% faster than 2: 93.1 against 100.0 us a call at 32 tokens).
+# Keyed by the call's kind (FRAG_KINDS): "dense" (lm_head, `dense_routing`), "swiglu" (routed gate_up) or "plain"
+# (routed, no SwiGLU: down); any other (kind, BLOCK_M) -- the 64-row builds among them, not repeated since the change
+# -- gets UNMEASURED_FRAG_STAGES, the fewest stages that raced nowhere. A kernel change must repeat its builds
+# (gpu_next steps 87-88) before it widens this table.
 FRAG_KINDS = ("dense", "swiglu", "plain")
-FRAG_STAGES = {("dense", 16): 3, ("dense", 32): 2, ("dense", 64): 3,
-               ("swiglu", 16): 3, ("swiglu", 64): 3,
-               ("plain", 16): 2, ("plain", 64): 3}
+FRAG_STAGES = {("dense", 16): 2, ("dense", 32): 2, ("swiglu", 16): 3, ("plain", 16): 2}
 UNMEASURED_FRAG_STAGES = 2
 
 
