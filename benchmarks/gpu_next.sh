@@ -186,6 +186,10 @@
 #       launch (kernels/moe_decode.py): its CUDA tests and per-call bench (ran: moe_decode_bench run 1, 301 s on a
 #       fresh machine, slower per layer; run 3, the combine retiled: -11% per layer at one token), then the engine
 #       beside moe_fused_decode (unrun: the device time ran out; the next measurement of it)
+#   STEPS="88", then "89" (carry .devbundle/extra with ab_old.tar in it -- `git archive -o .devbundle/extra/ab_old.tar
+#       <commit> kernels qwen_engine engine_core sammie 'benchmarks/*.py'` -- and .tritoncache): ~2 / ~4.5 min: issue 5,
+#       this tree's swap-AB kernel beside that commit's per call (outputs compared bit for bit), then the two engines
+#       (ran: swapped_ab run 1, Qwen run 45); STEPS="90" (same carry): ~1 min, lm_head builds at CONFIGS_90 repeated
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1062,7 +1066,7 @@ probe lm_head_repeats_86 "${LIMIT_86A:-60}" swapped_race.py --lm-head-options --
 engine_ab qwen_lm_head_frag_alone "${LIMIT_86:-200}" --autotune-table auto --base '{"lm_head_layout": "split_frag"}'
 fi
 if want 87; then
-say "87. issue 5 (same carry): the engine's 32-token expert calls (16-row blocks, fragment order) at 3 and 2 stages:"
+say "87. issue 5 (same carry): the engine's expert calls at TOKENS_87 (default 32: 16-row blocks) at 3 and 2 stages:"
 say "    per call in CUDA graphs, then repeated bit for bit (run 43 / step 85: 2 of 30,000 down calls differed at 3)"
 probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" --calls "${CALLS_87:-60000}" \
   --experts-tokens "${TOKENS_87:-32}"  # TOKENS_87=1024: the prefill's 64-row-block calls

@@ -76,12 +76,17 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 # and lm_head_options_run4): lm_head's 16-row build (116 and 133 of 20,000 calls at 1 and 16 rows) and the routed
 # down's 16-row build (18 of 30,000); lm_head's 32-row build at 2 stages, the down at 2 and gate_up (SwiGLU, 16 rows)
 # at 3 gave 0 of 20,000-30,000. gate_up keeps 3 (7% faster than 2: 93.1 against 100.0 us a call at 32 tokens).
+# lm_head's 16-row build at 2 stages: 0 of 20,000, 126.4 us a call at 1 row (121.3 at 3). The 64-row builds
+# (results/experts_stages_run4, lm_head_options_run5; 1,024 tokens, 10,000-20,000 repeats): 0 differing at 3 and at
+# 2 stages in all three; down and lm_head are faster at 2 (127.4 against 136.6 us; 175.4 against 182.9), gate_up at
+# 3 (181.8 against 203.8), which it does not get yet: the engine was measured with 2 (Qwen run 45).
 # Keyed by the call's kind (FRAG_KINDS): "dense" (lm_head, `dense_routing`), "swiglu" (routed gate_up) or "plain"
-# (routed, no SwiGLU: down); any other (kind, BLOCK_M) -- the 64-row builds among them, not repeated since the change
-# -- gets UNMEASURED_FRAG_STAGES, the fewest stages that raced nowhere. A kernel change must repeat its builds
-# (gpu_next steps 87-88) before it widens this table.
+# (routed, no SwiGLU: down); any other (kind, BLOCK_M) gets UNMEASURED_FRAG_STAGES, the fewest stages that raced
+# nowhere. A kernel change must repeat its builds (gpu_next steps 87, 88 and 90) before it widens this table.
 FRAG_KINDS = ("dense", "swiglu", "plain")
-FRAG_STAGES = {("dense", 16): 2, ("dense", 32): 2, ("swiglu", 16): 3, ("plain", 16): 2}
+FRAG_STAGES = {("dense", 16): 2, ("dense", 32): 2, ("dense", 64): 2,
+               ("swiglu", 16): 3, ("swiglu", 64): 2,
+               ("plain", 16): 2, ("plain", 64): 2}
 UNMEASURED_FRAG_STAGES = 2
 
 
