@@ -282,13 +282,18 @@ probe() {
   grep -E "^\[${script%.py}\]|Error|error" "$R/$name.log" | cut -c1-400
 }
 
-# old_tree DIR: the tree of another commit (AB_TAR, default .devbundle/extra/ab_old.tar, from `git archive`) unpacked
-# into DIR once per call (steps 88-89), for side-by-side runs of the same script in both trees
+# old_tree: the tree of another commit (AB_TAR, default .devbundle/extra/ab_old.tar, from `git archive`) unpacked into
+# /tmp/ab_old once per machine (steps 88-89), for side-by-side runs of the same script in both trees; in_old CMD...:
+# CMD run there, with /tmp/ab_old ahead of this tree on PYTHONPATH and this tree dropped from it
 old_tree() {
-  [ -d "$1/kernels" ] && return 0
-  mkdir -p "$1" && tar xf "${AB_TAR:-.devbundle/extra/ab_old.tar}" -C "$1" \
-    && say "old tree: $(tar tf "${AB_TAR:-.devbundle/extra/ab_old.tar}" | wc -l) files into $1"
-  cp benchmarks/swapped_ab.py "$1/benchmarks/"  # the A/B script itself is this tree's
+  [ -d /tmp/ab_old/kernels ] && return 0
+  mkdir -p /tmp/ab_old && tar xf "${AB_TAR:-.devbundle/extra/ab_old.tar}" -C /tmp/ab_old \
+    && say "old tree: $(tar tf "${AB_TAR:-.devbundle/extra/ab_old.tar}" | wc -l) files into /tmp/ab_old" \
+    && cp benchmarks/swapped_ab.py /tmp/ab_old/benchmarks/  # the A/B script itself is this tree's
+}
+in_old() {
+  local rest="${PYTHONPATH#"$PWD"}"
+  (cd /tmp/ab_old && PYTHONPATH="/tmp/ab_old${rest:+:${rest#:}}" "$@")
 }
 
 if want 1; then
@@ -1068,40 +1073,41 @@ fi
 if want 87; then
 say "87. issue 5 (same carry): the engine's expert calls at TOKENS_87 (default 32: 16-row blocks) at 3 and 2 stages:"
 say "    per call in CUDA graphs, then repeated bit for bit (run 43 / step 85: 2 of 30,000 down calls differed at 3)"
-probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" --calls "${CALLS_87:-60000}" \
-  --experts-tokens "${TOKENS_87:-32}"  # TOKENS_87=1024: the prefill's 64-row-block calls
+probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" \
+  --calls "${CALLS_87:-60000}" --experts-tokens "${TOKENS_87:-32}"  # TOKENS_87=1024: the prefill's 64-row blocks
 fi
 if want 88; then
 say "88. issue 5 (carry .devbundle/extra with AB_TAR in it, and .tritoncache): the swap-AB kernel of this tree beside"
 say "    another commit's (AB_TAR: \`git archive -o .devbundle/extra/ab_old.tar <commit> kernels qwen_engine"
-say "    engine_core benchmarks\`): the GPU tests, then benchmarks/swapped_ab.py in the old tree, here, and the old"
-say "    tree again (per call in CUDA graphs; outputs compared bit for bit); this tree's lm_head builds repeated"
-old_tree /tmp/ab_old
+say "    engine_core sammie 'benchmarks/*.py'\`): the GPU tests, then benchmarks/swapped_ab.py in the old tree, here,"
+say "    and the old tree again (per call in CUDA graphs; outputs compared bit for bit); this tree's lm_head builds"
+say "    repeated"
+old_tree
 if [ "${TESTS_88:-1}" = 1 ]; then
   gpu_tests swapped_tests "${LIMIT_88A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
   grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
 fi
-in_old() { (cd /tmp/ab_old && PYTHONPATH="/tmp/ab_old${SITE:+:$SITE}:${PYTHONPATH#$PWD:}" "$@"); }
+rm -f /tmp/ab_old.pt /tmp/ab_new.pt
 in_old timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old --save /tmp/ab_old.pt \
   > "$R/swapped_ab_old.log" 2>&1
-timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --compare /tmp/ab_old.pt \
-  --save /tmp/ab_new.pt > "$R/swapped_ab_new.log" 2>&1
+# (a failed run leaves no outputs: the next one then times without comparing)
+timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --save /tmp/ab_new.pt \
+  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) > "$R/swapped_ab_new.log" 2>&1
 in_old timeout 100 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
-  --compare /tmp/ab_new.pt > "$R/swapped_ab_old_again.log" 2>&1
+  $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
 grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
 # this tree's lm_head builds (verified_stages) repeated bit for bit, as step 82 (the experts' builds: step 87)
 probe lm_head_repeats "${LIMIT_88B:-120}" swapped_race.py --lm-head-options --calls "${REPS_88:-20000}" \
-  --configs 32:2:2,16:3:2
+  --configs "${CONFIGS_88:-16:2:2,32:2:2,64:2:2}"  # FRAG_STAGES' dense builds since bb07402
 fi
 if want 89; then
 say "89. issue 5 (same carry as 88): the engine of this tree, then the old tree's (AB_TAR), each alone (--base {}),"
 say "    in that order; greedy tokens compared offline from the two JSONs"
-old_tree /tmp/ab_old
+old_tree
 engine_ab qwen_engine_new "${LIMIT_89A:-270}" --autotune-table auto
-(cd /tmp/ab_old && PYTHONPATH="/tmp/ab_old${SITE:+:$SITE}:${PYTHONPATH#$PWD:}" PYTHONFAULTHANDLER=1 \
-  timeout -s ABRT "${LIMIT_89B:-270}" python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
-  --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_engine_old" \
-  > "$R/qwen_engine_old.log" 2>&1)
+in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_89B:-270}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_engine_old" \
+  > "$R/qwen_engine_old.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_engine_old/qwen_gpu.md" | cut -c1-220
 grep -E "Error|error|File " "$R/qwen_engine_old.log" | cut -c1-300 | head -20
 fi

@@ -74,8 +74,8 @@ def loop_opcodes(text: str) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", type=int, default=3, help="num_stages (the engine runs 3, 2 for the routed down "
-                                                          "at 16 rows and lm_head at 32: FRAG_STAGES)")
+    ap.add_argument("--stages", type=int, default=3, help="num_stages (the engine's per build: FRAG_STAGES in "
+                                                          "kernels/w4a16_swapped.py)")
     ap.add_argument("--opcodes", action="store_true", help="also the 12 most frequent opcodes of each loop")
     args = ap.parse_args()
     print(f"[sass_loop] triton {triton.__version__}, sm_90, num_stages {args.stages}, per K tile of 128")

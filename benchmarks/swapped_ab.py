@@ -82,8 +82,10 @@ def main() -> None:
         torch.save(outputs, args.save)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    import kernels
+
     meta = dict(label=args.label, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, pdl=pdl.enabled())
+                triton=triton.__version__, pdl=pdl.enabled(), kernels=str(Path(kernels.__file__).parent))
     (out / f"swapped_ab{('_' + args.label) if args.label else ''}.json").write_text(
         json.dumps(dict(meta=meta, results=rows_out), indent=1))
 

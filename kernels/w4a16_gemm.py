@@ -994,9 +994,13 @@ def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.
 
 
 def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool, globals_ok: bool,
-                 **_: Any) -> bool:
-    """As `supports_dense`, for stacked [E, 2I, H] gate_up and [E, H, I] down weights and [T, k] routing."""
-    return _device_ok(device, capability) and dtype in ACT_DTYPES and shapes_ok and globals_ok
+                 layout: int = CHECKPOINT, **_: Any) -> bool:
+    """As `supports_dense`, for stacked [E, 2I, H] gate_up and [E, H, I] down weights and [T, k] routing; fragment-
+    order experts (SPLIT_FRAG) only where their PTX runs (`w4a16_swapped.frag_capability_ok`: sm_90 on CUDA)."""
+    from kernels.w4a16_swapped import frag_capability_ok
+
+    return (_device_ok(device, capability) and dtype in ACT_DTYPES and shapes_ok and globals_ok
+            and (layout != SPLIT_FRAG or frag_capability_ok(device, capability)))
 
 
 

@@ -71,15 +71,16 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 # builds race at 3 stages on the H200: a repeated identical call now and then gives 1-3 groups of 8 consecutive output
 # columns different (benchmarks/swapped_race.py; cause unknown, a pipelining hazard in the compiled kernel is
 # suspected: RESULTS.md, twenty-sixth session), and none has raced at 2. Which builds race moves with the kernel's
-# code. Before 2026-12-03's scale-conversion change (commit d149e84): lm_head's 32-row build (~0.5% of calls) and the
-# routed down's 16-row build (2-11 of 30,000-60,000); after it (swapped_race at d149e84, results/experts_stages_run3
-# and lm_head_options_run4): lm_head's 16-row build (116 and 133 of 20,000 calls at 1 and 16 rows) and the routed
-# down's 16-row build (18 of 30,000); lm_head's 32-row build at 2 stages, the down at 2 and gate_up (SwiGLU, 16 rows)
-# at 3 gave 0 of 20,000-30,000. gate_up keeps 3 (7% faster than 2: 93.1 against 100.0 us a call at 32 tokens).
-# lm_head's 16-row build at 2 stages: 0 of 20,000, 126.4 us a call at 1 row (121.3 at 3). The 64-row builds
-# (results/experts_stages_run4, lm_head_options_run5; 1,024 tokens, 10,000-20,000 repeats): 0 differing at 3 and at
-# 2 stages in all three; down and lm_head are faster at 2 (127.4 against 136.6 us; 175.4 against 182.9), gate_up at
-# 3 (181.8 against 203.8), which it does not get yet: the engine was measured with 2 (Qwen run 45).
+# code. Before 2026-12-03's scale changes (commits c0c064c, the PTX conversion, and d149e84, one scale tile per K
+# tile): lm_head's 32-row build (~0.5% of calls) and the routed down's 16-row build (2-11 of 30,000-60,000). After
+# them (swapped_race at d149e84, results/experts_stages_run3 and lm_head_options_run4): lm_head's 16-row build (116
+# and 133 of 20,000 calls at 1 and 16 rows) and the routed down's 16-row build (18 of 30,000); lm_head's 32-row build
+# at 2 stages, the down at 2 and gate_up (SwiGLU, 16 rows) at 3 gave 0 of 20,000-30,000. gate_up keeps 3 (7% faster
+# than 2: 93.1 against 100.0 us a call at 32 tokens). lm_head's 16-row build at 2 stages: 0 of 20,000, 126.4 us a call
+# at 1 row (122.0 at 3 in the same script). The 64-row builds (results/experts_stages_run4: the experts at 1,024
+# tokens, 10,000 repeats; lm_head_options_run5: lm_head at 17-32 rows, 20,000): 0 differing at 3 and at 2 stages in
+# all three; down and lm_head are faster at 2 (127.4 against 136.6 us; 175.4 against 182.9), gate_up at 3 (181.8
+# against 203.8), which it does not get yet: the engine was measured with 2 (Qwen run 45).
 # Keyed by the call's kind (FRAG_KINDS): "dense" (lm_head, `dense_routing`), "swiglu" (routed gate_up) or "plain"
 # (routed, no SwiGLU: down); any other (kind, BLOCK_M) gets UNMEASURED_FRAG_STAGES, the fewest stages that raced
 # nowhere. A kernel change must repeat its builds (gpu_next steps 87, 88 and 90) before it widens this table.
@@ -565,11 +566,22 @@ def describe_frag_dense(x: torch.Tensor, w: NVFP4Tensor) -> dict:
                 tile_ok=frag_dense_tile(n, 2 * kh) is not None and x.shape[-1] == 2 * kh)
 
 
+# The fragment-order path's scale conversion (`_e4m3_bf16_gained`) is inline PTX with mul.rn.bf16x2, which needs
+# sm_90 (the engine uses this layout on Hopper only: `lm_head_layout` / `expert_layout` auto).
+FRAG_MIN_CAPABILITY = (9, 0)
+
+
+def frag_capability_ok(device: str, capability) -> bool:
+    """Whether fragment-order calls can run: anywhere but CUDA (the interpreter runs no PTX), on CUDA from sm_90."""
+    return device != "cuda" or (capability is not None and tuple(capability) >= FRAG_MIN_CAPABILITY)
+
+
 def supports_frag_dense(*, device: str, capability, dtype: torch.dtype, tile_ok: bool, **_) -> bool:
-    """Compiled Triton (or the interpreter) on a tensor-core GPU, bf16 / fp16 activations, a weight that splits."""
+    """Compiled Triton (or the interpreter) on an sm_90+ GPU (`frag_capability_ok`), bf16 / fp16 activations, a weight
+    that splits."""
     from kernels.w4a16_gemm import ACT_DTYPES, _device_ok
 
-    return _device_ok(device, capability) and dtype in ACT_DTYPES and tile_ok
+    return _device_ok(device, capability) and frag_capability_ok(device, capability) and dtype in ACT_DTYPES and tile_ok
 
 
 def _sample_frag_dense(device) -> tuple[tuple, dict]:

@@ -440,28 +440,15 @@ def test_moe_repacked_experts(t, layout):
     assert not supports_moe(**describe_moe(x, t13, t2, idx, weights, layout=7))  # no such layout
 
 
-def rounding_carry_bound(x, w13, w2, idx, weights) -> torch.Tensor:
-    """[T, H]: how far two runs of the routed-expert block may differ when only their fp32 summation orders do. The
-    op rounds three times to bf16 -- the SwiGLU output h, each pair's weighted down output, their sum -- and a
-    rounding that flips moves a value by at most one ulp, <= 2^-7 of it. So: 2^-7 (sum over pairs of |routing weight|
-    |W2| @ |h|, a flip of every h carried through the down projection) + 2^-7 (sum of the pairs' |outputs|) + 2^-6
-    |output|, from the reference's fp32 values (|W2|: the packed codes with their sign bits cleared)."""
-    k = idx.shape[1]
-    h = w4a16_grouped_reference(x.float(), w13, idx.reshape(-1), a_div=k, swiglu=True).abs()  # [P, I]
-    w2_abs = NVFP4Tensor(w2.packed & 0x77, w2.scales, w2.global_scale)
-    carried = w4a16_grouped_reference(h, w2_abs, idx.reshape(-1), row_scale=weights.reshape(-1).abs())  # [P, H]
-    pairs = moe_experts_w4a16_reference(x, w13, w2, idx, weights, reduce=False).float().abs()  # [T, k, H]
-    out = moe_experts_w4a16_reference(x, w13, w2, idx, weights).float().abs()
-    return 2.0**-7 * (carried.view(pairs.shape).sum(1) + pairs.sum(1)) + 2.0**-6 * out
-
-
 @pytest.mark.parametrize("t", [1, 4, 5])
 def test_moe_decode_split(t, monkeypatch):
     """`w4a16_swapped.DECODE_SPLIT` (split K of the swap-AB experts at <= DECODE_SPLIT_TOKENS tokens, for engines
     without the GEMV's dual copy): at 1 and 4 tokens both projections run split (gate_up 2 of its 2 K tiles, down 4
-    capped to its 2), within the reference's bound and of the unsplit op by `rounding_carry_bound` (the H200 broke
-    the earlier bound, one output rounding: a flipped rounding of h is carried through the down projection), the same
-    bits on a second call (the counters re-armed); at 5 tokens the op ignores it (bit-equal to unsplit)."""
+    capped to its 2), within the reference's bound, the same bits on a second call (the counters re-armed); at 5
+    tokens the op ignores it (bit-equal to unsplit). Each projection alone, split 2 against unsplit on the same
+    inputs, is within one rounding of its output (a flip moves a bf16 by at most 2^-7 of it) plus 2^-12 of its largest
+    |value| (fp32 summation order). The whole block is not held to that: a flipped rounding of the SwiGLU output is
+    carried through the down projection (the H200 broke such a bound; tests/test_kernel_w4a16.py, run 5)."""
     e, h, i, top_k = 4, 256, 256, 2
     w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=23, empty=(1,))
     t13, t2 = w4a16_gemm.experts_repack(w13, w2, w4a16_gemm.SPLIT_FRAG)
@@ -479,9 +466,12 @@ def test_moe_decode_split(t, monkeypatch):
     if t > w4a16_swapped.DECODE_SPLIT_TOKENS:
         assert torch.equal(split, one)
     assert compare(split, ref) is None, compare(split, ref)
-    bound = rounding_carry_bound(x, w13, w2, idx, weights)
-    assert ((split.float() - one.float()).abs() <= bound).all()
-    assert bound.mean() < 0.25 * ref.float().abs().mean()  # ~0.1 here: still below a lost split's error (~50%)
+    routing = moe_align(idx, e, 16)
+    h_one = launch(x, t13.packed, t13.scales, t13.global_scale, routing, a_div=top_k, swiglu=True, frag=True)
+    for inp, w, kw in ((x, t13, dict(a_div=top_k, swiglu=True)), (h_one, t2, dict(row_scale=weights.reshape(-1)))):
+        y1, y2 = (launch(inp, w.packed, w.scales, w.global_scale, routing, frag=True, split=sp, **kw).float()
+                  for sp in (1, 2))
+        assert ((y2 - y1).abs() <= 2.0**-7 * y1.abs() + 2.0**-12 * y1.abs().max()).all(), kw
     assert w4a16_swapped.decode_split(1, (16, 4)) == (2, 4) and w4a16_swapped.decode_split(9, (16, 4)) == (1, 1)
     monkeypatch.setattr(w4a16_swapped, "DECODE_SPLIT", (8, 8))
     assert w4a16_swapped.decode_split(1, (16, 4)) == (8, 4)  # capped at the projection's K tiles

@@ -142,6 +142,25 @@ def test_swapped_matches_reference_and_existing_kernel(t, top_k, mode, block_m, 
     assert compare(wrong, ref32.to(y.dtype)) is not None
 
 
+def test_fragment_order_needs_sm90(monkeypatch):
+    """Fragment-order calls are offered where their PTX runs (mul.rn.bf16x2: sm_90): not on sm_80 / sm_89 GPUs, on
+    Hopper and later, and on the CPU (the interpreter runs its fp32 route) -- lm_head's op and the experts' op
+    (`frag_capability_ok`; the device check itself, which refuses CUDA under the interpreter, is set aside here)."""
+    from kernels import w4a16_gemm
+    from kernels.w4a16_swapped import describe_frag_dense, frag_capability_ok, supports_frag_dense
+
+    monkeypatch.setattr(w4a16_gemm, "_device_ok", lambda device, capability: True)
+    w = rand_weight(1, 128, 256, seed=3)
+    info = describe_frag_dense(torch.zeros(2, 256, dtype=torch.bfloat16), linear_to_frag(first_expert(w)))
+    moe = dict(device="cuda", dtype=torch.bfloat16, shapes_ok=True, globals_ok=True)
+    for cap, ok in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        assert frag_capability_ok("cuda", cap) == ok, cap
+        assert supports_frag_dense(**dict(info, device="cuda", capability=cap)) == ok, cap
+        assert w4a16_gemm.supports_moe(**moe, capability=cap, layout=w4a16_gemm.SPLIT_FRAG) == ok, cap
+        assert w4a16_gemm.supports_moe(**moe, capability=cap, layout=w4a16_gemm.SPLIT_HALVES), cap
+    assert frag_capability_ok("cpu", None) and not frag_capability_ok("cuda", None)
+
+
 def test_fragment_order_scale_bits():
     """The fragment-order path's GPU scale conversion (`_e4m3_bf16_gained`, inline PTX; the interpreter runs the fp32
     route instead), its asm text executed on the CPU by tests/ptx_emu.py: byte i of the word -> half i % 2 of output
@@ -303,10 +322,12 @@ def test_stage_limit_of_the_racing_build():
 
     assert verified_stages(32, True, 2) == verified_stages(16, True, 2) == 2
     assert verified_stages(32, False, 2) is None and verified_stages(32, True, 1) is None
-    # the routed down projection (no SwiGLU) raced at 16 rows per block and 3 stages (run 43, experts_stages_run3), gate_up did not
+    # the routed down projection (no SwiGLU) raced at 16 rows per block and 3 stages (run 43; again at d149e84:
+    # results/experts_stages_run3), gate_up did not
     assert verified_stages(16, True, 2, "plain") == 2 and verified_stages(16, True, 2, "swiglu") == 3
     assert verified_stages(64, True, 2, "plain") == verified_stages(64, True, 2, "swiglu") == 2
-    assert verified_stages(64, True, 2) == verified_stages(128, True, 2) == 2  # unmeasured: the fewest
+    assert verified_stages(64, True, 2) == 2  # lm_head's 64-row build: faster at 2
+    assert verified_stages(128, True, 2) == 2  # unmeasured: the fewest
     with pytest.raises(ValueError, match="kind must be"):
         verified_stages(16, True, 2, "down")
     w = rand_weight(1, 128, 256, seed=36)
