@@ -407,6 +407,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
             return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s, programmatic_launch=pdl_on,
+                        autotune_picks_loaded=engine.autotune_picks,
                         expert_layouts=engine.health().get("expert_layouts"), runner=engine.health().get("runner"),
                         kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode,
                         steps_ahead=engine.scheduler.stats.steps_ahead)
@@ -415,7 +416,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
-                    programmatic_launch=pdl_on,
+                    programmatic_launch=pdl_on, autotune_picks_loaded=engine.autotune_picks,  # the table's, applied
                     kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode, start_s=start_s,
                     expert_layouts=engine.health().get("expert_layouts"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
