@@ -942,6 +942,16 @@ def _device_ok(device: str, capability: tuple[int, int] | None) -> bool:
     return triton is not None and triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
 
 
+# Fragment-order bytes (SPLIT_FRAG experts, lm_head's "w4a16_linear_frag") run `w4a16_swapped._e4m3_bf16_gained`,
+# inline PTX with mul.rn.bf16x2, which needs sm_90 (the engine picks these layouts on Hopper only).
+FRAG_MIN_CAPABILITY = (9, 0)
+
+
+def frag_capability_ok(device: str, capability) -> bool:
+    """Whether fragment-order calls can run: anywhere but CUDA (the interpreter runs no PTX), on CUDA from sm_90."""
+    return device != "cuda" or (capability is not None and tuple(capability) >= FRAG_MIN_CAPABILITY)
+
+
 def _capability(t: torch.Tensor) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
 
@@ -996,9 +1006,7 @@ def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.
 def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool, globals_ok: bool,
                  layout: int = CHECKPOINT, **_: Any) -> bool:
     """As `supports_dense`, for stacked [E, 2I, H] gate_up and [E, H, I] down weights and [T, k] routing; fragment-
-    order experts (SPLIT_FRAG) only where their PTX runs (`w4a16_swapped.frag_capability_ok`: sm_90 on CUDA)."""
-    from kernels.w4a16_swapped import frag_capability_ok
-
+    order experts (SPLIT_FRAG) only where their PTX runs (`frag_capability_ok`: sm_90 on CUDA)."""
     return (_device_ok(device, capability) and dtype in ACT_DTYPES and shapes_ok and globals_ok
             and (layout != SPLIT_FRAG or frag_capability_ok(device, capability)))
 

@@ -30,7 +30,7 @@ import torch
 from kernels import pdl
 from kernels.nvfp4 import BLOCK, NVFP4Tensor
 from kernels.split_k import split_counters
-from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, tile_major, untile_major
+from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, frag_capability_ok, tile_major, untile_major
 
 try:
     import triton
@@ -432,8 +432,8 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     bytes are `split_frag`'s (fragment order) instead.
     `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
     result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages
-    (default 3, or `verified_stages` where it knows a limit: 2 for the fragment-order PTX-dequant builds that raced at
-    3, lm_head's 32-row and the routed down's 16-row; more than the limit only with `unverified=True`).
+    (default 3, or `verified_stages` where it knows a limit: FRAG_STAGES gives every fragment-order PTX-dequant build
+    2 but gate_up's 16-row one, since builds raced at 3; more than the limit only with `unverified=True`).
     `split` > 1: the K tiles shared among that many programs per output tile, reduced inside the kernel by the last to
     arrive (`split_k`; for decode-sized calls, where a launch has too few tiles to fill the GPU: one token's gate_up is
     8 experts x 8 tiles = 64 programs walking all of K). Same result as split 1 up to the fp32 summation order of the
@@ -564,16 +564,6 @@ def describe_frag_dense(x: torch.Tensor, w: NVFP4Tensor) -> dict:
     n, kh = w.packed.shape
     return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype,
                 tile_ok=frag_dense_tile(n, 2 * kh) is not None and x.shape[-1] == 2 * kh)
-
-
-# The fragment-order path's scale conversion (`_e4m3_bf16_gained`) is inline PTX with mul.rn.bf16x2, which needs
-# sm_90 (the engine uses this layout on Hopper only: `lm_head_layout` / `expert_layout` auto).
-FRAG_MIN_CAPABILITY = (9, 0)
-
-
-def frag_capability_ok(device: str, capability) -> bool:
-    """Whether fragment-order calls can run: anywhere but CUDA (the interpreter runs no PTX), on CUDA from sm_90."""
-    return device != "cuda" or (capability is not None and tuple(capability) >= FRAG_MIN_CAPABILITY)
 
 
 def supports_frag_dense(*, device: str, capability, dtype: torch.dtype, tile_ok: bool, **_) -> bool:

@@ -163,7 +163,8 @@ class QwenEngineConfig:
     #                               vs 2,941.2 / 2,937.2, TTFT equal, greedy tokens equal on all 33 streams; the op's
     #                               builds repeated 120,000 times bit for bit (benchmarks/swapped_race.py). Per call
     #                               (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165 against 390.
-    #                               Runs 39-41 found a race in its 32-row-block build (fixed: FRAG_STAGES)
+    #                               Runs 39-41 found a race in its 32-row-block build, run 45's change one in its
+    #                               16-row build (fixed: FRAG_STAGES, 2 stages)
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and

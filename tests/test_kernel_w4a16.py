@@ -467,11 +467,13 @@ def test_moe_decode_split(t, monkeypatch):
         assert torch.equal(split, one)
     assert compare(split, ref) is None, compare(split, ref)
     routing = moe_align(idx, e, 16)
-    h_one = launch(x, t13.packed, t13.scales, t13.global_scale, routing, a_div=top_k, swiglu=True, frag=True)
-    for inp, w, kw in ((x, t13, dict(a_div=top_k, swiglu=True)), (h_one, t2, dict(row_scale=weights.reshape(-1)))):
-        y1, y2 = (launch(inp, w.packed, w.scales, w.global_scale, routing, frag=True, split=sp, **kw).float()
+    inp = x  # gate_up's input, then the unsplit gate_up's output (down's)
+    for w, kw in ((t13, dict(a_div=top_k, swiglu=True)), (t2, dict(row_scale=weights.reshape(-1)))):
+        y1, y2 = (launch(inp, w.packed, w.scales, w.global_scale, routing, frag=True, split=sp, **kw)
                   for sp in (1, 2))
-        assert ((y2 - y1).abs() <= 2.0**-7 * y1.abs() + 2.0**-12 * y1.abs().max()).all(), kw
+        f1, f2 = y1.float(), y2.float()
+        assert ((f2 - f1).abs() <= 2.0**-7 * f1.abs() + 2.0**-12 * f1.abs().max()).all(), kw
+        inp = y1
     assert w4a16_swapped.decode_split(1, (16, 4)) == (2, 4) and w4a16_swapped.decode_split(9, (16, 4)) == (1, 1)
     monkeypatch.setattr(w4a16_swapped, "DECODE_SPLIT", (8, 8))
     assert w4a16_swapped.decode_split(1, (16, 4)) == (8, 4)  # capped at the projection's K tiles
