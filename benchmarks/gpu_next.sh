@@ -1117,6 +1117,39 @@ say "    and repeated REPS_90 times bit for bit (benchmarks/swapped_race.py --lm
 probe lm_head_repeats_90 "${LIMIT_90:-200}" swapped_race.py --lm-head-options --calls "${REPS_90:-20000}" \
   --configs "${CONFIGS_90:-16:2:2,64:3:2,64:2:2}"
 fi
+if want 91; then
+say "91. issue 5 (same carry): the anatomy of the swap-AB race (benchmarks/race_anatomy.py): lm_head's 16-row build at"
+say "    3 stages repeated against its 2-stage answer; each differing group explained (stale epilogue chunk, a K slice"
+say "    missed / doubled / swapped), then test_moe_decode_split's per-projection bound on the GPU"
+probe race_anatomy "${LIMIT_91:-240}" race_anatomy.py --calls "${CALLS_91:-20000}"
+gpu_tests moe_decode_split 120 tests/test_kernel_w4a16.py -k moe_decode_split -rfE
+fi
+if want 92; then
+say "92. issue 5 (carry .devbundle/ptxas13 too: CUDA 13.5's ptxas, xz): the swap-AB race under a ptxas with NVIDIA's fix"
+say "    for register-input wgmma (CUDA 13.3 release notes; triton issue 9433, PR 11781): race_anatomy, the lm_head builds"
+say "    and the experts at 3 and 2 stages repeated bit for bit and timed, with Triton 3.6's bundled ptxas and with 13.5"
+mkdir -p /tmp/ptxas13 && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
+  "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" /tmp/ptxas13/ptxas && chmod +x /tmp/ptxas13/ptxas
+say "$(/tmp/ptxas13/ptxas --version | tail -1); bundled: $(python -c 'import triton,pathlib;print(pathlib.Path(triton.__file__).parent)')"
+for tool in bundled cuda13; do
+  if [ $tool = cuda13 ]; then export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13; fi
+  say "--- ptxas: $tool"
+  probe race_anatomy_$tool "${LIMIT_92:-200}" race_anatomy.py --calls "${CALLS_92:-20000}"
+  probe lm_head_repeats_$tool 200 swapped_race.py --lm-head-options --calls "${CALLS_92:-20000}" \
+    --configs "${CONFIGS_92:-16:3:2,32:3:2,16:2:2,64:3:2}"
+  probe experts_stages_$tool 200 swapped_race.py --experts-stages 3,2 --calls "${CALLS_92:-20000}" --experts-tokens 32
+done
+unset TRITON_PTXAS_PATH TRITON_CACHE_DIR
+fi
+if want 93; then
+say "93. issue 5 (carry .devbundle/extra): SETTLE (kernels/w4a16_swapped.py: each K tile's wgmma groups waited for before"
+say "    the next tile's dequant writes registers) with Triton 3.6's own ptxas: the racing builds (lm_head 16 rows and the"
+say "    routed down at 3 stages) and the others repeated bit for bit and timed, beside the builds without it"
+probe lm_head_settle "${LIMIT_93:-240}" swapped_race.py --lm-head-options --calls "${CALLS_93:-30000}" \
+  --configs "${CONFIGS_93:-16:3:2,16:3:2:s,16:2:2:s,32:3:2:s,64:3:2:s,64:2:2:s}"
+probe experts_settle_32 200 swapped_race.py --experts-stages 3,3s,2s --calls "${CALLS_93:-30000}" --experts-tokens 32
+probe experts_settle_1024 200 swapped_race.py --experts-stages 3,3s,2,2s --calls 5000 --experts-tokens 1024
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -41,8 +41,9 @@ BUILDS = [(f"{what} BLOCK_M={bm}", dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu 
           for bm in bms]
 
 
-def sass(consts: dict, stages: int) -> str:
-    """The cubin's SASS of one build of the swap-AB kernel."""
+def compiled(consts: dict, stages: int):
+    """One build of the swap-AB kernel compiled for sm_90 as a launch would (Triton's CompiledKernel: .asm["ptx"],
+    .asm["cubin"])."""
     kernel = w4a16_swapped._w4a16_grouped_swapped_kernel
     params = inspect.signature(kernel.fn).parameters
     consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty},
@@ -50,11 +51,15 @@ def sass(consts: dict, stages: int) -> str:
     names = list(params)
     sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ALIGNED and n not in consts}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-                              options=dict(num_warps=4, num_stages=stages))
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                          options=dict(num_warps=4, num_stages=stages))
+
+
+def sass(consts: dict, stages: int) -> str:
+    """The cubin's SASS of one build of the swap-AB kernel."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(compiled(consts, stages).asm["cubin"])
         f.flush()
         return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
@@ -70,6 +75,27 @@ def loop_opcodes(text: str) -> collections.Counter:
     lo, hi = back[0]
     return collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0]
                                for a, t in ins if lo <= a <= hi)
+
+
+def wgmma_groups_in_flight_at_back_edge(ptx: str) -> int:
+    """wgmma groups committed in the K loop's body after its last `wgmma.wait_group` and before its backward branch:
+    groups still reading their registers when the next K tile's code runs (0 with SETTLE; the race under ptxas <
+    13.3 needs one). Counted on the PTX, whose loop is the one block ending in a branch back to its own header."""
+    lines = ptx.splitlines()
+    back = [(i, m.group(1)) for i, line in enumerate(lines)
+            if (m := re.search(r"@%p\d+ bra\s+(\$L__BB\d+_\d+);", line))
+            and any(lines[j].startswith(m.group(1) + ":") for j in range(i))]
+    if len(back) != 1:
+        raise RuntimeError(f"expected one loop, found {len(back)} backward branches")
+    end, label = back[0]
+    start = next(j for j in range(end) if lines[j].startswith(label + ":"))
+    in_flight = 0
+    for line in lines[start:end]:
+        if "wgmma.commit_group" in line:
+            in_flight += 1
+        elif m := re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", line):
+            in_flight = min(in_flight, int(m.group(1)))
+    return in_flight
 
 
 def main() -> None:

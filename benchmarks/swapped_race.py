@@ -31,9 +31,11 @@ def main() -> None:
                     help="instead: the lm_head op's candidate settings for 17-32 rows (block_m 16 / 32 / 64, stages, "
                          "dequant mode), each checked for repeats (rows 24, 32) and timed per call in CUDA graphs")
     ap.add_argument("--configs", default="32:3:2,16:3:2,64:3:2,32:2:2,32:3:1,16:2:2",
-                    help="with --lm-head-options: BLOCK_M:stages:DEQ settings (16-row blocks run 1 / 8 / 16 rows)")
+                    help="with --lm-head-options: BLOCK_M:stages:DEQ settings, ':s' appended: SETTLE (16-row blocks run "
+                         "1 / 8 / 16 rows)")
     ap.add_argument("--experts-stages", default="",
-                    help="instead: the engine's expert calls (--experts-tokens) at these stages, e.g. 3,2: each "
+                    help="instead: the engine's expert calls (--experts-tokens) at these stages, e.g. 3,2,3s ('s': "
+                         "SETTLE): each "
                          "timed per call in CUDA graphs and repeated --calls times (run 43 found 2 of 30,000 down "
                          "calls differing at the default 3)")
     ap.add_argument("--experts-tokens", type=int, default=32,
@@ -66,14 +68,14 @@ def main() -> None:
         w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
         return w13, w2, split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
 
-    def expert_calls(tokens: int, bm: int, config: dict | None = None) -> list:
+    def expert_calls(tokens: int, bm: int, config: dict | None = None, settle: bool = False) -> list:
         """The engine's two routed calls at `tokens` (top-8 of 256, `bm` rows per block) -> [(name, call)]."""
         w13, w2, w13f, w2f = engine_experts()
         idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(tokens)])
         routing = moe_align(idx, 256, bm)
         x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
         h = torch.randn(tokens * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
-        kw = dict(frag=True, config=config, unverified=config is not None)
+        kw = dict(frag=True, config=config, unverified=config is not None, settle=settle)
         return [("experts gate_up (SwiGLU)", lambda: w4a16_grouped_swapped_launch(
                     x, w13f, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True, **kw)),
                 ("experts down", lambda: w4a16_grouped_swapped_launch(
@@ -107,15 +109,17 @@ def main() -> None:
         pdl.set_enabled(pdl.device_supports())
         lm_frag = split_frag(lm.packed, *SPLIT_TILE)
         for spec in args.configs.split(","):
-            bm, stages, deq = (int(v) for v in spec.split(":"))
-            row = dict(block_m=bm, stages=stages, deq=deq, pdl=pdl.enabled())
+            bm, stages, deq = (int(v) for v in spec.split(":")[:3])
+            settle = spec.endswith(":s")
+            row = dict(block_m=bm, stages=stages, deq=deq, settle=settle, pdl=pdl.enabled())
             for rows in ((17, 24, 32) if bm >= 32 else (1, 8, 16)):
                 xs = [torch.randn(rows, 2048, device=dev, generator=gen).to(torch.bfloat16) for _ in range(10)]
 
                 def call(x, rows=rows):
                     return w4a16_grouped_swapped_launch(x, lm_frag, lm.scales, lm.global_scale,
                                                         dense_routing(rows, bm), frag=True, deq=deq,
-                                                        config=dict(num_warps=4, num_stages=stages), unverified=True)
+                                                        config=dict(num_warps=4, num_stages=stages), unverified=True,
+                                                        settle=settle)
                 row[f"us_{rows}"] = graph_per_call_us([lambda x=x: call(x) for x in xs])
                 if rows not in (17, 8):  # repeats at 24 and 32 rows (1 and 16 for 16-row blocks)
                     row[f"differing_{rows}"] = repeat(lambda: call(xs[0]))["differing_calls"]
@@ -129,9 +133,10 @@ def main() -> None:
         pdl.set_enabled(pdl.device_supports())
         tokens = args.experts_tokens
         bm = swapped_block_m(tokens * 8, 256)
-        for stages in (int(v) for v in args.experts_stages.split(",")):
-            for name, fn in expert_calls(tokens, bm, dict(num_warps=4, num_stages=stages)):
-                r = dict(case=name, tokens=tokens, block_m=bm, stages=stages, pdl=pdl.enabled(),
+        for spec in args.experts_stages.split(","):
+            stages, settle = int(spec.rstrip("s")), spec.endswith("s")
+            for name, fn in expert_calls(tokens, bm, dict(num_warps=4, num_stages=stages), settle):
+                r = dict(case=name, tokens=tokens, block_m=bm, stages=stages, settle=settle, pdl=pdl.enabled(),
                          us=graph_per_call_us([fn] * 20))
                 r.update(repeat(fn))
                 results.append(r)

@@ -67,40 +67,42 @@ except ImportError:  # CPU-only installs without triton: the layout helpers stil
 # fault.
 SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
-# pipeline stages per row block where the bytes are in fragment order with the PTX dequant (DEQ 2). Some of these
-# builds race at 3 stages on the H200: a repeated identical call now and then gives 1-3 groups of 8 consecutive output
-# columns different (benchmarks/swapped_race.py; cause unknown, a pipelining hazard in the compiled kernel is
-# suspected: RESULTS.md, twenty-sixth session), and none has raced at 2. Which builds race moves with the kernel's
-# code. Before 2026-12-03's scale changes (commits c0c064c, the PTX conversion, and d149e84, one scale tile per K
-# tile): lm_head's 32-row build (~0.5% of calls) and the routed down's 16-row build (2-11 of 30,000-60,000). After
-# them (swapped_race at d149e84, results/experts_stages_run3 and lm_head_options_run4): lm_head's 16-row build (116
-# and 133 of 20,000 calls at 1 and 16 rows) and the routed down's 16-row build (18 of 30,000); lm_head's 32-row build
-# at 2 stages, the down at 2 and gate_up (SwiGLU, 16 rows) at 3 gave 0 of 20,000-30,000. gate_up keeps 3 (7% faster
-# than 2: 93.1 against 100.0 us a call at 32 tokens). lm_head's 16-row build at 2 stages: 0 of 20,000, 126.4 us a call
-# at 1 row (122.0 at 3 in the same script). The 64-row builds (results/experts_stages_run4: the experts at 1,024
-# tokens, 10,000 repeats; lm_head_options_run5: lm_head at 17-32 rows, 20,000): 0 differing at 3 and at 2 stages in
-# all three; down and lm_head are faster at 2 (127.4 against 136.6 us; 175.4 against 182.9), gate_up at 3 (181.8
-# against 203.8), which it does not get yet: the engine was measured with 2 (Qwen run 45).
+# The race, and SETTLE. Without SETTLE, some builds gave nondeterministic results on the H200: a repeated identical
+# call now and then differed in 8 consecutive output columns (weight rows 16w..16w+7 of a warp's 16: the rows of one
+# A-fragment register) for every activation row (benchmarks/race_anatomy.py, results/race_anatomy_run1: lm_head's
+# 16-row build at 3 stages, 119 and 153 of 20,000 calls at 1 and 16 rows). The cause is the assembler: Triton 3.6's
+# own ptxas (CUDA 12.8) may reuse the registers of a wgmma's A operand while that wgmma, asynchronous, still reads
+# them (triton issue 9433; NVIDIA's fix is in CUDA 13.3's ptxas). The loop leaves each K tile's second wgmma group
+# in flight while the next tile's dequant writes registers. Under CUDA 13.5's ptxas (TRITON_PTXAS_PATH) the same
+# builds gave 0 of 20,000 (results/ptxas_race_run1), at the price of more registers (lm_head 70 -> 94) and 7-12%
+# slower down / lm_head calls. SETTLE (the default: `settle=True`) instead waits for the tile's wgmma groups at the
+# end of each K tile (`_settled`), so no wgmma is in flight across tiles: with Triton's own ptxas, 0 of 30,000-60,000
+# in every build, including those that raced (results/settle_run1), and the loop is not slower (the registers the
+# in-flight group held are free: gate_up 16 rows 121 -> 96). Which builds raced without it moved with the kernel's
+# code (twenty-sixth to twenty-eighth sessions); `settle=False` is for benchmarks only (`unverified=True`).
+# Pipeline stages per (call kind, BLOCK_M) for the engine's builds (fragment order, PTX dequant), the faster of 3 and
+# 2 with SETTLE per call in CUDA graphs (results/settle_run1, H200, us: 3 against 2 stages):
+#   lm_head 16 rows (1-16): 119.0 / 124.4;   32 rows (17-32): 134.3 at 3 (145.5 at 2 without SETTLE, run 4);
+#   64 rows (33-64): 187.5 / 176.9;   gate_up 32 tokens (16-row blocks): 90.9 / 87.2;   1,024 tokens (64): 186.2 /
+#   210.1;   down 32 tokens: 49.7 / 50.0;   1,024 tokens: 135.0 / 127.8.
 # Keyed by the call's kind (FRAG_KINDS): "dense" (lm_head, `dense_routing`), "swiglu" (routed gate_up) or "plain"
-# (routed, no SwiGLU: down); any other (kind, BLOCK_M) gets UNMEASURED_FRAG_STAGES, the fewest stages that raced
-# nowhere. A kernel change must repeat its builds (gpu_next steps 87, 88 and 90) before it widens this table.
+# (routed, no SwiGLU: down); any other build gets DEFAULT_CONFIG's 3.
 FRAG_KINDS = ("dense", "swiglu", "plain")
-FRAG_STAGES = {("dense", 16): 2, ("dense", 32): 2, ("dense", 64): 2,
-               ("swiglu", 16): 3, ("swiglu", 64): 2,
-               ("plain", 16): 2, ("plain", 64): 2}
-UNMEASURED_FRAG_STAGES = 2
+FRAG_STAGES = {("dense", 16): 3, ("dense", 32): 3, ("dense", 64): 2,
+               ("swiglu", 16): 2, ("swiglu", 64): 3,
+               ("plain", 16): 3, ("plain", 64): 2}
 
 
-def verified_stages(block_m: int, frag: bool, deq: int, kind: str = "dense") -> int | None:
-    """The most pipeline stages verified race-free for a build: FRAG_STAGES' for fragment-order bytes with the PTX
-    dequant (`kind`: "dense" | "swiglu" | "plain", UNMEASURED_FRAG_STAGES for a pair not measured), None (no limit
-    known) otherwise. The launcher's default num_stages (else 3) and, without `unverified`, its maximum."""
+def default_stages(block_m: int, frag: bool, deq: int, kind: str = "dense") -> int:
+    """The launcher's num_stages for a build: FRAG_STAGES' for fragment-order bytes with the PTX dequant (`kind`:
+    "dense" | "swiglu" | "plain"), DEFAULT_CONFIG's otherwise."""
     if kind not in FRAG_KINDS:
-        raise ValueError(f"verified_stages: kind must be {' | '.join(FRAG_KINDS)}, got {kind!r}")
-    return FRAG_STAGES.get((kind, block_m), UNMEASURED_FRAG_STAGES) if frag and deq == 2 else None
+        raise ValueError(f"default_stages: kind must be {' | '.join(FRAG_KINDS)}, got {kind!r}")
+    if frag and deq == 2:
+        return FRAG_STAGES.get((kind, block_m), DEFAULT_CONFIG["num_stages"])
+    return DEFAULT_CONFIG["num_stages"]
 
 
-# ---- layout ---------------------------------------------------------------------------------------------------------
 def split_halves(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """Checkpoint-layout packed weights [E, N, K/2] (or [N, K/2]; byte j = k 2j low nibble, 2j+1 high) -> the split-
     halves tile-major bytes of the same shape: per K tile byte j holds k = j (low) and j + BK/2 (high), then tiles of
@@ -289,6 +291,15 @@ if triton is not None:
         return lo.to(DTYPE), hi.to(DTYPE)
 
     @triton.jit
+    def _settled(acc, INTERPRET: tl.constexpr):
+        """acc as it is, through one `mov` per register: a use outside the MMAs, so Triton waits for this K tile's
+        wgmma groups (`wgmma.wait_group 0`) before the loop goes on, and no wgmma reading its A operand from registers
+        is still in flight while the next tile's dequant writes registers (`SETTLE`). The interpreter: acc."""
+        if INTERPRET:
+            return acc
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
     def _load_split_tile(w, rows, t, K, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr):
         """Split-halves bytes [BN, BK/32, 16] of K tile t of weight rows `rows` [BN] (aligned to TILE_N, in range):
         len(rows) / TILE_N contiguous blocks of TILE_N x BK/2 bytes (one block when BLOCK_N = TILE_N)."""
@@ -321,7 +332,8 @@ if triton is not None:
                                       DEQ: tl.constexpr, TILE_N: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                       FRAG: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                                      DENSE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                                      DENSE: tl.constexpr = False, SETTLE: tl.constexpr = False,
+                                      USE_PDL: tl.constexpr = False):
         # grid (R / BM (DENSE: cdiv(P, BM)), N_out / BN); one program = BN output columns (weight rows: the MMA's M)
         # x BM sorted pairs of one expert (the MMA's N). Weights in split halves (`split_halves`, tiles of TILE_N rows
         # x BK; BN a multiple of TILE_N, N_out of BN, K of BK: the launcher checks). SWIGLU: N = 2 N_out rows, column
@@ -330,7 +342,8 @@ if triton is not None:
         # SPLIT > 1 (grid (.., .., SPLIT)): program_id(2) takes its share of the K tiles and stores its fp32 partials
         # to ws [SPLIT, tiles, 2 (gate, up; 1 without SwiGLU), BN, BM]; the last of a tile's SPLIT programs to arrive
         # (`split_k`: one counter per tile, re-armed to 0) sums them in split order and runs the epilogue. SPLIT = 1:
-        # none of it.
+        # none of it. SETTLE: each K tile's wgmma groups are waited for at the end of the tile (`_settled`; the
+        # comment above FRAG_STAGES).
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if DENSE:  # `dense_routing`: row block pid_m is rows pid_m BM.., all of expert 0
@@ -373,6 +386,10 @@ if triton is not None:
                                              FRAG)
                     acc_up = _mma(lo, tl.trans(xlo), acc_up, INTERPRET)
                     acc_up = _mma(hi, tl.trans(xhi), acc_up, INTERPRET)
+                if SETTLE:
+                    acc = _settled(acc, INTERPRET)
+                    if SWIGLU:
+                        acc_up = _settled(acc_up, INTERPRET)
             last = True
             if SPLIT > 1:
                 tile = pid_m * tl.num_programs(1) + pid_n
@@ -425,15 +442,16 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
                                  swiglu: bool = False, row_scale: torch.Tensor | None = None,
                                  block_n: int = SPLIT_TILE[0], block_k: int = SPLIT_TILE[1],
                                  config: dict | None = None, deq: int = 2, unverified: bool = False,
-                                 frag: bool = False, split: int = 1) -> torch.Tensor:
+                                 frag: bool = False, split: int = 1, settle: bool = True) -> torch.Tensor:
     """`w4a16_gemm.w4a16_grouped_launch`'s contract on split-halves weights: y[p] = f(x[p // a_div] @ W[e_p]^T) *
     row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype. `frag`: the
     bytes are `split_frag`'s (fragment order) instead.
     `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
     result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages
-    (default 3, or `verified_stages` where it knows a limit: FRAG_STAGES gives every fragment-order PTX-dequant build
-    2 but gate_up's 16-row one, since builds raced at 3; more than the limit only with `unverified=True`).
+    (default `default_stages`: FRAG_STAGES for the engine's builds, else 3).
+    `settle` (default True): wait for each K tile's wgmma groups before the next tile (`SETTLE`; without it, builds
+    raced under Triton 3.6's ptxas: the comment above FRAG_STAGES); False only with `unverified=True` (benchmarks).
     `split` > 1: the K tiles shared among that many programs per output tile, reduced inside the kernel by the last to
     arrive (`split_k`; for decode-sized calls, where a launch has too few tiles to fill the GPU: one token's gate_up is
     8 experts x 8 tiles = 64 programs walking all of K). Same result as split 1 up to the fp32 summation order of the
@@ -447,8 +465,7 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     k = 2 * kh
     n_out = n // 2 if swiglu else n
     kind = "dense" if routing.block_expert is None else "swiglu" if swiglu else "plain"
-    cap = verified_stages(routing.block_m, frag, deq, kind)
-    cfg = {**DEFAULT_CONFIG, **({} if cap is None else {"num_stages": cap}), **(config or {})}
+    cfg = {**DEFAULT_CONFIG, "num_stages": default_stages(routing.block_m, frag, deq, kind), **(config or {})}
     bn = cfg.pop("BLOCK_N", block_n)
     if x.shape[-1] != k or x.stride(-1) != 1:
         raise ValueError(f"x {tuple(x.shape)} (strides {x.stride()}) does not match weights of K = {k}")
@@ -458,10 +475,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     if cfg.get("num_warps") != 4 and not unverified:
         raise ValueError(f"num_warps {cfg.get('num_warps')}: only 4 warps (one warpgroup) are verified on a GPU "
                          "(8 warps gave 4.5e-2 relative error in one configuration: RESULTS.md, the swap-AB kernel)")
-    if cap is not None and cfg["num_stages"] > cap and not unverified:
-        raise ValueError(f"num_stages {cfg['num_stages']} with BLOCK_M {routing.block_m}, fragment order, DEQ {deq} "
-                         f"and a {kind} call: verified race-free up to {cap} (3 stages gave nondeterministic results "
-                         "on the H200 in some builds: FRAG_STAGES); more only with unverified=True")
+    if not settle and not unverified:
+        raise ValueError("settle=False: builds without SETTLE gave nondeterministic results on the H200 under Triton "
+                         "3.6's ptxas (the comment above FRAG_STAGES); only with unverified=True (benchmarks)")
     if deq == 2 and _interpreted():
         deq = 1  # the interpreter has no PTX; `_dequant_halves` runs one fp32 emulation of modes 1 and 2 anyway
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
@@ -487,7 +503,8 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
         x.stride(0), packed_split.stride(0), sc.stride(0), sc.stride(1),
         s_ge, s_gn, y.stride(0), ws, counters if counters is not None else g, SPLIT=split, SWIGLU=swiglu,
         HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp, DEQ=deq,
-        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, DENSE=dense, **cfg,
+        TILE_N=block_n, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=block_k, FRAG=frag, DENSE=dense, SETTLE=settle,
+        **cfg,
         **pdl.launch_options())
     return y.to(x.dtype)
 
@@ -535,7 +552,7 @@ def _frag_dense_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
                        swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (unit inner stride) @ W^T -> [M, N], W [N, K] in fragment order: one swap-AB launch, the M rows as
     the pairs of one expert (16 per program up to 16 rows, 32 up to 32, then 64), BLOCK_N = the stored tile's 64
-    rows, `verified_stages` (FRAG_STAGES). `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
+    rows, `default_stages` (FRAG_STAGES), SETTLE. `w4a16_gemm._dense_any_rank`'s launcher signature (no SwiGLU)."""
     if swiglu:
         raise ValueError("w4a16_linear_frag: no SwiGLU epilogue")
     n = packed.shape[0]

@@ -313,42 +313,72 @@ def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
         w4a16_grouped_launch(x, w, routing)
 
 
-def test_stage_limit_of_the_racing_build():
-    """`verified_stages`: the fragment-order PTX-dequant builds that raced at 3 stages on the H200 (lm_head's 16- and
-    32-row dense builds, the routed down's 16-row build), the 64-row builds (faster at 2, or not measured in the
-    engine at 3) and unmeasured ones are limited to 2; gate_up's 16-row build keeps the default 3; the launcher
-    refuses more than the limit unless `unverified` (benchmarks)."""
-    from kernels.w4a16_swapped import verified_stages
+def test_default_stages_and_the_settle_guard():
+    """`default_stages`: FRAG_STAGES' measured stage counts for the engine's builds (fragment order, PTX dequant),
+    3 for any other; the launcher refuses `settle=False` (the racing builds) unless `unverified` (benchmarks), and its
+    default and an explicit stage count give results within the reference's bound."""
+    import inspect
 
-    assert verified_stages(32, True, 2) == verified_stages(16, True, 2) == 2
-    assert verified_stages(32, False, 2) is None and verified_stages(32, True, 1) is None
-    # the routed down projection (no SwiGLU) raced at 16 rows per block and 3 stages (run 43; again at d149e84:
-    # results/experts_stages_run3), gate_up did not
-    assert verified_stages(16, True, 2, "plain") == 2 and verified_stages(16, True, 2, "swiglu") == 3
-    assert verified_stages(64, True, 2, "plain") == verified_stages(64, True, 2, "swiglu") == 2
-    assert verified_stages(64, True, 2) == 2  # lm_head's 64-row build: faster at 2
-    assert verified_stages(128, True, 2) == 2  # unmeasured: the fewest
+    from kernels.w4a16_swapped import default_stages
+
+    assert inspect.signature(w4a16_grouped_swapped_launch).parameters["settle"].default is True
+    assert default_stages(16, True, 2) == default_stages(32, True, 2) == 3 and default_stages(64, True, 2) == 2
+    assert default_stages(16, True, 2, "swiglu") == 2 and default_stages(64, True, 2, "swiglu") == 3
+    assert default_stages(16, True, 2, "plain") == 3 and default_stages(64, True, 2, "plain") == 2
+    assert default_stages(128, True, 2) == default_stages(16, False, 2) == default_stages(16, True, 1) == 3
     with pytest.raises(ValueError, match="kind must be"):
-        verified_stages(16, True, 2, "down")
+        default_stages(16, True, 2, "down")
     w = rand_weight(1, 128, 256, seed=36)
     x = torch.randn(20, 256, generator=torch.Generator().manual_seed(37)).to(torch.bfloat16).to(DEVICE)
     args = (x, split_frag(w.packed, 64, BK), w.scales, w.global_scale, dense_routing(20, 32))
     kw = dict(block_n=64, block_k=BK, frag=True)
-    with pytest.raises(ValueError, match="verified race-free up to 2"):
-        w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3))
+    with pytest.raises(ValueError, match="settle=False"):
+        w4a16_grouped_swapped_launch(*args, **kw, settle=False)
     ref32 = w4a16_linear_reference(x.float(), first_expert(w))
-    for y in (w4a16_grouped_swapped_launch(*args, **kw),  # the default: 2 stages
-              w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3), unverified=True)):
+    for y in (w4a16_grouped_swapped_launch(*args, **kw),  # the default: 3 stages, SETTLE
+              w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=2))):
         assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
-    # a routed call without SwiGLU (the experts' down) at 16 rows per block: 3 stages refused, the default (2) right
-    w, idx, x, rs, a_div, swiglu, routing = case_inputs(5, 2, "down", 16, torch.bfloat16, 40)
-    args = (x, split_frag(w.packed, 64, BK), w.scales, w.global_scale, routing)
-    kw = dict(row_scale=rs, block_n=64, block_k=BK, frag=True)
-    with pytest.raises(ValueError, match="plain call: verified race-free up to 2"):
-        w4a16_grouped_swapped_launch(*args, **kw, config=dict(num_stages=3))
+    # a routed call without SwiGLU (the experts' down) at 16 rows per block, its default (3 stages)
+    w, idx, x, rs, a_div, _, routing = case_inputs(5, 2, "down", 16, torch.bfloat16, 40)
     ref32 = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs)
-    y = w4a16_grouped_swapped_launch(*args, **kw)
+    y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, 64, BK), w.scales, w.global_scale, routing,
+                                     row_scale=rs, block_n=64, block_k=BK, frag=True)
     assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
+
+
+def test_settle_leaves_no_wgmma_group_in_flight():
+    """The race's precondition, checked on the compiled code (an offline sm_90 compile with this machine's Triton,
+    no GPU): without SETTLE the K loop reaches its back edge with a wgmma group still committed and unwaited, whose
+    A-operand registers an assembler before CUDA 13.3 may hand to the next tile's dequant; with SETTLE, in each of
+    the engine's 16-row builds at its default stages, none is. Run outside the interpreter (a subprocess), whose
+    kernels cannot be compiled."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import sass_loop
+from kernels.w4a16_swapped import default_stages
+kinds = dict(dense=dict(SWIGLU=False, HAS_ROW_SCALE=False, DENSE=True),
+             swiglu=dict(SWIGLU=True, HAS_ROW_SCALE=False, DENSE=False),
+             plain=dict(SWIGLU=False, HAS_ROW_SCALE=True, DENSE=False))
+out = {}
+for kind, settle in (("dense", False), ("dense", True), ("swiglu", True), ("plain", True)):
+    build = sass_loop.compiled(dict(kinds[kind], BLOCK_M=16, SETTLE=settle), default_stages(16, True, 2, kind))
+    out[f"{kind} {settle}"] = sass_loop.wgmma_groups_in_flight_at_back_edge(build.asm["ptx"])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    in_flight = json.loads(run.stdout.strip().splitlines()[-1])
+    assert in_flight == {"dense False": 1, "dense True": 0, "swiglu True": 0, "plain True": 0}, in_flight
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -380,12 +410,12 @@ def test_linear_frag_first_use_inside_a_capture():
 @pytest.mark.skipif(DEVICE != "cuda", reason="a race on the GPU")
 def test_linear_frag_repeats_bit_for_bit():
     """The lm_head op at full size (NVFP4 [248,320, 2048]) called 1,000 times on the same 1, 16, 24 and 32 rows gives
-    the same bits every time (no atomics, split 1). At 3 stages ~0.5% of calls differed in 1-3 groups of 8 output
-    columns on the H200 (benchmarks/swapped_race.py: 32 rows per block before the scale change, 16 after), hence
-    `verified_stages`; this test fails at that rate (~5 expected per row count)."""
-    from kernels.w4a16_swapped import verified_stages, w4a16_linear_frag_triton
+    the same bits every time (no atomics, split 1). Without SETTLE, ~0.5-0.8% of calls differed in groups of 8 output
+    columns on the H200 at 3 stages (benchmarks/swapped_race.py: 32 rows per block before the scale change, 16
+    after); this test fails at that rate (~5-8 expected per row count)."""
+    from kernels.w4a16_swapped import default_stages, w4a16_linear_frag_triton
 
-    assert verified_stages(32, True, 2) == verified_stages(16, True, 2) == 2
+    assert default_stages(32, True, 2) == default_stages(16, True, 2) == 3  # the builds that raced, with SETTLE
     g = torch.Generator(device=DEVICE).manual_seed(35)
     n, k = 248_320, 2048
     w = NVFP4Tensor(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE, generator=g),
