@@ -1150,6 +1150,18 @@ probe lm_head_settle "${LIMIT_93:-240}" swapped_race.py --lm-head-options --call
 probe experts_settle_32 200 swapped_race.py --experts-stages 3,3s,2s --calls "${CALLS_93:-30000}" --experts-tokens 32
 probe experts_settle_1024 200 swapped_race.py --experts-stages 3,3s,2,2s --calls 5000 --experts-tokens 1024
 fi
+if want 94; then
+say "94. issue 5 (carry .devbundle/extra; .devbundle/ptxas13 too for the second half): fla's GDN chunked prefill repeated"
+say "    bit for bit at the engine's shapes (benchmarks/fla_repeat.py): its chunk_fwd_kernel_o leaves register-input"
+say "    wgmma groups in flight at its loop's back edge, the swap-AB race's pattern under ptxas < 13.3"
+probe fla_repeat_bundled "${LIMIT_94:-150}" fla_repeat.py --calls "${CALLS_94:-3000}"
+if [ -f "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" ]; then
+  mkdir -p /tmp/ptxas13 && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
+    "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" /tmp/ptxas13/ptxas && chmod +x /tmp/ptxas13/ptxas
+  (export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13
+   probe fla_repeat_cuda13 "${LIMIT_94:-150}" fla_repeat.py --calls "${CALLS_94:-3000}")
+fi
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

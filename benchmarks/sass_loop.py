@@ -47,7 +47,7 @@ def compiled(consts: dict, stages: int):
     kernel = w4a16_swapped._w4a16_grouped_swapped_kernel
     params = inspect.signature(kernel.fn).parameters
     consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty},
-              **dict(INTERPRET=False, DEQ=2, TILE_N=64, BLOCK_N=64, BLOCK_K=128, FRAG=True), **consts}
+              **dict(INTERPRET=False, DEQ=2, TILE_N=64, BLOCK_N=64, BLOCK_K=128, FRAG=True, SETTLE=True), **consts}
     names = list(params)
     sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ALIGNED and n not in consts}
@@ -100,14 +100,17 @@ def wgmma_groups_in_flight_at_back_edge(ptx: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", type=int, default=3, help="num_stages (the engine's per build: FRAG_STAGES in "
-                                                          "kernels/w4a16_swapped.py)")
+    ap.add_argument("--stages", type=int, default=None, help="num_stages (default: the engine's per build, "
+                                                             "`default_stages` in kernels/w4a16_swapped.py)")
     ap.add_argument("--opcodes", action="store_true", help="also the 12 most frequent opcodes of each loop")
     args = ap.parse_args()
-    print(f"[sass_loop] triton {triton.__version__}, sm_90, num_stages {args.stages}, per K tile of 128")
+    print(f"[sass_loop] triton {triton.__version__}, sm_90, SETTLE, per K tile of 128")
     for name, consts in BUILDS:
-        ops = loop_opcodes(sass(consts, args.stages))
-        print(f"[sass_loop] {name:28s} {sum(ops.values()):5d} instructions; HGMMA {ops['HGMMA']}, BAR {ops['BAR']}, "
+        kind = "swiglu" if consts["SWIGLU"] else "dense" if consts["DENSE"] else "plain"
+        stages = args.stages or w4a16_swapped.default_stages(consts["BLOCK_M"], True, 2, kind)
+        ops = loop_opcodes(sass(consts, stages))
+        print(f"[sass_loop] {name:28s} {stages} stages {sum(ops.values()):5d} instructions; HGMMA {ops['HGMMA']}, "
+              f"BAR {ops['BAR']}, "
               f"LDS {ops['LDS'] + ops['LDSM']}, STS {ops['STS']}")
         if args.opcodes:
             print("           ", ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))

@@ -2,7 +2,7 @@
 trees -- this one and a copy at another commit -- are compared side by side on one GPU, bit for bit. Cases: the
 routed experts at 32 tokens (decode at 32 streams: 16-row blocks) and 1,024 tokens (prefill: 64-row blocks), gate_up
 with SwiGLU and down, and lm_head (`w4a16_linear_frag`) at 1, 16 and 32 rows; every call at its launch defaults
-(`verified_stages`), PDL as the engine runs it, random packed weights in the checkpoint's format (speed does not
+(`default_stages`, SETTLE), PDL as the engine runs it, random packed weights in the checkpoint's format (speed does not
 depend on the values; the same seed in both trees, so the same inputs).
 
     python benchmarks/swapped_ab.py --out DIR [--save OUT.pt | --compare OTHER.pt]

@@ -164,7 +164,8 @@ class QwenEngineConfig:
     #                               builds repeated 120,000 times bit for bit (benchmarks/swapped_race.py). Per call
     #                               (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165 against 390.
     #                               Runs 39-41 found a race in its 32-row-block build, run 45's change one in its
-    #                               16-row build (fixed: FRAG_STAGES, 2 stages)
+    #                               16-row build: ptxas < 13.3's register-input wgmma hazard, fixed by the kernel's
+    #                               SETTLE (kernels/w4a16_swapped.py, the comment above FRAG_STAGES)
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
