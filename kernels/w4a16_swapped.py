@@ -85,11 +85,16 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 #   lm_head 16 rows (1-16): 119.0 / 124.4;   32 rows (17-32): 134.3 at 3 (145.5 at 2 without SETTLE, run 4);
 #   64 rows (33-64): 187.5 / 176.9;   gate_up 32 tokens (16-row blocks): 90.9 / 87.2;   1,024 tokens (64): 186.2 /
 #   210.1;   down 32 tokens: 49.7 / 50.0;   1,024 tokens: 135.0 / 127.8.
+# gate_up's 16-row build keeps 3: the next run (results/swapped_ab_run2, other routings, old tree beside this one,
+# outputs bit-equal) timed it at 2 stages with SETTLE 94.1 us against 90.0 for the old 3 stages without it, the
+# opposite order, while SETTLE at 3 was 3% faster than without it in run 93; the other builds' choices held there
+# (down 32 tokens 48.9 against 50.8; lm_head 1 / 16 / 32 rows 119.7 / 119.9 / 135.9 against 125.5 / 129.6 / 147.1;
+# gate_up 1,024 tokens 188.2 against 205.6; down 1,024 tokens 130.7 against 130.4).
 # Keyed by the call's kind (FRAG_KINDS): "dense" (lm_head, `dense_routing`), "swiglu" (routed gate_up) or "plain"
 # (routed, no SwiGLU: down); any other build gets DEFAULT_CONFIG's 3.
 FRAG_KINDS = ("dense", "swiglu", "plain")
 FRAG_STAGES = {("dense", 16): 3, ("dense", 32): 3, ("dense", 64): 2,
-               ("swiglu", 16): 2, ("swiglu", 64): 3,
+               ("swiglu", 16): 3, ("swiglu", 64): 3,
                ("plain", 16): 3, ("plain", 64): 2}
 
 
