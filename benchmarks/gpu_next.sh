@@ -1104,8 +1104,8 @@ if want 89; then
 say "89. issue 5 (same carry as 88): the engine of this tree, then the old tree's (AB_TAR), each alone (--base {}),"
 say "    in that order; greedy tokens compared offline from the two JSONs"
 old_tree
-engine_ab qwen_engine_new "${LIMIT_89A:-270}" --autotune-table auto
-in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_89B:-270}" python benchmarks/qwen_gpu.py --skip-transformers \
+engine_ab qwen_engine_new "${LIMIT_89A:-420}" --autotune-table auto
+in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_89B:-300}" python benchmarks/qwen_gpu.py --skip-transformers \
   --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_engine_old" \
   > "$R/qwen_engine_old.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_engine_old/qwen_gpu.md" | cut -c1-220
