@@ -189,7 +189,13 @@
 #   STEPS="88", then "89" (carry .devbundle/extra with ab_old.tar in it -- `git archive -o .devbundle/extra/ab_old.tar
 #       <commit> kernels qwen_engine engine_core sammie 'benchmarks/*.py'` -- and .tritoncache): ~2 / ~4.5 min: issue 5,
 #       this tree's swap-AB kernel beside that commit's per call (outputs compared bit for bit), then the two engines
-#       (ran: swapped_ab run 1, Qwen run 45); STEPS="90" (same carry): ~1 min, lm_head builds at CONFIGS_90 repeated
+#       (ran: swapped_ab run 1, Qwen run 45; swapped_ab run 2 and Qwen run 46, whose first engine hit its limit:
+#       raised to 420 s since); STEPS="90" (same carry): ~1 min, lm_head builds at CONFIGS_90 repeated
+#   STEPS="91" / "93" (carry .devbundle/extra, .tritoncache): ~1 / ~3 min: issue 5, the swap-AB race's anatomy, then
+#       SETTLE beside no SETTLE (ran: race_anatomy run 1, settle run 1); STEPS="92" (carry .devbundle/extra and
+#       .devbundle/ptxas13, the xz of PyPI nvidia-cuda-nvcc 13.5's ptxas, not .tritoncache: 64 MiB): ~3 min, the race
+#       under Triton's ptxas and CUDA 13.5's (ran: ptxas_race run 1); STEPS="94" (the same carry): fla's GDN prefill
+#       repeated bit for bit under both (unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
