@@ -1031,7 +1031,7 @@ engine_ab qwen_moe_fused_decode "${LIMIT_81:-540}" --autotune-table auto --moe-f
 fi
 if want 82; then
 say "82. issue 5 (same carry; ran: runs 39, 40 and 42, 2026-12-03): the swap-AB kernel's CUDA tests (the lm_head op's"
-say "    first use inside a graph capture among them), the op's 16- and 32-row-block builds (verified_stages) repeated"
+say "    first use inside a graph capture among them), the op's 16- and 32-row-block builds (then verified_stages) repeated"
 say "    30,000 times each, bit for bit (benchmarks/swapped_race.py), then the engine (lm_head_layout auto: split_frag"
 say "    on Hopper, the default since run 42) beside lm_head_layout checkpoint, then the first engine again last"
 say "    (--again); greedy tokens compared"
@@ -1070,7 +1070,7 @@ probe swapped_race "${LIMIT_85:-300}" swapped_race.py --calls "${CALLS_85:-3000}
 fi
 if want 86; then
 say "86. issue 5 (same carry; superseded by run 42, split_frag now the Hopper default): the lm_head op's repeats at its"
-say "    16- and 32-row-block stages (verified_stages), then the engine with lm_head_layout split_frag alone (--base); its greedy tokens"
+say "    16- and 32-row-block stages (then verified_stages), then the engine with lm_head_layout split_frag alone (--base); its greedy tokens"
 say "    compared offline with run 41's checkpoint engine (same code, same seeds: runs 40 and 41 agreed 32 of 32)"
 probe lm_head_repeats_86 "${LIMIT_86A:-60}" swapped_race.py --lm-head-options --calls "${REPS_86:-10000}" \
   --configs 32:2:2,16:3:2
@@ -1079,7 +1079,7 @@ fi
 if want 87; then
 say "87. issue 5 (same carry): the engine's expert calls at TOKENS_87 (default 32: 16-row blocks) at 3 and 2 stages:"
 say "    per call in CUDA graphs, then repeated bit for bit (run 43 / step 85: 2 of 30,000 down calls differed at 3)"
-probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3,2}" \
+probe experts_stages "${LIMIT_87:-300}" swapped_race.py --experts-stages "${STAGES_87:-3s,2s}" \
   --calls "${CALLS_87:-60000}" --experts-tokens "${TOKENS_87:-32}"  # TOKENS_87=1024: the prefill's 64-row blocks
 fi
 if want 88; then
@@ -1102,9 +1102,9 @@ timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --
 in_old timeout 100 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
   $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
 grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
-# this tree's lm_head builds (verified_stages) repeated bit for bit, as step 82 (the experts' builds: step 87)
+# this tree's lm_head builds (default_stages, SETTLE) repeated bit for bit, as step 82 (the experts' builds: step 87)
 probe lm_head_repeats "${LIMIT_88B:-120}" swapped_race.py --lm-head-options --calls "${REPS_88:-20000}" \
-  --configs "${CONFIGS_88:-16:2:2,32:2:2,64:2:2}"  # FRAG_STAGES' dense builds since bb07402
+  --configs "${CONFIGS_88:-16:3:2:s,32:3:2:s,64:2:2:s}"  # FRAG_STAGES' dense builds, SETTLE (since 564f94d)
 fi
 if want 89; then
 say "89. issue 5 (same carry as 88): the engine of this tree, then the old tree's (AB_TAR), each alone (--base {}),"
@@ -1138,14 +1138,16 @@ mkdir -p /tmp/ptxas13 && python -c "import lzma,shutil,sys; shutil.copyfileobj(l
   "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" /tmp/ptxas13/ptxas && chmod +x /tmp/ptxas13/ptxas
 say "$(/tmp/ptxas13/ptxas --version | tail -1); bundled: $(python -c 'import triton,pathlib;print(pathlib.Path(triton.__file__).parent)')"
 for tool in bundled cuda13; do
-  if [ $tool = cuda13 ]; then export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13; fi
-  say "--- ptxas: $tool"
-  probe race_anatomy_$tool "${LIMIT_92:-200}" race_anatomy.py --calls "${CALLS_92:-20000}"
-  probe lm_head_repeats_$tool 200 swapped_race.py --lm-head-options --calls "${CALLS_92:-20000}" \
-    --configs "${CONFIGS_92:-16:3:2,32:3:2,16:2:2,64:3:2}"
-  probe experts_stages_$tool 200 swapped_race.py --experts-stages 3,2 --calls "${CALLS_92:-20000}" --experts-tokens 32
+  (if [ $tool = cuda13 ]; then
+     /tmp/ptxas13/ptxas --version > /dev/null || { say "no runnable /tmp/ptxas13/ptxas: cuda13 half skipped"; exit 0; }
+     export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13  # this subshell only
+   fi
+   say "--- ptxas: $tool ($(python -c 'from triton import knobs; print(knobs.nvidia.ptxas.path, knobs.nvidia.ptxas.version)'))"
+   probe race_anatomy_$tool "${LIMIT_92:-200}" race_anatomy.py --calls "${CALLS_92:-20000}"
+   probe lm_head_repeats_$tool 200 swapped_race.py --lm-head-options --calls "${CALLS_92:-20000}" \
+     --configs "${CONFIGS_92:-16:3:2,32:3:2,16:2:2,64:3:2}"
+   probe experts_stages_$tool 200 swapped_race.py --experts-stages 3,2 --calls "${CALLS_92:-20000}" --experts-tokens 32)
 done
-unset TRITON_PTXAS_PATH TRITON_CACHE_DIR
 fi
 if want 93; then
 say "93. issue 5 (carry .devbundle/extra): SETTLE (kernels/w4a16_swapped.py: each K tile's wgmma groups waited for before"
@@ -1160,12 +1162,12 @@ if want 94; then
 say "94. issue 5 (carry .devbundle/extra; .devbundle/ptxas13 too for the second half): fla's GDN chunked prefill repeated"
 say "    bit for bit at the engine's shapes (benchmarks/fla_repeat.py): its chunk_fwd_kernel_o leaves register-input"
 say "    wgmma groups in flight at its loop's back edge, the swap-AB race's pattern under ptxas < 13.3"
-probe fla_repeat_bundled "${LIMIT_94:-150}" fla_repeat.py --calls "${CALLS_94:-3000}"
+probe fla_repeat_bundled "${LIMIT_94:-240}" fla_repeat.py --calls "${CALLS_94:-3000}"
 if [ -f "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" ]; then
   mkdir -p /tmp/ptxas13 && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
     "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" /tmp/ptxas13/ptxas && chmod +x /tmp/ptxas13/ptxas
   (export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13
-   probe fla_repeat_cuda13 "${LIMIT_94:-150}" fla_repeat.py --calls "${CALLS_94:-3000}")
+   probe fla_repeat_cuda13 "${LIMIT_94:-240}" fla_repeat.py --calls "${CALLS_94:-3000}")
 fi
 fi
 if want 39; then

@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16", help="activation rows per case")
     ap.add_argument("--events", type=int, default=12, help="differing calls explained per case")
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--settle", action="store_true", help="the 3-stage build with SETTLE (the launcher's default; "
+                    "without this flag the build runs without it, as the race was found)")
     args = ap.parse_args()
     import torch
     import triton
@@ -88,11 +90,11 @@ def main() -> None:
         def call(stages, x=x, rows=rows):
             return w4a16_grouped_swapped_launch(x, lm_frag, lm.scales, lm.global_scale, dense_routing(rows, 16),
                                                 frag=True, deq=2, config=dict(num_warps=4, num_stages=stages),
-                                                unverified=True)
+                                                unverified=True, settle=args.settle)
 
         good = call(2)
         again = call(2)
-        case = dict(rows=rows, block_m=16, stages=3, pdl=pdl.enabled(), two_stage_repeat_equal=bool(torch.equal(
+        case = dict(rows=rows, block_m=16, stages=3, settle=args.settle, pdl=pdl.enabled(), two_stage_repeat_equal=bool(torch.equal(
             good, again)), first_three_stage_equal=bool(torch.equal(call(3), good)), events=[])
         bad_calls = calls = 0
         good_chunks = good.view(-1, 8)  # every aligned 8-column chunk of the good output (N % 8 == 0)

@@ -57,15 +57,20 @@ def compiled(consts: dict, stages: int):
 
 def sass(consts: dict, stages: int) -> str:
     """The cubin's SASS of one build of the swap-AB kernel."""
+    return sass_of(compiled(consts, stages))
+
+
+def sass_of(build) -> str:
+    """A compiled kernel's SASS (the cuobjdump Triton bundles)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled(consts, stages).asm["cubin"])
+        f.write(build.asm["cubin"])
         f.flush()
         return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def loop_opcodes(text: str) -> collections.Counter:
-    """Opcode counts of the instructions between a backward branch's target and the branch (the K loop)."""
+def loop_instructions(text: str) -> list[str]:
+    """The SASS instructions from a backward branch's target to the branch (the K loop), predicates kept."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
     back = [(int(m.group(1), 16), a) for a, t in ins
@@ -73,8 +78,56 @@ def loop_opcodes(text: str) -> collections.Counter:
     if len(back) != 1:
         raise RuntimeError(f"expected one loop, found {len(back)} backward branches")
     lo, hi = back[0]
-    return collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0]
-                               for a, t in ins if lo <= a <= hi)
+    return [t for a, t in ins if lo <= a <= hi]
+
+
+def loop_opcodes(text: str) -> collections.Counter:
+    """Opcode counts of the K loop's instructions (`loop_instructions`)."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for t in loop_instructions(text))
+
+
+# opcodes whose first operand is not a register they write
+_NO_DEST = {"ST", "STG", "STS", "STSM", "BAR", "BRA", "HGMMA", "WARPGROUP", "LDGDEPBAR", "DEPBAR", "NOP", "EXIT", "RED",
+            "ATOM", "ISETP", "FSETP", "HSETP2", "PLOP3", "LDGSTS", "SYNCS", "WARPSYNC", "FENCE", "MEMBAR", "CCTL"}
+
+
+def _written_registers(ins: str) -> set[int]:
+    """General registers an instruction writes: its first operand, widened by the access size."""
+    ins = re.sub(r"^@!?U?P\w+ ", "", ins)
+    op, _, rest = ins.partition(" ")
+    m = re.match(r"R(\d+)\b", rest.strip())
+    if op.split(".")[0] in _NO_DEST or not m:
+        return set()
+    width = 4 if (".128" in op or op.endswith(".M88.4")) else 2 if (".64" in op or ".WIDE" in op
+                                                                      or op.endswith(".M88.2")) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def writes_into_in_flight_a_registers(text: str, whole: bool = False) -> int:
+    """The race's hazard itself, on the SASS: instructions in the K loop that write a register holding the A operand
+    of an HGMMA (wgmma with A in registers) before a `WARPGROUP.DEPBAR` has waited for it. The loop body is walked
+    twice, so windows that cross the back edge count (`whole`: the function's instructions once instead, for kernels
+    without a single loop); a DEPBAR that allows groups to stay pending (`0x` > 0) is taken to wait for none (an
+    over-count, never an under-count). ptxas < 13.3 emits such writes (triton issue 9433)."""
+    if whole:
+        body = [m.group(1).strip() for m in (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+                                             for line in text.splitlines()) if m]
+        walk, first = body, 0
+    else:
+        body = loop_instructions(text)
+        walk, first = body + body, len(body)
+    in_flight: set[int] = set()
+    hazards = 0
+    for i, ins in enumerate(walk):
+        if "HGMMA" in ins:
+            if a := re.search(r"HGMMA\S* R\d+, R(\d+),", ins):  # A in registers: 4 of them (m64 x k16 bf16)
+                in_flight |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+        elif "WARPGROUP.DEPBAR" in ins:
+            if re.search(r", 0x0\b", ins) or not re.search(r", 0x", ins):
+                in_flight = set()
+        elif i >= first and _written_registers(ins) & in_flight:
+            hazards += 1
+    return hazards
 
 
 def wgmma_groups_in_flight_at_back_edge(ptx: str) -> int:

@@ -68,14 +68,14 @@ def main() -> None:
         w13, w2 = rand_w(256, 1024, 2048), rand_w(256, 2048, 512)
         return w13, w2, split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
 
-    def expert_calls(tokens: int, bm: int, config: dict | None = None, settle: bool = False) -> list:
+    def expert_calls(tokens: int, bm: int, config: dict | None = None, settle: bool = True) -> list:
         """The engine's two routed calls at `tokens` (top-8 of 256, `bm` rows per block) -> [(name, call)]."""
         w13, w2, w13f, w2f = engine_experts()
         idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(tokens)])
         routing = moe_align(idx, 256, bm)
         x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
         h = torch.randn(tokens * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
-        kw = dict(frag=True, config=config, unverified=config is not None, settle=settle)
+        kw = dict(frag=True, config=config, unverified=config is not None or not settle, settle=settle)
         return [("experts gate_up (SwiGLU)", lambda: w4a16_grouped_swapped_launch(
                     x, w13f, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True, **kw)),
                 ("experts down", lambda: w4a16_grouped_swapped_launch(
@@ -162,12 +162,12 @@ def main() -> None:
         packed = lm_frag if frag else lm_halves
         r = repeat(lambda: w4a16_grouped_swapped_launch(
             x, packed, lm.scales, lm.global_scale, routing, frag=frag, deq=deq,
-            config=dict(num_warps=warps, num_stages=stages), unverified=True))
+            config=dict(num_warps=warps, num_stages=stages), unverified=True, settle=False))  # the race's bisection
         r.update(case=name, rows=rows, block_m=bm, frag=frag, deq=deq, warps=warps, stages=stages, pdl=pdl.enabled())
         results.append(r)
         print("[swapped_race]", json.dumps(r), flush=True)
 
-    # the engine's experts at their launch defaults (`verified_stages`)
+    # the engine's experts at their launch defaults (`default_stages`, SETTLE)
     pdl.set_enabled(pdl.device_supports())
     for tokens, bm in ((32, 16), (1024, 64)):
         if time.perf_counter() > t_end:

@@ -63,8 +63,8 @@ except ImportError:  # CPU-only installs without triton: the layout helpers stil
 # the other kernel where every other config is within 2.3e-3; not understood). So the launcher refuses 8 warps
 # unless asked for (`unverified`, benchmarks only). One token was not benched per call (the engine's lone decode was
 # 11% slower than with the grouped kernel: RESULTS.md, Qwen run 13). 2026-12-03: the 4-warp build with BLOCK_M 32,
-# fragment order, DEQ 2 and 3 stages is nondeterministic (below); the 8-warp outlier above may be the same kind of
-# fault.
+# fragment order, DEQ 2 and 3 stages was nondeterministic before SETTLE (below); the 8-warp outlier above may have
+# been the same fault (not re-measured).
 SPLIT_TILE = (64, 128)  # (rows, K) of a stored tile
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 # The race, and SETTLE. Without SETTLE, some builds gave nondeterministic results on the H200: a repeated identical
@@ -73,13 +73,18 @@ DEFAULT_CONFIG = dict(num_warps=4, num_stages=3)
 # 16-row build at 3 stages, 119 and 153 of 20,000 calls at 1 and 16 rows). The cause is the assembler: Triton 3.6's
 # own ptxas (CUDA 12.8) may reuse the registers of a wgmma's A operand while that wgmma, asynchronous, still reads
 # them (triton issue 9433; NVIDIA's fix is in CUDA 13.3's ptxas). The loop leaves each K tile's second wgmma group
-# in flight while the next tile's dequant writes registers. Under CUDA 13.5's ptxas (TRITON_PTXAS_PATH) the same
-# builds gave 0 of 20,000 (results/ptxas_race_run1), at the price of more registers (lm_head 70 -> 94) and 7-12%
-# slower down / lm_head calls. SETTLE (the default: `settle=True`) instead waits for the tile's wgmma groups at the
-# end of each K tile (`_settled`), so no wgmma is in flight across tiles: with Triton's own ptxas, 0 of 30,000-60,000
-# in every build, including those that raced (results/settle_run1), and the loop is not slower (the registers the
-# in-flight group held are free: gate_up 16 rows 121 -> 96). Which builds raced without it moved with the kernel's
-# code (twenty-sixth to twenty-eighth sessions); `settle=False` is for benchmarks only (`unverified=True`).
+# in flight while the next tile's dequant writes registers; offline, ptxas 12.8 then writes into in-flight A
+# registers 74-108 times per loop in every dense and plain build, at 2 stages too, and never in the SwiGLU builds,
+# which never raced (`sass_loop.writes_into_in_flight_a_registers`). Under CUDA 13.5's ptxas (TRITON_PTXAS_PATH) the
+# racing builds gave 0 of 20,000 (results/ptxas_race_run1), with more registers (lm_head 70 -> 94): down 7-9% and
+# lm_head's 32-row build 12% slower, its 16-row build at 3 stages and gate_up unchanged. SETTLE (the default:
+# `settle=True`) instead waits for the tile's wgmma groups at the end of each K tile (`_settled`), so no wgmma is in
+# flight across tiles and no A register is written while read (offline: 0 in every build; a CPU test). With
+# Triton's own ptxas (results/settle_run1): 0 differing of 30,000-60,000 calls in the 16- and 32-row builds,
+# including those that raced, and of 5,000 in the 1,024-token expert builds; the decode builds got 3-8% faster per
+# call (registers freed: gate_up 16 rows 121 -> 96), the 1,024-token gate_up and lm_head's 64-row build 1-3% slower
+# at equal stages. Which builds raced without it moved with the kernel's code (twenty-sixth to twenty-eighth
+# sessions); `settle=False` is for benchmarks only (`unverified=True`).
 # Pipeline stages per (call kind, BLOCK_M) for the engine's builds (fragment order, PTX dequant), the faster of 3 and
 # 2 with SETTLE per call in CUDA graphs (results/settle_run1, H200, us: 3 against 2 stages):
 #   lm_head 16 rows (1-16): 119.0 / 124.4;   32 rows (17-32): 134.3 at 3 (145.5 at 2 without SETTLE, run 4);
