@@ -288,6 +288,18 @@ probe() {
   grep -E "^\[${script%.py}\]|Error|error" "$R/$name.log" | cut -c1-400
 }
 
+# ptxas13: CUDA 13.5's ptxas (the xz that .devbundle/ptxas13 carries, PTXAS13_XZ) unpacked to /tmp/ptxas13/ptxas once
+# per machine (steps 92, 94); fails, saying so, when it is not carried or does not run (Triton would silently fall
+# back to its own ptxas)
+ptxas13() {
+  local xz=${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}
+  if [ ! -x /tmp/ptxas13/ptxas ]; then
+    [ -f "$xz" ] || { say "no $xz carried"; return 1; }
+    mkdir -p /tmp/ptxas13 && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
+      "$xz" /tmp/ptxas13/ptxas && chmod +x /tmp/ptxas13/ptxas
+  fi
+  /tmp/ptxas13/ptxas --version > /dev/null || { say "no runnable /tmp/ptxas13/ptxas"; return 1; }
+}
 # old_tree: the tree of another commit (AB_TAR, default .devbundle/extra/ab_old.tar, from `git archive`) unpacked into
 # /tmp/ab_old once per machine (steps 88-89), for side-by-side runs of the same script in both trees; in_old CMD...:
 # CMD run there, with /tmp/ab_old ahead of this tree on PYTHONPATH and this tree dropped from it
@@ -1134,12 +1146,10 @@ if want 92; then
 say "92. issue 5 (carry .devbundle/ptxas13 too: CUDA 13.5's ptxas, xz): the swap-AB race under a ptxas with NVIDIA's fix"
 say "    for register-input wgmma (CUDA 13.3 release notes; triton issue 9433, PR 11781): race_anatomy, the lm_head builds"
 say "    and the experts at 3 and 2 stages repeated bit for bit and timed, with Triton 3.6's bundled ptxas and with 13.5"
-mkdir -p /tmp/ptxas13 && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
-  "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" /tmp/ptxas13/ptxas && chmod +x /tmp/ptxas13/ptxas
-say "$(/tmp/ptxas13/ptxas --version | tail -1); bundled: $(python -c 'import triton,pathlib;print(pathlib.Path(triton.__file__).parent)')"
+ptxas13 && say "$(/tmp/ptxas13/ptxas --version | tail -1)"
 for tool in bundled cuda13; do
   (if [ $tool = cuda13 ]; then
-     /tmp/ptxas13/ptxas --version > /dev/null || { say "no runnable /tmp/ptxas13/ptxas: cuda13 half skipped"; exit 0; }
+     ptxas13 || { say "cuda13 half skipped"; exit 0; }
      export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13  # this subshell only
    fi
    say "--- ptxas: $tool ($(python -c 'from triton import knobs; print(knobs.nvidia.ptxas.path, knobs.nvidia.ptxas.version)'))"
@@ -1163,9 +1173,7 @@ say "94. issue 5 (carry .devbundle/extra; .devbundle/ptxas13 too for the second 
 say "    bit for bit at the engine's shapes (benchmarks/fla_repeat.py): its chunk_fwd_kernel_o leaves register-input"
 say "    wgmma groups in flight at its loop's back edge, the swap-AB race's pattern under ptxas < 13.3"
 probe fla_repeat_bundled "${LIMIT_94:-240}" fla_repeat.py --calls "${CALLS_94:-3000}"
-if [ -f "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" ]; then
-  mkdir -p /tmp/ptxas13 && python -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
-    "${PTXAS13_XZ:-.devbundle/ptxas13/ptxas.xz}" /tmp/ptxas13/ptxas && chmod +x /tmp/ptxas13/ptxas
+if ptxas13; then
   (export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13
    probe fla_repeat_cuda13 "${LIMIT_94:-240}" fla_repeat.py --calls "${CALLS_94:-3000}")
 fi

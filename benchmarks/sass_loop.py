@@ -33,11 +33,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "w": "*u8", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
             "block_expert": "*i32", "ws": "*fp32", "counters": "*i32"}
 ALIGNED = set(POINTERS) | {"N", "K", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}  # 16-divisible at the engine's shapes
-# (name, constexprs): the engine's builds (SPLIT_TILE 64 x 128, fragment order, the PTX dequant)
-BUILDS = [(f"{what} BLOCK_M={bm}", dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu and not dense, DENSE=dense, BLOCK_M=bm))
-          for what, swiglu, dense, bms in (("gate_up (SwiGLU)", True, False, (16, 64)),
-                                           ("down (routing weight)", False, False, (16, 64)),
-                                           ("lm_head (dense)", False, True, (16, 32)))
+# the kernel's constexprs per call kind (`w4a16_swapped.FRAG_KINDS`)
+KIND_CONSTS = {"swiglu": dict(SWIGLU=True, HAS_ROW_SCALE=False, DENSE=False),
+               "plain": dict(SWIGLU=False, HAS_ROW_SCALE=True, DENSE=False),
+               "dense": dict(SWIGLU=False, HAS_ROW_SCALE=False, DENSE=True)}
+# (name, kind, constexprs): the engine's builds (SPLIT_TILE 64 x 128, fragment order, the PTX dequant)
+BUILDS = [(f"{what} BLOCK_M={bm}", kind, dict(KIND_CONSTS[kind], BLOCK_M=bm))
+          for what, kind, bms in (("gate_up (SwiGLU)", "swiglu", (16, 64)), ("down (routing weight)", "plain", (16, 64)),
+                                  ("lm_head (dense)", "dense", (16, 32)))
           for bm in bms]
 
 
@@ -69,10 +72,19 @@ def sass_of(build) -> str:
         return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def instructions(text: str) -> list[tuple[int, str]]:
+    """cuobjdump SASS text -> (address, instruction with its predicate) for every instruction."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in
+            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
+
+
+def _unpredicated(ins: str) -> str:
+    return re.sub(r"^@!?U?P\w+ ", "", ins)
+
+
 def loop_instructions(text: str) -> list[str]:
     """The SASS instructions from a backward branch's target to the branch (the K loop), predicates kept."""
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
-           (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
+    ins = instructions(text)
     back = [(int(m.group(1), 16), a) for a, t in ins
             if (m := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
     if len(back) != 1:
@@ -83,7 +95,7 @@ def loop_instructions(text: str) -> list[str]:
 
 def loop_opcodes(text: str) -> collections.Counter:
     """Opcode counts of the K loop's instructions (`loop_instructions`)."""
-    return collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for t in loop_instructions(text))
+    return collections.Counter(_unpredicated(t).split()[0].split(".")[0] for t in loop_instructions(text))
 
 
 # opcodes whose first operand is not a register they write
@@ -93,8 +105,7 @@ _NO_DEST = {"ST", "STG", "STS", "STSM", "BAR", "BRA", "HGMMA", "WARPGROUP", "LDG
 
 def _written_registers(ins: str) -> set[int]:
     """General registers an instruction writes: its first operand, widened by the access size."""
-    ins = re.sub(r"^@!?U?P\w+ ", "", ins)
-    op, _, rest = ins.partition(" ")
+    op, _, rest = _unpredicated(ins).partition(" ")
     m = re.match(r"R(\d+)\b", rest.strip())
     if op.split(".")[0] in _NO_DEST or not m:
         return set()
@@ -110,9 +121,7 @@ def writes_into_in_flight_a_registers(text: str, whole: bool = False) -> int:
     without a single loop); a DEPBAR that allows groups to stay pending (`0x` > 0) is taken to wait for none (an
     over-count, never an under-count). ptxas < 13.3 emits such writes (triton issue 9433)."""
     if whole:
-        body = [m.group(1).strip() for m in (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
-                                             for line in text.splitlines()) if m]
-        walk, first = body, 0
+        walk, first = [t for _, t in instructions(text)], 0
     else:
         body = loop_instructions(text)
         walk, first = body + body, len(body)
@@ -158,8 +167,7 @@ def main() -> None:
     ap.add_argument("--opcodes", action="store_true", help="also the 12 most frequent opcodes of each loop")
     args = ap.parse_args()
     print(f"[sass_loop] triton {triton.__version__}, sm_90, SETTLE, per K tile of 128")
-    for name, consts in BUILDS:
-        kind = "swiglu" if consts["SWIGLU"] else "dense" if consts["DENSE"] else "plain"
+    for name, kind, consts in BUILDS:
         stages = args.stages or w4a16_swapped.default_stages(consts["BLOCK_M"], True, 2, kind)
         ops = loop_opcodes(sass(consts, stages))
         print(f"[sass_loop] {name:28s} {stages} stages {sum(ops.values()):5d} instructions; HGMMA {ops['HGMMA']}, "

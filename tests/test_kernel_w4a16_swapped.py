@@ -368,14 +368,11 @@ sys.path.insert(0, "benchmarks")
 from triton import knobs
 import sass_loop
 from kernels.w4a16_swapped import FRAG_STAGES
-kinds = dict(dense=dict(SWIGLU=False, HAS_ROW_SCALE=False, DENSE=True),
-             swiglu=dict(SWIGLU=True, HAS_ROW_SCALE=False, DENSE=False),
-             plain=dict(SWIGLU=False, HAS_ROW_SCALE=True, DENSE=False))
 builds = [(kind, bm, stages, True, 1) for (kind, bm), stages in FRAG_STAGES.items()]
 builds += [("swiglu", 16, 3, True, 2), ("dense", 16, 3, False, 1)]
 out = dict(ptxas=str(knobs.nvidia.ptxas.version), builds={})
 for kind, bm, stages, settle, split in builds:
-    build = sass_loop.compiled(dict(kinds[kind], BLOCK_M=bm, SETTLE=settle, SPLIT=split), stages)
+    build = sass_loop.compiled(dict(sass_loop.KIND_CONSTS[kind], BLOCK_M=bm, SETTLE=settle, SPLIT=split), stages)
     sass = sass_loop.sass_of(build)
     out["builds"][f"{kind} {bm} {stages} {settle} {split}"] = [
         sass_loop.wgmma_groups_in_flight_at_back_edge(build.asm["ptx"]),
