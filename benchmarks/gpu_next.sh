@@ -196,6 +196,10 @@
 #       .devbundle/ptxas13, the xz of PyPI nvidia-cuda-nvcc 13.5's ptxas, not .tritoncache: 64 MiB): ~3 min, the race
 #       under Triton's ptxas and CUDA 13.5's (ran: ptxas_race run 1); STEPS="94" (the same carry): fla's GDN prefill
 #       repeated bit for bit under both (unrun)
+#   STEPS="95" (carry .devbundle/extra, .tritoncache): ~7 min: issue 5, the shared expert on a second stream (a
+#       parallel branch of the decode graphs): its CUDA test, then the engine beside the engine with it, with it and
+#       the shared expert dense at every size (shared_expert_in_moe off: 32 streams run it on the side stream too),
+#       and --again
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1177,6 +1181,17 @@ if ptxas13; then
   (export TRITON_PTXAS_PATH=/tmp/ptxas13/ptxas TRITON_CACHE_DIR=/tmp/tc_cuda13
    probe fla_repeat_cuda13 "${LIMIT_94:-240}" fla_repeat.py --calls "${CALLS_94:-3000}")
 fi
+fi
+if want 95; then
+say "95. issue 5 (carry .devbundle/extra, .tritoncache): the shared expert on a second stream (SparseMoE.shared_stream,"
+say "    the engine's shared_expert_stream): its CUDA test (the same bits eager and graphed), then the engine beside the"
+say "    same engine with it, with it and without shared_expert_in_moe (32 streams too), and the first again (--again:"
+say "    order effects); greedy tokens compared"
+gpu_tests shared_stream 90 tests/test_qwen_shared_stream.py -rfE
+engine_ab qwen_shared_stream "${LIMIT_95:-500}" --autotune-table auto \
+  --variant 'side={"shared_expert_stream": true}' \
+  --variant 'side_dense={"shared_expert_stream": true, "shared_expert_in_moe": false}' --again
+grep -E "first differing|agree" "$R/qwen_shared_stream.log" | cut -c1-300 | head -8
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

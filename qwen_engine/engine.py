@@ -153,6 +153,12 @@ class QwenEngineConfig:
     #                                 experts keep a checkpoint-layout copy (dual_frag, dual, checkpoint). H200
     #                                 2026-12-02, per layer: 26.6 us against 29.9 (-11%, one run; slower at 4
     #                                 tokens, so 1-token calls only). Off until measured in the engine (RESULTS.md)
+    shared_expert_stream: bool = False  # CUDA: the MoE layers' calls that run the dense shared expert (decode steps of
+    #                                     <= 4 tokens, where the GEMV keeps it out of the grouped launches; prefill
+    #                                     chunks of > 113 tokens) run it on a second stream, a parallel branch of the
+    #                                     CUDA graphs beside the router and the routed experts
+    #                                     (qwen_engine/model/moe.py: SparseMoE.shared_stream); the same bits. Off
+    #                                     until measured in the engine (RESULTS.md)
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -296,6 +302,7 @@ class QwenEngine:
             "checkpoint" if cfg.kernels == "reference" and cfg.expert_layout == "auto" else cfg.expert_layout)
         self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
         self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
+        self.shared_expert_stream = set_shared_expert_stream(self.model, cfg.shared_expert_stream)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
@@ -482,6 +489,7 @@ class QwenEngine:
             "async_decode": self.cfg.async_decode,
             "shared_expert_in_moe_layers": self.shared_expert_in_moe,
             "moe_fused_decode_layers": self.moe_fused_decode,
+            "shared_expert_stream_layers": self.shared_expert_stream,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
@@ -804,6 +812,19 @@ def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
         log.warning("moe_fused_decode: no MoE layer holds packed experts with a checkpoint-layout copy and a W4A16 "
                     "shared expert (a dense or W4A4 model, or tile-major / split-halves experts); the unfused "
                     "decode path runs")
+    return n
+
+
+def set_shared_expert_stream(model: torch.nn.Module, on: bool) -> int:
+    """Set `SparseMoE.shared_stream` on every MoE layer (off everywhere for False); returns how many layers took it.
+    It acts only on CUDA calls of the fused path that run the dense shared expert."""
+    from .model.moe import SparseMoE
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, SparseMoE):
+            mod.shared_stream = bool(on)
+            n += mod.shared_stream
     return n
 
 
