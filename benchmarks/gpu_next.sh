@@ -199,7 +199,9 @@
 #   STEPS="95" (carry .devbundle/extra, .tritoncache): ~7 min: issue 5, the shared expert on a second stream (a
 #       parallel branch of the decode graphs): its CUDA test, then the engine beside the engine with it, with it and
 #       the shared expert dense at every size (shared_expert_in_moe off: 32 streams run it on the side stream too),
-#       and --again
+#       and --again (ran: Qwen run 48)
+#   STEPS="96" (the same carry): ~4 min: issue 5, GDN's in_proj_z on the second stream: the streams' CUDA tests, then
+#       the engine beside it with gdn_z_stream, without shared_expert_stream, and --again
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1192,6 +1194,16 @@ engine_ab qwen_shared_stream "${LIMIT_95:-500}" --autotune-table auto \
   --variant 'side={"shared_expert_stream": true}' \
   --variant 'side_dense={"shared_expert_stream": true, "shared_expert_in_moe": false}' --again
 grep -E "first differing|agree" "$R/qwen_shared_stream.log" | cut -c1-300 | head -8
+fi
+if want 96; then
+say "96. issue 5 (carry .devbundle/extra, .tritoncache): GDN's in_proj_z on the second stream (GatedDeltaNet.z_stream,"
+say "    the engine's gdn_z_stream) beside in_proj_qkv -> prep -> recurrent step: the streams' CUDA tests, then the"
+say "    engine (shared_expert_stream on: the default since run 48) beside it with gdn_z_stream, beside it without"
+say "    shared_expert_stream (run 48's gain again), and the first again (--again)"
+gpu_tests streams 150 tests/test_qwen_shared_stream.py -rfE
+engine_ab qwen_z_stream "${LIMIT_96:-480}" --autotune-table auto \
+  --variant 'z={"gdn_z_stream": true}' --variant 'no_side={"shared_expert_stream": false}' --again
+grep -E "first differing|same greedy" "$R/qwen_z_stream.log" | cut -c1-300 | head -8
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

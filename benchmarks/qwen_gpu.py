@@ -341,7 +341,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        prefill_buckets: tuple = (), programmatic_launch: bool | str = "auto",
                        quant_in_producers: bool = True, batched_tokens: int | None = None,
                        moe_fused_decode: bool = False, lm_head_layout: str = "auto",
-                       shared_expert_stream: bool = False) -> dict:
+                       shared_expert_stream: bool = True, gdn_z_stream: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
     from engine_core.continuous import SamplingParams
@@ -357,7 +357,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             shared_expert_in_moe=shared_expert_in_moe, programmatic_launch=programmatic_launch,
                             quant_in_producers=quant_in_producers, warmup_burst=WARMUP_BURST,
                             moe_fused_decode=moe_fused_decode, lm_head_layout=lm_head_layout,
-                            shared_expert_stream=shared_expert_stream,
+                            shared_expert_stream=shared_expert_stream, gdn_z_stream=gdn_z_stream,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     try:
@@ -422,6 +422,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode, start_s=start_s,
                     expert_layouts=engine.health().get("expert_layouts"),
                     shared_expert_stream_layers=engine.health().get("shared_expert_stream_layers"),
+                    gdn_z_stream_layers=engine.health().get("gdn_z_stream_layers"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,
                     dropped_tokens=engine.scheduler.stats.dropped_tokens,
@@ -437,13 +438,14 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
 def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
-    oracle) get the dense shared expert on the one stream, lm_head in the checkpoint layout, no programmatic launches and the FP8
+    oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout, no programmatic launches and the FP8
     quantiser in the producing ops as the module's default (on)."""
     from kernels import pdl
     from qwen_engine.engine import (
         set_lm_head_layout,
         set_moe_fused_decode,
         set_shared_expert_in_moe,
+        set_gdn_z_stream,
         set_shared_expert_stream,
     )
     from qwen_engine.model import quantized
@@ -451,6 +453,7 @@ def _engine_settings_off(model) -> None:
     set_shared_expert_in_moe(model, False)
     set_moe_fused_decode(model, False)
     set_shared_expert_stream(model, False)
+    set_gdn_z_stream(model, False)
     set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)
     quantized.QUANT_IN_PRODUCERS = True

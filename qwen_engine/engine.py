@@ -153,12 +153,17 @@ class QwenEngineConfig:
     #                                 experts keep a checkpoint-layout copy (dual_frag, dual, checkpoint). H200
     #                                 2026-12-02, per layer: 26.6 us against 29.9 (-11%, one run; slower at 4
     #                                 tokens, so 1-token calls only). Off until measured in the engine (RESULTS.md)
-    shared_expert_stream: bool = False  # CUDA: the MoE layers' calls that run the dense shared expert (decode steps of
-    #                                     <= 4 tokens, where the GEMV keeps it out of the grouped launches; prefill
-    #                                     chunks of > 113 tokens) run it on a second stream, a parallel branch of the
-    #                                     CUDA graphs beside the router and the routed experts
-    #                                     (qwen_engine/model/moe.py: SparseMoE.shared_stream); the same bits. Off
-    #                                     until measured in the engine (RESULTS.md)
+    shared_expert_stream: bool = True  # CUDA: the MoE layers' calls that run the dense shared expert (decode steps of
+    #                                    <= 4 tokens, where the GEMV keeps it out of the grouped launches; prefill
+    #                                    chunks of > 113 tokens) run it on a second stream, a parallel branch of the
+    #                                    CUDA graphs beside the router and the routed experts
+    #                                    (qwen_engine/model/streams.py, SparseMoE.shared_stream); the same bits. H200,
+    #                                    Qwen run 48: lone decode 383.3 / 383.8 -> 414.4 tok/s (+8%), TTFT 37.8 / 38.0
+    #                                    -> 36.2 ms, 32 streams equal (3,346.4 / 3,341.9 -> 3,346.7), the same greedy
+    #                                    tokens; a no-op on CPUs
+    gdn_z_stream: bool = False  # CUDA decode-only steps: each GDN layer's in_proj_z on the second stream beside
+    #                             in_proj_qkv -> conv / gates -> recurrent step (GatedDeltaNet.z_stream), two FP8 GEMV
+    #                             calls instead of one fused; off until measured in the engine
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -303,6 +308,7 @@ class QwenEngine:
         self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
         self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
         self.shared_expert_stream = set_shared_expert_stream(self.model, cfg.shared_expert_stream)
+        self.gdn_z_stream = set_gdn_z_stream(self.model, cfg.gdn_z_stream)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
@@ -490,6 +496,7 @@ class QwenEngine:
             "shared_expert_in_moe_layers": self.shared_expert_in_moe,
             "moe_fused_decode_layers": self.moe_fused_decode,
             "shared_expert_stream_layers": self.shared_expert_stream,
+            "gdn_z_stream_layers": self.gdn_z_stream,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
@@ -825,6 +832,19 @@ def set_shared_expert_stream(model: torch.nn.Module, on: bool) -> int:
         if isinstance(mod, SparseMoE):
             mod.shared_stream = bool(on)
             n += mod.shared_stream
+    return n
+
+
+def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:
+    """Set `GatedDeltaNet.z_stream` on every GDN layer (off everywhere for False); returns how many layers took it.
+    It acts only on CUDA decode-only steps."""
+    from .model.gdn import GatedDeltaNet
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, GatedDeltaNet):
+            mod.z_stream = bool(on)
+            n += mod.z_stream
     return n
 
 

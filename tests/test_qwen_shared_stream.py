@@ -1,10 +1,16 @@
-"""The shared expert on a second stream (`SparseMoE.shared_stream`, the engine's `shared_expert_stream`): the MoE layer's
-fused path with the dense shared expert forked onto `moe.side_stream` and joined before moe_combine.
+"""Work forked onto the decode step's second stream (`qwen_engine/model/streams.py`): the MoE layer's dense shared
+expert (`SparseMoE.shared_stream`, the engine's `shared_expert_stream`) and the GDN layers' in_proj_z
+(`GatedDeltaNet.z_stream`, `gdn_z_stream`).
 
-Tolerance: none -- the same kernels on the same inputs, so the output is compared bit for bit with the one-stream path,
-eagerly and replayed from a CUDA graph (where the fork is a parallel branch). The stream path needs CUDA; on the CPU
-the flag must leave the one-stream path in charge (and the setter / config are checked).
+Tolerances: the shared expert's fork runs the same kernels on the same inputs, so its output is compared bit for bit
+with the one-stream path, eagerly and replayed from a CUDA graph (where the fork is a parallel branch). The z fork
+runs in_proj_qkv and in_proj_z as two calls instead of one fused GEMV (the same codes and products, fp32 sums
+perhaps tiled differently): held to the same greedy tokens at fp32 through the engine. On the CPU the flags must
+leave the one-stream paths in charge; with `streams.forkable` / `fork` / `join` stubbed the forked code paths run
+there too (`torch.cuda.stream(None)` is a no-op), so their wiring is checked in CI.
 """
+
+import asyncio
 
 import pytest
 import torch
@@ -12,9 +18,10 @@ import torch
 from engine_core.registry import Registry
 from kernels import fp8_linear, nvfp4, w4a16_gemm
 from qwen_engine.config import QwenConfig
-from qwen_engine.engine import QwenEngineConfig, set_shared_expert_stream
+from qwen_engine.engine import QwenEngine, QwenEngineConfig, set_gdn_z_stream, set_shared_expert_stream
 from qwen_engine.load_packed import load_quantized
-from qwen_engine.model import moe as moe_mod
+from qwen_engine.model import streams
+from qwen_engine.model.moe import SparseMoE
 from qwen_engine.random_weights import random_packed_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -32,13 +39,18 @@ def packed_model(device: str):
 
 def test_setter_and_config():
     model = packed_model("cpu")
-    assert QwenEngineConfig().shared_expert_stream is False  # off until measured in the engine
-    with pytest.raises((TypeError, ValueError)):
-        QwenEngineConfig(shared_expert_stream="yes")
+    assert QwenEngineConfig().shared_expert_stream is True  # measured: H200 Qwen run 48
+    assert QwenEngineConfig().gdn_z_stream is False
+    for name in ("shared_expert_stream", "gdn_z_stream"):
+        with pytest.raises((TypeError, ValueError)):
+            QwenEngineConfig(**{name: "yes"})
     assert set_shared_expert_stream(model, True) == CFG.num_hidden_layers
     assert all(layer.mlp.shared_stream for layer in model.layers)
     assert set_shared_expert_stream(model, False) == 0
     assert not any(layer.mlp.shared_stream for layer in model.layers)
+    gdn = [layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn")]
+    assert gdn and set_gdn_z_stream(model, True) == len(gdn) and all(m.z_stream for m in gdn)
+    assert set_gdn_z_stream(model, False) == 0 and not any(m.z_stream for m in gdn)
 
 
 @torch.no_grad()
@@ -46,7 +58,7 @@ def test_cpu_keeps_one_stream(monkeypatch):
     """On the CPU the flag changes nothing: no side stream is asked for, the output is the one-stream path's."""
     model = packed_model("cpu")
     moe = model.layers[0].mlp
-    monkeypatch.setattr(moe_mod, "side_stream", lambda device: pytest.fail("side stream asked for on the CPU"))
+    monkeypatch.setattr(streams, "side_stream", lambda device: pytest.fail("side stream asked for on the CPU"))
     x = torch.randn(2, CFG.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     try:
         moe.fused = True
@@ -66,8 +78,8 @@ def test_side_stream_same_bits_eager_and_graphed(monkeypatch):
     model = packed_model("cuda")
     moe = model.layers[0].mlp
     asked = []
-    real = moe_mod.side_stream
-    monkeypatch.setattr(moe_mod, "side_stream", lambda device: asked.append(device) or real(device))
+    real = streams.fork
+    monkeypatch.setattr(streams, "fork", lambda device: asked.append(device) or real(device))
     g = torch.Generator().manual_seed(2)
     try:
         moe.fused = True
@@ -97,3 +109,61 @@ def test_side_stream_same_bits_eager_and_graphed(monkeypatch):
             asked.clear()
     finally:
         moe.fused, moe.shared_stream = None, False
+
+
+def one_by_one(engine_cfg: QwenEngineConfig, lengths=(3, 9, 1, 6)) -> tuple[dict, list[list[int]]]:
+    """Greedy tokens of prompts run one after the other (decode steps of one row: the paths the flags fork)."""
+    async def main():
+        engine = QwenEngine(engine_cfg)
+        await engine.start()
+        try:
+            outs = []
+            for i, n in enumerate(lengths):
+                ids = [(31 * i + 7 * j + 3) % CFG.vocab_size for j in range(n)]
+                outs.append([t async for c in engine.generate(ids, max_new_tokens=5) for t in c.new_token_ids])
+            return engine.health(), outs
+        finally:
+            await engine.aclose()
+    return asyncio.run(main())
+
+
+def engine_config(**kw) -> QwenEngineConfig:
+    base = dict(config="tiny", device="cpu", dtype="fp32", seed=0, weights="packed", max_num_seqs=2,
+                max_num_batched_tokens=16, block_size=4, num_kv_blocks=32, max_model_len=48, max_queued=8,
+                request_timeout_s=60.0, warmup=False, kernel_self_check=False)
+    return QwenEngineConfig(**{**base, **kw})
+
+
+def test_forked_paths_on_the_cpu(monkeypatch):
+    """Both forks stubbed to run on the CPU's one stream: the engine's greedy tokens equal the engine's with both
+    flags off, and every MoE layer's and GDN layer's fork ran on the one-row decode steps."""
+    monkeypatch.setattr(SparseMoE, "fused", True)  # the MoE's fused path, as on a GPU
+    forks = []
+    monkeypatch.setattr(streams, "forkable", lambda x: True)
+    monkeypatch.setattr(streams, "fork", lambda device: forks.append(device) or (None, None))
+    monkeypatch.setattr(streams, "join", lambda main, side: None)
+    h_off, off = one_by_one(engine_config(shared_expert_stream=False, gdn_z_stream=False))
+    assert not forks and h_off["shared_expert_stream_layers"] == 0 and h_off["gdn_z_stream_layers"] == 0
+    h_on, on = one_by_one(engine_config(shared_expert_stream=True, gdn_z_stream=True))
+    assert h_on["shared_expert_stream_layers"] == CFG.num_hidden_layers and h_on["gdn_z_stream_layers"] > 0
+    decode_steps = 4 * 4  # 4 prompts x 4 decode steps after the first token
+    assert len(forks) >= decode_steps * (CFG.num_hidden_layers + h_on["gdn_z_stream_layers"]), len(forks)
+    assert on == off
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the second stream is a CUDA stream")
+def test_engine_forks_on_cuda_same_tokens():
+    """On a GPU: bf16 with the decode graphs captured (fp32 cannot be: its packed MoE runs the reference), the engine
+    with the shared expert's fork gives the greedy tokens of the engine without it (the same bits); fp32 and eager,
+    GDN's z fork those of the engine without it (fp32, so that a GEMV's other summation tiling cannot flip a token)."""
+    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture")
+    _, off = one_by_one(engine_config(shared_expert_stream=False, **graphed))
+    health, on = one_by_one(engine_config(shared_expert_stream=True, **graphed))
+    assert health["runner"]["graph_steps"] > 0, health["runner"]
+    assert health["shared_expert_stream_layers"] == CFG.num_hidden_layers
+    assert on == off
+    eager = dict(device="cuda", kernels="auto", decode_graphs="off")
+    _, off = one_by_one(engine_config(shared_expert_stream=False, gdn_z_stream=False, **eager))
+    health, on = one_by_one(engine_config(shared_expert_stream=False, gdn_z_stream=True, **eager))
+    assert health["gdn_z_stream_layers"] > 0
+    assert on == off

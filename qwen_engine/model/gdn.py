@@ -30,6 +30,7 @@ from .norm import GatedRMSNorm
 from .paged import FlatBatch, GDNSlots
 from .quantized import drop_fused_projections, producer_scale, project_together
 from .state import GDNState
+from . import streams
 
 
 def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
@@ -123,6 +124,12 @@ class GatedDeltaNet(nn.Module):
     # decode-only steps compute in_proj_b / in_proj_a inside the prep op (`batch.gdn_prep_ba`) when the runner offers
     # it and both are plain linears; False: their concatenated GEMM, then `batch.gdn_prep` (tests pin either path)
     fused_ba = True
+    # CUDA decode-only steps compute in_proj_z (the output norm's gate, needed only after the recurrent step) on a
+    # second stream (`streams.py`), beside in_proj_qkv -> prep -> recurrent step on the main one, instead of inside
+    # one fused q/k/v/z GEMV; joined before the gated norm. Both read the same FP8 codes; each projection's own GEMV
+    # call may tile its sums differently from the fused call's (fp32 summation order). Set by the engine
+    # (QwenEngineConfig.gdn_z_stream)
+    z_stream = False
 
     def __init__(self, cfg: QwenConfig, chunk_size: int = 64):
         super().__init__()
@@ -253,8 +260,15 @@ class GatedDeltaNet(nn.Module):
         recurrent step, the gated norm and out_proj. Same maths as the general path below. `codes`: x's FP8
         activation codes from the input norm (`decode_input_scale`)."""
         rows = batch.state_slots_t
-        qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x, codes)  # fused: one GEMV
-        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        forked = self.z_stream and streams.forkable(x)
+        if forked:  # the modules' own calls: project_together on one name would re-fuse (and re-view) its weight
+            extra = () if codes is None else (codes,)
+            main, side = streams.fork(x.device)  # x and its codes are ready (streams.py: the contract)
+            with torch.cuda.stream(side):
+                z = self.in_proj_z(x, *extra)
+            qkv_in = self.in_proj_qkv(x, *extra)
+        else:
+            qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x, codes)  # fused: one GEMV
         if self.fused_ba and batch.gdn_prep_ba is not None and self._plain_ba():  # b / a inside: a GEMM fewer
             q, k, v, beta, g, _, _ = batch.gdn_prep_ba(  # advances slots.conv[rows] in place
                 qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], x, self._ba_weight(),
@@ -264,6 +278,9 @@ class GatedDeltaNet(nn.Module):
                 qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
                 self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
         o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
+        if forked:
+            streams.join(main, side)  # before the gated norm reads z
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         scale = producer_scale(self, ("out_proj",))
         if scale is None:
             return self._output(o, z, x.dtype)
