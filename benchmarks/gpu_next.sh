@@ -201,7 +201,7 @@
 #       the shared expert dense at every size (shared_expert_in_moe off: 32 streams run it on the side stream too),
 #       and --again (ran: Qwen run 48)
 #   STEPS="96" (the same carry): ~4 min: issue 5, GDN's in_proj_z on the second stream: the streams' CUDA tests, then
-#       the engine beside it with gdn_z_stream, without shared_expert_stream, and --again
+#       the engine beside it with gdn_z_stream, without shared_expert_stream, and --again (ran: Qwen run 49)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs

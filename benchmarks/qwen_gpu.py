@@ -438,14 +438,14 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
 def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
-    oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout, no programmatic launches and the FP8
-    quantiser in the producing ops as the module's default (on)."""
+    oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout,
+    no programmatic launches and the FP8 quantiser in the producing ops as the module's default (on)."""
     from kernels import pdl
     from qwen_engine.engine import (
+        set_gdn_z_stream,
         set_lm_head_layout,
         set_moe_fused_decode,
         set_shared_expert_in_moe,
-        set_gdn_z_stream,
         set_shared_expert_stream,
     )
     from qwen_engine.model import quantized

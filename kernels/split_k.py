@@ -5,13 +5,16 @@ partials through L2 and re-arms the counter to 0).
 
 Users: the dense W4A16 kernel (`w4a16_gemm`: one counter per output tile), the decode FP8 linear (`fp8_skinny`: one
 per N tile) and the router GEMV + top-k (`moe_router`: one per row block). Each launch leaves every counter it
-touched at 0, so launches may share them as long as they do not overlap in time: the engine runs its steps on one
-CUDA stream; a launch on another stream while one is in flight would need counters of its own.
+touched at 0, so launches may share them as long as they do not overlap in time. The engine's steps run on one CUDA
+stream except for the work it forks onto a second one (`qwen_engine/model/streams.py`), which runs under
+`counters_of("side")` and so gets counters of its own: two overlapping launches never share one.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -23,7 +26,20 @@ except ImportError:  # CPU-only installs without triton: the counters (torch) st
 
 SPLIT_COUNTERS = 4096  # counters per device: more tiles than this in one launch -> no counters (the caller reduces
 #                        with torch or does not split); the decode shapes use a few hundred
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, int | None, str], torch.Tensor] = {}
+_ROLE = threading.local()  # .name: whose counters split_counters hands out on this thread ("" = the main stream's)
+
+
+@contextmanager
+def counters_of(role: str):
+    """Launches issued inside use the counter set `role` (e.g. "side": work forked onto a second stream, which may
+    overlap the main stream's launches)."""
+    before = getattr(_ROLE, "name", "")
+    _ROLE.name = role
+    try:
+        yield
+    finally:
+        _ROLE.name = before
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,12 +52,12 @@ def num_sms(device_index: int | None) -> int:
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed counters, or None where they cannot be used: more tiles than SPLIT_COUNTERS, or a first
+    """The device's zeroed counters (of the current `counters_of` role), or None where they cannot be used: more tiles than SPLIT_COUNTERS, or a first
     use inside a CUDA-graph capture (allocating there would put them in the graph's pool; the engine's eager warm-up
     allocates them before any capture)."""
     if tiles > SPLIT_COUNTERS:
         return None
-    key = (device.type, device.index)
+    key = (device.type, device.index, getattr(_ROLE, "name", ""))
     c = _COUNTERS.get(key)
     if c is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

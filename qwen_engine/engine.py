@@ -163,7 +163,8 @@ class QwenEngineConfig:
     #                                    tokens; a no-op on CPUs
     gdn_z_stream: bool = False  # CUDA decode-only steps: each GDN layer's in_proj_z on the second stream beside
     #                             in_proj_qkv -> conv / gates -> recurrent step (GatedDeltaNet.z_stream), two FP8 GEMV
-    #                             calls instead of one fused; off until measured in the engine
+    #                             calls instead of one fused. H200 run 49: +0.7% lone, -0.4% at 32 streams, the same
+    #                             greedy tokens -- no clear win, so off
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,

@@ -177,7 +177,7 @@ def test_dense_split_k_reduced_in_kernel_matches_torch_reduction(split_k, monkey
     ref32 = x.float() @ w_dq.T
     fused = w4a16_dense_launch(x, *w, split_k=split_k)
     fused_again = w4a16_dense_launch(x, *w, split_k=split_k)  # the counters were re-armed: same result
-    counters = splits._COUNTERS[(x.device.type, x.device.index)]
+    counters = splits._COUNTERS[(x.device.type, x.device.index, "")]
     assert int(counters.abs().sum()) == 0
     monkeypatch.setattr(splits, "SPLIT_COUNTERS", 0)
     plain = w4a16_dense_launch(x, *w, split_k=split_k)

@@ -18,7 +18,12 @@ import torch
 from engine_core.registry import Registry
 from kernels import fp8_linear, nvfp4, w4a16_gemm
 from qwen_engine.config import QwenConfig
-from qwen_engine.engine import QwenEngine, QwenEngineConfig, set_gdn_z_stream, set_shared_expert_stream
+from qwen_engine.engine import (
+    QwenEngine,
+    QwenEngineConfig,
+    set_gdn_z_stream,
+    set_shared_expert_stream,
+)
 from qwen_engine.load_packed import load_quantized
 from qwen_engine.model import streams
 from qwen_engine.model.moe import SparseMoE
@@ -109,6 +114,58 @@ def test_side_stream_same_bits_eager_and_graphed(monkeypatch):
             asked.clear()
     finally:
         moe.fused, moe.shared_stream = None, False
+
+
+@torch.no_grad()
+def test_moe_fork_same_bits_and_on_the_side_on_the_cpu(monkeypatch):
+    """The MoE window stubbed on the CPU: the output bit-equal to the one-stream path at 1, 4 and 5 tokens, the shared
+    expert issued under the side stream's context (with the side stream's split-K counters), the window joined once;
+    an exception inside the window still joins it (a failed capture then reports its own error)."""
+    from kernels import split_k
+
+    model = packed_model("cpu")
+    moe = model.layers[0].mlp
+    side, seen = object(), []
+    monkeypatch.setattr(streams, "forkable", lambda x: True)
+    monkeypatch.setattr(streams, "fork", lambda device: ("main", side))
+    monkeypatch.setattr(streams, "join", lambda main, s: seen.append("join"))
+    real_stream = torch.cuda.stream
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: seen.append(s is side) or real_stream(None))
+    real_shared = type(moe.shared_expert).forward
+    monkeypatch.setattr(type(moe.shared_expert), "forward", lambda self, x: seen.append(
+        getattr(split_k._ROLE, "name", "")) or real_shared(self, x))
+    g = torch.Generator().manual_seed(3)
+    try:
+        moe.fused = True
+        for n in (1, 4, 5):
+            x = torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16)
+            r = torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16)
+            moe.shared_stream = False
+            plain = moe(x, residual=r)
+            moe.shared_stream = True
+            seen.clear()
+            assert torch.equal(moe(x, residual=r), plain), n
+            assert seen == [True, "side", "join"], seen
+        seen.clear()
+        monkeypatch.setattr(type(moe.gate), "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            moe(x, residual=r)
+        assert seen[-1] == "join", seen
+    finally:
+        moe.fused, moe.shared_stream = None, False
+
+
+def test_split_k_counters_per_role():
+    """Launches on the side stream get arrival counters of their own (kernels/split_k.py `counters_of`): two
+    overlapping split-K launches on the two streams never count into one counter."""
+    from kernels import split_k
+
+    dev = torch.device("cpu")
+    main = split_k.split_counters(dev, 4)
+    with split_k.counters_of("side"):
+        side = split_k.split_counters(dev, 4)
+    assert main is not None and side is not None and main.data_ptr() != side.data_ptr()
+    assert split_k.split_counters(dev, 4) is main  # the role is restored on leaving
 
 
 def one_by_one(engine_cfg: QwenEngineConfig, lengths=(3, 9, 1, 6)) -> tuple[dict, list[list[int]]]:

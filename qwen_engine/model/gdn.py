@@ -17,6 +17,7 @@ so a chunk costs two triangular solves and a few [C, C] matmuls; only the state 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -26,11 +27,11 @@ from torch import nn
 from kernels.rms_norm import rounds_x
 
 from ..config import QwenConfig
+from . import streams
 from .norm import GatedRMSNorm
 from .paged import FlatBatch, GDNSlots
 from .quantized import drop_fused_projections, producer_scale, project_together
 from .state import GDNState
-from . import streams
 
 
 def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
@@ -260,26 +261,25 @@ class GatedDeltaNet(nn.Module):
         recurrent step, the gated norm and out_proj. Same maths as the general path below. `codes`: x's FP8
         activation codes from the input norm (`decode_input_scale`)."""
         rows = batch.state_slots_t
-        forked = self.z_stream and streams.forkable(x)
-        if forked:  # the modules' own calls: project_together on one name would re-fuse (and re-view) its weight
-            extra = () if codes is None else (codes,)
-            main, side = streams.fork(x.device)  # x and its codes are ready (streams.py: the contract)
-            with torch.cuda.stream(side):
-                z = self.in_proj_z(x, *extra)
-            qkv_in = self.in_proj_qkv(x, *extra)
-        else:
-            qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x, codes)  # fused: one GEMV
-        if self.fused_ba and batch.gdn_prep_ba is not None and self._plain_ba():  # b / a inside: a GEMM fewer
-            q, k, v, beta, g, _, _ = batch.gdn_prep_ba(  # advances slots.conv[rows] in place
-                qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], x, self._ba_weight(),
-                self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-        else:
-            q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
-                qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
-                self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-        o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
-        if forked:
-            streams.join(main, side)  # before the gated norm reads z
+        with contextlib.ExitStack() as window:  # the z fork's window closes (joins) before the gated norm reads z
+            if self.z_stream and streams.forkable(x):
+                # the modules' own calls: project_together on one name would re-fuse (and re-view) its weight
+                extra = () if codes is None else (codes,)
+                side = window.enter_context(streams.branch(x.device))  # x and its codes are ready
+                with streams.on_side(side):
+                    z = self.in_proj_z(x, *extra)
+                qkv_in = self.in_proj_qkv(x, *extra)
+            else:
+                qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x, codes)  # fused: one GEMV
+            if self.fused_ba and batch.gdn_prep_ba is not None and self._plain_ba():  # b / a inside: a GEMM fewer
+                q, k, v, beta, g, _, _ = batch.gdn_prep_ba(  # advances slots.conv[rows] in place
+                    qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], x, self._ba_weight(),
+                    self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            else:
+                q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
+                    qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
+                    self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         scale = producer_scale(self, ("out_proj",))
         if scale is None:

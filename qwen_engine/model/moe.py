@@ -192,12 +192,11 @@ class SparseMoE(nn.Module):
             rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
             routed, shared = rows[:, :k], rows[:, k]
         elif fused and self.shared_stream and streams.forkable(x):
-            main, side = streams.fork(x.device)  # x is ready (streams.py: the contract)
-            with torch.cuda.stream(side):
-                shared = self.shared_expert(x)
-            _, weights, idx = self.gate(x)
-            routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
-            streams.join(main, side)  # before moe_combine reads `shared`
+            with streams.branch(x.device) as side:  # x is ready; joined before moe_combine reads `shared`
+                with streams.on_side(side):
+                    shared = self.shared_expert(x)
+                _, weights, idx = self.gate(x)
+                routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
         else:
             _, weights, idx = self.gate(x)
             routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
@@ -221,4 +220,3 @@ class SparseMoE(nn.Module):
         from kernels.moe_align import MAX_PAIRS
 
         return getattr(self.experts, "small_tokens", 0) < n and n * (top_k + 1) <= MAX_PAIRS
-
