@@ -823,17 +823,22 @@ def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
     return n
 
 
+def _set_on_every(model: torch.nn.Module, kind: type, flag: str, on: bool) -> int:
+    """Set attribute `flag` to `on` on every `kind` module of `model`; returns how many now have it on."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, kind):
+            setattr(mod, flag, bool(on))
+            n += bool(on)
+    return n
+
+
 def set_shared_expert_stream(model: torch.nn.Module, on: bool) -> int:
     """Set `SparseMoE.shared_stream` on every MoE layer (off everywhere for False); returns how many layers took it.
     It acts only on CUDA calls of the fused path that run the dense shared expert."""
     from .model.moe import SparseMoE
 
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, SparseMoE):
-            mod.shared_stream = bool(on)
-            n += mod.shared_stream
-    return n
+    return _set_on_every(model, SparseMoE, "shared_stream", on)
 
 
 def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:
@@ -841,12 +846,7 @@ def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:
     It acts only on CUDA decode-only steps."""
     from .model.gdn import GatedDeltaNet
 
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, GatedDeltaNet):
-            mod.z_stream = bool(on)
-            n += mod.z_stream
-    return n
+    return _set_on_every(model, GatedDeltaNet, "z_stream", on)
 
 
 def resolve_lm_head_layout(cfg: QwenEngineConfig, device: torch.device) -> str:
