@@ -63,8 +63,13 @@ def branch(device: torch.device):
     main, side = fork(device)
     try:
         yield side
-    finally:
-        join(main, side)
+    except BaseException:
+        try:  # joined also here; a join that fails too (an invalidated capture) must not hide the first error
+            join(main, side)
+        except Exception:
+            pass
+        raise
+    join(main, side)
 
 
 @contextmanager
