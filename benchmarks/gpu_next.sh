@@ -199,7 +199,8 @@
 #   STEPS="95" (carry .devbundle/extra, .tritoncache): ~7 min: issue 5, the shared expert on a second stream (a
 #       parallel branch of the decode graphs): its CUDA test, then the engine beside the engine with it, with it and
 #       the shared expert dense at every size (shared_expert_in_moe off: 32 streams run it on the side stream too),
-#       and --again (ran: Qwen run 48)
+#       and --again (ran: Qwen run 48; shared_expert_stream is the default since, so its "side" variant now equals
+#       the first engine: step 96 runs the engine without it)
 #   STEPS="96" (the same carry): ~4 min: issue 5, GDN's in_proj_z on the second stream: the streams' CUDA tests, then
 #       the engine beside it with gdn_z_stream, without shared_expert_stream, and --again (ran: Qwen run 49)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its

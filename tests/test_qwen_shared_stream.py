@@ -10,8 +10,6 @@ leave the one-stream paths in charge; with `streams.forkable` / `fork` / `join` 
 there too (`torch.cuda.stream(None)` is a no-op), so their wiring is checked in CI.
 """
 
-import asyncio
-
 import pytest
 import torch
 
@@ -19,7 +17,6 @@ from engine_core.registry import Registry
 from kernels import fp8_linear, nvfp4, w4a16_gemm
 from qwen_engine.config import QwenConfig
 from qwen_engine.engine import (
-    QwenEngine,
     QwenEngineConfig,
     set_gdn_z_stream,
     set_shared_expert_stream,
@@ -28,6 +25,7 @@ from qwen_engine.load_packed import load_quantized
 from qwen_engine.model import streams
 from qwen_engine.model.moe import SparseMoE
 from qwen_engine.random_weights import random_packed_tensors
+from tests.test_qwen_engine import collect, engine_config, prompt, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -168,27 +166,13 @@ def test_split_k_counters_per_role():
     assert split_k.split_counters(dev, 4) is main  # the role is restored on leaving
 
 
-def one_by_one(engine_cfg: QwenEngineConfig, lengths=(3, 9, 1, 6)) -> tuple[dict, list[list[int]]]:
-    """Greedy tokens of prompts run one after the other (decode steps of one row: the paths the flags fork)."""
-    async def main():
-        engine = QwenEngine(engine_cfg)
-        await engine.start()
-        try:
-            outs = []
-            for i, n in enumerate(lengths):
-                ids = [(31 * i + 7 * j + 3) % CFG.vocab_size for j in range(n)]
-                outs.append([t async for c in engine.generate(ids, max_new_tokens=5) for t in c.new_token_ids])
-            return engine.health(), outs
-        finally:
-            await engine.aclose()
-    return asyncio.run(main())
-
-
-def engine_config(**kw) -> QwenEngineConfig:
-    base = dict(config="tiny", device="cpu", dtype="fp32", seed=0, weights="packed", max_num_seqs=2,
-                max_num_batched_tokens=16, block_size=4, num_kv_blocks=32, max_model_len=48, max_queued=8,
-                request_timeout_s=60.0, warmup=False, kernel_self_check=False)
-    return QwenEngineConfig(**{**base, **kw})
+def one_by_one(cfg: QwenEngineConfig, lengths=(3, 9, 1, 6)) -> tuple[dict, list[list[int]]]:
+    """(health, greedy tokens) of prompts run one after the other (decode steps of one row: the paths the flags
+    fork), 5 tokens each, through test_qwen_engine's `run` / `collect`."""
+    async def body(engine):
+        outs = [(await collect(engine, prompt(i, n), max_new_tokens=5))[0] for i, n in enumerate(lengths)]
+        return engine.health(), outs
+    return run(cfg, body)
 
 
 def test_forked_paths_on_the_cpu(monkeypatch):
@@ -199,9 +183,9 @@ def test_forked_paths_on_the_cpu(monkeypatch):
     monkeypatch.setattr(streams, "forkable", lambda x: True)
     monkeypatch.setattr(streams, "fork", lambda device: forks.append(device) or (None, None))
     monkeypatch.setattr(streams, "join", lambda main, side: None)
-    h_off, off = one_by_one(engine_config(shared_expert_stream=False, gdn_z_stream=False))
+    h_off, off = one_by_one(engine_config(weights="packed", shared_expert_stream=False, gdn_z_stream=False))
     assert not forks and h_off["shared_expert_stream_layers"] == 0 and h_off["gdn_z_stream_layers"] == 0
-    h_on, on = one_by_one(engine_config(shared_expert_stream=True, gdn_z_stream=True))
+    h_on, on = one_by_one(engine_config(weights="packed", shared_expert_stream=True, gdn_z_stream=True))
     assert h_on["shared_expert_stream_layers"] == CFG.num_hidden_layers and h_on["gdn_z_stream_layers"] > 0
     decode_steps = 4 * 4  # 4 prompts x 4 decode steps after the first token
     assert len(forks) >= decode_steps * (CFG.num_hidden_layers + h_on["gdn_z_stream_layers"]), len(forks)
@@ -214,13 +198,13 @@ def test_engine_forks_on_cuda_same_tokens():
     with the shared expert's fork gives the greedy tokens of the engine without it (the same bits); fp32 and eager,
     GDN's z fork those of the engine without it (fp32, so that a GEMV's other summation tiling cannot flip a token)."""
     graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture")
-    _, off = one_by_one(engine_config(shared_expert_stream=False, **graphed))
-    health, on = one_by_one(engine_config(shared_expert_stream=True, **graphed))
+    _, off = one_by_one(engine_config(weights="packed", shared_expert_stream=False, **graphed))
+    health, on = one_by_one(engine_config(weights="packed", shared_expert_stream=True, **graphed))
     assert health["runner"]["graph_steps"] > 0, health["runner"]
     assert health["shared_expert_stream_layers"] == CFG.num_hidden_layers
     assert on == off
-    eager = dict(device="cuda", kernels="auto", decode_graphs="off")
-    _, off = one_by_one(engine_config(shared_expert_stream=False, gdn_z_stream=False, **eager))
-    health, on = one_by_one(engine_config(shared_expert_stream=False, gdn_z_stream=True, **eager))
+    eager = dict(device="cuda", kernels="auto", decode_graphs="off")  # fp32: test_qwen_engine's engine_config
+    _, off = one_by_one(engine_config(weights="packed", shared_expert_stream=False, gdn_z_stream=False, **eager))
+    health, on = one_by_one(engine_config(weights="packed", shared_expert_stream=False, gdn_z_stream=True, **eager))
     assert health["gdn_z_stream_layers"] > 0
     assert on == off
