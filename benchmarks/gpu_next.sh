@@ -203,6 +203,11 @@
 #       the first engine: step 96 runs the engine without it)
 #   STEPS="96" (the same carry): ~4 min: issue 5, GDN's in_proj_z on the second stream: the streams' CUDA tests, then
 #       the engine beside it with gdn_z_stream, without shared_expert_stream, and --again (ran: Qwen run 49)
+#   STEPS="97" (the same carry): ~6 min: issue 5, the streams' CUDA tests whole, then the default engine's decode step
+#       profiled at 1 and 32 streams
+#   STEPS="98" (the same carry): ~8 min: issue 5, the MoE combine writing the next layer's input norm: its CUDA tests
+#       and gdn_prep's, gdn_prep's launch tilings per call, then the engine beside it with combine_next_norm, with
+#       that and the fastest gdn_prep tiling (where >= 3% under the default's), and --again
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1205,6 +1210,41 @@ gpu_tests streams 150 tests/test_qwen_shared_stream.py -rfE
 engine_ab qwen_z_stream "${LIMIT_96:-480}" --autotune-table auto \
   --variant 'z={"gdn_z_stream": true}' --variant 'no_side={"shared_expert_stream": false}' --again
 grep -E "first differing|same greedy" "$R/qwen_z_stream.log" | cut -c1-300 | head -8
+fi
+if want 97; then
+say "97. issue 5 (carry .devbundle/extra, .tritoncache): the streams' CUDA tests whole (the engine-level test, rewritten"
+say "    after run 49, never run on a GPU), then the default engine's decode step profiled at 1 and 32 streams (where"
+say "    a lone step's ~2.4 ms goes since the shared expert's fork)"
+gpu_tests streams "${LIMIT_97A:-150}" tests/test_qwen_shared_stream.py -rfE
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_97:-330}" python benchmarks/qwen_profile.py --engine --engine-streams 1,32 \
+  --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E "wall_ms_per_step|started" "$R/qwen_profile.log" | cut -c1-300
+grep -E "^  engine" "$R/qwen_profile.log" | cut -c1-160 | head -80
+fi
+if want 98; then
+say "98. issue 5 (carry .devbundle/extra, .tritoncache): each layer's MoE combine writing the next layer's input norm"
+say "    and its FP8 codes (or the final norm) in the same launch (combine_next_norm; kernels/moe_combine.py"
+say "    moe_combine_norm[_fp8]): its CUDA tests and gdn_prep's; gdn_prep's launch tilings per call"
+say "    (benchmarks/gdn_prep_bench.py); then the engine beside it with combine_next_norm, with that and the fastest"
+say "    one-row gdn_prep tiling (if not the default), and --again"
+gpu_tests combine_norm "${LIMIT_98A:-150}" tests/test_qwen_combine_norm.py tests/test_kernel_moe_combine.py \
+  tests/test_kernel_gdn_prep.py -rfE
+probe gdn_prep_bench "${LIMIT_98B:-120}" gdn_prep_bench.py
+best=$(python - "$R/gdn_prep_bench/gdn_prep_bench.json" <<'PY' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]["1"]
+ok = [r for r in rows if r["compare_ba"] == "ok" and r["qkv_pool_same"]]
+b = min(ok, key=lambda r: r["us"])
+if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:  # at least 3% under the default's (the first row)
+    print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
+PY
+)
+say "    gdn_prep tiling for the engine variant: ${best:-none (the default is within 3% of the fastest)}"
+extra=()
+[ -n "$best" ] && extra=(--variant "norm_gdn={\"combine_next_norm\": true, \"gdn_prep_tiling\": $best}")
+engine_ab qwen_combine_norm "${LIMIT_98:-480}" --autotune-table auto \
+  --variant 'norm={"combine_next_norm": true}' "${extra[@]}" --again
+grep -E "first differing|same greedy" "$R/qwen_combine_norm.log" | cut -c1-300 | head -8
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

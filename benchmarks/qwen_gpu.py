@@ -341,9 +341,12 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        prefill_buckets: tuple = (), programmatic_launch: bool | str = "auto",
                        quant_in_producers: bool = True, batched_tokens: int | None = None,
                        moe_fused_decode: bool = False, lm_head_layout: str = "auto",
-                       shared_expert_stream: bool = True, gdn_z_stream: bool = False) -> dict:
+                       shared_expert_stream: bool = True, gdn_z_stream: bool = False,
+                       combine_next_norm: bool = False, gdn_prep_tiling: list | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
-    `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens."""
+    `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
+    gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
+    module settings, restored after; benchmarks/gdn_prep_bench.py times them per call)."""
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
@@ -358,8 +361,14 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             quant_in_producers=quant_in_producers, warmup_burst=WARMUP_BURST,
                             moe_fused_decode=moe_fused_decode, lm_head_layout=lm_head_layout,
                             shared_expert_stream=shared_expert_stream, gdn_z_stream=gdn_z_stream,
+                            combine_next_norm=combine_next_norm,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
+    if gdn_prep_tiling is not None:
+        from kernels import gdn_prep
+
+        gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = bool(gdn_prep_tiling[0]), *map(
+            int, gdn_prep_tiling[1:])
     try:
         engine = QwenEngine(ecfg, model=model)
         t_start = time.perf_counter()
@@ -423,6 +432,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     expert_layouts=engine.health().get("expert_layouts"),
                     shared_expert_stream_layers=engine.health().get("shared_expert_stream_layers"),
                     gdn_z_stream_layers=engine.health().get("gdn_z_stream_layers"),
+                    combine_next_norm=engine.health().get("combine_next_norm"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,
                     dropped_tokens=engine.scheduler.stats.dropped_tokens,
@@ -440,8 +450,9 @@ def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
     oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout,
     no programmatic launches and the FP8 quantiser in the producing ops as the module's default (on)."""
-    from kernels import pdl
+    from kernels import gdn_prep, pdl
     from qwen_engine.engine import (
+        set_combine_next_norm,
         set_gdn_z_stream,
         set_lm_head_layout,
         set_moe_fused_decode,
@@ -454,6 +465,8 @@ def _engine_settings_off(model) -> None:
     set_moe_fused_decode(model, False)
     set_shared_expert_stream(model, False)
     set_gdn_z_stream(model, False)
+    set_combine_next_norm(model, False)
+    gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = gdn_prep.DEFAULT_TILING
     set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)
     quantized.QUANT_IN_PRODUCERS = True

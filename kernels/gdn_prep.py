@@ -105,54 +105,12 @@ if triton is not None:
                  mask=ok[:, :, None] & (tt >= 1) & (tt <= KM1))
 
     @triton.jit
-    def _gdn_prep_kernel(qkv, pool, rows, w, b, a, a_log, dt_bias, q_out, k_out, v_out, beta_out, g_out, ba_out,
-                         C, HK, HV, H, s_qd, s_pr, s_pc, s_wc, s_bd, s_ad, q_scale,
-                         DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
-        # BA (`gdn_decode_prep_ba`): `b` is the layer input x [D, H] (row stride s_bd) and `a` the concatenated
-        # [in_proj_b; in_proj_a] weight [2 HV, H] (row stride s_ad); the program computes its value heads' b and a
-        # itself (fp32 dot products, rounded to the model dtype as F.linear's output is) and writes them to ba_out
-        # [D, 2 HV]. Otherwise `b`, `a` are the projections' outputs [D, HV] (row strides s_bd, s_ad).
-        # In place: this program is the only reader and writer of its channels of pool row `row` (channel sets of
-        # the HK programs of a row are disjoint; rows of distinct sequences are distinct -- CUDA-graph padding rows
-        # share the scratch row, whose contents then do not matter). All reads of the row come first, then a
-        # barrier (warps of a small tile hold replicated elements: one warp's store must not overtake another's
-        # load), then the stores.
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        d, j = tl.program_id(0), tl.program_id(1)
-        row = tl.load(rows + d)
-        dt = qkv.dtype.element_ty
-        kk = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]: 2-D like the value channels
-        k_ok = kk < DK
-        key_dim = HK * DK
-        q_ch, k_ch = j * DK + kk, key_dim + j * DK + kk
-        qf, q_win = _conv_window(qkv, pool, w, d, row, q_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
-                                 INTERPRET)
-        kf, k_win = _conv_window(qkv, pool, w, d, row, k_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
-                                 INTERPRET)
-        qn = qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) + 1e-6))[:, None] * q_scale  # [1, BK]
-        kn = kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6))[:, None]
-        ri = tl.arange(0, BLOCK_R)
-        r_ok = ri < R
-        heads = j * R + ri  # the value heads this k-head serves
-        vv = tl.arange(0, BLOCK_V)
-        v_ok = r_ok[:, None] & (vv < DV)[None, :]
-        v_ch = 2 * key_dim + heads[:, None] * DV + vv[None, :]
-        vf, v_win = _conv_window(qkv, pool, w, d, row, v_ch, v_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
-                                 INTERPRET)
-        tl.debug_barrier()
-        _store_shifted(pool, row, q_ch, k_ok, q_win, s_pr, s_pc, KM1, BLOCK_T)
-        _store_shifted(pool, row, k_ch, k_ok, k_win, s_pr, s_pc, KM1, BLOCK_T)
-        _store_shifted(pool, row, v_ch, v_ok, v_win, s_pr, s_pc, KM1, BLOCK_T)
-        qk_off = (d * HV + heads)[:, None] * DK + kk
-        qk_ok = r_ok[:, None] & k_ok
-        tl.store(q_out + qk_off, tl.broadcast_to(qn, (BLOCK_R, BLOCK_K)), mask=qk_ok)
-        tl.store(k_out + qk_off, tl.broadcast_to(kn, (BLOCK_R, BLOCK_K)), mask=qk_ok)
-        tl.store(v_out + (d * HV + heads)[:, None] * DV + vv[None, :], vf, mask=v_ok)
-        # gates of the value heads
-        if BA:  # b, a = x . w_ba rows (heads) and (HV + heads): [BLOCK_R] each, over the hidden size in BLOCK_H steps
+    def _gate_inputs(b, a, ba_out, d, heads, r_ok, HV, H, s_bd, s_ad, dt: tl.constexpr, BA: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+        """(b, a) of the value heads `heads` [BLOCK_R] of row d in fp32, after their model-dtype rounding. BA: the
+        dot products x . w_ba rows (heads) and (HV + heads) over the hidden size in BLOCK_H steps, also stored to
+        ba_out; else loaded from the projections' outputs."""
+        if BA:
             hh = tl.arange(0, BLOCK_H)[None, :]
             acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
             acc_a = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -168,11 +126,65 @@ if triton is not None:
             a_dt = _cast(acc_a, dt, INTERPRET)
             tl.store(ba_out + d * 2 * HV + heads, b_dt, mask=r_ok)
             tl.store(ba_out + d * 2 * HV + HV + heads, a_dt, mask=r_ok)
-            bb = b_dt.to(tl.float32)
-            u = a_dt.to(tl.float32)
-        else:
-            bb = tl.load(b + d * s_bd + heads, mask=r_ok, other=0.0).to(tl.float32)
-            u = tl.load(a + d * s_ad + heads, mask=r_ok, other=0.0).to(tl.float32)
+            return b_dt.to(tl.float32), a_dt.to(tl.float32)
+        bb = tl.load(b + d * s_bd + heads, mask=r_ok, other=0.0).to(tl.float32)
+        u = tl.load(a + d * s_ad + heads, mask=r_ok, other=0.0).to(tl.float32)
+        return bb, u
+
+    @triton.jit
+    def _gdn_prep_kernel(qkv, pool, rows, w, b, a, a_log, dt_bias, q_out, k_out, v_out, beta_out, g_out, ba_out,
+                         C, HK, HV, H, s_qd, s_pr, s_pc, s_wc, s_bd, s_ad, q_scale,
+                         DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+                         BA_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        # BA (`gdn_decode_prep_ba`): `b` is the layer input x [D, H] (row stride s_bd) and `a` the concatenated
+        # [in_proj_b; in_proj_a] weight [2 HV, H] (row stride s_ad); the program computes its value heads' b and a
+        # itself (fp32 dot products, rounded to the model dtype as F.linear's output is) and writes them to ba_out
+        # [D, 2 HV]. Otherwise `b`, `a` are the projections' outputs [D, HV] (row strides s_bd, s_ad).
+        # BA_FIRST: those gate inputs first, so that their loads are in flight beside the conv window's (they read
+        # neither the pool nor what this program writes) rather than after the barrier; the same operations.
+        # In place: this program is the only reader and writer of its channels of pool row `row` (channel sets of
+        # the HK programs of a row are disjoint; rows of distinct sequences are distinct -- CUDA-graph padding rows
+        # share the scratch row, whose contents then do not matter). All reads of the row come first, then a
+        # barrier (warps of a small tile hold replicated elements: one warp's store must not overtake another's
+        # load), then the stores.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        d, j = tl.program_id(0), tl.program_id(1)
+        row = tl.load(rows + d)
+        dt = qkv.dtype.element_ty
+        ri = tl.arange(0, BLOCK_R)
+        r_ok = ri < R
+        heads = j * R + ri  # the value heads this k-head serves
+        if BA_FIRST:
+            bb, u = _gate_inputs(b, a, ba_out, d, heads, r_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
+        kk = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]: 2-D like the value channels
+        k_ok = kk < DK
+        key_dim = HK * DK
+        q_ch, k_ch = j * DK + kk, key_dim + j * DK + kk
+        qf, q_win = _conv_window(qkv, pool, w, d, row, q_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
+                                 INTERPRET)
+        kf, k_win = _conv_window(qkv, pool, w, d, row, k_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
+                                 INTERPRET)
+        qn = qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) + 1e-6))[:, None] * q_scale  # [1, BK]
+        kn = kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6))[:, None]
+        vv = tl.arange(0, BLOCK_V)
+        v_ok = r_ok[:, None] & (vv < DV)[None, :]
+        v_ch = 2 * key_dim + heads[:, None] * DV + vv[None, :]
+        vf, v_win = _conv_window(qkv, pool, w, d, row, v_ch, v_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
+                                 INTERPRET)
+        tl.debug_barrier()
+        _store_shifted(pool, row, q_ch, k_ok, q_win, s_pr, s_pc, KM1, BLOCK_T)
+        _store_shifted(pool, row, k_ch, k_ok, k_win, s_pr, s_pc, KM1, BLOCK_T)
+        _store_shifted(pool, row, v_ch, v_ok, v_win, s_pr, s_pc, KM1, BLOCK_T)
+        qk_off = (d * HV + heads)[:, None] * DK + kk
+        qk_ok = r_ok[:, None] & k_ok
+        tl.store(q_out + qk_off, tl.broadcast_to(qn, (BLOCK_R, BLOCK_K)), mask=qk_ok)
+        tl.store(k_out + qk_off, tl.broadcast_to(kn, (BLOCK_R, BLOCK_K)), mask=qk_ok)
+        tl.store(v_out + (d * HV + heads)[:, None] * DV + vv[None, :], vf, mask=v_ok)
+        # gates of the value heads
+        if not BA_FIRST:
+            bb, u = _gate_inputs(b, a, ba_out, d, heads, r_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
         beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
         u = u + tl.load(dt_bias + heads, mask=r_ok, other=0.0).to(tl.float32)
         # softplus = max(u, 0) + log1p(exp(-|u|)); log1p(t) for t in (0, 1] as 2 atanh(s), s = t / (2 + t) <= 1/3:
@@ -214,12 +226,16 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
         b.stride(0), a.stride(0), head_k_dim ** -0.5,
         DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r),
-        BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(), num_warps=4,
-        **pdl.launch_options())
+        BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(),
+        BA_FIRST=BA_FIRST, num_warps=NUM_WARPS, **pdl.launch_options())
     return q, k, v, beta, g, ba_out
 
 
+# The launch's tiling (module variables: benchmarks/gdn_prep_bench.py times the alternatives).
 BA_BLOCK_H = 512  # hidden elements per step of gdn_decode_prep_ba's b / a dot products (Qwen3.6: 2,048 in 4 steps)
+BA_FIRST = False  # the b / a dot products (or loads) before the conv windows instead of after the pool's barrier
+NUM_WARPS = 4
+DEFAULT_TILING = (BA_FIRST, BA_BLOCK_H, NUM_WARPS)  # what a benchmark that changes the three restores
 
 
 @torch.library.custom_op("qwen::gdn_decode_prep_", mutates_args=("conv_pool",))

@@ -43,12 +43,14 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from kernels.fp8_quant import static_codes
     from kernels.pdl import enter as pdl_enter
-    from kernels.rms_norm import _cast, _round
+    from kernels.rms_norm import _cast, _round, _stored_value
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
 NAME = "moe_combine"
+NORM_NAME, NORM_FP8_NAME = "moe_combine_norm", "moe_combine_norm_fp8"  # + the next layer's input norm (its codes)
 DTYPES = (torch.bfloat16, torch.float32)  # fp16 would need integer rounding too (compiled, its casts contract)
 MAX_DIM = 8192  # one row per program in registers
 # partial rows (3-D shared): columns per program and rows per load. At H = 2048 a token's row is 128 programs of 16
@@ -75,6 +77,28 @@ def moe_combine_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: to
         shared = shared.sum(1, dtype=torch.float32).to(x.dtype)
     gate = torch.sigmoid(F.linear(x, gate_weight))  # [N, 1]
     return residual + (routed + gate * shared)
+
+
+def moe_combine_norm_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
+                               residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, normed): out = `moe_combine_reference(...)` (the layer's output, the next residual stream) and the next
+    decoder layer's input norm of it, `rms_norm_zc_reference(out, norm_weight, eps)` (or the final norm's)."""
+    from kernels.rms_norm import rms_norm_zc_reference
+
+    out = moe_combine_reference(x, gate_weight, shared, routed, residual)
+    return out, rms_norm_zc_reference(out, norm_weight, eps)
+
+
+def moe_combine_norm_fp8_reference(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor,
+                                   routed: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                   input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, normed, codes): `moe_combine_norm_reference` and the e4m3 codes of `normed` with the static scale of the
+    FP8 projections that read it (`fp8_quant.quantize_static_reference`), as `rms_norm_zc_fp8` gives them."""
+    from kernels.fp8_quant import with_static_codes
+
+    out, normed = moe_combine_norm_reference(x, gate_weight, shared, routed, residual, norm_weight, eps)
+    return (out, *with_static_codes(normed, input_scale))
 
 
 if triton is not None:
@@ -126,8 +150,13 @@ if triton is not None:
 
     @triton.jit
     def _moe_combine_kernel(x, w, shared, routed, residual, out, H, S, s_x, s_s, s_r, s_rs, s_res, s_o,
-                            BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
-        # routed: S rows per token, s_rs apart (S = 1 for an already summed [N, H])
+                            nw, normed, s_n, eps, codes, s_c, s_in,
+                            BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, NORM: tl.constexpr = False,
+                            QUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        # routed: S rows per token, s_rs apart (S = 1 for an already summed [N, H]). NORM: also the next layer's
+        # input norm of the stored row (the "moe_combine_norm" ops; nw [H] its zero-centred weight, normed [N, H]),
+        # QUANT: and that norm's e4m3 codes with the static scale s_in (fp32 []), as kernels/rms_norm.py's
+        # _rms_norm_zc_kernel computes them from the stored row
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
@@ -143,6 +172,15 @@ if triton is not None:
         t = _round(gate * sh, dt, INTERPRET)
         u = _round(ro + t, dt, INTERPRET)
         tl.store(out + row * s_o + cols, _cast(res + u, dt, INTERPRET), mask=ok)
+        if NORM:  # the norm reads the stored (rounded) row, as the next layer's own norm launch would
+            o = _round(res + u, dt, INTERPRET)  # masked columns: 0 (every load there gave 0)
+            y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / H + eps)) * (1.0 + tl.load(nw + cols, mask=ok, other=0.0)
+                                                                    .to(tl.float32))
+            yo = _cast(y, dt, INTERPRET)
+            tl.store(normed + row * s_n + cols, yo, mask=ok)
+            if QUANT:
+                tl.store(codes + row * s_c + cols, static_codes(_stored_value(y, yo, dt, INTERPRET), tl.load(s_in)),
+                         mask=ok)
 
 
 def _interpreted() -> bool:
@@ -166,12 +204,62 @@ def moe_combine_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Ten
             shared.stride(1), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0), BLOCK_H=block_h,
             BLOCK_C=block_c, BLOCK_S=PARTS_BLOCK_S, INTERPRET=_interpreted(), num_warps=4, **pdl.launch_options())
         return out
-    _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, r3.shape[1], x.stride(0),
-                              shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0),
-                              BLOCK_H=block_h,
-                              INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)),
-                              **pdl.launch_options())
+    _one_row_launch(x, gate_weight, shared, routed, residual, out)
     return out
+
+
+def _one_row_launch(x, gate_weight, shared, routed, residual, out, norm: tuple = ()) -> None:
+    """`_moe_combine_kernel` over 2-D shared (routed 2-D or 3-D); norm: () or (weight, normed, eps) or (weight,
+    normed, eps, codes, scale) -- the next layer's input norm (and its e4m3 codes) of the stored rows."""
+    n, h = x.shape
+    block_h = triton.next_power_of_2(h)
+    r3 = routed if routed.dim() == 3 else routed[:, None]
+    if norm:
+        nw, normed, eps, *quant = norm
+        codes, scale = quant or (normed, out)  # placeholders: the kernel touches them only with QUANT
+        extra = (nw, normed, normed.stride(0), eps, codes, codes.stride(0), scale)
+        flags = dict(NORM=True, QUANT=bool(quant))
+    else:
+        extra, flags = (out, out, 0, 0.0, out, 0, out), {}  # placeholders: untouched without NORM
+    _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, r3.shape[1], x.stride(0),
+                              shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0), *extra,
+                              BLOCK_H=block_h, INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)),
+                              **flags, **pdl.launch_options())
+
+
+@torch.library.custom_op("qwen::moe_combine_norm", mutates_args=())
+def moe_combine_norm_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
+                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `moe_combine_norm_reference`; shared 2-D (checked by `supports_norm`)."""
+    out, normed = x.new_empty(x.shape), x.new_empty(x.shape)
+    if out.numel():
+        _one_row_launch(x, gate_weight, shared, routed, residual, out, (norm_weight, normed, eps))
+    return out, normed
+
+
+@torch.library.custom_op("qwen::moe_combine_norm_fp8", mutates_args=())
+def moe_combine_norm_fp8_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor,
+                            residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, input_scale: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `moe_combine_norm_fp8_reference`; shared 2-D, a one-element fp32 scale."""
+    out, normed = x.new_empty(x.shape), x.new_empty(x.shape)
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if out.numel():
+        _one_row_launch(x, gate_weight, shared, routed, residual, out,
+                        (norm_weight, normed, eps, codes, input_scale.reshape(()).float()))
+    return out, normed, codes
+
+
+@moe_combine_norm_op.register_fake
+def _(x, gate_weight, shared, routed, residual, norm_weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@moe_combine_norm_fp8_op.register_fake
+def _(x, gate_weight, shared, routed, residual, norm_weight, eps, input_scale):
+    return x.new_empty(x.shape), x.new_empty(x.shape), torch.empty(x.shape, dtype=torch.float8_e4m3fn,
+                                                                     device=x.device)
 
 
 @moe_combine_op.register_fake
@@ -237,8 +325,63 @@ def _sample(device) -> tuple[tuple, dict]:
     return random_inputs(3, 96, torch.bfloat16, device=device, massive_row=False), {}
 
 
+def _sample_norm(device) -> tuple[tuple, dict]:
+    # routed as top-2 unsummed rows (the decode steps' form); a zero-centred norm weight ~N(0, 0.3)
+    x, w, shared, routed, residual = random_inputs(3, 96, torch.bfloat16, seed=1, device=device, massive_row=False)
+    routed3 = torch.stack((routed, 0.5 * routed), 1)
+    nw = (0.3 * torch.randn(96, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16).to(device)
+    return (x, w, shared, routed3, residual, nw, 1e-6), {}
+
+
+def _sample_norm_fp8(device) -> tuple[tuple, dict]:
+    args, _ = _sample_norm(device)
+    return (*args, torch.tensor(0.01, device=device)), {}
+
+
+# ---- the next layer's input norm in the same launch ("moe_combine_norm", "moe_combine_norm_fp8") --------------------
+# Why: every decoder layer's output goes straight into the next layer's input norm (the last one's into the final
+# norm), one more launch of a whole row per token; the one-program-per-row kernel already holds the row it stores.
+# 40 launches fewer per decode step (39 input norms, FP8 codes included, and the final norm).
+def describe_norm(x, gate_weight, shared, routed, residual, norm_weight, eps=None, input_scale=None
+                  ) -> dict[str, Any]:
+    from kernels.rms_norm import _scale_ok
+
+    info = describe(x, gate_weight, shared, routed, residual)
+    h = info["dim"]
+    return dict(info, two_d_shared=shared.dim() == 2,
+                norm_ok=tuple(norm_weight.shape) == (h,) and norm_weight.device == x.device
+                and norm_weight.dtype in DTYPES and norm_weight.stride(-1) == 1,
+                scale_ok=input_scale is None or _scale_ok(input_scale, x))
+
+
+def supports_norm(*, two_d_shared: bool, norm_ok: bool, scale_ok: bool, **info: Any) -> bool:
+    """`supports`, a 2-D shared (the one-row kernel; the decode MoE's partial rows take the column-block kernel,
+    which never holds a whole row), a [H] norm weight in DTYPES on x's device, and for the codes a one-element fp32
+    scale there."""
+    return two_d_shared and norm_ok and scale_ok and supports(**info)
+
+
+def compare_norm(out, ref, tol: float | None = None) -> str | None:
+    """The output by `compare`; the norm (and its codes) as kernels/rms_norm.py compares its own."""
+    from kernels import rms_norm
+
+    problem = compare(out[0], ref[0], tol)
+    if problem:
+        return f"output: {problem}"
+    problem = rms_norm.compare(out[1], ref[1], tol) if len(ref) == 2 else rms_norm.compare_fp8(out[1:], ref[1:], tol)
+    return None if problem is None else f"norm: {problem}"
+
+
 def register(registry) -> None:
-    registry.add_op(NAME, moe_combine_reference, sample=_sample, compare=compare, describe=describe,
-                    tolerance="max |diff| <= 1e-2 x max |ref| for bf16 (the reference's roundings reproduced; "
-                              "the GEMV's summation order may move the gate one ulp), 1e-5 for fp32")
+    tol = ("max |diff| <= 1e-2 x max |ref| for bf16 (the reference's roundings reproduced; the GEMV's summation order "
+           "may move the gate one ulp), 1e-5 for fp32")
+    registry.add_op(NAME, moe_combine_reference, sample=_sample, compare=compare, describe=describe, tolerance=tol)
     registry.add_implementation(NAME, "triton", moe_combine_triton, supports)
+    norm_tol = f"the output as moe_combine's ({tol}); the norm of it as rms_norm_zc's"
+    registry.add_op(NORM_NAME, moe_combine_norm_reference, sample=_sample_norm, compare=compare_norm,
+                    describe=describe_norm, tolerance=norm_tol)
+    registry.add_implementation(NORM_NAME, "triton", moe_combine_norm_op, supports_norm)
+    registry.add_op(NORM_FP8_NAME, moe_combine_norm_fp8_reference, sample=_sample_norm_fp8, compare=compare_norm,
+                    describe=describe_norm, tolerance=norm_tol + ", its e4m3 codes equal wherever the norm is "
+                                                                "bit-identical")
+    registry.add_implementation(NORM_FP8_NAME, "triton", moe_combine_norm_fp8_op, supports_norm)

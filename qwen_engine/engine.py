@@ -165,6 +165,11 @@ class QwenEngineConfig:
     #                             in_proj_qkv -> conv / gates -> recurrent step (GatedDeltaNet.z_stream), two FP8 GEMV
     #                             calls instead of one fused. H200 run 49: +0.7% lone, -0.4% at 32 streams, the same
     #                             greedy tokens -- no clear win, so off
+    combine_next_norm: bool = False  # CUDA: each decoder layer's MoE combine also writes the next layer's input norm
+    #                                  (with its FP8 codes) or the final norm, in the same launch
+    #                                  (kernels/moe_combine.py "moe_combine_norm[_fp8]", QwenForCausalLM
+    #                                  .combine_next_norm): 40 launches fewer per decode step, the same values.
+    #                                  Off until measured in the engine (RESULTS.md)
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -252,7 +257,7 @@ MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-             "w4a16_linear_frag", MOE_DECODE_OP)
+             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP)
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -310,6 +315,7 @@ class QwenEngine:
         self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
         self.shared_expert_stream = set_shared_expert_stream(self.model, cfg.shared_expert_stream)
         self.gdn_z_stream = set_gdn_z_stream(self.model, cfg.gdn_z_stream)
+        self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
@@ -498,6 +504,7 @@ class QwenEngine:
             "moe_fused_decode_layers": self.moe_fused_decode,
             "shared_expert_stream_layers": self.shared_expert_stream,
             "gdn_z_stream_layers": self.gdn_z_stream,
+            "combine_next_norm": self.combine_next_norm,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
@@ -839,6 +846,15 @@ def set_shared_expert_stream(model: torch.nn.Module, on: bool) -> int:
     from .model.moe import SparseMoE
 
     return _set_on_every(model, SparseMoE, "shared_stream", on)
+
+
+def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:
+    """Set `QwenForCausalLM.combine_next_norm` on the model (each layer's MoE combine writes the next norm); returns
+    whether it is on. It acts where the fused combine runs its one-row kernel and the norms go through the registry
+    (CUDA, or modules set `fused`)."""
+    from .model.causal_lm import QwenForCausalLM
+
+    return _set_on_every(model, QwenForCausalLM, "combine_next_norm", on) > 0
 
 
 def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:

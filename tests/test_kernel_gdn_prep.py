@@ -139,6 +139,27 @@ def test_ba_matches_reference(dtype, d, hk, dk, r, dv, hidden):
     assert torch.equal(out[-1], plain[-1])
 
 
+@pytest.mark.parametrize("ba_first,block_h,warps", [(True, None, None), (True, 2048, 8), (False, 1024, 4)])
+def test_ba_tilings(monkeypatch, ba_first, block_h, warps):
+    """The launch's alternatives (benchmarks/gdn_prep_bench.py): the gate inputs first (BA_FIRST, the same operations)
+    bit for bit as the default order; other b / a steps (BA_BLOCK_H) or warps within `compare_ba` of the reference,
+    and q / k / v and the pool bit for bit (the steps only reorder the dot products' fp32 sums)."""
+    args = random_inputs_ba(3, 2, 32, 2, 16, hidden=2048, dtype=torch.bfloat16, seed=7, device=DEVICE)
+    ref = gdn_decode_prep_ba_reference(*with_pool(args, args[1].clone()))
+    default = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
+    monkeypatch.setattr(gdn_prep, "BA_FIRST", ba_first)
+    if block_h is not None:
+        monkeypatch.setattr(gdn_prep, "BA_BLOCK_H", block_h)
+        monkeypatch.setattr(gdn_prep, "NUM_WARPS", warps)
+    out = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
+    assert compare_ba(out, ref) is None
+    for i in (0, 1, 2, 6):  # q, k, v, the pool
+        assert torch.equal(out[i], default[i]), i
+    if block_h is None:
+        for i in range(7):
+            assert torch.equal(out[i], default[i]), i
+
+
 def test_ba_compare_has_teeth():
     """compare_ba fails on b / a off by 2%, on g off by 1e-3 where a is the reference's, and on q unscaled; it
     accepts g moved by exactly what one ulp of a moves it (the reach bound), and refuses the same g when a was not

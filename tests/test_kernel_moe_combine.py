@@ -130,4 +130,5 @@ def test_registry_self_check():
 
     reg = Registry()
     moe_combine.register(reg)
-    assert reg.self_check(DEVICE) == {"moe_combine": "triton passed"}
+    assert reg.self_check(DEVICE) == {"moe_combine": "triton passed", "moe_combine_norm": "triton passed",
+                                      "moe_combine_norm_fp8": "triton passed"}

@@ -41,16 +41,32 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, residual=x)  # x + mlp(...), the add fused on CUDA
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: PagedKV | GDNSlots,
-                      batch: FlatBatch) -> torch.Tensor:
-        """x [N, hidden]: the flat tokens of a variable-length step over paged state (see `paged.py`). Where the
-        mixer's decode path quantises its input for FP8 projections (`quantized.QUANT_IN_PRODUCERS`), the input norm
-        writes those codes too."""
+                      batch: FlatBatch, normed: tuple | None = None, next_norm: tuple | None = None
+                      ) -> tuple[torch.Tensor, tuple | None]:
+        """x [N, hidden]: the flat tokens of a variable-length step over paged state (see `paged.py`) -> (the
+        layer's output [N, hidden], its next norm or None). Where the mixer's decode path quantises its input for
+        FP8 projections (`quantized.QUANT_IN_PRODUCERS`), the input norm writes those codes too.
+        normed: (this layer's input norm of x, its codes or None), already written by the previous layer's MoE
+        combine, else None (the norm runs here). next_norm: (the next layer's input norm or the final norm, the
+        static scale of its codes or None) for this layer's MoE combine to write in the same launch
+        (`SparseMoE.forward_and_norm`), which returns (norm of the output, codes) where it did, else None."""
         mixer = self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
-        scale = mixer.decode_input_scale(x, batch)
-        h, codes = (self.input_layernorm(x), None) if scale is None else self.input_layernorm.forward_fp8(x, scale)
+        if normed is None:
+            scale = self.input_scale(x, batch)
+            h, codes = (self.input_layernorm(x), None) if scale is None else self.input_layernorm.forward_fp8(x, scale)
+        else:
+            h, codes = normed
         if self.layer_type == FULL_ATTENTION:
             h = self.self_attn.forward_paged(h, cos, sin, state, batch, codes)
         else:
             h = self.linear_attn.forward_paged(h, state, batch, codes)
         x, h = self.post_attention_layernorm.forward_add(x, h)  # x + h and its norm, one launch on CUDA
-        return self.mlp(h, residual=x)  # x + mlp(...), the add fused on CUDA
+        if next_norm is None:
+            return self.mlp(h, residual=x), None  # x + mlp(...), the add fused on CUDA
+        return self.mlp.forward_and_norm(h, x, *next_norm)
+
+    def input_scale(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
+        """The static scale of the FP8 codes this layer's mixer reads beside its normed input x [N, hidden] in this
+        step (`decode_input_scale`), or None: no codes."""
+        mixer = self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
+        return mixer.decode_input_scale(x, batch)

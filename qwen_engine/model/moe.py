@@ -21,6 +21,7 @@ from kernels.moe_router import with_extra
 
 from ..config import QwenConfig
 from . import streams
+from .norm import ZeroCentredRMSNorm, _registry
 
 
 class TopKRouter(nn.Module):
@@ -180,35 +181,61 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
+        routed, shared = self._outputs(x, fused)
+        if fused:
+            out = _registry().call("moe_combine", x, self.shared_expert_gate.weight, shared, routed,
+                                   residual.reshape(-1, shape[-1]))
+            return out.reshape(shape)
+        out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
+        return out if residual is None else residual + out
+
+    def forward_and_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: ZeroCentredRMSNorm,
+                         input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """(`forward(x, residual)`, (norm(out), its e4m3 codes with `input_scale` or None)): the next decoder layer's
+        input norm (or the final norm) of this layer's output in the combine's launch ("moe_combine_norm[_fp8]",
+        `kernels/moe_combine.py`), where the fused combine runs its one-row kernel and the norm would itself go
+        through the registry; else (`forward(x, residual)`, None) and the next layer norms its input itself. The
+        same values either way (the norm of the stored row, its codes by the same quantiser)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        fused = self.fused if self.fused is not None else x.is_cuda
+        routed, shared = self._outputs(x, fused)
+        if not fused:
+            out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
+            return residual + out, None
+        args = (x, self.shared_expert_gate.weight, shared, routed, residual.reshape(-1, shape[-1]))
+        if shared.dim() != 2 or not norm.through_registry(x):  # the decode MoE's partial rows; an unfused norm
+            return _registry().call("moe_combine", *args).reshape(shape), None
+        if input_scale is None:
+            out, normed = _registry().call("moe_combine_norm", *args, norm.weight, norm.eps)
+            return out.reshape(shape), (normed.reshape(shape), None)
+        out, normed, codes = _registry().call("moe_combine_norm_fp8", *args, norm.weight, norm.eps, input_scale)
+        return out.reshape(shape), (normed.reshape(shape), codes.reshape(shape))
+
+    def _outputs(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed, shared) for x [N, H]: on the fused path in the forms moe_combine reads (routed [N, k, H] unsummed
+        or [N, k S, H] partial rows; shared [N, H] or [N, S, H]), else both [N, H]."""
         k = self.gate.top_k
         if fused and self.fused_decode and getattr(self.experts, "fused_decode_ok", None) is not None and \
                 self.experts.fused_decode_ok(x.shape[0], self.shared_expert):
             _, weights, idx = self.gate(x)
             parts = self.experts.decode_with_shared(x, idx, weights, self.shared_expert)  # [N, k + 1, S, H] fp32
-            routed, shared = parts[:, :k].flatten(1, 2), parts[:, k]  # [N, k S, H], [N, S, H]: summed in moe_combine
-        elif fused and self._shared_as_pair(x.shape[0], k):
+            return parts[:, :k].flatten(1, 2), parts[:, k]  # [N, k S, H], [N, S, H]: summed in moe_combine
+        if fused and self._shared_as_pair(x.shape[0], k):
             # [N, k + 1]: the shared expert's pair last, weight 1 (its output unscaled: gated in moe_combine)
             _, weights, idx = self.gate(x, extra=self.experts.shared_index)
             rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
-            routed, shared = rows[:, :k], rows[:, k]
-        elif fused and self.shared_stream and streams.forkable(x):
+            return rows[:, :k], rows[:, k]
+        if fused and self.shared_stream and streams.forkable(x):
             with streams.branch(x.device) as side:  # x is ready; joined before moe_combine reads `shared`
                 with streams.on_side(side):
                     shared = self.shared_expert(x)
                 _, weights, idx = self.gate(x)
                 routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
-        else:
-            _, weights, idx = self.gate(x)
-            routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
-            shared = self.shared_expert(x)
-        if fused:
-            from engine_core.registry import default_registry
-
-            out = default_registry().call("moe_combine", x, self.shared_expert_gate.weight, shared, routed,
-                                          residual.reshape(-1, shape[-1]))
-            return out.reshape(shape)
-        out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
-        return out if residual is None else residual + out
+            return routed, shared
+        _, weights, idx = self.gate(x)
+        routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
+        return routed, self.shared_expert(x)
 
     def _shared_as_pair(self, n: int, top_k: int) -> bool:
         """Whether this call runs the shared expert inside the experts' launches (`shared_in_experts`): not for the

@@ -49,6 +49,10 @@ class ZeroCentredRMSNorm(nn.Module):
             return _registry().call("rms_norm_zc", x, self.weight, self.eps)
         return self._plain(x)
 
+    def through_registry(self, x: torch.Tensor) -> bool:
+        """Whether this norm of x runs the registry op (the fused path) rather than the plain torch code."""
+        return _through_registry(self.fused, x)
+
     def forward_add(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add before the norm: (s, norm(s)) with s = x + h rounded to x.dtype, both [..., dim]. Fused,
         one launch of "add_rms_norm_zc" (the same sum, bit for bit, and the norm of that rounded sum); else the two

@@ -1,0 +1,204 @@
+"""The next decoder layer's input norm (with its FP8 codes) or the final norm written by a layer's MoE combine
+(`kernels/moe_combine.py` "moe_combine_norm" / "moe_combine_norm_fp8", `SparseMoE.forward_and_norm`,
+`QwenForCausalLM.combine_next_norm`, the engine's `combine_next_norm`).
+
+Tolerances: the fused kernel does the combine's and the norm kernel's fp32 operations in the same order on the same
+rounded row, so under the interpreter (CPU) it is compared bit for bit with the two launches it replaces
+(`moe_combine` then `rms_norm_zc[_fp8]`), and with the references by the ops' own `compare` (1e-2 x max |ref| in
+bf16, 1e-5 in fp32; the codes equal wherever the norm is bit-identical). Compiled on a GPU the norm's sum of squares
+may be reduced in another order than the norm kernel's, so there the layer is held to `compare` and the engine to
+the same greedy tokens.
+"""
+
+import pytest
+import torch
+
+from engine_core.registry import default_registry
+from kernels import moe_combine as mc
+from kernels import rms_norm
+from qwen_engine.config import QwenConfig
+from qwen_engine.engine import QwenEngineConfig, set_combine_next_norm
+from qwen_engine.model.moe import SparseMoE
+from qwen_engine.model.norm import ZeroCentredRMSNorm
+from tests.test_qwen_engine import collect, engine_config, prompt, run
+from tests.test_qwen_shared_stream import packed_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+CFG = QwenConfig.tiny()
+SCALE = 0.02  # a static FP8 input scale: |normed| of O(1-10) lands on the e4m3 grid's middle, the largest clamp
+
+
+def inputs(n: int, h: int, k: int, dtype, seed: int = 0) -> tuple:
+    """moe_combine's inputs with routed as k unsummed rows [n, k, h], and a zero-centred norm weight ~N(0, 0.3)."""
+    x, w, shared, routed, residual = mc.random_inputs(n, h, dtype, seed=seed)
+    routed3 = torch.stack([routed * (j + 1) / k for j in range(k)], 1)
+    nw = (0.3 * torch.randn(h, generator=torch.Generator().manual_seed(seed + 1))).to(dtype)
+    return x, w, shared, routed3, residual, nw
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.skipif(mc.triton is None, reason="needs triton (the interpreter on a CPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,h,k", [(1, 2048, 8), (3, 96, 2), (4, 200, 1)])
+def test_kernel_equals_the_two_launches(dtype, n, h, k):
+    """Bit for bit the stored output of `moe_combine` and `rms_norm_zc[_fp8]` of it (the interpreter: the same sums
+    in the same order); within the ops' tolerances of the references; rows of a massive activation included."""
+    x, w, shared, routed, residual, nw = inputs(n, h, k, dtype)
+    scale = torch.tensor(SCALE)
+    out, normed, codes = mc.moe_combine_norm_fp8_op(x, w, shared, routed, residual, nw, 1e-6, scale)
+    out2, normed2 = mc.moe_combine_norm_op(x, w, shared, routed, residual, nw, 1e-6)
+    base = mc.moe_combine_op(x, w, shared, routed, residual)
+    want, want_codes = rms_norm.rms_norm_zc_fp8_op(base, nw, 1e-6, scale)
+    for got in (out, out2):
+        assert torch.equal(bits(got), bits(base))
+    for got in (normed, normed2):
+        assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(codes), bits(want_codes))
+    ref = mc.moe_combine_norm_fp8_reference(x, w, shared, routed, residual, nw, 1e-6, scale)
+    assert mc.compare_norm((out, normed, codes), ref) is None
+    assert mc.compare_norm((out2, normed2), ref[:2]) is None
+    assert normed.abs().max() > 1 and not torch.equal(normed, out)  # a norm, not a copy of the output
+
+
+@pytest.mark.skipif(mc.triton is None, reason="needs triton (the interpreter on a CPU)")
+def test_compare_catches_a_wrong_norm():
+    """The ops' `compare` (the registry's start-up check) fails a norm computed with w instead of 1 + w, and an
+    output that is the norm rather than the combine's row."""
+    x, w, shared, routed, residual, nw = inputs(3, 96, 2, torch.bfloat16)
+    ref = mc.moe_combine_norm_reference(x, w, shared, routed, residual, nw, 1e-6)
+    wrong = (ref[0], rms_norm.rms_norm_zc_reference(ref[0], nw - 1, 1e-6))  # (1 + w) -> w
+    assert "norm" in (mc.compare_norm(wrong, ref) or "")
+    assert "output" in (mc.compare_norm((ref[1], ref[1]), ref) or "")
+
+
+@pytest.mark.skipif(mc.triton is None, reason="needs triton (the interpreter on a CPU)")
+def test_guards_and_self_check():
+    """The one-row kernel only: 3-D shared rows (the decode MoE's partial rows) are refused, as are a norm weight of
+    another width and a scale that is not one fp32 element; the registry's start-up check passes both ops."""
+    x, w, shared, routed, residual, nw = inputs(2, 96, 2, torch.bfloat16)
+    ok = mc.describe_norm(x, w, shared, routed, residual, nw, 1e-6)
+    assert mc.supports_norm(**ok)
+    assert mc.supports_norm(**mc.describe_norm(x, w, shared, routed, residual, nw, 1e-6, torch.tensor(0.1)))
+    assert not mc.supports_norm(**mc.describe_norm(x, w, shared[:, None].float(), routed, residual, nw, 1e-6))
+    assert not mc.supports_norm(**mc.describe_norm(x, w, shared, routed, residual, nw[:64], 1e-6))
+    assert not mc.supports_norm(**mc.describe_norm(x, w, shared, routed, residual, nw, 1e-6, torch.ones(2)))
+    outcomes = default_registry().self_check("cpu", ops=[mc.NORM_NAME, mc.NORM_FP8_NAME])
+    assert outcomes == {mc.NORM_NAME: "triton passed", mc.NORM_FP8_NAME: "triton passed"}, outcomes
+
+
+@pytest.mark.skipif(mc.triton is None, reason="needs triton (the interpreter on a CPU)")
+@torch.no_grad()
+@pytest.mark.parametrize("n", [1, 5])
+def test_layer_forward_and_norm_same_bits(n):
+    """`SparseMoE.forward_and_norm` on the fused path (the interpreter's kernels) gives `forward`'s output and the
+    norm module's own output and codes, bit for bit, at 1 token (the decode GEMV) and 5 (the grouped kernel); with
+    the norm off the registry (its plain torch code) it hands back None, so the next layer norms its input itself."""
+    model = packed_model("cpu")
+    moe, norm = model.layers[0].mlp, model.layers[1].input_layernorm
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    r = torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    scale = torch.tensor(SCALE)
+    try:
+        moe.fused = norm.fused = True
+        want = moe(x, residual=r)
+        want_h, want_codes = norm.forward_fp8(want, scale)
+        out, (h, codes) = moe.forward_and_norm(x, r, norm, scale)
+        assert torch.equal(bits(out), bits(want)) and torch.equal(bits(h), bits(want_h))
+        assert torch.equal(bits(codes), bits(want_codes))
+        out, (h, codes) = moe.forward_and_norm(x, r, norm)
+        assert torch.equal(bits(h), bits(norm(want))) and codes is None
+        norm.fused = False
+        out, normed = moe.forward_and_norm(x, r, norm, scale)
+        assert normed is None and torch.equal(bits(out), bits(want))
+    finally:
+        moe.fused = norm.fused = None
+
+
+def test_setter_and_config():
+    model = packed_model("cpu")
+    assert QwenEngineConfig().combine_next_norm is False  # off until measured in the engine
+    with pytest.raises((TypeError, ValueError)):
+        QwenEngineConfig(combine_next_norm="yes")
+    assert set_combine_next_norm(model, True) is True and model.combine_next_norm
+    assert set_combine_next_norm(model, False) is False and not model.combine_next_norm
+
+
+def calls(op: str) -> int:
+    return sum(default_registry().choices()[op]["calls"].values())
+
+
+def one_by_one(cfg: QwenEngineConfig, lengths=(3, 9, 1, 6)) -> tuple[dict, list[list[int]], dict]:
+    """(health, greedy tokens, registry calls per norm op during the run) of prompts run one after the other, 5
+    tokens each: prefill steps and one-row decode steps."""
+    ops = ("moe_combine", mc.NORM_NAME, mc.NORM_FP8_NAME, rms_norm.ZC, rms_norm.ZC_FP8)
+    before = {op: calls(op) for op in ops}
+
+    async def body(engine):
+        outs = [(await collect(engine, prompt(i, n), max_new_tokens=5))[0] for i, n in enumerate(lengths)]
+        return engine.health(), outs
+    health, outs = run(cfg, body)
+    return health, outs, {op: calls(op) - before[op] for op in ops}
+
+
+def test_engine_same_tokens_fewer_norm_launches(monkeypatch):
+    """Through the engine (the ops' references, the MoE's and norms' fused paths as on a GPU): the same greedy tokens
+    with the option as without; with it every layer's combine writes the next norm (the decode steps' with the FP8
+    codes their mixers read) and the norm ops run only for the first layer; without it none does."""
+    monkeypatch.setattr(SparseMoE, "fused", True)
+    monkeypatch.setattr(ZeroCentredRMSNorm, "fused", True)
+    h_off, off, c_off = one_by_one(engine_config(weights="packed", combine_next_norm=False))
+    assert h_off["combine_next_norm"] is False
+    assert c_off[mc.NORM_NAME] == c_off[mc.NORM_FP8_NAME] == 0 and c_off["moe_combine"] > 0
+    h_on, on, c_on = one_by_one(engine_config(weights="packed", combine_next_norm=True))
+    assert h_on["combine_next_norm"] is True
+    assert on == off
+    layers = CFG.num_hidden_layers
+    steps = c_off["moe_combine"] // layers  # forward steps of the run (every layer's combine once a step)
+    assert c_on["moe_combine"] == 0  # every combine wrote the next norm
+    assert c_on[mc.NORM_NAME] + c_on[mc.NORM_FP8_NAME] == steps * layers, c_on
+    assert c_on[mc.NORM_FP8_NAME] > 0  # the decode steps' codes for the FP8 projections
+    # the input norms (the first layer's) and the final norm: 40 fewer calls per step at the full model's depth
+    norms_off = c_off[rms_norm.ZC] + c_off[rms_norm.ZC_FP8]
+    norms_on = c_on[rms_norm.ZC] + c_on[rms_norm.ZC_FP8]
+    assert norms_off - norms_on == steps * layers, (c_off, c_on)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on a GPU")
+def test_engine_on_cuda_same_tokens():
+    """On a GPU, bf16 with the decode graphs captured: the same greedy tokens with the option as without, and the
+    fused ops chosen as the Triton kernels."""
+    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture")
+    _, off, _ = one_by_one(engine_config(weights="packed", combine_next_norm=False, **graphed))
+    health, on, c_on = one_by_one(engine_config(weights="packed", combine_next_norm=True, **graphed))
+    assert health["runner"]["graph_steps"] > 0, health["runner"]
+    assert c_on[mc.NORM_NAME] + c_on[mc.NORM_FP8_NAME] > 0
+    assert health["kernels"].get(mc.NORM_FP8_NAME) == "triton", health["kernels"]
+    assert on == off
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on a GPU")
+@torch.no_grad()
+@pytest.mark.parametrize("n", [1, 4, 32])
+def test_layer_on_cuda(n):
+    """Compiled: the output bit for bit as `forward`'s (the same code as moe_combine), the norm and codes within the
+    ops' `compare` of the norm module's own (the sum of squares may reduce in another order), eagerly."""
+    model = packed_model("cuda")
+    moe, norm = model.layers[0].mlp, model.layers[1].input_layernorm
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16).cuda()
+    r = torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16).cuda()
+    scale = torch.tensor(SCALE, device="cuda")
+    moe.fused = norm.fused = True
+    try:
+        want = moe(x, residual=r)
+        want_h, want_codes = norm.forward_fp8(want, scale)
+        out, (h, codes) = moe.forward_and_norm(x, r, norm, scale)
+        assert torch.equal(out, want)
+        assert rms_norm.compare_fp8((h, codes), (want_h, want_codes)) is None
+    finally:
+        moe.fused = norm.fused = None
