@@ -208,6 +208,8 @@
 #   STEPS="98" (the same carry): <= 9.5 min: issue 5, the MoE combine writing the next layer's input norm: its CUDA
 #       tests, gdn_prep's launch tilings per call, then the engine beside it with combine_next_norm, with
 #       that and the fastest gdn_prep tiling (where >= 3% under the default's), and --again
+#   STEPS="99" (the same carry): <= 9.5 min: issue 5, combine_next_norm's CUDA tests, gdn_prep's tilings per call,
+#       then the engine beside it with the fastest gdn_prep tiling, with the shared expert forked after the router
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1244,6 +1246,30 @@ extra=()
 engine_ab qwen_combine_norm "${LIMIT_98:-350}" --autotune-table auto \
   --variant 'norm={"combine_next_norm": true}' "${extra[@]}" --again
 grep -E "first differing|same greedy" "$R/qwen_combine_norm.log" | cut -c1-300 | head -8
+fi
+if want 99; then
+say "99. issue 5 (carry .devbundle/extra, .tritoncache): combine_next_norm's CUDA tests (run 50's call ran the CPU cases"
+say "    on the GPU host and was cut at 120 s); gdn_prep's launch tilings per call, each output against the reference"
+say "    from the same pool (run 50's bench compared later tilings against pools its timed graphs had advanced); then"
+say "    the engine (combine_next_norm on: the default since run 50) beside it with the fastest one-row gdn_prep tiling"
+say "    (where >= 3% under the default's), with the shared expert forked after the router, and --again"
+gpu_tests combine_norm "${LIMIT_99A:-170}" tests/test_qwen_combine_norm.py -rfE
+probe gdn_prep_bench "${LIMIT_99B:-80}" gdn_prep_bench.py
+best=$(python - "$R/gdn_prep_bench/gdn_prep_bench.json" <<'PY' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]["1"]
+ok = [r for r in rows if r["compare_ba"] == "ok" and r["qkv_pool_same"]]
+b = min(ok, key=lambda r: r["us"])
+if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:  # at least 3% under the default's (the first row)
+    print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
+PY
+)
+say "    gdn_prep tiling for the engine variant: ${best:-none}"
+extra=()
+[ -n "$best" ] && extra=(--variant "gdn={\"gdn_prep_tiling\": $best}")
+engine_ab qwen_next "${LIMIT_99:-300}" --autotune-table auto "${extra[@]}" \
+  --variant 'after={"shared_expert_after_router": true}' --again
+grep -E "first differing|same greedy" "$R/qwen_next.log" | cut -c1-300 | head -8
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -342,7 +342,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        quant_in_producers: bool = True, batched_tokens: int | None = None,
                        moe_fused_decode: bool = False, lm_head_layout: str = "auto",
                        shared_expert_stream: bool = True, gdn_z_stream: bool = False,
-                       combine_next_norm: bool = False, gdn_prep_tiling: list | None = None) -> dict:
+                       combine_next_norm: bool = True, gdn_prep_tiling: list | None = None,
+                       shared_expert_after_router: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -362,6 +363,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             moe_fused_decode=moe_fused_decode, lm_head_layout=lm_head_layout,
                             shared_expert_stream=shared_expert_stream, gdn_z_stream=gdn_z_stream,
                             combine_next_norm=combine_next_norm,
+                            shared_expert_after_router=shared_expert_after_router,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:
@@ -433,6 +435,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     shared_expert_stream_layers=engine.health().get("shared_expert_stream_layers"),
                     gdn_z_stream_layers=engine.health().get("gdn_z_stream_layers"),
                     combine_next_norm=engine.health().get("combine_next_norm"),
+                    shared_expert_after_router_layers=engine.health().get("shared_expert_after_router_layers"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,
                     dropped_tokens=engine.scheduler.stats.dropped_tokens,
@@ -454,6 +457,7 @@ def _engine_settings_off(model) -> None:
     from qwen_engine.engine import (
         set_combine_next_norm,
         set_gdn_z_stream,
+        set_shared_expert_after_router,
         set_lm_head_layout,
         set_moe_fused_decode,
         set_shared_expert_in_moe,
@@ -466,6 +470,7 @@ def _engine_settings_off(model) -> None:
     set_shared_expert_stream(model, False)
     set_gdn_z_stream(model, False)
     set_combine_next_norm(model, False)
+    set_shared_expert_after_router(model, False)
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = gdn_prep.DEFAULT_TILING
     set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)

@@ -161,15 +161,21 @@ class QwenEngineConfig:
     #                                    Qwen run 48: lone decode 383.3 / 383.8 -> 414.4 tok/s (+8%), TTFT 37.8 / 38.0
     #                                    -> 36.2 ms, 32 streams equal (3,346.4 / 3,341.9 -> 3,346.7), the same greedy
     #                                    tokens; a no-op on CPUs
+    shared_expert_after_router: bool = False  # with shared_expert_stream: the shared expert's fork waits for the
+    #                                           router as well (SparseMoE.shared_after_router), so the side stream's
+    #                                           two GEMVs overlap the routed experts' only, not the router's top-k
+    #                                           (the lone step's critical path). The same bits. Off until measured
     gdn_z_stream: bool = False  # CUDA decode-only steps: each GDN layer's in_proj_z on the second stream beside
     #                             in_proj_qkv -> conv / gates -> recurrent step (GatedDeltaNet.z_stream), two FP8 GEMV
     #                             calls instead of one fused. H200 run 49: +0.7% lone, -0.4% at 32 streams, the same
     #                             greedy tokens -- no clear win, so off
-    combine_next_norm: bool = False  # CUDA: each decoder layer's MoE combine also writes the next layer's input norm
-    #                                  (with its FP8 codes) or the final norm, in the same launch
-    #                                  (kernels/moe_combine.py "moe_combine_norm[_fp8]", QwenForCausalLM
-    #                                  .combine_next_norm): 40 launches fewer per decode step, the same values.
-    #                                  Off until measured in the engine (RESULTS.md)
+    combine_next_norm: bool = True  # CUDA: each decoder layer's MoE combine also writes the next layer's input norm
+    #                                 (with its FP8 codes) or the final norm, in the same launch
+    #                                 (kernels/moe_combine.py "moe_combine_norm[_fp8]", QwenForCausalLM
+    #                                 .combine_next_norm): 40 launches fewer per decode step. H200, Qwen run 50:
+    #                                 lone decode 415.3 against 412.1 / 414.0 tok/s, 32 streams 3,342.9 against
+    #                                 3,334.1 / 3,330.9, the same greedy tokens (small: PDL already hid most of the
+    #                                 norm launches' cost)
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -315,6 +321,7 @@ class QwenEngine:
         self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
         self.shared_expert_stream = set_shared_expert_stream(self.model, cfg.shared_expert_stream)
         self.gdn_z_stream = set_gdn_z_stream(self.model, cfg.gdn_z_stream)
+        self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.model_config = self.model.config
@@ -504,6 +511,7 @@ class QwenEngine:
             "moe_fused_decode_layers": self.moe_fused_decode,
             "shared_expert_stream_layers": self.shared_expert_stream,
             "gdn_z_stream_layers": self.gdn_z_stream,
+            "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
@@ -855,6 +863,14 @@ def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:
     from .model.causal_lm import QwenForCausalLM
 
     return _set_on_every(model, QwenForCausalLM, "combine_next_norm", on) > 0
+
+
+def set_shared_expert_after_router(model: torch.nn.Module, on: bool) -> int:
+    """Set `SparseMoE.shared_after_router` on every MoE layer; returns how many layers took it. It acts only where
+    `shared_stream` forks the shared expert."""
+    from .model.moe import SparseMoE
+
+    return _set_on_every(model, SparseMoE, "shared_after_router", on)
 
 
 def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:

@@ -19,6 +19,7 @@ from qwen_engine.config import QwenConfig
 from qwen_engine.engine import (
     QwenEngineConfig,
     set_gdn_z_stream,
+    set_shared_expert_after_router,
     set_shared_expert_stream,
 )
 from qwen_engine.load_packed import load_quantized
@@ -44,6 +45,7 @@ def test_setter_and_config():
     model = packed_model("cpu")
     assert QwenEngineConfig().shared_expert_stream is True  # measured: H200 Qwen run 48
     assert QwenEngineConfig().gdn_z_stream is False
+    assert QwenEngineConfig().shared_expert_after_router is False  # unmeasured until run 51
     for name in ("shared_expert_stream", "gdn_z_stream"):
         with pytest.raises((TypeError, ValueError)):
             QwenEngineConfig(**{name: "yes"})
@@ -151,6 +153,40 @@ def test_moe_fork_same_bits_and_on_the_side_on_the_cpu(monkeypatch):
         assert seen[-1] == "join", seen
     finally:
         moe.fused, moe.shared_stream = None, False
+
+
+@torch.no_grad()
+def test_fork_after_the_router_on_the_cpu(monkeypatch):
+    """`shared_after_router` (the engine's `shared_expert_after_router`), the window stubbed on the CPU: the router runs
+    before the fork instead of inside it, the output bit-equal to the one-stream path and to the fork at the input;
+    the setter reaches every MoE layer."""
+    model = packed_model("cpu")
+    moe = model.layers[0].mlp
+    order = []
+    monkeypatch.setattr(streams, "forkable", lambda x: True)
+    monkeypatch.setattr(streams, "fork", lambda device: order.append("fork") or ("main", None))
+    monkeypatch.setattr(streams, "join", lambda main, side: order.append("join"))
+    real_gate = type(moe.gate).forward
+    monkeypatch.setattr(type(moe.gate), "forward",
+                        lambda self, *a, **k: order.append("router") or real_gate(self, *a, **k))
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    r = torch.randn(2, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    try:
+        moe.fused = True
+        plain = moe(x, residual=r)
+        moe.shared_stream = True
+        order.clear()
+        at_input = moe(x, residual=r)
+        assert order == ["fork", "router", "join"], order
+        assert set_shared_expert_after_router(model, True) == CFG.num_hidden_layers
+        order.clear()
+        after = moe(x, residual=r)
+        assert order == ["router", "fork", "join"], order
+        assert torch.equal(at_input, plain) and torch.equal(after, plain)
+    finally:
+        moe.fused, moe.shared_stream = None, False
+        set_shared_expert_after_router(model, False)
 
 
 def test_split_k_counters_per_role():

@@ -168,6 +168,10 @@ class SparseMoE(nn.Module):
     # graphs). Same kernels on the same inputs: the same bits. Set by the engine (QwenEngineConfig.shared_expert_stream;
     # H200, Qwen run 48: lone decode 383.3 -> 414.4 tok/s, TTFT 37.8 -> 36.2 ms, 32 streams equal)
     shared_stream: bool = False
+    # with shared_stream: fork the shared expert once the router has run (beside the routed experts' GEMVs only)
+    # instead of once the input is ready (beside the router too). Set by the engine
+    # (QwenEngineConfig.shared_expert_after_router). The same kernels on the same inputs: the same bits
+    shared_after_router: bool = False
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -227,10 +231,11 @@ class SparseMoE(nn.Module):
             rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
             return rows[:, :k], rows[:, k]
         if fused and self.shared_stream and streams.forkable(x):
+            routing = self.gate(x) if self.shared_after_router else None  # then the fork waits for the router too
             with streams.branch(x.device) as side:  # x is ready; joined before moe_combine reads `shared`
                 with streams.on_side(side):
                     shared = self.shared_expert(x)
-                _, weights, idx = self.gate(x)
+                _, weights, idx = routing or self.gate(x)
                 routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
             return routed, shared
         _, weights, idx = self.gate(x)
