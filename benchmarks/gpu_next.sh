@@ -210,6 +210,8 @@
 #       that and the fastest gdn_prep tiling (where >= 3% under the default's), and --again
 #   STEPS="99" (the same carry): <= 9.5 min: issue 5, combine_next_norm's CUDA tests, gdn_prep's tilings per call,
 #       then the engine beside it with the fastest gdn_prep tiling, with the shared expert forked after the router
+#   STEPS="100" (the same carry): ~3.5 min: issue 5, the combine's norm kernel / layer CUDA tests, then the engine with
+#       the thirty-first session's defaults beside the session's starting ones
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1270,6 +1272,15 @@ extra=()
 engine_ab qwen_next "${LIMIT_99:-300}" --autotune-table auto "${extra[@]}" \
   --variant 'after={"shared_expert_after_router": true}' --again
 grep -E "first differing|same greedy" "$R/qwen_next.log" | cut -c1-300 | head -8
+fi
+if want 100; then
+say "100. issue 5 (carry .devbundle/extra, .tritoncache): the combine's norm kernel and layer on CUDA (no engine cases:"
+say "    they outlast a short call), then the engine with this session's defaults (combine_next_norm,"
+say "    shared_expert_after_router, gdn_prep's b / a in one step of 2,048) beside the session's starting defaults"
+gpu_tests combine_norm_kernels "${LIMIT_100A:-45}" tests/test_qwen_combine_norm.py -k "kernel or layer or guards" -rfE
+engine_ab qwen_defaults "${LIMIT_100:-150}" --autotune-table auto \
+  --variant 'before={"combine_next_norm": false, "shared_expert_after_router": false, "gdn_prep_tiling": [false, 512, 4]}'
+grep -E "first differing|same greedy" "$R/qwen_defaults.log" | cut -c1-300 | head -8
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

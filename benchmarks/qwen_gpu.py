@@ -343,7 +343,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        moe_fused_decode: bool = False, lm_head_layout: str = "auto",
                        shared_expert_stream: bool = True, gdn_z_stream: bool = False,
                        combine_next_norm: bool = True, gdn_prep_tiling: list | None = None,
-                       shared_expert_after_router: bool = False) -> dict:
+                       shared_expert_after_router: bool = True) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide

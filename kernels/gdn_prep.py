@@ -231,8 +231,12 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
     return q, k, v, beta, g, ba_out
 
 
-# The launch's tiling (module variables: benchmarks/gdn_prep_bench.py times the alternatives).
-BA_BLOCK_H = 512  # hidden elements per step of gdn_decode_prep_ba's b / a dot products (Qwen3.6: 2,048 in 4 steps)
+# The launch's tiling (module variables: benchmarks/gdn_prep_bench.py times the alternatives). H200,
+# results/gdn_prep_bench_run2 (30 layers' calls graphed, PDL), us per call at 1 / 32 rows: b / a in steps of 512 5.33
+# / 9.48, of 2,048 4.12 / 8.01 (q / k / v and the pool the same bits); b / a first 4.15 / 8.17; 8 warps 3.68 / 7.97
+# but q / k differ by ulps (their reductions retiled). Qwen run 51, the engine: lone decode 412.5 / 413.6 -> 424.3
+# tok/s with steps of 2,048 (b / a sum in another fp32 order: 8 of 32 streams' greedy tokens diverge after 7-44)
+BA_BLOCK_H = 2048  # hidden elements per step of gdn_decode_prep_ba's b / a dot products (Qwen3.6: all 2,048 in one)
 BA_FIRST = False  # the b / a dot products (or loads) before the conv windows instead of after the pool's barrier
 NUM_WARPS = 4
 DEFAULT_TILING = (BA_FIRST, BA_BLOCK_H, NUM_WARPS)  # what a benchmark that changes the three restores

@@ -161,10 +161,12 @@ class QwenEngineConfig:
     #                                    Qwen run 48: lone decode 383.3 / 383.8 -> 414.4 tok/s (+8%), TTFT 37.8 / 38.0
     #                                    -> 36.2 ms, 32 streams equal (3,346.4 / 3,341.9 -> 3,346.7), the same greedy
     #                                    tokens; a no-op on CPUs
-    shared_expert_after_router: bool = False  # with shared_expert_stream: the shared expert's fork waits for the
-    #                                           router as well (SparseMoE.shared_after_router), so the side stream's
-    #                                           two GEMVs overlap the routed experts' only, not the router's top-k
-    #                                           (the lone step's critical path). The same bits. Off until measured
+    shared_expert_after_router: bool = True  # with shared_expert_stream: the shared expert's fork waits for the
+    #                                          router as well (SparseMoE.shared_after_router), so the side stream's
+    #                                          two GEMVs overlap the routed experts' only, not the router's split-K
+    #                                          GEMV + top-k (profile run 21: 15.5 us a call beside them, 6.0 alone in
+    #                                          run 17). The same bits. H200 Qwen run 51: lone decode 418.3 against
+    #                                          412.5 / 413.6 tok/s, 32 streams equal, the same greedy tokens
     gdn_z_stream: bool = False  # CUDA decode-only steps: each GDN layer's in_proj_z on the second stream beside
     #                             in_proj_qkv -> conv / gates -> recurrent step (GatedDeltaNet.z_stream), two FP8 GEMV
     #                             calls instead of one fused. H200 run 49: +0.7% lone, -0.4% at 32 streams, the same
