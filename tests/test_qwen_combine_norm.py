@@ -7,7 +7,7 @@ rounded row, so under the interpreter (CPU) it is compared bit for bit with the 
 (`moe_combine` then `rms_norm_zc[_fp8]`), and with the references by the ops' own `compare` (1e-2 x max |ref| in
 bf16, 1e-5 in fp32; the codes equal wherever the norm is bit-identical). Compiled on a GPU the output is the same
 code as moe_combine's (bit for bit in bf16, whose roundings are integer ops; in fp32 the compiler may contract the
-sums into other FMAs: within moe_combine's 1e-5 there, H200 run 51), but the norm's sum of squares may be reduced in another order than the norm
+sums into other FMAs in each build: within the ops' 1e-5 there; H200 runs 51-52 failed the bit-for-bit form), but the norm's sum of squares may be reduced in another order than the norm
 kernel's, so there the norm is held to `compare` and the engine to the same greedy tokens. The kernel tests run on
 DEVICE: the GPU where there is one (compiled), else the CPU (the interpreter, tests/conftest.py).
 """
@@ -57,11 +57,14 @@ def test_kernel_equals_the_two_launches(dtype, n, h, k):
     out2, normed2 = mc.moe_combine_norm_op(x, w, shared, routed, residual, nw, 1e-6)
     base = mc.moe_combine_op(x, w, shared, routed, residual)
     want, want_codes = rms_norm.rms_norm_zc_fp8_op(base, nw, 1e-6, scale)
-    for got in (out, out2):  # compiled fp32 (no integer roundings between the ops) may contract other FMAs
-        assert torch.equal(bits(got), bits(base)) if DEVICE == "cpu" or dtype == torch.bfloat16 else \
-            mc.compare(got, base) is None
-    assert torch.equal(bits(normed), bits(normed2)) and torch.equal(bits(codes), bits(
-        mc.moe_combine_norm_fp8_op(x, w, shared, routed, residual, nw, 1e-6, scale)[2]))  # deterministic
+    # compiled fp32 (no integer roundings between the ops) may contract the sums into other FMAs in each build (with
+    # and without NORM / QUANT): there each pair within the ops' fp32 tolerances instead of bit for bit
+    exact = DEVICE == "cpu" or dtype == torch.bfloat16
+    for got in (out, out2):
+        assert torch.equal(bits(got), bits(base)) if exact else mc.compare(got, base) is None
+    assert torch.equal(bits(normed), bits(normed2)) if exact else rms_norm.compare(normed2, normed) is None
+    assert torch.equal(bits(codes), bits(  # deterministic
+        mc.moe_combine_norm_fp8_op(x, w, shared, routed, residual, nw, 1e-6, scale)[2]))
     if DEVICE == "cpu":
         assert torch.equal(bits(normed), bits(want)) and torch.equal(bits(codes), bits(want_codes))
     else:
