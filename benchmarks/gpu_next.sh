@@ -204,14 +204,16 @@
 #   STEPS="96" (the same carry): ~4 min: issue 5, GDN's in_proj_z on the second stream: the streams' CUDA tests, then
 #       the engine beside it with gdn_z_stream, without shared_expert_stream, and --again (ran: Qwen run 49)
 #   STEPS="97" (the same carry): ~6 min: issue 5, the streams' CUDA tests whole, then the default engine's decode step
-#       profiled at 1 and 32 streams
+#       profiled at 1 and 32 streams (ran: profile run 21; the tests' engine case outlasted 150 s)
 #   STEPS="98" (the same carry): <= 9.5 min: issue 5, the MoE combine writing the next layer's input norm: its CUDA
 #       tests, gdn_prep's launch tilings per call, then the engine beside it with combine_next_norm, with
-#       that and the fastest gdn_prep tiling (where >= 3% under the default's), and --again
+#       that and the fastest gdn_prep tiling (where >= 3% under the default's), and --again (ran: Qwen run 50,
+#       gdn_prep_bench run 1 with wrong output checks; the tests ran CPU cases on the GPU host)
 #   STEPS="99" (the same carry): <= 9.5 min: issue 5, combine_next_norm's CUDA tests, gdn_prep's tilings per call,
 #       then the engine beside it with the fastest gdn_prep tiling, with the shared expert forked after the router
+#       (ran: gdn_prep_bench run 2, Qwen run 51)
 #   STEPS="100" (the same carry): ~3.5 min: issue 5, the combine's norm kernel / layer CUDA tests, then the engine with
-#       the thirty-first session's defaults beside the session's starting ones
+#       the thirty-first session's defaults beside the session's starting ones (ran: Qwen run 52)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
