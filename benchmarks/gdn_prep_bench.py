@@ -26,7 +26,7 @@ from benchmarks.cuda_timing import graph_per_call_us  # noqa: E402
 from kernels import gdn_prep, pdl  # noqa: E402
 
 HK, DK, R, DV, HIDDEN, LAYERS = 16, 128, 2, 128, 2048, 30
-# (BA_FIRST, BA_BLOCK_H, NUM_WARPS); the first is the module's default
+# (BA_FIRST, BA_BLOCK_H, NUM_WARPS), timed after the module's default (DEFAULT_TILING; (False, 512, 4) until run 2)
 TILINGS = [(False, 512, 4), (True, 512, 4), (True, 1024, 4), (True, 2048, 4), (True, 2048, 8), (False, 2048, 4),
            (True, 1024, 8), (False, 512, 8)]
 

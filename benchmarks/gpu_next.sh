@@ -297,6 +297,18 @@ gpu_tests() {
   timeout -s INT -k 15 "$limit" python -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1
   grep -E "passed|failed|Error" "$R/$name.log" | tail -4
 }
+# best_gdn_prep_tiling: from $R/gdn_prep_bench's json, the fastest one-row tiling whose outputs passed (the reference
+# and the default's q / k / v / pool bits) as a JSON list, where >= 3% under the default's (the first row); else nothing
+best_gdn_prep_tiling() {
+  python - "$R/gdn_prep_bench/gdn_prep_bench.json" <<'PY' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]["1"]
+ok = [r for r in rows if r["compare_ba"] == "ok" and r["qkv_pool_same"]]
+b = min(ok, key=lambda r: r["us"])
+if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:
+    print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
+PY
+}
 # probe NAME LIMIT SCRIPT ARGS...: benchmarks/SCRIPT --out $R/NAME ARGS, into $R/NAME.log; prints the script's own
 # "[tag]" lines and any errors (steps 57, 63-65)
 probe() {
@@ -1235,15 +1247,7 @@ say "    (benchmarks/gdn_prep_bench.py); then the engine beside it with combine_
 say "    one-row gdn_prep tiling (if not the default), and --again"
 gpu_tests combine_norm "${LIMIT_98A:-120}" tests/test_qwen_combine_norm.py tests/test_kernel_moe_combine.py -rfE
 probe gdn_prep_bench "${LIMIT_98B:-90}" gdn_prep_bench.py
-best=$(python - "$R/gdn_prep_bench/gdn_prep_bench.json" <<'PY' 2>/dev/null
-import json, sys
-rows = json.load(open(sys.argv[1]))["rows"]["1"]
-ok = [r for r in rows if r["compare_ba"] == "ok" and r["qkv_pool_same"]]
-b = min(ok, key=lambda r: r["us"])
-if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:  # at least 3% under the default's (the first row)
-    print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
-PY
-)
+best=$(best_gdn_prep_tiling)
 say "    gdn_prep tiling for the engine variant: ${best:-none (the default is within 3% of the fastest)}"
 extra=()
 [ -n "$best" ] && extra=(--variant "norm_gdn={\"combine_next_norm\": true, \"gdn_prep_tiling\": $best}")
@@ -1259,15 +1263,7 @@ say "    the engine (combine_next_norm on: the default since run 50) beside it w
 say "    (where >= 3% under the default's), with the shared expert forked after the router, and --again"
 gpu_tests combine_norm "${LIMIT_99A:-170}" tests/test_qwen_combine_norm.py -rfE
 probe gdn_prep_bench "${LIMIT_99B:-80}" gdn_prep_bench.py
-best=$(python - "$R/gdn_prep_bench/gdn_prep_bench.json" <<'PY' 2>/dev/null
-import json, sys
-rows = json.load(open(sys.argv[1]))["rows"]["1"]
-ok = [r for r in rows if r["compare_ba"] == "ok" and r["qkv_pool_same"]]
-b = min(ok, key=lambda r: r["us"])
-if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:  # at least 3% under the default's (the first row)
-    print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
-PY
-)
+best=$(best_gdn_prep_tiling)
 say "    gdn_prep tiling for the engine variant: ${best:-none}"
 extra=()
 [ -n "$best" ] && extra=(--variant "gdn={\"gdn_prep_tiling\": $best}")

@@ -363,6 +363,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             moe_fused_decode=moe_fused_decode, lm_head_layout=lm_head_layout,
                             shared_expert_stream=shared_expert_stream, gdn_z_stream=gdn_z_stream,
                             combine_next_norm=combine_next_norm,
+                            **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
@@ -457,9 +458,9 @@ def _engine_settings_off(model) -> None:
     from qwen_engine.engine import (
         set_combine_next_norm,
         set_gdn_z_stream,
-        set_shared_expert_after_router,
         set_lm_head_layout,
         set_moe_fused_decode,
+        set_shared_expert_after_router,
         set_shared_expert_in_moe,
         set_shared_expert_stream,
     )

@@ -236,7 +236,8 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
 # / 9.48, of 2,048 4.12 / 8.01 (q / k / v and the pool the same bits); b / a first 4.15 / 8.17; 8 warps 3.68 / 7.97
 # but q / k differ by ulps (their reductions retiled). Qwen run 51, the engine: lone decode 412.5 / 413.6 -> 424.3
 # tok/s with steps of 2,048 (b / a sum in another fp32 order: 8 of 32 streams' greedy tokens diverge after 7-44)
-BA_BLOCK_H = 2048  # hidden elements per step of gdn_decode_prep_ba's b / a dot products (Qwen3.6: all 2,048 in one)
+BA_BLOCK_H = 2048  # hidden elements per step of gdn_decode_prep_ba's b / a dot products (Qwen3.6: all 2,048 in one;
+#                   the engine sets it from QwenEngineConfig.gdn_prep_ba_step, 512 the previous default)
 BA_FIRST = False  # the b / a dot products (or loads) before the conv windows instead of after the pool's barrier
 NUM_WARPS = 4
 DEFAULT_TILING = (BA_FIRST, BA_BLOCK_H, NUM_WARPS)  # what a benchmark that changes the three restores

@@ -178,6 +178,12 @@ class QwenEngineConfig:
     #                                 lone decode 415.3 against 412.1 / 414.0 tok/s, 32 streams 3,342.9 against
     #                                 3,334.1 / 3,330.9, the same greedy tokens (small: PDL already hid most of the
     #                                 norm launches' cost)
+    gdn_prep_ba_step: int = 2048  # hidden elements per step of the GDN decode prep's b / a dot products
+    #                               (kernels/gdn_prep.py BA_BLOCK_H; a power of two; process-wide like
+    #                               programmatic_launch). H200: 2,048 (one step at Qwen3.6's hidden size) 4.12 us a
+    #                               call against 5.33 at 512 (gdn_prep_bench run 2); Qwen run 51, lone decode 424.3
+    #                               against 412.5 / 413.6 tok/s. Another fp32 summation order than 512's (the
+    #                               previous default): 8 of 32 random-weight streams' greedy tokens diverged late
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -226,6 +232,9 @@ class QwenEngineConfig:
         if self.lm_head_layout not in LM_HEAD_LAYOUTS:
             raise ValueError(f"lm_head_layout must be one of {' | '.join(LM_HEAD_LAYOUTS)}, got "
                              f"{self.lm_head_layout!r}")
+        if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
+                and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
+            raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
@@ -349,6 +358,9 @@ class QwenEngine:
         # process-wide too (the model's modules read the module flag; one engine per replica process is the
         # deployment, so the last engine built in a process sets it), before the self-checks and the warm-up
         quantized.QUANT_IN_PRODUCERS = cfg.quant_in_producers
+        from kernels import gdn_prep
+
+        gdn_prep.BA_BLOCK_H = cfg.gdn_prep_ba_step
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))

@@ -116,9 +116,11 @@ def test_registry_self_check():
 # ---- gdn_decode_prep_ba: the b / a projections inside the kernel ----------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,hk,dk,r,dv,hidden", [(1, 2, 32, 2, 16, 2048), (3, 2, 32, 2, 32, 600), (4, 1, 16, 1, 16, 96),
-                                                 (2, 3, 24, 3, 8, 1030), (5, 2, 16, 4, 16, 512)])
+                                                 (2, 3, 24, 3, 8, 1030), (5, 2, 16, 4, 16, 512),
+                                                 (2, 2, 16, 2, 16, 4100)])
 def test_ba_matches_reference(dtype, d, hk, dk, r, dv, hidden):
-    """Hidden sizes below, at, between and above multiples of BA_BLOCK_H (masked tails), non-power-of-two repeat
+    """Hidden sizes below, at, between and above multiples of BA_BLOCK_H (2,048: 4,100 takes three steps, the last
+    masked; test_ba_tilings covers steps of 512 and 1,024 at 2,048) (masked tails), non-power-of-two repeat
     counts. `compare_ba`'s bounds; in bf16 the kernel's b / a are the reference's bit for bit but for fp32 summation
     order landing on a rounding boundary (>= 97% here), and q / k / v and the pool are exactly the plain op's."""
     args = random_inputs_ba(d, hk, dk, r, dv, hidden=hidden, dtype=dtype, seed=d * 5 + hidden, device=DEVICE)
@@ -143,7 +145,8 @@ def test_ba_matches_reference(dtype, d, hk, dk, r, dv, hidden):
 def test_ba_tilings(monkeypatch, ba_first, block_h, warps):
     """The launch's alternatives (benchmarks/gdn_prep_bench.py): the gate inputs first (BA_FIRST, the same operations)
     bit for bit as the default order; other b / a steps (BA_BLOCK_H) or warps within `compare_ba` of the reference,
-    and q / k / v and the pool bit for bit (the steps only reorder the dot products' fp32 sums)."""
+    v and the pool bit for bit, and q / k too at the default's warps (other warps retile the L2 norms' reductions
+    when compiled: H200, gdn_prep_bench run 2)."""
     args = random_inputs_ba(3, 2, 32, 2, 16, hidden=2048, dtype=torch.bfloat16, seed=7, device=DEVICE)
     ref = gdn_decode_prep_ba_reference(*with_pool(args, args[1].clone()))
     default = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
@@ -153,14 +156,31 @@ def test_ba_tilings(monkeypatch, ba_first, block_h, warps):
         monkeypatch.setattr(gdn_prep, "NUM_WARPS", warps)
     out = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
     assert compare_ba(out, ref) is None
-    for i in (0, 1, 2, 6):  # q, k, v, the pool
+    for i in (0, 1, 2, 6) if warps in (None, gdn_prep.DEFAULT_TILING[2]) else (2, 6):  # q, k, v, the pool
         assert torch.equal(out[i], default[i]), i
     if block_h is None:
         for i in range(7):
             assert torch.equal(out[i], default[i]), i
 
 
-def test_ba_compare_has_teeth():
+def test_ba_step_engine_option(monkeypatch):
+    """The engine's `gdn_prep_ba_step` (the baseline one flag away): a power of two in 16..8192, else a clear error;
+    an engine sets the module's BA_BLOCK_H from it (process-wide, before its self-checks and warm-up)."""
+    from qwen_engine.engine import QwenEngineConfig
+    from tests.test_qwen_engine import engine_config, run
+
+    assert QwenEngineConfig().gdn_prep_ba_step == 2048 == gdn_prep.BA_BLOCK_H
+    for bad in (0, 8, 1000, 16384, 512.0, "512"):
+        with pytest.raises(ValueError, match="gdn_prep_ba_step"):
+            QwenEngineConfig(gdn_prep_ba_step=bad)
+    monkeypatch.setattr(gdn_prep, "BA_BLOCK_H", gdn_prep.BA_BLOCK_H)  # restored after the test
+
+    async def body(engine):
+        return gdn_prep.BA_BLOCK_H
+    assert run(engine_config(gdn_prep_ba_step=512), body) == 512
+
+
+
     """compare_ba fails on b / a off by 2%, on g off by 1e-3 where a is the reference's, and on q unscaled; it
     accepts g moved by exactly what one ulp of a moves it (the reach bound), and refuses the same g when a was not
     moved."""

@@ -7,7 +7,8 @@ rounded row, so under the interpreter (CPU) it is compared bit for bit with the 
 (`moe_combine` then `rms_norm_zc[_fp8]`), and with the references by the ops' own `compare` (1e-2 x max |ref| in
 bf16, 1e-5 in fp32; the codes equal wherever the norm is bit-identical). Compiled on a GPU the output is the same
 code as moe_combine's (bit for bit in bf16, whose roundings are integer ops; in fp32 the compiler may contract the
-sums into other FMAs in each build: within the ops' 1e-5 there; H200 runs 51-52 failed the bit-for-bit form), but the norm's sum of squares may be reduced in another order than the norm
+sums into other FMAs in each build: within the ops' 1e-5 there; H200 runs 51-52 failed the bit-for-bit form), but
+the norm's sum of squares may be reduced in another order than the norm
 kernel's, so there the norm is held to `compare` and the engine to the same greedy tokens. The kernel tests run on
 DEVICE: the GPU where there is one (compiled), else the CPU (the interpreter, tests/conftest.py).
 """
@@ -20,6 +21,8 @@ from kernels import moe_combine as mc
 from kernels import rms_norm
 from qwen_engine.config import QwenConfig
 from qwen_engine.engine import QwenEngineConfig, set_combine_next_norm
+from kernels.fp8_quant import quantize_static_reference
+from qwen_engine.model.decoder import DecoderLayer
 from qwen_engine.model.moe import SparseMoE
 from qwen_engine.model.norm import ZeroCentredRMSNorm
 from tests.test_qwen_engine import collect, engine_config, prompt, run
@@ -163,10 +166,28 @@ def one_by_one(cfg: QwenEngineConfig, lengths=(3, 9, 1, 6)) -> tuple[dict, list[
 def test_engine_same_tokens_fewer_norm_launches(monkeypatch):
     """Through the engine (the ops' references, the MoE's and norms' fused paths as on a GPU): the same greedy tokens
     with the option as without; with it every layer's combine writes the next norm (the decode steps' with the FP8
-    codes their mixers read) and the norm ops run only for the first layer; without it none does."""
+    codes their mixers read) and the norm ops run only for the first layer; without it none does. Every norm a layer
+    is handed equals its own input norm, and its codes are those of its own mixer's scale (none where that has none):
+    the reference FP8 projections would not notice wrong codes, so they are checked where they are handed over."""
     monkeypatch.setattr(SparseMoE, "fused", True)
     monkeypatch.setattr(ZeroCentredRMSNorm, "fused", True)
+    handed = []  # every (normed, codes) a layer received from the layer before: its own scale's codes, or none
+    real = DecoderLayer.forward_paged
+
+    def checked(self, x, cos, sin, state, batch, normed=None, next_norm=None):
+        if normed is not None:
+            scale = self.input_scale(x, batch)
+            assert (normed[1] is None) == (scale is None)
+            norm = self.input_layernorm  # its reference, not the module: the registry's call counts are checked
+            assert torch.equal(normed[0], rms_norm.rms_norm_zc_reference(x, norm.weight, norm.eps))
+            if scale is not None:
+                want = quantize_static_reference(normed[0], scale)
+                assert torch.equal(normed[1].view(torch.uint8), want.view(torch.uint8))
+            handed.append(scale is not None)
+        return real(self, x, cos, sin, state, batch, normed, next_norm)
+    monkeypatch.setattr(DecoderLayer, "forward_paged", checked)
     h_off, off, c_off = one_by_one(engine_config(weights="packed", combine_next_norm=False))
+    assert not handed
     assert h_off["combine_next_norm"] is False
     assert c_off[mc.NORM_NAME] == c_off[mc.NORM_FP8_NAME] == 0 and c_off["moe_combine"] > 0
     h_on, on, c_on = one_by_one(engine_config(weights="packed", combine_next_norm=True))
@@ -177,6 +198,7 @@ def test_engine_same_tokens_fewer_norm_launches(monkeypatch):
     assert c_on["moe_combine"] == 0  # every combine wrote the next norm
     assert c_on[mc.NORM_NAME] + c_on[mc.NORM_FP8_NAME] == steps * layers, c_on
     assert c_on[mc.NORM_FP8_NAME] > 0  # the decode steps' codes for the FP8 projections
+    assert any(handed) and not all(handed)  # checked against each layer's own scale: decode steps and prefill steps
     # the input norms (the first layer's) and the final norm: 40 fewer calls per step at the full model's depth
     norms_off = c_off[rms_norm.ZC] + c_off[rms_norm.ZC_FP8]
     norms_on = c_on[rms_norm.ZC] + c_on[rms_norm.ZC_FP8]

@@ -78,7 +78,7 @@ def test_cpu_keeps_one_stream(monkeypatch):
 @torch.no_grad()
 def test_side_stream_same_bits_eager_and_graphed(monkeypatch):
     """1 and 4 tokens (the decode GEMV's calls, which keep the dense shared expert) and 5 tokens (the grouped
-    kernel's): the side-stream path equals the one-stream path bit for bit, eagerly and replayed from a captured graph
+    kernel's), the fork at the input and after the router: the side-stream path equals the one-stream path bit for bit, eagerly and replayed from a captured graph
     with new inputs copied in; the side stream is used on every call with the flag and on none without."""
     model = packed_model("cuda")
     moe = model.layers[0].mlp
@@ -88,7 +88,8 @@ def test_side_stream_same_bits_eager_and_graphed(monkeypatch):
     g = torch.Generator().manual_seed(2)
     try:
         moe.fused = True
-        for n in (1, 4, 5):
+        for n, after in ((1, False), (4, False), (5, False), (1, True), (4, True)):
+            moe.shared_after_router = after  # the fork at the input, or after the router (the engine's default)
             xs = [torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
             res = [torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
             moe.shared_stream = False
@@ -113,7 +114,7 @@ def test_side_stream_same_bits_eager_and_graphed(monkeypatch):
                 assert torch.equal(out, want), n
             asked.clear()
     finally:
-        moe.fused, moe.shared_stream = None, False
+        moe.fused, moe.shared_stream, moe.shared_after_router = None, False, False
 
 
 @torch.no_grad()

@@ -22,7 +22,9 @@ from .state import QwenState
 class QwenForCausalLM(nn.Module):
     # `forward_paged`: each decoder layer's MoE combine also writes the next layer's input norm (with its FP8 codes)
     # or, after the last layer, the final norm, in the same launch where it can (`SparseMoE.forward_and_norm`):
-    # 40 launches fewer per decode step; the same values. Set by the engine (QwenEngineConfig.combine_next_norm)
+    # 40 launches fewer per decode step; bit for bit the two launches under the interpreter, compiled the bf16 output
+    # bit-identical and the norm within rms_norm_zc's tolerance (its sum of squares may reduce in another order). Set
+    # by the engine (QwenEngineConfig.combine_next_norm)
     combine_next_norm: bool = False
 
     def __init__(self, cfg: QwenConfig, gdn_chunk_size: int = 64):

@@ -50,7 +50,6 @@ class DecoderLayer(nn.Module):
         combine, else None (the norm runs here). next_norm: (the next layer's input norm or the final norm, the
         static scale of its codes or None) for this layer's MoE combine to write in the same launch
         (`SparseMoE.forward_and_norm`), which returns (norm of the output, codes) where it did, else None."""
-        mixer = self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
         if normed is None:
             scale = self.input_scale(x, batch)
             h, codes = (self.input_layernorm(x), None) if scale is None else self.input_layernorm.forward_fp8(x, scale)

@@ -198,8 +198,9 @@ class SparseMoE(nn.Module):
         """(`forward(x, residual)`, (norm(out), its e4m3 codes with `input_scale` or None)): the next decoder layer's
         input norm (or the final norm) of this layer's output in the combine's launch ("moe_combine_norm[_fp8]",
         `kernels/moe_combine.py`), where the fused combine runs its one-row kernel and the norm would itself go
-        through the registry; else (`forward(x, residual)`, None) and the next layer norms its input itself. The
-        same values either way (the norm of the stored row, its codes by the same quantiser)."""
+        through the registry; else (`forward(x, residual)`, None) and the next layer norms its input itself. Either
+        way the norm of the stored row and its codes by the same quantiser: bit for bit under the interpreter,
+        compiled within rms_norm_zc's tolerance (the sum of squares may reduce in another order)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         fused = self.fused if self.fused is not None else x.is_cuda
