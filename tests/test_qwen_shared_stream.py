@@ -78,8 +78,9 @@ def test_cpu_keeps_one_stream(monkeypatch):
 @torch.no_grad()
 def test_side_stream_same_bits_eager_and_graphed(monkeypatch):
     """1 and 4 tokens (the decode GEMV's calls, which keep the dense shared expert) and 5 tokens (the grouped
-    kernel's), the fork at the input and after the router: the side-stream path equals the one-stream path bit for bit, eagerly and replayed from a captured graph
-    with new inputs copied in; the side stream is used on every call with the flag and on none without."""
+    kernel's), the fork at the input and after the router: the side-stream path equals the one-stream path bit for
+    bit, eagerly and replayed from a captured graph with new inputs copied in; the side stream is used on every call
+    with the flag and on none without."""
     model = packed_model("cuda")
     moe = model.layers[0].mlp
     asked = []
