@@ -214,6 +214,9 @@
 #       (ran: gdn_prep_bench run 2, Qwen run 51)
 #   STEPS="100" (the same carry): ~3.5 min: issue 5, the combine's norm kernel / layer CUDA tests, then the engine with
 #       the thirty-first session's defaults beside the session's starting ones (ran: Qwen run 52)
+#   STEPS="101" (the same carry): <= 9.5 min: issue 5, the thirty-first session's CUDA test files whole (unrun: their
+#       engine cases outlasted the earlier steps' limits); STEPS="102": ~9 min, run 52 again with --again, then the
+#       decode steps profiled with today's defaults (unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1279,6 +1282,25 @@ gpu_tests combine_norm_kernels "${LIMIT_100A:-45}" tests/test_qwen_combine_norm.
 engine_ab qwen_defaults "${LIMIT_100:-150}" --autotune-table auto \
   --variant 'before={"combine_next_norm": false, "shared_expert_after_router": false, "gdn_prep_tiling": [false, 512, 4]}'
 grep -E "first differing|same greedy" "$R/qwen_defaults.log" | cut -c1-300 | head -8
+fi
+if want 101; then
+say "101. issue 5 (carry .devbundle/extra, .tritoncache): the thirty-first session's CUDA tests whole, with the time"
+say "    their engine cases need (each file's tiny engines outlasted 150-170 s in steps 97-100): the combine + norm"
+say "    (fp32 within tolerance), the streams (the fork after the router, graphed), gdn_prep (8-warp q / k)"
+gpu_tests session31 "${LIMIT_101:-540}" tests/test_qwen_combine_norm.py tests/test_qwen_shared_stream.py \
+  tests/test_kernel_gdn_prep.py -rfE
+fi
+if want 102; then
+say "102. issue 5 (carry .devbundle/extra, .tritoncache): run 52 again with --again (one run so far), then the lone"
+say "    and 32-stream decode steps profiled with today's defaults"
+engine_ab qwen_defaults "${LIMIT_102A:-220}" --autotune-table auto \
+  --variant 'before={"combine_next_norm": false, "shared_expert_after_router": false, "gdn_prep_tiling": [false, 512, 4]}' \
+  --again
+grep -E "first differing|same greedy" "$R/qwen_defaults.log" | cut -c1-300 | head -8
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_102:-300}" python benchmarks/qwen_profile.py --engine --engine-streams 1,32 \
+  --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E "wall_ms_per_step" "$R/qwen_profile.log" | cut -c1-300
+grep -E "^  engine" "$R/qwen_profile.log" | cut -c1-160 | head -40
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
