@@ -279,7 +279,8 @@ engine_ab() {
   PYTHONFAULTHANDLER=1 timeout -s ABRT "$limit" python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
     --decode-tokens 48 --prefill-buckets 1024 "$@" --out "$R/$name" > "$R/$name.log" 2>&1
   grep -E "^\| \(e\)" "$R/$name/qwen_gpu.md" | cut -c1-220
-  grep -E "same greedy tokens" "$R/$name.log" | cut -c1-200  # side-by-side engines' tokens vs the first engine's
+  # side-by-side engines' tokens vs the first engine's, and where streams first differ
+  grep -E "same greedy tokens|first differing" "$R/$name.log" | cut -c1-300
   grep -E "Error|error|File |fla" "$R/$name.log" | cut -c1-300 | head -30
 }
 
@@ -1230,7 +1231,6 @@ say "    shared_expert_stream (run 48's gain again), and the first again (--agai
 gpu_tests streams 150 tests/test_qwen_shared_stream.py -rfE
 engine_ab qwen_z_stream "${LIMIT_96:-480}" --autotune-table auto \
   --variant 'z={"gdn_z_stream": true}' --variant 'no_side={"shared_expert_stream": false}' --again
-grep -E "first differing|same greedy" "$R/qwen_z_stream.log" | cut -c1-300 | head -8
 fi
 if want 97; then
 say "97. issue 5 (carry .devbundle/extra, .tritoncache): the streams' CUDA tests whole (the engine-level test, rewritten"
@@ -1256,7 +1256,6 @@ extra=()
 [ -n "$best" ] && extra=(--variant "norm_gdn={\"combine_next_norm\": true, \"gdn_prep_tiling\": $best}")
 engine_ab qwen_combine_norm "${LIMIT_98:-350}" --autotune-table auto \
   --variant 'norm={"combine_next_norm": true}' "${extra[@]}" --again
-grep -E "first differing|same greedy" "$R/qwen_combine_norm.log" | cut -c1-300 | head -8
 fi
 if want 99; then
 say "99. issue 5 (carry .devbundle/extra, .tritoncache): combine_next_norm's CUDA tests (run 50's call ran the CPU cases"
@@ -1272,7 +1271,6 @@ extra=()
 [ -n "$best" ] && extra=(--variant "gdn={\"gdn_prep_tiling\": $best}")
 engine_ab qwen_next "${LIMIT_99:-300}" --autotune-table auto "${extra[@]}" \
   --variant 'after={"shared_expert_after_router": true}' --again
-grep -E "first differing|same greedy" "$R/qwen_next.log" | cut -c1-300 | head -8
 fi
 if want 100; then
 say "100. issue 5 (carry .devbundle/extra, .tritoncache): the combine's norm kernel and layer on CUDA (no engine cases:"
@@ -1281,7 +1279,6 @@ say "    shared_expert_after_router, gdn_prep's b / a in one step of 2,048) besi
 gpu_tests combine_norm_kernels "${LIMIT_100A:-45}" tests/test_qwen_combine_norm.py -k "kernel or layer or guards" -rfE
 engine_ab qwen_defaults "${LIMIT_100:-150}" --autotune-table auto \
   --variant 'before={"combine_next_norm": false, "shared_expert_after_router": false, "gdn_prep_tiling": [false, 512, 4]}'
-grep -E "first differing|same greedy" "$R/qwen_defaults.log" | cut -c1-300 | head -8
 fi
 if want 101; then
 say "101. issue 5 (carry .devbundle/extra, .tritoncache): the thirty-first session's CUDA tests whole, with the time"
@@ -1296,7 +1293,6 @@ say "    and 32-stream decode steps profiled with today's defaults"
 engine_ab qwen_defaults "${LIMIT_102A:-220}" --autotune-table auto \
   --variant 'before={"combine_next_norm": false, "shared_expert_after_router": false, "gdn_prep_tiling": [false, 512, 4]}' \
   --again
-grep -E "first differing|same greedy" "$R/qwen_defaults.log" | cut -c1-300 | head -8
 PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_102:-300}" python benchmarks/qwen_profile.py --engine --engine-streams 1,32 \
   --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
 grep -E "wall_ms_per_step" "$R/qwen_profile.log" | cut -c1-300

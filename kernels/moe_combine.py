@@ -208,23 +208,31 @@ def moe_combine_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Ten
     return out
 
 
-def _one_row_launch(x, gate_weight, shared, routed, residual, out, norm: tuple = ()) -> None:
-    """`_moe_combine_kernel` over 2-D shared (routed 2-D or 3-D); norm: () or (weight, normed, eps) or (weight,
-    normed, eps, codes, scale) -- the next layer's input norm (and its e4m3 codes) of the stored rows."""
+def _one_row_launch(x, gate_weight, shared, routed, residual, out, norm_args: tuple = (), **flags) -> None:
+    """`_moe_combine_kernel` over 2-D shared (routed 2-D or 3-D). norm_args, with flags NORM (and QUANT): (weight,
+    normed, its row stride, eps, codes, their row stride, scale) -- the next layer's input norm (and its e4m3 codes)
+    of the stored rows; without them placeholders the kernel never touches."""
     n, h = x.shape
     block_h = triton.next_power_of_2(h)
     r3 = routed if routed.dim() == 3 else routed[:, None]
-    if norm:
-        nw, normed, eps, *quant = norm
-        codes, scale = quant or (normed, out)  # placeholders: the kernel touches them only with QUANT
-        extra = (nw, normed, normed.stride(0), eps, codes, codes.stride(0), scale)
-        flags = dict(NORM=True, QUANT=bool(quant))
-    else:
-        extra, flags = (out, out, 0, 0.0, out, 0, out), {}  # placeholders: untouched without NORM
     _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, r3.shape[1], x.stride(0),
-                              shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0), *extra,
-                              BLOCK_H=block_h, INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)),
-                              **flags, **pdl.launch_options())
+                              shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0),
+                              *(norm_args or (out, out, 0, 0.0, out, 0, out)), BLOCK_H=block_h,
+                              INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)), **flags,
+                              **pdl.launch_options())
+
+
+def _combine_norm(x, gate_weight, shared, routed, residual, norm_weight, eps, input_scale):
+    """(out, normed, codes) of one launch; codes a placeholder (normed itself) without `input_scale`
+    (kernels/rms_norm.py `_codes_args`, as the norm ops there)."""
+    from kernels.rms_norm import _codes_args
+
+    out, normed = x.new_empty(x.shape), x.new_empty(x.shape)
+    codes, cargs, quant = _codes_args(normed, input_scale)
+    if out.numel():
+        _one_row_launch(x, gate_weight, shared, routed, residual, out, (norm_weight, normed, normed.stride(0), eps,
+                                                                        *cargs), NORM=True, **quant)
+    return out, normed, codes
 
 
 @torch.library.custom_op("qwen::moe_combine_norm", mutates_args=())
@@ -232,10 +240,7 @@ def moe_combine_norm_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: torc
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `moe_combine_norm_reference`; shared 2-D (checked by `supports_norm`)."""
-    out, normed = x.new_empty(x.shape), x.new_empty(x.shape)
-    if out.numel():
-        _one_row_launch(x, gate_weight, shared, routed, residual, out, (norm_weight, normed, eps))
-    return out, normed
+    return _combine_norm(x, gate_weight, shared, routed, residual, norm_weight, eps, None)[:2]
 
 
 @torch.library.custom_op("qwen::moe_combine_norm_fp8", mutates_args=())
@@ -243,12 +248,7 @@ def moe_combine_norm_fp8_op(x: torch.Tensor, gate_weight: torch.Tensor, shared: 
                             residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, input_scale: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `moe_combine_norm_fp8_reference`; shared 2-D, a one-element fp32 scale."""
-    out, normed = x.new_empty(x.shape), x.new_empty(x.shape)
-    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    if out.numel():
-        _one_row_launch(x, gate_weight, shared, routed, residual, out,
-                        (norm_weight, normed, eps, codes, input_scale.reshape(()).float()))
-    return out, normed, codes
+    return _combine_norm(x, gate_weight, shared, routed, residual, norm_weight, eps, input_scale)
 
 
 @moe_combine_norm_op.register_fake

@@ -19,13 +19,14 @@ import torch
 from engine_core.registry import Registry, default_registry
 from kernels import moe_combine as mc
 from kernels import rms_norm
+from kernels.fp8_quant import quantize_static_reference
 from qwen_engine.config import QwenConfig
 from qwen_engine.engine import QwenEngineConfig, set_combine_next_norm
-from kernels.fp8_quant import quantize_static_reference
 from qwen_engine.model.decoder import DecoderLayer
 from qwen_engine.model.moe import SparseMoE
 from qwen_engine.model.norm import ZeroCentredRMSNorm
-from tests.test_qwen_engine import collect, engine_config, prompt, run
+from tests.test_qwen_engine import engine_config
+from tests.test_qwen_shared_stream import one_by_one as tokens_one_by_one
 from tests.test_qwen_shared_stream import packed_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -150,16 +151,12 @@ def calls(op: str) -> int:
     return sum(default_registry().choices()[op]["calls"].values())
 
 
-def one_by_one(cfg: QwenEngineConfig, lengths=(3, 9, 1, 6)) -> tuple[dict, list[list[int]], dict]:
-    """(health, greedy tokens, registry calls per norm op during the run) of prompts run one after the other, 5
-    tokens each: prefill steps and one-row decode steps."""
+def one_by_one(cfg: QwenEngineConfig) -> tuple[dict, list[list[int]], dict]:
+    """(health, greedy tokens, registry calls per norm op during the run) of test_qwen_shared_stream's prompts run
+    one after the other: prefill steps and one-row decode steps."""
     ops = ("moe_combine", mc.NORM_NAME, mc.NORM_FP8_NAME, rms_norm.ZC, rms_norm.ZC_FP8)
     before = {op: calls(op) for op in ops}
-
-    async def body(engine):
-        outs = [(await collect(engine, prompt(i, n), max_new_tokens=5))[0] for i, n in enumerate(lengths)]
-        return engine.health(), outs
-    health, outs = run(cfg, body)
+    health, outs = tokens_one_by_one(cfg)
     return health, outs, {op: calls(op) - before[op] for op in ops}
 
 

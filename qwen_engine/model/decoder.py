@@ -60,9 +60,7 @@ class DecoderLayer(nn.Module):
         else:
             h = self.linear_attn.forward_paged(h, state, batch, codes)
         x, h = self.post_attention_layernorm.forward_add(x, h)  # x + h and its norm, one launch on CUDA
-        if next_norm is None:
-            return self.mlp(h, residual=x), None  # x + mlp(...), the add fused on CUDA
-        return self.mlp.forward_and_norm(h, x, *next_norm)
+        return self.mlp.forward_and_norm(h, x, *(next_norm or ()))  # x + mlp(...), the add fused on CUDA
 
     def input_scale(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
         """The static scale of the FP8 codes this layer's mixer reads beside its normed input x [N, hidden] in this

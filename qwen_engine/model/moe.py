@@ -182,19 +182,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> [..., H]; with `residual` (x's shape): residual + the MoE output."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
-        routed, shared = self._outputs(x, fused)
-        if fused:
-            out = _registry().call("moe_combine", x, self.shared_expert_gate.weight, shared, routed,
-                                   residual.reshape(-1, shape[-1]))
-            return out.reshape(shape)
-        out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
-        return out if residual is None else residual + out
+        return self.forward_and_norm(x, residual)[0]
 
-    def forward_and_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: ZeroCentredRMSNorm,
-                         input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
+    def forward_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                         norm: ZeroCentredRMSNorm | None = None, input_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, tuple | None]:
         """(`forward(x, residual)`, (norm(out), its e4m3 codes with `input_scale` or None)): the next decoder layer's
         input norm (or the final norm) of this layer's output in the combine's launch ("moe_combine_norm[_fp8]",
         `kernels/moe_combine.py`), where the fused combine runs its one-row kernel and the norm would itself go
@@ -203,13 +195,14 @@ class SparseMoE(nn.Module):
         compiled within rms_norm_zc's tolerance (the sum of squares may reduce in another order)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        fused = self.fused if self.fused is not None else x.is_cuda
+        fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
         routed, shared = self._outputs(x, fused)
         if not fused:
             out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
-            return residual + out, None
+            return (out if residual is None else residual + out), None
         args = (x, self.shared_expert_gate.weight, shared, routed, residual.reshape(-1, shape[-1]))
-        if shared.dim() != 2 or not norm.through_registry(x):  # the decode MoE's partial rows; an unfused norm
+        # no norm asked for; the decode MoE's partial rows (the column-block kernel); an unfused norm
+        if norm is None or shared.dim() != 2 or not norm.through_registry(x):
             return _registry().call("moe_combine", *args).reshape(shape), None
         if input_scale is None:
             out, normed = _registry().call("moe_combine_norm", *args, norm.weight, norm.eps)
