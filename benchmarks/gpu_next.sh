@@ -217,6 +217,12 @@
 #   STEPS="101" (the same carry): <= 9.5 min: issue 5, the thirty-first session's CUDA test files whole (unrun: their
 #       engine cases outlasted the earlier steps' limits); STEPS="102": ~9 min, run 52 again with --again, then the
 #       decode steps profiled with today's defaults (unrun)
+#   STEPS="103" (the same carry): ~8 min: issue 5, the weight prefetch before the PDL wait: its CUDA tests, then the
+#       engine with weight_prefetch beside the defaults, --again (ran: Qwen runs 53-54)
+#   STEPS="104" (the same carry): ~8.5 min: issue 5, the GDN step + gated norm in one launch: kernel tests, the engine
+#       with gdn_decode_norm beside the defaults and --again, the graphed engine test (ran: Qwen run 55; the graphed
+#       engine test was cut at 150 s before its first case ended)
+#   STEPS="105" (no carry needed): ~1 min: issue 5, the dependent-launch chain's floor per launch by bytes read
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1297,6 +1303,29 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_102:-300}" python benchmarks/qwen_
   --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
 grep -E "wall_ms_per_step" "$R/qwen_profile.log" | cut -c1-300
 grep -E "^  engine" "$R/qwen_profile.log" | cut -c1-160 | head -40
+fi
+if want 103; then
+say "103. issue 5 (carry .devbundle/extra, .tritoncache): the weight prefetch before the PDL wait (kernels/pdl.py"
+say "    prefetch_l2: FP8 projections, router, dense W4A16, gdn_prep's b / a; gate_up prefetching down's experts):"
+say "    its CUDA tests, then the engine with weight_prefetch own and all beside the defaults, and --again (ran"
+say "    first as a bool, Qwen run 53: the grouped GEMV's key missed the autotune table; now addresses as ints)"
+gpu_tests prefetch_tests "${LIMIT_103A:-100}" tests/test_weight_prefetch.py tests/test_pdl.py -rfE
+engine_ab qwen_prefetch "${LIMIT_103:-380}" --autotune-table auto --variant 'own={"weight_prefetch": "own"}' \
+  --variant 'all={"weight_prefetch": "all"}' --again
+fi
+if want 104; then
+say "104. issue 5 (carry .devbundle/extra, .tritoncache): the GDN decode step with its gated norm + FP8 codes in one"
+say "    launch (kernels/gdn_decode.py gdn_decode_rows_norm_fp8): its kernel tests on CUDA, the engine with"
+say "    gdn_decode_norm beside the defaults and --again, then the graphed engine test (tiny engines: slow)"
+gpu_tests decode_norm_kernels "${LIMIT_104A:-60}" tests/test_gdn_decode_norm.py -k "not engine" -rfE
+engine_ab qwen_decode_norm "${LIMIT_104:-280}" --autotune-table auto --variant 'norm={"gdn_decode_norm": true}' --again
+gpu_tests decode_norm_engine "${LIMIT_104B:-150}" tests/test_gdn_decode_norm.py -k "engine_on_cuda" -rfE
+fi
+if want 105; then
+say "105. issue 5: the dependent-launch chain's floor (benchmarks/chain_floor.py): us per launch of a graphed chain of"
+say "    200 launches reading 0-25 MB each, PDL off / on -- what a lone decode step's ~415 critical kernels cost at least"
+timeout "${LIMIT_105:-150}" python benchmarks/chain_floor.py --out "$R/chain_floor" > "$R/chain_floor.log" 2>&1
+grep -E "^\[chain_floor\]|^\||Error|error" "$R/chain_floor.log" | cut -c1-200 | head -30
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

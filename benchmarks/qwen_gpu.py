@@ -343,7 +343,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        moe_fused_decode: bool = False, lm_head_layout: str = "auto",
                        shared_expert_stream: bool = True, gdn_z_stream: bool = False,
                        combine_next_norm: bool = True, gdn_prep_tiling: list | None = None,
-                       shared_expert_after_router: bool = True) -> dict:
+                       shared_expert_after_router: bool = True, weight_prefetch: str = "off",
+                       gdn_decode_norm: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -364,7 +365,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             shared_expert_stream=shared_expert_stream, gdn_z_stream=gdn_z_stream,
                             combine_next_norm=combine_next_norm,
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
-                            shared_expert_after_router=shared_expert_after_router,
+                            shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
+                            gdn_decode_norm=gdn_decode_norm,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:
@@ -381,6 +383,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         raise
     start_s = time.perf_counter() - t_start
     pdl_on = engine.health().get("programmatic_launch")
+    prefetch_on = engine.health().get("weight_prefetch")
 
     async def one(ids: list[int], n: int) -> dict:
         t0 = time.perf_counter()
@@ -421,7 +424,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         lone_r["vs_model_forward"] = greedy_agreement(torch.tensor([lone["ids"][:n_chk]]), ref[None])
         if lone_only:
             return dict(decode_graphs=decode_graphs, lone=lone_r, start_s=start_s, programmatic_launch=pdl_on,
-                        autotune_picks_loaded=engine.autotune_picks,
+                        weight_prefetch=prefetch_on, autotune_picks_loaded=engine.autotune_picks,
                         expert_layouts=engine.health().get("expert_layouts"), runner=engine.health().get("runner"),
                         kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode,
                         steps_ahead=engine.scheduler.stats.steps_ahead)
@@ -430,7 +433,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         wall = time.perf_counter() - t0
         ttfts = sorted(m["ttft_s"] for m in many)
         return dict(decode_graphs=decode_graphs, lone=lone_r, runner=engine.health().get("runner"),
-                    programmatic_launch=pdl_on, autotune_picks_loaded=engine.autotune_picks,  # the table's, applied
+                    programmatic_launch=pdl_on, weight_prefetch=prefetch_on,
+                    autotune_picks_loaded=engine.autotune_picks,  # the table's, applied
                     kernel_checks=engine.health().get("kernel_checks"), async_decode=ecfg.async_decode, start_s=start_s,
                     expert_layouts=engine.health().get("expert_layouts"),
                     shared_expert_stream_layers=engine.health().get("shared_expert_stream_layers"),
@@ -457,6 +461,7 @@ def _engine_settings_off(model) -> None:
     from kernels import gdn_prep, pdl
     from qwen_engine.engine import (
         set_combine_next_norm,
+        set_gdn_decode_norm,
         set_gdn_z_stream,
         set_lm_head_layout,
         set_moe_fused_decode,
@@ -470,11 +475,13 @@ def _engine_settings_off(model) -> None:
     set_moe_fused_decode(model, False)
     set_shared_expert_stream(model, False)
     set_gdn_z_stream(model, False)
+    set_gdn_decode_norm(model, False)
     set_combine_next_norm(model, False)
     set_shared_expert_after_router(model, False)
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = gdn_prep.DEFAULT_TILING
     set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)
+    pdl.set_prefetch("off")
     quantized.QUANT_IN_PRODUCERS = True
 
 

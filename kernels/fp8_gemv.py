@@ -52,6 +52,7 @@ try:
 
     from kernels.fp8_quant import quantize_static_triton, static_grid
     from kernels.pdl import enter as pdl_enter
+    from kernels.pdl import prefetch_l2_once
 except ImportError:  # CPU-only installs without triton: the registry's other implementations and the reference
     triton = None
 
@@ -147,16 +148,20 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(x, w, s_in, s_w, y, R, N, K, R_BUCKET, s_xm, s_wn, s_swn, s_ym, X_CODES: tl.constexpr,
                          INTERPRET: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         # 1-D grid of R x cdiv(N, BN) programs; x [R, K] (float, or e4m3 codes when X_CODES), w e4m3 [N, K] (unit K
         # stride), s_in fp32 [], s_w fp32 [] (s_swn = 0) or [N], y [R, N]. K a multiple of 4 (byte offsets of rows
         # and codes multiples of 4: the launch checks); R_BUCKET: an autotune key only.
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        # PREFETCH (kernels/pdl.py, with PDL): the program's weight rows (K bytes each) into L2 before the wait.
         BLOCK_W: tl.constexpr = BLOCK_K // 4
         p = tl.program_id(0)
         r = p % R  # the R programs of one weight slice are adjacent: rows 2..R re-read it from L2
         rows = (p // R) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = rows < N
+        if PREFETCH:  # the launch checks the rows are contiguous (s_wn == K): one range of <= BN rows
+            row0 = (p // R) * BLOCK_N
+            prefetch_l2_once(w + row0.to(tl.int64) * s_wn, tl.minimum(BLOCK_N, N - row0) * K)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         kw = K // 4
         w_rows = w.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * (s_wn // 4)
         xr = x + r.to(tl.int64) * s_xm
@@ -232,16 +237,19 @@ def fp8_gemv_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     y = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=x.device)
     args = (x, weight, s_in, s_w, y, m, n, k, triton.next_power_of_2(m), x.stride(0), weight.stride(0),
             1 if s_w.numel() > 1 else 0, y.stride(0))
+    # one range of whole rows a program: contiguous rows of K bytes, 16-byte aligned
+    prefetch = pdl.prefetch_options(weight.stride(0) == k and pdl.aligned16(weight.data_ptr(), k))
     if interp or block_n or block_k or num_warps:
         cfg = dict(INTERPRETER_CONFIG) if interp else dict(BLOCK_N=4, BLOCK_K=512)
         cfg.update({kk: v for kk, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)) if v})
         even = k % cfg["BLOCK_K"] == 0 and n % cfg["BLOCK_N"] == 0
         _fp8_gemv_kernel[(m * triton.cdiv(n, cfg["BLOCK_N"]),)](*args, X_CODES=prequantize, INTERPRET=interp,
                                                                 EVEN=even, **cfg, num_warps=num_warps or 2,
-                                                                **pdl.launch_options())
+                                                                **pdl.launch_options(), **prefetch)
     else:
         _fp8_gemv_autotuned[lambda c: (m * triton.cdiv(n, c["BLOCK_N"]),)](*args, X_CODES=prequantize,
-                                                                           INTERPRET=False, **pdl.launch_options())
+                                                                           INTERPRET=False, **pdl.launch_options(),
+                                                                           **prefetch)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

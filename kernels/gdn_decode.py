@@ -33,11 +33,14 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
+    from kernels.rms_norm import _store_out, gated_rows
+    from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
 NAME = "gdn_decode"
 ROWS_NAME = "gdn_decode_rows"  # the engine's in-place form over the state pool
+ROWS_NORM_NAME = "gdn_decode_rows_norm_fp8"  # that, with the output's gated RMS norm + FP8 codes in the same launch
 MAX_HEAD_DIM = 256  # a [Dk, BLOCK_V] fp32 tile in registers; the model has 128
 
 
@@ -51,16 +54,11 @@ def gdn_decode_reference(q, k, v, g, beta, state):
 if triton is not None:
 
     @triton.jit
-    def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
-                           s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
-        # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
-        # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
-        # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
-        # owns state row rows[b] of a pool (int64 [B]), else row b.
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        pid, pv = tl.program_id(0), tl.program_id(1)
+    def _advance(q, k, v, g, beta, s_in, s_out, o, rows, pid, pv, H, DK, DV,
+                 s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
+                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr):
+        """Program (pid = b H + h, pv): the [Dk, BLOCK_V] slice pv of head h's state of batch row b advanced one
+        token (read once, written once), and its slice of o = S^T q (fp32)."""
         b, h = pid // H, pid % H
         slot = tl.load(rows + b) if HAS_ROWS else b.to(tl.int64)
         kk = tl.arange(0, BLOCK_K)
@@ -78,6 +76,52 @@ if triton is not None:
         s = s + k_t[:, None] * delta[None, :]
         tl.store(s_out + off, s, mask=ok)
         tl.store(o + b * s_ob + h * s_oh + vv, tl.sum(s * q_t[:, None], axis=0), mask=v_ok)
+
+    @triton.jit
+    def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
+                           s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
+                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+        # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
+        # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
+        # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
+        # owns state row rows[b] of a pool (int64 [B]), else row b.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        _advance(q, k, v, g, beta, s_in, s_out, o, rows, tl.program_id(0), tl.program_id(1), H, DK, DV,
+                 s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
+                 BLOCK_K, BLOCK_V, HAS_ROWS)
+
+    @triton.jit
+    def _gdn_decode_norm_kernel(q, k, v, g, beta, pool, o, rows, z, w, out, codes, s_in, counters, H, DK, DV, eps,
+                                s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
+                                s_zb, s_zh, s_nb, s_nh, s_cb, s_ch,
+                                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                                ROUND_PRODUCT: tl.constexpr, ROUND_X: tl.constexpr, INTERPRET: tl.constexpr,
+                                QUANT: tl.constexpr, USE_PDL: tl.constexpr = False):
+        # `_gdn_decode_kernel` over pool rows in place (o: the fp32 scratch [B, H, Dv] of the slices), then the head's
+        # gated RMS norm: the program that finishes head (b, h) last of its cdiv(DV, BLOCK_V) (`split_k`'s arrival
+        # counter, one per head: counters[b H + h]) reads the whole o row back through L2 and writes out [B, H, Dv]
+        # (z's dtype) = `rms_norm.gated_rows`(o, z, w) and, QUANT, its e4m3 codes with the static scale s_in --
+        # the operations of "rms_norm_gated_fp8" on the same row, in the launch that made it.
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        pid = tl.program_id(0)
+        _advance(q, k, v, g, beta, pool, pool, o, rows, pid, tl.program_id(1), H, DK, DV,
+                 s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
+                 BLOCK_K, BLOCK_V, True)
+        if last_arrival(counters, pid, tl.num_programs(1)):  # every slice of the head's o is stored and visible
+            b, h = pid // H, pid % H
+            one = tl.arange(0, 1)  # the head's row as a [1, BLOCK_D] tile, as the norm kernel's rows are
+            dd = tl.arange(0, BLOCK_D)
+            d_ok = dd < DV
+            ok = (one >= 0)[:, None] & d_ok[None, :]
+            xf = tl.load(o + b * s_ob + h * s_oh + one[:, None] * 0 + dd[None, :], mask=ok, other=0.0,
+                         cache_modifier=".cg")  # L2: never a stale L1 line of another program's slice
+            zf = tl.load(z + b * s_zb + h * s_zh + one[:, None] * 0 + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+            wf = tl.load(w + dd, mask=d_ok, other=0.0).to(tl.float32)
+            y = gated_rows(xf, zf, wf, DV, eps, out.dtype.element_ty, ROUND_PRODUCT, ROUND_X, INTERPRET)
+            _store_out(out + b * s_nb + h * s_nh, codes + b * s_cb + h * s_ch, s_in, one, dd, 0, 0, ok, y,
+                       INTERPRET, QUANT)
+            rearm(counters, pid)
 
 
 def _interpreted() -> bool:
@@ -188,6 +232,76 @@ def gdn_decode_rows_triton(q, k, v, g, beta, pool, rows):
     return gdn_decode_rows_(q, k, v, g, beta, pool, rows), pool
 
 
+# ---- the step and the gated norm after it in one launch ---------------------------------------------------------------
+# A GDN decode step runs the recurrent step (o [B, H, Dv] fp32), then the output's gated RMS norm per value head with
+# the FP8 codes of out_proj's input ("rms_norm_gated_fp8"): two launches on the critical path of every GDN layer (30 a
+# lone decode step). Here the program that finishes a head last norms it (`_gdn_decode_norm_kernel`).
+def gdn_decode_rows_norm_fp8_reference(q, k, v, g, beta, pool, rows, z, weight, eps, input_scale):
+    """`gdn_decode_rows_reference`, then `rms_norm_gated_fp8_reference` of its o (fp32, rounded to z's dtype by the
+    norm) with z [B, H, Dv] (the model dtype), weight [Dv], the static input_scale (fp32 []) -> (out [B, H, Dv] in
+    z.dtype, codes e4m3 [B, H, Dv], pool), pool advanced in place at `rows`."""
+    from kernels.rms_norm import rms_norm_gated_fp8_reference
+
+    o, pool = gdn_decode_rows_reference(q, k, v, g, beta, pool, rows)
+    return (*rms_norm_gated_fp8_reference(o, z, weight, eps, input_scale), pool)
+
+
+def _launch_norm(q, k, v, g, beta, pool, rows, z, weight, eps: float, input_scale):
+    from kernels.rms_norm import rounds_x
+    from kernels.split_k import split_counters
+
+    _, heads, dk, dv = pool.shape
+    bsz = q.shape[0]
+    o = torch.empty((bsz, heads, dv), dtype=torch.float32, device=pool.device)
+    out = torch.empty((bsz, heads, dv), dtype=z.dtype, device=pool.device)
+    codes = torch.empty((bsz, heads, dv), dtype=torch.float8_e4m3fn, device=pool.device)
+    if o.numel() == 0:
+        return out, codes
+    counters = split_counters(pool.device, bsz * heads)
+    if counters is None:  # a first use inside a capture (the engine's warm-up allocates them first): two launches
+        from kernels.rms_norm import rms_norm_gated_fp8_op
+
+        return rms_norm_gated_fp8_op(_launch(q, k, v, g, beta, pool, pool, rows), z, weight, eps, input_scale)
+    bv = _block_v(bsz * heads, dv)
+    _gdn_decode_norm_kernel[(bsz * heads, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, pool, o, rows, z, weight, out, codes, input_scale, counters, heads, dk,
+        dv, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        beta.stride(0), pool.stride(0), pool.stride(1), pool.stride(2), o.stride(0), o.stride(1), z.stride(0),
+        z.stride(1), out.stride(0), out.stride(1), codes.stride(0), codes.stride(1),
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv, BLOCK_D=triton.next_power_of_2(dv),
+        ROUND_PRODUCT=weight.dtype == z.dtype != torch.float32, ROUND_X=rounds_x(o, z), INTERPRET=_interpreted(),
+        QUANT=True, **pdl.launch_options())
+    return out, codes
+
+
+@torch.library.custom_op("qwen::gdn_decode_rows_norm_fp8_", mutates_args=("pool",))
+def gdn_decode_rows_norm_fp8_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                              pool: torch.Tensor, rows: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                              eps: float, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on pool rows; returns (out, codes) [B, H, Dv]: the gated norm of the step's output and its e4m3
+    codes. One launch, no host syncs (CUDA-graph capturable once the arrival counters exist)."""
+    _check_inner_strides(q, k, v, g, beta, z)
+    if not pool.is_contiguous():
+        raise ValueError("gdn_decode_rows_norm_fp8_ updates the state pool in place and needs it contiguous")
+    if rows.dtype != torch.int64 or rows.shape != q.shape[:1] or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous int64 [B] tensor, got {rows.dtype} {tuple(rows.shape)}")
+    if z.shape != v.shape or tuple(weight.shape) != (v.shape[-1],) or input_scale.numel() != 1:
+        raise ValueError(f"gdn_decode_rows_norm_fp8_: z must be v's shape {tuple(v.shape)}, weight [Dv] and "
+                         f"input_scale one value; got z {tuple(z.shape)}, weight {tuple(weight.shape)}, "
+                         f"input_scale {tuple(input_scale.shape)}")
+    return _launch_norm(q, k, v, g, beta, pool, rows, z, weight, eps, input_scale)
+
+
+@gdn_decode_rows_norm_fp8_.register_fake
+def _(q, k, v, g, beta, pool, rows, z, weight, eps, input_scale):
+    return z.new_empty(v.shape), z.new_empty(v.shape, dtype=torch.float8_e4m3fn)
+
+
+def gdn_decode_rows_norm_fp8_triton(q, k, v, g, beta, pool, rows, z, weight, eps, input_scale):
+    """Same contract as `gdn_decode_rows_norm_fp8_reference`."""
+    return (*gdn_decode_rows_norm_fp8_(q, k, v, g, beta, pool, rows, z, weight, eps, input_scale), pool)
+
+
 # ---- guard, registry entry ------------------------------------------------------------------------------------------
 def describe(q, k, v, g, beta, state) -> dict[str, Any]:
     shapes_ok = (state.dim() == 4 and q.shape == k.shape == state.shape[:3] and v.shape == state.shape[:2]
@@ -223,6 +337,36 @@ def supports_rows(*, rows_ok: bool, pool_contiguous: bool, **info: Any) -> bool:
     return rows_ok and pool_contiguous and supports(**info)
 
 
+def describe_rows_norm(q, k, v, g, beta, pool, rows, z, weight, eps=None, input_scale=None) -> dict[str, Any]:
+    """`describe_rows`, plus the norm's: z of v's shape in bf16 / fp16 (the model dtype: the norm rounds o to it),
+    weight [Dv] of a float dtype, one fp32 scale; unit inner strides."""
+    from kernels.rms_norm import DTYPES as NORM_DTYPES
+
+    return dict(describe_rows(q, k, v, g, beta, pool, rows),
+                norm_ok=(z.shape == v.shape and z.dtype in (torch.bfloat16, torch.float16) and z.stride(-1) == 1
+                         and z.device == pool.device and tuple(weight.shape) == (v.shape[-1],)
+                         and weight.dtype in NORM_DTYPES and weight.device == pool.device and input_scale is not None
+                         and input_scale.numel() == 1 and input_scale.dtype == torch.float32
+                         and input_scale.device == pool.device))
+
+
+def supports_rows_norm(*, norm_ok: bool, **info: Any) -> bool:
+    """`supports_rows` and the norm's arguments (`describe_rows_norm`)."""
+    return norm_ok and supports_rows(**info)
+
+
+def compare_rows_norm(out, ref, tol: float | None = None) -> str | None:
+    """The norm's output and codes by `rms_norm.compare_fp8` (the model dtype's tolerance; codes equal where the
+    outputs are), the pool within 1e-5 x max |ref| (`compare`'s)."""
+    from kernels.rms_norm import compare_fp8
+
+    problem = compare_fp8(out[:2], ref[:2], tol)
+    if problem:
+        return problem
+    problem = tolerance.compare(out[2], ref[2], 1e-5)
+    return None if problem is None else f"pool: {problem}"
+
+
 def compare(out, ref, tol: float = 1e-5) -> str | None:
     """Both outputs (o, new state) within tol x max |ref| (fp32 summation order and exp ulps only)."""
     for name, a, b in zip(("o", "state"), out, ref):
@@ -255,6 +399,14 @@ def _sample_rows(device) -> tuple[tuple, dict]:
     return (*(t[:2] for t in qkvgb), pool, rows), {}
 
 
+def _sample_rows_norm(device) -> tuple[tuple, dict]:
+    (q, k, v, g, beta, pool, rows), _ = _sample_rows(device)
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(v.shape, generator=gen).to(torch.bfloat16).to(device)
+    weight = (1 + 0.1 * torch.randn(v.shape[-1], generator=gen)).to(torch.bfloat16).to(device)
+    return (q, k, v, g, beta, pool, rows, z, weight, 1e-6, torch.tensor(0.02, device=device)), {}
+
+
 def register(registry) -> None:
     registry.add_op(NAME, gdn_decode_reference, sample=_sample, compare=compare, describe=describe,
                     tolerance="o and new state within 1e-5 x max |ref| (same fp32 ops; reduction order, exp ulps)")
@@ -263,3 +415,8 @@ def register(registry) -> None:
                     describe=describe_rows, mutates=True,
                     tolerance="o and the whole pool within 1e-5 x max |ref| (same fp32 ops; reduction order, exp ulps)")
     registry.add_implementation(ROWS_NAME, "triton", gdn_decode_rows_triton, supports_rows)
+    registry.add_op(ROWS_NORM_NAME, gdn_decode_rows_norm_fp8_reference, sample=_sample_rows_norm,
+                    compare=compare_rows_norm, describe=describe_rows_norm, mutates=True,
+                    tolerance="the norm's output within its dtype's tolerance, codes equal where the outputs are, "
+                              "the pool within 1e-5 x max |ref|")
+    registry.add_implementation(ROWS_NORM_NAME, "triton", gdn_decode_rows_norm_fp8_triton, supports_rows_norm)

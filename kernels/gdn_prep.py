@@ -46,6 +46,7 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
+    from kernels.pdl import prefetch_l2_once
     from kernels.rms_norm import _cast
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -137,7 +138,8 @@ if triton is not None:
                          DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                          BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
-                         BA_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                         BA_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = False):
         # BA (`gdn_decode_prep_ba`): `b` is the layer input x [D, H] (row stride s_bd) and `a` the concatenated
         # [in_proj_b; in_proj_a] weight [2 HV, H] (row stride s_ad); the program computes its value heads' b and a
         # itself (fp32 dot products, rounded to the model dtype as F.linear's output is) and writes them to ba_out
@@ -149,8 +151,14 @@ if triton is not None:
         # share the scratch row, whose contents then do not matter). All reads of the row come first, then a
         # barrier (warps of a small tile hold replicated elements: one warp's store must not overtake another's
         # load), then the stores.
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        # PREFETCH (kernels/pdl.py, with PDL; BA only): the program's w_ba rows (b and a of its value heads) into L2
+        # before the wait.
         d, j = tl.program_id(0), tl.program_id(1)
+        if PREFETCH and BA:  # rows j R .. j R + R - 1 of each half, contiguous (the launch checks s_ad == H)
+            nbytes = R * H * (a.dtype.element_ty.primitive_bitwidth // 8)
+            prefetch_l2_once(a + (j * R).to(tl.int64) * s_ad, nbytes)
+            prefetch_l2_once(a + (HV + j * R).to(tl.int64) * s_ad, nbytes)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         row = tl.load(rows + d)
         dt = qkv.dtype.element_ty
         ri = tl.arange(0, BLOCK_R)
@@ -227,7 +235,9 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
         DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r),
         BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(),
-        BA_FIRST=BA_FIRST, num_warps=NUM_WARPS, **pdl.launch_options())
+        BA_FIRST=BA_FIRST, num_warps=NUM_WARPS, **pdl.launch_options(),
+        **(pdl.prefetch_options(a.stride(0) == hidden and pdl.aligned16(a.data_ptr(), hidden * a.element_size()))
+           if ba else {}))
     return q, k, v, beta, g, ba_out
 
 

@@ -86,6 +86,7 @@ try:
     from triton.language.extra import libdevice
 
     from kernels.pdl import enter as pdl_enter
+    from kernels.pdl import prefetch_l2
     from kernels.rms_norm import _cast  # fp32 -> model dtype, round to nearest even (also under the interpreter)
     from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
@@ -181,7 +182,8 @@ if triton is not None:
     def _router_gemv_topk_kernel(x, w, logits, w_out, i_out, ws, counters, N, E, H, s_x, s_w,
                                  K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr,
                                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                                 BLOCK_EF: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+                                 BLOCK_EF: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
+                                 PREFETCH: tl.constexpr = False):
         # grid (cdiv(E, BLOCK_E), SPLIT, cdiv(N, BLOCK_R)); x [N, H] (row stride s_x), w [E, H] (row stride s_w),
         # unit last strides; logits [N, E], w_out / i_out [N, K] contiguous; ws [SPLIT, N, E] fp32; counters: one
         # int32 per row block, 0 between launches.
@@ -189,7 +191,7 @@ if triton is not None:
         # ws[split]. REDUCE: the program of a row block that arrives last (of E tiles x SPLIT) sums the SPLIT partials
         # of the whole rows in split order (deterministic), rounds them to the model dtype, stores the logits, selects
         # the top-k of the rounded rows (`_select_topk`) and re-arms the counter; no launch of its own.
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        # PREFETCH (kernels/pdl.py, with PDL): the program's slice of its experts' weight rows into L2 before the wait.
         pid_e, pid_s, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
         r_ok = rows < N
@@ -199,6 +201,11 @@ if triton is not None:
         h_tiles = tl.cdiv(H, BLOCK_H)
         per = tl.cdiv(h_tiles, SPLIT)
         t0 = pid_s * per
+        if PREFETCH:  # hidden elements [t0 BH, min((t0 + per) BH, H)) of each expert row, in bytes
+            nh = tl.minimum((t0 + per) * BLOCK_H, H) - t0 * BLOCK_H
+            nbytes = nh * (w.dtype.element_ty.primitive_bitwidth // 8)
+            prefetch_l2(w + ex.to(tl.int64) * s_w + t0 * BLOCK_H, tl.where(e_ok, nbytes, 0))
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         acc = tl.zeros((BLOCK_R, BLOCK_E), dtype=tl.float32)
         for t in range(t0, tl.minimum(t0 + per, h_tiles)):
             hs = t * BLOCK_H + hh
@@ -447,7 +454,9 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None =
     _router_gemv_topk_kernel[(triton.cdiv(e, cfg["BLOCK_E"]), cfg["SPLIT"], r_blocks)](
         x, w, logits, weights, idx, ws, counters if counters is not None else ws, n, e, h, x.stride(0), w.stride(0),
         K=k, BLOCK_K=triton.next_power_of_2(k), REDUCE=counters is not None,
-        BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg, **pdl.launch_options())
+        BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg, **pdl.launch_options(),
+        **pdl.prefetch_options(pdl.aligned16(w.data_ptr(), *(v * w.element_size()
+                                                             for v in (w.stride(0), h, cfg["BLOCK_H"])))))
     if counters is None:
         logits = ws.sum(0).to(x.dtype)
         weights, idx = _launch(logits, k)

@@ -8,7 +8,8 @@ predecessor has finished: its blocks become resident and wait at `griddepcontrol
 predecessor has completed and its memory is visible, so the launch latency overlaps the predecessor's tail. CUDA
 graphs keep these programmatic edges (CUDA >= 12.3).
 
-Contract of a kernel that takes part (`USE_PDL` constexpr, default False; `enter(USE_PDL)` as its first statement):
+Contract of a kernel that takes part (`USE_PDL` constexpr, default False; `enter(USE_PDL)` before anything that
+touches memory -- only index arithmetic and the weight prefetch below come first):
     gdc_wait()                 before any global memory access: every input the predecessor wrote is visible, and
                                no output overwrites memory the predecessor still reads
     gdc_launch_dependents()    right after: the successor may be scheduled once every block of this kernel has
@@ -17,6 +18,17 @@ Launched with `**launch_options()`: {USE_PDL: True, launch_pdl: True} when enabl
 `programmatic_launch` option), else {} -- the plain launch, the kernel's code unchanged (the constexpr removes both
 instructions). A kernel launched without the option after one launched with it waits for it as usual (stream order).
 Never under the interpreter (inline PTX).
+
+Weight prefetch (`set_prefetch`, the Qwen engine's `weight_prefetch` option; only with PDL): a kernel that takes a
+`PREFETCH` constexpr (`**prefetch_options(aligned)` at its launch) issues, before `enter`, `prefetch_l2` of the
+weight bytes its program will read -- memory no kernel of the step writes (projection weights, the router's) -- so
+that their DRAM reads run while the predecessor finishes and the kernel's own loads after the wait hit L2. A
+prefetch moves no data into registers and reads nothing the predecessor writes, so the contract above still holds
+(tests/sm90_compile.py checks that only `cp.async.bulk.prefetch.L2` precedes the wait). Why: each of a lone decode
+step's ~550 kernels starts its first weight loads only after its predecessor has ended; its weights' first DRAM
+round trips (~1-2 us for the 8-25 MB projections at the H200's ramp-up) then sit on the critical path.
+Outcome (H200, 2026-12-03, benchmarks/RESULTS.md Qwen run 54): no gain -- lone decode 428.0 / 430.1 tok/s without,
+432.2 with "own", 428.2 with "all"; 32 streams within 0.4% -- and the same greedy tokens; off by default.
 
 Outcome (H200, 2026-12-01, benchmarks/RESULTS.md runs 28-30): the lone decode step 331.1 -> 368.9, 331.0 -> 370.3
 and 329.3 -> 368.4 tok/s (three processes, the same engine without and with it; +11-12%); 32 streams +0.4-0.5% with
@@ -45,6 +57,7 @@ except ImportError:  # CPU-only installs without triton (or a triton without GDC
     triton = None
 
 _ENABLED = False
+_PREFETCH = "off"  # set_prefetch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton.jit does at import
 ENV = "SAMMIE_PDL"  # "1": enabled from import on (GPU test runs: every kernel test then launches with PDL; a Qwen
 #                     engine still sets it from its own `programmatic_launch` option)
@@ -93,6 +106,45 @@ def launch_options() -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if _ENABLED else {}
 
 
+PREFETCH_MODES = ("off", "own", "all")
+
+
+def set_prefetch(mode: str | bool) -> str:
+    """Weight prefetch (module docstring) for every later launch of the kernels that take it, process-wide like
+    `set_enabled` (CUDA graphs keep the setting of their capture): "off"; "own" -- each kernel its own weights
+    before its wait; "all" -- also the MoE GEMV's gate_up launch prefetching the down projection's bytes of its
+    experts after its wait (`w4a16_gemv.next_prefetch_args`). True / False mean "all" / "off". Returns the mode. It
+    takes effect only while PDL is enabled: without PDL a kernel starts after its predecessor has ended."""
+    global _PREFETCH
+    mode = {True: "all", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if mode not in PREFETCH_MODES:
+        raise ValueError(f"weight prefetch must be one of {PREFETCH_MODES}, got {mode!r}")
+    _PREFETCH = mode
+    return _PREFETCH
+
+
+def prefetch_mode() -> str:
+    """The mode in force: "off" unless PDL is enabled."""
+    return _PREFETCH if _ENABLED else "off"
+
+
+def prefetch_options(aligned: bool) -> dict:
+    """{PREFETCH: True} for a launch whose prefetch ranges are 16-byte aligned and multiples of 16 bytes
+    (`cp.async.bulk.prefetch`'s rule; the caller checks its addresses and strides), while PDL and the prefetch ("own"
+    or "all") are on; else {} (the kernel's default: no prefetch)."""
+    return {"PREFETCH": True} if prefetch_mode() != "off" and aligned else {}
+
+
+def prefetch_next() -> bool:
+    """Whether launches prefetch their successor's weights too (mode "all", PDL on)."""
+    return prefetch_mode() == "all"
+
+
+def aligned16(*values: int) -> bool:
+    """Every value (addresses, byte strides, byte lengths) a multiple of 16."""
+    return all(v % 16 == 0 for v in values)
+
+
 if triton is not None:
 
     @triton.jit
@@ -101,6 +153,38 @@ if triton is not None:
         if USE_PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs, nbytes):
+        """Prefetch [ptr, ptr + nbytes) into L2 for each element of the pointer tensor `ptrs` (`nbytes`: int32, a
+        scalar or of ptrs' shape; elements with nbytes <= 0 issue nothing). One `cp.async.bulk.prefetch.L2` (sm_90+)
+        per element: addresses 16-byte aligned, lengths multiples of 16 (the launch checks: `prefetch_options`).
+        No data reaches registers; elements replicated across threads prefetch twice (an L2 hit). Compiled only:
+        the interpreter has no PTX, and `prefetch_options` never asks for it there (PDL is off)."""
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            setp.gt.s32 p, $2, 0;
+            @p cp.async.bulk.prefetch.L2.global [$1], $2;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,r", [ptrs.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def prefetch_l2_once(ptr, nbytes):
+        """`prefetch_l2` of one range [ptr, ptr + nbytes) (scalars: a pointer or an int64 address), issued by the
+        program's thread 0 only (every thread of a program holds a scalar: one instruction, not one per thread)."""
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            .reg .u32 t;
+            mov.u32 t, %tid.x;
+            setp.eq.u32 p, t, 0;
+            setp.gt.and.s32 p, $2, 0, p;
+            @p cp.async.bulk.prefetch.L2.global [$1], $2;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,r", [ptr.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 if os.environ.get(ENV, "0") == "1":  # (the GPU check initialises CUDA: only when asked for)

@@ -225,19 +225,26 @@ if triton is not None:
         dt = out.dtype.element_ty  # the model dtype: x's, or z's when ROUND_X
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
+        wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
+        o = gated_rows(xf, _load_rows(z, rows, cols, s_z, ok), wf, D, eps, dt, ROUND_PRODUCT, ROUND_X, INTERPRET)
+        _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, o, INTERPRET, QUANT)
+
+    @triton.jit
+    def gated_rows(xf, zf, wf, D, eps, dt: tl.constexpr, ROUND_PRODUCT: tl.constexpr, ROUND_X: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+        """The gated norm of fp32 rows xf [BR, BD] (masked entries 0) with gates zf [BR, BD] and weight wf [BD], in
+        fp32 before the store's rounding to dt (`rms_norm_gated_reference`'s operations and roundings); shared with
+        kernels/gdn_decode.py's step + norm."""
         if ROUND_X:
             if dt == tl.bfloat16:
                 xf = _round(xf, dt, INTERPRET)  # bit ops: not contracted away
             else:
                 xf = _cast(xf, dt, INTERPRET).to(tl.float32)
         y = _cast(xf * _inv_rms(xf, D, eps)[:, None], dt, INTERPRET).to(tl.float32)  # .to(x.dtype)
-        wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
         p = wf[None, :] * y  # weight * y: exact in fp32 (two <= 11-bit significands) ...
         if ROUND_PRODUCT:  # ... then rounded as torch rounds it
             p = _cast(p, dt, INTERPRET).to(tl.float32)
-        zf = _load_rows(z, rows, cols, s_z, ok)
-        o = p * (zf / (1.0 + tl.exp(-zf)))  # * silu(z.float())
-        _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, o, INTERPRET, QUANT)
+        return p * (zf / (1.0 + tl.exp(-zf)))  # * silu(z.float())
 
 
 def _interpreted() -> bool:

@@ -58,6 +58,7 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
+    from kernels.pdl import prefetch_l2_once
     from kernels.w4a16_gemm import (
         _BLK,
         _TWO_119,
@@ -215,19 +216,42 @@ if triton is not None:
     def _w4a16_gemv_kernel(x, w, s, g, rs, y, pair_expert, N, K, A_DIV, R_BUCKET, s_xm, s_we, s_wn, s_se, s_sn,
                            s_ge, s_gn, s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
                            DEQ: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                           nw=0, ns=0, s_nwe=0, s_nse=0, NEXT_W_BYTES=0, NEXT_S_BYTES=0,
+                           PREFETCH_NEXT: tl.constexpr = False):
         # grid (cdiv(N_out, BN), R): output row r = program_id(1) reads activation row r // A_DIV and, GROUPED, expert
         # pair_expert[r] (int64 router ids, flattened [T * top_k]: pair r = token r // top_k); y [R, N_out].
         # SWIGLU: N = 2 N_out weight rows (gate then up); output column n = silu(row n) * row n + N_out.
         # R_BUCKET (the next power of two of R) is only an autotune key: the best tile depends on the grid's rows.
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        # PREFETCH (kernels/pdl.py, with PDL; dense only: a grouped call's experts come from the router's output):
+        # the program's packed and scale rows (and SwiGLU's up rows) into L2 before the wait.
+        # PREFETCH_NEXT (grouped, weight prefetch "all"): once its expert is known, the program also prefetches its
+        # 1 / cdiv(N_out, BN) share of that expert's weights in the NEXT launch (nw, ns: the int64 addresses of the
+        # packed and scale stacks -- ints, not tensors, so that the autotuner's key, which lists every tensor
+        # argument's dtype, stays the table's; one contiguous slab of NEXT_W_BYTES / NEXT_S_BYTES per expert at
+        # strides s_nwe / s_nse): gate_up prefetches the down projection's bytes, whose DRAM reads then overlap
+        # gate_up instead of following it.
         pid_n, r = tl.program_id(0), tl.program_id(1)
         if SWIGLU:
             n_out = N // 2
         else:
             n_out = N
+        if PREFETCH and not GROUPED:  # contiguous rows (the launch checks): one range of <= BN rows each
+            r0 = pid_n * BLOCK_N
+            nr = tl.minimum(BLOCK_N, n_out - r0)
+            prefetch_l2_once(w + r0.to(tl.int64) * s_wn, nr * (K // 2))
+            prefetch_l2_once(s + r0.to(tl.int64) * s_sn, nr * (K // 16))
+            if SWIGLU:
+                prefetch_l2_once(w + (r0 + n_out).to(tl.int64) * s_wn, nr * (K // 2))
+                prefetch_l2_once(s + (r0 + n_out).to(tl.int64) * s_sn, nr * (K // 16))
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         if GROUPED:
             e = tl.load(pair_expert + r)
+            if PREFETCH_NEXT:  # 16-byte multiples per program (the launch checks the slabs' alignment)
+                cw = tl.cdiv(tl.cdiv(NEXT_W_BYTES, tl.num_programs(0)), 16) * 16
+                cs = tl.cdiv(tl.cdiv(NEXT_S_BYTES, tl.num_programs(0)), 16) * 16
+                prefetch_l2_once(nw + e * s_nwe + pid_n * cw, tl.minimum(cw, NEXT_W_BYTES - pid_n * cw))
+                prefetch_l2_once(ns + e * s_nse + pid_n * cs, tl.minimum(cs, NEXT_S_BYTES - pid_n * cs))
         else:
             e = 0
         we = w + e * s_we
@@ -289,11 +313,13 @@ def resolve_deq(deq: int | None, dtype: torch.dtype, interp: bool, words_ok: boo
 
 def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
                       pair_expert: torch.Tensor | None = None, a_div: int = 1, row_scale: torch.Tensor | None = None,
-                      swiglu: bool = False, config: dict | None = None, deq: int | None = None) -> torch.Tensor:
+                      swiglu: bool = False, config: dict | None = None, deq: int | None = None,
+                      then: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Dense (`pair_expert` None): x [M, K] -> y [M, N] (or SwiGLU's [M, N/2]) in x.dtype.
     Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int (the router's
     ids, flattened): output row r reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)],
-    times `row_scale[r]` if given. `config` pins BLOCK_N / BLOCK_K / num_warps (tests, benchmarks). `deq`: the
+    times `row_scale[r]` if given. `then` (grouped): the next launch's (packed, scales) of the same experts, prefetched
+    into L2 by this one in weight prefetch mode "all" (kernels/pdl.py; `next_prefetch_args`). `config` pins BLOCK_N / BLOCK_K / num_warps (tests, benchmarks). `deq`: the
     dequantiser for bf16 activations on a GPU (None: DEQ_GPU, mode 2 where rows are not 4-byte aligned; DEQ_WIDE asked
     for by name on such rows: ValueError); the interpreter and fp16 activations have one each. One launch, no host syncs
     (CUDA-graph capturable)."""
@@ -328,15 +354,33 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     args = (x, packed, sc, g, rs, y, pe, n, k, a_div, triton.next_power_of_2(r), x.stride(0), s_we, s_wn, s_se, s_sn,
             s_ge, s_gn, y.stride(0))
     meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, DEQ=deq, INTERPRET=interp)
+    if not grouped:  # contiguous rows (packed: K / 2 bytes a row, scales K / 16), 16-byte aligned
+        prefetch = pdl.prefetch_options(s_wn == k // 2 and s_sn == k // 16
+                                        and pdl.aligned16(packed.data_ptr(), sc.data_ptr(), k // 2, k // 16))
+    else:
+        prefetch = next_prefetch_args(*then) if then is not None and pdl.prefetch_next() else {}
     if interp or config:
         cfg = dict(INTERPRETER_CONFIG) if interp else {}
         cfg.update(config or {})
         warps = cfg.pop("num_warps", 4)
         _w4a16_gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]), r)](*args, **meta, **cfg, num_warps=warps,
-                                                                    **pdl.launch_options())
+                                                                    **pdl.launch_options(), **prefetch)
     else:
-        _w4a16_gemv_autotuned[lambda c: (triton.cdiv(n_out, c["BLOCK_N"]), r)](*args, **meta, **pdl.launch_options())
+        _w4a16_gemv_autotuned[lambda c: (triton.cdiv(n_out, c["BLOCK_N"]), r)](*args, **meta, **pdl.launch_options(),
+                                                                               **prefetch)
     return y.to(x.dtype)
+
+
+def next_prefetch_args(packed: torch.Tensor, scales: torch.Tensor) -> dict:
+    """The grouped kernel's PREFETCH_NEXT arguments for experts packed [E, N, K/2] and scales [E, N, K/16] whose
+    per-expert slabs are contiguous and 16-byte aligned (the checkpoint layout's copy); {} otherwise (no prefetch)."""
+    if packed.dim() != 3 or scales.dim() != 3 or not packed.is_contiguous() or not scales.is_contiguous():
+        return {}
+    w_bytes, s_bytes = packed[0].numel() * packed.element_size(), scales[0].numel() * scales.element_size()
+    if not pdl.aligned16(packed.data_ptr(), scales.data_ptr(), w_bytes, s_bytes):
+        return {}
+    return dict(nw=packed.data_ptr(), ns=scales.data_ptr(), s_nwe=w_bytes, s_nse=s_bytes, NEXT_W_BYTES=w_bytes,
+                NEXT_S_BYTES=s_bytes, PREFETCH_NEXT=True)
 
 
 # ---- registry implementations ("triton_gemv": where `supports_*_gemv` accept; the registry hands the rest on) -------
@@ -370,7 +414,8 @@ def moe_experts_w4a16_gemv(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, i
     if layout != CHECKPOINT or not 0 < t <= GEMV_MAX_TOKENS:
         raise ValueError(f"w4a16_gemv: the MoE GEMV takes <= {GEMV_MAX_TOKENS} tokens on checkpoint-layout experts, "
                          f"got {t} tokens, layout {layout}")
-    h = w4a16_gemv_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True, deq=deq)  # [P, I]
+    h = w4a16_gemv_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True, deq=deq,
+                          then=(w2.packed, w2.scales))  # [P, I]; down's weights prefetched (weight_prefetch)
     y = w4a16_gemv_launch(h, *w2, pair_expert=idx, row_scale=weights, deq=deq).view(t, top_k, -1)  # [T, k, H]
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 

@@ -141,6 +141,23 @@ class QwenEngineConfig:
     #                                    process-wide. auto: on for Hopper (sm_9x; H200, 2026-12-01, runs 28-30: lone
     #                                    decode +11-12% in three runs, 32 streams +0.4-1.5%); true: also on sm_10x
     #                                    (untested on hardware); on CPUs and other GPUs it stays off (`pdl.wanted`)
+    gdn_decode_norm: bool = False  # packed models' decode-only steps: each GDN layer's recurrent step and its
+    #                                output's gated RMS norm + out_proj's FP8 codes in one launch (the last program
+    #                                of a head norms it: kernels/gdn_decode.py "gdn_decode_rows_norm_fp8";
+    #                                GatedDeltaNet.decode_norm): 30 launches fewer a step, the same operations.
+    #                                H200, Qwen run 55: lone decode 433.5 against 433.0 / 431.5 tok/s, 32 streams
+    #                                3,333.3 against 3,365.1 / 3,363.3 (-0.9%: each head's last program norms it
+    #                                alone), and 7 of 32 streams' greedy tokens diverge late (the norm's sum in
+    #                                another fp32 order); no gain, so off
+    weight_prefetch: str = "off"  # with programmatic_launch (kernels/pdl.py set_prefetch; process-wide): "own" --
+    #                               the decode kernels of static weights (FP8 projections, the router, the dense
+    #                               W4A16 shared expert, the GDN prep's b / a rows) prefetch their programs' weight
+    #                               bytes into L2 before waiting for their predecessor, so those DRAM reads overlap
+    #                               its tail; "all" -- also the MoE GEMV's gate_up prefetching the down projection's
+    #                               bytes of its experts; "off". The same bits. H200, Qwen run 54: lone decode
+    #                               428.0 / 430.1 (off) against 432.2 (own) and 428.2 (all) tok/s, 32 streams
+    #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
+    #                               so off (the step waits on the kernel chain, not on first weight reads)
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
@@ -232,6 +249,8 @@ class QwenEngineConfig:
         if self.lm_head_layout not in LM_HEAD_LAYOUTS:
             raise ValueError(f"lm_head_layout must be one of {' | '.join(LM_HEAD_LAYOUTS)}, got "
                              f"{self.lm_head_layout!r}")
+        if self.weight_prefetch not in ("off", "own", "all"):
+            raise ValueError(f"weight_prefetch must be off | own | all, got {self.weight_prefetch!r}")
         if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
                 and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
             raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
@@ -332,6 +351,7 @@ class QwenEngine:
         self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
         self.shared_expert_stream = set_shared_expert_stream(self.model, cfg.shared_expert_stream)
         self.gdn_z_stream = set_gdn_z_stream(self.model, cfg.gdn_z_stream)
+        self.gdn_decode_norm = set_gdn_decode_norm(self.model, cfg.gdn_decode_norm)
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
@@ -350,6 +370,8 @@ class QwenEngine:
         from kernels import pdl  # before the self-checks, warm-up and graph captures: they launch with the setting
 
         self.programmatic_launch = pdl.set_enabled(pdl.wanted(cfg.programmatic_launch, self.device))
+        pdl.set_prefetch(cfg.weight_prefetch)
+        self.weight_prefetch = pdl.prefetch_mode()  # "off" without PDL
         if cfg.programmatic_launch is True and not self.programmatic_launch:
             log.warning("programmatic_launch: needs compiled Triton kernels on an NVIDIA GPU of compute capability 9.x "
                         "or 10.x; off")
@@ -525,6 +547,7 @@ class QwenEngine:
             "moe_fused_decode_layers": self.moe_fused_decode,
             "shared_expert_stream_layers": self.shared_expert_stream,
             "gdn_z_stream_layers": self.gdn_z_stream,
+            "gdn_decode_norm_layers": self.gdn_decode_norm,
             "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
             "lm_head_layout": self.lm_head_layout,
@@ -534,6 +557,7 @@ class QwenEngine:
             "kernel_checks": self.kernel_checks,
             "autotune_table_picks": self.autotune_picks,
             "programmatic_launch": self.programmatic_launch,
+            "weight_prefetch": self.weight_prefetch,  # the mode in force ("off" without PDL)
             "quant_in_producers": _quant_in_producers(),  # process-wide: the last engine built set it
             "stats": s.stats.snapshot(),
         }
@@ -885,6 +909,14 @@ def set_shared_expert_after_router(model: torch.nn.Module, on: bool) -> int:
     from .model.moe import SparseMoE
 
     return _set_on_every(model, SparseMoE, "shared_after_router", on)
+
+
+def set_gdn_decode_norm(model: torch.nn.Module, on: bool) -> int:
+    """Set `GatedDeltaNet.decode_norm` on every GDN layer; returns how many layers took it. It acts on decode-only
+    steps whose out_proj reads FP8 codes (packed models) with the runner's step op."""
+    from .model.gdn import GatedDeltaNet
+
+    return _set_on_every(model, GatedDeltaNet, "decode_norm", on)
 
 
 def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:

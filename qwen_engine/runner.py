@@ -130,7 +130,11 @@ class ModelRunner:
                 device=self.device, gdn_decode=self._gdn_decode, decode_attention=self._decode_attention,
                 gdn_prep=self._gdn_prep, mode=decode_graphs, gdn_prep_ba=self._gdn_prep_ba)
 
-    def _gdn_decode(self, q, k, v, g, beta, pool, rows):
+    def _gdn_decode(self, q, k, v, g, beta, pool, rows, norm=None):
+        """o [B, H, Dv]; `norm` = (z, weight, eps, input_scale): the gated norm of o and its FP8 codes instead, from
+        the same launch ("gdn_decode_rows_norm_fp8")."""
+        if norm is not None:
+            return self.registry.call("gdn_decode_rows_norm_fp8", q, k, v, g, beta, pool, rows, *norm)[:2]
         return self.registry.call("gdn_decode_rows", q, k, v, g, beta, pool, rows)[0]
 
     def _gdn_prep(self, *args):

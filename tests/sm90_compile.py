@@ -29,12 +29,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has: str | None = None,
-                num_warps: int = 4) -> bool:
+                num_warps: int = 4, runtime: tuple[str, ...] = ()) -> bool:
     """types: pointer / float argument types by name (other non-constexpr args are i32); constexpr parameters with a
-    default (USE_PDL) take it unless `consts` names them. `ptx_has`: text the PTX must contain. Prints the kernel's
+    default (USE_PDL) take it unless `consts` names them; `runtime`: parameters with a default compiled as arguments
+    (pointers / i32 by `types`). `ptx_has`: text the PTX must contain. Prints the kernel's
     registers per thread and stack frame bytes (where spills go) from the cubin."""
     params = inspect.signature(kernel.fn).parameters
-    consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}, **consts}
+    consts = {**{n: p.default for n, p in params.items()
+                 if p.default is not inspect.Parameter.empty and n not in runtime}, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in params}
     try:
         compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET,
@@ -47,7 +49,10 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
         return False
     print(f"ok   {name}{resources(compiled.asm['cubin'])}")
     if "USE_PDL" in params and not consts["USE_PDL"]:  # a PDL participant (kernels/pdl.py): also with USE_PDL
-        return pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True})
+        if not pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True}):
+            return False
+        if "PREFETCH" in params and not consts["PREFETCH"]:  # and with its weight prefetch before the wait
+            return pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True, "PREFETCH": True}, prefetch=True)
     return True
 
 
@@ -64,21 +69,32 @@ def resources(cubin: bytes) -> str:
     return f" ({regs.group(1)} registers, stack {spill.group(1)} bytes)" if regs and spill else ""
 
 
-def pdl_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
+PREFETCH_OP = "cp.async.bulk.prefetch.L2"  # kernels/pdl.py prefetch_l2: reads nothing into registers
+
+
+def pdl_order_ok(name: str, kernel, sig: dict, consts: dict, prefetch: bool = False) -> bool:
     """The kernel compiled with USE_PDL: griddepcontrol.wait, then launch_dependents, before its first global memory
-    access (load, store, atomic, async copy) in the PTX."""
+    access (load, store, atomic, async copy; an L2 prefetch excepted) in the PTX. `prefetch` (compiled with PREFETCH
+    too): prints "pf   " when the build prefetches before the wait, "pf-  " when it has nothing to prefetch there (a
+    grouped GEMV: its experts come from the router's output; PREFETCH_NEXT's prefetches follow the wait)."""
+    tag = "USE_PDL PREFETCH" if prefetch else "USE_PDL"
     try:
         ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET).asm["ptx"]
     except Exception as exc:  # noqa: BLE001 - reported
-        print(f"FAIL {name} USE_PDL: {type(exc).__name__}: {str(exc)[:2000]}")
+        print(f"FAIL {name} {tag}: {type(exc).__name__}: {str(exc)[:2000]}")
         return False
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    memory = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async")) if i >= 0]
+    ops = ("ld.global", "st.global", "atom.", "red.", "cp.async")
+    memory = [m.start() for m in re.finditer("|".join(re.escape(op) for op in ops), ptx)
+              if not ptx.startswith(PREFETCH_OP, m.start())]
     if not (0 <= wait < launch and all(launch < i for i in memory)):
-        print(f"FAIL {name} USE_PDL: griddepcontrol at {wait} / {launch}, first global memory access at "
+        print(f"FAIL {name} {tag}: griddepcontrol at {wait} / {launch}, first global memory access at "
               f"{min(memory, default=-1)}")
         return False
-    print(f"pdl  {name}")
+    if not prefetch:
+        print(f"pdl  {name}")
+        return True
+    print(f"{'pf   ' if 0 <= ptx.find(PREFETCH_OP) < wait else 'pf-  '}{name}")
     return True
 
 
@@ -96,6 +112,14 @@ def main() -> int:
                           dict(BLOCK_M=64, BLOCK_E=256, BLOCK_B=32)))
     ok.append(compile_one("moe_align scatter (chunks of 256 pairs)", moe_align._scatter_kernel, ints,
                           dict(CHUNK_G=256, SUB=32)))
+    # the GDN decode step over pool rows with the gated norm + FP8 codes of its output (the last program of a head)
+    ok.append(compile_one("gdn_decode_norm (Dk = Dv = 128, BLOCK_V = 16, bf16 norm, codes)",
+                          gdn_decode._gdn_decode_norm_kernel,
+                          {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "pool", "o")}, "rows": "*i64",
+                           "z": "*bf16", "w": "*bf16", "out": "*bf16", "codes": "*fp8e4nv", "s_in": "*fp32",
+                           "counters": "*i32", "eps": "fp32"},
+                          dict(BLOCK_K=128, BLOCK_V=16, BLOCK_D=128, ROUND_PRODUCT=True, ROUND_X=True, INTERPRET=False,
+                               QUANT=True)))
     types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias", "ba_out")}
     types.update({n: "*fp32" for n in ("q_out", "k_out", "v_out", "beta_out", "g_out")}, rows="*i64", q_scale="fp32")
     for ba in (False, True):  # b / a read, or computed from x and w_ba (gdn_decode_prep_ba: the engine's default)
@@ -285,6 +309,12 @@ def main() -> int:
                               {"x": "*fp8e4nv" if codes else "*bf16", "w": "*fp8e4nv", "s_in": "*fp32",
                                "s_w": "*fp32", "y": "*bf16"},
                               dict(X_CODES=codes, INTERPRET=False, EVEN=even, BLOCK_N=4, BLOCK_K=512)))
+    # grouped gate_up prefetching the down projection's slabs of its experts (weight_prefetch: PREFETCH_NEXT)
+    ok.append(compile_one("w4a16_gemv GROUPED SWIGLU DEQ=3 PREFETCH_NEXT BLOCK_N=4 BLOCK_K=512 (bf16)",
+                          w4a16_gemv._w4a16_gemv_kernel, {**gemv, "nw": "i64", "ns": "i64"},
+                          dict(GROUPED=True, SWIGLU=True, HAS_ROW_SCALE=False, DEQ=3, INTERPRET=False, BLOCK_N=4,
+                               BLOCK_K=512, PREFETCH_NEXT=True), ptx_has="cp.async.bulk.prefetch.L2",
+                          runtime=("nw", "ns", "s_nwe", "s_nse", "NEXT_W_BYTES", "NEXT_S_BYTES")))
     # programmatic dependent launch (kernels/pdl.py): the GEMV and a norm with USE_PDL, griddepcontrol in their PTX
     ok.append(compile_one("w4a16_gemv DEQ=3 BLOCK_N=4 BLOCK_K=512 USE_PDL=1", w4a16_gemv._w4a16_gemv_kernel, gemv,
                           dict(GROUPED=False, SWIGLU=False, HAS_ROW_SCALE=False, DEQ=3, INTERPRET=False, BLOCK_N=4,

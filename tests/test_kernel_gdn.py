@@ -74,7 +74,8 @@ def test_registry_self_check():
     reg = Registry()
     gdn_decode.register(reg)
     checks = reg.self_check(DEVICE)
-    assert checks == {"gdn_decode": "triton passed", "gdn_decode_rows": "triton passed"}, checks
+    assert checks == {"gdn_decode": "triton passed", "gdn_decode_rows": "triton passed",
+                      "gdn_decode_rows_norm_fp8": "triton passed"}, checks
 
 
 def test_rows_in_place_over_a_pool():

@@ -34,7 +34,7 @@ PARTICIPANTS = {
     "kernels.rms_norm": ("_rms_norm_zc_kernel", "_rms_norm_gated_kernel", "_add_rms_norm_zc_kernel"),
     "kernels.moe_combine": ("_moe_combine_kernel", "_moe_combine_parts_kernel"),
     "kernels.moe_router": ("_router_topk_kernel", "_router_gemv_topk_kernel"),
-    "kernels.gdn_decode": ("_gdn_decode_kernel",),
+    "kernels.gdn_decode": ("_gdn_decode_kernel", "_gdn_decode_norm_kernel"),
     "kernels.gdn_prep": ("_gdn_prep_kernel",),
     "kernels.fp8_quant": ("_quant_static_kernel",),
     "kernels.fp8_gemv": ("_fp8_gemv_kernel",),
@@ -75,10 +75,28 @@ def _source(kernel) -> ast.FunctionDef:
     return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
 
 
+# what a kernel may call before `pdl_enter(USE_PDL)`: index arithmetic and the weight prefetch (`prefetch_l2`, under
+# `if PREFETCH`), nothing that reads or writes memory
+BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.cdiv", "tl.minimum", "tl.where", "prefetch_l2", "prefetch_l2_once"}
+
+
+def _calls_before_wait(body: list) -> list[str]:
+    """The callee names of every call in the statements before `pdl_enter(USE_PDL)` (`x.to(...)`: `.to`)."""
+    names = []
+    for stmt in body[:[ast.unparse(s) for s in body].index("pdl_enter(USE_PDL)")]:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Call):
+                names.append(".to" if isinstance(node.func, ast.Attribute) and node.func.attr == "to"
+                             else ast.unparse(node.func))
+    return names
+
+
 @pytest.mark.parametrize("module", sorted(PARTICIPANTS))
 def test_participants_wait_first(module):
-    """USE_PDL a constexpr defaulting to False, and `pdl_enter(USE_PDL)` the first statement after the docstring (a
-    load or store before it could race the predecessor); every launch of the kernel passes the launch options."""
+    """USE_PDL a constexpr defaulting to False, and `pdl_enter(USE_PDL)` before any statement that touches memory (a
+    load or store before it could race the predecessor): only index arithmetic and, in the kernels that take a
+    PREFETCH constexpr (default False), L2 prefetches of weights come first. Every launch of the kernel passes the
+    launch options."""
     mod = importlib.import_module(module)
     src = inspect.getsource(mod)
     for name in PARTICIPANTS[module]:
@@ -86,8 +104,10 @@ def test_participants_wait_first(module):
         param = inspect.signature(getattr(mod, name).fn).parameters["USE_PDL"]
         assert param.default is False
         body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        first = ast.unparse(body[0])
-        assert first == "pdl_enter(USE_PDL)", (name, first)
+        before = _calls_before_wait(body)
+        assert set(before) <= BEFORE_WAIT | {".to"}, (name, before)
+        if {"prefetch_l2", "prefetch_l2_once"} & set(before):
+            assert inspect.signature(getattr(mod, name).fn).parameters["PREFETCH"].default is False, name
         launches = [i for i in range(len(src)) if src.startswith(f"{name}[", i)]
         assert launches, name
         for i in launches:  # the launch call up to its closing parenthesis names the options
@@ -172,12 +192,13 @@ def test_participant_waits_for_a_late_writer():
 
     d = 2048
     w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    no_codes = (w, 0, w)  # codes, s_c, s_in: unread without QUANT (the kernel's FP8-codes output, off here)
     variants = (("waits", {"USE_PDL": True, "launch_pdl": True}),
                 ("control", {"USE_PDL": False, "launch_pdl": True}))
     for _, options in variants:  # compiled first: a compile between the two launches would separate them
         x = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16)
         _late_writer[(1,)](x, d, 3.0, SPIN=2_000_000, BLOCK=d)
-        rms_norm._rms_norm_zc_kernel[(1,)](x, w, torch.empty_like(x), 1, d, x.stride(0), x.stride(0), 1e-6,
+        rms_norm._rms_norm_zc_kernel[(1,)](x, w, torch.empty_like(x), 1, d, x.stride(0), x.stride(0), 1e-6, *no_codes,
                                            BLOCK_R=1, BLOCK_D=d, INTERPRET=False, num_warps=4, **options)
     torch.cuda.synchronize()
     results = {}
@@ -185,7 +206,7 @@ def test_participant_waits_for_a_late_writer():
         x = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(x)
         _late_writer[(1,)](x, d, 3.0, SPIN=2_000_000, BLOCK=d)
-        rms_norm._rms_norm_zc_kernel[(1,)](x, w, out, 1, d, x.stride(0), out.stride(0), 1e-6, BLOCK_R=1,
+        rms_norm._rms_norm_zc_kernel[(1,)](x, w, out, 1, d, x.stride(0), out.stride(0), 1e-6, *no_codes, BLOCK_R=1,
                                            BLOCK_D=d, INTERPRET=False, num_warps=4, **options)
         torch.cuda.synchronize()
         results[label] = out.float()

@@ -131,6 +131,10 @@ class GatedDeltaNet(nn.Module):
     # call may tile its sums differently from the fused call's (fp32 summation order). Set by the engine
     # (QwenEngineConfig.gdn_z_stream)
     z_stream = False
+    # decode-only steps with out_proj's input codes: the recurrent step and the gated norm + codes after it in one
+    # launch (`batch.gdn_decode(..., norm=...)`: kernels/gdn_decode.py "gdn_decode_rows_norm_fp8"; the engine's
+    # `gdn_decode_norm`); the same operations
+    decode_norm = False
 
     def __init__(self, cfg: QwenConfig, chunk_size: int = 64):
         super().__init__()
@@ -279,9 +283,15 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
                     qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
                     self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-            o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
+            scale = producer_scale(self, ("out_proj",))
+            fused_norm = self.decode_norm and scale is not None and batch.gdn_decode is not None
+            if not fused_norm:  # (fused: after the window, which joins z's fork)
+                o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        scale = producer_scale(self, ("out_proj",))
+        if fused_norm:  # the step + the gated norm + out_proj's codes in one op
+            o, o_codes = batch.gdn_decode(q, k, v, g, beta, slots.recurrent, rows,
+                                          norm=(z, self.norm.weight, self.norm.eps, scale))
+            return self.out_proj(o.flatten(-2), o_codes.flatten(-2))
         if scale is None:
             return self._output(o, z, x.dtype)
         o, o_codes = self.norm.forward_fp8(_norm_input(o, z, x.dtype), z, scale)  # + out_proj's activation codes

@@ -94,7 +94,8 @@ class FlatBatch:
     num_decode: int  # rows 0..num_decode-1 are decode rows: 1 token each, starts[i] == i
     block_size: int
     # the GDN one-token recurrent step over the state pool, in place: (q, k, v, g, beta, pool [S, H, Dk, Dv], rows
-    # int64 [B]) -> o [B, H, Dv]; None -> `gdn.gated_delta_rows` (kernels/gdn_decode.py's "gdn_decode_rows" op)
+    # int64 [B]) -> o [B, H, Dv]; None -> `gdn.gated_delta_rows` (kernels/gdn_decode.py's "gdn_decode_rows" op);
+    # with `norm=(z, weight, eps, input_scale)` -> (the gated norm of o, its e4m3 codes), "gdn_decode_rows_norm_fp8"
     gdn_decode: Callable | None = None
     # attention of the decode rows over the paged pool: (q [D, H, Dh], k_pool, v_pool, block_tables [D, max_blocks],
     # context_lens [D], scale) -> o [D, H, Dh] in q's dtype (`kernels/paged_attention.py`, bounds read on the
