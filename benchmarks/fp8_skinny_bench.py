@@ -23,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (name, N, K): the engine's FP8 projections (GDN: in_proj_qkv, in_proj_z, out_proj; attention: q(+gate), k / v, o)
 SHAPES = [("gdn in_proj_qkv / attn q_proj", 8192, 2048), ("gdn in_proj_z", 4096, 2048),
-          ("gdn out_proj / attn o_proj", 2048, 4096), ("attn k_proj / v_proj", 512, 2048)]
+          ("gdn out_proj / attn o_proj", 2048, 4096), ("attn k_proj / v_proj", 512, 2048),
+          # the engine's fused decode projections (quantized.fused_fp8_projections): GDN in_proj_qkv + z, attention
+          # q (with its gate) + k + v -- what a lone decode step's FP8 GEMV runs
+          ("gdn in_proj_qkvz (fused)", 12288, 2048), ("attn q/k/v (fused)", 9216, 2048)]
 L2_BYTES = 50 * 2**20
 
 
@@ -31,14 +34,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/fp8_skinny_bench")
     ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--pdl", action="store_true", help="launch the Triton kernels with programmatic dependent launch, "
+                                                       "as the engine does on Hopper (kernels/pdl.py)")
     args = ap.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("fp8_skinny_bench needs a CUDA GPU")
+    if args.pdl:
+        from kernels import pdl
+
+        pdl.set_enabled(pdl.device_supports())
     from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
     from kernels import fp8_gemv, fp8_skinny
     from kernels.fp8_linear import fp8_linear_triton_quant
+    from kernels.fp8_quant import quantize_static_triton
     from kernels.nvfp4 import FP8Tensor, fp8_linear_reference
 
     dev = torch.device("cuda")
@@ -50,11 +60,20 @@ def main() -> None:
     def gemv(prequantize):
         return lambda x, w: fp8_gemv.fp8_gemv_op(x, w.data, w.scale, w.input_scale, torch.bfloat16, prequantize)
 
+    codes_memo: dict = {}
+
+    def on_codes(x, w):
+        """The engine's decode call: the input's codes made by the op before (quant_in_producers), not timed here."""
+        if x.data_ptr() not in codes_memo:  # (every weight copy has the same input scale)
+            codes_memo[x.data_ptr()] = quantize_static_triton(x, w.input_scale)
+        return fp8_gemv.fp8_gemv_op(x, w.data, w.scale, w.input_scale, torch.bfloat16, codes=codes_memo[x.data_ptr()])
+
     # label -> (call, largest M it takes)
     impls = {"quant + cuBLASLt (scaled_mm)": (lambda x, w: fp8_linear_triton_quant(x, w), 1 << 30),
              "fp8_skinny (fused, split K)": (skinny, fp8_skinny.SKINNY_MAX_M),
              "quant + fp8_gemv": (gemv(True), fp8_gemv.GEMV_MAX_ROWS),
-             "fp8_gemv (quant in loop)": (gemv(False), fp8_gemv.GEMV_MAX_ROWS)}
+             "fp8_gemv (quant in loop)": (gemv(False), fp8_gemv.GEMV_MAX_ROWS),
+             "fp8_gemv on codes (the engine's)": (on_codes, fp8_gemv.GEMV_MAX_ROWS)}
 
     def per_call_us(fn, x, ws) -> float:
         return graph_per_call_us([lambda w=w: fn(x, w) for w in ws])

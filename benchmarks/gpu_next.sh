@@ -223,6 +223,8 @@
 #       with gdn_decode_norm beside the defaults and --again, the graphed engine test (ran: Qwen run 55; the graphed
 #       engine test was cut at 150 s before its first case ended)
 #   STEPS="105" (no carry needed): ~1 min: issue 5, the dependent-launch chain's floor per launch by bytes read
+#   STEPS="106" (carry .tritoncache): ~8 min: issue 5, today's decode kernels per call at one row with PDL beside the
+#       chain's floor (the gap table of RESULTS' thirty-second session measured fresh; unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1326,6 +1328,27 @@ say "105. issue 5: the dependent-launch chain's floor (benchmarks/chain_floor.py
 say "    200 launches reading 0-25 MB each, PDL off / on -- what a lone decode step's ~415 critical kernels cost at least"
 timeout "${LIMIT_105:-150}" python benchmarks/chain_floor.py --out "$R/chain_floor" > "$R/chain_floor.log" 2>&1
 grep -E "^\[chain_floor\]|^\||Error|error" "$R/chain_floor.log" | cut -c1-200 | head -30
+fi
+if want 106; then
+say "106. issue 5: today's decode kernels per call at one row, PDL on, beside the chain's floor for their bytes (the gap"
+say "    table of RESULTS' thirty-second session, measured fresh): FP8 GEMV at the fused projections on codes, router,"
+say "    routed experts (DEQ_WIDE), gdn_prep, moe_combine, lm_head; then benchmarks/chain_floor.py"
+timeout 120 python benchmarks/fp8_skinny_bench.py --rows 1 --pdl --out "$R/fp8_skinny_bench" > "$R/fp8_skinny_bench.log" 2>&1
+grep -E "^\| " "$R/fp8_skinny_bench/fp8_skinny_bench.md" | cut -c1-260
+timeout 40 python benchmarks/router_bench.py --rows 1 --pdl --out "$R/router_bench" > "$R/router_bench.log" 2>&1
+grep -E "^\| " "$R/router_bench/router_bench.md" | cut -c1-160
+timeout 120 python benchmarks/w4a16_gemv_bench.py --tokens 1 --deq 2,3 --pdl --out "$R/w4a16_gemv_bench" \
+  > "$R/w4a16_gemv_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-220
+timeout 60 python benchmarks/gdn_prep_bench.py --rows 1 --out "$R/gdn_prep_bench" > "$R/gdn_prep_bench.log" 2>&1
+grep -E "^\| " "$R/gdn_prep_bench/gdn_prep_bench.md" | cut -c1-200 | head -4
+timeout 60 python benchmarks/moe_decode_bench.py --combine-probe --layers 1 --out "$R/moe_combine" > "$R/moe_combine.log" 2>&1
+grep -E "combine probe" "$R/moe_combine.log" | cut -c1-300
+timeout 90 python benchmarks/lm_head_bench.py --rows 1 --sweep "" --out "$R/lm_head_bench" > "$R/lm_head_bench.log" 2>&1
+grep -E "^\[lm_head_bench\]" "$R/lm_head_bench.log" | cut -c1-300 | head -4
+timeout 60 python benchmarks/chain_floor.py --out "$R/chain_floor" > "$R/chain_floor.log" 2>&1
+grep -E "^\|" "$R/chain_floor.log" | cut -c1-120
+grep -hE "Error|Traceback" "$R"/*.log | head -10
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -383,7 +383,9 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         raise
     start_s = time.perf_counter() - t_start
     pdl_on = engine.health().get("programmatic_launch")
-    prefetch_on = engine.health().get("weight_prefetch")
+    # the mode in force, and how many launches took it (process-wide counts, since import: compare engines' values)
+    prefetch_on = dict(mode=engine.health().get("weight_prefetch"),
+                       launches=engine.health().get("weight_prefetch_launches"))
 
     async def one(ids: list[int], n: int) -> dict:
         t0 = time.perf_counter()
@@ -440,6 +442,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     shared_expert_stream_layers=engine.health().get("shared_expert_stream_layers"),
                     gdn_z_stream_layers=engine.health().get("gdn_z_stream_layers"),
                     combine_next_norm=engine.health().get("combine_next_norm"),
+                    gdn_decode_norm_layers=engine.health().get("gdn_decode_norm_layers"),
                     shared_expert_after_router_layers=engine.health().get("shared_expert_after_router_layers"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,

@@ -92,10 +92,16 @@ def main() -> None:
     ap.add_argument("--out", default="out/router")
     ap.add_argument("--rows", default="1,4,32", help="decode rows N (comma-separated)")
     ap.add_argument("--sweep", action="store_true", help="also time the fused op at the tilings of SWEEP")
+    ap.add_argument("--pdl", action="store_true", help="launch the Triton kernels with programmatic dependent launch, "
+                                                       "as the engine does on Hopper (kernels/pdl.py)")
     args = ap.parse_args()
     rows_n = [int(v) for v in args.rows.split(",")]
     if not torch.cuda.is_available():
         sys.exit("router_bench.py times CUDA kernels: no CUDA device here (run it on the GPU machine)")
+    if args.pdl:
+        from kernels import pdl
+
+        pdl.set_enabled(pdl.device_supports())
     import triton
 
     g = torch.Generator().manual_seed(0)

@@ -34,11 +34,17 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40, help="calls per graph (the MoE: 40 = the model's layers)")
     ap.add_argument("--deq", default="2", help="the GEMV's dequant modes to time: 2 (always: the \"GEMV\" columns), "
                                                "3 (DEQ_WIDE, the engine's default since 2026-12-01)")
+    ap.add_argument("--pdl", action="store_true", help="launch the Triton kernels with programmatic dependent launch, "
+                                                       "as the engine does on Hopper (kernels/pdl.py)")
     args = ap.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("w4a16_gemv_bench needs a CUDA GPU")
+    if args.pdl:
+        from kernels import pdl
+
+        pdl.set_enabled(pdl.device_supports())
     from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
     from kernels import w4a16_gemm as tc
     from kernels import w4a16_gemv as gv

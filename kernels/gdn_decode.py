@@ -285,10 +285,11 @@ def gdn_decode_rows_norm_fp8_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("gdn_decode_rows_norm_fp8_ updates the state pool in place and needs it contiguous")
     if rows.dtype != torch.int64 or rows.shape != q.shape[:1] or not rows.is_contiguous():
         raise ValueError(f"rows must be a contiguous int64 [B] tensor, got {rows.dtype} {tuple(rows.shape)}")
-    if z.shape != v.shape or tuple(weight.shape) != (v.shape[-1],) or input_scale.numel() != 1:
-        raise ValueError(f"gdn_decode_rows_norm_fp8_: z must be v's shape {tuple(v.shape)}, weight [Dv] and "
-                         f"input_scale one value; got z {tuple(z.shape)}, weight {tuple(weight.shape)}, "
-                         f"input_scale {tuple(input_scale.shape)}")
+    if (z.shape != v.shape or tuple(weight.shape) != (v.shape[-1],) or weight.stride(-1) != 1
+            or input_scale.numel() != 1 or input_scale.dtype != torch.float32):
+        raise ValueError(f"gdn_decode_rows_norm_fp8_: z must be v's shape {tuple(v.shape)}, weight [Dv] (unit stride) "
+                         f"and input_scale one fp32 value; got z {tuple(z.shape)}, weight {tuple(weight.shape)}, "
+                         f"input_scale {input_scale.dtype} {tuple(input_scale.shape)}")
     return _launch_norm(q, k, v, g, beta, pool, rows, z, weight, eps, input_scale)
 
 

@@ -58,6 +58,10 @@ except ImportError:  # CPU-only installs without triton (or a triton without GDC
 
 _ENABLED = False
 _PREFETCH = "off"  # set_prefetch
+# launches issued with a prefetch since import: "own" (PREFETCH), "next" (the MoE gate_up's PREFETCH_NEXT); a captured
+# graph's launches count once, at capture. Benchmarks read it to show the prefetch engaged (a misaligned range skips it
+# silently)
+PREFETCH_LAUNCHES = {"own": 0, "next": 0}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton.jit does at import
 ENV = "SAMMIE_PDL"  # "1": enabled from import on (GPU test runs: every kernel test then launches with PDL; a Qwen
 #                     engine still sets it from its own `programmatic_launch` option)
@@ -132,7 +136,10 @@ def prefetch_options(aligned: bool) -> dict:
     """{PREFETCH: True} for a launch whose prefetch ranges are 16-byte aligned and multiples of 16 bytes
     (`cp.async.bulk.prefetch`'s rule; the caller checks its addresses and strides), while PDL and the prefetch ("own"
     or "all") are on; else {} (the kernel's default: no prefetch)."""
-    return {"PREFETCH": True} if prefetch_mode() != "off" and aligned else {}
+    if prefetch_mode() != "off" and aligned:
+        PREFETCH_LAUNCHES["own"] += 1
+        return {"PREFETCH": True}
+    return {}
 
 
 def prefetch_next() -> bool:

@@ -3,10 +3,11 @@ counters with which the split that finishes a tile last reduces the others' part
 semaphore pattern: every thread's partial stored, a CTA barrier, one acq_rel atomic_add; the last arrival reads the
 partials through L2 and re-arms the counter to 0).
 
-Users: the dense W4A16 kernel (`w4a16_gemm`: one counter per output tile), the decode FP8 linear (`fp8_skinny`: one
-per N tile) and the router GEMV + top-k (`moe_router`: one per row block). Each launch leaves every counter it
-touched at 0, so launches may share them as long as they do not overlap in time. The engine's steps run on one CUDA
-stream except for the work it forks onto a second one (`qwen_engine/model/streams.py`), which runs under
+Users: the dense W4A16 kernel (`w4a16_gemm`: one counter per output tile), the decode FP8 linear (`fp8_skinny`: one per
+N tile), the router GEMV + top-k (`moe_router`: one per row block) and the GDN decode step with its gated norm
+(`gdn_decode`'s `gdn_decode_rows_norm_fp8`: one per (row, head); the last slice of a head norms it). Each launch leaves
+every counter it touched at 0, so launches may share them as long as they do not overlap in time. The engine's steps run
+on one CUDA stream except for the work it forks onto a second one (`qwen_engine/model/streams.py`), which runs under
 `counters_of("side")` and so gets counters of its own: two overlapping launches never share one.
 """
 

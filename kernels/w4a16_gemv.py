@@ -319,10 +319,10 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int (the router's
     ids, flattened): output row r reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)],
     times `row_scale[r]` if given. `then` (grouped): the next launch's (packed, scales) of the same experts, prefetched
-    into L2 by this one in weight prefetch mode "all" (kernels/pdl.py; `next_prefetch_args`). `config` pins BLOCK_N / BLOCK_K / num_warps (tests, benchmarks). `deq`: the
-    dequantiser for bf16 activations on a GPU (None: DEQ_GPU, mode 2 where rows are not 4-byte aligned; DEQ_WIDE asked
-    for by name on such rows: ValueError); the interpreter and fp16 activations have one each. One launch, no host syncs
-    (CUDA-graph capturable)."""
+    into L2 by this one in weight prefetch mode "all" (kernels/pdl.py; `next_prefetch_args`). `config` pins BLOCK_N /
+    BLOCK_K / num_warps (tests, benchmarks). `deq`: the dequantiser for bf16 activations on a GPU (None: DEQ_GPU, mode 2
+    where rows are not 4-byte aligned; DEQ_WIDE asked for by name on such rows: ValueError); the interpreter and fp16
+    activations have one each. One launch, no host syncs (CUDA-graph capturable)."""
     grouped = pair_expert is not None
     k = x.shape[-1]
     if grouped:
@@ -359,6 +359,7 @@ def w4a16_gemv_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
                                         and pdl.aligned16(packed.data_ptr(), sc.data_ptr(), k // 2, k // 16))
     else:
         prefetch = next_prefetch_args(*then) if then is not None and pdl.prefetch_next() else {}
+        pdl.PREFETCH_LAUNCHES["next"] += bool(prefetch)
     if interp or config:
         cfg = dict(INTERPRETER_CONFIG) if interp else {}
         cfg.update(config or {})

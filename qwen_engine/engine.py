@@ -558,6 +558,7 @@ class QwenEngine:
             "autotune_table_picks": self.autotune_picks,
             "programmatic_launch": self.programmatic_launch,
             "weight_prefetch": self.weight_prefetch,  # the mode in force ("off" without PDL)
+            "weight_prefetch_launches": _prefetch_launches(),  # process-wide counts (kernels/pdl.py)
             "quant_in_producers": _quant_in_producers(),  # process-wide: the last engine built set it
             "stats": s.stats.snapshot(),
         }
@@ -909,6 +910,12 @@ def set_shared_expert_after_router(model: torch.nn.Module, on: bool) -> int:
     from .model.moe import SparseMoE
 
     return _set_on_every(model, SparseMoE, "shared_after_router", on)
+
+
+def _prefetch_launches() -> dict:
+    from kernels import pdl
+
+    return dict(pdl.PREFETCH_LAUNCHES)
 
 
 def set_gdn_decode_norm(model: torch.nn.Module, on: bool) -> int:

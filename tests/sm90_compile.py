@@ -295,7 +295,7 @@ def main() -> int:
     # DEQ_WIDE (int32 words, fp32 weights out of PTX) for grouped gate_up and dense lm_head-style calls
     gemv = {"x": "*bf16", "w": "*u8", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "pair_expert": "*i64"}
     for grouped, swiglu, dtype, deq in ((True, True, "bf16", 2), (True, False, "bf16", 2), (False, False, "fp16", 0),
-                                        (True, True, "bf16", 3), (False, False, "bf16", 3)):
+                                        (True, True, "bf16", 3), (False, False, "bf16", 3), (False, True, "bf16", 3)):
         types = {**gemv, **({"x": "*fp16", "y": "*fp16", "rs": "*fp16"} if dtype == "fp16" else {})}
         ok.append(compile_one(f"w4a16_gemv GROUPED={grouped} SWIGLU={swiglu} DEQ={deq} BLOCK_N=8 BLOCK_K=512 ({dtype})",
                               w4a16_gemv._w4a16_gemv_kernel, types,

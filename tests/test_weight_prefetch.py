@@ -1,7 +1,8 @@
 """The decode kernels' weight prefetch (kernels/pdl.py `prefetch_l2`, the Qwen engine's `weight_prefetch`): asked
-for only while PDL is on and the ranges are 16-byte aligned; the grouped GEMV's prefetch of the next launch's experts
-only for contiguous, aligned slabs; and on a GPU every kernel's output the same bits with and without it (a prefetch
-moves no data into registers). The PTX (the prefetch before griddepcontrol.wait, nothing else that touches memory)
+for only while PDL is on and, by each launcher's guard, only for contiguous 16-byte-aligned ranges; the grouped GEMV's
+prefetch of the next launch's experts only for contiguous, aligned slabs; and on a GPU, with the launches shown to
+have asked for it, every kernel's output the same bits with and without it (a prefetch moves no data into registers:
+what these can catch is a fault or a clobbered register, not a numeric change). The PTX (the prefetch before griddepcontrol.wait, nothing else that touches memory)
 is compiled for sm_90 in tests/sm90_compile.py; the source rule in tests/test_pdl.py; the speed in
 benchmarks/RESULTS.md."""
 
@@ -35,6 +36,9 @@ def test_options_need_pdl_prefetch_and_alignment(prefetch_state):
     with pytest.raises(ValueError, match="weight prefetch"):
         pdl.set_prefetch("some")
     assert pdl.aligned16(0, 16, 4096) and not pdl.aligned16(16, 8) and not pdl.aligned16(2050)
+    before = dict(pdl.PREFETCH_LAUNCHES)
+    pdl.prefetch_options(True), pdl.prefetch_options(False)
+    assert pdl.PREFETCH_LAUNCHES["own"] == before["own"] + 1  # counted where a launch takes it
 
 
 def test_next_prefetch_args_only_for_contiguous_aligned_slabs():
@@ -64,24 +68,89 @@ def test_engine_option(prefetch_state):
             QwenEngineConfig(weight_prefetch=bad)
 
 
-# ---- on a GPU: the same bits with and without the prefetch ----------------------------------------------------------
+# ---- the launchers' guards (CPU: the interpreter runs the kernels without PDL; the decision is recorded) ------------
+@pytest.fixture
+def asked(monkeypatch):
+    """Every `aligned` argument the launchers hand `pdl.prefetch_options` (which then returns {}: the interpreter has
+    no PTX), and every `next_prefetch_args` result, in call order."""
+    seen = {"own": [], "next": []}
+    monkeypatch.setattr(pdl, "prefetch_options", lambda aligned: seen["own"].append(bool(aligned)) or {})
+    monkeypatch.setattr(pdl, "prefetch_next", lambda: True)
+    from kernels import w4a16_gemv
+
+    real = w4a16_gemv.next_prefetch_args
+    monkeypatch.setattr(w4a16_gemv, "next_prefetch_args", lambda *a: seen["next"].append(real(*a)) or {})
+    return seen
+
+
+def test_fp8_gemv_guard_needs_contiguous_aligned_rows(asked):
+    from kernels.fp8_gemv import fp8_gemv_op
+
+    x, s_in = torch.randn(1, 64), torch.tensor(0.05)
+    w = (torch.randn(24, 80) * 40).to(torch.float8_e4m3fn)
+    ws = torch.rand(24) * 0.01
+    fp8_gemv_op(x, w[:, :64], ws, s_in, torch.float32, prequantize=True)  # rows of 80 bytes, 64 read: not one range
+    fp8_gemv_op(x, w[:, :64].contiguous(), ws, s_in, torch.float32, prequantize=True)
+    x2 = torch.randn(1, 72)
+    fp8_gemv_op(x2, w[:, :72].contiguous(), ws, s_in, torch.float32, prequantize=True)  # 72-byte rows: not 16s
+    assert asked["own"] == [False, True, False]
+
+
+def test_w4a16_guards(asked):
+    from kernels.w4a16_gemv import w4a16_gemv_launch
+    from tests.test_kernel_w4a16 import moe_inputs, rand_weight, rand_x
+
+    dense = rand_weight(16, 256, seed=1)
+    w4a16_gemv_launch(rand_x(1, 256, seed=2), *dense)  # 128 packed + 16 scale bytes a row: aligned
+    w4a16_gemv_launch(rand_x(1, 64, seed=3), *rand_weight(16, 64, seed=4))  # 4 scale bytes a row: not
+    assert asked["own"] == [True, False]
+    w13, w2, idx, wts, x = moe_inputs(1, e=4, h=64, i=32, top_k=2, seed=5)
+    w4a16_gemv_launch(x, *w13, pair_expert=idx, a_div=2, swiglu=True, then=(w2.packed, w2.scales))
+    assert asked["next"] == [dict(nw=w2.packed.data_ptr(), ns=w2.scales.data_ptr(), s_nwe=64 * 16, s_nse=64 * 2,
+                                  NEXT_W_BYTES=64 * 16, NEXT_S_BYTES=64 * 2, PREFETCH_NEXT=True)]
+    assert asked["own"] == [True, False]  # a grouped launch prefetches nothing of its own (its experts are data)
+
+
+def test_router_and_gdn_prep_guards(asked):
+    from kernels.gdn_prep import gdn_decode_prep_ba_triton, random_inputs_ba
+    from kernels.moe_router import _launch_gemv
+
+    _launch_gemv(torch.randn(1, 128), torch.randn(16, 128) * 0.02, 4)  # fp32 rows of 512 bytes
+    _launch_gemv(torch.randn(1, 30), torch.randn(16, 30) * 0.02, 4)  # 120-byte rows: not 16s
+    assert asked["own"] == [True, False]
+    args = random_inputs_ba(1, 2, 16, 2, 16, hidden=64, dtype=torch.float32, seed=6)
+    gdn_decode_prep_ba_triton(*args)  # w_ba rows of 256 bytes, contiguous
+    assert asked["own"] == [True, False, True]
+
+
+# ---- on a GPU: the same bits with and without the prefetch, which the launches did ask for ---------------------------
 needs_hopper = pytest.mark.skipif(not (pdl.available() and pdl.device_supports()),
                                   reason="needs compiled Triton on an sm_90 / sm_100 CUDA GPU")
 
 
 @pytest.fixture
-def pdl_on(prefetch_state):
+def pdl_on(prefetch_state, monkeypatch):
+    """PDL on; yields the list of every `prefetch_options` result and `next_prefetch_args` result of the launches."""
     pdl.set_enabled(True)
-    yield
+    from kernels import w4a16_gemv
+
+    taken = []
+    real_own, real_next = pdl.prefetch_options, w4a16_gemv.next_prefetch_args
+    monkeypatch.setattr(pdl, "prefetch_options", lambda aligned: taken.append(real_own(aligned)) or taken[-1])
+    monkeypatch.setattr(w4a16_gemv, "next_prefetch_args", lambda *a: taken.append(real_next(*a)) or taken[-1])
+    yield taken
 
 
-def _both(fn):
-    """fn() with the prefetch off, then "all" (PDL on for both): the two results."""
+def _both(fn, taken: list):
+    """fn() with the prefetch off, then "all" (PDL on for both): the two results; the "all" call's launches must have
+    asked for a prefetch (a misaligned range would silently skip it and leave nothing tested)."""
     pdl.set_prefetch("off")
     off = fn()
+    taken.clear()
     pdl.set_prefetch("all")
     on = fn()
     torch.cuda.synchronize()
+    assert any(taken), "no launch took the prefetch"
     return off, on
 
 
@@ -92,8 +161,9 @@ def _assert_same(off, on):
 
 
 @needs_hopper
-@pytest.mark.parametrize("m,n,k", [(1, 12288, 2048), (1, 2048, 4096), (2, 1000, 2048), (1, 520, 2064)])
+@pytest.mark.parametrize("m,n,k", [(1, 12288, 2048), (1, 2048, 4096), (2, 1003, 2048), (1, 517, 2064)])
 def test_fp8_gemv_same_bits(pdl_on, m, n, k):
+    """Whole tiles and ragged last programs (1003, 517 rows over BLOCK_N 8: a shorter last range)."""
     from kernels.fp8_gemv import fp8_gemv_op
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
@@ -101,46 +171,44 @@ def test_fp8_gemv_same_bits(pdl_on, m, n, k):
     w = (torch.randn(n, k, device="cuda", generator=g) * 40).to(torch.float8_e4m3fn)
     ws = torch.rand(n, device="cuda", generator=g) * 0.01
     s_in = torch.tensor(0.05, device="cuda")
-    pdl.set_prefetch("all")
-    assert pdl.prefetch_options(pdl.aligned16(w.data_ptr(), k))  # the launch asks for it (w: contiguous rows)
     off, on = _both(lambda: fp8_gemv_op(x, w, ws, s_in, torch.bfloat16, prequantize=True, block_n=8, block_k=512,
-                                        num_warps=1))  # a pinned tile: two builds to compile, not the tuner's 30
+                                        num_warps=1), pdl_on)  # a pinned tile: two builds, not the tuner's 30
     _assert_same(off, on)
 
 
 @needs_hopper
-@pytest.mark.parametrize("n", [1, 4])
-def test_router_same_bits(pdl_on, n):
+@pytest.mark.parametrize("n,e", [(1, 256), (4, 256), (1, 200)])
+def test_router_same_bits(pdl_on, n, e):
+    """E = 200: the last expert tile half full (its masked rows prefetch nothing)."""
     from kernels.moe_router import _launch_gemv
 
-    g = torch.Generator(device="cuda").manual_seed(n)
+    g = torch.Generator(device="cuda").manual_seed(n + e)
     x = torch.randn(n, 2048, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(256, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    _assert_same(*_both(lambda: _launch_gemv(x, w, 8)))
+    w = (torch.randn(e, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    _assert_same(*_both(lambda: _launch_gemv(x, w, 8), pdl_on))
 
 
 @needs_hopper
 def test_w4a16_gemv_same_bits(pdl_on):
-    """The dense GEMV (its own rows prefetched: the shared expert, SwiGLU and down) and the MoE GEMV, whose gate_up
-    launch prefetches the down projection's slabs of its experts."""
-    from kernels.w4a16_gemv import next_prefetch_args, w4a16_gemv_launch
+    """The dense GEMV (its own rows prefetched: SwiGLU with a ragged last program, and down) and the MoE GEMV, whose
+    gate_up launch prefetches the down projection's slabs of its experts."""
+    from kernels.w4a16_gemv import w4a16_gemv_launch
     from tests.test_kernel_w4a16 import moe_inputs, rand_weight, rand_x
 
     cfg = dict(BLOCK_N=4, BLOCK_K=512, num_warps=2)  # pinned: two builds a launch kind, not the tuner's 34
-    gate_up, down, x = rand_weight(1024, 2048, seed=1), rand_weight(2048, 512, seed=2), rand_x(1, 2048, seed=3)
-    off, on = _both(lambda: w4a16_gemv_launch(x, *gate_up, swiglu=True, config=cfg))
+    gate_up, down, x = rand_weight(1022, 2048, seed=1), rand_weight(2048, 512, seed=2), rand_x(1, 2048, seed=3)
+    off, on = _both(lambda: w4a16_gemv_launch(x, *gate_up, swiglu=True, config=cfg), pdl_on)  # 511 rows out
     _assert_same(off, on)
-    _assert_same(*_both(lambda: w4a16_gemv_launch(off, *down, config=cfg)))
+    h = torch.cat([off, off[:, :1]], 1)  # [1, 512]: down's K
+    _assert_same(*_both(lambda: w4a16_gemv_launch(h, *down, config=cfg), pdl_on))
     w13, w2, idx, wts, xe = moe_inputs(1, e=16, h=2048, i=512, top_k=8, seed=4)
-    pdl.set_prefetch("all")
-    assert next_prefetch_args(w2.packed, w2.scales)  # gate_up prefetches down's slabs
 
     def moe():  # moe_experts_w4a16_gemv's two launches
         h = w4a16_gemv_launch(xe, *w13, pair_expert=idx, a_div=8, swiglu=True, then=(w2.packed, w2.scales),
                               config=cfg)
         return h, w4a16_gemv_launch(h, *w2, pair_expert=idx, row_scale=wts, config=cfg)
 
-    _assert_same(*_both(moe))
+    _assert_same(*_both(moe, pdl_on))
 
 
 @needs_hopper
@@ -153,4 +221,4 @@ def test_gdn_prep_same_bits(pdl_on):
     def run():
         return gdn_decode_prep_ba_triton(args[0], pool.clone(), *args[2:])
 
-    _assert_same(*_both(run))
+    _assert_same(*_both(run, pdl_on))
