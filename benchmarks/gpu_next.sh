@@ -225,6 +225,8 @@
 #   STEPS="105" (no carry needed): ~1 min: issue 5, the dependent-launch chain's floor per launch by bytes read
 #   STEPS="106" (carry .tritoncache): ~8 min: issue 5, today's decode kernels per call at one row with PDL beside the
 #       chain's floor (the gap table of RESULTS' thirty-second session measured fresh; unrun)
+#   STEPS="107" (carry .devbundle/extra, .tritoncache): ~6 min: issue 5, lone-step experts on the swap-AB kernel
+#       (--without w4a16_moe:triton_gemv) beside the defaults (unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1349,6 +1351,12 @@ grep -E "^\[lm_head_bench\]" "$R/lm_head_bench.log" | cut -c1-300 | head -4
 timeout 60 python benchmarks/chain_floor.py --out "$R/chain_floor" > "$R/chain_floor.log" 2>&1
 grep -E "^\|" "$R/chain_floor.log" | cut -c1-120
 grep -hE "Error|Traceback" "$R"/*.log | head -10
+fi
+if want 107; then
+say "107. issue 5 (carry .devbundle/extra, .tritoncache): the routed experts of <= 4-token steps on the swap-AB kernel"
+say "    (+ the routing alignment) instead of the decode GEMV, which is issue-bound at ~8 instructions a weight (the"
+say "    experts ~2x their streaming floor: RESULTS' thirty-second session); the engine beside the defaults, --again"
+engine_ab qwen_experts_swapped "${LIMIT_107:-300}" --autotune-table auto --without w4a16_moe:triton_gemv --again
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
