@@ -118,16 +118,17 @@ def main() -> int:
             row["pdl" if on else "plain"] = measure(size, args.launches, args.replays, device)
         pdl.set_enabled(False)
         rows.append(row)
-        r = row.get("pdl", row["plain"])
+        r, pdl_us = row.get("pdl", row["plain"]), row.get("pdl", {}).get("us_per_launch", float("nan"))
         print(f"[chain_floor] {size:5.1f} MB x {r['programs']:5d} programs: plain "
-              f"{row['plain']['us_per_launch']:7.2f} us, PDL {row.get('pdl', {}).get('us_per_launch', float('nan')):7.2f}"
-              f" us per launch ({time.perf_counter() - t0:.0f} s)", flush=True)
+              f"{row['plain']['us_per_launch']:7.2f} us, PDL {pdl_us:7.2f} us per launch "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
     meta = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
                 launches=args.launches, replays=args.replays, words_per_program=WORDS)
     (out / "chain_floor.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# chain_floor ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
              f"{args.launches} launches a graph, median of {args.replays} replays)", "",
-             "| MB a launch | programs | us a launch, plain | us a launch, PDL | TB/s, PDL |", "|---:|---:|---:|---:|---:|"]
+             "| MB a launch | programs | us a launch, plain | us a launch, PDL | TB/s, PDL |",
+             "|---:|---:|---:|---:|---:|"]
     for row in rows:
         p, q = row["plain"], row.get("pdl", {})
         tb = q.get("tb_per_s")

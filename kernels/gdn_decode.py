@@ -113,10 +113,10 @@ if triton is not None:
             one = tl.arange(0, 1)  # the head's row as a [1, BLOCK_D] tile, as the norm kernel's rows are
             dd = tl.arange(0, BLOCK_D)
             d_ok = dd < DV
-            ok = (one >= 0)[:, None] & d_ok[None, :]
-            xf = tl.load(o + b * s_ob + h * s_oh + one[:, None] * 0 + dd[None, :], mask=ok, other=0.0,
+            ok = d_ok[None, :]  # [1, BD]
+            xf = tl.load(o + b * s_ob + h * s_oh + dd[None, :], mask=ok, other=0.0,
                          cache_modifier=".cg")  # L2: never a stale L1 line of another program's slice
-            zf = tl.load(z + b * s_zb + h * s_zh + one[:, None] * 0 + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+            zf = tl.load(z + b * s_zb + h * s_zh + dd[None, :], mask=ok, other=0.0).to(tl.float32)
             wf = tl.load(w + dd, mask=d_ok, other=0.0).to(tl.float32)
             y = gated_rows(xf, zf, wf, DV, eps, out.dtype.element_ty, ROUND_PRODUCT, ROUND_X, INTERPRET)
             _store_out(out + b * s_nb + h * s_nh, codes + b * s_cb + h * s_ch, s_in, one, dd, 0, 0, ok, y,
@@ -232,7 +232,7 @@ def gdn_decode_rows_triton(q, k, v, g, beta, pool, rows):
     return gdn_decode_rows_(q, k, v, g, beta, pool, rows), pool
 
 
-# ---- the step and the gated norm after it in one launch ---------------------------------------------------------------
+# ---- the step and the gated norm after it in one launch --------------------------------------------------------------
 # A GDN decode step runs the recurrent step (o [B, H, Dv] fp32), then the output's gated RMS norm per value head with
 # the FP8 codes of out_proj's input ("rms_norm_gated_fp8"): two launches on the critical path of every GDN layer (30 a
 # lone decode step). Here the program that finishes a head last norms it (`_gdn_decode_norm_kernel`).

@@ -1,10 +1,10 @@
-"""The decode kernels' weight prefetch (kernels/pdl.py `prefetch_l2`, the Qwen engine's `weight_prefetch`): asked
-for only while PDL is on and, by each launcher's guard, only for contiguous 16-byte-aligned ranges; the grouped GEMV's
+"""The decode kernels' weight prefetch (kernels/pdl.py `prefetch_l2`, the Qwen engine's `weight_prefetch`): asked for
+only while PDL is on and, by each launcher's guard, only for contiguous 16-byte-aligned ranges; the grouped GEMV's
 prefetch of the next launch's experts only for contiguous, aligned slabs; and on a GPU, with the launches shown to
 have asked for it, every kernel's output the same bits with and without it (a prefetch moves no data into registers:
-what these can catch is a fault or a clobbered register, not a numeric change). The PTX (the prefetch before griddepcontrol.wait, nothing else that touches memory)
-is compiled for sm_90 in tests/sm90_compile.py; the source rule in tests/test_pdl.py; the speed in
-benchmarks/RESULTS.md."""
+what these can catch is a fault or a clobbered register, not a numeric change). The PTX (the prefetch before
+griddepcontrol.wait, nothing else that touches memory) is compiled for sm_90 in tests/sm90_compile.py; the source
+rule in tests/test_pdl.py; the speed in benchmarks/RESULTS.md."""
 
 import pytest
 import torch
