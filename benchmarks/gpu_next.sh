@@ -227,6 +227,8 @@
 #       chain's floor (the gap table of RESULTS' thirty-second session measured fresh; unrun)
 #   STEPS="107" (carry .devbundle/extra, .tritoncache): ~6 min: issue 5, lone-step experts on the swap-AB kernel
 #       (--without w4a16_moe:triton_gemv) beside the defaults (unrun)
+#   STEPS="108" (carry .devbundle/extra): <= 7 min: issue 5, the tiny packed engines' CUDA tests with one autotune
+#       configuration each (unrun)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1357,6 +1359,12 @@ say "107. issue 5 (carry .devbundle/extra, .tritoncache): the routed experts of 
 say "    (+ the routing alignment) instead of the decode GEMV, which is issue-bound at ~8 instructions a weight (the"
 say "    experts ~2x their streaming floor: RESULTS' thirty-second session); the engine beside the defaults, --again"
 engine_ab qwen_experts_swapped "${LIMIT_107:-300}" --autotune-table auto --without w4a16_moe:triton_gemv --again
+fi
+if want 108; then
+say "108. issue 5 (carry .devbundle/extra): the tiny packed engines' CUDA tests, each cut at 150-200 s in steps 97-105"
+say "    while Triton tuned every configuration of their small shapes; conftest's one_autotune_config now leaves one"
+gpu_tests cuda_engine_tests "${LIMIT_108:-400}" tests/test_qwen_combine_norm.py tests/test_qwen_shared_stream.py \
+  tests/test_gdn_decode_norm.py -k "engine_on_cuda or engine_forks_on_cuda" -rfE --durations=5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

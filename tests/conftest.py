@@ -25,3 +25,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_autotune_config(monkeypatch):
+    """Every autotuned kernel (kernels/autotune_table.py AUTOTUNED) with only its first configuration: Triton then
+    compiles that one per key and times nothing. For the tiny packed engines' CUDA tests, whose small shapes miss the
+    shipped autotune table: tuning every configuration of every key cold kept each such test running past 150-200 s
+    on the H200 (2026-12-03, steps 101-104), before its first case ended. Engines built under it need
+    autotune_table="off" (the table names configurations this leaves out). Both sides of a test's comparison run the
+    same configuration, so their tokens stay comparable."""
+    from kernels.autotune_table import autotuners
+
+    for tuner in autotuners().values():
+        monkeypatch.setattr(tuner, "configs", tuner.configs[:1])

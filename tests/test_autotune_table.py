@@ -114,3 +114,19 @@ def test_engine_config_checks_the_table_path():
     assert QwenEngineConfig(config="tiny", autotune_table="off").autotune_table == "off"
     with pytest.raises(ValueError, match="autotune_table"):
         QwenEngineConfig(config="tiny", autotune_table="/nonexistent/table.json")
+
+
+def test_one_autotune_config_fixture(one_autotune_config):
+    """conftest's fixture for the tiny CUDA engine tests leaves every autotuned kernel one configuration (its first),
+    so Triton neither compiles nor times the others (monkeypatch restores them after the test)."""
+    from kernels.autotune_table import autotuners
+
+    tuners = autotuners()
+    assert tuners and all(len(t.configs) == 1 for t in tuners.values())
+
+
+def test_autotuners_have_their_configurations_back():
+    """After the fixture's test (file order), each kernel lists all its configurations again."""
+    from kernels.autotune_table import autotuners
+
+    assert all(len(t.configs) > 1 for t in autotuners().values())

@@ -118,7 +118,7 @@ def test_engine_same_tokens_no_separate_norm(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on a GPU")
-def test_engine_on_cuda_tokens():
+def test_engine_on_cuda_tokens(one_autotune_config):
     """On a GPU, bf16 with the decode graphs captured: the fused op chosen as the Triton kernel, and the greedy tokens
     of the engine without it at least 3 in 4 (compiled, the fused norm may sum a head's squares in another fp32
     order than the norm kernel's tile: H200 run 55 kept the lone request's 49 tokens and 25 of 32 streams'; a wrong
@@ -126,7 +126,7 @@ def test_engine_on_cuda_tokens():
     from tests.test_qwen_engine import engine_config
     from tests.test_qwen_shared_stream import one_by_one
 
-    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture")
+    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture", autotune_table="off")
     _, off = one_by_one(engine_config(weights="packed", gdn_decode_norm=False, **graphed))
     health, on = one_by_one(engine_config(weights="packed", gdn_decode_norm=True, **graphed))
     assert health["runner"]["graph_steps"] > 0

@@ -203,10 +203,10 @@ def test_engine_same_tokens_fewer_norm_launches(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on a GPU")
-def test_engine_on_cuda_same_tokens():
+def test_engine_on_cuda_same_tokens(one_autotune_config):
     """On a GPU, bf16 with the decode graphs captured: the same greedy tokens with the option as without, and the
     fused ops chosen as the Triton kernels."""
-    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture")
+    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture", autotune_table="off")
     _, off, _ = one_by_one(engine_config(weights="packed", combine_next_norm=False, **graphed))
     health, on, c_on = one_by_one(engine_config(weights="packed", combine_next_norm=True, **graphed))
     assert health["runner"]["graph_steps"] > 0, health["runner"]

@@ -231,17 +231,17 @@ def test_forked_paths_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the second stream is a CUDA stream")
-def test_engine_forks_on_cuda_same_tokens():
+def test_engine_forks_on_cuda_same_tokens(one_autotune_config):
     """On a GPU: bf16 with the decode graphs captured (fp32 cannot be: its packed MoE runs the reference), the engine
     with the shared expert's fork gives the greedy tokens of the engine without it (the same bits); fp32 and eager,
     GDN's z fork those of the engine without it (fp32, so that a GEMV's other summation tiling cannot flip a token)."""
-    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture")
+    graphed = dict(device="cuda", dtype="bf16", kernels="auto", decode_graphs="capture", autotune_table="off")
     _, off = one_by_one(engine_config(weights="packed", shared_expert_stream=False, **graphed))
     health, on = one_by_one(engine_config(weights="packed", shared_expert_stream=True, **graphed))
     assert health["runner"]["graph_steps"] > 0, health["runner"]
     assert health["shared_expert_stream_layers"] == CFG.num_hidden_layers
     assert on == off
-    eager = dict(device="cuda", kernels="auto", decode_graphs="off")  # fp32: test_qwen_engine's engine_config
+    eager = dict(device="cuda", kernels="auto", decode_graphs="off", autotune_table="off")  # fp32: engine_config's
     _, off = one_by_one(engine_config(weights="packed", shared_expert_stream=False, gdn_z_stream=False, **eager))
     health, on = one_by_one(engine_config(weights="packed", shared_expert_stream=False, gdn_z_stream=True, **eager))
     assert health["gdn_z_stream_layers"] > 0
