@@ -136,6 +136,12 @@ def _block_v(bh: int, dv: int) -> int:
     return min(16, triton.next_power_of_2(dv))
 
 
+def _step_strides(q, k, v, g, beta, state, o) -> tuple[int, ...]:
+    """The step's stride arguments, in the order both kernels take them (s_qb .. s_oh)."""
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            beta.stride(0), state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1))
+
+
 def _launch(q, k, v, g, beta, state, out_state, rows=None) -> torch.Tensor:
     """rows None: state [B, H, Dk, Dv]; else state is a pool [S, H, Dk, Dv] and batch row b uses pool row rows[b]."""
     _, heads, dk, dv = state.shape
@@ -146,10 +152,8 @@ def _launch(q, k, v, g, beta, state, out_state, rows=None) -> torch.Tensor:
     bv = _block_v(bsz * heads, dv)
     grid = (bsz * heads, triton.cdiv(dv, bv))
     _gdn_decode_kernel[grid](q, k, v, g, beta, state, out_state, o, state if rows is None else rows, heads, dk, dv,
-                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                             g.stride(0), beta.stride(0), state.stride(0), state.stride(1), state.stride(2),
-                             o.stride(0), o.stride(1), BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv,
-                             HAS_ROWS=rows is not None, **pdl.launch_options())
+                             *_step_strides(q, k, v, g, beta, state, o), BLOCK_K=triton.next_power_of_2(dk),
+                             BLOCK_V=bv, HAS_ROWS=rows is not None, **pdl.launch_options())
     return o
 
 
@@ -265,9 +269,8 @@ def _launch_norm(q, k, v, g, beta, pool, rows, z, weight, eps: float, input_scal
     bv = _block_v(bsz * heads, dv)
     _gdn_decode_norm_kernel[(bsz * heads, triton.cdiv(dv, bv))](
         q, k, v, g, beta, pool, o, rows, z, weight, out, codes, input_scale, counters, heads, dk,
-        dv, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        beta.stride(0), pool.stride(0), pool.stride(1), pool.stride(2), o.stride(0), o.stride(1), z.stride(0),
-        z.stride(1), out.stride(0), out.stride(1), codes.stride(0), codes.stride(1),
+        dv, eps, *_step_strides(q, k, v, g, beta, pool, o), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
+        codes.stride(0), codes.stride(1),
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv, BLOCK_D=triton.next_power_of_2(dv),
         ROUND_PRODUCT=weight.dtype == z.dtype != torch.float32, ROUND_X=rounds_x(o, z), INTERPRET=_interpreted(),
         QUANT=True, **pdl.launch_options())

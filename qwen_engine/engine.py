@@ -249,8 +249,11 @@ class QwenEngineConfig:
         if self.lm_head_layout not in LM_HEAD_LAYOUTS:
             raise ValueError(f"lm_head_layout must be one of {' | '.join(LM_HEAD_LAYOUTS)}, got "
                              f"{self.lm_head_layout!r}")
-        if self.weight_prefetch not in ("off", "own", "all"):
-            raise ValueError(f"weight_prefetch must be off | own | all, got {self.weight_prefetch!r}")
+        from kernels.pdl import PREFETCH_MODES
+
+        if self.weight_prefetch not in PREFETCH_MODES:
+            raise ValueError(f"weight_prefetch must be one of {' | '.join(PREFETCH_MODES)}, got "
+                             f"{self.weight_prefetch!r}")
         if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
                 and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
             raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
