@@ -225,10 +225,12 @@
 #   STEPS="105" (no carry needed): ~1 min: issue 5, the dependent-launch chain's floor per launch by bytes read
 #   STEPS="106" (carry .tritoncache): ~8 min: issue 5, today's decode kernels per call at one row with PDL beside the
 #       chain's floor (the gap table of RESULTS' thirty-second session measured fresh; unrun)
-#   STEPS="107" (carry .devbundle/extra, .tritoncache): ~6 min: issue 5, lone-step experts on the swap-AB kernel
-#       (--without w4a16_moe:triton_gemv) beside the defaults (unrun)
-#   STEPS="108" (carry .devbundle/extra): <= 7 min: issue 5, the tiny packed engines' CUDA tests with one autotune
-#       configuration each (unrun)
+#   STEPS="107" (carry .devbundle/extra, .tritoncache): ~3 min: issue 5, lone-step experts on the swap-AB kernel
+#       (--without w4a16_moe:triton_gemv) beside the defaults (ran: Qwen run 56, 269.6 against 432.5 tok/s lone)
+#   STEPS="108" (carry .devbundle/extra): ~1.5 min: issue 5, the tiny packed engines' CUDA tests with one autotune
+#       configuration each (ran: 3 passed, results/gpu_suites_run12/)
+#   STEPS="109" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the decode GEMV on the tensor cores
+#       (kernels/w4a16_mma.py) per call beside the GEMV, the engine with it in the GEMV's place, its CUDA tests
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1365,6 +1367,19 @@ say "108. issue 5 (carry .devbundle/extra): the tiny packed engines' CUDA tests,
 say "    while Triton tuned every configuration of their small shapes; conftest's one_autotune_config now leaves one"
 gpu_tests cuda_engine_tests "${LIMIT_108:-400}" tests/test_qwen_combine_norm.py tests/test_qwen_shared_stream.py \
   tests/test_gdn_decode_norm.py -k "engine_on_cuda or engine_forks_on_cuda" -rfE --durations=5
+fi
+if want 109; then
+say "109. issue 5 (carry .devbundle/extra, .tritoncache): the decode GEMV on the tensor cores (kernels/w4a16_mma.py:"
+say "    one mma.sync m16n8k16 per 8 weights a lane, ~3.3 instructions a weight against the CUDA-core GEMV's ~7.6):"
+say "    per call beside the GEMV, then the engine with it taking the GEMV's calls beside the defaults, then its tests"
+timeout "${LIMIT_109A:-200}" python benchmarks/w4a16_gemv_bench.py --tokens 1,4 --deq 3 --mma --pdl \
+  --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-330
+grep -E "Error|error" "$R/w4a16_gemv_bench.log" | cut -c1-300 | head -5
+engine_ab qwen_mma "${LIMIT_109:-260}" --autotune-table auto \
+  --without w4a16_moe:triton_gemv,w4a16_linear:triton_gemv,w4a16_swiglu:triton_gemv --again
+grep -E "triton_mma" "$R/qwen_mma.log" | cut -c1-300 | head -8
+gpu_tests mma_tests "${LIMIT_109B:-120}" tests/test_kernel_w4a16_mma.py -rfE --durations=5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -5,6 +5,7 @@ the shared expert's two dense calls, and lm_head (one row: the GEMV takes it at 
 
     python benchmarks/w4a16_gemv_bench.py --out benchmarks/results/w4a16_gemv_bench     # GPU; ~2 min on an H200
     python benchmarks/w4a16_gemv_bench.py --deq 2,3 ...   # also the GEMV's DEQ_WIDE mode (int32 words, fp32 PTX)
+    python benchmarks/w4a16_gemv_bench.py --deq 3 --mma ... # also kernels/w4a16_mma.py (the GEMV on tensor cores)
 
 Timing as the engine runs them (`benchmarks/cuda_timing.py: graph_per_call_us`): one CUDA graph of R calls
 replayed, us per call = replay time / R (median of 5).
@@ -36,6 +37,8 @@ def main() -> None:
                                                "3 (DEQ_WIDE, the engine's default since 2026-12-01)")
     ap.add_argument("--pdl", action="store_true", help="launch the Triton kernels with programmatic dependent launch, "
                                                        "as the engine does on Hopper (kernels/pdl.py)")
+    ap.add_argument("--mma", action="store_true", help="also the tensor-core decode GEMV (kernels/w4a16_mma.py, "
+                                                       "\"MMA\" columns; its max rel err against the same reference)")
     args = ap.parse_args()
     import torch
 
@@ -48,6 +51,7 @@ def main() -> None:
     from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
     from kernels import w4a16_gemm as tc
     from kernels import w4a16_gemv as gv
+    from kernels import w4a16_mma as mm
     from kernels.nvfp4 import NVFP4Tensor, w4a16_linear_reference
 
     dev = torch.device("cuda")
@@ -84,7 +88,8 @@ def main() -> None:
                  "tensor cores, tile-major (run 15)": lambda i: tc.moe_experts_w4a16_triton(
                      xs[i], t13, t2, idx[i], wts[i], True, tc.TILE_MAJOR),
                  "tensor cores, checkpoint layout": lambda i: tc.moe_experts_w4a16_triton(
-                     xs[i], w13, w2, idx[i], wts[i])}
+                     xs[i], w13, w2, idx[i], wts[i]),
+                 **({"MMA": lambda i: mm.moe_experts_w4a16_mma(xs[i], w13, w2, idx[i], wts[i])} if args.mma else {})}
         row = dict(call="routed experts (gate_up + SwiGLU, down x weight, sum)", tokens=t,
                    bytes_per_call=moe_bytes * len(set(idx[0].view(-1).tolist())) / TOP_K)
         for label, fn in paths.items():
@@ -95,6 +100,8 @@ def main() -> None:
         if wide:
             row["wide_rel_err_vs_tensor_cores"] = rel(paths["GEMV DEQ_WIDE"](0),
                                                       paths["tensor cores, checkpoint layout"](0))
+        if args.mma:
+            row["mma_rel_err"] = rel(paths["MMA"](0), paths["tensor cores, checkpoint layout"](0))
         record(row)
 
 
@@ -113,7 +120,9 @@ def main() -> None:
             gemv_wide = lambda w: gv.w4a16_gemv_launch(x, *w, swiglu=swiglu, deq=gv.DEQ_WIDE)  # noqa: E731
             core = (lambda w: tc.w4a16_swiglu_triton(x, w)) if swiglu else (lambda w: tc.w4a16_linear_triton(x, w))
             row = dict(call=name, tokens=t, n=n, k=k, bytes_per_call=nbytes, copies=copies)
-            timed = [("GEMV", gemv)] + ([("GEMV DEQ_WIDE", gemv_wide)] if wide else [])
+            mma = lambda w: mm.w4a16_mma_launch(x, *w, swiglu=swiglu)  # noqa: E731
+            timed = [("GEMV", gemv)] + ([("GEMV DEQ_WIDE", gemv_wide)] if wide else []) + (
+                [("MMA", mma)] if args.mma else [])
             for label, fn in timed + [("tensor cores (dense kernel)", core)]:
                 us = graph_per_call_us([lambda w=w: fn(w) for w in ws])
                 row[label] = dict(us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
@@ -121,6 +130,8 @@ def main() -> None:
             row["gemv_rel_err"] = rel(gemv(ws[0]), ref)
             if wide:
                 row["wide_rel_err"] = rel(gemv_wide(ws[0]), ref)
+            if args.mma:
+                row["mma_rel_err"] = rel(mma(ws[0]), ref)
             record(row)
         del ws
 
@@ -128,7 +139,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, calls_per_graph=args.calls,
-                gemv_configs={str(k): str(v) for k, v in gv._w4a16_gemv_autotuned.cache.items()})  # the tuner's picks
+                gemv_configs={str(k): str(v) for k, v in gv._w4a16_gemv_autotuned.cache.items()},  # the tuner's picks
+                mma_configs={str(k): str(v) for k, v in mm._w4a16_mma_autotuned.cache.items()})
     (out / "w4a16_gemv_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     lines = [f"# w4a16_gemv_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
              "| call | tokens | path: us per call (TB/s) | ... | GEMV max rel err |", "|---|---:|---|---|---:|"]
@@ -136,7 +148,8 @@ def main() -> None:
         cells = [f"{k}: {v['us']:.2f} ({v['tb_s']:.2f})" for k, v in r.items() if isinstance(v, dict)]
         err = r.get("gemv_rel_err", r.get("gemv_rel_err_vs_tensor_cores"))
         wide_err = r.get("wide_rel_err", r.get("wide_rel_err_vs_tensor_cores"))
-        errs = f"{err:.1e}" + (f" (DEQ_WIDE {wide_err:.1e})" if wide_err is not None else "")
+        errs = f"{err:.1e}" + (f" (DEQ_WIDE {wide_err:.1e})" if wide_err is not None else "") + (
+            f" (MMA {r['mma_rel_err']:.1e})" if "mma_rel_err" in r else "")
         lines.append(f"| {r['call']} | {r['tokens']} | " + " | ".join(cells) + f" | {errs} |")
     (out / "w4a16_gemv_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1000,7 +1000,8 @@ def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.
     if layout != CHECKPOINT:  # repacked bytes: only the tiles they were repacked for
         shapes_ok = shapes_ok and layout in EXPERT_LAYOUTS.values() and layout_ok(w13, w2, layout)
     return dict(device=x.device.type, capability=_capability(x), dtype=x.dtype, shapes_ok=shapes_ok,
-                globals_ok=globals_ok, tokens=x.shape[0] if x.dim() == 2 else -1, layout=layout)
+                globals_ok=globals_ok, tokens=x.shape[0] if x.dim() == 2 else -1, layout=layout,
+                k=x.shape[-1], k_down=w2.shape[-1] if w2.packed.dim() == 3 else 0)
 
 
 def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool, globals_ok: bool,
@@ -1017,8 +1018,9 @@ def _sample_dense(device) -> tuple[tuple, dict]:
     from kernels.nvfp4 import quantize_nvfp4
 
     g = torch.Generator().manual_seed(0)
-    w = quantize_nvfp4(torch.randn(96, 160, generator=g) * 0.02)
-    x = torch.randn(3, 160, generator=g).to(torch.bfloat16)
+    k = 256 if torch.device(device).type == "cuda" else 160  # CUDA: K in whole chunks of kernels/w4a16_mma.py too
+    w = quantize_nvfp4(torch.randn(96, k, generator=g) * 0.02)
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
     return (x.to(device), NVFP4Tensor(*(t.to(device) for t in w))), {}
 
 
@@ -1030,13 +1032,16 @@ def _sample_swiglu(device) -> tuple[tuple, dict]:
 def _sample_moe(device, layout: int | None = None) -> tuple[tuple, dict]:
     """The self-check's routed-expert call. `layout` (default: the loader's on that device, `default_expert_layout`):
     experts of H = I = 256 (two K tiles per projection) repacked by `experts_repack`, called with that layout, so that
-    the start-up check runs the path the engine runs."""
+    the start-up check runs the path the engine runs. Checkpoint-layout experts are H = 64, I = 32 (on CUDA 128:
+    K in whole chunks of the tensor-core decode GEMV, kernels/w4a16_mma.py, so that it is checked too)."""
     from kernels.nvfp4 import quantize_nvfp4
 
     if layout is None:
         layout = default_expert_layout(device)
     g = torch.Generator().manual_seed(0)
     e, h, i, t, k = (4, 256, 256, 3, 2) if layout != CHECKPOINT else (6, 64, 32, 3, 2)
+    if layout == CHECKPOINT and torch.device(device).type == "cuda":  # whole chunks of kernels/w4a16_mma.py
+        h = i = 128
     w13 = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
     w2 = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)
     w13, w2 = experts_repack(w13, w2, layout)
@@ -1062,24 +1067,30 @@ def default_expert_layout(device) -> int:
 
 def register(registry) -> None:
     """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe"; each first tries `kernels/w4a16_gemv.py` ("triton_gemv":
-    the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then this module's ("triton"). Also
+    the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then `kernels/w4a16_mma.py` ("triton_mma":
+    the same calls on the tensor cores, bf16 on CUDA; reached only with "triton_gemv" disabled until measured), then
+    this module's ("triton"). Also
     `kernels/w4a16_swapped.py`'s "w4a16_linear_frag" (dense calls on fragment-order bytes: lm_head on Hopper)."""
     from kernels import w4a16_gemv as gemv
+    from kernels import w4a16_mma as mma
 
     registry.add_op(DENSE, w4a16_linear_reference, sample=_sample_dense, compare=compare, describe=describe_dense,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 output rounding 2^-9; exact dequant, fp32 "
                               "accumulation; only summation order differs)")
     registry.add_implementation(DENSE, gemv.GEMV, gemv.w4a16_linear_gemv, gemv.supports_dense_gemv)
+    registry.add_implementation(DENSE, mma.MMA, mma.w4a16_linear_mma, mma.supports_dense_mma)
     registry.add_implementation(DENSE, "triton", w4a16_linear_triton, supports_dense)
     registry.add_op(SWIGLU, w4a16_swiglu_reference, sample=_sample_swiglu, compare=compare,
                     describe=describe_swiglu,
                     tolerance="max |diff| <= 1e-2 x max |ref| (as w4a16_linear; the SiLU and product in fp32)")
     registry.add_implementation(SWIGLU, gemv.GEMV, gemv.w4a16_swiglu_gemv, gemv.supports_swiglu_gemv)
+    registry.add_implementation(SWIGLU, mma.MMA, mma.w4a16_swiglu_mma, mma.supports_swiglu_mma)
     registry.add_implementation(SWIGLU, "triton", w4a16_swiglu_triton, supports_swiglu)
     registry.add_op(MOE, moe_experts_w4a16_reference, sample=_sample_moe, compare=compare, describe=describe_moe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 rounding of the SwiGLU activations between the "
                               "two GEMMs and of the output; fp32 everywhere else)")
     registry.add_implementation(MOE, gemv.GEMV, gemv.moe_experts_w4a16_gemv, gemv.supports_moe_gemv)
+    registry.add_implementation(MOE, mma.MMA, mma.moe_experts_w4a16_mma, mma.supports_moe_mma)
     registry.add_implementation(MOE, "triton", moe_experts_w4a16_triton, supports_moe)
     from kernels.w4a16_swapped import register_frag_dense
 

@@ -1,7 +1,7 @@
 """A tiny interpreter for the inline PTX of the Triton kernels' dequantisers, so that their bit formulas are checked on
 the CPU (the Triton interpreter cannot run inline asm). It runs the asm text of a `tl.inline_asm_elementwise` call
 taken from the jit function's source, on 32-bit registers, for the few instructions those blocks use: prmt.b32,
-shl.b32, and.b32, or.b32, mov.b32 and mul.rn.bf16x2."""
+shl.b32, and.b32, or.b32, mul.lo.u32, mov.b32 and mul.rn.bf16x2."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
         elif op == "mul.rn.bf16x2":
             reg[d] = _bf16x2_mul(val(a[0]), val(a[1]))
         else:
-            f = {"shl.b32": lambda x, y: x << y, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y}[op]
+            f = {"shl.b32": lambda x, y: x << y, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y,
+                 "mul.lo.u32": lambda x, y: x * y}[op]
             reg[d] = f(val(a[0]), val(a[1])) & 0xFFFFFFFF
     return reg

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gelu_fp8_quant, linear_gelu, moe_decode  # noqa: E402
+from kernels import gelu_fp8_quant, linear_gelu, moe_decode, w4a16_mma  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -70,6 +70,29 @@ def resources(cubin: bytes) -> str:
 
 
 PREFETCH_OP = "cp.async.bulk.prefetch.L2"  # kernels/pdl.py prefetch_l2: reads nothing into registers
+
+
+def mma_lanes_ok(name: str, types: dict[str, str], consts: dict, warps: int) -> bool:
+    """kernels/w4a16_mma.py's fragments assume element i of its 1-D [32 x warps] tensors lives in lane i % 32 of warp
+    i // 32: every inline-asm operand and result of the compiled kernel (TTGIR) must have that layout
+    (sizePerThread [1], threadsPerWarp [32], warpsPerCTA [warps]); Triton picks layouts, so a change there fails
+    here instead of computing garbage on the GPU. Prints 'lanes' per build."""
+    kernel = w4a16_mma._w4a16_mma_kernel
+    params = inspect.signature(kernel.fn).parameters
+    consts = {**{n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}, **consts}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in params}
+    ttgir = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET,
+                           options=dict(num_warps=warps)).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    lane = f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], order = [0]}}>"
+    asm = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line]
+    used = {m.group(2) for line in asm for m in re.finditer(r"tensor<(\d+)x\w+, (#\w+)>", line)}
+    sizes = {m.group(1) for line in asm for m in re.finditer(r"tensor<(\d+)x\w+, (#\w+)>", line)}
+    if not asm or sizes != {str(32 * warps)} or any(layouts.get(u) != lane for u in used):
+        print(f"FAIL {name}: inline-asm operands in {sorted(layouts.get(u, u) for u in used)}, sizes {sorted(sizes)}")
+        return False
+    print(f"lanes {name}: {len(asm)} inline-asm ops, one element a lane")
+    return True
 
 
 def pdl_order_ok(name: str, kernel, sig: dict, consts: dict, prefetch: bool = False) -> bool:
@@ -301,6 +324,15 @@ def main() -> int:
                               w4a16_gemv._w4a16_gemv_kernel, types,
                               dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, DEQ=deq,
                                    INTERPRET=False, BLOCK_N=8, BLOCK_K=512)))
+    # the decode GEMV on the tensor cores (kernels/w4a16_mma.py): mma.sync in its PTX, its fragments' lane layout
+    for grouped, swiglu, warps, chunks, even in ((True, True, 16, 1, True), (True, False, 4, 1, True),
+                                                 (False, False, 4, 2, False)):
+        name = f"w4a16_mma GROUPED={grouped} SWIGLU={swiglu} WARPS={warps} CHUNKS={chunks} EVEN={even}"
+        consts = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, INTERPRET=False,
+                      WARPS=warps, CHUNKS=chunks, EVEN=even)
+        ok.append(compile_one(name, w4a16_mma._w4a16_mma_kernel, gemv, consts,
+                              ptx_has="mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", num_warps=warps))
+        ok.append(mma_lanes_ok(name, gemv, consts, warps))
     # the decode FP8 GEMV: on the quantiser's codes (the default; whole tiles and masked edges) and with the
     # quantiser's division in its loop
     for codes, even in ((True, True), (True, False), (False, True)):

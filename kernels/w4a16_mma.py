@@ -1,0 +1,468 @@
+"""NVFP4 W4A16 for decode-sized calls on the tensor cores, one warp-wide `mma.sync.m16n8k16` (bf16 in, fp32 out) per
+8 weights a thread: the decode GEMV of `kernels/w4a16_gemv.py` without its fp32 FMA per weight.
+
+Why. The CUDA-core GEMV spends ~7.6 instructions per weight (offline sm_90 SASS of its K loop: 2.25 for the E2M1 bit
+tricks, 0.5 for the scale, 1 to widen bf16 to fp32, 1 FMA, the rest moving activations and scales through shared
+memory); at one token the 40 layers' routed experts take ~18.6 us a layer against ~7.4 us for their bytes (RESULTS,
+thirty-second session). Triton's `tl.dot` reaches the tensor cores only through shared-memory layout conversions.
+Here each thread loads its own bytes straight into an mma fragment: the MMA's K order is free as long as the A
+(weights) and B (activations) fragments use the same one, so a thread takes 16 contiguous checkpoint bytes (32
+weights, two scale groups) of each of its two rows (g and g + 8 of a 16-row tile) and the 32 activations of the same
+k. Per 8 weights: the bit tricks (14 instructions for 2 rows x 4 bytes), 4 bf16x2 scale multiplies, 2 activation
+byte permutes and 2 MMAs: ~3 instructions a weight.
+
+Fragments (PTX ISA, "mma.m16n8k16" with .bf16): lane = 4 g + c. A: a0 = (row g, k slots 2c, 2c+1), a1 = (row g + 8,
+same), a2 = (row g, slots 2c + 8, 2c + 9), a3 = (row g + 8, same); B: b0 = (slots 2c, 2c+1; column g), b1 = (slots
+2c + 8, 2c + 9; column g); D: (row g, columns 2c, 2c + 1), (row g + 8, same). Byte j of a thread's 32-bit weight word
+holds k = 2j (low nibble) and 2j + 1 (high nibble); per word two MMAs, h = 0 / 1 over bytes 2h, 2h + 1:
+a0 = (low(2h), low(2h + 1)) of row g, a2 = (high(2h), high(2h + 1)) of row g, a1 / a3 the same of row g + 8, and
+b0 = (x[4h], x[4h + 2]), b1 = (x[4h + 1], x[4h + 3]) of the word's 8 activations (two PRMTs of its bf16 pairs). The
+slot -> k map depends on the lane's c only, so every column's B matches every row's A. B's column n is activation
+row n (dense: up to 8 tokens in one launch; grouped: one (token, expert) pair a program, column 0, the rest zero).
+
+Arithmetic (as `kernels/w4a16_gemv.py`): each weight built exactly as E2M1 x 2^-126 in bf16 (bit tricks) times its
+scale x 2^119 (`mul.rn.bf16x2`, exact: the weight x 2^-7), bf16 x bf16 products summed in fp32 by the tensor core,
+the per-warp sums added in fp32, x 2^7 x the global scale (per output row), SwiGLU and the routing weight in fp32,
+one rounding. So it differs from `kernels.nvfp4.w4a16_linear_reference` by fp32 summation order only.
+
+Under TRITON_INTERPRET=1 (CPU tests) the two PTX blocks run as Triton code: the fragments from integer ops on the
+same bits (`_frag_words`; tests/test_kernel_w4a16_mma.py checks the PTX text against it with tests/ptx_emu.py) and
+the MMA as a sum over each quad's four lanes (`_mma_emulated`): the lane -> fragment bookkeeping is what it tests.
+
+API: `w4a16_mma_launch(x, packed, scales, global, ...)` (as `w4a16_gemv_launch`: dense or grouped, SwiGLU, row
+scales); registry implementations "triton_mma" of "w4a16_linear" / "w4a16_swiglu" (dense, 1-8 rows) and
+"w4a16_moe" for the calls the GEMV takes (bf16 on CUDA, K a multiple of CHUNK_K), after "triton_gemv" in the
+registry: reached with it disabled (`--without w4a16_moe:triton_gemv`) until the H200 measures them side by side.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels import pdl
+from kernels import w4a16_gemv as gemv
+from kernels.nvfp4 import NVFP4Tensor
+from kernels.w4a16_gemm import (
+    CHECKPOINT,
+    _dense_any_rank,
+    _global_1d,
+    _global_2d,
+    _interpreted,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.pdl import enter as pdl_enter
+    from kernels.w4a16_gemm import _TWO_119, _e4m3_fp16
+except ImportError:  # CPU-only installs without triton: supports() says no
+    triton = None
+
+MMA = "triton_mma"
+MMA_MAX_ROWS = 8  # B's eight columns: dense calls of up to 8 activation rows in one launch
+MMA_MAX_TOKENS = 4  # the grouped MoE: as the GEMV (the decode graphs' 1, 2, 4 buckets)
+CHUNK_K = 128  # weights of a row per (warp, chunk): 4 lanes x 32; K must be a multiple
+
+if triton is not None:
+    _CHUNK_K = tl.constexpr(CHUNK_K)  # jit functions may only read constexpr globals
+
+    # (WARPS, CHUNKS): warps of a program (they split K, then add their sums) and 128-weight chunks a warp loads
+    # before it computes them (bytes in flight: 16 B x rows x CHUNKS a thread). Not yet tuned on a GPU.
+    _CONFIGS = [triton.Config(dict(WARPS=w, CHUNKS=ch), num_warps=w, num_stages=1)
+                for w, ch in [(1, 4), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)]]
+
+    @triton.jit
+    def _frag_ptx(wa, wb, sa, sb, x0, x1, x2, x3):
+        """One weight word of row g (wa) and of row g + 8 (wb), their scales x 2^119 as bf16 in both halves of an int32
+        (sa, sb), and the word's 8 activations as bf16 pairs (x0 = (x[0], x[1]), ..., x3 = (x[6], x[7])) -> the A and
+        B fragments of the word's two MMAs: (a0, a1, a2, a3, b0, b1) for bytes 0-1, then for bytes 2-3 (int32 bf16
+        pairs). Low nibbles: ((r << 6) | (r << 12)) & 0x81C081C0 on r = bytes (2h, 2h+1) spread into 16-bit halves
+        (w4a16_gemm._e2m1x2_bf16_tiny_ptx); high nibbles: (r & 0x00F000F0) x 0x104 (fields 6 apart, no carries) &
+        0x81C081C0; each times its scale in bf16x2 (exact)."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 ra, rb, t, u;
+            prmt.b32 ra, $12, 0, 0x4140;
+            prmt.b32 rb, $13, 0, 0x4140;
+            shl.b32 t, ra, 6; shl.b32 u, ra, 12; or.b32 t, t, u; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $0, t, $14;
+            shl.b32 t, rb, 6; shl.b32 u, rb, 12; or.b32 t, t, u; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $1, t, $15;
+            and.b32 t, ra, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $2, t, $14;
+            and.b32 t, rb, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $3, t, $15;
+            prmt.b32 $4, $16, $17, 0x5410;
+            prmt.b32 $5, $16, $17, 0x7632;
+            prmt.b32 ra, $12, 0, 0x4342;
+            prmt.b32 rb, $13, 0, 0x4342;
+            shl.b32 t, ra, 6; shl.b32 u, ra, 12; or.b32 t, t, u; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $6, t, $14;
+            shl.b32 t, rb, 6; shl.b32 u, rb, 12; or.b32 t, t, u; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $7, t, $15;
+            and.b32 t, ra, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $8, t, $14;
+            and.b32 t, rb, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $9, t, $15;
+            prmt.b32 $10, $18, $19, 0x5410;
+            prmt.b32 $11, $18, $19, 0x7632;
+            }""",
+            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+            [wa, wb, sa, sb, x0, x1, x2, x3], dtype=(tl.int32,) * 12, is_pure=True, pack=1)
+
+    @triton.jit
+    def _mma_ptx(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C of the warp's m16n8k16 (bf16 fragments in int32 registers, fp32 accumulators)."""
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+    @triton.jit
+    def _bf16_pair(lo_bits, hi_bits):
+        """Two 16-bit patterns (int32, < 2^16) -> one int32 bf16 pair (low half first)."""
+        return lo_bits | (hi_bits << 16)
+
+    @triton.jit
+    def _half(v, HIGH: tl.constexpr):
+        """The bf16 in the low / high half of int32 pairs as exact fp32 (its bits, 16 zeros below)."""
+        if HIGH:
+            return (v & -65536).to(tl.float32, bitcast=True)
+        return (v << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tiny_f32(nib):
+        """E2M1 codes (int32, 0..15) -> E2M1 x 2^-126 in fp32 (the bf16 bit trick's value: mag into bits 24-22, sign
+        into bit 31; code 1 is the fp32 subnormal 2^-127, which the interpreter keeps)."""
+        u = nib.to(tl.uint32)
+        return (((u & 7) << 22) | ((u & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _frag_words(w, s):
+        """Interpreter form of a word's weights: 8 fp32 values, weight x 2^-7 exactly, in the order of the PTX
+        fragments' halves: (low(0), low(1), high(0), high(1)) for bytes 0-1, then for bytes 2-3 (s: the scale x 2^119
+        as fp32)."""
+        out = []
+        for h in tl.static_range(2):
+            b0 = (w >> (16 * h)) & 0xFF
+            b1 = (w >> (16 * h + 8)) & 0xFF
+            out.append(_tiny_f32(b0 & 0xF) * s)
+            out.append(_tiny_f32(b1 & 0xF) * s)
+            out.append(_tiny_f32(b0 >> 4) * s)
+            out.append(_tiny_f32(b1 >> 4) * s)
+        return out
+
+    @triton.jit
+    def _quad_rows(a, WARPS: tl.constexpr):
+        """[32 W] per-lane values of row g -> [W, 8 (g), 1, 4 (c)]."""
+        return tl.reshape(a, (WARPS, 8, 1, 4))
+
+    @triton.jit
+    def _mma_emulated(aa, ab, bv, acc0, acc1, acc2, acc3, WARPS: tl.constexpr):
+        """The interpreter's m16n8k16: aa / ab: 4 fp32 [32 W] slot values of rows g / g + 8 a lane, bv: the 4 matching
+        activation slots (column g); D[m, n] = sum over the quad's lanes c' and slots of A[m, c'] B[n, c']; lane
+        (g, c) gets columns 2c, 2c + 1 of rows g, g + 8."""
+        pa = tl.zeros((WARPS, 8, 8, 4), dtype=tl.float32)
+        pb = tl.zeros((WARPS, 8, 8, 4), dtype=tl.float32)
+        for j in tl.static_range(4):
+            bn = tl.reshape(bv[j], (WARPS, 1, 8, 4))  # column n = the lane's g
+            pa += _quad_rows(aa[j], WARPS) * bn
+            pb += _quad_rows(ab[j], WARPS) * bn
+        da = tl.reshape(tl.sum(pa, axis=3), (WARPS, 8, 4, 2))  # [W, g, n] -> n = 2c + e
+        db = tl.reshape(tl.sum(pb, axis=3), (WARPS, 8, 4, 2))
+        da0, da1 = tl.split(da)
+        db0, db1 = tl.split(db)
+        return (acc0 + tl.reshape(da0, acc0.shape), acc1 + tl.reshape(da1, acc0.shape),
+                acc2 + tl.reshape(db0, acc0.shape), acc3 + tl.reshape(db1, acc0.shape))
+
+    @triton.jit
+    def _scale_pairs(sc):
+        """uint16 loads of two e4m3 scale bytes (int32) -> (first, second) as scale x 2^119: bf16 bits in both halves
+        of an int32 (the PTX operand) and as fp32 (the interpreter's)."""
+        f0 = _e4m3_fp16((sc & 0xFF).to(tl.uint16)).to(tl.float32) * _TWO_119  # exact (w4a16_gemm._dequant_groups)
+        f1 = _e4m3_fp16(((sc >> 8) & 0xFF).to(tl.uint16)).to(tl.float32) * _TWO_119
+        b0 = f0.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        b1 = f1.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        return _bf16_pair(b0, b0), _bf16_pair(b1, b1), f0, f1
+
+    @triton.jit
+    def _words(w64):
+        """int64 loads -> (low, high) int32 words."""
+        return w64.to(tl.int32), (w64 >> 32).to(tl.int32)
+
+    @triton.jit
+    def _load(p, ok, other, EVEN: tl.constexpr):
+        """A load, masked unless EVEN (every row and chunk of the launch exists)."""
+        if EVEN:
+            return tl.load(p)
+        return tl.load(p, mask=ok, other=other)
+
+    @triton.jit
+    def _chunk(pa, pb, psa, psb, px, ma, mb, c_ok, acc0, acc1, acc2, acc3, INTERPRET: tl.constexpr,
+               WARPS: tl.constexpr, EVEN: tl.constexpr):
+        """Accumulate one 128-weight chunk of rows g, g + 8 of a weight matrix against the activation row(s): pa / pb
+        the lane's 16 packed bytes of each row (32 weights), psa / psb its two scale bytes of each row, px its 32
+        activations (all at this chunk); ma / mb: row and chunk exist, c_ok: the chunk exists."""
+        wa01, wa23 = _words(_load(pa.to(tl.pointer_type(tl.int64)), ma, 0, EVEN))
+        wa45, wa67 = _words(_load(pa.to(tl.pointer_type(tl.int64)) + 1, ma, 0, EVEN))
+        wb01, wb23 = _words(_load(pb.to(tl.pointer_type(tl.int64)), mb, 0, EVEN))
+        wb45, wb67 = _words(_load(pb.to(tl.pointer_type(tl.int64)) + 1, mb, 0, EVEN))
+        sa0, sa1, fa0, fa1 = _scale_pairs(_load(psa.to(tl.pointer_type(tl.uint16)), ma, 0, EVEN).to(tl.int32))
+        sb0, sb1, fb0, fb1 = _scale_pairs(_load(psb.to(tl.pointer_type(tl.uint16)), mb, 0, EVEN).to(tl.int32))
+        x64 = px.to(tl.pointer_type(tl.int64))
+        for q in tl.static_range(4):  # the lane's 4 words: 8 weights of each row, scale group q // 2
+            x01, x23 = _words(_load(x64 + 2 * q, c_ok, 0, EVEN))
+            x45, x67 = _words(_load(x64 + 2 * q + 1, c_ok, 0, EVEN))
+            wa = wa01 if q == 0 else wa23 if q == 1 else wa45 if q == 2 else wa67
+            wb = wb01 if q == 0 else wb23 if q == 1 else wb45 if q == 2 else wb67
+            if INTERPRET:
+                fa = fa0 if q < 2 else fa1
+                fb = fb0 if q < 2 else fb1
+                wav = _frag_words(wa, fa)
+                wbv = _frag_words(wb, fb)
+                for h in tl.static_range(2):
+                    xp = x01 if h == 0 else x45
+                    xq = x23 if h == 0 else x67
+                    # slots in fragment order: (x[4h], x[4h + 2], x[4h + 1], x[4h + 3])
+                    bv = [_half(xp, False), _half(xq, False), _half(xp, True), _half(xq, True)]
+                    acc0, acc1, acc2, acc3 = _mma_emulated(wav[4 * h: 4 * h + 4], wbv[4 * h: 4 * h + 4], bv,
+                                                           acc0, acc1, acc2, acc3, WARPS)
+            else:
+                sa = sa0 if q < 2 else sa1
+                sb = sb0 if q < 2 else sb1
+                a0, a1, a2, a3, b0, b1, e0, e1, e2, e3, d0, d1 = _frag_ptx(wa, wb, sa, sb, x01, x23, x45, x67)
+                acc0, acc1, acc2, acc3 = _mma_ptx(a0, a1, a2, a3, b0, b1, acc0, acc1, acc2, acc3)
+                acc0, acc1, acc2, acc3 = _mma_ptx(e0, e1, e2, e3, d0, d1, acc0, acc1, acc2, acc3)
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _w4a16_mma_kernel(x, w, s, g, rs, y, pair_expert, N, K, M, A_DIV, R_BUCKET, s_xm, s_we, s_wn, s_se, s_sn,
+                          s_ge, s_gn, s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr,
+                          HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr, WARPS: tl.constexpr,
+                          CHUNKS: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr = False):
+        # grid (cdiv(N_out, 16), R). Dense: R = 1, activation rows 0..M-1 (M <= 8) are B's columns; y [M, N_out].
+        # Grouped: program r reads activation row r // A_DIV (column 0) and expert pair_expert[r]; y [R, N_out].
+        # SWIGLU: N = 2 N_out weight rows (gate then up); output n = silu(row n) * row (n + N_out).
+        # Byte strides s_wn (row) and s_sn (scale row) must be multiples of 8 / 2, K of CHUNK_K (the launcher checks).
+        # EVEN (`_even`): N_out a multiple of 16 and the chunks of WARPS x CHUNKS: no masked loads.
+        pid_n, r = tl.program_id(0), tl.program_id(1)
+        if SWIGLU:
+            n_out = N // 2
+        else:
+            n_out = N
+        i = tl.arange(0, 32 * WARPS)
+        warp = i // 32
+        lane = i % 32
+        gq = lane // 4  # the lane's row g (and g + 8) of the tile, and its B column
+        c = lane % 4
+        ra = pid_n * 16 + gq
+        rb = ra + 8
+        ra_ok = ra < n_out
+        rb_ok = rb < n_out
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        if GROUPED:  # every lane reads the pair's activation row: B's columns all equal, column 0 is stored
+            e = tl.load(pair_expert + r)
+            xr = x + (r // A_DIV).to(tl.int64) * s_xm
+        else:  # column g = activation row g; lanes past the M rows read row M - 1 (their columns are not stored)
+            e = 0
+            xr = x + tl.minimum(gq, M - 1).to(tl.int64) * s_xm
+        px0 = xr + 32 * c
+        pa0 = w + e * s_we + ra * s_wn + 16 * c
+        pb0 = pa0 + 8 * s_wn
+        psa0 = s + e * s_se + ra * s_sn + 2 * c
+        psb0 = psa0 + 8 * s_sn
+        acc0 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        acc1 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        acc2 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        acc3 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        up0 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        up1 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        up2 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        up3 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+        n_chunks = K // _CHUNK_K
+        for it in range(0, tl.cdiv(n_chunks, WARPS * CHUNKS)):
+            for u in tl.static_range(CHUNKS):
+                chunk = (it * WARPS + warp) * CHUNKS + u
+                c_ok = chunk < n_chunks
+                ma = ra_ok & c_ok
+                mb = rb_ok & c_ok
+                pa, psa = pa0 + chunk * 64, psa0 + chunk * 8
+                pb, psb = pb0 + chunk * 64, psb0 + chunk * 8
+                px = px0 + chunk * _CHUNK_K
+                acc0, acc1, acc2, acc3 = _chunk(pa, pb, psa, psb, px, ma, mb, c_ok, acc0, acc1, acc2, acc3,
+                                                INTERPRET, WARPS, EVEN)
+                if SWIGLU:  # the up rows, N_out further
+                    up0, up1, up2, up3 = _chunk(pa + n_out * s_wn, pb + n_out * s_wn, psa + n_out * s_sn,
+                                                psb + n_out * s_sn, px, ma, mb, c_ok, up0, up1, up2, up3,
+                                                INTERPRET, WARPS, EVEN)
+        # the warps' partial sums over their chunks -> [32] per lane (g, c): D[g, 2c], D[g, 2c+1], D[g+8, 2c], ...
+        d0 = tl.sum(tl.reshape(acc0, (WARPS, 32)), axis=0)
+        d1 = tl.sum(tl.reshape(acc1, (WARPS, 32)), axis=0)
+        d2 = tl.sum(tl.reshape(acc2, (WARPS, 32)), axis=0)
+        d3 = tl.sum(tl.reshape(acc3, (WARPS, 32)), axis=0)
+        lq = tl.arange(0, 32)
+        oa = pid_n * 16 + lq // 4
+        ob = oa + 8
+        col = 2 * (lq % 4)
+        ge = g + e * s_ge
+        ga = tl.load(ge + oa * s_gn, mask=oa < n_out, other=0.0) * 128.0  # x 2^7: the weights were x 2^-7
+        gb = tl.load(ge + ob * s_gn, mask=ob < n_out, other=0.0) * 128.0
+        y0, y1, y2, y3 = d0 * ga, d1 * ga, d2 * gb, d3 * gb
+        if SWIGLU:
+            u0 = tl.sum(tl.reshape(up0, (WARPS, 32)), axis=0)
+            u1 = tl.sum(tl.reshape(up1, (WARPS, 32)), axis=0)
+            u2 = tl.sum(tl.reshape(up2, (WARPS, 32)), axis=0)
+            u3 = tl.sum(tl.reshape(up3, (WARPS, 32)), axis=0)
+            gua = tl.load(ge + (oa + n_out) * s_gn, mask=oa < n_out, other=0.0) * 128.0
+            gub = tl.load(ge + (ob + n_out) * s_gn, mask=ob < n_out, other=0.0) * 128.0
+            y0 = y0 / (1.0 + tl.exp(-y0)) * (u0 * gua)
+            y1 = y1 / (1.0 + tl.exp(-y1)) * (u1 * gua)
+            y2 = y2 / (1.0 + tl.exp(-y2)) * (u2 * gub)
+            y3 = y3 / (1.0 + tl.exp(-y3)) * (u3 * gub)
+        if GROUPED:  # column 0 only: y row r
+            if HAS_ROW_SCALE:
+                rsc = tl.load(rs + r).to(tl.float32)
+                y0 = y0 * rsc
+                y2 = y2 * rsc
+            yr = y + r.to(tl.int64) * s_ym
+            tl.store(yr + oa, y0.to(y.dtype.element_ty), mask=(col == 0) & (oa < n_out))
+            tl.store(yr + ob, y2.to(y.dtype.element_ty), mask=(col == 0) & (ob < n_out))
+        else:  # columns col, col + 1 = activation rows
+            dt = y.dtype.element_ty
+            tl.store(y + col * s_ym + oa, y0.to(dt), mask=(col < M) & (oa < n_out))
+            tl.store(y + (col + 1) * s_ym + oa, y1.to(dt), mask=(col + 1 < M) & (oa < n_out))
+            tl.store(y + col * s_ym + ob, y2.to(dt), mask=(col < M) & (ob < n_out))
+            tl.store(y + (col + 1) * s_ym + ob, y3.to(dt), mask=(col + 1 < M) & (ob < n_out))
+
+    def _even(a: dict) -> bool:
+        """Every load of the launch in bounds: N_out a multiple of 16, the K chunks of WARPS x CHUNKS."""
+        n_out = a["N"] // 2 if a["SWIGLU"] else a["N"]
+        return n_out % 16 == 0 and (a["K"] // CHUNK_K) % (a["WARPS"] * a["CHUNKS"]) == 0
+
+    _w4a16_mma_heuristic = triton.heuristics({"EVEN": _even})(_w4a16_mma_kernel)
+    _w4a16_mma_autotuned = triton.autotune(
+        configs=_CONFIGS, key=["N", "K", "M", "R_BUCKET", "GROUPED", "SWIGLU", "HAS_ROW_SCALE"])(_w4a16_mma_heuristic)
+
+
+# The interpreter runs one config (tests pin others): two warps, so the cross-warp sum and the K split are exercised.
+INTERPRETER_CONFIG = dict(WARPS=2, CHUNKS=1)
+
+
+def mma_shapes_ok(n: int, k: int) -> bool:
+    """K a multiple of CHUNK_K (a lane's 32 weights in four 4-byte words, 16-byte loads of activations) and N > 0."""
+    return n > 0 and k > 0 and k % CHUNK_K == 0
+
+
+def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
+                     pair_expert: torch.Tensor | None = None, a_div: int = 1, row_scale: torch.Tensor | None = None,
+                     swiglu: bool = False, config: dict | None = None) -> torch.Tensor:
+    """Dense (`pair_expert` None): x [M, K] (M <= MMA_MAX_ROWS) -> y [M, N] (or SwiGLU's [M, N/2]) in x.dtype (bf16).
+    Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int: output row r
+    reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)], times `row_scale[r]` if given.
+    `config` pins WARPS / CHUNKS (tests, benchmarks). One launch, no host syncs (CUDA-graph capturable)."""
+    if triton is None:
+        raise RuntimeError("w4a16_mma needs triton")
+    grouped = pair_expert is not None
+    k = x.shape[-1]
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"w4a16_mma: bf16 activations only (the MMA's operands), got {x.dtype}")
+    if grouped:
+        e, n, kh = packed.shape
+        g, s_ge, s_gn = _global_2d(global_scale, e, n)
+        r, m = pair_expert.numel(), 1
+        pe = pair_expert.reshape(-1)
+        s_we, s_wn, s_se, s_sn = packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1)
+    else:
+        n, kh = packed.shape
+        g, s_gn = _global_1d(global_scale, n)
+        s_ge, r, m, pe = 0, 1, x.shape[0], g  # pe: any tensor (GROUPED is off)
+        s_we, s_wn, s_se, s_sn = 0, packed.stride(0), 0, scales.stride(0)
+        if m > MMA_MAX_ROWS:
+            raise ValueError(f"w4a16_mma: dense calls of <= {MMA_MAX_ROWS} rows, got {m}")
+    if 2 * kh != k or not mma_shapes_ok(n, k):
+        raise ValueError(f"w4a16_mma: x has K = {k}, the weight {2 * kh}; K must be a multiple of {CHUNK_K}")
+    if swiglu and n % 2:
+        raise ValueError(f"a SwiGLU weight needs an even number of rows (gate then up), got {n}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    sc = scales.view(torch.uint8)
+    if (packed.stride(-1) != 1 or sc.stride(-1) != 1 or packed.data_ptr() % 8 or s_wn % 8 or s_we % 8
+            or sc.data_ptr() % 2 or s_sn % 2 or s_se % 2 or x.data_ptr() % 8 or (x.dim() > 1 and x.stride(0) % 4)):
+        raise ValueError("w4a16_mma: weight rows must be 8-byte aligned, scale rows 2-byte, activation rows 8-byte")
+    n_out = n // 2 if swiglu else n
+    interp = _interpreted()
+    # the interpreter truncates fp32 -> bf16 casts (w4a16_gemm's note): it writes fp32 and torch rounds
+    rows_out = r if grouped else m
+    y = torch.empty((rows_out, n_out), dtype=torch.float32 if interp else x.dtype, device=x.device)
+    if rows_out == 0:
+        return y.to(x.dtype)
+    rs = row_scale.reshape(-1) if row_scale is not None else g
+    s_xm = x.stride(0) if x.dim() > 1 else 0
+    args = (x, packed, sc, g, rs, y, pe, n, k, m, a_div, triton.next_power_of_2(r), s_xm, s_we, s_wn, s_se, s_sn,
+            s_ge, s_gn, y.stride(0))
+    meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp)
+    grid = (triton.cdiv(n_out, 16), r)
+    if interp or config:
+        cfg = dict(INTERPRETER_CONFIG) if interp else {}
+        cfg.update(config or {})
+        _w4a16_mma_heuristic[grid](*args, **meta, **cfg, num_warps=cfg["WARPS"], **pdl.launch_options())
+    else:
+        _w4a16_mma_autotuned[grid](*args, **meta, **pdl.launch_options())
+    return y.to(x.dtype)
+
+
+# ---- registry implementations ("triton_mma": where `supports_*_mma` accept; the registry hands the rest on) ---------
+def _dense(x: torch.Tensor, w: NVFP4Tensor, swiglu: bool) -> torch.Tensor:
+    """`w4a16_mma_launch` over x's leading dims, for the calls `supports_dense_mma` accepts."""
+    return _dense_any_rank(x, w.packed, w.scales, torch.as_tensor(w.global_scale, device=x.device), swiglu,
+                           launch=w4a16_mma_launch)
+
+
+def w4a16_linear_mma(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """Same contract as `w4a16_linear_reference`, for the calls `supports_dense_mma` accepts."""
+    return _dense(x, w, swiglu=False)
+
+
+def w4a16_swiglu_mma(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """Same contract as `w4a16_swiglu_reference`, for the calls `supports_swiglu_mma` accepts."""
+    return _dense(x, w, swiglu=True)
+
+
+def moe_experts_w4a16_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
+                          weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
+    """Same contract as `moe_experts_w4a16_reference`, for T <= MMA_MAX_TOKENS tokens on checkpoint-layout experts:
+    gate_up + SwiGLU -> [P, I] rounded to bf16, down x routing weight -> [T, k, H] rounded to bf16, then the sum over
+    top_k (fp32, one more rounding) unless `reduce=False` (as `moe_experts_w4a16_gemv`)."""
+    t, top_k = idx.shape
+    if layout != CHECKPOINT or not 0 < t <= MMA_MAX_TOKENS:
+        raise ValueError(f"w4a16_mma: the MoE takes <= {MMA_MAX_TOKENS} tokens on checkpoint-layout experts, got {t} "
+                         f"tokens, layout {layout}")
+    h = w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True)  # [P, I]
+    y = w4a16_mma_launch(h, *w2, pair_expert=idx, row_scale=weights).view(t, top_k, -1)  # [T, k, H]
+    return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
+
+
+def _mma_call_ok(info: dict) -> bool:
+    """bf16 on CUDA (the PTX), K a multiple of CHUNK_K."""
+    return info["device"] == "cuda" and info["dtype"] == torch.bfloat16 and mma_shapes_ok(1, info["k"])
+
+
+def supports_dense_mma(**info: Any) -> bool:
+    """`w4a16_gemv.supports_dense_gemv` (the GEMV's calls: it stays the default until the H200 measures this one beside
+    it) and `_mma_call_ok`."""
+    return gemv.supports_dense_gemv(**info) and _mma_call_ok(info)
+
+
+def supports_swiglu_mma(**info: Any) -> bool:
+    """`w4a16_gemv.supports_swiglu_gemv` and `_mma_call_ok`."""
+    return gemv.supports_swiglu_gemv(**info) and _mma_call_ok(info)
+
+
+def supports_moe_mma(**info: Any) -> bool:
+    """`w4a16_gemv.supports_moe_gemv` (<= 4 tokens, checkpoint-layout experts), `_mma_call_ok`, and the down
+    projection's K (`describe_moe`'s k_down) a multiple of CHUNK_K."""
+    return (gemv.supports_moe_gemv(**info) and _mma_call_ok(info) and info["tokens"] <= MMA_MAX_TOKENS
+            and mma_shapes_ok(1, info.get("k_down", 0)))

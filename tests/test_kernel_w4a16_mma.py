@@ -1,0 +1,207 @@
+"""kernels/w4a16_mma.py: the decode GEMV on the tensor cores (NVFP4 W4A16, one m16n8k16 per 8 weights a lane) against
+`kernels/nvfp4.py`'s references (CPU: Triton's interpreter, where the two PTX blocks run as Triton code -- the
+fragment bits as integer ops, the MMA as a sum over each quad's lanes; a GPU: the compiled kernel, autotuned).
+
+Tolerances (tests/test_kernel_w4a16.py's `check_gemm` / `check_swiglu`): every weight is built exactly and the exact
+products are summed in fp32 in another order than the reference, then rounded once: per element <= 2^-8 |ref| +
+2^-20 (|x| @ |W|^T), and >= 95% equal to the reference rounded to bf16. The MoE block rounds the SwiGLU activations to
+bf16 between its two launches (as every path does): the registry's `compare` (1e-2 of max |ref|). The PTX text is
+checked bit for bit against the formulas on the CPU (tests/ptx_emu.py); the lane layout its fragments assume is
+checked on the sm_90 compile (tests/sm90_compile.py `mma_lanes_ok`).
+"""
+
+import pytest
+import torch
+
+from engine_core.registry import Registry
+from kernels import w4a16_gemm
+from kernels.nvfp4 import E2M1_VALUES, NVFP4Tensor, dequantize_nvfp4
+from kernels.w4a16_gemm import compare, moe_experts_w4a16_reference
+from kernels.w4a16_mma import (
+    CHUNK_K,
+    MMA,
+    MMA_MAX_ROWS,
+    moe_experts_w4a16_mma,
+    supports_dense_mma,
+    supports_moe_mma,
+    w4a16_mma_launch,
+)
+from tests import ptx_emu
+from tests.test_kernel_w4a16 import DEVICE, check_gemm, check_swiglu, moe_inputs, rand_weight, rand_x
+
+# the interpreter's default (2 warps, 1 chunk), one warp with two chunks an iteration (the unrolled loop), and more
+# warps than chunks (lanes past K masked); a GPU autotunes
+CONFIGS = [None] if DEVICE == "cuda" else [None, dict(WARPS=1, CHUNKS=2), dict(WARPS=4, CHUNKS=1)]
+
+
+def _dq(w: NVFP4Tensor) -> torch.Tensor:
+    return dequantize_nvfp4(w.packed, w.scales, w.global_scale, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("m,n,k,per_row", [(1, 40, 256, True), (3, 24, 128, False), (8, 33, 384, True),
+                                           (2, 32, 256, True)])  # N not a multiple of 16; 8 rows; N, K even
+def test_dense_matches_reference(m, n, k, per_row, config):
+    w = rand_weight(n, k, seed=n + k, per_row=per_row)
+    x = rand_x(m, k, seed=m)
+    y = w4a16_mma_launch(x, *w, config=config)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    check_gemm(y, x, _dq(w), x.float() @ _dq(w).T, f"mma {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_dense_swiglu(m):
+    w = rand_weight(2 * 24, 256, seed=3)  # 24 outputs: the gate and up tiles' last rows masked
+    x = rand_x(m, 256, seed=4)
+    y = w4a16_mma_launch(x, *w, swiglu=True)
+    assert y.shape == (m, 24)
+    check_swiglu(y, x, _dq(w), "mma swiglu")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_grouped_rows_read_their_expert_and_token(config):
+    """Output row r = x[r // a_div] @ W[pair_expert[r]]^T x row_scale[r], for repeated and unused experts."""
+    e, n, k, t, top_k = 5, 48, 256, 3, 2
+    w = rand_weight(e, n, k, seed=7)
+    x = rand_x(t, k, seed=8)
+    idx = torch.tensor([[4, 1], [1, 1], [0, 4]], device=DEVICE)  # expert 1 twice in one token; 2 and 3 unused
+    rs = torch.rand(t, top_k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEVICE)
+    y = w4a16_mma_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs, config=config)
+    assert y.shape == (t * top_k, n)
+    for r in range(t * top_k):
+        ex = int(idx.view(-1)[r])
+        we = NVFP4Tensor(w.packed[ex], w.scales[ex], w.global_scale[ex])
+        ref = x[r // top_k: r // top_k + 1].float() @ _dq(we).T * rs.view(-1)[r].float()
+        check_gemm(y[r:r + 1], x[r // top_k: r // top_k + 1], _dq(we) * rs.view(-1)[r].float(), ref, f"row {r}")
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_moe_block_matches_reference(t):
+    """The routed-expert block (gate_up + SwiGLU, down x routing weight, sum over top-k) against the reference."""
+    e, h, i, top_k = 6, 256, 128, 3
+    w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=11, empty=(2,))
+    out = moe_experts_w4a16_mma(x, w13, w2, idx, weights)
+    ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
+    assert out.shape == (t, h) and out.dtype == x.dtype
+    assert compare(out, ref) is None, compare(out, ref)
+
+
+def test_fragment_ptx_bits():
+    """`_frag_ptx`'s inline PTX, run from its source text on the CPU (tests/ptx_emu.py): for words of every byte value
+    and random ones, with scales over all positive e4m3 codes (as the kernel passes them: scale x 2^119 in bf16, in
+    both halves of an int32), the A fragments hold, per half, the weight x 2^-7 of the byte / nibble the module's
+    fragment map names, exactly (bf16 bits), and the B fragments the named activations' bits."""
+    from kernels import w4a16_mma
+
+    asm = ptx_emu.asm_text(w4a16_mma._frag_ptx)
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every positive finite code
+    s_bf16 = (e4m3 * 2.0**119).to(torch.bfloat16)
+    assert torch.equal(s_bf16.float(), e4m3 * 2.0**119)  # exact: e4m3 has 4 significant bits
+    g = torch.Generator().manual_seed(5)
+    words = [b * 0x01010101 for b in range(256)] + [0x01234567, 0x89ABCDEF, 0xFFFFFFFF, 0]
+    words += torch.randint(0, 2**31, (300,), generator=g).tolist()
+    xs = torch.randint(0, 2**31, (len(words), 4), generator=g).tolist()
+
+    def bf16_bits(v: torch.Tensor) -> int:
+        return int(v.to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+    def weight(word: int, byte: int, high: bool, scale: float) -> int:
+        code = (word >> (8 * byte + 4 * high)) & 0xF
+        return bf16_bits(E2M1_VALUES.float()[code] * scale * 2.0**-7)
+
+    for n, wa in enumerate(words):
+        wb = words[(n * 7 + 3) % len(words)]
+        sa, sb = e4m3[n % len(e4m3)], e4m3[(n * 5 + 1) % len(e4m3)]
+        sab, sbb = (bf16_bits(s * 2.0**119) for s in (sa, sb))
+        reg = ptx_emu.run(asm, {"$12": wa, "$13": wb, "$14": sab | (sab << 16), "$15": sbb | (sbb << 16),
+                                **{f"${16 + j}": xs[n][j] for j in range(4)}})
+        for h in range(2):  # bytes 2h, 2h + 1
+            a0, a1, a2, a3, b0, b1 = (reg[f"${6 * h + j}"] for j in range(6))
+            for half, byte in ((0, 2 * h), (1, 2 * h + 1)):
+                def got(r):
+                    return (r >> (16 * half)) & 0xFFFF
+                assert got(a0) == weight(wa, byte, False, sa), (hex(wa), h, half)
+                assert got(a1) == weight(wb, byte, False, sb), (hex(wb), h, half)
+                assert got(a2) == weight(wa, byte, True, sa), (hex(wa), h, half)
+                assert got(a3) == weight(wb, byte, True, sb), (hex(wb), h, half)
+            # activations: word j = (x[2j], x[2j+1]); b0 = (x[4h], x[4h+2]), b1 = (x[4h+1], x[4h+3])
+            xp, xq = xs[n][2 * h], xs[n][2 * h + 1]
+            assert b0 == (xp & 0xFFFF) | ((xq & 0xFFFF) << 16)
+            assert b1 == (xp >> 16) | (xq & 0xFFFF0000)
+
+
+def _info(**kw):
+    base = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, k=2048, weight_ok=True, weight_k=2048,
+                global_ok=True, rows=1, n=1024)
+    return {**base, **kw}
+
+
+def test_supports_takes_the_gemv_calls_in_bf16_on_cuda(monkeypatch):
+    """The GEMV's calls (1 row; 2-4 rows of small weights), bf16 on CUDA, K a multiple of CHUNK_K; nothing else.
+    (Judged as a compiled build would: under the interpreter every CUDA call is refused.)"""
+    monkeypatch.setattr(w4a16_gemm, "_interpreted", lambda: False)
+    assert supports_dense_mma(**_info())
+    assert supports_dense_mma(**_info(rows=4))
+    assert not supports_dense_mma(**_info(rows=5))  # not a GEMV call: the tensor-core GEMM's
+    assert not supports_dense_mma(**_info(dtype=torch.float16))
+    assert not supports_dense_mma(**_info(device="cpu"))  # PTX: never the interpreter's choice
+    assert not supports_dense_mma(**_info(k=2048 - CHUNK_K // 2, weight_k=2048 - CHUNK_K // 2))
+    moe = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, shapes_ok=True, globals_ok=True, tokens=1,
+               layout=w4a16_gemm.CHECKPOINT, k=2048, k_down=512)
+    assert supports_moe_mma(**moe)
+    assert not supports_moe_mma(**{**moe, "tokens": 5})
+    assert not supports_moe_mma(**{**moe, "k_down": 192})
+    assert not supports_moe_mma(**{**moe, "layout": w4a16_gemm.EXPERT_LAYOUTS["tile_major"]})
+
+
+def test_registry_puts_it_after_the_gemv():
+    reg = Registry()
+    w4a16_gemm.register(reg)
+    for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU, w4a16_gemm.MOE):
+        names = [i.name for i in reg.spec(op).implementations]
+        assert names.index(MMA) == names.index("triton_gemv") + 1 and names.index(MMA) < names.index("triton"), names
+
+
+def test_describe_moe_gives_both_k():
+    w13, w2, idx, weights, x = moe_inputs(1, 4, 256, 128, 2, seed=3)
+    info = w4a16_gemm.describe_moe(x, w13, w2, idx, weights)
+    assert (info["k"], info["k_down"]) == (256, 128)
+
+
+def test_errors():
+    w = rand_weight(32, 192, seed=1)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        w4a16_mma_launch(rand_x(1, 192, seed=2), *w)
+    w = rand_weight(32, 256, seed=1)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        w4a16_mma_launch(rand_x(1, 256, seed=2, dtype=torch.float16), *w)
+    with pytest.raises(ValueError, match=f"<= {MMA_MAX_ROWS} rows"):
+        w4a16_mma_launch(rand_x(MMA_MAX_ROWS + 1, 256, seed=2), *w)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        w4a16_mma_launch(rand_x(2, 260, seed=2)[:, 2:258], *w)  # activation rows 4 bytes off
+    with pytest.raises(ValueError, match="takes <= 4 tokens"):
+        w13, w2, idx, weights, x = moe_inputs(5, 4, 256, 128, 2, seed=3)
+        moe_experts_w4a16_mma(x, w13, w2, idx, weights)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="engine shapes on the compiled kernel: a GPU (the CPU runs the above)")
+@pytest.mark.parametrize("case", ["gate_up", "down", "shared", "lm_head_rows"])
+def test_engine_shapes_on_cuda(case):
+    """The model's decode calls on the compiled PTX path (autotuned): the routed experts' two launches at 1 and 4
+    tokens x top-8 of 16 experts, the shared expert's SwiGLU, and a dense call of 8 rows."""
+    if case in ("gate_up", "down"):
+        e, h, i, top_k = 16, 2048, 512, 8
+        for t in (1, 4):
+            w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=30 + t)
+            out = moe_experts_w4a16_mma(x, w13, w2, idx, weights)
+            ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
+            assert compare(out, ref) is None, (t, compare(out, ref))
+        return
+    if case == "shared":
+        w = rand_weight(2 * 512, 2048, seed=40)
+        x = rand_x(1, 2048, seed=41)
+        check_swiglu(w4a16_mma_launch(x, *w, swiglu=True), x, _dq(w), "shared expert")
+        return
+    w = rand_weight(4096, 2048, seed=42)
+    x = rand_x(8, 2048, seed=43)
+    check_gemm(w4a16_mma_launch(x, *w), x, _dq(w), x.float() @ _dq(w).T, "8 rows")
