@@ -230,7 +230,10 @@
 #   STEPS="108" (carry .devbundle/extra): ~1.5 min: issue 5, the tiny packed engines' CUDA tests with one autotune
 #       configuration each (ran: 3 passed, results/gpu_suites_run12/)
 #   STEPS="109" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the decode GEMV on the tensor cores
-#       (kernels/w4a16_mma.py) per call beside the GEMV, the engine with it in the GEMV's place, its CUDA tests
+#       (kernels/w4a16_mma.py) per call beside the GEMV, the engine with it in the GEMV's place, its CUDA tests (ran:
+#       Qwen run 57, lone 440.7 against 433.0 / 433.2 tok/s; the bench and the tests cut at their limits)
+#   STEPS="110" (carry .devbundle/extra, .tritoncache): ~7 min: issue 5, the engine with the tensor-core decode GEMV
+#       for the routed experts only, and with small_batch_tokens 32 (its sorted path at 5-32 tokens), --again
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1380,6 +1383,14 @@ engine_ab qwen_mma "${LIMIT_109:-260}" --autotune-table auto \
   --without w4a16_moe:triton_gemv,w4a16_linear:triton_gemv,w4a16_swiglu:triton_gemv --again
 grep -E "triton_mma" "$R/qwen_mma.log" | cut -c1-300 | head -8
 gpu_tests mma_tests "${LIMIT_109B:-120}" tests/test_kernel_w4a16_mma.py -rfE --durations=5
+fi
+if want 110; then
+say "110. issue 5 (carry .devbundle/extra, .tritoncache): the tensor-core decode GEMV in the engine, side by side: the routed"
+say "    experts of <= 4-token steps on it (the shared expert stays on the GEMV: slower on it per call, step 109), and"
+say "    small_batch_tokens 32 (5-32-token steps' experts on the checkpoint copy, pairs grouped by expert), --again"
+engine_ab qwen_mma_moe "${LIMIT_110:-420}" --autotune-table auto --without w4a16_moe:triton_gemv \
+  --variant 'sorted32={"small_batch_tokens": 32}' --again
+grep -oE "'w4a16_moe\[checkpoint\][^']*': '[^']*'" "$R/qwen_mma_moe.log" | sort | uniq -c | head -8
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

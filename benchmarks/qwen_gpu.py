@@ -344,11 +344,12 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        shared_expert_stream: bool = True, gdn_z_stream: bool = False,
                        combine_next_norm: bool = True, gdn_prep_tiling: list | None = None,
                        shared_expert_after_router: bool = True, weight_prefetch: str = "off",
-                       gdn_decode_norm: bool = False) -> dict:
+                       gdn_decode_norm: bool = False, small_batch_tokens: int = 4) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
-    module settings, restored after; benchmarks/gdn_prep_bench.py times them per call)."""
+    module settings, restored after; benchmarks/gdn_prep_bench.py times them per call). small_batch_tokens: set on
+    the shared model by every engine (default the loader's 4: an earlier variant's value must not carry over)."""
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
@@ -366,7 +367,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             combine_next_norm=combine_next_norm,
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
-                            gdn_decode_norm=gdn_decode_norm,
+                            gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:

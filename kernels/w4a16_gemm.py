@@ -1029,17 +1029,18 @@ def _sample_swiglu(device) -> tuple[tuple, dict]:
     return (x, w), {}
 
 
-def _sample_moe(device, layout: int | None = None) -> tuple[tuple, dict]:
+def _sample_moe(device, layout: int | None = None, tokens: int = 3) -> tuple[tuple, dict]:
     """The self-check's routed-expert call. `layout` (default: the loader's on that device, `default_expert_layout`):
     experts of H = I = 256 (two K tiles per projection) repacked by `experts_repack`, called with that layout, so that
-    the start-up check runs the path the engine runs. Checkpoint-layout experts are H = 64, I = 32 (on CUDA 128:
+    the start-up check runs the path the engine runs; `tokens` of them (3: the decode GEMVs' one program a pair).
+    Checkpoint-layout experts are H = 64, I = 32 (on CUDA 128:
     K in whole chunks of the tensor-core decode GEMV, kernels/w4a16_mma.py, so that it is checked too)."""
     from kernels.nvfp4 import quantize_nvfp4
 
     if layout is None:
         layout = default_expert_layout(device)
     g = torch.Generator().manual_seed(0)
-    e, h, i, t, k = (4, 256, 256, 3, 2) if layout != CHECKPOINT else (6, 64, 32, 3, 2)
+    e, h, i, t, k = (4, 256, 256, tokens, 2) if layout != CHECKPOINT else (6, 64, 32, tokens, 2)
     if layout == CHECKPOINT and torch.device(device).type == "cuda":  # whole chunks of kernels/w4a16_mma.py
         h = i = 128
     w13 = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-4 + 1e-5)

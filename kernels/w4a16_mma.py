@@ -50,6 +50,7 @@ from kernels.w4a16_gemm import (
     _global_1d,
     _global_2d,
     _interpreted,
+    supports_moe,
 )
 
 try:
@@ -63,7 +64,9 @@ except ImportError:  # CPU-only installs without triton: supports() says no
 
 MMA = "triton_mma"
 MMA_MAX_ROWS = 8  # B's eight columns: dense calls of up to 8 activation rows in one launch
-MMA_MAX_TOKENS = 4  # the grouped MoE: as the GEMV (the decode graphs' 1, 2, 4 buckets)
+MMA_MAX_TOKENS = 4  # the grouped MoE one program per pair: as the GEMV (the decode graphs' 1, 2, 4 buckets)
+SORTED_BLOCK_M = 8  # beyond: pairs grouped by expert (moe_align), 8 a program (B's columns)
+SORTED_MAX_TOKENS = 64  # the sorted path's calls (decode batches; moe_align's one-program path takes 128 at top-8)
 CHUNK_K = 128  # weights of a row per (warp, chunk): 4 lanes x 32; K must be a multiple
 
 if triton is not None:
@@ -240,12 +243,16 @@ if triton is not None:
         return acc0, acc1, acc2, acc3
 
     @triton.jit
-    def _w4a16_mma_kernel(x, w, s, g, rs, y, pair_expert, N, K, M, A_DIV, R_BUCKET, s_xm, s_we, s_wn, s_se, s_sn,
-                          s_ge, s_gn, s_ym, GROUPED: tl.constexpr, SWIGLU: tl.constexpr,
-                          HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr, WARPS: tl.constexpr,
-                          CHUNKS: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr = False):
+    def _w4a16_mma_kernel(x, w, s, g, rs, y, pair_expert, sorted_pairs, block_expert, N, K, M, A_DIV, R_BUCKET, P,
+                          E, s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym, GROUPED: tl.constexpr,
+                          SORTED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+                          INTERPRET: tl.constexpr, WARPS: tl.constexpr, CHUNKS: tl.constexpr, EVEN: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
         # grid (cdiv(N_out, 16), R). Dense: R = 1, activation rows 0..M-1 (M <= 8) are B's columns; y [M, N_out].
         # Grouped: program r reads activation row r // A_DIV (column 0) and expert pair_expert[r]; y [R, N_out].
+        # Sorted (moe_align's routing, BLOCK_M 8): program r is row block r of the P pairs grouped by expert, expert
+        # block_expert[r] (E: an unused block, which returns at once); column n = pair sorted_pairs[8 r + n] (P: a
+        # padding row), activation row pair // A_DIV; y [P, N_out] by pair.
         # SWIGLU: N = 2 N_out weight rows (gate then up); output n = silu(row n) * row (n + N_out).
         # Byte strides s_wn (row) and s_sn (scale row) must be multiples of 8 / 2, K of CHUNK_K (the launcher checks).
         # EVEN (`_even`): N_out a multiple of 16 and the chunks of WARPS x CHUNKS: no masked loads.
@@ -264,7 +271,13 @@ if triton is not None:
         ra_ok = ra < n_out
         rb_ok = rb < n_out
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        if GROUPED:  # every lane reads the pair's activation row: B's columns all equal, column 0 is stored
+        if SORTED:
+            e = tl.load(block_expert + r)
+            if e >= E:  # past the last used block
+                return
+            pg = tl.load(sorted_pairs + 8 * r + gq)  # the lane's column: its pair, P on a padding row
+            xr = x + tl.where(pg < P, pg // A_DIV, 0).to(tl.int64) * s_xm
+        elif GROUPED:  # every lane reads the pair's activation row: B's columns all equal, column 0 is stored
             e = tl.load(pair_expert + r)
             xr = x + (r // A_DIV).to(tl.int64) * s_xm
         else:  # column g = activation row g; lanes past the M rows read row M - 1 (their columns are not stored)
@@ -323,7 +336,22 @@ if triton is not None:
             y1 = y1 / (1.0 + tl.exp(-y1)) * (u1 * gua)
             y2 = y2 / (1.0 + tl.exp(-y2)) * (u2 * gub)
             y3 = y3 / (1.0 + tl.exp(-y3)) * (u3 * gub)
-        if GROUPED:  # column 0 only: y row r
+        if SORTED:  # columns col, col + 1 = the block's pairs there
+            dt = y.dtype.element_ty
+            p0 = tl.load(sorted_pairs + 8 * r + col)
+            p1 = tl.load(sorted_pairs + 8 * r + col + 1)
+            if HAS_ROW_SCALE:
+                r0 = tl.load(rs + p0, mask=p0 < P, other=0.0).to(tl.float32)
+                r1 = tl.load(rs + p1, mask=p1 < P, other=0.0).to(tl.float32)
+                y0, y2 = y0 * r0, y2 * r0
+                y1, y3 = y1 * r1, y3 * r1
+            y0p = y + p0.to(tl.int64) * s_ym
+            y1p = y + p1.to(tl.int64) * s_ym
+            tl.store(y0p + oa, y0.to(dt), mask=(p0 < P) & (oa < n_out))
+            tl.store(y1p + oa, y1.to(dt), mask=(p1 < P) & (oa < n_out))
+            tl.store(y0p + ob, y2.to(dt), mask=(p0 < P) & (ob < n_out))
+            tl.store(y1p + ob, y3.to(dt), mask=(p1 < P) & (ob < n_out))
+        elif GROUPED:  # column 0 only: y row r
             if HAS_ROW_SCALE:
                 rsc = tl.load(rs + r).to(tl.float32)
                 y0 = y0 * rsc
@@ -345,7 +373,8 @@ if triton is not None:
 
     _w4a16_mma_heuristic = triton.heuristics({"EVEN": _even})(_w4a16_mma_kernel)
     _w4a16_mma_autotuned = triton.autotune(
-        configs=_CONFIGS, key=["N", "K", "M", "R_BUCKET", "GROUPED", "SWIGLU", "HAS_ROW_SCALE"])(_w4a16_mma_heuristic)
+        configs=_CONFIGS, key=["N", "K", "M", "R_BUCKET", "GROUPED", "SORTED", "SWIGLU", "HAS_ROW_SCALE"])(
+        _w4a16_mma_heuristic)
 
 
 # The interpreter runs one config (tests pin others): two warps, so the cross-warp sum and the K split are exercised.
@@ -359,14 +388,21 @@ def mma_shapes_ok(n: int, k: int) -> bool:
 
 def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
                      pair_expert: torch.Tensor | None = None, a_div: int = 1, row_scale: torch.Tensor | None = None,
-                     swiglu: bool = False, config: dict | None = None) -> torch.Tensor:
+                     swiglu: bool = False, routing=None, config: dict | None = None) -> torch.Tensor:
     """Dense (`pair_expert` None): x [M, K] (M <= MMA_MAX_ROWS) -> y [M, N] (or SwiGLU's [M, N/2]) in x.dtype (bf16).
     Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int: output row r
     reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)], times `row_scale[r]` if given.
+    With `routing` (`w4a16_gemm.MoeRouting` of the same pairs, block_m SORTED_BLOCK_M) instead of one program per
+    pair, one per (16 rows, block of 8 pairs of one expert): each expert's weights read once for all its pairs.
     `config` pins WARPS / CHUNKS (tests, benchmarks). One launch, no host syncs (CUDA-graph capturable)."""
     if triton is None:
         raise RuntimeError("w4a16_mma needs triton")
     grouped = pair_expert is not None
+    sorted_ = routing is not None
+    if sorted_ and (not grouped or routing.block_m != SORTED_BLOCK_M or routing.sorted_pairs is None
+                    or routing.num_pairs != pair_expert.numel()):
+        raise ValueError(f"w4a16_mma: a routing needs the pairs' experts and moe_align's block_m {SORTED_BLOCK_M} "
+                         "over the same pairs")
     k = x.shape[-1]
     if x.dtype != torch.bfloat16:
         raise ValueError(f"w4a16_mma: bf16 activations only (the MMA's operands), got {x.dtype}")
@@ -401,10 +437,13 @@ def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         return y.to(x.dtype)
     rs = row_scale.reshape(-1) if row_scale is not None else g
     s_xm = x.stride(0) if x.dim() > 1 else 0
-    args = (x, packed, sc, g, rs, y, pe, n, k, m, a_div, triton.next_power_of_2(r), s_xm, s_we, s_wn, s_se, s_sn,
-            s_ge, s_gn, y.stride(0))
-    meta = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, INTERPRET=interp)
-    grid = (triton.cdiv(n_out, 16), r)
+    sp, be = (routing.sorted_pairs, routing.block_expert) if sorted_ else (pe, pe)  # any tensors unless SORTED
+    programs = be.numel() if sorted_ else r
+    args = (x, packed, sc, g, rs, y, pe, sp, be, n, k, m, a_div, triton.next_power_of_2(r), r,
+            packed.shape[0] if grouped else 1, s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, y.stride(0))
+    meta = dict(GROUPED=grouped, SORTED=sorted_, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None,
+                INTERPRET=interp)
+    grid = (triton.cdiv(n_out, 16), programs)
     if interp or config:
         cfg = dict(INTERPRETER_CONFIG) if interp else {}
         cfg.update(config or {})
@@ -433,15 +472,19 @@ def w4a16_swiglu_mma(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 def moe_experts_w4a16_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
                           weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
-    """Same contract as `moe_experts_w4a16_reference`, for T <= MMA_MAX_TOKENS tokens on checkpoint-layout experts:
+    """Same contract as `moe_experts_w4a16_reference`, for T <= SORTED_MAX_TOKENS tokens on checkpoint-layout experts:
     gate_up + SwiGLU -> [P, I] rounded to bf16, down x routing weight -> [T, k, H] rounded to bf16, then the sum over
-    top_k (fp32, one more rounding) unless `reduce=False` (as `moe_experts_w4a16_gemv`)."""
+    top_k (fp32, one more rounding) unless `reduce=False` (as `moe_experts_w4a16_gemv`). Up to MMA_MAX_TOKENS tokens
+    one program per pair; more, the pairs grouped by expert first (`w4a16_gemm.moe_align_fast`, one launch)."""
+    from kernels.w4a16_gemm import moe_align_fast
+
     t, top_k = idx.shape
-    if layout != CHECKPOINT or not 0 < t <= MMA_MAX_TOKENS:
-        raise ValueError(f"w4a16_mma: the MoE takes <= {MMA_MAX_TOKENS} tokens on checkpoint-layout experts, got {t} "
-                         f"tokens, layout {layout}")
-    h = w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True)  # [P, I]
-    y = w4a16_mma_launch(h, *w2, pair_expert=idx, row_scale=weights).view(t, top_k, -1)  # [T, k, H]
+    if layout != CHECKPOINT or not 0 < t <= SORTED_MAX_TOKENS:
+        raise ValueError(f"w4a16_mma: the MoE takes <= {SORTED_MAX_TOKENS} tokens on checkpoint-layout experts, got "
+                         f"{t} tokens, layout {layout}")
+    routing = moe_align_fast(idx, w13.packed.shape[0], SORTED_BLOCK_M) if t > MMA_MAX_TOKENS else None
+    h = w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True, routing=routing)  # [P, I]
+    y = w4a16_mma_launch(h, *w2, pair_expert=idx, row_scale=weights, routing=routing).view(t, top_k, -1)  # [T, k, H]
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 
 
@@ -462,7 +505,8 @@ def supports_swiglu_mma(**info: Any) -> bool:
 
 
 def supports_moe_mma(**info: Any) -> bool:
-    """`w4a16_gemv.supports_moe_gemv` (<= 4 tokens, checkpoint-layout experts), `_mma_call_ok`, and the down
-    projection's K (`describe_moe`'s k_down) a multiple of CHUNK_K."""
-    return (gemv.supports_moe_gemv(**info) and _mma_call_ok(info) and info["tokens"] <= MMA_MAX_TOKENS
-            and mma_shapes_ok(1, info.get("k_down", 0)))
+    """`w4a16_gemm.supports_moe`, checkpoint-layout experts, 1-SORTED_MAX_TOKENS tokens (the GEMV's <= 4 and, past
+    them, the calls the engine sends to the checkpoint copy only when asked: `repack_dual`'s small_tokens),
+    `_mma_call_ok`, and the down projection's K (`describe_moe`'s k_down) a multiple of CHUNK_K."""
+    return (supports_moe(**info) and info["layout"] == CHECKPOINT and 0 < info["tokens"] <= SORTED_MAX_TOKENS
+            and _mma_call_ok(info) and mma_shapes_ok(1, info.get("k_down", 0)))

@@ -201,6 +201,11 @@ class QwenEngineConfig:
     #                               call against 5.33 at 512 (gdn_prep_bench run 2); Qwen run 51, lone decode 424.3
     #                               against 412.5 / 413.6 tok/s. Another fp32 summation order than 512's (the
     #                               previous default): 8 of 32 random-weight streams' greedy tokens diverged late
+    small_batch_tokens: int | None = None  # dual expert layouts (dual_frag: Hopper's default): calls of at most this
+    #                               many tokens read the checkpoint-layout copy (NVFP4Experts.small_tokens) | None:
+    #                               the loader's, 4 (the decode GEMV's). Up to kernels.w4a16_mma.SORTED_MAX_TOKENS:
+    #                               past 4 the tensor-core decode GEMV takes them with the pairs grouped by expert
+    #                               (and the shared expert runs dense, not as a 9th pair). Not measured yet
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -246,6 +251,12 @@ class QwenEngineConfig:
         check_shared_expert_in_moe(self.shared_expert_in_moe)
         if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
+        from kernels.w4a16_mma import SORTED_MAX_TOKENS
+
+        if self.small_batch_tokens is not None and not (
+                isinstance(self.small_batch_tokens, int) and 1 <= self.small_batch_tokens <= SORTED_MAX_TOKENS):
+            raise ValueError(f"small_batch_tokens must be None or an int in 1..{SORTED_MAX_TOKENS}, got "
+                             f"{self.small_batch_tokens!r}")
         if self.lm_head_layout not in LM_HEAD_LAYOUTS:
             raise ValueError(f"lm_head_layout must be one of {' | '.join(LM_HEAD_LAYOUTS)}, got "
                              f"{self.lm_head_layout!r}")
@@ -358,6 +369,7 @@ class QwenEngine:
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
+        self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -553,6 +565,7 @@ class QwenEngine:
             "gdn_decode_norm_layers": self.gdn_decode_norm,
             "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
+            "small_batch_tokens": self.small_batch_tokens,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
@@ -907,6 +920,20 @@ def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:
     return _set_on_every(model, QwenForCausalLM, "combine_next_norm", on) > 0
 
 
+def set_small_batch_tokens(model: torch.nn.Module, tokens: int | None) -> int:
+    """Set `NVFP4Experts.small_tokens` (the calls that read the checkpoint-layout copy) on every routed-expert stack
+    with a dual copy, unless `tokens` is None; returns the value they hold (0: no dual copy)."""
+    from .model.quantized import NVFP4Experts
+
+    held = 0
+    for mod in model.modules():
+        if isinstance(mod, NVFP4Experts) and mod.small_tokens:
+            if tokens is not None:
+                mod.small_tokens = tokens
+            held = mod.small_tokens
+    return held
+
+
 def set_shared_expert_after_router(model: torch.nn.Module, on: bool) -> int:
     """Set `SparseMoE.shared_after_router` on every MoE layer; returns how many layers took it. It acts only where
     `shared_stream` forks the shared expert."""
@@ -970,24 +997,27 @@ def set_lm_head_layout(model: torch.nn.Module, layout: str) -> str:
 def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry) -> dict[str, str]:
     """The routed-expert op on the device at every kernel layout the model's experts use that the registry's
     self-check sample (`w4a16_gemm._sample_moe`: the device's default layout) does not cover, e.g. tile_major, or
-    dual's small-batch copy (the checkpoint layout, 3 tokens: the decode GEMV), through the implementation the
+    dual's small-batch copy (the checkpoint layout, 3 tokens: the decode GEMV; with small_batch_tokens past 4 also
+    min(small_batch_tokens, 16) tokens: the tensor-core decode GEMV's sorted path), through the implementation the
     registry chooses for it. A failing implementation is disabled (as the registry's own self-check does) and the
     next choice is checked, down to the reference. -> {"w4a16_moe[<layout>]": outcomes, "; "-joined}."""
     from kernels import w4a16_gemm as w
 
-    from .model.quantized import NVFP4Experts, forget_kernel_choices
+    from .model.quantized import SMALL_ROWS, NVFP4Experts, forget_kernel_choices
 
     used = set()
     for mod in model.modules():
         if isinstance(mod, NVFP4Experts):
-            used |= {mod.layout} | ({mod.small_layout} if mod.small_tokens else set())
+            used |= {(mod.layout, 3)} | ({(mod.small_layout, 3)} if mod.small_tokens else set())
+            if mod.small_tokens > SMALL_ROWS:  # small_batch_tokens: more tokens on the copy (another kernel path)
+                used.add((mod.small_layout, min(mod.small_tokens, 16)))
     out = {}
-    for layout in sorted(used - {w.default_expert_layout(device)}):
-        name = f"{w.MOE}[{w.LAYOUT_NAMES[layout]}]"
+    for layout, tokens in sorted(used - {(w.default_expert_layout(device), 3)}):
+        name = f"{w.MOE}[{w.LAYOUT_NAMES[layout]}]" + (f"[{tokens} tokens]" if tokens != 3 else "")
         if registry.preference(w.MOE).value == "reference":
             out[name] = "skipped (the reference runs)"
             continue
-        args, _ = w._sample_moe(device, layout=layout)
+        args, _ = w._sample_moe(device, layout=layout, tokens=tokens)
         said = []
         while True:
             impl = registry.choose(w.MOE, **registry.spec(w.MOE).describe(*args))

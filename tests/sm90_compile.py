@@ -325,14 +325,15 @@ def main() -> int:
                               dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, DEQ=deq,
                                    INTERPRET=False, BLOCK_N=8, BLOCK_K=512)))
     # the decode GEMV on the tensor cores (kernels/w4a16_mma.py): mma.sync in its PTX, its fragments' lane layout
-    for grouped, swiglu, warps, chunks, even in ((True, True, 16, 1, True), (True, False, 4, 1, True),
-                                                 (False, False, 4, 2, False)):
-        name = f"w4a16_mma GROUPED={grouped} SWIGLU={swiglu} WARPS={warps} CHUNKS={chunks} EVEN={even}"
-        consts = dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, INTERPRET=False,
-                      WARPS=warps, CHUNKS=chunks, EVEN=even)
-        ok.append(compile_one(name, w4a16_mma._w4a16_mma_kernel, gemv, consts,
+    mma = {**gemv, "sorted_pairs": "*i32", "block_expert": "*i32"}
+    for grouped, srt, swiglu, warps, chunks, even in ((True, False, True, 16, 1, True), (True, True, False, 4, 1, True),
+                                                      (False, False, False, 4, 2, False)):
+        name = f"w4a16_mma GROUPED={grouped} SORTED={srt} SWIGLU={swiglu} WARPS={warps} CHUNKS={chunks} EVEN={even}"
+        consts = dict(GROUPED=grouped, SORTED=srt, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu,
+                      INTERPRET=False, WARPS=warps, CHUNKS=chunks, EVEN=even)
+        ok.append(compile_one(name, w4a16_mma._w4a16_mma_kernel, mma, consts,
                               ptx_has="mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", num_warps=warps))
-        ok.append(mma_lanes_ok(name, gemv, consts, warps))
+        ok.append(mma_lanes_ok(name, mma, consts, warps))
     # the decode FP8 GEMV: on the quantiser's codes (the default; whole tiles and masked edges) and with the
     # quantiser's division in its loop
     for codes, even in ((True, True), (True, False), (False, True)):

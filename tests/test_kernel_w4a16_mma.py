@@ -21,6 +21,8 @@ from kernels.w4a16_mma import (
     CHUNK_K,
     MMA,
     MMA_MAX_ROWS,
+    SORTED_BLOCK_M,
+    SORTED_MAX_TOKENS,
     moe_experts_w4a16_mma,
     supports_dense_mma,
     supports_moe_mma,
@@ -75,9 +77,11 @@ def test_grouped_rows_read_their_expert_and_token(config):
         check_gemm(y[r:r + 1], x[r // top_k: r // top_k + 1], _dq(we) * rs.view(-1)[r].float(), ref, f"row {r}")
 
 
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("t", [1, 4, 6, 16])
 def test_moe_block_matches_reference(t):
-    """The routed-expert block (gate_up + SwiGLU, down x routing weight, sum over top-k) against the reference."""
+    """The routed-expert block (gate_up + SwiGLU, down x routing weight, sum over top-k) against the reference: one
+    program a pair up to 4 tokens, the pairs grouped by expert in blocks of 8 beyond (padding rows, several blocks of
+    one expert at 16 tokens, an empty expert)."""
     e, h, i, top_k = 6, 256, 128, 3
     w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=11, empty=(2,))
     out = moe_experts_w4a16_mma(x, w13, w2, idx, weights)
@@ -149,7 +153,8 @@ def test_supports_takes_the_gemv_calls_in_bf16_on_cuda(monkeypatch):
     moe = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, shapes_ok=True, globals_ok=True, tokens=1,
                layout=w4a16_gemm.CHECKPOINT, k=2048, k_down=512)
     assert supports_moe_mma(**moe)
-    assert not supports_moe_mma(**{**moe, "tokens": 5})
+    assert supports_moe_mma(**{**moe, "tokens": SORTED_MAX_TOKENS})  # the sorted path (pairs grouped by expert)
+    assert not supports_moe_mma(**{**moe, "tokens": SORTED_MAX_TOKENS + 1})
     assert not supports_moe_mma(**{**moe, "k_down": 192})
     assert not supports_moe_mma(**{**moe, "layout": w4a16_gemm.EXPERT_LAYOUTS["tile_major"]})
 
@@ -160,6 +165,58 @@ def test_registry_puts_it_after_the_gemv():
     for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU, w4a16_gemm.MOE):
         names = [i.name for i in reg.spec(op).implementations]
         assert names.index(MMA) == names.index("triton_gemv") + 1 and names.index(MMA) < names.index("triton"), names
+
+
+def test_sorted_launch_writes_every_pair_row_once():
+    """The sorted launch (`routing`) writes row p of y for every real pair p (y is allocated uninitialised: a row it
+    missed would hold garbage) with that pair's token, expert and row scale: equal to the one-program-per-pair
+    launch to fp32 summation order."""
+    from kernels.w4a16_gemm import moe_align
+
+    e, n, k, t, top_k = 5, 32, 256, 6, 3
+    w = rand_weight(e, n, k, seed=12)
+    x = rand_x(t, k, seed=13)
+    idx = torch.tensor([[0, 1, 2], [0, 1, 3], [0, 2, 3], [0, 1, 2], [1, 0, 3], [0, 2, 1]], device=DEVICE)
+    rs = torch.rand(t, top_k, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16).to(DEVICE)
+    routing = moe_align(idx, e, SORTED_BLOCK_M)  # expert 0: 6 pairs, 1: 5, 2: 4, 3: 3, 4: none
+    by_block = w4a16_mma_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs, routing=routing)
+    by_pair = w4a16_mma_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs)
+    assert by_block.shape == (t * top_k, n)
+    assert torch.equal(by_block, by_pair) or compare(by_block, by_pair) is None
+
+
+def test_model_choice_cache_keeps_the_sorted_range_apart():
+    """The model's choice cache caches calls of SMALL_ROWS < rows <= MID_ROWS apart from larger ones: the sorted MoE
+    path takes only the first (a prefill chunk must not reuse its choice)."""
+    from qwen_engine.model.quantized import MID_ROWS, SMALL_ROWS
+
+    assert MID_ROWS == SORTED_MAX_TOKENS and SMALL_ROWS < MID_ROWS
+
+
+def test_engine_small_batch_tokens_sets_the_dual_copies_threshold():
+    """QwenEngineConfig.small_batch_tokens: validated (1..SORTED_MAX_TOKENS or None), and `set_small_batch_tokens`
+    moves every dual stack's threshold (None keeps the loader's); stacks without a copy stay without one."""
+    from qwen_engine.engine import QwenEngineConfig, set_small_batch_tokens
+    from qwen_engine.model.quantized import NVFP4Experts
+
+    for bad in (0, SORTED_MAX_TOKENS + 1, 2.0):
+        with pytest.raises(ValueError, match="small_batch_tokens"):
+            QwenEngineConfig(small_batch_tokens=bad)
+    reg = Registry("auto")
+    w4a16_gemm.register(reg)
+    g = torch.Generator().manual_seed(8)
+    from kernels.nvfp4 import quantize_nvfp4
+
+    gu = quantize_nvfp4(torch.randn(4, 512, 256, generator=g) * 0.05, torch.rand(4, generator=g) * 1e-3 + 1e-4)
+    dn = quantize_nvfp4(torch.randn(4, 256, 256, generator=g) * 0.05, torch.rand(4, generator=g) * 1e-3 + 1e-4)
+    dual, single = NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)
+    assert dual.repack_dual()
+    model = torch.nn.ModuleList([dual, single])
+    assert set_small_batch_tokens(model, None) == 4 and dual.small_tokens == 4
+    assert set_small_batch_tokens(model, 32) == 32 and dual.small_tokens == 32 and single.small_tokens == 0
+    assert set_small_batch_tokens(torch.nn.ModuleList([single]), 32) == 0 and single.small_tokens == 0
+    with pytest.raises(ValueError, match="decode GEMVs"):
+        NVFP4Experts(gu, dn, reg).repack_dual(small_tokens=SORTED_MAX_TOKENS + 1)
 
 
 def test_describe_moe_gives_both_k():
@@ -179,9 +236,12 @@ def test_errors():
         w4a16_mma_launch(rand_x(MMA_MAX_ROWS + 1, 256, seed=2), *w)
     with pytest.raises(ValueError, match="8-byte aligned"):
         w4a16_mma_launch(rand_x(2, 260, seed=2)[:, 2:258], *w)  # activation rows 4 bytes off
-    with pytest.raises(ValueError, match="takes <= 4 tokens"):
-        w13, w2, idx, weights, x = moe_inputs(5, 4, 256, 128, 2, seed=3)
+    w13, w2, idx, weights, x = moe_inputs(SORTED_MAX_TOKENS + 1, 4, 256, 128, 2, seed=3)
+    with pytest.raises(ValueError, match=f"takes <= {SORTED_MAX_TOKENS} tokens"):
         moe_experts_w4a16_mma(x, w13, w2, idx, weights)
+    routing = w4a16_gemm.moe_align(idx[:6], 4, 16)
+    with pytest.raises(ValueError, match=f"block_m {SORTED_BLOCK_M}"):
+        w4a16_mma_launch(x[:6], *w13, pair_expert=idx[:6], a_div=2, swiglu=True, routing=routing)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="engine shapes on the compiled kernel: a GPU (the CPU runs the above)")

@@ -89,6 +89,8 @@ class _KeepStorageDtype(nn.Module):
 
 
 SMALL_ROWS = 4  # = kernels.w4a16_gemv.GEMV_MAX_TOKENS (tests check): row counts the choice cache keeps apart
+MID_ROWS = 64  # = kernels.w4a16_mma.SORTED_MAX_TOKENS (tests check): row counts above SMALL_ROWS up to this share one
+#                choice, larger ones another (the tensor-core decode GEMV's sorted MoE takes only the first)
 
 
 class _Dispatch(_KeepStorageDtype):
@@ -104,7 +106,7 @@ class _Dispatch(_KeepStorageDtype):
         """`op` (default: the module's) on args, through the cached registry choice; `variant` overrides the module's
         `_variant` for this call (state its `supports()` depends on that differs between calls). Calls of up to
         SMALL_ROWS activation rows are cached per row count (decode kernels, e.g. `kernels/w4a16_gemv.py`, support
-        only those), larger ones together."""
+        only those), then those of up to MID_ROWS together, and larger ones together."""
         return self._choose(*args, op=op, variant=variant).fn(*args)
 
     def _choose(self, *args, op: str | None = None, variant=None):
@@ -114,7 +116,7 @@ class _Dispatch(_KeepStorageDtype):
         x = args[0]
         rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
         key = (op, x.device.type, x.dtype, reg.preference(op), self._variant if variant is None else variant,
-               rows if rows <= SMALL_ROWS else None)
+               rows if rows <= SMALL_ROWS else "mid" if rows <= MID_ROWS else None)
         impl = self._impl.get(key)
         if impl is None:
             impl = self._impl[key] = reg.choose(op, **reg.spec(op).describe(*args))
@@ -604,12 +606,14 @@ class NVFP4Experts(_Dispatch):
         slower; two copies keep both, for +1 packed copy of the experts (~400 MB per layer, ~16 GB at full size).
         `small_layout` (default: the checkpoint's, which the decode GEMV `kernels/w4a16_gemv.py` reads; until the
         ninth session tile-major, for the grouped kernel: run 15, lone decode 213.6 -> 238.8 tok/s). `small_tokens`
-        (default and, for the checkpoint layout, maximum: the GEMV's GEMV_MAX_TOKENS = 4; larger calls on that copy
-        would run the grouped kernel on the checkpoint layout, the slowest decode path measured). Returns False,
+        (default: the GEMV's GEMV_MAX_TOKENS = 4; for the checkpoint layout at most kernels/w4a16_mma.py's
+        SORTED_MAX_TOKENS, whose tensor-core decode GEMV takes 5-64 tokens there -- without it larger calls on that
+        copy run the grouped kernel on the checkpoint layout, the slowest decode path measured). Returns False,
         changing nothing, when the shapes do not split into both layouts' tiles. `large_layout`: SPLIT_HALVES (default)
         or SPLIT_FRAG (the same kernel on fragment-ordered bytes, `kernels.w4a16_swapped.split_frag`)."""
         from kernels.w4a16_gemm import CHECKPOINT, SPLIT_HALVES, SWAPPED_LAYOUTS, experts_repack, layout_ok
         from kernels.w4a16_gemv import GEMV_MAX_TOKENS
+        from kernels.w4a16_mma import SORTED_MAX_TOKENS
 
         large_layout = SPLIT_HALVES if large_layout is None else large_layout
         if large_layout not in SWAPPED_LAYOUTS:
@@ -617,9 +621,9 @@ class NVFP4Experts(_Dispatch):
                              f"{large_layout}")
         small_layout = CHECKPOINT if small_layout is None else small_layout
         small_tokens = GEMV_MAX_TOKENS if small_tokens is None else small_tokens
-        if small_layout == CHECKPOINT and small_tokens > GEMV_MAX_TOKENS:
-            raise ValueError(f"repack_dual: a checkpoint-layout copy serves the GEMV's <= {GEMV_MAX_TOKENS} tokens, "
-                             f"got small_tokens={small_tokens}")
+        if small_layout == CHECKPOINT and small_tokens > SORTED_MAX_TOKENS:
+            raise ValueError(f"repack_dual: a checkpoint-layout copy serves the decode GEMVs' <= {SORTED_MAX_TOKENS} "
+                             f"tokens, got small_tokens={small_tokens}")
         w13, w2 = self._checkpoint_layout()
         if small_tokens < 1 or not (layout_ok(w13, w2, large_layout) and layout_ok(w13, w2, small_layout)):
             return False
