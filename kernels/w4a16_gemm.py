@@ -1067,10 +1067,11 @@ def default_expert_layout(device) -> int:
 
 
 def register(registry) -> None:
-    """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe"; each first tries `kernels/w4a16_gemv.py` ("triton_gemv":
-    the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then `kernels/w4a16_mma.py` ("triton_mma":
-    the same calls on the tensor cores, bf16 on CUDA; reached only with "triton_gemv" disabled until measured), then
-    this module's ("triton"). Also
+    """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe". The dense two first try `kernels/w4a16_gemv.py`
+    ("triton_gemv": the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then `kernels/w4a16_mma.py`
+    ("triton_mma": the same calls on the tensor cores, bf16 on CUDA), then this module's ("triton"); the MoE tries
+    "triton_mma" first (its <= 64-token calls on checkpoint-layout experts, bf16 on CUDA), then "triton_gemv" (the
+    CPU interpreter's and fp16's decode path), then "triton". Also
     `kernels/w4a16_swapped.py`'s "w4a16_linear_frag" (dense calls on fragment-order bytes: lm_head on Hopper)."""
     from kernels import w4a16_gemv as gemv
     from kernels import w4a16_mma as mma
@@ -1090,8 +1091,11 @@ def register(registry) -> None:
     registry.add_op(MOE, moe_experts_w4a16_reference, sample=_sample_moe, compare=compare, describe=describe_moe,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 rounding of the SwiGLU activations between the "
                               "two GEMMs and of the output; fp32 everywhere else)")
-    registry.add_implementation(MOE, gemv.GEMV, gemv.moe_experts_w4a16_gemv, gemv.supports_moe_gemv)
+    # the routed experts of <= 4 tokens on the tensor-core decode GEMV first (H200, Qwen runs 57-58: lone decode
+    # 440.0 / 440.7 against 432.8-433.2 tok/s with the CUDA-core GEMV); the dense calls keep the GEMV first (the shared
+    # expert's 512 outputs are 32 programs on it: 5.95 against 3.34 us)
     registry.add_implementation(MOE, mma.MMA, mma.moe_experts_w4a16_mma, mma.supports_moe_mma)
+    registry.add_implementation(MOE, gemv.GEMV, gemv.moe_experts_w4a16_gemv, gemv.supports_moe_gemv)
     registry.add_implementation(MOE, "triton", moe_experts_w4a16_triton, supports_moe)
     from kernels.w4a16_swapped import register_frag_dense
 

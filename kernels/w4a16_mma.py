@@ -29,10 +29,17 @@ Under TRITON_INTERPRET=1 (CPU tests) the two PTX blocks run as Triton code: the 
 same bits (`_frag_words`; tests/test_kernel_w4a16_mma.py checks the PTX text against it with tests/ptx_emu.py) and
 the MMA as a sum over each quad's four lanes (`_mma_emulated`): the lane -> fragment bookkeeping is what it tests.
 
+Outcome (H200, 2026-12-03, benchmarks/RESULTS.md thirty-third session): the routed experts per call 16.5 against the
+GEMV's 19.4 us at one token, 31.7 against 48.2 at four; the shared expert's gate_up 5.95 against 3.34 (512 outputs:
+32 programs). In the engine, the <= 4-token steps' routed experts on it: lone decode 440.0 / 440.7 against
+432.8-433.2 tok/s (Qwen runs 57, 58), 32 streams and TTFT unchanged. The sorted path at 5-32 tokens on the
+checkpoint copy (`small_batch_tokens` 32): 32 streams 3,004.8 against 3,370.9 on the swap-AB kernel (run 58), so
+it is not the default there.
+
 API: `w4a16_mma_launch(x, packed, scales, global, ...)` (as `w4a16_gemv_launch`: dense or grouped, SwiGLU, row
-scales); registry implementations "triton_mma" of "w4a16_linear" / "w4a16_swiglu" (dense, 1-8 rows) and
-"w4a16_moe" for the calls the GEMV takes (bf16 on CUDA, K a multiple of CHUNK_K), after "triton_gemv" in the
-registry: reached with it disabled (`--without w4a16_moe:triton_gemv`) until the H200 measures them side by side.
+scales; `routing` for the sorted path); registry implementations "triton_mma" of "w4a16_moe" (first: bf16 on CUDA,
+checkpoint-layout experts, <= SORTED_MAX_TOKENS tokens, K a multiple of CHUNK_K) and of "w4a16_linear" /
+"w4a16_swiglu" (after "triton_gemv", for the calls it takes: reached with it disabled).
 """
 
 from __future__ import annotations

@@ -547,8 +547,11 @@ def test_kernel_self_check_at_start():
     assert checks["router_gemv_topk"] == f"{want}; {two}", checks
     two = want.replace("triton", "gemm+triton")  # b / a inside the GDN prep, then its GEMM + plain-kernel fallback
     assert checks["gdn_decode_prep_ba"] == f"{want}; {two}", checks
-    for op in ("w4a16_linear", "w4a16_swiglu", "w4a16_moe"):  # the decode GEMV first, then the tensor-core kernels
-        assert checks[op] == f"{want.replace('triton', 'triton_gemv')}; {want}", (op, checks)
+    gemv = want.replace("triton", "triton_gemv")
+    mma = "triton_mma skipped (does not support the sample on cpu)"  # the tensor-core decode GEMV: CUDA only
+    for op in ("w4a16_linear", "w4a16_swiglu"):  # the decode GEMV first, then its tensor-core form, then the GEMM
+        assert checks[op] == f"{gemv}; {mma}; {want}", (op, checks)
+    assert checks["w4a16_moe"] == f"{mma}; {gemv}; {want}", checks  # the MoE: the tensor-core form first
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
     # the decode MoE in one launch (off by default) is checked only by an engine that may run it
     assert "w4a16_moe_decode" not in checks, checks
