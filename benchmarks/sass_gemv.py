@@ -55,7 +55,8 @@ def main() -> None:
     print(f"[sass_gemv] triton {triton.__version__}, sm_90")
     rows = []
     # the CUDA-core GEMV's K loop: (name, BLOCK_N, BLOCK_K, warps, SwiGLU, grouped)
-    for name, bn, bk, w, sw, grouped in (("routed gate_up", 4, 512, 2, True, True), ("routed down", 4, 256, 1, False, True),
+    for name, bn, bk, w, sw, grouped in (("routed gate_up", 4, 512, 2, True, True),
+                                         ("routed down", 4, 256, 1, False, True),
                                          ("shared gate_up", 4, 1024, 4, True, False)):
         c = compiled(w4a16_gemv._w4a16_gemv_kernel, dict(GROUPED=grouped, SWIGLU=sw, HAS_ROW_SCALE=grouped and not sw,
                                                          DEQ=w4a16_gemv.DEQ_WIDE, INTERPRET=False, BLOCK_N=bn,

@@ -1070,7 +1070,8 @@ def register(registry) -> None:
     """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe". The dense two first try `kernels/w4a16_gemv.py`
     ("triton_gemv": the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then `kernels/w4a16_mma.py`
     ("triton_mma": the same calls on the tensor cores, bf16 on CUDA), then this module's ("triton"); the MoE tries
-    "triton_mma" first (its <= 64-token calls on checkpoint-layout experts, bf16 on CUDA), then "triton_gemv" (the
+    "triton_mma" first (its <= 4-token calls on checkpoint-layout experts, bf16 on sm_90+; up to 64 with its sorted
+    path when `w4a16_mma.set_sorted_tokens` asks), then "triton_gemv" (the
     CPU interpreter's and fp16's decode path), then "triton". Also
     `kernels/w4a16_swapped.py`'s "w4a16_linear_frag" (dense calls on fragment-order bytes: lm_head on Hopper)."""
     from kernels import w4a16_gemv as gemv

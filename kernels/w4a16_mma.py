@@ -18,12 +18,14 @@ holds k = 2j (low nibble) and 2j + 1 (high nibble); per word two MMAs, h = 0 / 1
 a0 = (low(2h), low(2h + 1)) of row g, a2 = (high(2h), high(2h + 1)) of row g, a1 / a3 the same of row g + 8, and
 b0 = (x[4h], x[4h + 2]), b1 = (x[4h + 1], x[4h + 3]) of the word's 8 activations (two PRMTs of its bf16 pairs). The
 slot -> k map depends on the lane's c only, so every column's B matches every row's A. B's column n is activation
-row n (dense: up to 8 tokens in one launch; grouped: one (token, expert) pair a program, column 0, the rest zero).
+row n (dense: up to 8 tokens in one launch; grouped: one (token, expert) pair a program, every column its activation
+row, column 0 stored).
 
 Arithmetic (as `kernels/w4a16_gemv.py`): each weight built exactly as E2M1 x 2^-126 in bf16 (bit tricks) times its
 scale x 2^119 (`mul.rn.bf16x2`, exact: the weight x 2^-7), bf16 x bf16 products summed in fp32 by the tensor core,
 the per-warp sums added in fp32, x 2^7 x the global scale (per output row), SwiGLU and the routing weight in fp32,
-one rounding. So it differs from `kernels.nvfp4.w4a16_linear_reference` by fp32 summation order only.
+one rounding. So it differs from `kernels.nvfp4.w4a16_linear_reference` by the summation: its order, and the tensor
+core's fp32 accumulation, which is not IEEE round-to-nearest at every addition.
 
 Under TRITON_INTERPRET=1 (CPU tests) the two PTX blocks run as Triton code: the fragments from integer ops on the
 same bits (`_frag_words`; tests/test_kernel_w4a16_mma.py checks the PTX text against it with tests/ptx_emu.py) and
@@ -37,9 +39,10 @@ checkpoint copy (`small_batch_tokens` 32): 32 streams 3,004.8 against 3,370.9 on
 it is not the default there.
 
 API: `w4a16_mma_launch(x, packed, scales, global, ...)` (as `w4a16_gemv_launch`: dense or grouped, SwiGLU, row
-scales; `routing` for the sorted path); registry implementations "triton_mma" of "w4a16_moe" (first: bf16 on CUDA,
-checkpoint-layout experts, <= SORTED_MAX_TOKENS tokens, K a multiple of CHUNK_K) and of "w4a16_linear" /
-"w4a16_swiglu" (after "triton_gemv", for the calls it takes: reached with it disabled).
+scales; `routing` for the sorted path); registry implementations "triton_mma" of "w4a16_moe" (first: bf16 on sm_90+,
+checkpoint-layout experts, <= MMA_MAX_TOKENS tokens -- up to SORTED_MAX_TOKENS when `set_sorted_tokens` asks, as the
+engine's `small_batch_tokens` does -- K a multiple of CHUNK_K) and of "w4a16_linear" / "w4a16_swiglu" (after
+"triton_gemv", for the calls it takes: reached with it disabled).
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ MMA_MAX_TOKENS = 4  # the grouped MoE one program per pair: as the GEMV (the dec
 SORTED_BLOCK_M = 8  # beyond: pairs grouped by expert (moe_align), 8 a program (B's columns)
 SORTED_MAX_TOKENS = 64  # the sorted path's calls (decode batches; moe_align's one-program path takes 128 at top-8)
 CHUNK_K = 128  # weights of a row per (warp, chunk): 4 lanes x 32; K must be a multiple
+
+def _even(a: dict) -> bool:
+    """Every load of a launch in bounds (the kernel's EVEN): N_out a multiple of 16, the K chunks of WARPS x CHUNKS."""
+    n_out = a["N"] // 2 if a["SWIGLU"] else a["N"]
+    return n_out % 16 == 0 and (a["K"] // CHUNK_K) % (a["WARPS"] * a["CHUNKS"]) == 0
+
 
 if triton is not None:
     _CHUNK_K = tl.constexpr(CHUNK_K)  # jit functions may only read constexpr globals
@@ -291,9 +300,10 @@ if triton is not None:
             e = 0
             xr = x + tl.minimum(gq, M - 1).to(tl.int64) * s_xm
         px0 = xr + 32 * c
-        pa0 = w + e * s_we + ra * s_wn + 16 * c
+        e64 = e.to(tl.int64)  # stacks past 2^31 bytes must not wrap
+        pa0 = w + e64 * s_we + ra.to(tl.int64) * s_wn + 16 * c
         pb0 = pa0 + 8 * s_wn
-        psa0 = s + e * s_se + ra * s_sn + 2 * c
+        psa0 = s + e64 * s_se + ra.to(tl.int64) * s_sn + 2 * c
         psb0 = psa0 + 8 * s_sn
         acc0 = tl.zeros((32 * WARPS,), dtype=tl.float32)
         acc1 = tl.zeros((32 * WARPS,), dtype=tl.float32)
@@ -373,11 +383,6 @@ if triton is not None:
             tl.store(y + col * s_ym + ob, y2.to(dt), mask=(col < M) & (ob < n_out))
             tl.store(y + (col + 1) * s_ym + ob, y3.to(dt), mask=(col + 1 < M) & (ob < n_out))
 
-    def _even(a: dict) -> bool:
-        """Every load of the launch in bounds: N_out a multiple of 16, the K chunks of WARPS x CHUNKS."""
-        n_out = a["N"] // 2 if a["SWIGLU"] else a["N"]
-        return n_out % 16 == 0 and (a["K"] // CHUNK_K) % (a["WARPS"] * a["CHUNKS"]) == 0
-
     _w4a16_mma_heuristic = triton.heuristics({"EVEN": _even})(_w4a16_mma_kernel)
     _w4a16_mma_autotuned = triton.autotune(
         configs=_CONFIGS, key=["N", "K", "M", "R_BUCKET", "GROUPED", "SORTED", "SWIGLU", "HAS_ROW_SCALE"])(
@@ -432,9 +437,11 @@ def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"a SwiGLU weight needs an even number of rows (gate then up), got {n}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     sc = scales.view(torch.uint8)
+    if x.data_ptr() % 8 or (x.dim() > 1 and x.stride(0) % 4):  # activations in 8-byte words: a fresh copy is
+        x = x.clone(memory_format=torch.contiguous_format)     # aligned (rows of K, a multiple of CHUNK_K)
     if (packed.stride(-1) != 1 or sc.stride(-1) != 1 or packed.data_ptr() % 8 or s_wn % 8 or s_we % 8
-            or sc.data_ptr() % 2 or s_sn % 2 or s_se % 2 or x.data_ptr() % 8 or (x.dim() > 1 and x.stride(0) % 4)):
-        raise ValueError("w4a16_mma: weight rows must be 8-byte aligned, scale rows 2-byte, activation rows 8-byte")
+            or sc.data_ptr() % 2 or s_sn % 2 or s_se % 2):
+        raise ValueError("w4a16_mma: weight rows must be 8-byte aligned, scale rows 2-byte")
     n_out = n // 2 if swiglu else n
     interp = _interpreted()
     # the interpreter truncates fp32 -> bf16 casts (w4a16_gemm's note): it writes fp32 and torch rounds
@@ -452,9 +459,10 @@ def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
                 INTERPRET=interp)
     grid = (triton.cdiv(n_out, 16), programs)
     if interp or config:
-        cfg = dict(INTERPRETER_CONFIG) if interp else {}
-        cfg.update(config or {})
-        _w4a16_mma_heuristic[grid](*args, **meta, **cfg, num_warps=cfg["WARPS"], **pdl.launch_options())
+        cfg = {**INTERPRETER_CONFIG, **(config or {})}
+        even = _even(dict(N=n, K=k, SWIGLU=swiglu, **cfg))
+        _w4a16_mma_kernel[grid](*args, **meta, **cfg, EVEN=even, num_warps=cfg["WARPS"], num_stages=1,
+                                **pdl.launch_options())
     else:
         _w4a16_mma_autotuned[grid](*args, **meta, **pdl.launch_options())
     return y.to(x.dtype)
@@ -495,9 +503,13 @@ def moe_experts_w4a16_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, id
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 
 
+MIN_CAPABILITY = (9, 0)  # mul.rn.bf16x2 in `_frag_ptx` (as w4a16_gemm.FRAG_MIN_CAPABILITY)
+
+
 def _mma_call_ok(info: dict) -> bool:
-    """bf16 on CUDA (the PTX), K a multiple of CHUNK_K."""
-    return info["device"] == "cuda" and info["dtype"] == torch.bfloat16 and mma_shapes_ok(1, info["k"])
+    """bf16 on a CUDA GPU of compute capability >= MIN_CAPABILITY (the PTX), K a multiple of CHUNK_K."""
+    return (info["device"] == "cuda" and tuple(info.get("capability") or (0, 0)) >= MIN_CAPABILITY
+            and info["dtype"] == torch.bfloat16 and mma_shapes_ok(1, info["k"]))
 
 
 def supports_dense_mma(**info: Any) -> bool:
@@ -511,9 +523,24 @@ def supports_swiglu_mma(**info: Any) -> bool:
     return gemv.supports_swiglu_gemv(**info) and _mma_call_ok(info)
 
 
+_SORTED_TOKENS = [0]  # calls of MMA_MAX_TOKENS < T <= this take the sorted path via the registry (set_sorted_tokens)
+
+
+def set_sorted_tokens(tokens: int) -> int:
+    """Process-wide (like kernels/pdl.py's settings): the registry hands this kernel's sorted path the MoE calls of
+    up to `tokens` (<= SORTED_MAX_TOKENS) tokens; 0 (the default) keeps it to <= MMA_MAX_TOKENS, so that the calls
+    above go where they went before (measured: the sorted path lost at 32 streams). The engine sets it from
+    `small_batch_tokens`. Returns the value."""
+    if not 0 <= tokens <= SORTED_MAX_TOKENS:
+        raise ValueError(f"sorted tokens must be in 0..{SORTED_MAX_TOKENS}, got {tokens}")
+    _SORTED_TOKENS[0] = tokens
+    return tokens
+
+
 def supports_moe_mma(**info: Any) -> bool:
-    """`w4a16_gemm.supports_moe`, checkpoint-layout experts, 1-SORTED_MAX_TOKENS tokens (the GEMV's <= 4 and, past
-    them, the calls the engine sends to the checkpoint copy only when asked: `repack_dual`'s small_tokens),
-    `_mma_call_ok`, and the down projection's K (`describe_moe`'s k_down) a multiple of CHUNK_K."""
-    return (supports_moe(**info) and info["layout"] == CHECKPOINT and 0 < info["tokens"] <= SORTED_MAX_TOKENS
+    """`w4a16_gemm.supports_moe`, checkpoint-layout experts, 1-MMA_MAX_TOKENS tokens (one program a pair) or, past
+    them, up to `set_sorted_tokens`'s (off by default), `_mma_call_ok`, and the down projection's K (`describe_moe`'s
+    k_down) a multiple of CHUNK_K."""
+    return (supports_moe(**info) and info["layout"] == CHECKPOINT
+            and 0 < info["tokens"] <= max(MMA_MAX_TOKENS, _SORTED_TOKENS[0])
             and _mma_call_ok(info) and mma_shapes_ok(1, info.get("k_down", 0)))

@@ -255,7 +255,7 @@ class QwenEngineConfig:
         from kernels.w4a16_mma import SORTED_MAX_TOKENS
 
         if self.small_batch_tokens is not None and not (
-                isinstance(self.small_batch_tokens, int) and 1 <= self.small_batch_tokens <= SORTED_MAX_TOKENS):
+                type(self.small_batch_tokens) is int and 1 <= self.small_batch_tokens <= SORTED_MAX_TOKENS):
             raise ValueError(f"small_batch_tokens must be None or an int in 1..{SORTED_MAX_TOKENS}, got "
                              f"{self.small_batch_tokens!r}")
         if self.lm_head_layout not in LM_HEAD_LAYOUTS:
@@ -923,7 +923,11 @@ def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:
 
 def set_small_batch_tokens(model: torch.nn.Module, tokens: int | None) -> int:
     """Set `NVFP4Experts.small_tokens` (the calls that read the checkpoint-layout copy) on every routed-expert stack
-    with a dual copy, unless `tokens` is None; returns the value they hold (0: no dual copy)."""
+    with a dual copy, unless `tokens` is None, and hand the calls past 4 tokens to the tensor-core decode GEMV's
+    sorted path (`kernels.w4a16_mma.set_sorted_tokens`, process-wide; off at <= 4); returns the value the stacks hold
+    (0: no dual copy, which a set `tokens` warns about)."""
+    from kernels.w4a16_mma import MMA_MAX_TOKENS, set_sorted_tokens
+
     from .model.quantized import NVFP4Experts
 
     held = 0
@@ -932,6 +936,10 @@ def set_small_batch_tokens(model: torch.nn.Module, tokens: int | None) -> int:
             if tokens is not None:
                 mod.small_tokens = tokens
             held = mod.small_tokens
+    if tokens is not None and not held:
+        log.warning("small_batch_tokens %d: no routed-expert stack has a dual copy (expert_layout dual / dual_frag); "
+                    "ignored", tokens)
+    set_sorted_tokens(held if held > MMA_MAX_TOKENS else 0)
     return held
 
 

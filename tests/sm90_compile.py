@@ -324,10 +324,12 @@ def main() -> int:
                               w4a16_gemv._w4a16_gemv_kernel, types,
                               dict(GROUPED=grouped, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu, DEQ=deq,
                                    INTERPRET=False, BLOCK_N=8, BLOCK_K=512)))
-    # the decode GEMV on the tensor cores (kernels/w4a16_mma.py): mma.sync in its PTX, its fragments' lane layout
+    # the decode GEMV on the tensor cores (kernels/w4a16_mma.py): mma.sync in its PTX, its fragments' lane layout (at
+    # 1, 2, 4, 8 and 16 warps: the autotuner's range)
     mma = {**gemv, "sorted_pairs": "*i32", "block_expert": "*i32"}
     for grouped, srt, swiglu, warps, chunks, even in ((True, False, True, 16, 1, True), (True, True, False, 4, 1, True),
-                                                      (False, False, False, 4, 2, False)):
+                                                      (False, False, False, 4, 2, False), (True, True, True, 8, 1, True),
+                                                      (True, False, False, 1, 4, True), (False, False, True, 2, 2, False)):
         name = f"w4a16_mma GROUPED={grouped} SORTED={srt} SWIGLU={swiglu} WARPS={warps} CHUNKS={chunks} EVEN={even}"
         consts = dict(GROUPED=grouped, SORTED=srt, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu,
                       INTERPRET=False, WARPS=warps, CHUNKS=chunks, EVEN=even)

@@ -24,6 +24,7 @@ from kernels.w4a16_mma import (
     SORTED_BLOCK_M,
     SORTED_MAX_TOKENS,
     moe_experts_w4a16_mma,
+    set_sorted_tokens,
     supports_dense_mma,
     supports_moe_mma,
     w4a16_mma_launch,
@@ -149,12 +150,20 @@ def test_supports_takes_the_gemv_calls_in_bf16_on_cuda(monkeypatch):
     assert not supports_dense_mma(**_info(rows=5))  # not a GEMV call: the tensor-core GEMM's
     assert not supports_dense_mma(**_info(dtype=torch.float16))
     assert not supports_dense_mma(**_info(device="cpu"))  # PTX: never the interpreter's choice
+    assert not supports_dense_mma(**_info(capability=(8, 0)))  # mul.rn.bf16x2: sm_90
     assert not supports_dense_mma(**_info(k=2048 - CHUNK_K // 2, weight_k=2048 - CHUNK_K // 2))
     moe = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, shapes_ok=True, globals_ok=True, tokens=1,
                layout=w4a16_gemm.CHECKPOINT, k=2048, k_down=512)
-    assert supports_moe_mma(**moe)
-    assert supports_moe_mma(**{**moe, "tokens": SORTED_MAX_TOKENS})  # the sorted path (pairs grouped by expert)
-    assert not supports_moe_mma(**{**moe, "tokens": SORTED_MAX_TOKENS + 1})
+    assert supports_moe_mma(**moe) and supports_moe_mma(**{**moe, "tokens": 4})
+    assert not supports_moe_mma(**{**moe, "capability": (8, 9)})
+    assert not supports_moe_mma(**{**moe, "tokens": 5})  # the sorted path: only when asked (set_sorted_tokens)
+    try:
+        assert set_sorted_tokens(32) == 32
+        assert supports_moe_mma(**{**moe, "tokens": 32}) and not supports_moe_mma(**{**moe, "tokens": 33})
+    finally:
+        set_sorted_tokens(0)
+    with pytest.raises(ValueError, match="sorted tokens"):
+        set_sorted_tokens(SORTED_MAX_TOKENS + 1)
     assert not supports_moe_mma(**{**moe, "k_down": 192})
     assert not supports_moe_mma(**{**moe, "layout": w4a16_gemm.EXPERT_LAYOUTS["tile_major"]})
 
@@ -184,15 +193,35 @@ def test_sorted_launch_writes_every_pair_row_once():
     by_block = w4a16_mma_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs, routing=routing)
     by_pair = w4a16_mma_launch(x, *w, pair_expert=idx, a_div=top_k, row_scale=rs)
     assert by_block.shape == (t * top_k, n)
-    assert torch.equal(by_block, by_pair) or compare(by_block, by_pair) is None
+    for r in range(t * top_k):  # row by row: a row missed or written with another pair's numbers fails alone
+        assert compare(by_block[r].float(), by_pair[r].float()) is None, r
 
 
 def test_model_choice_cache_keeps_the_sorted_range_apart():
-    """The model's choice cache caches calls of SMALL_ROWS < rows <= MID_ROWS apart from larger ones: the sorted MoE
-    path takes only the first (a prefill chunk must not reuse its choice)."""
-    from qwen_engine.model.quantized import MID_ROWS, SMALL_ROWS
+    """The model's choice cache (`quantized._Dispatch`) asks the registry again past MID_ROWS (= SORTED_MAX_TOKENS):
+    the sorted MoE path takes only calls up to it, so a prefill chunk must not reuse a decode batch's choice."""
+    from types import SimpleNamespace
+
+    from qwen_engine.model.quantized import MID_ROWS, SMALL_ROWS, _Dispatch
 
     assert MID_ROWS == SORTED_MAX_TOKENS and SMALL_ROWS < MID_ROWS
+    asked = []
+
+    class Counting:
+        def preference(self, op):
+            return "auto"
+
+        def spec(self, op):
+            return SimpleNamespace(describe=lambda x: dict(rows=x.shape[0]))
+
+        def choose(self, op, rows):
+            asked.append(rows)
+            return SimpleNamespace(name=f"for {rows}", fn=lambda x: x)
+
+    d = _Dispatch("w4a16_moe", registry=Counting())
+    for rows in (5, MID_ROWS, MID_ROWS + 1, 2048, 6):
+        d._call(torch.zeros(rows, 8))
+    assert asked == [5, MID_ROWS + 1], asked  # one choice for 5..MID_ROWS, one above
 
 
 def test_engine_small_batch_tokens_sets_the_dual_copies_threshold():
@@ -201,7 +230,7 @@ def test_engine_small_batch_tokens_sets_the_dual_copies_threshold():
     from qwen_engine.engine import QwenEngineConfig, set_small_batch_tokens
     from qwen_engine.model.quantized import NVFP4Experts
 
-    for bad in (0, SORTED_MAX_TOKENS + 1, 2.0):
+    for bad in (0, SORTED_MAX_TOKENS + 1, 2.0, True):
         with pytest.raises(ValueError, match="small_batch_tokens"):
             QwenEngineConfig(small_batch_tokens=bad)
     reg = Registry("auto")
@@ -214,9 +243,17 @@ def test_engine_small_batch_tokens_sets_the_dual_copies_threshold():
     dual, single = NVFP4Experts(gu, dn, reg), NVFP4Experts(gu, dn, reg)
     assert dual.repack_dual()
     model = torch.nn.ModuleList([dual, single])
-    assert set_small_batch_tokens(model, None) == 4 and dual.small_tokens == 4
-    assert set_small_batch_tokens(model, 32) == 32 and dual.small_tokens == 32 and single.small_tokens == 0
-    assert set_small_batch_tokens(torch.nn.ModuleList([single]), 32) == 0 and single.small_tokens == 0
+    from kernels import w4a16_mma
+
+    try:
+        assert set_small_batch_tokens(model, None) == 4 and dual.small_tokens == 4
+        assert w4a16_mma._SORTED_TOKENS[0] == 0  # <= 4: no sorted path
+        assert set_small_batch_tokens(model, 32) == 32 and dual.small_tokens == 32 and single.small_tokens == 0
+        assert w4a16_mma._SORTED_TOKENS[0] == 32  # the registry hands it the copy's 5-32-token calls
+        assert set_small_batch_tokens(torch.nn.ModuleList([single]), 32) == 0 and single.small_tokens == 0
+        assert w4a16_mma._SORTED_TOKENS[0] == 0
+    finally:
+        w4a16_mma.set_sorted_tokens(0)
     with pytest.raises(ValueError, match="decode GEMVs"):
         NVFP4Experts(gu, dn, reg).repack_dual(small_tokens=SORTED_MAX_TOKENS + 1)
 
@@ -236,8 +273,11 @@ def test_errors():
         w4a16_mma_launch(rand_x(1, 256, seed=2, dtype=torch.float16), *w)
     with pytest.raises(ValueError, match=f"<= {MMA_MAX_ROWS} rows"):
         w4a16_mma_launch(rand_x(MMA_MAX_ROWS + 1, 256, seed=2), *w)
+    off = rand_x(2, 264, seed=2)[:, 2:258]  # activation rows 4 bytes off their 8-byte words: copied, not refused
+    check_gemm(w4a16_mma_launch(off, *w), off, _dq(w), off.float() @ _dq(w).T, "misaligned activations")
+    wide = rand_weight(32, 272, seed=1)  # rows of 136 bytes: a view 4 bytes in is off its 8-byte words
     with pytest.raises(ValueError, match="8-byte aligned"):
-        w4a16_mma_launch(rand_x(2, 260, seed=2)[:, 2:258], *w)  # activation rows 4 bytes off
+        w4a16_mma_launch(rand_x(1, 256, seed=2), wide.packed[:, 4:132], wide.scales[:, :16], wide.global_scale)
     w13, w2, idx, weights, x = moe_inputs(SORTED_MAX_TOKENS + 1, 4, 256, 128, 2, seed=3)
     with pytest.raises(ValueError, match=f"takes <= {SORTED_MAX_TOKENS} tokens"):
         moe_experts_w4a16_mma(x, w13, w2, idx, weights)
@@ -249,15 +289,18 @@ def test_errors():
 @pytest.mark.skipif(DEVICE != "cuda", reason="engine shapes on the compiled kernel: a GPU (the CPU runs the above)")
 @pytest.mark.parametrize("case", ["gate_up", "down", "shared", "lm_head_rows"])
 def test_engine_shapes_on_cuda(case):
-    """The model's decode calls on the compiled PTX path (autotuned): the routed experts' two launches at 1 and 4
-    tokens x top-8 of 16 experts, the shared expert's SwiGLU, and a dense call of 8 rows."""
-    if case in ("gate_up", "down"):
-        e, h, i, top_k = 16, 2048, 512, 8
-        for t in (1, 4):
+    """The model's decode calls on the compiled PTX path (autotuned): the routed experts' two launches at 1-64 tokens
+    x top-8 of 16 and of 256 experts (one program a pair to 4 tokens, the sorted path beyond), each (token, slot)
+    row against the reference; the shared expert's SwiGLU; a dense call of 8 rows."""
+    if case in ("gate_up", "down"):  # one program a pair (1, 4 tokens) and the sorted path (8, 32, 64), per row
+        e, h, i, top_k = 256 if case == "down" else 16, 2048, 512, 8
+        for t in (1, 4, 8, 32, 64):
             w13, w2, idx, weights, x = moe_inputs(t, e, h, i, top_k, seed=30 + t)
-            out = moe_experts_w4a16_mma(x, w13, w2, idx, weights)
-            ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights)
-            assert compare(out, ref) is None, (t, compare(out, ref))
+            out = moe_experts_w4a16_mma(x, w13, w2, idx, weights, reduce=False)
+            ref = moe_experts_w4a16_reference(x, w13, w2, idx, weights, reduce=False)
+            for r in range(t):
+                for j in range(top_k):
+                    assert compare(out[r, j].float(), ref[r, j].float()) is None, (t, r, j)
         return
     if case == "shared":
         w = rand_weight(2 * 512, 2048, seed=40)

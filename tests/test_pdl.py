@@ -39,6 +39,7 @@ PARTICIPANTS = {
     "kernels.fp8_quant": ("_quant_static_kernel",),
     "kernels.fp8_gemv": ("_fp8_gemv_kernel",),
     "kernels.w4a16_gemv": ("_w4a16_gemv_kernel",),
+    "kernels.w4a16_mma": ("_w4a16_mma_kernel",),  # the routed experts of <= 4-token steps
     "kernels.paged_attention": ("_paged_decode_kernel", "_combine_kernel"),
     "kernels.attn_prep": ("_attn_prep_kernel", "_gate_kernel"),
     # above the GEMV's 4 tokens (32 streams, prefill chunks): the routing alignment and the swap-AB experts
