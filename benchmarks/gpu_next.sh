@@ -238,6 +238,8 @@
 #   STEPS="111" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the tensor-core decode GEMV's CUDA test
 #       file whole (cut at 110 s in step 109), then the per-call bench rows step 109 lost (lm_head, shared down; its
 #       sorted path has no per-call row yet) (unrun)
+#   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
+#       configuration a key
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1403,6 +1405,11 @@ gpu_tests mma_tests "${LIMIT_111A:-300}" tests/test_kernel_w4a16_mma.py -rfE --d
 timeout "${LIMIT_111:-260}" python benchmarks/w4a16_gemv_bench.py --tokens 1,4 --deq 3 --mma --pdl \
   --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
 grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-330
+fi
+if want 112; then
+say "112. issue 5 (carry .tritoncache): the tensor-core decode GEMV's CUDA test file, one autotune configuration a key"
+say "    (its shapes at 1-64 tokens of 16 / 256 experts row by row: the sorted path's first per-row check on a GPU)"
+gpu_tests mma_tests "${LIMIT_112:-150}" tests/test_kernel_w4a16_mma.py -rfE --durations=5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
