@@ -235,11 +235,11 @@
 #   STEPS="110" (carry .devbundle/extra, .tritoncache): ~5.5 min: issue 5, the engine with the tensor-core decode GEMV
 #       for the routed experts only, and with small_batch_tokens 32 (its sorted path at 5-32 tokens), --again (ran:
 #       Qwen run 58, 440.0 lone; sorted32 -10.9% at 32 streams; the routed experts' default since)
-#   STEPS="111" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the tensor-core decode GEMV's CUDA test
-#       file whole (cut at 110 s in step 109), then the per-call bench rows step 109 lost (lm_head, shared down; its
-#       sorted path has no per-call row yet) (unrun)
+#   STEPS="111" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the per-call bench rows step 109 lost
+#       (lm_head, shared down; the sorted path has no per-call row yet), then today's defaults beside the CUDA-core
+#       GEMV for the routed experts (unrun)
 #   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
-#       configuration a key
+#       configuration a key (ran as a plain pytest call: 23 passed, results/gpu_suites_run14/)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
 #       fixed per-projection case; ran: 9 passed in 330 s without a Triton cache, results/gpu_suites_run3/)
 #   eval "$(bash .devbundle/install.sh)" && STEPS="69" bash benchmarks/gpu_next.sh      # ~2 min: issue 4, nvJPEG vs
@@ -1399,12 +1399,13 @@ engine_ab qwen_mma_moe "${LIMIT_110:-420}" --autotune-table auto --without w4a16
 grep -oE "'w4a16_moe\[checkpoint\][^']*': '[^']*'" "$R/qwen_mma_moe.log" | sort | uniq -c | head -8
 fi
 if want 111; then
-say "111. issue 5 (carry .devbundle/extra, .tritoncache): the tensor-core decode GEMV's CUDA tests whole, then the per-call"
-say "    bench with it (step 109's was cut after three rows while it tuned cold)"
-gpu_tests mma_tests "${LIMIT_111A:-300}" tests/test_kernel_w4a16_mma.py -rfE --durations=8
-timeout "${LIMIT_111:-260}" python benchmarks/w4a16_gemv_bench.py --tokens 1,4 --deq 3 --mma --pdl \
+say "111. issue 5 (carry .devbundle/extra, .tritoncache): the per-call bench with the tensor-core decode GEMV (step 109's"
+say "    was cut after three rows while it tuned cold), then today's defaults (it, after the review mends) beside the"
+say "    CUDA-core GEMV for the routed experts, --again"
+timeout "${LIMIT_111:-240}" python benchmarks/w4a16_gemv_bench.py --tokens 1,4 --deq 3 --mma --pdl \
   --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
 grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-330
+engine_ab qwen_mma_default "${LIMIT_111A:-300}" --autotune-table auto --without w4a16_moe:triton_mma --again
 fi
 if want 112; then
 say "112. issue 5 (carry .tritoncache): the tensor-core decode GEMV's CUDA test file, one autotune configuration a key"
