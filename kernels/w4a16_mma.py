@@ -56,6 +56,7 @@ from kernels import w4a16_gemv as gemv
 from kernels.nvfp4 import NVFP4Tensor
 from kernels.w4a16_gemm import (
     CHECKPOINT,
+    FRAG_MIN_CAPABILITY,
     _dense_any_rank,
     _global_1d,
     _global_2d,
@@ -79,6 +80,7 @@ SORTED_BLOCK_M = 8  # beyond: pairs grouped by expert (moe_align), 8 a program (
 SORTED_MAX_TOKENS = 64  # the sorted path's calls (decode batches; moe_align's one-program path takes 128 at top-8)
 CHUNK_K = 128  # weights of a row per (warp, chunk): 4 lanes x 32; K must be a multiple
 
+
 def _even(a: dict) -> bool:
     """Every load of a launch in bounds (the kernel's EVEN): N_out a multiple of 16, the K chunks of WARPS x CHUNKS."""
     n_out = a["N"] // 2 if a["SWIGLU"] else a["N"]
@@ -89,7 +91,8 @@ if triton is not None:
     _CHUNK_K = tl.constexpr(CHUNK_K)  # jit functions may only read constexpr globals
 
     # (WARPS, CHUNKS): warps of a program (they split K, then add their sums) and 128-weight chunks a warp loads
-    # before it computes them (bytes in flight: 16 B x rows x CHUNKS a thread). Not yet tuned on a GPU.
+    # before it computes them (bytes in flight: 16 B x rows x CHUNKS a thread). Tuned at start-up (no picks shipped in
+    # kernels/tuned yet).
     _CONFIGS = [triton.Config(dict(WARPS=w, CHUNKS=ch), num_warps=w, num_stages=1)
                 for w, ch in [(1, 4), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)]]
 
@@ -226,10 +229,12 @@ if triton is not None:
         """Accumulate one 128-weight chunk of rows g, g + 8 of a weight matrix against the activation row(s): pa / pb
         the lane's 16 packed bytes of each row (32 weights), psa / psb its two scale bytes of each row, px its 32
         activations (all at this chunk); ma / mb: row and chunk exist, c_ok: the chunk exists."""
-        wa01, wa23 = _words(_load(pa.to(tl.pointer_type(tl.int64)), ma, 0, EVEN))
-        wa45, wa67 = _words(_load(pa.to(tl.pointer_type(tl.int64)) + 1, ma, 0, EVEN))
-        wb01, wb23 = _words(_load(pb.to(tl.pointer_type(tl.int64)), mb, 0, EVEN))
-        wb45, wb67 = _words(_load(pb.to(tl.pointer_type(tl.int64)) + 1, mb, 0, EVEN))
+        pa64 = pa.to(tl.pointer_type(tl.int64))
+        pb64 = pb.to(tl.pointer_type(tl.int64))
+        wa01, wa23 = _words(_load(pa64, ma, 0, EVEN))
+        wa45, wa67 = _words(_load(pa64 + 1, ma, 0, EVEN))
+        wb01, wb23 = _words(_load(pb64, mb, 0, EVEN))
+        wb45, wb67 = _words(_load(pb64 + 1, mb, 0, EVEN))
         sa0, sa1, fa0, fa1 = _scale_pairs(_load(psa.to(tl.pointer_type(tl.uint16)), ma, 0, EVEN).to(tl.int32))
         sb0, sb1, fb0, fb1 = _scale_pairs(_load(psb.to(tl.pointer_type(tl.uint16)), mb, 0, EVEN).to(tl.int32))
         x64 = px.to(tl.pointer_type(tl.int64))
@@ -503,18 +508,16 @@ def moe_experts_w4a16_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, id
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 
 
-MIN_CAPABILITY = (9, 0)  # mul.rn.bf16x2 in `_frag_ptx` (as w4a16_gemm.FRAG_MIN_CAPABILITY)
-
-
 def _mma_call_ok(info: dict) -> bool:
-    """bf16 on a CUDA GPU of compute capability >= MIN_CAPABILITY (the PTX), K a multiple of CHUNK_K."""
-    return (info["device"] == "cuda" and tuple(info.get("capability") or (0, 0)) >= MIN_CAPABILITY
+    """bf16 on a CUDA GPU of compute capability >= FRAG_MIN_CAPABILITY (`_frag_ptx`'s mul.rn.bf16x2, as the
+    fragment-order kernels'), K a multiple of CHUNK_K."""
+    return (info["device"] == "cuda" and tuple(info.get("capability") or (0, 0)) >= FRAG_MIN_CAPABILITY
             and info["dtype"] == torch.bfloat16 and mma_shapes_ok(1, info["k"]))
 
 
 def supports_dense_mma(**info: Any) -> bool:
-    """`w4a16_gemv.supports_dense_gemv` (the GEMV's calls: it stays the default until the H200 measures this one beside
-    it) and `_mma_call_ok`."""
+    """`w4a16_gemv.supports_dense_gemv` (the GEMV's calls; the GEMV stays first for them: the shared expert is faster
+    on it, H200 step 109) and `_mma_call_ok`."""
     return gemv.supports_dense_gemv(**info) and _mma_call_ok(info)
 
 
