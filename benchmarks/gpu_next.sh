@@ -238,6 +238,12 @@
 #   STEPS="111" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the per-call bench rows step 109 lost
 #       (lm_head, shared down; the sorted path has no per-call row yet), then today's defaults beside the CUDA-core
 #       GEMV for the routed experts (unrun)
+#   STEPS="113 39" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the router's packed-key top-k and lm_head on
+#       the tensor-core decode GEMV, per call and in the engine (--router-two-pass, lm_head_layout checkpoint), then
+#       the Triton cache with the new kernels (unrun)
+#   STEPS="114" (the same carry): <= 10 min: issue 5, the lone step's critical path with PDL on by kernel
+#       (qwen_profile --engine-pdl), the routed experts' two tensor-core launches apart, the router's and the
+#       tensor-core GEMV's CUDA tests (unrun)
 #   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
 #       configuration a key (ran as a plain pytest call: 23 passed, results/gpu_suites_run14/)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
@@ -1411,6 +1417,34 @@ if want 112; then
 say "112. issue 5 (carry .tritoncache): the tensor-core decode GEMV's CUDA test file, one autotune configuration a key"
 say "    (its shapes at 1-64 tokens of 16 / 256 experts row by row: the sorted path's first per-row check on a GPU)"
 gpu_tests mma_tests "${LIMIT_112:-150}" tests/test_kernel_w4a16_mma.py -rfE --durations=5
+fi
+if want 113; then
+say "113. issue 5 (carry .devbundle/extra, .tritoncache): the router's top-k as one max of packed (value, lane) keys a"
+say "    step (kernels/moe_router.py SELECT_PACKED) beside its two-pass form, per call and in the engine; lm_head on the"
+say "    tensor-core decode GEMV (lm_head_layout checkpoint -> triton_mma_wide) beside the swap-AB kernel, per call and"
+say "    in the engine, --again"
+timeout "${LIMIT_113R:-90}" python benchmarks/router_bench.py --rows 1,4 --pdl --out "$R/router_bench" \
+  > "$R/router_bench.log" 2>&1
+grep -E "^\| " "$R/router_bench/router_bench.md" | cut -c1-200
+timeout "${LIMIT_113L:-150}" python benchmarks/lm_head_bench.py --rows 1 --sweep "" --mma --out "$R/lm_head_bench" \
+  > "$R/lm_head_bench.log" 2>&1
+grep -E "^\[lm_head_bench\]|Error" "$R/lm_head_bench.log" | cut -c1-400
+engine_ab qwen_router_head "${LIMIT_113:-330}" --autotune-table auto --router-two-pass \
+  --variant 'mmahead={"lm_head_layout": "checkpoint"}' --again
+grep -oE "'(w4a16_linear|router_gemv_topk)[^']*': '[^']*'" "$R/qwen_router_head.log" | sort | uniq -c | head -8
+fi
+if want 114; then
+say "114. issue 5 (carry .devbundle/extra, .tritoncache): where the lone step goes with PDL on (qwen_profile --engine-pdl:"
+say "    each main-stream kernel's end minus the latest earlier end, by kernel), the routed experts' two tensor-core"
+say "    launches apart and L2-warm, then the router's and the tensor-core GEMV's CUDA tests"
+timeout "${LIMIT_114P:-200}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-streams 1 \
+  --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E " crit | side |gap|critical" "$R/qwen_profile.log" | cut -c1-200 | head -50
+timeout "${LIMIT_114B:-200}" python benchmarks/w4a16_gemv_bench.py --tokens 1 --deq 3 --mma --pdl \
+  --out "$R/w4a16_gemv_bench" > "$R/w4a16_gemv_bench.log" 2>&1
+grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-600
+gpu_tests router_mma_tests "${LIMIT_114T:-150}" tests/test_kernel_moe_router.py tests/test_kernel_w4a16_mma.py -rfE \
+  --durations=5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -9,15 +9,26 @@ below the wall time, the step is launch-bound and CUDA graphs (plus fusion to cu
     python benchmarks/qwen_profile.py --engine --batches "" --out DIR             # the graphed serving step
     python benchmarks/qwen_profile.py --engine-prefill --batches "" --out DIR     # the serving path's TTFT
     python benchmarks/qwen_profile.py --tiny --out /tmp/qwen_profile              # CPU dry run
+    python benchmarks/qwen_profile.py --engine --engine-pdl --batches "" --out DIR   # critical path with PDL on
+
+The engine's decode profile also gives a critical path by end-time deltas (`critical_path_table`): on the main
+stream, kernel i (by start time) adds delta_i = end_i - (latest end of the kernels before it) to the step, which
+stays meaningful with programmatic dependent launch (`--engine-pdl`), where kernels start early and wait inside,
+so their durations overlap. CUPTI adds overhead per kernel, so the deltas' sum under the profiler exceeds the
+un-profiled step's wall time: the ranking of the kernels is what the table is for, not its absolute sum.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +63,128 @@ def kernel_table(prof, steps: int, top: int = 20) -> dict:
     return dict(kernels_per_step=sum(r[1] for r in rows) / steps, device_ms_per_step=total_us / steps / 1e3,
                 top=[dict(name=n[:90], calls_per_step=c / steps, ms_per_step=us / steps / 1e3) for n, c, us in
                      rows[:top]])
+
+
+class KernelRecord(NamedTuple):
+    """One device kernel of a profile: its name, CUDA stream id, start and end times in us (trace clock)."""
+    name: str
+    stream: int
+    start_us: float
+    end_us: float
+
+
+TRACE_KERNEL_CATS = ("kernel", "Kernel")  # kineto's kernel category (memcpy/memset: "gpu_memcpy", "gpu_memset")
+
+
+def kernel_records_from_trace(path: str | Path) -> list[KernelRecord]:
+    """The kernels of a Chrome trace written by `prof.export_chrome_trace` (plain or gzipped JSON): events of category
+    "kernel" with "ts" and "dur" in us and the stream in "args" (else the event's "tid"). Copies, memsets, host
+    events and flow arrows are left out."""
+    path = Path(path)
+    with path.open("rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"  # gzip's magic bytes, whatever the file's suffix
+    with (gzip.open(path, "rt") if gz else path.open()) as f:
+        data = json.load(f)
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data  # an object, or a bare event list
+    records = []
+    for e in events:
+        if e.get("cat") not in TRACE_KERNEL_CATS or "ts" not in e or "dur" not in e:
+            continue
+        stream = (e.get("args") or {}).get("stream", e.get("tid"))
+        start = float(e["ts"])
+        records.append(KernelRecord(str(e.get("name", "")), stream, start, start + float(e["dur"])))
+    return records
+
+
+def chain_walk(records: list[KernelRecord]) -> list[tuple[float, float, str | None]]:
+    """Kernels of one stream sorted by start -> per kernel (delta us, idle us, name of the kernel that ended last
+    before it). delta = its end - the latest end before it (>= 0; the first kernel's: its duration); idle = its start
+    - that latest end (>= 0): time the stream ran nothing. Under PDL a kernel starts before the latest end, so its
+    idle is 0 while its delta is still the time it added. Sum of deltas = last end - first start (the span); deltas
+    - idles = the stream's busy time (the union of its kernels' intervals)."""
+    out, prev_end, prev_name = [], None, None
+    for r in records:
+        base = r.start_us if prev_end is None else prev_end
+        idle = 0.0 if prev_end is None else max(0.0, r.start_us - prev_end)
+        out.append((max(0.0, r.end_us - base), idle, prev_name))
+        if prev_end is None or r.end_us >= prev_end:
+            prev_end, prev_name = r.end_us, r.name
+    return out
+
+
+def by_start(records) -> list[KernelRecord]:
+    """Sorted by start, then end (us): the chain order of a stream's kernels."""
+    return sorted(records, key=lambda r: (r.start_us, r.end_us))
+
+
+def critical_path_table(events: list[KernelRecord], steps: int, top: int = 60, gaps: int = 10) -> dict:
+    """Kernel records of `steps` profiled steps -> the critical path by end-time deltas (`chain_walk`) of the main
+    stream (the one with the most kernels: the step's dependency chain), per kernel name sorted by summed delta;
+    the other streams' kernels (the shared expert's side stream) overlap it, so they get their summed durations
+    instead. Per step: ms; per call: us. An empty list gives an empty table (a CPU run has no kernels)."""
+    steps = max(1, steps)
+    per_stream: dict = {}
+    for r in events:
+        per_stream.setdefault(r.stream, []).append(r)
+    streams = {}
+    for s, recs in per_stream.items():
+        walk = chain_walk(by_start(recs))
+        streams[str(s)] = dict(kernels_per_step=len(recs) / steps,
+                               kernel_ms_per_step=sum(r.end_us - r.start_us for r in recs) / steps / 1e3,
+                               busy_ms_per_step=sum(d - i for d, i, _ in walk) / steps / 1e3)  # union of intervals
+    # the main stream: the most kernels (a tie: the more kernel time, then the id's text, for a stable choice)
+    main = min(per_stream, key=lambda s: (-len(per_stream[s]), -streams[str(s)]["kernel_ms_per_step"], str(s)),
+               default=None)
+    chain = by_start(per_stream.get(main, []))
+    walk = chain_walk(chain)
+    rows: dict = {}  # name -> [calls, delta us, idle us, duration us]
+    for r, (delta, idle, _) in zip(chain, walk):
+        row = rows.setdefault(r.name, [0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += delta
+        row[2] += idle
+        row[3] += r.end_us - r.start_us
+    delta_us, idle_us = sum(d for d, _, _ in walk), sum(i for _, i, _ in walk)
+    table = [dict(name=n[:90], calls_per_step=c / steps, delta_ms_per_step=d / steps / 1e3,
+                  idle_ms_per_step=i / steps / 1e3, delta_us_per_call=d / c, dur_us_per_call=t / c)
+             for n, (c, d, i, t) in sorted(rows.items(), key=lambda kv: (-kv[1][1], kv[0]))]
+    # the largest idle gaps of the main stream: between steps (host work, syncs) or launch-bound stretches
+    gap_rows = sorted(((i, prev, r.name) for r, (_, i, prev) in zip(chain, walk) if i > 0), key=lambda g: -g[0])
+    return dict(main_stream=main, streams=streams, kernels_per_step=len(chain) / steps,
+                delta_ms_per_step=delta_us / steps / 1e3,  # ~ the step's wall time (plus CUPTI's overhead)
+                idle_ms_per_step=idle_us / steps / 1e3,  # the main stream ran nothing
+                in_kernel_ms_per_step=(delta_us - idle_us) / steps / 1e3,
+                idle_share=idle_us / delta_us if delta_us > 0 else None,
+                top=table[:top], side=side_table(events, main, steps, top),
+                top_gaps=[dict(gap_us=i, after=(a or "")[:90], before=b[:90]) for i, a, b in gap_rows[:gaps]])
+
+
+def side_table(events: list[KernelRecord], main, steps: int, top: int) -> dict:
+    """The kernels off the main stream (they overlap the chain, so no deltas): per name, calls and summed duration
+    per step (ms), mean duration per call (us), sorted by summed duration."""
+    rows: dict = {}  # name -> [calls, duration us]
+    for r in events:
+        if r.stream != main:
+            row = rows.setdefault(r.name, [0, 0.0])
+            row[0] += 1
+            row[1] += r.end_us - r.start_us
+    total_calls, total_us = sum(c for c, _ in rows.values()), sum(t for _, t in rows.values())
+    table = [dict(name=n[:90], calls_per_step=c / steps, dur_ms_per_step=t / steps / 1e3, dur_us_per_call=t / c)
+             for n, (c, t) in sorted(rows.items(), key=lambda kv: (-kv[1][1], kv[0]))]
+    return dict(kernels_per_step=total_calls / steps, kernel_ms_per_step=total_us / steps / 1e3, top=table[:top])
+
+
+def profile_critical_path(prof, steps: int, keep: Path | None = None) -> dict:
+    """A finished profiler's Chrome trace (written to a temporary file; gzipped to `keep` when given: several MB)
+    -> `critical_path_table`."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(tmp))
+        records = kernel_records_from_trace(tmp)
+        if keep is not None:
+            with tmp.open("rb") as src, gzip.open(keep, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return critical_path_table(records, steps)
 
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
@@ -124,13 +257,19 @@ def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
 
 
 def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, streams: int = 1,
-                          prefill_graphs: str = "auto") -> dict:
+                          prefill_graphs: str = "auto", programmatic_launch: bool = False,
+                          trace_path: Path | None = None) -> dict:
     """The serving path's decode step: a QwenEngine (decode graphs as configured by default: captured on CUDA) over
     `model`, `streams` concurrent `ctx`-token requests; once every one has its first token (all prefills done), the
     profiler records until the least-advanced stream has `tokens` more, every stream still decoding (a steady batch
     of `streams`), then the requests are dropped. Kernels launched by graph replays are counted like any others
-    (CUPTI traces them)."""
+    (CUPTI traces them). `critical_path`: `critical_path_table` of the window's kernels (per launched step; `pdl`:
+    whether PDL was in force). `programmatic_launch` False by default (the kernel table's times without PDL's
+    overlap); True for the critical path with PDL. `trace_path`: also keep the window's Chrome trace there
+    (gzipped)."""
     import asyncio
+
+    from kernels import pdl
 
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
@@ -142,11 +281,11 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
                             num_kv_blocks=seqs * ((ctx + tokens + margin) // 16 + 1),
                             max_model_len=ctx + tokens + margin,
                             request_timeout_s=None, warmup=True, prefill_graphs=prefill_graphs,
-                            # PDL off: a kernel launched with it starts before its predecessor ends and waits in
-                            # the kernel, so CUPTI's kernel times would overlap and count the waits (the sum of
-                            # kernel times per step stays comparable with the profiles before it; the step's wall
-                            # time without PDL is the one reported)
-                            programmatic_launch=False)
+                            # PDL off by default: a kernel launched with it starts before its predecessor ends and
+                            # waits in the kernel, so CUPTI's kernel times would overlap and count the waits (the
+                            # sum of kernel times per step stays comparable with the profiles before it; the step's
+                            # wall time without PDL is the one reported). On (--engine-pdl): read critical_path
+                            programmatic_launch=programmatic_launch)
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)
@@ -200,17 +339,24 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
             steps = min(c - f for c, f in zip(counts, first))
             produced = sum(c - f for c, f in zip(counts, first))
             await asyncio.gather(*tasks, return_exceptions=True)
+            health = engine.health()
+            on = bool(health.get("programmatic_launch"))  # in force: off on a CPU even when asked for
             out = dict(context=ctx, streams=streams, steps=steps, steps_launched=launched,
                        wall_ms_per_step=1e3 * wall / steps,
-                       tok_per_s=produced / wall, runner=engine.health().get("runner"),
-                       kernel_checks=engine.health().get("kernel_checks"))
+                       tok_per_s=produced / wall, runner=health.get("runner"),
+                       kernel_checks=health.get("kernel_checks"), pdl=on)
             if device.type == "cuda":
                 out.update(kernel_table(prof, launched or steps, top=80))  # per launched step
+            out["critical_path"] = dict(pdl=on, **profile_critical_path(prof, launched or steps, keep=trace_path))
             return out
         finally:
             await engine.aclose()
 
-    return asyncio.run(run())
+    was = pdl.enabled()
+    try:
+        return asyncio.run(run())
+    finally:
+        pdl.set_enabled(was)  # process-wide: the eager profiles after this one run as before it
 
 
 def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, trace_path: Path | None = None,
@@ -311,6 +457,22 @@ def profile_engine_prefill(model, cfg, device, rand, ctx: int, reps: int = 3, tr
     return asyncio.run(run())
 
 
+def print_critical_path(key: str, cp: dict, rows: int = 40) -> None:
+    """The critical path's summary, its top `rows` main-stream kernels by summed delta, then the side streams'."""
+    log(json.dumps({k: v for k, v in cp.items() if k not in ("top", "side", "top_gaps")}))
+    for row in cp["top"][:rows]:
+        print(f"  {key} crit {row['delta_ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  "
+              f"{row['delta_us_per_call']:8.2f} us/call (dur {row['dur_us_per_call']:8.2f}, idle before "
+              f"{row['idle_ms_per_step']:6.3f} ms)  {row['name']}")
+    side = cp["side"]
+    print(f"  {key} crit side streams: {side['kernel_ms_per_step']:8.3f} ms  x{side['kernels_per_step']:6.1f} "
+          f"(summed durations, overlapping the chain)")
+    for row in side["top"][:10]:
+        print(f"  {key} crit side {row['dur_ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+    for g in cp["top_gaps"][:5]:
+        print(f"  {key} crit gap {g['gap_us']:9.1f} us  after {g['after']}  before {g['before']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/qwen_profile")
@@ -331,6 +493,12 @@ def main() -> None:
     ap.add_argument("--prefill-graphs", default="auto",
                     help="the engine's prefill_graphs mode (--engine-prefill; --engine too: 'off' saves the capture's "
                          "start-up time where only decode steps are profiled)")
+    ap.add_argument("--engine-pdl", action="store_true",
+                    help="--engine: decode with programmatic dependent launch (default off, comparable with older "
+                         "profiles); read the critical path by end-time deltas, not the kernel table")
+    ap.add_argument("--engine-trace", action="store_true",
+                    help="--engine: keep each decode window's Chrome trace as engine_decode_trace_<streams>.json.gz "
+                         "under --out (several MB)")
     ap.add_argument("--prefill-buckets", default="",
                     help="--engine-prefill: the engine's prefill_buckets, e.g. 1024 (default: the engine's)")
     args = ap.parse_args()
@@ -371,7 +539,8 @@ def main() -> None:
                                                    prefill_graphs=args.prefill_graphs)
         log(json.dumps({k: v for k, v in r["engine_burst"].items() if k not in ("top", "host_top", "plans")}))
         for p in r["engine_burst"].get("plans", []):
-            print(f"  engine_burst step: {p['seqs']:3d} seqs {p['tokens']:5d} tokens, launched in {p['launch_ms']:9.1f} ms")
+            print(f"  engine_burst step: {p['seqs']:3d} seqs {p['tokens']:5d} tokens, "
+                  f"launched in {p['launch_ms']:9.1f} ms")
         for row in r["engine_burst"].get("top", [])[:25]:
             print(f"  engine_burst {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
         for row in r["engine_burst"].get("host_top", [])[:25]:
@@ -380,10 +549,13 @@ def main() -> None:
     for n in (int(x) for x in args.engine_streams.split(",") if x) if args.engine else ():
         log(f"profiling the engine's decode steps, {n} stream(s)")
         key = "engine" if n == 1 else f"engine_{n}"
-        r[key] = profile_engine_decode(model, cfg, device, rand, ctx, streams=n, prefill_graphs=args.prefill_graphs)
-        log(json.dumps({k: v for k, v in r[key].items() if k != "top"}))
+        trace = out_dir / f"engine_decode_trace_{n}.json.gz" if args.engine_trace else None
+        r[key] = profile_engine_decode(model, cfg, device, rand, ctx, streams=n, prefill_graphs=args.prefill_graphs,
+                                       programmatic_launch=args.engine_pdl, trace_path=trace)
+        log(json.dumps({k: v for k, v in r[key].items() if k not in ("top", "critical_path")}))
         for row in r[key].get("top", [])[:40]:
             print(f"  {key} {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
+        print_critical_path(key, r[key]["critical_path"])
         (out_dir / "qwen_profile.json").write_text(json.dumps(r, indent=2))
     for b in (int(x) for x in args.batches.split(",") if x):
         log(f"profiling decode at batch {b}")

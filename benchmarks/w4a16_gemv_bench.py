@@ -102,6 +102,19 @@ def main() -> None:
                                                       paths["tensor cores, checkpoint layout"](0))
         if args.mma:
             row["mma_rel_err"] = rel(paths["MMA"](0), paths["tensor cores, checkpoint layout"](0))
+            # its two launches apart (the engine sums the top-8 in moe_combine, not in the bench's torch sum), each
+            # with the calls' own experts and with one expert set for all 40 (weights L2-resident after the first:
+            # what DRAM costs)
+            hs = [mm.w4a16_mma_launch(xs[i], *w13, pair_expert=idx[i], a_div=TOP_K, swiglu=True)
+                  for i in range(args.calls)]
+            launches = {"MMA gate_up + SwiGLU only": lambda i, j: mm.w4a16_mma_launch(
+                            xs[i], *w13, pair_expert=idx[j], a_div=TOP_K, swiglu=True),
+                        "MMA down x weight only": lambda i, j: mm.w4a16_mma_launch(
+                            hs[i], *w2, pair_expert=idx[j], row_scale=wts[i])}
+            for (label, fn), share in zip(launches.items(), (2 / 3, 1 / 3)):  # gate_up [2I, H], down [H, I]
+                for suffix, same in (("", False), (", one expert set (L2-warm)", True)):
+                    us = graph_per_call_us([lambda i=i: fn(i, 0 if same else i) for i in range(args.calls)])
+                    row[label + suffix] = dict(us=us, tb_s=share * row["bytes_per_call"] / (us * 1e-6) / 1e12)
         record(row)
 
 

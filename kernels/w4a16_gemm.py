@@ -1067,7 +1067,9 @@ def default_expert_layout(device) -> int:
 
 
 def register(registry) -> None:
-    """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe". The dense two first try `kernels/w4a16_gemv.py`
+    """Ops "w4a16_linear", "w4a16_swiglu", "w4a16_moe". The dense linear first tries `kernels/w4a16_mma.py`'s
+    "triton_mma_wide" (its calls of >= WIDE_MIN_N outputs: lm_head in the checkpoint layout). The dense two then try
+    `kernels/w4a16_gemv.py`
     ("triton_gemv": the decode-sized calls its `supports_*_gemv` accept, on CUDA cores), then `kernels/w4a16_mma.py`
     ("triton_mma": the same calls on the tensor cores, bf16 on CUDA), then this module's ("triton"); the MoE tries
     "triton_mma" first (its <= 4-token calls on checkpoint-layout experts, bf16 on sm_90+; up to 64 with its sorted
@@ -1080,6 +1082,8 @@ def register(registry) -> None:
     registry.add_op(DENSE, w4a16_linear_reference, sample=_sample_dense, compare=compare, describe=describe_dense,
                     tolerance="max |diff| <= 1e-2 x max |ref| (bf16 output rounding 2^-9; exact dequant, fp32 "
                               "accumulation; only summation order differs)")
+    # lm_head-wide calls (N >= WIDE_MIN_N: the checkpoint-layout lm_head) on the tensor-core decode GEMV first
+    registry.add_implementation(DENSE, mma.MMA_WIDE, mma.w4a16_linear_mma, mma.supports_dense_mma_wide)
     registry.add_implementation(DENSE, gemv.GEMV, gemv.w4a16_linear_gemv, gemv.supports_dense_gemv)
     registry.add_implementation(DENSE, mma.MMA, mma.w4a16_linear_mma, mma.supports_dense_mma)
     registry.add_implementation(DENSE, "triton", w4a16_linear_triton, supports_dense)

@@ -74,6 +74,8 @@ except ImportError:  # CPU-only installs without triton: supports() says no
     triton = None
 
 MMA = "triton_mma"
+MMA_WIDE = "triton_mma_wide"  # the same kernel for the wide dense calls, ahead of the CUDA-core GEMV
+WIDE_MIN_N = 32768  # "wide": lm_head's N = vocab (248,320) in the checkpoint layout; no projection is this wide
 MMA_MAX_ROWS = 8  # B's eight columns: dense calls of up to 8 activation rows in one launch
 MMA_MAX_TOKENS = 4  # the grouped MoE one program per pair: as the GEMV (the decode graphs' 1, 2, 4 buckets)
 SORTED_BLOCK_M = 8  # beyond: pairs grouped by expert (moe_align), 8 a program (B's columns)
@@ -519,6 +521,14 @@ def supports_dense_mma(**info: Any) -> bool:
     """`w4a16_gemv.supports_dense_gemv` (the GEMV's calls; the GEMV stays first for them: the shared expert is faster
     on it, H200 step 109) and `_mma_call_ok`."""
     return gemv.supports_dense_gemv(**info) and _mma_call_ok(info)
+
+
+def supports_dense_mma_wide(**info: Any) -> bool:
+    """`supports_dense_mma` for calls of N >= WIDE_MIN_N outputs: lm_head in the checkpoint layout (the engine's
+    `lm_head_layout: checkpoint`; Hopper's default is the swap-AB kernel on fragment-order bytes). There the GEMV's
+    ~7.6 instructions a weight bound it (224 us a call, H200 run 16) where this kernel's ~3.1 sit below the bytes'
+    ~60 us; registered ahead of the GEMV for these calls only."""
+    return info["n"] >= WIDE_MIN_N and supports_dense_mma(**info)
 
 
 def supports_swiglu_mma(**info: Any) -> bool:

@@ -132,18 +132,22 @@ def test_dense_dispatch_rule_and_leading_dims():
 
 
 def test_registry_order_and_self_check():
-    """The GEMV is the dense W4A16 ops' first choice (then kernels/w4a16_mma.py's, for the same calls on CUDA) and the
+    """The GEMV is the dense W4A16 ops' first choice (then kernels/w4a16_mma.py's, for the same calls on CUDA; the dense
+    linear's lm_head-wide calls go to that kernel before it: too wide for the sample) and the
     MoE's second (after kernels/w4a16_mma.py's, CUDA only), and the registry's start-up check passes it on its
     samples."""
     reg = Registry("auto")
     w4a16_gemm.register(reg)
-    for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU):
-        assert [i.name for i in reg.spec(op).implementations][:3] == [GEMV, "triton_mma", "triton"]
+    assert [i.name for i in reg.spec(w4a16_gemm.DENSE).implementations][:4] == [
+        "triton_mma_wide", GEMV, "triton_mma", "triton"]  # the wide one: lm_head-sized calls only
+    assert [i.name for i in reg.spec(w4a16_gemm.SWIGLU).implementations][:3] == [GEMV, "triton_mma", "triton"]
     assert [i.name for i in reg.spec(w4a16_gemm.MOE).implementations][:3] == ["triton_mma", GEMV, "triton"]
     report = reg.self_check(DEVICE)
+    wide = f"triton_mma_wide skipped (does not support the sample on {DEVICE}); "
     for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU):
         mma = "triton_mma passed" if DEVICE == "cuda" else "triton_mma skipped (does not support the sample on cpu)"
-        assert report[op] == f"{GEMV} passed; {mma}; triton passed", report
+        head = wide if op == w4a16_gemm.DENSE else ""
+        assert report[op] == f"{head}{GEMV} passed; {mma}; triton passed", report
     args, _ = w4a16_gemm._sample_moe(DEVICE, layout=w4a16_gemm.CHECKPOINT)
     impl = reg.choose(w4a16_gemm.MOE, **reg.spec(w4a16_gemm.MOE).describe(*args))
     assert impl.name == ("triton_mma" if DEVICE == "cuda" else GEMV)  # the MoE's first choice on CUDA

@@ -174,6 +174,24 @@ def test_supports_takes_the_gemv_calls_in_bf16_on_cuda(monkeypatch):
     assert not supports_moe_mma(**{**moe, "layout": w4a16_gemm.EXPERT_LAYOUTS["tile_major"]})
 
 
+def test_wide_takes_lm_head_calls_only(monkeypatch):
+    """"triton_mma_wide" (ahead of the GEMV in w4a16_linear): the dense calls of >= WIDE_MIN_N outputs that the
+    tensor-core GEMV takes -- lm_head (N = vocab) at 1 row -- and no projection-sized call; the registry then routes
+    an lm_head-wide call to it and a shared-expert-sized one to the GEMV."""
+    from kernels.w4a16_mma import MMA_WIDE, WIDE_MIN_N, supports_dense_mma_wide
+
+    monkeypatch.setattr(w4a16_gemm, "_interpreted", lambda: False)
+    assert supports_dense_mma_wide(**_info(n=248320)) and supports_dense_mma_wide(**_info(n=WIDE_MIN_N))
+    assert not supports_dense_mma_wide(**_info(n=WIDE_MIN_N - 16))  # the projections: the GEMV's
+    assert not supports_dense_mma_wide(**_info(n=248320, device="cpu"))
+    assert not supports_dense_mma_wide(**_info(n=248320, capability=(8, 0)))
+    assert not supports_dense_mma_wide(**_info(n=248320, rows=5))  # beyond the GEMV's rows: the GEMM's
+    reg = Registry()
+    w4a16_gemm.register(reg)
+    assert reg.choose(w4a16_gemm.DENSE, **_info(n=248320)).name == MMA_WIDE
+    assert reg.choose(w4a16_gemm.DENSE, **_info(n=2048, k=512, weight_k=512)).name == "triton_gemv"
+
+
 def test_registry_order():
     """The MoE tries it first (H200: faster than the GEMV at <= 4 tokens); the dense ops after the GEMV."""
     reg = Registry()

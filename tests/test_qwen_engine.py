@@ -549,8 +549,10 @@ def test_kernel_self_check_at_start():
     assert checks["gdn_decode_prep_ba"] == f"{want}; {two}", checks
     gemv = want.replace("triton", "triton_gemv")
     mma = "triton_mma skipped (does not support the sample on cpu)"  # the tensor-core decode GEMV: CUDA only
+    wide = "triton_mma_wide skipped (does not support the sample on cpu); "  # lm_head-wide calls: not the sample's
     for op in ("w4a16_linear", "w4a16_swiglu"):  # the decode GEMV first, then its tensor-core form, then the GEMM
-        assert checks[op] == f"{gemv}; {mma}; {want}", (op, checks)
+        head = wide if op == "w4a16_linear" else ""
+        assert checks[op] == f"{head}{gemv}; {mma}; {want}", (op, checks)
     assert checks["w4a16_moe"] == f"{mma}; {gemv}; {want}", checks  # the MoE: the tensor-core form first
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
     # the decode MoE in one launch (off by default) is checked only by an engine that may run it
