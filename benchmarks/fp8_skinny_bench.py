@@ -36,6 +36,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--pdl", action="store_true", help="launch the Triton kernels with programmatic dependent launch, "
                                                        "as the engine does on Hopper (kernels/pdl.py)")
+    ap.add_argument("--resident", action="store_true",
+                    help="also time every call on ONE weight copy (L2-resident after the first where it fits in the "
+                         "L2): what the read costs from L2 -- a bound for prefetching weights into L2 ahead of use")
+    ap.add_argument("--shapes", default="", help="only the shapes whose name contains one of these (comma-separated)")
+    ap.add_argument("--only", default="", help="only the paths whose label contains this")
     args = ap.parse_args()
     import torch
 
@@ -78,8 +83,10 @@ def main() -> None:
     def per_call_us(fn, x, ws) -> float:
         return graph_per_call_us([lambda w=w: fn(x, w) for w in ws])
 
+    impls = {label: v for label, v in impls.items() if args.only in label}
+    picked = [s for s in args.shapes.split(",") if s]
     results = []
-    for name, n, k in SHAPES:
+    for name, n, k in (s for s in SHAPES if not picked or any(p in s[0] for p in picked)):
         copies = max(8, -(-2 * L2_BYTES // (n * k)))
         gen = torch.Generator(device=dev).manual_seed(n + k)
         ws = [FP8Tensor((torch.randn(n, k, device=dev, generator=gen) * 64).to(torch.float8_e4m3fn),
@@ -94,6 +101,9 @@ def main() -> None:
                 us = per_call_us(fn, x, ws)
                 err = float((fn(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
                 row[label] = dict(us=us, tb_s=n * k / (us * 1e-6) / 1e12, rel_err=err)
+                if args.resident:  # the same graph length, every call on ws[0]
+                    us = per_call_us(fn, x, [ws[0]] * len(ws))
+                    row[label + ", L2-resident"] = dict(us=us, tb_s=n * k / (us * 1e-6) / 1e12, rel_err=err)
             if m <= fp8_gemv.GEMV_MAX_ROWS:
                 picks = fp8_gemv._fp8_gemv_autotuned.cache  # {(R_BUCKET, N, K, X_CODES, dtypes..): Config}
                 bucket = 1 << (m - 1).bit_length()  # R_BUCKET: the next power of two of M
@@ -107,14 +117,14 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__)
     (out / "fp8_skinny_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    labels = list(impls)
+    labels = [lab for lab in impls for lab in ((lab, lab + ", L2-resident") if args.resident else (lab,))]
     lines = [f"# fp8_skinny_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
              "| shape (N x K) | M | " + " | ".join(f"{lab}: us (TB/s)" for lab in labels)
              + " | best / cuBLASLt | max rel err (Triton) |", "|---|---:|" + "---:|" * (len(labels) + 2)]
     for r in results:
         cells = [f"{r[lab]['us']:.2f} ({r[lab]['tb_s']:.2f})" if lab in r else "-" for lab in labels]
         best = min(r[lab]["us"] for lab in labels[1:] if lab in r) if any(lab in r for lab in labels[1:]) else None
-        ratio = f"{best / r[labels[0]]['us']:.2f}" if best is not None else "-"
+        ratio = f"{best / r[labels[0]]['us']:.2f}" if best is not None and labels[0] in r else "-"
         errs = [r[lab]["rel_err"] for lab in labels[1:] if lab in r]
         err = f"{max(errs):.1e}" if errs else "-"
         lines.append(f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | " + " | ".join(cells)

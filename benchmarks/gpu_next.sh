@@ -244,6 +244,8 @@
 #   STEPS="114" (the same carry): <= 10 min: issue 5, the lone step's critical path with PDL on by kernel
 #       (qwen_profile --engine-pdl), the routed experts' two tensor-core launches apart, the router's and the
 #       tensor-core GEMV's CUDA tests (unrun)
+#   STEPS="115" (carry .tritoncache): ~2-3 min: issue 5, a big weight read prefetched into L2 one layer ahead, in a
+#       chain shaped like the lone step (benchmarks/prefetch_ahead.py), and the FP8 GEMV streamed vs L2-resident (unrun)
 #   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
 #       configuration a key (ran as a plain pytest call: 23 passed, results/gpu_suites_run14/)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
@@ -1445,6 +1447,19 @@ timeout "${LIMIT_114B:-200}" python benchmarks/w4a16_gemv_bench.py --tokens 1 --
 grep -E "^\| " "$R/w4a16_gemv_bench/w4a16_gemv_bench.md" | cut -c1-600
 gpu_tests router_mma_tests "${LIMIT_114T:-150}" tests/test_kernel_moe_router.py tests/test_kernel_w4a16_mma.py -rfE \
   --durations=5
+fi
+if want 115; then
+say "115. issue 5 (no carry needed): a big weight read prefetched into L2 one layer ahead (benchmarks/prefetch_ahead.py: a"
+say "    graphed chain shaped like a lone decode step, PDL on), 25 MB (GDN in_proj) and 8 MB (out_proj) per layer"
+timeout "${LIMIT_115:-120}" python benchmarks/prefetch_ahead.py --out "$R/prefetch_ahead_25" > "$R/prefetch_ahead_25.log" 2>&1
+cat "$R/prefetch_ahead_25/prefetch_ahead.md" 2>/dev/null || tail -5 "$R/prefetch_ahead_25.log"
+timeout "${LIMIT_115:-120}" python benchmarks/prefetch_ahead.py --big-mb 8 --out "$R/prefetch_ahead_8" \
+  > "$R/prefetch_ahead_8.log" 2>&1
+grep -E "^\| " "$R/prefetch_ahead_8/prefetch_ahead.md" 2>/dev/null || tail -5 "$R/prefetch_ahead_8.log"
+say "    the engine's FP8 GEMV on codes at one row, weights streamed vs L2-resident (fp8_skinny_bench --resident)"
+timeout "${LIMIT_115F:-120}" python benchmarks/fp8_skinny_bench.py --rows 1 --pdl --resident --only "on codes" \
+  --shapes "fused,out_proj" --out "$R/fp8_resident" > "$R/fp8_resident.log" 2>&1
+grep -E "^\| " "$R/fp8_resident/fp8_skinny_bench.md" | cut -c1-300
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

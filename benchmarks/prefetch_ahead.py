@@ -1,0 +1,173 @@
+"""Can a layer's big weight read come from L2 if a kernel one layer ahead prefetches it? A graphed chain that has a
+lone decode step's shape, with and without that prefetch, with programmatic dependent launch (kernels/pdl.py).
+
+Why. A lone Qwen decode step is ~415 dependent kernels in ~2.27 ms on the H200. Per layer, one big read (the FP8
+in_proj: 25 MB, ~7 us at ~3.7 TB/s: chain_floor run 1) is followed by ~9 latency-bound kernels (router, experts,
+combine, ...) that use a fraction of the DRAM bandwidth for ~40 us. Prefetching each kernel's own weights just before
+its PDL wait gave no gain (Qwen run 54): the lead was one predecessor's tail, ~2-3 us. Here the lead is a layer: the
+first small kernel after a big read issues `cp.async.bulk.prefetch.L2` of the NEXT layer's big buffer, whose read then
+may hit L2 (50 MB on the H200) if the small kernels between do not evict it.
+
+    python benchmarks/prefetch_ahead.py --out DIR [--big-mb 25] [--small 9] [--layers 40] [--replays 20]
+
+Rows (us, median of graph replays):
+  - "resident": one big buffer read by every launch of a 200-launch chain (L2-resident after the first): the big read's
+    time from L2, against "streamed" (buffers cycled over > 2x the L2: from DRAM);
+  - "layers, no prefetch" / "layers, prefetch ahead": per layer, the big read (its own buffer; 40 layers, > 2x the L2)
+    then `--small` launches of `--small-mb` each (their buffers cycled through a small set, like the step's small
+    kernels; L2-resident) -- per layer, and the difference.
+Every read kernel's sums are checked once. The numbers are a model of the step, not the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import pdl  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.pdl import enter as pdl_enter
+    from kernels.pdl import prefetch_l2
+except ImportError:  # pragma: no cover - the benchmark needs triton
+    triton = None
+
+WORDS = 2048  # int32 words a program reads (8 KB), as benchmarks/chain_floor.py
+PIECE = 64 * 1024  # bytes per cp.async.bulk.prefetch.L2 (a 32-bit size; pieces keep each one modest)
+
+if triton is not None:
+
+    @triton.jit
+    def _read_kernel(buf, sums, ahead, ahead_bytes, WORDS: tl.constexpr, PIECES: tl.constexpr,
+                     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False):
+        # program p: sums[p] = sum of buf[p WORDS : (p + 1) WORDS]; PREFETCH: also prefetch its share of `ahead`
+        # (ahead_bytes in total, PIECES pieces of PIECE bytes a program) into L2 -- memory no kernel of the chain writes
+        pdl_enter(USE_PDL)
+        p = tl.program_id(0)
+        if PREFETCH:
+            piece = p * PIECES + tl.arange(0, PIECES)
+            start = piece.to(tl.int64) * 65536
+            n = tl.minimum(ahead_bytes - start, 65536).to(tl.int32)
+            prefetch_l2(ahead + start, n)  # pieces past the end: n <= 0, nothing issued
+        tl.store(sums + p, tl.sum(tl.load(buf + p.to(tl.int64) * WORDS + tl.arange(0, WORDS))))
+
+
+def programs_for(mb: float) -> int:
+    return max(1, int(mb * 2**20) // (WORDS * 4))
+
+
+def launch(buf, sums, ahead=None) -> None:
+    """One read launch over all of `buf`; `ahead`: a buffer whose bytes this launch prefetches into L2."""
+    programs = buf.numel() // WORDS
+    pieces = 1 if ahead is None else triton.next_power_of_2(-(-ahead.numel() * 4 // (programs * PIECE)))
+    _read_kernel[(programs,)](buf, sums, buf if ahead is None else ahead, 0 if ahead is None else ahead.numel() * 4,
+                              WORDS=WORDS, PIECES=pieces, PREFETCH=ahead is not None, num_warps=4,
+                              **pdl.launch_options())
+
+
+def graph_us(body, replays: int) -> float:
+    """Median us of one replay of a CUDA graph of body()."""
+    body()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            body()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def check(buf, sums) -> None:
+    want = buf.view(-1, WORDS).sum(1, dtype=torch.int32)
+    assert torch.equal(sums[: want.numel()], want), "prefetch_ahead: wrong sums"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--big-mb", type=float, default=25.0)
+    ap.add_argument("--small", type=int, default=9, help="small launches per layer after the big read")
+    ap.add_argument("--small-mb", type=float, default=0.5)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args()
+    if triton is None or not torch.cuda.is_available() or not pdl.device_supports():
+        print("prefetch_ahead: needs triton and an sm_90+ CUDA GPU (cp.async.bulk.prefetch.L2, PDL)", file=sys.stderr)
+        return 2
+    pdl.set_enabled(True)
+    dev = torch.device("cuda", 0)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def buffer(mb: float) -> torch.Tensor:
+        return torch.randint(0, 7, (programs_for(mb) * WORDS,), dtype=torch.int32, device=dev, generator=gen)
+
+    n_big = max(args.layers, -(-2 * l2 // int(args.big_mb * 2**20)))
+    bigs = [buffer(args.big_mb) for _ in range(n_big)]
+    smalls = [buffer(args.small_mb) for _ in range(4)]
+    sums = torch.empty(max(programs_for(args.big_mb), programs_for(args.small_mb)), dtype=torch.int32, device=dev)
+    rows: dict = dict(l2_bytes=l2, big_mb=args.big_mb, small=args.small, small_mb=args.small_mb, layers=args.layers,
+                      big_buffers=n_big)
+    chain = 200
+    rows["resident_us"] = graph_us(lambda: [launch(bigs[0], sums) for _ in range(chain)], args.replays) / chain
+    check(bigs[0], sums)
+    rows["streamed_us"] = graph_us(lambda: [launch(bigs[i % n_big], sums) for i in range(chain)], args.replays) / chain
+
+    def layers(prefetch: bool) -> None:
+        for i in range(args.layers):
+            launch(bigs[i % n_big], sums)
+            for j in range(args.small):
+                ahead = bigs[(i + 1) % n_big] if prefetch and j == 0 else None
+                launch(smalls[j % len(smalls)], sums, ahead)
+
+    for key, prefetch in (("layers_us", False), ("layers_prefetch_us", True), ("layers_again_us", False)):
+        rows[key] = graph_us(lambda prefetch=prefetch: layers(prefetch), args.replays) / args.layers
+    check(smalls[(args.small - 1) % len(smalls)], sums)
+    rows["small_only_us"] = graph_us(lambda: [launch(smalls[j % len(smalls)], sums)
+                                              for _ in range(args.layers) for j in range(args.small)],
+                                     args.replays) / args.layers
+    meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefetch_ahead.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    big_bytes = programs_for(args.big_mb) * WORDS * 4
+    lines = [f"# prefetch_ahead ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, PDL on, "
+             f"{meta['date']})", "",
+             "| what | us | note |", "|---|---:|---|",
+             f"| big read ({args.big_mb:g} MB), L2-resident | {rows['resident_us']:.2f} | "
+             f"{big_bytes / rows['resident_us'] / 1e6:.2f} TB/s |",
+             f"| big read, streamed from DRAM | {rows['streamed_us']:.2f} | "
+             f"{big_bytes / rows['streamed_us'] / 1e6:.2f} TB/s |",
+             f"| layer: big read + {args.small} x {args.small_mb:g} MB, no prefetch | {rows['layers_us']:.2f} | |",
+             f"| layer, the next big buffer prefetched by the first small launch | {rows['layers_prefetch_us']:.2f} | "
+             f"{rows['layers_prefetch_us'] - rows['layers_us']:+.2f} us a layer |",
+             f"| layer, no prefetch, again | {rows['layers_again_us']:.2f} | order effects |",
+             f"| the small launches alone | {rows['small_only_us']:.2f} | |"]
+    (out / "prefetch_ahead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
