@@ -246,6 +246,8 @@
 #       tensor-core GEMV's CUDA tests (unrun)
 #   STEPS="115" (carry .tritoncache): ~2-3 min: issue 5, a big weight read prefetched into L2 one layer ahead, in a
 #       chain shaped like the lone step (benchmarks/prefetch_ahead.py), and the FP8 GEMV streamed vs L2-resident (unrun)
+#   STEPS="116" (carry .devbundle/extra, .tritoncache): ~5.5 min: issue 5, weight_prefetch_ahead in / mixer beside the
+#       defaults in the engine, --again (unrun)
 #   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
 #       configuration a key (ran as a plain pytest call: 23 passed, results/gpu_suites_run14/)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
@@ -1460,6 +1462,14 @@ say "    the engine's FP8 GEMV on codes at one row, weights streamed vs L2-resid
 timeout "${LIMIT_115F:-120}" python benchmarks/fp8_skinny_bench.py --rows 1 --pdl --resident --only "on codes" \
   --shapes "fused,out_proj" --out "$R/fp8_resident" > "$R/fp8_resident.log" 2>&1
 grep -E "^\| " "$R/fp8_resident/fp8_skinny_bench.md" | cut -c1-300
+fi
+if want 116; then
+say "116. issue 5 (carry .devbundle/extra, .tritoncache): weight_prefetch_ahead -- the MoE's side stream warms the next"
+say "    layer's mixer projections into L2 while the routed experts run (kernels/l2_prefetch.py) -- in_proj / mixer"
+say "    beside the defaults, --again"
+engine_ab qwen_ahead "${LIMIT_116:-330}" --autotune-table auto --variant 'in_proj={"weight_prefetch_ahead": "in_proj"}' \
+  --variant 'mixer={"weight_prefetch_ahead": "mixer"}' --again
+grep -oE "'weight_prefetch_ahead_layers': [0-9]+" "$R/qwen_ahead.log" | sort | uniq -c
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
