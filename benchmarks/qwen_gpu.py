@@ -253,9 +253,6 @@ def markdown(r: dict) -> str:
             f"| (e) engine with the shared pair's routing column by torch.cat + fill (not inside router_topk): decode "
             f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_router_cat'))} | - |",
-            f"| (e) engine with the router's first top-k selection (a float max + an index min a step; the default: "
-            f"one max of packed keys): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
-            f"{side_by_side(r.get('engine_router_two_pass'))} | - |",
             f"| (e) engine without programmatic_launch (PDL; the default: auto, on for Hopper): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_pdl'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
@@ -583,9 +580,6 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true",
                     help="(e) once more without the engine's programmatic_launch (kernels/pdl.py: programmatic "
                          "dependent launch of the decode step's Triton kernels; auto = on for Hopper), side by side")
-    ap.add_argument("--router-two-pass", action="store_true",
-                    help="(e) once more with the router's first top-k selection form (kernels/moe_router.py "
-                         "SELECT_PACKED off: a float max and an index min per selected expert), side by side")
     ap.add_argument("--router-cat", action="store_true",
                     help="(e) once more with the shared expert's (k+1)-th routing column appended by torch.cat + fill "
                          "after router_topk (TopKRouter.extra_in_kernel off; default: the kernel writes it), side by "
@@ -822,11 +816,6 @@ def main() -> None:
 
             engine_with(TopKRouter, "extra_in_kernel", False, "engine_router_cat",
                         "the shared pair's column by torch.cat after router_topk")
-        if args.router_two_pass:  # the router's top-k as a float max + an index min a step (SELECT_PACKED off)
-            from kernels import moe_router
-
-            engine_with(moe_router, "SELECT_PACKED", False, "engine_router_two_pass",
-                        "the router's two-pass top-k selection")
         if args.gemv_deq is not None:  # the decode GEMV's dequantiser
             from kernels import w4a16_gemv
 

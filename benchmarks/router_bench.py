@@ -10,8 +10,7 @@ x [N, 2048] bf16, W [256, 2048] bf16 (1 MB), top-8, N = 1, 4, 32 (--rows). Times
 (`triton.testing.do_bench_cudagraph`: no host launch cost, as in the engine's graphed decode step). So that W is not
 read from the 50 MB L2, each timed call uses the next of `copies_for(...)` weight copies, together at least twice the
 L2 (and >= LAYERS), as the 40 MoE layers of a decode step do. Rows: F.linear + the torch softmax/topk reference (the
-plain model), F.linear + router_topk (today's fused path), and the fused op (default tiling, `--sweep`: more; and
-with the first selection form, SELECT_PACKED off, beside the packed keys). TB/s =
+plain model), F.linear + router_topk (today's fused path), and the fused op (default tiling, `--sweep`: more). TB/s =
 W bytes / time. Every output is checked against the reference with `compare_gemv` (logits within an ulp of
 F.linear's plus the fp32-order bound; top-k exactly router_topk's on the returned logits).
 """
@@ -48,17 +47,6 @@ def ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def two_pass(fn):
-    """fn() with the router's first selection form (a float max and an index min a step, `SELECT_PACKED` off)."""
-    from kernels import moe_router as mr
-
-    before, mr.SELECT_PACKED = mr.SELECT_PACKED, False
-    try:
-        return fn()
-    finally:
-        mr.SELECT_PACKED = before
-
-
 def bench(rows: list, n: int, sweep: bool, g: torch.Generator) -> None:
     from kernels import moe_router as mr
 
@@ -68,9 +56,7 @@ def bench(rows: list, n: int, sweep: bool, g: torch.Generator) -> None:
     paths = {"F.linear + torch softmax/topk (plain)": lambda w: mr.router_gemv_topk_reference(x, w, TOP_K),
              "F.linear + router_topk (2 launches)": lambda w: (lambda lg: (lg, *mr.router_topk_triton(lg, TOP_K)))(
                  F.linear(x, w)),
-             "router_gemv_topk, default tiling": lambda w: mr.router_gemv_topk_triton(x, w, TOP_K),
-             "router_gemv_topk, default tiling, two-pass selection": lambda w: two_pass(
-                 lambda: mr.router_gemv_topk_triton(x, w, TOP_K))}
+             "router_gemv_topk, default tiling": lambda w: mr.router_gemv_topk_triton(x, w, TOP_K)}
     default = mr._gemv_tiling(n, E, H)
     if sweep:
         for br, be, bh, split, warps in SWEEP:

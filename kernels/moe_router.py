@@ -101,9 +101,6 @@ PACK_ROWS_FROM = 512  # N at which rows are packed several per program (below: o
 TILE = 2048  # elements per program when packing rows (BLOCK_R x BLOCK_E)
 RTOL = {torch.float32: 1e-6, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}  # weights: |out - ref| <= rtol |ref|
 ATOL = 1e-7  # weights: absolute slack for weights too small to matter (< 1e-7 of the row's total of 1)
-# The selection's form, read at each launch (`_select_topk`): True, one int64 max of packed (value, lane) keys a step;
-# False, the float max and the lowest-index min of the first version (benchmarks compare the two). Same results.
-SELECT_PACKED = True
 
 
 # ---- reference ------------------------------------------------------------------------------------------------------
@@ -126,46 +123,27 @@ def with_extra(top: torch.Tensor, idx: torch.Tensor, extra: int) -> tuple[torch.
 
 # ---- Triton kernel --------------------------------------------------------------------------------------------------
 if triton is not None:
-    _KEY_NONE = tl.constexpr(-(2**63))  # int64 min: a packed key no lane holds (`_select_topk`)
 
     @triton.jit
     def _select_topk(lf, avail, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr, PACKED: tl.constexpr = True):
+                     BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
         """The module docstring's selection on rows of logits lf [BR, BE] (fp32, as rounded to the model dtype) where
         avail [BR, BE] marks the selectable lanes (never lanes >= E) -> (weights fp32 [BR, BK], expert ids int32
         [BR, BK]), descending, ties by lowest index; positions >= K hold garbage ids and weight 0. Shared by both
-        kernels so the fused GEMV + top-k selects exactly as router_topk does.
-        PACKED (`SELECT_PACKED`): one int64 max a step instead of a float max and an index min: key = the value's
-        order-preserving int32 (fp32 bits, negatives' magnitude bits flipped) << 32 | (BLOCK_E - 1 - lane), so the
-        largest key is the largest value at its lowest lane; -0.0 is made +0.0 first (the float compare ties them),
-        unavailable lanes are INT64_MIN (below every real key: -inf's is -0x807FFFFF << 32). Same picks and values."""
+        kernels so the fused GEMV + top-k selects exactly as router_topk does."""
         cols = tl.arange(0, BLOCK_E)  # [BE]
         key = tl.where(lf != lf, float("inf"), lf)  # NaN ranks first (torch.topk's order); no NaN in reductions
         kk = tl.arange(0, BLOCK_K)  # [BK]
         vals = tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32)
         ids = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int32)
-        if PACKED:
-            u = tl.where(key == 0.0, 0.0, key).to(tl.int32, bitcast=True)  # -0.0 -> +0.0
-            order = u ^ ((u >> 31) & 0x7FFFFFFF)  # signed int order = float order (arithmetic shift)
-            packed = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)[None, :]
-            packed = tl.where(avail, packed, _KEY_NONE)  # never the max (k <= E available lanes)
-            best = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int64)
-            for j in tl.static_range(K):
-                top = tl.max(packed, axis=1)  # [BR]: one reduction; keys are distinct (lane bits)
-                packed = tl.where(packed == top[:, None], _KEY_NONE, packed)
-                best = tl.where(kk[None, :] == j, top[:, None], best)
-            hi = (best >> 32).to(tl.int32)  # [BR, BK] the order ints back to fp32 bits (the map is an involution)
-            vals = tl.where(kk[None, :] < K, (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), vals)
-            ids = BLOCK_E - 1 - (best & 0xFFFF).to(tl.int32)  # lanes < MAX_EXPERTS < 2^16
-        else:
-            for j in tl.static_range(K):
-                cur = tl.where(avail, key, float("-inf"))
-                mx = tl.max(cur, axis=1)  # [BR]
-                # lowest available lane equal to the max: there is one (k <= E available lanes, all >= -inf)
-                pick = tl.min(tl.where(avail & (cur == mx[:, None]), cols[None, :], BLOCK_E), axis=1)  # [BR]
-                avail = avail & (cols[None, :] != pick[:, None])
-                vals = tl.where(kk[None, :] == j, mx[:, None], vals)
-                ids = tl.where(kk[None, :] == j, pick[:, None], ids)
+        for j in tl.static_range(K):
+            cur = tl.where(avail, key, float("-inf"))
+            mx = tl.max(cur, axis=1)  # [BR]
+            # lowest available lane equal to the max: there is one (k <= E available lanes, all >= -inf)
+            pick = tl.min(tl.where(avail & (cur == mx[:, None]), cols[None, :], BLOCK_E), axis=1)  # [BR]
+            avail = avail & (cols[None, :] != pick[:, None])
+            vals = tl.where(kk[None, :] == j, mx[:, None], vals)
+            ids = tl.where(kk[None, :] == j, pick[:, None], ids)
         m = tl.max(vals, axis=1)  # = vals[:, 0], the row's max
         x = vals - m[:, None]
         if INTERPRET:  # numpy's exp; libdevice is not interpreted
@@ -179,8 +157,7 @@ if triton is not None:
     @triton.jit
     def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, EXTRA, K: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
-                            HAS_EXTRA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                            PACKED: tl.constexpr = True):
+                            HAS_EXTRA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K] (HAS_EXTRA:
         # [N, K + 1], column K = (1, EXTRA): the shared expert's pair, so no torch.cat / fill launches follow)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
@@ -191,7 +168,7 @@ if triton is not None:
         avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: lanes still selectable (never lanes >= E)
         lf = tl.load(logits + rows64[:, None] * s_l + cols[None, :], mask=r_ok[:, None] & avail,
                      other=0.0).to(tl.float32)  # masked lanes' values are never looked at (not available)
-        w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET, PACKED)
+        w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)
         kk = tl.arange(0, BLOCK_K)
         ok = r_ok[:, None] & (kk < K)[None, :]
         tl.store(w_out + rows64[:, None] * s_w + kk[None, :], _cast(w, w_out.dtype.element_ty, INTERPRET), mask=ok)
@@ -206,7 +183,7 @@ if triton is not None:
                                  K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr,
                                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                                  BLOCK_EF: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
-                                 PREFETCH: tl.constexpr = False, PACKED: tl.constexpr = True):
+                                 PREFETCH: tl.constexpr = False):
         # grid (cdiv(E, BLOCK_E), SPLIT, cdiv(N, BLOCK_R)); x [N, H] (row stride s_x), w [E, H] (row stride s_w),
         # unit last strides; logits [N, E], w_out / i_out [N, K] contiguous; ws [SPLIT, N, E] fp32; counters: one
         # int32 per row block, 0 between launches.
@@ -251,8 +228,7 @@ if triton is not None:
                 lr = _cast(tot, logits.dtype.element_ty, INTERPRET)  # the logits F.linear would return
                 tl.store(logits + rows[:, None] * E + cols[None, :], lr, mask=ok)
                 avail = c_ok[None, :] & (rows >= 0)[:, None]
-                wts, ids = _select_topk(lr.to(tl.float32), avail, K, BLOCK_K, BLOCK_R, BLOCK_EF, INTERPRET,
-                                        PACKED)
+                wts, ids = _select_topk(lr.to(tl.float32), avail, K, BLOCK_K, BLOCK_R, BLOCK_EF, INTERPRET)
                 kk = tl.arange(0, BLOCK_K)
                 k_ok = r_ok[:, None] & (kk < K)[None, :]
                 tl.store(w_out + rows[:, None] * K + kk[None, :], _cast(wts, w_out.dtype.element_ty, INTERPRET),
@@ -297,8 +273,8 @@ def _launch(logits: torch.Tensor, k: int, block_r: int | None = None, extra: int
         cfg["BLOCK_R"] = block_r
     _router_topk_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
         logits, weights, idx, n, e, logits.stride(0), weights.stride(0), idx.stride(0), max(extra, 0), K=k,
-        BLOCK_K=triton.next_power_of_2(k), INTERPRET=_interpreted(), HAS_EXTRA=extra >= 0, PACKED=SELECT_PACKED,
-        **cfg, **pdl.launch_options())
+        BLOCK_K=triton.next_power_of_2(k), INTERPRET=_interpreted(), HAS_EXTRA=extra >= 0, **cfg,
+        **pdl.launch_options())
     return weights, idx
 
 
@@ -478,8 +454,7 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None =
     _router_gemv_topk_kernel[(triton.cdiv(e, cfg["BLOCK_E"]), cfg["SPLIT"], r_blocks)](
         x, w, logits, weights, idx, ws, counters if counters is not None else ws, n, e, h, x.stride(0), w.stride(0),
         K=k, BLOCK_K=triton.next_power_of_2(k), REDUCE=counters is not None,
-        BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), PACKED=SELECT_PACKED, **cfg,
-        **pdl.launch_options(),
+        BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg, **pdl.launch_options(),
         **pdl.prefetch_options(pdl.aligned16(w.data_ptr(), *(v * w.element_size()
                                                              for v in (w.stride(0), h, cfg["BLOCK_H"])))))
     if counters is None:

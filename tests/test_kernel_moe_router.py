@@ -173,46 +173,6 @@ def test_non_finite_logits():
     assert compare((w[3:4], idx[3:4]), (ref[0][3:4], ref[1][3:4]), logits[3:4]) is None
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on inf - inf (NaN rows)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_packed_selection_equals_two_pass(monkeypatch, dtype):
-    """SELECT_PACKED's one int64 max a step picks and weighs exactly as the first version's float max + index min
-    (bit for bit, NaN where NaN), on rows built to break a packed key: +0.0 and -0.0 tied (the float compare ties
-    them; the sign bit would not), negatives (their magnitude bits flipped), ties at the k-th place, all-equal rows,
-    NaN, +-inf, a row of -inf, masked lanes (E = 60); and in the fused GEMV's epilogue."""
-    e, k = 60, 8
-    logits = random_logits(12, e, seed=21, dtype=torch.float32, ties=True)
-    logits[0] = torch.where(torch.arange(e) % 2 == 0, 0.0, -0.0)  # signed zeros only: lowest index first
-    logits[1, :] = -0.0
-    logits[1, 7::9] = 0.0
-    logits[2] = -torch.arange(e, dtype=torch.float32) / 7  # all negative, distinct
-    logits[3, 5] = float("nan")
-    logits[4, 40] = float("inf")
-    logits[4, 3] = float("-inf")
-    logits[5] = float("-inf")
-    logits[6, :56] = float("-inf")
-    logits[7] = -1.5  # all equal, negative
-    logits = logits.to(dtype).to(DEVICE)
-    assert (logits[0].view(torch.int16 if dtype != torch.float32 else torch.int32) < 0).any()  # real -0.0 lanes
-    outs = {}
-    for packed in (True, False):
-        monkeypatch.setattr(mr, "SELECT_PACKED", packed)
-        outs[packed] = router_topk_triton(logits, k)
-    (wp, ip), (wt, it) = outs[True], outs[False]
-    assert torch.equal(ip, it)
-    assert torch.equal(wp.isnan(), wt.isnan()) and torch.equal(wp.nan_to_num(), wt.nan_to_num())
-    assert ip[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and ip[5].tolist() == list(range(k))
-    assert int(ip[3, 0]) == 5 and int(ip[4, 0]) == 40 and 3 not in ip[4].tolist()
-    x, w = router_inputs(5, 64, 200, seed=13, dtype=torch.bfloat16 if dtype == torch.float32 else dtype,
-                         integers=True)  # exact sums: many tied logits, zeros among them
-    cfg = dict(BLOCK_R=2, BLOCK_E=16, BLOCK_H=32, SPLIT=2, num_warps=1)
-    fused = {}
-    for packed in (True, False):
-        monkeypatch.setattr(mr, "SELECT_PACKED", packed)
-        fused[packed] = mr._launch_gemv(x, w, k, cfg)
-    assert all(torch.equal(a, b) for a, b in zip(fused[True], fused[False]))
-
-
 def test_guards_and_empty():
     logits = random_logits(2, 16, device=DEVICE)
     assert supported(logits, 1) and supported(logits, 16) and supported(logits.bfloat16(), 8)

@@ -146,3 +146,17 @@ def test_profile_critical_path_parses_and_keeps_gzipped(tmp_path):
         assert json.load(f) == TRACE
     empty = profile_critical_path(FakeProfile({"traceEvents": []}), steps=3)
     assert empty["top"] == [] and empty["main_stream"] is None
+
+
+def test_graph_replays_spread_over_streams_are_merged():
+    """No stream holds half the kernels (a CUDA graph's nodes on the driver's streams): one chain of all of them,
+    stream "merged", no side table; deltas then sum to the span from the first start to the last end."""
+    recs = [KernelRecord("A", 1, 0, 10), KernelRecord("B", 2, 8, 15), KernelRecord("C", 3, 20, 26),
+            KernelRecord("D", 4, 22, 25)]
+    t = critical_path_table(recs, steps=1)
+    assert t["main_stream"] == "merged" and t["kernels_per_step"] == 4
+    assert t["delta_ms_per_step"] * 1e3 == pytest.approx(26.0)  # 10 + 5 + (5 idle + 6) + 0
+    assert t["idle_ms_per_step"] * 1e3 == pytest.approx(5.0)
+    by = {r["name"]: r["delta_us_per_call"] for r in t["top"]}
+    assert by == pytest.approx({"A": 10.0, "B": 5.0, "C": 11.0, "D": 0.0})
+    assert t["side"]["kernels_per_step"] == 0
