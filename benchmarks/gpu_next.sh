@@ -240,13 +240,18 @@
 #       GEMV for the routed experts (unrun)
 #   STEPS="113 39" (carry .devbundle/extra, .tritoncache): <= 10 min: issue 5, the router's packed-key top-k and lm_head on
 #       the tensor-core decode GEMV, per call and in the engine (--router-two-pass, lm_head_layout checkpoint), then
-#       the Triton cache with the new kernels (unrun)
+#       the Triton cache with the new kernels (ran: Qwen run 59, router_bench run 4, lm_head_bench run 2; the packed
+#       selection gained nothing and was removed, so the step's --router-two-pass engine is gone)
 #   STEPS="114" (the same carry): <= 10 min: issue 5, the lone step's critical path with PDL on by kernel
 #       (qwen_profile --engine-pdl), the routed experts' two tensor-core launches apart, the router's and the
-#       tensor-core GEMV's CUDA tests (unrun)
+#       tensor-core GEMV's CUDA tests (ran: profile run 22 -- graph replays spread over ~40 driver streams, so the
+#       profile now merges them; --engine-trace keeps the raw trace since -- w4a16_gemv_bench run 5, 124 tests passed
+#       before the 150 s limit)
 #   STEPS="115" (carry .tritoncache): ~2-3 min: issue 5, a big weight read prefetched into L2 one layer ahead, in a
 #       chain shaped like the lone step (benchmarks/prefetch_ahead.py), and the FP8 GEMV streamed vs L2-resident (unrun)
 #   STEPS="116" (carry .devbundle/extra, .tritoncache): ~5.5 min: issue 5, weight_prefetch_ahead in / mixer beside the
+#       defaults in the engine, --again (unrun)
+#   STEPS="117" (carry .devbundle/extra, .tritoncache): ~4.5 min: issue 5, lm_head_layout dual_frag beside the
 #       defaults in the engine, --again (unrun)
 #   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
 #       configuration a key (ran as a plain pytest call: 23 passed, results/gpu_suites_run14/)
@@ -1433,7 +1438,7 @@ grep -E "^\| " "$R/router_bench/router_bench.md" | cut -c1-200
 timeout "${LIMIT_113L:-150}" python benchmarks/lm_head_bench.py --rows 1 --sweep "" --mma --out "$R/lm_head_bench" \
   > "$R/lm_head_bench.log" 2>&1
 grep -E "^\[lm_head_bench\]|Error" "$R/lm_head_bench.log" | cut -c1-400
-engine_ab qwen_router_head "${LIMIT_113:-330}" --autotune-table auto --router-two-pass \
+engine_ab qwen_router_head "${LIMIT_113:-330}" --autotune-table auto \
   --variant 'mmahead={"lm_head_layout": "checkpoint"}' --again
 grep -oE "'(w4a16_linear|router_gemv_topk)[^']*': '[^']*'" "$R/qwen_router_head.log" | sort | uniq -c | head -8
 fi
@@ -1441,7 +1446,7 @@ if want 114; then
 say "114. issue 5 (carry .devbundle/extra, .tritoncache): where the lone step goes with PDL on (qwen_profile --engine-pdl:"
 say "    each main-stream kernel's end minus the latest earlier end, by kernel), the routed experts' two tensor-core"
 say "    launches apart and L2-warm, then the router's and the tensor-core GEMV's CUDA tests"
-timeout "${LIMIT_114P:-200}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-streams 1 \
+timeout "${LIMIT_114P:-200}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-trace --engine-streams 1 \
   --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
 grep -E " crit | side |gap|critical" "$R/qwen_profile.log" | cut -c1-200 | head -50
 timeout "${LIMIT_114B:-200}" python benchmarks/w4a16_gemv_bench.py --tokens 1 --deq 3 --mma --pdl \
@@ -1470,6 +1475,12 @@ say "    beside the defaults, --again"
 engine_ab qwen_ahead "${LIMIT_116:-330}" --autotune-table auto --variant 'in_proj={"weight_prefetch_ahead": "in_proj"}' \
   --variant 'mixer={"weight_prefetch_ahead": "mixer"}' --again
 grep -oE "'weight_prefetch_ahead_layers': [0-9]+" "$R/qwen_ahead.log" | sort | uniq -c
+fi
+if want 117; then
+say "117. issue 5 (carry .devbundle/extra, .tritoncache): lm_head_layout dual_frag -- lm_head's <= 4-row calls on a"
+say "    checkpoint-layout copy (the tensor-core decode GEMV, triton_mma_wide), larger ones on the swap-AB kernel --"
+say "    beside the defaults (split_frag), --again"
+engine_ab qwen_dual_head "${LIMIT_117:-260}" --autotune-table auto --variant 'dual={"lm_head_layout": "dual_frag"}' --again
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
