@@ -248,9 +248,11 @@
 #       profile now merges them; --engine-trace keeps the raw trace since -- w4a16_gemv_bench run 5, 124 tests passed
 #       before the 150 s limit)
 #   STEPS="115" (carry .tritoncache): ~2-3 min: issue 5, a big weight read prefetched into L2 one layer ahead, in a
-#       chain shaped like the lone step (benchmarks/prefetch_ahead.py), and the FP8 GEMV streamed vs L2-resident (unrun)
-#   STEPS="116" (carry .devbundle/extra, .tritoncache): ~5.5 min: issue 5, weight_prefetch_ahead in / mixer beside the
-#       defaults in the engine, --again (unrun)
+#       chain shaped like the lone step (benchmarks/prefetch_ahead.py), and the FP8 GEMV streamed vs L2-resident (ran:
+#       prefetch_ahead run 1 -- +404 us a layer with the prefetch --, fp8_skinny_bench run 4)
+#   STEPS="116" (removed): weight_prefetch_ahead in the engine. Its variants never ran (Qwen run 60: qwen_gpu's
+#       engine_phase lacked the option); step 115 then showed a chain stalled ~400 us a layer by the bulk L2
+#       prefetch, so the option and kernels/l2_prefetch.py were removed
 #   STEPS="117" (carry .devbundle/extra, .tritoncache): ~4.5 min: issue 5, lm_head_layout dual_frag beside the
 #       defaults in the engine, --again (unrun)
 #   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
@@ -1468,19 +1470,14 @@ timeout "${LIMIT_115F:-120}" python benchmarks/fp8_skinny_bench.py --rows 1 --pd
   --shapes "fused,out_proj" --out "$R/fp8_resident" > "$R/fp8_resident.log" 2>&1
 grep -E "^\| " "$R/fp8_resident/fp8_skinny_bench.md" | cut -c1-300
 fi
-if want 116; then
-say "116. issue 5 (carry .devbundle/extra, .tritoncache): weight_prefetch_ahead -- the MoE's side stream warms the next"
-say "    layer's mixer projections into L2 while the routed experts run (kernels/l2_prefetch.py) -- in_proj / mixer"
-say "    beside the defaults, --again"
-engine_ab qwen_ahead "${LIMIT_116:-330}" --autotune-table auto --variant 'in_proj={"weight_prefetch_ahead": "in_proj"}' \
-  --variant 'mixer={"weight_prefetch_ahead": "mixer"}' --again
-grep -oE "'weight_prefetch_ahead_layers': [0-9]+" "$R/qwen_ahead.log" | sort | uniq -c
-fi
 if want 117; then
 say "117. issue 5 (carry .devbundle/extra, .tritoncache): lm_head_layout dual_frag -- lm_head's <= 4-row calls on a"
 say "    checkpoint-layout copy (the tensor-core decode GEMV, triton_mma_wide), larger ones on the swap-AB kernel --"
 say "    beside the defaults (split_frag), --again"
 engine_ab qwen_dual_head "${LIMIT_117:-260}" --autotune-table auto --variant 'dual={"lm_head_layout": "dual_frag"}' --again
+say "    then the CUDA tests step 114 left at its limit: the tensor-core GEMV's file, the router's GEMV cases"
+gpu_tests mma_tests "${LIMIT_117T:-170}" tests/test_kernel_w4a16_mma.py -rfE --durations=3
+gpu_tests router_tests "${LIMIT_117R:-70}" tests/test_kernel_moe_router.py -k gemv -rfE
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -158,15 +158,6 @@ class QwenEngineConfig:
     #                               428.0 / 430.1 (off) against 432.2 (own) and 428.2 (all) tok/s, 32 streams
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads)
-    weight_prefetch_ahead: str = "off"  # CUDA sm_90+, decode steps of <= 4 tokens whose shared expert forks onto
-    #                                     the side stream (shared_expert_stream): that branch first issues L2
-    #                                     prefetches (kernels/l2_prefetch.py) of the NEXT decoder layer's weights --
-    #                                     "in_proj": its mixer's input projections (GDN in_proj_qkv + in_proj_z,
-    #                                     attention q / k / v: the fused FP8 GEMV's 19-25 MB); "mixer": also its
-    #                                     out_proj / o_proj (8 MB); "off" -- so that their reads, ~15 us later, may
-    #                                     come from L2 while the routed experts, latency-bound, leave DRAM bandwidth
-    #                                     idle. The same bits (a prefetch reads nothing into registers). Not yet
-    #                                     measured in the engine (benchmarks/prefetch_ahead.py models it), so off
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
@@ -279,9 +270,6 @@ class QwenEngineConfig:
                              f"{self.lm_head_layout!r}")
         from kernels.pdl import PREFETCH_MODES
 
-        if self.weight_prefetch_ahead not in PREFETCH_AHEAD_MODES:
-            raise ValueError(f"weight_prefetch_ahead must be one of {' | '.join(PREFETCH_AHEAD_MODES)}, got "
-                             f"{self.weight_prefetch_ahead!r}")
         if self.weight_prefetch not in PREFETCH_MODES:
             raise ValueError(f"weight_prefetch must be one of {' | '.join(PREFETCH_MODES)}, got "
                              f"{self.weight_prefetch!r}")
@@ -388,7 +376,6 @@ class QwenEngine:
         self.gdn_decode_norm = set_gdn_decode_norm(self.model, cfg.gdn_decode_norm)
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
-        self.weight_prefetch_ahead = set_weight_prefetch_ahead(self.model, cfg.weight_prefetch_ahead)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.model_config = self.model.config
@@ -596,7 +583,6 @@ class QwenEngine:
             "programmatic_launch": self.programmatic_launch,
             "weight_prefetch": self.weight_prefetch,  # the mode in force ("off" without PDL)
             "weight_prefetch_launches": _prefetch_launches(),  # process-wide counts (kernels/pdl.py)
-            "weight_prefetch_ahead_layers": self.weight_prefetch_ahead,  # MoE layers that prefetch the next's
             "quant_in_producers": _quant_in_producers(),  # process-wide: the last engine built set it
             "stats": s.stats.snapshot(),
         }
@@ -970,36 +956,6 @@ def set_shared_expert_after_router(model: torch.nn.Module, on: bool) -> int:
     from .model.moe import SparseMoE
 
     return _set_on_every(model, SparseMoE, "shared_after_router", on)
-
-
-PREFETCH_AHEAD_MODES = ("off", "in_proj", "mixer")  # QwenEngineConfig.weight_prefetch_ahead
-_AHEAD_NAMES = {"in_proj": (("in_proj_qkv", "in_proj_z"), ("q_proj", "k_proj", "v_proj")),
-                "mixer": (("in_proj_qkv", "in_proj_z", "out_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"))}
-
-
-def set_weight_prefetch_ahead(model: torch.nn.Module, mode: str) -> int:
-    """`SparseMoE.prefetch_ahead` of every decoder layer but the last: a callable returning the next layer's mixer
-    projection weights that `mode` names (QwenEngineConfig.weight_prefetch_ahead), read when called, since the fused
-    FP8 projections replace the buffers during the warm-up; "off" clears it. Returns how many layers took it (the
-    projections that hold no `weight` tensor are left out)."""
-    if mode not in PREFETCH_AHEAD_MODES:
-        raise ValueError(f"weight_prefetch_ahead must be one of {' | '.join(PREFETCH_AHEAD_MODES)}, got {mode!r}")
-    layers = list(getattr(model, "layers", ()))
-    for layer in layers:
-        layer.mlp.prefetch_ahead = None
-    if mode == "off":
-        return 0
-    gdn_names, attn_names = _AHEAD_NAMES[mode]
-    taken = 0
-    for layer, nxt in zip(layers, layers[1:]):
-        mixer = getattr(nxt, "linear_attn", None) or getattr(nxt, "self_attn", None)
-        names = gdn_names if hasattr(nxt, "linear_attn") else attn_names
-        mods = [getattr(mixer, n, None) for n in names]
-        if mixer is None or not all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in mods):
-            continue
-        layer.mlp.prefetch_ahead = lambda mods=tuple(mods): [m.weight for m in mods]
-        taken += 1
-    return taken
 
 
 def _prefetch_launches() -> dict:

@@ -350,12 +350,6 @@ def main() -> int:
                           dict(GROUPED=True, SWIGLU=True, HAS_ROW_SCALE=False, DEQ=3, INTERPRET=False, BLOCK_N=4,
                                BLOCK_K=512, PREFETCH_NEXT=True), ptx_has="cp.async.bulk.prefetch.L2",
                           runtime=("nw", "ns", "s_nwe", "s_nse", "NEXT_W_BYTES", "NEXT_S_BYTES")))
-    # weights into L2 a layer ahead (kernels/l2_prefetch.py, weight_prefetch_ahead): bulk prefetches, four pieces
-    from kernels import l2_prefetch
-
-    ok.append(compile_one("l2_prefetch PIECES=4", l2_prefetch._l2_prefetch_kernel,
-                          {f"p{i}": "i64" for i in range(4)}, dict(PIECES=4), ptx_has="cp.async.bulk.prefetch.L2",
-                          num_warps=1))
     # programmatic dependent launch (kernels/pdl.py): the GEMV and a norm with USE_PDL, griddepcontrol in their PTX
     ok.append(compile_one("w4a16_gemv DEQ=3 BLOCK_N=4 BLOCK_K=512 USE_PDL=1", w4a16_gemv._w4a16_gemv_kernel, gemv,
                           dict(GROUPED=False, SWIGLU=False, HAS_ROW_SCALE=False, DEQ=3, INTERPRET=False, BLOCK_N=4,

@@ -17,14 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.l2_prefetch import l2_prefetch
 from kernels.moe_router import with_extra
 
 from ..config import QwenConfig
 from . import streams
 from .norm import ZeroCentredRMSNorm, _registry
-
-PREFETCH_MAX_ROWS = 4  # `SparseMoE.prefetch_ahead` at decode sizes only (the decode graphs' 1 / 2 / 4 buckets)
 
 
 class TopKRouter(nn.Module):
@@ -175,12 +172,6 @@ class SparseMoE(nn.Module):
     # instead of once the input is ready (beside the router too). Set by the engine
     # (QwenEngineConfig.shared_expert_after_router). The same kernels on the same inputs: the same bits
     shared_after_router: bool = False
-    # a callable -> the weight tensors to warm into L2 for a later kernel (`kernels/l2_prefetch.py`), issued first on
-    # the side stream of the shared expert's fork at decode sizes (<= PREFETCH_MAX_ROWS rows), beside the routed
-    # experts: the next decoder layer's projections (the engine's `weight_prefetch_ahead`, `set_weight_prefetch_ahead`;
-    # resolved at each call, so a capture takes the buffers of the time: the fused FP8 projections are built during
-    # the warm-up). None: nothing. It changes no result (a prefetch reads nothing into registers).
-    prefetch_ahead = None
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -237,8 +228,6 @@ class SparseMoE(nn.Module):
             routing = self.gate(x) if self.shared_after_router else None  # then the fork waits for the router too
             with streams.branch(x.device) as side:  # x is ready; joined before moe_combine reads `shared`
                 with streams.on_side(side):
-                    if self.prefetch_ahead is not None and x.shape[0] <= PREFETCH_MAX_ROWS:
-                        l2_prefetch(self.prefetch_ahead())  # the next layer's weights, while the experts run
                     shared = self.shared_expert(x)
                 _, weights, idx = routing or self.gate(x)
                 routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
