@@ -253,8 +253,9 @@
 #   STEPS="116" (removed): weight_prefetch_ahead in the engine. Its variants never ran (Qwen run 60: qwen_gpu's
 #       engine_phase lacked the option); step 115 then showed a chain stalled ~400 us a layer by the bulk L2
 #       prefetch, so the option and kernels/l2_prefetch.py were removed
-#   STEPS="117" (carry .devbundle/extra, .tritoncache): ~4.5 min: issue 5, lm_head_layout dual_frag beside the
-#       defaults in the engine, --again (unrun)
+#   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
+#       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
+#       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)
 #   STEPS="112" (carry .tritoncache): <= 3 min: issue 5, the tensor-core decode GEMV's CUDA test file with one autotune
 #       configuration a key (ran as a plain pytest call: 23 passed, results/gpu_suites_run14/)
 #   STEPS="72" (carry .devbundle/extra and .tritoncache): <= 9 min: issue 5, the GDN glue test file whole (its
@@ -1469,15 +1470,6 @@ say "    the engine's FP8 GEMV on codes at one row, weights streamed vs L2-resid
 timeout "${LIMIT_115F:-120}" python benchmarks/fp8_skinny_bench.py --rows 1 --pdl --resident --only "on codes" \
   --shapes "fused,out_proj" --out "$R/fp8_resident" > "$R/fp8_resident.log" 2>&1
 grep -E "^\| " "$R/fp8_resident/fp8_skinny_bench.md" | cut -c1-300
-fi
-if want 117; then
-say "117. issue 5 (carry .devbundle/extra, .tritoncache): lm_head_layout dual_frag -- lm_head's <= 4-row calls on a"
-say "    checkpoint-layout copy (the tensor-core decode GEMV, triton_mma_wide), larger ones on the swap-AB kernel --"
-say "    beside the defaults (split_frag), --again"
-engine_ab qwen_dual_head "${LIMIT_117:-260}" --autotune-table auto --variant 'dual={"lm_head_layout": "dual_frag"}' --again
-say "    then the CUDA tests step 114 left at its limit: the tensor-core GEMV's file, the router's GEMV cases"
-gpu_tests mma_tests "${LIMIT_117T:-170}" tests/test_kernel_w4a16_mma.py -rfE --durations=3
-gpu_tests router_tests "${LIMIT_117R:-70}" tests/test_kernel_moe_router.py -k gemv -rfE
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
