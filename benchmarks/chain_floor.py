@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import graph_per_call_us  # noqa: E402  (the scripts' shared GPU timer)
 from kernels import pdl  # noqa: E402
 
 try:
@@ -66,29 +67,13 @@ def measure(size_mb: float, launches: int, replays: int, device) -> dict:
     nbuf = max(1, -(-2 * l2 // max(1, programs * WORDS * 4))) if read else 1
     bufs = [torch.randint(0, 7, (programs * WORDS,), dtype=torch.int32, device=device) for _ in range(nbuf)]
     sums = torch.empty(programs, dtype=torch.int32, device=device)
-    for b in bufs[:1]:  # compile outside the capture
-        launch(b, sums, programs, read)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(launches):
-                launch(bufs[i % nbuf], sums, programs, read)
-    graph.replay()
-    torch.cuda.synchronize()
+    # one CUDA graph of the chain, median of `replays` timed replays (`cuda_timing.graph_per_call_us`: its warm-up
+    # calls compile outside the capture)
+    us = graph_per_call_us([lambda i=i: launch(bufs[i % nbuf], sums, programs, read) for i in range(launches)],
+                           replays=replays)
     if read:  # the chain computed what it should (the last launch's sums)
         want = bufs[(launches - 1) % nbuf].view(programs, WORDS).sum(1, dtype=torch.int32)
         assert torch.equal(sums, want), "chain_floor: wrong sums"
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)  # us per launch
-    us = sorted(times)[len(times) // 2]
     bytes_ = programs * WORDS * 4 if read else 0
     return dict(size_mb=size_mb, programs=programs, buffers=nbuf, us_per_launch=us,
                 tb_per_s=bytes_ / us / 1e6 if read else None)

@@ -117,7 +117,8 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__)
     (out / "fp8_skinny_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    labels = [lab for lab in impls for lab in ((lab, lab + ", L2-resident") if args.resident else (lab,))]
+    suffixes = ("", ", L2-resident") if args.resident else ("",)
+    labels = [lab + suffix for lab in impls for suffix in suffixes]
     lines = [f"# fp8_skinny_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
              "| shape (N x K) | M | " + " | ".join(f"{lab}: us (TB/s)" for lab in labels)
              + " | best / cuBLASLt | max rel err (Triton) |", "|---|---:|" + "---:|" * (len(labels) + 2)]

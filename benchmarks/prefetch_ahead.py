@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import pdl  # noqa: E402
+from benchmarks.cuda_timing import graph_per_call_us  # noqa: E402  (the scripts' shared GPU timer)
 
 try:
     import triton
@@ -46,6 +47,7 @@ WORDS = 2048  # int32 words a program reads (8 KB), as benchmarks/chain_floor.py
 PIECE = 64 * 1024  # bytes per cp.async.bulk.prefetch.L2 (a 32-bit size; pieces keep each one modest)
 
 if triton is not None:
+    _PIECE = tl.constexpr(PIECE)  # jit functions may only read constexpr globals
 
     @triton.jit
     def _read_kernel(buf, sums, ahead, ahead_bytes, WORDS: tl.constexpr, PIECES: tl.constexpr,
@@ -56,8 +58,8 @@ if triton is not None:
         p = tl.program_id(0)
         if PREFETCH:
             piece = p * PIECES + tl.arange(0, PIECES)
-            start = piece.to(tl.int64) * 65536
-            n = tl.minimum(ahead_bytes - start, 65536).to(tl.int32)
+            start = piece.to(tl.int64) * _PIECE
+            n = tl.minimum(ahead_bytes - start, _PIECE).to(tl.int32)
             prefetch_l2(ahead + start, n)  # pieces past the end: n <= 0, nothing issued
         tl.store(sums + p, tl.sum(tl.load(buf + p.to(tl.int64) * WORDS + tl.arange(0, WORDS))))
 
@@ -76,25 +78,8 @@ def launch(buf, sums, ahead=None) -> None:
 
 
 def graph_us(body, replays: int) -> float:
-    """Median us of one replay of a CUDA graph of body()."""
-    body()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            body()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median us of one replay of a CUDA graph of body() (`cuda_timing.graph_per_call_us` of one call)."""
+    return graph_per_call_us([body], replays=replays)
 
 
 def check(buf, sums) -> None:

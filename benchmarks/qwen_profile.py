@@ -134,17 +134,17 @@ def critical_path_table(events: list[KernelRecord], steps: int, top: int = 60, g
         # stretches they end in, so the rows rank the step's kernels rather than isolate the critical path
         events = [KernelRecord(r.name, "merged", r.start_us, r.end_us) for r in events]
         per_stream = {"merged": events}
-    streams = {}
+    streams, walks = {}, {}  # walks: stream -> (its kernels by start, their chain_walk)
     for s, recs in per_stream.items():
-        walk = chain_walk(by_start(recs))
+        chain = by_start(recs)
+        walks[s] = chain, chain_walk(chain)
         streams[str(s)] = dict(kernels_per_step=len(recs) / steps,
                                kernel_ms_per_step=sum(r.end_us - r.start_us for r in recs) / steps / 1e3,
-                               busy_ms_per_step=sum(d - i for d, i, _ in walk) / steps / 1e3)  # union of intervals
+                               busy_ms_per_step=sum(d - i for d, i, _ in walks[s][1]) / steps / 1e3)  # union
     # the main stream: the most kernels (a tie: the more kernel time, then the id's text, for a stable choice)
     main = min(per_stream, key=lambda s: (-len(per_stream[s]), -streams[str(s)]["kernel_ms_per_step"], str(s)),
                default=None)
-    chain = by_start(per_stream.get(main, []))
-    walk = chain_walk(chain)
+    chain, walk = walks.get(main, ([], []))
     rows: dict = {}  # name -> [calls, delta us, idle us, duration us]
     for r, (delta, idle, _) in zip(chain, walk):
         row = rows.setdefault(r.name, [0, 0.0, 0.0, 0.0])
