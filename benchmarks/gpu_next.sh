@@ -1471,6 +1471,26 @@ timeout "${LIMIT_115F:-120}" python benchmarks/fp8_skinny_bench.py --rows 1 --pd
   --shapes "fused,out_proj" --out "$R/fp8_resident" > "$R/fp8_resident.log" 2>&1
 grep -E "^\| " "$R/fp8_resident/fp8_skinny_bench.md" | cut -c1-300
 fi
+if want 118; then
+say "118. issue 5 (carry .devbundle/extra, .tritoncache): the next layer's weights read into L2 by a warm-up on a detached"
+say "    stream joined at the step's end (kernels/l2_warm.py): the chain model first (prefetch_ahead --warm: 25 and 8"
+say "    MB), then the engine's weight_warm_ahead load / load_last / prefetch beside the defaults, --again; the merged"
+say "    PDL critical path (step 114's profile); the warm kernel's and the router GEMV's CUDA tests"
+timeout "${LIMIT_118W:-120}" python benchmarks/prefetch_ahead.py --warm --skip-prefetch --out "$R/warm_ahead_25" \
+  > "$R/warm_ahead_25.log" 2>&1
+cat "$R/warm_ahead_25/prefetch_ahead.md" 2>/dev/null || tail -5 "$R/warm_ahead_25.log"
+timeout "${LIMIT_118W:-120}" python benchmarks/prefetch_ahead.py --warm --skip-prefetch --big-mb 8 \
+  --warm-programs 16,32 --out "$R/warm_ahead_8" > "$R/warm_ahead_8.log" 2>&1
+grep -E "^\| " "$R/warm_ahead_8/prefetch_ahead.md" 2>/dev/null || tail -5 "$R/warm_ahead_8.log"
+engine_ab qwen_warm "${LIMIT_118:-300}" --autotune-table auto --variant 'load={"weight_warm_ahead": "load"}' \
+  --variant 'last={"weight_warm_ahead": "load_last"}' --variant 'pf={"weight_warm_ahead": "prefetch"}' --again
+grep -oE "'weight_warm_ahead': '[a-z_]*'" "$R/qwen_warm.log" | sort | uniq -c
+gpu_tests warm_tests "${LIMIT_118T:-90}" tests/test_l2_warm.py -rfE --durations=5
+timeout "${LIMIT_118P:-150}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-trace --engine-streams 1 \
+  --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E " crit | side |gap|critical" "$R/qwen_profile.log" | cut -c1-200 | head -50
+gpu_tests router_tests "${LIMIT_118R:-120}" tests/test_kernel_moe_router.py -k gemv -rfE --durations=5
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

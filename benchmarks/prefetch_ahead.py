@@ -16,7 +16,12 @@ Rows (us, median of graph replays):
   - "layers, no prefetch" / "layers, prefetch ahead": per layer, the big read (its own buffer; 40 layers, > 2x the L2)
     then `--small` launches of `--small-mb` each (their buffers cycled through a small set, like the step's small
     kernels; L2-resident) -- per layer, and the difference.
+  - "--warm" (kernels/l2_warm.py): the next layer's big buffer read by a warm-up launch on a side stream that the
+    chain joins only after its last layer (the form the engine's `weight_warm_ahead` takes), forked at the layer's
+    start or after its big read, per mode and program count; and each warm launch alone (us and GB/s).
 Every read kernel's sums are checked once. The numbers are a model of the step, not the step.
+
+    python benchmarks/prefetch_ahead.py --out DIR --warm [--warm-programs 16,32,64] [--warm-modes load,prefetch]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels import l2_warm
     from kernels.pdl import enter as pdl_enter
     from kernels.pdl import prefetch_l2
 except ImportError:  # pragma: no cover - the benchmark needs triton
@@ -87,6 +93,47 @@ def check(buf, sums) -> None:
     assert torch.equal(sums[: want.numel()], want), "prefetch_ahead: wrong sums"
 
 
+def warm_rows(args, bigs, n_big, smalls, sums, rows: dict) -> list[str]:
+    """The side-stream warm-up rows (module docstring, "--warm"); adds their us to `rows`, returns table lines."""
+    side = torch.cuda.Stream()
+    lines = []
+    big_bytes = bigs[0].numel() * 4
+    for mode in args.warm_modes.split(","):
+        for programs in map(int, args.warm_programs.split(",")):
+            out = torch.zeros(programs, dtype=torch.int32, device=bigs[0].device)
+            alone = graph_us(lambda: [l2_warm.warm(bigs[i % n_big], mode, programs, out) for i in range(8)],
+                             args.replays) / 8
+            if mode != "prefetch":
+                assert torch.equal(out.cpu(), l2_warm.reference(bigs[7 % n_big], programs)), "l2_warm: wrong xor"
+            key = f"warm_{mode}_{programs}"
+            rows[f"{key}_alone_us"] = alone
+            lines.append(f"| warm launch alone ({mode}, {programs} programs) | {alone:.2f} | "
+                         f"{big_bytes / alone / 1e3:.0f} GB/s |")
+            for at in ("start", "after"):
+                def body(at=at):
+                    main = torch.cuda.current_stream()
+                    for i in range(args.layers):
+                        if at == "start":
+                            side.wait_stream(main)
+                            with torch.cuda.stream(side):
+                                l2_warm.warm(bigs[(i + 1) % n_big], mode, programs, out)
+                        launch(bigs[i % n_big], sums)
+                        for j in range(args.small):
+                            if at == "after" and j == 0:
+                                side.wait_stream(main)
+                                with torch.cuda.stream(side):
+                                    l2_warm.warm(bigs[(i + 1) % n_big], mode, programs, out)
+                            launch(smalls[j % len(smalls)], sums)
+                    main.wait_stream(side)
+
+                us = graph_us(body, args.replays) / args.layers
+                rows[f"{key}_layers_{at}_us"] = us
+                lines.append(f"| layer, next big buffer warmed on a side stream ({mode}, {programs} programs, forked "
+                             f"at the layer's {'start' if at == 'start' else 'big read end'}) | {us:.2f} | "
+                             f"{us - rows['layers_us']:+.2f} us a layer |")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -95,6 +142,10 @@ def main() -> int:
     ap.add_argument("--small-mb", type=float, default=0.5)
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--warm", action="store_true", help="also the side-stream warm-up rows (kernels/l2_warm.py)")
+    ap.add_argument("--warm-programs", default="16,32,64")
+    ap.add_argument("--warm-modes", default=",".join(l2_warm.MODES) if triton is not None else "load")
+    ap.add_argument("--skip-prefetch", action="store_true", help="leave out the bulk-prefetch row (run 1: 420 us)")
     args = ap.parse_args()
     if triton is None or not torch.cuda.is_available() or not pdl.device_supports():
         print("prefetch_ahead: needs triton and an sm_90+ CUDA GPU (cp.async.bulk.prefetch.L2, PDL)", file=sys.stderr)
@@ -125,8 +176,10 @@ def main() -> int:
                 ahead = bigs[(i + 1) % n_big] if prefetch and j == 0 else None
                 launch(smalls[j % len(smalls)], sums, ahead)
 
-    for key, prefetch in (("layers_us", False), ("layers_prefetch_us", True), ("layers_again_us", False)):
+    plan = (("layers_us", False), ("layers_prefetch_us", True), ("layers_again_us", False))
+    for key, prefetch in plan[::2] if args.skip_prefetch else plan:
         rows[key] = graph_us(lambda prefetch=prefetch: layers(prefetch), args.replays) / args.layers
+    warm_lines = warm_rows(args, bigs, n_big, smalls, sums, rows) if args.warm else []
     check(smalls[(args.small - 1) % len(smalls)], sums)
     rows["small_only_us"] = graph_us(lambda: [launch(smalls[j % len(smalls)], sums)
                                               for _ in range(args.layers) for j in range(args.small)],
@@ -145,10 +198,12 @@ def main() -> int:
              f"| big read, streamed from DRAM | {rows['streamed_us']:.2f} | "
              f"{big_bytes / rows['streamed_us'] / 1e6:.2f} TB/s |",
              f"| layer: big read + {args.small} x {args.small_mb:g} MB, no prefetch | {rows['layers_us']:.2f} | |",
-             f"| layer, the next big buffer prefetched by the first small launch | {rows['layers_prefetch_us']:.2f} | "
-             f"{rows['layers_prefetch_us'] - rows['layers_us']:+.2f} us a layer |",
+             *([] if "layers_prefetch_us" not in rows else [
+                 f"| layer, the next big buffer prefetched by the first small launch | "
+                 f"{rows['layers_prefetch_us']:.2f} | "
+                 f"{rows['layers_prefetch_us'] - rows['layers_us']:+.2f} us a layer |"]),
              f"| layer, no prefetch, again | {rows['layers_again_us']:.2f} | order effects |",
-             f"| the small launches alone | {rows['small_only_us']:.2f} | |"]
+             f"| the small launches alone | {rows['small_only_us']:.2f} | |", *warm_lines]
     (out / "prefetch_ahead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
