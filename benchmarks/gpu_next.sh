@@ -1491,6 +1491,27 @@ timeout "${LIMIT_118P:-150}" python benchmarks/qwen_profile.py --engine --engine
 grep -E " crit | side |gap|critical" "$R/qwen_profile.log" | cut -c1-200 | head -50
 gpu_tests router_tests "${LIMIT_118R:-120}" tests/test_kernel_moe_router.py -k gemv -rfE --durations=5
 fi
+if want 119; then
+say "119. issue 5 (carry .devbundle/extra with ab_old.tar of 5e605d7 in it, and .tritoncache): the chain kernels' loads"
+say "    issued before their reductions (moe_combine's k routed rows unrolled, the static scales of the FP8 codes,"
+say "    gdn_prep's per-head parameters; the same bits): moe_combine per call, then the engine of this tree, the old"
+say "    tree's and this tree's again, each process with --again; the router GEMV's last CUDA tests"
+old_tree
+timeout 120 python benchmarks/moe_decode_bench.py --combine-probe --tokens 1 --layers 1 --out "$R/combine_new" \
+  > "$R/combine_new.log" 2>&1
+in_old timeout 120 python benchmarks/moe_decode_bench.py --combine-probe --tokens 1 --layers 1 \
+  --out "$R/combine_old" > "$R/combine_old.log" 2>&1
+grep -hE "combine probe|Error" "$R"/combine_new.log "$R"/combine_old.log | cut -c1-400
+engine_ab qwen_loads_new "${LIMIT_119:-200}" --autotune-table auto --again
+in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_119:-200}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --again --out "$R/qwen_loads_old" \
+  > "$R/qwen_loads_old.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_loads_old/qwen_gpu.md" | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_loads_old.log" | cut -c1-300 | head -20
+engine_ab qwen_loads_new2 "${LIMIT_119:-200}" --autotune-table auto --again
+gpu_tests router_rest "${LIMIT_119R:-150}" tests/test_kernel_moe_router.py -k "gemv and not matches_reference" -rfE \
+  --durations=5
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

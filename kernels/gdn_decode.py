@@ -33,7 +33,7 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
-    from kernels.rms_norm import _store_out, gated_rows
+    from kernels.rms_norm import _static_scale, _store_out, gated_rows
     from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -118,8 +118,9 @@ if triton is not None:
                          cache_modifier=".cg")  # L2: never a stale L1 line of another program's slice
             zf = tl.load(z + b * s_zb + h * s_zh + dd[None, :], mask=ok, other=0.0).to(tl.float32)
             wf = tl.load(w + dd, mask=d_ok, other=0.0).to(tl.float32)
+            sc = _static_scale(s_in, QUANT)
             y = gated_rows(xf, zf, wf, DV, eps, out.dtype.element_ty, ROUND_PRODUCT, ROUND_X, INTERPRET)
-            _store_out(out + b * s_nb + h * s_nh, codes + b * s_cb + h * s_ch, s_in, one, dd, 0, 0, ok, y,
+            _store_out(out + b * s_nb + h * s_nh, codes + b * s_cb + h * s_ch, sc, one, dd, 0, 0, ok, y,
                        INTERPRET, QUANT)
             rearm(counters, pid)
 

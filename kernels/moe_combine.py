@@ -45,7 +45,7 @@ try:
 
     from kernels.fp8_quant import static_codes
     from kernels.pdl import enter as pdl_enter
-    from kernels.rms_norm import _cast, _round, _stored_value
+    from kernels.rms_norm import _cast, _round, _static_scale, _stored_value
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -149,38 +149,44 @@ if triton is not None:
         tl.store(out + row * s_o + cols, _cast(res + u, dt, INTERPRET), mask=ok)
 
     @triton.jit
-    def _moe_combine_kernel(x, w, shared, routed, residual, out, H, S, s_x, s_s, s_r, s_rs, s_res, s_o,
+    def _moe_combine_kernel(x, w, shared, routed, residual, out, H, s_x, s_s, s_r, s_rs, s_res, s_o,
                             nw, normed, s_n, eps, codes, s_c, s_in,
-                            BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, NORM: tl.constexpr = False,
+                            S: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, NORM: tl.constexpr = False,
                             QUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # routed: S rows per token, s_rs apart (S = 1 for an already summed [N, H]). NORM: also the next layer's
         # input norm of the stored row (the "moe_combine_norm" ops; nw [H] its zero-centred weight, normed [N, H]),
         # QUANT: and that norm's e4m3 codes with the static scale s_in (fp32 []), as kernels/rms_norm.py's
-        # _rms_norm_zc_kernel computes them from the stored row
+        # _rms_norm_zc_kernel computes them from the stored row.
+        # Every load (the static scale too) is issued before the first reduction (the gate's dot, the norm's sum of
+        # squares: CTA barriers that later loads do not cross), and the k routed rows unrolled (S constexpr): one
+        # round trip for all of them. With a runtime S the rows' loop waited for each load in turn: 2.9-3.4 us a
+        # call at top-8 (H200, moe_decode_bench run 3), ~5.4 us on a profiled lone step's chain (profile run 23).
+        # The same operations in the same order: the same bits.
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < H
         dt = out.dtype.element_ty
-        gate = _shared_gate(x + row * s_x, w, cols, ok, dt, INTERPRET)
-        sh = tl.load(shared + row * s_s + cols, mask=ok, other=0.0).to(tl.float32)
         ro = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for j in range(S):  # the top-k sum in fp32, in slot order, rounded once
+        for j in tl.static_range(S):  # the top-k sum in fp32, in slot order, rounded once
             ro += tl.load(routed + row * s_r + j * s_rs + cols, mask=ok, other=0.0).to(tl.float32)
-        ro = _round(ro, dt, INTERPRET)
+        sh = tl.load(shared + row * s_s + cols, mask=ok, other=0.0).to(tl.float32)
         res = tl.load(residual + row * s_res + cols, mask=ok, other=0.0).to(tl.float32)
+        if NORM:
+            w1 = 1.0 + tl.load(nw + cols, mask=ok, other=0.0).to(tl.float32)
+        sc = _static_scale(s_in, QUANT)
+        gate = _shared_gate(x + row * s_x, w, cols, ok, dt, INTERPRET)
+        ro = _round(ro, dt, INTERPRET)
         t = _round(gate * sh, dt, INTERPRET)
         u = _round(ro + t, dt, INTERPRET)
         tl.store(out + row * s_o + cols, _cast(res + u, dt, INTERPRET), mask=ok)
         if NORM:  # the norm reads the stored (rounded) row, as the next layer's own norm launch would
             o = _round(res + u, dt, INTERPRET)  # masked columns: 0 (every load there gave 0)
-            y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / H + eps)) * (1.0 + tl.load(nw + cols, mask=ok, other=0.0)
-                                                                    .to(tl.float32))
+            y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / H + eps)) * w1
             yo = _cast(y, dt, INTERPRET)
             tl.store(normed + row * s_n + cols, yo, mask=ok)
             if QUANT:
-                tl.store(codes + row * s_c + cols, static_codes(_stored_value(y, yo, dt, INTERPRET), tl.load(s_in)),
-                         mask=ok)
+                tl.store(codes + row * s_c + cols, static_codes(_stored_value(y, yo, dt, INTERPRET), sc), mask=ok)
 
 
 def _interpreted() -> bool:
@@ -215,9 +221,9 @@ def _one_row_launch(x, gate_weight, shared, routed, residual, out, norm_args: tu
     n, h = x.shape
     block_h = triton.next_power_of_2(h)
     r3 = routed if routed.dim() == 3 else routed[:, None]
-    _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, r3.shape[1], x.stride(0),
+    _moe_combine_kernel[(n,)](x, gate_weight, shared, r3, residual, out, h, x.stride(0),
                               shared.stride(0), r3.stride(0), r3.stride(1), residual.stride(0), out.stride(0),
-                              *(norm_args or (out, out, 0, 0.0, out, 0, out)), BLOCK_H=block_h,
+                              *(norm_args or (out, out, 0, 0.0, out, 0, out)), S=r3.shape[1], BLOCK_H=block_h,
                               INTERPRET=_interpreted(), num_warps=min(8, max(1, block_h // 256)), **flags,
                               **pdl.launch_options())
 

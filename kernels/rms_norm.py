@@ -168,16 +168,27 @@ if triton is not None:
         return tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
 
     @triton.jit
-    def _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, y, INTERPRET: tl.constexpr, QUANT: tl.constexpr):
+    def _static_scale(s_in, QUANT: tl.constexpr):
+        """The static scale (fp32 []) the QUANT kernels' codes use, loaded at their start: after their row reduction
+        (a CTA barrier, which later loads do not cross) the load would add an L2 round trip to the kernel's chain."""
+        if QUANT:
+            sc = tl.load(s_in)
+        else:
+            sc = 0.0
+        return sc
+
+    @triton.jit
+    def _store_out(out, codes, sc, rows, cols, s_o, s_c, ok, y, INTERPRET: tl.constexpr, QUANT: tl.constexpr):
         """Store fp32 y rounded to out's dtype; QUANT: also the e4m3 codes of that rounded value with the static scale
-        s_in (fp32 []) -- what `fp8_quant.quantize_static_reference` gives for the stored tensor, bit for bit."""
+        sc (fp32, `_static_scale`) -- what `fp8_quant.quantize_static_reference` gives for the stored tensor, bit for
+        bit."""
         dt = out.dtype.element_ty
         yo = _cast(y, dt, INTERPRET)
         r64 = rows.to(tl.int64)[:, None]
         tl.store(out + r64 * s_o + cols[None, :], yo, mask=ok)
         if QUANT:
-            tl.store(codes + r64 * s_c + cols[None, :], static_codes(_stored_value(y, yo, dt, INTERPRET),
-                                                                     tl.load(s_in)), mask=ok)
+            tl.store(codes + r64 * s_c + cols[None, :], static_codes(_stored_value(y, yo, dt, INTERPRET), sc),
+                     mask=ok)
 
     @triton.jit
     def _stored_value(y, yo, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
@@ -196,8 +207,9 @@ if triton is not None:
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
         wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
+        sc = _static_scale(s_in, QUANT)
         y = (xf * _inv_rms(xf, D, eps)[:, None]) * (1.0 + wf)[None, :]
-        _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, y, INTERPRET, QUANT)
+        _store_out(out, codes, sc, rows, cols, s_o, s_c, ok, y, INTERPRET, QUANT)
 
     @triton.jit
     def _add_rms_norm_zc_kernel(x, h, w, s_out, out, R, D, s_x, s_h, s_s, s_o, eps,
@@ -226,8 +238,10 @@ if triton is not None:
         rows, cols, c_ok, ok = _row_tile(R, D, BLOCK_R, BLOCK_D)
         xf = _load_rows(x, rows, cols, s_x, ok)  # [BR, BD]
         wf = tl.load(w + cols, mask=c_ok, other=0.0).to(tl.float32)  # [BD]
-        o = gated_rows(xf, _load_rows(z, rows, cols, s_z, ok), wf, D, eps, dt, ROUND_PRODUCT, ROUND_X, INTERPRET)
-        _store_out(out, codes, s_in, rows, cols, s_o, s_c, ok, o, INTERPRET, QUANT)
+        zf = _load_rows(z, rows, cols, s_z, ok)
+        sc = _static_scale(s_in, QUANT)
+        o = gated_rows(xf, zf, wf, D, eps, dt, ROUND_PRODUCT, ROUND_X, INTERPRET)
+        _store_out(out, codes, sc, rows, cols, s_o, s_c, ok, o, INTERPRET, QUANT)
 
     @triton.jit
     def gated_rows(xf, zf, wf, D, eps, dt: tl.constexpr, ROUND_PRODUCT: tl.constexpr, ROUND_X: tl.constexpr,

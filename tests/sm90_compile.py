@@ -202,12 +202,12 @@ def main() -> int:
                                NUM_PROGRAMS=132, FLATTEN=True), ptx_has="wgmma.mma_async"))
     ok.append(compile_one("moe_combine (H = 2048, bf16)", moe_combine._moe_combine_kernel,
                           {n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out")},
-                          dict(BLOCK_H=2048, INTERPRET=False)))
+                          dict(S=8, BLOCK_H=2048, INTERPRET=False)))
     ok.append(compile_one("moe_combine + the next layer's input norm and its e4m3 codes (H = 2048, bf16)",
                           moe_combine._moe_combine_kernel,
                           {**{n: "*bf16" for n in ("x", "w", "shared", "routed", "residual", "out", "nw", "normed")},
                            "eps": "fp32", "codes": "*fp8e4nv", "s_in": "*fp32"},
-                          dict(BLOCK_H=2048, INTERPRET=False, NORM=True, QUANT=True), num_warps=8,
+                          dict(S=8, BLOCK_H=2048, INTERPRET=False, NORM=True, QUANT=True), num_warps=8,
                           ptx_has="cvt.rn.satfinite.e4m3x2.f32"))
     ok.append(compile_one("moe_combine over partial rows (H = 2048, bf16, fp32 rows)",
                           moe_combine._moe_combine_parts_kernel,
