@@ -1473,19 +1473,15 @@ grep -E "^\| " "$R/fp8_resident/fp8_skinny_bench.md" | cut -c1-300
 fi
 if want 118; then
 say "118. issue 5 (carry .devbundle/extra, .tritoncache): the next layer's weights read into L2 by a warm-up on a detached"
-say "    stream joined at the step's end (kernels/l2_warm.py): the chain model first (prefetch_ahead --warm: 25 and 8"
-say "    MB), then the engine's weight_warm_ahead load / load_last / prefetch beside the defaults, --again; the merged"
-say "    PDL critical path (step 114's profile); the warm kernel's and the router GEMV's CUDA tests"
+say "    stream joined at the step's end: the chain model (prefetch_ahead --warm: 25 and 8 MB; ran: prefetch_ahead runs"
+say "    2-3), then the merged PDL critical path (step 114's profile; ran: profile run 23) and the router GEMV's CUDA"
+say "    tests. The engine option it measured then (weight_warm_ahead: Qwen run 62, -43% / -8% lone) was removed"
 timeout "${LIMIT_118W:-120}" python benchmarks/prefetch_ahead.py --warm --skip-prefetch --out "$R/warm_ahead_25" \
   > "$R/warm_ahead_25.log" 2>&1
 cat "$R/warm_ahead_25/prefetch_ahead.md" 2>/dev/null || tail -5 "$R/warm_ahead_25.log"
 timeout "${LIMIT_118W:-120}" python benchmarks/prefetch_ahead.py --warm --skip-prefetch --big-mb 8 \
   --warm-programs 16,32 --out "$R/warm_ahead_8" > "$R/warm_ahead_8.log" 2>&1
 grep -E "^\| " "$R/warm_ahead_8/prefetch_ahead.md" 2>/dev/null || tail -5 "$R/warm_ahead_8.log"
-engine_ab qwen_warm "${LIMIT_118:-300}" --autotune-table auto --variant 'load={"weight_warm_ahead": "load"}' \
-  --variant 'last={"weight_warm_ahead": "load_last"}' --variant 'pf={"weight_warm_ahead": "prefetch"}' --again
-grep -oE "'weight_warm_ahead': '[a-z_]*'" "$R/qwen_warm.log" | sort | uniq -c
-gpu_tests warm_tests "${LIMIT_118T:-90}" tests/test_l2_warm.py -rfE --durations=5
 timeout "${LIMIT_118P:-150}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-trace --engine-streams 1 \
   --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
 grep -E " crit | side |gap|critical" "$R/qwen_profile.log" | cut -c1-200 | head -50
@@ -1511,6 +1507,27 @@ grep -E "Error|error|File " "$R/qwen_loads_old.log" | cut -c1-300 | head -20
 engine_ab qwen_loads_new2 "${LIMIT_119:-200}" --autotune-table auto --again
 gpu_tests router_rest "${LIMIT_119R:-150}" tests/test_kernel_moe_router.py -k "gemv and not matches_reference" -rfE \
   --durations=5
+fi
+if want 120; then
+say "120. issue 5 (carry .devbundle/extra with ab_old.tar of 5e605d7 in it, and .tritoncache): every configuration of the"
+say "    tensor-core decode GEMV timed at the routed experts' 1 / 2 / 4-token calls, the fastest of each key merged into"
+say "    the shipped autotune table (Qwen run 63: three processes of the same engines tuned them differently at start:"
+say "    364.8 / 424.6 / 452.5 tok/s lone); then the engine of this tree, the old tree's (AB_TAR) and this tree's"
+say "    again, all on that table, --again in each"
+timeout "${LIMIT_120M:-240}" python benchmarks/mma_picks.py --merge-into kernels/tuned/nvidia_h200.json \
+  --out "$R/mma_picks" > "$R/mma_picks.log" 2>&1
+cat "$R/mma_picks/mma_picks.md" 2>/dev/null || tail -5 "$R/mma_picks.log"
+if [ -f "$R/mma_picks/tuned_merged.json" ]; then
+  cp "$R/mma_picks/tuned_merged.json" /tmp/tuned_pinned.json
+  old_tree
+  engine_ab qwen_pinned_new "${LIMIT_120:-110}" --autotune-table /tmp/tuned_pinned.json --again
+  in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_120:-110}" python benchmarks/qwen_gpu.py \
+    --skip-transformers --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table /tmp/tuned_pinned.json \
+    --again --out "$R/qwen_pinned_old" > "$R/qwen_pinned_old.log" 2>&1
+  grep -E "^\| \(e\)" "$R/qwen_pinned_old/qwen_gpu.md" | grep -E "lone request, 1024|again" | cut -c1-220
+  grep -E "Error|error|File " "$R/qwen_pinned_old.log" | cut -c1-300 | head -20
+  engine_ab qwen_pinned_new2 "${LIMIT_120:-110}" --autotune-table /tmp/tuned_pinned.json --again
+fi
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

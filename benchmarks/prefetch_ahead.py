@@ -16,9 +16,14 @@ Rows (us, median of graph replays):
   - "layers, no prefetch" / "layers, prefetch ahead": per layer, the big read (its own buffer; 40 layers, > 2x the L2)
     then `--small` launches of `--small-mb` each (their buffers cycled through a small set, like the step's small
     kernels; L2-resident) -- per layer, and the difference.
-  - "--warm" (kernels/l2_warm.py): the next layer's big buffer read by a warm-up launch on a side stream that the
-    chain joins only after its last layer (the form the engine's `weight_warm_ahead` takes), forked at the layer's
-    start or after its big read, per mode and program count; and each warm launch alone (us and GB/s).
+  - "--warm": the next layer's big buffer read by a warm-up launch (`_warm_kernel`) on a side stream that the chain
+    joins only after its last layer, forked at the layer's start or after its big read, per mode and program count;
+    and each warm launch alone (us and GB/s). Modes: "load" (every word loaded, ld.global.cg, folded into one xor a
+    program: stored, so the loads are not dead; checked against `warm_reference`), "load_last" (evict_last loads),
+    "prefetch" (one prefetch.global.L2::evict_last per 128-byte line, nothing waited for). Prefetch_ahead runs 2-3
+    (H200, 2026-12-03): no mode gained -- the loads stream at ~12 GB/s a program, so the side chain bounds the layers;
+    the line prefetches made each layer 1.1-5.1 us slower. The engine option built on it (`weight_warm_ahead`) lost
+    43% / 8% of the lone decode rate (Qwen run 62) and was removed.
 Every read kernel's sums are checked once. The numbers are a model of the step, not the step.
 
     python benchmarks/prefetch_ahead.py --out DIR --warm [--warm-programs 16,32,64] [--warm-modes load,prefetch]
@@ -43,7 +48,6 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels import l2_warm
     from kernels.pdl import enter as pdl_enter
     from kernels.pdl import prefetch_l2
 except ImportError:  # pragma: no cover - the benchmark needs triton
@@ -68,6 +72,61 @@ if triton is not None:
             n = tl.minimum(ahead_bytes - start, _PIECE).to(tl.int32)
             prefetch_l2(ahead + start, n)  # pieces past the end: n <= 0, nothing issued
         tl.store(sums + p, tl.sum(tl.load(buf + p.to(tl.int64) * WORDS + tl.arange(0, WORDS))))
+
+
+WARM_MODES = ("load", "load_last", "prefetch")
+WARM_STEP = 4096  # int32 words a warm program loads per loop step (16 KB)
+WARM_LINE = 32  # a 128-byte line in words (the prefetch mode's stride)
+
+if triton is not None:
+
+    @triton.jit
+    def _warm_kernel(src, out, n_words, STEP: tl.constexpr, MODE: tl.constexpr, LINE: tl.constexpr):
+        # program p reads words [p STEP, (p + 1) STEP), then every num_programs-th step after; out[p]: their xor
+        p = tl.program_id(0)
+        stride = tl.num_programs(0) * STEP
+        if MODE == 2:
+            lines = tl.arange(0, STEP // LINE) * LINE
+            for start in range(p * STEP, n_words, stride):
+                offs = start + lines
+                tl.inline_asm_elementwise(
+                    """{
+                    .reg .pred q;
+                    setp.lt.s32 q, $2, $3;
+                    @q prefetch.global.L2::evict_last [$1];
+                    mov.u32 $0, 0;
+                    }""",
+                    "=r,l,r,r", [(src + offs).to(tl.int64, bitcast=True), offs, n_words + tl.zeros_like(offs)],
+                    dtype=tl.int32, is_pure=False, pack=1)
+            tl.store(out + p, 0)
+        else:
+            acc = tl.zeros([STEP], dtype=tl.int32)
+            words = tl.arange(0, STEP)
+            for start in range(p * STEP, n_words, stride):
+                offs = start + words
+                if MODE == 1:
+                    x = tl.load(src + offs, mask=offs < n_words, other=0, eviction_policy="evict_last")
+                else:
+                    x = tl.load(src + offs, mask=offs < n_words, other=0, cache_modifier=".cg")
+                acc = acc ^ x
+            tl.store(out + p, tl.xor_sum(acc, 0))
+
+
+def warm(buf: torch.Tensor, mode: str, programs: int, out: torch.Tensor) -> None:
+    """One warm launch over the int32 buffer `buf` (module docstring, "--warm")."""
+    _warm_kernel[(programs,)](buf, out, buf.numel(), STEP=WARM_STEP, MODE=WARM_MODES.index(mode), LINE=WARM_LINE,
+                              num_warps=4)
+
+
+def warm_reference(words: torch.Tensor, programs: int) -> torch.Tensor:
+    """What the load modes store: out[p] = xor of the words of program p's steps -> int32 [programs] (xor is order
+    free)."""
+    import numpy as np
+
+    n = words.numel()
+    w = np.zeros(n + (-n) % (programs * WARM_STEP), dtype=np.int32)
+    w[:n] = words.reshape(-1).cpu().numpy()
+    return torch.from_numpy(np.bitwise_xor.reduce(w.reshape(-1, programs, WARM_STEP), axis=(0, 2)))
 
 
 def programs_for(mb: float) -> int:
@@ -101,10 +160,10 @@ def warm_rows(args, bigs, n_big, smalls, sums, rows: dict) -> list[str]:
     for mode in args.warm_modes.split(","):
         for programs in map(int, args.warm_programs.split(",")):
             out = torch.zeros(programs, dtype=torch.int32, device=bigs[0].device)
-            alone = graph_us(lambda: [l2_warm.warm(bigs[i % n_big], mode, programs, out) for i in range(8)],
+            alone = graph_us(lambda: [warm(bigs[i % n_big], mode, programs, out) for i in range(8)],
                              args.replays) / 8
             if mode != "prefetch":
-                assert torch.equal(out.cpu(), l2_warm.reference(bigs[7 % n_big], programs)), "l2_warm: wrong xor"
+                assert torch.equal(out.cpu(), warm_reference(bigs[7 % n_big], programs)), "warm: wrong xor"
             key = f"warm_{mode}_{programs}"
             rows[f"{key}_alone_us"] = alone
             lines.append(f"| warm launch alone ({mode}, {programs} programs) | {alone:.2f} | "
@@ -116,13 +175,13 @@ def warm_rows(args, bigs, n_big, smalls, sums, rows: dict) -> list[str]:
                         if at == "start":
                             side.wait_stream(main)
                             with torch.cuda.stream(side):
-                                l2_warm.warm(bigs[(i + 1) % n_big], mode, programs, out)
+                                warm(bigs[(i + 1) % n_big], mode, programs, out)
                         launch(bigs[i % n_big], sums)
                         for j in range(args.small):
                             if at == "after" and j == 0:
                                 side.wait_stream(main)
                                 with torch.cuda.stream(side):
-                                    l2_warm.warm(bigs[(i + 1) % n_big], mode, programs, out)
+                                    warm(bigs[(i + 1) % n_big], mode, programs, out)
                             launch(smalls[j % len(smalls)], sums)
                     main.wait_stream(side)
 
@@ -142,9 +201,9 @@ def main() -> int:
     ap.add_argument("--small-mb", type=float, default=0.5)
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--warm", action="store_true", help="also the side-stream warm-up rows (kernels/l2_warm.py)")
+    ap.add_argument("--warm", action="store_true", help="also the side-stream warm-up rows (`_warm_kernel`)")
     ap.add_argument("--warm-programs", default="16,32,64")
-    ap.add_argument("--warm-modes", default=",".join(l2_warm.MODES) if triton is not None else "load")
+    ap.add_argument("--warm-modes", default=",".join(WARM_MODES))
     ap.add_argument("--skip-prefetch", action="store_true", help="leave out the bulk-prefetch row (run 1: 420 us)")
     args = ap.parse_args()
     if triton is None or not torch.cuda.is_available() or not pdl.device_supports():

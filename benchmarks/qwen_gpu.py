@@ -344,8 +344,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        shared_expert_stream: bool = True, gdn_z_stream: bool = False,
                        combine_next_norm: bool = True, gdn_prep_tiling: list | None = None,
                        shared_expert_after_router: bool = True, weight_prefetch: str = "off",
-                       gdn_decode_norm: bool = False, small_batch_tokens: int = 4,
-                       weight_warm_ahead: str = "off") -> dict:
+                       gdn_decode_norm: bool = False, small_batch_tokens: int = 4) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -369,7 +368,6 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
-                            weight_warm_ahead=weight_warm_ahead,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:
@@ -445,7 +443,6 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     shared_expert_stream_layers=engine.health().get("shared_expert_stream_layers"),
                     gdn_z_stream_layers=engine.health().get("gdn_z_stream_layers"),
                     combine_next_norm=engine.health().get("combine_next_norm"),
-                    weight_warm_ahead=engine.health().get("weight_warm_ahead"),
                     gdn_decode_norm_layers=engine.health().get("gdn_decode_norm_layers"),
                     shared_expert_after_router_layers=engine.health().get("shared_expert_after_router_layers"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
@@ -475,7 +472,6 @@ def _engine_settings_off(model) -> None:
         set_shared_expert_after_router,
         set_shared_expert_in_moe,
         set_shared_expert_stream,
-        set_weight_warm_ahead,
     )
     from qwen_engine.model import quantized
 
@@ -486,7 +482,6 @@ def _engine_settings_off(model) -> None:
     set_gdn_decode_norm(model, False)
     set_combine_next_norm(model, False)
     set_shared_expert_after_router(model, False)
-    set_weight_warm_ahead(model, "off")
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = gdn_prep.DEFAULT_TILING
     set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)

@@ -112,13 +112,16 @@ if triton is not None:
         half = RD // 2
         rope = d < RD
         pd = tl.where(d < half, d + half, d - half)  # rotation partner (only used where rope)
+        # every load before the norm's sum (a reduction: a CTA barrier, which later loads do not cross)
         x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
         xp = tl.load(src + pd, mask=ok & rope, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)  # as kernels/rms_norm.py's _inv_rms
-        y = _round(x * inv * (1.0 + tl.load(w + d, mask=ok, other=0.0).to(tl.float32)), DT, INTERPRET)
-        yp = _round(xp * inv * (1.0 + tl.load(w + pd, mask=ok & rope, other=0.0).to(tl.float32)), DT, INTERPRET)
+        w1 = 1.0 + tl.load(w + d, mask=ok, other=0.0).to(tl.float32)
+        wp1 = 1.0 + tl.load(w + pd, mask=ok & rope, other=0.0).to(tl.float32)
         c = tl.load(cos_row + d, mask=ok & rope, other=0.0).to(tl.float32)
         s = tl.load(sin_row + d, mask=ok & rope, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)  # as kernels/rms_norm.py's _inv_rms
+        y = _round(x * inv * w1, DT, INTERPRET)
+        yp = _round(xp * inv * wp1, DT, INTERPRET)
         rot = tl.where(d < half, -yp, yp)
         r = _round(_round(y * c, DT, INTERPRET) + _round(rot * s, DT, INTERPRET), DT, INTERPRET)
         return tl.where(rope, r, y)
@@ -141,10 +144,10 @@ if triton is not None:
             tl.store(q_out + n64 * s_on + j * s_oh + d, out.to(dt), mask=ok)
         else:
             h = j - H
-            out = _norm_rope(k + n64 * s_kn + h * s_kh, wk, eps, cos_row, sin_row, d, ok, D, RD, dt, INTERPRET)
-            slot = tl.load(slots + n).to(tl.int64)
-            tl.store(k_pool + slot * s_pt + h * s_ph + d, out.to(k_pool.dtype.element_ty), mask=ok)
+            slot = tl.load(slots + n).to(tl.int64)  # (loads before the norm's reduction, as in _norm_rope)
             vv = tl.load(v + n64 * s_vn + h * s_vh + d, mask=ok, other=0.0)
+            out = _norm_rope(k + n64 * s_kn + h * s_kh, wk, eps, cos_row, sin_row, d, ok, D, RD, dt, INTERPRET)
+            tl.store(k_pool + slot * s_pt + h * s_ph + d, out.to(k_pool.dtype.element_ty), mask=ok)
             tl.store(v_pool + slot * s_pt + h * s_ph + d, vv.to(v_pool.dtype.element_ty), mask=ok)
 
 

@@ -166,6 +166,9 @@ if triton is not None:
         w_rows = w.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * (s_wn // 4)
         xr = x + r.to(tl.int64) * s_xm
         sx = tl.load(s_in)
+        # input_scale * weight_scale, as the reference; loaded before the loop, not after it (behind the row sums'
+        # reduction, a CTA barrier at more than one warp, it would be one more L2 round trip)
+        alpha = sx * tl.load(s_w + rows * s_swn, mask=ok, other=0.0)
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         n_tiles = tl.cdiv(K, BLOCK_K)
         wt = _weight_words(w_rows, ok, 0, kw, EVEN, BLOCK_W)
@@ -180,7 +183,6 @@ if triton is not None:
             acc += w2 * q2[None, :]
             acc += w3 * q3[None, :]
             wt = wn
-        alpha = sx * tl.load(s_w + rows * s_swn, mask=ok, other=0.0)  # input_scale * weight_scale, as the reference
         tl.store(y + r.to(tl.int64) * s_ym + rows, (tl.sum(acc, axis=1) * alpha).to(y.dtype.element_ty), mask=ok)
 
     def _even(args) -> bool:

@@ -183,6 +183,9 @@ if triton is not None:
         s_ok = sp < S
         d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         lv = tl.load(lse + i * s_ld + h * s_lh + sp, mask=s_ok, other=float("-inf"))  # [BS]
+        # the partial outputs now, not after the weights' max and sum (reductions: CTA barriers, which later loads
+        # do not cross): one L2 round trip for both loads
+        op = tl.load(o_part + i * s_od + h * s_oh + sp[:, None] * s_os + d[None, :], mask=s_ok[:, None], other=0.0)
         top = tl.max(lv, axis=0)
         top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights exp(-inf) = 0, output 0
         if INTERPRET:  # numpy's exp; libdevice is not interpreted
@@ -190,7 +193,6 @@ if triton is not None:
         else:  # torch's accurate expf, not tl.exp's ex2.approx
             w = libdevice.exp(lv - top)
         den = tl.sum(w, axis=0)
-        op = tl.load(o_part + i * s_od + h * s_oh + sp[:, None] * s_os + d[None, :], mask=s_ok[:, None], other=0.0)
         den = tl.full((BLOCK_D,), 1.0, tl.float32) * tl.where(den > 0.0, den, 1.0)
         o = tl.div_rn(tl.sum(op * w[:, None], axis=0), den)
         tl.store(out + i * s_outd + h * s_outh + d, _cast(o, out.dtype.element_ty, INTERPRET))

@@ -306,6 +306,28 @@ if triton is not None:
         else:  # column g = activation row g; lanes past the M rows read row M - 1 (their columns are not stored)
             e = 0
             xr = x + tl.minimum(gq, M - 1).to(tl.int64) * s_xm
+        # the epilogue's loads now, beside the first weight loads: after the cross-warp sums (CTA barriers, which
+        # later loads do not cross) each would be one more L2 round trip on the kernel's chain. The global scales
+        # of the tile's output rows (x 2^7: the weights were x 2^-7), SWIGLU's up rows' too; the pairs' row scales
+        lq = tl.arange(0, 32)
+        oa = pid_n * 16 + lq // 4
+        ob = oa + 8
+        col = 2 * (lq % 4)
+        ge = g + e * s_ge
+        ga = tl.load(ge + oa * s_gn, mask=oa < n_out, other=0.0) * 128.0
+        gb = tl.load(ge + ob * s_gn, mask=ob < n_out, other=0.0) * 128.0
+        if SWIGLU:
+            gua = tl.load(ge + (oa + n_out) * s_gn, mask=oa < n_out, other=0.0) * 128.0
+            gub = tl.load(ge + (ob + n_out) * s_gn, mask=ob < n_out, other=0.0) * 128.0
+        if SORTED:  # columns col, col + 1 = the block's pairs there
+            p0 = tl.load(sorted_pairs + 8 * r + col)
+            p1 = tl.load(sorted_pairs + 8 * r + col + 1)
+            if HAS_ROW_SCALE:
+                r0 = tl.load(rs + p0, mask=p0 < P, other=0.0).to(tl.float32)
+                r1 = tl.load(rs + p1, mask=p1 < P, other=0.0).to(tl.float32)
+        elif GROUPED:
+            if HAS_ROW_SCALE:
+                rsc = tl.load(rs + r).to(tl.float32)
         px0 = xr + 32 * c
         e64 = e.to(tl.int64)  # stacks past 2^31 bytes must not wrap
         pa0 = w + e64 * s_we + ra.to(tl.int64) * s_wn + 16 * c
@@ -341,32 +363,19 @@ if triton is not None:
         d1 = tl.sum(tl.reshape(acc1, (WARPS, 32)), axis=0)
         d2 = tl.sum(tl.reshape(acc2, (WARPS, 32)), axis=0)
         d3 = tl.sum(tl.reshape(acc3, (WARPS, 32)), axis=0)
-        lq = tl.arange(0, 32)
-        oa = pid_n * 16 + lq // 4
-        ob = oa + 8
-        col = 2 * (lq % 4)
-        ge = g + e * s_ge
-        ga = tl.load(ge + oa * s_gn, mask=oa < n_out, other=0.0) * 128.0  # x 2^7: the weights were x 2^-7
-        gb = tl.load(ge + ob * s_gn, mask=ob < n_out, other=0.0) * 128.0
         y0, y1, y2, y3 = d0 * ga, d1 * ga, d2 * gb, d3 * gb
         if SWIGLU:
             u0 = tl.sum(tl.reshape(up0, (WARPS, 32)), axis=0)
             u1 = tl.sum(tl.reshape(up1, (WARPS, 32)), axis=0)
             u2 = tl.sum(tl.reshape(up2, (WARPS, 32)), axis=0)
             u3 = tl.sum(tl.reshape(up3, (WARPS, 32)), axis=0)
-            gua = tl.load(ge + (oa + n_out) * s_gn, mask=oa < n_out, other=0.0) * 128.0
-            gub = tl.load(ge + (ob + n_out) * s_gn, mask=ob < n_out, other=0.0) * 128.0
             y0 = y0 / (1.0 + tl.exp(-y0)) * (u0 * gua)
             y1 = y1 / (1.0 + tl.exp(-y1)) * (u1 * gua)
             y2 = y2 / (1.0 + tl.exp(-y2)) * (u2 * gub)
             y3 = y3 / (1.0 + tl.exp(-y3)) * (u3 * gub)
         if SORTED:  # columns col, col + 1 = the block's pairs there
             dt = y.dtype.element_ty
-            p0 = tl.load(sorted_pairs + 8 * r + col)
-            p1 = tl.load(sorted_pairs + 8 * r + col + 1)
             if HAS_ROW_SCALE:
-                r0 = tl.load(rs + p0, mask=p0 < P, other=0.0).to(tl.float32)
-                r1 = tl.load(rs + p1, mask=p1 < P, other=0.0).to(tl.float32)
                 y0, y2 = y0 * r0, y2 * r0
                 y1, y3 = y1 * r1, y3 * r1
             y0p = y + p0.to(tl.int64) * s_ym
@@ -377,7 +386,6 @@ if triton is not None:
             tl.store(y1p + ob, y3.to(dt), mask=(p1 < P) & (ob < n_out))
         elif GROUPED:  # column 0 only: y row r
             if HAS_ROW_SCALE:
-                rsc = tl.load(rs + r).to(tl.float32)
                 y0 = y0 * rsc
                 y2 = y2 * rsc
             yr = y + r.to(tl.int64) * s_ym

@@ -158,14 +158,6 @@ class QwenEngineConfig:
     #                               428.0 / 430.1 (off) against 432.2 (own) and 428.2 (all) tok/s, 32 streams
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads)
-    weight_warm_ahead: str = "off"  # CUDA decode steps of <= 4 tokens: at each decoder layer's start, the next
-    #                                 layer's weights outside the routed experts (FP8 projections, router, shared
-    #                                 expert) read into L2 by a few programs on a detached third stream, joined at the
-    #                                 step's end (qwen_engine/model/warm_ahead.py, kernels/l2_warm.py): "load" (plain
-    #                                 L2-only loads), "load_last" (evict_last loads), "prefetch" (per-line L2
-    #                                 prefetches) | "off". The same bits. Why: the FP8 GEMV reads 2.8 / 1.7 / 1.1 us
-    #                                 faster from L2 (fp8_skinny_bench run 4); a bulk prefetch from inside the chain
-    #                                 stalled it (prefetch_ahead run 1). NOT yet measured in the engine: off
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
@@ -279,11 +271,6 @@ class QwenEngineConfig:
         if self.weight_prefetch not in PREFETCH_MODES:
             raise ValueError(f"weight_prefetch must be one of {' | '.join(PREFETCH_MODES)}, got "
                              f"{self.weight_prefetch!r}")
-        from .model.warm_ahead import MODES as WARM_MODES
-
-        if self.weight_warm_ahead not in WARM_MODES:
-            raise ValueError(f"weight_warm_ahead must be one of {' | '.join(WARM_MODES)}, got "
-                             f"{self.weight_warm_ahead!r}")
         if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
                 and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
             raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
@@ -387,7 +374,6 @@ class QwenEngine:
         self.gdn_decode_norm = set_gdn_decode_norm(self.model, cfg.gdn_decode_norm)
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
-        self.weight_warm_ahead = set_weight_warm_ahead(self.model, cfg.weight_warm_ahead)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.model_config = self.model.config
@@ -585,7 +571,6 @@ class QwenEngine:
             "gdn_decode_norm_layers": self.gdn_decode_norm,
             "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
-            "weight_warm_ahead": self.weight_warm_ahead,
             "small_batch_tokens": self.small_batch_tokens,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
@@ -939,20 +924,6 @@ def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:
     from .model.causal_lm import QwenForCausalLM
 
     return _set_on_every(model, QwenForCausalLM, "combine_next_norm", on) > 0
-
-
-def set_weight_warm_ahead(model: torch.nn.Module, mode: str) -> str:
-    """Set `QwenForCausalLM.weight_warm_ahead` on the model; returns the mode. It acts on CUDA steps of at most
-    `warm_ahead.MAX_ROWS` tokens."""
-    from .model.causal_lm import QwenForCausalLM
-    from .model.warm_ahead import MODES
-
-    if mode not in MODES:
-        raise ValueError(f"weight_warm_ahead must be one of {' | '.join(MODES)}, got {mode!r}")
-    for mod in model.modules():
-        if isinstance(mod, QwenForCausalLM):
-            mod.weight_warm_ahead = mode
-    return mode
 
 
 def set_small_batch_tokens(model: torch.nn.Module, tokens: int | None) -> int:

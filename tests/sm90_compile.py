@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gelu_fp8_quant, l2_warm, linear_gelu, moe_decode, w4a16_mma  # noqa: E402
+from kernels import gelu_fp8_quant, linear_gelu, moe_decode, w4a16_mma  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -358,13 +358,6 @@ def main() -> int:
                           {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
                           dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False, USE_PDL=True),
                           ptx_has="griddepcontrol.launch_dependents"))
-    # the L2 warm-up on a detached stream (kernels/l2_warm.py): L2-only loads, evict_last loads, line prefetches
-    for mode, has in (("load", "ld.global.cg"), ("load_last", "L2::evict_last"),
-                      ("prefetch", "prefetch.global.L2::evict_last")):
-        ok.append(compile_one(f"l2_warm {mode} (4,096 words a step)", l2_warm._warm_kernel,
-                              {"src": "*i32", "out": "*i32"},
-                              dict(STEP=l2_warm.WORDS_PER_STEP, MODE=l2_warm.MODES.index(mode),
-                                   LINE=l2_warm.LINE_WORDS), ptx_has=has))
     return 0 if all(ok) else 1
 
 

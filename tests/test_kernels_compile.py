@@ -27,7 +27,7 @@ def test_new_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     print(proc.stdout, proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("ok   ") == 76
+    assert proc.stdout.count("ok   ") == 73
     # kernels/w4a16_mma.py's six builds: every inline-asm operand one element a lane (its mma fragments' premise)
     assert proc.stdout.count("lanes ") == 6
     # every launch of a PDL participant (kernels/pdl.py) also compiled with USE_PDL: griddepcontrol.wait, then

@@ -15,7 +15,6 @@ from ..config import QwenConfig
 from .attention import RotaryEmbedding
 from .decoder import DecoderLayer
 from .norm import ZeroCentredRMSNorm
-from . import warm_ahead
 from .paged import FlatBatch, PagedCache
 from .state import QwenState
 
@@ -27,10 +26,6 @@ class QwenForCausalLM(nn.Module):
     # bit-identical and the norm within rms_norm_zc's tolerance (its sum of squares may reduce in another order). Set
     # by the engine (QwenEngineConfig.combine_next_norm)
     combine_next_norm: bool = False
-    # `forward_paged` steps of <= warm_ahead.MAX_ROWS tokens on CUDA: layer i + 1's weights (outside the routed experts)
-    # read into L2 on a detached stream while layer i runs, joined at the step's end (qwen_engine/model/warm_ahead.py;
-    # "off" or a kernels/l2_warm.py mode). The same bits. Set by the engine (QwenEngineConfig.weight_warm_ahead)
-    weight_warm_ahead: str = "off"
 
     def __init__(self, cfg: QwenConfig, gdn_chunk_size: int = 64):
         super().__init__()
@@ -73,17 +68,12 @@ class QwenForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.rotary(batch.positions, x.dtype)  # [N, rotary_dim]
         normed = None  # (layer i's input norm of x, its FP8 codes), where layer i - 1's MoE combine wrote it
-        warm = warm_ahead.start(x, self.weight_warm_ahead)
         for i, layer in enumerate(self.layers):
-            if warm is not None and i + 1 < len(self.layers):
-                warm.issue(self.layers[i + 1])
             nxt = None
             if self.combine_next_norm:  # the next layer's input norm, or the final norm, in this layer's combine
                 nxt = (self.norm, None) if i + 1 == len(self.layers) else \
                     (self.layers[i + 1].input_layernorm, self.layers[i + 1].input_scale(x, batch))
             x, normed = layer.forward_paged(x, cos, sin, cache.layers[i], batch, normed, nxt)
-        if warm is not None:
-            warm.join()
         if normed is not None:  # the final norm of every row (row-wise: the selected rows' are the same)
             return self.lm_head(normed[0] if logits_indices is None else normed[0][logits_indices])
         if logits_indices is not None:

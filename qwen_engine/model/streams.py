@@ -27,7 +27,6 @@ from contextlib import contextmanager
 import torch
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-_WARM_STREAMS: dict[int, torch.cuda.Stream] = {}  # warm_stream
 
 
 def forkable(x: torch.Tensor) -> bool:
@@ -45,29 +44,12 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
-def warm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's third stream: the detached L2 warm-up (`qwen_engine/model/warm_ahead.py`), which the step joins
-    only at its end -- never the side stream, whose windows close inside a layer and would wait for the warm-ups.
-    Made on first use (the eager warm-up) and kept for the process, as `side_stream`."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _WARM_STREAMS:
-        _WARM_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index))
-    return _WARM_STREAMS[index]
-
-
 def fork(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
     """(main, side): the side stream waits for everything issued on the main stream so far (under capture it joins
     the graph here)."""
     main, side = torch.cuda.current_stream(device), side_stream(device)
     side.wait_stream(main)
     return main, side
-
-
-def fork_warm(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(main, warm): as `fork`, with the warm stream (`warm_stream`) in place of the side stream."""
-    main, warm = torch.cuda.current_stream(device), warm_stream(device)
-    warm.wait_stream(main)
-    return main, warm
 
 
 def join(main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
