@@ -1514,7 +1514,8 @@ say "    tensor-core decode GEMV timed at the routed experts' 1 / 2 / 4-token ca
 say "    the shipped autotune table (Qwen run 63: three processes of the same engines tuned them differently at start:"
 say "    364.8 / 424.6 / 452.5 tok/s lone); then the engine of this tree, the old tree's (AB_TAR) and this tree's"
 say "    again, all on that table, --again in each"
-timeout "${LIMIT_120M:-240}" python benchmarks/mma_picks.py --merge-into kernels/tuned/nvidia_h200.json \
+timeout "${LIMIT_120M:-200}" python benchmarks/mma_picks.py --tokens "${TOKENS_120:-1,4}" \
+  --merge-into kernels/tuned/nvidia_h200.json \
   --out "$R/mma_picks" > "$R/mma_picks.log" 2>&1
 cat "$R/mma_picks/mma_picks.md" 2>/dev/null || tail -5 "$R/mma_picks.log"
 if [ -f "$R/mma_picks/tuned_merged.json" ]; then
