@@ -1530,6 +1530,18 @@ if [ -f "$R/mma_picks/tuned_merged.json" ]; then
   engine_ab qwen_pinned_new2 "${LIMIT_120:-110}" --autotune-table /tmp/tuned_pinned.json --again
 fi
 fi
+if want 121; then
+say "121. issue 5 (carry .devbundle/extra, .tritoncache): the default engine on the shipped autotune table (now with"
+say "    the tensor-core decode GEMV's 1- and 4-token picks of mma_picks run 1), --again; then the 2-token picks timed"
+timeout "${LIMIT_121:-160}" python benchmarks/qwen_gpu.py --skip-transformers --engine-only --decode-tokens 48 \
+  --prefill-buckets 1024 --autotune-table auto --again --out "$R/qwen_shipped" > "$R/qwen_shipped.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_shipped/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|again|TTFT ms, lone" \
+  | cut -c1-220
+grep -E "same greedy tokens|Error|error" "$R/qwen_shipped.log" | cut -c1-300 | head -10
+timeout "${LIMIT_121M:-120}" python benchmarks/mma_picks.py --tokens 2 --merge-into kernels/tuned/nvidia_h200.json \
+  --out "$R/mma_picks" > "$R/mma_picks.log" 2>&1
+cat "$R/mma_picks/mma_picks.md" 2>/dev/null || tail -5 "$R/mma_picks.log"
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

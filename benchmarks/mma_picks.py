@@ -9,7 +9,8 @@ graph of `--calls` launches (each its own token's random top-8 of one 256-expert
     python benchmarks/mma_picks.py --out DIR [--tokens 1,2,4] [--merge-into kernels/tuned/nvidia_h200.json]
 
 Writes DIR/mma_picks.md (us per configuration and key), DIR/mma_picks.json (the picks, a table of its own) and, with
---merge-into, DIR/tuned_merged.json: that table with its w4a16_mma picks replaced by these.
+--merge-into, DIR/tuned_merged.json: that table with these w4a16_mma picks in it (replacing its picks of the same
+keys, keeping the others).
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def main() -> int:
     table = autotune_table.dump(name, out / "mma_picks.json")  # every tuner's cache: only w4a16_mma's is filled
     if args.merge_into:
         merged = json.loads(Path(args.merge_into).read_text())
-        merged["kernels"]["w4a16_mma"] = table["kernels"]["w4a16_mma"]
+        ours = {json.dumps(k): [k, c] for k, c in table["kernels"]["w4a16_mma"]}  # by key: these replace, others stay
+        kept = [[k, c] for k, c in merged["kernels"].get("w4a16_mma", []) if json.dumps(k) not in ours]
+        merged["kernels"]["w4a16_mma"] = kept + list(ours.values())
         (out / "tuned_merged.json").write_text(json.dumps(merged, indent=1))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     meta = f"{name}, torch {torch.__version__}, PDL {pdl.enabled()}, {when}"

@@ -38,7 +38,7 @@ AUTOTUNED = {
     "fp8_gemv": ("kernels.fp8_gemv", "_fp8_gemv_autotuned"),
     "fp8_skinny": ("kernels.fp8_skinny", "_fp8_skinny_autotuned"),
     "moe_decode": ("kernels.moe_decode", "_moe_decode_autotuned"),  # moe_fused_decode (off); no picks shipped yet
-    "w4a16_mma": ("kernels.w4a16_mma", "_w4a16_mma_autotuned"),  # the routed experts' decode GEMV; no picks shipped
+    "w4a16_mma": ("kernels.w4a16_mma", "_w4a16_mma_autotuned"),  # the routed experts' decode GEMV (mma_picks.py)
 }
 _CONFIG_FIELDS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
