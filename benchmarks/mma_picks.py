@@ -40,21 +40,15 @@ def main() -> int:
         print("mma_picks: needs a CUDA GPU", file=sys.stderr)
         return 2
     from benchmarks.cuda_timing import graph_per_call_us
+    from benchmarks.random_packed import random_nvfp4  # the benchmarks' random checkpoint-layout weights
     from kernels import autotune_table, pdl
     from kernels import w4a16_mma as mm
-    from kernels.nvfp4 import NVFP4Tensor
 
     pdl.set_enabled(pdl.device_supports())  # as the engine on Hopper
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-
-    def nvfp4(*shape) -> NVFP4Tensor:  # random bytes, scales in [1, 2), per-row globals (speed is value-free)
-        packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), device=dev, dtype=torch.uint8, generator=gen)
-        scales = (1 + torch.rand(*shape[:-1], shape[-1] // 16, device=dev, generator=gen)).to(torch.float8_e4m3fn)
-        return NVFP4Tensor(packed, scales, torch.full(shape[:-1], 1e-2, device=dev))
-
     tuner = mm._w4a16_mma_autotuned
-    w13, w2 = nvfp4(E, 2 * INTER, H), nvfp4(E, H, INTER)
+    w13, w2 = random_nvfp4((E, 2 * INTER, H), dev, gen), random_nvfp4((E, H, INTER), dev, gen)  # speed is value-free
     rows, best = [], {}
     for t in (int(v) for v in args.tokens.split(",")):
         xs = [torch.randn(t, H, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(args.calls)]
@@ -69,7 +63,9 @@ def main() -> int:
                                                                       swiglu=True),
                     "down x weight": lambda i: mm.w4a16_mma_launch(hs[i], *w2, pair_expert=idx[i], row_scale=wts[i])}
         for name, fn in launches.items():
-            ref = fn(0).float()  # tunes the down key (the tuner's own pick: recorded beside the timed ones)
+            # the reference output; for down this call tunes its key (gate_up's was tuned making `hs`): the tuner's
+            # own pick at start, recorded beside the timed ones
+            ref = fn(0).float()
             torch.cuda.synchronize()
             new_keys = [k for k in tuner.cache if k not in known]
             assert len(new_keys) == 1, f"{name}: expected one new autotune key, got {new_keys}"
