@@ -253,6 +253,10 @@
 #   STEPS="116" (removed): weight_prefetch_ahead in the engine. Its variants never ran (Qwen run 60: qwen_gpu's
 #       engine_phase lacked the option); step 115 then showed a chain stalled ~400 us a layer by the bulk L2
 #       prefetch, so the option and kernels/l2_prefetch.py were removed
+#   STEPS="122 39" (carry .devbundle/extra with ab_old.tar of d361bf9 in it, and .tritoncache): <= 10 min: issue 5,
+#       Nsight Compute on the lone step's hottest kernels (benchmarks/decode_ncu.py; stall reasons, DRAM throughput,
+#       occupancy), then the engine with weight_prefetch "next" (the tensor-core GEMV's gate_up prefetching down's
+#       slabs) and --again, then d361bf9's engine (before paged attention loaded v beside k), then the Triton cache
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
 #       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
 #       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)
@@ -1541,6 +1545,31 @@ grep -E "same greedy tokens|Error|error" "$R/qwen_shipped.log" | cut -c1-300 | h
 timeout "${LIMIT_121M:-120}" python benchmarks/mma_picks.py --tokens 2 --merge-into kernels/tuned/nvidia_h200.json \
   --out "$R/mma_picks" > "$R/mma_picks.log" 2>&1
 cat "$R/mma_picks/mma_picks.md" 2>/dev/null || tail -5 "$R/mma_picks.log"
+fi
+if want 122; then
+say "122. issue 5 (carry .devbundle/extra with ab_old.tar of d361bf9 in it, and .tritoncache): Nsight Compute on the"
+say "    lone step's hottest kernels, one launch each inside the NVTX range 'measure' (benchmarks/decode_ncu.py; the"
+say "    first pass compiles and tunes outside it); then the engine beside weight_prefetch 'next' (gate_up prefetching"
+say "    down's slabs), --again; then d361bf9's engine (paged attention's v load after the softmax reductions)"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ -n "$NCU" ]; then
+  timeout "${LIMIT_122N:-200}" "$NCU" --clock-control none --nvtx --nvtx-include "measure/" --set full \
+    -o "$R/decode_ncu" python benchmarks/decode_ncu.py --repeat 2 > "$R/ncu_decode.log" 2>&1
+  say "ncu exit $?"
+  tail -3 "$R/ncu_decode.log" | cut -c1-300
+  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page raw > "$R/ncu_raw.csv" 2>> "$R/ncu_decode.log"
+  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page details > "$R/ncu_details.csv" 2>> "$R/ncu_decode.log"
+  python benchmarks/decode_ncu.py --summarize "$R/ncu_raw.csv" | cut -c1-400
+else
+  say "no ncu on this machine"
+fi
+old_tree
+engine_ab qwen_next "${LIMIT_122:-240}" --autotune-table auto --variant 'next={"weight_prefetch": "next"}' --again
+in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_122O:-130}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_old" \
+  > "$R/qwen_old.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone" | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

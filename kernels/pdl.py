@@ -110,14 +110,15 @@ def launch_options() -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if _ENABLED else {}
 
 
-PREFETCH_MODES = ("off", "own", "all")
+PREFETCH_MODES = ("off", "own", "next", "all")
 
 
 def set_prefetch(mode: str | bool) -> str:
     """Weight prefetch (module docstring) for every later launch of the kernels that take it, process-wide like
     `set_enabled` (CUDA graphs keep the setting of their capture): "off"; "own" -- each kernel its own weights
-    before its wait; "all" -- also the MoE GEMV's gate_up launch prefetching the down projection's bytes of its
-    experts after its wait (`w4a16_gemv.next_prefetch_args`). True / False mean "all" / "off". Returns the mode. It
+    before its wait; "next" -- only the MoE gate_up launch (the CUDA-core GEMV's or the tensor-core GEMV's)
+    prefetching the down projection's bytes of its experts after its wait (`w4a16_gemv.next_prefetch_args`); "all"
+    -- both. True / False mean "all" / "off". Returns the mode. It
     takes effect only while PDL is enabled: without PDL a kernel starts after its predecessor has ended."""
     global _PREFETCH
     mode = {True: "all", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
@@ -136,15 +137,15 @@ def prefetch_options(aligned: bool) -> dict:
     """{PREFETCH: True} for a launch whose prefetch ranges are 16-byte aligned and multiples of 16 bytes
     (`cp.async.bulk.prefetch`'s rule; the caller checks its addresses and strides), while PDL and the prefetch ("own"
     or "all") are on; else {} (the kernel's default: no prefetch)."""
-    if prefetch_mode() != "off" and aligned:
+    if prefetch_mode() in ("own", "all") and aligned:
         PREFETCH_LAUNCHES["own"] += 1
         return {"PREFETCH": True}
     return {}
 
 
 def prefetch_next() -> bool:
-    """Whether launches prefetch their successor's weights too (mode "all", PDL on)."""
-    return prefetch_mode() == "all"
+    """Whether the MoE gate_up launches prefetch their successor's weights (mode "next" or "all", PDL on)."""
+    return prefetch_mode() in ("next", "all")
 
 
 def aligned16(*values: int) -> bool:

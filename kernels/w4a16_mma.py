@@ -69,6 +69,7 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
+    from kernels.pdl import prefetch_l2_once
     from kernels.w4a16_gemm import _TWO_119, _e4m3_fp16
 except ImportError:  # CPU-only installs without triton: supports() says no
     triton = None
@@ -270,7 +271,8 @@ if triton is not None:
                           E, s_xm, s_we, s_wn, s_se, s_sn, s_ge, s_gn, s_ym, GROUPED: tl.constexpr,
                           SORTED: tl.constexpr, SWIGLU: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
                           INTERPRET: tl.constexpr, WARPS: tl.constexpr, CHUNKS: tl.constexpr, EVEN: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
+                          USE_PDL: tl.constexpr = False, nw=0, ns=0, s_nwe=0, s_nse=0, NEXT_W_BYTES=0,
+                          NEXT_S_BYTES=0, PREFETCH_NEXT: tl.constexpr = False):
         # grid (cdiv(N_out, 16), R). Dense: R = 1, activation rows 0..M-1 (M <= 8) are B's columns; y [M, N_out].
         # Grouped: program r reads activation row r // A_DIV (column 0) and expert pair_expert[r]; y [R, N_out].
         # Sorted (moe_align's routing, BLOCK_M 8): program r is row block r of the P pairs grouped by expert, expert
@@ -279,6 +281,12 @@ if triton is not None:
         # SWIGLU: N = 2 N_out weight rows (gate then up); output n = silu(row n) * row (n + N_out).
         # Byte strides s_wn (row) and s_sn (scale row) must be multiples of 8 / 2, K of CHUNK_K (the launcher checks).
         # EVEN (`_even`): N_out a multiple of 16 and the chunks of WARPS x CHUNKS: no masked loads.
+        # PREFETCH_NEXT (grouped one program a pair, weight prefetch "next" / "all"; as `w4a16_gemv`'s): once its
+        # expert is known, the program prefetches its 1 / cdiv(N_out, 16) share of that expert's slabs in the NEXT
+        # launch (nw, ns: int64 addresses of the down projection's packed and scale stacks, NEXT_W_BYTES /
+        # NEXT_S_BYTES contiguous bytes an expert at strides s_nwe / s_nse) into L2, so that down's DRAM reads overlap
+        # this launch instead of following it (L2-warm, down took 4.31 against 5.14 us a launch: RESULTS, thirty-
+        # fourth session). Pairs of one expert prefetch its slabs again: L2 hits.
         pid_n, r = tl.program_id(0), tl.program_id(1)
         if SWIGLU:
             n_out = N // 2
@@ -302,6 +310,11 @@ if triton is not None:
             xr = x + tl.where(pg < P, pg // A_DIV, 0).to(tl.int64) * s_xm
         elif GROUPED:  # every lane reads the pair's activation row: B's columns all equal, column 0 is stored
             e = tl.load(pair_expert + r)
+            if PREFETCH_NEXT:  # 16-byte multiples per program (the launch checks the slabs' alignment)
+                cw = tl.cdiv(tl.cdiv(NEXT_W_BYTES, tl.num_programs(0)), 16) * 16
+                cs = tl.cdiv(tl.cdiv(NEXT_S_BYTES, tl.num_programs(0)), 16) * 16
+                prefetch_l2_once(nw + e * s_nwe + pid_n * cw, tl.minimum(cw, NEXT_W_BYTES - pid_n * cw))
+                prefetch_l2_once(ns + e * s_nse + pid_n * cs, tl.minimum(cs, NEXT_S_BYTES - pid_n * cs))
             xr = x + (r // A_DIV).to(tl.int64) * s_xm
         else:  # column g = activation row g; lanes past the M rows read row M - 1 (their columns are not stored)
             e = 0
@@ -415,12 +428,15 @@ def mma_shapes_ok(n: int, k: int) -> bool:
 
 def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
                      pair_expert: torch.Tensor | None = None, a_div: int = 1, row_scale: torch.Tensor | None = None,
-                     swiglu: bool = False, routing=None, config: dict | None = None) -> torch.Tensor:
+                     swiglu: bool = False, routing=None, config: dict | None = None,
+                     then: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Dense (`pair_expert` None): x [M, K] (M <= MMA_MAX_ROWS) -> y [M, N] (or SwiGLU's [M, N/2]) in x.dtype (bf16).
     Grouped: packed [E, N, K/2], scales [E, N, K/16], global [], [E] or [E, N]; `pair_expert` [R] int: output row r
     reads activation row r // a_div with expert pair_expert[r] -> y [R, N (or N/2)], times `row_scale[r]` if given.
     With `routing` (`w4a16_gemm.MoeRouting` of the same pairs, block_m SORTED_BLOCK_M) instead of one program per
     pair, one per (16 rows, block of 8 pairs of one expert): each expert's weights read once for all its pairs.
+    `then` (grouped, one program a pair): the next launch's (packed, scales) of the same experts, prefetched into L2
+    by this one in weight prefetch mode "next" / "all" (kernels/pdl.py; `w4a16_gemv.next_prefetch_args`).
     `config` pins WARPS / CHUNKS (tests, benchmarks). One launch, no host syncs (CUDA-graph capturable)."""
     if triton is None:
         raise RuntimeError("w4a16_mma needs triton")
@@ -473,13 +489,17 @@ def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     meta = dict(GROUPED=grouped, SORTED=sorted_, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None,
                 INTERPRET=interp)
     grid = (triton.cdiv(n_out, 16), programs)
+    prefetch = {}
+    if grouped and not sorted_ and then is not None and pdl.prefetch_next():
+        prefetch = gemv.next_prefetch_args(*then)
+        pdl.PREFETCH_LAUNCHES["next"] += bool(prefetch)
     if interp or config:
         cfg = {**INTERPRETER_CONFIG, **(config or {})}
         even = _even(dict(N=n, K=k, SWIGLU=swiglu, **cfg))
         _w4a16_mma_kernel[grid](*args, **meta, **cfg, EVEN=even, num_warps=cfg["WARPS"], num_stages=1,
-                                **pdl.launch_options())
+                                **pdl.launch_options(), **prefetch)
     else:
-        _w4a16_mma_autotuned[grid](*args, **meta, **pdl.launch_options())
+        _w4a16_mma_autotuned[grid](*args, **meta, **pdl.launch_options(), **prefetch)
     return y.to(x.dtype)
 
 
@@ -513,7 +533,8 @@ def moe_experts_w4a16_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, id
         raise ValueError(f"w4a16_mma: the MoE takes <= {SORTED_MAX_TOKENS} tokens on checkpoint-layout experts, got "
                          f"{t} tokens, layout {layout}")
     routing = moe_align_fast(idx, w13.packed.shape[0], SORTED_BLOCK_M) if t > MMA_MAX_TOKENS else None
-    h = w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True, routing=routing)  # [P, I]
+    h = w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True, routing=routing,
+                         then=(w2.packed, w2.scales))  # [P, I]; down's weights prefetched (weight_prefetch)
     y = w4a16_mma_launch(h, *w2, pair_expert=idx, row_scale=weights, routing=routing).view(t, top_k, -1)  # [T, k, H]
     return y.sum(1, dtype=torch.float32).to(x.dtype) if reduce else y
 

@@ -153,8 +153,9 @@ class QwenEngineConfig:
     #                               the decode kernels of static weights (FP8 projections, the router, the dense
     #                               W4A16 shared expert, the GDN prep's b / a rows) prefetch their programs' weight
     #                               bytes into L2 before waiting for their predecessor, so those DRAM reads overlap
-    #                               its tail; "all" -- also the MoE GEMV's gate_up prefetching the down projection's
-    #                               bytes of its experts; "off". The same bits. H200, Qwen run 54: lone decode
+    #                               its tail; "next" -- only the MoE gate_up launch (CUDA-core or tensor-core
+    #                               GEMV) prefetching the down projection's bytes of its experts after its wait;
+    #                               "all" -- both; "off". The same bits. H200, Qwen run 54: lone decode
     #                               428.0 / 430.1 (off) against 432.2 (own) and 428.2 (all) tok/s, 32 streams
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads)

@@ -350,6 +350,11 @@ def main() -> int:
                           dict(GROUPED=True, SWIGLU=True, HAS_ROW_SCALE=False, DEQ=3, INTERPRET=False, BLOCK_N=4,
                                BLOCK_K=512, PREFETCH_NEXT=True), ptx_has="cp.async.bulk.prefetch.L2",
                           runtime=("nw", "ns", "s_nwe", "s_nse", "NEXT_W_BYTES", "NEXT_S_BYTES")))
+    ok.append(compile_one("w4a16_mma GROUPED SWIGLU PREFETCH_NEXT WARPS=8 CHUNKS=1 (bf16)",
+                          w4a16_mma._w4a16_mma_kernel, {**mma, "nw": "i64", "ns": "i64"},
+                          dict(GROUPED=True, SORTED=False, SWIGLU=True, HAS_ROW_SCALE=False, INTERPRET=False, WARPS=8,
+                               CHUNKS=1, EVEN=True, PREFETCH_NEXT=True), ptx_has="cp.async.bulk.prefetch.L2",
+                          num_warps=8, runtime=("nw", "ns", "s_nwe", "s_nse", "NEXT_W_BYTES", "NEXT_S_BYTES")))
     # programmatic dependent launch (kernels/pdl.py): the GEMV and a norm with USE_PDL, griddepcontrol in their PTX
     ok.append(compile_one("w4a16_gemv DEQ=3 BLOCK_N=4 BLOCK_K=512 USE_PDL=1", w4a16_gemv._w4a16_gemv_kernel, gemv,
                           dict(GROUPED=False, SWIGLU=False, HAS_ROW_SCALE=False, DEQ=3, INTERPRET=False, BLOCK_N=4,

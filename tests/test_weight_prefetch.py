@@ -31,6 +31,8 @@ def test_options_need_pdl_prefetch_and_alignment(prefetch_state):
     assert pdl.prefetch_options(False) == {}
     pdl.set_prefetch("own")
     assert pdl.prefetch_options(True) == {"PREFETCH": True} and not pdl.prefetch_next()
+    assert pdl.set_prefetch("next") == "next"  # only the MoE gate_up's prefetch of down: no kernel's own weights
+    assert pdl.prefetch_options(True) == {} and pdl.prefetch_next()
     assert pdl.set_prefetch(False) == "off" and pdl.prefetch_options(True) == {} and not pdl.prefetch_next()
     assert pdl.set_prefetch(True) == "all"
     with pytest.raises(ValueError, match="weight prefetch"):
@@ -109,6 +111,23 @@ def test_w4a16_guards(asked):
     assert asked["next"] == [dict(nw=w2.packed.data_ptr(), ns=w2.scales.data_ptr(), s_nwe=64 * 16, s_nse=64 * 2,
                                   NEXT_W_BYTES=64 * 16, NEXT_S_BYTES=64 * 2, PREFETCH_NEXT=True)]
     assert asked["own"] == [True, False]  # a grouped launch prefetches nothing of its own (its experts are data)
+
+
+def test_w4a16_mma_takes_next_only_one_program_a_pair(asked):
+    """The tensor-core GEMV's gate_up asks for down's slabs (`then`) one program a pair; its sorted path (programs of
+    8 pairs of one expert) does not: `next_prefetch_args` is not even asked."""
+    from kernels.w4a16_gemm import moe_align_fast
+    from kernels.w4a16_mma import SORTED_BLOCK_M, w4a16_mma_launch
+    from tests.test_kernel_w4a16 import moe_inputs
+
+    w13, w2, idx, wts, x = moe_inputs(1, e=4, h=128, i=32, top_k=2, seed=5)
+    w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=2, swiglu=True, then=(w2.packed, w2.scales))
+    assert asked["next"] == [dict(nw=w2.packed.data_ptr(), ns=w2.scales.data_ptr(), s_nwe=128 * 16, s_nse=128 * 2,
+                                  NEXT_W_BYTES=128 * 16, NEXT_S_BYTES=128 * 2, PREFETCH_NEXT=True)]
+    w13, w2, idx, wts, x = moe_inputs(6, e=4, h=128, i=32, top_k=2, seed=6)
+    routing = moe_align_fast(idx, 4, SORTED_BLOCK_M)
+    w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=2, swiglu=True, routing=routing, then=(w2.packed, w2.scales))
+    assert len(asked["next"]) == 1
 
 
 def test_router_and_gdn_prep_guards(asked):
@@ -222,3 +241,22 @@ def test_gdn_prep_same_bits(pdl_on):
         return gdn_decode_prep_ba_triton(args[0], pool.clone(), *args[2:])
 
     _assert_same(*_both(run, pdl_on))
+
+
+@needs_hopper
+def test_w4a16_mma_same_bits(pdl_on):
+    """The tensor-core decode GEMV's gate_up launch prefetching the down projection's slabs of its experts (the lone
+    step's routed experts: 1 token, top-8, and 3 tokens: pairs sharing experts prefetch the same slabs twice)."""
+    from kernels.w4a16_mma import w4a16_mma_launch
+    from tests.test_kernel_w4a16 import moe_inputs
+
+    cfg = dict(WARPS=4, CHUNKS=1)  # pinned: two builds a launch kind, not the tuner's 9
+    for t in (1, 3):
+        w13, w2, idx, wts, xe = moe_inputs(t, e=16, h=2048, i=512, top_k=8, seed=7 + t)
+
+        def moe():  # moe_experts_w4a16_mma's two launches
+            h = w4a16_mma_launch(xe, *w13, pair_expert=idx, a_div=8, swiglu=True, then=(w2.packed, w2.scales),
+                                 config=cfg)
+            return h, w4a16_mma_launch(h, *w2, pair_expert=idx, row_scale=wts, config=cfg)
+
+        _assert_same(*_both(moe, pdl_on))

@@ -1,0 +1,31 @@
+"""benchmarks/decode_ncu.py (the driver Nsight Compute profiles on the GPU) runs its launches end to end at tiny
+shapes under the CPU interpreter, so a GPU call does not lose its ncu step to a wrong argument."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_tiny_driver_runs(capsys):
+    from benchmarks.decode_ncu import main
+
+    assert main(["--tiny", "--repeat", "1"]) == 0
+    assert "[decode_ncu] done" in capsys.readouterr().out
+
+
+def test_summarize_reads_a_raw_export():
+    """ncu's raw page: a header row, a units row, one row per kernel; durations in ns become us, and the stall
+    reasons are ranked by their share of the samples."""
+    from benchmarks.decode_ncu import summarize
+
+    text = "\n".join([
+        '"ID","Kernel Name","gpu__time_duration.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
+        '"smsp__pcsamp_warps_issue_stalled_long_scoreboard","smsp__pcsamp_warps_issue_stalled_barrier",'
+        '"smsp__pcsamp_warps_issue_stalled_long_scoreboard_not_issued"',
+        '"","","nsecond","%","","",""',
+        '"0","_w4a16_mma_kernel","7,440","23.5","300","100","999"',
+    ])
+    (line,) = summarize(text)
+    assert line.startswith("_w4a16_mma_kernel | us 7.44 | DRAM % 23.5 |")
+    assert line.endswith("stalls: long_scoreboard 75%, barrier 25%")
+    assert summarize('"ID"') == ["(no kernels in the ncu export)"]
