@@ -257,6 +257,9 @@
 #       Nsight Compute on the lone step's hottest kernels (benchmarks/decode_ncu.py; stall reasons, DRAM throughput,
 #       occupancy), then the engine with weight_prefetch "next" (the tensor-core GEMV's gate_up prefetching down's
 #       slabs) and --again, then d361bf9's engine (before paged attention loaded v beside k), then the Triton cache
+#   STEPS="123" (carry .devbundle/extra with ab_old.tar of e79f607 in it, and .tritoncache): <= 10 min: issue 5, the
+#       tensor-core decode GEMV reading whole sectors (each lane two 8-byte runs 32 bytes apart): Nsight Compute on it
+#       again, every configuration per call here and in e79f607, the engine --again beside e79f607's, its CUDA tests
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
 #       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
 #       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)
@@ -1570,6 +1573,44 @@ in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_122O:-130}" python benc
   > "$R/qwen_old.log" 2>&1
 grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone" | cut -c1-220
 grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
+fi
+if want 123; then
+say "123. issue 5 (carry .devbundle/extra with ab_old.tar of e79f607 in it, and .tritoncache): the tensor-core decode"
+say "    GEMV with each lane reading two 8-byte runs 32 bytes apart (whole sectors a warp instruction; decode_ncu run 1"
+say "    counted 45% of gate_up's L2 sectors excessive): ncu on the decode kernels again, the 1-token configurations"
+say "    per call in both trees, the engine --again beside e79f607's, the kernel's CUDA tests and the prefetch's"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ -n "$NCU" ]; then
+  timeout "${LIMIT_123N:-90}" "$NCU" --clock-control none --nvtx --nvtx-include "measure/" --set full \
+    -o "$R/decode_ncu" python benchmarks/decode_ncu.py --repeat 2 > "$R/ncu_decode.log" 2>&1
+  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page raw > "$R/ncu_raw.csv" 2>> "$R/ncu_decode.log"
+  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page details > "$R/ncu_details.csv" 2>> "$R/ncu_decode.log"
+  python benchmarks/decode_ncu.py --summarize "$R/ncu_raw.csv" | grep -E "^_" | cut -c1-300
+  python - "$R/ncu_details.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+h = rows[0]
+k, rn, rd = h.index("Kernel Name"), h.index("Rule Name"), h.index("Rule Description")
+for r in rows[1:]:
+    if len(r) > rd and r[rn] == "UncoalescedGlobalAccess" and r[k].startswith("_w4a16"):
+        print(r[k][:20], r[rd][:110])
+PY
+fi
+archive  # each part's results kept should the call's own limit cut a later one
+old_tree
+timeout "${LIMIT_123M:-60}" python benchmarks/mma_picks.py --tokens 1 --out "$R/mma_new" > "$R/mma_new.log" 2>&1
+grep -E "^\| 1 " "$R/mma_new/mma_picks.md" 2>/dev/null || tail -3 "$R/mma_new.log"
+in_old timeout "${LIMIT_123M:-60}" python benchmarks/mma_picks.py --tokens 1 --out "$R/mma_old" > "$R/mma_old.log" 2>&1
+grep -E "^\| 1 " "$R/mma_old/mma_picks.md" 2>/dev/null || tail -3 "$R/mma_old.log"
+archive
+engine_ab qwen_sectors "${LIMIT_123:-150}" --autotune-table auto --again
+in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_123O:-115}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_old" \
+  > "$R/qwen_old.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone" | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
+archive
+gpu_tests mma_tests "${LIMIT_123T:-80}" tests/test_kernel_w4a16_mma.py tests/test_weight_prefetch.py -rfE --durations=5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -6,9 +6,12 @@ tricks, 0.5 for the scale, 1 to widen bf16 to fp32, 1 FMA, the rest moving activ
 memory); at one token the 40 layers' routed experts take ~18.6 us a layer against ~7.4 us for their bytes (RESULTS,
 thirty-second session). Triton's `tl.dot` reaches the tensor cores only through shared-memory layout conversions.
 Here each thread loads its own bytes straight into an mma fragment: the MMA's K order is free as long as the A
-(weights) and B (activations) fragments use the same one, so a thread takes 16 contiguous checkpoint bytes (32
-weights, two scale groups) of each of its two rows (g and g + 8 of a 16-row tile) and the 32 activations of the same
-k. Per 8 weights: the bit tricks (14 instructions for 2 rows x 4 bytes), 4 bf16x2 scale multiplies, 2 activation
+(weights) and B (activations) fragments use the same one, so a thread takes two 8-byte runs of a 64-byte chunk of
+each of its two rows (g and g + 8 of a 16-row tile), bytes [8c, 8c + 8) and [32 + 8c, 32 + 8c + 8) (32 weights, one
+scale group each), and the 32 activations of the same k. A warp's load instruction thus reads 32 contiguous bytes of
+each of its 8 rows: whole sectors. (Until 2026-12-04 a thread took 16 contiguous bytes, so every instruction read two
+sectors of a row half each and every weight sector was requested twice: Nsight Compute counted 45% of gate_up's L2
+sectors excessive, decode_ncu run 1.) Per 8 weights: the bit tricks (14 instructions for 2 rows x 4 bytes), 4 bf16x2 scale multiplies, 2 activation
 byte permutes and 2 MMAs: ~3 instructions a weight.
 
 Fragments (PTX ISA, "mma.m16n8k16" with .bf16): lane = 4 g + c. A: a0 = (row g, k slots 2c, 2c+1), a1 = (row g + 8,
@@ -227,23 +230,43 @@ if triton is not None:
         return tl.load(p, mask=ok, other=other)
 
     @triton.jit
-    def _chunk(pa, pb, psa, psb, px, ma, mb, c_ok, acc0, acc1, acc2, acc3, INTERPRET: tl.constexpr,
+    def _x_words(px, c_ok, EVEN: tl.constexpr):
+        """The lane's 32 activations of a chunk as 8 int64 loads (4 bf16 each): activations [0, 16) then [64, 80)
+        after px (the lane's first, 16 c into the chunk), matching its weight words (`_chunk`). Loaded once a chunk
+        for both of SwiGLU's row sets."""
+        x64 = px.to(tl.pointer_type(tl.int64))
+        return (_load(x64, c_ok, 0, EVEN), _load(x64 + 1, c_ok, 0, EVEN), _load(x64 + 2, c_ok, 0, EVEN),
+                _load(x64 + 3, c_ok, 0, EVEN), _load(x64 + 16, c_ok, 0, EVEN), _load(x64 + 17, c_ok, 0, EVEN),
+                _load(x64 + 18, c_ok, 0, EVEN), _load(x64 + 19, c_ok, 0, EVEN))
+
+    @triton.jit
+    def _scale_bytes(ps, sh, ok, EVEN: tl.constexpr):
+        """A row's 8 scale bytes of a chunk as one int64 load (the quad's 4 lanes read the same 8 bytes) -> the lane's
+        two scale groups, c (bytes 8c.. of the chunk) and 4 + c (bytes 32 + 8c..), as one int32: byte c, then byte
+        4 + c above it (sh = 8 c), `_scale_pairs`' input."""
+        s64 = _load(ps.to(tl.pointer_type(tl.int64)), ok, 0, EVEN)
+        return (((s64 >> sh) & 0xFF) | (((s64 >> (sh + 32)) & 0xFF) << 8)).to(tl.int32)
+
+    @triton.jit
+    def _chunk(pa, pb, psa, psb, xw, sh, ma, mb, acc0, acc1, acc2, acc3, INTERPRET: tl.constexpr,
                WARPS: tl.constexpr, EVEN: tl.constexpr):
         """Accumulate one 128-weight chunk of rows g, g + 8 of a weight matrix against the activation row(s): pa / pb
-        the lane's 16 packed bytes of each row (32 weights), psa / psb its two scale bytes of each row, px its 32
-        activations (all at this chunk); ma / mb: row and chunk exist, c_ok: the chunk exists."""
+        the lane's first packed byte of each row at this chunk (8 c into its 64 bytes: the lane reads bytes
+        [8c, 8c + 8) and [32 + 8c, 32 + 8c + 8), so each load instruction of a warp reads 32 contiguous bytes of each
+        of its 8 rows -- whole 32-byte sectors; 16 contiguous bytes a lane read every sector twice), psa / psb the
+        row's scale bytes at this chunk, xw the lane's 8 activation words (`_x_words`), sh = 8 c; ma / mb: row and
+        chunk exist."""
         pa64 = pa.to(tl.pointer_type(tl.int64))
         pb64 = pb.to(tl.pointer_type(tl.int64))
         wa01, wa23 = _words(_load(pa64, ma, 0, EVEN))
-        wa45, wa67 = _words(_load(pa64 + 1, ma, 0, EVEN))
+        wa45, wa67 = _words(_load(pa64 + 4, ma, 0, EVEN))
         wb01, wb23 = _words(_load(pb64, mb, 0, EVEN))
-        wb45, wb67 = _words(_load(pb64 + 1, mb, 0, EVEN))
-        sa0, sa1, fa0, fa1 = _scale_pairs(_load(psa.to(tl.pointer_type(tl.uint16)), ma, 0, EVEN).to(tl.int32))
-        sb0, sb1, fb0, fb1 = _scale_pairs(_load(psb.to(tl.pointer_type(tl.uint16)), mb, 0, EVEN).to(tl.int32))
-        x64 = px.to(tl.pointer_type(tl.int64))
-        for q in tl.static_range(4):  # the lane's 4 words: 8 weights of each row, scale group q // 2
-            x01, x23 = _words(_load(x64 + 2 * q, c_ok, 0, EVEN))
-            x45, x67 = _words(_load(x64 + 2 * q + 1, c_ok, 0, EVEN))
+        wb45, wb67 = _words(_load(pb64 + 4, mb, 0, EVEN))
+        sa0, sa1, fa0, fa1 = _scale_pairs(_scale_bytes(psa, sh, ma, EVEN))
+        sb0, sb1, fb0, fb1 = _scale_pairs(_scale_bytes(psb, sh, mb, EVEN))
+        for q in tl.static_range(4):  # the lane's 4 words: 8 weights of each row, scale group c (q < 2) or 4 + c
+            x01, x23 = _words(xw[2 * q])
+            x45, x67 = _words(xw[2 * q + 1])
             wa = wa01 if q == 0 else wa23 if q == 1 else wa45 if q == 2 else wa67
             wb = wb01 if q == 0 else wb23 if q == 1 else wb45 if q == 2 else wb67
             if INTERPRET:
@@ -341,11 +364,12 @@ if triton is not None:
         elif GROUPED:
             if HAS_ROW_SCALE:
                 rsc = tl.load(rs + r).to(tl.float32)
-        px0 = xr + 32 * c
+        px0 = xr + 16 * c  # the lane's activations: [16 c, 16 c + 16) and [64 + 16 c, ...) of each chunk
+        sh = (8 * c).to(tl.int64)  # its scale bytes' shift in a chunk's 8 (`_scale_bytes`)
         e64 = e.to(tl.int64)  # stacks past 2^31 bytes must not wrap
-        pa0 = w + e64 * s_we + ra.to(tl.int64) * s_wn + 16 * c
+        pa0 = w + e64 * s_we + ra.to(tl.int64) * s_wn + 8 * c
         pb0 = pa0 + 8 * s_wn
-        psa0 = s + e64 * s_se + ra.to(tl.int64) * s_sn + 2 * c
+        psa0 = s + e64 * s_se + ra.to(tl.int64) * s_sn
         psb0 = psa0 + 8 * s_sn
         acc0 = tl.zeros((32 * WARPS,), dtype=tl.float32)
         acc1 = tl.zeros((32 * WARPS,), dtype=tl.float32)
@@ -364,12 +388,12 @@ if triton is not None:
                 mb = rb_ok & c_ok
                 pa, psa = pa0 + chunk * 64, psa0 + chunk * 8
                 pb, psb = pb0 + chunk * 64, psb0 + chunk * 8
-                px = px0 + chunk * _CHUNK_K
-                acc0, acc1, acc2, acc3 = _chunk(pa, pb, psa, psb, px, ma, mb, c_ok, acc0, acc1, acc2, acc3,
+                xw = _x_words(px0 + chunk * _CHUNK_K, c_ok, EVEN)
+                acc0, acc1, acc2, acc3 = _chunk(pa, pb, psa, psb, xw, sh, ma, mb, acc0, acc1, acc2, acc3,
                                                 INTERPRET, WARPS, EVEN)
-                if SWIGLU:  # the up rows, N_out further
+                if SWIGLU:  # the up rows, N_out further, against the same activation words
                     up0, up1, up2, up3 = _chunk(pa + n_out * s_wn, pb + n_out * s_wn, psa + n_out * s_sn,
-                                                psb + n_out * s_sn, px, ma, mb, c_ok, up0, up1, up2, up3,
+                                                psb + n_out * s_sn, xw, sh, ma, mb, up0, up1, up2, up3,
                                                 INTERPRET, WARPS, EVEN)
         # the warps' partial sums over their chunks -> [32] per lane (g, c): D[g, 2c], D[g, 2c+1], D[g+8, 2c], ...
         d0 = tl.sum(tl.reshape(acc0, (WARPS, 32)), axis=0)
@@ -471,8 +495,8 @@ def w4a16_mma_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     if x.data_ptr() % 8 or (x.dim() > 1 and x.stride(0) % 4):  # activations in 8-byte words: a fresh copy is
         x = x.clone(memory_format=torch.contiguous_format)     # aligned (rows of K, a multiple of CHUNK_K)
     if (packed.stride(-1) != 1 or sc.stride(-1) != 1 or packed.data_ptr() % 8 or s_wn % 8 or s_we % 8
-            or sc.data_ptr() % 2 or s_sn % 2 or s_se % 2):
-        raise ValueError("w4a16_mma: weight rows must be 8-byte aligned, scale rows 2-byte")
+            or sc.data_ptr() % 8 or s_sn % 8 or s_se % 8):  # int64 loads of both (a chunk's 8 scale bytes: K / 16
+        raise ValueError("w4a16_mma: weight and scale rows must be 8-byte aligned")  # is a multiple of 8)
     n_out = n // 2 if swiglu else n
     interp = _interpreted()
     # the interpreter truncates fp32 -> bf16 casts (w4a16_gemm's note): it writes fp32 and torch rounds
