@@ -11,7 +11,8 @@ each of its two rows (g and g + 8 of a 16-row tile), bytes [8c, 8c + 8) and [32 
 scale group each), and the 32 activations of the same k. A warp's load instruction thus reads 32 contiguous bytes of
 each of its 8 rows: whole sectors. (Until 2026-12-04 a thread took 16 contiguous bytes, so every instruction read two
 sectors of a row half each and every weight sector was requested twice: Nsight Compute counted 45% of gate_up's L2
-sectors excessive, decode_ncu run 1.) Per 8 weights: the bit tricks (14 instructions for 2 rows x 4 bytes), 4 bf16x2 scale multiplies, 2 activation
+sectors excessive, decode_ncu run 1.)
+Per 8 weights: the bit tricks (14 instructions for 2 rows x 4 bytes), 4 bf16x2 scale multiplies, 2 activation
 byte permutes and 2 MMAs: ~3 instructions a weight.
 
 Fragments (PTX ISA, "mma.m16n8k16" with .bf16): lane = 4 g + c. A: a0 = (row g, k slots 2c, 2c+1), a1 = (row g + 8,
