@@ -32,7 +32,7 @@ TINY = dict(H=256, INTER=128, E=16, TOP_K=8, GDN_IN=512, GDN_OUT_K=256, CTX=40)
 
 
 # ncu --page raw metrics a kernel's line shows (name in the CSV header -> label)
-SHOWN = {"gpu__time_duration.sum": "us", "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
+SHOWN = {"gpu__time_duration.sum": "us", "dram__bytes_read.sum.pct_of_peak_sustained_elapsed": "DRAM read %",
          "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %", "launch__registers_per_thread": "regs",
          "launch__grid_size": "grid", "launch__block_size": "block",
          "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "long-sb / issue"}
@@ -63,7 +63,8 @@ def summarize(raw_csv: str, top: int = 5) -> list[str]:
         for key, label in SHOWN.items():
             v = num(got.get(key, ""))
             if v is not None and key == "gpu__time_duration.sum":
-                v = v / {"nsecond": 1e3, "usecond": 1.0, "msecond": 1e-3}.get(unit.get(key, "nsecond"), 1e3)
+                v = v / {"nsecond": 1e3, "ns": 1e3, "usecond": 1.0, "us": 1.0, "msecond": 1e-3, "ms": 1e-3}.get(
+                    unit.get(key, "nsecond"), 1e3)  # ncu 2025.3 writes "us"
             parts.append(f"{label} {v:.4g}" if v is not None else f"{label} -")
         stalls = {k[len(STALL):]: num(v) or 0.0 for k, v in got.items()
                   if k.startswith(STALL) and "not_issued" not in k}

@@ -260,6 +260,9 @@
 #   STEPS="123" (carry .devbundle/extra with ab_old.tar of e79f607 in it, and .tritoncache): <= 10 min: issue 5, the
 #       tensor-core decode GEMV reading whole sectors (each lane two 8-byte runs 32 bytes apart): Nsight Compute on it
 #       again, every configuration per call here and in e79f607, the engine --again beside e79f607's, its CUDA tests
+#   STEPS="124" (carry .devbundle/extra with ab_old.tar of d361bf9 in it, and .tritoncache): <= 10 min: issue 5, the
+#       tensor-core decode GEMV's and the prefetch's CUDA tests (the sector-aligned lanes), then the engine --again
+#       beside d361bf9's --again (this session's net change)
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
 #       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
 #       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)
@@ -1611,6 +1614,22 @@ grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|stre
 grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
 archive
 gpu_tests mma_tests "${LIMIT_123T:-80}" tests/test_kernel_w4a16_mma.py tests/test_weight_prefetch.py -rfE --durations=5
+fi
+if want 124; then
+say "124. issue 5 (carry .devbundle/extra with ab_old.tar of d361bf9 in it, and .tritoncache): the tensor-core decode"
+say "    GEMV's CUDA tests with its sector-aligned lanes (and the gate_up prefetch's same-bits test), then the engine"
+say "    --again beside d361bf9's engine --again"
+gpu_tests mma_tests "${LIMIT_124T:-150}" tests/test_kernel_w4a16_mma.py tests/test_weight_prefetch.py -rfE --durations=5
+archive
+old_tree
+engine_ab qwen_final "${LIMIT_124:-200}" --autotune-table auto --again
+archive
+in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_124O:-200}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --again --out "$R/qwen_old" \
+  > "$R/qwen_old.log" 2>&1
+grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone|again" \
+  | cut -c1-220
+grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -153,16 +153,14 @@ if triton is not None:
             off = pos % BLOCK_SIZE
             k_t = tl.load(k_pool + (blk * s_kb + off * s_kt + kvh * s_kh)[:, None] + d[None, :],
                           mask=ok[:, None], other=0.0)  # [BN, Dh]
-            # v is loaded beside k, ahead of the softmax reductions (each a CTA barrier that a later load would wait
-            # behind): both blocks' reads are in flight together; the same values, so the same bits
-            v_t = tl.load(v_pool + (blk * s_vb + off * s_vt + kvh * s_vh)[:, None] + d[None, :],
-                          mask=ok[:, None], other=0.0)  # [BN, Dh]
             s = _qk(q_t, k_t, IEEE, INTERPRET) * qk_scale  # [BG, BN]
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every step has >= 1 visible position
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+            v_t = tl.load(v_pool + (blk * s_vb + off * s_vt + kvh * s_vh)[:, None] + d[None, :],
+                          mask=ok[:, None], other=0.0)  # [BN, Dh]
             acc = acc * alpha[:, None] + _pv(p, v_t, IEEE, INTERPRET)
             m = m_new
 

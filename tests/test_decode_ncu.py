@@ -19,13 +19,15 @@ def test_summarize_reads_a_raw_export():
     from benchmarks.decode_ncu import summarize
 
     text = "\n".join([
-        '"ID","Kernel Name","gpu__time_duration.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
+        '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum.pct_of_peak_sustained_elapsed",'
         '"smsp__pcsamp_warps_issue_stalled_long_scoreboard","smsp__pcsamp_warps_issue_stalled_barrier",'
         '"smsp__pcsamp_warps_issue_stalled_long_scoreboard_not_issued"',
         '"","","nsecond","%","","",""',
         '"0","_w4a16_mma_kernel","7,440","23.5","300","100","999"',
     ])
     (line,) = summarize(text)
-    assert line.startswith("_w4a16_mma_kernel | us 7.44 | DRAM % 23.5 |")
+    assert line.startswith("_w4a16_mma_kernel | us 7.44 | DRAM read % 23.5 |")
+    us = text.replace('"nsecond"', '"us"').replace('"7,440"', '"7.44"')  # ncu 2025.3's unit (decode_ncu run 1)
+    assert summarize(us)[0].startswith("_w4a16_mma_kernel | us 7.44 |")
     assert line.endswith("stalls: long_scoreboard 75%, barrier 25%")
     assert summarize('"ID"') == ["(no kernels in the ncu export)"]
