@@ -40,7 +40,9 @@ GEMV's 19.4 us at one token, 31.7 against 48.2 at four; the shared expert's gate
 32 programs). In the engine, the <= 4-token steps' routed experts on it: lone decode 440.0 / 440.7 against
 432.8-433.2 tok/s (Qwen runs 57, 58), 32 streams and TTFT unchanged. The sorted path at 5-32 tokens on the
 checkpoint copy (`small_batch_tokens` 32): 32 streams 3,004.8 against 3,370.9 on the swap-AB kernel (run 58), so
-it is not the default there.
+it is not the default there. Sector-aligned lanes (2026-12-04, thirty-sixth session): L1 global-load sectors of the
+lone gate_up 796,672 -> 534,528 (decode_ncu runs 1-2), per call 7.21 against 7.30 us (mma_picks run 3), lone decode
+474.1 / 474.5 against 472.0 / 472.7 tok/s beside the tree before it (Qwen run 68).
 
 API: `w4a16_mma_launch(x, packed, scales, global, ...)` (as `w4a16_gemv_launch`: dense or grouped, SwiGLU, row
 scales; `routing` for the sorted path); registry implementations "triton_mma" of "w4a16_moe" (first: bf16 on sm_90+,
@@ -98,8 +100,8 @@ if triton is not None:
     _CHUNK_K = tl.constexpr(CHUNK_K)  # jit functions may only read constexpr globals
 
     # (WARPS, CHUNKS): warps of a program (they split K, then add their sums) and 128-weight chunks a warp loads
-    # before it computes them (bytes in flight: 16 B x rows x CHUNKS a thread). Tuned at start-up (no picks shipped in
-    # kernels/tuned yet).
+    # before it computes them (bytes in flight: 16 B x rows x CHUNKS a thread). The routed experts' keys ship picks in
+    # kernels/tuned (benchmarks/mma_picks.py); other keys tune at start-up.
     _CONFIGS = [triton.Config(dict(WARPS=w, CHUNKS=ch), num_warps=w, num_stages=1)
                 for w, ch in [(1, 4), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)]]
 

@@ -158,7 +158,8 @@ class QwenEngineConfig:
     #                               "all" -- both; "off". The same bits. H200, Qwen run 54: lone decode
     #                               428.0 / 430.1 (off) against 432.2 (own) and 428.2 (all) tok/s, 32 streams
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
-    #                               so off (the step waits on the kernel chain, not on first weight reads)
+    #                               so off (the step waits on the kernel chain, not on first weight reads); run 66:
+    #                               "next" 460.8 against 469.2 / 469.4 lone (-1.8%), the same tokens
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
