@@ -399,6 +399,33 @@ in_old() {
   (cd /tmp/ab_old && PYTHONPATH="/tmp/ab_old${rest:+:${rest#:}}" "$@")
 }
 
+# old_engine NAME LIMIT_S QWEN_GPU_ARGS...: the old tree's (`old_tree`) engine alone, as `engine_ab` runs this tree's,
+# into $R/NAME; its lone / 32-stream / TTFT / --again rows and any error printed (steps 122-124)
+old_engine() {
+  local name=$1 limit=$2
+  shift 2
+  in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "$limit" python benchmarks/qwen_gpu.py --skip-transformers \
+    --engine-only --decode-tokens 48 --prefill-buckets 1024 "$@" --out "$R/$name" > "$R/$name.log" 2>&1
+  grep -E "^\| \(e\)" "$R/$name/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone|again" \
+    | cut -c1-220
+  grep -E "Error|error|File " "$R/$name.log" | cut -c1-300 | head -20
+}
+
+# decode_ncu LIMIT_S: Nsight Compute (--set full, clocks left alone) on benchmarks/decode_ncu.py's last pass (NVTX
+# range "measure"), its report into $R/decode_ncu.ncu-rep, raw and details pages as CSV beside it, the summary lines
+# printed (steps 122-123); says so where the machine has no ncu
+decode_ncu() {
+  local ncu
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -z "$ncu" ]; then say "no ncu on this machine"; return 1; fi
+  timeout "$1" "$ncu" --clock-control none --nvtx --nvtx-include "measure/" --set full \
+    -o "$R/decode_ncu" python benchmarks/decode_ncu.py --repeat 2 > "$R/ncu_decode.log" 2>&1
+  say "ncu exit $?"
+  "$ncu" -i "$R/decode_ncu.ncu-rep" --csv --page raw > "$R/ncu_raw.csv" 2>> "$R/ncu_decode.log"
+  "$ncu" -i "$R/decode_ncu.ncu-rep" --csv --page details > "$R/ncu_details.csv" 2>> "$R/ncu_decode.log"
+  python benchmarks/decode_ncu.py --summarize "$R/ncu_raw.csv" | grep -E "^_" | cut -c1-300
+}
+
 if want 1; then
 say "1. CUDA tests"
 timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8.py tests/test_fp8_vit.py > "$R/cuda_tests.log" 2>&1
@@ -1557,38 +1584,17 @@ say "122. issue 5 (carry .devbundle/extra with ab_old.tar of d361bf9 in it, and 
 say "    lone step's hottest kernels, one launch each inside the NVTX range 'measure' (benchmarks/decode_ncu.py; the"
 say "    first pass compiles and tunes outside it); then the engine beside weight_prefetch 'next' (gate_up prefetching"
 say "    down's slabs), --again; then d361bf9's engine (paged attention's v load after the softmax reductions)"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-if [ -n "$NCU" ]; then
-  timeout "${LIMIT_122N:-200}" "$NCU" --clock-control none --nvtx --nvtx-include "measure/" --set full \
-    -o "$R/decode_ncu" python benchmarks/decode_ncu.py --repeat 2 > "$R/ncu_decode.log" 2>&1
-  say "ncu exit $?"
-  tail -3 "$R/ncu_decode.log" | cut -c1-300
-  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page raw > "$R/ncu_raw.csv" 2>> "$R/ncu_decode.log"
-  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page details > "$R/ncu_details.csv" 2>> "$R/ncu_decode.log"
-  python benchmarks/decode_ncu.py --summarize "$R/ncu_raw.csv" | cut -c1-400
-else
-  say "no ncu on this machine"
-fi
+decode_ncu "${LIMIT_122N:-200}"
 old_tree
 engine_ab qwen_next "${LIMIT_122:-240}" --autotune-table auto --variant 'next={"weight_prefetch": "next"}' --again
-in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_122O:-130}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_old" \
-  > "$R/qwen_old.log" 2>&1
-grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone" | cut -c1-220
-grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
+old_engine qwen_old "${LIMIT_122O:-130}" --autotune-table auto
 fi
 if want 123; then
 say "123. issue 5 (carry .devbundle/extra with ab_old.tar of e79f607 in it, and .tritoncache): the tensor-core decode"
 say "    GEMV with each lane reading two 8-byte runs 32 bytes apart (whole sectors a warp instruction; decode_ncu run 1"
 say "    counted 45% of gate_up's L2 sectors excessive): ncu on the decode kernels again, the 1-token configurations"
 say "    per call in both trees, the engine --again beside e79f607's, the kernel's CUDA tests and the prefetch's"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-if [ -n "$NCU" ]; then
-  timeout "${LIMIT_123N:-90}" "$NCU" --clock-control none --nvtx --nvtx-include "measure/" --set full \
-    -o "$R/decode_ncu" python benchmarks/decode_ncu.py --repeat 2 > "$R/ncu_decode.log" 2>&1
-  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page raw > "$R/ncu_raw.csv" 2>> "$R/ncu_decode.log"
-  "$NCU" -i "$R/decode_ncu.ncu-rep" --csv --page details > "$R/ncu_details.csv" 2>> "$R/ncu_decode.log"
-  python benchmarks/decode_ncu.py --summarize "$R/ncu_raw.csv" | grep -E "^_" | cut -c1-300
+if decode_ncu "${LIMIT_123N:-90}"; then
   python - "$R/ncu_details.csv" <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
@@ -1607,11 +1613,7 @@ in_old timeout "${LIMIT_123M:-60}" python benchmarks/mma_picks.py --tokens 1 --o
 grep -E "^\| 1 " "$R/mma_old/mma_picks.md" 2>/dev/null || tail -3 "$R/mma_old.log"
 archive
 engine_ab qwen_sectors "${LIMIT_123:-150}" --autotune-table auto --again
-in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_123O:-115}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$R/qwen_old" \
-  > "$R/qwen_old.log" 2>&1
-grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone" | cut -c1-220
-grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
+old_engine qwen_old "${LIMIT_123O:-115}" --autotune-table auto
 archive
 gpu_tests mma_tests "${LIMIT_123T:-80}" tests/test_kernel_w4a16_mma.py tests/test_weight_prefetch.py -rfE --durations=5
 fi
@@ -1624,12 +1626,7 @@ archive
 old_tree
 engine_ab qwen_final "${LIMIT_124:-200}" --autotune-table auto --again
 archive
-in_old env PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_124O:-200}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --again --out "$R/qwen_old" \
-  > "$R/qwen_old.log" 2>&1
-grep -E "^\| \(e\)" "$R/qwen_old/qwen_gpu.md" | grep -E "lone request, 1024|streams decode|TTFT ms, lone|again" \
-  | cut -c1-220
-grep -E "Error|error|File " "$R/qwen_old.log" | cut -c1-300 | head -20
+old_engine qwen_old "${LIMIT_124O:-200}" --autotune-table auto --again
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
