@@ -10,8 +10,8 @@ Here each thread loads its own bytes straight into an mma fragment: the MMA's K 
 each of its two rows (g and g + 8 of a 16-row tile), bytes [8c, 8c + 8) and [32 + 8c, 32 + 8c + 8) (32 weights, one
 scale group each), and the 32 activations of the same k. A warp's load instruction thus reads 32 contiguous bytes of
 each of its 8 rows: whole sectors. (Until 2026-12-04 a thread took 16 contiguous bytes, so every instruction read two
-sectors of a row half each and every weight sector was requested twice: Nsight Compute counted 45% of gate_up's L2
-sectors excessive, decode_ncu run 1.)
+sectors of a row half each and every weight sector was requested twice: Nsight Compute counted 45% of gate_up's
+global-load sectors excessive, decode_ncu run 1; L1 had merged most of them, so its L2 sectors fell only 2%.)
 Per 8 weights: the bit tricks (14 instructions for 2 rows x 4 bytes), 4 bf16x2 scale multiplies, 2 activation
 byte permutes and 2 MMAs: ~3 instructions a weight.
 
@@ -305,7 +305,7 @@ if triton is not None:
         # block_expert[r] (E: an unused block, which returns at once); column n = pair sorted_pairs[8 r + n] (P: a
         # padding row), activation row pair // A_DIV; y [P, N_out] by pair.
         # SWIGLU: N = 2 N_out weight rows (gate then up); output n = silu(row n) * row (n + N_out).
-        # Byte strides s_wn (row) and s_sn (scale row) must be multiples of 8 / 2, K of CHUNK_K (the launcher checks).
+        # Byte strides s_wn (row) and s_sn (scale row) must be multiples of 8, K of CHUNK_K (the launcher checks).
         # EVEN (`_even`): N_out a multiple of 16 and the chunks of WARPS x CHUNKS: no masked loads.
         # PREFETCH_NEXT (grouped one program a pair, weight prefetch "next" / "all"; as `w4a16_gemv`'s): once its
         # expert is known, the program prefetches its 1 / cdiv(N_out, 16) share of that expert's slabs in the NEXT
