@@ -6,8 +6,9 @@ streamed like a copy kernel; per call the routed experts' tensor-core GEMV (gate
 are furthest from their bytes. What their warps wait on (long scoreboard: global loads; barrier; MIO; ...), how many
 warps are resident and how busy DRAM is cannot be read off a timeline; `ncu` reads it from the counters.
 
-    ncu --clock-control none --kernel-name regex:'^_' --set full --csv --page details \\
-        python benchmarks/decode_ncu.py [--repeat 2]        # gpu_next.sh step 122
+    ncu --clock-control none --nvtx --nvtx-include "measure/" --set full -o REPORT \\
+        python benchmarks/decode_ncu.py [--repeat 2]        # gpu_next.sh `decode_ncu` (steps 122-123)
+    ncu -i REPORT.ncu-rep --csv --page raw > raw.csv && python benchmarks/decode_ncu.py --summarize raw.csv
 
 Each kernel runs `--repeat` times in this order (weights are random in the checkpoint's formats: speed does not
 depend on the values): the routed experts' gate_up + SwiGLU and down x routing weight (1 token, top-8 of 256, the
@@ -25,10 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FULL = dict(H=2048, INTER=512, E=256, TOP_K=8, GDN_IN=12288, GDN_OUT_K=4096, CTX=1024)
+FULL = dict(H=2048, INTER=512, E=256, TOP_K=8, GDN_IN=12288, GDN_OUT_K=4096, GDN_DK=128, ATTN_DH=256, CTX=1024)
 # (hidden, expert intermediate, experts, top-k, fused in_proj_qkv + z outputs, out_proj's K: 32 value heads x 128,
-# attention context); TINY: the same launches at shapes the CPU interpreter runs in seconds (tests/test_decode_ncu.py)
-TINY = dict(H=256, INTER=128, E=16, TOP_K=8, GDN_IN=512, GDN_OUT_K=256, CTX=40)
+# GDN key / value head dim, attention head dim, attention context); TINY: the same launches at shapes the CPU
+# interpreter runs in seconds (tests/test_decode_ncu.py)
+TINY = dict(H=256, INTER=128, E=16, TOP_K=8, GDN_IN=512, GDN_OUT_K=256, GDN_DK=16, ATTN_DH=16, CTX=40)
 
 
 # ncu --page raw metrics a kernel's line shows (name in the CSV header -> label)
@@ -55,10 +57,10 @@ def summarize(raw_csv: str, top: int = 5) -> list[str]:
         except ValueError:
             return None
 
+    unit = dict(zip(head, units, strict=False))
     out = []
     for row in data:
         got = dict(zip(head, row, strict=False))
-        unit = dict(zip(head, units, strict=False))
         parts = [got.get("Kernel Name", "?")[:40]]
         for key, label in SHOWN.items():
             v = num(got.get(key, ""))
@@ -112,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     xo = torch.randn(1, GDN_OUT_K, device=dev, dtype=torch.bfloat16, generator=gen)
     codes_o = (xo.float() * 20).to(torch.float8_e4m3fn)
     router_w = (torch.randn(E, H, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
-    dk = 128 if not args.tiny else 16  # GDN key / value head dim; attention heads of 256 (16 tiny)
+    dk = c["GDN_DK"]
     prep = gdn_prep.random_inputs_ba(1, 16, dk, 2, dk, hidden=H, dtype=torch.bfloat16, seed=1, device=dev)
-    attn = paged_attention.random_inputs([c["CTX"]], 16, 2, 256 if not args.tiny else 16, 16, dtype=torch.bfloat16,
-                                         seed=2, device=dev)
+    attn = paged_attention.random_inputs([c["CTX"]], 16, 2, c["ATTN_DH"], 16, dtype=torch.bfloat16, seed=2,
+                                         device=dev)
     comb = moe_combine.random_inputs(1, H, dtype=torch.bfloat16, seed=3, device=dev)
     for rep in range(args.repeat):
         last = rep == args.repeat - 1  # the earlier passes compile and tune; ncu profiles the last (NVTX "measure")

@@ -194,6 +194,17 @@ if triton is not None:
             }""",
             "=r,l,r", [ptr.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
+    @triton.jit
+    def prefetch_expert_share(nw, ns, e, s_nwe, s_nse, w_bytes, s_bytes):
+        """The grouped MoE GEMVs' PREFETCH_NEXT (`w4a16_gemv.next_prefetch_args`): this program's 1 / num_programs(0)
+        share, in 16-byte multiples, of expert e's packed slab (w_bytes at nw + e s_nwe) and scale slab (s_bytes at
+        ns + e s_nse) of the next launch, by `prefetch_l2_once`."""
+        pid_n = tl.program_id(0)
+        cw = tl.cdiv(tl.cdiv(w_bytes, tl.num_programs(0)), 16) * 16
+        cs = tl.cdiv(tl.cdiv(s_bytes, tl.num_programs(0)), 16) * 16
+        prefetch_l2_once(nw + e * s_nwe + pid_n * cw, tl.minimum(cw, w_bytes - pid_n * cw))
+        prefetch_l2_once(ns + e * s_nse + pid_n * cs, tl.minimum(cs, s_bytes - pid_n * cs))
+
 
 if os.environ.get(ENV, "0") == "1":  # (the GPU check initialises CUDA: only when asked for)
     set_enabled(device_supports())

@@ -75,7 +75,7 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
-    from kernels.pdl import prefetch_l2_once
+    from kernels.pdl import prefetch_expert_share
     from kernels.w4a16_gemm import _TWO_119, _e4m3_fp16
 except ImportError:  # CPU-only installs without triton: supports() says no
     triton = None
@@ -337,10 +337,7 @@ if triton is not None:
         elif GROUPED:  # every lane reads the pair's activation row: B's columns all equal, column 0 is stored
             e = tl.load(pair_expert + r)
             if PREFETCH_NEXT:  # 16-byte multiples per program (the launch checks the slabs' alignment)
-                cw = tl.cdiv(tl.cdiv(NEXT_W_BYTES, tl.num_programs(0)), 16) * 16
-                cs = tl.cdiv(tl.cdiv(NEXT_S_BYTES, tl.num_programs(0)), 16) * 16
-                prefetch_l2_once(nw + e * s_nwe + pid_n * cw, tl.minimum(cw, NEXT_W_BYTES - pid_n * cw))
-                prefetch_l2_once(ns + e * s_nse + pid_n * cs, tl.minimum(cs, NEXT_S_BYTES - pid_n * cs))
+                prefetch_expert_share(nw, ns, e, s_nwe, s_nse, NEXT_W_BYTES, NEXT_S_BYTES)
             xr = x + (r // A_DIV).to(tl.int64) * s_xm
         else:  # column g = activation row g; lanes past the M rows read row M - 1 (their columns are not stored)
             e = 0
