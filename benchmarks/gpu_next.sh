@@ -1628,6 +1628,29 @@ engine_ab qwen_final "${LIMIT_124:-200}" --autotune-table auto --again
 archive
 old_engine qwen_old "${LIMIT_124O:-200}" --autotune-table auto --again
 fi
+if want 125; then
+say "125. issue 5 (carry .devbundle/extra with ab_old.tar of 9f7d54c in it, and .tritoncache): the swap-AB kernel's"
+say "    fragment-order bytes with sign-first high nibbles (14 instead of 16 dequant instructions per 8 weights): per"
+say "    call beside 9f7d54c's, outputs compared bit for bit, each case also at 2 and 4 stages; then this tree's engine"
+say "    --again (9f7d54c's engine: step 126)"
+old_tree
+in_old timeout "${LIMIT_125A:-150}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old \
+  --save /tmp/ab_old.pt > "$R/swapped_ab_old.log" 2>&1
+timeout "${LIMIT_125B:-220}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --stages 2,4 \
+  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) > "$R/swapped_ab_new.log" 2>&1
+grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
+archive
+engine_ab qwen_sign_first "${LIMIT_125:-200}" --autotune-table auto --again
+fi
+if want 126; then
+say "126. issue 5: 9f7d54c's engine --again (beside step 125's), then the CUDA tests of the swap-AB kernel, the"
+say "    tensor-core decode GEMV and the weight prefetch"
+old_tree
+old_engine qwen_old "${LIMIT_126O:-200}" --autotune-table auto --again
+archive
+gpu_tests swapped_tests "${LIMIT_126T:-200}" tests/test_kernel_w4a16_swapped.py tests/test_kernel_w4a16_mma.py \
+  tests/test_weight_prefetch.py -rfE --durations=5
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -5,10 +5,12 @@ with SwiGLU and down, and lm_head (`w4a16_linear_frag`) at 1, 16 and 32 rows; ev
 (`default_stages`, SETTLE), PDL as the engine runs it, random packed weights in the checkpoint's format (speed does not
 depend on the values; the same seed in both trees, so the same inputs).
 
-    python benchmarks/swapped_ab.py --out DIR [--save OUT.pt | --compare OTHER.pt]
+    python benchmarks/swapped_ab.py --out DIR [--save OUT.pt | --compare OTHER.pt] [--stages 2,4]
 
 Run it in the other tree with --save, then here with --compare (see gpu_next.sh step 88): each case's us per call
 (CUDA-graph replays, `cuda_timing.graph_per_call_us`) and whether its output equals the other tree's exactly.
+`--stages`: each case also timed at these pipeline depths (`config=dict(num_stages=...)`, everything else the
+engine's), its outputs compared with the default build's (the stage count moves no arithmetic).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def main() -> None:
     ap.add_argument("--save", help="write the cases' outputs to this .pt file")
     ap.add_argument("--compare", help="compare the outputs with this .pt file (from --save in the other tree)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
+    ap.add_argument("--stages", default="", help="comma-separated num_stages to time each case at as well")
     args = ap.parse_args()
+    sweep = [int(v) for v in args.stages.split(",") if v]
     import torch
     import triton
 
@@ -38,7 +42,8 @@ def main() -> None:
     from kernels import pdl
     from kernels.nvfp4 import NVFP4Tensor
     from kernels.w4a16_gemm import moe_align
-    from kernels.w4a16_swapped import SPLIT_TILE, linear_to_frag, split_frag, w4a16_grouped_swapped_launch
+    from kernels.w4a16_swapped import SPLIT_TILE, dense_routing, linear_to_frag, split_frag
+    from kernels.w4a16_swapped import w4a16_grouped_swapped_launch
     from kernels.w4a16_swapped import w4a16_linear_frag_triton
 
     dev = torch.device("cuda")
@@ -49,7 +54,8 @@ def main() -> None:
     lm = random_nvfp4((248_320, 2048), dev, gen)
     lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
 
-    cases = []  # (name, [calls]): several inputs per case, as a graph of decode steps would see
+    cases = []  # (name, [calls], [calls(config)]): several inputs per case, as a graph of decode steps would see;
+    #             the second list takes a launch config (the --stages sweep)
     for tokens, bm in ((32, 16), (1024, 64)):
         gate_up, down = [], []
         for _ in range(4):
@@ -57,14 +63,20 @@ def main() -> None:
             routing = moe_align(idx, 256, bm)
             x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
             h = torch.randn(tokens * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
-            gate_up.append(lambda x=x, r=routing: w4a16_grouped_swapped_launch(
-                x, w13f, w13.scales, w13.global_scale, r, a_div=8, swiglu=True, frag=True))
-            down.append(lambda h=h, r=routing: w4a16_grouped_swapped_launch(
-                h, w2f, w2.scales, w2.global_scale, r, frag=True))
+            gate_up.append(lambda cfg=None, x=x, r=routing: w4a16_grouped_swapped_launch(
+                x, w13f, w13.scales, w13.global_scale, r, a_div=8, swiglu=True, frag=True, config=cfg))
+            down.append(lambda cfg=None, h=h, r=routing: w4a16_grouped_swapped_launch(
+                h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
     for rows in (1, 16, 32):
         xs = [torch.randn(rows, 2048, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4)]
-        cases.append((f"lm_head, {rows} rows", [lambda x=x: w4a16_linear_frag_triton(x, lm_frag) for x in xs]))
+        block_m = 16 if rows <= 16 else 32  # `_frag_dense_launch`'s
+        lm_g = lm_frag.global_scale.float().reshape(1, -1) if lm_frag.global_scale.dim() else lm_frag.global_scale
+        cases.append((f"lm_head, {rows} rows", [
+            lambda cfg=None, x=x: w4a16_linear_frag_triton(x, lm_frag) if cfg is None else
+            w4a16_grouped_swapped_launch(x, lm_frag.packed[None], lm_frag.scales[None], lm_g,
+                                         dense_routing(x.shape[0], block_m), frag=True, config=cfg)
+            for x in xs]))
 
     other = torch.load(args.compare) if args.compare else None
     outputs, rows_out = {}, []
@@ -78,6 +90,12 @@ def main() -> None:
                                                                                           other[name]))
         rows_out.append(row)
         print("[swapped_ab]", args.label, json.dumps(row), flush=True)
+        for stages in sweep:
+            staged = [lambda c=c, st=stages: c(dict(num_stages=st)) for c in calls]
+            same = all(torch.equal(o.cpu(), r) for o, r in zip([c() for c in staged], outputs[name]))
+            srow = dict(case=name, stages=stages, us=round(graph_per_call_us(staged * 5), 2), equal_to_default=same)
+            rows_out.append(srow)
+            print("[swapped_ab]", args.label, json.dumps(srow), flush=True)
     if args.save:
         torch.save(outputs, args.save)
     out = Path(args.out)

@@ -153,20 +153,36 @@ def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> to
 # on the H200 on 2026-12-01 (results/w4a16_swapped_bench_run3, per call, fragment order vs quarter order: 32 tokens
 # gate_up 118.5 vs 158.3 us; 1,024 tokens gate_up 216.7 vs 285.8, down 155.1 vs 181.4 (BLOCK_M 64; 17-34% slower at
 # every tile timed); and 2 of its GPU tests not bit-equal to split halves), so it was removed.
+# Sign first in the high nibble: fragment-order bytes also store each byte's high nibble (the second K half's code)
+# rotated left by one bit -- code bits (mantissa, exponent 0, exponent 1, sign) at byte bits 5, 6, 7 and 4 -- so that
+# the GPU dequant (`_e2m1x2_bf16_frag_ptx`) builds the high halves' bf16 pairs as the low halves' are, two shifts and
+# one LOP3 each ((r << 1 | r << 11) & mask) instead of two shifts and two masks (the sign sat 8 bits above the
+# exponent's top bit, where r << 8 also moved the low nibble's mantissa into bit 8). Offline sm_90 SASS: 16 -> 14
+# instructions per 4 bytes (8 weights) of the dequant; the other decode routes rotate the nibble back first
+# (`_frag_hi_back`).
 FRAG_GROUP = 16
 FRAG_ORDER = [8 * h + 2 * c + b for c in range(4) for h in range(2) for b in range(2)]  # stored m -> group byte
 FRAG_INVERSE = [FRAG_ORDER.index(j) for j in range(FRAG_GROUP)]  # group byte -> stored m
 
 
+def frag_hi_rotate(b: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """uint8 bytes with the high nibble rotated left by one within the nibble (sign to bit 4; `inverse`: back)."""
+    lo, hi = b & 0x0F, b & 0xF0
+    if inverse:
+        return lo | ((hi >> 1) & 0x70) | ((hi << 3) & 0x80)
+    return lo | ((hi << 1) & 0xE0) | ((hi >> 3) & 0x10)
+
+
 def split_frag(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """Checkpoint-layout packed weights -> `split_halves` bytes with each 16-byte group in fragment order."""
+    """Checkpoint-layout packed weights -> `split_halves` bytes with each 16-byte group in fragment order and the
+    high nibbles sign first (`frag_hi_rotate`)."""
     s = split_halves(packed, block_n, block_k)
-    return s.reshape(-1, FRAG_GROUP)[:, FRAG_ORDER].reshape(s.shape)
+    return frag_hi_rotate(s.reshape(-1, FRAG_GROUP)[:, FRAG_ORDER]).reshape(s.shape)
 
 
 def unsplit_frag(packed_frag: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """The inverse of `split_frag`."""
-    s = packed_frag.reshape(-1, FRAG_GROUP)[:, FRAG_INVERSE].reshape(packed_frag.shape)
+    s = frag_hi_rotate(packed_frag.reshape(-1, FRAG_GROUP), inverse=True)[:, FRAG_INVERSE].reshape(packed_frag.shape)
     return unsplit_halves(s, block_n, block_k)
 
 
@@ -260,6 +276,32 @@ if triton is not None:
             "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
 
     @triton.jit
+    def _e2m1x2_bf16_frag_ptx(pw):
+        """`w4a16_gemm._e2m1x2_bf16_tiny_ptx` for fragment-order bytes, whose high nibbles are stored sign first
+        (`frag_hi_rotate`): 4 bytes a call, PRMT spreads bytes 0/1 (2/3) into two 16-bit halves, then each pair of
+        halves is one mask of two shifts, ((r << 6) | (r << 12)) & 0x81C081C0 for the low nibbles (mantissa and
+        exponent at bits 0-2 -> 6-8, sign 3 -> 15) and ((r << 1) | (r << 11)) & 0x81C081C0 for the high ones (bits
+        5-7 -> 6-8, sign 4 -> 15); the other shift puts only zero bytes or nothing at each masked bit. 14 instructions
+        per 8 weights against the plain layout's 16."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 r01, r23, a, b;
+            prmt.b32 r01, $4, 0, 0x4140;
+            prmt.b32 r23, $4, 0, 0x4342;
+            shl.b32 a, r01, 6; shl.b32 b, r01, 12; or.b32 a, a, b; and.b32 $0, a, 0x81C081C0;
+            shl.b32 a, r23, 6; shl.b32 b, r23, 12; or.b32 a, a, b; and.b32 $1, a, 0x81C081C0;
+            shl.b32 a, r01, 1; shl.b32 b, r01, 11; or.b32 a, a, b; and.b32 $2, a, 0x81C081C0;
+            shl.b32 a, r23, 1; shl.b32 b, r23, 11; or.b32 a, a, b; and.b32 $3, a, 0x81C081C0;
+            }""",
+            "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
+    def _frag_hi_back(pw):
+        """`frag_hi_rotate(inverse=True)` in Triton: fragment-order bytes with the high nibbles as the checkpoint
+        stores them, for the decode routes other than `_e2m1x2_bf16_frag_ptx`."""
+        return (pw & 0x0F) | ((pw >> 1) & 0x70) | ((pw << 3) & 0x80)
+
+    @triton.jit
     def _halves(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """[BN, BK/16] per-16 values of a K tile -> (first half, second half) [BN, BK/32] each."""
         return tl.split(tl.permute(tl.reshape(v, (BLOCK_N, 2, BLOCK_K // 32)), (0, 2, 1)))
@@ -271,6 +313,8 @@ if triton is not None:
         (first-half, second-half) weights [BN, BK/2] in DTYPE, times `_dequant_gain`'s inverse: `w4a16_gemm._dequant`
         with one scale per nibble half instead of one per byte. FRAG: bytes in fragment order (`split_frag`), and on
         the GPU the scales converted by `_e4m3_bf16_gained` (the same values), the whole tile's at once."""
+        if FRAG and (INTERPRET or DTYPE != tl.bfloat16 or DEQ != 2):  # only the PTX reads sign-first nibbles
+            pw = _frag_hi_back(pw)
         if DTYPE == tl.bfloat16 and DEQ > 0:
             if FRAG and not INTERPRET:  # scale x 2^119 straight from the bits (bf16)
                 slo, shi = _halves(_e4m3_bf16_gained(s8), BLOCK_N, BLOCK_K)
@@ -285,7 +329,9 @@ if triton is not None:
                 hi = ((((p >> 4) & 7) << 22) | (((p >> 4) & 8) << 28)).to(tl.float32, bitcast=True) * shi
                 lo, hi = lo.to(DTYPE), hi.to(DTYPE)
             else:
-                if DEQ == 2:
+                if DEQ == 2 and FRAG:
+                    lo, hi = _e2m1x2_bf16_frag_ptx(pw)
+                elif DEQ == 2:
                     lo, hi = _e2m1x2_bf16_tiny_ptx(pw)
                 else:
                     p = pw.to(tl.uint16)

@@ -73,16 +73,55 @@ def test_split_halves_round_trip_and_layout(shape, bn, bk):
 
 def test_split_frag_order():
     """`split_frag`: split halves with each 16-byte group reordered so that stored byte 4c + 2h + b is the group's
-    byte 8h + 2c + b (a wgmma A-fragment thread's four bytes k = 2c, 2c + 1, 2c + 8, 2c + 9 adjacent); round trip."""
+    byte 8h + 2c + b (a wgmma A-fragment thread's four bytes k = 2c, 2c + 1, 2c + 8, 2c + 9 adjacent) and the high
+    nibble stored sign first (code bits m, e0, e1, s at byte bits 5, 6, 7, 4; the low nibble as it was); round trip."""
     assert sorted(FRAG_ORDER) == list(range(16)) and FRAG_ORDER[:4] == [0, 1, 8, 9] and FRAG_ORDER[-1] == 15
     g = torch.Generator().manual_seed(3)
     p = torch.randint(0, 256, (3, 64, 128), dtype=torch.uint8, generator=g)
     s, f = split_halves(p, 32, BK), split_frag(p, 32, BK)
     assert f.shape == p.shape and not torch.equal(f, s)
     assert torch.equal(unsplit_frag(f, 32, BK), p)
-    groups_s, groups_f = s.reshape(-1, 16), f.reshape(-1, 16)
+    groups_s, groups_f = s.reshape(-1, 16).int(), f.reshape(-1, 16).int()
     for c, h, b in ((0, 0, 0), (1, 1, 0), (3, 0, 1), (2, 1, 1)):
-        assert torch.equal(groups_f[:, 4 * c + 2 * h + b], groups_s[:, 8 * h + 2 * c + b])
+        got, byte = groups_f[:, 4 * c + 2 * h + b], groups_s[:, 8 * h + 2 * c + b]
+        code_hi = byte >> 4
+        assert torch.equal(got & 0xF, byte & 0xF)
+        assert torch.equal((got >> 5) & 7, code_hi & 7) and torch.equal((got >> 4) & 1, code_hi >> 3)
+
+
+def test_frag_hi_rotate():
+    """`frag_hi_rotate` on all 256 bytes: a bijection, undone by inverse=True, the low nibble untouched; the Triton
+    copy of the inverse (`_frag_hi_back`, run through the interpreter) agrees."""
+    from kernels.w4a16_swapped import frag_hi_rotate
+
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    r = frag_hi_rotate(b)
+    assert sorted(r.tolist()) == list(range(256)) and torch.equal(r & 0xF, b & 0xF)
+    assert torch.equal(frag_hi_rotate(r, inverse=True), b)
+    assert frag_hi_rotate(torch.tensor([0x80], dtype=torch.uint8)).item() == 0x10  # the sign to bit 4
+    assert frag_hi_rotate(torch.tensor([0x10], dtype=torch.uint8)).item() == 0x20  # the mantissa to bit 5
+
+
+def test_fragment_order_weight_bits():
+    """The fragment-order path's GPU dequant (`_e2m1x2_bf16_frag_ptx`, inline PTX) run on the CPU by
+    tests/ptx_emu.py: on any 4 bytes stored sign first (`frag_hi_rotate`) it gives exactly the outputs of the plain
+    layout's PTX (`w4a16_gemm._e2m1x2_bf16_tiny_ptx`) on the same bytes as the checkpoint stores them -- every code in
+    every nibble and byte position, and random words."""
+    from kernels import w4a16_gemm, w4a16_swapped
+    from kernels.w4a16_swapped import frag_hi_rotate
+
+    plain = ptx_emu.asm_text(w4a16_gemm._e2m1x2_bf16_tiny_ptx)
+    frag = ptx_emu.asm_text(w4a16_swapped._e2m1x2_bf16_frag_ptx)
+    assert plain != frag
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 256, (400, 4), generator=g).tolist()
+    words += [[v, 0, 0, 0] for v in range(256)] + [[0, v, 0xFF, 0] for v in range(256)]
+    words += [[0, 0, v, 0] for v in range(256)] + [[0x5A, 0xA5, 0, v] for v in range(256)]
+    for bytes4 in words:
+        stored = frag_hi_rotate(torch.tensor(bytes4, dtype=torch.uint8)).tolist()
+        want = ptx_emu.run(plain, {"$4": sum(v << (8 * i) for i, v in enumerate(bytes4))})
+        got = ptx_emu.run(frag, {"$4": sum(v << (8 * i) for i, v in enumerate(stored))})
+        assert [got[f"${i}"] for i in range(4)] == [want[f"${i}"] for i in range(4)], bytes4
 
 
 CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored tile), stored tile rows
