@@ -16,6 +16,9 @@ shipped picks W8C1 / W2C2), the fused FP8 in_proj (12,288 x 2,048, codes given) 
 router GEMV + top-k (256 x 2,048 bf16), gdn_prep with b / a (16 k-heads), paged attention (1,024 tokens, 16 / 2
 heads of 256, blocks of 16) and its split combine, moe_combine. ncu serialises and replays each launch with cold
 caches (its default cache control), so the numbers are a kernel alone, not its time on the PDL chain.
+`--moe32`: instead, the 32-stream step's routed experts only -- gate_up + SwiGLU and down x routing weight on the
+swap-AB kernel at 32 tokens (top-8 of 256, 16-row blocks, fragment order, the engine's defaults), the calls that
+hold over half of that step's GPU time.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="TINY shapes on the CPU interpreter (a smoke test)")
+    ap.add_argument("--moe32", action="store_true", help="the swap-AB experts at 32 tokens only (module docstring)")
     ap.add_argument("--summarize", metavar="RAW_CSV", help="print `summarize`'s lines of an ncu --page raw --csv file")
     args = ap.parse_args(argv)
     if args.summarize:
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     attn = paged_attention.random_inputs([c["CTX"]], 16, 2, c["ATTN_DH"], 16, dtype=torch.bfloat16, seed=2,
                                          device=dev)
     comb = moe_combine.random_inputs(1, H, dtype=torch.bfloat16, seed=3, device=dev)
+    if args.moe32:
+        return _moe32(args, dev, gen, w13, w2, H, INTER, E, TOP_K)
     for rep in range(args.repeat):
         last = rep == args.repeat - 1  # the earlier passes compile and tune; ncu profiles the last (NVTX "measure")
         if last and not args.tiny:
@@ -136,6 +142,33 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny:
         torch.cuda.synchronize()
     print("[decode_ncu] done")
+    return 0
+
+
+def _moe32(args, dev, gen, w13, w2, H: int, INTER: int, E: int, TOP_K: int, tokens: int = 32) -> int:
+    """`--moe32`: the swap-AB gate_up and down at `tokens` tokens, `--repeat` passes, NVTX "measure" on the last."""
+    import torch
+
+    from kernels.w4a16_gemm import moe_align
+    from kernels.w4a16_swapped import SPLIT_TILE, split_frag, swapped_block_m, w4a16_grouped_swapped_launch
+
+    tile = SPLIT_TILE if not args.tiny else (32, SPLIT_TILE[1])
+    w13f, w2f = split_frag(w13.packed, *tile), split_frag(w2.packed, *tile)
+    idx = torch.stack([torch.randperm(E, device=dev, generator=gen)[:TOP_K] for _ in range(tokens)])
+    routing = moe_align(idx, E, swapped_block_m(tokens * TOP_K, E))
+    x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    for rep in range(args.repeat):
+        last = rep == args.repeat - 1
+        if last and not args.tiny:
+            torch.cuda.nvtx.range_push("measure")
+        h = w4a16_grouped_swapped_launch(x, w13f, w13.scales, w13.global_scale, routing, a_div=TOP_K, swiglu=True,
+                                         frag=True, block_n=tile[0])  # [tokens x top-k, INTER]
+        w4a16_grouped_swapped_launch(h, w2f, w2.scales, w2.global_scale, routing, frag=True, block_n=tile[0])
+        if last and not args.tiny:
+            torch.cuda.nvtx.range_pop()
+    if not args.tiny:
+        torch.cuda.synchronize()
+    print(f"[decode_ncu] done (moe32: {tokens} tokens, {INTER} x {H})")
     return 0
 
 

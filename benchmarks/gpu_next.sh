@@ -411,15 +411,16 @@ old_engine() {
   grep -E "Error|error|File " "$R/$name.log" | cut -c1-300 | head -20
 }
 
-# decode_ncu LIMIT_S: Nsight Compute (--set full, clocks left alone) on benchmarks/decode_ncu.py's last pass (NVTX
+# decode_ncu LIMIT_S [DECODE_NCU_ARGS...]: Nsight Compute (--set full, clocks left alone) on benchmarks/decode_ncu.py's last pass (NVTX
 # range "measure"), its report into $R/decode_ncu.ncu-rep, raw and details pages as CSV beside it, the summary lines
 # printed (steps 122-123); says so where the machine has no ncu
 decode_ncu() {
-  local ncu
+  local ncu limit=$1
+  shift
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -z "$ncu" ]; then say "no ncu on this machine"; return 1; fi
-  timeout "$1" "$ncu" --clock-control none --nvtx --nvtx-include "measure/" --set full \
-    -o "$R/decode_ncu" python benchmarks/decode_ncu.py --repeat 2 > "$R/ncu_decode.log" 2>&1
+  timeout "$limit" "$ncu" --clock-control none --nvtx --nvtx-include "measure/" --set full \
+    -o "$R/decode_ncu" python benchmarks/decode_ncu.py --repeat 2 "$@" > "$R/ncu_decode.log" 2>&1
   say "ncu exit $?"
   "$ncu" -i "$R/decode_ncu.ncu-rep" --csv --page raw > "$R/ncu_raw.csv" 2>> "$R/ncu_decode.log"
   "$ncu" -i "$R/decode_ncu.ncu-rep" --csv --page details > "$R/ncu_details.csv" 2>> "$R/ncu_decode.log"
@@ -1650,6 +1651,51 @@ old_engine qwen_old "${LIMIT_126O:-200}" --autotune-table auto --again
 archive
 gpu_tests swapped_tests "${LIMIT_126T:-200}" tests/test_kernel_w4a16_swapped.py tests/test_kernel_w4a16_mma.py \
   tests/test_weight_prefetch.py -rfE --durations=5
+fi
+if want 127; then
+say "127. issue 5: where the 32-stream step goes now -- the engine's decode steps profiled at 32 streams with PDL"
+say "    (kernel table), then Nsight Compute on the swap-AB experts at 32 tokens (decode_ncu.py --moe32)"
+timeout "${LIMIT_127P:-200}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-streams 32 \
+  --prefill-graphs off --batches "" --out "$R/qwen_profile" > "$R/qwen_profile.log" 2>&1
+grep -E "engine_32|tok_per_s" "$R/qwen_profile.log" | cut -c1-160 | head -30
+archive
+decode_ncu "${LIMIT_127N:-150}" --moe32
+fi
+if want 128; then
+say "128. issue 5: the swap-AB kernel's launch configs per call (step 127's ncu: gate_up at 32 tokens 28% occupancy,"
+say "    stalled on shared-memory results; down 45%, on global loads): register caps (6 / 7 / 9 programs an SM instead"
+say "    of 5 / 8 / 8) and programs of two stored tiles, each case's outputs against the default build's"
+timeout "${LIMIT_128:-300}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label configs \
+  --configs '[{"maxnreg": 80}, {"maxnreg": 72}, {"maxnreg": 56}, {"BLOCK_N": 128}]' > "$R/swapped_ab_configs.log" 2>&1
+grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_configs.log | cut -c1-300
+fi
+if want 129; then
+say "129. issue 5: the FP8 decode GEMV at the lone step's projection shapes, every autotuner tiling and whole-K"
+say "    tilings (benchmarks/fp8_gemv_picks.py: 40 weight copies a graph, codes given, PDL on)"
+timeout "${LIMIT_129:-300}" python benchmarks/fp8_gemv_picks.py --out "$R/fp8_gemv_picks" > "$R/fp8_gemv_picks.log" 2>&1
+grep -E "^\{|Error|error" "$R/fp8_gemv_picks.log" | cut -c1-300
+fi
+if want 130; then
+# ran once (mma_ahead run 1, thirty-seventh session): w4a16_mma.LOAD_AHEAD and mma_picks --ahead-both were removed
+# after it (no gain: RESULTS.md), so this step no longer runs as written
+say "130. issue 5 (carry .devbundle/extra, .tritoncache): the tensor-core decode GEMV with each warp's next chunk loaded"
+say "    while it computes the current one (LOAD_AHEAD, one-chunk configs): every configuration at the experts' 1 / 2 /"
+say "    4-token calls, the one-chunk ones also without it (same bits?), the fastest merged into the shipped table; then"
+say "    this tree's engine on that table, --again"
+timeout "${LIMIT_130M:-250}" python benchmarks/mma_picks.py --tokens "${TOKENS_130:-1,2,4}" --ahead-both --replays 10 \
+  --merge-into kernels/tuned/nvidia_h200.json --out "$R/mma_picks" > "$R/mma_picks.log" 2>&1
+cat "$R/mma_picks/mma_picks.md" 2>/dev/null || tail -5 "$R/mma_picks.log"
+archive
+if [ -f "$R/mma_picks/tuned_merged.json" ]; then
+  cp "$R/mma_picks/tuned_merged.json" /tmp/tuned_pinned.json
+  engine_ab qwen_ahead "${LIMIT_130:-200}" --autotune-table /tmp/tuned_pinned.json --again
+fi
+fi
+if want 132; then
+say "132. issue 5: tests/test_weight_prefetch.py on the GPU (its launcher-guard cases now on GPU tensors: step 126 ran"
+say "    them with CPU tensors handed to compiled Triton) and the swap-AB kernel's file again"
+gpu_tests prefetch_tests "${LIMIT_132:-200}" tests/test_weight_prefetch.py tests/test_kernel_w4a16_swapped.py -rfE \
+  --durations=5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

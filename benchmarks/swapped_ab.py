@@ -5,12 +5,14 @@ with SwiGLU and down, and lm_head (`w4a16_linear_frag`) at 1, 16 and 32 rows; ev
 (`default_stages`, SETTLE), PDL as the engine runs it, random packed weights in the checkpoint's format (speed does not
 depend on the values; the same seed in both trees, so the same inputs).
 
-    python benchmarks/swapped_ab.py --out DIR [--save OUT.pt | --compare OTHER.pt] [--stages 2,4]
+    python benchmarks/swapped_ab.py --out DIR [--save OUT.pt | --compare OTHER.pt] [--stages 2,4] [--configs JSON]
 
 Run it in the other tree with --save, then here with --compare (see gpu_next.sh step 88): each case's us per call
 (CUDA-graph replays, `cuda_timing.graph_per_call_us`) and whether its output equals the other tree's exactly.
 `--stages`: each case also timed at these pipeline depths (`config=dict(num_stages=...)`, everything else the
-engine's), its outputs compared with the default build's (the stage count moves no arithmetic).
+engine's), its outputs compared with the default build's (the stage count moves no arithmetic). `--configs`: the same
+for each launch config of a JSON list, e.g. '[{"maxnreg": 80}, {"BLOCK_N": 128}]' (a register cap, programs of two
+stored tiles); a config a case's launch refuses is recorded with its error.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ def main() -> None:
     ap.add_argument("--compare", help="compare the outputs with this .pt file (from --save in the other tree)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
     ap.add_argument("--stages", default="", help="comma-separated num_stages to time each case at as well")
+    ap.add_argument("--configs", default="[]", help="JSON list of launch configs to time each case at as well")
     args = ap.parse_args()
-    sweep = [int(v) for v in args.stages.split(",") if v]
+    sweep = [dict(num_stages=int(v)) for v in args.stages.split(",") if v] + json.loads(args.configs)
     import torch
     import triton
 
@@ -90,10 +93,14 @@ def main() -> None:
                                                                                           other[name]))
         rows_out.append(row)
         print("[swapped_ab]", args.label, json.dumps(row), flush=True)
-        for stages in sweep:
-            staged = [lambda c=c, st=stages: c(dict(num_stages=st)) for c in calls]
-            same = all(torch.equal(o.cpu(), r) for o, r in zip([c() for c in staged], outputs[name]))
-            srow = dict(case=name, stages=stages, us=round(graph_per_call_us(staged * 5), 2), equal_to_default=same)
+        for cfg in sweep:
+            staged = [lambda c=c, cfg=cfg: c(dict(cfg)) for c in calls]  # a copy: the launcher pops BLOCK_N
+            srow = dict(case=name, config=cfg)
+            try:
+                same = all(torch.equal(o.cpu(), r) for o, r in zip([c() for c in staged], outputs[name]))
+                srow.update(us=round(graph_per_call_us(staged * 5), 2), equal_to_default=same)
+            except Exception as exc:  # noqa: BLE001 -- a refused or failed config is a result of the sweep
+                srow.update(error=f"{type(exc).__name__}: {exc}"[:300])
             rows_out.append(srow)
             print("[swapped_ab]", args.label, json.dumps(srow), flush=True)
     if args.save:

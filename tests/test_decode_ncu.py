@@ -13,6 +13,14 @@ def test_tiny_driver_runs(capsys):
     assert "[decode_ncu] done" in capsys.readouterr().out
 
 
+def test_tiny_moe32_runs(capsys):
+    """`--moe32`: the swap-AB experts at 32 tokens (routing, fragment-order bytes, both launches) at tiny shapes."""
+    from benchmarks.decode_ncu import main
+
+    assert main(["--tiny", "--moe32", "--repeat", "1"]) == 0
+    assert "moe32: 32 tokens" in capsys.readouterr().out
+
+
 def test_summarize_reads_a_raw_export():
     """ncu's raw page: a header row, a units row, one row per kernel; durations in ns become us, and the stall
     reasons are ranked by their share of the samples."""

@@ -12,6 +12,7 @@ import torch
 from kernels import pdl
 
 triton = pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton takes GPU tensors only
 
 
 @pytest.fixture
@@ -88,12 +89,12 @@ def asked(monkeypatch):
 def test_fp8_gemv_guard_needs_contiguous_aligned_rows(asked):
     from kernels.fp8_gemv import fp8_gemv_op
 
-    x, s_in = torch.randn(1, 64), torch.tensor(0.05)
-    w = (torch.randn(24, 80) * 40).to(torch.float8_e4m3fn)
-    ws = torch.rand(24) * 0.01
+    x, s_in = torch.randn(1, 64, device=DEVICE), torch.tensor(0.05, device=DEVICE)
+    w = (torch.randn(24, 80, device=DEVICE) * 40).to(torch.float8_e4m3fn)
+    ws = torch.rand(24, device=DEVICE) * 0.01
     fp8_gemv_op(x, w[:, :64], ws, s_in, torch.float32, prequantize=True)  # rows of 80 bytes, 64 read: not one range
     fp8_gemv_op(x, w[:, :64].contiguous(), ws, s_in, torch.float32, prequantize=True)
-    x2 = torch.randn(1, 72)
+    x2 = torch.randn(1, 72, device=DEVICE)
     fp8_gemv_op(x2, w[:, :72].contiguous(), ws, s_in, torch.float32, prequantize=True)  # 72-byte rows: not 16s
     assert asked["own"] == [False, True, False]
 
@@ -134,10 +135,11 @@ def test_router_and_gdn_prep_guards(asked):
     from kernels.gdn_prep import gdn_decode_prep_ba_triton, random_inputs_ba
     from kernels.moe_router import _launch_gemv
 
-    _launch_gemv(torch.randn(1, 128), torch.randn(16, 128) * 0.02, 4)  # fp32 rows of 512 bytes
-    _launch_gemv(torch.randn(1, 30), torch.randn(16, 30) * 0.02, 4)  # 120-byte rows: not 16s
+    # fp32 rows of 512 bytes, then of 120 (not 16s)
+    _launch_gemv(torch.randn(1, 128, device=DEVICE), torch.randn(16, 128, device=DEVICE) * 0.02, 4)
+    _launch_gemv(torch.randn(1, 30, device=DEVICE), torch.randn(16, 30, device=DEVICE) * 0.02, 4)
     assert asked["own"] == [True, False]
-    args = random_inputs_ba(1, 2, 16, 2, 16, hidden=64, dtype=torch.float32, seed=6)
+    args = random_inputs_ba(1, 2, 16, 2, 16, hidden=64, dtype=torch.float32, seed=6, device=DEVICE)
     gdn_decode_prep_ba_triton(*args)  # w_ba rows of 256 bytes, contiguous
     assert asked["own"] == [True, False, True]
 
