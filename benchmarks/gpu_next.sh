@@ -1697,6 +1697,18 @@ say "    them with CPU tensors handed to compiled Triton) and the swap-AB kernel
 gpu_tests prefetch_tests "${LIMIT_132:-200}" tests/test_weight_prefetch.py tests/test_kernel_w4a16_swapped.py -rfE \
   --durations=5
 fi
+if want 133; then
+say "133. issue 5 (carry .devbundle/extra with ab_old.tar of df6e94e in it, and .tritoncache): between two decode steps"
+say "    the greedy argmax in one launch over the GPU (kernels/argmax_rows.py), the sampled ids' device->host copy on a"
+say "    stream of its own, the feed index kept on the device, the fed ids gathered straight into the graph's input;"
+say "    this tree's engine --again, then df6e94e's, then the argmax tests on CUDA"
+old_tree
+engine_ab qwen_between "${LIMIT_133:-190}" --autotune-table auto --again
+archive
+old_engine qwen_old "${LIMIT_133O:-190}" --autotune-table auto --again
+archive
+gpu_tests argmax_tests "${LIMIT_133T:-45}" tests/test_kernel_argmax_rows.py -rfE
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -34,7 +34,7 @@ sort is skipped when no row in the batch asks for either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +123,11 @@ class SamplingTensors:
         return cls.build([r.sampling for r in rows], [r.seed for r in rows], [r.output_index for r in rows], device)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits [B, V] (any float dtype) -> token ids [B] int64, without host syncs."""
-    greedy = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, st: SamplingTensors,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """logits [B, V] (any float dtype) -> token ids [B] int64, without host syncs. `argmax`: the greedy rows'
+    `torch.argmax(logits, dim=-1)` by another route (an engine's kernel: the first maximum, NaN above numbers)."""
+    greedy = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     if st.all_greedy:
         return greedy
     assert st.temperature is not None and st.seed is not None and st.step is not None  # built for sampled rows

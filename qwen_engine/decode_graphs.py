@@ -207,8 +207,8 @@ class DecodeGraphs(BucketGraphs):
         self._pad_rows(n, b)  # rows a previous, larger step filled
         # one H2D copy of the fields and the first b block-table rows (a prefix of the layout)
         self._upload(len(_FIELDS) * self.bmax + b * self.max_blocks)
-        if fed is not None:
-            self._ids[:n].copy_(fed[0].index_select(0, fed[1]))
+        if fed is not None:  # one gather straight into the graph's input ids
+            torch.index_select(fed[0], 0, fed[1], out=self._ids[:n])
         return self._replay(b)[:n]
 
 

@@ -56,13 +56,13 @@ class PendingStep:
 
 
 RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk",
-                         "kernels.gdn_conv")
+                         "kernels.gdn_conv", "kernels.argmax_rows")
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 
 
 def gdn_registry(preference: KernelPreference | str = KernelPreference.AUTO) -> Registry:
     """A registry with the ops the runner calls (its own, so an engine's preference does not leak into others):
-    the GDN decode step and its prep, the GDN prefill, and the paged decode attention."""
+    the GDN decode step and its prep, the GDN prefill, the paged decode attention and the greedy sampler's argmax."""
     registry = Registry(preference)
     for module in RUNNER_KERNEL_MODULES:
         importlib.import_module(module).register(registry)
@@ -98,6 +98,12 @@ class ModelRunner:
         self.graph_steps = 0
         self.prefill_graph_steps = 0
         self.busy_s = 0.0  # host wall time in launch + result (incl. the wait for the sampled ids) of read steps
+        # Between two graphed decode steps the device stream runs the sampler, then the copies the next step needs:
+        # the feed index of a step formed ahead is kept on the device while it repeats (a batch that does not change
+        # repeats it every step: one host->device copy fewer a step), and the sampled ids leave for the host on a
+        # stream of their own (`ids_stream`), so the next step's inputs do not wait behind that copy.
+        self._feed_index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.ids_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         for name, mode in (("decode_graphs", decode_graphs), ("prefill_graphs", prefill_graphs)):
             if mode not in DECODE_GRAPH_MODES:
                 raise ValueError(f"{name} must be one of {DECODE_GRAPH_MODES}, got {mode!r}")
@@ -148,6 +154,10 @@ class ModelRunner:
 
     def _gdn_conv(self, x, conv_pool, row, conv_w, valid=None):
         return self.registry.call("gdn_prefill_conv", x, conv_pool, row, conv_w, valid)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy ids of logits [B, V] (the registry's "argmax_rows": one launch spread over the GPU)."""
+        return self.registry.call("argmax_rows", logits)
 
     def _decode_attention(self, q, k_pool, v_pool, block_tables, context_lens, scale):
         return self.registry.call("paged_decode_attention", q, k_pool, v_pool, block_tables, context_lens, scale)
@@ -227,8 +237,10 @@ class ModelRunner:
         if feed is None or feed.plan.step_id != plan.feed_from or feed.ids is None:
             raise ValueError(f"step {plan.step_id} takes its inputs from step {plan.feed_from}: launch it with that "
                              f"step's PendingStep")
-        index = torch.tensor(plan.feed_index, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        return feed.ids, index.to(self.device, non_blocking=True)
+        if self._feed_index is None or self._feed_index[0] != plan.feed_index:  # never written once made
+            index = torch.tensor(plan.feed_index, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._feed_index = (plan.feed_index, index.to(self.device, non_blocking=True))
+        return feed.ids, self._feed_index[1]
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, feed: PendingStep | None = None) -> torch.Tensor:
@@ -277,12 +289,15 @@ class ModelRunner:
         ids = host = event = None
         if logits.shape[0]:
             with torch.inference_mode():
-                ids = sample(logits, SamplingTensors.from_plan(plan, self.device))
-            if self.device.type == "cuda":
+                ids = sample(logits, SamplingTensors.from_plan(plan, self.device), argmax=self._argmax)
+            if self.device.type == "cuda":  # the copy on ids_stream, after the sampler (see __init__)
                 host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                host.copy_(ids, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
+                self.ids_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.ids_stream):
+                    host.copy_(ids, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                ids.record_stream(self.ids_stream)  # its memory not reused before the copy has read it
             else:
                 host = ids
         self.launches += 1  # queued (a launch that raised is not counted)

@@ -1,0 +1,167 @@
+"""The greedy sampler's argmax over a vocabulary row in one Triton launch spread over the GPU ("argmax_rows").
+
+Reference `argmax_rows_reference` = `torch.argmax(x, dim=-1)`: x [B, V] float -> int64 [B], the first index of the
+row's maximum; a NaN counts as larger than every number (the first NaN's index wins), a row of -inf gives 0.
+
+Why. torch reduces a [1, 248,320] row of logits with one block (`reduce_kernel<512, 1>`): 8.7 us of kernel and
+12.9 us on a lone decode step's critical path (H200, profile run 23), every step, after lm_head. Here grid (B,
+PROGRAMS): each program scans a slice of the row in BLOCK-wide tiles and keeps (value, first index, NaN seen); it
+stores that partial, and the program of the row that arrives last (`split_k.last_arrival`, one counter a row) reduces
+the row's PROGRAMS partials and writes the index -- one launch, the slices read in parallel.
+
+Exact: values compared in fp32 (bf16 / fp16 widen exactly); ties go to the lower index within a tile, to the earlier
+tile within a slice and to the earlier slice across slices, which is the first index overall.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels import pdl
+from kernels.device import triton_device_ok
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.pdl import enter as pdl_enter
+    from kernels.split_k import last_arrival, rearm, split_counters
+except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
+    triton = None
+
+NAME = "argmax_rows"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PROGRAMS = 64  # programs a row on the GPU (a 248,320-token row: 3,880 values each); the interpreter: 4
+BLOCK = 1024  # values a tile
+_NONE = 2**31 - 1  # "no index yet" (larger than any index)
+
+
+if triton is not None:
+    _NONE_C = tl.constexpr(_NONE)  # jit functions may only read constexpr globals
+
+    @triton.jit
+    def _best_of(v, idx, ok):
+        """A tile's (value, index, NaN seen 0 / 1) of values v [N] fp32 at indices idx [N] (ok: in the row): the
+        first NaN if any, else the first maximum; (-inf, _NONE_C, 0) for a tile of nothing."""
+        nan = (v != v) & ok
+        any_nan = tl.max(nan.to(tl.int32), axis=0)
+        vv = tl.where(ok & (v == v), v, float("-inf"))
+        top = tl.max(vv, axis=0)
+        first_top = tl.min(tl.where(ok & (vv == top), idx, _NONE_C), axis=0)
+        first_nan = tl.min(tl.where(nan, idx, _NONE_C), axis=0)
+        return tl.where(any_nan != 0, float("nan"), top), tl.where(any_nan != 0, first_nan, first_top), any_nan
+
+    @triton.jit
+    def _better(v, i, n, bv, bi, bn):
+        """Whether candidate (v, i, NaN flag n) beats the best so far (bv, bi, bn), candidates coming in index order:
+        a first NaN beats any number, a number beats only a smaller number (equal: the earlier stays), and anything
+        beats nothing yet."""
+        return (i != _NONE_C) & ((bi == _NONE_C) | ((n != 0) & (bn == 0)) | ((n == 0) & (bn == 0) & (v > bv)))
+
+    @triton.jit
+    def _argmax_rows_kernel(x, part_v, part_i, part_n, out, counters, V, s_xb, SLICE,
+                            PROGRAMS_: tl.constexpr, BLOCK_: tl.constexpr, USE_PDL: tl.constexpr = False):
+        # grid (B, PROGRAMS_): program p scans x[b, p SLICE : (p + 1) SLICE] (SLICE a multiple of BLOCK_); partials
+        # [B, PROGRAMS_] (value fp32, index int32, NaN flag int32); counters: one int32 a row, 0 between launches
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        b, p = tl.program_id(0), tl.program_id(1)
+        row = x + b.to(tl.int64) * s_xb
+        lo = p * SLICE
+        bv = tl.full([], float("-inf"), tl.float32)
+        bi = tl.full([], _NONE_C, tl.int32)
+        bn = tl.full([], 0, tl.int32)
+        for t in range(lo, tl.minimum(lo + SLICE, V), BLOCK_):
+            idx = t + tl.arange(0, BLOCK_)
+            ok = idx < V
+            v = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32)
+            cv, ci, cn = _best_of(v, idx, ok)
+            take = _better(cv, ci, cn, bv, bi, bn)
+            bv, bi, bn = tl.where(take, cv, bv), tl.where(take, ci, bi), tl.where(take, cn, bn)
+        slot = b * PROGRAMS_ + p
+        tl.store(part_v + slot, bv)
+        tl.store(part_i + slot, bi)
+        tl.store(part_n + slot, bn)
+        if last_arrival(counters, b, PROGRAMS_):  # every slice's partial of row b is visible
+            ps = b * PROGRAMS_ + tl.arange(0, PROGRAMS_)
+            pv = tl.load(part_v + ps, cache_modifier=".cg")
+            pi = tl.load(part_i + ps, cache_modifier=".cg")
+            pn = tl.load(part_n + ps, cache_modifier=".cg") != 0
+            has = pi != _NONE_C
+            any_nan = tl.max((pn & has).to(tl.int32), axis=0) != 0
+            vv = tl.where(has & ~pn, pv, float("-inf"))
+            top = tl.max(vv, axis=0)
+            first_top = tl.min(tl.where(has & ~pn & (vv == top), pi, _NONE_C), axis=0)
+            first_nan = tl.min(tl.where(has & pn, pi, _NONE_C), axis=0)
+            best = tl.where(any_nan, first_nan, first_top)
+            tl.store(out + b, tl.where(best == _NONE_C, 0, best).to(tl.int64))
+            rearm(counters, b)
+
+
+def _interpreted() -> bool:
+    return triton is not None and type(_argmax_rows_kernel).__name__ == "InterpretedFunction"
+
+
+def argmax_rows_reference(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of x [B, V] -> int64 [B]."""
+    return torch.argmax(x, dim=-1)
+
+
+def argmax_rows_triton(x: torch.Tensor, programs: int | None = None) -> torch.Tensor:
+    """Same contract as `argmax_rows_reference` for the calls `supports` accepts (`programs`: slices a row, tests)."""
+    b, v = x.shape
+    out = torch.empty(b, dtype=torch.int64, device=x.device)
+    if b == 0:
+        return out
+    p = programs or (4 if _interpreted() else PROGRAMS)
+    counters = split_counters(x.device, b)
+    if counters is None:  # inside a capture before any eager use, or more rows than counters: torch's
+        return torch.argmax(x, dim=-1)
+    block = min(BLOCK, triton.next_power_of_2(max(1, -(-v // p))))
+    slice_ = -(-(-(-v // p)) // block) * block  # each slice whole tiles; some trailing slices may be empty
+    part_v = torch.empty(b * p, dtype=torch.float32, device=x.device)
+    part_i = torch.empty(b * p, dtype=torch.int32, device=x.device)
+    part_n = torch.empty(b * p, dtype=torch.int32, device=x.device)
+    _argmax_rows_kernel[(b, p)](x, part_v, part_i, part_n, out, counters, v, x.stride(0), slice_, PROGRAMS_=p,
+                                BLOCK_=block, num_warps=4, **pdl.launch_options())
+    return out
+
+
+def describe(x: torch.Tensor) -> dict[str, Any]:
+    return dict(device=x.device.type, capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None,
+                dtype=x.dtype, dim=x.dim(), unit_stride=x.dim() == 2 and x.stride(-1) == 1,
+                vocab=x.shape[-1] if x.dim() else 0)
+
+
+def supports(*, device: str, capability, dtype: torch.dtype, dim: int, unit_stride: bool, vocab: int,
+             **_: Any) -> bool:
+    """Triton able to run on `device`; 2-D rows of a float dtype in DTYPES with a unit inner stride, 1 <= V < 2^31."""
+    if triton is None:
+        return False
+    return (triton_device_ok(device, capability, _interpreted()) and dtype in DTYPES and dim == 2 and unit_stride
+            and 0 < vocab < _NONE)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> str | None:
+    """Indices must be equal."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"shape / dtype {tuple(out.shape)} {out.dtype} vs {tuple(ref.shape)} {ref.dtype}"
+    bad = (out != ref).nonzero()
+    return None if bad.numel() == 0 else f"{bad.numel()} rows differ, first row {int(bad[0, 0])}"
+
+
+def random_inputs(b: int, v: int, dtype=torch.bfloat16, seed: int = 0, device="cpu") -> torch.Tensor:
+    """Logit-like rows with ties: values on a coarse grid, so the maximum repeats (the first index must win)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(-64, 64, (b, v), generator=gen).float() * 0.25).to(dtype).to(device)
+
+
+def _sample(device) -> tuple[tuple, dict]:
+    return (random_inputs(3, 5000, seed=1, device=device),), {}
+
+
+def register(registry) -> None:
+    registry.add_op(NAME, argmax_rows_reference, sample=_sample, compare=compare, describe=describe,
+                    tolerance="exact: the same index (the first maximum; a NaN above every number)")
+    registry.add_implementation(NAME, "triton", argmax_rows_triton, supports)
