@@ -1698,6 +1698,8 @@ gpu_tests prefetch_tests "${LIMIT_132:-200}" tests/test_weight_prefetch.py tests
   --durations=5
 fi
 if want 133; then
+# ran once (between_steps run 1): the argmax read the logits early under PDL; the ids' side-stream copy was reverted
+# and the argmax made opt-in (QwenEngineConfig.argmax_kernel), so this step no longer measures the defaults
 say "133. issue 5 (carry .devbundle/extra with ab_old.tar of df6e94e in it, and .tritoncache): between two decode steps"
 say "    the greedy argmax in one launch over the GPU (kernels/argmax_rows.py), the sampled ids' device->host copy on a"
 say "    stream of its own, the feed index kept on the device, the fed ids gathered straight into the graph's input;"
@@ -1708,6 +1710,13 @@ archive
 old_engine qwen_old "${LIMIT_133O:-190}" --autotune-table auto --again
 archive
 gpu_tests argmax_tests "${LIMIT_133T:-45}" tests/test_kernel_argmax_rows.py -rfE
+fi
+if want 134; then
+# written in the thirty-seventh session, not yet run (the session's device time was spent)
+say "134. issue 5: a kernel launched with PDL right after a CUDA graph replay -- does it wait for the graph? (step"
+say "    133's argmax read the logits early); benchmarks/pdl_after_graph.py, PDL / plain / PDL"
+timeout "${LIMIT_134:-90}" python benchmarks/pdl_after_graph.py --iters 50 > "$R/pdl_after_graph.log" 2>&1
+grep -E "^\{|Error|error" "$R/pdl_after_graph.log" | cut -c1-300
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -35,6 +35,11 @@ NAME = "argmax_rows"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROGRAMS = 64  # programs a row on the GPU (a 248,320-token row: 3,880 values each); the interpreter: 4
 BLOCK = 1024  # values a tile
+# A plain launch, never programmatic (PDL), whatever kernels/pdl.py says: the sampler runs right after a CUDA graph's
+# replay, and launched with PDL there the kernel did not wait for the graph's last kernel -- on the H200 (gpu_next
+# step 133, results/between_steps_run1) every stream's greedy tokens changed, the argmax having read the logits buffer
+# before lm_head wrote it. `benchmarks/pdl_after_graph.py` checks both launches after a replay.
+PDL_LAUNCH = False
 _NONE = 2**31 - 1  # "no index yet" (larger than any index)
 
 
@@ -124,7 +129,7 @@ def argmax_rows_triton(x: torch.Tensor, programs: int | None = None) -> torch.Te
     part_i = torch.empty(b * p, dtype=torch.int32, device=x.device)
     part_n = torch.empty(b * p, dtype=torch.int32, device=x.device)
     _argmax_rows_kernel[(b, p)](x, part_v, part_i, part_n, out, counters, v, x.stride(0), slice_, PROGRAMS_=p,
-                                BLOCK_=block, num_warps=4, **pdl.launch_options())
+                                BLOCK_=block, num_warps=4, **(pdl.launch_options() if PDL_LAUNCH else {}))
     return out
 
 

@@ -160,6 +160,12 @@ class QwenEngineConfig:
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads); run 66:
     #                               "next" 460.8 against 469.2 / 469.4 lone (-1.8%), the same tokens
+    argmax_kernel: bool = False  # greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
+    #                              contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
+    #                              12.9 us on a lone step's chain, profile run 23). Off: its one engine run (gpu_next
+    #                              step 133) launched it with PDL after the graph replay and read the logits before
+    #                              lm_head wrote them (every stream's tokens changed); now launched plainly, checked
+    #                              after replays by benchmarks/pdl_after_graph.py, not yet timed in the engine
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
@@ -415,6 +421,7 @@ class QwenEngine:
                                   decode_graphs=cfg.decode_graphs, prefill_graphs=cfg.prefill_graphs,
                                   prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(
                                       cfg.max_num_batched_tokens, cfg.max_model_len))
+        self.runner.argmax_kernel = cfg.argmax_kernel
         eos = self.model_config.eos_token_id
         self.default_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         # one worker thread: the forward pass blocks (CPU) or syncs once (CUDA) off the event loop

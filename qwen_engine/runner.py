@@ -98,12 +98,12 @@ class ModelRunner:
         self.graph_steps = 0
         self.prefill_graph_steps = 0
         self.busy_s = 0.0  # host wall time in launch + result (incl. the wait for the sampled ids) of read steps
-        # Between two graphed decode steps the device stream runs the sampler, then the copies the next step needs:
-        # the feed index of a step formed ahead is kept on the device while it repeats (a batch that does not change
-        # repeats it every step: one host->device copy fewer a step), and the sampled ids leave for the host on a
-        # stream of their own (`ids_stream`), so the next step's inputs do not wait behind that copy.
+        # the feed index of a step formed ahead, kept on the device while it repeats (a batch that does not change
+        # repeats it every step): one host->device copy fewer between two decode steps
         self._feed_index: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self.ids_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # greedy ids by the registry's "argmax_rows" (one launch spread over the GPU) instead of torch.argmax (one
+        # block a row): QwenEngineConfig.argmax_kernel
+        self.argmax_kernel = False
         for name, mode in (("decode_graphs", decode_graphs), ("prefill_graphs", prefill_graphs)):
             if mode not in DECODE_GRAPH_MODES:
                 raise ValueError(f"{name} must be one of {DECODE_GRAPH_MODES}, got {mode!r}")
@@ -289,15 +289,13 @@ class ModelRunner:
         ids = host = event = None
         if logits.shape[0]:
             with torch.inference_mode():
-                ids = sample(logits, SamplingTensors.from_plan(plan, self.device), argmax=self._argmax)
-            if self.device.type == "cuda":  # the copy on ids_stream, after the sampler (see __init__)
+                ids = sample(logits, SamplingTensors.from_plan(plan, self.device),
+                             argmax=self._argmax if self.argmax_kernel else None)
+            if self.device.type == "cuda":
                 host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                self.ids_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.ids_stream):
-                    host.copy_(ids, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                ids.record_stream(self.ids_stream)  # its memory not reused before the copy has read it
+                host.copy_(ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
             else:
                 host = ids
         self.launches += 1  # queued (a launch that raised is not counted)

@@ -82,3 +82,12 @@ def test_sampler_takes_the_kernel():
                          step=None)
     assert sample(x, st, argmax=fake).tolist() == torch.argmax(x, dim=-1).tolist() and seen == [x.shape]
     assert torch.equal(gdn_registry().call("argmax_rows", x), torch.argmax(x, dim=-1))
+
+
+def test_engine_option_off_by_default_and_plain_launch():
+    """QwenEngineConfig.argmax_kernel is off (its one engine run, with a PDL launch after the graph replay, read the
+    logits early) and the kernel never launches with PDL unless PDL_LAUNCH asks (benchmarks/pdl_after_graph.py)."""
+    from kernels import argmax_rows
+    from qwen_engine.engine import QwenEngineConfig
+
+    assert QwenEngineConfig().argmax_kernel is False and argmax_rows.PDL_LAUNCH is False
