@@ -36,10 +36,12 @@ def layer_inputs(d: int, device) -> list[tuple]:
             for i in range(LAYERS)]
 
 
-def run(tiling: tuple, layers: list[tuple], pool0: torch.Tensor) -> tuple[float, list]:
+def run(tiling: tuple, layers: list[tuple], pool0: torch.Tensor, split_v: bool = False) -> tuple[float, list]:
     """(us per call, the first layer's outputs on a copy of its pool as it was before any timed call, `pool0`) under
-    `tiling`. The timed graphs advance the layers' pools in place, so the outputs are taken from `pool0` only."""
+    `tiling` (and gdn_prep.SPLIT_V = `split_v`). The timed graphs advance the layers' pools in place, so the outputs
+    are taken from `pool0` only."""
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = tiling
+    gdn_prep.SPLIT_V = split_v
     out = gdn_prep.gdn_decode_prep_ba_triton(layers[0][0], pool0.clone(), *layers[0][2:])
     calls = [lambda a=a: gdn_prep.gdn_decode_prep_ba_(*a) for a in layers]  # the pools advance: values do not matter
     return graph_per_call_us(calls, replays=20), [t.clone() for t in out]
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/gdn_prep_bench")
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--split-v", action="store_true",
+                    help="also the default tiling with SPLIT_V (a k-head's work over 1 + R programs; the same bits)")
     args = ap.parse_args()
     device = torch.device("cuda")
     pdl.set_enabled(not args.no_pdl and pdl.device_supports(device))
@@ -63,20 +67,23 @@ def main() -> None:
         ref = gdn_prep.gdn_decode_prep_ba_reference(layers[0][0], pool0.clone(), *layers[0][2:])
         base = None
         rows = []
-        for tiling in [default] + [t for t in TILINGS if t != default]:
-            us, out = run(tiling, layers, pool0)
+        runs = [(default, False)] + [(t, False) for t in TILINGS if t != default] + (
+            [(default, True)] if args.split_v else [])
+        for tiling, split_v in runs:
+            us, out = run(tiling, layers, pool0, split_v)
             base = base or out
             same_qkv = all(torch.equal(out[i], base[i]) for i in (0, 1, 2, 6))
             ba_equal = float((out[5] == base[5]).float().mean())
             problem = gdn_prep.compare_ba(out, ref)
-            rows.append(dict(ba_first=tiling[0], ba_block_h=tiling[1], warps=tiling[2], us=us, qkv_pool_same=same_qkv,
-                             ba_equal=ba_equal, compare_ba=problem or "ok"))
-            lines.append(f"| {d} | {tiling[0]} | {tiling[1]} | {tiling[2]} | {us:.2f} | {ba_equal:.3f}"
-                         f"{'' if same_qkv else ' (q/k/v DIFFER)'} | {problem or 'ok'} |")
-            print(f"[gdn_prep_bench] rows {d} {tiling}: {us:.2f} us, b/a equal {ba_equal:.3f}, qkv same {same_qkv}, "
-                  f"{problem or 'ok'}", flush=True)
+            rows.append(dict(ba_first=tiling[0], ba_block_h=tiling[1], warps=tiling[2], split_v=split_v, us=us,
+                             qkv_pool_same=same_qkv, ba_equal=ba_equal, compare_ba=problem or "ok"))
+            lines.append(f"| {d} | {tiling[0]} | {tiling[1]} | {tiling[2]}{' SPLIT_V' if split_v else ''} | {us:.2f} | "
+                         f"{ba_equal:.3f}{'' if same_qkv else ' (q/k/v DIFFER)'} | {problem or 'ok'} |")
+            print(f"[gdn_prep_bench] rows {d} {tiling} split_v={split_v}: {us:.2f} us, b/a equal {ba_equal:.3f}, "
+                  f"qkv same {same_qkv}, {problem or 'ok'}", flush=True)
         results["rows"][d] = rows
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = default
+    gdn_prep.SPLIT_V = False
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gdn_prep_bench.json").write_text(json.dumps(results, indent=1))

@@ -139,7 +139,7 @@ if triton is not None:
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                          BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
                          BA_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False):
+                         PREFETCH: tl.constexpr = False, SPLIT_V: tl.constexpr = False):
         # BA (`gdn_decode_prep_ba`): `b` is the layer input x [D, H] (row stride s_bd) and `a` the concatenated
         # [in_proj_b; in_proj_a] weight [2 HV, H] (row stride s_ad); the program computes its value heads' b and a
         # itself (fp32 dot products, rounded to the model dtype as F.linear's output is) and writes them to ba_out
@@ -153,7 +153,12 @@ if triton is not None:
         # load), then the stores.
         # PREFETCH (kernels/pdl.py, with PDL; BA only): the program's w_ba rows (b and a of its value heads) into L2
         # before the wait.
+        # SPLIT_V (grid (D, HK, 1 + R)): the k-head's work over 1 + R programs -- part 0 its q / k channels (conv,
+        # norms, the q / k rows of all R value heads), part 1 + i value head j R + i alone (its v channels and gates).
+        # Each program reads and writes only its own channels, so the in-place rule above holds per program; every
+        # sum is the one the unsplit program computes (the same bits), in 3x the programs.
         d, j = tl.program_id(0), tl.program_id(1)
+        part = tl.program_id(2) if SPLIT_V else 0
         if PREFETCH and BA:  # rows j R .. j R + R - 1 of each half, contiguous (the launch checks s_ad == H)
             nbytes = R * H * (a.dtype.element_ty.primitive_bitwidth // 8)
             prefetch_l2_once(a + (j * R).to(tl.int64) * s_ad, nbytes)
@@ -162,16 +167,23 @@ if triton is not None:
         row = tl.load(rows + d)
         dt = qkv.dtype.element_ty
         ri = tl.arange(0, BLOCK_R)
-        r_ok = ri < R
-        heads = j * R + ri  # the value heads this k-head serves
+        if SPLIT_V:  # part 0: the R heads' q / k rows only; part 1 + i: head j R + i alone
+            r_ok = ri < tl.where(part == 0, R, 1)
+            heads = j * R + tl.maximum(part - 1, 0) + ri
+        else:
+            r_ok = ri < R
+            heads = j * R + ri  # the value heads this k-head serves
+        do_qk = part == 0
+        do_v = (part > 0) | (not SPLIT_V)
         # the gates' per-head parameters now: after the conv windows' norms (CTA barriers, which later loads do not
         # cross) each would be one more L2 round trip on the kernel's chain
         dt_b = tl.load(dt_bias + heads, mask=r_ok, other=0.0).to(tl.float32)
         a_lg = tl.load(a_log + heads, mask=r_ok, other=0.0).to(tl.float32)
+        g_ok = r_ok & do_v  # the heads whose v channels and gates this program computes
         if BA_FIRST:
-            bb, u = _gate_inputs(b, a, ba_out, d, heads, r_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
+            bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
         kk = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]: 2-D like the value channels
-        k_ok = kk < DK
+        k_ok = (kk < DK) & do_qk
         key_dim = HK * DK
         q_ch, k_ch = j * DK + kk, key_dim + j * DK + kk
         qf, q_win = _conv_window(qkv, pool, w, d, row, q_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
@@ -181,7 +193,7 @@ if triton is not None:
         qn = qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) + 1e-6))[:, None] * q_scale  # [1, BK]
         kn = kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6))[:, None]
         vv = tl.arange(0, BLOCK_V)
-        v_ok = r_ok[:, None] & (vv < DV)[None, :]
+        v_ok = g_ok[:, None] & (vv < DV)[None, :]
         v_ch = 2 * key_dim + heads[:, None] * DV + vv[None, :]
         vf, v_win = _conv_window(qkv, pool, w, d, row, v_ch, v_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
                                  INTERPRET)
@@ -196,7 +208,7 @@ if triton is not None:
         tl.store(v_out + (d * HV + heads)[:, None] * DV + vv[None, :], vf, mask=v_ok)
         # gates of the value heads
         if not BA_FIRST:
-            bb, u = _gate_inputs(b, a, ba_out, d, heads, r_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
+            bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
         beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
         u = u + dt_b
         # softplus = max(u, 0) + log1p(exp(-|u|)); log1p(t) for t in (0, 1] as 2 atanh(s), s = t / (2 + t) <= 1/3:
@@ -208,8 +220,8 @@ if triton is not None:
             1.0 / 13 + s2 * (1.0 / 15)))))))
         softplus = tl.where(u > 20.0, u, tl.maximum(u, 0.0) + 2.0 * sv * series)  # torch's threshold 20
         g = -tl.exp(a_lg) * softplus
-        tl.store(beta_out + d * HV + heads, beta, mask=r_ok)
-        tl.store(g_out + d * HV + heads, g, mask=r_ok)
+        tl.store(beta_out + d * HV + heads, beta, mask=g_ok)
+        tl.store(g_out + d * HV + heads, g, mask=g_ok)
 
 
 def _interpreted() -> bool:
@@ -232,14 +244,14 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
         return q, k, v, beta, g, ba_out
     r = hv // num_k_heads
     hidden = b.shape[-1] if ba else 0
-    _gdn_prep_kernel[(d, num_k_heads)](
+    _gdn_prep_kernel[(d, num_k_heads, 1 + r if SPLIT_V else 1)](
         qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, q, k, v, beta, g, ba_out,
         c, num_k_heads, hv, hidden, qkv_in.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_w.stride(0),
         b.stride(0), a.stride(0), head_k_dim ** -0.5,
         DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r),
         BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(),
-        BA_FIRST=BA_FIRST, num_warps=NUM_WARPS, **pdl.launch_options(),
+        BA_FIRST=BA_FIRST, SPLIT_V=SPLIT_V, num_warps=NUM_WARPS, **pdl.launch_options(),
         **(pdl.prefetch_options(a.stride(0) == hidden and pdl.aligned16(a.data_ptr(), hidden * a.element_size()))
            if ba else {}))
     return q, k, v, beta, g, ba_out
@@ -253,6 +265,11 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
 BA_BLOCK_H = 2048  # hidden elements per step of gdn_decode_prep_ba's b / a dot products (Qwen3.6: all 2,048 in one;
 #                   the engine sets it from QwenEngineConfig.gdn_prep_ba_step, 512 the previous default)
 BA_FIRST = False  # the b / a dot products (or loads) before the conv windows instead of after the pool's barrier
+# Each k-head's work over 1 + R programs instead of one (the kernel's SPLIT_V: its q / k channels, then each value head
+# alone; the same bits): 48 programs for a Qwen3.6 decode row instead of 16, each with a third of the loads and sums.
+# A lone step runs 30 of these launches on its critical path at ~5.9 us each (profile run 23). Off until measured
+# (the engine's gdn_prep_split_v; CPU tests only so far)
+SPLIT_V = False
 NUM_WARPS = 4
 DEFAULT_TILING = (BA_FIRST, BA_BLOCK_H, NUM_WARPS)  # what a benchmark that changes the three restores
 

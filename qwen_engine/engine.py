@@ -209,6 +209,11 @@ class QwenEngineConfig:
     #                               call against 5.33 at 512 (gdn_prep_bench run 2); Qwen run 51, lone decode 424.3
     #                               against 412.5 / 413.6 tok/s. Another fp32 summation order than 512's (the
     #                               previous default): 8 of 32 random-weight streams' greedy tokens diverged late
+    gdn_prep_split_v: bool = False  # the GDN decode prep over 1 + R programs a k-head instead of one (its q / k
+    #                                 channels, then each value head alone: kernels/gdn_prep.py SPLIT_V; the same
+    #                                 bits; process-wide like gdn_prep_ba_step): 48 programs a decode row instead of
+    #                                 16 on a launch of the lone step's chain (~5.9 us, profile run 23). Off until
+    #                                 measured on the H200 (CPU tests only)
     small_batch_tokens: int | None = None  # dual expert layouts (dual_frag: Hopper's default): calls of at most this
     #                               many tokens read the checkpoint-layout copy (NVFP4Experts.small_tokens) | None:
     #                               the loader's, 4 (the decode GEMV's). Up to kernels.w4a16_mma.SORTED_MAX_TOKENS:
@@ -412,6 +417,7 @@ class QwenEngine:
         from kernels import gdn_prep
 
         gdn_prep.BA_BLOCK_H = cfg.gdn_prep_ba_step
+        gdn_prep.SPLIT_V = cfg.gdn_prep_split_v
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))

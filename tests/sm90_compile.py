@@ -145,10 +145,13 @@ def main() -> int:
                                QUANT=True)))
     types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias", "ba_out")}
     types.update({n: "*fp32" for n in ("q_out", "k_out", "v_out", "beta_out", "g_out")}, rows="*i64", q_scale="fp32")
-    for ba in (False, True):  # b / a read, or computed from x and w_ba (gdn_decode_prep_ba: the engine's default)
-        ok.append(compile_one(f"gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16, BA={int(ba)})", gdn_prep._gdn_prep_kernel,
-                              types, dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, BLOCK_T=4,
-                                          BA=ba, BLOCK_H=gdn_prep.BA_BLOCK_H, INTERPRET=False)))
+    # b / a read, or computed from x and w_ba (gdn_decode_prep_ba: the engine's default); SPLIT_V: a k-head's work
+    # over 1 + R programs (the engine's gdn_prep_split_v)
+    for ba, split in ((False, False), (True, False), (True, True)):
+        ok.append(compile_one(f"gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16, BA={int(ba)}, SPLIT_V={int(split)})",
+                              gdn_prep._gdn_prep_kernel, types,
+                              dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, BLOCK_T=4,
+                                   BA=ba, BLOCK_H=gdn_prep.BA_BLOCK_H, INTERPRET=False, SPLIT_V=split)))
     ok.append(compile_one("rms_norm_zc (D = 2048, bf16)", rms_norm._rms_norm_zc_kernel,
                           {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
                           dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False)))

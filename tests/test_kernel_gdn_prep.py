@@ -141,6 +141,28 @@ def test_ba_matches_reference(dtype, d, hk, dk, r, dv, hidden):
     assert torch.equal(out[-1], plain[-1])
 
 
+@pytest.mark.parametrize("d,hk,dk,r,dv,hidden", [(1, 2, 32, 2, 16, 2048), (3, 2, 24, 3, 8, 600),
+                                                 (2, 1, 16, 1, 16, 96), (2, 2, 16, 4, 16, 512)])
+@pytest.mark.parametrize("ba_first", [False, True])
+def test_split_v_same_bits(monkeypatch, d, hk, dk, r, dv, hidden, ba_first):
+    """SPLIT_V (each k-head's q / k channels, then each of its value heads, in programs of their own): every output
+    and the advanced pool bit for bit as the one-program-a-k-head launch, with b / a inside (BA) and given, at repeat
+    counts 1-4 and head dims that are not powers of two; BA_FIRST too."""
+    args = random_inputs_ba(d, hk, dk, r, dv, hidden=hidden, dtype=torch.bfloat16, seed=d + hidden, device=DEVICE)
+    monkeypatch.setattr(gdn_prep, "BA_FIRST", ba_first)
+    one = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
+    hv = hk * r
+    plain_args = (args[0], args[1].clone(), args[2], args[3], one[5][:, :hv], one[5][:, hv:], *args[6:])
+    plain_one = gdn_decode_prep_triton(*plain_args)
+    monkeypatch.setattr(gdn_prep, "SPLIT_V", True)
+    split = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
+    for i in range(7):
+        assert torch.equal(split[i], one[i]), i
+    plain_split = gdn_decode_prep_triton(args[0], args[1].clone(), *plain_args[2:])
+    for i in range(6):
+        assert torch.equal(plain_split[i], plain_one[i]), i
+
+
 @pytest.mark.parametrize("ba_first,block_h,warps", [(True, None, None), (True, 2048, 8), (False, 1024, 4)])
 def test_ba_tilings(monkeypatch, ba_first, block_h, warps):
     """The launch's alternatives (benchmarks/gdn_prep_bench.py): the gate inputs first (BA_FIRST, the same operations)
@@ -178,6 +200,26 @@ def test_ba_step_engine_option(monkeypatch):
     async def body(engine):
         return gdn_prep.BA_BLOCK_H
     assert run(engine_config(gdn_prep_ba_step=512), body) == 512
+
+
+def test_split_v_engine_option(monkeypatch):
+    """The engine's `gdn_prep_split_v` (off by default, unmeasured) sets the module's SPLIT_V, process-wide; the
+    engine's greedy tokens are the same with it (the same bits)."""
+    from qwen_engine.engine import QwenEngineConfig
+    from tests.test_qwen_engine import collect, engine_config, run
+
+    assert QwenEngineConfig().gdn_prep_split_v is False and gdn_prep.SPLIT_V is False
+    monkeypatch.setattr(gdn_prep, "SPLIT_V", gdn_prep.SPLIT_V)  # restored after the test
+
+    async def body(engine):
+        tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
+        return gdn_prep.SPLIT_V, tokens, engine.registry.choices().get("gdn_decode_prep_ba", {}).get("last")
+
+    # kernels "auto": the decode prep on its Triton kernel (the interpreter here)
+    split_on, tokens_on, impl = run(engine_config(gdn_prep_split_v=True, kernels="auto"), body)
+    split_off, tokens_off, _ = run(engine_config(gdn_prep_split_v=False, kernels="auto"), body)
+    assert split_on is True and split_off is False and impl is not None and impl != "reference", impl
+    assert tokens_on == tokens_off and len(tokens_on) == 4
 
 
 
