@@ -1721,15 +1721,16 @@ fi
 if want 135; then
 # written in the thirty-seventh session, not yet run
 say "135. issue 5 (carry .devbundle/extra, .tritoncache): the GDN decode prep over 1 + R programs a k-head"
-say "    (gdn_prep SPLIT_V) per call at 1 and 32 rows, then the engine with gdn_prep_split_v and with argmax_kernel"
-say "    beside the defaults in one process (their greedy tokens must equal the defaults')"
+say "    (gdn_prep SPLIT_V) per call at 1 and 32 rows, then the engine with gdn_prep_split_v, with argmax_kernel and"
+say "    with attn_gate_in_combine beside the defaults in one process (their greedy tokens must equal the defaults')"
 timeout "${LIMIT_135B:-120}" python benchmarks/gdn_prep_bench.py --split-v --out "$R/gdn_prep_bench" \
   > "$R/gdn_prep_bench.log" 2>&1
 grep -E "SPLIT_V|^\| 1 \| False \| 2048 \| 4 \||Error|error" "$R/gdn_prep_bench/gdn_prep_bench.md" "$R/gdn_prep_bench.log" \
   | cut -c1-200 | head -12
 archive
 engine_ab qwen_split_v "${LIMIT_135:-260}" --autotune-table auto \
-  --variant 'split_v={"gdn_prep_split_v": true}' --variant 'argmax={"argmax_kernel": true}' --again
+  --variant 'split_v={"gdn_prep_split_v": true}' --variant 'argmax={"argmax_kernel": true}' \
+  --variant 'gate_in_combine={"attn_gate_in_combine": true}' --again
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -345,7 +345,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        combine_next_norm: bool = True, gdn_prep_tiling: list | None = None,
                        shared_expert_after_router: bool = True, weight_prefetch: str = "off",
                        gdn_decode_norm: bool = False, small_batch_tokens: int = 4, gdn_prep_split_v: bool = False,
-                       argmax_kernel: bool = False) -> dict:
+                       argmax_kernel: bool = False, attn_gate_in_combine: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -370,6 +370,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
                             gdn_prep_split_v=gdn_prep_split_v, argmax_kernel=argmax_kernel,
+                            attn_gate_in_combine=attn_gate_in_combine,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:

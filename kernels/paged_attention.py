@@ -65,12 +65,15 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from kernels.fp8_quant import static_codes
     from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast  # fp32 -> out dtype, round to nearest even (also under the interpreter)
+    from kernels.rms_norm import _round, _stored_value
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
 NAME = "paged_decode_attention"
+GATED_NAME = "paged_decode_attention_gated_fp8"  # the attention, its output gate and o_proj's codes (below)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores
@@ -174,9 +177,13 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(o_part, lse, out, S, s_od, s_oh, s_os, s_ld, s_lh, s_outd, s_outh,
                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                        INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+                        INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False, gate=None, s_gd=0, s_gh=0, codes=None,
+                        s_cd=0, s_in=None, GATE: tl.constexpr = False, QUANT: tl.constexpr = False):
         # grid (D, H, HEAD_DIM / BLOCK_D): `_combine` for one (row, head, Dh slice) -- the same fp32 operations, one
-        # launch for all of them; a [BLOCK_S, BLOCK_D] fp32 tile (<= 128 x 64: no register spills)
+        # launch for all of them; a [BLOCK_S, BLOCK_D] fp32 tile (<= 128 x 64: no register spills).
+        # GATE (`paged_decode_attention_gated`): the output gate too -- out [D, H * HEAD_DIM] = o * sigmoid(gate)
+        # with gate [D, H, HEAD_DIM] (strides s_gd, s_gh), `attn_prep._gate_kernel`'s operations on the rounded o;
+        # QUANT: and the e4m3 codes of that output with the static scale s_in (codes row stride s_cd)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         i, h = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, BLOCK_S)
@@ -195,7 +202,29 @@ if triton is not None:
         den = tl.sum(w, axis=0)
         den = tl.full((BLOCK_D,), 1.0, tl.float32) * tl.where(den > 0.0, den, 1.0)
         o = tl.div_rn(tl.sum(op * w[:, None], axis=0), den)
-        tl.store(out + i * s_outd + h * s_outh + d, _cast(o, out.dtype.element_ty, INTERPRET))
+        if GATE:  # the gate's load now would sit behind the reductions above: one more L2 round trip, on a slice
+            _gate_epilogue(_cast(o, out.dtype.element_ty, INTERPRET), gate + i * s_gd + h * s_gh + d,
+                           out + i * s_outd + h * HEAD_DIM + d, codes + i * s_cd + h * HEAD_DIM + d, s_in,
+                           out.dtype.element_ty, INTERPRET, QUANT)
+        else:
+            tl.store(out + i * s_outd + h * s_outh + d, _cast(o, out.dtype.element_ty, INTERPRET))
+
+    @triton.jit
+    def _gate_epilogue(o_dt, gate_p, out_p, codes_p, s_in, DT: tl.constexpr, INTERPRET: tl.constexpr,
+                       QUANT: tl.constexpr):
+        """`attn_prep._gate_kernel`'s arithmetic on a slice: o (rounded to DT) x sigmoid(gate) rounded like torch,
+        stored at out_p; QUANT: its e4m3 codes with the static scale at codes_p."""
+        g = tl.load(gate_p).to(tl.float32)
+        if INTERPRET:  # numpy's exp; libdevice is not interpreted
+            e = tl.exp(-g)
+        else:  # torch's accurate expf
+            e = libdevice.exp(-g)
+        sig = _round(tl.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e), DT, INTERPRET)
+        x = o_dt.to(tl.float32)
+        y = _cast(x * sig, DT, INTERPRET)
+        tl.store(out_p, y)
+        if QUANT:
+            tl.store(codes_p, static_codes(_stored_value(x * sig, y, DT, INTERPRET), tl.load(s_in)))
 
 
 def _interpreted() -> bool:
@@ -211,19 +240,28 @@ def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
     return max(1, min(-(-sms // programs), max_blocks, MAX_SPLITS))
 
 
-def combine_triton(o_part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine_triton(o_part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
+                   input_scale: torch.Tensor | None = None):
     """`_combine(o_part, lse).to(dtype)` in one launch instead of ~11 (amax, exp, sums, where, div, cast) per
     attention layer. The same fp32 operations (accurate expf, IEEE division, one RNE rounding to `dtype`); the sums
-    run in another order (fp32 ulps before the rounding)."""
+    run in another order (fp32 ulps before the rounding). `gate` [D, H, Dh] (and `input_scale`): the output gate in
+    the same launch -> (o * sigmoid(gate) [D, H * Dh], its e4m3 codes) as `attn_prep.attn_output_gate_fp8_op`."""
     nd, heads, splits, dh = o_part.shape
-    out = torch.empty((nd, heads, dh), dtype=dtype, device=o_part.device)
+    gated = gate is not None
+    out = torch.empty((nd, heads * dh) if gated else (nd, heads, dh), dtype=dtype, device=o_part.device)
+    codes = torch.empty((nd, heads * dh), dtype=torch.float8_e4m3fn, device=o_part.device) if gated else out
     if out.numel():
         block_d = min(dh, 64)  # Dh is a power of two (supports())
+        extra = {}
+        if gated:
+            extra = dict(gate=gate, s_gd=gate.stride(0), s_gh=gate.stride(1), codes=codes, s_cd=codes.stride(0),
+                         s_in=input_scale.reshape(()).float(), GATE=True, QUANT=True)
         _combine_kernel[(nd, heads, dh // block_d)](
             o_part, lse, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
-            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dh, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=block_d, INTERPRET=_interpreted(), num_warps=4, **pdl.launch_options())
-    return out
+            lse.stride(1), out.stride(0), out.stride(1) if not gated else 0, HEAD_DIM=dh,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, INTERPRET=_interpreted(), num_warps=4,
+            **extra, **pdl.launch_options())
+    return (out, codes) if gated else out
 
 
 def _combine(o_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -240,8 +278,11 @@ def _combine(o_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """The kernel plus the combine; `num_splits` / `block_n` override the heuristics (tests, benchmarks)."""
+                                  num_splits: int | None = None, block_n: int | None = None,
+                                  gate: torch.Tensor | None = None, input_scale: torch.Tensor | None = None):
+    """The kernel plus the combine; `num_splits` / `block_n` override the heuristics (tests, benchmarks). `gate`,
+    `input_scale`: the output gate and its codes too (`paged_decode_attention_gated_fp8_triton`'s contract), in the
+    combine's launch when the heads are split, else by the gate op after the kernel."""
     nd, heads, dh = q.shape
     bs, kvh = k_pool.shape[1:3]
     group = heads // kvh
@@ -253,6 +294,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     o_part = torch.empty((nd, heads, num_splits, dh), dtype=torch.float32, device=q.device)
     lse = torch.empty((nd, heads, num_splits), dtype=torch.float32, device=q.device)
     if nd == 0:
+        if gate is not None:
+            return q.new_empty((0, heads * dh)), q.new_empty((0, heads * dh), dtype=torch.float8_e4m3fn)
         return q.new_empty(q.shape)
     _paged_decode_kernel[(nd, kvh, num_splits)](
         q, k_pool, v_pool, block_tables, context_lens, o_part, lse, scale * LOG2E, group, bs,
@@ -263,8 +306,13 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(), num_warps=4 if dh <= 128 else 8,
         **pdl.launch_options())
     if num_splits == 1:
-        return o_part[:, :, 0].to(q.dtype)
-    return combine_triton(o_part, lse, q.dtype)
+        o = o_part[:, :, 0].to(q.dtype)
+        if gate is None:
+            return o
+        from kernels.attn_prep import attn_output_gate_fp8_op
+
+        return attn_output_gate_fp8_op(o, gate, input_scale)
+    return combine_triton(o_part, lse, q.dtype, gate, input_scale)
 
 
 # ---- custom op (traceable by torch.compile) -------------------------------------------------------------------------
@@ -290,6 +338,45 @@ def paged_decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
                                   num_splits: int | None = None) -> torch.Tensor:
     """Same contract as `paged_decode_attention_reference`; `num_splits` overrides the heuristic (tests)."""
     return paged_decode_attention_op(q, k_pool, v_pool, block_tables, context_lens, scale, num_splits or 0)
+
+
+@torch.library.custom_op("qwen::paged_decode_attention_gated_fp8", mutates_args=())
+def paged_decode_attention_gated_fp8_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                        gate: torch.Tensor, input_scale: torch.Tensor
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_decode_attention_op`, then the output gate and o_proj's e4m3 codes (`attn_prep.attn_output_gate_fp8_op`)
+    in the combine's launch: one launch fewer an attention layer wherever the heads are split (a decode step of up to
+    66 sequences on an H200); contract: `paged_decode_attention_gated_fp8_reference`."""
+    for t in (q, k_pool, v_pool, gate):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_decode_attention_gated_fp8 needs unit stride in the last dimension, got "
+                             f"{t.stride()}")
+    return paged_decode_attention_launch(q, k_pool, v_pool, block_tables, context_lens, scale, gate=gate,
+                                         input_scale=input_scale)
+
+
+@paged_decode_attention_gated_fp8_op.register_fake
+def _(q, k_pool, v_pool, block_tables, context_lens, scale, gate, input_scale):
+    n = q.shape[0]
+    return q.new_empty((n, q.shape[1] * q.shape[2])), q.new_empty((n, q.shape[1] * q.shape[2]),
+                                                                  dtype=torch.float8_e4m3fn)
+
+
+def paged_decode_attention_gated_fp8_reference(q, k_pool, v_pool, block_tables, context_lens, scale: float, gate,
+                                               input_scale):
+    """`attn_prep.attn_output_gate_fp8_reference` of `paged_decode_attention_reference`'s output: (o * sigmoid(gate)
+    [D, H * Dh] in q.dtype, its e4m3 codes with the static scale)."""
+    from kernels.attn_prep import attn_output_gate_fp8_reference
+
+    o = paged_decode_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale)
+    return attn_output_gate_fp8_reference(o, gate, input_scale)
+
+
+def paged_decode_attention_gated_fp8_triton(q, k_pool, v_pool, block_tables, context_lens, scale, gate, input_scale):
+    """Same contract as `paged_decode_attention_gated_fp8_reference`."""
+    return paged_decode_attention_gated_fp8_op(q, k_pool, v_pool, block_tables, context_lens, scale, gate,
+                                               input_scale)
 
 
 # ---- guard, registry entry ------------------------------------------------------------------------------------------
@@ -358,8 +445,42 @@ def _sample(device) -> tuple[tuple, dict]:
                          device=device), {}
 
 
+def describe_gated(q, k_pool, v_pool, block_tables, context_lens, scale=None, gate=None, input_scale=None
+                   ) -> dict[str, Any]:
+    from kernels.rms_norm import _scale_ok
+
+    info = describe(q, k_pool, v_pool, block_tables, context_lens)
+    return dict(info, gate_ok=gate is not None and gate.shape == q.shape and gate.dtype == q.dtype
+                and gate.device == q.device and gate.stride(-1) == 1, scale_ok=_scale_ok(input_scale, q))
+
+
+def supports_gated(*, gate_ok: bool, scale_ok: bool, **info: Any) -> bool:
+    """`supports`, a gate of q's shape, dtype and device with a unit inner stride, and a one-element fp32 scale."""
+    return gate_ok and scale_ok and supports(**info)
+
+
+def compare_gated(out, ref) -> str | None:
+    """The gated output by `compare`'s bound, its codes as `kernels.rms_norm.compare_fp8`'s (equal where the output
+    is)."""
+    from kernels.rms_norm import compare_fp8
+
+    return compare_fp8(out, ref, TOLERANCE[ref[0].dtype])
+
+
+def _sample_gated(device) -> tuple[tuple, dict]:
+    args, _ = _sample(device)
+    gen = torch.Generator().manual_seed(4)
+    gate = (2 * torch.randn(args[0].shape, generator=gen)).to(args[0].dtype).to(device)
+    return (*args, gate, torch.tensor(0.004, device=device)), {}
+
+
 def register(registry) -> None:
     registry.add_op(NAME, paged_decode_attention_reference, sample=_sample, compare=compare, describe=describe,
                     tolerance="max |diff| <= 1e-2 x max |ref| for bf16/fp16 (output rounding 2^-9, p rounded for "
                               "the P V dot), 1e-5 for fp32 (fp32 math; summation order and exp ulps only)")
     registry.add_implementation(NAME, "triton", paged_decode_attention_triton, supports)
+    registry.add_op(GATED_NAME, paged_decode_attention_gated_fp8_reference, sample=_sample_gated,
+                    compare=compare_gated, describe=describe_gated,
+                    tolerance="the attention's bound; the gate and codes as attn_output_gate_fp8's (equal to the "
+                              "separate launches' bit for bit on the same attention output)")
+    registry.add_implementation(GATED_NAME, "triton", paged_decode_attention_gated_fp8_triton, supports_gated)

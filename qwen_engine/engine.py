@@ -209,6 +209,11 @@ class QwenEngineConfig:
     #                               call against 5.33 at 512 (gdn_prep_bench run 2); Qwen run 51, lone decode 424.3
     #                               against 412.5 / 413.6 tok/s. Another fp32 summation order than 512's (the
     #                               previous default): 8 of 32 random-weight streams' greedy tokens diverged late
+    attn_gate_in_combine: bool = False  # packed models' decode steps: the attention output gate and o_proj's FP8
+    #                                     codes in the decode attention's combine launch (kernels/paged_attention.py
+    #                                     "paged_decode_attention_gated_fp8"; the same bits; model/attention.py
+    #                                     GATE_IN_COMBINE, process-wide): 10 launches fewer a lone step. Off until
+    #                                     measured on the H200 (CPU tests only)
     gdn_prep_split_v: bool = False  # the GDN decode prep over 1 + R programs a k-head instead of one (its q / k
     #                                 channels, then each value head alone: kernels/gdn_prep.py SPLIT_V; the same
     #                                 bits; process-wide like gdn_prep_ba_step): 48 programs a decode row instead of
@@ -322,11 +327,12 @@ class QwenEngineConfig:
 
 LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
+GATED_ATTN_OP = "paged_decode_attention_gated_fp8"  # self-checked only with attn_gate_in_combine on
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP)
+             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP)
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -418,6 +424,9 @@ class QwenEngine:
 
         gdn_prep.BA_BLOCK_H = cfg.gdn_prep_ba_step
         gdn_prep.SPLIT_V = cfg.gdn_prep_split_v
+        from .model import attention
+
+        attention.GATE_IN_COMBINE = cfg.attn_gate_in_combine
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -815,7 +824,8 @@ class QwenEngine:
         out = self.registry.self_check(self.device)
         reg = default_registry()
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
-        ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)]
+        ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
+               and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)]
         key = (str(self.device), tuple(reg.preference(op).value for op in ops))  # re-check when preferences change
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)

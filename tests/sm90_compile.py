@@ -294,6 +294,13 @@ def main() -> int:
     ok.append(compile_one("paged attention split combine (Dh = 256, 66 splits)", paged_attention._combine_kernel,
                           {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16"},
                           dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False)))
+    # with the output gate and o_proj's codes (paged_decode_attention_gated_fp8: attn_gate_in_combine)
+    ok.append(compile_one("paged attention split combine + gate + codes (Dh = 256, 66 splits)",
+                          paged_attention._combine_kernel,
+                          {"o_part": "*fp32", "lse": "*fp32", "out": "*bf16", "gate": "*bf16", "codes": "*fp8e4nv",
+                           "s_in": "*fp32"},
+                          dict(HEAD_DIM=256, BLOCK_S=128, BLOCK_D=64, INTERPRET=False, GATE=True, QUANT=True),
+                          runtime=("gate", "s_gd", "s_gh", "codes", "s_cd", "s_in")))
     ok.append(compile_one("attn_decode_prep (D = 256, RoPE 64, bf16)", attn_prep._attn_prep_kernel,
                           {**{n: "*bf16" for n in ("q", "k", "v", "wq", "wk", "cos", "sin", "k_pool", "v_pool",
                                                     "q_out")}, "slots": "*i64", "eps": "fp32"},
