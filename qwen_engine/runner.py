@@ -164,11 +164,19 @@ class ModelRunner:
 
     def capture_blockers(self) -> list[str]:
         """The decode path's chosen implementations that read device values on the host and so cannot be captured
-        (valid after a decode step ran): the paged-attention reference (host context lengths) and the packed MoE
-        reference (`nonzero`). The other references (GDN step, dense W4A16, FP8) are plain tensor code."""
+        (valid after a decode step ran): the paged-attention references (host context lengths; the gated one with
+        attn_gate_in_combine) and the packed MoE reference (`nonzero`). The other references (GDN step, dense W4A16,
+        FP8) are plain tensor code."""
         found = []
         if self.registry.choices().get("paged_decode_attention", {}).get("last") == "reference":
             found.append("paged_decode_attention runs its reference (kernels preference, device or dtype)")
+        from engine_core.registry import default_registry
+
+        from .model import attention
+
+        gated = default_registry().choices().get(attention.GATED_OP, {}).get("last")
+        if attention.GATE_IN_COMBINE and gated == "reference":  # attn_gate_in_combine: the op the model calls
+            found.append(f"{attention.GATED_OP} runs its reference (kernels preference, device or dtype)")
         from .model.quantized import NVFP4Experts
 
         if any(isinstance(m, NVFP4Experts) and m.implementation == "reference" for m in self.model.modules()):

@@ -95,3 +95,31 @@ def test_engine_option_keeps_tokens(monkeypatch):
     on, tokens_on = run(engine_config(attn_gate_in_combine=True, kernels="auto"), body)
     off, tokens_off = run(engine_config(attn_gate_in_combine=False, kernels="auto"), body)
     assert on is True and off is False and tokens_on == tokens_off and len(tokens_on) == 4
+
+
+def test_capture_blocker_when_the_gated_op_runs_its_reference(monkeypatch):
+    """With attn_gate_in_combine, a gated op that chose its reference (a host loop over the context lengths) blocks
+    the decode graphs' capture up front, as the plain attention's reference does; without the option it does not."""
+    from engine_core.registry import default_registry
+    from qwen_engine.model import attention
+    from qwen_engine.runner import ModelRunner, gdn_registry
+    from tests.test_qwen_engine import engine_config, run
+
+    async def body(engine):
+        return engine.model
+
+    model = run(engine_config(), body)
+    reg = default_registry()
+    before = reg.preference(pa.GATED_NAME)
+    try:
+        reg.set_preference("reference", pa.GATED_NAME)
+        args, gate, s = _inputs([3])
+        reg.call(pa.GATED_NAME, *args, gate, s)  # its choice recorded: the reference
+        runner = ModelRunner(model, model.config, "cpu", 8, 4, 2, registry=gdn_registry("auto"), max_model_len=32,
+                             decode_buckets=(1, 2), decode_graphs="static")
+        monkeypatch.setattr(attention, "GATE_IN_COMBINE", True)
+        assert any(f.startswith(pa.GATED_NAME) for f in runner.capture_blockers())
+        monkeypatch.setattr(attention, "GATE_IN_COMBINE", False)
+        assert not any(f.startswith(pa.GATED_NAME) for f in runner.capture_blockers())
+    finally:
+        reg.set_preference(before, pa.GATED_NAME)
