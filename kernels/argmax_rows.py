@@ -36,9 +36,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROGRAMS = 64  # programs a row on the GPU (a 248,320-token row: 3,880 values each); the interpreter: 4
 BLOCK = 1024  # values a tile
 # A plain launch, never programmatic (PDL), whatever kernels/pdl.py says: the sampler runs right after a CUDA graph's
-# replay, and launched with PDL there the kernel did not wait for the graph's last kernel -- on the H200 (gpu_next
-# step 133, results/between_steps_run1) every stream's greedy tokens changed, the argmax having read the logits buffer
-# before lm_head wrote it. `benchmarks/pdl_after_graph.py` checks both launches after a replay.
+# replay, and launched with PDL there every stream's greedy tokens changed on the H200 (gpu_next step 133,
+# results/between_steps_run1) -- most likely the kernel did not wait for the graph's last kernel and read the logits
+# buffer before lm_head wrote it (inferred; `benchmarks/pdl_after_graph.py` checks both launches after a replay).
 PDL_LAUNCH = False
 _NONE = 2**31 - 1  # "no index yet" (larger than any index)
 
