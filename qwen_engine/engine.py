@@ -163,9 +163,10 @@ class QwenEngineConfig:
     argmax_kernel: bool = False  # greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
     #                              contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
     #                              12.9 us on a lone step's chain, profile run 23). Off: its one engine run (gpu_next
-    #                              step 133) launched it with PDL after the graph replay and read the logits before
-    #                              lm_head wrote them (every stream's tokens changed); now launched plainly, checked
-    #                              after replays by benchmarks/pdl_after_graph.py, not yet timed in the engine
+    #                              step 133) launched it with PDL after the graph replay, and every stream's tokens
+    #                              changed (most likely it read the logits before lm_head wrote them); now launched
+    #                              plainly, to be checked after replays by benchmarks/pdl_after_graph.py, not yet
+    #                              timed in the engine
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
