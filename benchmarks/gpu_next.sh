@@ -1728,9 +1728,25 @@ timeout "${LIMIT_135B:-120}" python benchmarks/gdn_prep_bench.py --split-v --out
 grep -E "SPLIT_V|^\| 1 \| False \| 2048 \| 4 \||Error|error" "$R/gdn_prep_bench/gdn_prep_bench.md" "$R/gdn_prep_bench.log" \
   | cut -c1-200 | head -12
 archive
-engine_ab qwen_split_v "${LIMIT_135:-260}" --autotune-table auto \
+engine_ab qwen_split_v "${LIMIT_135:-300}" --autotune-table auto \
   --variant 'split_v={"gdn_prep_split_v": true}' --variant 'argmax={"argmax_kernel": true}' \
   --variant 'gate_in_combine={"attn_gate_in_combine": true}' --again
+fi
+if want 136; then
+# written in the thirty-seventh session, not yet run
+say "136. issue 5: the engine on a table with down's 1-token pick W4 C1 (3-4% faster per call in mma_picks run 3 and"
+say "    mma_ahead run 1; another K split, so the lone tokens may differ), its own process (autotune_table.load keeps"
+say "    a process's earlier picks, so not a --variant beside the shipped table); compare with step 135's defaults"
+python - kernels/tuned/nvidia_h200.json /tmp/down_w4c1.json <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))
+for key, cfg in t["kernels"]["w4a16_mma"]:
+    if key[:4] == [2048, 512, 1, 8]:  # down (N 2,048, K 512), one token's 8 pairs
+        cfg["kwargs"] = {"WARPS": 4, "CHUNKS": 1}
+        cfg["num_warps"] = 4
+json.dump(t, open(sys.argv[2], "w"))
+PY
+engine_ab qwen_down_w4c1 "${LIMIT_136:-200}" --autotune-table /tmp/down_w4c1.json --again
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
