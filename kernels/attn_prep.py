@@ -85,26 +85,34 @@ if triton is not None:
     def _gate_kernel(o, gate, out, H, D, s_on, s_oh, s_gn, s_gh, s_outn, codes, s_cn, s_in, BLOCK_D: tl.constexpr,
                      INTERPRET: tl.constexpr, QUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # grid (N, H): one head row. Replaces three launches per attention layer: the copy of the strided gate that
-        # its reshape makes, the sigmoid and the product. torch's numbers: sigmoid 1 / (1 + exp(-g)) in fp32 with
-        # an accurate expf and an IEEE division (CUDA's opmath), rounded to the dtype (`_round`: bit ops, not
-        # contracted), the product of two dtype values in fp32 (exact for bf16) rounded once
+        # its reshape makes, the sigmoid and the product (`_gate_store`: torch's numbers)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         n, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         ok = d < D
         dt = out.dtype.element_ty
-        g = tl.load(gate + n * s_gn + h * s_gh + d, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(gate + n * s_gn + h * s_gh + d, mask=ok, other=0.0)
+        x = tl.load(o + n * s_on + h * s_oh + d, mask=ok, other=0.0)
+        _gate_store(x, g, out + n * s_outn + h * D + d, codes + n * s_cn + h * D + d, s_in, ok, dt, INTERPRET, QUANT)
+
+    @triton.jit
+    def _gate_store(x, g, out_p, codes_p, s_in, ok, DT: tl.constexpr, INTERPRET: tl.constexpr, QUANT: tl.constexpr):
+        """x * sigmoid(g) with torch's numbers -- sigmoid 1 / (1 + exp(-g)) in fp32 with an accurate expf and an IEEE
+        division (CUDA's opmath), rounded to DT (`_round`: bit ops, not contracted), the product of the two DT values
+        in fp32 (exact for bf16) rounded once -- stored at out_p (mask ok); QUANT: o_proj's activation codes of the
+        stored value at codes_p (`fp8_quant.quantize_static_reference`'s bits). x, g: DT values (any shape). Also the
+        epilogue of the decode attention's combine (`kernels/paged_attention.py`, GATE)."""
+        g = g.to(tl.float32)
         if INTERPRET:  # numpy's exp; libdevice is not interpreted
             e = tl.exp(-g)
         else:  # torch's accurate expf, not tl.exp's ex2.approx
             e = libdevice.exp(-g)
-        sig = _round(tl.div_rn(tl.full((BLOCK_D,), 1.0, tl.float32), 1.0 + e), dt, INTERPRET)
-        x = tl.load(o + n * s_on + h * s_oh + d, mask=ok, other=0.0).to(tl.float32)
-        y = _cast(x * sig, dt, INTERPRET)
-        tl.store(out + n * s_outn + h * D + d, y, mask=ok)
-        if QUANT:  # o_proj's activation codes of the stored value (`fp8_quant.quantize_static_reference`'s bits)
-            tl.store(codes + n * s_cn + h * D + d, static_codes(_stored_value(x * sig, y, dt, INTERPRET),
-                                                                tl.load(s_in)), mask=ok)
+        sig = _round(tl.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e), DT, INTERPRET)
+        x = x.to(tl.float32)
+        y = _cast(x * sig, DT, INTERPRET)
+        tl.store(out_p, y, mask=ok)
+        if QUANT:
+            tl.store(codes_p, static_codes(_stored_value(x * sig, y, DT, INTERPRET), tl.load(s_in)), mask=ok)
 
     @triton.jit
     def _norm_rope(src, w, eps, cos_row, sin_row, d, ok, D, RD, DT: tl.constexpr, INTERPRET: tl.constexpr):

@@ -65,10 +65,9 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from kernels.fp8_quant import static_codes
+    from kernels.attn_prep import _gate_store
     from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast  # fp32 -> out dtype, round to nearest even (also under the interpreter)
-    from kernels.rms_norm import _round, _stored_value
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -202,29 +201,12 @@ if triton is not None:
         den = tl.sum(w, axis=0)
         den = tl.full((BLOCK_D,), 1.0, tl.float32) * tl.where(den > 0.0, den, 1.0)
         o = tl.div_rn(tl.sum(op * w[:, None], axis=0), den)
-        if GATE:  # the gate's load now would sit behind the reductions above: one more L2 round trip, on a slice
-            _gate_epilogue(_cast(o, out.dtype.element_ty, INTERPRET), gate + i * s_gd + h * s_gh + d,
-                           out + i * s_outd + h * HEAD_DIM + d, codes + i * s_cd + h * HEAD_DIM + d, s_in,
-                           out.dtype.element_ty, INTERPRET, QUANT)
+        if GATE:  # the output gate (`attn_prep._gate_store`) on the rounded o of this slice
+            _gate_store(_cast(o, out.dtype.element_ty, INTERPRET), tl.load(gate + i * s_gd + h * s_gh + d),
+                        out + i * s_outd + h * HEAD_DIM + d, codes + i * s_cd + h * HEAD_DIM + d, s_in, d < HEAD_DIM,
+                        out.dtype.element_ty, INTERPRET, QUANT)
         else:
             tl.store(out + i * s_outd + h * s_outh + d, _cast(o, out.dtype.element_ty, INTERPRET))
-
-    @triton.jit
-    def _gate_epilogue(o_dt, gate_p, out_p, codes_p, s_in, DT: tl.constexpr, INTERPRET: tl.constexpr,
-                       QUANT: tl.constexpr):
-        """`attn_prep._gate_kernel`'s arithmetic on a slice: o (rounded to DT) x sigmoid(gate) rounded like torch,
-        stored at out_p; QUANT: its e4m3 codes with the static scale at codes_p."""
-        g = tl.load(gate_p).to(tl.float32)
-        if INTERPRET:  # numpy's exp; libdevice is not interpreted
-            e = tl.exp(-g)
-        else:  # torch's accurate expf
-            e = libdevice.exp(-g)
-        sig = _round(tl.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e), DT, INTERPRET)
-        x = o_dt.to(tl.float32)
-        y = _cast(x * sig, DT, INTERPRET)
-        tl.store(out_p, y)
-        if QUANT:
-            tl.store(codes_p, static_codes(_stored_value(x * sig, y, DT, INTERPRET), tl.load(s_in)))
 
 
 def _interpreted() -> bool:
