@@ -5,7 +5,7 @@ row's maximum; a NaN counts as larger than every number (the first NaN's index w
 
 Why. torch reduces a [1, 248,320] row of logits with one block (`reduce_kernel<512, 1>`): 8.7 us of kernel and
 12.9 us on a lone decode step's critical path (H200, profile run 23), every step, after lm_head. Here grid (B,
-PROGRAMS): each program scans a slice of the row in BLOCK-wide tiles and keeps (value, first index, NaN seen); it
+PROGRAMS): each program scans a slice of the row in BLOCK-wide tiles and keeps (value, first index); it
 stores that partial, and the program of the row that arrives last (`split_k.last_arrival`, one counter a row) reduces
 the row's PROGRAMS partials and writes the index -- one launch, the slices read in parallel.
 
@@ -48,58 +48,49 @@ if triton is not None:
 
     @triton.jit
     def _best_of(v, idx, ok):
-        """A tile's (value, index, NaN seen 0 / 1) of values v [N] fp32 at indices idx [N] (ok: in the row): the
-        first NaN if any, else the first maximum; (-inf, _NONE_C, 0) for a tile of nothing."""
+        """(value, index) of values v [N] fp32 at indices idx [N] (ok: present): the first NaN's if any (value NaN),
+        else the first maximum's; (-inf, _NONE_C) for nothing present. `idx` need not be in order."""
         nan = (v != v) & ok
-        any_nan = tl.max(nan.to(tl.int32), axis=0)
         vv = tl.where(ok & (v == v), v, float("-inf"))
         top = tl.max(vv, axis=0)
         first_top = tl.min(tl.where(ok & (vv == top), idx, _NONE_C), axis=0)
         first_nan = tl.min(tl.where(nan, idx, _NONE_C), axis=0)
-        return tl.where(any_nan != 0, float("nan"), top), tl.where(any_nan != 0, first_nan, first_top), any_nan
+        any_nan = first_nan != _NONE_C
+        return tl.where(any_nan, float("nan"), top), tl.where(any_nan, first_nan, first_top)
 
     @triton.jit
-    def _better(v, i, n, bv, bi, bn):
-        """Whether candidate (v, i, NaN flag n) beats the best so far (bv, bi, bn), candidates coming in index order:
-        a first NaN beats any number, a number beats only a smaller number (equal: the earlier stays), and anything
-        beats nothing yet."""
-        return (i != _NONE_C) & ((bi == _NONE_C) | ((n != 0) & (bn == 0)) | ((n == 0) & (bn == 0) & (v > bv)))
+    def _better(v, i, bv, bi):
+        """Whether candidate (v, i) beats the best so far (bv, bi), candidates coming in index order: a first NaN
+        beats any number, a number beats only a smaller number (equal: the earlier stays), and anything beats
+        nothing yet."""
+        n, bn = v != v, bv != bv
+        return (i != _NONE_C) & ((bi == _NONE_C) | (n & ~bn) | (~n & ~bn & (v > bv)))
 
     @triton.jit
-    def _argmax_rows_kernel(x, part_v, part_i, part_n, out, counters, V, s_xb, SLICE,
+    def _argmax_rows_kernel(x, part_v, part_i, out, counters, V, s_xb, SLICE,
                             PROGRAMS_: tl.constexpr, BLOCK_: tl.constexpr, USE_PDL: tl.constexpr = False):
         # grid (B, PROGRAMS_): program p scans x[b, p SLICE : (p + 1) SLICE] (SLICE a multiple of BLOCK_); partials
-        # [B, PROGRAMS_] (value fp32, index int32, NaN flag int32); counters: one int32 a row, 0 between launches
+        # [B, PROGRAMS_] (value fp32, NaN where the slice holds one; index int32); counters: one int32 a row, 0
+        # between launches
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         b, p = tl.program_id(0), tl.program_id(1)
         row = x + b.to(tl.int64) * s_xb
         lo = p * SLICE
         bv = tl.full([], float("-inf"), tl.float32)
         bi = tl.full([], _NONE_C, tl.int32)
-        bn = tl.full([], 0, tl.int32)
         for t in range(lo, tl.minimum(lo + SLICE, V), BLOCK_):
             idx = t + tl.arange(0, BLOCK_)
             ok = idx < V
-            v = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32)
-            cv, ci, cn = _best_of(v, idx, ok)
-            take = _better(cv, ci, cn, bv, bi, bn)
-            bv, bi, bn = tl.where(take, cv, bv), tl.where(take, ci, bi), tl.where(take, cn, bn)
+            cv, ci = _best_of(tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32), idx, ok)
+            take = _better(cv, ci, bv, bi)
+            bv, bi = tl.where(take, cv, bv), tl.where(take, ci, bi)
         slot = b * PROGRAMS_ + p
         tl.store(part_v + slot, bv)
         tl.store(part_i + slot, bi)
-        tl.store(part_n + slot, bn)
         if last_arrival(counters, b, PROGRAMS_):  # every slice's partial of row b is visible
             ps = b * PROGRAMS_ + tl.arange(0, PROGRAMS_)
-            pv = tl.load(part_v + ps, cache_modifier=".cg")
             pi = tl.load(part_i + ps, cache_modifier=".cg")
-            pn = tl.load(part_n + ps, cache_modifier=".cg") != 0
-            has = pi != _NONE_C
-            any_nan = tl.max((pn & has).to(tl.int32), axis=0) != 0
-            vv = tl.where(has & ~pn, pv, float("-inf"))
-            top = tl.max(vv, axis=0)
-            first_top = tl.min(tl.where(has & ~pn & (vv == top), pi, _NONE_C), axis=0)
-            first_nan = tl.min(tl.where(has & pn, pi, _NONE_C), axis=0)
-            best = tl.where(any_nan, first_nan, first_top)
+            _, best = _best_of(tl.load(part_v + ps, cache_modifier=".cg"), pi, pi != _NONE_C)
             tl.store(out + b, tl.where(best == _NONE_C, 0, best).to(tl.int64))
             rearm(counters, b)
 
@@ -127,8 +118,7 @@ def argmax_rows_triton(x: torch.Tensor, programs: int | None = None) -> torch.Te
     slice_ = -(-(-(-v // p)) // block) * block  # each slice whole tiles; some trailing slices may be empty
     part_v = torch.empty(b * p, dtype=torch.float32, device=x.device)
     part_i = torch.empty(b * p, dtype=torch.int32, device=x.device)
-    part_n = torch.empty(b * p, dtype=torch.int32, device=x.device)
-    _argmax_rows_kernel[(b, p)](x, part_v, part_i, part_n, out, counters, v, x.stride(0), slice_, PROGRAMS_=p,
+    _argmax_rows_kernel[(b, p)](x, part_v, part_i, out, counters, v, x.stride(0), slice_, PROGRAMS_=p,
                                 BLOCK_=block, num_warps=4, **(pdl.launch_options() if PDL_LAUNCH else {}))
     return out
 

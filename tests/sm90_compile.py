@@ -357,8 +357,8 @@ def main() -> int:
     # the greedy sampler's argmax (kernels/argmax_rows.py): bf16 rows, the engine's 64 slices of 1,024-value tiles
     from kernels import argmax_rows
     ok.append(compile_one("argmax_rows PROGRAMS=64 BLOCK=1024 (bf16)", argmax_rows._argmax_rows_kernel,
-                          {"x": "*bf16", "part_v": "*fp32", "part_i": "*i32", "part_n": "*i32", "out": "*i64",
-                           "counters": "*i32"}, dict(PROGRAMS_=64, BLOCK_=1024)))
+                          {"x": "*bf16", "part_v": "*fp32", "part_i": "*i32", "out": "*i64", "counters": "*i32"},
+                          dict(PROGRAMS_=64, BLOCK_=1024)))
     # grouped gate_up prefetching the down projection's slabs of its experts (weight_prefetch: PREFETCH_NEXT)
     ok.append(compile_one("w4a16_gemv GROUPED SWIGLU DEQ=3 PREFETCH_NEXT BLOCK_N=4 BLOCK_K=512 (bf16)",
                           w4a16_gemv._w4a16_gemv_kernel, {**gemv, "nw": "i64", "ns": "i64"},
