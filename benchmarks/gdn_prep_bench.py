@@ -38,10 +38,10 @@ def layer_inputs(d: int, device) -> list[tuple]:
 
 def run(tiling: tuple, layers: list[tuple], pool0: torch.Tensor, split_v: bool = False) -> tuple[float, list]:
     """(us per call, the first layer's outputs on a copy of its pool as it was before any timed call, `pool0`) under
-    `tiling` (and gdn_prep.SPLIT_V = `split_v`). The timed graphs advance the layers' pools in place, so the outputs
-    are taken from `pool0` only."""
+    `tiling`, split over 1 + R programs a k-head or not (`split_v`: gdn_prep.SPLIT_V_ROWS). The timed graphs advance
+    the layers' pools in place, so the outputs are taken from `pool0` only."""
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = tiling
-    gdn_prep.SPLIT_V = split_v
+    gdn_prep.SPLIT_V_ROWS = layers[0][0].shape[0] if split_v else 0
     out = gdn_prep.gdn_decode_prep_ba_triton(layers[0][0], pool0.clone(), *layers[0][2:])
     calls = [lambda a=a: gdn_prep.gdn_decode_prep_ba_(*a) for a in layers]  # the pools advance: values do not matter
     return graph_per_call_us(calls, replays=20), [t.clone() for t in out]
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--split-v", action="store_true",
                     help="also the default tiling with SPLIT_V (a k-head's work over 1 + R programs; the same bits)")
+    ap.add_argument("--default-only", action="store_true", help="no other tilings than the default (and --split-v)")
     args = ap.parse_args()
     device = torch.device("cuda")
     pdl.set_enabled(not args.no_pdl and pdl.device_supports(device))
@@ -67,7 +68,7 @@ def main() -> None:
         ref = gdn_prep.gdn_decode_prep_ba_reference(layers[0][0], pool0.clone(), *layers[0][2:])
         base = None
         rows = []
-        runs = [(default, False)] + [(t, False) for t in TILINGS if t != default] + (
+        runs = [(default, False)] + [(t, False) for t in TILINGS if t != default and not args.default_only] + (
             [(default, True)] if args.split_v else [])
         for tiling, split_v in runs:
             us, out = run(tiling, layers, pool0, split_v)
@@ -83,7 +84,7 @@ def main() -> None:
                   f"qkv same {same_qkv}, {problem or 'ok'}", flush=True)
         results["rows"][d] = rows
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = default
-    gdn_prep.SPLIT_V = False
+    gdn_prep.SPLIT_V_ROWS = 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gdn_prep_bench.json").write_text(json.dumps(results, indent=1))

@@ -35,10 +35,11 @@ NAME = "argmax_rows"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROGRAMS = 64  # programs a row on the GPU (a 248,320-token row: 3,880 values each); the interpreter: 4
 BLOCK = 1024  # values a tile
-# A plain launch, never programmatic (PDL), whatever kernels/pdl.py says: the sampler runs right after a CUDA graph's
-# replay, and launched with PDL there every stream's greedy tokens changed on the H200 (gpu_next step 133,
-# results/between_steps_run1) -- most likely the kernel did not wait for the graph's last kernel and read the logits
-# buffer before lm_head wrote it (inferred; `benchmarks/pdl_after_graph.py` checks both launches after a replay).
+# A plain launch, never programmatic (PDL), whatever kernels/pdl.py says. Gpu_next step 133 launched it with PDL
+# after the decode graph's replay and every stream's greedy tokens changed on the H200 (results/between_steps_run1);
+# but PDL after a replay was then shown not to read early (benchmarks/pdl_after_graph.py, results/between_steps_run2:
+# 0 of 3 x 50 replays' ids differed, PDL and plain), so the cause was most likely the same run's ids copy on a side
+# stream (reverted then; not shown). Plain launches since: the same tokens as torch.argmax (variants runs 1 / 2)
 PDL_LAUNCH = False
 _NONE = 2**31 - 1  # "no index yet" (larger than any index)
 

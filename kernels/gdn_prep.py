@@ -224,6 +224,11 @@ if triton is not None:
         tl.store(g_out + d * HV + heads, g, mask=g_ok)
 
 
+def split_v(rows: int) -> bool:
+    """Whether a call of `rows` decode rows launches split (SPLIT_V_ROWS)."""
+    return 0 < rows <= SPLIT_V_ROWS
+
+
 def _interpreted() -> bool:
     return triton is not None and type(_gdn_prep_kernel).__name__ == "InterpretedFunction"
 
@@ -244,14 +249,15 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
         return q, k, v, beta, g, ba_out
     r = hv // num_k_heads
     hidden = b.shape[-1] if ba else 0
-    _gdn_prep_kernel[(d, num_k_heads, 1 + r if SPLIT_V else 1)](
+    split = split_v(d)
+    _gdn_prep_kernel[(d, num_k_heads, 1 + r if split else 1)](
         qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, q, k, v, beta, g, ba_out,
         c, num_k_heads, hv, hidden, qkv_in.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_w.stride(0),
         b.stride(0), a.stride(0), head_k_dim ** -0.5,
         DK=head_k_dim, DV=head_v_dim, R=r, KM1=km1, BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r),
         BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(),
-        BA_FIRST=BA_FIRST, SPLIT_V=SPLIT_V, num_warps=NUM_WARPS, **pdl.launch_options(),
+        BA_FIRST=BA_FIRST, SPLIT_V=split, num_warps=NUM_WARPS, **pdl.launch_options(),
         **(pdl.prefetch_options(a.stride(0) == hidden and pdl.aligned16(a.data_ptr(), hidden * a.element_size()))
            if ba else {}))
     return q, k, v, beta, g, ba_out
@@ -266,10 +272,12 @@ BA_BLOCK_H = 2048  # hidden elements per step of gdn_decode_prep_ba's b / a dot 
 #                   the engine sets it from QwenEngineConfig.gdn_prep_ba_step, 512 the previous default)
 BA_FIRST = False  # the b / a dot products (or loads) before the conv windows instead of after the pool's barrier
 # Each k-head's work over 1 + R programs instead of one (the kernel's SPLIT_V: its q / k channels, then each value head
-# alone; the same bits): 48 programs for a Qwen3.6 decode row instead of 16, each with a third of the loads and sums.
-# A lone step runs 30 of these launches on its critical path at ~5.9 us each (profile run 23). Off until measured
-# (the engine's gdn_prep_split_v; CPU tests only so far)
-SPLIT_V = False
+# alone; the same bits) for calls of at most SPLIT_V_ROWS rows: 48 programs a Qwen3.6 decode row instead of 16, each
+# with a third of the loads and sums. It pays while the split grid fits one wave: H200 (132 SMs), variants run 1 /
+# gdn_prep_bench, us per call at 1 row 4.11 -> 3.70, at 32 rows 8.12 -> 15.02; the engine's lone decode 476.4 / 476.6
+# -> 486.5 tok/s, 32 streams 3,453.7 / 3,457.0 -> 3,368.1 (the same greedy tokens). 0: never split. The engine sets it
+# from QwenEngineConfig.gdn_prep_split_v_rows
+SPLIT_V_ROWS = 0
 NUM_WARPS = 4
 DEFAULT_TILING = (BA_FIRST, BA_BLOCK_H, NUM_WARPS)  # what a benchmark that changes the three restores
 

@@ -160,13 +160,11 @@ class QwenEngineConfig:
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads); run 66:
     #                               "next" 460.8 against 469.2 / 469.4 lone (-1.8%), the same tokens
-    argmax_kernel: bool = False  # greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
-    #                              contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
-    #                              12.9 us on a lone step's chain, profile run 23). Off: its one engine run (gpu_next
-    #                              step 133) launched it with PDL after the graph replay, and every stream's tokens
-    #                              changed (most likely it read the logits before lm_head wrote them); now launched
-    #                              plainly, to be checked after replays by benchmarks/pdl_after_graph.py, not yet
-    #                              timed in the engine
+    argmax_kernel: bool = True  # greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
+    #                             contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
+    #                             12.9 us on a lone step's chain, profile run 23); a plain launch after the graph's
+    #                             replay. H200 (variants runs 1 / 2, the same greedy tokens): alone lone decode
+    #                             476.4 / 476.6 -> 477.1 tok/s; with attn_gate_in_combine 484.9 / 485.8 -> 488.0
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
@@ -210,16 +208,18 @@ class QwenEngineConfig:
     #                               call against 5.33 at 512 (gdn_prep_bench run 2); Qwen run 51, lone decode 424.3
     #                               against 412.5 / 413.6 tok/s. Another fp32 summation order than 512's (the
     #                               previous default): 8 of 32 random-weight streams' greedy tokens diverged late
-    attn_gate_in_combine: bool = False  # packed models' decode steps: the attention output gate and o_proj's FP8
-    #                                     codes in the decode attention's combine launch (kernels/paged_attention.py
-    #                                     "paged_decode_attention_gated_fp8"; the same bits; model/attention.py
-    #                                     GATE_IN_COMBINE, process-wide): 10 launches fewer a lone step. Off until
-    #                                     measured on the H200 (CPU tests only)
-    gdn_prep_split_v: bool = False  # the GDN decode prep over 1 + R programs a k-head instead of one (its q / k
-    #                                 channels, then each value head alone: kernels/gdn_prep.py SPLIT_V; the same
-    #                                 bits; process-wide like gdn_prep_ba_step): 48 programs a decode row instead of
-    #                                 16 on a launch of the lone step's chain (~5.9 us, profile run 23). Off until
-    #                                 measured on the H200 (CPU tests only)
+    attn_gate_in_combine: bool = True  # packed models' decode steps: the attention output gate and o_proj's FP8
+    #                                    codes in the decode attention's combine launch (kernels/paged_attention.py
+    #                                    "paged_decode_attention_gated_fp8"; the same bits; model/attention.py
+    #                                    GATE_IN_COMBINE, process-wide): 10 launches fewer a lone step. H200 (variants
+    #                                    run 1, the same greedy tokens): lone decode 476.4 / 476.6 -> 477.8 tok/s
+    gdn_prep_split_v_rows: int = 4  # decode calls of at most this many rows run the GDN prep over 1 + R programs a
+    #                                 k-head instead of one (its q / k channels, then each value head alone:
+    #                                 kernels/gdn_prep.py SPLIT_V_ROWS; the same bits; process-wide like
+    #                                 gdn_prep_ba_step); 0: never. It pays while the split grid (48 programs a row)
+    #                                 about fits one wave of SMs: H200 (variants run 2) us per call split / whole at
+    #                                 1-4 rows 3.67-3.92 / 4.02-4.08, at 8 rows 6.07 / 4.19; lone decode 478.1 ->
+    #                                 484.9 / 485.8 tok/s (split at 32 rows would cost 3,455 -> 3,368 at 32 streams)
     small_batch_tokens: int | None = None  # dual expert layouts (dual_frag: Hopper's default): calls of at most this
     #                               many tokens read the checkpoint-layout copy (NVFP4Experts.small_tokens) | None:
     #                               the loader's, 4 (the decode GEMV's). Up to kernels.w4a16_mma.SORTED_MAX_TOKENS:
@@ -293,6 +293,10 @@ class QwenEngineConfig:
         if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
                 and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
             raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
+        if not (isinstance(self.gdn_prep_split_v_rows, int) and not isinstance(self.gdn_prep_split_v_rows, bool)
+                and self.gdn_prep_split_v_rows >= 0):
+            raise ValueError(f"gdn_prep_split_v_rows must be an int >= 0 (0: never split), got "
+                             f"{self.gdn_prep_split_v_rows!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
@@ -424,7 +428,7 @@ class QwenEngine:
         from kernels import gdn_prep
 
         gdn_prep.BA_BLOCK_H = cfg.gdn_prep_ba_step
-        gdn_prep.SPLIT_V = cfg.gdn_prep_split_v
+        gdn_prep.SPLIT_V_ROWS = cfg.gdn_prep_split_v_rows
         from .model import attention
 
         attention.GATE_IN_COMBINE = cfg.attn_gate_in_combine

@@ -146,7 +146,7 @@ def main() -> int:
     types = {n: "*bf16" for n in ("qkv", "pool", "w", "b", "a", "a_log", "dt_bias", "ba_out")}
     types.update({n: "*fp32" for n in ("q_out", "k_out", "v_out", "beta_out", "g_out")}, rows="*i64", q_scale="fp32")
     # b / a read, or computed from x and w_ba (gdn_decode_prep_ba: the engine's default); SPLIT_V: a k-head's work
-    # over 1 + R programs (the engine's gdn_prep_split_v)
+    # over 1 + R programs (the engine's gdn_prep_split_v_rows)
     for ba, split in ((False, False), (True, False), (True, True)):
         ok.append(compile_one(f"gdn_prep (Dk = Dv = 128, r = 2, K = 4, bf16, BA={int(ba)}, SPLIT_V={int(split)})",
                               gdn_prep._gdn_prep_kernel, types,

@@ -79,13 +79,14 @@ def test_packed_decode_steps_take_it_and_change_nothing(monkeypatch):
 
 
 def test_engine_option_keeps_tokens(monkeypatch):
-    """`attn_gate_in_combine` (off by default) routes the decode attention layers through the gated op: the same
-    greedy tokens as without it (tiny fp32 model, FP8 codes off there: the plain gate path stays)."""
+    """`attn_gate_in_combine` (on by default: H200 variants run 1) routes the decode attention layers through the
+    gated op: the same greedy tokens as without it (tiny fp32 model, FP8 codes off there: the plain gate path
+    stays)."""
     from qwen_engine.engine import QwenEngineConfig
     from qwen_engine.model import attention
     from tests.test_qwen_engine import collect, engine_config, run
 
-    assert QwenEngineConfig().attn_gate_in_combine is False and attention.GATE_IN_COMBINE is False
+    assert QwenEngineConfig().attn_gate_in_combine is True
     monkeypatch.setattr(attention, "GATE_IN_COMBINE", attention.GATE_IN_COMBINE)  # restored after the test
 
     async def body(engine):

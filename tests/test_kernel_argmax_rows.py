@@ -84,10 +84,21 @@ def test_sampler_takes_the_kernel():
     assert torch.equal(gdn_registry().call("argmax_rows", x), torch.argmax(x, dim=-1))
 
 
-def test_engine_option_off_by_default_and_plain_launch():
-    """QwenEngineConfig.argmax_kernel is off (its one engine run, with a PDL launch after the graph replay, read the
-    logits early) and the kernel never launches with PDL unless PDL_LAUNCH asks (benchmarks/pdl_after_graph.py)."""
+def test_engine_option_on_by_default_plain_launch_same_tokens():
+    """QwenEngineConfig.argmax_kernel is on (H200 variants runs 1 / 2: the same greedy tokens as torch.argmax), the
+    kernel never launches with PDL unless PDL_LAUNCH asks (benchmarks/pdl_after_graph.py), and an engine with it
+    gives the greedy tokens of one without it, its runner then calling the registry's op."""
     from kernels import argmax_rows
     from qwen_engine.engine import QwenEngineConfig
+    from tests.test_qwen_engine import collect, engine_config, run
 
-    assert QwenEngineConfig().argmax_kernel is False and argmax_rows.PDL_LAUNCH is False
+    assert QwenEngineConfig().argmax_kernel is True and argmax_rows.PDL_LAUNCH is False
+
+    async def body(engine):
+        tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
+        return engine.runner.argmax_kernel, tokens, engine.registry.choices().get("argmax_rows", {}).get("last")
+
+    on, tokens_on, impl = run(engine_config(argmax_kernel=True, kernels="auto"), body)
+    off, tokens_off, _ = run(engine_config(argmax_kernel=False, kernels="auto"), body)
+    assert on is True and off is False and impl is not None, impl
+    assert tokens_on == tokens_off and len(tokens_on) == 4

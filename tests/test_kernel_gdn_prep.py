@@ -150,11 +150,12 @@ def test_split_v_same_bits(monkeypatch, d, hk, dk, r, dv, hidden, ba_first):
     counts 1-4 and head dims that are not powers of two; BA_FIRST too."""
     args = random_inputs_ba(d, hk, dk, r, dv, hidden=hidden, dtype=torch.bfloat16, seed=d + hidden, device=DEVICE)
     monkeypatch.setattr(gdn_prep, "BA_FIRST", ba_first)
+    monkeypatch.setattr(gdn_prep, "SPLIT_V_ROWS", 0)
     one = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
     hv = hk * r
     plain_args = (args[0], args[1].clone(), args[2], args[3], one[5][:, :hv], one[5][:, hv:], *args[6:])
     plain_one = gdn_decode_prep_triton(*plain_args)
-    monkeypatch.setattr(gdn_prep, "SPLIT_V", True)
+    monkeypatch.setattr(gdn_prep, "SPLIT_V_ROWS", d)
     split = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
     for i in range(7):
         assert torch.equal(split[i], one[i]), i
@@ -202,23 +203,41 @@ def test_ba_step_engine_option(monkeypatch):
     assert run(engine_config(gdn_prep_ba_step=512), body) == 512
 
 
+def test_split_v_rows():
+    """SPLIT_V_ROWS: calls of 1..SPLIT_V_ROWS rows launch split, larger ones and 0 rows whole; 0 never splits."""
+    saved = gdn_prep.SPLIT_V_ROWS
+    try:
+        gdn_prep.SPLIT_V_ROWS = 2
+        assert [gdn_prep.split_v(d) for d in (0, 1, 2, 3, 32)] == [False, True, True, False, False]
+        gdn_prep.SPLIT_V_ROWS = 0
+        assert not any(gdn_prep.split_v(d) for d in (0, 1, 2, 32))
+    finally:
+        gdn_prep.SPLIT_V_ROWS = saved
+
+
 def test_split_v_engine_option(monkeypatch):
-    """The engine's `gdn_prep_split_v` (off by default, unmeasured) sets the module's SPLIT_V, process-wide; the
-    engine's greedy tokens are the same with it (the same bits)."""
+    """The engine's `gdn_prep_split_v_rows` (default 4: H200 variants run 2) sets the module's SPLIT_V_ROWS,
+    process-wide; a negative, bool or non-int value is a clear error; the engine's greedy tokens are the same split
+    or not (the same bits)."""
     from qwen_engine.engine import QwenEngineConfig
     from tests.test_qwen_engine import collect, engine_config, run
 
-    assert QwenEngineConfig().gdn_prep_split_v is False and gdn_prep.SPLIT_V is False
-    monkeypatch.setattr(gdn_prep, "SPLIT_V", gdn_prep.SPLIT_V)  # restored after the test
+    assert QwenEngineConfig().gdn_prep_split_v_rows == 4
+    for bad in (-1, True, 1.0, "2", None):
+        with pytest.raises(ValueError, match="gdn_prep_split_v_rows"):
+            QwenEngineConfig(gdn_prep_split_v_rows=bad)
+    monkeypatch.setattr(gdn_prep, "SPLIT_V_ROWS", gdn_prep.SPLIT_V_ROWS)  # restored after the test
 
     async def body(engine):
         tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
-        return gdn_prep.SPLIT_V, tokens, engine.registry.choices().get("gdn_decode_prep_ba", {}).get("last")
+        return gdn_prep.SPLIT_V_ROWS, tokens, engine.registry.choices().get("gdn_decode_prep_ba", {}).get("last")
 
-    # kernels "auto": the decode prep on its Triton kernel (the interpreter here)
-    split_on, tokens_on, impl = run(engine_config(gdn_prep_split_v=True, kernels="auto"), body)
-    split_off, tokens_off, _ = run(engine_config(gdn_prep_split_v=False, kernels="auto"), body)
-    assert split_on is True and split_off is False and impl is not None and impl != "reference", impl
+    # kernels "auto": the decode prep on its Triton kernel where Triton runs on the engine's CPU tensors (the
+    # interpreter: CI); a GPU host's compiled Triton does not, so the reference there; a lone request decodes 1 row
+    split_on, tokens_on, impl = run(engine_config(gdn_prep_split_v_rows=4, kernels="auto"), body)
+    split_off, tokens_off, _ = run(engine_config(gdn_prep_split_v_rows=0, kernels="auto"), body)
+    assert split_on == 4 and split_off == 0 and impl is not None
+    assert (impl != "reference") == gdn_prep._interpreted(), impl
     assert tokens_on == tokens_off and len(tokens_on) == 4
 
 

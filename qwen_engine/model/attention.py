@@ -22,7 +22,7 @@ from .state import KVCache
 # Decode steps with FP8 o_proj codes: the output gate and o_proj's codes in the decode attention's combine launch
 # ("paged_decode_attention_gated_fp8", kernels/paged_attention.py; the same bits) instead of a launch of their own
 # after it: 10 launches fewer a lone decode step. Process-wide, set by the engine (QwenEngineConfig
-# .attn_gate_in_combine); off until measured on the H200.
+# .attn_gate_in_combine, on by default since H200 variants run 1); off here until an engine sets it.
 GATE_IN_COMBINE = False
 GATED_OP = "paged_decode_attention_gated_fp8"
 
