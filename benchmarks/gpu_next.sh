@@ -1712,14 +1712,15 @@ archive
 gpu_tests argmax_tests "${LIMIT_133T:-45}" tests/test_kernel_argmax_rows.py -rfE
 fi
 if want 134; then
-# written in the thirty-seventh session, not yet run (the session's device time was spent)
+# written in the thirty-seventh session; ran in the thirty-eighth (between_steps run 2: 0 of 3 x 50 replays differed)
 say "134. issue 5: a kernel launched with PDL right after a CUDA graph replay -- does it wait for the graph? (step"
 say "    133's argmax read the logits early); benchmarks/pdl_after_graph.py, PDL / plain / PDL"
 timeout "${LIMIT_134:-90}" python benchmarks/pdl_after_graph.py --iters 50 > "$R/pdl_after_graph.log" 2>&1
 grep -E "^\{|Error|error" "$R/pdl_after_graph.log" | cut -c1-300
 fi
 if want 135; then
-# written in the thirty-seventh session, not yet run
+# written in the thirty-seventh session; ran in the thirty-eighth (variants run 1; the engine needs a warm cache: its
+# first run on a fresh machine was cut at 370 s). gdn_prep_split_v is now gdn_prep_split_v_rows (an int)
 say "135. issue 5 (carry .devbundle/extra, .tritoncache): the GDN decode prep over 1 + R programs a k-head"
 say "    (gdn_prep SPLIT_V) per call at 1 and 32 rows, then the engine with gdn_prep_split_v, with argmax_kernel and"
 say "    with attn_gate_in_combine beside the defaults in one process (their greedy tokens must equal the defaults')"
@@ -1729,11 +1730,11 @@ grep -E "SPLIT_V|^\| 1 \| False \| 2048 \| 4 \||Error|error" "$R/gdn_prep_bench/
   | cut -c1-200 | head -12
 archive
 engine_ab qwen_split_v "${LIMIT_135:-300}" --autotune-table auto \
-  --variant 'split_v={"gdn_prep_split_v": true}' --variant 'argmax={"argmax_kernel": true}' \
+  --variant 'split_v={"gdn_prep_split_v_rows": 32}' --variant 'argmax={"argmax_kernel": true}' \
   --variant 'gate_in_combine={"attn_gate_in_combine": true}' --again
 fi
 if want 136; then
-# written in the thirty-seventh session, not yet run
+# written in the thirty-seventh session; ran in the thirty-eighth (variants run 2: lone 497.7 / 499.0; now shipped)
 say "136. issue 5: the engine on a table with down's 1-token pick W4 C1 (3-4% faster per call in mma_picks run 3 and"
 say "    mma_ahead run 1; another K split, so the lone tokens may differ), its own process (autotune_table.load keeps"
 say "    a process's earlier picks, so not a --variant beside the shipped table); compare with step 135's defaults"
@@ -1747,6 +1748,64 @@ for key, cfg in t["kernels"]["w4a16_mma"]:
 json.dump(t, open(sys.argv[2], "w"))
 PY
 engine_ab qwen_down_w4c1 "${LIMIT_136:-200}" --autotune-table /tmp/down_w4c1.json --again
+fi
+if want 137; then
+# thirty-eighth session: step 135 (variants run 1) measured SPLIT_V at 1 and 32 rows only; the engine now splits
+# calls of at most gdn_prep_split_v_rows (default 2) rows
+say "137. issue 5: the GDN decode prep split or whole per call at 1-16 rows (where the split stops paying), then the"
+say "    engine (split up to 2 rows) beside it never split and beside argmax_kernel + attn_gate_in_combine together"
+timeout "${LIMIT_137B:-90}" python benchmarks/gdn_prep_bench.py --split-v --default-only --rows 1,2,3,4,8,16 \
+  --out "$R/gdn_prep_rows" > "$R/gdn_prep_rows.log" 2>&1
+grep -E "^\| [0-9]|Error|error" "$R/gdn_prep_rows/gdn_prep_bench.md" "$R/gdn_prep_rows.log" | cut -c1-200 | head -14
+archive
+engine_ab qwen_split_rows "${LIMIT_137:-240}" --autotune-table auto \
+  --variant 'no_split={"gdn_prep_split_v_rows": 0}' \
+  --variant 'argmax_gate={"argmax_kernel": true, "attn_gate_in_combine": true}' --again
+fi
+if want 138; then
+# thirty-eighth session: the new defaults (down's 1-token pick W4 C1 in the shipped table; the GDN prep split up to 4
+# rows; the greedy argmax kernel; the output gate in the attention combine) beside the previous ones
+say "138. issue 5: the engine's new defaults beside the previous ones: first in one process beside the three options"
+say "    off (the same table), then the previous table with the options off in its own process; then the GPU tests"
+engine_ab qwen_defaults "${LIMIT_138:-200}" --autotune-table auto \
+  --variant 'options_off={"gdn_prep_split_v_rows": 0, "argmax_kernel": false, "attn_gate_in_combine": false}' --again
+archive
+python - kernels/tuned/nvidia_h200.json /tmp/down_w2c2.json <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))
+for key, cfg in t["kernels"]["w4a16_mma"]:
+    if key[:4] == [2048, 512, 1, 8]:  # down's 1-token pick as before this session
+        cfg["kwargs"] = {"WARPS": 2, "CHUNKS": 2}
+        cfg["num_warps"] = 2
+json.dump(t, open(sys.argv[2], "w"))
+PY
+engine_ab qwen_previous "${LIMIT_138P:-150}" --autotune-table /tmp/down_w2c2.json \
+  --base '{"gdn_prep_split_v_rows": 0, "argmax_kernel": false, "attn_gate_in_combine": false}' --again
+archive
+gpu_tests gdn_gate_argmax_tests "${LIMIT_138T:-150}" tests/test_kernel_gdn_prep.py tests/test_attention_gated.py \
+  tests/test_kernel_argmax_rows.py
+fi
+if want 139; then
+# thirty-eighth session: the shipped defaults with the table loaded before the calibration's forward (qwen_gpu.py; its
+# 256-row dense keys had been tuned in-process, differently in each process: defaults_run1), then gate_up's 1-token
+# pick (shipped W8 C1, the fastest per call in mma_picks run 1) at W4 C1 and at W16 C1, each in its own process (down's
+# W4 C1 gained +3.9% lone in the engine although its per-call time was within 3% of W2 C2)
+say "139. issue 5: the shipped defaults again (table before the calibration), then gate_up's 1-token pick W4 C1 / W16 C1"
+engine_ab qwen_defaults2 "${LIMIT_139:-180}" --autotune-table auto --again
+archive
+for pick in 4 16; do
+  python - kernels/tuned/nvidia_h200.json /tmp/gate_up_w${pick}c1.json "$pick" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))
+for key, cfg in t["kernels"]["w4a16_mma"]:
+    if key[:4] == [1024, 2048, 1, 8]:  # gate_up (N 1,024, K 2,048), one token's 8 pairs
+        cfg["kwargs"] = {"WARPS": int(sys.argv[3]), "CHUNKS": 1}
+        cfg["num_warps"] = int(sys.argv[3])
+json.dump(t, open(sys.argv[2], "w"))
+PY
+  engine_ab "qwen_gate_up_w${pick}c1" "${LIMIT_139G:-110}" --autotune-table "/tmp/gate_up_w${pick}c1.json"
+  archive
+done
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -344,7 +344,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        shared_expert_stream: bool = True, gdn_z_stream: bool = False,
                        combine_next_norm: bool = True, gdn_prep_tiling: list | None = None,
                        shared_expert_after_router: bool = True, weight_prefetch: str = "off",
-                       gdn_decode_norm: bool = False, small_batch_tokens: int = 4, gdn_prep_split_v: bool = False,
+                       gdn_decode_norm: bool = False, small_batch_tokens: int = 4,
+                       gdn_prep_split_v_rows: int | None = None,
                        argmax_kernel: bool = False, attn_gate_in_combine: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
@@ -369,9 +370,11 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
-                            gdn_prep_split_v=gdn_prep_split_v, argmax_kernel=argmax_kernel,
+                            argmax_kernel=argmax_kernel,
                             attn_gate_in_combine=attn_gate_in_combine,
                             **({} if async_decode is None else dict(async_decode=async_decode)),
+                            **({} if gdn_prep_split_v_rows is None
+                               else dict(gdn_prep_split_v_rows=gdn_prep_split_v_rows)),
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:
         from kernels import gdn_prep
@@ -691,6 +694,16 @@ def main() -> None:
     save()
     g = torch.Generator().manual_seed(args.seed + 1)
     rand = lambda *shape: torch.randint(0, cfg.vocab_size, shape, generator=g).to(device)  # noqa: E731
+    if AUTOTUNE_TABLE != "off" and device.type == "cuda":
+        # the engines' table before the calibration's forward, which would otherwise tune its keys (the 256-row dense
+        # W4A16 calls) here, differently in each process, and the engines would keep those picks (autotune_table.load
+        # keeps a process's earlier ones): the greedy tokens then differed between processes (results/defaults_run1)
+        from kernels import autotune_table
+
+        name = torch.cuda.get_device_name(device)
+        loaded = (autotune_table.load_for_device(device) if AUTOTUNE_TABLE == "auto"
+                  else autotune_table.load(AUTOTUNE_TABLE, name))
+        log(f"autotune table {AUTOTUNE_TABLE}: {loaded} picks loaded before the calibration")
     if not args.no_calibrate:  # ModelOpt-style max calibration of the FP8 static input scales on one random prompt
         amax = sorted(calibrate_fp8_input_scales(model, rand(1, min(ctx, 256))).values())
         r["build"]["fp8_input_amax"] = dict(min=amax[0], median=amax[len(amax) // 2], max=amax[-1], n=len(amax))
