@@ -346,12 +346,15 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        shared_expert_after_router: bool = True, weight_prefetch: str = "off",
                        gdn_decode_norm: bool = False, small_batch_tokens: int = 4,
                        gdn_prep_split_v_rows: int | None = None,
-                       argmax_kernel: bool = False, attn_gate_in_combine: bool = False) -> dict:
+                       argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
+                       picks: list | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
     module settings, restored after; benchmarks/gdn_prep_bench.py times them per call). small_batch_tokens: set on
-    the shared model by every engine (default the loader's 4: an earlier variant's value must not carry over)."""
+    the shared model by every engine (default the loader's 4: an earlier variant's value must not carry over).
+    picks: autotune picks for this engine only (`kernels/autotune_table.override`: [{"kernel", "key" prefix,
+    "config"}]), put back after it; the engines' other options left None take QwenEngineConfig's defaults."""
     from engine_core.continuous import SamplingParams
     from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
@@ -370,8 +373,9 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
-                            argmax_kernel=argmax_kernel,
-                            attn_gate_in_combine=attn_gate_in_combine,
+                            **{k: v for k, v in dict(argmax_kernel=argmax_kernel,
+                                                     attn_gate_in_combine=attn_gate_in_combine).items()
+                               if v is not None},
                             **({} if async_decode is None else dict(async_decode=async_decode)),
                             **({} if gdn_prep_split_v_rows is None
                                else dict(gdn_prep_split_v_rows=gdn_prep_split_v_rows)),
@@ -381,12 +385,16 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
         gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = bool(gdn_prep_tiling[0]), *map(
             int, gdn_prep_tiling[1:])
+    from kernels import autotune_table
+
+    replaced = autotune_table.override(picks) if picks else {}
     try:
         engine = QwenEngine(ecfg, model=model)
         t_start = time.perf_counter()
         await engine.start()  # warm-up, kernel self-checks, graph captures (compile + autotune when the cache is cold)
     except BaseException:
         _engine_settings_off(model)  # a failed start must not leave them on for the rest of the process
+        autotune_table.restore(replaced)
         raise
     start_s = time.perf_counter() - t_start
     pdl_on = engine.health().get("programmatic_launch")
@@ -462,6 +470,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
     finally:
         await engine.aclose()
         _engine_settings_off(model)
+        autotune_table.restore(replaced)
 
 
 def _engine_settings_off(model) -> None:

@@ -125,6 +125,42 @@ def load(table: dict | str | Path, device_name: str) -> int:
     return n
 
 
+def override(picks: list[dict]) -> dict:
+    """Replace picks already in the autotuners' caches, for a side-by-side run of other picks in one process
+    (benchmarks/qwen_gpu.py --variant '{"picks": [...]}'; a table's load keeps a process's picks, so it cannot).
+    Each pick: {"kernel": name, "key": a prefix of Triton's key tuple, "config": {"kwargs": {...}, "num_warps": n,
+    ...}} (the config fields given must match one of the kernel's configurations; those left out match any). Every
+    cached key of that kernel starting with the prefix takes the configuration. Returns what it replaced, for
+    `restore`. A pick that names an unknown kernel, matches no cached key, or no configuration raises ValueError, and
+    then nothing is replaced."""
+    tuners = autotuners()
+    changes = []
+    for pick in picks:
+        name, prefix, want = pick.get("kernel"), list(pick.get("key", [])), pick.get("config", {})
+        if name not in tuners:
+            raise ValueError(f"autotune override: unknown kernel {name!r} (known: {sorted(tuners)})")
+        tuner = tuners[name]
+        configs = [c for c in tuner.configs
+                   if all(_config_json(c).get(f) == v for f, v in want.items())]
+        if len(configs) != 1:
+            raise ValueError(f"autotune override: {name}: {want} matches {len(configs)} configurations, not one")
+        keys = [k for k in tuner.cache if list(k[:len(prefix)]) == prefix]
+        if not keys:
+            raise ValueError(f"autotune override: {name}: no tuned key starts with {prefix}")
+        changes += [(tuner, k, configs[0]) for k in keys]
+    saved = {}
+    for tuner, key, config in changes:
+        saved.setdefault((id(tuner), key), (tuner, key, tuner.cache[key]))
+        tuner.cache[key] = config
+    return saved
+
+
+def restore(saved: dict) -> None:
+    """Put back the picks `override` replaced."""
+    for tuner, key, config in saved.values():
+        tuner.cache[key] = config
+
+
 def load_for_device(device) -> int:
     """`load` the shipped table of this CUDA device's model, if there is one (0 otherwise, and off CUDA)."""
     import torch

@@ -130,3 +130,25 @@ def test_autotuners_have_their_configurations_back():
     from kernels.autotune_table import autotuners
 
     assert all(len(t.configs) > 1 for t in autotuners().values())
+
+
+def test_override_then_restore(clean_caches):
+    """`override` replaces the cached picks of every key with the given prefix by the one configuration matching the
+    fields given, `restore` puts them back; an unknown kernel, a prefix no key has or fields matching other than one
+    configuration raise, replacing nothing."""
+    gemv = clean_caches["w4a16_gemv"]
+    key1 = (1024, 2048, 1, True, True, False, 2, "torch.bfloat16")
+    key2 = (1024, 2048, 2, True, True, False, 2, "torch.bfloat16")
+    other = (2048, 512, 1, True, True, False, 2, "torch.bfloat16")
+    gemv.cache.update({key1: gemv.configs[0], key2: gemv.configs[0], other: gemv.configs[0]})
+    target = autotune_table._config_json(gemv.configs[3])
+    saved = autotune_table.override([{"kernel": "w4a16_gemv", "key": [1024, 2048], "config": target}])
+    assert gemv.cache[key1] is gemv.cache[key2] is gemv.configs[3] and gemv.cache[other] is gemv.configs[0]
+    autotune_table.restore(saved)
+    assert all(gemv.cache[k] is gemv.configs[0] for k in (key1, key2, other))
+    for bad, match in (({"kernel": "nope", "key": [], "config": target}, "unknown kernel"),
+                       ({"kernel": "w4a16_gemv", "key": [7], "config": target}, "no tuned key"),
+                       ({"kernel": "w4a16_gemv", "key": [1024], "config": {"num_stages": 1}}, "configurations")):
+        with pytest.raises(ValueError, match=match):
+            autotune_table.override([{"kernel": "w4a16_gemv", "key": [1024], "config": target}, bad])
+        assert all(gemv.cache[k] is gemv.configs[0] for k in (key1, key2, other))
