@@ -1807,6 +1807,39 @@ PY
   archive
 done
 fi
+if want 140; then
+# thirty-eighth session: other picks of the lone step's keys beside the shipped ones in ONE process (qwen_gpu.py's
+# per-engine "picks": kernels/autotune_table.override), since down's W4 C1 gained in the engine far beyond its per-call
+# time; results straight into $OUT (they come back even when the call is cut). Ran: picks run 1 (lone 498.5 shipped;
+# o_proj 2 x 1,024 / 1 warp 501.1 and in_proj 4 x 1,024 / 1 warp 500.4, one measurement each; down W8 C1 476.3,
+# gate_up W8 C2 486.7) -- hence step 141
+say "140. issue 5: the lone step's picks in one process: o_proj / out_proj FP8 GEMV 2 x 1,024 / 1 warp, down W8 C1,"
+say "    gate_up W8 C2, in_proj 4 x 1,024 / 1 warp, each beside the shipped table's"
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_140:-230}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_picks" \
+  --variant 'o_proj_2x1024w1={"picks": [{"kernel": "fp8_gemv", "key": [1, 2048, 4096], "config": {"kwargs": {"BLOCK_N": 2, "BLOCK_K": 1024}, "num_warps": 1}}]}' \
+  --variant 'down_w8c1={"picks": [{"kernel": "w4a16_mma", "key": [2048, 512, 1, 8], "config": {"kwargs": {"WARPS": 8, "CHUNKS": 1}, "num_warps": 8}}]}' \
+  --variant 'gate_up_w8c2={"picks": [{"kernel": "w4a16_mma", "key": [1024, 2048, 1, 8], "config": {"kwargs": {"WARPS": 8, "CHUNKS": 2}, "num_warps": 8}}]}' \
+  --variant 'in_proj_4x1024w1={"picks": [{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}]}' \
+  > "$OUT/qwen_picks.log" 2>&1
+grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|same greedy tokens|Error|error" "$OUT/qwen_picks.log" | cut -c1-260 | head -30
+fi
+if want 141; then
+# thirty-eighth session, not yet run: step 140's two lone-step FP8 GEMV picks that came out ahead (+0.4% / +0.5%, one
+# measurement each, within the order effect), repeated: shipped, both, in_proj alone, o_proj alone, then all four again
+# in the reverse order, one process (results into $OUT). o_proj's changed the lone greedy tokens from the 5th on
+say "141. issue 5: the lone step's FP8 GEMV picks in_proj 4 x 1,024 / 1 warp and o_proj 2 x 1,024 / 1 warp, repeated"
+IN='{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}'
+OP='{"kernel": "fp8_gemv", "key": [1, 2048, 4096], "config": {"kwargs": {"BLOCK_N": 2, "BLOCK_K": 1024}, "num_warps": 1}}'
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_141:-300}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_picks2" \
+  --variant "both={\"picks\": [$IN, $OP]}" --variant "in_proj={\"picks\": [$IN]}" \
+  --variant "o_proj={\"picks\": [$OP]}" --variant "o_proj_2={\"picks\": [$OP]}" \
+  --variant "in_proj_2={\"picks\": [$IN]}" --variant "both_2={\"picks\": [$IN, $OP]}" --again \
+  > "$OUT/qwen_picks2.log" 2>&1
+grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_picks2.log" \
+  | cut -c1-200 | head -30
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
