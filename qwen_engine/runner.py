@@ -60,6 +60,15 @@ RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kerne
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 
 
+def _takes_gated_op(model: torch.nn.Module) -> bool:
+    """Whether any attention layer of `model` hands its o_proj FP8 codes (a producer scale: `quantized.producer_scale`),
+    i.e. would call the gated attention op under attn_gate_in_combine."""
+    from .model.attention import GatedAttention
+    from .model.quantized import producer_scale
+
+    return any(isinstance(m, GatedAttention) and producer_scale(m, ("o_proj",)) is not None for m in model.modules())
+
+
 def gdn_registry(preference: KernelPreference | str = KernelPreference.AUTO) -> Registry:
     """A registry with the ops the runner calls (its own, so an engine's preference does not leak into others):
     the GDN decode step and its prep, the GDN prefill, the paged decode attention and the greedy sampler's argmax."""
@@ -175,7 +184,9 @@ class ModelRunner:
         from .model import attention
 
         gated = default_registry().choices().get(attention.GATED_OP, {}).get("last")
-        if attention.GATE_IN_COMBINE and gated == "reference":  # attn_gate_in_combine: the op the model calls
+        # attn_gate_in_combine: the op the model calls where its attention layers hand o_proj FP8 codes (the choice
+        # is process-wide: another model's calls must not block this one)
+        if attention.GATE_IN_COMBINE and gated == "reference" and _takes_gated_op(self.model):
             found.append(f"{attention.GATED_OP} runs its reference (kernels preference, device or dtype)")
         from .model.quantized import NVFP4Experts
 

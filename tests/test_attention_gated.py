@@ -100,27 +100,33 @@ def test_engine_option_keeps_tokens(monkeypatch):
 
 def test_capture_blocker_when_the_gated_op_runs_its_reference(monkeypatch):
     """With attn_gate_in_combine, a gated op that chose its reference (a host loop over the context lengths) blocks
-    the decode graphs' capture up front, as the plain attention's reference does; without the option it does not."""
+    the decode graphs' capture up front for a model whose attention layers hand o_proj FP8 codes (the packed model),
+    as the plain attention's reference does; without the option it does not, nor for a model without those codes (the
+    choice is process-wide: another model's calls must not block this one)."""
     from engine_core.registry import default_registry
-    from qwen_engine.model import attention
+    from qwen_engine.model import attention, quantized
     from qwen_engine.runner import ModelRunner, gdn_registry
+    from tests.test_gdn_fused_glue import _packed_model
     from tests.test_qwen_engine import engine_config, run
 
     async def body(engine):
         return engine.model
 
-    model = run(engine_config(), body)
+    plain = run(engine_config(), body)  # fp32, no FP8 projections
+    monkeypatch.setattr(quantized, "QUANT_IN_PRODUCERS", True)
     reg = default_registry()
     before = reg.preference(pa.GATED_NAME)
     try:
         reg.set_preference("reference", pa.GATED_NAME)
         args, gate, s = _inputs([3])
         reg.call(pa.GATED_NAME, *args, gate, s)  # its choice recorded: the reference
-        runner = ModelRunner(model, model.config, "cpu", 8, 4, 2, registry=gdn_registry("auto"), max_model_len=32,
-                             decode_buckets=(1, 2), decode_graphs="static")
+        runners = [ModelRunner(m, m.config, str(next(m.parameters()).device), 8, 4, 2, registry=gdn_registry("auto"),
+                               max_model_len=32, decode_buckets=(1, 2), decode_graphs="static")
+                   for m in (_packed_model(), plain)]
         monkeypatch.setattr(attention, "GATE_IN_COMBINE", True)
-        assert any(f.startswith(pa.GATED_NAME) for f in runner.capture_blockers())
+        assert any(f.startswith(pa.GATED_NAME) for f in runners[0].capture_blockers())
+        assert not any(f.startswith(pa.GATED_NAME) for f in runners[1].capture_blockers())
         monkeypatch.setattr(attention, "GATE_IN_COMBINE", False)
-        assert not any(f.startswith(pa.GATED_NAME) for f in runner.capture_blockers())
+        assert not any(f.startswith(pa.GATED_NAME) for f in runners[0].capture_blockers())
     finally:
         reg.set_preference(before, pa.GATED_NAME)

@@ -85,20 +85,28 @@ def test_sampler_takes_the_kernel():
 
 
 def test_engine_option_on_by_default_plain_launch_same_tokens():
-    """QwenEngineConfig.argmax_kernel is on (H200 variants runs 1 / 2: the same greedy tokens as torch.argmax), the
-    kernel never launches with PDL unless PDL_LAUNCH asks (benchmarks/pdl_after_graph.py), and an engine with it
-    gives the greedy tokens of one without it, its runner then calling the registry's op."""
+    """QwenEngineConfig.argmax_kernel is on (H200 variants runs 1 / 2: the same greedy tokens as torch.argmax), for
+    CUDA engines only (a CPU engine keeps torch.argmax: the interpreter's kernel is far slower), the kernel never
+    launches with PDL unless PDL_LAUNCH asks (benchmarks/pdl_after_graph.py), and a CPU engine whose runner is made
+    to call it gives the greedy tokens of one that does not, the registry's op then called."""
     from kernels import argmax_rows
     from qwen_engine.engine import QwenEngineConfig
     from tests.test_qwen_engine import collect, engine_config, run
 
     assert QwenEngineConfig().argmax_kernel is True and argmax_rows.PDL_LAUNCH is False
 
-    async def body(engine):
-        tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
-        return engine.runner.argmax_kernel, tokens, engine.registry.choices().get("argmax_rows", {}).get("last")
+    def body_forcing(force: bool):
+        async def body(engine):
+            default = engine.runner.argmax_kernel
+            engine.runner.argmax_kernel = force
+            calls = sum(engine.registry.choices().get("argmax_rows", {}).get("calls", {}).values())
+            tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
+            used = sum(engine.registry.choices().get("argmax_rows", {}).get("calls", {}).values()) - calls
+            return default, tokens, used
+        return body
 
-    on, tokens_on, impl = run(engine_config(argmax_kernel=True, kernels="auto"), body)
-    off, tokens_off, _ = run(engine_config(argmax_kernel=False, kernels="auto"), body)
-    assert on is True and off is False and impl is not None, impl
+    default, tokens_on, used_on = run(engine_config(argmax_kernel=True, kernels="auto"), body_forcing(True))
+    _, tokens_off, used_off = run(engine_config(argmax_kernel=True, kernels="auto"), body_forcing(False))
+    assert default is False  # a CPU engine
+    assert used_on > 0 and used_off == 0
     assert tokens_on == tokens_off and len(tokens_on) == 4
