@@ -160,11 +160,12 @@ class QwenEngineConfig:
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads); run 66:
     #                               "next" 460.8 against 469.2 / 469.4 lone (-1.8%), the same tokens
-    argmax_kernel: bool = True  # greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
+    argmax_kernel: bool = True  # CUDA: greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
     #                             contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
     #                             12.9 us on a lone step's chain, profile run 23); a plain launch after the graph's
     #                             replay. H200 (variants runs 1 / 2, the same greedy tokens): alone lone decode
-    #                             476.4 / 476.6 -> 477.1 tok/s; with attn_gate_in_combine 484.9 / 485.8 -> 488.0
+    #                             476.4 / 476.6 -> 477.1 tok/s; with attn_gate_in_combine 484.9 / 485.8 -> 488.0.
+    #                             Other devices keep torch.argmax (the CPU's Triton is the tests' interpreter)
     quant_in_producers: bool = True  # packed models' decode steps: the op that produces an FP8 projection's input
     #                                  (the mixers' input norm, the GDN gated norm, the attention output gate)
     #                                  writes the e4m3 codes beside its output, the same bits, so the projections
@@ -220,6 +221,12 @@ class QwenEngineConfig:
     #                                 about fits one wave of SMs: H200 (variants run 2) us per call split / whole at
     #                                 1-4 rows 3.67-3.92 / 4.02-4.08, at 8 rows 6.07 / 4.19; lone decode 478.1 ->
     #                                 484.9 / 485.8 tok/s (split at 32 rows would cost 3,455 -> 3,368 at 32 streams)
+    norm_in_router_rows: int = 0  # decode steps of 1..this many rows (at most kernels.moe_router.MAX_ROWS, 4): each
+    #                               layer's residual add + post-mixer norm inside the MoE router's GEMV + top-k
+    #                               launch (kernels/router_add_norm.py, registry op "add_norm_router_gemv_topk";
+    #                               SparseMoE.norm_in_router_rows), one launch fewer a layer on the chain (add + norm
+    #                               1.42 us a call in H200 profile run 23). The norm within rms_norm's tolerance of the
+    #                               two-launch path's (usually the same bits). 0: off, until measured on the H200
     small_batch_tokens: int | None = None  # dual expert layouts (dual_frag: Hopper's default): calls of at most this
     #                               many tokens read the checkpoint-layout copy (NVFP4Experts.small_tokens) | None:
     #                               the loader's, 4 (the decode GEMV's). Up to kernels.w4a16_mma.SORTED_MAX_TOKENS:
@@ -293,6 +300,9 @@ class QwenEngineConfig:
         if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
                 and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
             raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
+        if not (isinstance(self.norm_in_router_rows, int) and not isinstance(self.norm_in_router_rows, bool)
+                and self.norm_in_router_rows >= 0):
+            raise ValueError(f"norm_in_router_rows must be an int >= 0 (0: off), got {self.norm_in_router_rows!r}")
         if not (isinstance(self.gdn_prep_split_v_rows, int) and not isinstance(self.gdn_prep_split_v_rows, bool)
                 and self.gdn_prep_split_v_rows >= 0):
             raise ValueError(f"gdn_prep_split_v_rows must be an int >= 0 (0: never split), got "
@@ -333,11 +343,13 @@ class QwenEngineConfig:
 LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
 GATED_ATTN_OP = "paged_decode_attention_gated_fp8"  # self-checked only with attn_gate_in_combine on
+NORM_ROUTER_OP = "add_norm_router_gemv_topk"  # self-checked only with norm_in_router_rows > 0
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP)
+             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP,
+             NORM_ROUTER_OP)
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -398,6 +410,7 @@ class QwenEngine:
         self.gdn_decode_norm = set_gdn_decode_norm(self.model, cfg.gdn_decode_norm)
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
+        self.norm_in_router = set_norm_in_router_rows(self.model, cfg.norm_in_router_rows)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.model_config = self.model.config
@@ -441,7 +454,8 @@ class QwenEngine:
                                   decode_graphs=cfg.decode_graphs, prefill_graphs=cfg.prefill_graphs,
                                   prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(
                                       cfg.max_num_batched_tokens, cfg.max_model_len))
-        self.runner.argmax_kernel = cfg.argmax_kernel
+        # CUDA only: elsewhere Triton runs interpreted (tests), far slower than torch.argmax
+        self.runner.argmax_kernel = cfg.argmax_kernel and self.device.type == "cuda"
         eos = self.model_config.eos_token_id
         self.default_eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         # one worker thread: the forward pass blocks (CPU) or syncs once (CUDA) off the event loop
@@ -600,6 +614,7 @@ class QwenEngine:
             "gdn_decode_norm_layers": self.gdn_decode_norm,
             "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
+            "norm_in_router_layers": self.norm_in_router,
             "small_batch_tokens": self.small_batch_tokens,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
@@ -830,7 +845,8 @@ class QwenEngine:
         reg = default_registry()
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
-               and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)]
+               and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
+               and (op != NORM_ROUTER_OP or self.cfg.norm_in_router_rows > 0)]
         key = (str(self.device), tuple(reg.preference(op).value for op in ops))  # re-check when preferences change
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
@@ -945,6 +961,19 @@ def set_shared_expert_stream(model: torch.nn.Module, on: bool) -> int:
     from .model.moe import SparseMoE
 
     return _set_on_every(model, SparseMoE, "shared_stream", on)
+
+
+def set_norm_in_router_rows(model: torch.nn.Module, rows: int) -> int:
+    """Set `SparseMoE.norm_in_router_rows` on every MoE layer; returns how many layers have it on (> 0). It acts on
+    decode calls of at most that many rows on the fused path (CUDA, or modules set `fused`)."""
+    from .model.moe import SparseMoE
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, SparseMoE):
+            mod.norm_in_router_rows = int(rows)
+            n += rows > 0
+    return n
 
 
 def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:
