@@ -1849,12 +1849,16 @@ if want 142; then
 # <= 4 rows beside the defaults in one process, --again (results into $OUT). Its norm may differ from the add + norm
 # kernel's by an ulp compiled (another reduction order), so the lone tokens may differ
 say "142. issue 5: the residual add + norm inside the router (norm_in_router_rows 4) beside the defaults; its tests"
+# with step 141's two FP8 GEMV picks too, as one more variant
+IN='{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}'
+OP='{"kernel": "fp8_gemv", "key": [1, 2048, 4096], "config": {"kwargs": {"BLOCK_N": 2, "BLOCK_K": 1024}, "num_warps": 1}}'
 timeout -s INT -k 15 "${LIMIT_142T:-120}" python -m pytest -q -p no:cacheprovider tests/test_router_add_norm.py \
   > "$OUT/router_add_norm_tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/router_add_norm_tests.log" | tail -4
 PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_142:-240}" python benchmarks/qwen_gpu.py --skip-transformers \
   --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_norm_router" \
   --variant 'norm_in_router={"norm_in_router_rows": 4}' --variant 'norm_in_router_2={"norm_in_router_rows": 4}' \
+  --variant "with_picks={\"norm_in_router_rows\": 4, \"picks\": [$IN, $OP]}" \
   --again > "$OUT/qwen_norm_router.log" 2>&1
 grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_norm_router.log" \
   | cut -c1-200 | head -20
