@@ -47,6 +47,8 @@ from engine_core.continuous import (
 from engine_core.config_args import check_field_types, from_args
 from engine_core.request import BadRequest, NotReady, client_timeout  # noqa: F401 - re-exported for callers
 from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId, RequestTimings
+from kernels.paged_attention import GATED_NAME as GATED_ATTN_OP
+from kernels.router_add_norm import NAME as NORM_ROUTER_OP
 
 log = logging.getLogger(__name__)
 
@@ -342,8 +344,8 @@ class QwenEngineConfig:
 
 LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
-GATED_ATTN_OP = "paged_decode_attention_gated_fp8"  # self-checked only with attn_gate_in_combine on
-NORM_ROUTER_OP = "add_norm_router_gemv_topk"  # self-checked only with norm_in_router_rows > 0
+# GATED_ATTN_OP (kernels.paged_attention GATED_NAME): self-checked only with attn_gate_in_combine on;
+# NORM_ROUTER_OP (kernels.router_add_norm NAME): only with norm_in_router_rows > 0
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",

@@ -13,6 +13,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.paged_attention import GATED_NAME as GATED_OP
+
 from ..config import QwenConfig
 from .norm import ZeroCentredRMSNorm
 from .paged import FlatBatch, PagedKV
@@ -24,7 +26,6 @@ from .state import KVCache
 # after it: 10 launches fewer a lone decode step. Process-wide, set by the engine (QwenEngineConfig
 # .attn_gate_in_combine, on by default since H200 variants run 1); off here until an engine sets it.
 GATE_IN_COMBINE = False
-GATED_OP = "paged_decode_attention_gated_fp8"
 
 
 class RotaryEmbedding(nn.Module):

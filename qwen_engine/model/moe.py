@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe_router import with_extra
+from kernels.router_add_norm import NAME as NORM_ROUTER_OP
 
 from ..config import QwenConfig
 from . import streams
@@ -208,7 +209,7 @@ class SparseMoE(nn.Module):
         routing = None
         if pre_norm is not None:
             if fused and self._norm_in_router(x, pre_norm):
-                s, x, *routing = _registry().call("add_norm_router_gemv_topk", residual.reshape(-1, shape[-1]), x,
+                s, x, *routing = _registry().call(NORM_ROUTER_OP, residual.reshape(-1, shape[-1]), x,
                                                   pre_norm.weight, pre_norm.eps, self.gate.weight, self.gate.top_k)
                 residual = s.reshape(shape)
             else:
