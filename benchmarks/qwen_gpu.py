@@ -712,9 +712,7 @@ def main() -> None:
         # keeps a process's earlier ones): the greedy tokens then differed between processes (results/defaults_run1)
         from kernels import autotune_table
 
-        name = torch.cuda.get_device_name(device)
-        loaded = (autotune_table.load_for_device(device) if AUTOTUNE_TABLE == "auto"
-                  else autotune_table.load(AUTOTUNE_TABLE, name))
+        loaded = autotune_table.load_setting(AUTOTUNE_TABLE, device)
         log(f"autotune table {AUTOTUNE_TABLE}: {loaded} picks loaded before the calibration")
     if not args.no_calibrate:  # ModelOpt-style max calibration of the FP8 static input scales on one random prompt
         amax = sorted(calibrate_fp8_input_scales(model, rand(1, min(ctx, 256))).values())

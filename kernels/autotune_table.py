@@ -171,3 +171,21 @@ def load_for_device(device) -> int:
     name = torch.cuda.get_device_name(device)
     path = table_path(name)
     return load(path, name) if path.exists() else 0
+
+
+def load_setting(setting: str, device) -> int:
+    """An autotune_table setting (QwenEngineConfig's, benchmarks/qwen_gpu.py --autotune-table) onto the autotuners:
+    "off" or a device other than CUDA: nothing; "auto": the shipped table (`load_for_device`), a stale one logged and
+    skipped (the kernels then tune at start); a JSON path: `load`, whose errors stand. The number of picks loaded."""
+    import torch
+
+    device = torch.device(device)
+    if setting == "off" or device.type != "cuda":
+        return 0
+    if setting == "auto":
+        try:
+            return load_for_device(device)
+        except ValueError as exc:  # a stale shipped table: tune as without one (a named table's error stands)
+            log.warning("%s; the autotuned kernels tune at start instead", exc)
+            return 0
+    return load(setting, torch.cuda.get_device_name(device))

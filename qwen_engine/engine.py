@@ -426,7 +426,9 @@ class QwenEngine:
         for op in MODEL_OPS:
             if op in default_registry().ops():
                 default_registry().set_preference(cfg.kernels, op)
-        self.autotune_picks = self._load_autotune_table()
+        from kernels import autotune_table
+
+        self.autotune_picks = autotune_table.load_setting(cfg.autotune_table, self.device)
         from kernels import pdl  # before the self-checks, warm-up and graph captures: they launch with the setting
 
         self.programmatic_launch = pdl.set_enabled(pdl.wanted(cfg.programmatic_launch, self.device))
@@ -853,20 +855,6 @@ class QwenEngine:
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
         return {**out, **_MODEL_OPS_CHECKED[key], **check_expert_layouts(self.model, self.device, reg)}
-
-    def _load_autotune_table(self) -> int:
-        """`autotune_table` onto the Triton autotuners (CUDA only): the number of picks loaded."""
-        if self.cfg.autotune_table == "off" or self.device.type != "cuda":
-            return 0
-        from kernels import autotune_table
-
-        if self.cfg.autotune_table == "auto":
-            try:
-                return autotune_table.load_for_device(self.device)
-            except ValueError as exc:  # a stale shipped table: tune as without one (a named table's error stands)
-                log.warning("%s; the autotuned kernels tune at start instead", exc)
-                return 0
-        return autotune_table.load(self.cfg.autotune_table, torch.cuda.get_device_name(self.device))
 
     def _auto_num_blocks(self) -> int:
         """KV pool size when `num_kv_blocks` is None (see the config field)."""
