@@ -373,13 +373,12 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
-                            **{k: v for k, v in dict(argmax_kernel=argmax_kernel,
-                                                     attn_gate_in_combine=attn_gate_in_combine).items()
+                            **{k: v for k, v in dict(argmax_kernel=argmax_kernel,  # None: the config's default
+                                                     attn_gate_in_combine=attn_gate_in_combine,
+                                                     async_decode=async_decode,
+                                                     gdn_prep_split_v_rows=gdn_prep_split_v_rows,
+                                                     norm_in_router_rows=norm_in_router_rows).items()
                                if v is not None},
-                            **({} if async_decode is None else dict(async_decode=async_decode)),
-                            **({} if gdn_prep_split_v_rows is None
-                               else dict(gdn_prep_split_v_rows=gdn_prep_split_v_rows)),
-                            **({} if norm_in_router_rows is None else dict(norm_in_router_rows=norm_in_router_rows)),
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:
         from kernels import gdn_prep

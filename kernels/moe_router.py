@@ -473,9 +473,10 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None =
     logits = x.new_empty((n, e))
     weights = x.new_empty((n, k))
     idx = torch.empty((n, k), dtype=torch.int64, device=x.device)
-    hm, nw, eps = add_norm if add_norm is not None else (x, x, 0.0)  # unread without ADD_NORM
-    s_out, y_out = (x.new_empty((n, h)), x.new_empty((n, h))) if add_norm is not None else (x, x)
-    extra = (s_out, y_out) if add_norm is not None else ()
+    fused_norm = add_norm is not None
+    hm, nw, eps = add_norm if fused_norm else (x, x, 0.0)  # unread without ADD_NORM
+    extra = (x.new_empty((n, h)), x.new_empty((n, h))) if fused_norm else ()  # s, y
+    s_out, y_out = extra or (x, x)
     if n == 0:
         return logits, weights, idx, *extra
     cfg = {**_gemv_tiling(n, e, h), **(config or {})}
@@ -484,8 +485,8 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None =
     ws = torch.empty((cfg["SPLIT"], n, e), dtype=torch.float32, device=x.device)
     _router_gemv_topk_kernel[(triton.cdiv(e, cfg["BLOCK_E"]), cfg["SPLIT"], r_blocks)](
         x, w, logits, weights, idx, ws, counters if counters is not None else ws, n, e, h, x.stride(0), w.stride(0),
-        hm, nw, s_out, y_out, hm.stride(0), float(eps), ADD_NORM=add_norm is not None,
-        BLOCK_HF=triton.next_power_of_2(h) if add_norm is not None else 1,
+        hm, nw, s_out, y_out, hm.stride(0), float(eps), ADD_NORM=fused_norm,
+        BLOCK_HF=triton.next_power_of_2(h) if fused_norm else 1,
         K=k, BLOCK_K=triton.next_power_of_2(k), REDUCE=counters is not None,
         BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg, **pdl.launch_options(),
         **pdl.prefetch_options(pdl.aligned16(w.data_ptr(), *(v * w.element_size()

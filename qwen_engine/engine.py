@@ -302,13 +302,10 @@ class QwenEngineConfig:
         if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
                 and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
             raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
-        if not (isinstance(self.norm_in_router_rows, int) and not isinstance(self.norm_in_router_rows, bool)
-                and self.norm_in_router_rows >= 0):
-            raise ValueError(f"norm_in_router_rows must be an int >= 0 (0: off), got {self.norm_in_router_rows!r}")
-        if not (isinstance(self.gdn_prep_split_v_rows, int) and not isinstance(self.gdn_prep_split_v_rows, bool)
-                and self.gdn_prep_split_v_rows >= 0):
-            raise ValueError(f"gdn_prep_split_v_rows must be an int >= 0 (0: never split), got "
-                             f"{self.gdn_prep_split_v_rows!r}")
+        for name, zero in (("norm_in_router_rows", "off"), ("gdn_prep_split_v_rows", "never split")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: {zero}), got {v!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
@@ -935,13 +932,14 @@ def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
     return n
 
 
-def _set_on_every(model: torch.nn.Module, kind: type, flag: str, on: bool) -> int:
-    """Set attribute `flag` to `on` on every `kind` module of `model`; returns how many now have it on."""
+def _set_on_every(model: torch.nn.Module, kind: type, flag: str, on: bool | int, cast: type = bool) -> int:
+    """Set attribute `flag` to `cast(on)` on every `kind` module of `model`; returns how many now have it on (a
+    truthy value)."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, kind):
-            setattr(mod, flag, bool(on))
-            n += bool(on)
+            setattr(mod, flag, cast(on))
+            n += bool(cast(on))
     return n
 
 
@@ -958,12 +956,7 @@ def set_norm_in_router_rows(model: torch.nn.Module, rows: int) -> int:
     decode calls of at most that many rows on the fused path (CUDA, or modules set `fused`)."""
     from .model.moe import SparseMoE
 
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, SparseMoE):
-            mod.norm_in_router_rows = int(rows)
-            n += rows > 0
-    return n
+    return _set_on_every(model, SparseMoE, "norm_in_router_rows", rows, cast=int)
 
 
 def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:
