@@ -364,6 +364,21 @@ if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:
     print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
 PY
 }
+# mma_pick_table OUT N K WARPS CHUNKS: the shipped H200 table with the tensor-core decode GEMV's one-token pick of
+# key (N, K, 1 token, 8 pairs) -- gate_up 1,024 x 2,048, down 2,048 x 512 -- set to WARPS / CHUNKS, written to OUT
+# (steps 136, 138, 139: a table is loaded once a process, so another pick means another process)
+mma_pick_table() {
+  python - kernels/tuned/nvidia_h200.json "$@" <<'PY'
+import json, sys
+src, out, n, k, warps, chunks = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+t = json.load(open(src))
+for key, cfg in t["kernels"]["w4a16_mma"]:
+    if key[:4] == [n, k, 1, 8]:
+        cfg["kwargs"] = {"WARPS": warps, "CHUNKS": chunks}
+        cfg["num_warps"] = warps
+json.dump(t, open(out, "w"))
+PY
+}
 # probe NAME LIMIT SCRIPT ARGS...: benchmarks/SCRIPT --out $R/NAME ARGS, into $R/NAME.log; prints the script's own
 # "[tag]" lines and any errors (steps 57, 63-65)
 probe() {
@@ -1738,15 +1753,7 @@ if want 136; then
 say "136. issue 5: the engine on a table with down's 1-token pick W4 C1 (3-4% faster per call in mma_picks run 3 and"
 say "    mma_ahead run 1; another K split, so the lone tokens may differ), its own process (autotune_table.load keeps"
 say "    a process's earlier picks, so not a --variant beside the shipped table); compare with step 135's defaults"
-python - kernels/tuned/nvidia_h200.json /tmp/down_w4c1.json <<'PY'
-import json, sys
-t = json.load(open(sys.argv[1]))
-for key, cfg in t["kernels"]["w4a16_mma"]:
-    if key[:4] == [2048, 512, 1, 8]:  # down (N 2,048, K 512), one token's 8 pairs
-        cfg["kwargs"] = {"WARPS": 4, "CHUNKS": 1}
-        cfg["num_warps"] = 4
-json.dump(t, open(sys.argv[2], "w"))
-PY
+mma_pick_table /tmp/down_w4c1.json 2048 512 4 1  # down (N 2,048, K 512)
 engine_ab qwen_down_w4c1 "${LIMIT_136:-200}" --autotune-table /tmp/down_w4c1.json --again
 fi
 if want 137; then
@@ -1770,15 +1777,7 @@ say "    off (the same table), then the previous table with the options off in i
 engine_ab qwen_defaults "${LIMIT_138:-200}" --autotune-table auto \
   --variant 'options_off={"gdn_prep_split_v_rows": 0, "argmax_kernel": false, "attn_gate_in_combine": false}' --again
 archive
-python - kernels/tuned/nvidia_h200.json /tmp/down_w2c2.json <<'PY'
-import json, sys
-t = json.load(open(sys.argv[1]))
-for key, cfg in t["kernels"]["w4a16_mma"]:
-    if key[:4] == [2048, 512, 1, 8]:  # down's 1-token pick as before this session
-        cfg["kwargs"] = {"WARPS": 2, "CHUNKS": 2}
-        cfg["num_warps"] = 2
-json.dump(t, open(sys.argv[2], "w"))
-PY
+mma_pick_table /tmp/down_w2c2.json 2048 512 2 2  # down's 1-token pick as before this session
 engine_ab qwen_previous "${LIMIT_138P:-150}" --autotune-table /tmp/down_w2c2.json \
   --base '{"gdn_prep_split_v_rows": 0, "argmax_kernel": false, "attn_gate_in_combine": false}' --again
 archive
@@ -1794,15 +1793,7 @@ say "139. issue 5: the shipped defaults again (table before the calibration), th
 engine_ab qwen_defaults2 "${LIMIT_139:-180}" --autotune-table auto --again
 archive
 for pick in 4 16; do
-  python - kernels/tuned/nvidia_h200.json /tmp/gate_up_w${pick}c1.json "$pick" <<'PY'
-import json, sys
-t = json.load(open(sys.argv[1]))
-for key, cfg in t["kernels"]["w4a16_mma"]:
-    if key[:4] == [1024, 2048, 1, 8]:  # gate_up (N 1,024, K 2,048), one token's 8 pairs
-        cfg["kwargs"] = {"WARPS": int(sys.argv[3]), "CHUNKS": 1}
-        cfg["num_warps"] = int(sys.argv[3])
-json.dump(t, open(sys.argv[2], "w"))
-PY
+  mma_pick_table "/tmp/gate_up_w${pick}c1.json" 1024 2048 "$pick" 1  # gate_up (N 1,024, K 2,048)
   engine_ab "qwen_gate_up_w${pick}c1" "${LIMIT_139G:-110}" --autotune-table "/tmp/gate_up_w${pick}c1.json"
   archive
 done
