@@ -1815,15 +1815,17 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_140:-230}" python benchmarks/qwen_
   > "$OUT/qwen_picks.log" 2>&1
 grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|same greedy tokens|Error|error" "$OUT/qwen_picks.log" | cut -c1-260 | head -30
 fi
+# the lone step's FP8 GEMV picks that steps 140-142 try (kernels/autotune_table.override, qwen_gpu.py "picks"):
+# in_proj 4 x 1,024 / 1 warp, o_proj / out_proj 2 x 1,024 / 1 warp, attention q/k/v 16 x 512 / 4 warps
+IN='{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}'
+OP='{"kernel": "fp8_gemv", "key": [1, 2048, 4096], "config": {"kwargs": {"BLOCK_N": 2, "BLOCK_K": 1024}, "num_warps": 1}}'
+QKV='{"kernel": "fp8_gemv", "key": [1, 9216, 2048], "config": {"kwargs": {"BLOCK_N": 16, "BLOCK_K": 512}, "num_warps": 4}}'
 if want 141; then
 # thirty-eighth session, not yet run: step 140's two lone-step FP8 GEMV picks that came out ahead (+0.4% / +0.5%, one
 # measurement each, within the order effect), repeated: shipped, both, in_proj alone, o_proj alone, then all four again
 # in the reverse order, and attention q/k/v's 16 x 512 / 4 warps (6.56 against 6.55 us a call), one process (results
 # into $OUT). o_proj's changed the lone greedy tokens from the 5th on
 say "141. issue 5: the lone step's FP8 GEMV picks in_proj 4 x 1,024 / 1 warp and o_proj 2 x 1,024 / 1 warp, repeated"
-IN='{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}'
-OP='{"kernel": "fp8_gemv", "key": [1, 2048, 4096], "config": {"kwargs": {"BLOCK_N": 2, "BLOCK_K": 1024}, "num_warps": 1}}'
-QKV='{"kernel": "fp8_gemv", "key": [1, 9216, 2048], "config": {"kwargs": {"BLOCK_N": 16, "BLOCK_K": 512}, "num_warps": 4}}'
 PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_141:-300}" python benchmarks/qwen_gpu.py --skip-transformers \
   --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_picks2" \
   --variant "both={\"picks\": [$IN, $OP]}" --variant "in_proj={\"picks\": [$IN]}" \
@@ -1840,9 +1842,7 @@ if want 142; then
 # <= 4 rows beside the defaults in one process, --again (results into $OUT). Its norm may differ from the add + norm
 # kernel's by an ulp compiled (another reduction order), so the lone tokens may differ
 say "142. issue 5: the residual add + norm inside the router (norm_in_router_rows 4) beside the defaults; its tests"
-# with step 141's two FP8 GEMV picks too, as one more variant
-IN='{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}'
-OP='{"kernel": "fp8_gemv", "key": [1, 2048, 4096], "config": {"kwargs": {"BLOCK_N": 2, "BLOCK_K": 1024}, "num_warps": 1}}'
+# with step 141's two FP8 GEMV picks too ($IN, $OP), as one more variant
 timeout -s INT -k 15 "${LIMIT_142T:-120}" python -m pytest -q -p no:cacheprovider tests/test_router_add_norm.py \
   > "$OUT/router_add_norm_tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/router_add_norm_tests.log" | tail -4
