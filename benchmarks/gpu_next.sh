@@ -1854,6 +1854,67 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_142:-240}" python benchmarks/qwen_
 grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_norm_router.log" \
   | cut -c1-200 | head -20
 fi
+if want 143; then
+# thirty-ninth session: lm_head at one row on the tensor-core decode GEMV (lm_head_layout checkpoint: triton_mma_wide,
+# 100.2 against 121.3 us a call in lm_head_bench run 2) beside the defaults (split_frag: the swap-AB kernel), twice,
+# in one process; its +0.5-1.1% lone of Qwen run 59 (thirty-fourth session, a 2.3 ms step then) was within that
+# session's spread. Then the lone step profiled with the current defaults (the merged PDL critical path of profile
+# run 23, steps 114 / 118). Results into $OUT
+say "143. issue 5: lm_head_layout checkpoint (one-row lm_head on the tensor-core GEMV) beside the defaults; lone profile"
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_143:-200}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_lm_head" \
+  --variant 'checkpoint={"lm_head_layout": "checkpoint"}' --variant 'checkpoint_2={"lm_head_layout": "checkpoint"}' \
+  --again > "$OUT/qwen_lm_head.log" 2>&1
+grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_lm_head.log" \
+  | cut -c1-200 | head -20
+timeout "${LIMIT_143P:-200}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-trace --engine-streams 1 \
+  --prefill-graphs off --batches "" --out "$OUT/qwen_profile" > "$OUT/qwen_profile.log" 2>&1
+grep -E " crit | side |gap|critical|Error" "$OUT/qwen_profile.log" | cut -c1-200 | head -50
+fi
+if want 144; then
+# thirty-ninth session: lm_head_layout dual_frag restored (fragment order above 4 rows, a checkpoint-layout copy for
+# <= 4: the one-row call on the tensor-core GEMV; step 143's checkpoint layout gained +0.9% lone, lost 2.9% at 32
+# streams), now with lm_head's one-row pick in the shipped table (the thirty-fourth session's dual run tuned it
+# in-process), and ids_copy_stream (the sampled ids' copy off the step's stream), each twice, then both, beside the
+# defaults in one process (--again); then the copy stream's CUDA test. Results into $OUT
+say "144. issue 5: lm_head_layout dual_frag and ids_copy_stream beside the defaults; the copy stream's CUDA test"
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_144:-330}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_dual_copy" \
+  --variant 'dual={"lm_head_layout": "dual_frag"}' --variant 'ids_copy={"ids_copy_stream": true}' \
+  --variant 'dual_2={"lm_head_layout": "dual_frag"}' --variant 'ids_copy_2={"ids_copy_stream": true}' \
+  --variant 'dual_ids_copy={"lm_head_layout": "dual_frag", "ids_copy_stream": true}' \
+  --again > "$OUT/qwen_dual_copy.log" 2>&1
+grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_dual_copy.log" \
+  | cut -c1-200 | head -20
+timeout -s INT -k 15 "${LIMIT_144T:-120}" python -m pytest -q -p no:cacheprovider tests/test_qwen_ids_copy.py \
+  > "$OUT/ids_copy_tests.log" 2>&1
+grep -E "passed|failed|Error" "$OUT/ids_copy_tests.log" | tail -4
+fi
+if want 145; then
+# thirty-ninth session: the new default (lm_head_layout auto = dual_frag on Hopper; step 144: +0.9% lone) in a fresh
+# process, beside the previous one (split_frag) twice, --again; then the tensor-core GEMV's wide (lm_head) CUDA cases
+say "145. issue 5: the defaults (auto = dual_frag) beside lm_head_layout split_frag (the previous default)"
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_145:-260}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_dual_default" \
+  --variant 'split_frag={"lm_head_layout": "split_frag"}' --variant 'split_frag_2={"lm_head_layout": "split_frag"}' \
+  --again > "$OUT/qwen_dual_default.log" 2>&1
+grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|lm_head_layout|Error|error" \
+  "$OUT/qwen_dual_default.log" | cut -c1-200 | head -20
+timeout -s INT -k 15 "${LIMIT_145T:-100}" python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_mma.py \
+  -k "wide" > "$OUT/mma_wide_tests.log" 2>&1
+grep -E "passed|failed|Error" "$OUT/mma_wide_tests.log" | tail -4
+fi
+if want 146; then
+# thirty-ninth session: step 145's process was noisy (the defaults 487.4 then 505.0 lone, split_frag 499.4 / 491.7), so
+# the two lm_head layouts alternated in one more process, 96 decode tokens a lone measurement (twice step 145's)
+say "146. issue 5: dual_frag (the default) and split_frag alternated, 96 decode tokens"
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_146:-300}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 96 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_dual_alt" \
+  --variant 'split_frag={"lm_head_layout": "split_frag"}' --variant 'dual_frag={"lm_head_layout": "dual_frag"}' \
+  --variant 'split_frag_2={"lm_head_layout": "split_frag"}' --again > "$OUT/qwen_dual_alt.log" 2>&1
+grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" \
+  "$OUT/qwen_dual_alt.log" | cut -c1-200 | head -20
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

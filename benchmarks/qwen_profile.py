@@ -519,6 +519,11 @@ def main() -> None:
                            torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     rand = lambda *shape: torch.randint(0, cfg.vocab_size, shape, generator=g).to(device)  # noqa: E731
+    if device.type == "cuda":  # the engines' table (QwenEngineConfig.autotune_table "auto") before the calibration's
+        # forward, which would otherwise tune its keys in-process and the engine keep those picks (qwen_gpu.py's fix)
+        from kernels import autotune_table
+
+        log(f"autotune table auto: {autotune_table.load_setting('auto', device)} picks loaded before the calibration")
     calibrate_fp8_input_scales(model, rand(1, min(ctx, 256)))
     r = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
              path="QwenForCausalLM.forward + QwenState, eager", runs=[])

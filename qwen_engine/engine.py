@@ -247,12 +247,14 @@ class QwenEngineConfig:
     #                               (benchmarks/lm_head_bench.py): 1 row 142 against 198 us, 32 rows 165 against 390.
     #                               Runs 39-41 found a race in its 32-row-block build, run 45's change one in its
     #                               16-row build: ptxas < 13.3's register-input wgmma hazard, fixed by the kernel's
-    #                               SETTLE (kernels/w4a16_swapped.py, the comment above FRAG_STAGES). Since
-    #                               2026-12-03 checkpoint's one-row calls run the tensor-core decode GEMV (registry
-    #                               "triton_mma_wide"): 100.2 against split_frag's 121.3 us a call (lm_head_bench run
-    #                               2), but in the engine lone decode 442.6 against 437.8 / 440.3 (run 59) and 32
-    #                               streams -2.8%; a dual copy (split_frag above 4 rows) 428.7 against 430.4 / 430.1
-    #                               (run 61): within the spread, so auto stays split_frag
+    #                               SETTLE (kernels/w4a16_swapped.py, the comment above FRAG_STAGES) | dual_frag:
+    #                               split_frag plus a checkpoint-layout copy (NVFP4Linear.repack_dual, +254 MB) for
+    #                               calls of <= 4 rows, which the tensor-core decode GEMV takes (registry
+    #                               "triton_mma_wide"). H200 2026-12-03: per call 100.2 against 121.3 us at one row
+    #                               (lm_head_bench run 2); the checkpoint layout alone in the engine: lone decode
+    #                               442.6 against 437.8 / 440.3 tok/s, 32 streams 3,270.5 against 3,364.3 / 3,368.4
+    #                               (its 32 rows on the dense kernel), Qwen run 59. dual_frag keeps the 32-row calls
+    #                               on the swap-AB kernel; not yet measured in the engine, so auto stays split_frag
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -339,7 +341,7 @@ class QwenEngineConfig:
 # Results and errors
 
 
-LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag")  # QwenEngineConfig.lm_head_layout
+LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag", "dual_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
 # GATED_ATTN_OP (kernels.paged_attention GATED_NAME): self-checked only with attn_gate_in_combine on;
 # NORM_ROUTER_OP (kernels.router_add_norm NAME): only with norm_in_router_rows > 0
@@ -1044,7 +1046,7 @@ def set_lm_head_layout(model: torch.nn.Module, layout: str) -> str:
         return "dense"
     if layout == "checkpoint":
         head.repack_checkpoint()
-    elif not head.repack_frag():
+    elif not (head.repack_dual() if layout == "dual_frag" else head.repack_frag()):
         log.warning("lm_head_layout split_frag: lm_head [%d, %d] is a W4A4 export or splits into no stored tile; "
                     "checkpoint layout kept", head.out_features, head.in_features)
     return head.layout

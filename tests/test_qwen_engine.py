@@ -794,6 +794,9 @@ def test_engine_lm_head_layout():
     assert frag == auto
     h_dense, _, _ = run(engine_config(lm_head_layout="split_frag"), body)
     assert h_dense["lm_head_layout"] == "dense"
+    h_dual, dual, calls_dual = run(engine_config(weights="packed", lm_head_layout="dual_frag"), body)
+    assert h_dual["lm_head_layout"] == "dual_frag" and dual == auto
+    assert calls_dual == 0  # one stream at a time: <= 4 rows, the checkpoint copy's op (w4a16_linear)
     assert QwenEngineConfig().lm_head_layout == "auto"
     with pytest.raises(ValueError, match="lm_head_layout must be one of"):
         engine_config(lm_head_layout="tiles")

@@ -791,3 +791,37 @@ def test_nvfp4_linear_repack_frag(dtype):
     assert not w4a4.repack_frag() and w4a4.layout == "checkpoint"
     odd = NVFP4Linear(quantize_nvfp4(torch.randn(96, 256, generator=g)), reg)
     assert not odd.repack_frag() and odd.layout == "checkpoint"
+
+
+@torch.no_grad()
+def test_nvfp4_linear_repack_dual(monkeypatch):
+    """`NVFP4Linear.repack_dual` (lm_head_layout dual_frag): fragment-order bytes plus the checkpoint's as a second
+    buffer; calls of <= DUAL_ROWS rows run op "w4a16_linear" on the checkpoint copy, larger ones "w4a16_linear_frag"
+    on the fragment-order bytes, both the checkpoint module's output (fp32: references, bit for bit); `repack_frag`
+    drops the copy, `repack_checkpoint` restores the single checkpoint buffer; refused where repack_frag is."""
+    from qwen_engine.model.quantized import DUAL_ROWS
+
+    g = torch.Generator().manual_seed(6)
+    w = quantize_nvfp4(torch.randn(128, 256, generator=g) * 0.02)
+    reg = registry()
+    plain, lin = NVFP4Linear(w, reg), NVFP4Linear(w, reg)
+    assert lin.repack_dual() and lin.layout == "dual_frag" and lin.repack_dual()
+    assert torch.equal(lin.packed_small, plain.packed) and not torch.equal(lin.packed, plain.packed)
+    assert torch.equal(lin.weight_checkpoint.packed, plain.packed)
+    assert torch.equal(lin.dequantized(), plain.dequantized())
+    ops = []
+    real = type(lin)._call
+    monkeypatch.setattr(type(lin), "_call", lambda self, *a, op=None, **k: ops.append(op or self.op) or real(
+        self, *a, op=op, **k))
+    for rows in (1, DUAL_ROWS, DUAL_ROWS + 1):
+        x = torch.randn(rows, 256, generator=g)
+        ops.clear()
+        assert torch.equal(lin(x), plain(x)), rows
+        assert ops[0] == ("w4a16_linear" if rows <= DUAL_ROWS else "w4a16_linear_frag"), (rows, ops)
+    assert "packed_small" in dict(lin.named_buffers())  # moves with the module (.to)
+    assert lin.repack_frag() and lin.layout == "split_frag" and lin.packed_small is None
+    assert lin.repack_dual() and lin.layout == "dual_frag"
+    lin.repack_checkpoint()
+    assert lin.layout == "checkpoint" and lin.packed_small is None and torch.equal(lin.packed, plain.packed)
+    odd = NVFP4Linear(quantize_nvfp4(torch.randn(96, 256, generator=g)), reg)
+    assert not odd.repack_dual() and odd.layout == "checkpoint" and odd.packed_small is None

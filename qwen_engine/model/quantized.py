@@ -88,6 +88,8 @@ class _KeepStorageDtype(nn.Module):
         return super()._apply(keep, recurse)
 
 
+DUAL_ROWS = 4  # NVFP4Linear.repack_dual: calls of up to this many rows read the checkpoint-layout copy (the decode
+#               graphs' 1 / 2 / 4 buckets; kernels/w4a16_mma.py takes <= 8 rows, the registry's wide entry the GEMV's)
 SMALL_ROWS = 4  # = kernels.w4a16_gemv.GEMV_MAX_TOKENS (tests check): row counts the choice cache keeps apart
 MID_ROWS = 64  # = kernels.w4a16_mma.SORTED_MAX_TOKENS (tests check): row counts above SMALL_ROWS up to this share one
 #                choice, larger ones another (the tensor-core decode GEMV's sorted MoE takes only the first)
@@ -174,6 +176,7 @@ class NVFP4Linear(_Dispatch):
         self.register_buffer("packed", w.packed.contiguous())  # uint8 [N, K/2]
         self.register_buffer("scales", w.scales.contiguous())  # float8_e4m3fn [N, K/16]
         self.register_buffer("global_scale", _global_per_row(w.global_scale, (n,)).to(w.packed.device))  # fp32 [N]
+        self.register_buffer("packed_small", None)  # dual_frag (`repack_dual`): the checkpoint's bytes [N, K/2]
         # ModelOpt's static activation global scale (amax / 2688) of a W4A4 export; NaN for a W4A16 layer. A Python
         # flag says which, so that forward never reads the buffer on the host (no sync).
         s_in = torch.as_tensor(float("nan") if input_scale is None else input_scale, dtype=torch.float32)
@@ -187,7 +190,8 @@ class NVFP4Linear(_Dispatch):
         self._w4a4_impl: dict[tuple, object] = {}  # (device, dtype, preference) -> native implementation or None
         self._w4a4_registered: bool | None = None  # does the registry have op "nvfp4_w4a4_linear"
 
-    layout = "checkpoint"  # of `packed`: "checkpoint", or "split_frag" after `repack_frag`
+    layout = "checkpoint"  # of `packed`: "checkpoint", or "split_frag" after `repack_frag`, or "dual_frag" after
+    #                        `repack_dual` (`packed` in fragment order plus `packed_small`, the checkpoint's bytes)
 
     @property
     def weight_nvfp4(self) -> NVFP4Tensor:
@@ -199,6 +203,8 @@ class NVFP4Linear(_Dispatch):
         """The weight with its bytes in the checkpoint's layout (a converted copy after `repack_frag`)."""
         if self.layout == "checkpoint":
             return self.weight_nvfp4
+        if self.packed_small is not None:
+            return NVFP4Tensor(self.packed_small, self.scales, self.global_scale)
         from kernels.w4a16_swapped import linear_to_frag
 
         return linear_to_frag(self.weight_nvfp4, inverse=True)
@@ -210,6 +216,9 @@ class NVFP4Linear(_Dispatch):
         (unchanged) for a W4A4 export (its op reads the checkpoint layout) or a shape no stored tile divides."""
         from kernels.w4a16_swapped import frag_dense_tile, linear_to_frag
 
+        if self.layout == "dual_frag":  # drop the checkpoint-layout copy
+            self.packed_small, self.layout = None, "split_frag"
+            self._impl.clear()
         if self.layout == "split_frag":
             return True
         if self.w4a4_export or frag_dense_tile(self.out_features, self.in_features) is None:
@@ -219,10 +228,28 @@ class NVFP4Linear(_Dispatch):
         self._impl.clear()
         return True
 
+    def repack_dual(self) -> bool:
+        """`repack_frag`, plus a second copy of the bytes in the checkpoint's layout (`packed_small`; the block and
+        global scales shared) that calls of <= DUAL_ROWS activation rows compute on through op "w4a16_linear" -- for
+        lm_head at one row, the tensor-core decode GEMV ("triton_mma_wide": 100.2 against the swap-AB kernel's 121.3
+        us a call, H200 lm_head_bench run 2) -- while larger calls keep the swap-AB kernel (the checkpoint layout's
+        dense kernel lost 2.8% at 32 streams, Qwen run 59). Costs the bytes once more (254 MB for Qwen3.6's
+        lm_head). False (unchanged) where `repack_frag` refuses."""
+        if self.layout == "dual_frag":
+            return True
+        small = self.weight_checkpoint.packed
+        if not self.repack_frag():
+            return False
+        self.packed_small = small  # the checkpoint bytes repack_frag replaced (a new tensor took their place)
+        self.layout = "dual_frag"
+        self._impl.clear()
+        return True
+
     def repack_checkpoint(self) -> None:
-        """Undo `repack_frag` (in place): the checkpoint's bytes and op "w4a16_linear" again."""
+        """Undo `repack_frag` / `repack_dual` (in place): the checkpoint's bytes and op "w4a16_linear" again."""
         if self.layout != "checkpoint":
             self.packed = self.weight_checkpoint.packed
+            self.packed_small = None
             self.layout, self.op = "checkpoint", W4A16_DENSE_OP
             self._impl.clear()
 
@@ -235,6 +262,8 @@ class NVFP4Linear(_Dispatch):
             impl = self._w4a4_native(*args)
             if impl is not None:
                 return impl.fn(*args)
+        if self.packed_small is not None and x.numel() // max(x.shape[-1], 1) <= DUAL_ROWS:
+            return self._call(x, self.weight_checkpoint, op=W4A16_DENSE_OP)  # dual_frag's small calls
         return self._call(x, self.weight_nvfp4)
 
     def _w4a4_native(self, *args):
