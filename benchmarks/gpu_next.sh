@@ -1876,7 +1876,9 @@ if want 144; then
 # <= 4: the one-row call on the tensor-core GEMV; step 143's checkpoint layout gained +0.9% lone, lost 2.9% at 32
 # streams), now with lm_head's one-row pick in the shipped table (the thirty-fourth session's dual run tuned it
 # in-process), and ids_copy_stream (the sampled ids' copy off the step's stream), each twice, then both, beside the
-# defaults in one process (--again); then the copy stream's CUDA test. Results into $OUT
+# defaults in one process (--again); then the copy stream's CUDA test. Results into $OUT. Ran: dual_copy run 1
+# (dual_frag +0.9% lone, now auto on Hopper; ids_copy_stream no gain: the option and its test were removed, so this
+# step's ids_copy variants and test no longer run)
 say "144. issue 5: lm_head_layout dual_frag and ids_copy_stream beside the defaults; the copy stream's CUDA test"
 PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_144:-330}" python benchmarks/qwen_gpu.py --skip-transformers \
   --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_dual_copy" \

@@ -240,7 +240,8 @@ class QwenEngineConfig:
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
     #                               registry op "w4a16_linear_frag"; converted in place, no second copy) | checkpoint
     #                               (the decode GEMV at one row, the dense tensor-core kernel above) | auto: split_frag
-    #                               on Hopper (resolve_lm_head_layout). H200 run 42 (2026-12-03), against checkpoint
+    #                               on Hopper until 2026-12-04, dual_frag since (resolve_lm_head_layout). H200 run 42
+    #                               (2026-12-03), split_frag against checkpoint
     #                               before and after it: lone decode 377.7 vs 370.5 / 370.2 tok/s, 32 streams 3,005.6
     #                               vs 2,941.2 / 2,937.2, TTFT equal, greedy tokens equal on all 33 streams; the op's
     #                               builds repeated 120,000 times bit for bit (benchmarks/swapped_race.py). Per call
@@ -254,7 +255,11 @@ class QwenEngineConfig:
     #                               (lm_head_bench run 2); the checkpoint layout alone in the engine: lone decode
     #                               442.6 against 437.8 / 440.3 tok/s, 32 streams 3,270.5 against 3,364.3 / 3,368.4
     #                               (its 32 rows on the dense kernel), Qwen run 59. dual_frag keeps the 32-row calls
-    #                               on the swap-AB kernel; not yet measured in the engine, so auto stays split_frag
+    #                               on the swap-AB kernel. Its first engine run (run 61: 428.7 against 430.4 / 430.1)
+    #                               had tuned the one-row key in-process; with that key's pick in the shipped table
+    #                               (dual_copy run 1, 2026-12-04, one process): lone decode 504.6 / 503.3 against
+    #                               499.4 / 498.7 (+0.9%), 32 streams 3,450.6 / 3,459.8 against 3,456.5 / 3,450.3,
+    #                               TTFT 36.2 / 36.6 against 36.8 / 36.7, the same greedy tokens: auto is dual_frag
     weights: str = "auto"  # packed | dequantized | auto. packed: NVFP4 layers stay 4-bit (W4A16 kernels on Hopper),
     #                        FP8 layers stay e4m3 (~21 GB for the full model); dequantized: every weight in `dtype`
     #                        (the reference numerics, ~70 GB full size). auto: packed for a quantised checkpoint and
@@ -1023,32 +1028,33 @@ def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:
 
 
 def resolve_lm_head_layout(cfg: QwenEngineConfig, device: torch.device) -> str:
-    """`QwenEngineConfig.lm_head_layout` on `device`: "auto" -> "split_frag" on Hopper (compute capability 9.x, where
+    """`QwenEngineConfig.lm_head_layout` on `device`: "auto" -> "dual_frag" on Hopper (compute capability 9.x, where
     it was measured) unless the kernels are the references (which would undo the order on every call), else
     "checkpoint"; the others as given."""
     if cfg.lm_head_layout != "auto":
         return cfg.lm_head_layout
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return "split_frag" if hopper and cfg.kernels != "reference" else "checkpoint"
+    return "dual_frag" if hopper and cfg.kernels != "reference" else "checkpoint"
 
 
 def set_lm_head_layout(model: torch.nn.Module, layout: str) -> str:
-    """Store a packed lm_head (`NVFP4Linear`) in `layout` ("split_frag": `NVFP4Linear.repack_frag`; "checkpoint":
-    `repack_checkpoint`, for a model shared between engines) -> the layout it has ("dense" for an lm_head that is not
-    packed). A W4A4 export or a shape no tile divides keeps the checkpoint's (split_frag asked for: a warning)."""
+    """Store a packed lm_head (`NVFP4Linear`) in `layout` ("split_frag": `NVFP4Linear.repack_frag`; "dual_frag":
+    `repack_dual`; "checkpoint": `repack_checkpoint`, for a model shared between engines) -> the layout it has
+    ("dense" for an lm_head that is not packed). A W4A4 export or a shape no tile divides keeps the checkpoint's
+    (split_frag / dual_frag asked for: a warning)."""
     from .model.quantized import NVFP4Linear
 
     head = getattr(model, "lm_head", None)
     if not isinstance(head, NVFP4Linear):
-        if layout == "split_frag":
-            log.warning("lm_head_layout split_frag: the lm_head is not a packed NVFP4 module (dequantized weights); "
-                        "unchanged")
+        if layout in ("split_frag", "dual_frag"):
+            log.warning("lm_head_layout %s: the lm_head is not a packed NVFP4 module (dequantized weights); "
+                        "unchanged", layout)
         return "dense"
     if layout == "checkpoint":
         head.repack_checkpoint()
     elif not (head.repack_dual() if layout == "dual_frag" else head.repack_frag()):
-        log.warning("lm_head_layout split_frag: lm_head [%d, %d] is a W4A4 export or splits into no stored tile; "
-                    "checkpoint layout kept", head.out_features, head.in_features)
+        log.warning("lm_head_layout %s: lm_head [%d, %d] is a W4A4 export or splits into no stored tile; "
+                    "checkpoint layout kept", layout, head.out_features, head.in_features)
     return head.layout
 
 

@@ -800,3 +800,18 @@ def test_engine_lm_head_layout():
     assert QwenEngineConfig().lm_head_layout == "auto"
     with pytest.raises(ValueError, match="lm_head_layout must be one of"):
         engine_config(lm_head_layout="tiles")
+
+
+def test_resolve_lm_head_layout_auto_by_device(monkeypatch):
+    """auto: dual_frag on Hopper (measured there: dual_copy run 1) unless the kernels are the references, the
+    checkpoint's on other GPUs and on the CPU; a named layout as given."""
+    from qwen_engine.engine import resolve_lm_head_layout
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for capability, kernels, want in (((9, 0), "auto", "dual_frag"), ((9, 0), "reference", "checkpoint"),
+                                      ((10, 0), "auto", "checkpoint"), ((8, 0), "auto", "checkpoint")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert resolve_lm_head_layout(QwenEngineConfig(kernels=kernels), cuda) == want, (capability, kernels)
+        assert resolve_lm_head_layout(QwenEngineConfig(kernels=kernels, lm_head_layout="split_frag"),
+                                      cuda) == "split_frag"
+    assert resolve_lm_head_layout(QwenEngineConfig(), cpu) == "checkpoint"
