@@ -1837,7 +1837,8 @@ grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|err
   | cut -c1-200 | head -30
 fi
 if want 142; then
-# thirty-eighth session, not yet run: the decoder's residual add + post-mixer norm inside the router's launch
+# thirty-eighth session (ran: norm_router run 1, -2.2% lone; the option, its kernel and tests/test_router_add_norm.py
+# were then removed, so this step no longer runs): the decoder's residual add + post-mixer norm inside the router's launch
 # (kernels/router_add_norm.py; QwenEngineConfig.norm_in_router_rows, off): its GPU tests, then the engine with it at
 # <= 4 rows beside the defaults in one process, --again (results into $OUT). Its norm may differ from the add + norm
 # kernel's by an ulp compiled (another reduction order), so the lone tokens may differ
@@ -1916,6 +1917,14 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_146:-300}" python benchmarks/qwen_
   --variant 'split_frag_2={"lm_head_layout": "split_frag"}' --again > "$OUT/qwen_dual_alt.log" 2>&1
 grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" \
   "$OUT/qwen_dual_alt.log" | cut -c1-200 | head -20
+fi
+if want 147; then
+# thirty-ninth session, the final tree: the defaults (lm_head_layout auto = dual_frag; norm_in_router removed, the
+# router kernel back to its form before the option) twice in one process, then the router GEMV's CUDA tests
+say "147. issue 5: the final tree's defaults (--again); the router's CUDA tests"
+engine_ab qwen_final "${LIMIT_147:-150}" --autotune-table auto --again
+archive
+gpu_tests router_tests "${LIMIT_147T:-120}" tests/test_kernel_moe_router.py -k gemv -rfE --durations=5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

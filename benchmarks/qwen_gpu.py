@@ -347,7 +347,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        gdn_decode_norm: bool = False, small_batch_tokens: int = 4,
                        gdn_prep_split_v_rows: int | None = None,
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
-                       picks: list | None = None, norm_in_router_rows: int | None = None) -> dict:
+                       picks: list | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -376,8 +376,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **{k: v for k, v in dict(argmax_kernel=argmax_kernel,  # None: the config's default
                                                      attn_gate_in_combine=attn_gate_in_combine,
                                                      async_decode=async_decode,
-                                                     gdn_prep_split_v_rows=gdn_prep_split_v_rows,
-                                                     norm_in_router_rows=norm_in_router_rows).items()
+                                                     gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()
                                if v is not None},
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:
@@ -484,7 +483,6 @@ def _engine_settings_off(model) -> None:
         set_gdn_z_stream,
         set_lm_head_layout,
         set_moe_fused_decode,
-        set_norm_in_router_rows,
         set_shared_expert_after_router,
         set_shared_expert_in_moe,
         set_shared_expert_stream,
@@ -498,7 +496,6 @@ def _engine_settings_off(model) -> None:
     set_gdn_decode_norm(model, False)
     set_combine_next_norm(model, False)
     set_shared_expert_after_router(model, False)
-    set_norm_in_router_rows(model, 0)
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = gdn_prep.DEFAULT_TILING
     set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)

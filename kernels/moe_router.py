@@ -88,7 +88,6 @@ try:
     from kernels.pdl import enter as pdl_enter
     from kernels.pdl import prefetch_l2
     from kernels.rms_norm import _cast  # fp32 -> model dtype, round to nearest even (also under the interpreter)
-    from kernels.rms_norm import _inv_rms, _round
     from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
     triton = None
@@ -181,12 +180,10 @@ if triton is not None:
 
     @triton.jit
     def _router_gemv_topk_kernel(x, w, logits, w_out, i_out, ws, counters, N, E, H, s_x, s_w,
-                                 hm, nw, s_out, y_out, s_h, eps,
                                  K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr,
                                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                                  BLOCK_EF: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
-                                 PREFETCH: tl.constexpr = False, ADD_NORM: tl.constexpr = False,
-                                 BLOCK_HF: tl.constexpr = 1):
+                                 PREFETCH: tl.constexpr = False):
         # grid (cdiv(E, BLOCK_E), SPLIT, cdiv(N, BLOCK_R)); x [N, H] (row stride s_x), w [E, H] (row stride s_w),
         # unit last strides; logits [N, E], w_out / i_out [N, K] contiguous; ws [SPLIT, N, E] fp32; counters: one
         # int32 per row block, 0 between launches.
@@ -195,12 +192,6 @@ if triton is not None:
         # of the whole rows in split order (deterministic), rounds them to the model dtype, stores the logits, selects
         # the top-k of the rounded rows (`_select_topk`) and re-arms the counter; no launch of its own.
         # PREFETCH (kernels/pdl.py, with PDL): the program's slice of its experts' weight rows into L2 before the wait.
-        # ADD_NORM (kernels/router_add_norm.py): x is the decoder layer's residual and hm [N, H] (row stride s_h, as
-        # x's) the mixer's output; the router reads y = the post-mixer norm of s = x + hm rounded to the model dtype
-        # (zero-centred weight nw [H], eps: `rms_norm.add_rms_norm_zc_reference`'s s and y). Each program first takes
-        # its rows' 1 / rms over the whole row (BLOCK_HF >= H; every program of a row block the same bits), then each
-        # H tile's y as it goes; the programs of E tile 0 store their tiles of s (s_out) and y (y_out), [N, H]
-        # contiguous. The mixer's output (the predecessor's) is read after the PDL wait.
         pid_e, pid_s, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
         r_ok = rows < N
@@ -215,29 +206,12 @@ if triton is not None:
             nbytes = nh * (w.dtype.element_ty.primitive_bitwidth // 8)
             prefetch_l2(w + ex.to(tl.int64) * s_w + t0 * BLOCK_H, tl.where(e_ok, nbytes, 0))
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        dt = logits.dtype.element_ty
-        if ADD_NORM:  # 1 / rms of each row's rounded sum s, over the whole row
-            hf = tl.arange(0, BLOCK_HF)
-            okf = r_ok[:, None] & (hf < H)[None, :]
-            sf = _round(tl.load(x + rows[:, None] * s_x + hf[None, :], mask=okf, other=0.0).to(tl.float32)
-                        + tl.load(hm + rows[:, None] * s_h + hf[None, :], mask=okf, other=0.0).to(tl.float32),
-                        dt, INTERPRET)  # [BR, BHF]: masked entries 0
-            inv = _inv_rms(sf, H, eps)  # [BR]
         acc = tl.zeros((BLOCK_R, BLOCK_E), dtype=tl.float32)
         for t in range(t0, tl.minimum(t0 + per, h_tiles)):
             hs = t * BLOCK_H + hh
             h_ok = hs < H
-            t_ok = r_ok[:, None] & h_ok[None, :]
-            xt = tl.load(x + rows[:, None] * s_x + hs[None, :], mask=t_ok, other=0.0).to(tl.float32)  # [BR, BH]
-            if ADD_NORM:  # this tile of s, then of y = s / rms * (1 + nw) rounded to the model dtype
-                ht = tl.load(hm + rows[:, None] * s_h + hs[None, :], mask=t_ok, other=0.0).to(tl.float32)
-                st = _round(xt + ht, dt, INTERPRET)
-                nt = tl.load(nw + hs, mask=h_ok, other=0.0).to(tl.float32)  # [BH]
-                yo = _cast((st * inv[:, None]) * (1.0 + nt)[None, :], dt, INTERPRET)
-                o_ok = t_ok & (pid_e == 0)
-                tl.store(s_out + rows[:, None] * H + hs[None, :], st.to(dt), mask=o_ok)  # exact: rounded
-                tl.store(y_out + rows[:, None] * H + hs[None, :], yo, mask=o_ok)
-                xt = yo.to(tl.float32)
+            xt = tl.load(x + rows[:, None] * s_x + hs[None, :], mask=r_ok[:, None] & h_ok[None, :],
+                         other=0.0).to(tl.float32)  # [BR, BH]
             wt = tl.load(w + ex[:, None] * s_w + hs[None, :], mask=e_ok[:, None] & h_ok[None, :],
                          other=0.0).to(tl.float32)  # [BE, BH]
             acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)  # bf16 x bf16 products are exact in fp32
@@ -458,13 +432,11 @@ def _gemv_check(x: torch.Tensor, w: torch.Tensor, k: int) -> str | None:
     return None
 
 
-def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None = None,
-                 add_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
+def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernel call; `config` overrides `_gemv_tiling` (tests, benchmark sweeps). Without arrival counters
     (`split_k.split_counters`: none yet inside a CUDA-graph capture) the kernel writes the partials only, torch
-    sums them and router_topk selects (same rounded logits up to the fp32 order of the split sum).
-    add_norm = (hm, norm weight, eps): the kernel's ADD_NORM (kernels/router_add_norm.py; x the residual, hm [N, H]
-    with x's row stride) -> (logits, weights, idx, s, y)."""
+    sums them and router_topk selects (same rounded logits up to the fp32 order of the split sum)."""
     problem = _gemv_check(x, w, k)
     if problem:
         raise ValueError(f"router_gemv_topk {problem}")
@@ -473,20 +445,14 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None =
     logits = x.new_empty((n, e))
     weights = x.new_empty((n, k))
     idx = torch.empty((n, k), dtype=torch.int64, device=x.device)
-    fused_norm = add_norm is not None
-    hm, nw, eps = add_norm if fused_norm else (x, x, 0.0)  # unread without ADD_NORM
-    extra = (x.new_empty((n, h)), x.new_empty((n, h))) if fused_norm else ()  # s, y
-    s_out, y_out = extra or (x, x)
     if n == 0:
-        return logits, weights, idx, *extra
+        return logits, weights, idx
     cfg = {**_gemv_tiling(n, e, h), **(config or {})}
     r_blocks = triton.cdiv(n, cfg["BLOCK_R"])
     counters = split_counters(x.device, r_blocks)
     ws = torch.empty((cfg["SPLIT"], n, e), dtype=torch.float32, device=x.device)
     _router_gemv_topk_kernel[(triton.cdiv(e, cfg["BLOCK_E"]), cfg["SPLIT"], r_blocks)](
         x, w, logits, weights, idx, ws, counters if counters is not None else ws, n, e, h, x.stride(0), w.stride(0),
-        hm, nw, s_out, y_out, hm.stride(0), float(eps), ADD_NORM=fused_norm,
-        BLOCK_HF=triton.next_power_of_2(h) if fused_norm else 1,
         K=k, BLOCK_K=triton.next_power_of_2(k), REDUCE=counters is not None,
         BLOCK_EF=triton.next_power_of_2(e), INTERPRET=_interpreted(), **cfg, **pdl.launch_options(),
         **pdl.prefetch_options(pdl.aligned16(w.data_ptr(), *(v * w.element_size()
@@ -494,7 +460,7 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, k: int, config: dict | None =
     if counters is None:
         logits = ws.sum(0).to(x.dtype)
         weights, idx = _launch(logits, k)
-    return logits, weights, idx, *extra
+    return logits, weights, idx
 
 
 @torch.library.custom_op("qwen::router_gemv_topk", mutates_args=())

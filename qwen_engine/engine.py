@@ -48,7 +48,6 @@ from engine_core.config_args import check_field_types, from_args
 from engine_core.request import BadRequest, NotReady, client_timeout  # noqa: F401 - re-exported for callers
 from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId, RequestTimings
 from kernels.paged_attention import GATED_NAME as GATED_ATTN_OP
-from kernels.router_add_norm import NAME as NORM_ROUTER_OP
 
 log = logging.getLogger(__name__)
 
@@ -223,12 +222,6 @@ class QwenEngineConfig:
     #                                 about fits one wave of SMs: H200 (variants run 2) us per call split / whole at
     #                                 1-4 rows 3.67-3.92 / 4.02-4.08, at 8 rows 6.07 / 4.19; lone decode 478.1 ->
     #                                 484.9 / 485.8 tok/s (split at 32 rows would cost 3,455 -> 3,368 at 32 streams)
-    norm_in_router_rows: int = 0  # decode steps of 1..this many rows (at most kernels.moe_router.MAX_ROWS, 4): each
-    #                               layer's residual add + post-mixer norm inside the MoE router's GEMV + top-k
-    #                               launch (kernels/router_add_norm.py, registry op "add_norm_router_gemv_topk";
-    #                               SparseMoE.norm_in_router_rows), one launch fewer a layer on the chain (add + norm
-    #                               1.42 us a call in H200 profile run 23). The norm within rms_norm's tolerance of the
-    #                               two-launch path's (usually the same bits). 0: off, until measured on the H200
     small_batch_tokens: int | None = None  # dual expert layouts (dual_frag: Hopper's default): calls of at most this
     #                               many tokens read the checkpoint-layout copy (NVFP4Experts.small_tokens) | None:
     #                               the loader's, 4 (the decode GEMV's). Up to kernels.w4a16_mma.SORTED_MAX_TOKENS:
@@ -309,10 +302,10 @@ class QwenEngineConfig:
         if not (isinstance(self.gdn_prep_ba_step, int) and 16 <= self.gdn_prep_ba_step <= 8192
                 and self.gdn_prep_ba_step & (self.gdn_prep_ba_step - 1) == 0):
             raise ValueError(f"gdn_prep_ba_step must be a power of two in 16..8192, got {self.gdn_prep_ba_step!r}")
-        for name, zero in (("norm_in_router_rows", "off"), ("gdn_prep_split_v_rows", "never split")):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0 (0: {zero}), got {v!r}")
+        if not (isinstance(self.gdn_prep_split_v_rows, int) and not isinstance(self.gdn_prep_split_v_rows, bool)
+                and self.gdn_prep_split_v_rows >= 0):
+            raise ValueError(f"gdn_prep_split_v_rows must be an int >= 0 (0: never split), got "
+                             f"{self.gdn_prep_split_v_rows!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"kernels must be auto | reference | triton, got {self.kernels!r}")
         if self.autotune_table not in ("auto", "off") and not Path(self.autotune_table).is_file():
@@ -348,14 +341,12 @@ class QwenEngineConfig:
 
 LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag", "dual_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
-# GATED_ATTN_OP (kernels.paged_attention GATED_NAME): self-checked only with attn_gate_in_combine on;
-# NORM_ROUTER_OP (kernels.router_add_norm NAME): only with norm_in_router_rows > 0
+# GATED_ATTN_OP (kernels.paged_attention GATED_NAME): self-checked only with attn_gate_in_combine on
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP,
-             NORM_ROUTER_OP)
+             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP)
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -416,7 +407,6 @@ class QwenEngine:
         self.gdn_decode_norm = set_gdn_decode_norm(self.model, cfg.gdn_decode_norm)
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
-        self.norm_in_router = set_norm_in_router_rows(self.model, cfg.norm_in_router_rows)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.model_config = self.model.config
@@ -622,7 +612,6 @@ class QwenEngine:
             "gdn_decode_norm_layers": self.gdn_decode_norm,
             "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
-            "norm_in_router_layers": self.norm_in_router,
             "small_batch_tokens": self.small_batch_tokens,
             "lm_head_layout": self.lm_head_layout,
             "expert_layouts": expert_layouts(self.model),
@@ -853,8 +842,7 @@ class QwenEngine:
         reg = default_registry()
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
-               and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
-               and (op != NORM_ROUTER_OP or self.cfg.norm_in_router_rows > 0)]
+               and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)]
         key = (str(self.device), tuple(reg.preference(op).value for op in ops))  # re-check when preferences change
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
@@ -956,14 +944,6 @@ def set_shared_expert_stream(model: torch.nn.Module, on: bool) -> int:
     from .model.moe import SparseMoE
 
     return _set_on_every(model, SparseMoE, "shared_stream", on)
-
-
-def set_norm_in_router_rows(model: torch.nn.Module, rows: int) -> int:
-    """Set `SparseMoE.norm_in_router_rows` on every MoE layer; returns how many layers have it on (> 0). It acts on
-    decode calls of at most that many rows on the fused path (CUDA, or modules set `fused`)."""
-    from .model.moe import SparseMoE
-
-    return _set_on_every(model, SparseMoE, "norm_in_router_rows", rows, cast=int)
 
 
 def set_combine_next_norm(model: torch.nn.Module, on: bool) -> bool:

@@ -320,15 +320,10 @@ def main() -> int:
     # the router GEMV + top-k in one launch (split H reduced in the kernel), at a lone decode row's tiling
     tiling = moe_router._gemv_tiling(1, 256, 2048)
     tiling.pop("num_warps")  # a launch option, not a constexpr (the offline compile keeps the default)
-    router = {"x": "*bf16", "w": "*bf16", "logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "ws": "*fp32",
-              "counters": "*i32", "hm": "*bf16", "nw": "*bf16", "s_out": "*bf16", "y_out": "*bf16", "eps": "fp32"}
     ok.append(compile_one(f"router_gemv_topk N=1 E=256 H=2048 {tiling} (bf16)", moe_router._router_gemv_topk_kernel,
-                          router, dict(K=8, BLOCK_K=8, REDUCE=True, BLOCK_EF=256, INTERPRET=False, **tiling)))
-    # ... with the decoder's residual add + post-mixer norm inside (add_norm_router_gemv_topk: norm_in_router_rows)
-    ok.append(compile_one(f"router_gemv_topk ADD_NORM N=1 E=256 H=2048 {tiling} (bf16)",
-                          moe_router._router_gemv_topk_kernel, router,
-                          dict(K=8, BLOCK_K=8, REDUCE=True, BLOCK_EF=256, INTERPRET=False, ADD_NORM=True,
-                               BLOCK_HF=2048, **tiling)))
+                          {"x": "*bf16", "w": "*bf16", "logits": "*bf16", "w_out": "*bf16", "i_out": "*i64",
+                           "ws": "*fp32", "counters": "*i32"},
+                          dict(K=8, BLOCK_K=8, REDUCE=True, BLOCK_EF=256, INTERPRET=False, **tiling)))
     # the decode W4A16 GEMV: grouped gate_up + SwiGLU (bf16, PTX dequant), grouped down x routing weight, dense fp16;
     # DEQ_WIDE (int32 words, fp32 weights out of PTX) for grouped gate_up and dense lm_head-style calls
     gemv = {"x": "*bf16", "w": "*u8", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "pair_expert": "*i64"}

@@ -59,8 +59,6 @@ class DecoderLayer(nn.Module):
             h = self.self_attn.forward_paged(h, cos, sin, state, batch, codes)
         else:
             h = self.linear_attn.forward_paged(h, state, batch, codes)
-        if self.mlp.norm_in_router_rows:  # the add + norm inside the router's launch where the MoE can
-            return self.mlp.forward_and_norm(h, x, *(next_norm or ()), pre_norm=self.post_attention_layernorm)
         x, h = self.post_attention_layernorm.forward_add(x, h)  # x + h and its norm, one launch on CUDA
         return self.mlp.forward_and_norm(h, x, *(next_norm or ()))  # x + mlp(...), the add fused on CUDA
 

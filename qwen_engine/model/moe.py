@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe_router import with_extra
-from kernels.router_add_norm import NAME as NORM_ROUTER_OP
 
 from ..config import QwenConfig
 from . import streams
@@ -173,12 +172,6 @@ class SparseMoE(nn.Module):
     # instead of once the input is ready (beside the router too). Set by the engine
     # (QwenEngineConfig.shared_expert_after_router). The same kernels on the same inputs: the same bits
     shared_after_router: bool = False
-    # decode calls of 1..norm_in_router_rows rows (at most kernels.moe_router.MAX_ROWS, the fused router's) on the
-    # fused path: the decoder layer's residual add + post-mixer norm inside the router's launch (registry op
-    # "add_norm_router_gemv_topk", kernels/router_add_norm.py), one launch fewer a layer on the step's chain; y within
-    # rms_norm's tolerance of the two-launch path's. Set by the engine (QwenEngineConfig.norm_in_router_rows; 0, off,
-    # until measured on the H200)
-    norm_in_router_rows: int = 0
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -192,30 +185,18 @@ class SparseMoE(nn.Module):
         return self.forward_and_norm(x, residual)[0]
 
     def forward_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                         norm: ZeroCentredRMSNorm | None = None, input_scale: torch.Tensor | None = None,
-                         pre_norm: ZeroCentredRMSNorm | None = None) -> tuple[torch.Tensor, tuple | None]:
+                         norm: ZeroCentredRMSNorm | None = None, input_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, tuple | None]:
         """(`forward(x, residual)`, (norm(out), its e4m3 codes with `input_scale` or None)): the next decoder layer's
         input norm (or the final norm) of this layer's output in the combine's launch ("moe_combine_norm[_fp8]",
         `kernels/moe_combine.py`), where the fused combine runs its one-row kernel and the norm would itself go
         through the registry; else (`forward(x, residual)`, None) and the next layer norms its input itself. Either
         way the norm of the stored row and its codes by the same quantiser: bit for bit under the interpreter,
-        compiled within rms_norm_zc's tolerance (the sum of squares may reduce in another order).
-        pre_norm (with `residual`): x is then the mixer's output, not yet added: the residual add and this norm (the
-        decoder layer's post-mixer norm) run first -- inside the router's launch where `_norm_in_router` allows, else
-        `pre_norm.forward_add`."""
+        compiled within rms_norm_zc's tolerance (the sum of squares may reduce in another order)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         fused = residual is not None and (self.fused if self.fused is not None else x.is_cuda)
-        routing = None
-        if pre_norm is not None:
-            if fused and self._norm_in_router(x, pre_norm):
-                s, x, *routing = _registry().call(NORM_ROUTER_OP, residual.reshape(-1, shape[-1]), x,
-                                                  pre_norm.weight, pre_norm.eps, self.gate.weight, self.gate.top_k)
-                residual = s.reshape(shape)
-            else:
-                residual, x = pre_norm.forward_add(residual, x.reshape(shape))
-                x = x.reshape(-1, shape[-1])
-        routed, shared = self._outputs(x, fused, routing)
+        routed, shared = self._outputs(x, fused)
         if not fused:
             out = (routed + torch.sigmoid(self.shared_expert_gate(x)) * shared).reshape(shape)
             return (out if residual is None else residual + out), None
@@ -229,48 +210,29 @@ class SparseMoE(nn.Module):
         out, normed, codes = _registry().call("moe_combine_norm_fp8", *args, norm.weight, norm.eps, input_scale)
         return out.reshape(shape), (normed.reshape(shape), codes.reshape(shape))
 
-    def _norm_in_router(self, x: torch.Tensor, pre_norm: ZeroCentredRMSNorm) -> bool:
-        """Whether this call (x [N, H], on the fused path) takes the residual add + `pre_norm` inside the router's
-        launch: 1 <= N <= norm_in_router_rows and N <= the fused router's MAX_ROWS, the router and the norm on their
-        registry paths (CUDA, or modules set `fused`)."""
-        from kernels.moe_router import MAX_ROWS
-
-        router_fused = self.gate.fused if self.gate.fused is not None else x.is_cuda
-        return (1 <= x.shape[0] <= min(self.norm_in_router_rows, MAX_ROWS) and bool(router_fused)
-                and pre_norm.through_registry(x))
-
-    def _route(self, x: torch.Tensor, routing: list | None, extra: int = -1) -> tuple:
-        """The router's (logits, weights, idx) for x, `extra` as in `TopKRouter.forward`; from `routing` (logits,
-        weights, idx of the router launch that also took the norm) where given: what the fused router returns."""
-        if routing is None:
-            return self.gate(x, extra=extra)
-        logits, top, idx = routing
-        return (logits, *with_extra(top, idx, extra))
-
-    def _outputs(self, x: torch.Tensor, fused: bool, routing: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed, shared) for x [N, H]: on the fused path in the forms moe_combine reads (routed [N, k, H] unsummed
-        or [N, k S, H] partial rows; shared [N, H] or [N, S, H]), else both [N, H]. routing: `_route`'s."""
+        or [N, k S, H] partial rows; shared [N, H] or [N, S, H]), else both [N, H]."""
         k = self.gate.top_k
         if fused and self.fused_decode and getattr(self.experts, "fused_decode_ok", None) is not None and \
                 self.experts.fused_decode_ok(x.shape[0], self.shared_expert):
-            _, weights, idx = self._route(x, routing)
+            _, weights, idx = self.gate(x)
             parts = self.experts.decode_with_shared(x, idx, weights, self.shared_expert)  # [N, k + 1, S, H] fp32
             return parts[:, :k].flatten(1, 2), parts[:, k]  # [N, k S, H], [N, S, H]: summed in moe_combine
         if fused and self._shared_as_pair(x.shape[0], k):
             # [N, k + 1]: the shared expert's pair last, weight 1 (its output unscaled: gated in moe_combine)
-            _, weights, idx = self._route(x, routing, extra=self.experts.shared_index)
+            _, weights, idx = self.gate(x, extra=self.experts.shared_index)
             rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
             return rows[:, :k], rows[:, k]
         if fused and self.shared_stream and streams.forkable(x):
-            # shared_after_router (or the router already run with the norm): the fork waits for the router too
-            routed_first = self._route(x, routing) if self.shared_after_router or routing is not None else None
+            routing = self.gate(x) if self.shared_after_router else None  # then the fork waits for the router too
             with streams.branch(x.device) as side:  # x is ready; joined before moe_combine reads `shared`
                 with streams.on_side(side):
                     shared = self.shared_expert(x)
-                _, weights, idx = routed_first or self._route(x, routing)
+                _, weights, idx = routing or self.gate(x)
                 routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
             return routed, shared
-        _, weights, idx = self._route(x, routing)
+        _, weights, idx = self.gate(x)
         routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
         return routed, self.shared_expert(x)
 
