@@ -244,8 +244,9 @@ def markdown(r: dict) -> str:
             f"| (e) engine with moe_fused_decode (a one-token decode step's routed + shared experts in one launch per layer; "
             f"the default: off): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_moe_fused_decode'))} | - |",
-            f"| (e) engine with lm_head_layout checkpoint (the decode GEMV / dense tensor-core kernel; the default: "
-            f"auto, split_frag on Hopper: the swap-AB kernel on fragment-order bytes): decode tok/s, lone request / "
+            f"| (e) engine with lm_head_layout checkpoint (the tensor-core decode GEMV at one row, the dense tensor-core "
+            f"kernel above; the default: auto, dual_frag on Hopper: that GEMV on a checkpoint-layout copy at <= 4 rows, "
+            f"the swap-AB kernel on fragment-order bytes above): decode tok/s, lone request / "
             f"all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_lm_head_checkpoint'))} | - |",
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
@@ -579,8 +580,9 @@ def main() -> None:
                     help="(e) once more with moe_fused_decode (a one-token decode step's routed + shared experts in one launch "
                          "per layer, kernels/moe_decode.py)")
     ap.add_argument("--lm-head-checkpoint", action="store_true",
-                    help="(e) once more with lm_head in the checkpoint layout (lm_head_layout checkpoint: the decode "
-                         "GEMV / dense tensor-core kernel instead of the swap-AB kernel, the Hopper default since run 42)")
+                    help="(e) once more with lm_head in the checkpoint layout only (lm_head_layout checkpoint: the "
+                         "tensor-core decode GEMV at one row, the dense tensor-core kernel above; the Hopper default is "
+                         "dual_frag since the thirty-ninth session, split_frag from run 42)")
     ap.add_argument("--base", type=_json_options, default={},
                     help="(e) the first engine's engine_phase options (and --again's and every --variant's, which "
                          "add to them), JSON, e.g. '{\"lm_head_layout\": \"split_frag\"}': an engine alone when a "
