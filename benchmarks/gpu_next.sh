@@ -1926,6 +1926,20 @@ engine_ab qwen_final "${LIMIT_147:-150}" --autotune-table auto --again
 archive
 gpu_tests router_tests "${LIMIT_147T:-120}" tests/test_kernel_moe_router.py -k gemv -rfE --durations=5
 fi
+if want 148; then
+# thirty-ninth session, not yet run: the 32-stream step's experts on the tensor-core decode GEMV's sorted path
+# (small_batch_tokens 32: pairs grouped by expert, 8 a program, on the checkpoint-layout copy; twice) beside the
+# swap-AB kernel (the default, 4; smaller thresholds leave the 32-row steps as they are). Run 58 (thirty-third session) had 3,004.8 against 3,370.9 tok/s at 32; since then
+# the tensor-core GEMV's loads were issued ahead (+6.2% lone) and its lanes read whole sectors. 96 decode tokens (a
+# steadier 32-stream window: 3,540 against ~3,450 at 48 in dual_default run 2). Results into $OUT
+say "148. issue 5: small_batch_tokens 32 (the sorted tensor-core GEMV) beside the swap-AB kernel at 32 streams"
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_148:-330}" python benchmarks/qwen_gpu.py --skip-transformers \
+  --engine-only --decode-tokens 96 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_sorted32" \
+  --variant 'sorted32={"small_batch_tokens": 32}' --variant 'sorted32_2={"small_batch_tokens": 32}' \
+  --again > "$OUT/qwen_sorted32.log" 2>&1
+grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" \
+  "$OUT/qwen_sorted32.log" | cut -c1-200 | head -20
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
