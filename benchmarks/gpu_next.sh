@@ -322,6 +322,18 @@ else
   say "WARNING: no fla-core wheel in .devbundle/extra: TTFT / prefill numbers of this call are the torch GDN prefill's"
 fi
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+# engine_out NAME LIMIT_S QWEN_GPU_ARGS...: qwen_gpu.py's engines (engines only, one 1,024 prefill bucket, the shipped
+# autotune table; --decode-tokens and the variants in the arguments) into $OUT/NAME, log $OUT/NAME.log (both come back
+# even when the call is cut), a stack dump on timeout; prints the engine rows, the token comparisons, any error
+# (steps 140-148)
+engine_out() {
+  local name=$1 limit=$2
+  shift 2
+  PYTHONFAULTHANDLER=1 timeout -s ABRT "$limit" python benchmarks/qwen_gpu.py --skip-transformers --engine-only \
+    --prefill-buckets 1024 --autotune-table auto "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+  grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/$name.log" \
+    | cut -c1-200 | head -30
+}
 # engine_ab NAME LIMIT_S QWEN_GPU_ARGS...: the default engine beside the variant the arguments ask for, engines only
 # (one prefill bucket, 48 decode tokens), into $R/NAME; a stack dump on timeout (steps 27, 28, 30, 33)
 engine_ab() {
@@ -1806,14 +1818,11 @@ if want 140; then
 # gate_up W8 C2 486.7) -- hence step 141
 say "140. issue 5: the lone step's picks in one process: o_proj / out_proj FP8 GEMV 2 x 1,024 / 1 warp, down W8 C1,"
 say "    gate_up W8 C2, in_proj 4 x 1,024 / 1 warp, each beside the shipped table's"
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_140:-230}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_picks" \
+engine_out qwen_picks "${LIMIT_140:-230}" --decode-tokens 48 \
   --variant 'o_proj_2x1024w1={"picks": [{"kernel": "fp8_gemv", "key": [1, 2048, 4096], "config": {"kwargs": {"BLOCK_N": 2, "BLOCK_K": 1024}, "num_warps": 1}}]}' \
   --variant 'down_w8c1={"picks": [{"kernel": "w4a16_mma", "key": [2048, 512, 1, 8], "config": {"kwargs": {"WARPS": 8, "CHUNKS": 1}, "num_warps": 8}}]}' \
   --variant 'gate_up_w8c2={"picks": [{"kernel": "w4a16_mma", "key": [1024, 2048, 1, 8], "config": {"kwargs": {"WARPS": 8, "CHUNKS": 2}, "num_warps": 8}}]}' \
-  --variant 'in_proj_4x1024w1={"picks": [{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}]}' \
-  > "$OUT/qwen_picks.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|same greedy tokens|Error|error" "$OUT/qwen_picks.log" | cut -c1-260 | head -30
+  --variant 'in_proj_4x1024w1={"picks": [{"kernel": "fp8_gemv", "key": [1, 12288, 2048], "config": {"kwargs": {"BLOCK_N": 4, "BLOCK_K": 1024}, "num_warps": 1}}]}'
 fi
 # the lone step's FP8 GEMV picks that steps 140-142 try (kernels/autotune_table.override, qwen_gpu.py "picks"):
 # in_proj 4 x 1,024 / 1 warp, o_proj / out_proj 2 x 1,024 / 1 warp, attention q/k/v 16 x 512 / 4 warps
@@ -1826,15 +1835,10 @@ if want 141; then
 # in the reverse order, and attention q/k/v's 16 x 512 / 4 warps (6.56 against 6.55 us a call), one process (results
 # into $OUT). o_proj's changed the lone greedy tokens from the 5th on
 say "141. issue 5: the lone step's FP8 GEMV picks in_proj 4 x 1,024 / 1 warp and o_proj 2 x 1,024 / 1 warp, repeated"
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_141:-300}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_picks2" \
-  --variant "both={\"picks\": [$IN, $OP]}" --variant "in_proj={\"picks\": [$IN]}" \
-  --variant "o_proj={\"picks\": [$OP]}" --variant "o_proj_2={\"picks\": [$OP]}" \
+engine_out qwen_picks2 "${LIMIT_141:-300}" --decode-tokens 48 --variant "both={\"picks\": [$IN, $OP]}" \
+  --variant "in_proj={\"picks\": [$IN]}" --variant "o_proj={\"picks\": [$OP]}" --variant "o_proj_2={\"picks\": [$OP]}" \
   --variant "in_proj_2={\"picks\": [$IN]}" --variant "both_2={\"picks\": [$IN, $OP]}" \
-  --variant "qkv_16x512w4={\"picks\": [$QKV]}" --again \
-  > "$OUT/qwen_picks2.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_picks2.log" \
-  | cut -c1-200 | head -30
+  --variant "qkv_16x512w4={\"picks\": [$QKV]}" --again
 fi
 if want 142; then
 # thirty-eighth session (ran: norm_router run 1, -2.2% lone; the option, its kernel and tests/test_router_add_norm.py
@@ -1847,13 +1851,9 @@ say "142. issue 5: the residual add + norm inside the router (norm_in_router_row
 timeout -s INT -k 15 "${LIMIT_142T:-120}" python -m pytest -q -p no:cacheprovider tests/test_router_add_norm.py \
   > "$OUT/router_add_norm_tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/router_add_norm_tests.log" | tail -4
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_142:-240}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_norm_router" \
+engine_out qwen_norm_router "${LIMIT_142:-240}" --decode-tokens 48 \
   --variant 'norm_in_router={"norm_in_router_rows": 4}' --variant 'norm_in_router_2={"norm_in_router_rows": 4}' \
-  --variant "with_picks={\"norm_in_router_rows\": 4, \"picks\": [$IN, $OP]}" \
-  --again > "$OUT/qwen_norm_router.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_norm_router.log" \
-  | cut -c1-200 | head -20
+  --variant "with_picks={\"norm_in_router_rows\": 4, \"picks\": [$IN, $OP]}" --again
 fi
 if want 143; then
 # thirty-ninth session: lm_head at one row on the tensor-core decode GEMV (lm_head_layout checkpoint: triton_mma_wide,
@@ -1862,12 +1862,8 @@ if want 143; then
 # session's spread. Then the lone step profiled with the current defaults (the merged PDL critical path of profile
 # run 23, steps 114 / 118). Results into $OUT
 say "143. issue 5: lm_head_layout checkpoint (one-row lm_head on the tensor-core GEMV) beside the defaults; lone profile"
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_143:-200}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_lm_head" \
-  --variant 'checkpoint={"lm_head_layout": "checkpoint"}' --variant 'checkpoint_2={"lm_head_layout": "checkpoint"}' \
-  --again > "$OUT/qwen_lm_head.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_lm_head.log" \
-  | cut -c1-200 | head -20
+engine_out qwen_lm_head "${LIMIT_143:-200}" --decode-tokens 48 --variant 'checkpoint={"lm_head_layout": "checkpoint"}' \
+  --variant 'checkpoint_2={"lm_head_layout": "checkpoint"}' --again
 timeout "${LIMIT_143P:-200}" python benchmarks/qwen_profile.py --engine --engine-pdl --engine-trace --engine-streams 1 \
   --prefill-graphs off --batches "" --out "$OUT/qwen_profile" > "$OUT/qwen_profile.log" 2>&1
 grep -E " crit | side |gap|critical|Error" "$OUT/qwen_profile.log" | cut -c1-200 | head -50
@@ -1881,14 +1877,10 @@ if want 144; then
 # (dual_frag +0.9% lone, now auto on Hopper; ids_copy_stream no gain: the option and its test were removed, so this
 # step's ids_copy variants and test no longer run)
 say "144. issue 5: lm_head_layout dual_frag and ids_copy_stream beside the defaults; the copy stream's CUDA test"
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_144:-330}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_dual_copy" \
-  --variant 'dual={"lm_head_layout": "dual_frag"}' --variant 'ids_copy={"ids_copy_stream": true}' \
-  --variant 'dual_2={"lm_head_layout": "dual_frag"}' --variant 'ids_copy_2={"ids_copy_stream": true}' \
-  --variant 'dual_ids_copy={"lm_head_layout": "dual_frag", "ids_copy_stream": true}' \
-  --again > "$OUT/qwen_dual_copy.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" "$OUT/qwen_dual_copy.log" \
-  | cut -c1-200 | head -20
+engine_out qwen_dual_copy "${LIMIT_144:-330}" --decode-tokens 48 --variant 'dual={"lm_head_layout": "dual_frag"}' \
+  --variant 'ids_copy={"ids_copy_stream": true}' --variant 'dual_2={"lm_head_layout": "dual_frag"}' \
+  --variant 'ids_copy_2={"ids_copy_stream": true}' \
+  --variant 'dual_ids_copy={"lm_head_layout": "dual_frag", "ids_copy_stream": true}' --again
 timeout -s INT -k 15 "${LIMIT_144T:-120}" python -m pytest -q -p no:cacheprovider tests/test_qwen_ids_copy.py \
   > "$OUT/ids_copy_tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/ids_copy_tests.log" | tail -4
@@ -1897,12 +1889,9 @@ if want 145; then
 # thirty-ninth session: the new default (lm_head_layout auto = dual_frag on Hopper; step 144: +0.9% lone) in a fresh
 # process, beside the previous one (split_frag) twice, --again; then the tensor-core GEMV's wide (lm_head) CUDA cases
 say "145. issue 5: the defaults (auto = dual_frag) beside lm_head_layout split_frag (the previous default)"
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_145:-260}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 48 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_dual_default" \
+engine_out qwen_dual_default "${LIMIT_145:-260}" --decode-tokens 48 \
   --variant 'split_frag={"lm_head_layout": "split_frag"}' --variant 'split_frag_2={"lm_head_layout": "split_frag"}' \
-  --again > "$OUT/qwen_dual_default.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|lm_head_layout|Error|error" \
-  "$OUT/qwen_dual_default.log" | cut -c1-200 | head -20
+  --again
 timeout -s INT -k 15 "${LIMIT_145T:-100}" python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_mma.py \
   -k "wide" > "$OUT/mma_wide_tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/mma_wide_tests.log" | tail -4
@@ -1911,12 +1900,9 @@ if want 146; then
 # thirty-ninth session: step 145's process was noisy (the defaults 487.4 then 505.0 lone, split_frag 499.4 / 491.7), so
 # the two lm_head layouts alternated in one more process, 96 decode tokens a lone measurement (twice step 145's)
 say "146. issue 5: dual_frag (the default) and split_frag alternated, 96 decode tokens"
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_146:-300}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 96 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_dual_alt" \
+engine_out qwen_dual_alt "${LIMIT_146:-300}" --decode-tokens 96 \
   --variant 'split_frag={"lm_head_layout": "split_frag"}' --variant 'dual_frag={"lm_head_layout": "dual_frag"}' \
-  --variant 'split_frag_2={"lm_head_layout": "split_frag"}' --again > "$OUT/qwen_dual_alt.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" \
-  "$OUT/qwen_dual_alt.log" | cut -c1-200 | head -20
+  --variant 'split_frag_2={"lm_head_layout": "split_frag"}' --again
 fi
 if want 147; then
 # thirty-ninth session, the final tree: the defaults (lm_head_layout auto = dual_frag; norm_in_router removed, the
@@ -1933,12 +1919,8 @@ if want 148; then
 # the tensor-core GEMV's loads were issued ahead (+6.2% lone) and its lanes read whole sectors. 96 decode tokens (a
 # steadier 32-stream window: 3,540 against ~3,450 at 48 in dual_default run 2). Results into $OUT
 say "148. issue 5: small_batch_tokens 32 (the sorted tensor-core GEMV) beside the swap-AB kernel at 32 streams"
-PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_148:-330}" python benchmarks/qwen_gpu.py --skip-transformers \
-  --engine-only --decode-tokens 96 --prefill-buckets 1024 --autotune-table auto --out "$OUT/qwen_sorted32" \
-  --variant 'sorted32={"small_batch_tokens": 32}' --variant 'sorted32_2={"small_batch_tokens": 32}' \
-  --again > "$OUT/qwen_sorted32.log" 2>&1
-grep -E "^\| \(e\) engine( |:| [a-z_0-9]+ \()|again|same greedy tokens|Error|error" \
-  "$OUT/qwen_sorted32.log" | cut -c1-200 | head -20
+engine_out qwen_sorted32 "${LIMIT_148:-330}" --decode-tokens 96 --variant 'sorted32={"small_batch_tokens": 32}' \
+  --variant 'sorted32_2={"small_batch_tokens": 32}' --again
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
