@@ -232,9 +232,9 @@ class QwenEngineConfig:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
     #                               registry op "w4a16_linear_frag"; converted in place, no second copy) | checkpoint
-    #                               (the decode GEMV at one row, the dense tensor-core kernel above) | auto: split_frag
-    #                               on Hopper until 2026-12-04, dual_frag since (resolve_lm_head_layout). H200 run 42
-    #                               (2026-12-03), split_frag against checkpoint
+    #                               (one row: the tensor-core decode GEMV, "triton_mma_wide"; more: the dense
+    #                               tensor-core kernel) | auto: split_frag on Hopper until 2026-12-04, dual_frag since
+    #                               (resolve_lm_head_layout). H200 run 42 (2026-12-03), split_frag against checkpoint
     #                               before and after it: lone decode 377.7 vs 370.5 / 370.2 tok/s, 32 streams 3,005.6
     #                               vs 2,941.2 / 2,937.2, TTFT equal, greedy tokens equal on all 33 streams; the op's
     #                               builds repeated 120,000 times bit for bit (benchmarks/swapped_race.py). Per call
@@ -927,14 +927,13 @@ def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
     return n
 
 
-def _set_on_every(model: torch.nn.Module, kind: type, flag: str, on: bool | int, cast: type = bool) -> int:
-    """Set attribute `flag` to `cast(on)` on every `kind` module of `model`; returns how many now have it on (a
-    truthy value)."""
+def _set_on_every(model: torch.nn.Module, kind: type, flag: str, on: bool) -> int:
+    """Set attribute `flag` to `on` on every `kind` module of `model`; returns how many now have it on."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, kind):
-            setattr(mod, flag, cast(on))
-            n += bool(cast(on))
+            setattr(mod, flag, bool(on))
+            n += bool(on)
     return n
 
 
