@@ -1917,8 +1917,14 @@ if want 148; then
 # (small_batch_tokens 32: pairs grouped by expert, 8 a program, on the checkpoint-layout copy; twice) beside the
 # swap-AB kernel (the default, 4; smaller thresholds leave the 32-row steps as they are). Run 58 (thirty-third session) had 3,004.8 against 3,370.9 tok/s at 32; since then
 # the tensor-core GEMV's loads were issued ahead (+6.2% lone) and its lanes read whole sectors. 96 decode tokens (a
-# steadier 32-stream window: 3,540 against ~3,450 at 48 in dual_default run 2). Results into $OUT
+# steadier 32-stream window: 3,540 against ~3,450 at 48 in dual_default run 2). Results into $OUT. (~8 min: give
+# the call LIMIT_148P + LIMIT_148 within the 600 s)
 say "148. issue 5: small_batch_tokens 32 (the sorted tensor-core GEMV) beside the swap-AB kernel at 32 streams"
+# first the sorted path's configurations per call at 8 / 16 / 32 tokens (mma_picks.py: its picks and a merged table
+# come back; the engine below still tunes these keys at its start, as the shipped table has none)
+timeout -s INT -k 15 "${LIMIT_148P:-180}" python benchmarks/mma_picks.py --tokens 8,16,32 --out "$OUT/mma_sorted" \
+  --merge-into kernels/tuned/nvidia_h200.json > "$OUT/mma_sorted.log" 2>&1
+cat "$OUT/mma_sorted/mma_picks.md" 2>/dev/null || tail -5 "$OUT/mma_sorted.log"
 engine_out qwen_sorted32 "${LIMIT_148:-330}" --decode-tokens 96 --variant 'sorted32={"small_batch_tokens": 32}' \
   --variant 'sorted32_2={"small_batch_tokens": 32}' --again
 fi

@@ -8,6 +8,9 @@ graph of `--calls` launches (each its own token's random top-8 of one 256-expert
 
     python benchmarks/mma_picks.py --out DIR [--tokens 1,2,4] [--merge-into kernels/tuned/nvidia_h200.json]
 
+Token counts above `w4a16_mma.MMA_MAX_TOKENS` (4) time the sorted path (the pairs grouped by expert, 8 a program: the
+engine's `small_batch_tokens` > 4), each call's routing (`moe_align_fast`) made once outside the timed graphs.
+
 Writes DIR/mma_picks.md (us per configuration and key), DIR/mma_picks.json (the picks, a table of its own) and, with
 --merge-into, DIR/tuned_merged.json: that table with these w4a16_mma picks in it (replacing its picks of the same
 keys, keeping the others).
@@ -43,6 +46,7 @@ def main() -> int:
     from benchmarks.random_packed import random_nvfp4  # the benchmarks' random checkpoint-layout weights
     from kernels import autotune_table, pdl
     from kernels import w4a16_mma as mm
+    from kernels.w4a16_gemm import moe_align_fast
 
     pdl.set_enabled(pdl.device_supports())  # as the engine on Hopper
     dev = torch.device("cuda")
@@ -56,12 +60,17 @@ def main() -> int:
                for _ in range(args.calls)]
         wts = [torch.softmax(torch.randn(t, TOP_K, device=dev, generator=gen), -1).to(torch.bfloat16)
                for _ in range(args.calls)]
+        # the sorted path above MMA_MAX_TOKENS tokens: each call's pairs grouped by expert (as the engine's MoE does
+        # once per layer for both launches), made here outside the timed graphs
+        rts = [moe_align_fast(idx[i], E, mm.SORTED_BLOCK_M) if t > mm.MMA_MAX_TOKENS else None
+               for i in range(args.calls)]
         known = set(tuner.cache)  # the keys of earlier token counts
-        hs = [mm.w4a16_mma_launch(xs[i], *w13, pair_expert=idx[i], a_div=TOP_K, swiglu=True)
+        hs = [mm.w4a16_mma_launch(xs[i], *w13, pair_expert=idx[i], a_div=TOP_K, swiglu=True, routing=rts[i])
               for i in range(args.calls)]  # (tunes the gate_up key: the tuner's own pick at start)
         launches = {"gate_up + SwiGLU": lambda i: mm.w4a16_mma_launch(xs[i], *w13, pair_expert=idx[i], a_div=TOP_K,
-                                                                      swiglu=True),
-                    "down x weight": lambda i: mm.w4a16_mma_launch(hs[i], *w2, pair_expert=idx[i], row_scale=wts[i])}
+                                                                      swiglu=True, routing=rts[i]),
+                    "down x weight": lambda i: mm.w4a16_mma_launch(hs[i], *w2, pair_expert=idx[i], row_scale=wts[i],
+                                                                   routing=rts[i])}
         for name, fn in launches.items():
             # the reference output; for down this call tunes its key (gate_up's was tuned making `hs`): the tuner's
             # own pick at start, recorded beside the timed ones

@@ -578,7 +578,8 @@ def supports_dense_mma(**info: Any) -> bool:
 
 def supports_dense_mma_wide(**info: Any) -> bool:
     """`supports_dense_mma` for calls of N >= WIDE_MIN_N outputs: lm_head in the checkpoint layout (the engine's
-    `lm_head_layout: checkpoint`; Hopper's default is the swap-AB kernel on fragment-order bytes). There the GEMV's
+    `lm_head_layout: checkpoint`, and its checkpoint-layout copy under `dual_frag`, Hopper's default, for calls of <= 4
+    rows; the larger ones there run the swap-AB kernel on fragment-order bytes). There the GEMV's
     ~7.6 instructions a weight bound it (224 us a call, H200 run 16) where this kernel's ~3.1 sit below the bytes'
     ~60 us; registered ahead of the GEMV for these calls only."""
     return info["n"] >= WIDE_MIN_N and supports_dense_mma(**info)
