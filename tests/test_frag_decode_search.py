@@ -1,0 +1,35 @@
+"""benchmarks/frag_decode_search.py: the offline E2M1 -> bf16 decode designs for the swap-AB kernel's weight words
+(not in the kernel yet) decode every code in every place of a word exactly as the kernel's present decode does (m, e0,
+e1, s at bits 6, 7, 8, 15 of each half, zeros elsewhere), and the within-halves design reads no bit across a half."""
+
+from benchmarks.frag_decode_search import (
+    MASK,
+    Design,
+    HalvesDesign,
+    check,
+    decode,
+    pack,
+    search,
+    search_within_halves,
+    target,
+)
+
+
+def test_rotation_design_found_and_exact():
+    designs = search()
+    assert Design(10, 13, (2, 7, 12), (0, 1, 3, 4, 16, 17, 19, 20)) in designs
+    for d in designs:
+        check(d, trials=256)
+        assert d.r_mask == 0x001B001B and d.multiplier == 0x1084
+
+
+def test_within_halves_design_found_exact_and_half_local():
+    (d,) = search_within_halves()
+    assert d == HalvesDesign((0, 3, 6), 7, (0, 5, 11), (3, 4, 6, 7, 19, 20, 22, 23))
+    check(d, trials=256)
+    for src in d.sources():
+        assert all(p // 16 == b // 16 for p, b in src.items())  # no bit crosses a 16-bit half
+    codes = list(range(8))  # one word by hand: register j holds codes 2j (low half) and 2j + 1 (high half)
+    out = decode(pack(codes, d), d)
+    assert out == [target(2 * j) | target(2 * j + 1) << 16 for j in range(4)]
+    assert all(o & ~MASK == 0 for o in out)
