@@ -40,42 +40,56 @@ import sys
 from typing import NamedTuple
 
 M_ROLES = (6, 7, 8, 15)  # bit of the low half that takes the code's m, e0, e1, s (the high half: + 16)
-MASK = sum(1 << (p + h) for p in M_ROLES for h in (0, 16))  # 0x81C081C0
 M_BITS = tuple(sorted(p + h for p in M_ROLES for h in (0, 16)))
 
 
+def _bits(positions) -> int:
+    """The integer with these bits set (a mask from bit positions, a multiplier from shifts)."""
+    return sum(1 << p for p in positions)
+
+
+MASK = _bits(M_BITS)  # 0x81C081C0
+
+
+def _o3_routes(r_bits: tuple[int, ...], shifts: tuple[int, ...]) -> dict[int, list[int]]:
+    """O3's routing: for each bit of MASK, the bits of R that (x & R) * sum(1 << shifts) copies onto it."""
+    return {p: [b for b in r_bits for s in shifts if b + s == p] for p in M_BITS}
+
+
 class Design(NamedTuple):
-    r1: int  # O1 = rotl(w, r1) & MASK
-    r2: int  # O2 = rotl(w, r2) & MASK
-    shifts: tuple[int, ...]  # O3 = ((w & r_mask) * sum(1 << s)) & MASK
-    r_bits: tuple[int, ...]  # the bits O3 reads
+    """O_j = shift(w, k_j) & MASK for j < 3 (a rotation left, or a plain left shift), and O3 = (((w >> pre) & r_mask)
+    * multiplier) & MASK. Rotations may move bits between the word's 16-bit halves; left shifts by <= 6 never do."""
+
+    rotate: bool  # the first three outputs by rotations (True) or left shifts
+    amounts: tuple[int, int, int]  # k_0, k_1, k_2
+    pre: int  # O3's right shift
+    shifts: tuple[int, ...]  # O3's multiplier, as shifts
+    r_bits: tuple[int, ...]  # the bits O3 reads, after the right shift
 
     @property
     def r_mask(self) -> int:
-        return sum(1 << b for b in self.r_bits)
+        return _bits(self.r_bits)
 
     @property
     def multiplier(self) -> int:
-        return sum(1 << s for s in self.shifts)
+        return _bits(self.shifts)
 
     def sources(self) -> list[dict[int, int]]:
         """Per output register, {output bit of MASK: the word bit it reads}."""
-        rot = lambda r: {p: (p - r) % 32 for p in M_BITS}  # noqa: E731 - rotl: output bit p <- bit p - r
-        o3 = {}
-        for p in M_BITS:
-            (o3[p],) = [b for b in self.r_bits for s in self.shifts if b + s == p]
-        return [{p: p for p in M_BITS}, rot(self.r1), rot(self.r2), o3]
+        wrap = 32 if self.rotate else 64  # a left shift by <= 6 never takes bits from below bit 0
+        o3 = {p: b + self.pre for p, (b,) in _o3_routes(self.r_bits, self.shifts).items()}
+        return [{p: (p - k) % wrap for p in M_BITS} for k in self.amounts] + [o3]
 
 
 def _o3_exact(r_bits: tuple[int, ...], shifts: tuple[int, ...]) -> bool:
     """((w & R) * C) & MASK routes exactly one R bit to each bit of MASK, for all 2^len(R) values (carries checked)."""
-    routes = {p: [b for b in r_bits for s in shifts if b + s == p] for p in M_BITS}
+    routes = _o3_routes(r_bits, shifts)
     if any(len(v) != 1 for v in routes.values()) or len({v[0] for v in routes.values()}) != len(M_BITS):
         return False
-    c = sum(1 << s for s in shifts)
+    c = _bits(shifts)
     for v in range(1 << len(r_bits)):
-        w = sum(1 << b for i, b in enumerate(r_bits) if v >> i & 1)
-        want = sum(1 << p for p, (b,) in routes.items() if w >> b & 1)
+        w = _bits(b for i, b in enumerate(r_bits) if v >> i & 1)
+        want = _bits(p for p, (b,) in routes.items() if w >> b & 1)
         if (w * c) & MASK & 0xFFFFFFFF != want:
             return False
     return True
@@ -93,38 +107,14 @@ def search(max_shifts: int = 3) -> list[Design]:
         for n in range(1, max_shifts + 1):
             hit = next((s for s in itertools.combinations(range(32), n) if _o3_exact(rest, s)), None)
             if hit is not None:
-                found.append(Design(r1, r2, hit, rest))
+                found.append(Design(True, (0, r1, r2), 0, hit, rest))
                 break
     return found
 
 
-class HalvesDesign(NamedTuple):
-    """O_j = (w << k_j) & MASK for j < 3, O3 = (((w >> pre) & r_mask) * multiplier) & MASK: every output bit reads a
-    bit of the same 16-bit half of w."""
-
-    shifts_left: tuple[int, int, int]  # k_0, k_1, k_2 (0..6: a left shift by <= 6 keeps MASK's sources in their half)
-    pre: int  # O3's right shift
-    shifts: tuple[int, ...]  # O3's multiplier, as shifts
-    r_bits: tuple[int, ...]  # the bits O3 reads, after the right shift
-
-    @property
-    def r_mask(self) -> int:
-        return sum(1 << b for b in self.r_bits)
-
-    @property
-    def multiplier(self) -> int:
-        return sum(1 << s for s in self.shifts)
-
-    def sources(self) -> list[dict[int, int]]:
-        out = [{p: p - k for p in M_BITS} for k in self.shifts_left]
-        o3 = {}
-        for p in M_BITS:
-            (o3[p],) = [b + self.pre for b in self.r_bits for s in self.shifts if b + s == p]
-        return out + [o3]
-
-
-def search_within_halves(max_shifts: int = 3) -> list[HalvesDesign]:
-    """The cheapest `HalvesDesign`s: three left-shifted masks (k = 0 costs one LOP3, others a shift too) and O3."""
+def search_within_halves(max_shifts: int = 3) -> list[Design]:
+    """The cheapest designs whose every output bit reads a bit of its own 16-bit half: three left-shifted masks
+    (k = 0 costs one LOP3, others a shift too) and O3."""
     found = []
     for ks in itertools.combinations(range(7), 3):
         taken = [{p - k for p in M_BITS} for k in ks]
@@ -137,12 +127,12 @@ def search_within_halves(max_shifts: int = 3) -> list[HalvesDesign]:
                         if _o3_exact(r_bits, sh) and all((b + pre) // 16 == (b + s) // 16
                                                           for b in r_bits for s in sh if b + s in M_BITS)), None)
             if hit is not None:
-                found.append(HalvesDesign(ks, pre, hit, r_bits))
+                found.append(Design(False, ks, pre, hit, r_bits))
                 break
     return found
 
 
-def pack(codes: list[int], d: Design | HalvesDesign) -> int:
+def pack(codes: list[int], d: Design) -> int:
     """8 E2M1 codes (s e1 e0 m, 4 bits each) -> the word the loader would store: code 2j in O_j's low half, code
     2j + 1 in its high half."""
     w = 0
@@ -155,20 +145,18 @@ def pack(codes: list[int], d: Design | HalvesDesign) -> int:
     return w
 
 
-def decode(w: int, d: Design | HalvesDesign) -> list[int]:
+def decode(w: int, d: Design) -> list[int]:
     """The decode (8 or 9 instructions): the four bf16x2 registers of a word."""
-    if isinstance(d, HalvesDesign):
-        return [(w << k) & MASK for k in d.shifts_left] + [(((w >> d.pre) & d.r_mask) * d.multiplier) & MASK]
-    rotl = lambda x, r: ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF  # noqa: E731
-    return [w & MASK, rotl(w, d.r1) & MASK, rotl(w, d.r2) & MASK, ((w & d.r_mask) * d.multiplier) & MASK]
+    shift = (lambda x, k: (x << k) | (x >> (32 - k))) if d.rotate else (lambda x, k: x << k)
+    return [shift(w, k) & MASK for k in d.amounts] + [(((w >> d.pre) & d.r_mask) * d.multiplier) & MASK]
 
 
 def target(code: int) -> int:
     """The 16-bit half the kernel's decode makes of one code: m, e0, e1, s at bits 6, 7, 8, 15."""
-    return sum(1 << p for role, p in enumerate(M_ROLES) if code >> role & 1)
+    return _bits(p for role, p in enumerate(M_ROLES) if code >> role & 1)
 
 
-def check(d: Design | HalvesDesign, trials: int = 2000) -> None:
+def check(d: Design, trials: int = 2000) -> None:
     """Every code in every one of the 8 places (the other 7 random) decodes to `target`: AssertionError if not."""
     rng = random.Random(0)
     for place, code in itertools.product(range(8), range(16)):
@@ -203,7 +191,7 @@ def sass_counts(d: Design) -> dict[str, int]:
         tl.store(o_ptr + 4 * i + 2, ((w << R2) | (w >> (32 - R2))) & 0x81C081C0)
         tl.store(o_ptr + 4 * i + 3, ((w & RM) * C) & 0x81C081C0)
 
-    consts = dict(R1=d.r1, R2=d.r2, RM=d.r_mask, C=d.multiplier, N=128)
+    consts = dict(R1=d.amounts[1], R2=d.amounts[2], RM=d.r_mask, C=d.multiplier, N=128)  # a rotation design
     build = triton.compile(ASTSource(fn=_decode, signature={"w_ptr": "*u32", "o_ptr": "*u32",
                                                            **{k: "constexpr" for k in consts}}, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -220,18 +208,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", action="store_true", help="also compile the first design for sm_90 and count opcodes")
     args = ap.parse_args()
-    designs = search()
-    print(f"{len(designs)} designs (rotations r1 < r2; O3's shifts, R)")
-    for d in designs:
-        check(d)
-        print(f"  r1 {d.r1:2d}  r2 {d.r2:2d}  O3: (w & {d.r_mask:#010x}) * {d.multiplier:#x} (shifts {d.shifts})"
-              "  exact for every code in every place")
-    halves = search_within_halves()
-    print(f"{len(halves)} designs within 16-bit halves (left shifts k; O3: >> pre, R, shifts)")
-    for d in halves:
-        check(d)
-        print(f"  k {d.shifts_left}  O3: ((w >> {d.pre}) & {d.r_mask:#010x}) * {d.multiplier:#x} (shifts {d.shifts})"
-              "  exact for every code in every place")
+    designs, halves = search(), search_within_halves()
+    for title, found in (("rotations", designs), ("left shifts within 16-bit halves", halves)):
+        print(f"{len(found)} designs by {title}")
+        for d in found:
+            check(d)
+            print(f"  O0-O2: {'rotl' if d.rotate else 'shl'} {d.amounts}; O3: ((w >> {d.pre}) & {d.r_mask:#010x}) * "
+                  f"{d.multiplier:#x} (shifts {d.shifts}); exact for every code in every place")
     if args.sass and designs:
         print(f"sm_90 SASS of the first (4 words' stores and addressing included): {sass_counts(designs[0])}")
     return 0 if designs and halves else 1

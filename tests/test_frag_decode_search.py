@@ -5,7 +5,6 @@ e1, s at bits 6, 7, 8, 15 of each half, zeros elsewhere), and the within-halves 
 from benchmarks.frag_decode_search import (
     MASK,
     Design,
-    HalvesDesign,
     check,
     decode,
     pack,
@@ -17,7 +16,7 @@ from benchmarks.frag_decode_search import (
 
 def test_rotation_design_found_and_exact():
     designs = search()
-    assert Design(10, 13, (2, 7, 12), (0, 1, 3, 4, 16, 17, 19, 20)) in designs
+    assert Design(True, (0, 10, 13), 0, (2, 7, 12), (0, 1, 3, 4, 16, 17, 19, 20)) in designs
     for d in designs:
         check(d, trials=256)
         assert d.r_mask == 0x001B001B and d.multiplier == 0x1084
@@ -25,7 +24,7 @@ def test_rotation_design_found_and_exact():
 
 def test_within_halves_design_found_exact_and_half_local():
     (d,) = search_within_halves()
-    assert d == HalvesDesign((0, 3, 6), 7, (0, 5, 11), (3, 4, 6, 7, 19, 20, 22, 23))
+    assert d == Design(False, (0, 3, 6), 7, (0, 5, 11), (3, 4, 6, 7, 19, 20, 22, 23))
     check(d, trials=256)
     for src in d.sources():
         assert all(p // 16 == b // 16 for p, b in src.items())  # no bit crosses a 16-bit half
