@@ -25,8 +25,10 @@ mix; then (`within_halves`)
     O0 = w & M,   O1 = (w << 3) & M,   O2 = (w << 6) & M,   O3 = (((w >> 7) & R') * C') & M
 with R' = 0x00D800D8, C' = 0x821 (copies shifted by 0, 5 and 11): 9 instructions per 8 weights, each half of the word
 holding the four weights of the four registers' halves (plus a PRMT where the two halves arrive in two registers).
-Not in the kernel: the loader's layout, the PTX block, the interpreter's emulation and the other decode routes would
-all change with it (see the closing note of the thirty-ninth session).
+The first rotation design is the kernel's since the fortieth session (`kernels/w4a16_swapped.py`: `frag_words`, the
+loader's side, and `_e2m1x2_bf16_frag_ptx`; its constants FRAG_ROTATIONS / FRAG_O3; `tests/test_frag_decode_search.py`
+checks that this search still finds them). The word the asm gets is the 4 bytes Triton packs for it, assembled by one
+PRMT from the low (or high) halves of two LDSM registers; the rotations mixing the halves cost nothing there.
 
     python benchmarks/frag_decode_search.py [--sass]      (--sass: outside TRITON_INTERPRET, compiles for sm_90)
 """

@@ -1928,6 +1928,33 @@ cat "$OUT/mma_sorted/mma_picks.md" 2>/dev/null || tail -5 "$OUT/mma_sorted.log"
 engine_out qwen_sorted32 "${LIMIT_148:-330}" --decode-tokens 96 --variant 'sorted32={"small_batch_tokens": 32}' \
   --variant 'sorted32_2={"small_batch_tokens": 32}' --again
 fi
+if want 149; then
+# fortieth session: the fragment-order bytes stored as words of the 8-instruction decode (`frag_words`; offline
+# sm_90 SASS, Triton 3.8: gate_up 16-row loop 493 -> 397 instructions per K tile, down 278 -> 232, lm_head 284 -> 235)
+say "149. issue 5 (carry .devbundle/extra with ab_old.tar of 6e9e2c5 in it, and .tritoncache): the swap-AB kernel on"
+say "    8-weight words: its CUDA tests (bit for bit against split halves: does Triton's pack=4 hand the asm the word"
+say "    the loader wrote?), then swapped_ab.py per call in the old tree, here, the old tree again (outputs compared)"
+gpu_tests swapped_tests "${LIMIT_149T:-240}" tests/test_kernel_w4a16_swapped.py -rfE --durations=5
+grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
+archive
+old_tree
+rm -f /tmp/ab_old.pt /tmp/ab_new.pt
+in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old \
+  --save /tmp/ab_old.pt > "$R/swapped_ab_old.log" 2>&1
+timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --save /tmp/ab_new.pt \
+  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) > "$R/swapped_ab_new.log" 2>&1
+in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
+  $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
+grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
+fi
+if want 150; then
+say "150. issue 5 (same carry as 149): the engine on 8-weight words (--again) beside 6e9e2c5's engine (--again), each"
+say "    in its own process, 48 decode tokens; greedy tokens compared offline from the two JSONs"
+old_tree
+engine_ab qwen_words "${LIMIT_150:-230}" --autotune-table auto --again
+archive
+old_engine qwen_words_old "${LIMIT_150O:-200}" --autotune-table auto --again
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

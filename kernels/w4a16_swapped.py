@@ -153,36 +153,84 @@ def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> to
 # on the H200 on 2026-12-01 (results/w4a16_swapped_bench_run3, per call, fragment order vs quarter order: 32 tokens
 # gate_up 118.5 vs 158.3 us; 1,024 tokens gate_up 216.7 vs 285.8, down 155.1 vs 181.4 (BLOCK_M 64; 17-34% slower at
 # every tile timed); and 2 of its GPU tests not bit-equal to split halves), so it was removed.
-# Sign first in the high nibble: fragment-order bytes also store each byte's high nibble (the second K half's code)
-# rotated left by one bit -- code bits (mantissa, exponent 0, exponent 1, sign) at byte bits 5, 6, 7 and 4 -- so that
-# the GPU dequant (`_e2m1x2_bf16_frag_ptx`) builds the high halves' bf16 pairs as the low halves' are, two shifts and
-# one LOP3 each ((r << 1 | r << 11) & mask) instead of two shifts and two masks (the sign sat 8 bits above the
-# exponent's top bit, where r << 8 also moved the low nibble's mantissa into bit 8). Offline sm_90 SASS: 16 -> 14
-# instructions per 4 bytes (8 weights) of the dequant; the other decode routes rotate the nibble back first
-# (`_frag_hi_back`).
+# Words of 8 weights: fragment-order bytes also store each thread's 4 adjacent bytes (one 32-bit register of the
+# dequant's input: elements 0-3, stored positions 4c..4c+3) as one word whose 32 bits are the 8 codes placed where
+# the GPU dequant (`_e2m1x2_bf16_frag_ptx`) reads them: its four bf16x2 outputs -- the low nibbles' values of
+# elements (0, 1), (2, 3), then the high nibbles' of (0, 1), (2, 3); each 16-bit half an E2M1 code (s e1 e0 m) with
+# m, e0, e1 at bits 6-8 and s at 15, i.e. the code's value x 2^-126 in bf16, before the HMUL2 by the block scale x
+# 2^119 -- are
+#     w & M,   rotl(w, 10) & M,   rotl(w, 13) & M,   ((w & 0x001B001B) * 0x1084) & M,   M = 0x81C081C0
+# (the multiply's three shifted copies, by 2, 7 and 12, never carry into a bit of M: checked for all 2^8 values of
+# its input bits). 8 instructions per 8 weights (sm_90 SASS: 5 LOP3, 2 SHF.L.W, 1 IMAD) against the sign-first
+# bytes' 14 (two PRMTs and four shift-shift-or-mask rows; those bytes stored each high nibble rotated, thirty-seventh
+# session). Found by `benchmarks/frag_decode_search.py` (RESULTS.md, thirty-ninth session, item 9). The loader's side
+# (`frag_words`) is derived from the same formulas (`frag_decode_word`) by following each word bit through them,
+# so the two cannot disagree; the other decode routes (interpreter, DEQ 0 / 1, fp16) decode the word by the same
+# formulas in Triton first (`_frag_plain`).
 FRAG_GROUP = 16
 FRAG_ORDER = [8 * h + 2 * c + b for c in range(4) for h in range(2) for b in range(2)]  # stored m -> group byte
 FRAG_INVERSE = [FRAG_ORDER.index(j) for j in range(FRAG_GROUP)]  # group byte -> stored m
+E2M1_BF16_MASK = 0x81C081C0  # the bf16 pair's bits that carry a code: m, e0, e1 at 6-8 (22-24), s at 15 (31)
+FRAG_ROTATIONS = (10, 13)  # the second and third outputs' left rotations
+FRAG_O3 = (0x001B001B, 0x1084)  # the fourth output's input bits and multiplier (copies shifted by 2, 7, 12)
+_CODE_BITS = (6, 7, 8, 15)  # bit of a 16-bit half that takes code bit 0 (m), 1 (e0), 2 (e1), 3 (s)
 
 
-def frag_hi_rotate(b: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """uint8 bytes with the high nibble rotated left by one within the nibble (sign to bit 4; `inverse`: back)."""
-    lo, hi = b & 0x0F, b & 0xF0
-    if inverse:
-        return lo | ((hi >> 1) & 0x70) | ((hi << 3) & 0x80)
-    return lo | ((hi << 1) & 0xE0) | ((hi >> 3) & 0x10)
+def frag_decode_word(w: int) -> list[int]:
+    """The GPU dequant's four bf16x2 registers of one stored word (`_e2m1x2_bf16_frag_ptx`, in Python)."""
+    rotl = [((w << r) | (w >> (32 - r))) & 0xFFFFFFFF for r in FRAG_ROTATIONS]
+    o3 = ((w & FRAG_O3[0]) * FRAG_O3[1]) & 0xFFFFFFFF
+    return [v & E2M1_BF16_MASK for v in (w, *rotl, o3)]
+
+
+def _frag_word_bits() -> list[int]:
+    """plain[b]: the bit of the plain 4-byte word (byte e = element e, low nibble the first K half's code) that
+    stored bit b holds. Output register j, half h carries the code of element 2 (j % 2) + h, nibble j // 2; a single
+    stored bit lands on exactly one bit of one output (checked here; the multiply's carries by the tests)."""
+    plain = []
+    for b in range(32):
+        hits = [(j, p) for j, v in enumerate(frag_decode_word(1 << b)) for p in range(32) if v >> p & 1]
+        if len(hits) != 1:
+            raise AssertionError(f"frag_decode_word: word bit {b} reaches {hits}")
+        j, p = hits[0]
+        e, nibble, role = 2 * (j % 2) + p // 16, j // 2, _CODE_BITS.index(p % 16)
+        plain.append(8 * e + 4 * nibble + role)
+    if sorted(plain) != list(range(32)):
+        raise AssertionError("frag_decode_word: the stored bits are not a permutation of the plain word's")
+    return plain
+
+
+FRAG_WORD_BITS = _frag_word_bits()  # stored bit b <- plain bit FRAG_WORD_BITS[b]
+
+
+def frag_words(b: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """uint8 bytes (a multiple of 4, each 4 one word, little-endian) in plain order -> stored words (FRAG_WORD_BITS;
+    `inverse`: back). One masked shift per distinct bit distance, in chunks of 2^22 words to bound the temporaries."""
+    src, dst = (range(32), FRAG_WORD_BITS) if inverse else (FRAG_WORD_BITS, range(32))
+    moves: dict[int, int] = {}  # distance (to - from) -> mask of the from-bits
+    for f, t in zip(src, dst):
+        moves[t - f] = moves.get(t - f, 0) | (1 << f)
+    words = b.contiguous().view(-1).view(torch.int32)
+    out = torch.empty_like(words)
+    for lo in range(0, words.numel(), 1 << 22):
+        w = words[lo:lo + (1 << 22)].to(torch.int64) & 0xFFFFFFFF
+        acc = torch.zeros_like(w)
+        for d, mask in moves.items():
+            acc |= (w & mask) << d if d >= 0 else (w & mask) >> -d
+        out[lo:lo + (1 << 22)] = acc.to(torch.int32)  # bit 31 wraps to the sign: the same 32 bits
+    return out.view(torch.uint8).view(b.shape)
 
 
 def split_frag(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """Checkpoint-layout packed weights -> `split_halves` bytes with each 16-byte group in fragment order and the
-    high nibbles sign first (`frag_hi_rotate`)."""
+    """Checkpoint-layout packed weights -> `split_halves` bytes with each 16-byte group in fragment order and each 4
+    bytes stored as one word of the GPU dequant (`frag_words`)."""
     s = split_halves(packed, block_n, block_k)
-    return frag_hi_rotate(s.reshape(-1, FRAG_GROUP)[:, FRAG_ORDER]).reshape(s.shape)
+    return frag_words(s.reshape(-1, FRAG_GROUP)[:, FRAG_ORDER]).reshape(s.shape)
 
 
 def unsplit_frag(packed_frag: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """The inverse of `split_frag`."""
-    s = frag_hi_rotate(packed_frag.reshape(-1, FRAG_GROUP), inverse=True)[:, FRAG_INVERSE].reshape(packed_frag.shape)
+    s = frag_words(packed_frag.reshape(-1, FRAG_GROUP), inverse=True)[:, FRAG_INVERSE].reshape(packed_frag.shape)
     return unsplit_halves(s, block_n, block_k)
 
 
@@ -277,29 +325,42 @@ if triton is not None:
 
     @triton.jit
     def _e2m1x2_bf16_frag_ptx(pw):
-        """`w4a16_gemm._e2m1x2_bf16_tiny_ptx` for fragment-order bytes, whose high nibbles are stored sign first
-        (`frag_hi_rotate`): 4 bytes a call, PRMT spreads bytes 0/1 (2/3) into two 16-bit halves, then each pair of
-        halves is one mask of two shifts, ((r << 6) | (r << 12)) & 0x81C081C0 for the low nibbles (mantissa and
-        exponent at bits 0-2 -> 6-8, sign 3 -> 15) and ((r << 1) | (r << 11)) & 0x81C081C0 for the high ones (bits
-        5-7 -> 6-8, sign 4 -> 15); the other shift puts only zero bytes or nothing at each masked bit. 14 instructions
-        per 8 weights against the plain layout's 16."""
+        """Fragment-order words (`frag_words`) -> bf16 weights x 2^-126 (before the block scale): 4 bytes a call, the
+        word of elements 0-3; outputs the low nibbles' values of elements (0, 1), (2, 3), then the high nibbles' (the
+        comment above FRAG_GROUP). 8 instructions per 8 weights: w & M, two rotations (shf.l.wrap) and masks, one
+        masked multiply and its mask (`frag_decode_word` is the same in Python)."""
         return tl.inline_asm_elementwise(
             """{
-            .reg .b32 r01, r23, a, b;
-            prmt.b32 r01, $4, 0, 0x4140;
-            prmt.b32 r23, $4, 0, 0x4342;
-            shl.b32 a, r01, 6; shl.b32 b, r01, 12; or.b32 a, a, b; and.b32 $0, a, 0x81C081C0;
-            shl.b32 a, r23, 6; shl.b32 b, r23, 12; or.b32 a, a, b; and.b32 $1, a, 0x81C081C0;
-            shl.b32 a, r01, 1; shl.b32 b, r01, 11; or.b32 a, a, b; and.b32 $2, a, 0x81C081C0;
-            shl.b32 a, r23, 1; shl.b32 b, r23, 11; or.b32 a, a, b; and.b32 $3, a, 0x81C081C0;
+            .reg .b32 a, b, c;
+            and.b32 $0, $4, 0x81C081C0;
+            shf.l.wrap.b32 a, $4, $4, 10; and.b32 $1, a, 0x81C081C0;
+            shf.l.wrap.b32 b, $4, $4, 13; and.b32 $2, b, 0x81C081C0;
+            and.b32 c, $4, 0x001B001B; mul.lo.u32 c, c, 0x1084; and.b32 $3, c, 0x81C081C0;
             }""",
             "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
     @triton.jit
-    def _frag_hi_back(pw):
-        """`frag_hi_rotate(inverse=True)` in Triton: fragment-order bytes with the high nibbles as the checkpoint
-        stores them, for the decode routes other than `_e2m1x2_bf16_frag_ptx`."""
-        return (pw & 0x0F) | ((pw >> 1) & 0x70) | ((pw << 3) & 0x80)
+    def _frag_codes(o):
+        """A decoded uint32 register (two halves of code x 2^-126, `frag_decode_word`) -> its two codes."""
+        return ((o >> 6) & 7) | ((o >> 12) & 8), ((o >> 22) & 7) | ((o >> 28) & 8)
+
+    @triton.jit
+    def _frag_plain(pw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Stored words [BN, BK/32, 16] (`frag_words`) -> the fragment-order bytes without the word layout (low nibble
+        the first K half's code), by the PTX's own formulas in Triton: the decode routes other than
+        `_e2m1x2_bf16_frag_ptx` (the interpreter, DEQ 0 / 1, fp16)."""
+        b02, b13 = tl.split(tl.reshape(pw, (BLOCK_N, BLOCK_K // 32, 4, 2, 2)))  # byte 2i + j of each word
+        b0, b2 = tl.split(b02)
+        b1, b3 = tl.split(b13)
+        w = b0.to(tl.uint32) | (b1.to(tl.uint32) << 8) | (b2.to(tl.uint32) << 16) | (b3.to(tl.uint32) << 24)
+        m: tl.constexpr = 0x81C081C0
+        lo0, lo1 = _frag_codes(w & m)
+        lo2, lo3 = _frag_codes(((w << 10) | (w >> 22)) & m)
+        hi0, hi1 = _frag_codes(((w << 13) | (w >> 19)) & m)
+        hi2, hi3 = _frag_codes(((w & 0x001B001B) * 0x1084) & m)
+        e0, e1, e2, e3 = lo0 | (hi0 << 4), lo1 | (hi1 << 4), lo2 | (hi2 << 4), lo3 | (hi3 << 4)
+        words = tl.join(tl.join(e0, e1), tl.join(e2, e3))  # [.., 4, 2 (element's low bit), 2 (its high bit)]
+        return tl.reshape(tl.permute(words, (0, 1, 2, 4, 3)), (BLOCK_N, BLOCK_K // 32, 16)).to(tl.uint8)
 
     @triton.jit
     def _halves(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -313,8 +374,8 @@ if triton is not None:
         (first-half, second-half) weights [BN, BK/2] in DTYPE, times `_dequant_gain`'s inverse: `w4a16_gemm._dequant`
         with one scale per nibble half instead of one per byte. FRAG: bytes in fragment order (`split_frag`), and on
         the GPU the scales converted by `_e4m3_bf16_gained` (the same values), the whole tile's at once."""
-        if FRAG and (INTERPRET or DTYPE != tl.bfloat16 or DEQ != 2):  # only the PTX reads sign-first nibbles
-            pw = _frag_hi_back(pw)
+        if FRAG and (INTERPRET or DTYPE != tl.bfloat16 or DEQ != 2):  # only the PTX reads the stored words
+            pw = _frag_plain(pw, BLOCK_N, BLOCK_K)
         if DTYPE == tl.bfloat16 and DEQ > 0:
             if FRAG and not INTERPRET:  # scale x 2^119 straight from the bits (bf16)
                 slo, shi = _halves(_e4m3_bf16_gained(s8), BLOCK_N, BLOCK_K)

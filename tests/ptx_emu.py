@@ -1,7 +1,7 @@
 """A tiny interpreter for the inline PTX of the Triton kernels' dequantisers, so that their bit formulas are checked on
 the CPU (the Triton interpreter cannot run inline asm). It runs the asm text of a `tl.inline_asm_elementwise` call
 taken from the jit function's source, on 32-bit registers, for the few instructions those blocks use: prmt.b32,
-shl.b32, and.b32, or.b32, mul.lo.u32, mov.b32 and mul.rn.bf16x2."""
+shl.b32, shf.l.wrap.b32, and.b32, or.b32, mul.lo.u32, mov.b32 and mul.rn.bf16x2."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ def run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             src8 = [(val(a[0]) >> (8 * i)) & 0xFF for i in range(4)] + [(val(a[1]) >> (8 * i)) & 0xFF
                                                                         for i in range(4)]
             reg[d] = sum(src8[(val(a[2]) >> (4 * j)) & 7] << (8 * j) for j in range(4))
+        elif op == "shf.l.wrap.b32":  # the funnel {a[1]:a[0]} shifted left by a[2] % 32, its top 32 bits
+            k = val(a[2]) % 32
+            reg[d] = (((val(a[1]) << 32 | val(a[0])) << k) >> 32) & 0xFFFFFFFF
         elif op == "mov.b32":
             reg[d] = val(a[0]) & 0xFFFFFFFF
         elif op == "mul.rn.bf16x2":

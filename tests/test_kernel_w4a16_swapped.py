@@ -13,6 +13,7 @@ for fp16) + the same 1e-6 max |ref|.
 import pytest
 import torch
 
+from kernels import w4a16_swapped
 from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4, w4a16_linear_reference
 from kernels.w4a16_gemm import compare, moe_align, tile_major, w4a16_grouped_launch, w4a16_grouped_reference
 from kernels.w4a16_swapped import (
@@ -73,42 +74,72 @@ def test_split_halves_round_trip_and_layout(shape, bn, bk):
 
 def test_split_frag_order():
     """`split_frag`: split halves with each 16-byte group reordered so that stored byte 4c + 2h + b is the group's
-    byte 8h + 2c + b (a wgmma A-fragment thread's four bytes k = 2c, 2c + 1, 2c + 8, 2c + 9 adjacent) and the high
-    nibble stored sign first (code bits m, e0, e1, s at byte bits 5, 6, 7, 4; the low nibble as it was); round trip."""
+    byte 8h + 2c + b (a wgmma A-fragment thread's four bytes k = 2c, 2c + 1, 2c + 8, 2c + 9 adjacent), each 4 stored
+    bytes one word of the GPU dequant (`frag_words`); round trip."""
+    from kernels.w4a16_swapped import frag_words
+
     assert sorted(FRAG_ORDER) == list(range(16)) and FRAG_ORDER[:4] == [0, 1, 8, 9] and FRAG_ORDER[-1] == 15
     g = torch.Generator().manual_seed(3)
     p = torch.randint(0, 256, (3, 64, 128), dtype=torch.uint8, generator=g)
     s, f = split_halves(p, 32, BK), split_frag(p, 32, BK)
     assert f.shape == p.shape and not torch.equal(f, s)
     assert torch.equal(unsplit_frag(f, 32, BK), p)
-    groups_s, groups_f = s.reshape(-1, 16).int(), f.reshape(-1, 16).int()
+    groups_s, groups_f = s.reshape(-1, 16), frag_words(f.reshape(-1, 16), inverse=True)
     for c, h, b in ((0, 0, 0), (1, 1, 0), (3, 0, 1), (2, 1, 1)):
-        got, byte = groups_f[:, 4 * c + 2 * h + b], groups_s[:, 8 * h + 2 * c + b]
-        code_hi = byte >> 4
-        assert torch.equal(got & 0xF, byte & 0xF)
-        assert torch.equal((got >> 5) & 7, code_hi & 7) and torch.equal((got >> 4) & 1, code_hi >> 3)
+        assert torch.equal(groups_f[:, 4 * c + 2 * h + b], groups_s[:, 8 * h + 2 * c + b])
 
 
-def test_frag_hi_rotate():
-    """`frag_hi_rotate` on all 256 bytes: a bijection, undone by inverse=True, the low nibble untouched; the Triton
-    copy of the inverse (`_frag_hi_back`, run through the interpreter) agrees."""
-    from kernels.w4a16_swapped import frag_hi_rotate
+def _code_bits(code: int) -> int:
+    """The 16-bit half the GPU dequant makes of an E2M1 code: m, e0, e1 at bits 6-8, s at 15 (the code x 2^-126)."""
+    return sum(1 << p for role, p in enumerate((6, 7, 8, 15)) if code >> role & 1)
 
-    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    r = frag_hi_rotate(b)
-    assert sorted(r.tolist()) == list(range(256)) and torch.equal(r & 0xF, b & 0xF)
-    assert torch.equal(frag_hi_rotate(r, inverse=True), b)
-    assert frag_hi_rotate(torch.tensor([0x80], dtype=torch.uint8)).item() == 0x10  # the sign to bit 4
-    assert frag_hi_rotate(torch.tensor([0x10], dtype=torch.uint8)).item() == 0x20  # the mantissa to bit 5
+
+def test_frag_words():
+    """`frag_words`: a permutation of each word's 32 bits (single bits to single bits), undone by inverse=True; the
+    GPU dequant's formulas (`frag_decode_word`) give every code in every one of the 8 places of a word (the other
+    7 random: the multiply's carries) as the plain decode's bf16 bits; the Triton decode of the other routes
+    (`_frag_plain`, run through the interpreter) gives back the plain bytes."""
+    from kernels.w4a16_swapped import frag_decode_word, frag_words
+
+    bits = torch.tensor([1 << b for b in range(32)], dtype=torch.int64).to(torch.int32).view(torch.uint8).view(32, 4)
+    stored = frag_words(bits).view(torch.int32).view(-1).tolist()
+    assert sorted(v & 0xFFFFFFFF for v in stored) == [1 << b for b in range(32)]
+    g = torch.Generator().manual_seed(7)
+    plain = torch.randint(0, 256, (4096, 4), dtype=torch.uint8, generator=g)
+    for place in range(8):  # place 2j + h: element 2 (j % 2) + h, nibble j // 2 (`frag_decode_word`'s outputs)
+        e, shift = 2 * ((place // 2) % 2) + place % 2, 4 * (place // 4)
+        plain[place * 16:(place + 1) * 16, e] = (plain[place * 16:(place + 1) * 16, e] & (0xF0 >> shift)) | (
+            torch.arange(16, dtype=torch.uint8) << shift)
+    words = frag_words(plain)
+    assert not torch.equal(words, plain) and torch.equal(frag_words(words, inverse=True), plain)
+    for p, w in zip(plain.tolist(), words.view(torch.int32).view(-1).tolist()):
+        lo, hi = [b & 0xF for b in p], [b >> 4 for b in p]
+        want = [_code_bits(a) | _code_bits(b) << 16 for a, b in ((lo[0], lo[1]), (lo[2], lo[3]), (hi[0], hi[1]),
+                                                                  (hi[2], hi[3]))]
+        assert frag_decode_word(w & 0xFFFFFFFF) == want, p
+
+    triton = pytest.importorskip("triton")
+    tl = triton.language
+
+    @triton.jit
+    def plain_kernel(src, dst, BN: tl.constexpr, BKT: tl.constexpr):
+        offs = tl.arange(0, BN * BKT // 2)
+        v = tl.reshape(tl.load(src + offs), (BN, BKT // 32, 16))
+        tl.store(dst + offs, tl.reshape(w4a16_swapped._frag_plain(v, BN, BKT), (BN * BKT // 2,)))
+
+    group_plain = plain[:512].reshape(-1, 16)  # 2,048 bytes: 8 rows x 16 groups of 16 (a 512-wide K tile)
+    out = torch.empty(group_plain.numel(), dtype=torch.uint8)
+    plain_kernel[(1,)](frag_words(group_plain).reshape(-1), out, 8, 512)
+    assert torch.equal(out, group_plain.reshape(-1))
 
 
 def test_fragment_order_weight_bits():
     """The fragment-order path's GPU dequant (`_e2m1x2_bf16_frag_ptx`, inline PTX) run on the CPU by
-    tests/ptx_emu.py: on any 4 bytes stored sign first (`frag_hi_rotate`) it gives exactly the outputs of the plain
+    tests/ptx_emu.py: on any 4 bytes stored as a word (`frag_words`) it gives exactly the outputs of the plain
     layout's PTX (`w4a16_gemm._e2m1x2_bf16_tiny_ptx`) on the same bytes as the checkpoint stores them -- every code in
-    every nibble and byte position, and random words."""
-    from kernels import w4a16_gemm, w4a16_swapped
-    from kernels.w4a16_swapped import frag_hi_rotate
+    every nibble and byte position, and random words -- and what `frag_decode_word` says."""
+    from kernels import w4a16_gemm
+    from kernels.w4a16_swapped import frag_decode_word, frag_words
 
     plain = ptx_emu.asm_text(w4a16_gemm._e2m1x2_bf16_tiny_ptx)
     frag = ptx_emu.asm_text(w4a16_swapped._e2m1x2_bf16_frag_ptx)
@@ -117,11 +148,12 @@ def test_fragment_order_weight_bits():
     words = torch.randint(0, 256, (400, 4), generator=g).tolist()
     words += [[v, 0, 0, 0] for v in range(256)] + [[0, v, 0xFF, 0] for v in range(256)]
     words += [[0, 0, v, 0] for v in range(256)] + [[0x5A, 0xA5, 0, v] for v in range(256)]
-    for bytes4 in words:
-        stored = frag_hi_rotate(torch.tensor(bytes4, dtype=torch.uint8)).tolist()
+    stored = frag_words(torch.tensor(words, dtype=torch.uint8)).tolist()
+    for bytes4, st in zip(words, stored):
         want = ptx_emu.run(plain, {"$4": sum(v << (8 * i) for i, v in enumerate(bytes4))})
-        got = ptx_emu.run(frag, {"$4": sum(v << (8 * i) for i, v in enumerate(stored))})
+        got = ptx_emu.run(frag, {"$4": sum(v << (8 * i) for i, v in enumerate(st))})
         assert [got[f"${i}"] for i in range(4)] == [want[f"${i}"] for i in range(4)], bytes4
+        assert [got[f"${i}"] for i in range(4)] == frag_decode_word(sum(v << (8 * i) for i, v in enumerate(st)))
 
 
 CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored tile), stored tile rows
