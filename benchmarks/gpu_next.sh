@@ -1933,7 +1933,8 @@ if want 149; then
 # sm_90 SASS, Triton 3.8: gate_up 16-row loop 493 -> 397 instructions per K tile, down 278 -> 232, lm_head 284 -> 235)
 say "149. issue 5 (carry .devbundle/extra with ab_old.tar of 6e9e2c5 in it, and .tritoncache): the swap-AB kernel on"
 say "    8-weight words: its CUDA tests (bit for bit against split halves: does Triton's pack=4 hand the asm the word"
-say "    the loader wrote?), then swapped_ab.py per call in the old tree, here, the old tree again (outputs compared)"
+say "    the loader wrote?), then swapped_ab.py per call in the old tree, here (also at 2 and 4 stages), the old tree"
+say "    again (outputs compared)"
 gpu_tests swapped_tests "${LIMIT_149T:-240}" tests/test_kernel_w4a16_swapped.py -rfE --durations=5
 grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
 archive
@@ -1942,7 +1943,7 @@ rm -f /tmp/ab_old.pt /tmp/ab_new.pt
 in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old \
   --save /tmp/ab_old.pt > "$R/swapped_ab_old.log" 2>&1
 timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --save /tmp/ab_new.pt \
-  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) > "$R/swapped_ab_new.log" 2>&1
+  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) --stages "${STAGES_149:-2,4}" > "$R/swapped_ab_new.log" 2>&1
 in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
   $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
 grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300

@@ -153,9 +153,12 @@ def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> to
 # on the H200 on 2026-12-01 (results/w4a16_swapped_bench_run3, per call, fragment order vs quarter order: 32 tokens
 # gate_up 118.5 vs 158.3 us; 1,024 tokens gate_up 216.7 vs 285.8, down 155.1 vs 181.4 (BLOCK_M 64; 17-34% slower at
 # every tile timed); and 2 of its GPU tests not bit-equal to split halves), so it was removed.
-# Words of 8 weights: fragment-order bytes also store each thread's 4 adjacent bytes (one 32-bit register of the
-# dequant's input: elements 0-3, stored positions 4c..4c+3) as one word whose 32 bits are the 8 codes placed where
-# the GPU dequant (`_e2m1x2_bf16_frag_ptx`) reads them: its four bf16x2 outputs -- the low nibbles' values of
+# Words of 8 weights: fragment-order bytes also store each 32-bit input of the dequant's asm as one word whose 32
+# bits are its 8 codes placed where the GPU dequant (`_e2m1x2_bf16_frag_ptx`) reads them. Which 4 bytes that input
+# holds is Triton's choice: `pack=4` takes 4 consecutive registers of the thread, and in the wgmma A operand's layout
+# (TTGIR #linear, register bases [0,0,1], [8,0,0], ...) those are stored bytes 4j, 4j + 1 of row r, then the same
+# two of row r + 8 (the SASS assembles them with one PRMT 0x5410 / 0x7632 from two LDSM registers, rows r and
+# r + 8); bytes 4j + 2, 4j + 3 of the two rows make the next word (`_word_elements`). Its four bf16x2 outputs -- the low nibbles' values of
 # elements (0, 1), (2, 3), then the high nibbles' of (0, 1), (2, 3); each 16-bit half an E2M1 code (s e1 e0 m) with
 # m, e0, e1 at bits 6-8 and s at 15, i.e. the code's value x 2^-126 in bf16, before the HMUL2 by the block scale x
 # 2^119 -- are
@@ -204,8 +207,8 @@ FRAG_WORD_BITS = _frag_word_bits()  # stored bit b <- plain bit FRAG_WORD_BITS[b
 
 
 def frag_words(b: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """uint8 bytes (a multiple of 4, each 4 one word, little-endian) in plain order -> stored words (FRAG_WORD_BITS;
-    `inverse`: back). One masked shift per distinct bit distance, in chunks of 2^22 words to bound the temporaries."""
+    """uint8 bytes [..., 4] (each 4 one word's elements 0-3, the first the lowest byte) in plain order -> stored
+    words (FRAG_WORD_BITS; `inverse`: back). One masked shift per distinct bit distance, in chunks of 2^22 words to bound the temporaries."""
     src, dst = (range(32), FRAG_WORD_BITS) if inverse else (FRAG_WORD_BITS, range(32))
     moves: dict[int, int] = {}  # distance (to - from) -> mask of the from-bits
     for f, t in zip(src, dst):
@@ -221,17 +224,35 @@ def frag_words(b: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return out.view(torch.uint8).view(b.shape)
 
 
+def _word_elements(t: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """Tile-major bytes (blocks of block_n rows x block_k / 2) as a view [..., 4]: each word's elements in order,
+    element 2h + v = row 16q + 8h + i, byte 4j + v, of its (q, i, j); block_n a multiple of 16."""
+    v = t.reshape(-1, block_n // 16, 2, 8, block_k // 8, 2, 2)  # blocks, q, h (rows +8), i, j, byte pair, v
+    return v.permute(0, 1, 3, 4, 5, 2, 6)  # [..., h, v]
+
+
+def tile_words(t: torch.Tensor, block_n: int, block_k: int, inverse: bool = False) -> torch.Tensor:
+    """Fragment-order tile-major bytes -> the same with every word stored for the GPU dequant (`frag_words` on the
+    words `_word_elements` names; `inverse`: back)."""
+    if block_n % 16:
+        raise ValueError(f"fragment-order words pair rows r and r + 8 of 16-row groups: block_n {block_n}")
+    out = torch.empty_like(t)
+    w = _word_elements(t, block_n, block_k)
+    _word_elements(out, block_n, block_k).copy_(frag_words(w.contiguous(), inverse).view(w.shape))
+    return out
+
+
 def split_frag(packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """Checkpoint-layout packed weights -> `split_halves` bytes with each 16-byte group in fragment order and each 4
-    bytes stored as one word of the GPU dequant (`frag_words`)."""
+    """Checkpoint-layout packed weights -> `split_halves` bytes with each 16-byte group in fragment order and each
+    word of 4 bytes (2 of row r, 2 of row r + 8) stored for the GPU dequant (`tile_words`)."""
     s = split_halves(packed, block_n, block_k)
-    return frag_words(s.reshape(-1, FRAG_GROUP)[:, FRAG_ORDER]).reshape(s.shape)
+    return tile_words(s.reshape(-1, FRAG_GROUP)[:, FRAG_ORDER].reshape(s.shape), block_n, block_k)
 
 
 def unsplit_frag(packed_frag: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """The inverse of `split_frag`."""
-    s = frag_words(packed_frag.reshape(-1, FRAG_GROUP), inverse=True)[:, FRAG_INVERSE].reshape(packed_frag.shape)
-    return unsplit_halves(s, block_n, block_k)
+    s = tile_words(packed_frag, block_n, block_k, inverse=True)
+    return unsplit_halves(s.reshape(-1, FRAG_GROUP)[:, FRAG_INVERSE].reshape(s.shape), block_n, block_k)
 
 
 def split_halves_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
@@ -346,12 +367,13 @@ if triton is not None:
 
     @triton.jit
     def _frag_plain(pw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Stored words [BN, BK/32, 16] (`frag_words`) -> the fragment-order bytes without the word layout (low nibble
-        the first K half's code), by the PTX's own formulas in Triton: the decode routes other than
-        `_e2m1x2_bf16_frag_ptx` (the interpreter, DEQ 0 / 1, fp16)."""
-        b02, b13 = tl.split(tl.reshape(pw, (BLOCK_N, BLOCK_K // 32, 4, 2, 2)))  # byte 2i + j of each word
-        b0, b2 = tl.split(b02)
-        b1, b3 = tl.split(b13)
+        """Stored words [BN, BK/32, 16] (`tile_words`: element 2h + v of a word is row 16q + 8h + i, byte 4j + v) ->
+        the fragment-order bytes without the word layout (low nibble the first K half's code), by the PTX's own
+        formulas in Triton: the decode routes other than `_e2m1x2_bf16_frag_ptx` (the interpreter, DEQ 0 / 1, fp16)."""
+        v = tl.reshape(pw, (BLOCK_N // 16, 2, 8, BLOCK_K // 32, 4, 2, 2))  # q, h, i, group, c, byte pair, v
+        v0, v1 = tl.split(tl.permute(v, (0, 2, 3, 4, 5, 1, 6)))  # [q, i, group, c, pair, h, v]: split v
+        b0, b2 = tl.split(v0)  # then h
+        b1, b3 = tl.split(v1)
         w = b0.to(tl.uint32) | (b1.to(tl.uint32) << 8) | (b2.to(tl.uint32) << 16) | (b3.to(tl.uint32) << 24)
         m: tl.constexpr = 0x81C081C0
         lo0, lo1 = _frag_codes(w & m)
@@ -359,8 +381,9 @@ if triton is not None:
         hi0, hi1 = _frag_codes(((w << 13) | (w >> 19)) & m)
         hi2, hi3 = _frag_codes(((w & 0x001B001B) * 0x1084) & m)
         e0, e1, e2, e3 = lo0 | (hi0 << 4), lo1 | (hi1 << 4), lo2 | (hi2 << 4), lo3 | (hi3 << 4)
-        words = tl.join(tl.join(e0, e1), tl.join(e2, e3))  # [.., 4, 2 (element's low bit), 2 (its high bit)]
-        return tl.reshape(tl.permute(words, (0, 1, 2, 4, 3)), (BLOCK_N, BLOCK_K // 32, 16)).to(tl.uint8)
+        words = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [q, i, group, c, pair, h, v]
+        v = tl.permute(words, (0, 5, 1, 2, 3, 4, 6))  # [q, h, i, group, c, pair, v]
+        return tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 16)).to(tl.uint8)
 
     @triton.jit
     def _halves(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

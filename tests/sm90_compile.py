@@ -29,11 +29,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has: str | None = None,
-                num_warps: int = 4, runtime: tuple[str, ...] = ()) -> bool:
+                num_warps: int = 4, runtime: tuple[str, ...] = (), ttgir_check=None) -> bool:
     """types: pointer / float argument types by name (other non-constexpr args are i32); constexpr parameters with a
     default (USE_PDL) take it unless `consts` names them; `runtime`: parameters with a default compiled as arguments
-    (pointers / i32 by `types`). `ptx_has`: text the PTX must contain. Prints the kernel's
-    registers per thread and stack frame bytes (where spills go) from the cubin."""
+    (pointers / i32 by `types`). `ptx_has`: text the PTX must contain; `ttgir_check(ttgir)`: None or what is wrong.
+    Prints the kernel's registers per thread and stack frame bytes (where spills go) from the cubin."""
     params = inspect.signature(kernel.fn).parameters
     consts = {**{n: p.default for n, p in params.items()
                  if p.default is not inspect.Parameter.empty and n not in runtime}, **consts}
@@ -47,6 +47,10 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
     if ptx_has is not None and ptx_has not in compiled.asm["ptx"]:
         print(f"FAIL {name}: no {ptx_has!r} in its PTX")
         return False
+    wrong = ttgir_check(compiled.asm["ttgir"]) if ttgir_check else None
+    if wrong:
+        print(f"FAIL {name}: {wrong}")
+        return False
     print(f"ok   {name}{resources(compiled.asm['cubin'])}")
     if "USE_PDL" in params and not consts["USE_PDL"]:  # a PDL participant (kernels/pdl.py): also with USE_PDL
         if not pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True}):
@@ -54,6 +58,21 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
         if "PREFETCH" in params and not consts["PREFETCH"]:  # and with its weight prefetch before the wait
             return pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True, "PREFETCH": True}, prefetch=True)
     return True
+
+
+def frag_words_layout(ttgir: str) -> str | None:
+    """None where every fragment-order decode asm (`w4a16_swapped._e2m1x2_bf16_frag_ptx`, mask 0x81C081C0) packs
+    the 4 bytes `w4a16_swapped._word_elements` stores as one word: its input layout's first register bases [0, 0, 1]
+    (the next byte) and [8, 0, 0] (row + 8). Else what differs."""
+    layouts = dict(re.findall(r"^#(\w+) = (.*)$", ttgir, re.M))
+    asm = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line and "0x81C081C0" in line]
+    if not asm:
+        return "no fragment-order decode asm in the TTGIR"
+    for line in asm:
+        name = re.search(r"tensor<[^>]*?, #(\w+)> ->", line).group(1)
+        if not layouts.get(name, "").startswith("#ttg.linear<{register = [[0, 0, 1], [8, 0, 0], "):
+            return f"the decode's words are not rows r, r + 8 x 2 bytes: #{name} = {layouts.get(name, '?')[:120]}"
+    return None
 
 
 def resources(cubin: bytes) -> str:
@@ -255,13 +274,15 @@ def main() -> int:
                                    BLOCK_K=bk, DEQ=deq, SCALE_AHEAD=ahead, TILED=tiled, TILE_N=tile_n)))
     # the swap-AB grouped kernel on split-halves experts (the engine's MoE path on CUDA): decode (BLOCK_M 16, SwiGLU)
     # and prefill (BLOCK_M 64, routing weight) programs, PTX dequant
-    # (FRAG: the bytes in fragment order, `split_frag`, with its scale conversion)
+    # (FRAG: the bytes in fragment order, `split_frag`, with its scale conversion; its words as the loader stores
+    # them: `frag_words_layout`)
     for bm, swiglu, frag in ((16, True, False), (64, False, False), (16, True, True), (64, False, True)):
         what = "SwiGLU" if swiglu else "routing weight"
         ok.append(compile_one(f"w4a16 grouped swap-AB BLOCK_M={bm} BLOCK_N=64 BLOCK_K=128 DEQ=2 FRAG={int(frag)} "
                               f"({what}, bf16)", w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
-                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=frag)))
+                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=frag),
+                              ttgir_check=frag_words_layout if frag else None))
     # split K with the last arrival's in-kernel reduction (decode-sized calls; not run on a GPU yet)
     for swiglu in (True, False):
         what = "SwiGLU" if swiglu else "routing weight"
@@ -269,13 +290,15 @@ def main() -> int:
                               w4a16_swapped._w4a16_grouped_swapped_kernel,
                               {**grouped, "ws": "*fp32", "counters": "*i32"},
                               dict(SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, INTERPRET=False, DEQ=2, TILE_N=64,
-                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FRAG=True, SPLIT=4)))
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FRAG=True, SPLIT=4),
+                              ttgir_check=frag_words_layout))
     # the dense call on fragment-order bytes (lm_head, `dense_routing`: the rows computed in the kernel, DENSE)
     for bm in (16, 32, 64):
         ok.append(compile_one(f"w4a16 grouped swap-AB DENSE BLOCK_M={bm} FRAG=1 DEQ=2 (lm_head, bf16)",
                               w4a16_swapped._w4a16_grouped_swapped_kernel, grouped,
                               dict(SWIGLU=False, HAS_ROW_SCALE=False, INTERPRET=False, DEQ=2, TILE_N=64,
-                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=True, DENSE=True)))
+                                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, FRAG=True, DENSE=True),
+                              ttgir_check=frag_words_layout))
     # the GDN prefill conv (a padded bucket: valid count read on the device), bf16
     ok.append(compile_one("gdn_prefill_conv (C = 8192, K = 4, valid on the device, bf16)",
                           gdn_conv._gdn_prefill_conv_kernel,

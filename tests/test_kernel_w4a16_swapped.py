@@ -74,9 +74,10 @@ def test_split_halves_round_trip_and_layout(shape, bn, bk):
 
 def test_split_frag_order():
     """`split_frag`: split halves with each 16-byte group reordered so that stored byte 4c + 2h + b is the group's
-    byte 8h + 2c + b (a wgmma A-fragment thread's four bytes k = 2c, 2c + 1, 2c + 8, 2c + 9 adjacent), each 4 stored
-    bytes one word of the GPU dequant (`frag_words`); round trip."""
-    from kernels.w4a16_swapped import frag_words
+    byte 8h + 2c + b (a wgmma A-fragment thread's four bytes k = 2c, 2c + 1, 2c + 8, 2c + 9 adjacent), then each word
+    of bytes 4j, 4j + 1 of rows r and r + 8 stored for the GPU dequant (`tile_words`); round trip; by hand, one word's
+    stored bits are `frag_words` of those 4 bytes."""
+    from kernels.w4a16_swapped import frag_words, tile_words
 
     assert sorted(FRAG_ORDER) == list(range(16)) and FRAG_ORDER[:4] == [0, 1, 8, 9] and FRAG_ORDER[-1] == 15
     g = torch.Generator().manual_seed(3)
@@ -84,9 +85,16 @@ def test_split_frag_order():
     s, f = split_halves(p, 32, BK), split_frag(p, 32, BK)
     assert f.shape == p.shape and not torch.equal(f, s)
     assert torch.equal(unsplit_frag(f, 32, BK), p)
-    groups_s, groups_f = s.reshape(-1, 16), frag_words(f.reshape(-1, 16), inverse=True)
+    groups_s, groups_f = s.reshape(-1, 16), tile_words(f, 32, BK, inverse=True).reshape(-1, 16)
     for c, h, b in ((0, 0, 0), (1, 1, 0), (3, 0, 1), (2, 1, 1)):
         assert torch.equal(groups_f[:, 4 * c + 2 * h + b], groups_s[:, 8 * h + 2 * c + b])
+    # the word of row tile 0, K tile 0, rows 19 and 27 (q 1, i 3), bytes 4j + 2, 4j + 3 with j = 5 (tiles of 32 x BK)
+    block = groups_f.reshape(-1, 32, BK // 2)[0]
+    plain = torch.stack((block[19, 22], block[19, 23], block[27, 22], block[27, 23]))
+    stored = f.reshape(-1, 32, BK // 2)[0]
+    assert torch.equal(torch.stack((stored[19, 22], stored[19, 23], stored[27, 22], stored[27, 23])), frag_words(plain))
+    with pytest.raises(ValueError):
+        split_frag(p, 8, BK)
 
 
 def _code_bits(code: int) -> int:
@@ -127,10 +135,12 @@ def test_frag_words():
         v = tl.reshape(tl.load(src + offs), (BN, BKT // 32, 16))
         tl.store(dst + offs, tl.reshape(w4a16_swapped._frag_plain(v, BN, BKT), (BN * BKT // 2,)))
 
-    group_plain = plain[:512].reshape(-1, 16)  # 2,048 bytes: 8 rows x 16 groups of 16 (a 512-wide K tile)
-    out = torch.empty(group_plain.numel(), dtype=torch.uint8)
-    plain_kernel[(1,)](frag_words(group_plain).reshape(-1), out, 8, 512)
-    assert torch.equal(out, group_plain.reshape(-1))
+    from kernels.w4a16_swapped import tile_words
+
+    tile = plain[:512].reshape(32, 64)  # 2,048 bytes: one tile of 32 rows x a 128-wide K tile
+    out = torch.empty(tile.numel(), dtype=torch.uint8, device=DEVICE)
+    plain_kernel[(1,)](tile_words(tile, 32, 128).reshape(-1).to(DEVICE), out, 32, 128)
+    assert torch.equal(out.cpu(), tile.reshape(-1))
 
 
 def test_fragment_order_weight_bits():
