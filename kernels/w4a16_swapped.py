@@ -587,7 +587,7 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype. `frag`: the
     bytes are `split_frag`'s (fragment order) instead.
-    `config`: BLOCK_N (a multiple of block_n dividing N_out; default block_n), num_warps (4: 8 warps gave one wrong
+    `config`: BLOCK_N (a multiple of block_n dividing N_out, of 64 with `frag`; default block_n), num_warps (4: 8 warps gave one wrong
     result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages
     (default `default_stages`: FRAG_STAGES for the engine's builds, else 3).
     `settle` (default True): wait for each K tile's wgmma groups before the next tile (`SETTLE`; without it, builds
@@ -612,6 +612,10 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     if n_out % bn or bn % block_n or k % block_k or block_k % (2 * BLOCK) or (swiglu and n % 2):
         raise ValueError(f"BLOCK_N {bn} must be a multiple of the stored tile's {block_n} rows and divide N_out "
                          f"{n_out}; block_k {block_k} must divide K {k} and be a multiple of {2 * BLOCK}")
+    if frag and bn % 64:
+        raise ValueError(f"frag: BLOCK_N {bn} must be a multiple of 64: the dequant's words are the wgmma A operand's "
+                         "(rows r and r + 8 of a 64-row warpgroup tile, `_word_elements`); narrower programs give the "
+                         "asm other bytes (H200, words_run2)")
     if cfg.get("num_warps") != 4 and not unverified:
         raise ValueError(f"num_warps {cfg.get('num_warps')}: only 4 warps (one warpgroup) are verified on a GPU "
                          "(8 warps gave 4.5e-2 relative error in one configuration: RESULTS.md, the swap-AB kernel)")

@@ -166,6 +166,12 @@ def test_fragment_order_weight_bits():
         assert [got[f"${i}"] for i in range(4)] == frag_decode_word(sum(v << (8 * i) for i, v in enumerate(st)))
 
 
+def frag_config(cfg: dict | None) -> dict:
+    """A case's launch config for fragment-order bytes: BLOCK_N 64 at least (one wgmma M; the launcher refuses fewer
+    rows with `frag`, whose words are laid out for it)."""
+    return {"BLOCK_N": 64, **(cfg or {})}
+
+
 CASES = [  # t, top_k, mode, block_m, dtype, config (BLOCK_N: a multiple of the stored tile), stored tile rows
     (1, 2, "plain", 16, torch.bfloat16, None, 32),
     (9, 2, "swiglu", 16, torch.bfloat16, None, 32),
@@ -274,7 +280,7 @@ def test_swapped_on_fragment_order(t, top_k, mode, block_m, dtype, cfg, tile):
     w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=17)
     codes = torch.randint(0, 0x7F, tuple(w.scales.shape), generator=torch.Generator().manual_seed(21))
     w = NVFP4Tensor(w.packed, codes.to(torch.uint8).view(torch.float8_e4m3fn).to(DEVICE), w.global_scale)
-    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg)
+    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=frag_config(cfg))
     y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
                                      frag=True, **kw)
     halves = w4a16_grouped_swapped_launch(x, split_halves(w.packed, tile, BK), w.scales, w.global_scale, routing,
@@ -295,7 +301,7 @@ def test_swapped_split_k(t, top_k, mode, block_m, dtype, cfg, tile):
     fp32 order); a second launch gives the same bits (the last arrival re-armed the counters); more splits than K
     tiles are refused."""
     w, idx, x, rs, a_div, swiglu, routing = case_inputs(t, top_k, mode, block_m, dtype, seed=27)
-    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=cfg, frag=True)
+    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, block_n=tile, block_k=BK, config=frag_config(cfg), frag=True)
     packed = split_frag(w.packed, tile, BK)
     one = w4a16_grouped_swapped_launch(x, packed, w.scales, w.global_scale, routing, **kw)
     two = w4a16_grouped_swapped_launch(x, packed, w.scales, w.global_scale, routing, split=2, **kw)
@@ -380,7 +386,7 @@ def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
     routing = dense_routing(rows, block_m)
     assert routing == (None, None, rows, block_m)
     y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
-                                     block_n=tile, block_k=BK, frag=True)
+                                     block_n=tile, block_k=BK, frag=True, config=frag_config(None))
     ref32 = w4a16_linear_reference(x.float(), dense)
     assert y.shape == (rows, 128)
     assert ((y.float() - ref32).abs() <= 2.0**-8 * ref32.abs() + 1e-6 * ref32.abs().max()).all()
@@ -389,7 +395,11 @@ def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
     two = rand_weight(2, 128, 256, seed=33)
     with pytest.raises(ValueError, match="one expert"):
         w4a16_grouped_swapped_launch(x, split_frag(two.packed, tile, BK), two.scales, two.global_scale, routing,
-                                     block_n=tile, block_k=BK, frag=True)
+                                     block_n=tile, block_k=BK, frag=True, config=frag_config(None))
+    if tile < 64:  # fragment order in programs of fewer than 64 rows: refused (the asm would get other bytes)
+        with pytest.raises(ValueError, match="multiple of 64"):
+            w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
+                                         block_n=tile, block_k=BK, frag=True)
     with pytest.raises(ValueError, match="dense routing"):
         w4a16_grouped_launch(x, w, routing)
 
