@@ -1943,7 +1943,7 @@ rm -f /tmp/ab_old.pt /tmp/ab_new.pt
 in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old \
   --save /tmp/ab_old.pt > "$R/swapped_ab_old.log" 2>&1
 timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --save /tmp/ab_new.pt \
-  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) --stages "${STAGES_149:-2,4}" > "$R/swapped_ab_new.log" 2>&1
+  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) --stages "${STAGES_149-2,4}" > "$R/swapped_ab_new.log" 2>&1
 in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
   $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
 grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
@@ -1955,6 +1955,15 @@ old_tree
 engine_ab qwen_words "${LIMIT_150:-230}" --autotune-table auto --again
 archive
 old_engine qwen_words_old "${LIMIT_150O:-200}" --autotune-table auto --again
+fi
+if want 151; then
+# fortieth session: the 8-weight words' kernel per call is ~50% of HBM bandwidth at 32 tokens (gate_up ~190 MB of
+# routed experts in 79 us): bytes in flight per SM (2 CTAs of 245 registers, 2 K tiles ahead each) would explain
+# it. Register caps for 3 / 4 CTAs an SM, and 4 stages with them, per call; outputs compared with the default build
+say "151. issue 5: the swap-AB kernel per call under register caps (3 / 4 CTAs an SM) and 4 stages"
+caps='[{"maxnreg": 168}, {"maxnreg": 128}, {"maxnreg": 168, "num_stages": 4}, {"maxnreg": 128, "num_stages": 4},
+  {"maxnreg": 128, "num_stages": 5}]'
+probe swapped_caps "${LIMIT_151:-200}" swapped_ab.py --label caps --configs "${CONFIGS_151:-$caps}"
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
