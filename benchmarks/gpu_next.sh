@@ -1965,6 +1965,19 @@ caps='[{"maxnreg": 168}, {"maxnreg": 128}, {"maxnreg": 168, "num_stages": 4}, {"
   {"maxnreg": 128, "num_stages": 5}]'
 probe swapped_caps "${LIMIT_151:-200}" swapped_ab.py --label caps --configs "${CONFIGS_151:-$caps}"
 fi
+if want 152; then
+# fortieth session: why the sorted tensor-core GEMV (small_batch_tokens 32) lost 13.6% at 32 streams in the engine
+# (step 148) although mma_picks timed its 32-token gate_up at 70.7 us against the swap-AB kernel's 79.2: the
+# 32-stream decode step profiled (PDL off: kernel times without overlap) with the defaults, then with it
+say "152. issue 5: the 32-stream step's kernels, defaults then small_batch_tokens 32 (PDL off, kernel tables)"
+for v in default sorted32; do
+  settings='{}'
+  [ "$v" = sorted32 ] && settings='{"small_batch_tokens": 32}'
+  timeout "${LIMIT_152:-130}" python benchmarks/qwen_profile.py --engine --engine-streams 32 --prefill-graphs off \
+    --batches "" --engine-settings "$settings" --out "$OUT/profile_$v" > "$OUT/profile_$v.log" 2>&1
+  grep -E "engine_32|tok_per_s" "$OUT/profile_$v.log" | cut -c1-160 | head -24
+done
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

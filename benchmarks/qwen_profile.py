@@ -266,7 +266,7 @@ def profile_prefill(model, rand, ctx: int, reps: int = 2) -> dict:
 
 def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, streams: int = 1,
                           prefill_graphs: str = "auto", programmatic_launch: bool = False,
-                          trace_path: Path | None = None) -> dict:
+                          trace_path: Path | None = None, settings: dict | None = None) -> dict:
     """The serving path's decode step: a QwenEngine (decode graphs as configured by default: captured on CUDA) over
     `model`, `streams` concurrent `ctx`-token requests; once every one has its first token (all prefills done), the
     profiler records until the least-advanced stream has `tokens` more, every stream still decoding (a steady batch
@@ -293,7 +293,7 @@ def profile_engine_decode(model, cfg, device, rand, ctx: int, tokens: int = 16, 
                             # waits in the kernel, so CUPTI's kernel times would overlap and count the waits (the
                             # sum of kernel times per step stays comparable with the profiles before it; the step's
                             # wall time without PDL is the one reported). On (--engine-pdl): read critical_path
-                            programmatic_launch=programmatic_launch)
+                            programmatic_launch=programmatic_launch, **(settings or {}))
 
     async def run() -> dict:
         engine = QwenEngine(ecfg, model=model)
@@ -507,6 +507,9 @@ def main() -> None:
     ap.add_argument("--engine-trace", action="store_true",
                     help="--engine: keep each decode window's Chrome trace as engine_decode_trace_<streams>.json.gz "
                          "under --out (several MB)")
+    ap.add_argument("--engine-settings", default="{}",
+                    help="--engine: more QwenEngineConfig fields for the decode profile, as JSON (e.g. "
+                         "'{\"small_batch_tokens\": 32}')")
     ap.add_argument("--prefill-buckets", default="",
                     help="--engine-prefill: the engine's prefill_buckets, e.g. 1024 (default: the engine's)")
     args = ap.parse_args()
@@ -564,7 +567,8 @@ def main() -> None:
         key = "engine" if n == 1 else f"engine_{n}"
         trace = out_dir / f"engine_decode_trace_{n}.json.gz" if args.engine_trace else None
         r[key] = profile_engine_decode(model, cfg, device, rand, ctx, streams=n, prefill_graphs=args.prefill_graphs,
-                                       programmatic_launch=args.engine_pdl, trace_path=trace)
+                                       programmatic_launch=args.engine_pdl, trace_path=trace,
+                                       settings=json.loads(args.engine_settings))
         log(json.dumps({k: v for k, v in r[key].items() if k not in ("top", "critical_path")}))
         for row in r[key].get("top", [])[:40]:
             print(f"  {key} {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['name']}")
