@@ -1978,6 +1978,18 @@ for v in default sorted32; do
   grep -E "engine_32|tok_per_s" "$OUT/profile_$v.log" | cut -c1-160 | head -24
 done
 fi
+if want 153; then
+# fortieth session: K tiles of 256 for the experts (offline sm_90 SASS per 128 K: gate_up 397 -> 362 at 2 stages,
+# down 232 -> 195; shared memory 29.7 -> 34.8 KB at 2 stages, 59.4 at 3): per call beside the 128-wide tiles,
+# outputs compared (the K order of the MMAs is the same), at the launcher's stages (3) and 2
+say "153. issue 5: the experts on stored tiles of 64 x 256 per call beside 64 x 128 (3 and 2 stages)"
+rm -f /tmp/ab_k128.pt
+timeout "${LIMIT_153:-100}" python benchmarks/swapped_ab.py --out "$OUT/k256" --label k128 --save /tmp/ab_k128.pt \
+  > "$OUT/k128.log" 2>&1
+timeout "${LIMIT_153:-100}" python benchmarks/swapped_ab.py --out "$OUT/k256" --label k256 --expert-tile 64x256 \
+  --stages 2 $([ -f /tmp/ab_k128.pt ] && echo --compare /tmp/ab_k128.pt) > "$OUT/k256.log" 2>&1
+grep -hE "^\[swapped_ab\]|Error|error" "$OUT/k128.log" "$OUT/k256.log" | grep -v lm_head | cut -c1-300
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
     ap.add_argument("--stages", default="", help="comma-separated num_stages to time each case at as well")
     ap.add_argument("--configs", default="[]", help="JSON list of launch configs to time each case at as well")
+    ap.add_argument("--expert-tile", default="", help="ROWSxK: the experts' stored tile (default SPLIT_TILE, "
+                                                        "64x128), e.g. 64x256; lm_head keeps its own")
     args = ap.parse_args()
     sweep = [dict(num_stages=int(v)) for v in args.stages.split(",") if v] + json.loads(args.configs)
     import torch
@@ -53,7 +55,8 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     pdl.set_enabled(pdl.device_supports())
     w13, w2 = random_nvfp4((256, 1024, 2048), dev, gen), random_nvfp4((256, 2048, 512), dev, gen)
-    w13f, w2f = split_frag(w13.packed, *SPLIT_TILE), split_frag(w2.packed, *SPLIT_TILE)
+    tile = tuple(int(v) for v in args.expert_tile.split("x")) if args.expert_tile else SPLIT_TILE
+    w13f, w2f = split_frag(w13.packed, *tile), split_frag(w2.packed, *tile)
     lm = random_nvfp4((248_320, 2048), dev, gen)
     lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
 
@@ -67,9 +70,10 @@ def main() -> None:
             x = torch.randn(tokens, 2048, device=dev, generator=gen).to(torch.bfloat16)
             h = torch.randn(tokens * 8, 512, device=dev, generator=gen).to(torch.bfloat16)
             gate_up.append(lambda cfg=None, x=x, r=routing: w4a16_grouped_swapped_launch(
-                x, w13f, w13.scales, w13.global_scale, r, a_div=8, swiglu=True, frag=True, config=cfg))
+                x, w13f, w13.scales, w13.global_scale, r, a_div=8, swiglu=True, frag=True, config=cfg,
+                block_n=tile[0], block_k=tile[1]))
             down.append(lambda cfg=None, h=h, r=routing: w4a16_grouped_swapped_launch(
-                h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg))
+                h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg, block_n=tile[0], block_k=tile[1]))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
     for rows in (1, 16, 32):
         xs = [torch.randn(rows, 2048, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4)]
@@ -109,7 +113,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     import kernels
 
-    meta = dict(label=args.label, device=torch.cuda.get_device_name(), torch=torch.__version__,
+    meta = dict(label=args.label, expert_tile=list(tile), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, pdl=pdl.enabled(), kernels=str(Path(kernels.__file__).parent))
     (out / f"swapped_ab{('_' + args.label) if args.label else ''}.json").write_text(
         json.dumps(dict(meta=meta, results=rows_out), indent=1))
