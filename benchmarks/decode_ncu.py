@@ -152,7 +152,7 @@ def _moe32(args, dev, gen, w13, w2, H: int, INTER: int, E: int, TOP_K: int, toke
     from kernels.w4a16_gemm import moe_align
     from kernels.w4a16_swapped import SPLIT_TILE, split_frag, swapped_block_m, w4a16_grouped_swapped_launch
 
-    tile = SPLIT_TILE if not args.tiny else (32, SPLIT_TILE[1])
+    tile = SPLIT_TILE  # fragment order needs programs of 64 rows (TINY's 128 / 256 divide)
     w13f, w2f = split_frag(w13.packed, *tile), split_frag(w2.packed, *tile)
     idx = torch.stack([torch.randperm(E, device=dev, generator=gen)[:TOP_K] for _ in range(tokens)])
     routing = moe_align(idx, E, swapped_block_m(tokens * TOP_K, E))
