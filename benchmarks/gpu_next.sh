@@ -438,6 +438,31 @@ old_engine() {
   grep -E "Error|error|File " "$R/$name.log" | cut -c1-300 | head -20
 }
 
+# swapped_ab_beside_old LIMIT_S [NEW_ARGS...]: benchmarks/swapped_ab.py in the old tree (`old_tree`), in this tree
+# (NEW_ARGS added: --stages ...), and in the old tree again, each run's outputs compared with the one before
+# (per call in CUDA graphs, bit for bit), into $R/swapped_ab; the result lines printed (steps 88, 149)
+swapped_ab_beside_old() {
+  local limit=$1
+  shift
+  rm -f /tmp/ab_old.pt /tmp/ab_new.pt
+  in_old timeout "$limit" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old --save /tmp/ab_old.pt \
+    > "$R/swapped_ab_old.log" 2>&1
+  # (a failed run leaves no outputs: the next one then times without comparing)
+  timeout "$limit" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --save /tmp/ab_new.pt \
+    $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) "$@" > "$R/swapped_ab_new.log" 2>&1
+  in_old timeout "$limit" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
+    $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
+  grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
+}
+# engines_beside_old NAME LIMIT_S LIMIT_OLD_S: this tree's engine (--again) into $R/NAME, then the old tree's
+# (`old_tree`, --again) into $R/NAME_old, each in its own process (steps 124, 150)
+engines_beside_old() {
+  old_tree
+  engine_ab "$1" "$2" --autotune-table auto --again
+  archive
+  old_engine "$1_old" "$3" --autotune-table auto --again
+}
+
 # decode_ncu LIMIT_S [DECODE_NCU_ARGS...]: Nsight Compute (--set full, clocks left alone) on benchmarks/decode_ncu.py's last pass (NVTX
 # range "measure"), its report into $R/decode_ncu.ncu-rep, raw and details pages as CSV beside it, the summary lines
 # printed (steps 122-123); says so where the machine has no ncu
@@ -1245,15 +1270,7 @@ if [ "${TESTS_88:-1}" = 1 ]; then
   gpu_tests swapped_tests "${LIMIT_88A:-200}" tests/test_kernel_w4a16_swapped.py -rfE
   grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
 fi
-rm -f /tmp/ab_old.pt /tmp/ab_new.pt
-in_old timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old --save /tmp/ab_old.pt \
-  > "$R/swapped_ab_old.log" 2>&1
-# (a failed run leaves no outputs: the next one then times without comparing)
-timeout 150 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --save /tmp/ab_new.pt \
-  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) > "$R/swapped_ab_new.log" 2>&1
-in_old timeout 100 python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
-  $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
-grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
+swapped_ab_beside_old 150
 # this tree's lm_head builds (default_stages, SETTLE) repeated bit for bit, as step 82 (the experts' builds: step 87)
 probe lm_head_repeats "${LIMIT_88B:-120}" swapped_race.py --lm-head-options --calls "${REPS_88:-20000}" \
   --configs "${CONFIGS_88:-16:3:2:s,32:3:2:s,64:2:2:s}"  # FRAG_STAGES' dense builds, SETTLE (since 564f94d)
@@ -1651,10 +1668,7 @@ say "    GEMV's CUDA tests with its sector-aligned lanes (and the gate_up prefet
 say "    --again beside d361bf9's engine --again"
 gpu_tests mma_tests "${LIMIT_124T:-150}" tests/test_kernel_w4a16_mma.py tests/test_weight_prefetch.py -rfE --durations=5
 archive
-old_tree
-engine_ab qwen_final "${LIMIT_124:-200}" --autotune-table auto --again
-archive
-old_engine qwen_old "${LIMIT_124O:-200}" --autotune-table auto --again
+engines_beside_old qwen_final "${LIMIT_124:-200}" "${LIMIT_124O:-200}"  # (its old engine was qwen_old)
 fi
 if want 125; then
 say "125. issue 5 (carry .devbundle/extra with ab_old.tar of 9f7d54c in it, and .tritoncache): the swap-AB kernel's"
@@ -1939,22 +1953,12 @@ gpu_tests swapped_tests "${LIMIT_149T:-240}" tests/test_kernel_w4a16_swapped.py 
 grep -E "^(FAILED|ERROR)" "$R/swapped_tests.log" | cut -c1-300 | head -20
 archive
 old_tree
-rm -f /tmp/ab_old.pt /tmp/ab_new.pt
-in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old \
-  --save /tmp/ab_old.pt > "$R/swapped_ab_old.log" 2>&1
-timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label new --save /tmp/ab_new.pt \
-  $([ -f /tmp/ab_old.pt ] && echo --compare /tmp/ab_old.pt) --stages "${STAGES_149-2,4}" > "$R/swapped_ab_new.log" 2>&1
-in_old timeout "${LIMIT_149A:-110}" python benchmarks/swapped_ab.py --out "$R/swapped_ab" --label old_again \
-  $([ -f /tmp/ab_new.pt ] && echo --compare /tmp/ab_new.pt) > "$R/swapped_ab_old_again.log" 2>&1
-grep -hE "^\[swapped_ab\]|Error|error" "$R"/swapped_ab_*.log | cut -c1-300
+swapped_ab_beside_old "${LIMIT_149A:-110}" --stages "${STAGES_149-2,4}"
 fi
 if want 150; then
 say "150. issue 5 (same carry as 149): the engine on 8-weight words (--again) beside 6e9e2c5's engine (--again), each"
 say "    in its own process, 48 decode tokens; greedy tokens compared offline from the two JSONs"
-old_tree
-engine_ab qwen_words "${LIMIT_150:-230}" --autotune-table auto --again
-archive
-old_engine qwen_words_old "${LIMIT_150O:-200}" --autotune-table auto --again
+engines_beside_old qwen_words "${LIMIT_150:-230}" "${LIMIT_150O:-200}"
 fi
 if want 151; then
 # fortieth session: the 8-weight words' kernel per call is ~50% of HBM bandwidth at 32 tokens (gate_up ~190 MB of

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--expert-tile", default="", help="ROWSxK: the experts' stored tile (default SPLIT_TILE, "
                                                         "64x128), e.g. 64x256; lm_head keeps its own")
     args = ap.parse_args()
-    sweep = [dict(num_stages=int(v)) for v in args.stages.split(",") if v] + json.loads(args.configs)
+    sweep = [dict(num_stages=int(v)) for v in args.stages.split(",") if v.strip()] + json.loads(args.configs)
     import torch
     import triton
 
