@@ -158,7 +158,8 @@ def unsplit_halves(packed_split: torch.Tensor, block_n: int, block_k: int) -> to
 # holds is Triton's choice: `pack=4` takes 4 consecutive registers of the thread, and in the wgmma A operand's layout
 # (TTGIR #linear, register bases [0,0,1], [8,0,0], ...) those are stored bytes 4j, 4j + 1 of row r, then the same
 # two of row r + 8 (the SASS assembles them with one PRMT 0x5410 / 0x7632 from two LDSM registers, rows r and
-# r + 8); bytes 4j + 2, 4j + 3 of the two rows make the next word (`_word_elements`). Its four bf16x2 outputs -- the low nibbles' values of
+# r + 8); bytes 4j + 2, 4j + 3 of the two rows make the next word (`_word_elements`; programs narrower than 64 rows
+# lay the input out otherwise, so the launcher refuses them). Its four bf16x2 outputs -- the low nibbles' values of
 # elements (0, 1), (2, 3), then the high nibbles' of (0, 1), (2, 3); each 16-bit half an E2M1 code (s e1 e0 m) with
 # m, e0, e1 at bits 6-8 and s at 15, i.e. the code's value x 2^-126 in bf16, before the HMUL2 by the block scale x
 # 2^119 -- are
@@ -208,7 +209,8 @@ FRAG_WORD_BITS = _frag_word_bits()  # stored bit b <- plain bit FRAG_WORD_BITS[b
 
 def frag_words(b: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """uint8 bytes [..., 4] (each 4 one word's elements 0-3, the first the lowest byte) in plain order -> stored
-    words (FRAG_WORD_BITS; `inverse`: back). One masked shift per distinct bit distance, in chunks of 2^22 words to bound the temporaries."""
+    words (FRAG_WORD_BITS; `inverse`: back). One masked shift per distinct bit distance, in chunks of 2^22 words to
+    bound the temporaries."""
     src, dst = (range(32), FRAG_WORD_BITS) if inverse else (FRAG_WORD_BITS, range(32))
     moves: dict[int, int] = {}  # distance (to - from) -> mask of the from-bits
     for f, t in zip(src, dst):
@@ -360,6 +362,10 @@ if triton is not None:
             }""",
             "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
+    _MASK = tl.constexpr(E2M1_BF16_MASK)  # `frag_decode_word`'s constants, for `_frag_plain`
+    _ROT1, _ROT2 = tl.constexpr(FRAG_ROTATIONS[0]), tl.constexpr(FRAG_ROTATIONS[1])
+    _O3_BITS, _O3_MUL = tl.constexpr(FRAG_O3[0]), tl.constexpr(FRAG_O3[1])
+
     @triton.jit
     def _frag_codes(o):
         """A decoded uint32 register (two halves of code x 2^-126, `frag_decode_word`) -> its two codes."""
@@ -369,17 +375,17 @@ if triton is not None:
     def _frag_plain(pw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Stored words [BN, BK/32, 16] (`tile_words`: element 2h + v of a word is row 16q + 8h + i, byte 4j + v) ->
         the fragment-order bytes without the word layout (low nibble the first K half's code), by the PTX's own
-        formulas in Triton: the decode routes other than `_e2m1x2_bf16_frag_ptx` (the interpreter, DEQ 0 / 1, fp16)."""
+        formulas in Triton (`frag_decode_word`'s constants): the decode routes other than `_e2m1x2_bf16_frag_ptx` (the
+        interpreter, DEQ 0 / 1, fp16)."""
         v = tl.reshape(pw, (BLOCK_N // 16, 2, 8, BLOCK_K // 32, 4, 2, 2))  # q, h, i, group, c, byte pair, v
         v0, v1 = tl.split(tl.permute(v, (0, 2, 3, 4, 5, 1, 6)))  # [q, i, group, c, pair, h, v]: split v
         b0, b2 = tl.split(v0)  # then h
         b1, b3 = tl.split(v1)
         w = b0.to(tl.uint32) | (b1.to(tl.uint32) << 8) | (b2.to(tl.uint32) << 16) | (b3.to(tl.uint32) << 24)
-        m: tl.constexpr = 0x81C081C0
-        lo0, lo1 = _frag_codes(w & m)
-        lo2, lo3 = _frag_codes(((w << 10) | (w >> 22)) & m)
-        hi0, hi1 = _frag_codes(((w << 13) | (w >> 19)) & m)
-        hi2, hi3 = _frag_codes(((w & 0x001B001B) * 0x1084) & m)
+        lo0, lo1 = _frag_codes(w & _MASK)
+        lo2, lo3 = _frag_codes(((w << _ROT1) | (w >> (32 - _ROT1))) & _MASK)
+        hi0, hi1 = _frag_codes(((w << _ROT2) | (w >> (32 - _ROT2))) & _MASK)
+        hi2, hi3 = _frag_codes(((w & _O3_BITS) * _O3_MUL) & _MASK)
         e0, e1, e2, e3 = lo0 | (hi0 << 4), lo1 | (hi1 << 4), lo2 | (hi2 << 4), lo3 | (hi3 << 4)
         words = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [q, i, group, c, pair, h, v]
         v = tl.permute(words, (0, 5, 1, 2, 3, 4, 6))  # [q, h, i, group, c, pair, v]
@@ -587,9 +593,9 @@ def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, sc
     row_scale[p]. x [R, K] (unit k stride); packed_split [E, N, K/2] from `split_halves(packed, block_n, block_k)`;
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] in x.dtype. `frag`: the
     bytes are `split_frag`'s (fragment order) instead.
-    `config`: BLOCK_N (a multiple of block_n dividing N_out, of 64 with `frag`; default block_n), num_warps (4: 8 warps gave one wrong
-    result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them), num_stages
-    (default `default_stages`: FRAG_STAGES for the engine's builds, else 3).
+    `config`: BLOCK_N (a multiple of block_n dividing N_out, of 64 with `frag`; default block_n), num_warps (4: 8 warps
+    gave one wrong result on the H200, see DEFAULT_CONFIG's comment; `unverified=True` lets a benchmark try them),
+    num_stages (default `default_stages`: FRAG_STAGES for the engine's builds, else 3).
     `settle` (default True): wait for each K tile's wgmma groups before the next tile (`SETTLE`; without it, builds
     raced under Triton 3.6's ptxas: the comment above FRAG_STAGES); False only with `unverified=True` (benchmarks).
     `split` > 1: the K tiles shared among that many programs per output tile, reduced inside the kernel by the last to
