@@ -1994,6 +1994,14 @@ timeout "${LIMIT_153:-100}" python benchmarks/swapped_ab.py --out "$OUT/k256" --
   --stages 2 $([ -f /tmp/ab_k128.pt ] && echo --compare /tmp/ab_k128.pt) > "$OUT/k256.log" 2>&1
 grep -hE "^\[swapped_ab\]|Error|error" "$OUT/k128.log" "$OUT/k256.log" | grep -v lm_head | cut -c1-300
 fi
+if want 154; then
+# fortieth session, the final tree: the swap-AB kernel's CUDA tests, then the engine (--again), results into $OUT
+say "154. issue 5: the final tree -- the swap-AB kernel's CUDA tests, the engine's defaults --again"
+timeout -s INT -k 15 "${LIMIT_154T:-150}" python -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_swapped.py \
+  tests/test_decode_ncu.py -rfE > "$OUT/final_tests.log" 2>&1
+grep -E "passed|failed|^(FAILED|ERROR)" "$OUT/final_tests.log" | tail -8
+engine_out qwen_final "${LIMIT_154:-200}" --decode-tokens 48 --again
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
