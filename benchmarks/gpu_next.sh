@@ -253,6 +253,10 @@
 #   STEPS="116" (removed): weight_prefetch_ahead in the engine. Its variants never ran (Qwen run 60: qwen_gpu's
 #       engine_phase lacked the option); step 115 then showed a chain stalled ~400 us a layer by the bulk L2
 #       prefetch, so the option and kernels/l2_prefetch.py were removed
+#   Fortieth session (all ran; RESULTS.md "Fortieth session"): STEPS="148" the sorted tensor-core GEMV at 32 streams;
+#       "149", "150" (carry .devbundle/extra with ab_old.tar of 6e9e2c5, and .tritoncache) the fragment-order words'
+#       CUDA tests, per call and engines beside 6e9e2c5; "151" register caps; "152" the 32-stream kernel tables with
+#       and without the sorted GEMV; "153" K tiles of 256; "154 39" the final tree, then its Triton cache
 #   STEPS="122 39" (carry .devbundle/extra with ab_old.tar of d361bf9 in it, and .tritoncache): <= 10 min: issue 5,
 #       Nsight Compute on the lone step's hottest kernels (benchmarks/decode_ncu.py; stall reasons, DRAM throughput,
 #       occupancy), then the engine with weight_prefetch "next" (the tensor-core GEMV's gate_up prefetching down's
