@@ -107,7 +107,7 @@ def test_frag_words():
     GPU dequant's formulas (`frag_decode_word`) give every code in every one of the 8 places of a word (the other
     7 random: the multiply's carries) as the plain decode's bf16 bits; the Triton decode of the other routes
     (`_frag_plain`, run through the interpreter) gives back the plain bytes."""
-    from kernels.w4a16_swapped import frag_decode_word, frag_words
+    from kernels.w4a16_swapped import frag_decode_word, frag_words, tile_words
 
     bits = torch.tensor([1 << b for b in range(32)], dtype=torch.int64).to(torch.int32).view(torch.uint8).view(32, 4)
     stored = frag_words(bits).view(torch.int32).view(-1).tolist()
@@ -134,8 +134,6 @@ def test_frag_words():
         offs = tl.arange(0, BN * BKT // 2)
         v = tl.reshape(tl.load(src + offs), (BN, BKT // 32, 16))
         tl.store(dst + offs, tl.reshape(w4a16_swapped._frag_plain(v, BN, BKT), (BN * BKT // 2,)))
-
-    from kernels.w4a16_swapped import tile_words
 
     tile = plain[:512].reshape(32, 64)  # 2,048 bytes: one tile of 32 rows x a 128-wide K tile
     out = torch.empty(tile.numel(), dtype=torch.uint8, device=DEVICE)
