@@ -2006,6 +2006,33 @@ timeout -s INT -k 15 "${LIMIT_154T:-150}" python -m pytest -q -p no:cacheprovide
 grep -E "passed|failed|^(FAILED|ERROR)" "$OUT/final_tests.log" | tail -8
 engine_out qwen_final "${LIMIT_154:-200}" --decode-tokens 48 --again
 fi
+if want 155; then
+# forty-first session: the FP8 projections at 5-64 rows on the few-row tensor-core GEMM (kernels/fp8_swapped.py;
+# cuBLASLt's FP8 GEMMs were 1.00 of a 9.17 ms 32-stream step at ~1.3 TB/s): its CUDA tests and the registry's, then
+# per call beside cuBLASLt on codes at 8 / 16 / 32 / 64 rows with its tilings swept at 32
+say "155. issue 5: the few-row FP8 GEMM -- its CUDA tests, then per call beside cuBLASLt (tilings swept at 32 rows)"
+if [ -z "${SKIP_155T-}" ]; then  # SKIP_155T=1: the bench alone
+  timeout -s INT -k 15 "${LIMIT_155T:-120}" python -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_swapped.py \
+    tests/test_kernel_fp8_gemv.py -k "swapped or registry" -rfE > "$OUT/swapped_fp8_tests.log" 2>&1
+  grep -E "passed|failed|^(FAILED|ERROR)" "$OUT/swapped_fp8_tests.log" | tail -8
+fi
+timeout -s INT -k 15 "${LIMIT_155:-330}" python benchmarks/fp8_swapped_bench.py --pdl --sweep-rows "${SWEEP_155-32}" \
+  --out "$OUT/fp8_swapped_bench" > "$OUT/fp8_swapped_bench.log" 2>&1
+cat "$OUT/fp8_swapped_bench/fp8_swapped_bench.md" 2>/dev/null || tail -20 "$OUT/fp8_swapped_bench.log"
+fi
+if want 156; then
+say "156. issue 5 (carry .devbundle/extra with ab_old.tar of 591a480): the engine with the few-row FP8 GEMM"
+say "    (--again) beside 591a480's engine (--again), each in its own process, 48 decode tokens"
+engines_beside_old qwen_fp8sw "${LIMIT_156:-230}" "${LIMIT_156O:-200}"
+fi
+if want 157; then
+# forty-first session: the 32-stream step's kernels with the few-row FP8 GEMM (PDL off: kernel times without overlap;
+# the fortieth session's table, sorted_profile run 1, had cuBLASLt's FP8 GEMMs at 1.00 of 9.17 ms)
+say "157. issue 5: the 32-stream step's kernels with the few-row FP8 GEMM (PDL off, kernel tables)"
+timeout "${LIMIT_157:-130}" python benchmarks/qwen_profile.py --engine --engine-streams 32 --prefill-graphs off \
+  --batches "" --out "$OUT/profile_fp8sw" > "$OUT/profile_fp8sw.log" 2>&1
+grep -E "engine_32|tok_per_s" "$OUT/profile_fp8sw.log" | cut -c1-160 | head -30
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -10,9 +10,11 @@ decode GEMV takes it in any dtype; for `_scaled_mm` it is the row-wise mode (sca
 output), CUTLASS on sm_90.
 
 Implementations, in the registry's order: decode-sized calls (1-4 rows, `fp8_gemv.gemv_ok`) on the CUDA-core GEMV of
-`kernels/fp8_gemv.py` ("triton_quant+gemv", "triton_gemv"); then `kernels/fp8_skinny.py` for narrow decode-sized
-layers; then the one-launch quantiser + cuBLASLt ("triton_quant+scaled_mm": prefill and many streams); then the
-torch-op quantiser + cuBLASLt ("scaled_mm").
+`kernels/fp8_gemv.py` ("triton_quant+gemv", "triton_gemv"); then 5-64 rows (decode at 8-64 streams) on the
+tensor-core GEMM with the weight as the MMA's M (`kernels/fp8_swapped.py`, "triton_quant+swapped", Hopper); then
+`kernels/fp8_skinny.py` for narrow decode-sized layers; then the one-launch quantiser + cuBLASLt
+("triton_quant+scaled_mm": prefill, and decode elsewhere than Hopper); then the torch-op quantiser + cuBLASLt
+("scaled_mm").
 
 Guard: FP8 tensor cores need compute capability >= 8.9 (Ada, Hopper, Blackwell); row-wise scaling needs >= 9.0 and a
 bf16 output; `_scaled_mm` needs K and N multiples of 16 (the GEMV: cc >= 8.9, K a multiple of 4,
@@ -63,7 +65,7 @@ import torch
 
 from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and the registry)
 
-from kernels import fp8_gemv, fp8_skinny, gelu_fp8_quant
+from kernels import fp8_gemv, fp8_skinny, fp8_swapped, gelu_fp8_quant
 from kernels.fp8_quant import (
     quantize_rows_reference,
     quantize_rows_triton,
@@ -171,8 +173,31 @@ def _skinny_codes(x: torch.Tensor, w: FP8Tensor, codes: torch.Tensor, out_dtype:
     return fp8_linear_skinny(x, w, out_dtype)  # its kernel quantises as it loads x (no separate codes to skip)
 
 
+def _swapped(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None,
+             codes: torch.Tensor | None = None) -> torch.Tensor:
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if w.input_scale is None:
+        raise ValueError("fp8_swapped: needs a static input_scale (weight-only FP8 is the reference path)")
+    y = fp8_swapped.fp8_swapped_op(x.reshape(m, k), w.data, w.scale.float(), w.input_scale.float(),
+                                   out_dtype or x.dtype, codes=None if codes is None else codes.reshape(m, k))
+    return y.reshape(*x.shape[:-1], w.data.shape[0])
+
+
+def fp8_linear_swapped(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Calls of `fp8_swapped.swapped_ok` rows (5-64: decode at 8-64 streams) as the one-launch quantiser + the
+    tensor-core GEMM with the weight as the MMA's M (`kernels/fp8_swapped.py`). Same contract as
+    `fp8_linear_reference`."""
+    return _swapped(x, w, out_dtype)
+
+
+def _swapped_codes(x: torch.Tensor, w: FP8Tensor, codes: torch.Tensor, out_dtype: torch.dtype | None = None):
+    return _swapped(x, w, out_dtype, codes)
+
+
 _WITH_CODES = {"triton_quant+gemv": _gemv_codes, "triton_quant+scaled_mm": _scaled_mm_codes,
-               "scaled_mm": _scaled_mm_codes, "triton_skinny+scaled_mm": _skinny_codes}
+               "scaled_mm": _scaled_mm_codes, "triton_skinny+scaled_mm": _skinny_codes,
+               "triton_quant+swapped": _swapped_codes}
 
 
 def _gemv(x: torch.Tensor, w: FP8Tensor, out_dtype: torch.dtype | None, prequantize: bool,
@@ -438,6 +463,21 @@ def supports_gemv(*, device: str, capability, dtype: torch.dtype, out_dtype: tor
             and has_input_scale and fp8_gemv.gemv_ok(rows, weight_shape[0], k))
 
 
+def supports_swapped(*, device: str, capability, dtype: torch.dtype, out_dtype: torch.dtype, rows: int, k: int,
+                     weight_shape: tuple[int, ...], weight_dtype: torch.dtype, weight_contiguous: bool,
+                     scale_ok: bool, has_input_scale: bool, **_: Any) -> bool:
+    """The few-row tensor-core GEMM (`kernels/fp8_swapped.py`): Triton on a Hopper GPU (e4m3 wgmma; measured on the
+    H200 only: other majors keep cuBLASLt), the rows `fp8_swapped.swapped_ok` takes (5-64), a contiguous e4m3 [N, K]
+    weight matching x with K a multiple of 16 (16-byte rows for its cp.async tiles), a static input scale, per-tensor
+    or per-row weight scales, any float input / output dtype."""
+    if device != "cuda" or capability is None or capability[0] not in fp8_swapped.SWAPPED_MAJORS:
+        return False
+    return (fp8_swapped.triton is not None and dtype in IN_DTYPES and out_dtype in fp8_swapped.OUT_DTYPES
+            and weight_dtype == torch.float8_e4m3fn and weight_contiguous and len(weight_shape) == 2
+            and weight_shape[1] == k and scale_ok and has_input_scale
+            and fp8_swapped.swapped_ok(rows, weight_shape[0], k))
+
+
 def _sample(device) -> tuple[tuple, dict]:
     from kernels.nvfp4 import quantize_fp8
 
@@ -464,6 +504,9 @@ def register(registry) -> None:
     # start-up; its split-K path is covered by tests/test_kernel_fp8_skinny.py.
     registry.add_implementation(NAME, "triton_quant+gemv", fp8_linear_quant_gemv, supports_gemv, kind="triton")
     registry.add_implementation(NAME, "triton_gemv", fp8_linear_gemv, supports_gemv, kind="triton")
+    # then 5-64 rows (decode at 8-64 streams) on the tensor-core GEMM with the weight as the MMA's M
+    # (`kernels/fp8_swapped.py`, where the H200 measurements against cuBLASLt are)
+    registry.add_implementation(NAME, "triton_quant+swapped", fp8_linear_swapped, supports_swapped, kind="triton")
     registry.add_implementation(NAME, "triton_skinny+scaled_mm", fp8_linear_skinny, supports_triton_quant,
                                 kind="triton")
     registry.add_implementation(NAME, "triton_quant+scaled_mm", fp8_linear_triton_quant, supports_triton_quant,

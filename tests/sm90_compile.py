@@ -22,25 +22,30 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
-from kernels import attn_prep, fp8_gemv, fp8_skinny, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
+from kernels import attn_prep, fp8_gemv, fp8_skinny, fp8_swapped, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
 from kernels import gelu_fp8_quant, linear_gelu, moe_decode, w4a16_mma  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has: str | None = None,
-                num_warps: int = 4, runtime: tuple[str, ...] = (), ttgir_check=None) -> bool:
+                num_warps: int = 4, runtime: tuple[str, ...] = (), ttgir_check=None,
+                divisible: tuple[str, ...] = (), num_stages: int = 3) -> bool:
     """types: pointer / float argument types by name (other non-constexpr args are i32); constexpr parameters with a
     default (USE_PDL) take it unless `consts` names them; `runtime`: parameters with a default compiled as arguments
     (pointers / i32 by `types`). `ptx_has`: text the PTX must contain; `ttgir_check(ttgir)`: None or what is wrong.
+    `divisible`: arguments marked divisible by 16, as Triton's JIT specialises such pointers and ints at a launch
+    (without it a 2-D load of a runtime row stride compiles to byte loads and no cp.async pipeline).
     Prints the kernel's registers per thread and stack frame bytes (where spills go) from the cubin."""
     params = inspect.signature(kernel.fn).parameters
     consts = {**{n: p.default for n, p in params.items()
                  if p.default is not inspect.Parameter.empty and n not in runtime}, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in params}
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET,
-                                  options=dict(num_warps=num_warps))
+        names = list(params)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
     except Exception as exc:  # noqa: BLE001 - reported
         print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
         return False
@@ -340,6 +345,16 @@ def main() -> int:
         ok.append(compile_one(f"fp8_skinny SPLIT_K={split} BLOCK_M=1 BLOCK_N=32 BLOCK_K=256 (bf16)",
                               fp8_skinny._fp8_skinny_kernel, skinny,
                               dict(SPLIT_K=split, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256)))
+    # the few-row FP8 linear on the tensor cores (weights as the wgmma's M, e4m3 x e4m3, promoted every 128 products)
+    swapped = {"q": "*fp8e4nv", "w": "*fp8e4nv", "s_in": "*fp32", "s_w": "*fp32", "y": "*bf16", "ws": "*fp32",
+               "counters": "*i32"}
+    for split, bm, even in ((4, 32, True), (1, 16, False), (1, 64, True)):
+        ok.append(compile_one(f"fp8_swapped SPLIT={split} BLOCK_M={bm} BLOCK_N=64 BLOCK_K=128 EVEN={even} (bf16)",
+                              fp8_swapped._fp8_swapped_kernel, swapped,
+                              dict(SPLIT=split, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, EVEN=even, PROMOTE=128),
+                              ptx_has=f"wgmma.mma_async.sync.aligned.m64n{bm}k32.f32.e4m3.e4m3", num_stages=4,
+                              divisible=("q", "w", "s_in", "s_w", "y", "ws", "counters", "N", "K", "s_qm", "s_wn",
+                                         "s_ym")))
     # the router GEMV + top-k in one launch (split H reduced in the kernel), at a lone decode row's tiling
     tiling = moe_router._gemv_tiling(1, 256, 2048)
     tiling.pop("num_warps")  # a launch option, not a constexpr (the offline compile keeps the default)

@@ -233,9 +233,9 @@ def test_quant_in_producers_hands_each_projection_its_own_codes_and_changes_noth
     from qwen_engine.model import quantized
     from qwen_engine.model.attention import GatedAttention
 
-    # per-projection: no implementation counts as a GEMV, so every decode step calls each projection (on a GPU the
+    # per-projection: no implementation counts as a fused one, so every decode step calls each projection (on a GPU the
     # real GEMV's decode-sized calls took the fused path there: 32 calls in 4 steps instead of 52, H200 2026-12-02)
-    monkeypatch.setattr(quantized, "GEMV_IMPLS", ("reference", *quantized.GEMV_IMPLS) if fused_projections else ())
+    monkeypatch.setattr(quantized, "FUSED_IMPLS", ("reference", *quantized.FUSED_IMPLS) if fused_projections else ())
     with monkeypatch.context() as mp:
         mp.setattr(quantized, "QUANT_IN_PRODUCERS", False)
         off, tokens = _drive(_packed_model(), True, mp)

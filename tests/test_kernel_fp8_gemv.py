@@ -94,16 +94,20 @@ def on_gpu(monkeypatch, capability=(9, 0)):
 
 def test_registry_hands_larger_calls_on(monkeypatch):
     """`fp8_linear.register`: the GEMV implementations are first and take the calls `gemv_ok` accepts; a call with
-    more rows goes to the next implementation."""
+    more rows goes to the next implementation (5-64 rows on Hopper: the few-row tensor-core GEMM)."""
     on_gpu(monkeypatch)
     reg = Registry()
     fp8_linear.register(reg)
     impls = {impl.name: impl for impl in reg.spec(fp8_linear.NAME).implementations}
     names = list(impls)
     assert names[:2] == ["triton_quant+gemv", "triton_gemv"], names
-    for m, expect in ((1, "triton_quant+gemv"), (4, "triton_quant+gemv"), (5, "triton_skinny+scaled_mm")):  # 96 x 128
+    for m, expect in ((1, "triton_quant+gemv"), (4, "triton_quant+gemv"), (5, "triton_quant+swapped"),
+                      (64, "triton_quant+swapped"), (65, "triton_skinny+scaled_mm")):  # 96 x 128
         x, w = make(m, 96, 128, seed=m)
         assert reg.choose(fp8_linear.NAME, **fp8_linear.describe(x, w)).name == expect
+    on_gpu(monkeypatch, capability=(10, 0))  # the few-row GEMM is Hopper's (measured there only): cuBLASLt's elsewhere
+    x, w = make(5, 96, 128, seed=5)
+    assert reg.choose(fp8_linear.NAME, **fp8_linear.describe(x, w)).name == "triton_skinny+scaled_mm"
     x, w = make(3, 96, 128, seed=4)
     y = impls["triton_quant+gemv"].fn(x.reshape(1, 3, 128), w)  # leading dims kept
     assert y.shape == (1, 3, 96) and torch.equal(y.reshape(3, 96), run(x, w, x.dtype, True))

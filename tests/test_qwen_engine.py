@@ -691,12 +691,12 @@ def test_engine_fused_decode_projections(monkeypatch):
     in_proj_qkv/z run as one FP8 call (`quantized.fused_fp8_projections`) in decode steps of <= 4 rows, and the
     greedy streams equal those of the same engine with the switch off (fp32: the registry's references, which
     give each projection's columns bit for bit: tests/test_qwen_quantized.py). On the CPU the registry runs the
-    reference for every FP8 call, so "reference" counts as a GEMV here (`quantized.GEMV_IMPLS`)."""
+    reference for every FP8 call, so "reference" counts as one of `quantized.FUSED_IMPLS` here."""
     from qwen_engine.model import quantized
     from qwen_engine.model.attention import GatedAttention
 
     monkeypatch.setattr(GatedAttention, "fused", True)
-    monkeypatch.setattr(quantized, "GEMV_IMPLS", ("reference", *quantized.GEMV_IMPLS))
+    monkeypatch.setattr(quantized, "FUSED_IMPLS", ("reference", *quantized.FUSED_IMPLS))
     used = []
     real = quantized.fused_fp8_projections
 

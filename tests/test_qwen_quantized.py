@@ -145,15 +145,15 @@ def test_fused_fp8_projections(monkeypatch):
     equal each projection's own output (CPU reference: the same codes, products and fp32 sums -- bit for bit); the
     projections become views of the one concatenated weight (no second copy), so in-place weight writes reach it and
     in-place scale writes are copied into it without a new allocation; a replaced buffer means a rebuild; `.to()`
-    drops it; it declines different input scales, weight-only layers, calls the GEMV would not take, calls the
-    registry would not give a GEMV, and the switch; `forget_kernel_choices` reaches its cached choices. On the CPU
-    the registry runs the reference for every FP8 call, so "reference" counts as a GEMV here (the choice rule itself
-    is checked at the end and in tests/test_kernel_fp8_gemv.py)."""
+    drops it; it declines different input scales, weight-only layers, calls neither the GEMV nor the few-row GEMM
+    would take, calls the registry would give neither, and the switch; `forget_kernel_choices` reaches its cached choices. On the CPU
+    the registry runs the reference for every FP8 call, so "reference" counts as one of FUSED_IMPLS here (the choice rule itself
+    is checked at the end and in tests/test_kernel_fp8_gemv.py / test_kernel_fp8_swapped.py)."""
     from kernels import fp8_gemv
     from qwen_engine.model import quantized
     from qwen_engine.model.attention import GatedAttention
 
-    monkeypatch.setattr(quantized, "GEMV_IMPLS", ("reference", *quantized.GEMV_IMPLS))
+    monkeypatch.setattr(quantized, "FUSED_IMPLS", ("reference", *quantized.FUSED_IMPLS))
     g = torch.Generator().manual_seed(12)
     reg = registry()
 
@@ -189,13 +189,14 @@ def test_fused_fp8_projections(monkeypatch):
     check(fused)
     fused(x)
     entry = attn.__dict__[quantized.FUSED_CACHE][names]
-    assert fused._impl and entry.gemv_choice
+    assert fused._impl and entry.impl_choice
     quantized.forget_kernel_choices(attn)
-    assert not fused._impl and not entry.gemv_choice
+    assert not fused._impl and not entry.impl_choice
     attn.to(torch.float64).to(torch.float32)  # `.to()`: the fused copy is dropped (freed), rebuilt on the next call
     assert quantized.FUSED_CACHE not in attn.__dict__
     assert quantized.fused_fp8_projections(attn, names, x) is not fused
-    assert quantized.fused_fp8_projections(attn, names, torch.zeros(5, CFG.hidden_size)) is None  # 5 rows
+    assert quantized.fused_fp8_projections(attn, names, torch.zeros(5, CFG.hidden_size)) is not None  # few-row GEMM
+    assert quantized.fused_fp8_projections(attn, names, torch.zeros(65, CFG.hidden_size)) is None  # 65 rows: cuBLASLt
     monkeypatch.setattr(fp8_gemv, "GEMV_MAX_REPEAT_BYTES", 2 * CFG.hidden_size * (nq + 2 * nkv) - 1)
     assert quantized.fused_fp8_projections(attn, names, x[:2]) is None  # 2 rows x the fused weight: too large
     assert quantized.fused_fp8_projections(attn, names, x[:1]) is not None  # 1 row: always
@@ -209,7 +210,7 @@ def test_fused_fp8_projections(monkeypatch):
     other.v_proj.quantize_activations = False  # weight-only
     assert quantized.fused_fp8_projections(other, names, x) is None
     assert quantized.fused_fp8_projections(GatedAttention(CFG), names, x) is None  # nn.Linear projections
-    monkeypatch.setattr(quantized, "GEMV_IMPLS", ("triton_quant+gemv", "triton_gemv"))
+    monkeypatch.setattr(quantized, "FUSED_IMPLS", ("triton_quant+gemv", "triton_gemv", "triton_quant+swapped"))
     other.v_proj.quantize_activations = True
     assert quantized.fused_fp8_projections(other, names, x) is None  # the registry's choice here: the reference
 

@@ -142,7 +142,7 @@ def forget_kernel_choices(model: nn.Module) -> None:
         if isinstance(mod, _Dispatch):
             mod._impl.clear()
         for entry in getattr(mod, FUSED_CACHE, {}).values():
-            entry.gemv_choice.clear()  # the registry may now choose differently for the fused call
+            entry.impl_choice.clear()  # the registry may now choose differently for the fused call
             if entry.fused is not None:
                 entry.fused._impl.clear()
 
@@ -359,7 +359,9 @@ class FP8Linear(_Dispatch):
 # ---- fused decode projections ----------------------------------------------------------------------------------------
 FUSED_CACHE = "_fused_fp8"  # a plain attribute of the owner module: {names: _FusedProjections}, no state_dict entry
 FUSE_DECODE_PROJECTIONS = True  # switch for A/B runs (benchmarks/qwen_gpu.py --unfused-projections) and tests
-GEMV_IMPLS = ("triton_quant+gemv", "triton_gemv")  # kernels/fp8_linear.py: the fused call must land on one of these
+# kernels/fp8_linear.py: the fused call must land on one of these (the decode GEMV at 1-4 rows, the few-row
+# tensor-core GEMM at 5-64: both take per-row weight scales)
+FUSED_IMPLS = ("triton_quant+gemv", "triton_gemv", "triton_quant+swapped")
 
 
 def _version(t: torch.Tensor) -> int:
@@ -371,12 +373,12 @@ class _FusedProjections:
     """One owner's fused projections: the FP8Linear (None while the input scales differ), the source buffers it was
     built from (kept alive and compared by identity: a replaced buffer -- a reload by assignment, `.to()` -- means a
     rebuild), the versions of their scales (an in-place write is copied into the fused buffers), and per (device,
-    dtype, rows) whether the registry gives the fused call a GEMV."""
+    dtype, rows) whether the registry gives the fused call one of FUSED_IMPLS."""
 
     fused: FP8Linear | None
     sources: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # (weight, weight_scale, input_scale) each
     scale_versions: tuple[int, ...]
-    gemv_choice: dict = field(default_factory=dict)
+    impl_choice: dict = field(default_factory=dict)
 
     def current(self, mods) -> bool:
         return all(m.weight is w and m.weight_scale is sw and m.input_scale is si
@@ -425,17 +427,19 @@ class _FusedProjections:
 def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> FP8Linear | None:
     """One FP8Linear over the concatenated rows of `owner`'s FP8 projections `names` (in that order), which read the
     same activations x [rows, K] -- attention q/k/v_proj, GDN in_proj_qkv/z -- or None: when the switch is off, any
-    of them is not a W8A8 FP8Linear, their input scales differ, the call would not be a decode GEMV
-    (`kernels.fp8_gemv.gemv_ok`: at 2-4 rows these fused weights, 19-25 MB, are cuBLASLt's regime), or the registry
-    would not give the fused call a GEMV (disabled, another device: a per-row-scaled call elsewhere can fall to the
-    dequantising reference).
+    of them is not a W8A8 FP8Linear, their input scales differ, the call would be neither a decode GEMV
+    (`kernels.fp8_gemv.gemv_ok`: at 2-4 rows these fused weights, 19-25 MB, are not the GEMV's regime) nor a few-row
+    tensor-core GEMM (`kernels.fp8_swapped.swapped_ok`: 5-64 rows), or the registry would not give the fused call
+    one of FUSED_IMPLS (disabled, another device: a per-row-scaled call elsewhere can fall to the dequantising
+    reference, and cuBLASLt's row-wise GEMM is no faster fused).
 
     Why: a lone decode step ran 130 FP8 projections, each a quantiser launch and a GEMM launch; q/k/v and
     in_proj_qkv/z quantise the same row with the same static scale (one calibrated input), so one quantiser and one
     GEMV over [sum N, K] give the same codes and the same exact products: 100 launches fewer per step (H200, run 18:
     295.6 -> 315.0 tok/s). The output is [rows, sum N]; callers take column slices (strided views). Numerics:
     identical quantised activations; products and fp32 sums as each projection alone, each row's weight scale its
-    projection's; only the GEMV's tiling (summation order) may differ.
+    projection's; only the kernel's tiling (summation order) may differ. At 8-64 rows (the few-row GEMM) the same
+    saves one launch per GDN layer and two per attention layer.
 
     Memory: the concatenated weight is the only copy -- each projection's `weight` buffer becomes a view of it, so an
     in-place weight write reaches it and captured graphs keep their pointers (in-place scale writes are copied into
@@ -448,9 +452,11 @@ def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], x: torch.Ten
     if not all(type(m) is FP8Linear and m.quantize_activations for m in mods):
         return None
     from kernels.fp8_gemv import gemv_ok
+    from kernels.fp8_swapped import swapped_ok
 
     rows = x.numel() // max(x.shape[-1], 1)
-    if not gemv_ok(rows, sum(m.out_features for m in mods), mods[0].in_features):
+    n, k = sum(m.out_features for m in mods), mods[0].in_features
+    if not (gemv_ok(rows, n, k) or swapped_ok(rows, n, k)):
         return None
     cache = owner.__dict__.setdefault(FUSED_CACHE, {})
     entry = cache.get(names)
@@ -462,11 +468,11 @@ def fused_fp8_projections(owner: nn.Module, names: tuple[str, ...], x: torch.Ten
     if fused is None:
         return None
     key = (x.device.type, x.dtype, rows)
-    if key not in entry.gemv_choice:
+    if key not in entry.impl_choice:
         reg = fused.registry = _registry(fused.registry)
         impl = reg.choose(FP8_OP, **reg.spec(FP8_OP).describe(x, fused.weight_fp8))
-        entry.gemv_choice[key] = impl.name in GEMV_IMPLS
-    return fused if entry.gemv_choice[key] else None
+        entry.impl_choice[key] = impl.name in FUSED_IMPLS
+    return fused if entry.impl_choice[key] else None
 
 
 def project_together(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor,
