@@ -196,7 +196,8 @@ def fp8_swapped_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     _fp8_swapped_kernel[(tiles, split)](
         codes, weight, s_in, s_w, y, ws, counters if counters is not None else s_w, m, n, k,
         codes.stride(0), weight.stride(0), 1 if s_w.numel() > 1 else 0, y.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, EVEN=even, PROMOTE=min(PROMOTE_EVERY, cfg.block_k),
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, EVEN=even,
+        PROMOTE=min(PROMOTE_EVERY, cfg.block_k),  # tl.dot: at most the tile's K
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     return y if y.dtype == out_dtype else y.to(out_dtype)
 

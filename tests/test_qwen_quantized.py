@@ -146,9 +146,10 @@ def test_fused_fp8_projections(monkeypatch):
     projections become views of the one concatenated weight (no second copy), so in-place weight writes reach it and
     in-place scale writes are copied into it without a new allocation; a replaced buffer means a rebuild; `.to()`
     drops it; it declines different input scales, weight-only layers, calls neither the GEMV nor the few-row GEMM
-    would take, calls the registry would give neither, and the switch; `forget_kernel_choices` reaches its cached choices. On the CPU
-    the registry runs the reference for every FP8 call, so "reference" counts as one of FUSED_IMPLS here (the choice rule itself
-    is checked at the end and in tests/test_kernel_fp8_gemv.py / test_kernel_fp8_swapped.py)."""
+    would take, calls the registry would give neither, and the switch; `forget_kernel_choices` reaches its cached
+    choices. On the CPU the registry runs the reference for every FP8 call, so "reference" counts as one of
+    FUSED_IMPLS here (the choice rule itself is checked at the end and in tests/test_kernel_fp8_gemv.py /
+    test_kernel_fp8_swapped.py)."""
     from kernels import fp8_gemv
     from qwen_engine.model import quantized
     from qwen_engine.model.attention import GatedAttention
