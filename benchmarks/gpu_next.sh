@@ -2033,6 +2033,22 @@ timeout "${LIMIT_157:-130}" python benchmarks/qwen_profile.py --engine --engine-
   --batches "" --out "$OUT/profile_fp8sw" > "$OUT/profile_fp8sw.log" 2>&1
 grep -E "engine_32|tok_per_s" "$OUT/profile_fp8sw.log" | cut -c1-160 | head -30
 fi
+if want 158; then
+# forty-first session: the router's GEMV + top-k on the tensor cores at 5-64 rows (an MMA branch of
+# kernels/moe_router.py's fused kernel; at 32 streams F.linear's cuBLAS GEMV took 5.4 us a layer and router_topk 2.8)
+# and the shared pair written by it; the gated norm reading GDN z in place from the fused projection (no 3.5 us copy
+# a layer): CUDA tests, then the router per call at 1-32 rows with the MMA tilings swept. Ran once (results/
+# router_mma_run1): 121 tests passed; the MMA router LOST (32 rows 25.6-28.2 us against 9.17 for F.linear +
+# router_topk, the one-program top-k of 32 rows its cost; 8 / 16 rows 8.8 / 9.3 at best against 9.1): reverted, the
+# sweep's MMA tilings with it
+say "158. issue 5: router / gated-norm / few-row FP8 CUDA tests, then router_bench.py --sweep (MMA tilings at 8-32 rows)"
+timeout -s INT -k 15 "${LIMIT_158T:-170}" python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_router.py \
+  tests/test_kernel_rms_norm.py tests/test_kernel_fp8_swapped.py -rfE > "$OUT/router_tests.log" 2>&1
+grep -E "passed|failed|^(FAILED|ERROR)" "$OUT/router_tests.log" | tail -8
+timeout -s INT -k 15 "${LIMIT_158:-150}" python benchmarks/router_bench.py --rows 1,4,8,16,32 --sweep --pdl \
+  --out "$OUT/router_bench" > "$OUT/router_bench.log" 2>&1
+cat "$OUT/router_bench/router_bench.md" 2>/dev/null || tail -20 "$OUT/router_bench.log"
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -193,6 +193,11 @@ def main() -> int:
     ok.append(compile_one("rms_norm_gated + e4m3 codes (D = 128, fp32 x)", rms_norm._rms_norm_gated_kernel,
                           {"x": "*fp32", "z": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32", **codes},
                           dict(ROUND_PRODUCT=True, ROUND_X=True, BLOCK_R=8, BLOCK_D=128, INTERPRET=False, QUANT=True)))
+    ok.append(compile_one("rms_norm_gated + e4m3 codes, z as [T, 32 heads] slices (D = 128, fp32 x)",
+                          rms_norm._rms_norm_gated_kernel,
+                          {"x": "*fp32", "z": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32", **codes},
+                          dict(ROUND_PRODUCT=True, ROUND_X=True, BLOCK_R=8, BLOCK_D=128, INTERPRET=False, QUANT=True,
+                               Z_HEADS=32), runtime=("s_zh",)))
     ok.append(compile_one("paged_decode (Dh = 256, GQA 8, bf16)", paged_attention._paged_decode_kernel,
                           {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
                            "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},

@@ -282,6 +282,28 @@ def test_fp8_codes_beside_the_norm(gated, dtype, shape, xdtype, scale):
     assert "codes" in compare_fp8((ref[0], bumped.view(torch.float8_e4m3fn)), ref)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_gated_z_sliced_from_a_fused_projection(tokens):
+    """GDN decode at several tokens: z is a column slice of the fused in_proj_qkv/z output, [T, H, D] of row stride
+    (qkv + z) columns, which one row stride cannot describe. The gated ops read it in place (`_rows_of_heads`: no
+    copy) and give the contiguous z's bits, the fp8 op's codes included."""
+    from kernels.rms_norm import _rows_of_heads, rms_norm_gated_fp8_op
+
+    heads, dim, qkv_cols = 4, 64, 3 * 4 * 64
+    x, z, w, eps = random_inputs((tokens, heads, dim), torch.bfloat16, gated=True, seed=13, device=DEVICE)
+    fused = torch.randn(tokens, qkv_cols + heads * dim, device=DEVICE).to(torch.bfloat16)
+    fused[:, qkv_cols:] = z.flatten(-2)
+    z_view = fused[:, qkv_cols:].unflatten(-1, (heads, dim))  # what `_decode_fused` hands the norm
+    base, s_row, s_head, n_heads = _rows_of_heads(z_view)
+    assert base.data_ptr() == z_view.data_ptr() and base.untyped_storage().data_ptr() == fused.data_ptr()
+    assert (n_heads, s_row, s_head) == ((heads, fused.stride(0), dim) if tokens > 1 else (1, dim, 0))
+    x32 = x.float()  # the GDN core's fp32 output (`rounds_x`)
+    assert torch.equal(rms_norm_gated_triton(x32, z_view, w, eps), rms_norm_gated_triton(x32, z, w, eps))
+    s = torch.tensor(0.05, device=DEVICE)
+    (y, codes), (y_c, codes_c) = rms_norm_gated_fp8_op(x32, z_view, w, eps, s), rms_norm_gated_fp8_op(x32, z, w, eps, s)
+    assert torch.equal(y, y_c) and torch.equal(codes.view(torch.uint8), codes_c.view(torch.uint8))
+
+
 def test_fp8_registry_self_check():
     from engine_core.registry import Registry
 
