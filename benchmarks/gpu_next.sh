@@ -2049,6 +2049,11 @@ timeout -s INT -k 15 "${LIMIT_158:-150}" python benchmarks/router_bench.py --row
   --out "$OUT/router_bench" > "$OUT/router_bench.log" 2>&1
 cat "$OUT/router_bench/router_bench.md" 2>/dev/null || tail -20 "$OUT/router_bench.log"
 fi
+if want 159; then
+# forty-first session, the final tree: the engine's defaults (--again) alone on another machine
+say "159. issue 5: the final tree's engine, defaults, --again"
+engine_out qwen_final41 "${LIMIT_159:-200}" --decode-tokens 48 --again
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
