@@ -3,12 +3,21 @@ the MMA's M operand ("swap AB"): y^T [N, M] = W [N, K] @ q^T [K, M]. Same contra
 `kernels.nvfp4.fp8_linear_reference` (the checkpoint's GDN in_proj_qkv / in_proj_z / out_proj and attention
 q/k/v/o_proj, and the decode steps' fused projections with per-row weight scales).
 
-Why. At 32 streams the engine ran these projections on cuBLASLt's FP8 GEMM (`torch._scaled_mm`): 1.00 ms of a 9.17 ms
-decode step for 1.28 GB of weights, ~1.3 TB/s of the H200's 4.8 (Qwen profile, sorted_profile run 1); per call
-(fp8_skinny_bench run 1, M = 32, with the quantiser launch) 8192 x 2048 at 1.51 TB/s, 4096 x 2048 at 0.94,
-2048 x 4096 at 0.84, 512 x 2048 at 0.14. At M <= 64 a GEMM's cost is the weight stream: one [BLOCK_N, BLOCK_K] e4m3
-tile per K step and per program, the M rows as the MMA's narrow N (16-64), so a program is a pipelined weight stream
-with a few wgmmas per tile; split K fills the SMs where N / BLOCK_N tiles do not.
+Why. At 32 streams the engine ran these projections on cuBLASLt's FP8 GEMM (`torch._scaled_mm`): 0.78 ms of an
+8.65 ms decode step's kernel time for 1.28 GB of weights, ~1.6 TB/s of the H200's 4.8 (sorted_profile run 1: four
+`nvjet_sm90_qqtst` kernels, 130 launches; the fifth nvjet there, 0.22 ms, is the router's bf16 GEMM). At M <= 64 a
+GEMM's cost is the weight stream: one [BLOCK_N, BLOCK_K] e4m3 tile per K step and per program, the M rows as the
+MMA's narrow N (16-64), so a program is a pipelined weight stream with a few wgmmas per tile; split K fills the SMs
+where N / BLOCK_N tiles do not.
+
+Outcome (H200, 2026-12-04, benchmarks/RESULTS.md "Forty-first session"): per call on codes against cuBLASLt on codes
+(fp8_swapped_run2, M = 32): 8192 x 2048 6.89 against 7.69 us, 4096 x 2048 5.50 / 5.95, 2048 x 4096 6.01 / 6.68,
+512 x 2048 4.01 / 4.47; the decode steps' fused projections (`quantized.fused_fp8_projections`, now also at 5-64
+rows) 12,288 x 2048 8.89 against 15.36 (row-wise cuBLASLt), 9,216 x 2048 8.20 against 13.46. At 64 rows the
+unfused 2048 x 4096 and 512 x 2048 calls are 4-8% slower than cuBLASLt (the fused ones 27-29% faster). In the
+engine the step's FP8 kernels went 0.78 -> 0.61 ms (80 launches instead of 130) and 32 streams +1.9% together with
+the gated norm reading z in place (qwen_fp8sw run 2; the norm alone had cost 0.105 ms a step as a copy); still
+2.1-2.8 TB/s, not HBM speed: short programs (8-16 K tiles) whose prologue and epilogue the grid does not hide.
 
 Computation (grid (cdiv(N, BLOCK_N), SPLIT); BLOCK_M = max(16, next power of two of M)):
     q[m, k]    the e4m3 activation codes (`fp8_quant.quantize_static_triton`'s, or the producing op's: same bits)
