@@ -17,23 +17,12 @@ import torch
 from kernels import fp8_swapped
 from kernels.fp8_linear import ACC_REL_BOUND_HOPPER, fp8_linear_swapped, supports_swapped, with_codes
 from kernels.fp8_quant import quantize_static_reference
-from kernels.nvfp4 import E4M3_MAX, FP8Tensor, fp8_linear_reference, quantize_fp8
+from kernels.nvfp4 import FP8Tensor, fp8_linear_reference
+from tests.test_kernel_fp8_skinny import make  # e4m3 weights (per-tensor or per-row scales), x saturating a little
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_HERE = fp8_swapped.triton is not None and (DEVICE == "cuda" or fp8_swapped._interpreted())
 pytestmark = pytest.mark.skipif(not TRITON_HERE, reason="Triton does not run here")
-
-
-def make(m, n, k, seed, rowwise=False, x_dtype=torch.bfloat16, clip=0.8):
-    """e4m3 weight [N, K] with a per-tensor (or per-row) scale; x [M, K] with a static input scale that saturates
-    its largest values (clip < 1)."""
-    g = torch.Generator().manual_seed(seed)
-    data, s = quantize_fp8(torch.randn(n, k, generator=g) * 0.05)
-    if rowwise:
-        s = s * (0.5 + torch.rand(n, generator=g))
-    x = (torch.randn(m, k, generator=g) * 2).to(x_dtype)
-    input_scale = x.float().abs().amax() / E4M3_MAX * clip
-    return x.to(DEVICE), FP8Tensor(data.to(DEVICE), s.to(DEVICE), input_scale.to(DEVICE))
 
 
 def bound(x, w):
