@@ -2054,6 +2054,12 @@ if want 159; then
 say "159. issue 5: the final tree's engine, defaults, --again"
 engine_out qwen_final41 "${LIMIT_159:-200}" --decode-tokens 48 --again
 fi
+if want 160; then
+# forty-first session: the GDN recurrent state pool in bf16 (QwenEngineConfig.gdn_state_dtype, opt-in; the fp32 step
+# moved 3.8 GiB a 32-stream step at ~3.9 TB/s, 1.02 of 8.53 ms of kernels) beside the defaults in one process
+say "160. issue 5: the engine with gdn_state_dtype bfloat16 beside the defaults (one process)"
+engine_out qwen_bf16state "${LIMIT_160:-200}" --decode-tokens 48 --variant 'bf16state={"gdn_state_dtype": "bfloat16"}'
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -33,7 +33,7 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
-    from kernels.rms_norm import _static_scale, _store_out, gated_rows
+    from kernels.rms_norm import _cast, _static_scale, _store_out, gated_rows
     from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -56,9 +56,11 @@ if triton is not None:
     @triton.jit
     def _advance(q, k, v, g, beta, s_in, s_out, o, rows, pid, pv, H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
         """Program (pid = b H + h, pv): the [Dk, BLOCK_V] slice pv of head h's state of batch row b advanced one
-        token (read once, written once), and its slice of o = S^T q (fp32)."""
+        token (read once, written once), and its slice of o = S^T q (fp32). A bf16 state (the engine's
+        `gdn_state_dtype`) is widened as it is read and rounded to nearest even as it is stored; o comes from the
+        unrounded fp32 state, as in `gated_delta_rows`."""
         b, h = pid // H, pid % H
         slot = tl.load(rows + b) if HAS_ROWS else b.to(tl.int64)
         kk = tl.arange(0, BLOCK_K)
@@ -71,17 +73,17 @@ if triton is not None:
         bt = tl.load(beta + b * s_bb + h)
         off = slot * s_sb + h * s_sh + kk[:, None] * s_sk + vv[None, :]
         ok = k_ok[:, None] & v_ok[None, :]
-        s = tl.load(s_in + off, mask=ok, other=0.0) * decay  # [BK, BV]
+        s = tl.load(s_in + off, mask=ok, other=0.0).to(tl.float32) * decay  # [BK, BV]
         delta = (v_t - tl.sum(s * k_t[:, None], axis=0)) * bt  # [BV]
         s = s + k_t[:, None] * delta[None, :]
-        tl.store(s_out + off, s, mask=ok)
+        tl.store(s_out + off, _cast(s, s_out.dtype.element_ty, INTERPRET), mask=ok)
         tl.store(o + b * s_ob + h * s_oh + vv, tl.sum(s * q_t[:, None], axis=0), mask=v_ok)
 
     @triton.jit
     def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
                            s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False):
         # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
         # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
         # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
@@ -89,7 +91,7 @@ if triton is not None:
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         _advance(q, k, v, g, beta, s_in, s_out, o, rows, tl.program_id(0), tl.program_id(1), H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, HAS_ROWS)
+                 BLOCK_K, BLOCK_V, HAS_ROWS, INTERPRET)
 
     @triton.jit
     def _gdn_decode_norm_kernel(q, k, v, g, beta, pool, o, rows, z, w, out, codes, s_in, counters, H, DK, DV, eps,
@@ -107,7 +109,7 @@ if triton is not None:
         pid = tl.program_id(0)
         _advance(q, k, v, g, beta, pool, pool, o, rows, pid, tl.program_id(1), H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, True)
+                 BLOCK_K, BLOCK_V, True, INTERPRET)
         if last_arrival(counters, pid, tl.num_programs(1)):  # every slice of the head's o is stored and visible
             b, h = pid // H, pid % H
             one = tl.arange(0, 1)  # the head's row as a [1, BLOCK_D] tile, as the norm kernel's rows are
@@ -154,7 +156,8 @@ def _launch(q, k, v, g, beta, state, out_state, rows=None) -> torch.Tensor:
     grid = (bsz * heads, triton.cdiv(dv, bv))
     _gdn_decode_kernel[grid](q, k, v, g, beta, state, out_state, o, state if rows is None else rows, heads, dk, dv,
                              *_step_strides(q, k, v, g, beta, state, o), BLOCK_K=triton.next_power_of_2(dk),
-                             BLOCK_V=bv, HAS_ROWS=rows is not None, **pdl.launch_options())
+                             BLOCK_V=bv, HAS_ROWS=rows is not None, INTERPRET=_interpreted(),
+                             **pdl.launch_options())
     return o
 
 
@@ -329,17 +332,21 @@ def describe_rows(q, k, v, g, beta, pool, rows) -> dict[str, Any]:
     """`describe` with the pool's row shape standing in for the per-batch state, plus the rows and pool checks."""
     shapes_ok = (pool.dim() == 4 and q.dim() == 3 and q.shape == k.shape and q.shape[1:] == pool.shape[1:3]
                  and v.shape == q.shape[:2] + pool.shape[3:] and g.shape == beta.shape == q.shape[:2])
-    return dict(device=pool.device.type, dtypes={t.dtype for t in (q, k, v, g, beta, pool)}, shapes_ok=shapes_ok,
+    return dict(device=pool.device.type, dtypes={t.dtype for t in (q, k, v, g, beta)}, shapes_ok=shapes_ok,
                 head_dims=tuple(pool.shape[2:]) if pool.dim() == 4 else (),
                 unit_strides=all(t.stride(-1) == 1 for t in (q, k, v, g, beta, pool) if t.dim()),
                 rows_ok=(rows.dtype == torch.int64 and rows.shape == q.shape[:1] and rows.is_contiguous()
                          and rows.device == pool.device),
-                pool_contiguous=pool.is_contiguous())
+                pool_contiguous=pool.is_contiguous(), pool_dtype=pool.dtype)
 
 
-def supports_rows(*, rows_ok: bool, pool_contiguous: bool, **info: Any) -> bool:
-    """`supports` for the batch against one pool row, int64 [B] rows, a contiguous pool (updated in place)."""
-    return rows_ok and pool_contiguous and supports(**info)
+POOL_DTYPES = (torch.float32, torch.bfloat16)  # the state pool's (`QwenEngineConfig.gdn_state_dtype`)
+
+
+def supports_rows(*, rows_ok: bool, pool_contiguous: bool, pool_dtype: torch.dtype, **info: Any) -> bool:
+    """`supports` for the batch against one pool row, int64 [B] rows, a contiguous fp32 or bf16 pool (updated in
+    place; bf16: widened as read, rounded to nearest even as stored)."""
+    return rows_ok and pool_contiguous and pool_dtype in POOL_DTYPES and supports(**info)
 
 
 def describe_rows_norm(q, k, v, g, beta, pool, rows, z, weight, eps=None, input_scale=None) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from kernels.paged_attention import GATED_NAME as GATED_ATTN_OP
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GDN_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # QwenEngineConfig.gdn_state_dtype
 PRESETS = ("tiny", "qwen3.6-35b-a3b")  # QwenConfig.tiny() | QwenConfig() (the checkpoint's numbers)
 
 __all__ = [
@@ -142,6 +143,11 @@ class QwenEngineConfig:
     #                                    process-wide. auto: on for Hopper (sm_9x; H200, 2026-12-01, runs 28-30: lone
     #                                    decode +11-12% in three runs, 32 streams +0.4-1.5%); true: also on sm_10x
     #                                    (untested on hardware); on CPUs and other GPUs it stays off (`pdl.wanted`)
+    gdn_state_dtype: str = "float32"  # the GDN recurrent state pool's dtype (2 MiB a sequence and layer in fp32, the
+    #                                   reference's): "bfloat16" halves what a decode step reads and writes of it (the
+    #                                   GDN step was 1.02 of 8.53 ms of a 32-stream step's kernels, at ~3.9 TB/s) at
+    #                                   a precision cost: the state is rounded to bf16 after every token (vLLM's
+    #                                   default for this state is the model dtype). Every step still computes in fp32.
     gdn_decode_norm: bool = False  # packed models' decode-only steps: each GDN layer's recurrent step and its
     #                                output's gated RMS norm + out_proj's FP8 codes in one launch (the last program
     #                                of a head norms it: kernels/gdn_decode.py "gdn_decode_rows_norm_fp8";
@@ -283,6 +289,8 @@ class QwenEngineConfig:
 
         check_expert_layout(self.expert_layout)
         check_shared_expert_in_moe(self.shared_expert_in_moe)
+        if self.gdn_state_dtype not in GDN_STATE_DTYPES:
+            raise ValueError(f"gdn_state_dtype must be one of {list(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
         if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
         from kernels.w4a16_mma import SORTED_MAX_TOKENS
@@ -451,7 +459,8 @@ class QwenEngine:
                                   decode_buckets=self.scheduler.config.decode_buckets,
                                   decode_graphs=cfg.decode_graphs, prefill_graphs=cfg.prefill_graphs,
                                   prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(
-                                      cfg.max_num_batched_tokens, cfg.max_model_len))
+                                      cfg.max_num_batched_tokens, cfg.max_model_len),
+                                  state_dtype=GDN_STATE_DTYPES[cfg.gdn_state_dtype])
         # CUDA only: elsewhere Triton runs interpreted (tests), far slower than torch.argmax
         self.runner.argmax_kernel = cfg.argmax_kernel and self.device.type == "cuda"
         eos = self.model_config.eos_token_id
@@ -857,7 +866,8 @@ class QwenEngine:
         from .runner import gdn_state_bytes, kv_block_bytes
 
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = free * cfg.kv_cache_memory_fraction - gdn_state_bytes(c, cfg.max_num_seqs + 1, self.dtype)
+        budget = free * cfg.kv_cache_memory_fraction - gdn_state_bytes(c, cfg.max_num_seqs + 1, self.dtype,
+                                                                      GDN_STATE_DTYPES[cfg.gdn_state_dtype])
         blocks = int(budget // kv_block_bytes(c, cfg.block_size, self.dtype))
         if blocks < per_seq:
             raise RuntimeError(f"only {blocks} KV blocks fit in {cfg.kv_cache_memory_fraction:.0%} of the "

@@ -34,11 +34,13 @@ def kv_block_bytes(cfg: QwenConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
-def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype) -> int:
-    """Bytes of `num_slots` GDN state rows across every linear-attention layer (conv in dtype, recurrent fp32)."""
+def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype,
+                    state_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of `num_slots` GDN state rows across every linear-attention layer (conv in dtype, recurrent in
+    state_dtype)."""
     n_layers = sum(t == LINEAR_ATTENTION for t in cfg.layer_types)
     conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
-    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_dtype.itemsize
     return n_layers * num_slots * (conv + rec)
 
 
@@ -84,14 +86,15 @@ class ModelRunner:
     def __init__(self, model, cfg: QwenConfig, device: torch.device | str, num_blocks: int, block_size: int,
                  max_num_seqs: int, registry: Registry | None = None, *, max_model_len: int | None = None,
                  decode_buckets: tuple[int, ...] = (), decode_graphs: str = "off", prefill_graphs: str = "off",
-                 prefill_buckets: tuple[int, ...] = ()):
+                 prefill_buckets: tuple[int, ...] = (), state_dtype: torch.dtype = torch.float32):
         """`decode_graphs` (see `decode_graphs.py`): "capture" (CUDA graphs per decode bucket, captured by
         `capture_decode_graphs()`), "static" (the same static-buffer path run eagerly), "off" (every step eager),
         "auto" (capture on CUDA, off elsewhere). `decode_buckets`: the scheduler's decode batch sizes (last =
         max_num_seqs); `max_model_len` sizes the graphs' block tables. `prefill_graphs` (same modes;
         `prefill_graphs.py`): graphs of a lone sequence's prefill from position 0, one per `prefill_buckets` token
         count (captured by `capture_prefill_graphs()`; () = `default_buckets` up to max_model_len: the engine passes
-        its own, bounded by its step token budget too)."""
+        its own, bounded by its step token budget too). `state_dtype`: the GDN recurrent state pool's
+        (`QwenEngineConfig.gdn_state_dtype`)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -101,7 +104,8 @@ class ModelRunner:
         self.registry = registry if registry is not None else gdn_registry()
         dtype = model.embed_tokens.weight.dtype  # packed NVFP4/FP8 modules hold uint8/e4m3 buffers, not this
         # one block and one GDN state row past the scheduler's: the scratch sequence of the decode graphs' padding
-        self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device)
+        self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device,
+                                      state_dtype=state_dtype)
         self.steps = 0  # steps whose sampled ids were read (`result`)
         self.launches = 0  # steps queued on the device (`launch`): async decode keeps one ahead of `steps`
         self.graph_steps = 0

@@ -258,6 +258,11 @@ def main() -> int:
     ok.append(compile_one("gdn_decode over pool rows (Dk = Dv = 128)", gdn_decode._gdn_decode_kernel,
                           {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "s_in", "s_out", "o")}, "rows": "*i64"},
                           dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True)))
+    ok.append(compile_one("gdn_decode over a bf16 pool's rows (Dk = Dv = 128; gdn_state_dtype bfloat16)",
+                          gdn_decode._gdn_decode_kernel,
+                          {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "o")}, "s_in": "*bf16",
+                           "s_out": "*bf16", "rows": "*i64"},
+                          dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True), ptx_has="cvt.rn.bf16"))
     ok.append(compile_one("router_topk (E = 256, top-8, bf16)", moe_router._router_topk_kernel,
                           {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False)))

@@ -96,6 +96,31 @@ def test_rows_in_place_over_a_pool():
     assert not torch.equal(pool[[0, 3, 4]], pool0[[0, 3, 4]])
 
 
+def test_rows_over_a_bf16_pool():
+    """`gdn_state_dtype: bfloat16`: the pool is widened as read and the new state rounded to nearest even as stored,
+    o from the unrounded fp32 state, as `gated_delta_rows` does. Per token, from the same bf16 pool: o within 1e-5
+    of the reference's, the stored rows within one bf16 ulp of its (the fp32 sums' order may tip a rounding; exact
+    ties aside, >= 99% bit-equal), the other rows untouched; the guard takes fp32 and bf16 pools, not fp16."""
+    bsz, heads, dk, dv = 3, 2, 32, 48
+    *_, pool32 = random_inputs(6, heads, dk, dv, seed=17, device=DEVICE)
+    pool = pool32.to(torch.bfloat16)
+    rows = torch.tensor([3, 0, 4], device=DEVICE)
+    for t in range(4):
+        q, k, v, g, beta, _ = random_inputs(bsz, heads, dk, dv, seed=300 + t, device=DEVICE)
+        ref_pool, before = pool.clone(), pool.clone()
+        o_ref, _ = gdn_decode_rows_reference(q, k, v, g, beta, ref_pool, rows)
+        o, same = gdn_decode_rows_triton(q, k, v, g, beta, pool, rows)
+        assert same is pool and pool.dtype == torch.bfloat16
+        assert (o - o_ref).abs().max() <= 1e-5 * o_ref.abs().max(), f"token {t}"
+        a, b = pool.float(), ref_pool.float()
+        ulp = torch.finfo(torch.bfloat16).eps * b.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((a - b).abs() <= ulp).all(), f"token {t}: {float(((a - b).abs() / ulp).max()):.2g} ulp"
+        assert (pool == ref_pool).float().mean() >= 0.99, f"token {t}"
+        assert torch.equal(pool[[1, 2, 5]], before[[1, 2, 5]])
+    assert supports_rows(**describe_rows(q, k, v, g, beta, pool, rows))
+    assert not supports_rows(**describe_rows(q, k, v, g, beta, pool.half(), rows))
+
+
 def test_rows_padding_share_a_scratch_row():
     """Decode-graph padding: batch rows 2 and 3 both point at scratch row 5. The real rows (0 -> pool row 1,
     1 -> pool row 3) and the pool rows nobody owns stay exactly what they are without the padding."""

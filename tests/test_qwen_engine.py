@@ -189,6 +189,36 @@ def reference_greedy(engine: QwenEngine, ids: list[int], n: int) -> list[int]:
 LENGTHS = [3, 40, 1, 17, 25, 8, 33, 12, 5, 21]  # 40, 33, 25, 21, 17 > the 16-token budget: split prefill
 
 
+def test_engine_bf16_gdn_state():
+    """`gdn_state_dtype: bfloat16`: the GDN recurrent pool is bf16 (half the fp32 pool's bytes, as the KV budget
+    counts them) and every request completes. The first token of a prompt that fits one prefill chunk comes from the
+    prefill's own fp32 state, so it equals the fp32-state engine's; later tokens read the rounded state and may
+    differ (random tiny weights). A dtype outside GDN_STATE_DTYPES is refused."""
+    from qwen_engine.engine import GDN_STATE_DTYPES
+    from qwen_engine.model.paged import GDNSlots
+    from qwen_engine.runner import gdn_state_bytes
+
+    short = [n for n in LENGTHS if n <= 16]
+
+    async def body(engine):
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(short)))
+        pools = [layer.recurrent for layer in engine.runner.cache.layers if isinstance(layer, GDNSlots)]
+        return [o[0] for o in outs], {p.dtype for p in pools}
+
+    bf16, dtypes = run(engine_config(gdn_state_dtype="bfloat16"), body)
+    fp32, dtypes32 = run(engine_config(), body)
+    assert dtypes == {torch.bfloat16} and dtypes32 == {torch.float32}
+    assert all(len(t) == 4 for t in bf16)
+    assert [t[0] for t in bf16] == [t[0] for t in fp32]
+    c = QwenConfig.tiny()
+    saved = gdn_state_bytes(c, 5, torch.float32) - gdn_state_bytes(c, 5, torch.float32, torch.bfloat16)
+    gdn_layers = sum(t == "linear_attention" for t in c.layer_types)
+    assert saved == gdn_layers * 5 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 2
+    assert set(GDN_STATE_DTYPES) == {"float32", "bfloat16"}
+    with pytest.raises(ValueError, match="gdn_state_dtype"):
+        engine_config(gdn_state_dtype="float16")
+
+
 @pytest.mark.parametrize("num_kv_blocks,async_decode", [(64, False), (16, False), (64, True), (16, True)])
 def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks, async_decode):
     """16 blocks of 4 for up to 4 x 46 tokens: preemption. async_decode: decode steps formed ahead where allowed."""

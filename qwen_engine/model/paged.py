@@ -44,7 +44,8 @@ class GDNSlots:
     """Gated DeltaNet state of one layer for every state slot."""
 
     conv: torch.Tensor  # [slots, conv_dim, kernel - 1] previous in_proj_qkv outputs (model dtype), oldest first
-    recurrent: torch.Tensor  # [slots, v_heads, k_head_dim, v_head_dim] fp32
+    recurrent: torch.Tensor  # [slots, v_heads, k_head_dim, v_head_dim] fp32 (or bf16: `PagedCache.empty`'s
+    #                          state_dtype; every step computes in fp32 and rounds the state it stores)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class PagedCache:
 
     @classmethod
     def empty(cls, cfg: QwenConfig, num_blocks: int, block_size: int, num_slots: int, dtype=torch.float32,
-              device=None) -> PagedCache:
+              device=None, state_dtype=torch.float32) -> PagedCache:
         layers: list[PagedKV | GDNSlots] = []
         for t in cfg.layer_types:
             if t == FULL_ATTENTION:
@@ -67,7 +68,7 @@ class PagedCache:
                 conv = torch.zeros(num_slots, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
                                    device=device)
                 rec = torch.zeros(num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                  cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+                                  cfg.linear_value_head_dim, dtype=state_dtype, device=device)
                 layers.append(GDNSlots(conv, rec))
         return cls(layers, block_size)
 
