@@ -30,6 +30,21 @@ def inputs(b: int, h: int, dk: int, dv: int, seed: int, slots: int | None = None
     return tuple(t.to(DEVICE) for t in (q, k, v, g, beta, pool, rows, z, weight)) + (1e-6, scale.to(DEVICE))
 
 
+def test_bf16_pool_the_same_step_as_the_rows_op():
+    """`gdn_state_dtype: bfloat16` with `gdn_decode_norm`: the fused launch advances a bf16 pool exactly as the rows
+    op does (the same `_advance`: widened as read, rounded to nearest even as stored) and its norm / codes stay
+    within the op's tolerance of the reference run on the same bf16 pool."""
+    q, k, v, g, beta, pool, rows, z, weight, eps, scale = inputs(3, 2, 16, 64, seed=41)
+    pool = pool.to(torch.bfloat16)
+    p_ref, p_fused, p_rows = pool.clone(), pool.clone(), pool.clone()
+    ref = gd.gdn_decode_rows_norm_fp8_reference(q, k, v, g, beta, p_ref, rows, z, weight, eps, scale)
+    out = gd.gdn_decode_rows_norm_fp8_triton(q, k, v, g, beta, p_fused, rows, z, weight, eps, scale)
+    gd.gdn_decode_rows_triton(q, k, v, g, beta, p_rows, rows)
+    assert p_fused.dtype == torch.bfloat16 and torch.equal(p_fused, p_rows)
+    assert gd.compare_rows_norm(out[:2] + (p_ref,), ref) is None
+    assert not torch.equal(p_fused, pool)
+
+
 @pytest.mark.parametrize("b,h,dk,dv,zdtype", [(1, 4, 32, 48, torch.bfloat16), (3, 2, 16, 128, torch.bfloat16),
                                                (2, 3, 64, 16, torch.bfloat16), (2, 2, 32, 64, torch.float16)])
 def test_matches_reference_and_the_two_launches(monkeypatch, b, h, dk, dv, zdtype):
