@@ -16,8 +16,9 @@ Rules (STYLE P4, A2):
 * no silent fallback: a fallback to the reference is counted per op and logged (once per op and implementation); an
   explicit preference (e.g. TRITON) never falls back, it raises with the reason;
 * the optional start-up `self_check` runs each fast implementation the preference could pick on the op's random
-  sample inputs and compares with the reference at the op's stated tolerance; a failure is logged at ERROR, recorded
-  in `choices()` and disables that implementation for the life of the registry (AUTO then uses the next one).
+  sample inputs (the first sample it supports, where an op gives one per regime) and compares with the reference at
+  the op's stated tolerance; a failure is logged at ERROR, recorded in `choices()` and disables that implementation
+  for the life of the registry (AUTO then uses the next one).
 
 `choose()` is plain Python with a dict update: call it outside `torch.compile`d regions (at plan time) and call the
 returned implementation inside; fast paths are `torch.library.custom_op`s with fake implementations, so
@@ -97,8 +98,9 @@ class OpSpec:
     name: str
     reference: Implementation
     tolerance: str  # what "agrees with the reference" means for this op, and why (shown in choices())
-    # sample(device) -> (args, kwargs): small random inputs for the self-check
-    sample: Callable[[Any], tuple[tuple, dict]] | None = None
+    # sample(device) -> (args, kwargs), or a list of them: small random inputs for the self-check (each fast path is
+    # checked on the first one it supports: ops whose paths split by size, e.g. rows, give one sample per regime)
+    sample: Callable[[Any], tuple[tuple, dict] | list[tuple[tuple, dict]]] | None = None
     # compare(out, ref) -> None when within tolerance, else a one-line description of the disagreement
     compare: Callable[[Any, Any], str | None] | None = None
     # describe(*args, **kwargs) -> info dict for supports(); needed by `call()` and `self_check()`
@@ -128,7 +130,7 @@ class Registry:
 
     # ---- registration ----------------------------------------------------------------------------------------------
     def add_op(self, name: str, reference: Callable[..., Any], *, tolerance: str,
-               sample: Callable[[Any], tuple[tuple, dict]] | None = None,
+               sample: Callable[[Any], tuple[tuple, dict] | list[tuple[tuple, dict]]] | None = None,
                compare: Callable[[Any, Any], str | None] | None = None,
                describe: Callable[..., dict] | None = None, mutates: bool = False) -> OpSpec:
         if name in self._ops:
@@ -231,8 +233,9 @@ class Registry:
     # ---- start-up self-check ---------------------------------------------------------------------------------------
     def self_check(self, device: Any, ops: list[str] | None = None) -> dict[str, str]:
         """Run every fast implementation the current preference could choose against the reference on the op's
-        sample inputs on `device`. A failure (disagreement beyond tolerance or an exception) is logged at ERROR,
-        recorded and disables the implementation. Returns op -> outcome."""
+        sample inputs on `device` (the first of the op's samples it supports). A failure (disagreement beyond
+        tolerance or an exception) is logged at ERROR, recorded and disables the implementation. Returns op ->
+        outcome."""
         outcomes: dict[str, str] = {}
         for name in ops if ops is not None else list(self._ops):
             spec, rec = self._spec(name), self._record(name)
@@ -244,25 +247,31 @@ class Registry:
             if spec.sample is None or spec.compare is None or spec.describe is None:
                 rec.self_check = outcomes[name] = "skipped: op has no sample/compare/describe"
                 continue
-            args, kwargs = spec.sample(device)
-            info = spec.describe(*args, **kwargs)
+            produced = spec.sample(device)
+            samples = produced if isinstance(produced, list) else [produced]
+            infos = [spec.describe(*a, **kw) for a, kw in samples]
+            refs: dict[int, Any] = {}  # sample index -> the reference's output, computed when first needed
 
-            def fresh():  # an op that mutates its inputs must not see the previous call's writes
+            def fresh(i):  # an op that mutates its inputs must not see the previous call's writes
+                args, kwargs = samples[i]
                 if not spec.mutates:
                     return args, kwargs
                 copy = lambda a: a.clone() if hasattr(a, "clone") else a  # tensors (no torch import here)  # noqa: E731
                 return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
 
-            a, kw = fresh()
-            ref = spec.reference.fn(*a, **kw)
             results = []
             for impl in candidates:
-                if not impl.supports(**info):
-                    results.append(f"{impl.name} skipped (does not support the sample on {device})")
+                i = next((j for j, info in enumerate(infos) if impl.supports(**info)), None)
+                if i is None:
+                    which = "sample" if len(samples) == 1 else "samples"
+                    results.append(f"{impl.name} skipped (does not support the {which} on {device})")
                     continue
+                if i not in refs:
+                    a, kw = fresh(i)
+                    refs[i] = spec.reference.fn(*a, **kw)
                 try:
-                    a, kw = fresh()
-                    problem = spec.compare(impl.fn(*a, **kw), ref)
+                    a, kw = fresh(i)
+                    problem = spec.compare(impl.fn(*a, **kw), refs[i])
                 except Exception as exc:  # a crashing kernel is a failed kernel, reported with its reason
                     problem = f"raised {type(exc).__name__}: {exc}"
                 if problem is None:

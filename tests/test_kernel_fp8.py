@@ -206,17 +206,22 @@ def test_registry_records_the_fallback():
 
     reg = Registry()
     fp8_linear.register(reg)
-    (x, w), _ = fp8_linear._sample(DEVICE)
-    impl = reg.choose("fp8_linear", **describe(x, w))
+    (small, _), (eight, _) = fp8_linear._sample(DEVICE)
+    impl = reg.choose("fp8_linear", **describe(*small))
     on_fp8_gpu = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
-    # the sample is 3 rows: on an FP8 GPU the decode GEMV (kernels/fp8_gemv.py, first in the registry since the
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    # the first sample is 3 rows: on an FP8 GPU the decode GEMV (kernels/fp8_gemv.py, first in the registry since the
     # tenth session) takes it; this assertion still named the split-K kernel before it (failed on the H200, waterfall
-    # run 3)
+    # run 3). The second, 8 rows: the few-row tensor-core GEMM on Hopper (so the self-check runs it too)
     assert impl.name == ("triton_quant+gemv" if on_fp8_gpu else "reference")
+    assert small[0].shape[0] == 3 and eight[0].shape[0] == 8
+    if hopper:
+        assert reg.choose("fp8_linear", **describe(*eight)).name == "triton_quant+swapped"
     if not on_fp8_gpu:
         assert "scaled_mm does not support" in reg.choices()["fp8_linear"]["fallback"]
     outcome = reg.self_check(DEVICE)["fp8_linear"]
     assert "FAILED" not in outcome, outcome
+    assert ("triton_quant+swapped passed" in outcome) == hopper, outcome
 
 
 def test_implementations_with_producer_codes_give_the_same_bits():

@@ -146,6 +146,33 @@ def test_self_check_pass_and_skips():
     assert reg2.self_check("cpu")["bare"].startswith("skipped: op has no sample")
 
 
+def test_self_check_with_a_sample_per_regime():
+    """An op whose fast paths split by size gives a list of samples: each path is checked on the first it supports
+    (a small-input path on the small sample, a large-input one on the large), the reference run once per sample
+    used; a path no sample fits is skipped, said so; a wrong large-input path fails on its own sample."""
+    calls = []
+
+    def ref(x):
+        calls.append(len(x))
+        return double_ref(x)
+
+    def reg_with(large_fn):
+        reg = Registry()
+        reg.add_op("double", ref, tolerance="exact", sample=lambda device: [(([1, 2, 3],), {}), (([1] * 9,), {})],
+                   compare=lambda out, ref_out: None if out == ref_out else f"{out} != {ref_out}",
+                   describe=lambda x: {"n": len(x)})
+        reg.add_implementation("double", "small", double_fast, fits)  # n <= 4
+        reg.add_implementation("double", "large", large_fn, lambda *, n, **_: n > 4)
+        reg.add_implementation("double", "huge", double_fast, lambda *, n, **_: n > 100)
+        return reg
+
+    assert reg_with(double_fast).self_check("cpu") == {
+        "double": "small passed; large passed; huge skipped (does not support the samples on cpu)"}
+    assert calls == [3, 9]
+    outcome = reg_with(double_wrong).self_check("cpu")["double"]
+    assert outcome.startswith("small passed; large FAILED")
+
+
 @pytest.mark.parametrize("mutates", [True, False])
 def test_self_check_of_an_op_that_mutates_its_input(mutates):
     """An in-place op (like gdn_decode_rows) is checked on its own copy of the sample per call when registered with
