@@ -1014,19 +1014,30 @@ def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool
 
 
 
-def _sample_dense(device) -> tuple[tuple, dict]:
+def _dense_call(device, n: int, rows: int, seed: int = 0) -> tuple[tuple, dict]:
+    """A dense call of `rows` bf16 rows on an NVFP4 [n, K] weight (CUDA: K in whole chunks of kernels/w4a16_mma.py)."""
     from kernels.nvfp4 import quantize_nvfp4
 
-    g = torch.Generator().manual_seed(0)
-    k = 256 if torch.device(device).type == "cuda" else 160  # CUDA: K in whole chunks of kernels/w4a16_mma.py too
-    w = quantize_nvfp4(torch.randn(96, k, generator=g) * 0.02)
-    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    k = 256 if torch.device(device).type == "cuda" else 160
+    w = quantize_nvfp4(torch.randn(n, k, generator=g) * 0.02)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     return (x.to(device), NVFP4Tensor(*(t.to(device) for t in w))), {}
 
 
+def _sample_dense(device) -> tuple[tuple, dict] | list[tuple[tuple, dict]]:
+    """3 rows of a 96-row weight; on CUDA also one row of a WIDE_MIN_N-row one (4 MB packed), lm_head's one-row call
+    that only "triton_mma_wide" takes (the registry checks each path on the first sample it takes)."""
+    small = _dense_call(device, 96, 3)
+    if torch.device(device).type != "cuda":
+        return small
+    from kernels.w4a16_mma import WIDE_MIN_N
+
+    return [small, _dense_call(device, WIDE_MIN_N, 1, seed=1)]
+
+
 def _sample_swiglu(device) -> tuple[tuple, dict]:
-    (x, w), _ = _sample_dense(device)  # 96 rows: gate 48, up 48
-    return (x, w), {}
+    return _dense_call(device, 96, 3)  # 96 rows: gate 48, up 48
 
 
 def _sample_moe(device, layout: int | None = None, tokens: int = 3) -> tuple[tuple, dict]:

@@ -529,7 +529,8 @@ def test_registry_self_check():
     w4a16_gemm.register(reg)
     outcomes = reg.self_check(DEVICE)
     assert all("passed" in v for v in outcomes.values()), outcomes
-    x, w = w4a16_gemm._sample_dense(DEVICE)[0]
+    samples = w4a16_gemm._sample_dense(DEVICE)  # CUDA: also lm_head's wide one-row call (triton_mma_wide's)
+    x, w = (samples[0] if isinstance(samples, list) else samples)[0]
     assert reg.choose("w4a16_linear", **describe_dense(x, w)).name == "triton_gemv"  # kernels/w4a16_gemv.py first
     assert reg.choose("w4a16_linear", **describe_dense(x.float(), w)).name == "reference"  # recorded fallback
     assert reg.choices()["w4a16_linear"]["fallback"]

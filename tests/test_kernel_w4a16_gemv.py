@@ -143,7 +143,9 @@ def test_registry_order_and_self_check():
     assert [i.name for i in reg.spec(w4a16_gemm.SWIGLU).implementations][:3] == [GEMV, "triton_mma", "triton"]
     assert [i.name for i in reg.spec(w4a16_gemm.MOE).implementations][:3] == ["triton_mma", GEMV, "triton"]
     report = reg.self_check(DEVICE)
-    wide = f"triton_mma_wide skipped (does not support the sample on {DEVICE}); "
+    # the wide path on its own sample (lm_head's one-row call, CUDA only: `_sample_dense`'s second)
+    wide = ("triton_mma_wide passed; " if DEVICE == "cuda"
+            else "triton_mma_wide skipped (does not support the sample on cpu); ")
     for op in (w4a16_gemm.DENSE, w4a16_gemm.SWIGLU):
         mma = "triton_mma passed" if DEVICE == "cuda" else "triton_mma skipped (does not support the sample on cpu)"
         head = wide if op == w4a16_gemm.DENSE else ""
