@@ -474,10 +474,32 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
         autotune_table.restore(replaced)
 
 
+_MODULE_FLAGS = ("qwen_engine.model.quantized.QUANT_IN_PRODUCERS", "kernels.gdn_prep.SPLIT_V_ROWS",
+                 "qwen_engine.model.attention.GATE_IN_COMBINE")  # (gdn_prep's tiling: DEFAULT_TILING, below)
+_FLAG_DEFAULTS: dict[str, object] = {}  # the flags' values at import, before any engine set them (`_engine_settings_off`)
+
+
+def _module_flag(path: str):
+    import importlib
+
+    mod, name = path.rsplit(".", 1)
+    return importlib.import_module(mod), name
+
+
+def _remember_flag_defaults() -> None:
+    """The process-wide module flags an engine sets (`QwenEngine.__init__`), as their modules define them: called
+    before the first engine of the process."""
+    for path in _MODULE_FLAGS:
+        mod, name = _module_flag(path)
+        _FLAG_DEFAULTS.setdefault(path, getattr(mod, name))
+
+
 def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
     oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout,
-    no programmatic launches and the FP8 quantiser in the producing ops as the module's default (on)."""
+    no programmatic launches, the GDN prep's default tiling, and the module flags an engine sets (the FP8 quantiser
+    in the producing ops, the GDN prep's row split, the attention's output gate) as their modules define them
+    (`_FLAG_DEFAULTS`)."""
     from kernels import gdn_prep, pdl
     from qwen_engine.engine import (
         set_combine_next_norm,
@@ -489,7 +511,6 @@ def _engine_settings_off(model) -> None:
         set_shared_expert_in_moe,
         set_shared_expert_stream,
     )
-    from qwen_engine.model import quantized
 
     set_shared_expert_in_moe(model, False)
     set_moe_fused_decode(model, False)
@@ -502,7 +523,9 @@ def _engine_settings_off(model) -> None:
     set_lm_head_layout(model, "checkpoint")
     pdl.set_enabled(False)
     pdl.set_prefetch("off")
-    quantized.QUANT_IN_PRODUCERS = True
+    for path, value in _FLAG_DEFAULTS.items():
+        mod, name = _module_flag(path)
+        setattr(mod, name, value)
 
 
 def _json_options(text: str) -> dict:
@@ -616,6 +639,7 @@ def main() -> None:
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
+    _remember_flag_defaults()  # before any engine sets them
     if args.swapped_split and args.compare_layout not in ("split_halves", "split_frag"):
         ap.error("--swapped-split needs --compare-layout split_halves or split_frag (an engine without the dual copy)")
     for spec in args.swapped_split:
