@@ -38,6 +38,7 @@ PARTICIPANTS = {
     "kernels.gdn_prep": ("_gdn_prep_kernel",),
     "kernels.fp8_quant": ("_quant_static_kernel",),
     "kernels.fp8_gemv": ("_fp8_gemv_kernel",),
+    "kernels.fp8_swapped": ("_fp8_swapped_kernel",),  # the FP8 projections at 5-64 rows (8-64 streams)
     "kernels.w4a16_gemv": ("_w4a16_gemv_kernel",),
     "kernels.w4a16_mma": ("_w4a16_mma_kernel",),  # the routed experts of <= 4-token steps
     "kernels.paged_attention": ("_paged_decode_kernel", "_combine_kernel"),
