@@ -71,7 +71,8 @@ def gated_delta_rows(q, k, v, g, beta, pool, rows):
     step, scatter back in place. Returns o [B, H, Dv]. (`kernels/gdn_decode.py`'s rows op does it in one pass.) A
     bf16 pool (`QwenEngineConfig.gdn_state_dtype`): the step in fp32 on the widened rows, the new state rounded to
     bf16 (RNE) as it is stored."""
-    o, new_state = gated_delta_step(q, k, v, g, beta, pool[rows].float())
+    state = pool[rows]
+    o, new_state = gated_delta_step(q, k, v, g, beta, state.to(torch.promote_types(state.dtype, torch.float32)))
     pool.index_copy_(0, rows, new_state.to(pool.dtype))
     return o
 
