@@ -46,7 +46,7 @@ import torch
 
 from kernels import pdl
 from kernels.fp8_quant import IN_DTYPES, decode_linear_args, quantize_static_triton
-from kernels.split_k import split_counters
+from kernels.split_k import effective_split
 
 try:
     import triton
@@ -192,10 +192,8 @@ def fp8_swapped_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     cfg = SwappedConfig(block_n=block_n or base.block_n, block_k=block_k or base.block_k,
                         split=split_k or base.split, num_stages=num_stages or base.num_stages)
     tiles, k_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
-    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, min(cfg.split, k_tiles)))  # every split gets a K tile
-    counters = split_counters(x.device, tiles) if split > 1 else None
-    if counters is None:  # no split asked, or no counters (more tiles than SPLIT_COUNTERS; a first use in a capture)
-        split = 1
+    # 1 without counters (more tiles than SPLIT_COUNTERS; a first use inside a capture), else every split a K tile
+    split, counters = effective_split(cfg.split, k_tiles, tiles, x.device)
     # the interpreter truncates fp32 -> bf16 / fp16 casts (`w4a16_gemm`'s note): it writes fp32 and torch rounds
     y = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=x.device)
     bm = max(MIN_BLOCK_M, triton.next_power_of_2(m))

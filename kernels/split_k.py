@@ -67,6 +67,17 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return c
 
 
+def effective_split(split: int, k_tiles: int, tiles: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """The split a launch of `tiles` output tiles over `k_tiles` K tiles runs with, and its arrival counters: 1 (and
+    None) without counters (`split_counters`), else the smallest split with the same K tiles per program (every
+    split gets a K tile). Used by the swap-AB kernels (`w4a16_swapped`, `fp8_swapped`)."""
+    counters = split_counters(device, tiles) if split > 1 else None
+    if counters is None:
+        return 1, None
+    per = -(-k_tiles // split)  # K tiles per program
+    return -(-k_tiles // per), counters
+
+
 if triton is not None:
 
     @triton.jit

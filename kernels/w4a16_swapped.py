@@ -29,7 +29,7 @@ import torch
 
 from kernels import pdl
 from kernels.nvfp4 import BLOCK, NVFP4Tensor
-from kernels.split_k import split_counters
+from kernels.split_k import effective_split  # noqa: F401  (re-exported: tests, benchmarks)
 from kernels.w4a16_gemm import MoeRouting, _global_2d, _interpreted, frag_capability_ok, tile_major, untile_major
 
 try:
@@ -572,15 +572,6 @@ if triton is not None:
         if HAS_ROW_SCALE:
             acc = acc * tl.load(rs + pairs, mask=p_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
-
-
-def effective_split(split: int, k_tiles: int, tiles: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
-    """The split a launch of `tiles` output tiles over `k_tiles` K tiles runs with, and its arrival counters: 1 (and
-    None) without counters (`split_counters`), else the smallest split with the same K tiles per program."""
-    counters = split_counters(device, tiles) if split > 1 else None
-    if counters is None:
-        return 1, None
-    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split)), counters  # every split gets a K tile
 
 
 def w4a16_grouped_swapped_launch(x: torch.Tensor, packed_split: torch.Tensor, scales: torch.Tensor,
