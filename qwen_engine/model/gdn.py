@@ -66,13 +66,18 @@ def gated_delta_step(q, k, v, g, beta, state):
     return torch.einsum("bhkv,bhk->bhv", state, q), state
 
 
+def widened(state: torch.Tensor) -> torch.Tensor:
+    """State rows of the pool as the recurrence computes them: at least fp32 (a bf16 pool, `QwenEngineConfig.
+    gdn_state_dtype`, widened; fp32 as it is, no copy). Stores round back to the pool's dtype."""
+    return state.to(torch.promote_types(state.dtype, torch.float32))
+
+
 def gated_delta_rows(q, k, v, g, beta, pool, rows):
     """`gated_delta_step` for batch rows that own rows `rows` (int64 [B]) of a state pool [S, H, Dk, Dv]: gather,
     step, scatter back in place. Returns o [B, H, Dv]. (`kernels/gdn_decode.py`'s rows op does it in one pass.) A
     bf16 pool (`QwenEngineConfig.gdn_state_dtype`): the step in fp32 on the widened rows, the new state rounded to
     bf16 (RNE) as it is stored."""
-    state = pool[rows]
-    o, new_state = gated_delta_step(q, k, v, g, beta, state.to(torch.promote_types(state.dtype, torch.float32)))
+    o, new_state = gated_delta_step(q, k, v, g, beta, widened(pool[rows]))
     pool.index_copy_(0, rows, new_state.to(pool.dtype))
     return o
 
@@ -350,12 +355,12 @@ class GatedDeltaNet(nn.Module):
             # several: the step's one pair of offsets (device, host), shared by every GDN layer (`FlatBatch`)
             cu, cu_host = batch.prefill_cu or (None, None)
             o[t0:], final = batch.gdn_chunk(q[t0:], k[t0:], v[t0:], g[t0:], beta[t0:],
-                                            slots.recurrent[rows].float(), cu, cu_host)
+                                            widened(slots.recurrent[rows]), cu, cu_host)
             slots.recurrent[rows] = final.to(slots.recurrent.dtype)  # (index_put: the dtypes must match)
             return self._output(o, z, x.dtype)
         for i in range(nd, batch.num_seqs):
             s, e, r = batch.starts[i], batch.starts[i + 1], batch.state_slots[i]
-            s0 = slots.recurrent[r:r + 1].float()  # (a bf16 pool: widened here, rounded back as it is stored)
+            s0 = widened(slots.recurrent[r:r + 1])  # (rounded back to the pool's dtype as it is stored)
             if e - s == 1:
                 oi, new_state = gated_delta_step(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], s0)
             else:
