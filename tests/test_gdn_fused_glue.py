@@ -230,9 +230,12 @@ def test_quant_in_producers_hands_each_projection_its_own_codes_and_changes_noth
     from kernels import fp8_linear
     from kernels.fp8_quant import quantize_static_reference
     from kernels.nvfp4 import fp8_linear_reference
-    from qwen_engine.model import quantized
+    from qwen_engine.model import attention, quantized
     from qwen_engine.model.attention import GatedAttention
 
+    # the attention output gate as its own op (the module's default), whatever an earlier engine of the process set
+    # (engines set GATE_IN_COMBINE process-wide: after one with attn_gate_in_combine, the op checked below never ran)
+    monkeypatch.setattr(attention, "GATE_IN_COMBINE", False)
     # per-projection: no implementation counts as a fused one, so every decode step calls each projection (on a GPU the
     # real GEMV's decode-sized calls took the fused path there: 32 calls in 4 steps instead of 52, H200 2026-12-02)
     monkeypatch.setattr(quantized, "FUSED_IMPLS", ("reference", *quantized.FUSED_IMPLS) if fused_projections else ())
