@@ -180,6 +180,29 @@ FRAG_O3 = (0x001B001B, 0x1084)  # the fourth output's input bits and multiplier 
 _CODE_BITS = (6, 7, 8, 15)  # bit of a 16-bit half that takes code bit 0 (m), 1 (e0), 2 (e1), 3 (s)
 
 
+# The two inline-PTX routines of the fragment-order dequant, shared with `kernels/w4a16_regs.py` (Gluon): one
+# 32-bit word of 8 codes -> four bf16x2 registers (`_e2m1x2_bf16_frag_ptx`), and four e4m3 scale bytes -> two
+# bf16x2 registers of scale x 2^119 (`_e4m3_bf16_gained`).
+FRAG_DECODE_PTX = """{
+        .reg .b32 a, b, c;
+        and.b32 $0, $4, 0x81C081C0;
+        shf.l.wrap.b32 a, $4, $4, 10; and.b32 $1, a, 0x81C081C0;
+        shf.l.wrap.b32 b, $4, $4, 13; and.b32 $2, b, 0x81C081C0;
+        and.b32 c, $4, 0x001B001B; mul.lo.u32 c, c, 0x1084; and.b32 $3, c, 0x81C081C0;
+        }"""
+E4M3_GAINED_PTX = """{
+        .reg .b32 a, b, g1, g2;
+        mov.b32 g1, 0x7B807B80;
+        mov.b32 g2, 0x7B007B00;
+        prmt.b32 a, $2, 0, 0x4140;
+        prmt.b32 b, $2, 0, 0x4342;
+        shl.b32 a, a, 4; and.b32 a, a, 0x07F007F0;
+        shl.b32 b, b, 4; and.b32 b, b, 0x07F007F0;
+        mul.rn.bf16x2 a, a, g1; mul.rn.bf16x2 $0, a, g2;
+        mul.rn.bf16x2 b, b, g1; mul.rn.bf16x2 $1, b, g2;
+        }"""
+
+
 def frag_decode_word(w: int) -> list[int]:
     """The GPU dequant's four bf16x2 registers of one stored word (`_e2m1x2_bf16_frag_ptx`, in Python)."""
     rotl = [((w << r) | (w >> (32 - r))) & 0xFFFFFFFF for r in FRAG_ROTATIONS]
@@ -314,6 +337,7 @@ def swapped_block_m(num_pairs: int, num_experts: int) -> int:
 # ---- Triton kernel --------------------------------------------------------------------------------------------------
 if triton is not None:
     _BLK = tl.constexpr(BLOCK)
+    _FRAG_DECODE, _E4M3_GAINED = tl.constexpr(FRAG_DECODE_PTX), tl.constexpr(E4M3_GAINED_PTX)  # jit reads constexprs
 
     @triton.jit
     def _frag_to_k(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAG: tl.constexpr):
@@ -332,19 +356,7 @@ if triton is not None:
         formula in Triton (16-bit integer ops and a PRMT to pair the results; offline sm_90 SASS of the SwiGLU
         16-row build: 689 -> 565 loop instructions per K tile). GPU only (the interpreter runs the fp32 route);
         tests/ptx_emu.py runs the text on the CPU."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, g1, g2;
-            mov.b32 g1, 0x7B807B80;
-            mov.b32 g2, 0x7B007B00;
-            prmt.b32 a, $2, 0, 0x4140;
-            prmt.b32 b, $2, 0, 0x4342;
-            shl.b32 a, a, 4; and.b32 a, a, 0x07F007F0;
-            shl.b32 b, b, 4; and.b32 b, b, 0x07F007F0;
-            mul.rn.bf16x2 a, a, g1; mul.rn.bf16x2 $0, a, g2;
-            mul.rn.bf16x2 b, b, g1; mul.rn.bf16x2 $1, b, g2;
-            }""",
-            "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_E4M3_GAINED, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
 
     @triton.jit
     def _e2m1x2_bf16_frag_ptx(pw):
@@ -352,15 +364,8 @@ if triton is not None:
         word of elements 0-3; outputs the low nibbles' values of elements (0, 1), (2, 3), then the high nibbles' (the
         comment above FRAG_GROUP). 8 instructions per 8 weights: w & M, two rotations (shf.l.wrap) and masks, one
         masked multiply and its mask (`frag_decode_word` is the same in Python)."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, c;
-            and.b32 $0, $4, 0x81C081C0;
-            shf.l.wrap.b32 a, $4, $4, 10; and.b32 $1, a, 0x81C081C0;
-            shf.l.wrap.b32 b, $4, $4, 13; and.b32 $2, b, 0x81C081C0;
-            and.b32 c, $4, 0x001B001B; mul.lo.u32 c, c, 0x1084; and.b32 $3, c, 0x81C081C0;
-            }""",
-            "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_FRAG_DECODE, "=r,=r,=r,=r,r", [pw], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=4)
 
     _MASK = tl.constexpr(E2M1_BF16_MASK)  # `frag_decode_word`'s constants, for `_frag_plain`
     _ROT1, _ROT2 = tl.constexpr(FRAG_ROTATIONS[0]), tl.constexpr(FRAG_ROTATIONS[1])

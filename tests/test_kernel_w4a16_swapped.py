@@ -150,7 +150,7 @@ def test_fragment_order_weight_bits():
     from kernels.w4a16_swapped import frag_decode_word, frag_words
 
     plain = ptx_emu.asm_text(w4a16_gemm._e2m1x2_bf16_tiny_ptx)
-    frag = ptx_emu.asm_text(w4a16_swapped._e2m1x2_bf16_frag_ptx)
+    frag = ptx_emu.asm_text(w4a16_swapped.FRAG_DECODE_PTX)
     assert plain != frag
     g = torch.Generator().manual_seed(5)
     words = torch.randint(0, 256, (400, 4), generator=g).tolist()
@@ -259,7 +259,7 @@ def test_fragment_order_scale_bits():
     assert torch.equal(tiny.float(), scale * 2.0**-120)
     want = (scale * 2.0**119).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # [127] bf16 bits
 
-    asm = ptx_emu.asm_text(w4a16_swapped._e4m3_bf16_gained)
+    asm = ptx_emu.asm_text(w4a16_swapped.E4M3_GAINED_PTX)
     g = torch.Generator().manual_seed(3)
     words = torch.randint(0, 0x7F, (300, 4), generator=g).tolist() + [[v] * 4 for v in range(0x7F)]
     words += [[v, 0, 0x7E, 1] for v in range(0x7F)] + [[0x7E, 1, v, 0] for v in range(0x7F)]
