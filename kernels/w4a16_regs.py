@@ -1,0 +1,305 @@
+"""Routed NVFP4 W4A16 experts at decode sizes with the weights streamed straight into registers (Gluon, Hopper):
+a candidate for the 32-stream step's expert calls beside `kernels/w4a16_swapped.py` (same routing contract, same
+exact dequant, same wgmma K order). PREPARED, NOT YET RUN ON A GPU: compiled offline for sm_90 only (Gluon has no
+CPU interpreter); `tests/test_kernel_w4a16_regs.py` checks its layout on the CPU and its results on CUDA.
+
+Why. At 32 streams each routed expert sees ~1.6 tokens, so the expert calls are a dequant stream: every weight is
+loaded, decoded and multiplied once per program. The swap-AB kernel routes each weight tile through shared memory
+(cp.async, then ldmatrix in the wgmma A operand's register layout, then two PRMTs a word to rebuild the decode's
+input) and waits on three CTA barriers a K tile (the pipeline's and two for the block scales' layout change); ncu at
+32 tokens: 48% of HBM, occupancy 36%, stalls short scoreboard / MIO throttle / long scoreboard / barrier
+(RESULTS.md, fortieth session). Here each thread loads its own weight words with two 16-byte loads a K tile, in the
+order the wgmma A fragment wants them (`thread_order`), so the decode's output registers ARE the fragment
+(`gl.convert_layout(..., assert_trivial=True)` proves it at compile time): no shared memory, no barrier, no PRMT for
+the weights. The gathered activations of the row block ([BLOCK_M, K] bf16, 64 KB for gate_up) are loaded into
+shared memory once per program, the wgmma B operand of every K tile. Block scales come from the checkpoint layout,
+two 8-byte loads a thread a K tile. Each K tile's words and scales are loaded one tile ahead, into registers.
+
+Stored layout ("thread order"): tiles of THREAD_TILE = 64 weight rows x 128 K, each 4 KB contiguous, ordered
+[E][N / 64][K / 128]. Within a tile, byte (s_hi, w, i, c, s_lo, e) at s_hi * 2048 + (32 w + 4 i + c) * 16 + 4 s_lo + e
+-- thread 32 w + 4 i + c of the warpgroup holds 2 x 16 contiguous bytes -- is, before the word scramble, the plain byte
+    code(row, k) | code(row, k + 8) << 4,   row = 16 w + 8 (e // 2) + i,   k = 16 (4 s_hi + s_lo) + 2 c + e % 2
+(wgmma's A fragment: thread lane 4 i + c of warp w holds rows 16 w + i, + 8 and k 2c, 2c + 1, + 8, + 9 of each 16-K
+step), and every 4 bytes (one word: e = 0..3) are stored for the 8-instruction decode (`w4a16_swapped.frag_words`).
+
+Arithmetic: `_dequant`'s exactly (bf16 code x 2^-126 times the e4m3 block scale x 2^119, exact; the accumulator x 2^7
+x the global scale in the epilogue), fp32 accumulation in the swap-AB kernel's order (per K tile its 8 steps of 16,
+tiles in order), so the two kernels should agree bit for bit (a CUDA test).
+
+Offline sm_90 SASS of this first version (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it),
+K-loop instructions per K tile of 128 against the swap-AB kernel's (`benchmarks/sass_loop.py`): gate_up (SwiGLU,
+BLOCK_M 16) 449 against 386, down 233 against 226, 124 / 66 registers, 64 / 16 KB of shared memory, no shared-memory
+load and no barrier in the loop. The weights' side is as planned: words loaded as int32 (as bytes, every word was
+split into bytes and rebuilt: 638 instructions), decoded by FRAG_DECODE_PTX's formulas in int32 arithmetic (5 LOP3,
+2 SHF, 1 IMAD a word), no PRMT. The excess is the block scales: each thread converts its 16 scales a K tile and
+projection itself (the four lanes of a quad the same ones; 4 HMUL2 of gain per 4 scales) and pairs each with itself
+(PRMT), ~80 PRMT + 32 HMUL2 in gate_up's loop, where the swap-AB kernel converts a [64, 8] tile once and spreads it
+through shared memory. Next: the scales as int32 words converted in integer arithmetic, then the GPU's verdict
+(whether an issue-heavier loop without barriers or shared-memory weights streams faster).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.nvfp4 import BLOCK, NVFP4Tensor
+from kernels.w4a16_gemm import MoeRouting, _global_2d
+from kernels.w4a16_swapped import E2M1_BF16_MASK, E4M3_GAINED_PTX, FRAG_O3, FRAG_ROTATIONS, frag_words
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+except ImportError:  # no Triton, or one without Gluon (< 3.5): the layout helpers still work
+    gluon = None
+
+THREAD_TILE = (64, 128)  # (weight rows, K) of a stored tile: one warpgroup's wgmma M x one K tile
+BLOCK_M = 16  # routed rows per program (the wgmma's N): decode sizes only (`supports`)
+MAX_K = 2048  # the activations' shared-memory block, BLOCK_M x K bf16: 64 KB at Qwen's hidden size
+
+
+# ---- the stored layout (host) ---------------------------------------------------------------------------------------
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-layout bytes [..., K/2] (byte j: k = 2j low nibble, 2j + 1 high) -> codes [..., K] (uint8 0-15)."""
+    return torch.stack((packed & 0xF, packed >> 4), -1).flatten(-2)
+
+
+def _tiles(codes: torch.Tensor) -> torch.Tensor:
+    """codes [E, N, K] -> [E, N/64, K/128, w 4, rh 2, i 8, s_hi 2, s_lo 4, kh 2, c 4, kl 2]: each tile's (row, k)
+    with row = 16 w + 8 rh + i and k = 16 (4 s_hi + s_lo) + 8 kh + 2 c + kl."""
+    e, n, k = codes.shape
+    bn, bk = THREAD_TILE
+    t = codes.view(e, n // bn, 4, 2, 8, k // bk, 2, 4, 2, 4, 2)  # e, rt, w, rh, i, kt, s_hi, s_lo, kh, c, kl
+    return t.permute(0, 1, 5, 2, 3, 4, 6, 7, 8, 9, 10)
+
+
+def thread_order(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-layout packed weights [E, N, K/2] (or [N, K/2]) -> the same bytes in thread order (the module
+    docstring); N a multiple of 64, K of 128."""
+    flat = packed.dim() == 2
+    p = packed.unsqueeze(0) if flat else packed
+    e, n, kh = p.shape
+    bn, bk = THREAD_TILE
+    if n % bn or (2 * kh) % bk:
+        raise ValueError(f"thread_order: [{e}, {n}, {2 * kh}] weights do not split into {bn} x {bk} tiles")
+    t = _tiles(_codes(p))  # [E, RT, KT, w, rh, i, s_hi, s_lo, kh, c, kl]
+    plain = t.select(8, 0) | (t.select(8, 1) << 4)  # [E, RT, KT, w, rh, i, s_hi, s_lo, c, kl]
+    plain = plain.permute(0, 1, 2, 6, 3, 5, 8, 7, 4, 9)  # [E, RT, KT, s_hi, w, i, c, s_lo, rh, kl]: e = 2 rh + kl
+    out = frag_words(plain.contiguous().view(-1, 4)).view(e, n, kh)
+    return out[0] if flat else out
+
+
+def kernel_codes(stored: torch.Tensor) -> torch.Tensor:
+    """The kernel's reading of thread-order bytes [E, N, K/2], mirrored in torch op for op: each 4 KB tile viewed as
+    [s_hi, w, i, c, s_lo, e], the words unscrambled (the decode), low / high nibbles as k and k + 8 (lo, hi), e split
+    into (rh, kl), lo and hi joined as kh, permuted to [w, rh, i, s_hi, s_lo, kh, c, kl] and read as [64, 128]
+    -> codes [E, N, K]. The CPU test that this equals the checkpoint's codes checks the kernel's index chain."""
+    e, n, kh = stored.shape
+    bn, bk = THREAD_TILE
+    rt, kt = n // bn, 2 * kh // bk
+    u = frag_words(stored.contiguous().view(-1, 4), inverse=True).view(e, rt, kt, 2, 4, 8, 4, 4, 4)
+    lo, hi = (u & 0xF).view(e, rt, kt, 2, 4, 8, 4, 4, 2, 2), (u >> 4).view(e, rt, kt, 2, 4, 8, 4, 4, 2, 2)
+    a = torch.stack((lo, hi), -1)  # [.., s_hi, w, i, c, s_lo, rh, kl, kh]  (gl.join: the new axis last)
+    a = a.permute(0, 1, 2, 4, 8, 5, 3, 7, 10, 6, 9)  # [.., w, rh, i, s_hi, s_lo, kh, c, kl]
+    a = a.reshape(e, rt, kt, bn, bk).permute(0, 1, 3, 2, 4)  # [E, RT, 64, KT, 128]
+    return a.reshape(e, n, 2 * kh)
+
+
+def unthread_order(stored: torch.Tensor) -> torch.Tensor:
+    """The inverse of `thread_order` (through `kernel_codes`)."""
+    flat = stored.dim() == 2
+    s = stored.unsqueeze(0) if flat else stored
+    c = kernel_codes(s)
+    out = (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
+    return out[0] if flat else out
+
+
+def experts_thread_order(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Both expert stacks in thread order; block and global scales stay in the checkpoint layout."""
+    return tuple(NVFP4Tensor(thread_order(w.packed), w.scales, w.global_scale) for w in (w13, w2))
+
+
+# ---- Gluon kernel ---------------------------------------------------------------------------------------------------
+if gluon is not None:
+    _E4M3_GAINED = gl.constexpr(E4M3_GAINED_PTX)
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the name in Triton >= 3.7 / 3.6
+    _MASK = gl.constexpr(E2M1_BF16_MASK)  # `frag_decode_word`'s constants
+    _ROT1, _ROT2 = gl.constexpr(FRAG_ROTATIONS[0]), gl.constexpr(FRAG_ROTATIONS[1])
+    _O3_BITS, _O3_MUL = gl.constexpr(FRAG_O3[0]), gl.constexpr(FRAG_O3[1])
+
+    @gluon.jit
+    def _halves(o):
+        """int32 [..] holding bf16 pairs -> bf16 [.., 2] (the low half first): a relabelling, no instruction."""
+        lo = (o & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+        hi = (o >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def _decode(u):
+        """Stored words (int32) -> (lo, hi) [.., 4] bf16 code x 2^-126: lo[e] the low nibble of the word's plain byte
+        e, hi[e] its high nibble -- `w4a16_swapped.frag_decode_word`'s four registers (FRAG_DECODE_PTX's formulas
+        in int32 arithmetic, so that each word stays one register from the load to the wgmma)."""
+        w = u.to(gl.uint32, bitcast=True)
+        o0 = w & _MASK
+        o1 = ((w << _ROT1) | (w >> (32 - _ROT1))) & _MASK
+        o2 = ((w << _ROT2) | (w >> (32 - _ROT2))) & _MASK
+        o3 = ((w & _O3_BITS) * _O3_MUL) & _MASK
+        lo = gl.permute(gl.join(_halves(o0), _halves(o1)), (0, 1, 2, 3, 4, 6, 5))  # [.., s_lo, rh, kl]
+        hi = gl.permute(gl.join(_halves(o2), _halves(o3)), (0, 1, 2, 3, 4, 6, 5))
+        return lo, hi
+
+    @gluon.jit
+    def _gained(b):
+        """e4m3 scale bytes (non-negative) -> scale x 2^119 in bf16, exact (`w4a16_swapped._e4m3_bf16_gained`)."""
+        return gl.inline_asm_elementwise(_E4M3_GAINED, "=r,=r,r", [b], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _word_offsets(num_warps: gl.constexpr):
+        """int32-word offsets within a 4 KB tile in the load's layout: thread t's two 16-byte runs, words 4 t.. and
+        512 + 4 t.. (registers: the 4 words, then the second run; lanes and warps: t)."""
+        WL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1], [2], [512]],
+                                                      lane_bases=[[4], [8], [16], [32], [64]],
+                                                      warp_bases=[[128], [256]], block_bases=[], shape=[1024])
+        return gl.arange(0, 1024, layout=WL)
+
+    @gluon.jit
+    def _scale_offsets(s_sn):
+        """[rh 2, w 4, i 8, c 4, s_hi 2, s_lo 4] offsets of the block scales a thread needs for one K tile (rows
+        16 w + 8 rh + i, the tile's 8 blocks s = 4 s_hi + s_lo; c-lanes read the same bytes), registers s_lo, s_hi,
+        rh: two 8-byte runs a thread."""
+        SL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1], [2], [4], [1024]],
+                                                      lane_bases=[[8], [16], [32], [64], [128]],
+                                                      warp_bases=[[256], [512]], block_bases=[], shape=[2048])
+        f = gl.arange(0, 2048, layout=SL)  # rh * 1024 + w * 256 + i * 32 + c * 8 + s_hi * 4 + s_lo
+        row = (f // 256 % 4) * 16 + (f // 1024) * 8 + f // 32 % 8
+        return row * s_sn + f % 8
+
+    @gluon.jit
+    def _weights(u, sc):
+        """One K tile's int32 words [1024] and scale bytes [2048] (`_word_offsets`, `_scale_offsets` layouts) -> the
+        wgmma A operand [64, 128] bf16 (code x scale x 2^-7), in the A fragment's layout without a move."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        lo, hi = _decode(gl.reshape(u, [2, 4, 8, 4, 4]))  # [s_hi, w, i, c, s_lo] words -> [.., s_lo, rh, kl]
+        s = _gained(gl.reshape(sc, [2, 4, 8, 4, 2, 4]))  # [rh, w, i, c, s_hi, s_lo]
+        s = gl.permute(s, (4, 1, 2, 3, 5, 0))  # [s_hi, w, i, c, s_lo, rh]
+        s = gl.convert_layout(gl.join(s, s), lo.type.layout)  # [.., s_lo, rh, kl]: both k of a pair, one scale
+        lo = lo * s
+        hi = hi * s
+        a = gl.permute(gl.join(lo, hi), (1, 5, 2, 0, 4, 7, 3, 6))  # [w, rh, i, s_hi, s_lo, kh, c, kl]
+        return gl.convert_layout(gl.reshape(a, [64, 128]), AL, assert_trivial=True)
+
+    @gluon.jit
+    def _w4a16_regs_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, E, A_DIV,
+                           s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
+                           K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
+                           BLOCK_M: gl.constexpr):
+        # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns (weight rows, the wgmma M) x the
+        # BLOCK_M sorted pairs of row block pid_m (the wgmma N). SWIGLU: N = 2 N_out stored rows, column n uses n
+        # (gate) and n + N_out (up). w: thread order (`thread_order`), s: block scales [E, N, K/16] e4m3 bytes.
+        KT: gl.constexpr = K // 128
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BLOCK_M, 128] bf16 gathers
+        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
+        pid_m = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        e = gl.load(block_expert + pid_m)
+        if e < E:  # blocks past the last used one hold the sentinel E
+            n_out = N // 2 if SWIGLU else N
+            # the block's activation rows [BLOCK_M, K] into shared memory, one [BLOCK_M, 128] tile per K tile
+            rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+            kx = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+            px = gl.load(sorted_pairs + pid_m * BLOCK_M + rx)
+            xrow = x + (px // A_DIV).to(gl.int64)[:, None] * s_xm + kx[None, :]
+            xok = (px < P)[:, None]
+            xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS)
+            for t in range(KT):
+                xs.index(t).store(gl.load(xrow + t * 128, mask=xok, other=0.0))
+            fence_async_shared()
+            _cta_barrier()
+            # weights: tile (pid_n, t) of expert e is 1,024 words at (pid_n * KT + t) * 1024; up rows n_out further
+            we = w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024) + _word_offsets(4)  # int32 words
+            se = s + e.to(gl.int64) * s_se + pid_n * 64 * s_sn + _scale_offsets(s_sn)
+            up_w = (n_out // 64) * (KT * 1024)
+            up_s = n_out * s_sn
+            acc = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
+            acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
+            u = gl.load(we)
+            sc = gl.load(se)
+            if SWIGLU:
+                v = gl.load(we + up_w)
+                vc = gl.load(se + up_s)
+            for t in range(KT):
+                more = t + 1 < KT  # the next tile's words and scales, one tile ahead in registers
+                u_next = gl.load(we + (t + 1) * 1024, mask=more)
+                sc_next = gl.load(se + (t + 1) * 8, mask=more)
+                b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
+                acc = warpgroup_mma(_weights(u, sc), b, acc, is_async=True)
+                if SWIGLU:
+                    v_next = gl.load(we + up_w + (t + 1) * 1024, mask=more)
+                    vc_next = gl.load(se + up_s + (t + 1) * 8, mask=more)
+                    acc_up = warpgroup_mma(_weights(v, vc), b, acc_up, is_async=True)
+                    v = v_next
+                    vc = vc_next
+                # settle: no wgmma in flight while the next tile's decode writes registers (the ptxas hazard of
+                # `w4a16_swapped`'s SETTLE comment)
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+                u = u_next
+                sc = sc_next
+            # epilogue: x 2^7 (the dequant's gain) x the global scale, SwiGLU, row scale; y[pair, n]
+            offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+            pairs = gl.load(sorted_pairs + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC)))
+            p_ok = pairs < P
+            ge = g + e * s_ge
+            acc = acc * (gl.load(ge + offs_n * s_gn) * 128.0)[:, None]
+            if SWIGLU:
+                acc_up = acc_up * (gl.load(ge + (offs_n + n_out) * s_gn) * 128.0)[:, None]
+                acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+            if HAS_ROW_SCALE:
+                acc = acc * gl.load(rs + pairs, mask=p_ok, other=0.0).to(gl.float32)[None, :]
+            gl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
+
+
+def supports(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting) -> bool:
+    """Gluon present, a CUDA sm_90 device (the kernel's wgmma and PTX), bf16 activations, routed row blocks of
+    BLOCK_M, K a multiple of 128 up to MAX_K, N of 64."""
+    if gluon is None or not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    n, kh = w.packed.shape[-2:]
+    return (x.dtype == torch.bfloat16 and routing.block_expert is not None and routing.block_m == BLOCK_M
+            and 2 * kh % 128 == 0 and 2 * kh <= MAX_K and n % 64 == 0)
+
+
+def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
+                      global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
+                      row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
+    y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
+    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16."""
+    if gluon is None:
+        raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
+    e, n, kh = packed_thread.shape
+    k = 2 * kh
+    n_out = n // 2 if swiglu else n
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be bf16 [R, {k}], unit k stride")
+    if k % 128 or k > MAX_K or n_out % 64 or (swiglu and n % 128):
+        raise ValueError(f"w4a16_regs: K {k} must be a multiple of 128 up to {MAX_K} and N_out {n_out} of 64")
+    if routing.block_expert is None or routing.block_m != BLOCK_M:
+        raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {BLOCK_M} is needed, got block_m "
+                         f"{routing.block_m}{' (dense)' if routing.block_expert is None else ''}")
+    if scales.shape != (e, n, k // BLOCK):
+        raise ValueError(f"scales {tuple(scales.shape)} do not match weights [{e}, {n}, {k}]")
+    y = torch.empty((routing.num_pairs, n_out), dtype=x.dtype, device=x.device)
+    if routing.num_pairs == 0:
+        return y
+    g, s_ge, s_gn = _global_2d(global_scale, e, n)
+    sc = scales.view(torch.uint8)
+    rs = row_scale.reshape(-1) if row_scale is not None else g
+    grid = (routing.block_expert.numel(), n_out // 64)
+    _w4a16_regs_kernel[grid](
+        x, packed_thread.view(torch.int32), sc, g, rs, y, routing.sorted_pairs, routing.block_expert,
+        routing.num_pairs, n, e, a_div,
+        x.stride(0), packed_thread.stride(0), sc.stride(0), sc.stride(1), s_ge, s_gn, y.stride(0),
+        K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=BLOCK_M, num_warps=4)
+    return y

@@ -1,0 +1,135 @@
+"""kernels/w4a16_regs.py: the register-streamed expert kernel (Gluon; a prototype, not used by the engine).
+
+On the CPU: the thread-order layout (round trip; every stored byte is the fragment byte the module docstring names;
+the kernel's index chain, mirrored op for op in torch by `kernel_codes`, reads the checkpoint's codes back) and an
+offline sm_90 compile of both engine builds, which also proves at compile time that the decoded words are the wgmma
+A fragment without a move (`convert_layout(..., assert_trivial=True)` inside the kernel). On an sm_90 GPU: the kernel
+against `w4a16_grouped_reference` (tolerance as tests/test_kernel_w4a16_swapped.py: exact dequant, so only fp32
+summation order and one bf16 rounding differ) and bit for bit against the swap-AB kernel on the same routing (the
+same products summed in the same wgmma K order). Gluon has no CPU interpreter, so the kernel's results are checked
+only there; the GPU tests have NOT run yet (no GPU in the session that wrote them).
+"""
+
+import pytest
+import torch
+
+from kernels import w4a16_regs
+from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4
+from kernels.w4a16_regs import _codes, kernel_codes, thread_order, unthread_order
+from kernels.w4a16_swapped import frag_words
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _packed(e, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
+
+
+def test_thread_order_round_trip():
+    p = _packed(3, 128, 256, seed=1)
+    t = thread_order(p)
+    assert t.shape == p.shape and t.dtype == torch.uint8 and not torch.equal(t, p)
+    assert torch.equal(unthread_order(t), p)
+    assert torch.equal(unthread_order(thread_order(p[1])), p[1])  # unstacked [N, K/2]
+
+
+def test_kernel_index_chain_reads_the_checkpoint_codes():
+    """`kernel_codes` (the kernel's reshape / decode / join / permute chain in torch) on thread-order bytes gives the
+    checkpoint's codes for every (expert, row, k): a wrong axis in the loader or the chain moves codes."""
+    p = _packed(2, 192, 384, seed=2)
+    assert torch.equal(kernel_codes(thread_order(p)), _codes(p))
+
+
+def test_stored_bytes_are_the_fragment_bytes():
+    """Byte (s_hi, w, i, c, s_lo, e) of a tile, unscrambled, is code(row, k) | code(row, k + 8) << 4 with row =
+    16 w + 8 (e // 2) + i and k = 16 (4 s_hi + s_lo) + 2 c + e % 2 (the wgmma A fragment's thread order), at byte
+    s_hi * 2048 + (32 w + 4 i + c) * 16 + 4 s_lo + e; checked one position at a time on a 64 x 256 weight (tile 1)."""
+    p = _packed(1, 64, 256, seed=3)
+    codes = _codes(p)[0]
+    plain = frag_words(thread_order(p).reshape(-1, 4), inverse=True).reshape(-1)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        s_hi, w, i, c, s_lo, e = (int(torch.randint(0, m, (1,), generator=g)) for m in (2, 4, 8, 4, 4, 4))
+        row, k = 16 * w + 8 * (e // 2) + i, 128 + 16 * (4 * s_hi + s_lo) + 2 * c + e % 2
+        at = 4096 + s_hi * 2048 + (32 * w + 4 * i + c) * 16 + 4 * s_lo + e
+        assert int(plain[at]) == int(codes[row, k]) | int(codes[row, k + 8]) << 4
+
+
+def test_thread_order_refuses_ragged_weights():
+    with pytest.raises(ValueError, match="do not split"):
+        thread_order(_packed(1, 96, 256, seed=5))
+    with pytest.raises(ValueError, match="do not split"):
+        thread_order(_packed(1, 64, 192, seed=5))
+
+
+@pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("k,swiglu", [(2048, True), (512, False)])
+def test_compiles_for_sm90(k, swiglu):
+    """Both engine builds (gate_up: K 2048, SwiGLU; down: K 512, row scale) compile for sm_90 offline -- which
+    includes the kernel's `assert_trivial` conversion of the decoded words to the A fragment -- with no spills, and
+    the K loop loads each thread's weight words with 16-byte loads (LDG.E.128) and reads no shared memory but the
+    wgmma's B operand (no LDS / LDSM in the loop)."""
+    import inspect
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from benchmarks.sass_loop import loop_opcodes, sass_of
+
+    kern = w4a16_regs._w4a16_regs_kernel
+    names = list(inspect.signature(kern.fn).parameters)
+    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=w4a16_regs.BLOCK_M)
+    ptrs = {"x": "*bf16", "w": "*i32", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
+            "block_expert": "*i32"}
+    aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+    build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ops = loop_opcodes(sass_of(build))
+    assert ops["HGMMA"] == (16 if swiglu else 8)  # 8 wgmma k-steps of 16 per projection and K tile
+    assert ops["LDG"] == (4 if swiglu else 2) * 2  # words (2 x 16 B) + scales (2 x 8 B) per projection
+    assert ops["LDS"] == 0 and ops["LDSM"] == 0 and ops["STS"] == 0 and ops["BAR"] == 0
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(build.asm["cubin"])
+        f.flush()
+        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    assert "STACK:0" in res, res
+
+
+# ---- GPU (sm_90) ----------------------------------------------------------------------------------------------------
+def _case(t, top_k, e, n, k, swiglu, seed):
+    from kernels.w4a16_gemm import moe_align
+
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_nvfp4(torch.randn(e, n, k, generator=g) * 0.02)
+    w = NVFP4Tensor(w.packed, w.scales, w.global_scale * (0.5 + torch.rand(e, n, generator=g)))
+    idx = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)])
+    a_div = top_k if swiglu else 1
+    x = torch.randn(t * top_k // a_div, k, generator=g).to(torch.bfloat16)
+    rs = None if swiglu else torch.rand(t * top_k, generator=g)
+    w, x, idx = NVFP4Tensor(*(v.cuda() for v in w)), x.cuda(), idx.cuda()
+    return w, idx, x, None if rs is None else rs.cuda(), a_div, moe_align(idx, e, w4a16_regs.BLOCK_M)
+
+
+@pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("t,swiglu,k", [(1, True, 256), (32, True, 2048), (32, False, 512), (7, False, 256)])
+def test_matches_reference_and_swapped_kernel(t, swiglu, k):
+    from kernels.w4a16_gemm import w4a16_grouped_reference
+    from kernels.w4a16_swapped import split_frag, w4a16_grouped_swapped_launch
+
+    w, idx, x, rs, a_div, routing = _case(t, 8, 16, 256, k, swiglu, seed=11 + t)
+    y = w4a16_regs.w4a16_regs_launch(x, thread_order(w.packed), w.scales, w.global_scale, routing, a_div=a_div,
+                                     swiglu=swiglu, row_scale=rs)
+    ref = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
+    err = (y.float() - ref).abs()
+    assert bool((err <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all()), float(err.max())
+    old = w4a16_grouped_swapped_launch(x, split_frag(w.packed, 64, 128), w.scales, w.global_scale, routing,
+                                       a_div=a_div, swiglu=swiglu, row_scale=rs, frag=True)
+    assert torch.equal(y, old)
