@@ -2060,6 +2060,16 @@ if want 160; then
 say "160. issue 5: the engine with gdn_state_dtype bfloat16 beside the defaults (one process)"
 engine_out qwen_bf16state "${LIMIT_160:-200}" --decode-tokens 48 --variant 'bf16state={"gdn_state_dtype": "bfloat16"}'
 fi
+if want 161; then
+# forty-second session (no GPU): kernels/w4a16_regs.py, a Gluon expert kernel for 16-row decode blocks with the
+# weights loaded straight into the wgmma A fragment (offline sm_90 SASS: gate_up 305 / down 163 loop instructions a
+# K tile against the swap-AB kernel's 386 / 226, no shared-memory weights or barriers). Its CUDA tests first (never
+# run: the reference and bit-equality with the swap-AB kernel), then per call beside the swap-AB kernel on the same
+# inputs at 32 tokens (equal_to_swapped: bit for bit)
+say "161. issue 5: the Gluon register-streamed expert kernel's CUDA tests, then per call beside the swap-AB kernel"
+gpu_tests regs_tests "${LIMIT_161T:-150}" tests/test_kernel_w4a16_regs.py
+probe regs_ab "${LIMIT_161:-150}" swapped_ab.py --label regs --regs
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

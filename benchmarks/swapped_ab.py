@@ -12,7 +12,10 @@ Run it in the other tree with --save, then here with --compare (see gpu_next.sh 
 `--stages`: each case also timed at these pipeline depths (`config=dict(num_stages=...)`, everything else the
 engine's), its outputs compared with the default build's (the stage count moves no arithmetic). `--configs`: the same
 for each launch config of a JSON list, e.g. '[{"maxnreg": 80}, {"BLOCK_N": 128}]' (a register cap, programs of two
-stored tiles); a config a case's launch refuses is recorded with its error.
+stored tiles); a config a case's launch refuses is recorded with its error. `--regs`: the 32-token expert calls also
+on `kernels/w4a16_regs.py` (Gluon, thread-order copies of the same weights; no PDL, no launch configs; 1 and 2 K tiles
+loaded ahead), each output
+compared bit for bit with the swap-AB kernel's on the same inputs (`equal_to_swapped`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--configs", default="[]", help="JSON list of launch configs to time each case at as well")
     ap.add_argument("--expert-tile", default="", help="ROWSxK: the experts' stored tile (default SPLIT_TILE, "
                                                         "64x128), e.g. 64x256; lm_head keeps its own")
+    ap.add_argument("--regs", action="store_true", help="also time the 32-token expert calls on kernels/w4a16_regs.py")
     args = ap.parse_args()
     sweep = [dict(num_stages=int(v)) for v in args.stages.split(",") if v.strip()] + json.loads(args.configs)
     import torch
@@ -60,10 +64,20 @@ def main() -> None:
     lm = random_nvfp4((248_320, 2048), dev, gen)
     lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
 
+    if args.regs:
+        from kernels.w4a16_regs import thread_order, w4a16_regs_launch
+
+        w13t, w2t = thread_order(w13.packed), thread_order(w2.packed)
+
+    def regs_call(cfg=None, **kw):
+        if cfg is not None:
+            raise ValueError("w4a16_regs takes no launch config")
+        return w4a16_regs_launch(**kw)
+
     cases = []  # (name, [calls], [calls(config)]): several inputs per case, as a graph of decode steps would see;
     #             the second list takes a launch config (the --stages sweep)
     for tokens, bm in ((32, 16), (1024, 64)):
-        gate_up, down = [], []
+        gate_up, down, regs_gate_up, regs_down = [], [], [], []
         for _ in range(4):
             idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(tokens)])
             routing = moe_align(idx, 256, bm)
@@ -74,7 +88,18 @@ def main() -> None:
                 block_n=tile[0], block_k=tile[1]))
             down.append(lambda cfg=None, h=h, r=routing: w4a16_grouped_swapped_launch(
                 h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg, block_n=tile[0], block_k=tile[1]))
+            for ahead in (1, 2) if args.regs and bm == 16 else ():
+                regs_gate_up.append((ahead, lambda cfg=None, x=x, r=routing, a=ahead: regs_call(
+                    cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
+                    a_div=8, swiglu=True, ahead=a)))
+                regs_down.append((ahead, lambda cfg=None, h=h, r=routing, a=ahead: regs_call(
+                    cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r,
+                    ahead=a)))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
+        for ahead in (1, 2) if regs_gate_up else ():
+            cases += [(f"regs experts gate_up, {tokens} tokens, ahead {ahead}", [c for a, c in regs_gate_up
+                                                                                 if a == ahead]),
+                      (f"regs experts down, {tokens} tokens, ahead {ahead}", [c for a, c in regs_down if a == ahead])]
     for rows in (1, 16, 32):
         xs = [torch.randn(rows, 2048, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4)]
         block_m = 16 if rows <= 16 else 32  # `_frag_dense_launch`'s
@@ -92,6 +117,9 @@ def main() -> None:
         torch.cuda.synchronize()
         outputs[name] = [o.cpu() for o in outs]
         row = dict(case=name, us=round(graph_per_call_us(calls * 5), 2))
+        if name.startswith("regs "):  # the Gluon kernel against the swap-AB kernel on the same inputs
+            base = name[5:name.index(", ahead")]
+            row["equal_to_swapped"] = all(torch.equal(a, b) for a, b in zip(outputs[name], outputs[base]))
         if other is not None:
             row["equal_to_other"] = name in other and all(torch.equal(a, b) for a, b in zip(outputs[name],
                                                                                           other[name]))

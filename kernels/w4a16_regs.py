@@ -12,8 +12,10 @@ input) and waits on three CTA barriers a K tile (the pipeline's and two for the 
 order the wgmma A fragment wants them (`thread_order`), so the decode's output registers ARE the fragment
 (`gl.convert_layout(..., assert_trivial=True)` proves it at compile time): no shared memory, no barrier, no PRMT for
 the weights. The gathered activations of the row block ([BLOCK_M, K] bf16, 64 KB for gate_up) are loaded into
-shared memory once per program, the wgmma B operand of every K tile. Block scales come from the checkpoint layout,
-two 8-byte loads a thread a K tile. Each K tile's words and scales are loaded one tile ahead, into registers.
+shared memory once per program, the wgmma B operand of every K tile. Block scales stay in the checkpoint layout:
+each lane of a quad (the four lanes that share rows r and r + 8) loads one 4-byte word of them a K tile, converts it
+and takes the other three lanes' by warp shuffles. Words and scales are loaded AHEAD (1 or 2) K tiles ahead, into
+registers.
 
 Stored layout ("thread order"): tiles of THREAD_TILE = 64 weight rows x 128 K, each 4 KB contiguous, ordered
 [E][N / 64][K / 128]. Within a tile, byte (s_hi, w, i, c, s_lo, e) at s_hi * 2048 + (32 w + 4 i + c) * 16 + 4 s_lo + e
@@ -26,16 +28,17 @@ Arithmetic: `_dequant`'s exactly (bf16 code x 2^-126 times the e4m3 block scale 
 x the global scale in the epilogue), fp32 accumulation in the swap-AB kernel's order (per K tile its 8 steps of 16,
 tiles in order), so the two kernels should agree bit for bit (a CUDA test).
 
-Offline sm_90 SASS of this first version (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it),
-K-loop instructions per K tile of 128 against the swap-AB kernel's (`benchmarks/sass_loop.py`): gate_up (SwiGLU,
-BLOCK_M 16) 449 against 386, down 233 against 226, 124 / 66 registers, 64 / 16 KB of shared memory, no shared-memory
-load and no barrier in the loop. The weights' side is as planned: words loaded as int32 (as bytes, every word was
-split into bytes and rebuilt: 638 instructions), decoded by FRAG_DECODE_PTX's formulas in int32 arithmetic (5 LOP3,
-2 SHF, 1 IMAD a word), no PRMT. The excess is the block scales: each thread converts its 16 scales a K tile and
-projection itself (the four lanes of a quad the same ones; 4 HMUL2 of gain per 4 scales) and pairs each with itself
-(PRMT), ~80 PRMT + 32 HMUL2 in gate_up's loop, where the swap-AB kernel converts a [64, 8] tile once and spreads it
-through shared memory. Next: the scales as int32 words converted in integer arithmetic, then the GPU's verdict
-(whether an issue-heavier loop without barriers or shared-memory weights streams faster).
+Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions
+per K tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16)
+**305** at AHEAD 1 (118 registers, 64 KB shared), 336 at AHEAD 2 (132; register moves), down **163** / 180 (66 / 72
+registers, 16 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of
+words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there: words loaded as bytes were split into
+bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in int32
+arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales then took ~80 PRMT (bytes rebuilt for the PTX conversion,
+each thread converting all 16 of its scales) -- as words converted in integer arithmetic, 322 with a layout
+conversion through shared memory (a barrier back in the loop), 305 with the shuffles. Whether a loop with more
+occupancy-bound latency but no barrier or shared-memory weight traffic streams faster is the GPU's to say
+(`gpu_next.sh` step 161).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch
 
 from kernels.nvfp4 import BLOCK, NVFP4Tensor
 from kernels.w4a16_gemm import MoeRouting, _global_2d
-from kernels.w4a16_swapped import E2M1_BF16_MASK, E4M3_GAINED_PTX, FRAG_O3, FRAG_ROTATIONS, frag_words
+from kernels.w4a16_swapped import E2M1_BF16_MASK, FRAG_O3, FRAG_ROTATIONS, frag_words
 
 try:
     from triton.experimental import gluon
@@ -105,6 +108,27 @@ def kernel_codes(stored: torch.Tensor) -> torch.Tensor:
     return a.reshape(e, n, 2 * kh)
 
 
+def kernel_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The block scale the kernel applies to each weight, mirrored in torch op for op (`_scale_offsets`, `_scales`):
+    e4m3 bytes [E, N, K/16] -> float32 [E, N, K]. Per (row tile, K tile) lane 4 i + c of warp w holds the word f =
+    32 w + 4 i + c (row 16 w + 8 (c // 2) + i, blocks 4 (c % 2) ..), takes its quad's four words j = 0..3 by
+    shuffles, joins them as [f, s_lo, j % 2, j // 2], reads that as [s_hi, w, i, c, s_lo, rh], joins it with itself
+    for kl and is multiplied into `kernel_codes`' [s_hi, w, i, c, s_lo, rh, kl] before the same permute to
+    [64, 128]. The CPU test that this equals scales[row, k // 16] checks the scale side's index chain."""
+    e, n, kb = scales.shape
+    bn, bk = THREAD_TILE
+    rt, kt = n // bn, kb * BLOCK // bk
+    val = scales.view(torch.float8_e4m3fn).float().view(e, rt, 4, 2, 8, kt, 2, 4)  # e, rt, w, rh, i, t, s_hi, s_lo
+    v = val.permute(0, 1, 5, 2, 4, 3, 6, 7).reshape(e, rt, kt, 4, 8, 4, 4)  # [.., w, i, c = 2 rh + s_hi, s_lo]
+    o = [v[..., j:j + 1, :].expand(v.shape) for j in range(4)]  # o_j: lane quad + j's words, every c
+    q = torch.stack((torch.stack((o[0], o[1]), -1), torch.stack((o[2], o[3]), -1)), -1)  # [.., s_lo, j % 2, j // 2]
+    q = q.permute(0, 1, 2, 7, 3, 4, 5, 6, 8)  # [.., s_hi, w, i, c, s_lo, rh]
+    q = torch.stack((q, q), -1)  # [.., rh, kl]
+    a = torch.stack((q, q), -1)  # lo and hi (kh) take the same scale
+    a = a.permute(0, 1, 2, 4, 8, 5, 3, 7, 10, 6, 9)  # `kernel_codes`' permute: [.., w, rh, i, s_hi, s_lo, kh, c, kl]
+    return a.reshape(e, rt, kt, bn, bk).permute(0, 1, 3, 2, 4).reshape(e, n, kb * BLOCK)
+
+
 def unthread_order(stored: torch.Tensor) -> torch.Tensor:
     """The inverse of `thread_order` (through `kernel_codes`)."""
     flat = stored.dim() == 2
@@ -121,11 +145,11 @@ def experts_thread_order(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[NVFP4Tensor
 
 # ---- Gluon kernel ---------------------------------------------------------------------------------------------------
 if gluon is not None:
-    _E4M3_GAINED = gl.constexpr(E4M3_GAINED_PTX)
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the name in Triton >= 3.7 / 3.6
     _MASK = gl.constexpr(E2M1_BF16_MASK)  # `frag_decode_word`'s constants
     _ROT1, _ROT2 = gl.constexpr(FRAG_ROTATIONS[0]), gl.constexpr(FRAG_ROTATIONS[1])
     _O3_BITS, _O3_MUL = gl.constexpr(FRAG_O3[0]), gl.constexpr(FRAG_O3[1])
+    _TWO_120, _TWO_119 = gl.constexpr(2.0**120), gl.constexpr(2.0**119)
 
     @gluon.jit
     def _halves(o):
@@ -149,11 +173,6 @@ if gluon is not None:
         return lo, hi
 
     @gluon.jit
-    def _gained(b):
-        """e4m3 scale bytes (non-negative) -> scale x 2^119 in bf16, exact (`w4a16_swapped._e4m3_bf16_gained`)."""
-        return gl.inline_asm_elementwise(_E4M3_GAINED, "=r,=r,r", [b], dtype=gl.bfloat16, is_pure=True, pack=4)
-
-    @gluon.jit
     def _word_offsets(num_warps: gl.constexpr):
         """int32-word offsets within a 4 KB tile in the load's layout: thread t's two 16-byte runs, words 4 t.. and
         512 + 4 t.. (registers: the 4 words, then the second run; lanes and warps: t)."""
@@ -163,27 +182,53 @@ if gluon is not None:
         return gl.arange(0, 1024, layout=WL)
 
     @gluon.jit
-    def _scale_offsets(s_sn):
-        """[rh 2, w 4, i 8, c 4, s_hi 2, s_lo 4] offsets of the block scales a thread needs for one K tile (rows
-        16 w + 8 rh + i, the tile's 8 blocks s = 4 s_hi + s_lo; c-lanes read the same bytes), registers s_lo, s_hi,
-        rh: two 8-byte runs a thread."""
-        SL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1], [2], [4], [1024]],
-                                                      lane_bases=[[8], [16], [32], [64], [128]],
-                                                      warp_bases=[[256], [512]], block_bases=[], shape=[2048])
-        f = gl.arange(0, 2048, layout=SL)  # rh * 1024 + w * 256 + i * 32 + c * 8 + s_hi * 4 + s_lo
-        row = (f // 256 % 4) * 16 + (f // 1024) * 8 + f // 32 % 8
-        return row * s_sn + f % 8
+    def _scale_offsets(s_wn):
+        """[w 4, i 8, rh 2, s_hi 2] int32-word offsets of a program's block scales for one K tile: lane 4 i + c of
+        warp w loads the word of row 16 w + 8 rh + i (c = 2 rh + s_hi) holding blocks 4 s_hi .. + 3 of the tile, so a
+        quad loads its two rows' 16 scales once (`s_wn`: words per weight row, K / 64)."""
+        QL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[], lane_bases=[[1], [2], [4], [8], [16]],
+                                                      warp_bases=[[32], [64]], block_bases=[], shape=[128])
+        f = gl.arange(0, 128, layout=QL)  # w * 32 + i * 4 + rh * 2 + s_hi
+        return ((f // 32) * 16 + (f // 2 % 2) * 8 + f // 4 % 8) * s_wn + f % 2
+
+    @gluon.jit
+    def _from_lane(v, src):
+        """v [.., 4] bf16 (two registers a thread) as held by lane `src` (int32, v's shape) of the warp (shfl.sync.idx;
+        every lane of the warp executes it). The result's labels stay the caller's: it relabels them."""
+        return gl.inline_asm_elementwise(
+            "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r,r", [v, src], dtype=gl.bfloat16,
+            is_pure=True, pack=2)
+
+    @gluon.jit
+    def _scales(b, like):
+        """Scale words [128] (`_scale_offsets`) -> scale x 2^119 as bf16 [s_hi, w, i, c, s_lo, rh, kl] in the layout
+        of the decoded weights (`like`, [s_hi, w, i, c, s_lo, rh, kl]). Each lane converts
+        its own 4 bytes: (byte & 0x7F) << 4 is scale x 2^-120 as bf16 bits (subnormals included), two exact products
+        by powers of two make it scale x 2^119 (`w4a16_swapped._e4m3_bf16_gained`'s arithmetic); then each lane takes
+        the quad's four converted words by warp shuffles (`_from_lane`: a layout conversion went through shared memory
+        and a barrier). The values of [s_hi, w, i, c, s_lo, rh, kl] do not depend on c or kl."""
+        w = b.to(gl.uint32, bitcast=True)
+        p01 = ((w << 4) & 0x7F0) | ((w << 12) & 0x7F00000)  # bytes 0, 1 as the halves' bf16 bits
+        p23 = ((w >> 12) & 0x7F0) | ((w >> 4) & 0x7F00000)  # bytes 2, 3
+        v = gl.reshape(gl.join(_halves(p01), _halves(p23)), [128, 4])  # [f, s_lo]  (s_lo = 2 j + h)
+        v = v * _TWO_120  # bf16 products by powers of two: exact
+        v = v * _TWO_119
+        lane = gl.arange(0, 128, layout=b.type.layout) % 32  # this thread's lane
+        quad = gl.reshape(gl.join(gl.join(lane, lane), gl.join(lane, lane)), [128, 4]) // 4 * 4  # v's shape, layout
+        o0, o1 = _from_lane(v, quad), _from_lane(v, quad + 1)  # o_j: lane j's words of the quad, [f, s_lo]
+        o2, o3 = _from_lane(v, quad + 2), _from_lane(v, quad + 3)
+        q = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [f, s_lo, s_hi, rh]: j = 2 rh + s_hi
+        q = gl.permute(gl.reshape(q, [4, 8, 4, 4, 2, 2]), (4, 0, 1, 2, 3, 5))  # [s_hi, w, i, c, s_lo, rh]
+        return gl.convert_layout(gl.join(q, q), like.type.layout)  # kl: both k of a pair, one scale
 
     @gluon.jit
     def _weights(u, sc):
-        """One K tile's int32 words [1024] and scale bytes [2048] (`_word_offsets`, `_scale_offsets` layouts) -> the
+        """One K tile's int32 words [1024] and scale words [128] (`_word_offsets`, `_scale_offsets` layouts) -> the
         wgmma A operand [64, 128] bf16 (code x scale x 2^-7), in the A fragment's layout without a move."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         lo, hi = _decode(gl.reshape(u, [2, 4, 8, 4, 4]))  # [s_hi, w, i, c, s_lo] words -> [.., s_lo, rh, kl]
-        s = _gained(gl.reshape(sc, [2, 4, 8, 4, 2, 4]))  # [rh, w, i, c, s_hi, s_lo]
-        s = gl.permute(s, (4, 1, 2, 3, 5, 0))  # [s_hi, w, i, c, s_lo, rh]
-        s = gl.convert_layout(gl.join(s, s), lo.type.layout)  # [.., s_lo, rh, kl]: both k of a pair, one scale
+        s = _scales(sc, lo)  # [s_hi, w, i, c, s_lo, rh, kl]
         lo = lo * s
         hi = hi * s
         a = gl.permute(gl.join(lo, hi), (1, 5, 2, 0, 4, 7, 3, 6))  # [w, rh, i, s_hi, s_lo, kh, c, kl]
@@ -193,10 +238,11 @@ if gluon is not None:
     def _w4a16_regs_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, E, A_DIV,
                            s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
                            K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
-                           BLOCK_M: gl.constexpr):
+                           BLOCK_M: gl.constexpr, AHEAD: gl.constexpr = 1):
         # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns (weight rows, the wgmma M) x the
         # BLOCK_M sorted pairs of row block pid_m (the wgmma N). SWIGLU: N = 2 N_out stored rows, column n uses n
         # (gate) and n + N_out (up). w: thread order (`thread_order`), s: block scales [E, N, K/16] e4m3 bytes.
+        # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers.
         KT: gl.constexpr = K // 128
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BLOCK_M, 128] bf16 gathers
@@ -219,9 +265,9 @@ if gluon is not None:
             _cta_barrier()
             # weights: tile (pid_n, t) of expert e is 1,024 words at (pid_n * KT + t) * 1024; up rows n_out further
             we = w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024) + _word_offsets(4)  # int32 words
-            se = s + e.to(gl.int64) * s_se + pid_n * 64 * s_sn + _scale_offsets(s_sn)
+            se = s + e.to(gl.int64) * (s_se // 4) + pid_n * 64 * (s_sn // 4) + _scale_offsets(s_sn // 4)  # words
             up_w = (n_out // 64) * (KT * 1024)
-            up_s = n_out * s_sn
+            up_s = n_out * (s_sn // 4)
             acc = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
             acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
             u = gl.load(we)
@@ -229,23 +275,33 @@ if gluon is not None:
             if SWIGLU:
                 v = gl.load(we + up_w)
                 vc = gl.load(se + up_s)
+            if AHEAD == 2:  # tile 1 as well (masked when K is one tile)
+                u1 = gl.load(we + 1024, mask=1 < KT)
+                sc1 = gl.load(se + 2, mask=1 < KT)
+                if SWIGLU:
+                    v1 = gl.load(we + up_w + 1024, mask=1 < KT)
+                    vc1 = gl.load(se + up_s + 2, mask=1 < KT)
             for t in range(KT):
-                more = t + 1 < KT  # the next tile's words and scales, one tile ahead in registers
-                u_next = gl.load(we + (t + 1) * 1024, mask=more)
-                sc_next = gl.load(se + (t + 1) * 8, mask=more)
+                more = t + AHEAD < KT  # tile t + AHEAD's words and scales, in registers while tile t computes
+                u_n = gl.load(we + (t + AHEAD) * 1024, mask=more)
+                sc_n = gl.load(se + (t + AHEAD) * 2, mask=more)
                 b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
                 acc = warpgroup_mma(_weights(u, sc), b, acc, is_async=True)
                 if SWIGLU:
-                    v_next = gl.load(we + up_w + (t + 1) * 1024, mask=more)
-                    vc_next = gl.load(se + up_s + (t + 1) * 8, mask=more)
+                    v_n = gl.load(we + up_w + (t + AHEAD) * 1024, mask=more)
+                    vc_n = gl.load(se + up_s + (t + AHEAD) * 2, mask=more)
                     acc_up = warpgroup_mma(_weights(v, vc), b, acc_up, is_async=True)
-                    v = v_next
-                    vc = vc_next
+                    if AHEAD == 2:
+                        v, vc, v1, vc1 = v1, vc1, v_n, vc_n
+                    else:
+                        v, vc = v_n, vc_n
                 # settle: no wgmma in flight while the next tile's decode writes registers (the ptxas hazard of
                 # `w4a16_swapped`'s SETTLE comment)
                 acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-                u = u_next
-                sc = sc_next
+                if AHEAD == 2:
+                    u, sc, u1, sc1 = u1, sc1, u_n, sc_n
+                else:
+                    u, sc = u_n, sc_n
             # epilogue: x 2^7 (the dequant's gain) x the global scale, SwiGLU, row scale; y[pair, n]
             offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
             pairs = gl.load(sorted_pairs + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC)))
@@ -272,10 +328,11 @@ def supports(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting) -> bool:
 
 def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
-                      row_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      row_scale: torch.Tensor | None = None, ahead: int = 1) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
-    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16."""
+    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2):
+    K tiles of weights loaded ahead into registers (2: ~18 more registers a thread; which is faster is unmeasured)."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     e, n, kh = packed_thread.shape
@@ -288,18 +345,20 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     if routing.block_expert is None or routing.block_m != BLOCK_M:
         raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {BLOCK_M} is needed, got block_m "
                          f"{routing.block_m}{' (dense)' if routing.block_expert is None else ''}")
+    if ahead not in (1, 2):
+        raise ValueError(f"w4a16_regs: ahead must be 1 or 2, got {ahead!r}")
     if scales.shape != (e, n, k // BLOCK):
         raise ValueError(f"scales {tuple(scales.shape)} do not match weights [{e}, {n}, {k}]")
     y = torch.empty((routing.num_pairs, n_out), dtype=x.dtype, device=x.device)
     if routing.num_pairs == 0:
         return y
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
-    sc = scales.view(torch.uint8)
+    sc = scales.view(torch.uint8).view(torch.int32)  # [E, N, K/64]: 4 block scales a word
     rs = row_scale.reshape(-1) if row_scale is not None else g
     grid = (routing.block_expert.numel(), n_out // 64)
     _w4a16_regs_kernel[grid](
         x, packed_thread.view(torch.int32), sc, g, rs, y, routing.sorted_pairs, routing.block_expert,
         routing.num_pairs, n, e, a_div,
-        x.stride(0), packed_thread.stride(0), sc.stride(0), sc.stride(1), s_ge, s_gn, y.stride(0),
-        K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=BLOCK_M, num_warps=4)
+        x.stride(0), packed_thread.stride(0), 4 * sc.stride(0), 4 * sc.stride(1), s_ge, s_gn, y.stride(0),
+        K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=BLOCK_M, AHEAD=ahead, num_warps=4)
     return y

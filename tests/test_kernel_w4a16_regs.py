@@ -41,6 +41,15 @@ def test_kernel_index_chain_reads_the_checkpoint_codes():
     assert torch.equal(kernel_codes(thread_order(p)), _codes(p))
 
 
+def test_kernel_scale_chain_reads_the_checkpoint_scales():
+    """`kernel_block_scales` (the kernel's scale loads, quad shuffles, joins and permutes in torch) gives every weight
+    its checkpoint block scale scales[row, k // 16]: a wrong lane, join order or axis moves scales."""
+    g = torch.Generator().manual_seed(6)
+    scales = torch.randint(0, 0x7F, (2, 128, 512 // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    want = scales.float().repeat_interleave(16, dim=-1)
+    assert torch.equal(w4a16_regs.kernel_block_scales(scales), want)
+
+
 def test_stored_bytes_are_the_fragment_bytes():
     """Byte (s_hi, w, i, c, s_lo, e) of a tile, unscrambled, is code(row, k) | code(row, k + 8) << 4 with row =
     16 w + 8 (e // 2) + i and k = 16 (4 s_hi + s_lo) + 2 c + e % 2 (the wgmma A fragment's thread order), at byte
@@ -56,6 +65,26 @@ def test_stored_bytes_are_the_fragment_bytes():
         assert int(plain[at]) == int(codes[row, k]) | int(codes[row, k + 8]) << 4
 
 
+def test_launcher_refuses_what_it_cannot_run():
+    """Argument errors come before any Triton work (so on the CPU too)."""
+    from kernels.w4a16_gemm import moe_align
+
+    w = quantize_nvfp4(torch.randn(2, 128, 256) * 0.02)
+    idx = torch.tensor([[0], [1]])
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    launch = w4a16_regs.w4a16_regs_launch
+    if w4a16_regs.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    with pytest.raises(ValueError, match="bf16"):
+        launch(x.float(), thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16))
+    with pytest.raises(ValueError, match="block_m 16"):
+        launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 32))
+    with pytest.raises(ValueError, match="ahead"):
+        launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), ahead=3)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        launch(x[:, :192], w.packed[..., :96], w.scales[..., :12], w.global_scale, moe_align(idx, 2, 16))
+
+
 def test_thread_order_refuses_ragged_weights():
     with pytest.raises(ValueError, match="do not split"):
         thread_order(_packed(1, 96, 256, seed=5))
@@ -64,12 +93,13 @@ def test_thread_order_refuses_ragged_weights():
 
 
 @pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("k,swiglu", [(2048, True), (512, False)])
-def test_compiles_for_sm90(k, swiglu):
+def test_compiles_for_sm90(k, swiglu, ahead):
     """Both engine builds (gate_up: K 2048, SwiGLU; down: K 512, row scale) compile for sm_90 offline -- which
     includes the kernel's `assert_trivial` conversion of the decoded words to the A fragment -- with no spills, and
-    the K loop loads each thread's weight words with 16-byte loads (LDG.E.128) and reads no shared memory but the
-    wgmma's B operand (no LDS / LDSM in the loop)."""
+    the K loop loads each thread's weight words and its one scale word from global memory, shares the scales within
+    each quad by shuffles and touches shared memory only as the wgmma's B operand (no LDS / STS / barrier)."""
     import inspect
     import subprocess
     import tempfile
@@ -83,8 +113,8 @@ def test_compiles_for_sm90(k, swiglu):
 
     kern = w4a16_regs._w4a16_regs_kernel
     names = list(inspect.signature(kern.fn).parameters)
-    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=w4a16_regs.BLOCK_M)
-    ptrs = {"x": "*bf16", "w": "*i32", "s": "*u8", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
+    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=w4a16_regs.BLOCK_M, AHEAD=ahead)
+    ptrs = {"x": "*bf16", "w": "*i32", "s": "*i32", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
             "block_expert": "*i32"}
     aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
@@ -93,8 +123,9 @@ def test_compiles_for_sm90(k, swiglu):
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ops = loop_opcodes(sass_of(build))
     assert ops["HGMMA"] == (16 if swiglu else 8)  # 8 wgmma k-steps of 16 per projection and K tile
-    assert ops["LDG"] == (4 if swiglu else 2) * 2  # words (2 x 16 B) + scales (2 x 8 B) per projection
-    assert ops["LDS"] == 0 and ops["LDSM"] == 0 and ops["STS"] == 0 and ops["BAR"] == 0
+    assert ops["LDG"] == (2 if swiglu else 1) * 3  # per projection: the words (2 x 16 B) and one scale word
+    assert ops["SHFL"] == (2 if swiglu else 1) * 8  # the quad's four scale words, two registers each
+    assert ops["LDS"] == 0 and ops["LDSM"] == 0 and ops["STS"] == 0 and ops["STSM"] == 0 and ops["BAR"] == 0
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(build.asm["cubin"])
@@ -119,14 +150,15 @@ def _case(t, top_k, e, n, k, swiglu, seed):
 
 
 @pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("t,swiglu,k", [(1, True, 256), (32, True, 2048), (32, False, 512), (7, False, 256)])
-def test_matches_reference_and_swapped_kernel(t, swiglu, k):
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("t,swiglu,k", [(1, True, 256), (32, True, 2048), (32, False, 512), (7, False, 128)])
+def test_matches_reference_and_swapped_kernel(t, swiglu, k, ahead):
     from kernels.w4a16_gemm import w4a16_grouped_reference
     from kernels.w4a16_swapped import split_frag, w4a16_grouped_swapped_launch
 
     w, idx, x, rs, a_div, routing = _case(t, 8, 16, 256, k, swiglu, seed=11 + t)
     y = w4a16_regs.w4a16_regs_launch(x, thread_order(w.packed), w.scales, w.global_scale, routing, a_div=a_div,
-                                     swiglu=swiglu, row_scale=rs)
+                                     swiglu=swiglu, row_scale=rs, ahead=ahead)
     ref = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
     err = (y.float() - ref).abs()
     assert bool((err <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all()), float(err.max())
