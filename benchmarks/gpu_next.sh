@@ -2070,6 +2070,13 @@ say "161. issue 5: the Gluon register-streamed expert kernel's CUDA tests, then 
 gpu_tests regs_tests "${LIMIT_161T:-150}" tests/test_kernel_w4a16_regs.py
 probe regs_ab "${LIMIT_161:-150}" swapped_ab.py --label regs --regs
 fi
+if want 162; then
+# forty-second session: the engine with the thread-order expert copy (QwenEngineConfig.expert_regs: the 5 to ~500
+# token calls on kernels/w4a16_regs.py) beside the defaults in one process; its start-up check compares the kernel
+# with the reference (kernel_checks "w4a16_moe[thread_order]" in the JSON). Only worth running after step 161
+say "162. issue 5: the engine with expert_regs beside the defaults (one process)"
+engine_out qwen_regs "${LIMIT_162:-230}" --decode-tokens 48 --variant 'regs={"expert_regs": true}'
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -348,7 +348,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        gdn_decode_norm: bool = False, small_batch_tokens: int = 4,
                        gdn_prep_split_v_rows: int | None = None,
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
-                       picks: list | None = None, gdn_state_dtype: str = "float32") -> dict:
+                       picks: list | None = None, gdn_state_dtype: str = "float32",
+                       expert_regs: bool = False) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -374,7 +375,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
-                            gdn_state_dtype=gdn_state_dtype,
+                            gdn_state_dtype=gdn_state_dtype, expert_regs=expert_regs,
                             **{k: v for k, v in dict(argmax_kernel=argmax_kernel,  # None: the config's default
                                                      attn_gate_in_combine=attn_gate_in_combine,
                                                      async_decode=async_decode,
@@ -496,13 +497,15 @@ def _remember_flag_defaults() -> None:
 
 def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
-    oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout,
+    oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout, no
+    thread-order expert copy (`expert_regs`),
     no programmatic launches, the GDN prep's default tiling, and the module flags an engine sets (the FP8 quantiser
     in the producing ops, the GDN prep's row split, the attention's output gate) as their modules define them
     (`_FLAG_DEFAULTS`)."""
     from kernels import gdn_prep, pdl
     from qwen_engine.engine import (
         set_combine_next_norm,
+        set_expert_regs,
         set_gdn_decode_norm,
         set_gdn_z_stream,
         set_lm_head_layout,
@@ -521,6 +524,7 @@ def _engine_settings_off(model) -> None:
     set_shared_expert_after_router(model, False)
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = gdn_prep.DEFAULT_TILING
     set_lm_head_layout(model, "checkpoint")
+    set_expert_regs(model, False, torch.device("cpu"), torch.float32)  # drops any thread-order copy
     pdl.set_enabled(False)
     pdl.set_prefetch("off")
     for path, value in _FLAG_DEFAULTS.items():

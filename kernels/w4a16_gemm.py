@@ -747,9 +747,9 @@ def tile_major_ok(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 # (`kernels/w4a16_swapped.py`, the engine's layout on CUDA); split halves in fragment order (`split_frag`: the same
 # kernel reading shared memory 4 bytes at a time: 15-27% faster per call on the H200, the engine's default on Hopper
 # through `qwen_engine.load_packed`'s "dual_frag"). Block and global scales keep the checkpoint layout.
-CHECKPOINT, TILE_MAJOR, SPLIT_HALVES, SPLIT_FRAG = 0, 1, 2, 3
+CHECKPOINT, TILE_MAJOR, SPLIT_HALVES, SPLIT_FRAG, THREAD_ORDER = 0, 1, 2, 3, 4
 EXPERT_LAYOUTS = {"checkpoint": CHECKPOINT, "tile_major": TILE_MAJOR, "split_halves": SPLIT_HALVES,
-                  "split_frag": SPLIT_FRAG}
+                  "split_frag": SPLIT_FRAG, "thread_order": THREAD_ORDER}  # THREAD_ORDER: kernels/w4a16_regs.py
 SWAPPED_LAYOUTS = (SPLIT_HALVES, SPLIT_FRAG)  # the layouts the swap-AB kernel reads (`kernels/w4a16_swapped.py`)
 LAYOUT_NAMES = {code: name for name, code in EXPERT_LAYOUTS.items()}
 
@@ -760,7 +760,7 @@ def layout_ok(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int) -> bool:
         return True
     if layout == TILE_MAJOR:
         return tile_major_ok(w13, w2)
-    if layout in SWAPPED_LAYOUTS:
+    if layout in SWAPPED_LAYOUTS or layout == THREAD_ORDER:  # the same 64 x 128 tiles
         from kernels.w4a16_swapped import split_halves_ok
 
         return split_halves_ok(w13, w2)
@@ -778,6 +778,10 @@ def experts_repack(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: int,
         from kernels.w4a16_swapped import experts_split_halves
 
         return experts_split_halves(w13, w2, inverse, frag=layout == SPLIT_FRAG)
+    if layout == THREAD_ORDER:
+        from kernels.w4a16_regs import experts_thread_order
+
+        return experts_thread_order(w13, w2, inverse)
     raise ValueError(f"unknown expert layout {layout!r} (one of {EXPERT_LAYOUTS})")
 
 
@@ -887,11 +891,18 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch).
     `layout` (EXPERT_LAYOUTS): CHECKPOINT -> the grouped kernel, autotuned; TILE_MAJOR -> the grouped kernel on
     TILE_MAJOR_TILES (`_tile_major_config`, no autotuning); SPLIT_HALVES / SPLIT_FRAG -> the swap-AB kernel
-    (`kernels/w4a16_swapped.py`, its fixed configs)."""
+    (`kernels/w4a16_swapped.py`, its fixed configs); THREAD_ORDER -> `kernels/w4a16_regs.py` (Gluon, sm_90; 16-row
+    blocks whatever the call's size: the engine gives it decode-sized calls only, `NVFP4Experts.repack_regs`)."""
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if layout in SWAPPED_LAYOUTS:
+    if layout == THREAD_ORDER:
+        from kernels.w4a16_regs import BLOCK_M, w4a16_regs_launch
+
+        routing = moe_align_fast(idx, num_experts, BLOCK_M)
+        h = w4a16_regs_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True)  # [P, I]
+        y = w4a16_regs_launch(h, p2, s2, g2, routing, row_scale=weights)  # [P, H], weighted
+    elif layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import SPLIT_TILE, decode_split, swapped_block_m, w4a16_grouped_swapped_launch
 
         frag = layout == SPLIT_FRAG
@@ -1005,9 +1016,15 @@ def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.
 
 
 def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool, globals_ok: bool,
-                 layout: int = CHECKPOINT, **_: Any) -> bool:
+                 layout: int = CHECKPOINT, k: int = 0, k_down: int = 0, **_: Any) -> bool:
     """As `supports_dense`, for stacked [E, 2I, H] gate_up and [E, H, I] down weights and [T, k] routing; fragment-
-    order experts (SPLIT_FRAG) only where their PTX runs (`frag_capability_ok`: sm_90 on CUDA)."""
+    order experts (SPLIT_FRAG) only where their PTX runs (`frag_capability_ok`: sm_90 on CUDA); thread-order experts
+    (THREAD_ORDER) only where `kernels/w4a16_regs.py` runs (`regs_ok`: compiled Gluon on sm_90, bf16, K <= MAX_K;
+    never in the interpreter, so the reference serves them on the CPU)."""
+    if layout == THREAD_ORDER:
+        from kernels.w4a16_regs import regs_ok
+
+        return shapes_ok and globals_ok and regs_ok(device, capability, dtype, k, k_down)
     return (_device_ok(device, capability) and dtype in ACT_DTYPES and shapes_ok and globals_ok
             and (layout != SPLIT_FRAG or frag_capability_ok(device, capability)))
 

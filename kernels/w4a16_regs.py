@@ -138,9 +138,12 @@ def unthread_order(stored: torch.Tensor) -> torch.Tensor:
     return out[0] if flat else out
 
 
-def experts_thread_order(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-    """Both expert stacks in thread order; block and global scales stay in the checkpoint layout."""
-    return tuple(NVFP4Tensor(thread_order(w.packed), w.scales, w.global_scale) for w in (w13, w2))
+def experts_thread_order(w13: NVFP4Tensor, w2: NVFP4Tensor,
+                         inverse: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Both expert stacks in thread order (or back to the checkpoint's with `inverse`); block and global scales stay
+    in the checkpoint layout (`kernels.w4a16_gemm.experts_repack`'s THREAD_ORDER)."""
+    f = unthread_order if inverse else thread_order
+    return tuple(NVFP4Tensor(f(w.packed), w.scales, w.global_scale) for w in (w13, w2))
 
 
 # ---- Gluon kernel ---------------------------------------------------------------------------------------------------
@@ -316,14 +319,15 @@ if gluon is not None:
             gl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
 
 
-def supports(x: torch.Tensor, w: NVFP4Tensor, routing: MoeRouting) -> bool:
-    """Gluon present, a CUDA sm_90 device (the kernel's wgmma and PTX), bf16 activations, routed row blocks of
-    BLOCK_M, K a multiple of 128 up to MAX_K, N of 64."""
-    if gluon is None or not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
-    n, kh = w.packed.shape[-2:]
-    return (x.dtype == torch.bfloat16 and routing.block_expert is not None and routing.block_m == BLOCK_M
-            and 2 * kh % 128 == 0 and 2 * kh <= MAX_K and n % 64 == 0)
+def regs_ok(device: str, capability, dtype: torch.dtype, k: int, k_down: int) -> bool:
+    """Whether the routed-expert op can run on this kernel (`kernels.w4a16_gemm.supports_moe` for THREAD_ORDER):
+    Triton with Gluon, compiled (Gluon has no interpreter), an sm_90 CUDA device (wgmma; the shuffles and bf16x2
+    products), bf16 activations, both projections' K (gate_up's H, down's I) multiples of 128 up to MAX_K."""
+    from kernels.w4a16_gemm import _interpreted
+
+    return (gluon is not None and not _interpreted() and device == "cuda" and capability is not None
+            and tuple(capability) == (9, 0) and dtype == torch.bfloat16
+            and all(0 < v <= MAX_K and v % 128 == 0 for v in (k, k_down)))
 
 
 def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,

@@ -234,6 +234,14 @@ class QwenEngineConfig:
     #                               past 4 the tensor-core decode GEMV takes them with the pairs grouped by expert
     #                               (and the shared expert runs dense, not as a 9th pair). H200 run 58, 32 streams:
     #                               3,004.8 at 32 against 3,370.9 tok/s at 4 (the swap-AB kernel): so None
+    expert_regs: bool = False  # packed models: a third copy of the routed experts in thread order
+    #                             (NVFP4Experts.repack_regs, +16 GB at full size) for the decode-sized calls the
+    #                             swap-AB kernel runs in 16-row blocks (5 to ~500 tokens), on kernels/w4a16_regs.py
+    #                             (Gluon: each weight word loaded straight into the wgmma A fragment). sm_90 with
+    #                             Gluon only (elsewhere a warning, nothing held). NOT YET RUN ON A GPU: prepared in
+    #                             the forty-second session (offline sm_90 SASS 305 / 163 loop instructions a K tile
+    #                             against the swap-AB kernel's 386 / 226); the start-up self-check compares it with
+    #                             the reference (check_expert_layouts) before any request
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -291,6 +299,8 @@ class QwenEngineConfig:
         check_shared_expert_in_moe(self.shared_expert_in_moe)
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
             raise ValueError(f"gdn_state_dtype must be one of {list(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
+        if not isinstance(self.expert_regs, bool):
+            raise ValueError(f"expert_regs must be true or false, got {self.expert_regs!r}")
         if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
         from kernels.w4a16_mma import SORTED_MAX_TOKENS
@@ -417,6 +427,7 @@ class QwenEngine:
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
+        self.expert_regs = set_expert_regs(self.model, cfg.expert_regs, self.device, self.dtype)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -623,6 +634,7 @@ class QwenEngine:
             "combine_next_norm": self.combine_next_norm,
             "small_batch_tokens": self.small_batch_tokens,
             "lm_head_layout": self.lm_head_layout,
+            "expert_regs": self.expert_regs,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
@@ -986,6 +998,35 @@ def set_small_batch_tokens(model: torch.nn.Module, tokens: int | None) -> int:
     return held
 
 
+def set_expert_regs(model: torch.nn.Module, on: bool, device: torch.device, dtype: torch.dtype) -> int:
+    """Give every routed-expert stack a thread-order copy (`NVFP4Experts.repack_regs`) when `on` and
+    `kernels/w4a16_regs.py` can run here (`regs_ok`: sm_90, Gluon, bf16, the model's K), else drop any such copy (a
+    model shared between engines: the next engine's setting holds); returns how many stacks hold one."""
+    from kernels.w4a16_regs import regs_ok
+
+    from .model.quantized import NVFP4Experts
+
+    stacks = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
+    if on and stacks:
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        k, k_down = stacks[0].gate_up_packed.shape[-1] * 2, stacks[0].down_packed.shape[-1] * 2
+        if not regs_ok(device.type, cap, dtype, k, k_down):
+            log.warning("expert_regs: kernels/w4a16_regs.py does not run here (it needs Triton with Gluon, compiled, "
+                        "an sm_90 GPU, bf16 and K <= 2048; device %s %s, dtype %s, K %d / %d); no copy held",
+                        device, cap, dtype, k, k_down)
+            on = False
+    held = 0
+    for m in stacks:
+        if on and m.repack_regs():
+            held += 1
+        elif not on:
+            m._drop_regs_copy()
+    if on and held < len(stacks):
+        log.warning("expert_regs: %d of %d expert stacks do not split into 64 x 128 tiles; they keep the swap-AB "
+                    "kernel", len(stacks) - held, len(stacks))
+    return held
+
+
 def set_shared_expert_after_router(model: torch.nn.Module, on: bool) -> int:
     """Set `SparseMoE.shared_after_router` on every MoE layer; returns how many layers took it. It acts only where
     `shared_stream` forks the shared expert."""
@@ -1062,6 +1103,8 @@ def check_expert_layouts(model: torch.nn.Module, device: torch.device, registry)
     for mod in model.modules():
         if isinstance(mod, NVFP4Experts):
             used |= {(mod.layout, 3)} | ({(mod.small_layout, 3)} if mod.small_tokens else set())
+            if mod.regs_copy:  # `repack_regs`: the thread-order copy's kernel, checked against the reference
+                used.add((w.THREAD_ORDER, 3))
             if mod.small_tokens > SMALL_ROWS:  # small_batch_tokens: more tokens on the copy (another kernel path)
                 used.add((mod.small_layout, min(mod.small_tokens, 16)))
     out = {}
@@ -1104,7 +1147,8 @@ def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
         if isinstance(mod, NVFP4Experts):
             dual = (f" + {LAYOUT_NAMES[mod.small_layout]} for <= {mod.small_tokens} tokens" if mod.small_tokens
                     else "")
-            name = LAYOUT_NAMES[mod.layout] + dual
+            regs = " + thread_order for <= 16 pairs an expert" if mod.regs_copy else ""
+            name = LAYOUT_NAMES[mod.layout] + dual + regs
             out[name] = out.get(name, 0) + 1
     return out
 

@@ -165,3 +165,73 @@ def test_matches_reference_and_swapped_kernel(t, swiglu, k, ahead):
     old = w4a16_grouped_swapped_launch(x, split_frag(w.packed, 64, 128), w.scales, w.global_scale, routing,
                                        a_div=a_div, swiglu=swiglu, row_scale=rs, frag=True)
     assert torch.equal(y, old)
+
+
+# ---- the layout and the engine's opt-in copy (CPU) ------------------------------------------------------------------
+def test_regs_ok_names_where_the_kernel_runs(monkeypatch):
+    from kernels import w4a16_gemm
+
+    monkeypatch.setattr(w4a16_gemm, "_interpreted", lambda: False)
+    ok = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, k=2048, k_down=512)
+    assert w4a16_regs.regs_ok(**ok) == (w4a16_regs.gluon is not None)
+    for bad in (dict(device="cpu", capability=None), dict(capability=(8, 0)), dict(capability=(10, 0)),
+                dict(dtype=torch.float16), dict(k=4096), dict(k_down=192)):
+        assert not w4a16_regs.regs_ok(**{**ok, **bad}), bad
+    monkeypatch.setattr(w4a16_gemm, "_interpreted", lambda: True)  # Gluon has no interpreter
+    assert not w4a16_regs.regs_ok(**ok)
+
+
+def _experts(e=4, h=256, i=256, seed=7):
+    from kernels.nvfp4 import quantize_nvfp4
+    from qwen_engine.model.quantized import NVFP4Experts
+
+    g = torch.Generator().manual_seed(seed)
+    gu = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
+    dn = quantize_nvfp4(torch.randn(e, h, i, generator=g) * 0.05, torch.rand(e, generator=g) * 1e-3 + 1e-4)
+    return NVFP4Experts(gu, dn), NVFP4Experts(gu, dn)
+
+
+@torch.no_grad()
+def test_experts_regs_copy_serves_the_16_row_calls():
+    """`NVFP4Experts.repack_regs`: calls of at most 16 pairs an expert (the swap-AB kernel's 16-row blocks) read the
+    thread-order copy (layout THREAD_ORDER; on the CPU the op's reference serves it: bit for bit the reference on the
+    checkpoint-layout stacks), larger calls the main stacks; the copy is not in the state_dict and `repack` drops it."""
+    from kernels.w4a16_gemm import CHECKPOINT, SPLIT_FRAG, THREAD_ORDER, experts_repack, moe_experts_w4a16_reference
+
+    plain, experts = _experts()
+    assert experts.repack(SPLIT_FRAG) and experts.repack_regs() and experts.regs_copy
+    w13, w2 = experts_repack(experts.gate_up_nvfp4, experts.down_nvfp4, SPLIT_FRAG, inverse=True)
+    assert torch.equal(experts.regs_gate_up_packed, thread_order(w13.packed))
+    assert torch.equal(experts.regs_down_packed, thread_order(w2.packed))
+    assert set(experts.state_dict()) == set(plain.state_dict())
+    assert experts._stacks(3, pairs=6)[2] == THREAD_ORDER  # 1.5 pairs an expert
+    assert experts._stacks(40, pairs=64)[2] == THREAD_ORDER  # 16 an expert: still 16-row blocks
+    assert experts._stacks(40, pairs=68)[2] == SPLIT_FRAG  # 17: the swap-AB kernel's 64-row blocks
+    assert experts._stacks(3)[2] == SPLIT_FRAG  # no pair count given (the decode-MoE probe): the main stacks
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(3)])
+    wts = torch.softmax(torch.randn(3, 2, generator=g), -1)
+    want = moe_experts_w4a16_reference(x, plain.gate_up_nvfp4, plain.down_nvfp4, idx, wts.to(x.dtype))
+    assert torch.equal(experts(x, idx, wts), want)
+    assert experts.repack(CHECKPOINT) and not experts.regs_copy and not hasattr(experts, "regs_gate_up_packed")
+
+
+def test_engine_expert_regs_option(caplog):
+    """`QwenEngineConfig.expert_regs`: a bool; where the kernel cannot run (here: the CPU) a warning and no copy;
+    off drops a copy an earlier engine left on a shared model."""
+    import logging
+
+    import torch.nn as nn
+
+    from qwen_engine.engine import QwenEngineConfig, set_expert_regs
+
+    with pytest.raises(ValueError, match="expert_regs"):
+        QwenEngineConfig(expert_regs="yes")
+    _, experts = _experts()
+    model = nn.ModuleList([experts])
+    with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
+        assert set_expert_regs(model, True, torch.device("cpu"), torch.float32) == 0
+    assert "does not run here" in caplog.text and not experts.regs_copy
+    assert experts.repack_regs()  # as an earlier engine on a GPU would have
+    assert set_expert_regs(model, False, torch.device("cpu"), torch.float32) == 0 and not experts.regs_copy

@@ -608,6 +608,7 @@ class NVFP4Experts(_Dispatch):
         self.layout = CHECKPOINT  # kernels.w4a16_gemm.EXPERT_LAYOUTS: the checkpoint's until `repack`
         self.small_tokens = 0  # `repack_dual`: calls of at most this many tokens read the copy `small_*`,
         self.small_layout = CHECKPOINT  # stored in this layout
+        self.regs_copy = False  # `repack_regs`: decode-sized calls above small_tokens read the thread-order copy
 
     def repack(self, layout: int) -> bool:
         """Repack both stacks' bytes into `layout` (`kernels.w4a16_gemm.experts_repack`; EXPERT_LAYOUTS: tile-major
@@ -623,11 +624,13 @@ class NVFP4Experts(_Dispatch):
 
         if layout == self.layout:
             self._drop_small_copy()
+            self._drop_regs_copy()
             return True
         w13, w2 = self._checkpoint_layout()
         if not layout_ok(w13, w2, layout):
             return False
         self._drop_small_copy()
+        self._drop_regs_copy()
         w13, w2 = experts_repack(w13, w2, layout)
         self.gate_up_packed, self.down_packed = w13.packed, w2.packed
         self.layout = layout
@@ -672,6 +675,31 @@ class NVFP4Experts(_Dispatch):
         self.small_tokens, self.small_layout = small_tokens, small_layout
         return True
 
+    def repack_regs(self) -> bool:
+        """A third copy of both packed stacks in thread order (`kernels/w4a16_regs.py`, THREAD_ORDER), which the calls
+        the swap-AB kernel would run in 16-row blocks -- more than `small_tokens` tokens, at most 16 (token, expert)
+        pairs an expert on average (`kernels.w4a16_swapped.swapped_block_m`): decode batches of 5 to ~500 tokens --
+        read instead of the main stacks. Opt-in (`QwenEngineConfig.expert_regs`) and NOT YET MEASURED: the kernel has
+        only been compiled offline. +1 packed copy of the experts (~400 MB per layer, ~16 GB at full size). Call after
+        `repack` / `repack_dual` (which drop it). Returns False, changing nothing, when the shapes do not split into
+        its 64 x 128 tiles."""
+        from kernels.w4a16_gemm import THREAD_ORDER, experts_repack, layout_ok
+
+        w13, w2 = self._checkpoint_layout()
+        if not layout_ok(w13, w2, THREAD_ORDER):
+            return False
+        t13, t2 = experts_repack(w13, w2, THREAD_ORDER)
+        self._drop_regs_copy()
+        self.register_buffer("regs_gate_up_packed", t13.packed, persistent=False)  # derived bytes, as `small_*`
+        self.register_buffer("regs_down_packed", t2.packed, persistent=False)
+        self.regs_copy = True
+        return True
+
+    def _drop_regs_copy(self) -> None:
+        if self.regs_copy:
+            del self.regs_gate_up_packed, self.regs_down_packed
+            self.regs_copy = False
+
     def _drop_small_copy(self) -> None:
         if self.small_tokens:
             del self.small_gate_up_packed, self.small_down_packed
@@ -708,18 +736,28 @@ class NVFP4Experts(_Dispatch):
         """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype; `reduce=False`: [N, k, H] unsummed (moe.Experts).
         `with_shared`: idx may name the stacked shared expert (`shared_index`); otherwise the launches see the
         routed experts only (views of the first E: the alignment and the kernels size for E, not E + 1)."""
-        w13, w2, layout = self._stacks(x.shape[0], with_shared)
+        w13, w2, layout = self._stacks(x.shape[0], with_shared, pairs=idx.numel())
         return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, layout, variant=layout)
 
-    def _stacks(self, n: int, with_shared: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor, int]:
-        """(gate_up, down, their layout) that a call of n tokens reads: the `repack_dual` small-batch copy for n <=
-        small_tokens, else the stacks; without `with_shared`, views of the routed experts only (the alignment and
-        the kernels size for E, not E + 1)."""
+    def _stacks(self, n: int, with_shared: bool = False,
+                pairs: int | None = None) -> tuple[NVFP4Tensor, NVFP4Tensor, int]:
+        """(gate_up, down, their layout) that a call of n tokens (and `pairs` (token, expert) pairs) reads: the
+        `repack_dual` small-batch copy for n <= small_tokens, the `repack_regs` copy for calls of at most 16 pairs
+        an expert above that, else the stacks; without `with_shared`, views of the routed experts only (the
+        alignment and the kernels size for E, not E + 1)."""
+        from kernels.w4a16_gemm import THREAD_ORDER
+        from kernels.w4a16_swapped import swapped_block_m
+
         w13, w2, layout = self.gate_up_nvfp4, self.down_nvfp4, self.layout
+        launch_experts = self.num_experts + (1 if with_shared and self.shared_index is not None else 0)
         if self.small_tokens and n <= self.small_tokens:  # `repack_dual`: the small-batch copy
             w13 = NVFP4Tensor(self.small_gate_up_packed, self.gate_up_scales, self.gate_up_global)
             w2 = NVFP4Tensor(self.small_down_packed, self.down_scales, self.down_global)
             layout = self.small_layout
+        elif self.regs_copy and pairs is not None and swapped_block_m(pairs, launch_experts) == 16:
+            w13 = NVFP4Tensor(self.regs_gate_up_packed, self.gate_up_scales, self.gate_up_global)
+            w2 = NVFP4Tensor(self.regs_down_packed, self.down_scales, self.down_global)
+            layout = THREAD_ORDER
         if self.shared_index is not None and not with_shared:
             e = self.num_experts
             w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
