@@ -30,7 +30,7 @@ tiles in order), so the two kernels should agree bit for bit (a CUDA test).
 
 Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions
 per K tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16)
-**305** at AHEAD 1 (118 registers, 64 KB shared), 336 at AHEAD 2 (132; register moves), down **163** / 180 (66 / 72
+**305** at AHEAD 1 (118 registers, 64 KB shared), 334 at AHEAD 2 (128; register moves), down **163** / 180 (66 / 72
 registers, 16 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of
 words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there: words loaded as bytes were split into
 bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in int32
@@ -110,23 +110,35 @@ def kernel_codes(stored: torch.Tensor) -> torch.Tensor:
 
 def kernel_block_scales(scales: torch.Tensor) -> torch.Tensor:
     """The block scale the kernel applies to each weight, mirrored in torch op for op (`_scale_offsets`, `_scales`):
-    e4m3 bytes [E, N, K/16] -> float32 [E, N, K]. Per (row tile, K tile) lane 4 i + c of warp w holds the word f =
-    32 w + 4 i + c (row 16 w + 8 (c // 2) + i, blocks 4 (c % 2) ..), takes its quad's four words j = 0..3 by
-    shuffles, joins them as [f, s_lo, j % 2, j // 2], reads that as [s_hi, w, i, c, s_lo, rh], joins it with itself
-    for kl and is multiplied into `kernel_codes`' [s_hi, w, i, c, s_lo, rh, kl] before the same permute to
-    [64, 128]. The CPU test that this equals scales[row, k // 16] checks the scale side's index chain."""
+    e4m3 bytes [E, N, K/16] -> float32 [E, N, K] (the bf16 scale x 2^119 the kernel multiplies by, / 2^119). Per
+    (row tile, K tile), lane 4 i + c of warp w reads the word f = 32 w + 4 i + c (row 16 w + 8 (c // 2) + i, blocks
+    4 (c % 2) ..), builds two bf16 pairs from its bytes with integer masks and shifts, joins them as [f, h, j] and
+    permutes to [f, j, h] (byte 2 j + h), takes its quad's four words j' = 0..3 by shuffles, joins them as
+    [f, s_lo, j' % 2, j' // 2], reads that as [s_hi, w, i, c, s_lo, rh], joins it with itself for kl and multiplies
+    it into `kernel_codes`' [s_hi, w, i, c, s_lo, rh, kl] before the same permute to [64, 128]. The CPU test that this
+    equals scales[row, k // 16] checks the scale side's bit formulas and index chain."""
     e, n, kb = scales.shape
     bn, bk = THREAD_TILE
     rt, kt = n // bn, kb * BLOCK // bk
-    val = scales.view(torch.float8_e4m3fn).float().view(e, rt, 4, 2, 8, kt, 2, 4)  # e, rt, w, rh, i, t, s_hi, s_lo
-    v = val.permute(0, 1, 5, 2, 4, 3, 6, 7).reshape(e, rt, kt, 4, 8, 4, 4)  # [.., w, i, c = 2 rh + s_hi, s_lo]
+    words = scales.contiguous().view(torch.uint8).view(torch.int32).view(e, rt, 4, 2, 8, kt, 2)  # w, rh, i, t, s_hi
+    wd = words.permute(0, 1, 5, 2, 4, 3, 6).reshape(e, rt, kt, 128).to(torch.int64) & 0xFFFFFFFF  # f = 32w+4i+c
+    p01 = ((wd << 4) & 0x7F0) | ((wd << 12) & 0x7F00000)
+    p23 = ((wd >> 12) & 0x7F0) | ((wd >> 4) & 0x7F00000)
+
+    def halves(p):  # int32 bf16 pairs -> [.., 2] values (the low half first)
+        bits = torch.stack((p & 0xFFFF, p >> 16), -1)
+        return (bits << 16).to(torch.int32).view(torch.float32)  # a bf16's bits are an fp32's top half
+
+    v = torch.stack((halves(p01), halves(p23)), -1).transpose(-1, -2).reshape(e, rt, kt, 128, 4)  # [f, s_lo]
+    v = v * 2.0**120 * 2.0**119  # the kernel's two bf16 products: exact, as here in fp32
+    v = v.view(e, rt, kt, 4, 8, 4, 4)  # [.., w, i, c, s_lo]
     o = [v[..., j:j + 1, :].expand(v.shape) for j in range(4)]  # o_j: lane quad + j's words, every c
     q = torch.stack((torch.stack((o[0], o[1]), -1), torch.stack((o[2], o[3]), -1)), -1)  # [.., s_lo, j % 2, j // 2]
     q = q.permute(0, 1, 2, 7, 3, 4, 5, 6, 8)  # [.., s_hi, w, i, c, s_lo, rh]
     q = torch.stack((q, q), -1)  # [.., rh, kl]
     a = torch.stack((q, q), -1)  # lo and hi (kh) take the same scale
     a = a.permute(0, 1, 2, 4, 8, 5, 3, 7, 10, 6, 9)  # `kernel_codes`' permute: [.., w, rh, i, s_hi, s_lo, kh, c, kl]
-    return a.reshape(e, rt, kt, bn, bk).permute(0, 1, 3, 2, 4).reshape(e, n, kb * BLOCK)
+    return a.reshape(e, rt, kt, bn, bk).permute(0, 1, 3, 2, 4).reshape(e, n, kb * BLOCK) * 2.0**-119
 
 
 def unthread_order(stored: torch.Tensor) -> torch.Tensor:
@@ -176,7 +188,7 @@ if gluon is not None:
         return lo, hi
 
     @gluon.jit
-    def _word_offsets(num_warps: gl.constexpr):
+    def _word_offsets():
         """int32-word offsets within a 4 KB tile in the load's layout: thread t's two 16-byte runs, words 4 t.. and
         512 + 4 t.. (registers: the 4 words, then the second run; lanes and warps: t)."""
         WL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1], [2], [512]],
@@ -205,19 +217,21 @@ if gluon is not None:
     @gluon.jit
     def _scales(b, like):
         """Scale words [128] (`_scale_offsets`) -> scale x 2^119 as bf16 [s_hi, w, i, c, s_lo, rh, kl] in the layout
-        of the decoded weights (`like`, [s_hi, w, i, c, s_lo, rh, kl]). Each lane converts
-        its own 4 bytes: (byte & 0x7F) << 4 is scale x 2^-120 as bf16 bits (subnormals included), two exact products
-        by powers of two make it scale x 2^119 (`w4a16_swapped._e4m3_bf16_gained`'s arithmetic); then each lane takes
-        the quad's four converted words by warp shuffles (`_from_lane`: a layout conversion went through shared memory
-        and a barrier). The values of [s_hi, w, i, c, s_lo, rh, kl] do not depend on c or kl."""
+        of the decoded weights (`like`, the same shape). Each lane converts its own 4 bytes: (byte & 0x7F) << 4 is
+        scale x 2^-120 as bf16 bits (subnormals included), two exact products by powers of two make it scale x 2^119
+        (`w4a16_swapped._e4m3_bf16_gained`'s arithmetic); then each lane takes the quad's four converted words by warp
+        shuffles (`_from_lane`; a layout conversion went through shared memory and a barrier). The values do not
+        depend on c or kl."""
         w = b.to(gl.uint32, bitcast=True)
         p01 = ((w << 4) & 0x7F0) | ((w << 12) & 0x7F00000)  # bytes 0, 1 as the halves' bf16 bits
         p23 = ((w >> 12) & 0x7F0) | ((w >> 4) & 0x7F00000)  # bytes 2, 3
-        v = gl.reshape(gl.join(_halves(p01), _halves(p23)), [128, 4])  # [f, s_lo]  (s_lo = 2 j + h)
+        v = gl.permute(gl.join(_halves(p01), _halves(p23)), (0, 2, 1))  # [f, j, h]: byte s_lo = 2 j + h
+        v = gl.reshape(v, [128, 4])  # [f, s_lo]
         v = v * _TWO_120  # bf16 products by powers of two: exact
         v = v * _TWO_119
         lane = gl.arange(0, 128, layout=b.type.layout) % 32  # this thread's lane
-        quad = gl.reshape(gl.join(gl.join(lane, lane), gl.join(lane, lane)), [128, 4]) // 4 * 4  # v's shape, layout
+        quad = gl.permute(gl.join(gl.join(lane, lane), gl.join(lane, lane)), (0, 2, 1))  # v's chain: its layout
+        quad = gl.reshape(quad, [128, 4]) // 4 * 4
         o0, o1 = _from_lane(v, quad), _from_lane(v, quad + 1)  # o_j: lane j's words of the quad, [f, s_lo]
         o2, o3 = _from_lane(v, quad + 2), _from_lane(v, quad + 3)
         q = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [f, s_lo, s_hi, rh]: j = 2 rh + s_hi
@@ -244,7 +258,8 @@ if gluon is not None:
                            BLOCK_M: gl.constexpr, AHEAD: gl.constexpr = 1):
         # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns (weight rows, the wgmma M) x the
         # BLOCK_M sorted pairs of row block pid_m (the wgmma N). SWIGLU: N = 2 N_out stored rows, column n uses n
-        # (gate) and n + N_out (up). w: thread order (`thread_order`), s: block scales [E, N, K/16] e4m3 bytes.
+        # (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32 words, s: block scales
+        # [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides (divided by 4 here).
         # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers.
         KT: gl.constexpr = K // 128
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
@@ -267,7 +282,7 @@ if gluon is not None:
             fence_async_shared()
             _cta_barrier()
             # weights: tile (pid_n, t) of expert e is 1,024 words at (pid_n * KT + t) * 1024; up rows n_out further
-            we = w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024) + _word_offsets(4)  # int32 words
+            we = w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024) + _word_offsets()  # int32 words
             se = s + e.to(gl.int64) * (s_se // 4) + pid_n * 64 * (s_sn // 4) + _scale_offsets(s_sn // 4)  # words
             up_w = (n_out // 64) * (KT * 1024)
             up_s = n_out * (s_sn // 4)
