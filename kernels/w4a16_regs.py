@@ -31,7 +31,8 @@ tiles in order), so the two kernels should agree bit for bit (a CUDA test).
 Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions
 per K tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16)
 **305** at AHEAD 1 (118 registers, 64 KB shared), 334 at AHEAD 2 (128; register moves), down **163** / 180 (66 / 72
-registers, 16 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of
+registers, 16 KB); with 8-row blocks (BLOCK_MS: half the activations' shared memory, so 5 gate_up programs an SM
+instead of 3) 313 / 162 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of
 words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there: words loaded as bytes were split into
 bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in int32
 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales then took ~80 PRMT (bytes rebuilt for the PTX conversion,
@@ -57,7 +58,8 @@ except ImportError:  # no Triton, or one without Gluon (< 3.5): the layout helpe
     gluon = None
 
 THREAD_TILE = (64, 128)  # (weight rows, K) of a stored tile: one warpgroup's wgmma M x one K tile
-BLOCK_M = 16  # routed rows per program (the wgmma's N): decode sizes only (`supports`)
+BLOCK_M = 16  # routed rows per program (the wgmma's N) of the engine's calls (`w4a16_gemm.w4a16_moe_op`)
+BLOCK_MS = (8, 16)  # the launcher's: 8 halves the activations' shared memory (gate_up: 32 KB, 4 programs an SM)
 MAX_K = 2048  # the activations' shared-memory block, BLOCK_M x K bf16: 64 KB at Qwen's hidden size
 
 
@@ -239,10 +241,12 @@ if gluon is not None:
         return gl.convert_layout(gl.join(q, q), like.type.layout)  # kl: both k of a pair, one scale
 
     @gluon.jit
-    def _weights(u, sc):
+    def _weights(u, sc, BLOCK_M: gl.constexpr):
         """One K tile's int32 words [1024] and scale words [128] (`_word_offsets`, `_scale_offsets` layouts) -> the
-        wgmma A operand [64, 128] bf16 (code x scale x 2^-7), in the A fragment's layout without a move."""
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+        wgmma A operand [64, 128] bf16 (code x scale x 2^-7), in the A fragment's layout without a move (that of an
+        MMA with BLOCK_M columns)."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         lo, hi = _decode(gl.reshape(u, [2, 4, 8, 4, 4]))  # [s_hi, w, i, c, s_lo] words -> [.., s_lo, rh, kl]
         s = _scales(sc, lo)  # [s_hi, w, i, c, s_lo, rh, kl]
@@ -262,7 +266,8 @@ if gluon is not None:
         # [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides (divided by 4 here).
         # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers.
         KT: gl.constexpr = K // 128
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BLOCK_M, 128] bf16 gathers
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
         pid_m = gl.program_id(0)
@@ -304,11 +309,11 @@ if gluon is not None:
                 u_n = gl.load(we + (t + AHEAD) * 1024, mask=more)
                 sc_n = gl.load(se + (t + AHEAD) * 2, mask=more)
                 b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
-                acc = warpgroup_mma(_weights(u, sc), b, acc, is_async=True)
+                acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
                 if SWIGLU:
                     v_n = gl.load(we + up_w + (t + AHEAD) * 1024, mask=more)
                     vc_n = gl.load(se + up_s + (t + AHEAD) * 2, mask=more)
-                    acc_up = warpgroup_mma(_weights(v, vc), b, acc_up, is_async=True)
+                    acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
                     if AHEAD == 2:
                         v, vc, v1, vc1 = v1, vc1, v_n, vc_n
                     else:
@@ -361,8 +366,9 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be bf16 [R, {k}], unit k stride")
     if k % 128 or k > MAX_K or n_out % 64 or (swiglu and n % 128):
         raise ValueError(f"w4a16_regs: K {k} must be a multiple of 128 up to {MAX_K} and N_out {n_out} of 64")
-    if routing.block_expert is None or routing.block_m != BLOCK_M:
-        raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {BLOCK_M} is needed, got block_m "
+    if routing.block_expert is None or routing.block_m not in BLOCK_MS:
+        raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed, "
+                         f"got block_m "
                          f"{routing.block_m}{' (dense)' if routing.block_expert is None else ''}")
     if ahead not in (1, 2):
         raise ValueError(f"w4a16_regs: ahead must be 1 or 2, got {ahead!r}")
@@ -379,5 +385,6 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         x, packed_thread.view(torch.int32), sc, g, rs, y, routing.sorted_pairs, routing.block_expert,
         routing.num_pairs, n, e, a_div,
         x.stride(0), packed_thread.stride(0), 4 * sc.stride(0), 4 * sc.stride(1), s_ge, s_gn, y.stride(0),
-        K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=BLOCK_M, AHEAD=ahead, num_warps=4)
+        K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m, AHEAD=ahead,
+        num_warps=4)
     return y
