@@ -99,7 +99,8 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
     """Both engine builds (gate_up: K 2048, SwiGLU; down: K 512, row scale) compile for sm_90 offline -- which
     includes the kernel's `assert_trivial` conversion of the decoded words to the A fragment -- with no spills, and
     the K loop loads each thread's weight words and its one scale word from global memory, shares the scales within
-    each quad by shuffles and touches shared memory only as the wgmma's B operand (no LDS / STS / barrier)."""
+    each quad by shuffles and touches shared memory only as the wgmma's B operand (no LDS / STS / barrier), and no
+    instruction writes a register an in-flight wgmma still reads (`sass_loop.writes_into_in_flight_a_registers`)."""
     import inspect
     import subprocess
     import tempfile
@@ -109,7 +110,7 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from benchmarks.sass_loop import loop_opcodes, sass_of
+    from benchmarks.sass_loop import loop_opcodes, sass_of, writes_into_in_flight_a_registers
 
     kern = w4a16_regs._w4a16_regs_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -121,7 +122,10 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
     build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ops = loop_opcodes(sass_of(build))
+    sass = sass_of(build)
+    ops = loop_opcodes(sass)
+    # the ptxas hazard of w4a16_swapped's SETTLE comment: no register of an in-flight wgmma's A operand written
+    assert writes_into_in_flight_a_registers(sass) == 0 and writes_into_in_flight_a_registers(sass, whole=True) == 0
     assert ops["HGMMA"] == (16 if swiglu else 8)  # 8 wgmma k-steps of 16 per projection and K tile
     assert ops["LDG"] == (2 if swiglu else 1) * 3  # per projection: the words (2 x 16 B) and one scale word
     assert ops["SHFL"] == (2 if swiglu else 1) * 8  # the quad's four scale words, two registers each
