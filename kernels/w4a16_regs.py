@@ -32,9 +32,9 @@ Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` 
 per K tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16)
 **305** at AHEAD 1 (118 registers, 64 KB shared), 334 at AHEAD 2 (128; register moves), down **163** / 180 (66 / 72
 registers, 16 KB); with 8-row blocks (BLOCK_MS: half the activations' shared memory, so 5 gate_up programs an SM
-instead of 3) 313 / 162 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of
-words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there: words loaded as bytes were split into
-bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in int32
+instead of 3) 313 / 162 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop;
+per projection and K tile 2 LDG.128 of words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there:
+words loaded as bytes were split into bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in int32
 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales then took ~80 PRMT (bytes rebuilt for the PTX conversion,
 each thread converting all 16 of its scales) -- as words converted in integer arithmetic, 322 with a layout
 conversion through shared memory (a barrier back in the loop), 305 with the shuffles. Whether a loop with more
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import pdl
 from kernels.nvfp4 import BLOCK, NVFP4Tensor
 from kernels.w4a16_gemm import MoeRouting, _global_2d
 from kernels.w4a16_swapped import E2M1_BF16_MASK, FRAG_O3, FRAG_ROTATIONS, frag_words
@@ -169,6 +170,16 @@ if gluon is not None:
     _TWO_120, _TWO_119 = gl.constexpr(2.0**120), gl.constexpr(2.0**119)
 
     @gluon.jit
+    def pdl_enter(USE_PDL: gl.constexpr):
+        """`kernels.pdl.enter` in Gluon: with USE_PDL, wait for the predecessor grid (griddepcontrol.wait) before any
+        memory access, then let the successor be scheduled (launch_dependents); nothing without it."""
+        if USE_PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _halves(o):
         """int32 [..] holding bf16 pairs -> bf16 [.., 2] (the low half first): a relabelling, no instruction."""
         lo = (o & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
@@ -259,12 +270,13 @@ if gluon is not None:
     def _w4a16_regs_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, E, A_DIV,
                            s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
                            K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
-                           BLOCK_M: gl.constexpr, AHEAD: gl.constexpr = 1):
+                           BLOCK_M: gl.constexpr, AHEAD: gl.constexpr = 1, USE_PDL: gl.constexpr = False):
         # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns (weight rows, the wgmma M) x the
         # BLOCK_M sorted pairs of row block pid_m (the wgmma N). SWIGLU: N = 2 N_out stored rows, column n uses n
         # (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32 words, s: block scales
         # [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides (divided by 4 here).
         # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers.
+        pdl_enter(USE_PDL)  # kernels/pdl.py's contract: a no-op unless launched with PDL
         KT: gl.constexpr = K // 128
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
@@ -386,5 +398,5 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         routing.num_pairs, n, e, a_div,
         x.stride(0), packed_thread.stride(0), 4 * sc.stride(0), 4 * sc.stride(1), s_ge, s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m, AHEAD=ahead,
-        num_warps=4)
+        num_warps=4, **pdl.launch_options())
     return y

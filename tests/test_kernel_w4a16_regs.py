@@ -100,7 +100,9 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
     includes the kernel's `assert_trivial` conversion of the decoded words to the A fragment -- with no spills, and
     the K loop loads each thread's weight words and its one scale word from global memory, shares the scales within
     each quad by shuffles and touches shared memory only as the wgmma's B operand (no LDS / STS / barrier), and no
-    instruction writes a register an in-flight wgmma still reads (`sass_loop.writes_into_in_flight_a_registers`)."""
+    instruction writes a register an in-flight wgmma still reads (`sass_loop.writes_into_in_flight_a_registers`).
+    With USE_PDL its PTX waits for the predecessor grid before any global memory access (tests/test_pdl.py checks the
+    source's order)."""
     import inspect
     import subprocess
     import tempfile
@@ -114,7 +116,7 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
 
     kern = w4a16_regs._w4a16_regs_kernel
     names = list(inspect.signature(kern.fn).parameters)
-    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead)
+    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, USE_PDL=False)
     ptrs = {"x": "*bf16", "w": "*i32", "s": "*i32", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
             "block_expert": "*i32"}
     aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}
@@ -130,6 +132,13 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
     assert ops["LDG"] == (2 if swiglu else 1) * 3  # per projection: the words (2 x 16 B) and one scale word
     assert ops["SHFL"] == (2 if swiglu else 1) * 8  # the quad's four scale words, two registers each
     assert ops["LDS"] == 0 and ops["LDSM"] == 0 and ops["STS"] == 0 and ops["STSM"] == 0 and ops["BAR"] == 0
+    pdl_build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs={**consts, "USE_PDL": True},
+                                              attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = pdl_build.asm["ptx"]  # with PDL: wait, then launch_dependents, before the first global memory access
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first = min(ptx.find(op) for op in ("ld.global", "st.global") if op in ptx)
+    assert 0 <= wait < launch < first, (wait, launch, first)
+    assert "griddepcontrol" not in build.asm["ptx"]  # without it: nothing
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(build.asm["cubin"])
