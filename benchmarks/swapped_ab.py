@@ -13,9 +13,9 @@ Run it in the other tree with --save, then here with --compare (see gpu_next.sh 
 engine's), its outputs compared with the default build's (the stage count moves no arithmetic). `--configs`: the same
 for each launch config of a JSON list, e.g. '[{"maxnreg": 80}, {"BLOCK_N": 128}]' (a register cap, programs of two
 stored tiles); a config a case's launch refuses is recorded with its error. `--regs`: the 32-token expert calls also
-on `kernels/w4a16_regs.py` (Gluon, thread-order copies of the same weights; no PDL, no launch configs; 1 and 2 K tiles
-loaded ahead; 16- and 8-row blocks), each output
-compared bit for bit with the swap-AB kernel's on the same inputs (`equal_to_swapped`).
+on `kernels/w4a16_regs.py` (Gluon, thread-order copies of the same weights, PDL as the engine launches it; no launch
+configs; 1 and 2 K tiles loaded ahead; 16- and 8-row blocks), each output compared bit for bit with the swap-AB
+kernel's on the same inputs (`equal_to_swapped`).
 """
 
 from __future__ import annotations

@@ -28,18 +28,18 @@ Arithmetic: `_dequant`'s exactly (bf16 code x 2^-126 times the e4m3 block scale 
 x the global scale in the epilogue), fp32 accumulation in the swap-AB kernel's order (per K tile its 8 steps of 16,
 tiles in order), so the two kernels should agree bit for bit (a CUDA test).
 
-Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions
-per K tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16)
-**305** at AHEAD 1 (118 registers, 64 KB shared), 334 at AHEAD 2 (128; register moves), down **163** / 180 (66 / 72
-registers, 16 KB); with 8-row blocks (BLOCK_MS: half the activations' shared memory, so 5 gate_up programs an SM
-instead of 3) 313 / 162 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop;
-per projection and K tile 2 LDG.128 of words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there:
-words loaded as bytes were split into bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in int32
-arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales then took ~80 PRMT (bytes rebuilt for the PTX conversion,
-each thread converting all 16 of its scales) -- as words converted in integer arithmetic, 322 with a layout
+Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions per K
+tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16) **305** at
+AHEAD 1 (118 registers, 64 KB shared), 334 at AHEAD 2 (128; register moves), down **163** / 180 (66 / 72 registers, 16
+KB); with 8-row blocks (BLOCK_MS: half the activations' shared memory, so 5 gate_up programs an SM instead of 3) 313 /
+162 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile
+2 LDG.128 of words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there: words loaded as bytes were
+split into bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in
+int32 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales then took ~80 PRMT (bytes rebuilt for the PTX
+conversion, each thread converting all 16 of its scales) -- as words converted in integer arithmetic, 322 with a layout
 conversion through shared memory (a barrier back in the loop), 305 with the shuffles. Whether a loop with more
-occupancy-bound latency but no barrier or shared-memory weight traffic streams faster is the GPU's to say
-(`gpu_next.sh` step 161).
+occupancy-bound latency but no barrier or shared-memory weight traffic streams faster is the GPU's to say (`gpu_next.sh`
+step 161).
 """
 
 from __future__ import annotations
