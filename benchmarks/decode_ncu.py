@@ -18,7 +18,9 @@ heads of 256, blocks of 16) and its split combine, moe_combine. ncu serialises a
 caches (its default cache control), so the numbers are a kernel alone, not its time on the PDL chain.
 `--moe32`: instead, the 32-stream step's routed experts only -- gate_up + SwiGLU and down x routing weight on the
 swap-AB kernel at 32 tokens (top-8 of 256, 16-row blocks, fragment order, the engine's defaults), the calls that
-hold over half of that step's GPU time.
+hold over half of that step's GPU time. `--moe32 --regs`: the same calls on `kernels/w4a16_regs.py` as well (Gluon,
+thread-order copies of the same weights; 16- and 8-row blocks, one K tile ahead), in the same profiled range, so one
+report has both kernels' stalls side by side (not with `--tiny`: Gluon has no interpreter).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="TINY shapes on the CPU interpreter (a smoke test)")
     ap.add_argument("--moe32", action="store_true", help="the swap-AB experts at 32 tokens only (module docstring)")
+    ap.add_argument("--regs", action="store_true", help="with --moe32: kernels/w4a16_regs.py's calls too")
     ap.add_argument("--summarize", metavar="RAW_CSV", help="print `summarize`'s lines of an ncu --page raw --csv file")
     args = ap.parse_args(argv)
     if args.summarize:
@@ -157,6 +160,12 @@ def _moe32(args, dev, gen, w13, w2, H: int, INTER: int, E: int, TOP_K: int, toke
     idx = torch.stack([torch.randperm(E, device=dev, generator=gen)[:TOP_K] for _ in range(tokens)])
     routing = moe_align(idx, E, swapped_block_m(tokens * TOP_K, E))
     x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    regs = []  # --regs: (routing, gate_up stack, down stack) per row block
+    if args.regs and not args.tiny:
+        from kernels.w4a16_regs import thread_order, w4a16_regs_launch
+
+        w13t, w2t = thread_order(w13.packed), thread_order(w2.packed)
+        regs = [moe_align(idx, E, bm) for bm in (16, 8)]
     for rep in range(args.repeat):
         last = rep == args.repeat - 1
         if last and not args.tiny:
@@ -164,11 +173,14 @@ def _moe32(args, dev, gen, w13, w2, H: int, INTER: int, E: int, TOP_K: int, toke
         h = w4a16_grouped_swapped_launch(x, w13f, w13.scales, w13.global_scale, routing, a_div=TOP_K, swiglu=True,
                                          frag=True, block_n=tile[0])  # [tokens x top-k, INTER]
         w4a16_grouped_swapped_launch(h, w2f, w2.scales, w2.global_scale, routing, frag=True, block_n=tile[0])
+        for r in regs:
+            hr = w4a16_regs_launch(x, w13t, w13.scales, w13.global_scale, r, a_div=TOP_K, swiglu=True)
+            w4a16_regs_launch(hr, w2t, w2.scales, w2.global_scale, r)
         if last and not args.tiny:
             torch.cuda.nvtx.range_pop()
     if not args.tiny:
         torch.cuda.synchronize()
-    print(f"[decode_ncu] done (moe32: {tokens} tokens, {INTER} x {H})")
+    print(f"[decode_ncu] done (moe32: {tokens} tokens, {INTER} x {H}{', with w4a16_regs' if regs else ''})")
     return 0
 
 

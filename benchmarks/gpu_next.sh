@@ -2077,6 +2077,12 @@ if want 162; then
 say "162. issue 5: the engine with expert_regs beside the defaults (one process)"
 engine_out qwen_regs "${LIMIT_162:-230}" --decode-tokens 48 --variant 'regs={"expert_regs": true}'
 fi
+if want 163; then
+# forty-second session: Nsight Compute on the 32-token expert calls, the swap-AB kernel's and kernels/w4a16_regs.py's
+# (16- and 8-row blocks) in one report: stalls, DRAM throughput and occupancy side by side (the why behind step 161)
+say "163. issue 5: ncu on the 32-token experts, swap-AB and register-streamed kernels side by side"
+decode_ncu "${LIMIT_163:-300}" --moe32 --regs
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
