@@ -2062,7 +2062,7 @@ engine_out qwen_bf16state "${LIMIT_160:-200}" --decode-tokens 48 --variant 'bf16
 fi
 if want 161; then
 # forty-second session (no GPU): kernels/w4a16_regs.py, a Gluon expert kernel for 16-row decode blocks with the
-# weights loaded straight into the wgmma A fragment (offline sm_90 SASS: gate_up 305 / down 163 loop instructions a
+# weights loaded straight into the wgmma A fragment (offline sm_90 SASS: gate_up 309 / down 165 loop instructions a
 # K tile against the swap-AB kernel's 386 / 226, no shared-memory weights or barriers). Its CUDA tests first (never
 # run: the reference and bit-equality with the swap-AB kernel), then per call beside the swap-AB kernel on the same
 # inputs at 32 tokens (equal_to_swapped: bit for bit)

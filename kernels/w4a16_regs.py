@@ -29,17 +29,17 @@ x the global scale in the epilogue), fp32 accumulation in the swap-AB kernel's o
 tiles in order), so the two kernels should agree bit for bit (a CUDA test).
 
 Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions per K
-tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16) **305** at
-AHEAD 1 (118 registers, 64 KB shared), 334 at AHEAD 2 (128; register moves), down **163** / 180 (66 / 72 registers, 16
+tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16) **309** at
+AHEAD 1 (106 registers, 64 KB shared), 335 at AHEAD 2 (125; register moves), down **165** / 182 (66 / 72 registers, 16
 KB); with 8-row blocks (BLOCK_MS: half the activations' shared memory, so 5 gate_up programs an SM instead of 3) 313 /
-162 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile
+164 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile
 2 LDG.128 of words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there: words loaded as bytes were
 split into bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in
 int32 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales then took ~80 PRMT (bytes rebuilt for the PTX
 conversion, each thread converting all 16 of its scales) -- as words converted in integer arithmetic, 322 with a layout
-conversion through shared memory (a barrier back in the loop), 305 with the shuffles. Whether a loop with more
-occupancy-bound latency but no barrier or shared-memory weight traffic streams faster is the GPU's to say (`gpu_next.sh`
-step 161).
+conversion through shared memory (a barrier back in the loop), 305 with the shuffles (309 since the first tiles' weight
+loads moved ahead of the activations' fill, 118 -> 106 registers). Whether a loop with more occupancy-bound latency but
+no barrier or shared-memory weight traffic streams faster is the GPU's to say (`gpu_next.sh` step 161).
 """
 
 from __future__ import annotations
@@ -287,24 +287,12 @@ if gluon is not None:
         e = gl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
             n_out = N // 2 if SWIGLU else N
-            # the block's activation rows [BLOCK_M, K] into shared memory, one [BLOCK_M, 128] tile per K tile
-            rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-            kx = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
-            px = gl.load(sorted_pairs + pid_m * BLOCK_M + rx)
-            xrow = x + (px // A_DIV).to(gl.int64)[:, None] * s_xm + kx[None, :]
-            xok = (px < P)[:, None]
-            xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS)
-            for t in range(KT):
-                xs.index(t).store(gl.load(xrow + t * 128, mask=xok, other=0.0))
-            fence_async_shared()
-            _cta_barrier()
             # weights: tile (pid_n, t) of expert e is 1,024 words at (pid_n * KT + t) * 1024; up rows n_out further
             we = w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024) + _word_offsets()  # int32 words
             se = s + e.to(gl.int64) * (s_se // 4) + pid_n * 64 * (s_sn // 4) + _scale_offsets(s_sn // 4)  # words
             up_w = (n_out // 64) * (KT * 1024)
             up_s = n_out * (s_sn // 4)
-            acc = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
-            acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
+            # the first tiles' words and scales first: their HBM latency overlaps the activations' fill
             u = gl.load(we)
             sc = gl.load(se)
             if SWIGLU:
@@ -316,6 +304,19 @@ if gluon is not None:
                 if SWIGLU:
                     v1 = gl.load(we + up_w + 1024, mask=1 < KT)
                     vc1 = gl.load(se + up_s + 2, mask=1 < KT)
+            # the block's activation rows [BLOCK_M, K] into shared memory, one [BLOCK_M, 128] tile per K tile
+            rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+            kx = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+            px = gl.load(sorted_pairs + pid_m * BLOCK_M + rx)
+            xrow = x + (px // A_DIV).to(gl.int64)[:, None] * s_xm + kx[None, :]
+            xok = (px < P)[:, None]
+            xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS)
+            for t in range(KT):
+                xs.index(t).store(gl.load(xrow + t * 128, mask=xok, other=0.0))
+            fence_async_shared()
+            _cta_barrier()
+            acc = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
+            acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
             for t in range(KT):
                 more = t + AHEAD < KT  # tile t + AHEAD's words and scales, in registers while tile t computes
                 u_n = gl.load(we + (t + AHEAD) * 1024, mask=more)
