@@ -1,14 +1,16 @@
-"""kernels/w4a16_regs.py: the register-streamed expert kernel (Gluon; a prototype, not used by the engine).
+"""kernels/w4a16_regs.py: the register-streamed expert kernel (Gluon; prepared, used by the engine only with the
+opt-in `expert_regs`).
 
 On the CPU: the thread-order layout (round trip; every stored byte is the fragment byte the module docstring names;
-the kernel's index chain, mirrored op for op in torch by `kernel_codes`, reads the checkpoint's codes back) and an
-offline sm_90 compile of both engine builds, which also proves at compile time that the decoded words are the wgmma
-A fragment without a move (`convert_layout(..., assert_trivial=True)` inside the kernel). On an sm_90 GPU: the kernel
-against `w4a16_grouped_reference` (tolerance as tests/test_kernel_w4a16_swapped.py: exact dequant, so only fp32
-summation order and one bf16 rounding differ) and bit for bit against the swap-AB kernel on the same routing (the
-same products summed in the same wgmma K order). Gluon has no CPU interpreter, so the kernel's results are checked
-only there; the GPU tests have NOT run yet (no GPU in the session that wrote them).
-"""
+the kernel's weight and scale index chains, mirrored op for op in torch by `kernel_codes` and `kernel_block_scales`,
+read the checkpoint's codes and block scales back), an offline sm_90 compile of the engine's builds (which also
+proves at compile time that the decoded words are the wgmma A fragment without a move: `convert_layout(...,
+assert_trivial=True)` inside the kernel), the launcher's errors, and the engine's copy (`NVFP4Experts.repack_regs`,
+`expert_regs`). On an sm_90 GPU: the kernel against `w4a16_grouped_reference` (tolerance as
+tests/test_kernel_w4a16_swapped.py: exact dequant, so only fp32 summation order and one bf16 rounding differ) and, at
+16-row blocks, bit for bit against the swap-AB kernel on the same routing (the same products summed in the same wgmma
+K order). Gluon has no CPU interpreter, so the kernel's results are checked only there; the GPU tests have NOT run
+yet (no GPU in the session that wrote them)."""
 
 import pytest
 import torch
