@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from kernels import pdl
-from kernels.nvfp4 import BLOCK, NVFP4Tensor
+from kernels.nvfp4 import BLOCK, NVFP4Tensor, pack_e2m1, unpack_e2m1
 from kernels.w4a16_gemm import MoeRouting, _global_2d
 from kernels.w4a16_swapped import E2M1_BF16_MASK, FRAG_O3, FRAG_ROTATIONS, frag_words
 
@@ -65,11 +65,6 @@ MAX_K = 2048  # the activations' shared-memory block, BLOCK_M x K bf16: 64 KB at
 
 
 # ---- the stored layout (host) ---------------------------------------------------------------------------------------
-def _codes(packed: torch.Tensor) -> torch.Tensor:
-    """Checkpoint-layout bytes [..., K/2] (byte j: k = 2j low nibble, 2j + 1 high) -> codes [..., K] (uint8 0-15)."""
-    return torch.stack((packed & 0xF, packed >> 4), -1).flatten(-2)
-
-
 def _tiles(codes: torch.Tensor) -> torch.Tensor:
     """codes [E, N, K] -> [E, N/64, K/128, w 4, rh 2, i 8, s_hi 2, s_lo 4, kh 2, c 4, kl 2]: each tile's (row, k)
     with row = 16 w + 8 rh + i and k = 16 (4 s_hi + s_lo) + 8 kh + 2 c + kl."""
@@ -88,7 +83,7 @@ def thread_order(packed: torch.Tensor) -> torch.Tensor:
     bn, bk = THREAD_TILE
     if n % bn or (2 * kh) % bk:
         raise ValueError(f"thread_order: [{e}, {n}, {2 * kh}] weights do not split into {bn} x {bk} tiles")
-    t = _tiles(_codes(p))  # [E, RT, KT, w, rh, i, s_hi, s_lo, kh, c, kl]
+    t = _tiles(unpack_e2m1(p))  # [E, RT, KT, w, rh, i, s_hi, s_lo, kh, c, kl]
     plain = t.select(8, 0) | (t.select(8, 1) << 4)  # [E, RT, KT, w, rh, i, s_hi, s_lo, c, kl]
     plain = plain.permute(0, 1, 2, 6, 3, 5, 8, 7, 4, 9)  # [E, RT, KT, s_hi, w, i, c, s_lo, rh, kl]: e = 2 rh + kl
     out = frag_words(plain.contiguous().view(-1, 4)).view(e, n, kh)
@@ -149,7 +144,7 @@ def unthread_order(stored: torch.Tensor) -> torch.Tensor:
     flat = stored.dim() == 2
     s = stored.unsqueeze(0) if flat else stored
     c = kernel_codes(s)
-    out = (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
+    out = pack_e2m1(c).contiguous()
     return out[0] if flat else out
 
 

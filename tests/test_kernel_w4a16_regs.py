@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kernels import w4a16_regs
-from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4
-from kernels.w4a16_regs import _codes, kernel_codes, thread_order, unthread_order
+from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4, unpack_e2m1
+from kernels.w4a16_regs import kernel_codes, thread_order, unthread_order
 from kernels.w4a16_swapped import frag_words
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -40,7 +40,7 @@ def test_kernel_index_chain_reads_the_checkpoint_codes():
     """`kernel_codes` (the kernel's reshape / decode / join / permute chain in torch) on thread-order bytes gives the
     checkpoint's codes for every (expert, row, k): a wrong axis in the loader or the chain moves codes."""
     p = _packed(2, 192, 384, seed=2)
-    assert torch.equal(kernel_codes(thread_order(p)), _codes(p))
+    assert torch.equal(kernel_codes(thread_order(p)), unpack_e2m1(p))
 
 
 def test_kernel_scale_chain_reads_the_checkpoint_scales():
@@ -57,7 +57,7 @@ def test_stored_bytes_are_the_fragment_bytes():
     16 w + 8 (e // 2) + i and k = 16 (4 s_hi + s_lo) + 2 c + e % 2 (the wgmma A fragment's thread order), at byte
     s_hi * 2048 + (32 w + 4 i + c) * 16 + 4 s_lo + e; checked one position at a time on a 64 x 256 weight (tile 1)."""
     p = _packed(1, 64, 256, seed=3)
-    codes = _codes(p)[0]
+    codes = unpack_e2m1(p)[0]
     plain = frag_words(thread_order(p).reshape(-1, 4), inverse=True).reshape(-1)
     g = torch.Generator().manual_seed(4)
     for _ in range(200):
