@@ -745,19 +745,20 @@ class NVFP4Experts(_Dispatch):
         `repack_dual` small-batch copy for n <= small_tokens, the `repack_regs` copy for calls of at most 16 pairs
         an expert above that, else the stacks; without `with_shared`, views of the routed experts only (the
         alignment and the kernels size for E, not E + 1)."""
-        from kernels.w4a16_gemm import THREAD_ORDER
-        from kernels.w4a16_swapped import swapped_block_m
-
         w13, w2, layout = self.gate_up_nvfp4, self.down_nvfp4, self.layout
-        launch_experts = self.num_experts + (1 if with_shared and self.shared_index is not None else 0)
         if self.small_tokens and n <= self.small_tokens:  # `repack_dual`: the small-batch copy
             w13 = NVFP4Tensor(self.small_gate_up_packed, self.gate_up_scales, self.gate_up_global)
             w2 = NVFP4Tensor(self.small_down_packed, self.down_scales, self.down_global)
             layout = self.small_layout
-        elif self.regs_copy and pairs is not None and swapped_block_m(pairs, launch_experts) == 16:
-            w13 = NVFP4Tensor(self.regs_gate_up_packed, self.gate_up_scales, self.gate_up_global)
-            w2 = NVFP4Tensor(self.regs_down_packed, self.down_scales, self.down_global)
-            layout = THREAD_ORDER
+        elif self.regs_copy and pairs is not None:  # `repack_regs` (imports only where a copy is held)
+            from kernels.w4a16_gemm import THREAD_ORDER
+            from kernels.w4a16_swapped import swapped_block_m
+
+            launch_experts = self.num_experts + (1 if with_shared and self.shared_index is not None else 0)
+            if swapped_block_m(pairs, launch_experts) == 16:  # the swap-AB kernel's 16-row calls
+                w13 = NVFP4Tensor(self.regs_gate_up_packed, self.gate_up_scales, self.gate_up_global)
+                w2 = NVFP4Tensor(self.regs_down_packed, self.down_scales, self.down_global)
+                layout = THREAD_ORDER
         if self.shared_index is not None and not with_shared:
             e = self.num_experts
             w13, w2 = (NVFP4Tensor(w.packed[:e], w.scales[:e], w.global_scale[:e]) for w in (w13, w2))
