@@ -14,8 +14,8 @@ engine's), its outputs compared with the default build's (the stage count moves 
 for each launch config of a JSON list, e.g. '[{"maxnreg": 80}, {"BLOCK_N": 128}]' (a register cap, programs of two
 stored tiles); a config a case's launch refuses is recorded with its error. `--regs`: the 32-token expert calls also
 on `kernels/w4a16_regs.py` (Gluon, thread-order copies of the same weights, PDL as the engine launches it; no launch
-configs; 1 and 2 K tiles loaded ahead; 16- and 8-row blocks), each output compared bit for bit with the swap-AB
-kernel's on the same inputs (`equal_to_swapped`).
+configs; 16- and 8-row blocks x 1 and 2 K tiles loaded ahead into registers x no L2 prefetch and one 4 K tiles
+ahead), each output compared bit for bit with the swap-AB kernel's on the same inputs (`equal_to_swapped`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def main() -> None:
     lm = random_nvfp4((248_320, 2048), dev, gen)
     lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
 
-    regs_blocks = (16, 8)  # the Gluon kernel's row blocks timed (--regs), each at 1 and 2 tiles ahead
+    # the Gluon kernel's builds timed (--regs): (row block, K tiles ahead in registers, K tiles prefetched into L2)
+    regs_builds = [(bm, ahead, l2) for bm in (16, 8) for ahead in (1, 2) for l2 in (0, 4)]
     if args.regs:
         from kernels.w4a16_regs import thread_order, w4a16_regs_launch
 
@@ -89,20 +90,20 @@ def main() -> None:
                 block_n=tile[0], block_k=tile[1]))
             down.append(lambda cfg=None, h=h, r=routing: w4a16_grouped_swapped_launch(
                 h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg, block_n=tile[0], block_k=tile[1]))
-            for rbm in regs_blocks if args.regs and bm == 16 else ():
-                r = routing if rbm == bm else moe_align(idx, 256, rbm)
-                for ahead in (1, 2):
-                    regs_gate_up.append(((rbm, ahead), lambda cfg=None, x=x, r=r, a=ahead: regs_call(
-                        cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
-                        a_div=8, swiglu=True, ahead=a)))
-                    regs_down.append(((rbm, ahead), lambda cfg=None, h=h, r=r, a=ahead: regs_call(
-                        cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r,
-                        ahead=a)))
+            routings = {bm: routing, 8: moe_align(idx, 256, 8)} if args.regs and bm == 16 else {}
+            for rbm, ahead, l2 in regs_builds if routings else ():
+                r = routings[rbm]
+                regs_gate_up.append(((rbm, ahead, l2), lambda cfg=None, x=x, r=r, a=ahead, l2=l2: regs_call(
+                    cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
+                    a_div=8, swiglu=True, ahead=a, l2_ahead=l2)))
+                regs_down.append(((rbm, ahead, l2), lambda cfg=None, h=h, r=r, a=ahead, l2=l2: regs_call(
+                    cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r,
+                    ahead=a, l2_ahead=l2)))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
-        for rbm, ahead in dict.fromkeys(v for v, _ in regs_gate_up):
-            tag = f"{tokens} tokens, ahead {ahead}, block {rbm}"
-            cases += [(f"regs experts gate_up, {tag}", [c for v, c in regs_gate_up if v == (rbm, ahead)]),
-                      (f"regs experts down, {tag}", [c for v, c in regs_down if v == (rbm, ahead)])]
+        for rbm, ahead, l2 in dict.fromkeys(v for v, _ in regs_gate_up):
+            tag = f"{tokens} tokens, ahead {ahead}, l2 {l2}, block {rbm}"
+            cases += [(f"regs experts gate_up, {tag}", [c for v, c in regs_gate_up if v == (rbm, ahead, l2)]),
+                      (f"regs experts down, {tag}", [c for v, c in regs_down if v == (rbm, ahead, l2)])]
     for rows in (1, 16, 32):
         xs = [torch.randn(rows, 2048, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4)]
         block_m = 16 if rows <= 16 else 32  # `_frag_dense_launch`'s

@@ -1019,7 +1019,7 @@ def supports_moe(*, device: str, capability, dtype: torch.dtype, shapes_ok: bool
                  layout: int = CHECKPOINT, k: int = 0, k_down: int = 0, **_: Any) -> bool:
     """As `supports_dense`, for stacked [E, 2I, H] gate_up and [E, H, I] down weights and [T, k] routing; fragment-
     order experts (SPLIT_FRAG) only where their PTX runs (`frag_capability_ok`: sm_90 on CUDA); thread-order experts
-    (THREAD_ORDER) only where `kernels/w4a16_regs.py` runs (`regs_ok`: compiled Gluon on sm_90, bf16, K <= MAX_K;
+    (THREAD_ORDER) only where `kernels/w4a16_regs.py` runs (`regs_ok`: compiled Gluon on sm_90, bf16, its K (`k_ok`);
     never in the interpreter, so the reference serves them on the CPU)."""
     if layout == THREAD_ORDER:
         from kernels.w4a16_regs import regs_ok

@@ -11,11 +11,13 @@ input) and waits on three CTA barriers a K tile (the pipeline's and two for the 
 (RESULTS.md, fortieth session). Here each thread loads its own weight words with two 16-byte loads a K tile, in the
 order the wgmma A fragment wants them (`thread_order`), so the decode's output registers ARE the fragment
 (`gl.convert_layout(..., assert_trivial=True)` proves it at compile time): no shared memory, no barrier, no PRMT for
-the weights. The gathered activations of the row block ([BLOCK_M, K] bf16, 64 KB for gate_up) are loaded into
-shared memory once per program, the wgmma B operand of every K tile. Block scales stay in the checkpoint layout:
-each lane of a quad (the four lanes that share rows r and r + 8) loads one 4-byte word of them a K tile, converts it
-and takes the other three lanes' by warp shuffles. Words and scales are loaded AHEAD (1 or 2) K tiles ahead, into
-registers.
+the weights. The gathered activations of the row block ([BLOCK_M, K] bf16, 64 KB for gate_up) are copied into
+shared memory once per program by one run of cp.async (`stacked_tiles_layout`: all K tiles in flight at once, no
+barrier between them), the wgmma B operand of every K tile. Block scales stay in the checkpoint layout: each lane of a
+quad (the four lanes that share rows r and r + 8) loads one 4-byte word of them a K tile, converts it and takes the
+other three lanes' by warp shuffles. Words and scales are loaded AHEAD (1 or 2) K tiles ahead into registers, each
+buffer reloaded in place right after its decode (`_k_tile`); optionally the words are also prefetched L2_AHEAD K
+tiles ahead into L2 (one bulk prefetch a trip), since ptxas issues the register loads late (below).
 
 Stored layout ("thread order"): tiles of THREAD_TILE = 64 weight rows x 128 K, each 4 KB contiguous, ordered
 [E][N / 64][K / 128]. Within a tile, byte (s_hi, w, i, c, s_lo, e) at s_hi * 2048 + (32 w + 4 i + c) * 16 + 4 s_lo + e
@@ -29,17 +31,24 @@ x the global scale in the epilogue), fp32 accumulation in the swap-AB kernel's o
 tiles in order), so the two kernels should agree bit for bit (a CUDA test).
 
 Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions per K
-tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`): gate_up (SwiGLU, BLOCK_M 16) **309** at
-AHEAD 1 (106 registers, 64 KB shared), 335 at AHEAD 2 (125; register moves), down **165** / 182 (66 / 72 registers, 16
-KB); with 8-row blocks (BLOCK_MS: half the activations' shared memory, so 5 gate_up programs an SM instead of 3) 313 /
-164 (98 / 62 registers, 32 / 8 KB); no shared-memory load or store and no barrier in the loop; per projection and K tile
-2 LDG.128 of words, 1 LDG.32 of scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. How it got there: words loaded as bytes were
-split into bytes and rebuilt for the decode (638 in gate_up's loop); as int32, decoded by FRAG_DECODE_PTX's formulas in
-int32 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales then took ~80 PRMT (bytes rebuilt for the PTX
-conversion, each thread converting all 16 of its scales) -- as words converted in integer arithmetic, 322 with a layout
-conversion through shared memory (a barrier back in the loop), 305 with the shuffles (309 since the first tiles' weight
-loads moved ahead of the activations' fill, 118 -> 106 registers). Whether a loop with more occupancy-bound latency but
-no barrier or shared-memory weight traffic streams faster is the GPU's to say (`gpu_next.sh` step 161).
+tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`; forty-third session): gate_up (SwiGLU,
+BLOCK_M 16) **285** at AHEAD 2 (570 a trip of two tiles; 126 registers, 64 KB shared), 289 at AHEAD 1 (108); down
+**150** / 156 (72 / 66 registers, 16 KB); 8-row blocks (BLOCK_MS: half the activations' shared memory, so 4-5 gate_up
+programs an SM instead of 3) the same counts (128 / 98 and 72 / 62 registers, 32 / 8 KB); L2_AHEAD 4 adds 10 a
+gate_up tile (the prefetch and its address; down's K fits in the first prefetch, so nothing in its loop). No
+shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of words, 1 LDG.32 of
+scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. ptxas places every register load of the next tiles after the wgmmas they
+overlap (it reuses the in-flight fragments' registers for them), whatever the source order, and with a 168-register
+cap too; so the loads' lead is what AHEAD leaves after that (~1 tile at 2) and the L2 prefetch is the knob for more.
+How it got there: words loaded as bytes were split into bytes and rebuilt for the decode (638 in gate_up's loop); as
+int32, decoded by FRAG_DECODE_PTX's formulas in int32 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales
+then took ~80 PRMT (bytes rebuilt for the PTX conversion, each thread converting all 16 of its scales) -- as words
+converted in integer arithmetic, 322 with a layout conversion through shared memory (a barrier back in the loop), 305
+with the shuffles, 309 with the first tiles' weight loads ahead of the activations' fill; then (forty-third session)
+the fill as one cp.async run instead of 16 load / store / barrier rounds with 2-3 tiles in flight (307), the loads
+reloading in place and clamped instead of masked (289), AHEAD 2 as two tiles a trip without the ~27 register moves of
+rotating its buffers (335 -> 285). Whether a loop with more occupancy-bound latency but no barrier or shared-memory
+weight traffic streams faster is the GPU's to say (`gpu_next.sh` step 161).
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from kernels.w4a16_swapped import E2M1_BF16_MASK, FRAG_O3, FRAG_ROTATIONS, frag_
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 except ImportError:  # no Triton, or one without Gluon (< 3.5): the layout helpers still work
     gluon = None
@@ -62,6 +72,8 @@ THREAD_TILE = (64, 128)  # (weight rows, K) of a stored tile: one warpgroup's wg
 BLOCK_M = 16  # routed rows per program (the wgmma's N) of the engine's calls (`w4a16_gemm.w4a16_moe_op`)
 BLOCK_MS = (8, 16)  # the launcher's: 8 halves the activations' shared memory (gate_up: 32 KB, 4 programs an SM)
 MAX_K = 2048  # the activations' shared-memory block, BLOCK_M x K bf16: 64 KB at Qwen's hidden size
+AHEAD = 2  # the launcher's default K tiles of words in registers ahead (1 where the K tiles are odd in number)
+L2_AHEAD = 0  # the launcher's default K tiles of words prefetched into L2 ahead (0: none)
 
 
 # ---- the stored layout (host) ---------------------------------------------------------------------------------------
@@ -156,6 +168,21 @@ def experts_thread_order(w13: NVFP4Tensor, w2: NVFP4Tensor,
     return tuple(NVFP4Tensor(f(w.packed), w.scales, w.global_scale) for w in (w13, w2))
 
 
+def stacked_tiles_layout(block_m: int, kt: int):
+    """The shared layout of the activations' [KT, BLOCK_M, 128] bf16 block as KT stacked 4 KB tiles, each in the
+    128-byte-swizzled layout of the wgmma B operand (`NVMMASharedLayout(128, 16, rank=2)` of [BLOCK_M, 128]: k bits
+    1..32, then rows 1, 2, 4 XOR-swizzled into k 8, 16, 32, row 8 when BLOCK_M is 16, k 64), then the tile index.
+    One cp.async op fills it whole (no barrier between tiles, which per-tile copies get); the kernel reinterprets it
+    as the rank-2 NVMMA layout of each tile. (A rank-3 NVMMA layout is not this: it puts each 64-k half of all
+    tiles together.) kt a power of two."""
+    if kt & (kt - 1) or block_m not in BLOCK_MS:
+        raise ValueError(f"stacked_tiles_layout: {kt} K tiles (a power of two) of {block_m} rows (one of {BLOCK_MS})")
+    tile = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [1, 8], [2, 16], [4, 32]]
+    tile += [[8, 0]] * (block_m == 16) + [[0, 64]]
+    bases = [[0] + b for b in tile] + [[1 << i, 0, 0] for i in range(kt.bit_length() - 1)]
+    return gl.SharedLinearLayout(offset_bases=bases, block_bases=[], alignment=1024)
+
+
 # ---- Gluon kernel ---------------------------------------------------------------------------------------------------
 if gluon is not None:
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the name in Triton >= 3.7 / 3.6
@@ -173,6 +200,36 @@ if gluon is not None:
                                       pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
+
+    @gluon.jit
+    def _prefetch_l2_once(addr, nbytes):
+        """`kernels.pdl.prefetch_l2_once` in Gluon: one bulk L2 prefetch of [addr, addr + nbytes) (int64 address,
+        int32 bytes, a multiple of 16; nothing when <= 0) by the program's thread 0 only."""
+        gl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            .reg .u32 t;
+            mov.u32 t, %tid.x;
+            setp.eq.u32 p, t, 0;
+            setp.gt.and.s32 p, $2, 0, p;
+            @p cp.async.bulk.prefetch.L2.global [$1], $2;
+            mov.u32 $0, 0;
+            }""", "=r,l,r", [addr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _prefetch_l2_lines(ptrs):
+        """prefetch.global.L2 of the line holding each element of `ptrs` (one element a thread, no result)."""
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _prefetch_tiles(wt, up_bytes, t0, n: gl.constexpr, KT: gl.constexpr, SWIGLU: gl.constexpr):
+        """L2 prefetch of the program's weight tiles t0 .. t0 + n - 1 (those below KT; 4 KB each, contiguous from
+        `wt`, an int64 byte address), and of the up projection's, `up_bytes` further, with SWIGLU."""
+        nb = gl.maximum(gl.minimum(KT - t0, n), 0) * 4096
+        _prefetch_l2_once(wt + t0 * 4096, nb)
+        if SWIGLU:
+            _prefetch_l2_once(wt + up_bytes + t0 * 4096, nb)
 
     @gluon.jit
     def _halves(o):
@@ -262,21 +319,45 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(a, [64, 128]), AL, assert_trivial=True)
 
     @gluon.jit
+    def _k_tile(xs, t, nxt, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s, KT: gl.constexpr, SWIGLU: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+        """K tile t: decode its words and scales (u, sc; v, vc the up projection's with SWIGLU), issue its wgmmas,
+        THEN load tile `nxt`'s into the same values (clamped to the last tile: a repeat of a just-read line instead
+        of a masked load), and wait for the wgmmas. Loading after the decode lets each load reuse the registers its
+        buffer held, so a loop whose trips carry the buffers in the same order needs no register moves (loaded
+        before the decode, rotated buffers cost ~27 moves a trip, and ptxas issued those loads late all the same:
+        below the trip's last wgmmas, as it does these; the module docstring). The wait settles every wgmma before
+        the next decode writes registers (the ptxas hazard of `w4a16_swapped`'s SETTLE comment)."""
+        nxt = gl.minimum(nxt, KT - 1)
+        b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
+        acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
+        u = gl.load(we + nxt * 1024)
+        sc = gl.load(se + nxt * 2)
+        if SWIGLU:
+            acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
+            v = gl.load(we + up_w + nxt * 1024)
+            vc = gl.load(se + up_s + nxt * 2)
+        acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+        return u, sc, v, vc, acc, acc_up
+
+    @gluon.jit
     def _w4a16_regs_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, E, A_DIV,
                            s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
                            K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
-                           BLOCK_M: gl.constexpr, AHEAD: gl.constexpr = 1, USE_PDL: gl.constexpr = False):
+                           BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr, AHEAD: gl.constexpr = 1,
+                           L2_AHEAD: gl.constexpr = 0, USE_PDL: gl.constexpr = False):
         # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns (weight rows, the wgmma M) x the
         # BLOCK_M sorted pairs of row block pid_m (the wgmma N). SWIGLU: N = 2 N_out stored rows, column n uses n
         # (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32 words, s: block scales
         # [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides (divided by 4 here).
-        # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers.
+        # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers. L2_AHEAD (0: off):
+        # how many K tiles ahead the words are prefetched into L2 (and every scale row at the start).
         pdl_enter(USE_PDL)  # kernels/pdl.py's contract: a no-op unless launched with PDL
         KT: gl.constexpr = K // 128
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
-        XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BLOCK_M, 128] bf16 gathers
-        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
+        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         pid_m = gl.program_id(0)
         pid_n = gl.program_id(1)
         e = gl.load(block_expert + pid_m)
@@ -287,52 +368,60 @@ if gluon is not None:
             se = s + e.to(gl.int64) * (s_se // 4) + pid_n * 64 * (s_sn // 4) + _scale_offsets(s_sn // 4)  # words
             up_w = (n_out // 64) * (KT * 1024)
             up_s = n_out * (s_sn // 4)
+            wt = (w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024)).to(gl.int64)  # a byte address
+            if L2_AHEAD > 0:  # tiles 0 .. L2_AHEAD - 1 in one range, and the program's 64 (x 2) scale rows
+                _prefetch_tiles(wt, up_w * 4, 0, L2_AHEAD, KT, SWIGLU)
+                PL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one row a thread
+                f = gl.arange(0, 128, layout=PL)
+                row = pid_n * 64 + f % 64 + (f // 64) * n_out if SWIGLU else pid_n * 64 + f % 64
+                _prefetch_l2_lines(s + e.to(gl.int64) * (s_se // 4) + row * (s_sn // 4))
             # the first tiles' words and scales first: their HBM latency overlaps the activations' fill
             u = gl.load(we)
             sc = gl.load(se)
             if SWIGLU:
                 v = gl.load(we + up_w)
                 vc = gl.load(se + up_s)
-            if AHEAD == 2:  # tile 1 as well (masked when K is one tile)
-                u1 = gl.load(we + 1024, mask=1 < KT)
-                sc1 = gl.load(se + 2, mask=1 < KT)
+            if AHEAD == 2:  # tile 1 as well (KT is even)
+                u1 = gl.load(we + 1024)
+                sc1 = gl.load(se + 2)
                 if SWIGLU:
-                    v1 = gl.load(we + up_w + 1024, mask=1 < KT)
-                    vc1 = gl.load(se + up_s + 2, mask=1 < KT)
-            # the block's activation rows [BLOCK_M, K] into shared memory, one [BLOCK_M, 128] tile per K tile
-            rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-            kx = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+                    v1 = gl.load(we + up_w + 1024)
+                    vc1 = gl.load(se + up_s + 2)
+                else:
+                    v1, vc1 = u1, sc1
+            # the block's activation rows [BLOCK_M, K] into shared memory, K tiles of [BLOCK_M, 128], in one cp.async
+            # run (per-tile copies get a barrier between each two from the shared-memory hazard analysis)
+            tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
+            rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+            kx = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
             px = gl.load(sorted_pairs + pid_m * BLOCK_M + rx)
-            xrow = x + (px // A_DIV).to(gl.int64)[:, None] * s_xm + kx[None, :]
-            xok = (px < P)[:, None]
-            xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS)
-            for t in range(KT):
-                xs.index(t).store(gl.load(xrow + t * 128, mask=xok, other=0.0))
+            xrow = (x + (px // A_DIV).to(gl.int64)[None, :, None] * s_xm + tx[:, None, None] * 128
+                    + kx[None, None, :])
+            xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS_STACK)
+            async_copy.async_copy_global_to_shared(xs, xrow, mask=(px < P)[None, :, None])  # cp.async, zeros past P
+            xs = xs._reinterpret(gl.bfloat16, [KT, BLOCK_M, 128], XS)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
             fence_async_shared()
             _cta_barrier()
             acc = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
             acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
-            for t in range(KT):
-                more = t + AHEAD < KT  # tile t + AHEAD's words and scales, in registers while tile t computes
-                u_n = gl.load(we + (t + AHEAD) * 1024, mask=more)
-                sc_n = gl.load(se + (t + AHEAD) * 2, mask=more)
-                b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
-                acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
-                if SWIGLU:
-                    v_n = gl.load(we + up_w + (t + AHEAD) * 1024, mask=more)
-                    vc_n = gl.load(se + up_s + (t + AHEAD) * 2, mask=more)
-                    acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
-                    if AHEAD == 2:
-                        v, vc, v1, vc1 = v1, vc1, v_n, vc_n
-                    else:
-                        v, vc = v_n, vc_n
-                # settle: no wgmma in flight while the next tile's decode writes registers (the ptxas hazard of
-                # `w4a16_swapped`'s SETTLE comment)
-                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-                if AHEAD == 2:
-                    u, sc, u1, sc1 = u1, sc1, u_n, sc_n
-                else:
-                    u, sc = u_n, sc_n
+            if not SWIGLU:  # placeholders: `_k_tile` passes them through untouched
+                v, vc = u, sc
+            if AHEAD == 2:  # two K tiles a trip, each buffer reloaded in place (no register rotation)
+                for t in range(0, KT, 2):
+                    if L2_AHEAD > 0:
+                        _prefetch_tiles(wt, up_w * 4, t + L2_AHEAD, 2, KT, SWIGLU)
+                    u, sc, v, vc, acc, acc_up = _k_tile(xs, t, t + 2, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s,
+                                                        KT, SWIGLU, BLOCK_M)
+                    u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, t + 3, u1, sc1, v1, vc1, acc, acc_up, we, se,
+                                                            up_w, up_s, KT, SWIGLU, BLOCK_M)
+            else:
+                for t in range(KT):
+                    if L2_AHEAD > 0:
+                        _prefetch_tiles(wt, up_w * 4, t + L2_AHEAD, 1, KT, SWIGLU)
+                    u, sc, v, vc, acc, acc_up = _k_tile(xs, t, t + 1, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s,
+                                                        KT, SWIGLU, BLOCK_M)
             # epilogue: x 2^7 (the dequant's gain) x the global scale, SwiGLU, row scale; y[pair, n]
             offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
             pairs = gl.load(sorted_pairs + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC)))
@@ -350,21 +439,29 @@ if gluon is not None:
 def regs_ok(device: str, capability, dtype: torch.dtype, k: int, k_down: int) -> bool:
     """Whether the routed-expert op can run on this kernel (`kernels.w4a16_gemm.supports_moe` for THREAD_ORDER):
     Triton with Gluon, compiled (Gluon has no interpreter), an sm_90 CUDA device (wgmma; the shuffles and bf16x2
-    products), bf16 activations, both projections' K (gate_up's H, down's I) multiples of 128 up to MAX_K."""
+    products), bf16 activations, both projections' K (gate_up's H, down's I) 128 x a power of two up to MAX_K."""
     from kernels.w4a16_gemm import _interpreted
 
     return (gluon is not None and not _interpreted() and device == "cuda" and capability is not None
-            and tuple(capability) == (9, 0) and dtype == torch.bfloat16
-            and all(0 < v <= MAX_K and v % 128 == 0 for v in (k, k_down)))
+            and tuple(capability) == (9, 0) and dtype == torch.bfloat16 and k_ok(k) and k_ok(k_down))
+
+
+def k_ok(k: int) -> bool:
+    """Whether a projection's K suits the kernel: 128 x a power of two (the activations' stacked shared layout,
+    `stacked_tiles_layout`), at most MAX_K."""
+    kt = k // 128
+    return 0 < k <= MAX_K and k % 128 == 0 and kt & (kt - 1) == 0
 
 
 def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
-                      row_scale: torch.Tensor | None = None, ahead: int = 1) -> torch.Tensor:
+                      row_scale: torch.Tensor | None = None, ahead: int | None = None,
+                      l2_ahead: int | None = None) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
-    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2):
-    K tiles of weights loaded ahead into registers (2: ~18 more registers a thread; which is faster is unmeasured)."""
+    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2;
+    None: AHEAD): K tiles of weights loaded ahead into registers (2 needs an even number of K tiles). `l2_ahead`
+    (None: L2_AHEAD; 0 off): K tiles of weights prefetched ahead into L2. Which settings are fastest is unmeasured."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     e, n, kh = packed_thread.shape
@@ -372,14 +469,22 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     n_out = n // 2 if swiglu else n
     if x.dtype != torch.bfloat16 or x.shape[-1] != k or x.stride(-1) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be bf16 [R, {k}], unit k stride")
-    if k % 128 or k > MAX_K or n_out % 64 or (swiglu and n % 128):
-        raise ValueError(f"w4a16_regs: K {k} must be a multiple of 128 up to {MAX_K} and N_out {n_out} of 64")
+    if not k_ok(k) or n_out % 64 or (swiglu and n % 128):
+        raise ValueError(f"w4a16_regs: K {k} must be 128 x a power of two up to {MAX_K} and N_out {n_out} a "
+                         f"multiple of 64")
+    kt = k // 128
+    if ahead is None:
+        ahead = AHEAD if kt % 2 == 0 else 1
+    l2_ahead = L2_AHEAD if l2_ahead is None else l2_ahead
     if routing.block_expert is None or routing.block_m not in BLOCK_MS:
         raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed, "
                          f"got block_m "
                          f"{routing.block_m}{' (dense)' if routing.block_expert is None else ''}")
-    if ahead not in (1, 2):
-        raise ValueError(f"w4a16_regs: ahead must be 1 or 2, got {ahead!r}")
+    if ahead not in (1, 2) or (ahead == 2 and kt % 2):
+        raise ValueError(f"w4a16_regs: ahead must be 1 or 2 (2 with an even number of K tiles, here {kt}), "
+                         f"got {ahead!r}")
+    if not isinstance(l2_ahead, int) or l2_ahead < 0:
+        raise ValueError(f"w4a16_regs: l2_ahead must be an int >= 0, got {l2_ahead!r}")
     if scales.shape != (e, n, k // BLOCK):
         raise ValueError(f"scales {tuple(scales.shape)} do not match weights [{e}, {n}, {k}]")
     y = torch.empty((routing.num_pairs, n_out), dtype=x.dtype, device=x.device)
@@ -393,6 +498,7 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         x, packed_thread.view(torch.int32), sc, g, rs, y, routing.sorted_pairs, routing.block_expert,
         routing.num_pairs, n, e, a_div,
         x.stride(0), packed_thread.stride(0), 4 * sc.stride(0), 4 * sc.stride(1), s_ge, s_gn, y.stride(0),
-        K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m, AHEAD=ahead,
-        num_warps=4, **pdl.launch_options())
+        K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
+        XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, num_warps=4,
+        **pdl.launch_options())
     return y

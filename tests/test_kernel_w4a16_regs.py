@@ -83,8 +83,13 @@ def test_launcher_refuses_what_it_cannot_run():
         launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 32))
     with pytest.raises(ValueError, match="ahead"):
         launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), ahead=3)
-    with pytest.raises(ValueError, match="multiple of 128"):
+    with pytest.raises(ValueError, match="128 x a power of two"):
         launch(x[:, :192], w.packed[..., :96], w.scales[..., :12], w.global_scale, moe_align(idx, 2, 16))
+    w1 = quantize_nvfp4(torch.randn(2, 128, 128) * 0.02)  # one K tile: nothing to hold two ahead
+    with pytest.raises(ValueError, match="even number of K tiles"):
+        launch(x[:, :128], thread_order(w1.packed), w1.scales, w1.global_scale, moe_align(idx, 2, 16), ahead=2)
+    with pytest.raises(ValueError, match="l2_ahead"):
+        launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), l2_ahead=-1)
 
 
 def test_thread_order_refuses_ragged_weights():
@@ -95,16 +100,46 @@ def test_thread_order_refuses_ragged_weights():
 
 
 @pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("ahead,block_m", [(1, 16), (2, 16), (1, 8)])
+@pytest.mark.parametrize("block_m", [16, 8])
+def test_stacked_tiles_layout_is_the_wgmma_tiles(block_m):
+    """`stacked_tiles_layout` (the activations' one-copy fill) holds each K tile exactly where the rank-2 128-byte
+    swizzled NVMMA layout of [BLOCK_M, 128] (the wgmma B operand the kernel reinterprets it as) puts it: its bases
+    are that layout's, then the tile index above them (Triton's own linear-layout conversion as the reference)."""
+    import triton
+    from triton._C.libtriton import gluon_ir, ir
+    from triton.experimental.gluon import language as gl
+
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):  # 3.6 aborts the process on a shared one
+        pytest.skip(f"Triton {triton.__version__} converts only distributed layouts to linear ones (3.8 does both)")
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+    tile = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    want = builder.to_linear_layout(tile._to_ir(builder), [block_m, 128])
+    for kt in (1, 4, 16):
+        got = w4a16_regs.stacked_tiles_layout(block_m, kt)
+        n = len(want.offset_bases)
+        assert [b[1:] for b in got.offset_bases[:n]] == want.offset_bases and all(b[0] == 0 for b in
+                                                                                   got.offset_bases[:n])
+        assert got.offset_bases[n:] == [[1 << i, 0, 0] for i in range(kt.bit_length() - 1)]
+        assert got.alignment == want.alignment
+    with pytest.raises(ValueError, match="power of two"):
+        w4a16_regs.stacked_tiles_layout(block_m, 3)
+
+
+@pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("ahead,block_m,l2_ahead", [(1, 16, 0), (2, 16, 0), (1, 8, 0), (2, 8, 0), (2, 16, 4)])
 @pytest.mark.parametrize("k,swiglu", [(2048, True), (512, False)])
-def test_compiles_for_sm90(k, swiglu, ahead, block_m):
+def test_compiles_for_sm90(k, swiglu, ahead, block_m, l2_ahead):
     """Both engine builds (gate_up: K 2048, SwiGLU; down: K 512, row scale) compile for sm_90 offline -- which
     includes the kernel's `assert_trivial` conversion of the decoded words to the A fragment -- with no spills, and
-    the K loop loads each thread's weight words and its one scale word from global memory, shares the scales within
-    each quad by shuffles and touches shared memory only as the wgmma's B operand (no LDS / STS / barrier), and no
-    instruction writes a register an in-flight wgmma still reads (`sass_loop.writes_into_in_flight_a_registers`).
-    With USE_PDL its PTX waits for the predecessor grid before any global memory access (tests/test_pdl.py checks the
-    source's order)."""
+    the K loop (AHEAD tiles a trip) loads each thread's weight words and its one scale word from global memory,
+    shares the scales within each quad by shuffles and touches shared memory only as the wgmma's B operand (no LDS /
+    STS / barrier), copies no rotated buffers at AHEAD 2 (no more IMAD a tile than at AHEAD 1, give or take the
+    address arithmetic), and no instruction writes a register an in-flight wgmma still reads
+    (`sass_loop.writes_into_in_flight_a_registers`). The activations' fill is one run of cp.async (LDGSTS) with no
+    barrier between them. With USE_PDL its PTX waits for the predecessor grid before any global memory access
+    (tests/test_pdl.py checks the source's order)."""
     import inspect
     import subprocess
     import tempfile
@@ -118,7 +153,8 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
 
     kern = w4a16_regs._w4a16_regs_kernel
     names = list(inspect.signature(kern.fn).parameters)
-    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, USE_PDL=False)
+    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2_ahead,
+                  XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128), USE_PDL=False)
     ptrs = {"x": "*bf16", "w": "*i32", "s": "*i32", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
             "block_expert": "*i32"}
     aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}
@@ -130,10 +166,16 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m):
     ops = loop_opcodes(sass)
     # the ptxas hazard of w4a16_swapped's SETTLE comment: no register of an in-flight wgmma's A operand written
     assert writes_into_in_flight_a_registers(sass) == 0 and writes_into_in_flight_a_registers(sass, whole=True) == 0
-    assert ops["HGMMA"] == (16 if swiglu else 8)  # 8 wgmma k-steps of 16 per projection and K tile
-    assert ops["LDG"] == (2 if swiglu else 1) * 3  # per projection: the words (2 x 16 B) and one scale word
-    assert ops["SHFL"] == (2 if swiglu else 1) * 8  # the quad's four scale words, two registers each
+    proj = (2 if swiglu else 1) * ahead  # projections x K tiles a trip
+    assert ops["HGMMA"] == 8 * proj  # 8 wgmma k-steps of 16 per projection and K tile
+    assert ops["LDG"] == 3 * proj  # per projection and tile: the words (2 x 16 B) and one scale word
+    assert ops["SHFL"] == 8 * proj  # the quad's four scale words, two registers each
     assert ops["LDS"] == 0 and ops["LDSM"] == 0 and ops["STS"] == 0 and ops["STSM"] == 0 and ops["BAR"] == 0
+    assert ops["IMAD"] + ops["MOV"] <= 15 * proj, ops  # 12-14 a projection and tile; copied buffers add 9 or more
+    fill = sass[:sass.index("LDGDEPBAR")]  # the activations' cp.async run, then its one wait
+    ldgsts = [i for i, line in enumerate(fill.splitlines()) if "LDGSTS" in line]
+    assert len(ldgsts) == block_m * k // 1024  # [BLOCK_M, K] bf16 over 128 threads, 16 B (8 values) a copy
+    assert "BAR" not in "\n".join(fill.splitlines()[ldgsts[0]:ldgsts[-1]])
     pdl_build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs={**consts, "USE_PDL": True},
                                               attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = pdl_build.asm["ptx"]  # with PDL: wait, then launch_dependents, before the first global memory access
@@ -164,17 +206,21 @@ def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M):
     return w, idx, x, None if rs is None else rs.cuda(), a_div, moe_align(idx, e, block_m)
 
 
+GPU_CASES = [(t, swiglu, k, ahead, block_m, l2)  # (tokens, SwiGLU, K) x (ahead, block_m, l2_ahead); AHEAD 2 needs
+             for t, swiglu, k in ((1, True, 256), (32, True, 2048), (32, False, 512), (7, False, 128))  # 2+ K tiles
+             for ahead, block_m, l2 in ((1, 16, 0), (2, 16, 0), (2, 16, 4), (1, 8, 0), (2, 8, 2))
+             if ahead == 1 or k > 128]
+
+
 @pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("block_m", [16, 8])
-@pytest.mark.parametrize("ahead", [1, 2])
-@pytest.mark.parametrize("t,swiglu,k", [(1, True, 256), (32, True, 2048), (32, False, 512), (7, False, 128)])
-def test_matches_reference_and_swapped_kernel(t, swiglu, k, ahead, block_m):
+@pytest.mark.parametrize("t,swiglu,k,ahead,block_m,l2_ahead", GPU_CASES)
+def test_matches_reference_and_swapped_kernel(t, swiglu, k, ahead, block_m, l2_ahead):
     from kernels.w4a16_gemm import w4a16_grouped_reference
     from kernels.w4a16_swapped import split_frag, w4a16_grouped_swapped_launch
 
     w, idx, x, rs, a_div, routing = _case(t, 8, 16, 256, k, swiglu, seed=11 + t, block_m=block_m)
     y = w4a16_regs.w4a16_regs_launch(x, thread_order(w.packed), w.scales, w.global_scale, routing, a_div=a_div,
-                                     swiglu=swiglu, row_scale=rs, ahead=ahead)
+                                     swiglu=swiglu, row_scale=rs, ahead=ahead, l2_ahead=l2_ahead)
     ref = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
     err = (y.float() - ref).abs()
     assert bool((err <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all()), float(err.max())
@@ -192,7 +238,7 @@ def test_regs_ok_names_where_the_kernel_runs(monkeypatch):
     ok = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, k=2048, k_down=512)
     assert w4a16_regs.regs_ok(**ok) == (w4a16_regs.gluon is not None)
     for bad in (dict(device="cpu", capability=None), dict(capability=(8, 0)), dict(capability=(10, 0)),
-                dict(dtype=torch.float16), dict(k=4096), dict(k_down=192)):
+                dict(dtype=torch.float16), dict(k=4096), dict(k_down=192), dict(k=384)):
         assert not w4a16_regs.regs_ok(**{**ok, **bad}), bad
     monkeypatch.setattr(w4a16_gemm, "_interpreted", lambda: True)  # Gluon has no interpreter
     assert not w4a16_regs.regs_ok(**ok)
