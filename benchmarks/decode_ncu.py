@@ -19,8 +19,9 @@ caches (its default cache control), so the numbers are a kernel alone, not its t
 `--moe32`: instead, the 32-stream step's routed experts only -- gate_up + SwiGLU and down x routing weight on the
 swap-AB kernel at 32 tokens (top-8 of 256, 16-row blocks, fragment order, the engine's defaults), the calls that
 hold over half of that step's GPU time. `--moe32 --regs`: the same calls on `kernels/w4a16_regs.py` as well (Gluon,
-thread-order copies of the same weights; 16- and 8-row blocks, one K tile ahead), in the same profiled range, so one
-report has both kernels' stalls side by side (not with `--tiny`: Gluon has no interpreter).
+thread-order copies of the same weights; 16- and 8-row blocks, the launcher's defaults and a cp.async ring of 4), in
+the same profiled range, so one report has both kernels' stalls side by side (not with `--tiny`: Gluon has no
+interpreter).
 """
 
 from __future__ import annotations
@@ -173,9 +174,10 @@ def _moe32(args, dev, gen, w13, w2, H: int, INTER: int, E: int, TOP_K: int, toke
         h = w4a16_grouped_swapped_launch(x, w13f, w13.scales, w13.global_scale, routing, a_div=TOP_K, swiglu=True,
                                          frag=True, block_n=tile[0])  # [tokens x top-k, INTER]
         w4a16_grouped_swapped_launch(h, w2f, w2.scales, w2.global_scale, routing, frag=True, block_n=tile[0])
-        for r in regs:
-            hr = w4a16_regs_launch(x, w13t, w13.scales, w13.global_scale, r, a_div=TOP_K, swiglu=True)
-            w4a16_regs_launch(hr, w2t, w2.scales, w2.global_scale, r)
+        for r in regs:  # the launcher's defaults, then a cp.async ring of 4 (the stall profiles of both ways)
+            for ring in (None, 4):
+                hr = w4a16_regs_launch(x, w13t, w13.scales, w13.global_scale, r, a_div=TOP_K, swiglu=True, ring=ring)
+                w4a16_regs_launch(hr, w2t, w2.scales, w2.global_scale, r, ring=ring)
         if last and not args.tiny:
             torch.cuda.nvtx.range_pop()
     if not args.tiny:

@@ -2067,7 +2067,8 @@ if want 161; then
 # run: the reference and bit-equality with the swap-AB kernel), then per call beside the swap-AB kernel on the same
 # inputs at 32 tokens (equal_to_swapped: bit for bit). Forty-third session: the activations' fill one cp.async run,
 # AHEAD 2 two tiles a trip without register moves (now the default; 285 / 150 a tile), an L2 prefetch option
-# (l2_ahead): the sweep times 16 / 8-row blocks x ahead 1 / 2 x l2 0 / 4 -- set AHEAD / L2_AHEAD from it
+# (l2_ahead) and a per-thread cp.async ring (ring): the sweep times 16 / 8-row blocks x [ahead 1, ahead 2, ahead 2
+# + l2 4, ahead 2 + l2 8, ring 4] -- set AHEAD / L2_AHEAD / RING and the engine's block from it
 say "161. issue 5: the Gluon register-streamed expert kernel's CUDA tests, then per call beside the swap-AB kernel"
 gpu_tests regs_tests "${LIMIT_161T:-150}" tests/test_kernel_w4a16_regs.py
 probe regs_ab "${LIMIT_161:-150}" swapped_ab.py --label regs --regs

@@ -14,8 +14,9 @@ engine's), its outputs compared with the default build's (the stage count moves 
 for each launch config of a JSON list, e.g. '[{"maxnreg": 80}, {"BLOCK_N": 128}]' (a register cap, programs of two
 stored tiles); a config a case's launch refuses is recorded with its error. `--regs`: the 32-token expert calls also
 on `kernels/w4a16_regs.py` (Gluon, thread-order copies of the same weights, PDL as the engine launches it; no launch
-configs; 16- and 8-row blocks x 1 and 2 K tiles loaded ahead into registers x no L2 prefetch and one 4 K tiles
-ahead), each output compared bit for bit with the swap-AB kernel's on the same inputs (`equal_to_swapped`).
+configs; 16- and 8-row blocks x [1 or 2 K tiles loaded ahead into registers, 2 with an L2 prefetch 4 or 8 tiles
+ahead, a cp.async ring of 4]), each output compared bit for bit with the swap-AB kernel's on the same inputs
+(`equal_to_swapped`).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def main() -> None:
     lm = random_nvfp4((248_320, 2048), dev, gen)
     lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
 
-    # the Gluon kernel's builds timed (--regs): (row block, K tiles ahead in registers, K tiles prefetched into L2)
-    regs_builds = [(bm, ahead, l2) for bm in (16, 8) for ahead in (1, 2) for l2 in (0, 4)]
+    # the Gluon kernel's builds timed (--regs): (row block, K tiles ahead in registers, K tiles prefetched into L2,
+    # cp.async ring depth)
+    regs_builds = [(bm, *b) for bm in (16, 8) for b in ((1, 0, 0), (2, 0, 0), (2, 4, 0), (2, 8, 0), (1, 0, 4))]
     if args.regs:
         from kernels.w4a16_regs import thread_order, w4a16_regs_launch
 
@@ -91,19 +93,19 @@ def main() -> None:
             down.append(lambda cfg=None, h=h, r=routing: w4a16_grouped_swapped_launch(
                 h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg, block_n=tile[0], block_k=tile[1]))
             routings = {bm: routing, 8: moe_align(idx, 256, 8)} if args.regs and bm == 16 else {}
-            for rbm, ahead, l2 in regs_builds if routings else ():
-                r = routings[rbm]
-                regs_gate_up.append(((rbm, ahead, l2), lambda cfg=None, x=x, r=r, a=ahead, l2=l2: regs_call(
+            for build in regs_builds if routings else ():
+                r, (_, ahead, l2, ring) = routings[build[0]], build
+                regs_gate_up.append((build, lambda cfg=None, x=x, r=r, a=ahead, l2=l2, ring=ring: regs_call(
                     cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
-                    a_div=8, swiglu=True, ahead=a, l2_ahead=l2)))
-                regs_down.append(((rbm, ahead, l2), lambda cfg=None, h=h, r=r, a=ahead, l2=l2: regs_call(
+                    a_div=8, swiglu=True, ahead=a, l2_ahead=l2, ring=ring)))
+                regs_down.append((build, lambda cfg=None, h=h, r=r, a=ahead, l2=l2, ring=ring: regs_call(
                     cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r,
-                    ahead=a, l2_ahead=l2)))
+                    ahead=a, l2_ahead=l2, ring=ring)))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
-        for rbm, ahead, l2 in dict.fromkeys(v for v, _ in regs_gate_up):
-            tag = f"{tokens} tokens, ahead {ahead}, l2 {l2}, block {rbm}"
-            cases += [(f"regs experts gate_up, {tag}", [c for v, c in regs_gate_up if v == (rbm, ahead, l2)]),
-                      (f"regs experts down, {tag}", [c for v, c in regs_down if v == (rbm, ahead, l2)])]
+        for build in dict.fromkeys(v for v, _ in regs_gate_up):
+            tag = f"{tokens} tokens, ahead {build[1]}, l2 {build[2]}, ring {build[3]}, block {build[0]}"
+            cases += [(f"regs experts gate_up, {tag}", [c for v, c in regs_gate_up if v == build]),
+                      (f"regs experts down, {tag}", [c for v, c in regs_down if v == build])]
     for rows in (1, 16, 32):
         xs = [torch.randn(rows, 2048, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4)]
         block_m = 16 if rows <= 16 else 32  # `_frag_dense_launch`'s

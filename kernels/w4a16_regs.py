@@ -40,6 +40,11 @@ shared-memory load or store and no barrier in the loop; per projection and K til
 scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. ptxas places every register load of the next tiles after the wgmmas they
 overlap (it reuses the in-flight fragments' registers for them), whatever the source order, and with a 168-register
 cap too; so the loads' lead is what AHEAD leaves after that (~1 tile at 2) and the L2 prefetch is the knob for more.
+The other knob, RING (`_ring_fill`, `_ring_tile`): each thread cp.asyncs its own words and scale word RING - 1 tiles
+ahead into a shared-memory ring and reads them back (2 LDS.128 + 1 LDS) one tile ahead: the loads' lead no longer
+depends on ptxas, for 4.5 KB of shared memory a tile and projection (gate_up at RING 4: 100 KB with 16-row blocks, 2
+programs an SM; 68 KB with 8-row, 3) and 308 / 162 instructions a tile, 2 of them barriers that Triton's
+shared-memory hazard analysis adds although no thread reads another's ring words.
 How it got there: words loaded as bytes were split into bytes and rebuilt for the decode (638 in gate_up's loop); as
 int32, decoded by FRAG_DECODE_PTX's formulas in int32 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales
 then took ~80 PRMT (bytes rebuilt for the PTX conversion, each thread converting all 16 of its scales) -- as words
@@ -74,6 +79,7 @@ BLOCK_MS = (8, 16)  # the launcher's: 8 halves the activations' shared memory (g
 MAX_K = 2048  # the activations' shared-memory block, BLOCK_M x K bf16: 64 KB at Qwen's hidden size
 AHEAD = 2  # the launcher's default K tiles of words in registers ahead (1 where the K tiles are odd in number)
 L2_AHEAD = 0  # the launcher's default K tiles of words prefetched into L2 ahead (0: none)
+RING = 0  # the launcher's default cp.async ring depth for words and scales (0: none, straight into registers)
 
 
 # ---- the stored layout (host) ---------------------------------------------------------------------------------------
@@ -341,19 +347,52 @@ if gluon is not None:
         return u, sc, v, vc, acc, acc_up
 
     @gluon.jit
+    def _ring_fill(ring_u, ring_sc, ring_v, ring_vc, slot, tile, we, se, up_w, up_s, SWIGLU: gl.constexpr):
+        """cp.async of K tile `tile`'s words and scale words (and the up projection's) into ring slot `slot`, one
+        commit group: each thread copies exactly the words it will read back (no other thread's)."""
+        async_copy.async_copy_global_to_shared(ring_u.index(slot), we + tile * 1024)
+        async_copy.async_copy_global_to_shared(ring_sc.index(slot), se + tile * 2)
+        if SWIGLU:
+            async_copy.async_copy_global_to_shared(ring_v.index(slot), we + up_w + tile * 1024)
+            async_copy.async_copy_global_to_shared(ring_vc.index(slot), se + up_s + tile * 2)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _ring_tile(xs, t, u, sc, v, vc, acc, acc_up, ring_u, ring_sc, ring_v, ring_vc, RING: gl.constexpr,
+                   SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr):
+        """`_k_tile` with the next tile's words read from the cp.async ring (slot t % RING holds tile t + 1 once all
+        but the RING - 1 newest groups have landed) instead of loaded from global memory."""
+        b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
+        acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
+        if SWIGLU:
+            acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
+        async_copy.wait_group(RING - 1)
+        u = ring_u.index(t % RING).load(u.type.layout)
+        sc = ring_sc.index(t % RING).load(sc.type.layout)
+        if SWIGLU:
+            v = ring_v.index(t % RING).load(v.type.layout)
+            vc = ring_vc.index(t % RING).load(vc.type.layout)
+        acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+        return u, sc, v, vc, acc, acc_up
+
+    @gluon.jit
     def _w4a16_regs_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, E, A_DIV,
                            s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
                            K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
                            BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr, AHEAD: gl.constexpr = 1,
-                           L2_AHEAD: gl.constexpr = 0, USE_PDL: gl.constexpr = False):
+                           L2_AHEAD: gl.constexpr = 0, RING: gl.constexpr = 0, USE_PDL: gl.constexpr = False):
         # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns (weight rows, the wgmma M) x the
         # BLOCK_M sorted pairs of row block pid_m (the wgmma N). SWIGLU: N = 2 N_out stored rows, column n uses n
         # (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32 words, s: block scales
         # [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides (divided by 4 here).
         # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers. L2_AHEAD (0: off):
-        # how many K tiles ahead the words are prefetched into L2 (and every scale row at the start).
+        # how many K tiles ahead the words are prefetched into L2 (and every scale row at the start). RING (0: off;
+        # else AHEAD 1): the words and scales of the next RING - 1 tiles copied by cp.async into a shared-memory ring
+        # (each thread its own words) and read back one tile ahead, instead of loaded straight into registers.
         pdl_enter(USE_PDL)  # kernels/pdl.py's contract: a no-op unless launched with PDL
         KT: gl.constexpr = K // 128
+        gl.static_assert(K % 128 == 0 and (KT & (KT - 1)) == 0, "K must be 128 x a power of two")
+        gl.static_assert(AHEAD == 1 or (AHEAD == 2 and KT % 2 == 0 and RING == 0), "AHEAD 2 needs an even KT")
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
@@ -408,7 +447,24 @@ if gluon is not None:
             acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
             if not SWIGLU:  # placeholders: `_k_tile` passes them through untouched
                 v, vc = u, sc
-            if AHEAD == 2:  # two K tiles a trip, each buffer reloaded in place (no register rotation)
+            if RING > 0:  # tiles 1 .. RING - 1 into the ring first (tile 0 is in registers)
+                RL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # plain: each thread its own words
+                ring_u = gl.allocate_shared_memory(gl.int32, [RING, 1024], RL)
+                ring_sc = gl.allocate_shared_memory(gl.int32, [RING, 128], RL)
+                if SWIGLU:
+                    ring_v = gl.allocate_shared_memory(gl.int32, [RING, 1024], RL)
+                    ring_vc = gl.allocate_shared_memory(gl.int32, [RING, 128], RL)
+                else:
+                    ring_v, ring_vc = ring_u, ring_sc
+                for i in gl.static_range(RING - 1):
+                    _ring_fill(ring_u, ring_sc, ring_v, ring_vc, i, gl.minimum(i + 1, KT - 1), we, se, up_w, up_s,
+                               SWIGLU)
+                for t in range(KT):
+                    _ring_fill(ring_u, ring_sc, ring_v, ring_vc, (t + RING - 1) % RING, gl.minimum(t + RING, KT - 1),
+                               we, se, up_w, up_s, SWIGLU)
+                    u, sc, v, vc, acc, acc_up = _ring_tile(xs, t, u, sc, v, vc, acc, acc_up, ring_u, ring_sc, ring_v,
+                                                           ring_vc, RING, SWIGLU, BLOCK_M)
+            elif AHEAD == 2:  # two K tiles a trip, each buffer reloaded in place (no register rotation)
                 for t in range(0, KT, 2):
                     if L2_AHEAD > 0:
                         _prefetch_tiles(wt, up_w * 4, t + L2_AHEAD, 2, KT, SWIGLU)
@@ -456,25 +512,30 @@ def k_ok(k: int) -> bool:
 def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                       row_scale: torch.Tensor | None = None, ahead: int | None = None,
-                      l2_ahead: int | None = None) -> torch.Tensor:
+                      l2_ahead: int | None = None, ring: int | None = None) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2;
     None: AHEAD): K tiles of weights loaded ahead into registers (2 needs an even number of K tiles). `l2_ahead`
-    (None: L2_AHEAD; 0 off): K tiles of weights prefetched ahead into L2. Which settings are fastest is unmeasured."""
+    (None: L2_AHEAD; 0 off): K tiles of weights prefetched ahead into L2. `ring` (None: RING; 0 off, else 2, 4 or
+    8, with ahead 1 and no L2 prefetch): the words and scales staged through a cp.async ring of that many tiles in
+    shared memory (+4.5 KB a tile and projection). Which settings are fastest is unmeasured."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     e, n, kh = packed_thread.shape
     k = 2 * kh
     n_out = n // 2 if swiglu else n
-    if x.dtype != torch.bfloat16 or x.shape[-1] != k or x.stride(-1) != 1:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[-1] != k or x.stride(-1) != 1:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be bf16 [R, {k}], unit k stride")
     if not k_ok(k) or n_out % 64 or (swiglu and n % 128):
         raise ValueError(f"w4a16_regs: K {k} must be 128 x a power of two up to {MAX_K} and N_out {n_out} a "
                          f"multiple of 64")
+    if packed_thread.dtype != torch.uint8 or not packed_thread.is_contiguous() or packed_thread.data_ptr() % 16:
+        raise ValueError("packed_thread must be contiguous 16-byte-aligned uint8 (the 16-byte word loads and the "
+                         "4 KB tiles of `thread_order`)")
     kt = k // 128
     if ahead is None:
-        ahead = AHEAD if kt % 2 == 0 else 1
+        ahead = AHEAD if kt % 2 == 0 and not (RING if ring is None else ring) else 1
     l2_ahead = L2_AHEAD if l2_ahead is None else l2_ahead
     if routing.block_expert is None or routing.block_m not in BLOCK_MS:
         raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed, "
@@ -485,8 +546,16 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
                          f"got {ahead!r}")
     if not isinstance(l2_ahead, int) or l2_ahead < 0:
         raise ValueError(f"w4a16_regs: l2_ahead must be an int >= 0, got {l2_ahead!r}")
+    ring = RING if ring is None else ring
+    if ring not in (0, 2, 4, 8) or (ring and (ahead != 1 or l2_ahead)):
+        raise ValueError(f"w4a16_regs: ring must be 0, 2, 4 or 8 (a ring with ahead 1 and l2_ahead 0), got ring "
+                         f"{ring!r}, ahead {ahead}, l2_ahead {l2_ahead}")
+    if row_scale is not None and row_scale.numel() != routing.num_pairs:
+        raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
     if scales.shape != (e, n, k // BLOCK):
         raise ValueError(f"scales {tuple(scales.shape)} do not match weights [{e}, {n}, {k}]")
+    if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 16):  # cp.async copies 16 bytes: aligned rows
+        x = x.clone(memory_format=torch.contiguous_format)
     y = torch.empty((routing.num_pairs, n_out), dtype=x.dtype, device=x.device)
     if routing.num_pairs == 0:
         return y
@@ -497,8 +566,9 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     _w4a16_regs_kernel[grid](
         x, packed_thread.view(torch.int32), sc, g, rs, y, routing.sorted_pairs, routing.block_expert,
         routing.num_pairs, n, e, a_div,
-        x.stride(0), packed_thread.stride(0), 4 * sc.stride(0), 4 * sc.stride(1), s_ge, s_gn, y.stride(0),
+        x.stride(0) if x.shape[0] > 1 else k, packed_thread.stride(0), 4 * sc.stride(0), 4 * sc.stride(1), s_ge,
+        s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
-        XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, num_warps=4,
+        XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, RING=ring, num_warps=4,
         **pdl.launch_options())
     return y
