@@ -2066,7 +2066,7 @@ if want 161; then
 # K tile against the swap-AB kernel's 386 / 226, no shared-memory weights or barriers). Its CUDA tests first (never
 # run: the reference and bit-equality with the swap-AB kernel), then per call beside the swap-AB kernel on the same
 # inputs at 32 tokens (equal_to_swapped: bit for bit). Forty-third session: the activations' fill one cp.async run,
-# AHEAD 2 two tiles a trip without register moves (now the default; 285 / 150 a tile), an L2 prefetch option
+# AHEAD 2 two tiles a trip without register moves (now the default; 289 / 150 a tile), an L2 prefetch option
 # (l2_ahead) and a per-thread cp.async ring (ring): the sweep times 16 / 8-row blocks x [ahead 1, ahead 2, ahead 2
 # + l2 4, ahead 2 + l2 8, ring 4] -- set AHEAD / L2_AHEAD / RING and the engine's block from it
 say "161. issue 5: the Gluon register-streamed expert kernel's CUDA tests, then per call beside the swap-AB kernel"

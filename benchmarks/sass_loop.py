@@ -82,20 +82,23 @@ def _unpredicated(ins: str) -> str:
     return re.sub(r"^@!?U?P\w+ ", "", ins)
 
 
-def loop_instructions(text: str) -> list[str]:
-    """The SASS instructions from a backward branch's target to the branch (the K loop), predicates kept."""
+def loop_instructions(text: str, inner: bool = False) -> list[str]:
+    """The SASS instructions from a backward branch's target to the branch (the K loop), predicates kept. `inner`:
+    of several loops, the shortest (the innermost of nested loops, e.g. the K loop inside a column loop)."""
     ins = instructions(text)
     back = [(int(m.group(1), 16), a) for a, t in ins
             if (m := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
+    if inner and back:
+        back = [min(back, key=lambda span: span[1] - span[0])]
     if len(back) != 1:
         raise RuntimeError(f"expected one loop, found {len(back)} backward branches")
     lo, hi = back[0]
     return [t for a, t in ins if lo <= a <= hi]
 
 
-def loop_opcodes(text: str) -> collections.Counter:
+def loop_opcodes(text: str, inner: bool = False) -> collections.Counter:
     """Opcode counts of the K loop's instructions (`loop_instructions`)."""
-    return collections.Counter(_unpredicated(t).split()[0].split(".")[0] for t in loop_instructions(text))
+    return collections.Counter(_unpredicated(t).split()[0].split(".")[0] for t in loop_instructions(text, inner))
 
 
 # opcodes whose first operand is not a register they write
@@ -114,7 +117,7 @@ def _written_registers(ins: str) -> set[int]:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
-def writes_into_in_flight_a_registers(text: str, whole: bool = False) -> int:
+def writes_into_in_flight_a_registers(text: str, whole: bool = False, inner: bool = False) -> int:
     """The race's hazard itself, on the SASS: instructions in the K loop that write a register holding the A operand
     of an HGMMA (wgmma with A in registers) before a `WARPGROUP.DEPBAR` has waited for it. The loop body is walked
     twice, so windows that cross the back edge count (`whole`: the function's instructions once instead, for kernels
@@ -123,7 +126,7 @@ def writes_into_in_flight_a_registers(text: str, whole: bool = False) -> int:
     if whole:
         walk, first = [t for _, t in instructions(text)], 0
     else:
-        body = loop_instructions(text)
+        body = loop_instructions(text, inner)
         walk, first = body + body, len(body)
     in_flight: set[int] = set()
     hazards = 0

@@ -15,8 +15,8 @@ for each launch config of a JSON list, e.g. '[{"maxnreg": 80}, {"BLOCK_N": 128}]
 stored tiles); a config a case's launch refuses is recorded with its error. `--regs`: the 32-token expert calls also
 on `kernels/w4a16_regs.py` (Gluon, thread-order copies of the same weights, PDL as the engine launches it; no launch
 configs; 16- and 8-row blocks x [1 or 2 K tiles loaded ahead into registers, 2 with an L2 prefetch 4 or 8 tiles
-ahead, a cp.async ring of 4]), each output compared bit for bit with the swap-AB kernel's on the same inputs
-(`equal_to_swapped`).
+ahead, a cp.async ring of 4, 2 with 4 column tiles a program and an L2 prefetch of 0 or 4]), each output compared bit
+for bit with the swap-AB kernel's on the same inputs (`equal_to_swapped`).
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def main() -> None:
     lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
 
     # the Gluon kernel's builds timed (--regs): (row block, K tiles ahead in registers, K tiles prefetched into L2,
-    # cp.async ring depth)
-    regs_builds = [(bm, *b) for bm in (16, 8) for b in ((1, 0, 0), (2, 0, 0), (2, 4, 0), (2, 8, 0), (1, 0, 4))]
+    # cp.async ring depth, column tiles a program)
+    regs_builds = [(bm, *b) for bm in (16, 8) for b in ((1, 0, 0, 1), (2, 0, 0, 1), (2, 4, 0, 1), (2, 8, 0, 1),
+                                                        (1, 0, 4, 1), (2, 0, 0, 4), (2, 4, 0, 4))]
     if args.regs:
         from kernels.w4a16_regs import thread_order, w4a16_regs_launch
 
@@ -94,16 +95,17 @@ def main() -> None:
                 h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg, block_n=tile[0], block_k=tile[1]))
             routings = {bm: routing, 8: moe_align(idx, 256, 8)} if args.regs and bm == 16 else {}
             for build in regs_builds if routings else ():
-                r, (_, ahead, l2, ring) = routings[build[0]], build
-                regs_gate_up.append((build, lambda cfg=None, x=x, r=r, a=ahead, l2=l2, ring=ring: regs_call(
+                r, (_, ahead, l2, ring, cols) = routings[build[0]], build
+                kw = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols)
+                regs_gate_up.append((build, lambda cfg=None, x=x, r=r, kw=kw: regs_call(
                     cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
-                    a_div=8, swiglu=True, ahead=a, l2_ahead=l2, ring=ring)))
-                regs_down.append((build, lambda cfg=None, h=h, r=r, a=ahead, l2=l2, ring=ring: regs_call(
-                    cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r,
-                    ahead=a, l2_ahead=l2, ring=ring)))
+                    a_div=8, swiglu=True, **kw)))
+                regs_down.append((build, lambda cfg=None, h=h, r=r, kw=kw: regs_call(
+                    cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r, **kw)))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
         for build in dict.fromkeys(v for v, _ in regs_gate_up):
-            tag = f"{tokens} tokens, ahead {build[1]}, l2 {build[2]}, ring {build[3]}, block {build[0]}"
+            bm_, ahead, l2, ring, cols = build
+            tag = f"{tokens} tokens, ahead {ahead}, l2 {l2}, ring {ring}, cols {cols}, block {bm_}"
             cases += [(f"regs experts gate_up, {tag}", [c for v, c in regs_gate_up if v == build]),
                       (f"regs experts down, {tag}", [c for v, c in regs_down if v == build])]
     for rows in (1, 16, 32):

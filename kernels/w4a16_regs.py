@@ -32,9 +32,9 @@ tiles in order), so the two kernels should agree bit for bit (a CUDA test).
 
 Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` compiles it), K-loop instructions per K
 tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`; forty-third session): gate_up (SwiGLU,
-BLOCK_M 16) **285** at AHEAD 2 (570 a trip of two tiles; 126 registers, 64 KB shared), 289 at AHEAD 1 (108); down
-**150** / 156 (72 / 66 registers, 16 KB); 8-row blocks (BLOCK_MS: half the activations' shared memory, so 4-5 gate_up
-programs an SM instead of 3) the same counts (128 / 98 and 72 / 62 registers, 32 / 8 KB); L2_AHEAD 4 adds 10 a
+BLOCK_M 16) **289** at AHEAD 2 (578 a trip of two tiles; 128 registers, 64 KB shared), 292 at AHEAD 1 (108); down
+**150** / 154 (72 / 66 registers, 16 KB); 8-row blocks (BLOCK_MS: half the activations' shared memory, so 4-5 gate_up
+programs an SM instead of 3) the same counts (128 / 108 and 70 / 69 registers, 32 / 8 KB); L2_AHEAD 4 adds 10 a
 gate_up tile (the prefetch and its address; down's K fits in the first prefetch, so nothing in its loop). No
 shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of words, 1 LDG.32 of
 scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. ptxas places every register load of the next tiles after the wgmmas they
@@ -43,7 +43,7 @@ cap too; so the loads' lead is what AHEAD leaves after that (~1 tile at 2) and t
 The other knob, RING (`_ring_fill`, `_ring_tile`): each thread cp.asyncs its own words and scale word RING - 1 tiles
 ahead into a shared-memory ring and reads them back (2 LDS.128 + 1 LDS) one tile ahead: the loads' lead no longer
 depends on ptxas, for 4.5 KB of shared memory a tile and projection (gate_up at RING 4: 100 KB with 16-row blocks, 2
-programs an SM; 68 KB with 8-row, 3) and 308 / 162 instructions a tile, 2 of them barriers that Triton's
+programs an SM; 68 KB with 8-row, 3) and 317 / 162 instructions a tile, 2 of them barriers that Triton's
 shared-memory hazard analysis adds although no thread reads another's ring words.
 How it got there: words loaded as bytes were split into bytes and rebuilt for the decode (638 in gate_up's loop); as
 int32, decoded by FRAG_DECODE_PTX's formulas in int32 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales
@@ -52,8 +52,12 @@ converted in integer arithmetic, 322 with a layout conversion through shared mem
 with the shuffles, 309 with the first tiles' weight loads ahead of the activations' fill; then (forty-third session)
 the fill as one cp.async run instead of 16 load / store / barrier rounds with 2-3 tiles in flight (307), the loads
 reloading in place and clamped instead of masked (289), AHEAD 2 as two tiles a trip without the ~27 register moves of
-rotating its buffers (335 -> 285). Whether a loop with more occupancy-bound latency but no barrier or shared-memory
-weight traffic streams faster is the GPU's to say (`gpu_next.sh` step 161).
+rotating its buffers (335 -> 285), the column loop of COLS (289).
+COLS (output column tiles a program, streamed as one run of COLS x KT tiles): down's programs stream 4 K tiles each,
+so their prologue -- three dependent round trips before the first wgmma -- and the sentinel blocks' empty programs
+weigh; COLS 4 has 4x fewer of both, for ~15 more instructions a down tile and 96 registers (72).
+Whether a loop with more occupancy-bound latency but no barrier or shared-memory weight traffic streams faster is the
+GPU's to say (`gpu_next.sh` step 161).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ MAX_K = 2048  # the activations' shared-memory block, BLOCK_M x K bf16: 64 KB at
 AHEAD = 2  # the launcher's default K tiles of words in registers ahead (1 where the K tiles are odd in number)
 L2_AHEAD = 0  # the launcher's default K tiles of words prefetched into L2 ahead (0: none)
 RING = 0  # the launcher's default cp.async ring depth for words and scales (0: none, straight into registers)
+COLS = 1  # the launcher's default output column tiles of 64 a program
 
 
 # ---- the stored layout (host) ---------------------------------------------------------------------------------------
@@ -229,10 +234,10 @@ if gluon is not None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _prefetch_tiles(wt, up_bytes, t0, n: gl.constexpr, KT: gl.constexpr, SWIGLU: gl.constexpr):
-        """L2 prefetch of the program's weight tiles t0 .. t0 + n - 1 (those below KT; 4 KB each, contiguous from
-        `wt`, an int64 byte address), and of the up projection's, `up_bytes` further, with SWIGLU."""
-        nb = gl.maximum(gl.minimum(KT - t0, n), 0) * 4096
+    def _prefetch_tiles(wt, up_bytes, t0, n: gl.constexpr, GT: gl.constexpr, SWIGLU: gl.constexpr):
+        """L2 prefetch of the program's weight tiles t0 .. t0 + n - 1 of its stream (those below GT; 4 KB each,
+        contiguous from `wt`, an int64 byte address), and of the up projection's, `up_bytes` further, with SWIGLU."""
+        nb = gl.maximum(gl.minimum(GT - t0, n), 0) * 4096
         _prefetch_l2_once(wt + t0 * 4096, nb)
         if SWIGLU:
             _prefetch_l2_once(wt + up_bytes + t0 * 4096, nb)
@@ -325,72 +330,103 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(a, [64, 128]), AL, assert_trivial=True)
 
     @gluon.jit
-    def _k_tile(xs, t, nxt, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s, KT: gl.constexpr, SWIGLU: gl.constexpr,
-                BLOCK_M: gl.constexpr):
-        """K tile t: decode its words and scales (u, sc; v, vc the up projection's with SWIGLU), issue its wgmmas,
-        THEN load tile `nxt`'s into the same values (clamped to the last tile: a repeat of a just-read line instead
-        of a masked load), and wait for the wgmmas. Loading after the decode lets each load reuse the registers its
-        buffer held, so a loop whose trips carry the buffers in the same order needs no register moves (loaded
-        before the decode, rotated buffers cost ~27 moves a trip, and ptxas issued those loads late all the same:
-        below the trip's last wgmmas, as it does these; the module docstring). The wait settles every wgmma before
-        the next decode writes registers (the ptxas hazard of `w4a16_swapped`'s SETTLE comment)."""
-        nxt = gl.minimum(nxt, KT - 1)
+    def _tile_words(we, se, g, KT: gl.constexpr, GT: gl.constexpr, sc_col):
+        """Pointers to tile g of a program's stream (column tile g // KT, K tile g % KT): its words follow the
+        previous tile's (the stored [E][N / 64][K / 128] order), its scale words are K tile x 2 words into the row
+        block's, `sc_col` words a column tile (one column tile, GT == KT: no division)."""
+        if GT == KT:
+            return we + g * 1024, se + g * 2
+        else:
+            return we + g * 1024, se + (g // KT) * sc_col + (g % KT) * 2
+
+    @gluon.jit
+    def _k_tile(xs, t, nxt, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s, sc_col, KT: gl.constexpr,
+                GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr):
+        """K tile t (of the activations): decode its words and scales (u, sc; v, vc the up projection's with
+        SWIGLU), issue its wgmmas, THEN load stream tile `nxt`'s into the same values (clamped to the last tile: a
+        repeat of a just-read line instead of a masked load), and wait for the wgmmas. Loading after the decode lets
+        each load reuse the registers its buffer held, so a loop whose trips carry the buffers in the same order
+        needs no register moves (loaded before the decode, rotated buffers cost ~27 moves a trip, and ptxas issued
+        those loads late all the same: below the trip's last wgmmas, as it does these; the module docstring). The
+        wait settles every wgmma before the next decode writes registers (the ptxas hazard of `w4a16_swapped`'s
+        SETTLE comment)."""
+        pw, ps = _tile_words(we, se, gl.minimum(nxt, GT - 1), KT, GT, sc_col)
         b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
         acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
-        u = gl.load(we + nxt * 1024)
-        sc = gl.load(se + nxt * 2)
+        u = gl.load(pw)
+        sc = gl.load(ps)
         if SWIGLU:
             acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
-            v = gl.load(we + up_w + nxt * 1024)
-            vc = gl.load(se + up_s + nxt * 2)
+            v = gl.load(pw + up_w)
+            vc = gl.load(ps + up_s)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
         return u, sc, v, vc, acc, acc_up
 
     @gluon.jit
-    def _ring_fill(ring_u, ring_sc, ring_v, ring_vc, slot, tile, we, se, up_w, up_s, SWIGLU: gl.constexpr):
-        """cp.async of K tile `tile`'s words and scale words (and the up projection's) into ring slot `slot`, one
-        commit group: each thread copies exactly the words it will read back (no other thread's)."""
-        async_copy.async_copy_global_to_shared(ring_u.index(slot), we + tile * 1024)
-        async_copy.async_copy_global_to_shared(ring_sc.index(slot), se + tile * 2)
+    def _ring_fill(ring_u, ring_sc, ring_v, ring_vc, slot, g, we, se, up_w, up_s, sc_col, KT: gl.constexpr,
+                   GT: gl.constexpr, SWIGLU: gl.constexpr):
+        """cp.async of stream tile g's words and scale words (and the up projection's; g clamped to the last tile)
+        into ring slot `slot`, one commit group: each thread copies exactly the words it will read back."""
+        pw, ps = _tile_words(we, se, gl.minimum(g, GT - 1), KT, GT, sc_col)
+        async_copy.async_copy_global_to_shared(ring_u.index(slot), pw)
+        async_copy.async_copy_global_to_shared(ring_sc.index(slot), ps)
         if SWIGLU:
-            async_copy.async_copy_global_to_shared(ring_v.index(slot), we + up_w + tile * 1024)
-            async_copy.async_copy_global_to_shared(ring_vc.index(slot), se + up_s + tile * 2)
+            async_copy.async_copy_global_to_shared(ring_v.index(slot), pw + up_w)
+            async_copy.async_copy_global_to_shared(ring_vc.index(slot), ps + up_s)
         async_copy.commit_group()
 
     @gluon.jit
-    def _ring_tile(xs, t, u, sc, v, vc, acc, acc_up, ring_u, ring_sc, ring_v, ring_vc, RING: gl.constexpr,
+    def _ring_tile(xs, t, slot, u, sc, v, vc, acc, acc_up, ring_u, ring_sc, ring_v, ring_vc, RING: gl.constexpr,
                    SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr):
-        """`_k_tile` with the next tile's words read from the cp.async ring (slot t % RING holds tile t + 1 once all
-        but the RING - 1 newest groups have landed) instead of loaded from global memory."""
+        """`_k_tile` (activations' K tile t) with the next stream tile's words read from the cp.async ring (`slot`
+        holds it once all but the RING - 1 newest groups have landed) instead of loaded from global memory."""
         b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
         acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
         if SWIGLU:
             acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
         async_copy.wait_group(RING - 1)
-        u = ring_u.index(t % RING).load(u.type.layout)
-        sc = ring_sc.index(t % RING).load(sc.type.layout)
+        u = ring_u.index(slot).load(u.type.layout)
+        sc = ring_sc.index(slot).load(sc.type.layout)
         if SWIGLU:
-            v = ring_v.index(t % RING).load(v.type.layout)
-            vc = ring_vc.index(t % RING).load(vc.type.layout)
+            v = ring_v.index(slot).load(v.type.layout)
+            vc = ring_vc.index(slot).load(vc.type.layout)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
         return u, sc, v, vc, acc, acc_up
+
+    @gluon.jit
+    def _epilogue(acc, acc_up, col, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU: gl.constexpr,
+                  HAS_ROW_SCALE: gl.constexpr):
+        """Output column tile `col` (64 columns) of the row block: x 2^7 (the dequant's gain) x the global scale,
+        SwiGLU, row scale; y[pair, n] for the block's real pairs."""
+        offs_n = col * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc.type.layout))
+        acc = acc * (gl.load(ge + offs_n * s_gn) * 128.0)[:, None]
+        if SWIGLU:
+            acc_up = acc_up * (gl.load(ge + (offs_n + n_out) * s_gn) * 128.0)[:, None]
+            acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+        if HAS_ROW_SCALE:
+            acc = acc * gl.load(rs + pairs, mask=p_ok, other=0.0).to(gl.float32)[None, :]
+        gl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
 
     @gluon.jit
     def _w4a16_regs_kernel(x, w, s, g, rs, y, sorted_pairs, block_expert, P, N, E, A_DIV,
                            s_xm, s_we, s_se, s_sn, s_ge, s_gn, s_ym,
                            K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
                            BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr, AHEAD: gl.constexpr = 1,
-                           L2_AHEAD: gl.constexpr = 0, RING: gl.constexpr = 0, USE_PDL: gl.constexpr = False):
-        # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns (weight rows, the wgmma M) x the
-        # BLOCK_M sorted pairs of row block pid_m (the wgmma N). SWIGLU: N = 2 N_out stored rows, column n uses n
-        # (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32 words, s: block scales
-        # [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides (divided by 4 here).
-        # AHEAD (1 | 2): how many K tiles of words and scales are loaded ahead into registers. L2_AHEAD (0: off):
-        # how many K tiles ahead the words are prefetched into L2 (and every scale row at the start). RING (0: off;
-        # else AHEAD 1): the words and scales of the next RING - 1 tiles copied by cp.async into a shared-memory ring
-        # (each thread its own words) and read back one tile ahead, instead of loaded straight into registers.
+                           L2_AHEAD: gl.constexpr = 0, RING: gl.constexpr = 0, COLS: gl.constexpr = 1,
+                           USE_PDL: gl.constexpr = False):
+        # grid (R / BLOCK_M, N_out / (64 COLS)), 4 warps: one program = COLS x 64 output columns (weight rows, the
+        # wgmma M) x the BLOCK_M sorted pairs of row block pid_m (the wgmma N), its COLS x KT weight tiles streamed
+        # as one run (they are contiguous in thread order), the activations staged once. SWIGLU: N = 2 N_out stored
+        # rows, column n uses n (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32
+        # words, s: block scales [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides
+        # (divided by 4 here). AHEAD (1 | 2): how many tiles of words and scales are loaded ahead into registers.
+        # L2_AHEAD (0: off): how many tiles ahead the words are prefetched into L2 (and every scale row at the
+        # start). RING (0: off; else AHEAD 1): the words and scales of the next RING - 1 tiles copied by cp.async
+        # into a shared-memory ring (each thread its own words) and read back one tile ahead, instead of loaded
+        # straight into registers.
         pdl_enter(USE_PDL)  # kernels/pdl.py's contract: a no-op unless launched with PDL
         KT: gl.constexpr = K // 128
+        GT: gl.constexpr = COLS * KT  # tiles a program streams a projection
         gl.static_assert(K % 128 == 0 and (KT & (KT - 1)) == 0, "K must be 128 x a power of two")
         gl.static_assert(AHEAD == 1 or (AHEAD == 2 and KT % 2 == 0 and RING == 0), "AHEAD 2 needs an even KT")
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -402,18 +438,23 @@ if gluon is not None:
         e = gl.load(block_expert + pid_m)
         if e < E:  # blocks past the last used one hold the sentinel E
             n_out = N // 2 if SWIGLU else N
-            # weights: tile (pid_n, t) of expert e is 1,024 words at (pid_n * KT + t) * 1024; up rows n_out further
-            we = w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024) + _word_offsets()  # int32 words
-            se = s + e.to(gl.int64) * (s_se // 4) + pid_n * 64 * (s_sn // 4) + _scale_offsets(s_sn // 4)  # words
+            # weights: tile (c, t) of expert e (column tile c = pid_n COLS + j) is 1,024 words at (c KT + t) 1024,
+            # so the program's tiles g = j KT + t run on from its first; up rows n_out further
+            w0 = w + e.to(gl.int64) * (s_we // 4) + pid_n * (GT * 1024)  # the program's first tile (int32 words)
+            we = w0 + _word_offsets()
+            se = s + e.to(gl.int64) * (s_se // 4) + pid_n * (COLS * 64) * (s_sn // 4) + _scale_offsets(s_sn // 4)
+            sc_col = 64 * (s_sn // 4)  # scale words a column tile
             up_w = (n_out // 64) * (KT * 1024)
             up_s = n_out * (s_sn // 4)
-            wt = (w + e.to(gl.int64) * (s_we // 4) + pid_n * (KT * 1024)).to(gl.int64)  # a byte address
-            if L2_AHEAD > 0:  # tiles 0 .. L2_AHEAD - 1 in one range, and the program's 64 (x 2) scale rows
-                _prefetch_tiles(wt, up_w * 4, 0, L2_AHEAD, KT, SWIGLU)
+            wt = w0.to(gl.int64)  # a byte address
+            if L2_AHEAD > 0:  # tiles 0 .. L2_AHEAD - 1 in one range, and the program's 64 COLS (x 2) scale rows
+                _prefetch_tiles(wt, up_w * 4, 0, L2_AHEAD, GT, SWIGLU)
                 PL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one row a thread
-                f = gl.arange(0, 128, layout=PL)
-                row = pid_n * 64 + f % 64 + (f // 64) * n_out if SWIGLU else pid_n * 64 + f % 64
-                _prefetch_l2_lines(s + e.to(gl.int64) * (s_se // 4) + row * (s_sn // 4))
+                for j in gl.static_range(COLS):
+                    f = gl.arange(0, 128, layout=PL)
+                    r0 = (pid_n * COLS + j) * 64
+                    row = r0 + f % 64 + (f // 64) * n_out if SWIGLU else r0 + f % 64
+                    _prefetch_l2_lines(s + e.to(gl.int64) * (s_se // 4) + row * (s_sn // 4))
             # the first tiles' words and scales first: their HBM latency overlaps the activations' fill
             u = gl.load(we)
             sc = gl.load(se)
@@ -443,8 +484,11 @@ if gluon is not None:
             async_copy.wait_group(0)
             fence_async_shared()
             _cta_barrier()
-            acc = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
-            acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
+            pairs = gl.load(sorted_pairs + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC)))
+            p_ok = pairs < P
+            ge = g + e * s_ge
+            zero = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
+            acc, acc_up = zero, zero
             if not SWIGLU:  # placeholders: `_k_tile` passes them through untouched
                 v, vc = u, sc
             if RING > 0:  # tiles 1 .. RING - 1 into the ring first (tile 0 is in registers)
@@ -456,40 +500,43 @@ if gluon is not None:
                     ring_vc = gl.allocate_shared_memory(gl.int32, [RING, 128], RL)
                 else:
                     ring_v, ring_vc = ring_u, ring_sc
-                for i in gl.static_range(RING - 1):
-                    _ring_fill(ring_u, ring_sc, ring_v, ring_vc, i, gl.minimum(i + 1, KT - 1), we, se, up_w, up_s,
+                for i in gl.static_range(RING - 1):  # stream tile i + 1 in slot i
+                    _ring_fill(ring_u, ring_sc, ring_v, ring_vc, i, i + 1, we, se, up_w, up_s, sc_col, KT, GT,
                                SWIGLU)
-                for t in range(KT):
-                    _ring_fill(ring_u, ring_sc, ring_v, ring_vc, (t + RING - 1) % RING, gl.minimum(t + RING, KT - 1),
-                               we, se, up_w, up_s, SWIGLU)
-                    u, sc, v, vc, acc, acc_up = _ring_tile(xs, t, u, sc, v, vc, acc, acc_up, ring_u, ring_sc, ring_v,
-                                                           ring_vc, RING, SWIGLU, BLOCK_M)
-            elif AHEAD == 2:  # two K tiles a trip, each buffer reloaded in place (no register rotation)
-                for t in range(0, KT, 2):
-                    if L2_AHEAD > 0:
-                        _prefetch_tiles(wt, up_w * 4, t + L2_AHEAD, 2, KT, SWIGLU)
-                    u, sc, v, vc, acc, acc_up = _k_tile(xs, t, t + 2, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s,
-                                                        KT, SWIGLU, BLOCK_M)
-                    u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, t + 3, u1, sc1, v1, vc1, acc, acc_up, we, se,
-                                                            up_w, up_s, KT, SWIGLU, BLOCK_M)
+                for j in range(COLS):  # column tile j: its K tiles, then its output
+                    for t in range(KT):  # stream tile gi + RING into the slot tile gi + 1 leaves; gi + 1 from gi's
+                        gi = j * KT + t
+                        _ring_fill(ring_u, ring_sc, ring_v, ring_vc, (gi + RING - 1) % RING, gi + RING, we, se, up_w,
+                                   up_s, sc_col, KT, GT, SWIGLU)
+                        u, sc, v, vc, acc, acc_up = _ring_tile(xs, t, gi % RING, u, sc, v, vc, acc, acc_up, ring_u,
+                                                               ring_sc, ring_v, ring_vc, RING, SWIGLU, BLOCK_M)
+                    _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
+                              HAS_ROW_SCALE)
+                    acc, acc_up = zero, zero
+            elif AHEAD == 2:  # two tiles a trip, each buffer reloaded in place (no register rotation)
+                for j in range(COLS):
+                    for t in range(0, KT, 2):  # KT is even: a trip never spans two column tiles
+                        gi = j * KT + t
+                        if L2_AHEAD > 0:
+                            _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, 2, GT, SWIGLU)
+                        u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + 2, u, sc, v, vc, acc, acc_up, we, se, up_w,
+                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
+                        u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, gi + 3, u1, sc1, v1, vc1, acc, acc_up, we,
+                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
+                    _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
+                              HAS_ROW_SCALE)
+                    acc, acc_up = zero, zero
             else:
-                for t in range(KT):
-                    if L2_AHEAD > 0:
-                        _prefetch_tiles(wt, up_w * 4, t + L2_AHEAD, 1, KT, SWIGLU)
-                    u, sc, v, vc, acc, acc_up = _k_tile(xs, t, t + 1, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s,
-                                                        KT, SWIGLU, BLOCK_M)
-            # epilogue: x 2^7 (the dequant's gain) x the global scale, SwiGLU, row scale; y[pair, n]
-            offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
-            pairs = gl.load(sorted_pairs + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC)))
-            p_ok = pairs < P
-            ge = g + e * s_ge
-            acc = acc * (gl.load(ge + offs_n * s_gn) * 128.0)[:, None]
-            if SWIGLU:
-                acc_up = acc_up * (gl.load(ge + (offs_n + n_out) * s_gn) * 128.0)[:, None]
-                acc = acc / (1.0 + gl.exp(-acc)) * acc_up
-            if HAS_ROW_SCALE:
-                acc = acc * gl.load(rs + pairs, mask=p_ok, other=0.0).to(gl.float32)[None, :]
-            gl.store(y + pairs[None, :] * s_ym + offs_n[:, None], acc.to(y.dtype.element_ty), mask=p_ok[None, :])
+                for j in range(COLS):
+                    for t in range(KT):
+                        gi = j * KT + t
+                        if L2_AHEAD > 0:
+                            _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, 1, GT, SWIGLU)
+                        u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + 1, u, sc, v, vc, acc, acc_up, we, se, up_w,
+                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
+                    _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
+                              HAS_ROW_SCALE)
+                    acc, acc_up = zero, zero
 
 
 def regs_ok(device: str, capability, dtype: torch.dtype, k: int, k_down: int) -> bool:
@@ -512,14 +559,16 @@ def k_ok(k: int) -> bool:
 def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                       row_scale: torch.Tensor | None = None, ahead: int | None = None,
-                      l2_ahead: int | None = None, ring: int | None = None) -> torch.Tensor:
+                      l2_ahead: int | None = None, ring: int | None = None, cols: int | None = None) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2;
     None: AHEAD): K tiles of weights loaded ahead into registers (2 needs an even number of K tiles). `l2_ahead`
     (None: L2_AHEAD; 0 off): K tiles of weights prefetched ahead into L2. `ring` (None: RING; 0 off, else 2, 4 or
     8, with ahead 1 and no L2 prefetch): the words and scales staged through a cp.async ring of that many tiles in
-    shared memory (+4.5 KB a tile and projection). Which settings are fastest is unmeasured."""
+    shared memory (+4.5 KB a tile and projection). `cols` (None: COLS; 1, 2, 4 or 8, dividing N_out / 64): output
+    column tiles of 64 a program, their weights streamed as one run and the row block's activations staged once for
+    all of them. Which settings are fastest is unmeasured."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     e, n, kh = packed_thread.shape
@@ -550,6 +599,10 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     if ring not in (0, 2, 4, 8) or (ring and (ahead != 1 or l2_ahead)):
         raise ValueError(f"w4a16_regs: ring must be 0, 2, 4 or 8 (a ring with ahead 1 and l2_ahead 0), got ring "
                          f"{ring!r}, ahead {ahead}, l2_ahead {l2_ahead}")
+    cols = COLS if cols is None else cols
+    if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
+        raise ValueError(f"w4a16_regs: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
+                         f"got {cols!r}")
     if row_scale is not None and row_scale.numel() != routing.num_pairs:
         raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
     if scales.shape != (e, n, k // BLOCK):
@@ -562,13 +615,13 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
     sc = scales.view(torch.uint8).view(torch.int32)  # [E, N, K/64]: 4 block scales a word
     rs = row_scale.reshape(-1) if row_scale is not None else g
-    grid = (routing.block_expert.numel(), n_out // 64)
+    grid = (routing.block_expert.numel(), n_out // (64 * cols))
     _w4a16_regs_kernel[grid](
         x, packed_thread.view(torch.int32), sc, g, rs, y, routing.sorted_pairs, routing.block_expert,
         routing.num_pairs, n, e, a_div,
         x.stride(0) if x.shape[0] > 1 else k, packed_thread.stride(0), 4 * sc.stride(0), 4 * sc.stride(1), s_ge,
         s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
-        XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, RING=ring, num_warps=4,
-        **pdl.launch_options())
+        XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, RING=ring, COLS=cols,
+        num_warps=4, **pdl.launch_options())
     return y

@@ -239,7 +239,7 @@ class QwenEngineConfig:
     #                             swap-AB kernel runs in 16-row blocks (5 to ~500 tokens), on kernels/w4a16_regs.py
     #                             (Gluon: each weight word loaded straight into the wgmma A fragment). sm_90 with
     #                             Gluon only (elsewhere a warning, nothing held). NOT YET RUN ON A GPU: prepared in
-    #                             the forty-second session (offline sm_90 SASS now 285 / 150 loop instructions a K tile
+    #                             the forty-second session (offline sm_90 SASS now 289 / 150 loop instructions a K tile
     #                             against the swap-AB kernel's 386 / 226); the start-up self-check compares it with
     #                             the reference (check_expert_layouts) before any request
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
