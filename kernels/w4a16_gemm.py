@@ -897,11 +897,12 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     if layout == THREAD_ORDER:
-        from kernels.w4a16_regs import BLOCK_M, w4a16_regs_launch
+        from kernels.w4a16_regs import BLOCK_M, ENGINE_BUILDS, w4a16_regs_launch
 
         routing = moe_align_fast(idx, num_experts, BLOCK_M)
-        h = w4a16_regs_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True)  # [P, I]
-        y = w4a16_regs_launch(h, p2, s2, g2, routing, row_scale=weights)  # [P, H], weighted
+        h = w4a16_regs_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True,
+                              **ENGINE_BUILDS["gate_up"])  # [P, I]
+        y = w4a16_regs_launch(h, p2, s2, g2, routing, row_scale=weights, **ENGINE_BUILDS["down"])  # [P, H], weighted
     elif layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import SPLIT_TILE, decode_split, swapped_block_m, w4a16_grouped_swapped_launch
 

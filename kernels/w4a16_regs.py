@@ -85,6 +85,10 @@ AHEAD = 2  # the launcher's default K tiles of words in registers ahead (1 where
 L2_AHEAD = 0  # the launcher's default K tiles of words prefetched into L2 ahead (0: none)
 RING = 0  # the launcher's default cp.async ring depth for words and scales (0: none, straight into registers)
 COLS = 1  # the launcher's default output column tiles of 64 a program
+# the engine's builds per projection (`w4a16_gemm.w4a16_moe_op`'s THREAD_ORDER branch): None = the defaults above;
+# to be set from `benchmarks/swapped_ab.py --regs` (gpu_next.sh step 161), which times each projection's builds
+ENGINE_BUILDS = {"gate_up": dict(ahead=None, l2_ahead=None, ring=None, cols=None),
+                 "down": dict(ahead=None, l2_ahead=None, ring=None, cols=None)}
 
 
 # ---- the stored layout (host) ---------------------------------------------------------------------------------------
