@@ -2070,8 +2070,8 @@ if want 161; then
 # (l2_ahead) and a per-thread cp.async ring (ring): the sweep times 16 / 8-row blocks x [ahead 1, ahead 2, ahead 2
 # + l2 4, ahead 2 + l2 8, ring 4] -- set AHEAD / L2_AHEAD / RING and the engine's block from it
 say "161. issue 5: the Gluon register-streamed expert kernel's CUDA tests, then per call beside the swap-AB kernel"
-gpu_tests regs_tests "${LIMIT_161T:-150}" tests/test_kernel_w4a16_regs.py
-probe regs_ab "${LIMIT_161:-150}" swapped_ab.py --label regs --regs
+gpu_tests regs_tests "${LIMIT_161T:-260}" tests/test_kernel_w4a16_regs.py
+probe regs_ab "${LIMIT_161:-260}" swapped_ab.py --label regs --regs
 fi
 if want 162; then
 # forty-second session: the engine with the thread-order expert copy (QwenEngineConfig.expert_regs: the 5 to ~500

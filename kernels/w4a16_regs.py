@@ -247,6 +247,13 @@ if gluon is not None:
             _prefetch_l2_once(wt + up_bytes + t0 * 4096, nb)
 
     @gluon.jit
+    def _load_now(ptrs):
+        """int32 loads issued here: ptxas sinks a plain load below the branch that uses it (even past an EXIT), a
+        relaxed gpu-scope one (LDG.E.STRONG.GPU, from L2 like a first read) it may not."""
+        return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
     def _halves(o):
         """int32 [..] holding bf16 pairs -> bf16 [.., 2] (the low half first): a relabelling, no instruction."""
         lo = (o & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
@@ -440,6 +447,9 @@ if gluon is not None:
         pid_m = gl.program_id(0)
         pid_n = gl.program_id(1)
         e = gl.load(block_expert + pid_m)
+        # the block's pairs beside its expert: the activations' gather waits on one round trip, not two
+        rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+        px = _load_now(sorted_pairs + pid_m * BLOCK_M + rx)
         if e < E:  # blocks past the last used one hold the sentinel E
             n_out = N // 2 if SWIGLU else N
             # weights: tile (c, t) of expert e (column tile c = pid_n COLS + j) is 1,024 words at (c KT + t) 1024,
@@ -476,9 +486,7 @@ if gluon is not None:
             # the block's activation rows [BLOCK_M, K] into shared memory, K tiles of [BLOCK_M, 128], in one cp.async
             # run (per-tile copies get a barrier between each two from the shared-memory hazard analysis)
             tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
-            rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
             kx = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
-            px = gl.load(sorted_pairs + pid_m * BLOCK_M + rx)
             xrow = (x + (px // A_DIV).to(gl.int64)[None, :, None] * s_xm + tx[:, None, None] * 128
                     + kx[None, None, :])
             xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS_STACK)
