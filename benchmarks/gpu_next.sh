@@ -380,6 +380,27 @@ if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:
     print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
 PY
 }
+# best_regs_builds: from $R/regs_ab's json (step 161), the w4a16_regs builds of the row block whose fastest gate_up +
+# fastest down (among builds bit-equal to the swap-AB kernel) sum least, as qwen_gpu.py's --regs-builds JSON; else
+# nothing
+best_regs_builds() {
+  python - "$R/regs_ab/swapped_ab.json" <<'PY' 2>/dev/null
+import json, re, sys
+best = {}
+for r in json.load(open(sys.argv[1]))["results"]:
+    m = re.match(r"regs experts (gate_up|down), 32 tokens, ahead (\d), l2 (\d+), ring (\d), cols (\d), block (\d+)$",
+                 r.get("case", ""))
+    if m and "config" not in r and r.get("equal_to_swapped"):
+        proj, ahead, l2, ring, cols, block = m.group(1), *map(int, m.groups()[1:])
+        key = (block, proj)
+        if key not in best or r["us"] < best[key][0]:
+            best[key] = (r["us"], dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols))
+totals = {b: best[(b, "gate_up")][0] + best[(b, "down")][0] for b in (16, 8) if (b, "gate_up") in best and (b, "down") in best}
+if totals:
+    b = min(totals, key=totals.get)
+    print(json.dumps(dict(block_m=b, gate_up=best[(b, "gate_up")][1], down=best[(b, "down")][1])))
+PY
+}
 # mma_pick_table OUT N K WARPS CHUNKS: the shipped H200 table with the tensor-core decode GEMV's one-token pick of
 # key (N, K, 1 token, 8 pairs) -- gate_up 1,024 x 2,048, down 2,048 x 512 -- set to WARPS / CHUNKS, written to OUT
 # (steps 136, 138, 139: a table is loaded once a process, so another pick means another process)
@@ -2078,7 +2099,10 @@ if want 162; then
 # token calls on kernels/w4a16_regs.py) beside the defaults in one process; its start-up check compares the kernel
 # with the reference (kernel_checks "w4a16_moe[thread_order]" in the JSON). Only worth running after step 161
 say "162. issue 5: the engine with expert_regs beside the defaults (one process)"
-engine_out qwen_regs "${LIMIT_162:-230}" --decode-tokens 48 --variant 'regs={"expert_regs": true}'
+regs_builds=$(best_regs_builds)  # step 161's fastest bit-equal builds, if it ran in this call's results
+say "regs builds: ${regs_builds:-none picked, so the launcher defaults (no step 161 results here)}"
+engine_out qwen_regs "${LIMIT_162:-230}" --decode-tokens 48 --variant 'regs={"expert_regs": true}' \
+  ${regs_builds:+--regs-builds "$regs_builds"}
 fi
 if want 163; then
 # forty-second session: Nsight Compute on the 32-token expert calls, the swap-AB kernel's and kernels/w4a16_regs.py's

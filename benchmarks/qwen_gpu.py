@@ -487,6 +487,19 @@ def _module_flag(path: str):
     return importlib.import_module(mod), name
 
 
+def _regs_builds(text: str) -> dict:
+    """--regs-builds: {"block_m": 8 | 16, "gate_up": {...}, "down": {...}} with only `w4a16_regs_launch`'s build
+    keywords (ahead, l2_ahead, ring, cols); argparse reports anything else."""
+    builds = json.loads(text)
+    keys = {"ahead", "l2_ahead", "ring", "cols"}
+    if (not isinstance(builds, dict) or set(builds) != {"block_m", "gate_up", "down"}
+            or builds["block_m"] not in (8, 16)
+            or not all(isinstance(builds[p], dict) and set(builds[p]) <= keys for p in ("gate_up", "down"))):
+        raise argparse.ArgumentTypeError(f"expected {{'block_m': 8 | 16, 'gate_up': {{...}}, 'down': {{...}}}} with "
+                                         f"keys among {sorted(keys)}, got {text!r}")
+    return builds
+
+
 def _remember_flag_defaults() -> None:
     """The process-wide module flags an engine sets (`QwenEngine.__init__`), as their modules define them: called
     before the first engine of the process."""
@@ -640,6 +653,12 @@ def main() -> None:
                          "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
                     help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; needs >= 4 for a full-attention layer)")
+    ap.add_argument("--regs-builds", type=_regs_builds, default=None,
+                    help="kernels/w4a16_regs.py's builds for the engines with expert_regs, JSON "
+                         "'{\"block_m\": 16, \"gate_up\": {...}, \"down\": {...}}' (launcher keywords ahead, "
+                         "l2_ahead, ring, cols): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for the whole run (only "
+                         "the THREAD_ORDER experts read them), recorded under settings (gpu_next.sh step 162 passes "
+                         "step 161's fastest)")
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
@@ -651,6 +670,11 @@ def main() -> None:
             ap.error(f"--swapped-split {spec!r}: expected G,D, two positive integers")
     global AUTOTUNE_TABLE, WARMUP_BURST
     AUTOTUNE_TABLE, WARMUP_BURST = args.autotune_table, args.warmup_burst
+    if args.regs_builds is not None:
+        from kernels import w4a16_regs
+
+        w4a16_regs.BLOCK_M = args.regs_builds["block_m"]
+        w4a16_regs.ENGINE_BUILDS = {p: dict(args.regs_builds[p]) for p in ("gate_up", "down")}
     tiny = args.tiny
     d = lambda v, full, small: v if v is not None else (small if tiny else full)  # noqa: E731
     ctx, steps, streams = d(args.context, 1024, 24), d(args.decode_tokens, 64, 3), d(args.streams, 32, 2)
@@ -673,7 +697,8 @@ def main() -> None:
         tf_version = f"unavailable: {e}"
     r: dict = dict(
         settings=dict(tiny=tiny, seed=args.seed, context=ctx, decode_tokens=steps, streams=streams,
-                      oracle_prompts=oracle_prompts, oracle_len=olen, greedy_tokens=gtok, dtype="bf16"),
+                      oracle_prompts=oracle_prompts, oracle_len=olen, greedy_tokens=gtok, dtype="bf16",
+                      regs_builds=args.regs_builds),
         env=dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                  torch=torch.__version__, transformers=tf_version, python=platform.python_version(),
                  path="(a)-(c): QwenForCausalLM.forward + QwenState (eager, greedy); (e): QwenEngine"),
