@@ -381,8 +381,8 @@ if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:
 PY
 }
 # best_regs_builds: from $R/regs_ab's json (step 161), the w4a16_regs builds of the row block whose fastest gate_up +
-# fastest down (among builds bit-equal to the swap-AB kernel) sum least, as qwen_gpu.py's --regs-builds JSON; else
-# nothing
+# fastest down (among builds bit-equal to the swap-AB kernel; 8-row ones within bf16 rounding of it) sum least, as
+# qwen_gpu.py's --regs-builds JSON; else nothing
 best_regs_builds() {
   python - "$R/regs_ab/swapped_ab.json" <<'PY' 2>/dev/null
 import json, re, sys
@@ -390,7 +390,7 @@ best = {}
 for r in json.load(open(sys.argv[1]))["results"]:
     m = re.match(r"regs experts (gate_up|down), 32 tokens, ahead (\d), l2 (\d+), ring (\d), cols (\d), block (\d+)$",
                  r.get("case", ""))
-    if m and "config" not in r and r.get("equal_to_swapped"):
+    if m and "config" not in r and (r.get("equal_to_swapped") or (m.group(6) == "8" and r.get("close_to_swapped"))):
         proj, ahead, l2, ring, cols, block = m.group(1), *map(int, m.groups()[1:])
         key = (block, proj)
         if key not in best or r["us"] < best[key][0]:

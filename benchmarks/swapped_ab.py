@@ -128,6 +128,10 @@ def main() -> None:
         if name.startswith("regs "):  # the Gluon kernel against the swap-AB kernel on the same inputs
             base = name[5:name.index(", ahead")]  # the swap-AB case of the same inputs (16-row blocks)
             row["equal_to_swapped"] = all(torch.equal(a, b) for a, b in zip(outputs[name], outputs[base]))
+            # within bf16 rounding (8-row blocks run wgmma N 8, whose sums need not round alike)
+            row["close_to_swapped"] = all(torch.allclose(a.float(), b.float(), rtol=2**-7,
+                                                         atol=1e-3 * float(b.float().abs().max()))
+                                          for a, b in zip(outputs[name], outputs[base]))
         if other is not None:
             row["equal_to_other"] = name in other and all(torch.equal(a, b) for a, b in zip(outputs[name],
                                                                                           other[name]))
