@@ -63,6 +63,17 @@ _PREFETCH = "off"  # set_prefetch
 # silently)
 PREFETCH_LAUNCHES = {"own": 0, "next": 0}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton.jit does at import
+# `prefetch_l2_once`'s PTX ($1: int64 address, $2: int32 bytes; thread 0 only, nothing when $2 <= 0), shared with
+# the Gluon kernels' copy (`kernels/w4a16_regs.py`)
+PREFETCH_L2_ONCE_PTX = """{
+            .reg .pred p;
+            .reg .u32 t;
+            mov.u32 t, %tid.x;
+            setp.eq.u32 p, t, 0;
+            setp.gt.and.s32 p, $2, 0, p;
+            @p cp.async.bulk.prefetch.L2.global [$1], $2;
+            mov.u32 $0, 0;
+            }"""
 ENV = "SAMMIE_PDL"  # "1": enabled from import on (GPU test runs: every kernel test then launches with PDL; a Qwen
 #                     engine still sets it from its own `programmatic_launch` option)
 
@@ -162,6 +173,8 @@ if triton is not None:
             gdc_wait()
             gdc_launch_dependents()
 
+    _PREFETCH_L2_ONCE = tl.constexpr(PREFETCH_L2_ONCE_PTX)  # jit reads constexprs
+
     @triton.jit
     def prefetch_l2(ptrs, nbytes):
         """Prefetch [ptr, ptr + nbytes) into L2 for each element of the pointer tensor `ptrs` (`nbytes`: int32, a
@@ -182,17 +195,8 @@ if triton is not None:
     def prefetch_l2_once(ptr, nbytes):
         """`prefetch_l2` of one range [ptr, ptr + nbytes) (scalars: a pointer or an int64 address), issued by the
         program's thread 0 only (every thread of a program holds a scalar: one instruction, not one per thread)."""
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred p;
-            .reg .u32 t;
-            mov.u32 t, %tid.x;
-            setp.eq.u32 p, t, 0;
-            setp.gt.and.s32 p, $2, 0, p;
-            @p cp.async.bulk.prefetch.L2.global [$1], $2;
-            mov.u32 $0, 0;
-            }""",
-            "=r,l,r", [ptr.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(_PREFETCH_L2_ONCE, "=r,l,r", [ptr.to(tl.int64), nbytes], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
     @triton.jit
     def prefetch_expert_share(nw, ns, e, s_nwe, s_nse, w_bytes, s_bytes):

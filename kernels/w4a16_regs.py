@@ -205,6 +205,7 @@ if gluon is not None:
     _ROT1, _ROT2 = gl.constexpr(FRAG_ROTATIONS[0]), gl.constexpr(FRAG_ROTATIONS[1])
     _O3_BITS, _O3_MUL = gl.constexpr(FRAG_O3[0]), gl.constexpr(FRAG_O3[1])
     _TWO_120, _TWO_119 = gl.constexpr(2.0**120), gl.constexpr(2.0**119)
+    _PREFETCH_L2_ONCE = gl.constexpr(pdl.PREFETCH_L2_ONCE_PTX)
 
     @gluon.jit
     def pdl_enter(USE_PDL: gl.constexpr):
@@ -220,16 +221,7 @@ if gluon is not None:
     def _prefetch_l2_once(addr, nbytes):
         """`kernels.pdl.prefetch_l2_once` in Gluon: one bulk L2 prefetch of [addr, addr + nbytes) (int64 address,
         int32 bytes, a multiple of 16; nothing when <= 0) by the program's thread 0 only."""
-        gl.inline_asm_elementwise(
-            """{
-            .reg .pred p;
-            .reg .u32 t;
-            mov.u32 t, %tid.x;
-            setp.eq.u32 p, t, 0;
-            setp.gt.and.s32 p, $2, 0, p;
-            @p cp.async.bulk.prefetch.L2.global [$1], $2;
-            mov.u32 $0, 0;
-            }""", "=r,l,r", [addr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_PREFETCH_L2_ONCE, "=r,l,r", [addr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _prefetch_l2_lines(ptrs):
