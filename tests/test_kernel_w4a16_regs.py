@@ -209,7 +209,8 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m, l2_ahead, ring, cols):
                                               attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = pdl_build.asm["ptx"]  # with PDL: wait, then launch_dependents, before the first global memory access
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    first = min(ptx.find(op) for op in ("ld.global", "st.global") if op in ptx)
+    first = min(ptx.find(op) for op in ("ld.global", "ld.relaxed.gpu.global", "st.global", "cp.async", "prefetch.")
+                if op in ptx)  # any load, store, copy or prefetch
     assert 0 <= wait < launch < first, (wait, launch, first)
     assert "griddepcontrol" not in build.asm["ptx"]  # without it: nothing
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
