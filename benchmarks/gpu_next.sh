@@ -380,11 +380,15 @@ if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:
     print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
 PY
 }
-# best_regs_builds: from $R/regs_ab's json (step 161), the w4a16_regs builds of the row block whose fastest gate_up +
+# best_regs_builds: from step 161's swapped_ab.json ($R/regs_ab: this call's; else the newest copied under
+# benchmarks/results/*/regs_ab/ from an earlier call), the w4a16_regs builds of the row block whose fastest gate_up +
 # fastest down (among builds bit-equal to the swap-AB kernel; 8-row ones within bf16 rounding of it) sum least, as
 # qwen_gpu.py's --regs-builds JSON; else nothing
 best_regs_builds() {
-  python - "$R/regs_ab/swapped_ab.json" <<'PY' 2>/dev/null
+  local json="$R/regs_ab/swapped_ab.json"  # this call's step 161, else one copied into the tree from an earlier call
+  [ -f "$json" ] || json=$(ls -t benchmarks/results/*/regs_ab/swapped_ab.json 2>/dev/null | head -1)
+  [ -n "$json" ] || return 0
+  python - "$json" <<'PY' 2>/dev/null
 import json, re, sys
 best = {}
 for r in json.load(open(sys.argv[1]))["results"]:
@@ -2097,9 +2101,11 @@ fi
 if want 162; then
 # forty-second session: the engine with the thread-order expert copy (QwenEngineConfig.expert_regs: the 5 to ~500
 # token calls on kernels/w4a16_regs.py) beside the defaults in one process; its start-up check compares the kernel
-# with the reference (kernel_checks "w4a16_moe[thread_order]" in the JSON). Only worth running after step 161
+# with the reference (kernel_checks "w4a16_moe[thread_order]" in the JSON). Only worth running after step 161; the
+# builds: REGS_BUILDS (qwen_gpu.py --regs-builds JSON) if set, else best_regs_builds (step 161 in the same call, or
+# its regs_ab/ folder unpacked under benchmarks/results/<run>/ before this call), else the launcher's defaults
 say "162. issue 5: the engine with expert_regs beside the defaults (one process)"
-regs_builds=$(best_regs_builds)  # step 161's fastest bit-equal builds, if it ran in this call's results
+regs_builds=${REGS_BUILDS:-$(best_regs_builds)}  # given, else step 161's fastest bit-equal builds (best_regs_builds)
 say "regs builds: ${regs_builds:-none picked, so the launcher defaults (no step 161 results here)}"
 engine_out qwen_regs "${LIMIT_162:-230}" --decode-tokens 48 --variant 'regs={"expert_regs": true}' \
   ${regs_builds:+--regs-builds "$regs_builds"}
