@@ -146,12 +146,73 @@ def test_stacked_tiles_layout_is_the_wgmma_tiles(block_m):
         w4a16_regs.stacked_tiles_layout(block_m, 3)
 
 
+COMPILED = [(1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (1, 8, 0, 0, 1), (2, 8, 0, 0, 1), (2, 16, 4, 0, 1), (1, 8, 0, 4, 1),
+            (2, 16, 4, 0, 4), (1, 8, 0, 4, 2)]  # (ahead, block_m, l2_ahead, ring, cols) compiled for sm_90 offline
+SHAPES = [(2048, True), (512, False)]  # the engine's gate_up (K 2048, SwiGLU) and down (K 512, row scale)
+_SM90_SCRIPT = """
+import inspect, json, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+sys.path.insert(0, "benchmarks")
+from sass_loop import sass_of
+from kernels import w4a16_regs
+out, builds, shapes = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+kern = w4a16_regs._w4a16_regs_kernel
+names = list(inspect.signature(kern.fn).parameters)
+ptrs = {"x": "*bf16", "w": "*i32", "s": "*i32", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
+        "block_expert": "*i32"}
+aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}  # 16-divisible at the engine's shapes, as the JIT
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}  # marks them at a launch
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+for k, swiglu in shapes:
+    for ahead, block_m, l2, ring, cols in builds:
+        tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}"
+        for pdl in (False, True):
+            consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2,
+                          RING=ring, COLS=cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128),
+                          USE_PDL=pdl)
+            sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+            build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+            (out / f"{tag}-{pdl}.ptx").write_text(build.asm["ptx"])
+            if not pdl:
+                (out / f"{tag}.sass").write_text(sass_of(build))
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(build.asm["cubin"])
+                    f.flush()
+                    res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+                (out / f"{tag}.res").write_text(res)
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90_builds(tmp_path_factory):
+    """The COMPILED builds of both SHAPES compiled for sm_90 (with and without USE_PDL) in one subprocess without
+    TRITON_INTERPRET: its SASS, PTX and resource usage as files. A subprocess because Triton's interpreter leaves
+    `triton.language.core` patched after a jit function is called directly (`InterpretedFunction.__call__` never
+    restores it), after which compiling a Gluon kernel in the same process fails -- the order of a whole test run
+    decides whether that happened."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("regs_sm90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(out), json.dumps(COMPILED), json.dumps(SHAPES)],
+                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
 @pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols", [(1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (1, 8, 0, 0, 1),
-                                                               (2, 8, 0, 0, 1), (2, 16, 4, 0, 1), (1, 8, 0, 4, 1),
-                                                               (2, 16, 4, 0, 4), (1, 8, 0, 4, 2)])
-@pytest.mark.parametrize("k,swiglu", [(2048, True), (512, False)])
-def test_compiles_for_sm90(k, swiglu, ahead, block_m, l2_ahead, ring, cols):
+@pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols", COMPILED)
+@pytest.mark.parametrize("k,swiglu", SHAPES)
+def test_compiles_for_sm90(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, ring, cols):
     """Both engine builds (gate_up: K 2048, SwiGLU; down: K 512, row scale) compile for sm_90 offline -- which
     includes the kernel's `assert_trivial` conversion of the decoded words to the A fragment -- with no spills, and
     the K loop (AHEAD tiles a trip) loads each thread's weight words and its one scale word from global memory,
@@ -162,29 +223,10 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m, l2_ahead, ring, cols):
     and back by LDS instead, with the hazard analysis' 2 barriers a tile. The activations' fill is one run of
     cp.async with no barrier between them. With USE_PDL its PTX waits for the predecessor grid before any global
     memory access (tests/test_pdl.py checks the source's order)."""
-    import inspect
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    from benchmarks.sass_loop import loop_instructions, loop_opcodes, writes_into_in_flight_a_registers
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from benchmarks.sass_loop import loop_instructions, loop_opcodes, sass_of, writes_into_in_flight_a_registers
-
-    kern = w4a16_regs._w4a16_regs_kernel
-    names = list(inspect.signature(kern.fn).parameters)
-    consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2_ahead,
-                  RING=ring, COLS=cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128), USE_PDL=False)
-    ptrs = {"x": "*bf16", "w": "*i32", "s": "*i32", "g": "*fp32", "rs": "*bf16", "y": "*bf16", "sorted_pairs": "*i32",
-            "block_expert": "*i32"}
-    aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
-    build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    sass = sass_of(build)
+    tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2_ahead}-{ring}-{cols}"
+    sass = (sm90_builds / f"{tag}.sass").read_text()
     ops = loop_opcodes(sass, inner=True)  # the K loop (inside the column tiles' loop when COLS > 1)
     # the ptxas hazard of w4a16_swapped's SETTLE comment: no register of an in-flight wgmma's A operand written
     assert writes_into_in_flight_a_registers(sass, inner=True) == 0
@@ -205,19 +247,13 @@ def test_compiles_for_sm90(k, swiglu, ahead, block_m, l2_ahead, ring, cols):
     ldgsts = [i for i, line in enumerate(fill.splitlines()) if "LDGSTS" in line]
     assert len(ldgsts) == block_m * k // 1024  # [BLOCK_M, K] bf16 over 128 threads, 16 B (8 values) a copy
     assert "BAR" not in "\n".join(fill.splitlines()[ldgsts[0]:ldgsts[-1]])
-    pdl_build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs={**consts, "USE_PDL": True},
-                                              attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ptx = pdl_build.asm["ptx"]  # with PDL: wait, then launch_dependents, before the first global memory access
-    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    ptx = (sm90_builds / f"{tag}-True.ptx").read_text()  # with PDL: wait, then launch_dependents, before the first
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")  # memory access
     first = min(ptx.find(op) for op in ("ld.global", "ld.relaxed.gpu.global", "st.global", "cp.async", "prefetch.")
                 if op in ptx)  # any load, store, copy or prefetch
     assert 0 <= wait < launch < first, (wait, launch, first)
-    assert "griddepcontrol" not in build.asm["ptx"]  # without it: nothing
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(build.asm["cubin"])
-        f.flush()
-        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    assert "griddepcontrol" not in (sm90_builds / f"{tag}-False.ptx").read_text()  # without it: nothing
+    res = (sm90_builds / f"{tag}.res").read_text()
     assert "STACK:0" in res, res
 
 
