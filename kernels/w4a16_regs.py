@@ -34,16 +34,17 @@ Offline sm_90 SASS (Triton 3.6 and 3.8 alike; `tests/test_kernel_w4a16_regs.py` 
 tile of 128 against the swap-AB kernel's 386 / 226 (`benchmarks/sass_loop.py`; forty-third session): gate_up (SwiGLU,
 BLOCK_M 16) **289** at AHEAD 2 (578 a trip of two tiles; 128 registers, 64 KB shared), 292 at AHEAD 1 (108); down
 **150** / 154 (72 / 66 registers, 16 KB); 8-row blocks (BLOCK_MS: half the activations' shared memory, so 4-5 gate_up
-programs an SM instead of 3) the same counts (128 / 108 and 70 / 69 registers, 32 / 8 KB); L2_AHEAD 4 adds 10 a
+programs an SM instead of 3) the same counts (128 / 98 and 68 / 62 registers, 32 / 8 KB); L2_AHEAD 4 adds 10 a
 gate_up tile (the prefetch and its address; down's K fits in the first prefetch, so nothing in its loop). No
 shared-memory load or store and no barrier in the loop; per projection and K tile 2 LDG.128 of words, 1 LDG.32 of
-scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. ptxas places every register load of the next tiles after the wgmmas they
-overlap (it reuses the in-flight fragments' registers for them), whatever the source order, and with a 168-register
-cap too; so the loads' lead is what AHEAD leaves after that (~1 tile at 2) and the L2 prefetch is the knob for more.
+scales, 8 SHFL, 32 + 4 HMUL2, 8 HGMMA. ptxas places the register loads of the next tiles after the wgmmas they were
+meant to overlap, whatever the source order, with a 168-register cap too and in a fully unrolled loop (just before
+their use there); so the loads' lead is what AHEAD leaves after that (~1 tile at 2) and the L2 prefetch is the knob
+for more.
 The other knob, RING (`_ring_fill`, `_ring_tile`): each thread cp.asyncs its own words and scale word RING - 1 tiles
 ahead into a shared-memory ring and reads them back (2 LDS.128 + 1 LDS) one tile ahead: the loads' lead no longer
 depends on ptxas, for 4.5 KB of shared memory a tile and projection (gate_up at RING 4: 100 KB with 16-row blocks, 2
-programs an SM; 68 KB with 8-row, 3) and 317 / 162 instructions a tile, 2 of them barriers that Triton's
+programs an SM; 68 KB with 8-row, 3), 317 / 162 instructions a tile, 2 of them barriers that Triton's
 shared-memory hazard analysis adds although no thread reads another's ring words.
 How it got there: words loaded as bytes were split into bytes and rebuilt for the decode (638 in gate_up's loop); as
 int32, decoded by FRAG_DECODE_PTX's formulas in int32 arithmetic (5 LOP3, 2 SHF, 1 IMAD a word), 449; the scales
