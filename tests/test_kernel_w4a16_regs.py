@@ -303,10 +303,10 @@ def test_misaligned_activation_rows_are_copied_first():
     """Rows of x that are not 16-byte aligned (a column slice of a wider tensor; a one-row view with an odd stride)
     are copied to aligned rows before the launch (the cp.async fill copies 16 bytes) and give the same result."""
     w, idx, x, rs, a_div, routing = _case(5, 8, 16, 256, 512, False, seed=21)
-    wide = torch.zeros(x.shape[0], 512 + 8, dtype=x.dtype, device=x.device)
-    wide[:, 8:] = x
+    wide = torch.zeros(x.shape[0], 512 + 4, dtype=x.dtype, device=x.device)  # rows 8 bytes off, stride 516
+    wide[:, 4:] = x
     y = w4a16_regs.w4a16_regs_launch(x, thread_order(w.packed), w.scales, w.global_scale, routing, row_scale=rs)
-    y_view = w4a16_regs.w4a16_regs_launch(wide[:, 8:], thread_order(w.packed), w.scales, w.global_scale, routing,
+    y_view = w4a16_regs.w4a16_regs_launch(wide[:, 4:], thread_order(w.packed), w.scales, w.global_scale, routing,
                                           row_scale=rs)
     assert torch.equal(y, y_view)
 
