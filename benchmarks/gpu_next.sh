@@ -380,13 +380,14 @@ if b is not ok[0] and b["us"] < 0.97 * ok[0]["us"]:
     print(json.dumps([b["ba_first"], b["ba_block_h"], b["warps"]]))
 PY
 }
-# best_regs_builds: from step 161's swapped_ab.json ($R/regs_ab: this call's; else the newest copied under
+# best_regs_builds: from step 161's swapped_ab_regs.json ($R/regs_ab: this call's; else the newest copied under
 # benchmarks/results/*/regs_ab/ from an earlier call), the w4a16_regs builds of the row block whose fastest gate_up +
 # fastest down (among builds bit-equal to the swap-AB kernel; 8-row ones within bf16 rounding of it) sum least, as
 # qwen_gpu.py's --regs-builds JSON; else nothing
 best_regs_builds() {
-  local json="$R/regs_ab/swapped_ab.json"  # this call's step 161, else one copied into the tree from an earlier call
-  [ -f "$json" ] || json=$(ls -t benchmarks/results/*/regs_ab/swapped_ab.json 2>/dev/null | head -1)
+  local json  # this call's step 161 (swapped_ab_regs.json: --label regs), else one unpacked from an earlier call
+  json=$(ls -t "$R"/regs_ab/swapped_ab*.json 2>/dev/null | head -1)
+  [ -n "$json" ] || json=$(ls -t benchmarks/results/*/regs_ab/swapped_ab*.json 2>/dev/null | head -1)
   [ -n "$json" ] || return 0
   python - "$json" <<'PY' 2>/dev/null
 import json, re, sys
