@@ -2117,6 +2117,12 @@ if want 163; then
 say "163. issue 5: ncu on the 32-token experts, swap-AB and register-streamed kernels side by side"
 decode_ncu "${LIMIT_163:-300}" --moe32 --regs
 fi
+if want 164; then
+# forty-third session: the new defaults (expert_regs auto: on, ENGINE_BUILDS / BLOCK_M 8 from step 161's sweep) beside
+# expert_regs false, then the first engine again (--again), one process: the second measurement of step 162's +19%
+say "164. issue 5: the defaults (expert_regs on) beside expert_regs false, and again"
+engine_out qwen_regs_default "${LIMIT_164:-400}" --decode-tokens 48 --variant 'noregs={"expert_regs": false}' --again
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

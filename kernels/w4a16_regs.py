@@ -1,7 +1,10 @@
 """Routed NVFP4 W4A16 experts at decode sizes with the weights streamed straight into registers (Gluon, Hopper):
-a candidate for the 32-stream step's expert calls beside `kernels/w4a16_swapped.py` (same routing contract, same
-exact dequant, same wgmma K order). PREPARED, NOT YET RUN ON A GPU: compiled offline for sm_90 only (Gluon has no
-CPU interpreter); `tests/test_kernel_w4a16_regs.py` checks its layout on the CPU and its results on CUDA.
+the engine's decode-sized expert calls on sm_90 (`QwenEngineConfig.expert_regs`, "auto") instead of
+`kernels/w4a16_swapped.py` (same routing contract, same exact dequant, same wgmma K order: bit for bit its outputs).
+H200, 2026-12-05: its CUDA tests pass (60); per call at 32 tokens gate_up 60.0 against 79.7 us and down 31.5 against
+47.1 us (ENGINE_BUILDS); the engine at 32 streams 4,285.4 against 3,601.8 tok/s, the same greedy tokens
+(benchmarks/RESULTS.md, forty-third session). Gluon has no CPU interpreter: `tests/test_kernel_w4a16_regs.py` checks
+its layout and offline sm_90 compile on the CPU and its results on CUDA.
 
 Why. At 32 streams each routed expert sees ~1.6 tokens, so the expert calls are a dequant stream: every weight is
 loaded, decoded and multiplied once per program. The swap-AB kernel routes each weight tile through shared memory
@@ -79,17 +82,19 @@ except ImportError:  # no Triton, or one without Gluon (< 3.5): the layout helpe
     gluon = None
 
 THREAD_TILE = (64, 128)  # (weight rows, K) of a stored tile: one warpgroup's wgmma M x one K tile
-BLOCK_M = 16  # routed rows per program (the wgmma's N) of the engine's calls (`w4a16_gemm.w4a16_moe_op`)
+BLOCK_M = 8  # routed rows per program (the wgmma's N) of the engine's calls (`w4a16_gemm.w4a16_moe_op`; H200 sweep)
 BLOCK_MS = (8, 16)  # the launcher's: 8 halves the activations' shared memory (gate_up: 32 KB, 4 programs an SM)
 MAX_K = 2048  # the activations' shared-memory block, BLOCK_M x K bf16: 64 KB at Qwen's hidden size
 AHEAD = 2  # the launcher's default K tiles of words in registers ahead (1 where the K tiles are odd in number)
 L2_AHEAD = 0  # the launcher's default K tiles of words prefetched into L2 ahead (0: none)
 RING = 0  # the launcher's default cp.async ring depth for words and scales (0: none, straight into registers)
 COLS = 1  # the launcher's default output column tiles of 64 a program
-# the engine's builds per projection (`w4a16_gemm.w4a16_moe_op`'s THREAD_ORDER branch): None = the defaults above;
-# to be set from `benchmarks/swapped_ab.py --regs` (gpu_next.sh step 161), which times each projection's builds
-ENGINE_BUILDS = {"gate_up": dict(ahead=None, l2_ahead=None, ring=None, cols=None),
-                 "down": dict(ahead=None, l2_ahead=None, ring=None, cols=None)}
+# the engine's builds per projection (`w4a16_gemm.w4a16_moe_op`'s THREAD_ORDER branch; None = the defaults above):
+# the fastest of `benchmarks/swapped_ab.py --regs` on the H200 (2026-12-05, regs_ab run 1, 32 tokens, every build bit
+# for bit the swap-AB kernel's outputs): 8-row blocks, gate_up AHEAD 2 60.0 us (swap-AB 79.7), down AHEAD 2 with the
+# L2 prefetch 4 tiles ahead 31.5 us (swap-AB 47.1)
+ENGINE_BUILDS = {"gate_up": dict(ahead=2, l2_ahead=0, ring=0, cols=1),
+                 "down": dict(ahead=2, l2_ahead=4, ring=0, cols=1)}
 
 
 # ---- the stored layout (host) ---------------------------------------------------------------------------------------

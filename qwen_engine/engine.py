@@ -234,14 +234,15 @@ class QwenEngineConfig:
     #                               past 4 the tensor-core decode GEMV takes them with the pairs grouped by expert
     #                               (and the shared expert runs dense, not as a 9th pair). H200 run 58, 32 streams:
     #                               3,004.8 at 32 against 3,370.9 tok/s at 4 (the swap-AB kernel): so None
-    expert_regs: bool = False  # packed models: a third copy of the routed experts in thread order
+    expert_regs: bool | str = "auto"  # packed models: a third copy of the routed experts in thread order
     #                             (NVFP4Experts.repack_regs, +16 GB at full size) for the decode-sized calls the
     #                             swap-AB kernel runs in 16-row blocks (5 to ~500 tokens), on kernels/w4a16_regs.py
-    #                             (Gluon: each weight word loaded straight into the wgmma A fragment). sm_90 with
-    #                             Gluon only (elsewhere a warning, nothing held). NOT YET RUN ON A GPU: prepared in
-    #                             the forty-second session (offline sm_90 SASS now 289 / 150 loop instructions a K tile
-    #                             against the swap-AB kernel's 386 / 226); the start-up self-check compares it with
-    #                             the reference (check_expert_layouts) before any request
+    #                             (Gluon: each weight word loaded straight into the wgmma A fragment). auto: on
+    #                             where that kernel runs (sm_90 with Gluon), quietly off elsewhere; true: on, with a
+    #                             warning where it cannot run. H200, 2026-12-05 (qwen_regs run 1, one process, the
+    #                             builds of w4a16_regs.ENGINE_BUILDS): 32 streams 4,285.4 against 3,601.8 tok/s
+    #                             (+19.0%), lone 503.8 / 505.9, TTFT 35.8 / 35.8 ms, the same greedy tokens; the
+    #                             start-up self-check compares it with the reference (check_expert_layouts)
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -299,8 +300,8 @@ class QwenEngineConfig:
         check_shared_expert_in_moe(self.shared_expert_in_moe)
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
             raise ValueError(f"gdn_state_dtype must be one of {list(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
-        if not isinstance(self.expert_regs, bool):
-            raise ValueError(f"expert_regs must be true or false, got {self.expert_regs!r}")
+        if not (isinstance(self.expert_regs, bool) or self.expert_regs == "auto"):
+            raise ValueError(f"expert_regs must be true, false or 'auto', got {self.expert_regs!r}")
         if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
         from kernels.w4a16_mma import SORTED_MAX_TOKENS
@@ -998,10 +999,11 @@ def set_small_batch_tokens(model: torch.nn.Module, tokens: int | None) -> int:
     return held
 
 
-def set_expert_regs(model: torch.nn.Module, on: bool, device: torch.device, dtype: torch.dtype) -> int:
-    """Give every routed-expert stack a thread-order copy (`NVFP4Experts.repack_regs`) when `on` and
-    `kernels/w4a16_regs.py` can run here (`regs_ok`: sm_90, Gluon, bf16, the model's K), else drop any such copy (a
-    model shared between engines: the next engine's setting holds); returns how many stacks hold one."""
+def set_expert_regs(model: torch.nn.Module, on: bool | str, device: torch.device, dtype: torch.dtype) -> int:
+    """Give every routed-expert stack a thread-order copy (`NVFP4Experts.repack_regs`) when `on` (True or "auto")
+    and `kernels/w4a16_regs.py` can run here (`regs_ok`: sm_90, Gluon, bf16, the model's K; True warns where it
+    cannot, "auto" does not), else drop any such copy (a model shared between engines: the next engine's setting
+    holds); returns how many stacks hold one."""
     from kernels.w4a16_regs import regs_ok
 
     from .model.quantized import NVFP4Experts
@@ -1011,9 +1013,10 @@ def set_expert_regs(model: torch.nn.Module, on: bool, device: torch.device, dtyp
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         k, k_down = stacks[0].gate_up_packed.shape[-1] * 2, stacks[0].down_packed.shape[-1] * 2
         if not regs_ok(device.type, cap, dtype, k, k_down):
-            log.warning("expert_regs: kernels/w4a16_regs.py does not run here (it needs Triton with Gluon, compiled, "
-                        "an sm_90 GPU, bf16 and K <= 2048; device %s %s, dtype %s, K %d / %d); no copy held",
-                        device, cap, dtype, k, k_down)
+            if on is True:
+                log.warning("expert_regs: kernels/w4a16_regs.py does not run here (it needs Triton with Gluon, "
+                            "compiled, an sm_90 GPU, bf16 and K 128 x a power of two up to 2048; device %s %s, dtype "
+                            "%s, K %d / %d); no copy held", device, cap, dtype, k, k_down)
             on = False
     held = 0
     for m in stacks:
