@@ -2,7 +2,7 @@
 the engine's decode-sized expert calls on sm_90 (`QwenEngineConfig.expert_regs`, "auto") instead of
 `kernels/w4a16_swapped.py` (same routing contract, same exact dequant, same wgmma K order: bit for bit its outputs).
 H200, 2026-12-05: its CUDA tests pass (60); per call at 32 tokens gate_up 60.0 against 79.7 us and down 31.5 against
-47.1 us (ENGINE_BUILDS); the engine at 32 streams 4,285.4 against 3,601.8 tok/s, the same greedy tokens
+47.1 us (ENGINE_BUILDS); the engine at 32 streams 4,270.5-4,285.4 against 3,591.2-3,601.8 tok/s, the same tokens
 (benchmarks/RESULTS.md, forty-third session). Gluon has no CPU interpreter: `tests/test_kernel_w4a16_regs.py` checks
 its layout and offline sm_90 compile on the CPU and its results on CUDA.
 

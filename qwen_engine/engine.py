@@ -239,9 +239,9 @@ class QwenEngineConfig:
     #                             swap-AB kernel runs in 16-row blocks (5 to ~500 tokens), on kernels/w4a16_regs.py
     #                             (Gluon: each weight word loaded straight into the wgmma A fragment). auto: on
     #                             where that kernel runs (sm_90 with Gluon), quietly off elsewhere; true: on, with a
-    #                             warning where it cannot run. H200, 2026-12-05 (qwen_regs run 1, one process, the
-    #                             builds of w4a16_regs.ENGINE_BUILDS): 32 streams 4,285.4 against 3,601.8 tok/s
-    #                             (+19.0%), lone 503.8 / 505.9, TTFT 35.8 / 35.8 ms, the same greedy tokens; the
+    #                             warning where it cannot run. H200, 2026-12-05 (qwen_regs runs 1 and default 1,
+    #                             two processes, w4a16_regs.ENGINE_BUILDS): 32 streams 4,270.5-4,285.4 against
+    #                             3,591.2-3,601.8 tok/s (+18.9-19.1%), lone and TTFT unchanged, the same tokens; the
     #                             start-up self-check compares it with the reference (check_expert_layouts)
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
