@@ -593,9 +593,10 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         raise ValueError("packed_thread must be contiguous 16-byte-aligned uint8 (the 16-byte word loads and the "
                          "4 KB tiles of `thread_order`)")
     kt = k // 128
-    if ahead is None:
-        ahead = AHEAD if kt % 2 == 0 and not (RING if ring is None else ring) else 1
+    ring = RING if ring is None else ring
     l2_ahead = L2_AHEAD if l2_ahead is None else l2_ahead
+    if ahead is None:
+        ahead = AHEAD if kt % 2 == 0 and not ring else 1
     if routing.block_expert is None or routing.block_m not in BLOCK_MS:
         raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed, "
                          f"got block_m "
@@ -605,7 +606,6 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
                          f"got {ahead!r}")
     if not isinstance(l2_ahead, int) or l2_ahead < 0:
         raise ValueError(f"w4a16_regs: l2_ahead must be an int >= 0, got {l2_ahead!r}")
-    ring = RING if ring is None else ring
     if ring not in (0, 2, 4, 8) or (ring and (ahead != 1 or l2_ahead)):
         raise ValueError(f"w4a16_regs: ring must be 0, 2, 4 or 8 (a ring with ahead 1 and l2_ahead 0), got ring "
                          f"{ring!r}, ahead {ahead}, l2_ahead {l2_ahead}")
