@@ -311,7 +311,7 @@ def test_misaligned_activation_rows_are_copied_first():
     assert torch.equal(y, y_view)
 
 
-# ---- the layout and the engine's opt-in copy (CPU) ------------------------------------------------------------------
+# ---- the layout and the engine's copy (CPU) --------------------------------------------------------------------------
 def test_regs_ok_names_where_the_kernel_runs(monkeypatch):
     from kernels import w4a16_gemm
 

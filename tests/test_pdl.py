@@ -46,7 +46,7 @@ PARTICIPANTS = {
     # above the GEMV's 4 tokens (32 streams, prefill chunks): the routing alignment and the swap-AB experts
     "kernels.moe_align": ("_moe_align_sort_kernel",),
     "kernels.w4a16_swapped": ("_w4a16_grouped_swapped_kernel",),
-    # expert_regs (off by default; Gluon): the thread-order experts' kernel, `pdl_enter` its own Gluon twin of enter
+    # expert_regs ("auto": on for sm_90 + Gluon): the thread-order experts' kernel; `pdl_enter` its Gluon twin
     "kernels.w4a16_regs": ("_w4a16_regs_kernel",),
     # moe_fused_decode (off by default): a one-token step's experts in one launch, and the combine over its rows
     "kernels.moe_decode": ("_moe_decode_kernel",),
