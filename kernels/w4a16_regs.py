@@ -349,8 +349,21 @@ if gluon is not None:
             return we + g * 1024, se + (g // KT) * sc_col + (g % KT) * 2
 
     @gluon.jit
+    def _load_tile(we, se, up_w, up_s, g: gl.constexpr, SWIGLU: gl.constexpr):
+        """Tile g (< KT: the first column tile's) of the program's stream into registers: words and scale words, and
+        the up projection's with SWIGLU (else the same values again, placeholders `_k_tile` passes through)."""
+        u = gl.load(we + g * 1024)
+        sc = gl.load(se + g * 2)
+        if SWIGLU:
+            v = gl.load(we + up_w + g * 1024)
+            vc = gl.load(se + up_s + g * 2)
+        else:
+            v, vc = u, sc
+        return u, sc, v, vc
+
+    @gluon.jit
     def _k_tile(xs, t, nxt, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s, sc_col, KT: gl.constexpr,
-                GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr):
+                GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr, RELOAD: gl.constexpr = True):
         """K tile t (of the activations): decode its words and scales (u, sc; v, vc the up projection's with
         SWIGLU), issue its wgmmas, THEN load stream tile `nxt`'s into the same values (clamped to the last tile: a
         repeat of a just-read line instead of a masked load), and wait for the wgmmas. Loading after the decode lets
@@ -358,16 +371,18 @@ if gluon is not None:
         needs no register moves (loaded before the decode, rotated buffers cost ~27 moves a trip, and ptxas issued
         those loads late all the same: below the trip's last wgmmas, as it does these; the module docstring). The
         wait settles every wgmma before the next decode writes registers (the ptxas hazard of `w4a16_swapped`'s
-        SETTLE comment)."""
+        SETTLE comment). RELOAD False (the stream's tiles all loaded up front: GT == AHEAD): no reload."""
         pw, ps = _tile_words(we, se, gl.minimum(nxt, GT - 1), KT, GT, sc_col)
         b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
         acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
-        u = gl.load(pw)
-        sc = gl.load(ps)
+        if RELOAD:
+            u = gl.load(pw)
+            sc = gl.load(ps)
         if SWIGLU:
             acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
-            v = gl.load(pw + up_w)
-            vc = gl.load(ps + up_s)
+            if RELOAD:
+                v = gl.load(pw + up_w)
+                vc = gl.load(ps + up_s)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
         return u, sc, v, vc, acc, acc_up
 
@@ -428,7 +443,7 @@ if gluon is not None:
         # as one run (they are contiguous in thread order), the activations staged once. SWIGLU: N = 2 N_out stored
         # rows, column n uses n (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32
         # words, s: block scales [E, N, K/16] e4m3 read as int32 words (4 scales); s_we, s_se, s_sn are byte strides
-        # (divided by 4 here). AHEAD (1 | 2): how many tiles of words and scales are loaded ahead into registers.
+        # (divided by 4 here). AHEAD (1 | 2 | 4): how many tiles of words and scales are loaded ahead into registers.
         # L2_AHEAD (0: off): how many tiles ahead the words are prefetched into L2 (and every scale row at the
         # start). RING (0: off; else AHEAD 1): the words and scales of the next RING - 1 tiles copied by cp.async
         # into a shared-memory ring (each thread its own words) and read back one tile ahead, instead of loaded
@@ -437,7 +452,8 @@ if gluon is not None:
         KT: gl.constexpr = K // 128
         GT: gl.constexpr = COLS * KT  # tiles a program streams a projection
         gl.static_assert(K % 128 == 0 and (KT & (KT - 1)) == 0, "K must be 128 x a power of two")
-        gl.static_assert(AHEAD == 1 or (AHEAD == 2 and KT % 2 == 0 and RING == 0), "AHEAD 2 needs an even KT")
+        gl.static_assert(AHEAD == 1 or ((AHEAD == 2 or AHEAD == 4) and KT % AHEAD == 0 and RING == 0),
+                         "AHEAD 2 / 4 needs KT a multiple of it (and no ring)")
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
@@ -473,14 +489,11 @@ if gluon is not None:
             if SWIGLU:
                 v = gl.load(we + up_w)
                 vc = gl.load(se + up_s)
-            if AHEAD == 2:  # tile 1 as well (KT is even)
-                u1 = gl.load(we + 1024)
-                sc1 = gl.load(se + 2)
-                if SWIGLU:
-                    v1 = gl.load(we + up_w + 1024)
-                    vc1 = gl.load(se + up_s + 2)
-                else:
-                    v1, vc1 = u1, sc1
+            if AHEAD >= 2:  # tile 1 as well (KT is even)
+                u1, sc1, v1, vc1 = _load_tile(we, se, up_w, up_s, 1, SWIGLU)
+            if AHEAD == 4:  # and tiles 2, 3 (KT is a multiple of 4)
+                u2, sc2, v2, vc2 = _load_tile(we, se, up_w, up_s, 2, SWIGLU)
+                u3, sc3, v3, vc3 = _load_tile(we, se, up_w, up_s, 3, SWIGLU)
             # the block's activation rows [BLOCK_M, K] into shared memory, K tiles of [BLOCK_M, 128], in one cp.async
             # run (per-tile copies get a barrier between each two from the shared-memory hazard analysis)
             tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
@@ -520,6 +533,23 @@ if gluon is not None:
                                    up_s, sc_col, KT, GT, SWIGLU)
                         u, sc, v, vc, acc, acc_up = _ring_tile(xs, t, gi % RING, u, sc, v, vc, acc, acc_up, ring_u,
                                                                ring_sc, ring_v, ring_vc, RING, SWIGLU, BLOCK_M)
+                    _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
+                              HAS_ROW_SCALE)
+                    acc, acc_up = zero, zero
+            elif AHEAD == 4:  # four tiles a trip, each buffer reloaded in place (no register rotation)
+                for j in range(COLS):
+                    for t in range(0, KT, 4):  # KT is a multiple of 4: a trip never spans two column tiles
+                        gi = j * KT + t
+                        if L2_AHEAD > 0:
+                            _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, 4, GT, SWIGLU)
+                        u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + 4, u, sc, v, vc, acc, acc_up, we, se, up_w,
+                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
+                        u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, gi + 5, u1, sc1, v1, vc1, acc, acc_up, we,
+                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
+                        u2, sc2, v2, vc2, acc, acc_up = _k_tile(xs, t + 2, gi + 6, u2, sc2, v2, vc2, acc, acc_up, we,
+                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
+                        u3, sc3, v3, vc3, acc, acc_up = _k_tile(xs, t + 3, gi + 7, u3, sc3, v3, vc3, acc, acc_up, we,
+                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
                     _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
                               HAS_ROW_SCALE)
                     acc, acc_up = zero, zero
@@ -569,16 +599,18 @@ def k_ok(k: int) -> bool:
 def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                       row_scale: torch.Tensor | None = None, ahead: int | None = None,
-                      l2_ahead: int | None = None, ring: int | None = None, cols: int | None = None) -> torch.Tensor:
+                      l2_ahead: int | None = None, ring: int | None = None, cols: int | None = None,
+                      maxnreg: int | None = None) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
-    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2;
-    None: AHEAD): K tiles of weights loaded ahead into registers (2 needs an even number of K tiles). `l2_ahead`
+    scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2 | 4;
+    None: AHEAD): K tiles of weights loaded ahead into registers (a divisor of the K tiles). `l2_ahead`
     (None: L2_AHEAD; 0 off): K tiles of weights prefetched ahead into L2. `ring` (None: RING; 0 off, else 2, 4 or
     8, with ahead 1 and no L2 prefetch): the words and scales staged through a cp.async ring of that many tiles in
     shared memory (+4.5 KB a tile and projection). `cols` (None: COLS; 1, 2, 4 or 8, dividing N_out / 64): output
     column tiles of 64 a program, their weights streamed as one run and the row block's activations staged once for
-    all of them. Which settings are fastest is unmeasured."""
+    all of them. `maxnreg` (None: ptxas' choice): a register cap per thread, for more programs an SM (ptxas then
+    serializes the wgmmas it cannot keep registers for). Which settings are fastest: ENGINE_BUILDS' comment."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     e, n, kh = packed_thread.shape
@@ -601,8 +633,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed, "
                          f"got block_m "
                          f"{routing.block_m}{' (dense)' if routing.block_expert is None else ''}")
-    if ahead not in (1, 2) or (ahead == 2 and kt % 2):
-        raise ValueError(f"w4a16_regs: ahead must be 1 or 2 (2 with an even number of K tiles, here {kt}), "
+    if ahead not in (1, 2, 4) or kt % ahead:
+        raise ValueError(f"w4a16_regs: ahead must be 1, 2 or 4, dividing the number of K tiles (here {kt}), "
                          f"got {ahead!r}")
     if not isinstance(l2_ahead, int) or l2_ahead < 0:
         raise ValueError(f"w4a16_regs: l2_ahead must be an int >= 0, got {l2_ahead!r}")
@@ -613,6 +645,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
         raise ValueError(f"w4a16_regs: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
                          f"got {cols!r}")
+    if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255 or maxnreg % 8):
+        raise ValueError(f"w4a16_regs: maxnreg must be None or a multiple of 8 in 32..255, got {maxnreg!r}")
     if row_scale is not None and row_scale.numel() != routing.num_pairs:
         raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
     if scales.shape != (e, n, k // BLOCK):
@@ -633,5 +667,5 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
         XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, RING=ring, COLS=cols,
-        num_warps=4, **pdl.launch_options())
+        num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg)), **pdl.launch_options())
     return y

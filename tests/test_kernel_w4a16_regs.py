@@ -86,8 +86,10 @@ def test_launcher_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="128 x a power of two"):
         launch(x[:, :192], w.packed[..., :96], w.scales[..., :12], w.global_scale, moe_align(idx, 2, 16))
     w1 = quantize_nvfp4(torch.randn(2, 128, 128) * 0.02)  # one K tile: nothing to hold two ahead
-    with pytest.raises(ValueError, match="even number of K tiles"):
+    with pytest.raises(ValueError, match="dividing the number of K tiles"):
         launch(x[:, :128], thread_order(w1.packed), w1.scales, w1.global_scale, moe_align(idx, 2, 16), ahead=2)
+    with pytest.raises(ValueError, match="dividing the number of K tiles"):  # 2 K tiles: not 4 ahead
+        launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), ahead=4)
     with pytest.raises(ValueError, match="l2_ahead"):
         launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), l2_ahead=-1)
     with pytest.raises(ValueError, match="ring must be"):
@@ -147,7 +149,8 @@ def test_stacked_tiles_layout_is_the_wgmma_tiles(block_m):
 
 
 COMPILED = [(1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (1, 8, 0, 0, 1), (2, 8, 0, 0, 1), (2, 16, 4, 0, 1), (1, 8, 0, 4, 1),
-            (2, 16, 4, 0, 4), (1, 8, 0, 4, 2)]  # (ahead, block_m, l2_ahead, ring, cols) compiled for sm_90 offline
+            (2, 16, 4, 0, 4), (1, 8, 0, 4, 2), (4, 8, 0, 0, 1), (4, 8, 4, 0, 1)]  # (ahead, block_m, l2_ahead,
+#                                                                         ring, cols) compiled for sm_90 offline
 SHAPES = [(2048, True), (512, False)]  # the engine's gate_up (K 2048, SwiGLU) and down (K 512, row scale)
 _SM90_SCRIPT = """
 import inspect, json, subprocess, sys, tempfile
@@ -223,15 +226,27 @@ def test_compiles_for_sm90(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, rin
     and back by LDS instead, with the hazard analysis' 2 barriers a tile. The activations' fill is one run of
     cp.async with no barrier between them. With USE_PDL its PTX waits for the predecessor grid before any global
     memory access (tests/test_pdl.py checks the source's order)."""
-    from benchmarks.sass_loop import loop_instructions, loop_opcodes, writes_into_in_flight_a_registers
+    import collections
+
+    from benchmarks.sass_loop import (_unpredicated, instructions, loop_instructions, loop_opcodes,
+                                      writes_into_in_flight_a_registers)
 
     tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2_ahead}-{ring}-{cols}"
     sass = (sm90_builds / f"{tag}.sass").read_text()
+    proj = (2 if swiglu else 1) * ahead  # projections x K tiles a trip
+    assert writes_into_in_flight_a_registers(sass, whole=True) == 0
+    if k // 128 * cols == ahead:  # the whole stream loaded up front (down at AHEAD 4): one trip, no K loop, no reload
+        with pytest.raises(RuntimeError, match="found 0 backward"):
+            loop_instructions(sass)
+        ops = collections.Counter(_unpredicated(i).split()[0].split(".")[0] for _, i in instructions(sass))
+        assert ops["HGMMA"] == 8 * proj and ops["SHFL"] == 8 * proj, ops
+        # the words and scale words once (reloads would add 3 * proj), + the ids, pairs, global and row scales
+        assert 3 * proj <= ops["LDG"] <= 3 * proj + 8, ops
+        assert "STACK:0" in (sm90_builds / f"{tag}.res").read_text()
+        return
     ops = loop_opcodes(sass, inner=True)  # the K loop (inside the column tiles' loop when COLS > 1)
     # the ptxas hazard of w4a16_swapped's SETTLE comment: no register of an in-flight wgmma's A operand written
     assert writes_into_in_flight_a_registers(sass, inner=True) == 0
-    assert writes_into_in_flight_a_registers(sass, whole=True) == 0
-    proj = (2 if swiglu else 1) * ahead  # projections x K tiles a trip
     assert ops["HGMMA"] == 8 * proj  # 8 wgmma k-steps of 16 per projection and K tile
     if ring:  # per projection and tile: the words (2 x 16 B) and one scale word by cp.async, then read back
         lds = [i for i in loop_instructions(sass, inner=True) if i.split()[0].split(".")[0] in ("LDS", "LDSM")]
@@ -272,11 +287,12 @@ def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M):
     return w, idx, x, None if rs is None else rs.cuda(), a_div, moe_align(idx, e, block_m)
 
 
-GPU_CASES = [(t, swiglu, k, *build)  # (tokens, SwiGLU, K) x (ahead, block_m, l2_ahead, ring, cols): AHEAD 2 needs
+GPU_CASES = [(t, swiglu, k, *build)  # (tokens, SwiGLU, K) x (ahead, block_m, l2_ahead, ring, cols): AHEAD divides
              for t, swiglu, k in ((1, True, 256), (32, True, 2048), (32, False, 512), (7, False, 128))  # 2+ K tiles
              for build in ((1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (2, 16, 4, 0, 1), (1, 8, 0, 0, 1), (2, 8, 2, 0, 1),
-                           (1, 16, 0, 4, 1), (1, 8, 0, 2, 1), (2, 16, 4, 0, 2), (1, 8, 0, 4, 2), (1, 16, 0, 0, 4))
-             if (build[0] == 1 or k > 128) and (build[4] <= 2 or not swiglu)]  # N_out: 128 with SwiGLU, else 256
+                           (1, 16, 0, 4, 1), (1, 8, 0, 2, 1), (2, 16, 4, 0, 2), (1, 8, 0, 4, 2), (1, 16, 0, 0, 4),
+                           (4, 8, 0, 0, 1), (4, 16, 4, 0, 2), (4, 8, 0, 0, 4))
+             if k // 128 % build[0] == 0 and (build[4] <= 2 or not swiglu)]  # N_out: 128 with SwiGLU, else 256
 
 
 @pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
