@@ -394,13 +394,17 @@ import json, re, sys
 best = {}
 for r in json.load(open(sys.argv[1]))["results"]:
     m = re.match(r"regs experts (gate_up|down), 32 tokens, ahead (\d), l2 (\d+), ring (\d), cols (\d), block (\d+)"
-                 r"(?:, maxnreg (\d+))?$", r.get("case", ""))
+                 r"(?:, maxnreg (\d+))?(, early)?$", r.get("case", ""))
     if m and "config" not in r and (r.get("equal_to_swapped") or (m.group(6) == "8" and r.get("close_to_swapped"))):
         proj, ahead, l2, ring, cols, block = m.group(1), *map(int, m.groups()[1:6])
         key = (block, proj)
         build = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols)
         if m.group(7):
             build["maxnreg"] = int(m.group(7))
+        if m.group(8):  # the down projection's only: gate_up's routing is its predecessor's output in the engine
+            if proj == "gate_up":
+                continue
+            build["early"] = True
         if key not in best or r["us"] < best[key][0]:
             best[key] = (r["us"], build)
 totals = {b: best[(b, "gate_up")][0] + best[(b, "down")][0] for b in (16, 8) if (b, "gate_up") in best and (b, "down") in best}
@@ -2126,15 +2130,6 @@ if want 164; then
 say "164. issue 5: the defaults (expert_regs on) beside expert_regs false, and again"
 engine_out qwen_regs_default "${LIMIT_164:-400}" --decode-tokens 48 --variant 'noregs={"expert_regs": false}' --again
 fi
-if want 165; then
-# forty-fourth session: the 32-stream step's kernels with the shipped defaults (expert_regs on; PDL off: kernel times
-# without overlap), the decode window's Chrome trace kept, so each call (gate_up, down, lm_head) can be told apart by
-# its grid: what the remaining 15% to 5,000 tok/s is made of
-say "165. issue 5: the 32-stream step's kernels with the defaults (PDL off, kernel table and trace)"
-timeout "${LIMIT_165:-150}" python benchmarks/qwen_profile.py --engine --engine-streams 32 --prefill-graphs off \
-  --batches "" --engine-trace --out "$R/profile_regs" > "$R/profile_regs.log" 2>&1
-grep -E "engine_32|tok_per_s" "$R/profile_regs.log" | cut -c1-160 | head -34
-fi
 if want 166; then
 # forty-fourth session: AHEAD 4 (four K tiles a trip in registers: gate_up 168 registers, 3 programs an SM, 4 x 8 KB
 # in flight each against 4 x 2 x 8 KB; down, 4 K tiles, loads its whole stream up front and never reloads) and
@@ -2143,22 +2138,36 @@ if want 166; then
 # builds (8-row: gate_up ahead 2, down ahead 2 + l2 4) and the swap-AB kernel
 say "166. issue 5: w4a16_regs AHEAD 4 and register caps -- CUDA tests, then per call at 32 tokens"
 gpu_tests regs_tests4 "${LIMIT_166T:-200}" tests/test_kernel_w4a16_regs.py
-builds166='[[8,2,0,0,1],[8,2,4,0,1],[8,4,0,0,1],[8,4,4,0,1],[8,2,0,0,1,96],[8,4,0,0,1,128],[8,2,4,0,1,64],[8,4,0,0,1,64],[16,4,0,0,1]]'
+builds166='[[8,2,0,0,1],[8,2,4,0,1],[8,4,0,0,1],[8,4,4,0,1],[8,2,0,0,1,96],[8,4,0,0,1,128],[8,2,4,0,1,64],[8,4,0,0,1,64],[8,2,0,0,2],[8,4,0,0,2],[16,4,0,0,1],[8,2,4,0,1,0,1],[8,4,0,0,1,0,1]]'
 probe regs_ab "${LIMIT_166:-200}" swapped_ab.py --label regs --regs --regs-builds "${BUILDS_166:-$builds166}"
 fi
 if want 167; then
-# forty-fourth session: the engine with step 166's fastest builds (best_regs_builds) beside the shipped ones, each in
-# its own process (--regs-builds sets them process-wide), the second with --again; skipped when they are the shipped
-say "167. issue 5: the engine with step 166's fastest w4a16_regs builds beside the shipped builds (two processes)"
+# forty-fourth session: the engine with step 166's fastest builds (best_regs_builds) beside the shipped builds, each in
+# its own process (--regs-builds sets them process-wide), the second with --again (skipped when they are the
+# shipped); then the shipped builds with the down projection EARLY (its first loads before the PDL wait, which shows in
+# the engine's align -> gate_up -> down chain only, not per call), unless that was the fastest
+say "167. issue 5: the engine with step 166's fastest w4a16_regs builds, and with EARLY down, beside the shipped builds"
 regs_builds=${REGS_BUILDS:-$(best_regs_builds)}
 shipped=$(python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))')
+early=$(python -c 'import json,sys; b=json.loads(sys.argv[1]); b["down"]["early"]=True; print(json.dumps(b))' "$shipped")
+same() { [ "$(python -c 'import json,sys; a,b=(json.loads(v) for v in sys.argv[1:]); print(a==b)' "$1" "$2")" = True ]; }
 say "picked: ${regs_builds:-none}; shipped: $shipped"
-if [ -n "$regs_builds" ] && [ "$(python -c 'import json,sys; a,b=(json.loads(v) for v in sys.argv[1:]); print(a==b)' "$regs_builds" "$shipped")" = False ]; then
-  engine_out qwen_builds_shipped "${LIMIT_167A:-150}" --decode-tokens 48
-  engine_out qwen_builds_best "${LIMIT_167B:-200}" --decode-tokens 48 --regs-builds "$regs_builds" --again
-else
-  say "the shipped builds are the fastest (or none picked): no engine run"
+engine_out qwen_builds_shipped "${LIMIT_167A:-130}" --decode-tokens 48
+if [ -n "$regs_builds" ] && ! same "$regs_builds" "$shipped"; then
+  engine_out qwen_builds_best "${LIMIT_167B:-170}" --decode-tokens 48 --regs-builds "$regs_builds" --again
 fi
+if [ -z "$regs_builds" ] || ! same "$regs_builds" "$early"; then
+  engine_out qwen_builds_early "${LIMIT_167C:-130}" --decode-tokens 48 --regs-builds "$early"
+fi
+fi
+if want 165; then
+# forty-fourth session: the 32-stream step's kernels with the shipped defaults (expert_regs on; PDL off: kernel times
+# without overlap), the decode window's Chrome trace kept, so each call (gate_up, down, lm_head) can be told apart by
+# its grid: what the remaining 15% to 5,000 tok/s is made of
+say "165. issue 5: the 32-stream step's kernels with the defaults (PDL off, kernel table and trace)"
+timeout "${LIMIT_165:-150}" python benchmarks/qwen_profile.py --engine --engine-streams 32 --prefill-graphs off \
+  --batches "" --engine-trace --out "$R/profile_regs" > "$R/profile_regs.log" 2>&1
+grep -E "engine_32|tok_per_s" "$R/profile_regs.log" | cut -c1-160 | head -34
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

@@ -490,9 +490,9 @@ def _module_flag(path: str):
 
 def _regs_builds(text: str) -> dict:
     """--regs-builds: {"block_m": 8 | 16, "gate_up": {...}, "down": {...}} with only `w4a16_regs_launch`'s build
-    keywords (ahead, l2_ahead, ring, cols, maxnreg); argparse reports anything else."""
+    keywords (ahead, l2_ahead, ring, cols, maxnreg, early); argparse reports anything else."""
     builds = json.loads(text)
-    keys = {"ahead", "l2_ahead", "ring", "cols", "maxnreg"}
+    keys = {"ahead", "l2_ahead", "ring", "cols", "maxnreg", "early"}
     if (not isinstance(builds, dict) or set(builds) != {"block_m", "gate_up", "down"}
             or builds["block_m"] not in (8, 16)
             or not all(isinstance(builds[p], dict) and set(builds[p]) <= keys for p in ("gate_up", "down"))):
@@ -657,10 +657,9 @@ def main() -> None:
     ap.add_argument("--regs-builds", type=_regs_builds, default=None,
                     help="kernels/w4a16_regs.py's builds for the engines with expert_regs, JSON "
                          "'{\"block_m\": 16, \"gate_up\": {...}, \"down\": {...}}' (launcher keywords ahead, "
-                         "l2_ahead, ring, cols, maxnreg): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for the whole "
-                         "run (only "
-                         "the THREAD_ORDER experts read them), recorded under settings (gpu_next.sh step 162 passes "
-                         "step 161's fastest)")
+                         "l2_ahead, ring, cols, maxnreg, early): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for "
+                         "the whole run (only the THREAD_ORDER experts read them), recorded under settings "
+                         "(gpu_next.sh steps 162 / 167 pass step 161's / 166's fastest)")
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()

@@ -891,8 +891,9 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
     weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch).
     `layout` (EXPERT_LAYOUTS): CHECKPOINT -> the grouped kernel, autotuned; TILE_MAJOR -> the grouped kernel on
     TILE_MAJOR_TILES (`_tile_major_config`, no autotuning); SPLIT_HALVES / SPLIT_FRAG -> the swap-AB kernel
-    (`kernels/w4a16_swapped.py`, its fixed configs); THREAD_ORDER -> `kernels/w4a16_regs.py` (Gluon, sm_90; 16-row
-    blocks whatever the call's size: the engine gives it decode-sized calls only, `NVFP4Experts.repack_regs`)."""
+    (`kernels/w4a16_swapped.py`, its fixed configs); THREAD_ORDER -> `kernels/w4a16_regs.py` (Gluon, sm_90; its
+    BLOCK_M-row blocks and ENGINE_BUILDS whatever the call's size: the engine gives it decode-sized calls only,
+    `NVFP4Experts.repack_regs`)."""
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -900,8 +901,9 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
         from kernels.w4a16_regs import BLOCK_M, ENGINE_BUILDS, w4a16_regs_launch
 
         routing = moe_align_fast(idx, num_experts, BLOCK_M)
+        # never EARLY for gate_up: the alignment it follows wrote its routing (w4a16_regs_launch's `early`)
         h = w4a16_regs_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True,
-                              **ENGINE_BUILDS["gate_up"])  # [P, I]
+                              **{**ENGINE_BUILDS["gate_up"], "early": False})  # [P, I]
         y = w4a16_regs_launch(h, p2, s2, g2, routing, row_scale=weights, **ENGINE_BUILDS["down"])  # [P, H], weighted
     elif layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import SPLIT_TILE, decode_split, swapped_block_m, w4a16_grouped_swapped_launch

@@ -437,7 +437,7 @@ if gluon is not None:
                            K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
                            BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr, AHEAD: gl.constexpr = 1,
                            L2_AHEAD: gl.constexpr = 0, RING: gl.constexpr = 0, COLS: gl.constexpr = 1,
-                           USE_PDL: gl.constexpr = False):
+                           EARLY: gl.constexpr = False, USE_PDL: gl.constexpr = False):
         # grid (R / BLOCK_M, N_out / (64 COLS)), 4 warps: one program = COLS x 64 output columns (weight rows, the
         # wgmma M) x the BLOCK_M sorted pairs of row block pid_m (the wgmma N), its COLS x KT weight tiles streamed
         # as one run (they are contiguous in thread order), the activations staged once. SWIGLU: N = 2 N_out stored
@@ -447,8 +447,13 @@ if gluon is not None:
         # L2_AHEAD (0: off): how many tiles ahead the words are prefetched into L2 (and every scale row at the
         # start). RING (0: off; else AHEAD 1): the words and scales of the next RING - 1 tiles copied by cp.async
         # into a shared-memory ring (each thread its own words) and read back one tile ahead, instead of loaded
-        # straight into registers.
-        pdl_enter(USE_PDL)  # kernels/pdl.py's contract: a no-op unless launched with PDL
+        # straight into registers. EARLY (with PDL): the row block's expert and pairs and the first AHEAD tiles'
+        # words and scales are loaded BEFORE waiting for the predecessor grid -- only for a launch whose routing was
+        # written two or more launches back (the down projection after gate_up: align -> gate_up -> down; gate_up
+        # waited for align before it let this grid launch), so that they stream during the predecessor's tail; the
+        # activations, which the predecessor wrote, and every store come after the wait.
+        if not EARLY:
+            pdl_enter(USE_PDL)  # kernels/pdl.py's contract: a no-op unless launched with PDL
         KT: gl.constexpr = K // 128
         GT: gl.constexpr = COLS * KT  # tiles a program streams a projection
         gl.static_assert(K % 128 == 0 and (KT & (KT - 1)) == 0, "K must be 128 x a power of two")
@@ -494,6 +499,8 @@ if gluon is not None:
             if AHEAD == 4:  # and tiles 2, 3 (KT is a multiple of 4)
                 u2, sc2, v2, vc2 = _load_tile(we, se, up_w, up_s, 2, SWIGLU)
                 u3, sc3, v3, vc3 = _load_tile(we, se, up_w, up_s, 3, SWIGLU)
+            if EARLY:  # now the predecessor's output (the activations) and stores (EARLY's contract, above)
+                pdl_enter(USE_PDL)
             # the block's activation rows [BLOCK_M, K] into shared memory, K tiles of [BLOCK_M, 128], in one cp.async
             # run (per-tile copies get a barrier between each two from the shared-memory hazard analysis)
             tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
@@ -600,7 +607,7 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                       row_scale: torch.Tensor | None = None, ahead: int | None = None,
                       l2_ahead: int | None = None, ring: int | None = None, cols: int | None = None,
-                      maxnreg: int | None = None) -> torch.Tensor:
+                      maxnreg: int | None = None, early: bool = False) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2 | 4;
@@ -610,7 +617,10 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     shared memory (+4.5 KB a tile and projection). `cols` (None: COLS; 1, 2, 4 or 8, dividing N_out / 64): output
     column tiles of 64 a program, their weights streamed as one run and the row block's activations staged once for
     all of them. `maxnreg` (None: ptxas' choice): a register cap per thread, for more programs an SM (ptxas then
-    serializes the wgmmas it cannot keep registers for). Which settings are fastest: ENGINE_BUILDS' comment."""
+    serializes the wgmmas it cannot keep registers for). `early` (with PDL; nothing without): the routing and the
+    first tiles' weights are loaded before waiting for the predecessor grid -- ONLY for a launch whose routing an
+    earlier launch than its predecessor wrote (the MoE's down projection after gate_up; the kernel's EARLY comment).
+    Which settings are fastest: ENGINE_BUILDS' comment."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     e, n, kh = packed_thread.shape
@@ -667,5 +677,5 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
         XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, RING=ring, COLS=cols,
-        num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg)), **pdl.launch_options())
+        EARLY=bool(early), num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg)), **pdl.launch_options())
     return y

@@ -148,9 +148,11 @@ def test_stacked_tiles_layout_is_the_wgmma_tiles(block_m):
         w4a16_regs.stacked_tiles_layout(block_m, 3)
 
 
+# (ahead, block_m, l2_ahead, ring, cols) compiled for sm_90 offline
 COMPILED = [(1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (1, 8, 0, 0, 1), (2, 8, 0, 0, 1), (2, 16, 4, 0, 1), (1, 8, 0, 4, 1),
-            (2, 16, 4, 0, 4), (1, 8, 0, 4, 2), (4, 8, 0, 0, 1), (4, 8, 4, 0, 1)]  # (ahead, block_m, l2_ahead,
-#                                                                         ring, cols) compiled for sm_90 offline
+            (2, 16, 4, 0, 4), (1, 8, 0, 4, 2), (4, 8, 0, 0, 1), (4, 8, 4, 0, 1), (2, 8, 4, 0, 1)]
+EARLY_COMPILED = [(4, 8, 0, 0, 1, 1), (2, 8, 4, 0, 1, 1)]  # + EARLY (the down projection's first loads before
+#                                                           the PDL wait)
 SHAPES = [(2048, True), (512, False)]  # the engine's gate_up (K 2048, SwiGLU) and down (K 512, row scale)
 _SM90_SCRIPT = """
 import inspect, json, subprocess, sys, tempfile
@@ -170,12 +172,12 @@ aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}  # 16-divisi
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}  # marks them at a launch
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 for k, swiglu in shapes:
-    for ahead, block_m, l2, ring, cols in builds:
-        tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}"
+    for ahead, block_m, l2, ring, cols, *early in builds:
+        tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}" + ("-early" if early else "")
         for pdl in (False, True):
             consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2,
                           RING=ring, COLS=cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128),
-                          USE_PDL=pdl)
+                          EARLY=bool(early), USE_PDL=pdl)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
             build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -205,7 +207,8 @@ def sm90_builds(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("regs_sm90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(out), json.dumps(COMPILED), json.dumps(SHAPES)],
+    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(out), json.dumps(COMPILED + EARLY_COMPILED),
+                          json.dumps(SHAPES)],
                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                          timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -270,6 +273,29 @@ def test_compiles_for_sm90(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, rin
     assert "griddepcontrol" not in (sm90_builds / f"{tag}-False.ptx").read_text()  # without it: nothing
     res = (sm90_builds / f"{tag}.res").read_text()
     assert "STACK:0" in res, res
+
+
+@pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols,early", EARLY_COMPILED)
+@pytest.mark.parametrize("k,swiglu", SHAPES)
+def test_early_builds_wait_before_the_activations(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, ring, cols,
+                                                   early):
+    """EARLY's contract in the PTX with PDL: loads (the routing, the first tiles' words and scales) and L2 prefetches
+    may come before `griddepcontrol.wait`, but no store and no cp.async (the activations' fill: the predecessor's
+    output) does; the wait comes before launch_dependents; without PDL neither is there. And the build is the same
+    kernel otherwise: as many wgmmas and no spills."""
+    tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2_ahead}-{ring}-{cols}-early"
+    ptx = (sm90_builds / f"{tag}-True.ptx").read_text()
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= wait < launch, (wait, launch)
+    before = ptx[:wait]
+    assert "ld.global" in before  # the point of EARLY: the weights' loads are issued before the wait
+    assert all(op not in before for op in ("st.global", "cp.async.ca", "cp.async.cg", "st.shared", "atom.")), before
+    assert "griddepcontrol" not in (sm90_builds / f"{tag}-False.ptx").read_text()
+    plain = tag.removesuffix("-early")  # the same build without EARLY (in COMPILED)
+    assert (sm90_builds / f"{tag}.sass").read_text().count("HGMMA") == (
+        sm90_builds / f"{plain}.sass").read_text().count("HGMMA")
+    assert "STACK:0" in (sm90_builds / f"{tag}.res").read_text()
 
 
 # ---- GPU (sm_90) ----------------------------------------------------------------------------------------------------
@@ -400,3 +426,41 @@ def test_engine_expert_regs_option(caplog):
     assert "does not run here" in caplog.text and not experts.regs_copy
     assert experts.repack_regs()  # as an earlier engine on a GPU would have
     assert set_expert_regs(model, False, torch.device("cpu"), torch.float32) == 0 and not experts.regs_copy
+
+
+@pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("ahead", [2, 4])
+def test_early_down_after_gate_up_under_pdl(ahead):
+    """The MoE's chain as the engine launches it under PDL: alignment, gate_up, then down with EARLY (its routing
+    and first weights loaded before its wait; the activations gate_up writes after it), 30 times over fresh routings
+    and inputs: down's output bit for bit a plain (non-EARLY) down's on the same gate_up output, and both within the
+    reference's tolerance."""
+    from kernels import pdl
+    from kernels.w4a16_gemm import moe_align, w4a16_grouped_reference
+
+    g = torch.Generator().manual_seed(5)
+    e, i_size, h_size, t = 16, 512, 1024, 32
+    w13 = quantize_nvfp4(torch.randn(e, 2 * i_size, h_size, generator=g) * 0.02)
+    w2 = quantize_nvfp4(torch.randn(e, h_size, i_size, generator=g) * 0.02)
+    w13, w2 = NVFP4Tensor(*(v.cuda() for v in w13)), NVFP4Tensor(*(v.cuda() for v in w2))
+    t13, t2 = thread_order(w13.packed), thread_order(w2.packed)
+    was = pdl.enabled()
+    pdl.set_enabled(True)
+    try:
+        for rep in range(30):
+            idx = torch.stack([torch.randperm(e, generator=g)[:8] for _ in range(t)]).cuda()
+            x = torch.randn(t, h_size, generator=g).to(torch.bfloat16).cuda()
+            rs = torch.rand(t * 8, generator=g).cuda()
+            routing = moe_align(idx, e, 8)
+            h = w4a16_regs.w4a16_regs_launch(x, t13, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True)
+            y = w4a16_regs.w4a16_regs_launch(h, t2, w2.scales, w2.global_scale, routing, row_scale=rs, ahead=ahead,
+                                             early=True)
+            torch.cuda.synchronize()
+            plain = w4a16_regs.w4a16_regs_launch(h, t2, w2.scales, w2.global_scale, routing, row_scale=rs,
+                                                 ahead=ahead)
+            assert torch.equal(y, plain), rep
+            ref = w4a16_grouped_reference(h.float(), w2, idx.reshape(-1), row_scale=rs)
+            err = (y.float() - ref).abs()
+            assert bool((err <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all()), (rep, float(err.max()))
+    finally:
+        pdl.set_enabled(was)

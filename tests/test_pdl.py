@@ -91,10 +91,17 @@ def _source(kernel) -> ast.FunctionDef:
 BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.cdiv", "tl.minimum", "tl.where", "prefetch_l2", "prefetch_l2_once"}
 
 
+# the wait statement at a kernel's top level: `pdl_enter(USE_PDL)`, or, in a kernel with an EARLY constexpr
+# (kernels/w4a16_regs.py, default False), the same under `if not EARLY:` -- EARLY builds wait after their weights'
+# first loads, a contract of their own that test_kernel_w4a16_regs.py checks in their PTX
+WAITS = ("pdl_enter(USE_PDL)", "if not EARLY:\n    pdl_enter(USE_PDL)")
+
+
 def _calls_before_wait(body: list) -> list[str]:
     """The callee names of every call in the statements before `pdl_enter(USE_PDL)` (`x.to(...)`: `.to`)."""
     names = []
-    for stmt in body[:[ast.unparse(s) for s in body].index("pdl_enter(USE_PDL)")]:
+    stmts = [ast.unparse(s) for s in body]
+    for stmt in body[:next(i for i, s in enumerate(stmts) if s in WAITS)]:
         for node in ast.walk(stmt):
             if isinstance(node, ast.Call):
                 names.append(".to" if isinstance(node.func, ast.Attribute) and node.func.attr == "to"
@@ -112,8 +119,9 @@ def test_participants_wait_first(module):
     src = inspect.getsource(mod)
     for name in PARTICIPANTS[module]:
         tree = _source(getattr(mod, name))
-        param = inspect.signature(getattr(mod, name).fn).parameters["USE_PDL"]
-        assert param.default is False
+        params = inspect.signature(getattr(mod, name).fn).parameters
+        assert params["USE_PDL"].default is False
+        assert "EARLY" not in params or params["EARLY"].default is False, name
         body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         before = _calls_before_wait(body)
         assert set(before) <= BEFORE_WAIT | {".to"}, (name, before)
