@@ -62,6 +62,16 @@ so their prologue -- three dependent round trips before the first wgmma -- and t
 weigh; COLS 4 has 4x fewer of both, for ~15 more instructions a down tile and 96 registers (72).
 Whether a loop with more occupancy-bound latency but no barrier or shared-memory weight traffic streams faster is the
 GPU's to say (`gpu_next.sh` step 161).
+Forty-fourth session (offline sm_90 SASS, Triton 3.6; not yet timed): the shipped builds stream at ~3 TB/s (gate_up
+184 MB in 60 us, down 94 MB in 31.5 us at 32 tokens), far below what their instruction issue would allow (~40% of an
+SM's issue slots at that rate), so they are latency-bound: bytes in flight an SM are what to raise. AHEAD 4 (four
+buffers, four tiles a trip) holds 4 x 8 KB in flight a gate_up program at 168 registers (3 programs an SM: 96 KB
+against 4 x 16 KB), the same 289 instructions a tile; down, whose 4 K tiles then all load up front, never reloads
+(RELOAD). `maxnreg` caps registers for more programs an SM (gate_up AHEAD 2 at 96: 93 registers, 5 programs; ptxas
+then serializes the wgmmas, +59 instructions a trip). EARLY targets the tail of gate_up's 2.5 waves of programs: under
+PDL the down grid becomes resident as gate_up's last programs start, and with EARLY its programs load their routing
+and first tiles' weights before waiting, so their DRAM reads fill the SMs gate_up's tail leaves idle (`gpu_next.sh`
+steps 166-167 time all three).
 """
 
 from __future__ import annotations
