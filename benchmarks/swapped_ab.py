@@ -105,7 +105,7 @@ def main() -> None:
                 kw = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols, maxnreg=maxnreg or None, early=bool(early))
                 regs_gate_up.append((build, lambda cfg=None, x=x, r=r, kw=kw: regs_call(
                     cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
-                    a_div=8, swiglu=True, **kw)))
+                    a_div=8, swiglu=True, **{**kw, "early": False})))  # early: the down projection's only
                 regs_down.append((build, lambda cfg=None, h=h, r=r, kw=kw: regs_call(
                     cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r, **kw)))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]

@@ -66,12 +66,12 @@ Forty-fourth session (offline sm_90 SASS, Triton 3.6; not yet timed): the shippe
 184 MB in 60 us, down 94 MB in 31.5 us at 32 tokens), far below what their instruction issue would allow (~40% of an
 SM's issue slots at that rate), so they are latency-bound: bytes in flight an SM are what to raise. AHEAD 4 (four
 buffers, four tiles a trip) holds 4 x 8 KB in flight a gate_up program at 168 registers (3 programs an SM: 96 KB
-against 4 x 16 KB), the same 289 instructions a tile; down, whose 4 K tiles then all load up front, never reloads
-(RELOAD). `maxnreg` caps registers for more programs an SM (gate_up AHEAD 2 at 96: 93 registers, 5 programs; ptxas
-then serializes the wgmmas, +59 instructions a trip). EARLY targets the tail of gate_up's 2.5 waves of programs: under
-PDL the down grid becomes resident as gate_up's last programs start, and with EARLY its programs load their routing
-and first tiles' weights before waiting, so their DRAM reads fill the SMs gate_up's tail leaves idle (`gpu_next.sh`
-steps 166-167 time all three).
+against 4 x 16 KB), the same 289 instructions a tile; down's 4 K tiles then all load up front (its dead reloads
+dropped by ptxas). `maxnreg` caps registers for more programs an SM (gate_up AHEAD 2 at 96: 93 registers, 5
+programs; ptxas then serializes the wgmmas, +59 instructions a trip). EARLY targets the tail of gate_up's 2.5 waves
+of programs: under PDL the down grid becomes resident as gate_up's last programs start, and with EARLY its programs
+load their routing and first tiles' weights before waiting, so their DRAM reads fill the SMs gate_up's tail leaves
+idle (`gpu_next.sh` steps 166-167 time all three).
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ if gluon is not None:
 
     @gluon.jit
     def _k_tile(xs, t, nxt, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s, sc_col, KT: gl.constexpr,
-                GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr, RELOAD: gl.constexpr = True):
+                GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr):
         """K tile t (of the activations): decode its words and scales (u, sc; v, vc the up projection's with
         SWIGLU), issue its wgmmas, THEN load stream tile `nxt`'s into the same values (clamped to the last tile: a
         repeat of a just-read line instead of a masked load), and wait for the wgmmas. Loading after the decode lets
@@ -381,18 +381,17 @@ if gluon is not None:
         needs no register moves (loaded before the decode, rotated buffers cost ~27 moves a trip, and ptxas issued
         those loads late all the same: below the trip's last wgmmas, as it does these; the module docstring). The
         wait settles every wgmma before the next decode writes registers (the ptxas hazard of `w4a16_swapped`'s
-        SETTLE comment). RELOAD False (the stream's tiles all loaded up front: GT == AHEAD): no reload."""
+        SETTLE comment). Where the stream's tiles were all loaded up front (GT == AHEAD, one trip) the reloads are
+        dead and ptxas drops them (down at AHEAD 4: the same 19 LDG with or without them)."""
         pw, ps = _tile_words(we, se, gl.minimum(nxt, GT - 1), KT, GT, sc_col)
         b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
         acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
-        if RELOAD:
-            u = gl.load(pw)
-            sc = gl.load(ps)
+        u = gl.load(pw)
+        sc = gl.load(ps)
         if SWIGLU:
             acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
-            if RELOAD:
-                v = gl.load(pw + up_w)
-                vc = gl.load(ps + up_s)
+            v = gl.load(pw + up_w)
+            vc = gl.load(ps + up_s)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
         return u, sc, v, vc, acc, acc_up
 
@@ -461,7 +460,9 @@ if gluon is not None:
         # words and scales are loaded BEFORE waiting for the predecessor grid -- only for a launch whose routing was
         # written two or more launches back (the down projection after gate_up: align -> gate_up -> down; gate_up
         # waited for align before it let this grid launch), so that they stream during the predecessor's tail; the
-        # activations, which the predecessor wrote, and every store come after the wait.
+        # activations, which the predecessor wrote, and every store come after the wait. That the routing a
+        # grand-predecessor wrote is visible before this grid's own wait follows from that launch order (and holds on
+        # the H200), not from a documented PDL guarantee; the routing is read from L2 (`_load_now`).
         if not EARLY:
             pdl_enter(USE_PDL)  # kernels/pdl.py's contract: a no-op unless launched with PDL
         KT: gl.constexpr = K // 128
@@ -475,7 +476,11 @@ if gluon is not None:
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         pid_m = gl.program_id(0)
         pid_n = gl.program_id(1)
-        e = gl.load(block_expert + pid_m)
+        if EARLY:  # before the wait: from L2 (a relaxed gpu-scope load), never a stale L1 line of an earlier routing
+            e = gl.max(_load_now(block_expert + pid_m + gl.zeros([1], gl.int32, layout=gl.BlockedLayout(
+                [1], [32], [4], [0]))), 0)
+        else:
+            e = gl.load(block_expert + pid_m)
         # the block's pairs beside its expert: the activations' gather waits on one round trip, not two
         rx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
         px = _load_now(sorted_pairs + pid_m * BLOCK_M + rx)
@@ -560,13 +565,13 @@ if gluon is not None:
                         if L2_AHEAD > 0:
                             _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, 4, GT, SWIGLU)
                         u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + 4, u, sc, v, vc, acc, acc_up, we, se, up_w,
-                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
+                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
                         u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, gi + 5, u1, sc1, v1, vc1, acc, acc_up, we,
-                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
+                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
                         u2, sc2, v2, vc2, acc, acc_up = _k_tile(xs, t + 2, gi + 6, u2, sc2, v2, vc2, acc, acc_up, we,
-                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
+                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
                         u3, sc3, v3, vc3, acc, acc_up = _k_tile(xs, t + 3, gi + 7, u3, sc3, v3, vc3, acc, acc_up, we,
-                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, GT > 4)
+                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
                     _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
                               HAS_ROW_SCALE)
                     acc, acc_up = zero, zero
@@ -665,6 +670,9 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
         raise ValueError(f"w4a16_regs: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
                          f"got {cols!r}")
+    if early and swiglu:
+        raise ValueError("w4a16_regs: early is for the down projection only (gate_up's routing is written by the "
+                         "launch right before it)")
     if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255 or maxnreg % 8):
         raise ValueError(f"w4a16_regs: maxnreg must be None or a multiple of 8 in 32..255, got {maxnreg!r}")
     if row_scale is not None and row_scale.numel() != routing.num_pairs:

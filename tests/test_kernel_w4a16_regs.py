@@ -90,6 +90,8 @@ def test_launcher_refuses_what_it_cannot_run():
         launch(x[:, :128], thread_order(w1.packed), w1.scales, w1.global_scale, moe_align(idx, 2, 16), ahead=2)
     with pytest.raises(ValueError, match="dividing the number of K tiles"):  # 2 K tiles: not 4 ahead
         launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), ahead=4)
+    with pytest.raises(ValueError, match="early is for the down projection"):
+        launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), swiglu=True, early=True)
     with pytest.raises(ValueError, match="l2_ahead"):
         launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), l2_ahead=-1)
     with pytest.raises(ValueError, match="ring must be"):
@@ -173,6 +175,8 @@ attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in al
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 for k, swiglu in shapes:
     for ahead, block_m, l2, ring, cols, *early in builds:
+        if early and swiglu:  # the down projection's option only
+            continue
         tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}" + ("-early" if early else "")
         for pdl in (False, True):
             consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2,
@@ -182,6 +186,8 @@ for k, swiglu in shapes:
             build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
             (out / f"{tag}-{pdl}.ptx").write_text(build.asm["ptx"])
+            if pdl and early:
+                (out / f"{tag}-pdl.sass").write_text(sass_of(build))
             if not pdl:
                 (out / f"{tag}.sass").write_text(sass_of(build))
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -215,6 +221,23 @@ def sm90_builds(tmp_path_factory):
     return out
 
 
+def _loop_checks(sass: str, ops, proj: int, ring: int) -> None:
+    """test_compiles_for_sm90's K-loop checks (`ops`: the loop's opcodes, `proj`: projections x K tiles a trip)."""
+    from benchmarks.sass_loop import loop_instructions
+
+    assert ops["HGMMA"] == 8 * proj  # 8 wgmma k-steps of 16 per projection and K tile
+    if ring:  # per projection and tile: the words (2 x 16 B) and one scale word by cp.async, then read back
+        lds = [i for i in loop_instructions(sass, inner=True) if i.split()[0].split(".")[0] in ("LDS", "LDSM")]
+        assert ops["LDG"] == 0 and ops["LDGSTS"] == 3 * proj and len(lds) == 3 * proj, ops  # not "@!PT LDS": a no-op
+        assert ops["STS"] == 0 and ops["STSM"] == 0 and ops["BAR"] <= 2, ops
+    else:
+        assert ops["LDG"] == 3 * proj  # per projection and tile: the words (2 x 16 B) and one scale word
+        assert ops["LDS"] == 0 and ops["LDSM"] == 0 and ops["STS"] == 0 and ops["STSM"] == 0 and ops["BAR"] == 0
+    assert ops["SHFL"] == 8 * proj  # the quad's four scale words, two registers each
+    moves = [i for i in loop_instructions(sass, inner=True) if i.split()[0] in ("MOV", "IMAD.MOV.U32")]
+    assert len(moves) <= proj, moves  # 0-2 a loop; rotated buffers copied 9 registers a projection and tile
+
+
 @pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols", COMPILED)
 @pytest.mark.parametrize("k,swiglu", SHAPES)
@@ -238,29 +261,18 @@ def test_compiles_for_sm90(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, rin
     sass = (sm90_builds / f"{tag}.sass").read_text()
     proj = (2 if swiglu else 1) * ahead  # projections x K tiles a trip
     assert writes_into_in_flight_a_registers(sass, whole=True) == 0
-    if k // 128 * cols == ahead:  # the whole stream loaded up front (down at AHEAD 4): one trip, no K loop, no reload
+    if k // 128 * cols == ahead:  # the whole stream loaded up front (down at AHEAD 4): one trip, no K loop
         with pytest.raises(RuntimeError, match="found 0 backward"):
             loop_instructions(sass)
         ops = collections.Counter(_unpredicated(i).split()[0].split(".")[0] for _, i in instructions(sass))
         assert ops["HGMMA"] == 8 * proj and ops["SHFL"] == 8 * proj, ops
-        # the words and scale words once (reloads would add 3 * proj), + the ids, pairs, global and row scales
+        # the words and scale words once (the trip's dead reloads dropped), + the ids, pairs, global and row scales
         assert 3 * proj <= ops["LDG"] <= 3 * proj + 8, ops
-        assert "STACK:0" in (sm90_builds / f"{tag}.res").read_text()
-        return
-    ops = loop_opcodes(sass, inner=True)  # the K loop (inside the column tiles' loop when COLS > 1)
-    # the ptxas hazard of w4a16_swapped's SETTLE comment: no register of an in-flight wgmma's A operand written
-    assert writes_into_in_flight_a_registers(sass, inner=True) == 0
-    assert ops["HGMMA"] == 8 * proj  # 8 wgmma k-steps of 16 per projection and K tile
-    if ring:  # per projection and tile: the words (2 x 16 B) and one scale word by cp.async, then read back
-        lds = [i for i in loop_instructions(sass, inner=True) if i.split()[0].split(".")[0] in ("LDS", "LDSM")]
-        assert ops["LDG"] == 0 and ops["LDGSTS"] == 3 * proj and len(lds) == 3 * proj, ops  # not "@!PT LDS": a no-op
-        assert ops["STS"] == 0 and ops["STSM"] == 0 and ops["BAR"] <= 2, ops
     else:
-        assert ops["LDG"] == 3 * proj  # per projection and tile: the words (2 x 16 B) and one scale word
-        assert ops["LDS"] == 0 and ops["LDSM"] == 0 and ops["STS"] == 0 and ops["STSM"] == 0 and ops["BAR"] == 0
-    assert ops["SHFL"] == 8 * proj  # the quad's four scale words, two registers each
-    moves = [i for i in loop_instructions(sass, inner=True) if i.split()[0] in ("MOV", "IMAD.MOV.U32")]
-    assert len(moves) <= proj, moves  # 0-2 a loop; rotated buffers copied 9 registers a projection and tile
+        ops = loop_opcodes(sass, inner=True)  # the K loop (inside the column tiles' loop when COLS > 1)
+        # the ptxas hazard of w4a16_swapped's SETTLE comment: no register of an in-flight wgmma's A operand written
+        assert writes_into_in_flight_a_registers(sass, inner=True) == 0
+        _loop_checks(sass, ops, proj, ring)
     fill = sass[:sass.index("LDGDEPBAR")]  # the activations' cp.async run, then its one wait
     ldgsts = [i for i, line in enumerate(fill.splitlines()) if "LDGSTS" in line]
     assert len(ldgsts) == block_m * k // 1024  # [BLOCK_M, K] bf16 over 128 threads, 16 B (8 values) a copy
@@ -277,20 +289,24 @@ def test_compiles_for_sm90(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, rin
 
 @pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols,early", EARLY_COMPILED)
-@pytest.mark.parametrize("k,swiglu", SHAPES)
-def test_early_builds_wait_before_the_activations(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, ring, cols,
-                                                   early):
-    """EARLY's contract in the PTX with PDL: loads (the routing, the first tiles' words and scales) and L2 prefetches
-    may come before `griddepcontrol.wait`, but no store and no cp.async (the activations' fill: the predecessor's
-    output) does; the wait comes before launch_dependents; without PDL neither is there. And the build is the same
-    kernel otherwise: as many wgmmas and no spills."""
-    tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2_ahead}-{ring}-{cols}-early"
+def test_early_builds_wait_before_the_activations(sm90_builds, ahead, block_m, l2_ahead, ring, cols, early):
+    """EARLY's contract (the down projection: K 512, row scale) with PDL: the routing (relaxed gpu-scope loads, from
+    L2) and the first AHEAD tiles' words (2 x 16 B a thread and tile) are loaded before `griddepcontrol.wait` --
+    in the PTX and in the SASS ptxas scheduled (ACQBULK is the wait) --, but no store and no cp.async (the
+    activations' fill: the predecessor's output); the wait comes before launch_dependents; without PDL neither is
+    there. And the build is the same kernel otherwise: as many wgmmas and no spills."""
+    tag = f"512-False-{ahead}-{block_m}-{l2_ahead}-{ring}-{cols}-early"
     ptx = (sm90_builds / f"{tag}-True.ptx").read_text()
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     assert 0 <= wait < launch, (wait, launch)
     before = ptx[:wait]
-    assert "ld.global" in before  # the point of EARLY: the weights' loads are issued before the wait
+    assert before.count("ld.global.v4") == 2 * ahead, before  # the point of EARLY: the weights before the wait
+    assert before.count("ld.relaxed.gpu") >= 2  # the block's expert and pairs
     assert all(op not in before for op in ("st.global", "cp.async.ca", "cp.async.cg", "st.shared", "atom.")), before
+    lines = (sm90_builds / f"{tag}-pdl.sass").read_text().splitlines()
+    acq = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
+    assert sum("LDG.E.128" in line for line in lines[:acq]) == 2 * ahead
+    assert not any(op in line for line in lines[:acq] for op in ("LDGSTS", "STG", "STS", "ATOM")), lines[:acq]
     assert "griddepcontrol" not in (sm90_builds / f"{tag}-False.ptx").read_text()
     plain = tag.removesuffix("-early")  # the same build without EARLY (in COMPILED)
     assert (sm90_builds / f"{tag}.sass").read_text().count("HGMMA") == (
@@ -317,7 +333,7 @@ GPU_CASES = [(t, swiglu, k, *build)  # (tokens, SwiGLU, K) x (ahead, block_m, l2
              for t, swiglu, k in ((1, True, 256), (32, True, 2048), (32, False, 512), (7, False, 128))  # 2+ K tiles
              for build in ((1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (2, 16, 4, 0, 1), (1, 8, 0, 0, 1), (2, 8, 2, 0, 1),
                            (1, 16, 0, 4, 1), (1, 8, 0, 2, 1), (2, 16, 4, 0, 2), (1, 8, 0, 4, 2), (1, 16, 0, 0, 4),
-                           (4, 8, 0, 0, 1), (4, 16, 4, 0, 2), (4, 8, 0, 0, 4))
+                           (4, 8, 0, 0, 1), (4, 16, 8, 0, 2), (4, 8, 0, 0, 4))
              if k // 128 % build[0] == 0 and (build[4] <= 2 or not swiglu)]  # N_out: 128 with SwiGLU, else 256
 
 
@@ -431,12 +447,13 @@ def test_engine_expert_regs_option(caplog):
 @pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("ahead", [2, 4])
 def test_early_down_after_gate_up_under_pdl(ahead):
-    """The MoE's chain as the engine launches it under PDL: alignment, gate_up, then down with EARLY (its routing
-    and first weights loaded before its wait; the activations gate_up writes after it), 30 times over fresh routings
-    and inputs: down's output bit for bit a plain (non-EARLY) down's on the same gate_up output, and both within the
-    reference's tolerance."""
+    """The MoE's chain as the engine launches it under PDL: the Triton alignment (`moe_align_fast`, a PDL launch),
+    gate_up, then down with EARLY (its routing and first weights loaded before its wait; the activations gate_up
+    writes after it), 30 times over fresh routings and inputs: down's output bit for bit a plain (non-EARLY) down's
+    on the same gate_up output, and within the reference's tolerance. (Whether the launches overlapped is not
+    observed here; test_pdl.py's late-writer test shows that PDL launches do.)"""
     from kernels import pdl
-    from kernels.w4a16_gemm import moe_align, w4a16_grouped_reference
+    from kernels.w4a16_gemm import moe_align_fast, w4a16_grouped_reference
 
     g = torch.Generator().manual_seed(5)
     e, i_size, h_size, t = 16, 512, 1024, 32
@@ -451,7 +468,7 @@ def test_early_down_after_gate_up_under_pdl(ahead):
             idx = torch.stack([torch.randperm(e, generator=g)[:8] for _ in range(t)]).cuda()
             x = torch.randn(t, h_size, generator=g).to(torch.bfloat16).cuda()
             rs = torch.rand(t * 8, generator=g).cuda()
-            routing = moe_align(idx, e, 8)
+            routing = moe_align_fast(idx, e, 8)
             h = w4a16_regs.w4a16_regs_launch(x, t13, w13.scales, w13.global_scale, routing, a_div=8, swiglu=True)
             y = w4a16_regs.w4a16_regs_launch(h, t2, w2.scales, w2.global_scale, routing, row_scale=rs, ahead=ahead,
                                              early=True)
