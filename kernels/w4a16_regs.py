@@ -558,33 +558,24 @@ if gluon is not None:
                     _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
                               HAS_ROW_SCALE)
                     acc, acc_up = zero, zero
-            elif AHEAD == 4:  # four tiles a trip, each buffer reloaded in place (no register rotation)
+            elif AHEAD >= 2:  # AHEAD tiles a trip, each buffer reloaded in place (no register rotation)
                 for j in range(COLS):
-                    for t in range(0, KT, 4):  # KT is a multiple of 4: a trip never spans two column tiles
+                    for t in range(0, KT, AHEAD):  # KT is a multiple of AHEAD: a trip never spans two column tiles
                         gi = j * KT + t
                         if L2_AHEAD > 0:
-                            _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, 4, GT, SWIGLU)
-                        u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + 4, u, sc, v, vc, acc, acc_up, we, se, up_w,
-                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
-                        u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, gi + 5, u1, sc1, v1, vc1, acc, acc_up, we,
-                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
-                        u2, sc2, v2, vc2, acc, acc_up = _k_tile(xs, t + 2, gi + 6, u2, sc2, v2, vc2, acc, acc_up, we,
-                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
-                        u3, sc3, v3, vc3, acc, acc_up = _k_tile(xs, t + 3, gi + 7, u3, sc3, v3, vc3, acc, acc_up, we,
-                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
-                    _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
-                              HAS_ROW_SCALE)
-                    acc, acc_up = zero, zero
-            elif AHEAD == 2:  # two tiles a trip, each buffer reloaded in place (no register rotation)
-                for j in range(COLS):
-                    for t in range(0, KT, 2):  # KT is even: a trip never spans two column tiles
-                        gi = j * KT + t
-                        if L2_AHEAD > 0:
-                            _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, 2, GT, SWIGLU)
-                        u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + 2, u, sc, v, vc, acc, acc_up, we, se, up_w,
-                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
-                        u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, gi + 3, u1, sc1, v1, vc1, acc, acc_up, we,
-                                                                se, up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
+                            _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, AHEAD, GT, SWIGLU)
+                        u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + AHEAD, u, sc, v, vc, acc, acc_up, we, se,
+                                                            up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
+                        u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, gi + AHEAD + 1, u1, sc1, v1, vc1, acc,
+                                                                acc_up, we, se, up_w, up_s, sc_col, KT, GT, SWIGLU,
+                                                                BLOCK_M)
+                        if AHEAD == 4:
+                            u2, sc2, v2, vc2, acc, acc_up = _k_tile(xs, t + 2, gi + 6, u2, sc2, v2, vc2, acc, acc_up,
+                                                                    we, se, up_w, up_s, sc_col, KT, GT, SWIGLU,
+                                                                    BLOCK_M)
+                            u3, sc3, v3, vc3, acc, acc_up = _k_tile(xs, t + 3, gi + 7, u3, sc3, v3, vc3, acc, acc_up,
+                                                                    we, se, up_w, up_s, sc_col, KT, GT, SWIGLU,
+                                                                    BLOCK_M)
                     _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
                               HAS_ROW_SCALE)
                     acc, acc_up = zero, zero
