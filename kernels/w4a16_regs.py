@@ -570,12 +570,12 @@ if gluon is not None:
                                                                 acc_up, we, se, up_w, up_s, sc_col, KT, GT, SWIGLU,
                                                                 BLOCK_M)
                         if AHEAD == 4:
-                            u2, sc2, v2, vc2, acc, acc_up = _k_tile(xs, t + 2, gi + 6, u2, sc2, v2, vc2, acc, acc_up,
-                                                                    we, se, up_w, up_s, sc_col, KT, GT, SWIGLU,
-                                                                    BLOCK_M)
-                            u3, sc3, v3, vc3, acc, acc_up = _k_tile(xs, t + 3, gi + 7, u3, sc3, v3, vc3, acc, acc_up,
-                                                                    we, se, up_w, up_s, sc_col, KT, GT, SWIGLU,
-                                                                    BLOCK_M)
+                            u2, sc2, v2, vc2, acc, acc_up = _k_tile(xs, t + 2, gi + AHEAD + 2, u2, sc2, v2, vc2, acc,
+                                                                    acc_up, we, se, up_w, up_s, sc_col, KT, GT,
+                                                                    SWIGLU, BLOCK_M)
+                            u3, sc3, v3, vc3, acc, acc_up = _k_tile(xs, t + 3, gi + AHEAD + 3, u3, sc3, v3, vc3, acc,
+                                                                    acc_up, we, se, up_w, up_s, sc_col, KT, GT,
+                                                                    SWIGLU, BLOCK_M)
                     _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
                               HAS_ROW_SCALE)
                     acc, acc_up = zero, zero
