@@ -174,14 +174,15 @@ aligned = set(ptrs) | {"N", "s_xm", "s_we", "s_se", "s_sn", "s_ym"}  # 16-divisi
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}  # marks them at a launch
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 for k, swiglu in shapes:
-    for ahead, block_m, l2, ring, cols, *early in builds:
+    for ahead, block_m, l2, ring, cols, *rest in builds:
+        early = bool(rest and rest[0])
         if early and swiglu:  # the down projection's option only
             continue
         tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}" + ("-early" if early else "")
         for pdl in (False, True):
             consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2,
                           RING=ring, COLS=cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128),
-                          EARLY=bool(early), USE_PDL=pdl)
+                          EARLY=early, USE_PDL=pdl)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
             build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
