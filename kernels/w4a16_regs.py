@@ -361,7 +361,8 @@ if gluon is not None:
     @gluon.jit
     def _load_tile(we, se, up_w, up_s, g: gl.constexpr, SWIGLU: gl.constexpr):
         """Tile g (< KT: the first column tile's) of the program's stream into registers: words and scale words, and
-        the up projection's with SWIGLU (else the same values again, placeholders `_k_tile` passes through)."""
+        the up projection's with SWIGLU (else the same values again: placeholders `_k_tile` passes through
+        untouched)."""
         u = gl.load(we + g * 1024)
         sc = gl.load(se + g * 2)
         if SWIGLU:
@@ -504,11 +505,7 @@ if gluon is not None:
                     row = r0 + f % 64 + (f // 64) * n_out if SWIGLU else r0 + f % 64
                     _prefetch_l2_lines(s + e.to(gl.int64) * (s_se // 4) + row * (s_sn // 4))
             # the first tiles' words and scales first: their HBM latency overlaps the activations' fill
-            u = gl.load(we)
-            sc = gl.load(se)
-            if SWIGLU:
-                v = gl.load(we + up_w)
-                vc = gl.load(se + up_s)
+            u, sc, v, vc = _load_tile(we, se, up_w, up_s, 0, SWIGLU)  # v, vc: u, sc again without SwiGLU
             if AHEAD >= 2:  # tile 1 as well (KT is even)
                 u1, sc1, v1, vc1 = _load_tile(we, se, up_w, up_s, 1, SWIGLU)
             if AHEAD == 4:  # and tiles 2, 3 (KT is a multiple of 4)
@@ -534,8 +531,6 @@ if gluon is not None:
             ge = g + e * s_ge
             zero = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
             acc, acc_up = zero, zero
-            if not SWIGLU:  # placeholders: `_k_tile` passes them through untouched
-                v, vc = u, sc
             if RING > 0:  # tiles 1 .. RING - 1 into the ring first (tile 0 is in registers)
                 RL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # plain: each thread its own words
                 ring_u = gl.allocate_shared_memory(gl.int32, [RING, 1024], RL)
