@@ -2170,6 +2170,17 @@ timeout "${LIMIT_165:-150}" python benchmarks/qwen_profile.py --engine --engine-
   --batches "" --engine-trace --out "$R/profile_regs" > "$R/profile_regs.log" 2>&1
 grep -E "engine_32|tok_per_s" "$R/profile_regs.log" | cut -c1-160 | head -34
 fi
+if want 168; then
+# forty-fifth session: the router's top-k and the MoE routing alignment in one launch (kernels/router_align.py, written
+# and CPU-tested without a GPU; the engine's router_align option, off): its CUDA tests beside moe_align's, per call
+# beside router_topk + moe_align (F.linear included; PDL off and on), then the engine with router_align beside the
+# defaults in one process, and the first engine again (--again)
+say "168. issue 5: router_topk_align -- CUDA tests, per call, the engine with router_align"
+gpu_tests router_align_tests "${LIMIT_168T:-150}" tests/test_kernel_router_align.py tests/test_kernel_moe_align.py
+probe router_align_bench "${LIMIT_168B:-120}" router_align_bench.py
+cat "$R/router_align_bench/router_align_bench.md" 2>/dev/null || tail -5 "$R/router_align_bench.log"
+engine_ab qwen_router_align "${LIMIT_168:-320}" --autotune-table auto --variant 'ra={"router_align": true}' --again
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 KERNEL_MODULES: tuple[str, ...] = (
     "kernels.preprocess", "kernels.mask_post", "kernels.w4a16_gemm", "kernels.fp8_quant", "kernels.fp8_linear",
     "kernels.gdn_decode", "kernels.nvfp4", "kernels.paged_attention", "kernels.rms_norm", "kernels.moe_combine",
-    "kernels.moe_router", "kernels.attn_prep", "kernels.moe_decode",
+    "kernels.moe_router", "kernels.attn_prep", "kernels.moe_decode", "kernels.router_align",
 )
 
 

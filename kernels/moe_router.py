@@ -575,12 +575,17 @@ def supports(*, supported: bool, **_: Any) -> bool:
     return supported
 
 
-def _sample(device) -> tuple[tuple, dict]:
-    # distinct bf16 logits (no exact ties: the registry's compare gets no logits), 5 rows x 60 experts, top-8
+def distinct_logits(rows: int, device) -> torch.Tensor:
+    """[rows, 60] bf16 logits without exact ties in a row (each a permutation of 60 values exact in bf16): a
+    registry sample whose top-k has one right answer (the registry's compare gets no logits)."""
     gen = torch.Generator().manual_seed(0)
     grid = torch.arange(60, dtype=torch.float32) * 0.0625 - 2.0  # exact in bf16
-    x = torch.stack([grid[torch.randperm(60, generator=gen)] for _ in range(5)])
-    return (x.to(torch.bfloat16).to(device), 8), {}
+    x = torch.stack([grid[torch.randperm(60, generator=gen)] for _ in range(rows)])
+    return x.to(torch.bfloat16).to(device)
+
+
+def _sample(device) -> tuple[tuple, dict]:
+    return (distinct_logits(5, device), 8), {}  # 5 rows x 60 experts, top-8
 
 
 def register(registry) -> None:

@@ -133,11 +133,14 @@ def w4a16_swiglu_reference(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_reference(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                                weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
+                                weights: torch.Tensor, reduce: bool = True, layout: int = 0,
+                                routing: MoeRouting | None = None) -> torch.Tensor:
     """The routed-expert block of `qwen_engine.model.moe.Experts` with NVFP4 weights, in fp32 with one final rounding.
     x [T, H]; w13 [E, 2I, H] (rows :I gate, I: up); w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype, or with
     `reduce=False` the k weighted expert outputs of each token unsummed, [T, k, H] (`kernels/moe_combine.py` sums
-    them inside its launch). `layout`: the packed bytes' layout (one of EXPERT_LAYOUTS' values, `experts_repack`)."""
+    them inside its launch). `layout`: the packed bytes' layout (one of EXPERT_LAYOUTS' values, `experts_repack`).
+    `routing`: idx's alignment built beforehand (`kernels/router_align.py`), a function of idx: a kernel uses it
+    only where it would build that one itself (`_routing_of`), so no result depends on it; unused here."""
     w13, w2 = experts_repack(w13, w2, layout, inverse=True)
     t, k = idx.shape
     h = w4a16_grouped_reference(x.float(), w13, idx.reshape(-1), a_div=k, swiglu=True)  # [P, I] fp32
@@ -156,6 +159,7 @@ class MoeRouting(NamedTuple):
     #                                    block (None: `w4a16_swapped.dense_routing`, rows in order, all expert 0)
     num_pairs: int  # P = T * top_k
     block_m: int
+    num_experts: int = 0  # E the alignment was built over (block_expert's padding value); 0: not recorded
 
 
 def moe_align(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
@@ -176,7 +180,7 @@ def moe_align(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
     ends = torch.cumsum(padded, 0)  # row block b belongs to the first expert whose padded range ends past b * block_m
     block_starts = torch.arange(0, rows, block_m, device=dev)
     block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)  # E past the used blocks
-    return MoeRouting(sorted_pairs, block_expert, p, block_m)
+    return MoeRouting(sorted_pairs, block_expert, p, block_m, num_experts)
 
 
 _ALIGN_STATE: dict[tuple[str, str, int], str] = {}  # (device type, path, block_m) -> "ok" | why it is off there
@@ -207,12 +211,36 @@ def moe_align_fast(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRout
                     if not (torch.equal(sp, ref.sorted_pairs) and torch.equal(be, ref.block_expert)):
                         raise RuntimeError("differs from the torch moe_align")
                 _ALIGN_STATE[key] = "ok"
-            return MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m)
+            return MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m, num_experts)
         except Exception as exc:  # noqa: BLE001 - recorded; the torch version is always correct
             _ALIGN_STATE[key] = f"off: {exc!r}"
             log.error("Triton moe_align (%s path) switched off on %s: %r; the torch version runs", key[1], key[0],
                       exc)
     return moe_align(idx, num_experts, block_m)
+
+
+def moe_routing_block_m(layout: int, num_pairs: int, num_experts: int) -> int:
+    """The row-block size of the alignment that op "w4a16_moe"'s "triton" implementation builds for a call of
+    `num_pairs` (token, expert) pairs over `num_experts` experts in `layout`, so that a caller can build it beforehand
+    (`kernels/router_align.py`, `SparseMoE.router_align`): the register kernel's BLOCK_M, the swap-AB kernel's
+    `swapped_block_m`, else `moe_block_m`."""
+    if layout == THREAD_ORDER:
+        from kernels.w4a16_regs import BLOCK_M
+
+        return BLOCK_M
+    if layout in SWAPPED_LAYOUTS:
+        from kernels.w4a16_swapped import swapped_block_m
+
+        return swapped_block_m(num_pairs, num_experts)
+    return moe_block_m(num_pairs, num_experts)
+
+
+def _routing_of(idx: torch.Tensor, num_experts: int, block_m: int, given: MoeRouting | None) -> MoeRouting:
+    """`given` where it was built for this call (its pairs, experts and row blocks: `moe_routing_block_m`), else
+    `moe_align_fast`'s (one launch more)."""
+    if given is not None and (given.num_pairs, given.num_experts, given.block_m) == (idx.numel(), num_experts, block_m):
+        return given
+    return moe_align_fast(idx, num_experts, block_m)
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
@@ -886,37 +914,41 @@ def _(x, packed, scales, global_scale):
 @torch.library.custom_op("qwen::w4a16_moe", mutates_args=())
 def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, p2: torch.Tensor,
                  s2: torch.Tensor, g2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                 reduce: bool = True, layout: int = 0) -> torch.Tensor:
+                 reduce: bool = True, layout: int = 0, sorted_pairs: torch.Tensor | None = None,
+                 block_expert: torch.Tensor | None = None, routing_experts: int = 0,
+                 routing_block_m: int = 0) -> torch.Tensor:
     """Routed experts: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; idx, weights [T, k] -> [T, H] in x.dtype (the k
     weighted outputs summed in fp32, one rounding), or [T, k, H] unsummed with `reduce=False` (no launch).
     `layout` (EXPERT_LAYOUTS): CHECKPOINT -> the grouped kernel, autotuned; TILE_MAJOR -> the grouped kernel on
     TILE_MAJOR_TILES (`_tile_major_config`, no autotuning); SPLIT_HALVES / SPLIT_FRAG -> the swap-AB kernel
     (`kernels/w4a16_swapped.py`, its fixed configs); THREAD_ORDER -> `kernels/w4a16_regs.py` (Gluon, sm_90; its
     BLOCK_M-row blocks and ENGINE_BUILDS whatever the call's size: the engine gives it decode-sized calls only,
-    `NVFP4Experts.repack_regs`)."""
+    `NVFP4Experts.repack_regs`). `sorted_pairs`, `block_expert`, `routing_experts`, `routing_block_m`: idx's
+    alignment built beforehand (`MoeRouting`'s fields, `kernels/router_align.py`), used where it is the one this call
+    would build (`_routing_of`), else ignored."""
     t, top_k = idx.shape
     num_experts = p13.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
+    given = None if sorted_pairs is None or block_expert is None else MoeRouting(
+        sorted_pairs, block_expert, t * top_k, routing_block_m, routing_experts)
+    routing = _routing_of(idx, num_experts, moe_routing_block_m(layout, t * top_k, num_experts), given)
     if layout == THREAD_ORDER:
-        from kernels.w4a16_regs import BLOCK_M, ENGINE_BUILDS, w4a16_regs_launch
+        from kernels.w4a16_regs import ENGINE_BUILDS, w4a16_regs_launch
 
-        routing = moe_align_fast(idx, num_experts, BLOCK_M)
         # never EARLY for gate_up: the alignment it follows wrote its routing (w4a16_regs_launch's `early`)
         h = w4a16_regs_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True,
                               **{**ENGINE_BUILDS["gate_up"], "early": False})  # [P, I]
         y = w4a16_regs_launch(h, p2, s2, g2, routing, row_scale=weights, **ENGINE_BUILDS["down"])  # [P, H], weighted
     elif layout in SWAPPED_LAYOUTS:
-        from kernels.w4a16_swapped import SPLIT_TILE, decode_split, swapped_block_m, w4a16_grouped_swapped_launch
+        from kernels.w4a16_swapped import SPLIT_TILE, decode_split, w4a16_grouped_swapped_launch
 
         frag = layout == SPLIT_FRAG
-        routing = moe_align_fast(idx, num_experts, swapped_block_m(t * top_k, num_experts))
         split13, split2 = decode_split(t, (x.shape[-1] // SPLIT_TILE[1], p2.shape[-1] * 2 // SPLIT_TILE[1]))
         h = w4a16_grouped_swapped_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True, frag=frag,
                                          split=split13)  # [P, I]
         y = w4a16_grouped_swapped_launch(h, p2, s2, g2, routing, row_scale=weights, frag=frag,
                                          split=split2)  # [P, H], weighted
     else:
-        routing = moe_align_fast(idx, num_experts, moe_block_m(t * top_k, num_experts))
         cfg13 = cfg2 = modes = None
         if layout == TILE_MAJOR:
             bm = routing.block_m
@@ -931,7 +963,8 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
 
 
 @w4a16_moe_op.register_fake
-def _(x, p13, s13, g13, p2, s2, g2, idx, weights, reduce=True, layout=0):
+def _(x, p13, s13, g13, p2, s2, g2, idx, weights, reduce=True, layout=0, sorted_pairs=None, block_expert=None,
+      routing_experts=0, routing_block_m=0):
     return x.new_empty((x.shape[0], p2.shape[1]) if reduce else (x.shape[0], idx.shape[1], p2.shape[1]))
 
 
@@ -946,9 +979,12 @@ def w4a16_swiglu_triton(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_triton(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                             weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
+                             weights: torch.Tensor, reduce: bool = True, layout: int = 0,
+                             routing: MoeRouting | None = None) -> torch.Tensor:
     """Same contract as `moe_experts_w4a16_reference`."""
-    return w4a16_moe_op(x, *w13, *w2, idx, weights, reduce, int(layout))
+    given = () if routing is None else (routing.sorted_pairs, routing.block_expert, routing.num_experts,
+                                        routing.block_m)
+    return w4a16_moe_op(x, *w13, *w2, idx, weights, reduce, int(layout), *given)
 
 
 # ---- guards, registry entries ---------------------------------------------------------------------------------------
@@ -1003,7 +1039,8 @@ def supports_swiglu(*, even_rows: bool, **kw: Any) -> bool:
 
 
 def describe_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                 weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> dict[str, Any]:
+                 weights: torch.Tensor, reduce: bool = True, layout: int = 0,
+                 routing: MoeRouting | None = None) -> dict[str, Any]:
     e, n13, _ = w13.packed.shape if w13.packed.dim() == 3 else (0, 0, 0)
     e2, n2, _ = w2.packed.shape if w2.packed.dim() == 3 else (0, 0, 0)
     shapes_ok = (_weight_ok(w13, True) and _weight_ok(w2, True) and x.dim() == 2 and e == e2 and n13 % 2 == 0

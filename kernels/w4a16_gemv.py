@@ -402,12 +402,12 @@ def w4a16_swiglu_gemv(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_gemv(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                           weights: torch.Tensor, reduce: bool = True, layout: int = 0, *,
+                           weights: torch.Tensor, reduce: bool = True, layout: int = 0, routing: Any = None, *,
                            deq: int | None = None) -> torch.Tensor:
     """Same contract as `moe_experts_w4a16_reference`, for T <= GEMV_MAX_TOKENS tokens on checkpoint-layout experts:
     two launches over the T x top_k pairs (gate_up + SwiGLU -> [P, I] rounded to x.dtype; down x routing weight ->
     [T, k, H] rounded to x.dtype), then the sum over top_k (fp32, one more rounding) unless `reduce=False`. `deq`:
-    `w4a16_gemv_launch`'s."""
+    `w4a16_gemv_launch`'s. `routing`: unused (the GEMV reads the pairs' experts directly, no alignment)."""
     t, top_k = idx.shape
     if layout != CHECKPOINT or not 0 < t <= GEMV_MAX_TOKENS:
         raise ValueError(f"w4a16_gemv: the MoE GEMV takes <= {GEMV_MAX_TOKENS} tokens on checkpoint-layout experts, "

@@ -545,18 +545,20 @@ def w4a16_swiglu_mma(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def moe_experts_w4a16_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, idx: torch.Tensor,
-                          weights: torch.Tensor, reduce: bool = True, layout: int = 0) -> torch.Tensor:
+                          weights: torch.Tensor, reduce: bool = True, layout: int = 0,
+                          routing: Any = None) -> torch.Tensor:
     """Same contract as `moe_experts_w4a16_reference`, for T <= SORTED_MAX_TOKENS tokens on checkpoint-layout experts:
     gate_up + SwiGLU -> [P, I] rounded to bf16, down x routing weight -> [T, k, H] rounded to bf16, then the sum over
     top_k (fp32, one more rounding) unless `reduce=False` (as `moe_experts_w4a16_gemv`). Up to MMA_MAX_TOKENS tokens
-    one program per pair; more, the pairs grouped by expert first (`w4a16_gemm.moe_align_fast`, one launch)."""
-    from kernels.w4a16_gemm import moe_align_fast
+    one program per pair; more, the pairs grouped by expert first (`w4a16_gemm.moe_align_fast`, one launch, or
+    `routing` where it was built for this call: `w4a16_gemm._routing_of`)."""
+    from kernels.w4a16_gemm import _routing_of
 
     t, top_k = idx.shape
     if layout != CHECKPOINT or not 0 < t <= SORTED_MAX_TOKENS:
         raise ValueError(f"w4a16_mma: the MoE takes <= {SORTED_MAX_TOKENS} tokens on checkpoint-layout experts, got "
                          f"{t} tokens, layout {layout}")
-    routing = moe_align_fast(idx, w13.packed.shape[0], SORTED_BLOCK_M) if t > MMA_MAX_TOKENS else None
+    routing = _routing_of(idx, w13.packed.shape[0], SORTED_BLOCK_M, routing) if t > MMA_MAX_TOKENS else None
     h = w4a16_mma_launch(x, *w13, pair_expert=idx, a_div=top_k, swiglu=True, routing=routing,
                          then=(w2.packed, w2.scales))  # [P, I]; down's weights prefetched (weight_prefetch)
     y = w4a16_mma_launch(h, *w2, pair_expert=idx, row_scale=weights, routing=routing).view(t, top_k, -1)  # [T, k, H]

@@ -243,6 +243,13 @@ class QwenEngineConfig:
     #                             two processes, w4a16_regs.ENGINE_BUILDS): 32 streams 4,270.5-4,285.4 against
     #                             3,591.2-3,601.8 tok/s (+18.9-19.1%), lone and TTFT unchanged, the same tokens; the
     #                             start-up self-check compares it with the reference (check_expert_layouts)
+    router_align: bool = False  # packed models' decode steps of more than kernels.moe_router.MAX_ROWS tokens: each
+    #                             MoE layer's top-k and routing alignment in one launch after the router's F.linear
+    #                             (kernels/router_align.py, registry op "router_topk_align": the top-k's last
+    #                             program builds the alignment from bitmasks, no sort; SparseMoE.router_align)
+    #                             instead of router_topk and the experts' own moe_align launch: one launch fewer a
+    #                             layer (40 a step), the same bits. UNTIMED on a GPU (written without one, 2026-12-05),
+    #                             so off; the start-up self-check covers it when on
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -360,12 +367,14 @@ class QwenEngineConfig:
 
 LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag", "dual_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
+ROUTER_ALIGN_OP = "router_topk_align"  # self-checked only with router_align on
 # GATED_ATTN_OP (kernels.paged_attention GATED_NAME): self-checked only with attn_gate_in_combine on
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP)
+             "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP,
+             ROUTER_ALIGN_OP)
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -429,6 +438,7 @@ class QwenEngine:
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.expert_regs = set_expert_regs(self.model, cfg.expert_regs, self.device, self.dtype)
+        self.router_align = set_router_align(self.model, cfg.router_align)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -636,6 +646,7 @@ class QwenEngine:
             "small_batch_tokens": self.small_batch_tokens,
             "lm_head_layout": self.lm_head_layout,
             "expert_regs": self.expert_regs,
+            "router_align_layers": self.router_align,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
@@ -864,8 +875,10 @@ class QwenEngine:
         reg = default_registry()
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
-               and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)]
-        key = (str(self.device), tuple(reg.preference(op).value for op in ops))  # re-check when preferences change
+               and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
+               and (op != ROUTER_ALIGN_OP or self.cfg.router_align)]
+        # re-check when the ops or their preferences change (the ops differ with the options that add one)
+        key = (str(self.device), tuple((op, reg.preference(op).value) for op in ops))
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
         return {**out, **_MODEL_OPS_CHECKED[key], **check_expert_layouts(self.model, self.device, reg)}
@@ -947,6 +960,22 @@ def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
         log.warning("moe_fused_decode: no MoE layer holds packed experts with a checkpoint-layout copy and a W4A16 "
                     "shared expert (a dense or W4A4 model, or tile-major / split-halves experts); the unfused "
                     "decode path runs")
+    return n
+
+
+def set_router_align(model: torch.nn.Module, on: bool) -> int:
+    """Set `SparseMoE.router_align` on every MoE layer whose experts can take a routing built by the router
+    (`NVFP4Experts.routing_shape`: packed experts); returns how many layers took it. True with none logs a warning."""
+    from .model.moe import SparseMoE
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, SparseMoE):
+            mod.router_align = bool(on) and hasattr(mod.experts, "routing_shape")
+            n += mod.router_align
+    if on and n == 0:
+        log.warning("router_align: no MoE layer holds packed experts (a dense model); the experts align their own "
+                    "routing")
     return n
 
 

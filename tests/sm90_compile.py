@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, fp8_swapped, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gelu_fp8_quant, linear_gelu, moe_decode, w4a16_mma  # noqa: E402
+from kernels import gelu_fp8_quant, linear_gelu, moe_decode, router_align, w4a16_mma  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -269,6 +269,14 @@ def main() -> int:
     ok.append(compile_one("router_topk (E = 256, top-8, bf16) HAS_EXTRA (the shared pair's column)",
                           moe_router._router_topk_kernel, {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False, HAS_EXTRA=True)))
+    # the router's top-k with the routing alignment in its last program, at the 32-stream step's sizes (top-8 of 256
+    # + the shared pair over 257 experts, 8-row blocks: the register-streamed experts'); atomics, popcounts, a scan
+    ok.append(compile_one("router_topk_align (N = 32, E = 256 + 1, top-8 + 1, 8-row blocks, bf16)",
+                          router_align._router_topk_align_kernel,
+                          {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32", "starts": "*i32",
+                           "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"},
+                          dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512, BLOCK_P=512,
+                               BLOCK_M=8, INTERPRET=False), ptx_has="atom.global.gpu.relaxed.or.b32"))
     grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only

@@ -27,17 +27,18 @@ def test_new_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     print(proc.stdout, proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    # 82 builds: the forty-first session added the few-row FP8 GEMM's three, the gated norm reading z as [T, heads]
-    # slices and the GDN step over a bf16 state pool to the 77 before
-    assert proc.stdout.count("ok   ") == 82
+    # 83 builds: the forty-first session added the few-row FP8 GEMM's three, the gated norm reading z as [T, heads]
+    # slices and the GDN step over a bf16 state pool to the 77 before; the forty-fifth the router's top-k with the
+    # routing alignment (kernels/router_align.py)
+    assert proc.stdout.count("ok   ") == 83
     # kernels/w4a16_mma.py's six builds: every inline-asm operand one element a lane (its mma fragments' premise)
     assert proc.stdout.count("lanes ") == 6
     # every launch of a PDL participant (kernels/pdl.py) also compiled with USE_PDL: griddepcontrol.wait, then
-    # launch_dependents, before the kernel's first global memory access (23 kernels, 59 launches: the tensor-core
+    # launch_dependents, before the kernel's first global memory access (24 kernels, 60 launches: the tensor-core
     # GEMV's gate_up prefetching down's slabs after its wait, the greedy argmax, gdn_prep's SPLIT_V build, the
-    # attention combine with the output gate, the few-row FP8 GEMM's three builds, the z-slice norm and the bf16-pool
-    # GDN step among them)
-    assert proc.stdout.count("pdl  ") == 59 and "FAIL" not in proc.stdout
+    # attention combine with the output gate, the few-row FP8 GEMM's three builds, the z-slice norm, the bf16-pool
+    # GDN step and the router's top-k with the alignment among them)
+    assert proc.stdout.count("pdl  ") == 60 and "FAIL" not in proc.stdout
     # and the kernels with a weight prefetch (kernels/pdl.py prefetch_l2) compiled with it too: the L2 prefetch before
     # the wait in the FP8 GEMV (3 launches), the router, the dense W4A16 GEMV (3: SwiGLU's four ranges among them) and
     # gdn_prep's two b / a builds (one SPLIT_V); none in the grouped GEMV (its experts come from the router: 3

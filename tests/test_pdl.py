@@ -50,6 +50,8 @@ PARTICIPANTS = {
     "kernels.w4a16_regs": ("_w4a16_regs_kernel",),
     # moe_fused_decode (off by default): a one-token step's experts in one launch, and the combine over its rows
     "kernels.moe_decode": ("_moe_decode_kernel",),
+    # router_align (off by default): the router's top-k with the routing alignment in its last program
+    "kernels.router_align": ("_router_topk_align_kernel",),
     # the greedy argmax (argmax_kernel, off by default): launched plainly unless its module's PDL_LAUNCH asks for the
     # options (it runs right after a graph replay: RESULTS.md, thirty-seventh session)
     "kernels.argmax_rows": ("_argmax_rows_kernel",),

@@ -587,6 +587,7 @@ def test_kernel_self_check_at_start():
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
     # the decode MoE in one launch (off by default) is checked only by an engine that may run it
     assert "w4a16_moe_decode" not in checks, checks
+    assert "router_topk_align" not in checks, checks  # likewise the router's alignment (router_align, off)
     fused = run(engine_config(kernels="auto", kernel_self_check=True, moe_fused_decode=True), body)["kernel_checks"]
     assert fused["w4a16_moe_decode"] == want, fused
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
@@ -775,6 +776,42 @@ def test_engine_shared_expert_in_moe(monkeypatch):
     assert h_off["shared_expert_in_moe_layers"] == 0
     assert dense_on == 0 and dense_off > 0  # steps of <= 16 tokens: every shared expert call inside the experts
     assert on == off
+
+
+def test_engine_router_align(monkeypatch):
+    """router_align (packed weights, the MoE's fused path as on a GPU): the MoE calls of more than MAX_ROWS tokens
+    (here the prefill chunks) take their weights, ids and routing alignment from registry op "router_topk_align",
+    and the greedy streams equal the engine's without it (the registry's references here: this checks the wiring;
+    the kernel's own checks are tests/test_kernel_router_align.py and tests/test_qwen_quantized.py). With it on, the
+    start-up self-check covers the op; a dense model takes no layer."""
+    from engine_core.registry import default_registry
+    from qwen_engine.model.moe import SparseMoE
+
+    monkeypatch.setattr(SparseMoE, "fused", True)
+    lengths = LENGTHS[:4]
+
+    def calls() -> int:
+        return sum(default_registry().choices()["router_topk_align"]["calls"].values())
+
+    async def body(engine):
+        before = calls()
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)))
+        return engine.health(), [o[0] for o in outs], calls() - before
+
+    (h_on, on, calls_on), (h_off, off, calls_off) = (
+        run(engine_config(weights="packed", router_align=flag, shared_expert_in_moe=True), body)
+        for flag in (True, False))
+    assert h_on["router_align_layers"] == QwenConfig.tiny().num_hidden_layers and h_off["router_align_layers"] == 0
+    assert calls_on > 0 and calls_off == 0
+    assert on == off
+    h_dense = run(engine_config(router_align=True), lambda engine: asyncio.sleep(0, engine.health()))
+    assert h_dense["router_align_layers"] == 0
+    checks = run(engine_config(kernels="auto", kernel_self_check=True, router_align=True),
+                 lambda engine: asyncio.sleep(0, engine.health()))["kernel_checks"]
+    want = ("triton passed; router_topk+moe_align passed" if INTERPRETED else
+            "triton skipped (does not support the sample on cpu); router_topk+moe_align skipped (does not support "
+            "the sample on cpu)")
+    assert checks["router_topk_align"] == want, checks
 
 
 def one_by_one_counting(op: str):

@@ -484,6 +484,60 @@ def test_shared_expert_inside_the_grouped_launches(tensors, monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("shared_in_experts", [True, False])
+def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in_experts):
+    """`SparseMoE.router_align`: the router's launch ("router_topk_align") builds the alignment the experts' kernels
+    would have built (`NVFP4Experts.routing_shape`), so they launch no alignment of their own, and the layer's output
+    is the same bit for bit; at <= MAX_ROWS tokens the router keeps its fused GEMV + top-k and the experts their own
+    routing. With and without the shared expert as a (k+1)-th pair."""
+    from engine_core.registry import default_registry
+    from kernels import moe_align, moe_router, router_align
+
+    reg = registry("auto")
+    model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
+                           shared_expert_in_moe=shared_in_experts)
+    moe = model.layers[0].mlp
+    k = CFG.num_experts_per_tok
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    residual = torch.randn(6, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    aligns, routers = [], []
+    align_launch, router_launch = moe_align.moe_align_triton, router_align._launch
+    monkeypatch.setattr(moe_align, "moe_align_triton", lambda idx, e, bm, **kw: (
+        aligns.append((idx.numel(), e, bm)) or align_launch(idx, e, bm, **kw)))
+    monkeypatch.setattr(router_align, "_launch", lambda logits, k, extra, e, bm, block_r=None: (
+        routers.append((logits.shape[0], extra, e, bm)) or router_launch(logits, k, extra, e, bm, block_r)))
+    ops = (moe_router.NAME, router_align.NAME)
+    before = {op: default_registry().preference(op) for op in ops}
+    for op in ops:  # the process-wide registry, whose preference an earlier engine may have set
+        default_registry().set_preference("auto", op)
+    try:
+        moe.fused = moe.gate.fused = True  # the fused path, as on CUDA (on the CPU: the Triton interpreter)
+        moe.shared_in_experts = shared_in_experts
+        plain = moe(x, residual=residual)
+        plain_aligns = list(aligns)  # (moe_align_fast's first use also aligns a probe routing of the same size)
+        moe.router_align = True
+        aligned = moe(x, residual=residual)
+        aligned_aligns = aligns[len(plain_aligns):]
+        lone = moe(x[:moe_router.MAX_ROWS], residual=residual[:moe_router.MAX_ROWS])
+    finally:
+        moe.fused = moe.gate.fused = None
+        moe.shared_in_experts = moe.router_align = False
+        for op, pref in before.items():
+            default_registry().set_preference(pref, op)
+    pairs = 6 * (k + shared_in_experts)
+    experts = CFG.num_experts + shared_in_experts
+    shape = (experts, w4a16_gemm.moe_block_m(pairs, experts))
+    assert moe.experts.routing_shape(6, pairs, shared_in_experts) == shape
+    assert plain_aligns and set(plain_aligns) == {(pairs, *shape)}  # without the option: the experts' own launch
+    assert aligned_aligns == []  # with it: none of their own ...
+    # ... the router's launch built it; the MAX_ROWS-token call (`lone`) launched no router_topk_align
+    assert routers == [(6, CFG.num_experts if shared_in_experts else -1, *shape)]
+    assert torch.equal(aligned, plain)
+    assert lone.shape == (moe_router.MAX_ROWS, CFG.hidden_size)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("layout", ["tile_major", "split_halves"])
 def test_shared_expert_slot_with_repacked_experts(layout):
     """NVFP4Experts(shared=) repacked for a kernel (experts of H = I = 256: two K tiles per projection, the shapes the

@@ -225,8 +225,8 @@ def test_default_registry_self_check_on_this_machine():
                               "add_rms_norm_zc", "moe_combine", "moe_combine_norm", "moe_combine_norm_fp8",
                               "router_topk", "router_gemv_topk", "attn_decode_prep",
                               "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-                              "w4a16_moe_decode"}
-    assert len(KERNEL_MODULES) == 13
+                              "w4a16_moe_decode", "router_topk_align"}
+    assert len(KERNEL_MODULES) == 14
     device = "cuda" if torch.cuda.is_available() else "cpu"
     outcomes = reg.self_check(device, ops=["preprocess", "mask_post"])
     assert outcomes == {"preprocess": "triton passed", "mask_post": "triton passed"}, outcomes

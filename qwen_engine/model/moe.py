@@ -63,6 +63,24 @@ class TopKRouter(nn.Module):
         top = top / top.sum(dim=-1, keepdim=True)  # renormalise the top-k (always, no norm_topk_prob switch)
         return (logits, *with_extra(top.to(logits.dtype), idx, extra))
 
+    def route_aligned(self, x: torch.Tensor, extra: int, num_experts: int, block_m: int):
+        """`forward(x, extra)`'s (weights, ids) and their routing alignment (`w4a16_gemm.MoeRouting` over
+        `num_experts` experts at `block_m`-row blocks) on the fused path: F.linear, then the top-k and the alignment
+        in one launch of registry op "router_topk_align" (`kernels/router_align.py`; where it cannot run, its
+        two-launch implementation) instead of router_topk + the experts' own alignment launch. Rows above
+        `kernels.moe_router.MAX_ROWS` (below, `forward`'s fused GEMV + top-k is the faster router; the routing is
+        then None and the experts build it)."""
+        from engine_core.registry import default_registry
+        from kernels.moe_router import MAX_ROWS
+        from kernels.w4a16_gemm import MoeRouting
+
+        if x.shape[0] <= MAX_ROWS:
+            return (*self.forward(x, extra)[1:], None)
+        logits = F.linear(x, self.weight)
+        top, idx, sorted_pairs, block_expert = default_registry().call(
+            "router_topk_align", logits, self.top_k, extra, num_experts, block_m)
+        return top, idx, MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m, num_experts)
+
 
 class Experts(nn.Module):
     def __init__(self, cfg: QwenConfig):
@@ -172,6 +190,11 @@ class SparseMoE(nn.Module):
     # instead of once the input is ready (beside the router too). Set by the engine
     # (QwenEngineConfig.shared_expert_after_router). The same kernels on the same inputs: the same bits
     shared_after_router: bool = False
+    # on the fused path, calls whose experts build a routing alignment (`NVFP4Experts.routing_shape`: above the
+    # decode GEMV's tokens) get it from the router's launch instead ("router_topk_align", `TopKRouter.route_aligned`:
+    # F.linear, then the top-k and the alignment in one launch, one launch fewer a layer). The same alignment, so the
+    # same bits. Set by the engine (QwenEngineConfig.router_align; off until measured on a GPU)
+    router_align: bool = False
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -221,8 +244,14 @@ class SparseMoE(nn.Module):
             return parts[:, :k].flatten(1, 2), parts[:, k]  # [N, k S, H], [N, S, H]: summed in moe_combine
         if fused and self._shared_as_pair(x.shape[0], k):
             # [N, k + 1]: the shared expert's pair last, weight 1 (its output unscaled: gated in moe_combine)
-            _, weights, idx = self.gate(x, extra=self.experts.shared_index)
-            rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
+            extra = self.experts.shared_index
+            shape = self._aligned_routing(x.shape[0], k + 1, True)
+            if shape is not None:
+                weights, idx, routing = self.gate.route_aligned(x, extra, *shape)
+                rows = self.experts(x, idx, weights, reduce=False, with_shared=True, routing=routing)
+            else:
+                _, weights, idx = self.gate(x, extra=extra)
+                rows = self.experts(x, idx, weights, reduce=False, with_shared=True)  # [N, k + 1, H]
             return rows[:, :k], rows[:, k]
         if fused and self.shared_stream and streams.forkable(x):
             routing = self.gate(x) if self.shared_after_router else None  # then the fork waits for the router too
@@ -232,9 +261,26 @@ class SparseMoE(nn.Module):
                 _, weights, idx = routing or self.gate(x)
                 routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
             return routed, shared
+        shape = self._aligned_routing(x.shape[0], k, False) if fused else None
+        if shape is not None:
+            weights, idx, routing = self.gate.route_aligned(x, -1, *shape)
+            return self.experts(x, idx, weights, reduce=False, routing=routing), self.shared_expert(x)
         _, weights, idx = self.gate(x)
         routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
         return routed, self.shared_expert(x)
+
+    def _aligned_routing(self, n: int, pairs_per_token: int, with_shared: bool) -> tuple[int, int] | None:
+        """(experts, rows per block) of the alignment the router's launch builds for this call (`router_align`), or
+        None: the option off, experts that build none for n tokens (`NVFP4Experts.routing_shape`), or a router
+        that keeps its own path (the fused GEMV + top-k at <= MAX_ROWS rows; a router_topk without the extra
+        column in its kernel)."""
+        if not self.router_align or not hasattr(self.experts, "routing_shape") or not self.gate.extra_in_kernel:
+            return None
+        from kernels.moe_router import MAX_ROWS
+
+        if n <= MAX_ROWS:
+            return None
+        return self.experts.routing_shape(n, n * pairs_per_token, with_shared)
 
     def _shared_as_pair(self, n: int, top_k: int) -> bool:
         """Whether this call runs the shared expert inside the experts' launches (`shared_in_experts`): not for the

@@ -732,12 +732,27 @@ class NVFP4Experts(_Dispatch):
         return NVFP4Tensor(self.down_packed, self.down_scales, self.down_global)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, reduce: bool = True,
-                with_shared: bool = False) -> torch.Tensor:
+                with_shared: bool = False, routing=None) -> torch.Tensor:
         """x [N, H]; idx, weights [N, k] -> [N, H] in x.dtype; `reduce=False`: [N, k, H] unsummed (moe.Experts).
         `with_shared`: idx may name the stacked shared expert (`shared_index`); otherwise the launches see the
-        routed experts only (views of the first E: the alignment and the kernels size for E, not E + 1)."""
+        routed experts only (views of the first E: the alignment and the kernels size for E, not E + 1).
+        `routing`: idx's alignment (`w4a16_gemm.MoeRouting`) built beforehand as `routing_shape` says (the router's
+        launch: `SparseMoE.router_align`); a kernel that would build another ignores it: it never changes a result."""
         w13, w2, layout = self._stacks(x.shape[0], with_shared, pairs=idx.numel())
-        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, layout, variant=layout)
+        return self._call(x, w13, w2, idx, weights.to(x.dtype), reduce, layout, routing, variant=layout)
+
+    def routing_shape(self, n: int, pairs: int, with_shared: bool = False) -> tuple[int, int] | None:
+        """(experts, rows per block) of the alignment that a call of n tokens and `pairs` (token, expert) pairs has its
+        kernels build (`w4a16_gemm.moe_routing_block_m` over the launch's experts), so that the router's launch can
+        build it instead (`SparseMoE.router_align`); None for the calls that the small-batch copy's decode GEMV
+        serves, which build none."""
+        if self.small_tokens and n <= self.small_tokens:
+            return None
+        from kernels.w4a16_gemm import moe_routing_block_m
+
+        w13, _, layout = self._stacks(n, with_shared, pairs=pairs)
+        experts = w13.packed.shape[0]
+        return experts, moe_routing_block_m(layout, pairs, experts)
 
     def _stacks(self, n: int, with_shared: bool = False,
                 pairs: int | None = None) -> tuple[NVFP4Tensor, NVFP4Tensor, int]:

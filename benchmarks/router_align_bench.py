@@ -1,0 +1,78 @@
+"""A MoE layer's routing at decode sizes, per call, as the engine runs it: F.linear then either `router_topk` +
+`moe_align` (two launches: the default) or `router_topk_align` (one launch: `kernels/router_align.py`, the
+engine's `router_align` option), beside each other on the same inputs.
+
+    python benchmarks/router_align_bench.py --out benchmarks/results/router_align_bench     # GPU; ~30 s
+
+One CUDA graph of 40 calls (each on its own router weight copy and hidden rows: 40 MoE layers), replayed; us per call
+= replay time / 40 (median of 5), with programmatic dependent launch off and on (`kernels/pdl.py`; the engine's
+default on Hopper). The shape is Qwen3.6's: H 2048, E 256 routed experts + the shared expert as the 257th pair
+(`shared_expert_in_moe`), top-8, at the register kernel's 8-row blocks (`w4a16_regs.BLOCK_M`). Every fused result is
+checked against the two launches' (weights, ids and alignment bit for bit: the same selection code, and the
+alignment is a function of the ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/router_align_bench")
+    ap.add_argument("--tokens", default="8,16,32,64,113")
+    ap.add_argument("--block-m", type=int, default=8)
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        sys.exit("router_align_bench needs a CUDA GPU")
+    from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
+    from kernels import pdl
+    from kernels.router_align import router_topk_align_triton, router_topk_then_align
+
+    dev, h, e, top_k, calls, bm = torch.device("cuda"), 2048, 256, 8, 40, args.block_m
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ws = [torch.randn(e, h, device=dev, generator=gen).to(torch.bfloat16) * 0.02 for _ in range(calls)]
+    rows = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        xs = [torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16) for _ in range(calls)]
+        row = dict(tokens=t, pairs=t * (top_k + 1), block_m=bm)
+        fused = router_topk_align_triton(F.linear(xs[0], ws[0]), top_k, e, e + 1, bm)
+        two = router_topk_then_align(F.linear(xs[0], ws[0]), top_k, e, e + 1, bm)
+        row["equal"] = all(bool(torch.equal(a, b)) for a, b in zip(fused, two))
+        for use_pdl in (False, True):
+            pdl.set_enabled(use_pdl)
+            tag = "pdl" if use_pdl else "plain"
+            row[f"two_launch_{tag}_us"] = graph_per_call_us(
+                [lambda i=i: router_topk_then_align(F.linear(xs[i], ws[i]), top_k, e, e + 1, bm)
+                 for i in range(calls)])
+            row[f"fused_{tag}_us"] = graph_per_call_us(
+                [lambda i=i: router_topk_align_triton(F.linear(xs[i], ws[i]), top_k, e, e + 1, bm)
+                 for i in range(calls)])
+        pdl.set_enabled(False)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__)
+    (out / "router_align_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    keys = [k for k in rows[0] if k.endswith("_us")]
+    lines = [f"# router_align_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}); us per "
+             "call incl. F.linear", "", "| tokens | pairs | BLOCK_M | " + " | ".join(keys) + " | equal |",
+             "|" + "---:|" * (len(keys) + 4)]
+    for r in rows:
+        cells = " | ".join(f"{r[k]:.2f}" for k in keys)
+        lines.append(f"| {r['tokens']} | {r['pairs']} | {r['block_m']} | {cells} | {r['equal']} |")
+    (out / "router_align_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

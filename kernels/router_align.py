@@ -1,0 +1,324 @@
+"""The MoE router's top-k and the routing alignment in one launch at decode sizes: registry op "router_topk_align".
+
+Contract. `router_topk_align_reference(logits, k, extra, num_experts, block_m)` = `moe_router.router_topk_reference`
+(softmax, top-k, renormalised; `extra` >= 0 appends the shared expert's pair (1, extra)) then
+`w4a16_gemm.moe_align` of its expert ids over `num_experts` experts at `block_m`-row blocks -> (weights [N, KP]
+logits.dtype, idx [N, KP] int64, sorted_pairs int32 [R], block_expert int32 [R / block_m]) with KP = k (+1 with
+extra); the alignment is exactly `moe_align`'s of the returned ids (integer outputs: equality, `compare`).
+
+Why. At 32 streams a MoE layer's routing was F.linear, `router_topk` (32 programs, ~2.8 us) and `moe_align`'s one
+program (a bitonic sort of next_power_of_2(32 x 9) = 512 keys, ~5.0 us; H200 profile qwen_profile_fp8sw run 2: 0.20
+ms of a step's 8.53 ms of kernels), two launch boundaries after the GEMM. Here the top-k's programs also record
+which tokens chose each expert, and the program that arrives last builds the alignment from that: no sort, one
+launch and one boundary fewer a layer (40 a step). Untimed on a GPU (README, benchmarks/RESULTS.md): the engine
+runs it only when asked (`QwenEngineConfig.router_align`).
+
+Algorithm (grid as `router_topk`'s: one row per program on the GPU; N tokens, KP pairs a token, P = N KP pairs with
+ids p = t KP + j, NE = `num_experts` experts, WORDS = ceil(N / 32)):
+  every program, after storing its rows' weights and ids, for each of its pairs (t, e_p):
+      member[e_p, t // 32] |= 1 << (t mod 32)                     (atomic or, relaxed: the order does not matter)
+  A token's KP experts are distinct (the top-k picks distinct lanes; extra >= E lies past them), so member[e] is the
+  set of tokens that chose e, one bit each. The program that arrives last (`split_k.last_arrival`: every program's
+  ids and bits visible to it through L2) then computes
+      count[e] = popc(member[e]);   start[e] = exclusive cumsum over e of ceil(count / block_m) block_m
+      rank(p)  = popc(member[e_p] & the bits of tokens below t)    = #{q < p : e_q = e_p} (one pair a token and expert)
+      row(p)   = start[e_p] + rank(p):   sorted_pairs[row(p)] = p,   block_expert[row(p) / block_m] = e_p
+  after filling sorted_pairs with P and block_expert with NE (the padding; a barrier orders the two writes of a row).
+  That is `moe_align`'s stable sort by expert (pairs of one expert in pair order, each expert's group padded to
+  block_m rows) and its block owners (every block of a group holds >= 1 real pair: padding < block_m), computed
+  without sorting: O(P WORDS + NE WORDS) loads and popcounts in the last program. It then clears member (its rows back
+  to 0) and re-arms the arrival counter, so the next launch and CUDA-graph replays find them zeroed. start[e] goes
+  through a small workspace (a per-pair gather of a register vector), written and read by that one program across a
+  CTA barrier.
+Workspace: per device and `split_k.counters_of` role (the main stream's and a forked stream's launches never share
+one), zeros of MAX_EXPERTS x (MAX_WORDS + 1) int32, allocated on first use outside a CUDA-graph capture (inside one,
+or past the limits, the op's other implementation runs: `router_topk` then `moe_align_fast`, two launches).
+Launches sharing a workspace must not overlap in time: the engine's routers run on its main stream, each after the
+previous layer's (under PDL every kernel waits for its predecessor's completion before touching memory).
+
+Numerics: the weights and ids are `router_topk`'s (the same selection code, `moe_router._select_topk`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels import moe_router, pdl
+from kernels.split_k import split_counters
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.moe_router import _select_topk
+    from kernels.pdl import enter as pdl_enter
+    from kernels.rms_norm import _cast
+    from kernels.split_k import _ROLE, last_arrival, rearm
+except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
+    triton = None
+
+NAME = "router_topk_align"
+MAX_TOKENS = 128  # N: member rows of MAX_WORDS 32-bit words (a decode batch; prefill chunks keep the two launches)
+MAX_WORDS = MAX_TOKENS // 32
+MAX_PAIRS = 1024  # P = N KP: one [BLOCK_P] vector of pairs in the last program (kernels/moe_align.py's MAX_PAIRS)
+MAX_EXPERTS = 512  # NE: one [BLOCK_NE] vector of counts (moe_align's MAX_EXPERTS)
+_WORKSPACE: dict[tuple[str, int | None, str], torch.Tensor] = {}
+
+
+# ---- reference ------------------------------------------------------------------------------------------------------
+def router_topk_align_reference(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`router_topk_reference` then `moe_align` of its ids (module docstring)."""
+    from kernels.w4a16_gemm import moe_align
+
+    weights, idx = moe_router.router_topk_reference(logits, k, extra)
+    routing = moe_align(idx, num_experts, block_m)
+    return weights, idx, routing.sorted_pairs, routing.block_expert
+
+
+def router_topk_then_align(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op in two launches, `router_topk` then `moe_align_fast`: what a decode step ran before this kernel, and its
+    fallback where the kernel does not run (past its limits, no workspace inside a capture)."""
+    from kernels.w4a16_gemm import moe_align_fast
+
+    weights, idx = moe_router.router_topk_triton(logits, k, extra)
+    routing = moe_align_fast(idx, num_experts, block_m)
+    return weights, idx, routing.sorted_pairs, routing.block_expert
+
+
+def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """R, the alignment's rows (`moe_align`'s: every non-empty expert wastes at most block_m - 1 padding rows)."""
+    return -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m) * block_m
+
+
+# ---- Triton kernel --------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _popc(v):
+        """Set bits of each 32-bit word (int32 or uint32 tensor) -> int32; SWAR, so the interpreter runs it too."""
+        u = v.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        return ((u * 0x01010101) >> 24).to(tl.int32)
+
+    @triton.jit
+    def _router_topk_align_kernel(logits, w_out, i_out, member, starts, counters, sorted_pairs, block_expert,
+                                  N, E, s_l, EXTRA, NE, NUM_BLOCKS, K: tl.constexpr, KP: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                                  WORDS: tl.constexpr, BLOCK_NE: tl.constexpr, BLOCK_P: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+        # grid (cdiv(N, BLOCK_R),); logits [N, E] (row stride s_l, unit column stride); w_out / i_out [N, KP]
+        # contiguous (column K = (1, EXTRA) when KP > K); member int32 [NE, WORDS] and starts int32 [NE]: the
+        # workspace (member zero between launches); counters[0]: the arrival counter (0 between launches)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+        r_ok = rows < N
+        cols = tl.arange(0, BLOCK_E)  # [BE]
+        rows64 = rows.to(tl.int64)
+        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: lanes still selectable (never lanes >= E)
+        lf = tl.load(logits + rows64[:, None] * s_l + cols[None, :], mask=r_ok[:, None] & avail,
+                     other=0.0).to(tl.float32)
+        w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)  # [BR, BK]: positions >= K unused
+        kk = tl.arange(0, BLOCK_K)
+        pair_ok = r_ok[:, None] & (kk < KP)[None, :]  # [BR, BK]: this program's pairs
+        pair_e = tl.where(kk[None, :] < K, ids, EXTRA)  # column K: the shared expert's pair
+        w = tl.where(kk[None, :] < K, w, 1.0)
+        out = rows64[:, None] * KP + kk[None, :]
+        tl.store(w_out + out, _cast(w, w_out.dtype.element_ty, INTERPRET), mask=pair_ok)
+        tl.store(i_out + out, pair_e.to(tl.int64), mask=pair_ok)
+        bit = (tl.full((BLOCK_R,), 1, tl.uint32) << (rows % 32).to(tl.uint32)).to(tl.int32, bitcast=True)
+        # the bits as a computed [BR, BK] tensor, not tl.broadcast_to: Triton's interpreter (3.8) hands atomics' value
+        # arrays to C++ as if contiguous, and a broadcast's zero strides then read past its one row
+        bits = bit[:, None] + tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int32)
+        tl.atomic_or(member + pair_e * WORDS + (rows // 32)[:, None], bits, mask=pair_ok, sem="relaxed", scope="gpu")
+        if last_arrival(counters, 0, tl.num_programs(0)):  # every program's ids and bits are in L2
+            ej = tl.arange(0, BLOCK_NE)
+            e_ok = ej < NE
+            count = tl.zeros((BLOCK_NE,), dtype=tl.int32)
+            for wd in tl.static_range(WORDS):  # ".cg": L2, where the atomics landed
+                count += _popc(tl.load(member + ej * WORDS + wd, mask=e_ok, other=0, cache_modifier=".cg"))
+            padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            tl.store(starts + ej, tl.cumsum(padded, 0) - padded, mask=e_ok)
+            p_total = N * KP
+            for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):  # padding everywhere; the scatter overwrites used rows
+                rs = r0 + tl.arange(0, 1024)
+                tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + p_total, mask=rs < NUM_BLOCKS * BLOCK_M)
+            for b0 in range(0, NUM_BLOCKS, 1024):
+                bs = b0 + tl.arange(0, 1024)
+                tl.store(block_expert + bs, tl.full((1024,), 0, tl.int32) + NE, mask=bs < NUM_BLOCKS)
+            tl.debug_barrier()  # starts and the padding written by this program's threads before the scatter
+            p = tl.arange(0, BLOCK_P)
+            p_ok = p < p_total
+            t = p // KP
+            e = tl.load(i_out + p, mask=p_ok, other=0, cache_modifier=".cg").to(tl.int32)  # [BP] pair p's expert
+            rank = tl.zeros((BLOCK_P,), dtype=tl.int32)
+            tw = t // 32
+            for wd in tl.static_range(WORDS):  # tokens below t: whole words below t's, t's word below its bit
+                word = tl.load(member + e * WORDS + wd, mask=p_ok, other=0, cache_modifier=".cg")
+                low = ((tl.full((BLOCK_P,), 1, tl.uint32) << (t % 32).to(tl.uint32)) - 1).to(tl.int32, bitcast=True)
+                below = tl.where(wd < tw, -1, tl.where(wd == tw, low, 0))
+                rank += _popc(word & below)
+            row = tl.load(starts + e, mask=p_ok, other=0, cache_modifier=".cg") + rank
+            tl.store(sorted_pairs + row, p, mask=p_ok)
+            tl.store(block_expert + row // BLOCK_M, e, mask=p_ok)  # every row of a block writes the same owner
+            tl.debug_barrier()  # every member word read before it is cleared
+            for wd in tl.static_range(WORDS):
+                tl.store(member + ej * WORDS + wd, tl.zeros((BLOCK_NE,), dtype=tl.int32), mask=e_ok)
+            rearm(counters, 0)
+
+
+def _interpreted() -> bool:
+    return triton is not None and type(_router_topk_align_kernel).__name__ == "InterpretedFunction"
+
+
+def _workspace(device: torch.device) -> torch.Tensor | None:
+    """The device's (and `counters_of` role's) zeroed workspace: member [MAX_EXPERTS x MAX_WORDS] then starts
+    [MAX_EXPERTS] int32; None on a first use inside a CUDA-graph capture (its pool would own it)."""
+    key = (device.type, device.index, getattr(_ROLE, "name", ""))
+    ws = _WORKSPACE.get(key)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ws = _WORKSPACE[key] = torch.zeros(MAX_EXPERTS * (MAX_WORDS + 1), dtype=torch.int32, device=device)
+    return ws
+
+
+def _check(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int) -> str | None:
+    """Why the kernel cannot run these arguments (None: it can; the device is `supported`'s business)."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        return f"needs 2-D logits with unit last stride, got {tuple(logits.shape)} strides {tuple(logits.stride())}"
+    n, e = logits.shape
+    kp = k + (extra >= 0)
+    if not 1 <= k <= min(e, moe_router.MAX_TOP_K) or e > moe_router.MAX_EXPERTS:
+        return f"needs 1 <= k <= min(E, {moe_router.MAX_TOP_K}) and E <= {moe_router.MAX_EXPERTS}, got k={k} E={e}"
+    if extra >= 0 and not e <= extra < num_experts:
+        return f"extra={extra} must lie past the routed experts and inside num_experts: E={e} <= extra < {num_experts}"
+    if not e <= num_experts <= MAX_EXPERTS:
+        return f"needs E={e} <= num_experts <= {MAX_EXPERTS}, got num_experts={num_experts}"
+    if not 1 <= n <= MAX_TOKENS or n * kp > MAX_PAIRS:
+        return f"takes 1-{MAX_TOKENS} tokens and <= {MAX_PAIRS} pairs, got {n} tokens x {kp}"
+    if block_m < 1:
+        return f"block_m must be >= 1, got {block_m}"
+    return None
+
+
+def _launch(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int, block_r: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel call (`block_r` overrides the rows per program: tests run several programs under the
+    interpreter); where the workspace or counters cannot be had, the two launches (`router_topk_then_align`)."""
+    problem = _check(logits, k, extra, num_experts, block_m)
+    if problem:
+        raise ValueError(f"router_topk_align {problem}")
+    n, e = logits.shape
+    kp = k + (extra >= 0)
+    counters, ws = split_counters(logits.device, 1), _workspace(logits.device)
+    if counters is None or ws is None:
+        return router_topk_then_align(logits, k, extra, num_experts, block_m)
+    p = n * kp
+    rows = aligned_rows(p, num_experts, block_m)
+    weights = logits.new_empty((n, kp))
+    idx = torch.empty((n, kp), dtype=torch.int64, device=logits.device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=logits.device)  # all written by the last program
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=logits.device)
+    cfg = moe_router._tiling(n, e)
+    if block_r is not None:
+        cfg["BLOCK_R"] = block_r
+    words = triton.cdiv(n, 32)
+    _router_topk_align_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
+        logits, weights, idx, ws, ws[MAX_EXPERTS * MAX_WORDS:], counters, sorted_pairs, block_expert, n, e,
+        logits.stride(0), max(extra, 0), num_experts, rows // block_m, K=k, KP=kp,
+        BLOCK_K=triton.next_power_of_2(kp), WORDS=words, BLOCK_NE=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_M=block_m, INTERPRET=_interpreted(), **cfg,
+        **pdl.launch_options())
+    return weights, idx, sorted_pairs, block_expert
+
+
+# ---- custom op (traceable by torch.compile) -------------------------------------------------------------------------
+@torch.library.custom_op("qwen::router_topk_align", mutates_args=())
+def router_topk_align_op(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contract: `router_topk_align_reference`."""
+    return _launch(logits, k, extra, num_experts, block_m)
+
+
+@router_topk_align_op.register_fake
+def _(logits, k, extra, num_experts, block_m):
+    n = logits.shape[0]
+    kp = k + (extra >= 0)
+    rows = aligned_rows(n * kp, num_experts, block_m)
+    i32 = dict(dtype=torch.int32)
+    return (logits.new_empty((n, kp)), logits.new_empty((n, kp), dtype=torch.int64), logits.new_empty(rows, **i32),
+            logits.new_empty(rows // block_m, **i32))
+
+
+def router_topk_align_triton(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `router_topk_align_reference`."""
+    return router_topk_align_op(logits, k, extra, num_experts, block_m)
+
+
+# ---- guard, comparison, registry entry ------------------------------------------------------------------------------
+def supported(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int) -> bool:
+    """`moe_router.supported` (Triton here, CUDA >= sm_80 or the interpreter; the dtype) and the kernel's limits
+    (`_check`: N <= MAX_TOKENS, P <= MAX_PAIRS, E <= num_experts <= MAX_EXPERTS, extra past the routed experts)."""
+    return moe_router.supported(logits, k) and _check(logits, k, extra, num_experts, block_m) is None
+
+
+def compare(out, ref, logits: torch.Tensor | None = None, k: int | None = None, num_experts: int | None = None,
+            block_m: int | None = None) -> str | None:
+    """None if `out` = (weights, idx, sorted_pairs, block_expert) is correct where `ref` is the reference's.
+    Without the keywords (the registry's self-check, whose sample has no tied logits): the ids and the alignment
+    exactly the reference's, the weights within `moe_router.compare`'s tolerance. With `logits`, `k`, `num_experts`
+    and `block_m`: ties may pick other experts (`moe_router.compare` of the k routed columns, given the logits), a
+    column past them must be the reference's (1, extra) exactly, and the alignment exactly `moe_align`'s of OUT's ids
+    (its rows and blocks are a function of the ids)."""
+    from kernels.w4a16_gemm import moe_align
+
+    (w, i, sp, be), (rw, ri, rsp, rbe) = out, ref
+    if i.shape != ri.shape or w.shape != rw.shape:
+        return f"weights / idx: shapes {tuple(w.shape)} / {tuple(i.shape)} != {tuple(rw.shape)} / {tuple(ri.shape)}"
+    if k is None:
+        if not torch.equal(i, ri):
+            return "idx: differs from the reference's (a sample without ties)"
+        problem = moe_router.compare((w, i), (rw, ri))
+        want = (rsp, rbe)
+    else:
+        if not (torch.equal(i[:, k:], ri[:, k:]) and torch.equal(w[:, k:], rw[:, k:])):
+            return "the extra column differs from the reference's (1, extra)"
+        problem = moe_router.compare((w[:, :k], i[:, :k]), (rw[:, :k], ri[:, :k]), logits)
+        mine = moe_align(i, num_experts, block_m)
+        want = (mine.sorted_pairs, mine.block_expert)
+    if problem:
+        return problem
+    for name, a, b in (("sorted_pairs", sp, want[0]), ("block_expert", be, want[1])):
+        if a.dtype != torch.int32 or a.shape != b.shape:
+            return f"{name}: shape/dtype {tuple(a.shape)} {a.dtype} != {tuple(b.shape)} torch.int32"
+        if not torch.equal(a, b):
+            at = int((a != b).nonzero()[0])
+            n_bad = int((a != b).sum())
+            return f"{name}: row {at} holds {int(a[at])}, moe_align of the ids {int(b[at])} ({n_bad} such)"
+    return None
+
+
+def describe(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int) -> dict[str, Any]:
+    return dict(device=logits.device.type, supported=supported(logits, k, extra, num_experts, block_m),
+                two_launch=moe_router.supported(logits, k))
+
+
+def _sample(device) -> tuple[tuple, dict]:
+    # 37 rows (two mask words) x 60 experts without ties, top-8 + the shared expert's pair (extra 60 of 61 experts)
+    # at 8-row blocks
+    return (moe_router.distinct_logits(37, device), 8, 60, 61, 8), {}
+
+
+def register(registry) -> None:
+    registry.add_op(NAME, router_topk_align_reference, sample=_sample, compare=compare, describe=describe,
+                    tolerance="weights and ids as router_topk's; the alignment exactly moe_align's of the ids")
+    # the guards decided in `describe` (which has the tensors), as moe_router's two ops read them
+    registry.add_implementation(NAME, "triton", router_topk_align_triton, moe_router.supports)
+    registry.add_implementation(NAME, "router_topk+moe_align", router_topk_then_align, moe_router.supports_two_launch)

@@ -1,0 +1,137 @@
+"""kernels/router_align.py (the router's top-k and the MoE routing alignment in one launch) against
+`router_topk_align_reference` = `router_topk_reference` then the torch `moe_align` (on CPU through Triton's
+interpreter, tests/conftest.py). The weights and ids are `router_topk`'s (its tolerance; ties by lowest index); the
+alignment is integers, so it must equal `moe_align` of the returned ids exactly."""
+
+import pytest
+import torch
+
+from kernels import moe_router as mr
+from kernels import router_align as ra
+from kernels.w4a16_gemm import moe_align
+
+pytestmark = pytest.mark.skipif(ra.triton is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def stable_topk_idx(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """router_topk's exact order: descending logit, lowest index first among equal ones."""
+    return torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def check(logits, k, extra, num_experts, block_m, block_r=None):
+    out = ra._launch(logits, k, extra, num_experts, block_m, block_r=block_r)
+    ref = ra.router_topk_align_reference(logits, k, extra, num_experts, block_m)
+    problem = ra.compare(out, ref, logits, k, num_experts, block_m)
+    assert problem is None, problem
+    w, idx, sorted_pairs, block_expert = out
+    assert torch.equal(idx[:, :k], stable_topk_idx(logits, k))  # router_topk's order exactly
+    plain = mr.router_topk_triton(logits, k, extra)  # the two-launch path's first launch: the same bits
+    assert torch.equal(w, plain[0]) and torch.equal(idx, plain[1])
+    routing = moe_align(idx, num_experts, block_m)
+    assert torch.equal(sorted_pairs, routing.sorted_pairs) and torch.equal(block_expert, routing.block_expert)
+    return out
+
+
+# (tokens, experts E, top-k, extra, num_experts, block_m, rows per program): the 32-stream step (top-8 of 256 + the
+# shared expert as 257th at the register kernel's 8-row blocks and the swap-AB kernel's 16), one to four member words
+# (1, 32, 33, 64, 113 tokens: 113 x 9 pairs is the MAX_PAIRS limit's largest token count), no extra column, tiny
+# experts with long groups (E 6 at 3 tokens a block), several programs (block_r) so that the last-arrival path runs
+CASES = [(32, 256, 8, 256, 257, 8, None), (32, 256, 8, 256, 257, 16, 4), (1, 256, 8, 256, 257, 8, None),
+         (33, 256, 8, 256, 257, 8, 8), (64, 60, 8, 60, 61, 8, 16), (113, 256, 8, 256, 257, 8, 32),
+         (5, 64, 4, -1, 64, 16, 1), (40, 6, 2, -1, 6, 3, 8), (7, 16, 1, 16, 17, 1, 2), (3, 8, 8, 8, 9, 64, None)]
+
+
+@pytest.mark.parametrize("n,e,k,extra,num_experts,block_m,block_r", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_router_topk_then_moe_align(n, e, k, extra, num_experts, block_m, block_r, dtype):
+    logits = mr.random_logits(n, e, seed=n * 7 + e, dtype=dtype, device=DEVICE)
+    check(logits, k, extra, num_experts, block_m, block_r)
+
+
+@pytest.mark.parametrize("block_r", [1, 8])
+def test_ties_and_hot_experts(block_r):
+    """Tied logits (router_topk's lowest-index order) and a zero row (every expert tied: the first k), and a hot
+    expert every token picks (one long group over several blocks)."""
+    logits = mr.random_logits(40, 64, seed=3, ties=True, device=DEVICE)
+    check(logits, 8, 64, 65, 8, block_r)
+    hot = mr.random_logits(40, 64, seed=4, device=DEVICE)
+    hot[:, 5] = 100.0
+    check(hot, 8, -1, 64, 8, block_r)
+
+
+def test_repeated_launches_find_the_workspace_cleared():
+    """Each launch leaves its member words at 0 and re-arms the counter (CUDA-graph replays rerun the same launch):
+    alternating inputs give each one's own answer, and the workspace is zero afterwards."""
+    a = mr.random_logits(32, 256, seed=1, dtype=torch.bfloat16, device=DEVICE)
+    b = mr.random_logits(32, 256, seed=2, dtype=torch.bfloat16, device=DEVICE)
+    first = ra._launch(a, 8, 256, 257, 8, block_r=4)
+    for x, want in ((b, None), (a, first), (b, None)):
+        out = check(x, 8, 256, 257, 8, block_r=4)
+        if want is not None:
+            assert all(torch.equal(u, v) for u, v in zip(out, want))
+    ws = ra._WORKSPACE[(torch.device(DEVICE).type, torch.device(DEVICE).index, "")]
+    assert int(ws[:ra.MAX_EXPERTS * ra.MAX_WORDS].abs().sum()) == 0
+    from kernels.split_k import split_counters
+
+    assert int(split_counters(torch.device(DEVICE), 1)[0]) == 0
+
+
+def test_compare_catches_errors():
+    logits = mr.random_logits(32, 256, seed=5, dtype=torch.bfloat16, device=DEVICE)
+    kw = dict(k=8, num_experts=257, block_m=8)
+    out = ra._launch(logits, 8, 256, 257, 8)
+    ref = ra.router_topk_align_reference(logits, 8, 256, 257, 8)
+    assert ra.compare(out, ref, logits, **kw) is None
+    w, idx, sp, be = out
+    used = int((sp < 32 * 9).nonzero()[3])
+    swapped = sp.clone()
+    swapped[[used, used + 1]] = swapped[[used + 1, used]]  # two rows of a group in the wrong order
+    assert "sorted_pairs" in ra.compare((w, idx, swapped, be), ref, logits, **kw)
+    owner = be.clone()
+    owner[0] += 1
+    assert "block_expert" in ra.compare((w, idx, sp, owner), ref, logits, **kw)
+    extra = idx.clone()
+    extra[0, 8] = 3
+    assert "extra column" in ra.compare((w, extra, sp, be), ref, logits, **kw)
+    heavier = w.clone()
+    heavier[1, 0] *= 1.5
+    assert "weights" in ra.compare((heavier, idx, sp, be), ref, logits, **kw)
+    assert ra.compare((w, idx, sp[:-8], be), ref, logits, **kw) is not None
+
+
+def test_guards():
+    logits = mr.random_logits(4, 64, device=DEVICE)
+    assert ra.supported(logits, 8, 64, 65, 8) and ra.supported(logits, 8, -1, 64, 16)
+    assert not ra.supported(logits, 8, 3, 65, 8)  # extra inside the routed experts: not distinct from them
+    assert not ra.supported(logits, 8, 65, 65, 8)  # extra past num_experts
+    assert not ra.supported(logits, 8, -1, 63, 8)  # fewer experts than the logits name
+    assert not ra.supported(logits, 8, -1, ra.MAX_EXPERTS + 1, 8)
+    assert not ra.supported(mr.random_logits(ra.MAX_TOKENS + 1, 64, device=DEVICE), 1, -1, 64, 8)
+    assert not ra.supported(mr.random_logits(114, 64, device=DEVICE), 8, 64, 65, 8)  # 1,026 pairs > MAX_PAIRS
+    assert ra.supported(mr.random_logits(113, 64, device=DEVICE), 8, 64, 65, 8)
+    assert not ra.supported(logits, 8, 64, 65, 0)
+    assert not ra.supported(logits.double(), 8, 64, 65, 8)
+    with pytest.raises(ValueError, match="extra=3"):
+        ra._launch(logits, 8, 3, 65, 8)
+
+
+def test_custom_op_and_registry():
+    """Schema and fake implementation agree with the op; the registry's sample passes its own compare for both
+    implementations (the engine's start-up self-check), and with the kernel disabled the registry picks the two
+    launches, not the plain-torch reference."""
+    from engine_core.registry import Registry
+
+    logits = mr.random_logits(5, 32, device=DEVICE, dtype=torch.bfloat16)
+    torch.library.opcheck(ra.router_topk_align_op, (logits, 4, 32, 33, 8),
+                          test_utils=("test_schema", "test_faketensor"))
+    reg = Registry()
+    ra.register(reg)
+    assert reg.self_check(DEVICE, ops=[ra.NAME]) == {ra.NAME: "triton passed; router_topk+moe_align passed"}
+    big = mr.random_logits(ra.MAX_TOKENS + 1, 32, device=DEVICE)
+    assert reg.choose(ra.NAME, **ra.describe(big, 4, -1, 32, 8)).name == "router_topk+moe_align"
+    reg.disable(ra.NAME, "triton", "test")
+    impl = reg.choose(ra.NAME, **ra.describe(logits, 4, 32, 33, 8))
+    assert impl.name == "router_topk+moe_align"
+    out = impl.fn(logits, 4, 32, 33, 8)
+    assert ra.compare(out, ra.router_topk_align_reference(logits, 4, 32, 33, 8), logits, 4, 33, 8) is None
