@@ -394,7 +394,7 @@ import json, re, sys
 best = {}
 for r in json.load(open(sys.argv[1]))["results"]:
     m = re.match(r"regs experts (gate_up|down), 32 tokens, ahead (\d), l2 (\d+), ring (\d), cols (\d), block (\d+)"
-                 r"(?:, maxnreg (\d+))?(, early)?$", r.get("case", ""))
+                 r"(?:, maxnreg (\d+))?(, early)?(, cols first)?$", r.get("case", ""))
     if m and "config" not in r and (r.get("equal_to_swapped") or (m.group(6) == "8" and r.get("close_to_swapped"))):
         proj, ahead, l2, ring, cols, block = m.group(1), *map(int, m.groups()[1:6])
         key = (block, proj)
@@ -405,6 +405,8 @@ for r in json.load(open(sys.argv[1]))["results"]:
             if proj == "gate_up":
                 continue
             build["early"] = True
+        if m.group(9):
+            build["cols_first"] = True
         if key not in best or r["us"] < best[key][0]:
             best[key] = (r["us"], build)
 totals = {b: best[(b, "gate_up")][0] + best[(b, "down")][0] for b in (16, 8) if (b, "gate_up") in best and (b, "down") in best}
@@ -2136,10 +2138,12 @@ if want 166; then
 # register caps (maxnreg, both projections of a build: gate_up at 96 -> 5 programs an SM, down at 64 -> 8; ptxas then
 # serializes the wgmmas; EARLY builds' gate_up rows are plain, their per-call down rows show no overlap with gate_up),
 # offline sm_90 SASS compiled and counted: the kernel's CUDA tests, then per call at 32 tokens beside the shipped
-# builds (8-row: gate_up ahead 2, down ahead 2 + l2 4) and the swap-AB kernel
-say "166. issue 5: w4a16_regs AHEAD 4 and register caps -- CUDA tests, then per call at 32 tokens"
+# builds (8-row: gate_up ahead 2, down ahead 2 + l2 4) and the swap-AB kernel. Forty-fifth session: + the shipped
+# builds with the grid in column order (cols_first: the routing's ~95 empty row blocks' programs last), and EARLY down
+# with it (3 builds, ~40 s more)
+say "166. issue 5: w4a16_regs AHEAD 4, register caps and the column-order grid -- CUDA tests, then per call at 32 tokens"
 gpu_tests regs_tests4 "${LIMIT_166T:-200}" tests/test_kernel_w4a16_regs.py
-builds166='[[8,2,0,0,1],[8,2,4,0,1],[8,4,0,0,1],[8,4,8,0,1],[8,2,0,0,1,96],[8,4,0,0,1,128],[8,2,4,0,1,64],[8,4,0,0,1,64],[8,2,0,0,2],[8,4,0,0,2],[16,4,0,0,1],[8,2,4,0,1,0,1],[8,4,0,0,1,0,1]]'
+builds166='[[8,2,0,0,1],[8,2,4,0,1],[8,4,0,0,1],[8,4,8,0,1],[8,2,0,0,1,96],[8,4,0,0,1,128],[8,2,4,0,1,64],[8,4,0,0,1,64],[8,2,0,0,2],[8,4,0,0,2],[16,4,0,0,1],[8,2,4,0,1,0,1],[8,4,0,0,1,0,1],[8,2,0,0,1,0,0,1],[8,2,4,0,1,0,0,1],[8,2,4,0,1,0,1,1]]'
 probe regs_ab "${LIMIT_166:-200}" swapped_ab.py --label regs --regs --regs-builds "${BUILDS_166:-$builds166}"
 fi
 if want 167; then

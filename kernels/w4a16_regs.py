@@ -72,6 +72,15 @@ programs; ptxas then serializes the wgmmas, +59 instructions a trip). EARLY targ
 of programs: under PDL the down grid becomes resident as gate_up's last programs start, and with EARLY its programs
 load their routing and first tiles' weights before waiting, so their DRAM reads fill the SMs gate_up's tail leaves
 idle (`gpu_next.sh` steps 166-167 time all three).
+Forty-fifth session (offline; not yet timed): the routing's sentinel row blocks. The grid has R / BLOCK_M row blocks
+for R = the alignment's upper bound on rows (a function of the shapes only, for CUDA graphs): at 32 streams (288
+pairs over 257 experts, 8-row blocks) 261, of which ~166 hold pairs. The rest exit at once, but in the default grid
+order (row blocks the fast axis) each column tile's sweep ends with them, so their ~95 empty programs a column tile
+(760 a gate_up call, 3,040 a down call) are dispatched among the real ones and take SM slots while real programs
+wait. COLUMN order (`cols_first`: the grid (column tiles, row blocks), a row block's column tiles adjacent) puts every
+empty program at the end of the grid, after all real work is dispatched, where they run in the tail's free slots; a
+row block's column tiles (one expert, the same activations) then also run together. The same programs and the same
+bits in either order (`gpu_next.sh` step 166 times it).
 """
 
 from __future__ import annotations
@@ -447,8 +456,10 @@ if gluon is not None:
                            K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
                            BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr, AHEAD: gl.constexpr = 1,
                            L2_AHEAD: gl.constexpr = 0, RING: gl.constexpr = 0, COLS: gl.constexpr = 1,
-                           EARLY: gl.constexpr = False, USE_PDL: gl.constexpr = False):
-        # grid (R / BLOCK_M, N_out / (64 COLS)), 4 warps: one program = COLS x 64 output columns (weight rows, the
+                           EARLY: gl.constexpr = False, COLS_FIRST: gl.constexpr = False,
+                           USE_PDL: gl.constexpr = False):
+        # grid (R / BLOCK_M, N_out / (64 COLS)) -- COLS_FIRST: (N_out / (64 COLS), R / BLOCK_M), the module
+        # docstring's column order --, 4 warps: one program = COLS x 64 output columns (weight rows, the
         # wgmma M) x the BLOCK_M sorted pairs of row block pid_m (the wgmma N), its COLS x KT weight tiles streamed
         # as one run (they are contiguous in thread order), the activations staged once. SWIGLU: N = 2 N_out stored
         # rows, column n uses n (gate) and n + N_out (up). w: thread-order bytes (`thread_order`) read as int32
@@ -475,8 +486,8 @@ if gluon is not None:
                                                       instr_shape=[16, BLOCK_M, 16])
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        pid_m = gl.program_id(0)
-        pid_n = gl.program_id(1)
+        pid_m = gl.program_id(1 if COLS_FIRST else 0)
+        pid_n = gl.program_id(0 if COLS_FIRST else 1)
         if EARLY:  # before the wait: from L2 (a relaxed gpu-scope load), never a stale L1 line of an earlier routing
             e = gl.max(_load_now(block_expert + pid_m + gl.zeros([1], gl.int32, layout=gl.BlockedLayout(
                 [1], [32], [4], [0]))), 0)
@@ -608,7 +619,7 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                       row_scale: torch.Tensor | None = None, ahead: int | None = None,
                       l2_ahead: int | None = None, ring: int | None = None, cols: int | None = None,
-                      maxnreg: int | None = None, early: bool = False) -> torch.Tensor:
+                      maxnreg: int | None = None, early: bool = False, cols_first: bool = False) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2 | 4;
@@ -621,7 +632,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     serializes the wgmmas it cannot keep registers for). `early` (with PDL; nothing without): the routing and the
     first tiles' weights are loaded before waiting for the predecessor grid -- ONLY for a launch whose routing an
     earlier launch than its predecessor wrote (the MoE's down projection after gate_up; the kernel's EARLY comment).
-    Which settings are fastest: ENGINE_BUILDS' comment."""
+    `cols_first`: the grid in column order (column tiles the fast axis: the routing's empty row blocks last; the
+    module docstring), the same programs and bits. Which settings are fastest: ENGINE_BUILDS' comment."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     e, n, kh = packed_thread.shape
@@ -661,6 +673,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
                          "launch right before it)")
     if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255 or maxnreg % 8):
         raise ValueError(f"w4a16_regs: maxnreg must be None or a multiple of 8 in 32..255, got {maxnreg!r}")
+    if cols_first and routing.block_expert.numel() > 65535:  # the row blocks on CUDA's grid y axis
+        raise ValueError(f"w4a16_regs: cols_first takes at most 65,535 row blocks, got {routing.block_expert.numel()}")
     if row_scale is not None and row_scale.numel() != routing.num_pairs:
         raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
     if scales.shape != (e, n, k // BLOCK):
@@ -674,6 +688,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     sc = scales.view(torch.uint8).view(torch.int32)  # [E, N, K/64]: 4 block scales a word
     rs = row_scale.reshape(-1) if row_scale is not None else g
     grid = (routing.block_expert.numel(), n_out // (64 * cols))
+    if cols_first:
+        grid = grid[::-1]
     _w4a16_regs_kernel[grid](
         x, packed_thread.view(torch.int32), sc, g, rs, y, routing.sorted_pairs, routing.block_expert,
         routing.num_pairs, n, e, a_div,
@@ -681,5 +697,6 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
         XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, RING=ring, COLS=cols,
-        EARLY=bool(early), num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg)), **pdl.launch_options())
+        EARLY=bool(early), COLS_FIRST=bool(cols_first), num_warps=4,
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)), **pdl.launch_options())
     return y

@@ -90,6 +90,9 @@ def test_launcher_refuses_what_it_cannot_run():
         launch(x[:, :128], thread_order(w1.packed), w1.scales, w1.global_scale, moe_align(idx, 2, 16), ahead=2)
     with pytest.raises(ValueError, match="dividing the number of K tiles"):  # 2 K tiles: not 4 ahead
         launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), ahead=4)
+    with pytest.raises(ValueError, match="cols_first takes at most 65,535 row blocks"):
+        many = moe_align(torch.zeros(65536 * 16, 1, dtype=torch.int64), 2, 16)  # 65,536 blocks of expert 0
+        launch(x, thread_order(w.packed), w.scales, w.global_scale, many, cols_first=True)
     with pytest.raises(ValueError, match="early is for the down projection"):
         launch(x, thread_order(w.packed), w.scales, w.global_scale, moe_align(idx, 2, 16), swiglu=True, early=True)
     with pytest.raises(ValueError, match="l2_ahead"):
@@ -155,6 +158,8 @@ COMPILED = [(1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (1, 8, 0, 0, 1), (2, 8, 0, 0, 1)
             (2, 16, 4, 0, 4), (1, 8, 0, 4, 2), (4, 8, 0, 0, 1), (4, 8, 4, 0, 1), (2, 8, 4, 0, 1)]
 EARLY_COMPILED = [(4, 8, 0, 0, 1, 1), (2, 8, 4, 0, 1, 1)]  # + EARLY (the down projection's first loads before
 #                                                           the PDL wait)
+COLS_FIRST_COMPILED = [(2, 8, 0, 0, 1, 0, 1), (2, 8, 4, 0, 1, 0, 1)]  # the shipped builds with the grid in column
+#                                                                      order (cols_first)
 SHAPES = [(2048, True), (512, False)]  # the engine's gate_up (K 2048, SwiGLU) and down (K 512, row scale)
 _SM90_SCRIPT = """
 import inspect, json, subprocess, sys, tempfile
@@ -175,14 +180,15 @@ attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in al
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 for k, swiglu in shapes:
     for ahead, block_m, l2, ring, cols, *rest in builds:
-        early = bool(rest and rest[0])
+        early, cols_first = bool(rest and rest[0]), bool(len(rest) > 1 and rest[1])
         if early and swiglu:  # the down projection's option only
             continue
-        tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}" + ("-early" if early else "")
+        tag = (f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}" + ("-early" if early else "")
+               + ("-colsfirst" if cols_first else ""))
         for pdl in (False, True):
             consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2,
                           RING=ring, COLS=cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128),
-                          EARLY=early, USE_PDL=pdl)
+                          EARLY=early, COLS_FIRST=cols_first, USE_PDL=pdl)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
             build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -214,7 +220,8 @@ def sm90_builds(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("regs_sm90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(out), json.dumps(COMPILED + EARLY_COMPILED),
+    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(out),
+                          json.dumps(COMPILED + EARLY_COMPILED + COLS_FIRST_COMPILED),
                           json.dumps(SHAPES)],
                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                          timeout=900, check=False)
@@ -315,6 +322,40 @@ def test_early_builds_wait_before_the_activations(sm90_builds, ahead, block_m, l
     assert "STACK:0" in (sm90_builds / f"{tag}.res").read_text()
 
 
+@pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols,early,cols_first", COLS_FIRST_COMPILED)
+@pytest.mark.parametrize("k,swiglu", SHAPES)
+def test_cols_first_swaps_only_the_program_ids(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, ring, cols, early,
+                                               cols_first):
+    """cols_first (the grid in column order: the routing's empty row blocks dispatched last) is the same kernel with
+    the two program ids swapped: its PTX reads the row block from %ctaid.y and the column tile from %ctaid.x, as often
+    as the default build reads them the other way round, and its K loop does the default build's work (the same
+    wgmmas, loads, shuffles and decode instructions, `_loop_checks`) with at most a few moves more and no spill.
+    ptxas schedules the two a little differently (it knows %ctaid.y < 65,536): the shipped builds' loops come out
+    identical, down without the L2 prefetch has 2 uniform moves and 4 registers more (Triton 3.8's ptxas)."""
+    import collections
+
+    from benchmarks.sass_loop import loop_instructions
+
+    tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2_ahead}-{ring}-{cols}"
+    for pdl in (False, True):
+        plain = (sm90_builds / f"{tag}-{pdl}.ptx").read_text()
+        first = (sm90_builds / f"{tag}-colsfirst-{pdl}.ptx").read_text()
+        assert (first.count("%ctaid.x"), first.count("%ctaid.y")) == (plain.count("%ctaid.y"), plain.count("%ctaid.x"))
+        assert plain.count("%ctaid.y") >= 1
+    sass = {t: (sm90_builds / f"{t}.sass").read_text() for t in (tag, f"{tag}-colsfirst")}
+    loops = {t: collections.Counter(i.split()[0].split(".")[0] for i in loop_instructions(v, inner=True))
+             for t, v in sass.items()}
+    a, b = loops[tag], loops[f"{tag}-colsfirst"]
+    for op in ("HGMMA", "LDG", "SHFL", "HMUL2", "LOP3", "WARPGROUP"):
+        assert a[op] == b[op], (op, a, b)
+    assert sum(a.values()) <= sum(b.values()) <= sum(a.values()) + 4, (a, b)
+    _loop_checks(sass[f"{tag}-colsfirst"], b, (2 if swiglu else 1) * ahead, ring)
+    regs = [int((sm90_builds / f"{t}.res").read_text().split("REG:")[1].split()[0]) for t in sass]
+    assert regs[0] <= regs[1] <= regs[0] + 8, regs
+    assert "STACK:0" in (sm90_builds / f"{tag}-colsfirst.res").read_text()
+
+
 # ---- GPU (sm_90) ----------------------------------------------------------------------------------------------------
 def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M):
     from kernels.w4a16_gemm import moe_align
@@ -355,6 +396,20 @@ def test_matches_reference_and_swapped_kernel(t, swiglu, k, ahead, block_m, l2_a
         old = w4a16_grouped_swapped_launch(x, split_frag(w.packed, 64, 128), w.scales, w.global_scale, routing,
                                            a_div=a_div, swiglu=swiglu, row_scale=rs, frag=True)
         assert torch.equal(y, old)
+
+
+@pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("swiglu,k,build", [(True, 2048, dict(ahead=2)), (False, 512, dict(ahead=2, l2_ahead=4)),
+                                            (False, 512, dict(ahead=4, cols=4))])
+def test_cols_first_same_bits(swiglu, k, build):
+    """The grid in column order (`cols_first`) runs the same programs: bit for bit the default order's output, at 32
+    tokens over 64 experts of the engine's widths (some of the 8-row blocks are the routing's empty ones)."""
+    w, idx, x, rs, a_div, routing = _case(32, 8, 64, 1024 if swiglu else 2048, k, swiglu, seed=5, block_m=8)
+    args = (x, thread_order(w.packed), w.scales, w.global_scale, routing)
+    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, **build)
+    assert int((routing.block_expert == 64).sum()) > 0  # the empty row blocks cols_first dispatches last
+    assert torch.equal(w4a16_regs.w4a16_regs_launch(*args, **kw, cols_first=True),
+                       w4a16_regs.w4a16_regs_launch(*args, **kw))
 
 
 @pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
