@@ -7,9 +7,10 @@ engine's `router_align` option), beside each other on the same inputs.
 One CUDA graph of 40 calls (each on its own router weight copy and hidden rows: 40 MoE layers), replayed; us per call
 = replay time / 40 (median of 5), with programmatic dependent launch off and on (`kernels/pdl.py`; the engine's
 default on Hopper). The shape is Qwen3.6's: H 2048, E 256 routed experts + the shared expert as the 257th pair
-(`shared_expert_in_moe`), top-8, at the register kernel's 8-row blocks (`w4a16_regs.BLOCK_M`). Every fused result is
-checked against the two launches' (weights, ids and alignment bit for bit: the same selection code, and the
-alignment is a function of the ids).
+(`shared_expert_in_moe`), top-8, at the register kernel's 8-row blocks (`w4a16_regs.BLOCK_M`). The fused kernel at
+each of `--warps` (1: router_topk's tiling at 256 experts, what the engine launches; its last program builds the
+alignment on those warps). Every fused result is checked against the two launches' (weights, ids and alignment bit
+for bit: the same selection code, and the alignment is a function of the ids).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/router_align_bench")
     ap.add_argument("--tokens", default="8,16,32,64,113")
     ap.add_argument("--block-m", type=int, default=8)
+    ap.add_argument("--warps", default="1,2,4", help="the fused kernel's warps a program to time")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -35,7 +37,7 @@ def main() -> None:
         sys.exit("router_align_bench needs a CUDA GPU")
     from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
     from kernels import pdl
-    from kernels.router_align import router_topk_align_triton, router_topk_then_align
+    from kernels.router_align import _launch, router_topk_then_align
 
     dev, h, e, top_k, calls, bm = torch.device("cuda"), 2048, 256, 8, 40, args.block_m
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -44,18 +46,20 @@ def main() -> None:
     for t in (int(v) for v in args.tokens.split(",")):
         xs = [torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16) for _ in range(calls)]
         row = dict(tokens=t, pairs=t * (top_k + 1), block_m=bm)
-        fused = router_topk_align_triton(F.linear(xs[0], ws[0]), top_k, e, e + 1, bm)
+        warps = [int(v) for v in args.warps.split(",")]
         two = router_topk_then_align(F.linear(xs[0], ws[0]), top_k, e, e + 1, bm)
-        row["equal"] = all(bool(torch.equal(a, b)) for a, b in zip(fused, two))
+        row["equal"] = all(bool(torch.equal(a, b)) for w in warps
+                           for a, b in zip(_launch(F.linear(xs[0], ws[0]), top_k, e, e + 1, bm, num_warps=w), two))
         for use_pdl in (False, True):
             pdl.set_enabled(use_pdl)
             tag = "pdl" if use_pdl else "plain"
             row[f"two_launch_{tag}_us"] = graph_per_call_us(
                 [lambda i=i: router_topk_then_align(F.linear(xs[i], ws[i]), top_k, e, e + 1, bm)
                  for i in range(calls)])
-            row[f"fused_{tag}_us"] = graph_per_call_us(
-                [lambda i=i: router_topk_align_triton(F.linear(xs[i], ws[i]), top_k, e, e + 1, bm)
-                 for i in range(calls)])
+            for w in warps:
+                row[f"fused_{w}w_{tag}_us"] = graph_per_call_us(
+                    [lambda i=i, w=w: _launch(F.linear(xs[i], ws[i]), top_k, e, e + 1, bm, num_warps=w)
+                     for i in range(calls)])
         pdl.set_enabled(False)
         rows.append(row)
         print(json.dumps(row), flush=True)

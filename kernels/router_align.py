@@ -41,6 +41,7 @@ Numerics: the weights and ids are `router_topk`'s (the same selection code, `moe
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ MAX_WORDS = MAX_TOKENS // 32
 MAX_PAIRS = 1024  # P = N KP: one [BLOCK_P] vector of pairs in the last program (kernels/moe_align.py's MAX_PAIRS)
 MAX_EXPERTS = 512  # NE: one [BLOCK_NE] vector of counts (moe_align's MAX_EXPERTS)
 _WORKSPACE: dict[tuple[str, int | None, str], torch.Tensor] = {}
+_CAPTURED_FALLBACK: set = set()  # devices whose first use came inside a CUDA-graph capture (logged once)
+log = logging.getLogger(__name__)
 
 
 # ---- reference ------------------------------------------------------------------------------------------------------
@@ -207,10 +210,12 @@ def _check(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: 
     return None
 
 
-def _launch(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int, block_r: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int, block_r: int | None = None,
+            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel call (`block_r` overrides the rows per program: tests run several programs under the
-    interpreter); where the workspace or counters cannot be had, the two launches (`router_topk_then_align`)."""
+    interpreter; `num_warps` router_topk's choice, `moe_router._tiling`: one warp a row of 256 experts, which also
+    runs the last program's alignment -- benchmarks may ask for more); where the workspace or counters cannot be
+    had (a first use inside a CUDA-graph capture), the two launches (`router_topk_then_align`), logged once."""
     problem = _check(logits, k, extra, num_experts, block_m)
     if problem:
         raise ValueError(f"router_topk_align {problem}")
@@ -218,6 +223,10 @@ def _launch(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m:
     kp = k + (extra >= 0)
     counters, ws = split_counters(logits.device, 1), _workspace(logits.device)
     if counters is None or ws is None:
+        if logits.device not in _CAPTURED_FALLBACK:
+            _CAPTURED_FALLBACK.add(logits.device)
+            log.warning("router_topk_align: first used inside a CUDA-graph capture on %s, so no workspace: that graph "
+                        "runs router_topk + moe_align (run an eager call before capturing)", logits.device)
         return router_topk_then_align(logits, k, extra, num_experts, block_m)
     p = n * kp
     rows = aligned_rows(p, num_experts, block_m)
@@ -228,6 +237,8 @@ def _launch(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m:
     cfg = moe_router._tiling(n, e)
     if block_r is not None:
         cfg["BLOCK_R"] = block_r
+    if num_warps is not None:
+        cfg["num_warps"] = num_warps
     words = triton.cdiv(n, 32)
     _router_topk_align_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
         logits, weights, idx, ws, ws[MAX_EXPERTS * MAX_WORDS:], counters, sorted_pairs, block_expert, n, e,

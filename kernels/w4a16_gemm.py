@@ -236,11 +236,21 @@ def moe_routing_block_m(layout: int, num_pairs: int, num_experts: int) -> int:
 
 
 def _routing_of(idx: torch.Tensor, num_experts: int, block_m: int, given: MoeRouting | None) -> MoeRouting:
-    """`given` where it was built for this call (its pairs, experts and row blocks: `moe_routing_block_m`), else
-    `moe_align_fast`'s (one launch more)."""
-    if given is not None and (given.num_pairs, given.num_experts, given.block_m) == (idx.numel(), num_experts, block_m):
-        return given
+    """`given` where it was built for this call (its pairs, experts and row blocks: `moe_routing_block_m`, and
+    buffers of `moe_align`'s sizes), else `moe_align_fast`'s (one launch more; counted in ROUTING_REBUILT, so a
+    caller whose routing never fits shows)."""
+    p = idx.numel()
+    if given is not None:
+        rows = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m) * block_m
+        if ((given.num_pairs, given.num_experts, given.block_m) == (p, num_experts, block_m)
+                and given.sorted_pairs is not None and given.sorted_pairs.numel() == rows
+                and given.block_expert is not None and given.block_expert.numel() * block_m == rows):
+            return given
+        ROUTING_REBUILT[0] += 1
     return moe_align_fast(idx, num_experts, block_m)
+
+
+ROUTING_REBUILT = [0]  # routings handed to the experts op that did not fit the call (`_routing_of`), since import
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:

@@ -56,7 +56,7 @@ def test_matches_reference_and_the_two_launches(monkeypatch, b, h, dk, dv, zdtyp
     q, k, v, g, beta, pool, rows, z, weight, eps, scale = args
     p_ref, p_fused, p_two = pool.clone(), pool.clone(), pool.clone()
     ref = gd.gdn_decode_rows_norm_fp8_reference(q, k, v, g, beta, p_ref, rows, z, weight, eps, scale)
-    counters = split_counters(torch.device(DEVICE), b * h)
+    counters = split_counters(q.device, b * h)  # the launch's own key (cuda:0: torch.device("cuda") has none)
     with monkeypatch.context() as m:
         m.setattr(rms_norm, "rms_norm_gated_fp8_op", lambda *a: pytest.fail("took the two-launch fallback"))
         out = gd.gdn_decode_rows_norm_fp8_triton(q, k, v, g, beta, p_fused, rows, z, weight, eps, scale)

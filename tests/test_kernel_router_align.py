@@ -70,11 +70,11 @@ def test_repeated_launches_find_the_workspace_cleared():
         out = check(x, 8, 256, 257, 8, block_r=4)
         if want is not None:
             assert all(torch.equal(u, v) for u, v in zip(out, want))
-    ws = ra._WORKSPACE[(torch.device(DEVICE).type, torch.device(DEVICE).index, "")]
+    ws = ra._WORKSPACE[(a.device.type, a.device.index, "")]  # the launch's own key (cuda:0, not "cuda")
     assert int(ws[:ra.MAX_EXPERTS * ra.MAX_WORDS].abs().sum()) == 0
-    from kernels.split_k import split_counters
+    from kernels.split_k import _COUNTERS
 
-    assert int(split_counters(torch.device(DEVICE), 1)[0]) == 0
+    assert int(_COUNTERS[(a.device.type, a.device.index, "")][0]) == 0
 
 
 def test_compare_catches_errors():

@@ -785,21 +785,27 @@ def test_engine_router_align(monkeypatch):
     the kernel's own checks are tests/test_kernel_router_align.py and tests/test_qwen_quantized.py). With it on, the
     start-up self-check covers the op; a dense model takes no layer."""
     from engine_core.registry import default_registry
-    from qwen_engine.model.moe import SparseMoE
+    from qwen_engine.model.moe import SparseMoE, TopKRouter
 
     monkeypatch.setattr(SparseMoE, "fused", True)
+    monkeypatch.setattr(TopKRouter, "fused", True)  # the router's fused ops, as on a GPU
     lengths = LENGTHS[:4]
 
     def calls() -> int:
         return sum(default_registry().choices()["router_topk_align"]["calls"].values())
 
+    from kernels import w4a16_gemm
+
     async def body(engine):
-        before = calls()
+        before, rebuilt = calls(), w4a16_gemm.ROUTING_REBUILT[0]
         outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4) for i, n in enumerate(lengths)))
+        assert w4a16_gemm.ROUTING_REBUILT[0] == rebuilt  # every routing the router built fit its experts call
         return engine.health(), [o[0] for o in outs], calls() - before
 
+    # kernels "auto": the Triton kernels (interpreted on the CPU), so the experts' grouped kernel reads the router's
+    # alignment (with the references, the experts' reference ignores it and only the wiring would be checked)
     (h_on, on, calls_on), (h_off, off, calls_off) = (
-        run(engine_config(weights="packed", router_align=flag, shared_expert_in_moe=True), body)
+        run(engine_config(weights="packed", kernels="auto", router_align=flag, shared_expert_in_moe=True), body)
         for flag in (True, False))
     assert h_on["router_align_layers"] == QwenConfig.tiny().num_hidden_layers and h_off["router_align_layers"] == 0
     assert calls_on > 0 and calls_off == 0

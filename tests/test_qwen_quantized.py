@@ -520,6 +520,8 @@ def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in
         aligned = moe(x, residual=residual)
         aligned_aligns = aligns[len(plain_aligns):]
         lone = moe(x[:moe_router.MAX_ROWS], residual=residual[:moe_router.MAX_ROWS])
+        moe.gate.fused = False  # the router on its torch path (torch.topk's tie order): no aligned routing either
+        assert torch.equal(moe(x, residual=residual), plain)
     finally:
         moe.fused = moe.gate.fused = None
         moe.shared_in_experts = moe.router_align = False
@@ -531,10 +533,24 @@ def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in
     assert moe.experts.routing_shape(6, pairs, shared_in_experts) == shape
     assert plain_aligns and set(plain_aligns) == {(pairs, *shape)}  # without the option: the experts' own launch
     assert aligned_aligns == []  # with it: none of their own ...
-    # ... the router's launch built it; the MAX_ROWS-token call (`lone`) launched no router_topk_align
+    # ... the router's launch built it; the MAX_ROWS-token call (`lone`) and the torch router launched none
     assert routers == [(6, CFG.num_experts if shared_in_experts else -1, *shape)]
     assert torch.equal(aligned, plain)
     assert lone.shape == (moe_router.MAX_ROWS, CFG.hidden_size)
+    # a routing that does not fit the call (another block size, another expert count, short buffers) is not used:
+    # the experts align their own (counted), and the output is the same
+    w, idx = moe_router.router_topk_reference(x.float() @ moe.gate.weight.float().t(), k,
+                                              CFG.num_experts if shared_in_experts else -1)
+    want = moe.experts(x, idx, w, reduce=False, with_shared=shared_in_experts)
+    good = w4a16_gemm.moe_align(idx, experts, shape[1])
+    for bad in (w4a16_gemm.moe_align(idx, experts, shape[1] * 2), good._replace(num_experts=experts + 1),
+                good._replace(sorted_pairs=good.sorted_pairs[:-shape[1]])):
+        before, n_aligns = w4a16_gemm.ROUTING_REBUILT[0], len(aligns)
+        got = moe.experts(x, idx, w, reduce=False, with_shared=shared_in_experts, routing=bad)
+        assert w4a16_gemm.ROUTING_REBUILT[0] == before + 1 and len(aligns) == n_aligns + 1 and torch.equal(got, want)
+    before, n_aligns = w4a16_gemm.ROUTING_REBUILT[0], len(aligns)
+    assert torch.equal(moe.experts(x, idx, w, reduce=False, with_shared=shared_in_experts, routing=good), want)
+    assert (w4a16_gemm.ROUTING_REBUILT[0], len(aligns)) == (before, n_aligns)  # the fitting one: used as it is
 
 
 @torch.no_grad()

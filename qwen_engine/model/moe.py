@@ -245,7 +245,7 @@ class SparseMoE(nn.Module):
         if fused and self._shared_as_pair(x.shape[0], k):
             # [N, k + 1]: the shared expert's pair last, weight 1 (its output unscaled: gated in moe_combine)
             extra = self.experts.shared_index
-            shape = self._aligned_routing(x.shape[0], k + 1, True)
+            shape = self._aligned_routing(x.shape[0], k + 1, True, x.is_cuda)
             if shape is not None:
                 weights, idx, routing = self.gate.route_aligned(x, extra, *shape)
                 rows = self.experts(x, idx, weights, reduce=False, with_shared=True, routing=routing)
@@ -261,7 +261,7 @@ class SparseMoE(nn.Module):
                 _, weights, idx = routing or self.gate(x)
                 routed = self.experts(x, idx, weights, reduce=False)  # [N, k, H], summed inside moe_combine
             return routed, shared
-        shape = self._aligned_routing(x.shape[0], k, False) if fused else None
+        shape = self._aligned_routing(x.shape[0], k, False, x.is_cuda) if fused else None
         if shape is not None:
             weights, idx, routing = self.gate.route_aligned(x, -1, *shape)
             return self.experts(x, idx, weights, reduce=False, routing=routing), self.shared_expert(x)
@@ -269,13 +269,16 @@ class SparseMoE(nn.Module):
         routed = self.experts(x, idx, weights, reduce=not fused)  # fused: [N, k, H], summed inside moe_combine
         return routed, self.shared_expert(x)
 
-    def _aligned_routing(self, n: int, pairs_per_token: int, with_shared: bool) -> tuple[int, int] | None:
+    def _aligned_routing(self, n: int, pairs_per_token: int, with_shared: bool,
+                         is_cuda: bool) -> tuple[int, int] | None:
         """(experts, rows per block) of the alignment the router's launch builds for this call (`router_align`), or
         None: the option off, experts that build none for n tokens (`NVFP4Experts.routing_shape`), or a router
         that keeps its own path (the fused GEMV + top-k at <= MAX_ROWS rows; a router_topk without the extra
-        column in its kernel)."""
+        column in its kernel; a router on its plain torch path)."""
         if not self.router_align or not hasattr(self.experts, "routing_shape") or not self.gate.extra_in_kernel:
             return None
+        if not (self.gate.fused if self.gate.fused is not None else is_cuda):  # the router's plain (torch) path:
+            return None  # its top-k is torch.topk's, which may order ties otherwise
         from kernels.moe_router import MAX_ROWS
 
         if n <= MAX_ROWS:
