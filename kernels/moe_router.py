@@ -155,19 +155,27 @@ if triton is not None:
         return w, ids
 
     @triton.jit
+    def _row_logits(logits, N, E, s_l, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Program's rows of logits [N, E] (row stride s_l, unit column stride) in fp32 -> (rows [BR], rows < N,
+        rows as int64, avail [BR, BE]: the selectable lanes, lf [BR, BE]); masked lanes' values are never looked at
+        (not available). Shared by router_topk and kernels/router_align.py's kernel."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+        r_ok = rows < N
+        cols = tl.arange(0, BLOCK_E)  # [BE]
+        rows64 = rows.to(tl.int64)
+        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: never lanes >= E
+        lf = tl.load(logits + rows64[:, None] * s_l + cols[None, :], mask=r_ok[:, None] & avail,
+                     other=0.0).to(tl.float32)
+        return rows, r_ok, rows64, avail, lf
+
+    @triton.jit
     def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, EXTRA, K: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
                             HAS_EXTRA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K] (HAS_EXTRA:
         # [N, K + 1], column K = (1, EXTRA): the shared expert's pair, so no torch.cat / fill launches follow)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
-        r_ok = rows < N
-        cols = tl.arange(0, BLOCK_E)  # [BE]
-        rows64 = rows.to(tl.int64)
-        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: lanes still selectable (never lanes >= E)
-        lf = tl.load(logits + rows64[:, None] * s_l + cols[None, :], mask=r_ok[:, None] & avail,
-                     other=0.0).to(tl.float32)  # masked lanes' values are never looked at (not available)
+        rows, r_ok, rows64, avail, lf = _row_logits(logits, N, E, s_l, BLOCK_R, BLOCK_E)
         w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)
         kk = tl.arange(0, BLOCK_K)
         ok = r_ok[:, None] & (kk < K)[None, :]

@@ -53,7 +53,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.moe_router import _select_topk
+    from kernels.moe_router import _row_logits, _select_topk
     from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast
     from kernels.split_k import _ROLE, last_arrival, rearm
@@ -119,13 +119,7 @@ if triton is not None:
         # contiguous (column K = (1, EXTRA) when KP > K); member int32 [NE, WORDS] and starts int32 [NE]: the
         # workspace (member zero between launches); counters[0]: the arrival counter (0 between launches)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
-        r_ok = rows < N
-        cols = tl.arange(0, BLOCK_E)  # [BE]
-        rows64 = rows.to(tl.int64)
-        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: lanes still selectable (never lanes >= E)
-        lf = tl.load(logits + rows64[:, None] * s_l + cols[None, :], mask=r_ok[:, None] & avail,
-                     other=0.0).to(tl.float32)
+        rows, r_ok, rows64, avail, lf = _row_logits(logits, N, E, s_l, BLOCK_R, BLOCK_E)  # router_topk's prologue
         w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)  # [BR, BK]: positions >= K unused
         kk = tl.arange(0, BLOCK_K)
         pair_ok = r_ok[:, None] & (kk < KP)[None, :]  # [BR, BK]: this program's pairs
