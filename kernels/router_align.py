@@ -36,6 +36,10 @@ or past the limits, the op's other implementation runs: `router_topk` then `moe_
 Launches sharing a workspace must not overlap in time: the engine's routers run on its main stream, each after the
 previous layer's (under PDL every kernel waits for its predecessor's completion before touching memory).
 
+Warps: router_topk's tiling (`moe_router._tiling`: one warp a row of 256 experts), so the last program builds the
+alignment on one warp too (offline sm_90: 96 registers, no stack); `benchmarks/router_align_bench.py` times 1, 2
+and 4.
+
 Numerics: the weights and ids are `router_topk`'s (the same selection code, `moe_router._select_topk`).
 """
 

@@ -375,7 +375,7 @@ MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
              "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP,
              ROUTER_ALIGN_OP)
-_MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, preferences) -> outcomes, once per process
+_MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, (op, preference) pairs) -> outcomes, once a process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
 BAD_REQUEST_CODES = (
