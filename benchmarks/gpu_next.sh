@@ -2185,6 +2185,13 @@ probe router_align_bench "${LIMIT_168B:-120}" router_align_bench.py
 cat "$R/router_align_bench/router_align_bench.md" 2>/dev/null || tail -5 "$R/router_align_bench.log"
 engine_ab qwen_router_align "${LIMIT_168:-320}" --autotune-table auto --variant 'ra={"router_align": true}' --again
 fi
+if want 169; then
+# forty-fifth session: the paged decode attention's launch knobs at 32 streams and a lone stream, 1k context (splits,
+# BLOCK_N, warps; the heuristics never swept on a GPU): 35.1 us a layer at 32 streams, ~1.8 TB/s (qwen_profile_fp8sw run 2)
+say "169. issue 5: paged attention splits / BLOCK_N / warps at 32 and 1 streams"
+probe paged_attention_bench "${LIMIT_169:-200}" paged_attention_bench.py
+cat "$R/paged_attention_bench/paged_attention_bench.md" 2>/dev/null || tail -5 "$R/paged_attention_bench.log"
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -261,8 +261,10 @@ def _combine(o_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   num_splits: int | None = None, block_n: int | None = None,
-                                  gate: torch.Tensor | None = None, input_scale: torch.Tensor | None = None):
-    """The kernel plus the combine; `num_splits` / `block_n` override the heuristics (tests, benchmarks). `gate`,
+                                  gate: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+                                  num_warps: int | None = None):
+    """The kernel plus the combine; `num_splits` / `block_n` / `num_warps` override the heuristics (tests,
+    benchmarks: `benchmarks/paged_attention_bench.py`). `gate`,
     `input_scale`: the output gate and its codes too (`paged_decode_attention_gated_fp8_triton`'s contract), in the
     combine's launch when the heads are split, else by the gate op after the kernel."""
     nd, heads, dh = q.shape
@@ -285,8 +287,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0), block_tables.stride(1),
         context_lens.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(), num_warps=4 if dh <= 128 else 8,
-        **pdl.launch_options())
+        IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(),
+        num_warps=num_warps or (4 if dh <= 128 else 8), **pdl.launch_options())
     if num_splits == 1:
         o = o_part[:, :, 0].to(q.dtype)
         if gate is None:
