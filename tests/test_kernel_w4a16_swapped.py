@@ -382,7 +382,7 @@ def test_dense_routing_runs_a_dense_call(rows, block_m, tile):
     dense = first_expert(w)
     x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(32))).to(torch.bfloat16).to(DEVICE)
     routing = dense_routing(rows, block_m)
-    assert routing == (None, None, rows, block_m)
+    assert routing[:4] == (None, None, rows, block_m) and routing.num_experts == 0  # no alignment: none recorded
     y = w4a16_grouped_swapped_launch(x, split_frag(w.packed, tile, BK), w.scales, w.global_scale, routing,
                                      block_n=tile, block_k=BK, frag=True, config=frag_config(None))
     ref32 = w4a16_linear_reference(x.float(), dense)
