@@ -810,6 +810,22 @@ def test_engine_router_align(monkeypatch):
     assert h_on["router_align_layers"] == QwenConfig.tiny().num_hidden_layers and h_off["router_align_layers"] == 0
     assert calls_on > 0 and calls_off == 0
     assert on == off
+    # decode-only batches above MAX_ROWS (5 short prompts, then 5 streams decoding, padded to the graphs' bucket of 8
+    # with the scratch row: "static" runs the CUDA-graph path's static buffers eagerly) take the aligned routing too
+    from kernels import router_align
+
+    rows, launch = [], router_align._launch
+    monkeypatch.setattr(router_align, "_launch", lambda logits, *a, **kw: (rows.append(logits.shape[0]),
+                                                                             launch(logits, *a, **kw))[1])
+
+    async def decoding(engine):
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=6)
+                                      for i, n in enumerate([3, 1, 8, 5, 12])))
+        return [o[0] for o in outs]
+
+    on, off = (run(engine_config(weights="packed", kernels="auto", router_align=flag, shared_expert_in_moe=True,
+                                 max_num_seqs=8, decode_graphs="static"), decoding) for flag in (True, False))
+    assert 8 in rows and on == off  # the padded decode batch went through the router's alignment
     h_dense = run(engine_config(router_align=True), lambda engine: asyncio.sleep(0, engine.health()))
     assert h_dense["router_align_layers"] == 0
     checks = run(engine_config(kernels="auto", kernel_self_check=True, router_align=True),
