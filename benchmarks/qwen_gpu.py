@@ -349,7 +349,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        gdn_prep_split_v_rows: int | None = None,
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
                        picks: list | None = None, gdn_state_dtype: str = "float32",
-                       expert_regs: bool | str | None = None) -> dict:
+                       expert_regs: bool | str | None = None, router_align: bool | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -377,7 +377,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
                             gdn_state_dtype=gdn_state_dtype,
                             **{k: v for k, v in dict(argmax_kernel=argmax_kernel,  # None: the config's default
-                                                     expert_regs=expert_regs,
+                                                     expert_regs=expert_regs, router_align=router_align,
                                                      attn_gate_in_combine=attn_gate_in_combine,
                                                      async_decode=async_decode,
                                                      gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()
@@ -512,7 +512,7 @@ def _remember_flag_defaults() -> None:
 def _engine_settings_off(model) -> None:
     """Undo the process-wide settings an engine made on the shared model: the model's later users (phases, the
     oracle) get the dense shared expert and GDN's z projection on the one stream, lm_head in the checkpoint layout, no
-    thread-order expert copy (`expert_regs`),
+    thread-order expert copy (`expert_regs`), the experts aligning their own routing (`router_align`),
     no programmatic launches, the GDN prep's default tiling, and the module flags an engine sets (the FP8 quantiser
     in the producing ops, the GDN prep's row split, the attention's output gate) as their modules define them
     (`_FLAG_DEFAULTS`)."""
@@ -524,6 +524,7 @@ def _engine_settings_off(model) -> None:
         set_gdn_z_stream,
         set_lm_head_layout,
         set_moe_fused_decode,
+        set_router_align,
         set_shared_expert_after_router,
         set_shared_expert_in_moe,
         set_shared_expert_stream,
@@ -536,6 +537,7 @@ def _engine_settings_off(model) -> None:
     set_gdn_decode_norm(model, False)
     set_combine_next_norm(model, False)
     set_shared_expert_after_router(model, False)
+    set_router_align(model, False)
     gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = gdn_prep.DEFAULT_TILING
     set_lm_head_layout(model, "checkpoint")
     set_expert_regs(model, False, torch.device("cpu"), torch.float32)  # drops any thread-order copy
