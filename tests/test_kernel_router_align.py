@@ -135,3 +135,53 @@ def test_custom_op_and_registry():
     assert impl.name == "router_topk+moe_align"
     out = impl.fn(logits, 4, 32, 33, 8)
     assert ra.compare(out, ra.router_topk_align_reference(logits, 4, 32, 33, 8), logits, 4, 33, 8) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and PDL need a CUDA GPU")
+def test_graph_replays_under_pdl():
+    """What the interpreter cannot show (it runs programs one after another): the last arrival's memory ordering on
+    the GPU. Eight launches at the 32-stream shape (one per MoE layer) in one CUDA graph, each followed by another
+    user of split_k's counter 0 (the router GEMV + top-k at one row), with programmatic dependent launch where the
+    GPU has it, replayed 40 times on fresh logits: every replay's ids are router_topk's order and its alignment
+    equals moe_align of them, and the workspace and counter end zeroed."""
+    from kernels import pdl
+    from kernels.split_k import _COUNTERS
+
+    before = pdl.enabled()
+    pdl.set_enabled(pdl.device_supports())
+    try:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        logits = [torch.zeros(32, 256, dtype=torch.bfloat16, device=dev) for _ in range(8)]
+        x1 = torch.randn(1, 2048, device=dev).to(torch.bfloat16)  # the engine's router shape at one row
+        w1 = (0.05 * torch.randn(256, 2048, device=dev)).to(torch.bfloat16)
+
+        def step():
+            outs = []
+            for lg in logits:
+                outs.append(ra._launch(lg, 8, 256, 257, 8))
+                mr.router_gemv_topk_triton(x1, w1, 8)  # counter 0 again, between the alignment launches
+            return outs
+
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for lg in logits:
+            lg.copy_(torch.randn(lg.shape, device=dev, generator=gen))
+        step()  # eager first: the workspace, the counters and the compiles, outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        for _ in range(40):
+            for lg in logits:
+                lg.copy_(2 * torch.randn(lg.shape, device=dev, generator=gen))
+            graph.replay()
+            torch.cuda.synchronize()
+            for lg, (w, idx, sorted_pairs, block_expert) in zip(logits, outs):
+                assert torch.equal(idx[:, :8], stable_topk_idx(lg, 8)) and bool((idx[:, 8] == 256).all())
+                routing = moe_align(idx, 257, 8)
+                assert torch.equal(sorted_pairs, routing.sorted_pairs)
+                assert torch.equal(block_expert, routing.block_expert)
+        ws = ra._WORKSPACE[(dev.type, dev.index, "")]
+        assert int(ws[:ra.MAX_EXPERTS * ra.MAX_WORDS].abs().sum()) == 0
+        assert int(_COUNTERS[(dev.type, dev.index, "")][0]) == 0
+    finally:
+        pdl.set_enabled(before)
