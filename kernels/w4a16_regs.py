@@ -608,6 +608,21 @@ def regs_ok(device: str, capability, dtype: torch.dtype, k: int, k_down: int) ->
             and tuple(capability) == (9, 0) and dtype == torch.bfloat16 and k_ok(k) and k_ok(k_down))
 
 
+def fit_build(build: dict, k: int, n_out: int) -> dict:
+    """`build` (launcher keywords, e.g. an ENGINE_BUILDS entry) for a projection of K `k` and `n_out` outputs: `ahead`
+    halved until it divides the K tiles and `cols` until it divides the column tiles, so that the engine's builds run
+    at every shape the op meets -- the start-up self-check's small sample too (H200, 2026-12-05: an ahead-4 down
+    build refused the sample's 2 K tiles, the check disabled the kernel and the engine fell back to the reference)."""
+    kt, tiles = k // 128, n_out // 64
+    ahead = build.get("ahead") or AHEAD
+    cols = build.get("cols") or COLS
+    while ahead > 1 and kt % ahead:
+        ahead //= 2
+    while cols > 1 and tiles % cols:
+        cols //= 2
+    return {**build, "ahead": ahead, "cols": cols}
+
+
 def k_ok(k: int) -> bool:
     """Whether a projection's K suits the kernel: 128 x a power of two (the activations' stacked shared layout,
     `stacked_tiles_layout`), at most MAX_K."""

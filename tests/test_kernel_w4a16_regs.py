@@ -118,6 +118,18 @@ def test_launcher_refuses_what_it_cannot_run():
                moe_align(idx, 2, 16))
 
 
+def test_fit_build_fits_every_shape_the_op_meets():
+    """The engine's builds are fitted to each call (`fit_build`): ahead halved to a divisor of the K tiles and cols to
+    one of the column tiles -- an ahead-4 down build at the self-check sample's 2 K tiles runs ahead 2 (on the H200 the
+    launcher's refusal there disabled the kernel at start-up) -- and a build that fits is unchanged."""
+    fit = w4a16_regs.fit_build
+    assert fit({"ahead": 4, "l2_ahead": 0}, 256, 2048) == {"ahead": 2, "l2_ahead": 0, "cols": 1}
+    assert fit({"ahead": 4}, 128, 64) == {"ahead": 1, "cols": 1}
+    assert fit({"ahead": 4, "cols": 1, "early": True}, 512, 2048) == {"ahead": 4, "cols": 1, "early": True}
+    assert fit({"ahead": 2, "cols": 8}, 2048, 128) == {"ahead": 2, "cols": 2}
+    assert fit({}, 2048, 512) == {"ahead": w4a16_regs.AHEAD, "cols": w4a16_regs.COLS}
+
+
 def test_thread_order_refuses_ragged_weights():
     with pytest.raises(ValueError, match="do not split"):
         thread_order(_packed(1, 96, 256, seed=5))
