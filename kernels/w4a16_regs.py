@@ -72,8 +72,9 @@ programs; ptxas then serializes the wgmmas, +59 instructions a trip). EARLY targ
 of programs: under PDL the down grid becomes resident as gate_up's last programs start, and with EARLY its programs
 load their routing and first tiles' weights before waiting, so their DRAM reads fill the SMs gate_up's tail leaves
 idle (`gpu_next.sh` steps 166-167 time all three).
-Forty-fifth session (offline; not yet timed): the routing's sentinel row blocks. The grid has R / BLOCK_M row blocks
-for R = the alignment's upper bound on rows (a function of the shapes only, for CUDA graphs): at 32 streams (288
+Forty-fifth session (offline; then timed on the H200 per call at 32 tokens: gate_up 58.97 against 59.68 us, down
+33.2 against 31.8 -- no gain; benchmarks/RESULTS.md): the routing's sentinel row blocks. The grid has R / BLOCK_M row
+blocks for R = the alignment's upper bound on rows (a function of the shapes only, for CUDA graphs): at 32 streams (288
 pairs over 257 experts, 8-row blocks) 261, of which ~166 hold pairs. The rest exit at once, but in the default grid
 order (row blocks the fast axis) each column tile's sweep ends with them, so their ~95 empty programs a column tile
 (760 a gate_up call, 3,040 a down call) are dispatched among the real ones and take SM slots while real programs
@@ -111,7 +112,8 @@ COLS = 1  # the launcher's default output column tiles of 64 a program
 # the engine's builds per projection (`w4a16_gemm.w4a16_moe_op`'s THREAD_ORDER branch; None = the defaults above):
 # the fastest of `benchmarks/swapped_ab.py --regs` on the H200 (2026-12-05, regs_ab run 1, 32 tokens, every build bit
 # for bit the swap-AB kernel's outputs): 8-row blocks, gate_up AHEAD 2 60.0 us (swap-AB 79.7), down AHEAD 2 with the
-# L2 prefetch 4 tiles ahead 31.5 us (swap-AB 47.1)
+# L2 prefetch 4 tiles ahead 31.5 us (swap-AB 47.1). regs_ab45 run 1 (forty-fifth session): down AHEAD 4 29.5 against
+# 31.8 us -- not yet run in the engine (its first engine run stopped at the self-check, before `fit_build`)
 ENGINE_BUILDS = {"gate_up": dict(ahead=2, l2_ahead=0, ring=0, cols=1),
                  "down": dict(ahead=2, l2_ahead=4, ring=0, cols=1)}
 

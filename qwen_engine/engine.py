@@ -248,8 +248,9 @@ class QwenEngineConfig:
     #                             (kernels/router_align.py, registry op "router_topk_align": the top-k's last
     #                             program builds the alignment from bitmasks, no sort; SparseMoE.router_align)
     #                             instead of router_topk and the experts' own moe_align launch: one launch fewer a
-    #                             layer (40 a step), the same bits. UNTIMED on a GPU (written without one, 2026-12-05),
-    #                             so off; the start-up self-check covers it when on
+    #                             layer (40 a step), the same bits. H200 2026-12-05 (one process): 32 streams 4,238.8
+    #                             against 4,288.4 / 4,287.0 tok/s (-1.2%; at its one warp the last program's alignment
+    #                             costs more than the launch), so off; the start-up self-check covers it when on
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
