@@ -148,6 +148,13 @@ if triton is not None:
             tl.store(sorted_pairs + start + rank, ps.to(tl.int32), mask=ok)
 
 
+def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """R, an alignment's rows (a function of the sizes only, so no host sync): every non-empty expert wastes at most
+    block_m - 1 padding rows. The one formula of `w4a16_gemm.moe_align`, this module's kernels and
+    `kernels/router_align.py`."""
+    return -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m) * block_m
+
+
 def _interpreted() -> bool:
     return triton is not None and type(_moe_align_sort_kernel).__name__ == "InterpretedFunction"
 
@@ -178,7 +185,7 @@ def moe_align_triton(idx: torch.Tensor, num_experts: int, block_m: int,
     if not flat.is_contiguous():
         flat = flat.contiguous()
     p = flat.numel()
-    rows = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m) * block_m
+    rows = aligned_rows(p, num_experts, block_m)
     nblocks = rows // block_m
     sorted_pairs = torch.empty(rows, dtype=torch.int32, device=flat.device)  # padding written by the kernel
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=flat.device)

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from kernels import moe_router, pdl
+from kernels.moe_align import aligned_rows
 from kernels.split_k import split_counters
 
 try:
@@ -95,11 +96,6 @@ def router_topk_then_align(logits: torch.Tensor, k: int, extra: int, num_experts
     weights, idx = moe_router.router_topk_triton(logits, k, extra)
     routing = moe_align_fast(idx, num_experts, block_m)
     return weights, idx, routing.sorted_pairs, routing.block_expert
-
-
-def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
-    """R, the alignment's rows (`moe_align`'s: every non-empty expert wastes at most block_m - 1 padding rows)."""
-    return -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m) * block_m
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------------------------

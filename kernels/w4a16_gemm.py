@@ -78,6 +78,7 @@ from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and 
 from kernels.device import triton_device_ok
 import torch.nn.functional as F
 
+from kernels.moe_align import aligned_rows
 from kernels.nvfp4 import BLOCK, NVFP4Tensor, w4a16_linear_reference
 from kernels.split_k import num_sms, split_counters
 
@@ -168,7 +169,7 @@ def moe_align(idx: torch.Tensor, num_experts: int, block_m: int) -> MoeRouting:
     flat = idx.reshape(-1)
     p = flat.numel()
     dev = flat.device
-    rows = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m) * block_m
+    rows = aligned_rows(p, num_experts, block_m)
     expert_sorted, order = torch.sort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
         0, flat.long(), torch.ones_like(flat, dtype=torch.int64))  # not bincount: that syncs on CUDA (max())
@@ -241,7 +242,7 @@ def _routing_of(idx: torch.Tensor, num_experts: int, block_m: int, given: MoeRou
     caller whose routing never fits shows)."""
     p = idx.numel()
     if given is not None:
-        rows = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m) * block_m
+        rows = aligned_rows(p, num_experts, block_m)
         if ((given.num_pairs, given.num_experts, given.block_m) == (p, num_experts, block_m)
                 and given.sorted_pairs is not None and given.sorted_pairs.numel() == rows
                 and given.block_expert is not None and given.block_expert.numel() * block_m == rows):
