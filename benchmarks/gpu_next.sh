@@ -2192,6 +2192,28 @@ say "169. issue 5: paged attention splits / BLOCK_N / warps at 32 and 1 streams"
 probe paged_attention_bench "${LIMIT_169:-200}" paged_attention_bench.py
 cat "$R/paged_attention_bench/paged_attention_bench.md" 2>/dev/null || tail -5 "$R/paged_attention_bench.log"
 fi
+if want 170; then
+# forty-sixth session: the paged attention's many-sequence tiles (kernels/paged_attention.py launch_tiles: ~2
+# programs an SM, 64-token steps, 4 warps from 64 programs; step 169's 32-stream winner, -22% a call) in the engine,
+# beside the lone rule at every batch (--attn-lone-tiles) and the first engine again, one process; then, where
+# REGS_BUILDS is given (e.g. step 166's down at AHEAD 4), a second process on those builds, the same two tilings
+say "170. issue 5: the engine with the paged attention's many-sequence tiles beside the lone rule (+ REGS_BUILDS)"
+engine_out qwen_attn_tiles "${LIMIT_170A:-420}" --decode-tokens 48 --attn-lone-tiles --again
+if [ -n "${REGS_BUILDS:-}" ]; then
+  say "170. the same on --regs-builds $REGS_BUILDS"
+  engine_out qwen_attn_tiles_builds "${LIMIT_170B:-130}" --decode-tokens 48 --regs-builds "$REGS_BUILDS" \
+    --attn-lone-tiles
+fi
+fi
+if want 171; then
+# forty-sixth session: the paged attention's CUDA tests (the many-sequence tiles among them), and its knobs at 16, 24,
+# 48 and 64 streams (step 169 timed 32 and 1 only): where the many-sequence rule should start and how many splits
+say "171. issue 5: paged attention CUDA tests; splits / BLOCK_N / warps at 16-64 streams"
+gpu_tests paged_attention_tests "${LIMIT_171T:-150}" tests/test_kernel_paged_attention.py tests/test_attention_gated.py
+probe paged_attention_sweep "${LIMIT_171:-200}" paged_attention_bench.py --streams "${STREAMS_171:-16,24,48,64}" \
+  --splits 0,2,3,4,5,6,8 --block-n 32,64 --warps 4,8
+cat "$R/paged_attention_sweep/paged_attention_bench.md" 2>/dev/null || tail -5 "$R/paged_attention_sweep.log"
+fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}

@@ -251,6 +251,10 @@ def markdown(r: dict) -> str:
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
+            f"| (e) engine with the paged attention's lone-sequence tiles at every batch (~1 program an SM, 32-token "
+            f"steps, 8 warps; the default: ~2 an SM, 64-token steps, 4 warps from 64 programs): decode tok/s, lone "
+            f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_attn_lone_tiles'))} "
+            f"| - |",
             f"| (e) engine with the shared pair's routing column by torch.cat + fill (not inside router_topk): decode "
             f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_router_cat'))} | - |",
@@ -644,6 +648,10 @@ def main() -> None:
                     help="(e) once more with the shared expert's (k+1)-th routing column appended by torch.cat + fill "
                          "after router_topk (TopKRouter.extra_in_kernel off; default: the kernel writes it), side by "
                          "side")
+    ap.add_argument("--attn-lone-tiles", action="store_true",
+                    help="(e) once more with the paged decode attention's lone-sequence launch rule at every batch "
+                         "(kernels/paged_attention.py MANY_PROGRAMS None; default: ~2 programs an SM, 64-token steps, "
+                         "4 warps from 32 sequences at 2 kv heads), side by side")
     ap.add_argument("--no-fused-ba", action="store_true",
                     help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
                          "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")
@@ -888,6 +896,11 @@ def main() -> None:
             from qwen_engine.model import quantized
 
             engine_with(quantized, "FUSE_DECODE_PROJECTIONS", False, "engine_unfused", "unfused projections")
+        if args.attn_lone_tiles:  # the paged attention's one-program-an-SM rule at 32 streams too
+            from kernels import paged_attention
+
+            engine_with(paged_attention, "MANY_PROGRAMS", None, "engine_attn_lone_tiles",
+                        "the paged attention's lone-sequence tiles at every batch")
         if args.no_fused_ba:  # the GDN b / a projections as their own GEMM
             from qwen_engine.model.gdn import GatedDeltaNet
 

@@ -44,8 +44,8 @@ Napkin math (Qwen3.6-35B-A3B full-attention layers: H = 16, KVH = 2, Dh = 256, b
   Why splits matter at batch 1: without them the grid is D x KVH = 2 programs, on 2 of the 132 SMs. One program
   streams only what it keeps in flight (Little's law: ~32 KB of K/V tiles / ~0.6 us DRAM latency = ~50 GB/s), so
   each program's 1 MB takes ~20 us instead of 0.44 us. With NUM_SPLITS = 66 the 1k context becomes 128 programs of
-  one 16-token block (16 KB) each; at batch 32 (64 kv-head programs) 3 splits suffice. The heuristic, BLOCK_N and
-  num_warps are unmeasured on hardware.
+  one 16-token block (16 KB) each; at batch 32 (64 kv-head programs) ~one program an SM (3 splits) left
+  the bandwidth at ~1.8 TB/s; ~two an SM at 4 warps in 64-token steps ran 22% faster (`launch_tiles`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,13 @@ MIN_CAPABILITY = (8, 0)  # bf16 tensor cores
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a [BLOCK_G, 256] fp32 accumulator is the register budget
 MAX_GROUP = 32  # query heads per kv head in one tile (the model has 8); 32 x 256 fp32 = 32 KB of accumulator
 MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks per split at the cap
+# Many sequences (`launch_tiles`). H200, forty-fifth session, step 169 (32 streams x 1k context, Qwen's layer, the
+# gated path, PDL on): 4 splits of 64-token steps at 4 warps took 31.2 us a call against 40.1 for the lone rule's
+# 3 / 32 / 8 (-22%); at one stream the lone rule was the fastest timed. From MANY_PROGRAMS programs (D x KVH; 32
+# sequences at 2 kv heads) on, the splits give ~MANY_PER_SM programs an SM, with MANY_BLOCK_N-token steps and
+# MANY_WARPS warps. None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them).
+MANY_PROGRAMS: int | None = 64
+MANY_PER_SM, MANY_BLOCK_N, MANY_WARPS = 2, 64, 4
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
 LOG2E = 1.4426950408889634
 
@@ -222,6 +229,20 @@ def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
     return max(1, min(-(-sms // programs), max_blocks, MAX_SPLITS))
 
 
+def launch_tiles(programs: int, max_blocks: int, sms: int, head_dim: int, block_size: int,
+                 interpreted: bool = False) -> tuple[int, int, int]:
+    """(splits, BLOCK_N, warps) of the kernel's launch for programs = D x KVH. Shapes only: graph-safe.
+    Few programs (the lone rule): `num_splits_for`'s ~one program an SM, 32-token steps (two 16 KB K / V tiles at
+    Dh 256; 16 under the interpreter, the least tl.dot takes) and 8 warps above Dh 128. From MANY_PROGRAMS on:
+    ~MANY_PER_SM programs an SM in MANY_BLOCK_N-token steps at MANY_WARPS warps (measured: the constants' comment).
+    A step never holds less than one KV block (a power of two: `supports`)."""
+    if MANY_PROGRAMS is not None and programs >= MANY_PROGRAMS:
+        splits = max(1, min(round(MANY_PER_SM * sms / programs), max_blocks, MAX_SPLITS))
+        return splits, max(MANY_BLOCK_N, triton.next_power_of_2(block_size)), MANY_WARPS
+    block_n = max(16 if interpreted else 32, triton.next_power_of_2(block_size))
+    return num_splits_for(programs, max_blocks, sms), block_n, 4 if head_dim <= 128 else 8
+
+
 def combine_triton(o_part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
                    input_scale: torch.Tensor | None = None):
     """`_combine(o_part, lse).to(dtype)` in one launch instead of ~11 (amax, exp, sums, where, div, cast) per
@@ -271,10 +292,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     bs, kvh = k_pool.shape[1:3]
     group = heads // kvh
     max_blocks = block_tables.shape[1]
-    if num_splits is None:
-        num_splits = num_splits_for(nd * kvh, max_blocks, num_sms(q.device.index))
-    if block_n is None:  # >= 16 for tl.dot; 32 on a GPU for two 16 KB K/V tiles per step at Dh = 256 (unmeasured)
-        block_n = max(16 if _interpreted() else 32, triton.next_power_of_2(bs))
+    splits, steps, warps = launch_tiles(nd * kvh, max_blocks, num_sms(q.device.index), dh, bs, _interpreted())
+    num_splits, block_n, num_warps = num_splits or splits, block_n or steps, num_warps or warps
     o_part = torch.empty((nd, heads, num_splits, dh), dtype=torch.float32, device=q.device)
     lse = torch.empty((nd, heads, num_splits), dtype=torch.float32, device=q.device)
     if nd == 0:
@@ -288,7 +307,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         context_lens.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(),
-        num_warps=num_warps or (4 if dh <= 128 else 8), **pdl.launch_options())
+        num_warps=num_warps, **pdl.launch_options())
     if num_splits == 1:
         o = o_part[:, :, 0].to(q.dtype)
         if gate is None:
