@@ -53,7 +53,7 @@ import torch
 
 from kernels import moe_router, pdl
 from kernels.moe_align import aligned_rows
-from kernels.split_k import split_counters
+from kernels.split_k import role_buffer, split_counters
 
 try:
     import triton
@@ -62,7 +62,7 @@ try:
     from kernels.moe_router import _row_logits, _select_topk
     from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast
-    from kernels.split_k import _ROLE, last_arrival, rearm
+    from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supported() says no
     triton = None
 
@@ -176,14 +176,8 @@ def _interpreted() -> bool:
 
 def _workspace(device: torch.device) -> torch.Tensor | None:
     """The device's (and `counters_of` role's) zeroed workspace: member [MAX_EXPERTS x MAX_WORDS] then starts
-    [MAX_EXPERTS] int32; None on a first use inside a CUDA-graph capture (its pool would own it)."""
-    key = (device.type, device.index, getattr(_ROLE, "name", ""))
-    ws = _WORKSPACE.get(key)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ws = _WORKSPACE[key] = torch.zeros(MAX_EXPERTS * (MAX_WORDS + 1), dtype=torch.int32, device=device)
-    return ws
+    [MAX_EXPERTS] int32; None on a first use inside a CUDA-graph capture (`split_k.role_buffer`)."""
+    return role_buffer(_WORKSPACE, device, MAX_EXPERTS * (MAX_WORDS + 1))
 
 
 def _check(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int) -> str | None:

@@ -52,19 +52,23 @@ def num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed counters (of the current `counters_of` role), or None where they cannot be used: more tiles than SPLIT_COUNTERS, or a first
-    use inside a CUDA-graph capture (allocating there would put them in the graph's pool; the engine's eager warm-up
-    allocates them before any capture)."""
-    if tiles > SPLIT_COUNTERS:
-        return None
+def role_buffer(store: dict, device: torch.device, numel: int) -> torch.Tensor | None:
+    """`store`'s zeroed int32 buffer of `numel` for the device and the current `counters_of` role, made on first use
+    (kept: the kernels leave it zeroed again); None on a first use inside a CUDA-graph capture (allocating there would
+    put it in the graph's pool; the engine's eager warm-up allocates it before any capture)."""
     key = (device.type, device.index, getattr(_ROLE, "name", ""))
-    c = _COUNTERS.get(key)
-    if c is None:
+    buf = store.get(key)
+    if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        c = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return c
+        buf = store[key] = torch.zeros(numel, dtype=torch.int32, device=device)
+    return buf
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed counters (of the current `counters_of` role), or None where they cannot be used: more
+    tiles than SPLIT_COUNTERS, or a first use inside a CUDA-graph capture (`role_buffer`)."""
+    return None if tiles > SPLIT_COUNTERS else role_buffer(_COUNTERS, device, SPLIT_COUNTERS)
 
 
 def effective_split(split: int, k_tiles: int, tiles: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
