@@ -74,17 +74,21 @@ if triton is not None:
         return tl.minimum(e_a, e_b), tl.where(e_a == e_b, tl.maximum(l_a, l_b), tl.where(e_a < e_b, l_a, l_b))
 
     @triton.jit
+    def fill_i32(ptr, n, value):
+        """ptr[0:n] = value (int32), 1,024 elements a trip: the alignments' padding (pair id P in sorted_pairs,
+        owner E in block_expert) before their scatter overwrites the used rows; the caller orders the two writes."""
+        for r0 in range(0, n, 1024):
+            rs = r0 + tl.arange(0, 1024)
+            tl.store(ptr + rs, tl.full((1024,), 0, tl.int32) + value, mask=rs < n)
+
+    @triton.jit
     def _moe_align_sort_kernel(ids, sorted_pairs, block_expert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr = False):
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         # padding everywhere first (pair id P; block owner E), the scatter below overwrites the used rows / blocks;
         # the barrier orders the two writes of a row, which different threads of this one program make
-        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
-            rs = r0 + tl.arange(0, 1024)
-            tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + P, mask=rs < NUM_BLOCKS * BLOCK_M)
-        for b0 in range(0, NUM_BLOCKS, 1024):
-            bs = b0 + tl.arange(0, 1024)
-            tl.store(block_expert + bs, tl.full((1024,), 0, tl.int32) + E, mask=bs < NUM_BLOCKS)
+        fill_i32(sorted_pairs, NUM_BLOCKS * BLOCK_M, P)
+        fill_i32(block_expert, NUM_BLOCKS, E)
         tl.debug_barrier()
         i = tl.arange(0, BLOCK_P)
         e = tl.load(ids + i, mask=i < P, other=E).to(tl.int32)  # past P: expert E, sorted after every real pair
@@ -125,9 +129,7 @@ if triton is not None:
             c = tl.load(partial + g * E + ej, mask=e_ok, other=0)
             tl.store(starts + g * E + ej, run, mask=e_ok)
             run += c
-        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):  # padding rows (the scatter launch overwrites the used ones)
-            rs = r0 + tl.arange(0, 1024)
-            tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + P, mask=rs < NUM_BLOCKS * BLOCK_M)
+        fill_i32(sorted_pairs, NUM_BLOCKS * BLOCK_M, P)  # padding rows (the scatter launch overwrites the used ones)
         for b0 in range(0, NUM_BLOCKS, BLOCK_B):
             bs = b0 + tl.arange(0, BLOCK_B)
             at = (bs * BLOCK_M)[:, None]

@@ -59,6 +59,7 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels.moe_align import fill_i32
     from kernels.moe_router import _row_logits, _select_topk
     from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast
@@ -143,12 +144,8 @@ if triton is not None:
             padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
             tl.store(starts + ej, tl.cumsum(padded, 0) - padded, mask=e_ok)
             p_total = N * KP
-            for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):  # padding everywhere; the scatter overwrites used rows
-                rs = r0 + tl.arange(0, 1024)
-                tl.store(sorted_pairs + rs, tl.full((1024,), 0, tl.int32) + p_total, mask=rs < NUM_BLOCKS * BLOCK_M)
-            for b0 in range(0, NUM_BLOCKS, 1024):
-                bs = b0 + tl.arange(0, 1024)
-                tl.store(block_expert + bs, tl.full((1024,), 0, tl.int32) + NE, mask=bs < NUM_BLOCKS)
+            fill_i32(sorted_pairs, NUM_BLOCKS * BLOCK_M, p_total)  # padding everywhere; the scatter overwrites used
+            fill_i32(block_expert, NUM_BLOCKS, NE)                  # rows and blocks
             tl.debug_barrier()  # starts and the padding written by this program's threads before the scatter
             p = tl.arange(0, BLOCK_P)
             p_ok = p < p_total
