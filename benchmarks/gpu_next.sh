@@ -2193,8 +2193,8 @@ probe paged_attention_bench "${LIMIT_169:-200}" paged_attention_bench.py
 cat "$R/paged_attention_bench/paged_attention_bench.md" 2>/dev/null || tail -5 "$R/paged_attention_bench.log"
 fi
 if want 170; then
-# forty-sixth session: the paged attention's many-sequence tiles (kernels/paged_attention.py launch_tiles: ~2
-# programs an SM, 64-token steps, 4 warps from 64 programs; step 169's 32-stream winner, -22% a call) in the engine,
+# forty-sixth session: the paged attention's many-sequence tiles (kernels/paged_attention.py launch_tiles: ~3
+# programs an SM at 4 warps from 48 programs; steps 169 / 171: -21% a call at 32 streams) in the engine,
 # beside the lone rule at every batch (--attn-lone-tiles) and the first engine again, one process; then, where
 # REGS_BUILDS is given (e.g. step 166's down at AHEAD 4), a second process on those builds, the same two tilings
 say "170. issue 5: the engine with the paged attention's many-sequence tiles beside the lone rule (+ REGS_BUILDS)"

@@ -251,8 +251,8 @@ def markdown(r: dict) -> str:
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
             f"| - |",
-            f"| (e) engine with the paged attention's lone-sequence tiles at every batch (~1 program an SM, 32-token "
-            f"steps, 8 warps; the default: ~2 an SM, 64-token steps, 4 warps from 64 programs): decode tok/s, lone "
+            f"| (e) engine with the paged attention's lone-sequence tiles at every batch (~1 program an SM at 8 warps; "
+            f"the default: ~3 an SM at 4 warps from 48 programs): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_attn_lone_tiles'))} "
             f"| - |",
             f"| (e) engine with the shared pair's routing column by torch.cat + fill (not inside router_topk): decode "
@@ -650,8 +650,8 @@ def main() -> None:
                          "side")
     ap.add_argument("--attn-lone-tiles", action="store_true",
                     help="(e) once more with the paged decode attention's lone-sequence launch rule at every batch "
-                         "(kernels/paged_attention.py MANY_PROGRAMS None; default: ~2 programs an SM, 64-token steps, "
-                         "4 warps from 32 sequences at 2 kv heads), side by side")
+                         "(kernels/paged_attention.py MANY_PROGRAMS None; default: ~3 programs an SM at 4 warps from "
+                         "24 sequences at 2 kv heads), side by side")
     ap.add_argument("--no-fused-ba", action="store_true",
                     help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
                          "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")

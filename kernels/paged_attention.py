@@ -44,8 +44,8 @@ Napkin math (Qwen3.6-35B-A3B full-attention layers: H = 16, KVH = 2, Dh = 256, b
   Why splits matter at batch 1: without them the grid is D x KVH = 2 programs, on 2 of the 132 SMs. One program
   streams only what it keeps in flight (Little's law: ~32 KB of K/V tiles / ~0.6 us DRAM latency = ~50 GB/s), so
   each program's 1 MB takes ~20 us instead of 0.44 us. With NUM_SPLITS = 66 the 1k context becomes 128 programs of
-  one 16-token block (16 KB) each; at batch 32 (64 kv-head programs) ~one program an SM (3 splits) left
-  the bandwidth at ~1.8 TB/s; ~two an SM at 4 warps in 64-token steps ran 22% faster (`launch_tiles`).
+  one 16-token block (16 KB) each; at batch 32 (64 kv-head programs) ~one program an SM (3 splits at 8 warps)
+  left the bandwidth at ~1.8 TB/s; ~three an SM (6 splits) at 4 warps ran 21% faster (`launch_tiles`).
 """
 
 from __future__ import annotations
@@ -79,13 +79,16 @@ MIN_CAPABILITY = (8, 0)  # bf16 tensor cores
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a [BLOCK_G, 256] fp32 accumulator is the register budget
 MAX_GROUP = 32  # query heads per kv head in one tile (the model has 8); 32 x 256 fp32 = 32 KB of accumulator
 MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks per split at the cap
-# Many sequences (`launch_tiles`). H200, forty-fifth session, step 169 (32 streams x 1k context, Qwen's layer, the
-# gated path, PDL on): 4 splits of 64-token steps at 4 warps took 31.2 us a call against 40.1 for the lone rule's
-# 3 / 32 / 8 (-22%); at one stream the lone rule was the fastest timed. From MANY_PROGRAMS programs (D x KVH; 32
-# sequences at 2 kv heads) on, the splits give ~MANY_PER_SM programs an SM, with MANY_BLOCK_N-token steps and
-# MANY_WARPS warps. None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them).
-MANY_PROGRAMS: int | None = 64
-MANY_PER_SM, MANY_BLOCK_N, MANY_WARPS = 2, 64, 4
+# Many sequences (`launch_tiles`). H200, step 169 (forty-fifth session) and step 171 (forty-sixth: 16-64 streams x 1k
+# context, Qwen's layer, the gated path, PDL on, splits 2-8 x BLOCK_N 32 / 64 x 4 / 8 warps): from 24 streams on the
+# fastest were ~3 programs an SM at 4 warps -- 24 streams 8 splits 25.6 us a call against the lone rule's 38.2, 32
+# streams 6 splits 31.2 against 39.6, 48 streams 4 splits 38.5 against 52.9, 64 streams 3 splits 47.3 against 55.7
+# (all 32-token steps; 64-token steps were as fast at 32 streams only). So from MANY_PROGRAMS programs (D x KVH; 24
+# sequences at 2 kv heads) on: ~MANY_PER_SM programs an SM at MANY_WARPS warps. At 16 streams (32 programs) 8 splits
+# / 4 warps took 23.4 against the lone rule's 29.7, but the rule would give 12 splits there, untimed: so not yet.
+# None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them in the engine).
+MANY_PROGRAMS: int | None = 48
+MANY_PER_SM, MANY_WARPS = 3, 4
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
 LOG2E = 1.4426950408889634
 
@@ -232,14 +235,13 @@ def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
 def launch_tiles(programs: int, max_blocks: int, sms: int, head_dim: int, block_size: int,
                  interpreted: bool = False) -> tuple[int, int, int]:
     """(splits, BLOCK_N, warps) of the kernel's launch for programs = D x KVH. Shapes only: graph-safe.
-    Few programs (the lone rule): `num_splits_for`'s ~one program an SM, 32-token steps (two 16 KB K / V tiles at
-    Dh 256; 16 under the interpreter, the least tl.dot takes) and 8 warps above Dh 128. From MANY_PROGRAMS on:
-    ~MANY_PER_SM programs an SM in MANY_BLOCK_N-token steps at MANY_WARPS warps (measured: the constants' comment).
-    A step never holds less than one KV block (a power of two: `supports`)."""
-    if MANY_PROGRAMS is not None and programs >= MANY_PROGRAMS:
-        splits = max(1, min(round(MANY_PER_SM * sms / programs), max_blocks, MAX_SPLITS))
-        return splits, max(MANY_BLOCK_N, triton.next_power_of_2(block_size)), MANY_WARPS
+    Steps of 32 tokens (two 16 KB K / V tiles at Dh 256; 16 under the interpreter, the least tl.dot takes), never
+    less than one KV block (a power of two: `supports`). Few programs (the lone rule): `num_splits_for`'s ~one program
+    an SM, 8 warps above Dh 128. From MANY_PROGRAMS on: ~MANY_PER_SM programs an SM at MANY_WARPS warps (measured:
+    the constants' comment)."""
     block_n = max(16 if interpreted else 32, triton.next_power_of_2(block_size))
+    if MANY_PROGRAMS is not None and programs >= MANY_PROGRAMS:
+        return max(1, min(round(MANY_PER_SM * sms / programs), max_blocks, MAX_SPLITS)), block_n, MANY_WARPS
     return num_splits_for(programs, max_blocks, sms), block_n, 4 if head_dim <= 128 else 8
 
 

@@ -149,35 +149,35 @@ def test_num_splits_heuristic():
 
 
 def test_launch_tiles_lone_and_many_sequences(monkeypatch):
-    """The lone rule below MANY_PROGRAMS (num_splits_for's splits, 32-token steps, 8 warps above Dh 128); from it on
-    ~MANY_PER_SM programs an SM in 64-token steps at 4 warps (step 169's 32-stream winner: 4 / 64 / 4)."""
+    """The lone rule below MANY_PROGRAMS (num_splits_for's splits, 8 warps above Dh 128); from it on ~MANY_PER_SM
+    programs an SM at 4 warps: step 171's fastest at 24, 32, 48 and 64 streams (8 / 6 / 4 / 3 splits)."""
     import kernels.paged_attention as pa
 
     assert launch_tiles(2, 512, 132, 256, 16) == (66, 32, 8)  # one stream of the real model
     assert launch_tiles(2, 512, 132, 128, 16) == (66, 32, 4)
     assert launch_tiles(2, 512, 132, 256, 16, interpreted=True) == (66, 16, 8)
     assert launch_tiles(32, 512, 132, 256, 16) == (5, 32, 8)  # 16 streams: still the lone rule
-    assert launch_tiles(64, 512, 132, 256, 16) == (4, 64, 4)  # 32 streams
-    assert launch_tiles(128, 512, 132, 256, 16) == (2, 64, 4)  # 64 streams
-    assert launch_tiles(600, 512, 132, 256, 16) == (1, 64, 4)  # never fewer than one split
-    assert launch_tiles(64, 2, 132, 256, 16) == (2, 64, 4)  # never more splits than table blocks
-    assert launch_tiles(64, 512, 132, 256, 128) == (4, 128, 4)  # a step holds at least one KV block
+    assert [launch_tiles(2 * s, 512, 132, 256, 16) for s in (24, 32, 48, 64)] == [
+        (8, 32, 4), (6, 32, 4), (4, 32, 4), (3, 32, 4)]
+    assert launch_tiles(600, 512, 132, 256, 16) == (1, 32, 4)  # never fewer than one split
+    assert launch_tiles(64, 2, 132, 256, 16) == (2, 32, 4)  # never more splits than table blocks
+    assert launch_tiles(64, 512, 132, 256, 128) == (6, 128, 4)  # a step holds at least one KV block
     monkeypatch.setattr(pa, "MANY_PROGRAMS", None)  # the lone rule everywhere (qwen_gpu.py --attn-lone-tiles)
     assert launch_tiles(64, 512, 132, 256, 16) == (3, 32, 8)
 
 
 def test_many_sequence_tiles_match_the_reference(monkeypatch):
-    """The kernel under the many-sequence tiles (64-token steps over 4-token blocks: 16 table lookups a step, a
-    range ending mid-step) against the reference: MANY_PROGRAMS lowered so that a small batch takes them."""
+    """The kernel under the many-sequence tiles (4 warps, several splits whose ranges end mid-step) against the
+    reference: MANY_PROGRAMS lowered so that a small batch takes them."""
     import kernels.paged_attention as pa
 
     monkeypatch.setattr(pa, "MANY_PROGRAMS", 4)
-    monkeypatch.setattr(pa, "MANY_PER_SM", 9)  # 3 splits on the interpreter's 4 "SMs": ranges end mid-step
+    monkeypatch.setattr(pa, "MANY_PER_SM", 9)  # 3 splits on the interpreter's 4 "SMs": ranges of 44 tokens
     bs = 4
     args = random_inputs(contexts_for(bs) + [70, 129], heads=8, kv_heads=2, head_dim=32, block_size=bs,
                          dtype=torch.bfloat16, seed=13, device=DEVICE)
-    splits, block_n, warps = launch_tiles(12, args[3].shape[1], pa.num_sms(args[0].device.index), 32, bs)
-    assert block_n == 64 and warps == 4 and splits > 1
+    splits, _, warps = launch_tiles(12, args[3].shape[1], pa.num_sms(args[0].device.index), 32, bs)
+    assert warps == 4 and splits > 1
     check(args, None, f"many-sequence tiles ({splits} splits)")
 
 
