@@ -2198,8 +2198,9 @@ if want 170; then
 # beside the lone rule at every batch (--attn-lone-tiles) and the first engine again, one process; then, where
 # REGS_BUILDS is given (e.g. step 166's down at AHEAD 4), a second process on those builds, the same two tilings
 say "170. issue 5: the engine with the paged attention's many-sequence tiles beside the lone rule (+ REGS_BUILDS)"
-# EXTRA_170: more qwen_gpu.py arguments (on an H100: --autotune-table kernels/tuned/nvidia_h200.json, the shipped
-# picks, instead of tuning afresh at start-up: the side-by-side ratio is what counts there)
+# EXTRA_170: more qwen_gpu.py arguments (on an H100: --autotune-table kernels/tuned/nvidia_h200.json
+# --autotune-foreign, the H200's picks instead of tuning afresh at start-up -- without --autotune-foreign the table is
+# refused there and the first engine's tuning outlasted 400 s, results/attn_tiles47_run1: the ratio is what counts)
 engine_out qwen_attn_tiles "${LIMIT_170A:-420}" --decode-tokens 48 --attn-lone-tiles --again ${EXTRA_170:-}
 if [ -n "${REGS_BUILDS:-}" ]; then
   say "170. the same on --regs-builds $REGS_BUILDS"

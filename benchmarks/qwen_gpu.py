@@ -337,6 +337,7 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
 
 
 AUTOTUNE_TABLE = "off"  # the engines' autotune_table (--autotune-table)
+AUTOTUNE_FOREIGN = False  # load AUTOTUNE_TABLE whatever GPU model it names (--autotune-foreign)
 WARMUP_BURST = False  # the engines' warmup_burst (--warmup-burst)
 
 
@@ -659,6 +660,10 @@ def main() -> None:
                     help="the engines' autotune_table: off (default: tune afresh, so that autotune_picks.json holds "
                          "this run's own picks), auto (the shipped kernels/tuned/<GPU>.json: a fresh machine's start "
                          "time with it) or a JSON path")
+    ap.add_argument("--autotune-foreign", action="store_true",
+                    help="load --autotune-table's JSON path even when it was measured on another GPU model (an H100 "
+                         "run on the H200's picks: a cold start tunes the graphs' shapes for > 400 s there, "
+                         "results/attn_tiles47_run1); for side-by-side ratios, not for a table of this GPU's own")
     ap.add_argument("--again", action="store_true",
                     help="(e) the first engine once more after all the others, in the same process (the first of a "
                          "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
@@ -679,8 +684,10 @@ def main() -> None:
     for spec in args.swapped_split:
         if len(spec.split(",")) != 2 or not all(v.strip().isdigit() and int(v) >= 1 for v in spec.split(",")):
             ap.error(f"--swapped-split {spec!r}: expected G,D, two positive integers")
-    global AUTOTUNE_TABLE, WARMUP_BURST
-    AUTOTUNE_TABLE, WARMUP_BURST = args.autotune_table, args.warmup_burst
+    if args.autotune_foreign and args.autotune_table in ("off", "auto"):
+        ap.error("--autotune-foreign needs --autotune-table to name a JSON file")
+    global AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST
+    AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST = args.autotune_table, args.autotune_foreign, args.warmup_burst
     if args.regs_builds is not None:
         from kernels import w4a16_regs
 
@@ -775,8 +782,14 @@ def main() -> None:
         # keeps a process's earlier ones): the greedy tokens then differed between processes (results/defaults_run1)
         from kernels import autotune_table
 
-        loaded = autotune_table.load_setting(AUTOTUNE_TABLE, device)
-        log(f"autotune table {AUTOTUNE_TABLE}: {loaded} picks loaded before the calibration")
+        if AUTOTUNE_FOREIGN:  # the table's own device name, so `load` takes it here; the engines keep these picks
+            table = json.loads(Path(AUTOTUNE_TABLE).read_text())
+            loaded = autotune_table.load(table, table["device"])
+        else:
+            loaded = autotune_table.load_setting(AUTOTUNE_TABLE, device)
+        log(f"autotune table {AUTOTUNE_TABLE}: {loaded} picks loaded before the calibration"
+            + (f" (measured on {table['device']}, this is {torch.cuda.get_device_name(device)})"
+               if AUTOTUNE_FOREIGN else ""))
     if not args.no_calibrate:  # ModelOpt-style max calibration of the FP8 static input scales on one random prompt
         amax = sorted(calibrate_fp8_input_scales(model, rand(1, min(ctx, 256))).values())
         r["build"]["fp8_input_amax"] = dict(min=amax[0], median=amax[len(amax) // 2], max=amax[-1], n=len(amax))
