@@ -112,10 +112,13 @@ COLS = 1  # the launcher's default output column tiles of 64 a program
 # the engine's builds per projection (`w4a16_gemm.w4a16_moe_op`'s THREAD_ORDER branch; None = the defaults above):
 # the fastest of `benchmarks/swapped_ab.py --regs` on the H200 (2026-12-05, regs_ab run 1, 32 tokens, every build bit
 # for bit the swap-AB kernel's outputs): 8-row blocks, gate_up AHEAD 2 60.0 us (swap-AB 79.7), down AHEAD 2 with the
-# L2 prefetch 4 tiles ahead 31.5 us (swap-AB 47.1). regs_ab45 run 1 (forty-fifth session): down AHEAD 4 29.5 against
-# 31.8 us -- not yet run in the engine (its first engine run stopped at the self-check, before `fit_build`)
+# L2 prefetch 4 tiles ahead 31.5 us (swap-AB 47.1). Down is now AHEAD 4 (all 4 of its K tiles loaded up front), no L2
+# prefetch: regs_ab45 run 1 (H200, forty-fifth session) 29.5 against 31.8 us a call; the engine (attn_tiles47 run 2,
+# an H100 on the H200's autotune picks, forty-seventh session) 32 streams 3,642.8 against 3,623.0 / 3,625.8 tok/s and
+# 3,623.7 against 3,607.4 on the attention's old tiles (+0.5%, two processes), the same greedy tokens lone and on all
+# 32 streams; `fit_build` takes ahead 2 where a call has 2 K tiles (the start-up self-check's sample)
 ENGINE_BUILDS = {"gate_up": dict(ahead=2, l2_ahead=0, ring=0, cols=1),
-                 "down": dict(ahead=2, l2_ahead=4, ring=0, cols=1)}
+                 "down": dict(ahead=4, l2_ahead=0, ring=0, cols=1)}
 
 
 # ---- the stored layout (host) ---------------------------------------------------------------------------------------

@@ -170,8 +170,8 @@ COMPILED = [(1, 16, 0, 0, 1), (2, 16, 0, 0, 1), (1, 8, 0, 0, 1), (2, 8, 0, 0, 1)
             (2, 16, 4, 0, 4), (1, 8, 0, 4, 2), (4, 8, 0, 0, 1), (4, 8, 4, 0, 1), (2, 8, 4, 0, 1)]
 EARLY_COMPILED = [(4, 8, 0, 0, 1, 1), (2, 8, 4, 0, 1, 1)]  # + EARLY (the down projection's first loads before
 #                                                           the PDL wait)
-COLS_FIRST_COMPILED = [(2, 8, 0, 0, 1, 0, 1), (2, 8, 4, 0, 1, 0, 1)]  # the shipped builds with the grid in column
-#                                                                      order (cols_first)
+COLS_FIRST_COMPILED = [(2, 8, 0, 0, 1, 0, 1), (2, 8, 4, 0, 1, 0, 1)]  # the builds shipped until the forty-seventh
+#                                                                      session with the grid in column order
 SHAPES = [(2048, True), (512, False)]  # the engine's gate_up (K 2048, SwiGLU) and down (K 512, row scale)
 _SM90_SCRIPT = """
 import inspect, json, subprocess, sys, tempfile
