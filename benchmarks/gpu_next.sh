@@ -2170,8 +2170,10 @@ if want 165; then
 # without overlap), the decode window's Chrome trace kept, so each call (gate_up, down, lm_head) can be told apart by
 # its grid: what the remaining 15% to 5,000 tok/s is made of
 say "165. issue 5: the 32-stream step's kernels with the defaults (PDL off, kernel table and trace)"
+# EXTRA_165: more qwen_profile.py arguments (on an H100: --autotune-foreign kernels/tuned/nvidia_h200.json; without
+# it the start-up tuning outlasted the step's 100 s there, results/attn_tiles47_run2)
 timeout "${LIMIT_165:-150}" python benchmarks/qwen_profile.py --engine --engine-streams 32 --prefill-graphs off \
-  --batches "" --engine-trace --out "$R/profile_regs" > "$R/profile_regs.log" 2>&1
+  --batches "" --engine-trace ${EXTRA_165:-} --out "$R/profile_regs" > "$R/profile_regs.log" 2>&1
 grep -E "engine_32|tok_per_s" "$R/profile_regs.log" | cut -c1-160 | head -34
 fi
 if want 168; then

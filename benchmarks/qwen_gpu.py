@@ -782,14 +782,12 @@ def main() -> None:
         # keeps a process's earlier ones): the greedy tokens then differed between processes (results/defaults_run1)
         from kernels import autotune_table
 
-        if AUTOTUNE_FOREIGN:  # the table's own device name, so `load` takes it here; the engines keep these picks
-            table = json.loads(Path(AUTOTUNE_TABLE).read_text())
-            loaded = autotune_table.load(table, table["device"])
+        if AUTOTUNE_FOREIGN:  # another GPU model's picks; the engines keep them (their own load refuses the table)
+            loaded, measured_on = autotune_table.load_foreign(AUTOTUNE_TABLE)
         else:
-            loaded = autotune_table.load_setting(AUTOTUNE_TABLE, device)
+            loaded, measured_on = autotune_table.load_setting(AUTOTUNE_TABLE, device), None
         log(f"autotune table {AUTOTUNE_TABLE}: {loaded} picks loaded before the calibration"
-            + (f" (measured on {table['device']}, this is {torch.cuda.get_device_name(device)})"
-               if AUTOTUNE_FOREIGN else ""))
+            + (f" (measured on {measured_on}, this is {torch.cuda.get_device_name(device)})" if measured_on else ""))
     if not args.no_calibrate:  # ModelOpt-style max calibration of the FP8 static input scales on one random prompt
         amax = sorted(calibrate_fp8_input_scales(model, rand(1, min(ctx, 256))).values())
         r["build"]["fp8_input_amax"] = dict(min=amax[0], median=amax[len(amax) // 2], max=amax[-1], n=len(amax))

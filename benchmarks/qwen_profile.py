@@ -504,6 +504,9 @@ def main() -> None:
     ap.add_argument("--engine-pdl", action="store_true",
                     help="--engine: decode with programmatic dependent launch (default off, comparable with older "
                          "profiles); read the critical path by end-time deltas, not the kernel table")
+    ap.add_argument("--autotune-foreign", metavar="JSON", default=None,
+                    help="load this autotune table whatever GPU model measured it (kernels/tuned/nvidia_h200.json on "
+                         "an H100: without it an H100 tunes at start for minutes), before the shipped table's")
     ap.add_argument("--engine-trace", action="store_true",
                     help="--engine: keep each decode window's Chrome trace as engine_decode_trace_<streams>.json.gz "
                          "under --out (several MB)")
@@ -526,6 +529,9 @@ def main() -> None:
         # forward, which would otherwise tune its keys in-process and the engine keep those picks (qwen_gpu.py's fix)
         from kernels import autotune_table
 
+        if args.autotune_foreign:  # another GPU model's picks (kernels/autotune_table.load_foreign)
+            n, measured_on = autotune_table.load_foreign(args.autotune_foreign)
+            log(f"autotune table {args.autotune_foreign}: {n} picks (measured on {measured_on}) loaded")
         log(f"autotune table auto: {autotune_table.load_setting('auto', device)} picks loaded before the calibration")
     calibrate_fp8_input_scales(model, rand(1, min(ctx, 256)))
     r = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,

@@ -125,6 +125,20 @@ def load(table: dict | str | Path, device_name: str) -> int:
     return n
 
 
+def load_foreign(path: str | Path) -> tuple[int, str]:
+    """`load` the JSON table at `path` whatever GPU model measured it (its own device name): another model's picks,
+    e.g. the H200's on an H100, for a side-by-side run without the start-up tuning (an H100's cold start tuned the
+    decode graphs' shapes for over 400 s: RESULTS.md, forty-seventh session). Not for serving: picks are only this
+    model's best where `load` accepts them. Returns (picks loaded, the table's device)."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"autotune table {path}: cannot read it ({exc})") from exc
+    if not isinstance(table, dict) or "device" not in table:
+        raise ValueError(f"autotune table {path}: no 'device' field")
+    return load(table, table["device"]), table["device"]
+
+
 def override(picks: list[dict]) -> dict:
     """Replace picks already in the autotuners' caches, for a side-by-side run of other picks in one process
     (benchmarks/qwen_gpu.py --variant '{"picks": [...]}'; a table's load keeps a process's picks, so it cannot).

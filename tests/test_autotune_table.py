@@ -48,6 +48,23 @@ def test_dump_then_load_restores_the_picks(clean_caches, tmp_path):
     assert autotune_table.load(table, "NVIDIA H200") == 0 and gemv.cache[key] is gemv.configs[0]
 
 
+def test_load_foreign_takes_another_models_table(clean_caches, tmp_path):
+    """`load_foreign` (benchmarks' --autotune-foreign) loads a table whatever GPU model it names -- the one `load`
+    refused on another model -- and still refuses a file that is not a table."""
+    gemv = clean_caches["w4a16_gemv"]
+    key = (1024, 2048, 1, True, True, False, 2, "torch.bfloat16", "torch.uint8", "torch.float32")
+    gemv.cache[key] = gemv.configs[2]
+    autotune_table.dump("NVIDIA H200", tmp_path / "t.json")
+    gemv.cache.clear()
+    assert autotune_table.load(tmp_path / "t.json", "NVIDIA H100 80GB HBM3") == 0 and not gemv.cache
+    assert autotune_table.load_foreign(tmp_path / "t.json") == (1, "NVIDIA H200")
+    assert gemv.cache == {key: gemv.configs[2]}
+    (tmp_path / "bad.json").write_text(json.dumps({"kernels": {}}))
+    for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match="autotune table"):
+            autotune_table.load_foreign(bad)
+
+
 def test_shipped_tables_load(clean_caches):
     """Every table in kernels/tuned/ names kernels and configurations the code still has, and loads whole."""
     tables = sorted(autotune_table.TABLE_DIR.glob("*.json"))
