@@ -19,9 +19,9 @@ caches (its default cache control), so the numbers are a kernel alone, not its t
 `--moe32`: instead, the 32-stream step's routed experts only -- gate_up + SwiGLU and down x routing weight on the
 swap-AB kernel at 32 tokens (top-8 of 256, 16-row blocks, fragment order, the engine's defaults), the calls that
 hold over half of that step's GPU time. `--moe32 --regs`: the same calls on `kernels/w4a16_regs.py` as well (Gluon,
-thread-order copies of the same weights; 16- and 8-row blocks, the launcher's defaults and a cp.async ring of 4), in
-the same profiled range, so one report has both kernels' stalls side by side (not with `--tiny`: Gluon has no
-interpreter).
+thread-order copies of the same weights; the engine's builds -- `BLOCK_M`-row blocks, `ENGINE_BUILDS` -- then the
+launcher's defaults at 16-row blocks), in the same profiled range, so one report has both kernels' stalls side by side
+(not with `--tiny`: Gluon has no interpreter).
 """
 
 from __future__ import annotations
@@ -161,12 +161,15 @@ def _moe32(args, dev, gen, w13, w2, H: int, INTER: int, E: int, TOP_K: int, toke
     idx = torch.stack([torch.randperm(E, device=dev, generator=gen)[:TOP_K] for _ in range(tokens)])
     routing = moe_align(idx, E, swapped_block_m(tokens * TOP_K, E))
     x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16, generator=gen)
-    regs = []  # --regs: (routing, gate_up stack, down stack) per row block
+    regs = []  # --regs: (routing, gate_up build, down build): the engine's, then the launcher's defaults
     if args.regs and not args.tiny:
+        from kernels import w4a16_regs
         from kernels.w4a16_regs import thread_order, w4a16_regs_launch
 
         w13t, w2t = thread_order(w13.packed), thread_order(w2.packed)
-        regs = [moe_align(idx, E, bm) for bm in (16, 8)]
+        builds = w4a16_regs.ENGINE_BUILDS
+        regs = [(moe_align(idx, E, w4a16_regs.BLOCK_M), builds["gate_up"], builds["down"]),
+                (moe_align(idx, E, 16), {}, {})]
     for rep in range(args.repeat):
         last = rep == args.repeat - 1
         if last and not args.tiny:
@@ -174,10 +177,9 @@ def _moe32(args, dev, gen, w13, w2, H: int, INTER: int, E: int, TOP_K: int, toke
         h = w4a16_grouped_swapped_launch(x, w13f, w13.scales, w13.global_scale, routing, a_div=TOP_K, swiglu=True,
                                          frag=True, block_n=tile[0])  # [tokens x top-k, INTER]
         w4a16_grouped_swapped_launch(h, w2f, w2.scales, w2.global_scale, routing, frag=True, block_n=tile[0])
-        for r in regs:  # the launcher's defaults, then a cp.async ring of 4 (the stall profiles of both ways)
-            for ring in (None, 4):
-                hr = w4a16_regs_launch(x, w13t, w13.scales, w13.global_scale, r, a_div=TOP_K, swiglu=True, ring=ring)
-                w4a16_regs_launch(hr, w2t, w2.scales, w2.global_scale, r, ring=ring)
+        for r, gate_up, down in regs:
+            hr = w4a16_regs_launch(x, w13t, w13.scales, w13.global_scale, r, a_div=TOP_K, swiglu=True, **gate_up)
+            w4a16_regs_launch(hr, w2t, w2.scales, w2.global_scale, r, **down)
         if last and not args.tiny:
             torch.cuda.nvtx.range_pop()
     if not args.tiny:

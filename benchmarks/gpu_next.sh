@@ -2122,7 +2122,8 @@ engine_out qwen_regs "${LIMIT_162:-230}" --decode-tokens 48 --variant 'regs={"ex
 fi
 if want 163; then
 # forty-second session: Nsight Compute on the 32-token expert calls, the swap-AB kernel's and kernels/w4a16_regs.py's
-# (16- and 8-row blocks) in one report: stalls, DRAM throughput and occupancy side by side (the why behind step 161)
+# (since the forty-seventh session: the engine's builds, then the launcher's defaults at 16-row blocks) in one
+# report: stalls, DRAM throughput and occupancy side by side (what holds gate_up at ~3.2 TB/s)
 say "163. issue 5: ncu on the 32-token experts, swap-AB and register-streamed kernels side by side"
 decode_ncu "${LIMIT_163:-300}" --moe32 --regs
 fi
