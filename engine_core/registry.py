@@ -77,6 +77,17 @@ class KernelPreference(str, enum.Enum):
             raise ValueError(f"unknown kernel preference {value!r}; valid: {valid}") from None
 
 
+def resolve_preference(preference: KernelPreference | str, device: Any) -> KernelPreference:
+    """The preference an engine on `device` (a `torch.device` or a string such as "cpu", "cuda:1") actually applies:
+    AUTO on a CPU device is REFERENCE -- there the reference IS the fastest path (Triton runs on the CPU only through
+    its interpreter, TRITON_INTERPRET=1, ~100x slower: a correctness tool); an explicit preference (TRITON: tests)
+    is kept, and elsewhere AUTO stays AUTO. The rule of `sammie.segmenter.resolve_kernels`, here for engines that do
+    not import sammie. Plain string handling: this module imports no torch."""
+    preference = KernelPreference.parse(preference)
+    kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    return KernelPreference.REFERENCE if preference is KernelPreference.AUTO and kind == "cpu" else preference
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way to compute an op."""

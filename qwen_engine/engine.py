@@ -45,6 +45,7 @@ from engine_core.continuous import (
     TokenDelta,
 )
 from engine_core.config_args import check_field_types, from_args
+from engine_core.registry import resolve_preference
 from engine_core.request import BadRequest, NotReady, client_timeout  # noqa: F401 - re-exported for callers
 from engine_core.request import Answer, Cancelled, DeadlineExceeded, Overloaded, RequestId, RequestTimings
 from kernels.paged_attention import GATED_NAME as GATED_ATTN_OP
@@ -78,7 +79,10 @@ class QwenEngineConfig:
     dtype: str = "auto"  # auto | fp32 | bf16; auto -> bf16 on cuda, fp32 on cpu
     seed: int = 0  # torch seed of the random weights; also seeds the per-request seeds of unseeded requests
     kernels: str = "auto"  # engine_core.registry KernelPreference: auto | reference | triton, for the runner's ops
-    #                        and the process-wide registry's model ops (MODEL_OPS: packed linears, experts, norms)
+    #                        and the process-wide registry's model ops (MODEL_OPS: packed linears, experts, norms);
+    #                        "auto" on a CPU device applies "reference" (engine_core.registry.resolve_preference:
+    #                        Triton runs there only interpreted); "triton" is kept. QwenEngine.kernels / health()
+    #                        "kernel_preference": the value applied
     kernel_self_check: bool = True  # at start, every kernel the engine may choose vs its reference on sample inputs
     #                                 on this device; a failure is logged at ERROR and disables that kernel (the
     #                                 reference runs instead); outcomes in health()["kernel_checks"]
@@ -420,7 +424,10 @@ class QwenEngine:
         self.dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.checkpoint = cfg.checkpoint
-        if cfg.kernels == "reference" and cfg.expert_layout not in ("auto", "checkpoint"):
+        # the preference applied (engine_core.registry.resolve_preference): "auto" on a CPU device is "reference"
+        # (Triton there runs only through its interpreter, ~100x slower); "triton" is kept (tests)
+        self.kernels = resolve_preference(cfg.kernels, self.device).value
+        if self.kernels == "reference" and cfg.expert_layout not in ("auto", "checkpoint"):
             log.warning("expert_layout %r with kernels 'reference': no kernel reads the repacked experts, and the "
                         "reference unpacks them on every call (slow; 'dual' / 'dual_frag' also hold an unused second "
                         "copy)", cfg.expert_layout)
@@ -428,7 +435,7 @@ class QwenEngine:
         self.model = model if model is not None else build_model(
             cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights, cfg.shared_expert_in_moe,
             # kernels "reference": no kernel reads a repacked layout, and the reference would undo it on every call
-            "checkpoint" if cfg.kernels == "reference" and cfg.expert_layout == "auto" else cfg.expert_layout)
+            "checkpoint" if self.kernels == "reference" and cfg.expert_layout == "auto" else cfg.expert_layout)
         self.shared_expert_in_moe = set_shared_expert_in_moe(self.model, cfg.shared_expert_in_moe)
         self.moe_fused_decode = set_moe_fused_decode(self.model, cfg.moe_fused_decode)
         self.shared_expert_stream = set_shared_expert_stream(self.model, cfg.shared_expert_stream)
@@ -436,21 +443,21 @@ class QwenEngine:
         self.gdn_decode_norm = set_gdn_decode_norm(self.model, cfg.gdn_decode_norm)
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
-        self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device))
+        self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device, self.kernels))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.expert_regs = set_expert_regs(self.model, cfg.expert_regs, self.device, self.dtype)
         self.router_align = set_router_align(self.model, cfg.router_align)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
-        self.registry = gdn_registry(cfg.kernels)  # the engine's own: its preference does not leak into others
+        self.registry = gdn_registry(self.kernels)  # the engine's own: its preference does not leak into others
         # the model's ops dispatch through the process-wide registry: the engine's preference is set there too (the
         # last engine built in a process wins; one engine per replica process is the deployment)
         from engine_core.registry import default_registry
 
         for op in MODEL_OPS:
             if op in default_registry().ops():
-                default_registry().set_preference(cfg.kernels, op)
+                default_registry().set_preference(self.kernels, op)
         from kernels import autotune_table
 
         self.autotune_picks = autotune_table.load_setting(cfg.autotune_table, self.device)
@@ -650,6 +657,7 @@ class QwenEngine:
             "router_align_layers": self.router_align,
             "expert_layouts": expert_layouts(self.model),
             "runner": self.runner.stats(),
+            "kernel_preference": self.kernels,  # cfg.kernels as applied on this device (resolve_preference)
             "kernels": {k: v["last"] for k, v in self.registry.choices().items() if v["calls"]},
             "kernel_checks": self.kernel_checks,
             "autotune_table_picks": self.autotune_picks,
@@ -1090,14 +1098,17 @@ def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:
     return _set_on_every(model, GatedDeltaNet, "z_stream", on)
 
 
-def resolve_lm_head_layout(cfg: QwenEngineConfig, device: torch.device) -> str:
+def resolve_lm_head_layout(cfg: QwenEngineConfig, device: torch.device, kernels: str | None = None) -> str:
     """`QwenEngineConfig.lm_head_layout` on `device`: "auto" -> "dual_frag" on Hopper (compute capability 9.x, where
     it was measured) unless the kernels are the references (which would undo the order on every call), else
-    "checkpoint"; the others as given."""
+    "checkpoint"; the others as given. `kernels`: the resolved preference (`QwenEngine.kernels`); None resolves
+    `cfg.kernels` on `device` (engine_core.registry.resolve_preference)."""
     if cfg.lm_head_layout != "auto":
         return cfg.lm_head_layout
+    if kernels is None:
+        kernels = resolve_preference(cfg.kernels, device).value
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return "dual_frag" if hopper and cfg.kernels != "reference" else "checkpoint"
+    return "dual_frag" if hopper and kernels != "reference" else "checkpoint"
 
 
 def set_lm_head_layout(model: torch.nn.Module, layout: str) -> str:

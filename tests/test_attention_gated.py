@@ -67,11 +67,18 @@ def test_packed_decode_steps_take_it_and_change_nothing(monkeypatch):
 
     monkeypatch.setattr(quantized, "QUANT_IN_PRODUCERS", True)
     monkeypatch.setattr(attention, "GATE_IN_COMBINE", False)
-    off, tokens = _drive(_packed_model(), True, monkeypatch)
     reg = default_registry()
-    before = reg.choices().get(pa.GATED_NAME, {}).get("calls", {}).get("triton", 0)
-    monkeypatch.setattr(attention, "GATE_IN_COMBINE", True)
-    on, _ = _drive(_packed_model(), True, monkeypatch, tokens)
+    preference = reg.preference(pa.GATED_NAME)
+    # an engine built earlier in this process may have set it (QwenEngineConfig.kernels; "auto" on a CPU device
+    # applies "reference"), which would leave the Triton kernel unasked
+    reg.set_preference("auto", pa.GATED_NAME)
+    try:
+        off, tokens = _drive(_packed_model(), True, monkeypatch)
+        before = reg.choices().get(pa.GATED_NAME, {}).get("calls", {}).get("triton", 0)
+        monkeypatch.setattr(attention, "GATE_IN_COMBINE", True)
+        on, _ = _drive(_packed_model(), True, monkeypatch, tokens)
+    finally:
+        reg.set_preference(preference, pa.GATED_NAME)
     assert len(on) == len(off) and any(decode for decode, _ in on)
     for (decode, a), (_, b) in zip(off, on):
         assert torch.equal(a, b), "decode" if decode else "prefill"
@@ -84,7 +91,7 @@ def test_engine_option_keeps_tokens(monkeypatch):
     stays)."""
     from qwen_engine.engine import QwenEngineConfig
     from qwen_engine.model import attention
-    from tests.test_qwen_engine import collect, engine_config, run
+    from tests.test_qwen_engine import CPU_TRITON, collect, engine_config, run
 
     assert QwenEngineConfig().attn_gate_in_combine is True
     monkeypatch.setattr(attention, "GATE_IN_COMBINE", attention.GATE_IN_COMBINE)  # restored after the test
@@ -93,8 +100,10 @@ def test_engine_option_keeps_tokens(monkeypatch):
         tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
         return attention.GATE_IN_COMBINE, tokens
 
-    on, tokens_on = run(engine_config(attn_gate_in_combine=True, kernels="auto"), body)
-    off, tokens_off = run(engine_config(attn_gate_in_combine=False, kernels="auto"), body)
+    # the Triton kernels where they run on the engine's CPU tensors (the interpreter, asked for as "triton": "auto"
+    # on a CPU device applies the references); "auto" (the references) on a GPU host
+    on, tokens_on = run(engine_config(attn_gate_in_combine=True, kernels=CPU_TRITON), body)
+    off, tokens_off = run(engine_config(attn_gate_in_combine=False, kernels=CPU_TRITON), body)
     assert on is True and off is False and tokens_on == tokens_off and len(tokens_on) == 4
 
 

@@ -91,7 +91,7 @@ def test_engine_option_on_by_default_plain_launch_same_tokens():
     to call it gives the greedy tokens of one that does not, the registry's op then called."""
     from kernels import argmax_rows
     from qwen_engine.engine import QwenEngineConfig
-    from tests.test_qwen_engine import collect, engine_config, run
+    from tests.test_qwen_engine import CPU_TRITON, collect, engine_config, run
 
     assert QwenEngineConfig().argmax_kernel is True and argmax_rows.PDL_LAUNCH is False
 
@@ -102,11 +102,14 @@ def test_engine_option_on_by_default_plain_launch_same_tokens():
             calls = sum(engine.registry.choices().get("argmax_rows", {}).get("calls", {}).values())
             tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
             used = sum(engine.registry.choices().get("argmax_rows", {}).get("calls", {}).values()) - calls
-            return default, tokens, used
+            return default, tokens, (used, engine.registry.choices().get("argmax_rows", {}).get("last"))
         return body
 
-    default, tokens_on, used_on = run(engine_config(argmax_kernel=True, kernels="auto"), body_forcing(True))
-    _, tokens_off, used_off = run(engine_config(argmax_kernel=True, kernels="auto"), body_forcing(False))
+    # the kernel where it runs on the engine's CPU tensors (the interpreter, asked for as "triton": "auto" on a CPU
+    # device applies the references); "auto" (the reference) on a GPU host, whose compiled kernel cannot take them
+    default, tokens_on, (used_on, impl) = run(engine_config(argmax_kernel=True, kernels=CPU_TRITON), body_forcing(True))
+    _, tokens_off, (used_off, _) = run(engine_config(argmax_kernel=True, kernels=CPU_TRITON), body_forcing(False))
     assert default is False  # a CPU engine
     assert used_on > 0 and used_off == 0
+    assert (impl == "triton") == (CPU_TRITON == "triton"), impl
     assert tokens_on == tokens_off and len(tokens_on) == 4

@@ -220,7 +220,7 @@ def test_split_v_engine_option(monkeypatch):
     process-wide; a negative, bool or non-int value is a clear error; the engine's greedy tokens are the same split
     or not (the same bits)."""
     from qwen_engine.engine import QwenEngineConfig
-    from tests.test_qwen_engine import collect, engine_config, run
+    from tests.test_qwen_engine import CPU_TRITON, collect, engine_config, run
 
     assert QwenEngineConfig().gdn_prep_split_v_rows == 4
     for bad in (-1, True, 1.0, "2", None):
@@ -232,10 +232,11 @@ def test_split_v_engine_option(monkeypatch):
         tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
         return gdn_prep.SPLIT_V_ROWS, tokens, engine.registry.choices().get("gdn_decode_prep_ba", {}).get("last")
 
-    # kernels "auto": the decode prep on its Triton kernel where Triton runs on the engine's CPU tensors (the
-    # interpreter: CI); a GPU host's compiled Triton does not, so the reference there; a lone request decodes 1 row
-    split_on, tokens_on, impl = run(engine_config(gdn_prep_split_v_rows=4, kernels="auto"), body)
-    split_off, tokens_off, _ = run(engine_config(gdn_prep_split_v_rows=0, kernels="auto"), body)
+    # CPU_TRITON: the decode prep on its Triton kernel where Triton runs on the engine's CPU tensors (the
+    # interpreter, asked for as "triton": "auto" on a CPU device applies the references); a GPU host's compiled
+    # Triton does not, so "auto" and the reference there; a lone request decodes 1 row
+    split_on, tokens_on, impl = run(engine_config(gdn_prep_split_v_rows=4, kernels=CPU_TRITON), body)
+    split_off, tokens_off, _ = run(engine_config(gdn_prep_split_v_rows=0, kernels=CPU_TRITON), body)
     assert split_on == 4 and split_off == 0 and impl is not None
     assert (impl != "reference") == gdn_prep._interpreted(), impl
     assert tokens_on == tokens_off and len(tokens_on) == 4

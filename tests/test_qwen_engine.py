@@ -38,6 +38,23 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 # Triton built by its interpreter (CPU hosts: tests/conftest.py sets TRITON_INTERPRET=1): the kernels then run on the
 # CPU tensors of these tests; on a GPU host they are compiled and the CPU engines here run the references
 INTERPRETED = _kernels_interpreted()
+# The preference under which this module's CPU engines run the Triton kernels: "auto" on a CPU device applies the
+# references (engine_core.registry.resolve_preference), so the interpreter is asked for explicitly; on a GPU host the
+# compiled kernels cannot take these engines' CPU tensors ("triton" would raise), so "auto" -- the references -- there,
+# as "auto" fell back to them before the rule
+CPU_TRITON = "triton" if INTERPRETED else "auto"
+
+
+def auto_as_on_a_gpu(monkeypatch) -> None:
+    """For the CPU engines of packed weights that run the interpreted Triton kernels where these take the call and
+    the references elsewhere: kernels "auto" keeps AUTO on the CPU device (the engine module's `resolve_preference`
+    made the identity for the test). "triton" cannot serve them: fp8_linear's Triton paths are CUDA-only and an
+    explicit preference never falls back."""
+    import qwen_engine.engine as engine_module
+    from engine_core.registry import KernelPreference
+
+    monkeypatch.setattr(engine_module, "resolve_preference",
+                        lambda preference, device: KernelPreference.parse(preference))
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -377,8 +394,11 @@ def test_engine_with_packed_weights_equals_single_prompt_reference(monkeypatch, 
     seen.clear()  # auto with the reference kernels: the checkpoint layout (the reference would undo a repack per call)
     QwenEngine(engine_config(weights="packed", kernels="reference"))
     assert seen and set(seen) == {"checkpoint"}, seen
-    seen.clear()
-    QwenEngine(engine_config(weights="packed", kernels="auto"))
+    seen.clear()  # "auto" on the CPU applies the references (resolve_preference): the checkpoint layout too
+    assert QwenEngine(engine_config(weights="packed", kernels="auto")).kernels == "reference"
+    assert seen and set(seen) == {"checkpoint"}, seen
+    seen.clear()  # a preference that runs kernels: the config's "auto" layout reaches the loader
+    QwenEngine(engine_config(weights="packed", kernels="triton"))
     assert seen and set(seen) == {"auto"}, seen
 
 
@@ -560,11 +580,13 @@ def test_not_ready_and_config_validation():
 
 def test_kernel_self_check_at_start():
     """kernel_self_check (default on): every kernel the engine may choose is checked against its reference at
-    start (here through the Triton interpreter) and the outcomes show in health(); a failing kernel is disabled."""
+    start (here through the Triton interpreter) and the outcomes show in health(); a failing kernel is disabled.
+    kernels="triton": "auto" on a CPU device applies the references, whose check is skipped (no op is called here,
+    so "triton" needs no kernel that takes the CPU tensors: on a GPU host the checks report the skips below)."""
     async def body(engine):
         return engine.health()
 
-    h = run(engine_config(kernels="auto", kernel_self_check=True), body)
+    h = run(engine_config(kernels="triton", kernel_self_check=True), body)
     checks = h["kernel_checks"]
     # on the CPU through the interpreter; on a GPU host this CPU engine's samples are CPU tensors that compiled
     # Triton cannot take (the GPU engine's checks are in benchmarks/RESULTS.md)
@@ -588,7 +610,7 @@ def test_kernel_self_check_at_start():
     # the decode MoE in one launch (off by default) is checked only by an engine that may run it
     assert "w4a16_moe_decode" not in checks, checks
     assert "router_topk_align" not in checks, checks  # likewise the router's alignment (router_align, off)
-    fused = run(engine_config(kernels="auto", kernel_self_check=True, moe_fused_decode=True), body)["kernel_checks"]
+    fused = run(engine_config(kernels="triton", kernel_self_check=True, moe_fused_decode=True), body)["kernel_checks"]
     assert fused["w4a16_moe_decode"] == want, fused
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
 
@@ -802,8 +824,10 @@ def test_engine_router_align(monkeypatch):
         assert w4a16_gemm.ROUTING_REBUILT[0] == rebuilt  # every routing the router built fit its experts call
         return engine.health(), [o[0] for o in outs], calls() - before
 
-    # kernels "auto": the Triton kernels (interpreted on the CPU), so the experts' grouped kernel reads the router's
-    # alignment (with the references, the experts' reference ignores it and only the wiring would be checked)
+    # kernels "auto" as on a GPU (auto_as_on_a_gpu): the Triton kernels (interpreted on the CPU) where they take the
+    # call, so the experts' grouped kernel reads the router's alignment (with the references, the experts' reference
+    # ignores it and only the wiring would be checked)
+    auto_as_on_a_gpu(monkeypatch)
     (h_on, on, calls_on), (h_off, off, calls_off) = (
         run(engine_config(weights="packed", kernels="auto", router_align=flag, shared_expert_in_moe=True), body)
         for flag in (True, False))
@@ -828,7 +852,7 @@ def test_engine_router_align(monkeypatch):
     assert 8 in rows and on == off  # the padded decode batch went through the router's alignment
     h_dense = run(engine_config(router_align=True), lambda engine: asyncio.sleep(0, engine.health()))
     assert h_dense["router_align_layers"] == 0
-    checks = run(engine_config(kernels="auto", kernel_self_check=True, router_align=True),
+    checks = run(engine_config(kernels="triton", kernel_self_check=True, router_align=True),
                  lambda engine: asyncio.sleep(0, engine.health()))["kernel_checks"]
     want = ("triton passed; router_topk+moe_align passed" if INTERPRETED else
             "triton skipped (does not support the sample on cpu); router_topk+moe_align skipped (does not support "
@@ -904,3 +928,61 @@ def test_resolve_lm_head_layout_auto_by_device(monkeypatch):
         assert resolve_lm_head_layout(QwenEngineConfig(kernels=kernels, lm_head_layout="split_frag"),
                                       cuda) == "split_frag"
     assert resolve_lm_head_layout(QwenEngineConfig(), cpu) == "checkpoint"
+    # the engine passes its resolved preference (QwenEngine.kernels), which decides over cfg.kernels
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_lm_head_layout(QwenEngineConfig(kernels="auto"), cuda, "reference") == "checkpoint"
+    assert resolve_lm_head_layout(QwenEngineConfig(kernels="auto"), cuda, "triton") == "dual_frag"
+
+
+def test_kernels_auto_applies_the_references_on_cpu(monkeypatch):
+    """QwenEngineConfig.kernels "auto" on a CPU device applies "reference" (engine_core.registry.resolve_preference,
+    sammie.segmenter.resolve_kernels' rule): Triton runs there only through its interpreter, ~100x slower, which
+    TRITON_INTERPRET=1 (tests/conftest.py on a CPU host) makes importable but must not make chosen. An explicit
+    "triton" is kept (the tests that run the interpreted kernels), and on a CUDA device "auto" stays "auto"."""
+    from engine_core.registry import KernelPreference, default_registry, resolve_preference
+    from qwen_engine.engine import MODEL_OPS
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the rule does not read it (set here for hosts with a GPU)
+    reg = default_registry()
+    model_ops = [op for op in MODEL_OPS if op in reg.ops()]
+    assert model_ops
+    before = {op: reg.preference(op) for op in model_ops}
+    try:
+        # explicit "triton": kept, in the engine's own registry and the process-wide one (no op is called here, so
+        # this holds on a GPU host too, whose compiled kernels would refuse the CPU tensors)
+        engine = QwenEngine(engine_config(kernels="triton"))
+        assert engine.kernels == "triton" and engine.health()["kernel_preference"] == "triton"
+        assert {v["preference"] for v in engine.registry.choices().values()} == {"triton"}
+        assert {reg.preference(op) for op in model_ops} == {KernelPreference.TRITON}
+        asyncio.run(engine.aclose())
+
+        async def body(engine):
+            tokens, _ = await collect(engine, prompt(0, 7), max_new_tokens=3)
+            return engine, tokens
+
+        engine, tokens = run(engine_config(kernels="auto"), body)  # QwenEngineConfig's default
+        assert QwenEngineConfig().kernels == "auto" and len(tokens) == 3
+        assert engine.kernels == "reference" and engine.health()["kernel_preference"] == "reference"
+        assert {v["preference"] for v in engine.registry.choices().values()} == {"reference"}
+        assert {reg.preference(op) for op in model_ops} == {KernelPreference.REFERENCE}
+        ran = engine.health()["kernels"]  # the runner's ops this engine called: the references only
+        assert ran and set(ran.values()) == {"reference"}, ran
+        assert tokens == reference_greedy(engine, prompt(0, 7), 3)
+    finally:
+        for op, pref in before.items():
+            reg.set_preference(pref, op)
+
+    # the rule itself: a pure function of the preference and the device's type (no GPU needed)
+    auto, ref, triton = KernelPreference.AUTO, KernelPreference.REFERENCE, KernelPreference.TRITON
+    for device in ("cpu", torch.device("cpu")):
+        assert resolve_preference("auto", device) is ref
+        assert resolve_preference(auto, device) is ref
+        assert resolve_preference("triton", device) is triton
+        assert resolve_preference("reference", device) is ref
+        assert resolve_preference("torch", device) is KernelPreference.TORCH
+    for device in ("cuda", "cuda:1", torch.device("cuda"), torch.device("cuda", 0), "meta"):
+        assert resolve_preference("auto", device) is auto, device
+        assert resolve_preference("triton", device) is triton, device
+        assert resolve_preference("reference", device) is ref, device
+    with pytest.raises(ValueError, match="unknown kernel preference"):
+        resolve_preference("fast", "cpu")
