@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine_core.registry import KernelPreference, resolve_preference
 from sammie.config import Sam3Config
 from sammie.preprocess import ImageLike, preprocess_batch, to_rgb_uint8
 
@@ -32,17 +33,17 @@ log = logging.getLogger(__name__)
 
 _POPCOUNT = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(1).astype(np.int64)  # byte -> set bits
 
-KERNEL_PREFERENCES = ("auto", "reference", "triton", "torch")  # engine_core.registry.KernelPreference values
+KERNEL_PREFERENCES = tuple(p.value for p in KernelPreference)  # auto, reference, triton, torch
 KERNEL_OPS = ("kernels.preprocess", "kernels.mask_post")  # the registry ops on Sammie's request path
 
 
 def resolve_kernels(preference: str, device: torch.device | str) -> str:
-    """The registry preference actually applied. "auto" on a CPU device is "reference": there the reference IS the
-    fastest path (Triton runs on CPU only through its interpreter, ~100x slower, a correctness tool); asking for
-    "triton" explicitly still gets the interpreter (tests). Elsewhere the preference is passed through."""
+    """The registry preference actually applied: `engine_core.registry.resolve_preference`'s rule, shared with the
+    Qwen engine ("auto" on a CPU device is "reference": Triton runs there only through its interpreter, ~100x slower,
+    a correctness tool; "triton" asked for explicitly still gets the interpreter, for tests)."""
     if preference not in KERNEL_PREFERENCES:
         raise ValueError(f"kernels must be one of {list(KERNEL_PREFERENCES)}, got {preference!r}")
-    return "reference" if preference == "auto" and torch.device(device).type == "cpu" else preference
+    return resolve_preference(preference, torch.device(device)).value
 
 
 def kernel_registry(preference: str, device: torch.device | str, extra_modules: Sequence[str] = ()):
