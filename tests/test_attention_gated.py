@@ -67,18 +67,12 @@ def test_packed_decode_steps_take_it_and_change_nothing(monkeypatch):
 
     monkeypatch.setattr(quantized, "QUANT_IN_PRODUCERS", True)
     monkeypatch.setattr(attention, "GATE_IN_COMBINE", False)
-    reg = default_registry()
-    preference = reg.preference(pa.GATED_NAME)
-    # an engine built earlier in this process may have set it (QwenEngineConfig.kernels; "auto" on a CPU device
-    # applies "reference"), which would leave the Triton kernel unasked
-    reg.set_preference("auto", pa.GATED_NAME)
-    try:
-        off, tokens = _drive(_packed_model(), True, monkeypatch)
-        before = reg.choices().get(pa.GATED_NAME, {}).get("calls", {}).get("triton", 0)
-        monkeypatch.setattr(attention, "GATE_IN_COMBINE", True)
-        on, _ = _drive(_packed_model(), True, monkeypatch, tokens)
-    finally:
-        reg.set_preference(preference, pa.GATED_NAME)
+    reg = default_registry()  # its preferences as a fresh process has them: an engine built by an earlier test had
+    #                            set them process-wide (tests/conftest.py process_registry_preferences puts them back)
+    off, tokens = _drive(_packed_model(), True, monkeypatch)
+    before = reg.choices().get(pa.GATED_NAME, {}).get("calls", {}).get("triton", 0)
+    monkeypatch.setattr(attention, "GATE_IN_COMBINE", True)
+    on, _ = _drive(_packed_model(), True, monkeypatch, tokens)
     assert len(on) == len(off) and any(decode for decode, _ in on)
     for (decode, a), (_, b) in zip(off, on):
         assert torch.equal(a, b), "decode" if decode else "prefill"

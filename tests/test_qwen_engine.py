@@ -946,31 +946,28 @@ def test_kernels_auto_applies_the_references_on_cpu(monkeypatch):
     reg = default_registry()
     model_ops = [op for op in MODEL_OPS if op in reg.ops()]
     assert model_ops
-    before = {op: reg.preference(op) for op in model_ops}
-    try:
-        # explicit "triton": kept, in the engine's own registry and the process-wide one (no op is called here, so
-        # this holds on a GPU host too, whose compiled kernels would refuse the CPU tensors)
-        engine = QwenEngine(engine_config(kernels="triton"))
-        assert engine.kernels == "triton" and engine.health()["kernel_preference"] == "triton"
-        assert {v["preference"] for v in engine.registry.choices().values()} == {"triton"}
-        assert {reg.preference(op) for op in model_ops} == {KernelPreference.TRITON}
-        asyncio.run(engine.aclose())
+    # (the process-wide preferences these engines set are put back after the test: tests/conftest.py
+    # process_registry_preferences)
+    # explicit "triton": kept, in the engine's own registry and the process-wide one (no op is called here, so
+    # this holds on a GPU host too, whose compiled kernels would refuse the CPU tensors)
+    engine = QwenEngine(engine_config(kernels="triton"))
+    assert engine.kernels == "triton" and engine.health()["kernel_preference"] == "triton"
+    assert {v["preference"] for v in engine.registry.choices().values()} == {"triton"}
+    assert {reg.preference(op) for op in model_ops} == {KernelPreference.TRITON}
+    asyncio.run(engine.aclose())
 
-        async def body(engine):
-            tokens, _ = await collect(engine, prompt(0, 7), max_new_tokens=3)
-            return engine, tokens
+    async def body(engine):
+        tokens, _ = await collect(engine, prompt(0, 7), max_new_tokens=3)
+        return engine, tokens
 
-        engine, tokens = run(engine_config(kernels="auto"), body)  # QwenEngineConfig's default
-        assert QwenEngineConfig().kernels == "auto" and len(tokens) == 3
-        assert engine.kernels == "reference" and engine.health()["kernel_preference"] == "reference"
-        assert {v["preference"] for v in engine.registry.choices().values()} == {"reference"}
-        assert {reg.preference(op) for op in model_ops} == {KernelPreference.REFERENCE}
-        ran = engine.health()["kernels"]  # the runner's ops this engine called: the references only
-        assert ran and set(ran.values()) == {"reference"}, ran
-        assert tokens == reference_greedy(engine, prompt(0, 7), 3)
-    finally:
-        for op, pref in before.items():
-            reg.set_preference(pref, op)
+    engine, tokens = run(engine_config(kernels="auto"), body)  # QwenEngineConfig's default
+    assert QwenEngineConfig().kernels == "auto" and len(tokens) == 3
+    assert engine.kernels == "reference" and engine.health()["kernel_preference"] == "reference"
+    assert {v["preference"] for v in engine.registry.choices().values()} == {"reference"}
+    assert {reg.preference(op) for op in model_ops} == {KernelPreference.REFERENCE}
+    ran = engine.health()["kernels"]  # the runner's ops this engine called: the references only
+    assert ran and set(ran.values()) == {"reference"}, ran
+    assert tokens == reference_greedy(engine, prompt(0, 7), 3)
 
     # the rule itself: a pure function of the preference and the device's type (no GPU needed)
     auto, ref, triton = KernelPreference.AUTO, KernelPreference.REFERENCE, KernelPreference.TRITON
