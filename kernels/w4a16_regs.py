@@ -617,8 +617,17 @@ def fit_build(build: dict, k: int, n_out: int) -> dict:
     """`build` (launcher keywords, e.g. an ENGINE_BUILDS entry) for a projection of K `k` and `n_out` outputs: `ahead`
     halved until it divides the K tiles and `cols` until it divides the column tiles, so that the engine's builds run
     at every shape the op meets -- the start-up self-check's small sample too (H200, 2026-12-05: an ahead-4 down
-    build refused the sample's 2 K tiles, the check disabled the kernel and the engine fell back to the reference)."""
+    build refused the sample's 2 K tiles, the check disabled the kernel and the engine fell back to the reference).
+    A TMA build (`"kernel": "tma"`, `kernels/w4a16_tma.py`): `tiles` halved until it divides the K tiles (>= 2;
+    one K tile takes the register kernel's defaults, the TMA scales' box needing two)."""
     kt, tiles = k // 128, n_out // 64
+    if build.get("kernel") == "tma":
+        from kernels.w4a16_tma import TILES
+
+        t = build.get("tiles") or TILES
+        while t > 2 and kt % t:
+            t //= 2
+        return {**build, "tiles": t} if kt % t == 0 else {}
     ahead = build.get("ahead") or AHEAD
     cols = build.get("cols") or COLS
     while ahead > 1 and kt % ahead:
@@ -626,6 +635,20 @@ def fit_build(build: dict, k: int, n_out: int) -> dict:
     while cols > 1 and tiles % cols:
         cols //= 2
     return {**build, "ahead": ahead, "cols": cols}
+
+
+def launch_build(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                 routing: MoeRouting, build: dict, **kw) -> torch.Tensor:
+    """One projection on thread-order weights by the build `build` (a `fit_build` result): the TMA kernel
+    (`kernels/w4a16_tma.py`) for `"kernel": "tma"` with its `tiles`, `stages`, `w_cols`; else this module's launcher
+    with the build's keywords. `kw`: the call's (a_div, swiglu, row_scale). Both give the same bits."""
+    if build.get("kernel") == "tma":
+        from kernels.w4a16_tma import w4a16_tma_launch
+
+        return w4a16_tma_launch(x, packed_thread, scales, global_scale, routing, tiles=build.get("tiles"),
+                                stages=build.get("stages"), w_cols=build.get("w_cols"), **kw)
+    return w4a16_regs_launch(x, packed_thread, scales, global_scale, routing,
+                             **{k: v for k, v in build.items() if k != "kernel"}, **kw)
 
 
 def k_ok(k: int) -> bool:
