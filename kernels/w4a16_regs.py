@@ -619,15 +619,18 @@ def fit_build(build: dict, k: int, n_out: int) -> dict:
     at every shape the op meets -- the start-up self-check's small sample too (H200, 2026-12-05: an ahead-4 down
     build refused the sample's 2 K tiles, the check disabled the kernel and the engine fell back to the reference).
     A TMA build (`"kernel": "tma"`, `kernels/w4a16_tma.py`): `tiles` halved until it divides the K tiles (>= 2;
-    one K tile takes the register kernel's defaults, the TMA scales' box needing two)."""
+    one K tile takes the register kernel's defaults, the TMA scales' box needing two), `cols` as above."""
     kt, tiles = k // 128, n_out // 64
     if build.get("kernel") == "tma":
         from kernels.w4a16_tma import TILES
 
         t = build.get("tiles") or TILES
+        cols = build.get("cols") or 1
         while t > 2 and kt % t:
             t //= 2
-        return {**build, "tiles": t} if kt % t == 0 else {}
+        while cols > 1 and tiles % cols:
+            cols //= 2
+        return {**build, "tiles": t, "cols": cols} if kt % t == 0 else {}
     ahead = build.get("ahead") or AHEAD
     cols = build.get("cols") or COLS
     while ahead > 1 and kt % ahead:
@@ -640,13 +643,13 @@ def fit_build(build: dict, k: int, n_out: int) -> dict:
 def launch_build(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                  routing: MoeRouting, build: dict, **kw) -> torch.Tensor:
     """One projection on thread-order weights by the build `build` (a `fit_build` result): the TMA kernel
-    (`kernels/w4a16_tma.py`) for `"kernel": "tma"` with its `tiles`, `stages`, `w_cols`; else this module's launcher
-    with the build's keywords. `kw`: the call's (a_div, swiglu, row_scale). Both give the same bits."""
+    (`kernels/w4a16_tma.py`) for `"kernel": "tma"` with its `tiles`, `stages`, `w_cols`, `cols`; else this module's
+    launcher with the build's keywords. `kw`: the call's (a_div, swiglu, row_scale). Both give the same bits."""
     if build.get("kernel") == "tma":
         from kernels.w4a16_tma import w4a16_tma_launch
 
         return w4a16_tma_launch(x, packed_thread, scales, global_scale, routing, tiles=build.get("tiles"),
-                                stages=build.get("stages"), w_cols=build.get("w_cols"), **kw)
+                                stages=build.get("stages"), w_cols=build.get("w_cols"), cols=build.get("cols"), **kw)
     return w4a16_regs_launch(x, packed_thread, scales, global_scale, routing,
                              **{k: v for k, v in build.items() if k != "kernel"}, **kw)
 

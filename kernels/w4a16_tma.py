@@ -31,7 +31,8 @@ gate_up 9.0-9.3 against 11.7-12.0 us. The engine with gate_up on it: 32 streams 
 same tokens -- no gain, so `w4a16_regs.ENGINE_BUILDS` keeps the register builds. Why: a read-only kernel over the
 same bytes and grid (`benchmarks/expert_read_floor.py`) takes 67.7 us for gate_up at 32 tokens there, so both
 kernels were already within 7-9% of their access pattern's read floor on that GPU: bytes in flight were not what
-held them. The H200 streams gate_up at ~3.2 TB/s of its 4.8 (the H100 at ~2.6 of 3.35), where more bytes in flight
+held them, and neither were the programs' prologues: `cols` (several column tiles a program, one run) gained
+nothing either (results/tma48_run4). The H200 streams gate_up at ~3.2 TB/s of its 4.8 (the H100 at ~2.6 of 3.35), where more bytes in flight
 may still pay: `gpu_next.sh` steps 174 / 172 / 173 measure the floor, this kernel and the engine there.
 """
 
@@ -55,6 +56,7 @@ if gluon is not None:
 
 TILES = 2  # K tiles a stage (one TMA box a projection); 2 or 4 (the scales' box is 8 TILES bytes wide: >= 16)
 STAGES = 4  # ring slots; STAGES - 1 stages stay in flight while one is read
+COLS = 1  # output column tiles of 64 a program (their tiles streamed as one run)
 W_COLS = 256  # int32 words a row of the words' 2D view (a tile is 1024 / W_COLS rows): 256 or 32
 STAGE_CHOICES = (2, 3, 4, 6)
 TILE_CHOICES = (2, 4)
@@ -75,20 +77,25 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_stage(w_desc, s_desc, ring_w, ring_s, ring_v, ring_vc, bars, slot, stage, wrow, wrow_up, srow,
-                     srow_up, TILES: gl.constexpr, W_ROWS: gl.constexpr, SWIGLU: gl.constexpr):
-        """Stage `stage`'s words and scales (and the up projection's, into their own rings) by TMA into ring slot
-        `slot`, completing on the slot's mbarrier (expect-tx of all of their bytes first). Four allocations, not
-        one: Triton's shared-memory hazard analysis puts a CTA barrier between two TMA writes into one."""
+                     srow_up, NS: gl.constexpr, TILES: gl.constexpr, W_ROWS: gl.constexpr, SWIGLU: gl.constexpr):
+        """Stage `stage` of the program's stream (column tile stage // NS of its COLS, K stage stage % NS): its words
+        and scales (and the up projection's, into their own rings) by TMA into ring slot `slot`, completing on the
+        slot's mbarrier (expect-tx of all of their bytes first). The words of a program's column tiles are
+        contiguous (thread order), so stage s's are TILES tiles on from stage s - 1's; its scales are 64 rows further
+        a column tile. Four allocations, not one: Triton's shared-memory hazard analysis puts a CTA barrier between
+        two TMA writes into one."""
         bar = bars.index(slot)
         if SWIGLU:
             mbarrier.expect(bar, 2 * TILES * (4096 + 512))
         else:
             mbarrier.expect(bar, TILES * (4096 + 512))
+        col = stage // NS
+        scol = (stage % NS) * (8 * TILES)
         tma.async_copy_global_to_shared(w_desc, [wrow + stage * (TILES * W_ROWS), 0], bar, ring_w.index(slot))
-        tma.async_copy_global_to_shared(s_desc, [srow, stage * (8 * TILES)], bar, ring_s.index(slot))
+        tma.async_copy_global_to_shared(s_desc, [srow + col * 64, scol], bar, ring_s.index(slot))
         if SWIGLU:
             tma.async_copy_global_to_shared(w_desc, [wrow_up + stage * (TILES * W_ROWS), 0], bar, ring_v.index(slot))
-            tma.async_copy_global_to_shared(s_desc, [srow_up, stage * (8 * TILES)], bar, ring_vc.index(slot))
+            tma.async_copy_global_to_shared(s_desc, [srow_up + col * 64, scol], bar, ring_vc.index(slot))
 
     @gluon.jit
     def _as_scale_words(q):
@@ -131,12 +138,16 @@ if gluon is not None:
                           s_xm, s_ge, s_gn, s_ym,
                           K: gl.constexpr, SWIGLU: gl.constexpr, HAS_ROW_SCALE: gl.constexpr,
                           BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr, TILES: gl.constexpr,
-                          STAGES: gl.constexpr, W_COLS: gl.constexpr, USE_PDL: gl.constexpr = False):
-        # grid (R / BLOCK_M, N_out / 64), 4 warps: one program = 64 output columns x the BLOCK_M sorted pairs of row
-        # block pid_m, its KT K tiles streamed in KT / TILES stages through the STAGES-slot ring (module docstring)
+                          STAGES: gl.constexpr, W_COLS: gl.constexpr, COLS: gl.constexpr = 1,
+                          USE_PDL: gl.constexpr = False):
+        # grid (R / BLOCK_M, N_out / (64 COLS)), 4 warps: one program = COLS x 64 output columns x the BLOCK_M sorted
+        # pairs of row block pid_m, its COLS x KT K tiles streamed as one run of COLS x KT / TILES stages through the
+        # STAGES-slot ring (module docstring): one routing load and one activation fill for COLS column tiles, and
+        # the next column tile's first stages in flight while the last ones of the one before are read
         pdl_enter(USE_PDL)
         KT: gl.constexpr = K // 128
-        NS: gl.constexpr = KT // TILES  # stages a program streams
+        NS: gl.constexpr = KT // TILES  # stages a column tile
+        GS: gl.constexpr = COLS * NS  # stages a program streams
         W_ROWS: gl.constexpr = 1024 // W_COLS  # rows of the words' view a tile
         gl.static_assert(K % 128 == 0 and (KT & (KT - 1)) == 0 and KT % TILES == 0,
                          "K must be 128 x a power of two, a multiple of TILES tiles")
@@ -168,14 +179,15 @@ if gluon is not None:
                 mbarrier.init(bars.index(i), count=1)
             fence_async_shared()
             # the program's first rows: words of tile (e, column tile c, K tile t) at ((e N/64 + c) KT + t) W_ROWS
-            wrow = ((e * (N // 64) + pid_n) * KT) * W_ROWS
-            wrow_up = ((e * (N // 64) + pid_n + n_out // 64) * KT) * W_ROWS
-            srow = e * N + pid_n * 64
+            c0 = pid_n * COLS  # the program's first column tile
+            wrow = ((e * (N // 64) + c0) * KT) * W_ROWS
+            wrow_up = ((e * (N // 64) + c0 + n_out // 64) * KT) * W_ROWS
+            srow = e * N + c0 * 64
             srow_up = srow + n_out
             for i in gl.static_range(STAGES):  # the first stages before the activations: their latency overlaps
-                if i < NS:
+                if i < GS:
                     _issue_stage(w_desc, s_desc, ring_w, ring_s, ring_v, ring_vc, bars, i, i, wrow, wrow_up, srow,
-                                 srow_up, TILES, W_ROWS, SWIGLU)
+                                 srow_up, NS, TILES, W_ROWS, SWIGLU)
             # the block's activation rows [BLOCK_M, K] into shared memory in one cp.async run (w4a16_regs')
             tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
             kx = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
@@ -196,31 +208,33 @@ if gluon is not None:
             scales = ring_s._reinterpret(gl.int32, [STAGES, 4, 2, 8, TILES, 2], PLAIN5)
             words_up = ring_v._reinterpret(gl.int32, [STAGES * TILES, 1024], PLAIN1)
             scales_up = ring_vc._reinterpret(gl.int32, [STAGES, 4, 2, 8, TILES, 2], PLAIN5)
-            acc = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
-            acc_up = acc
-            for i in range(NS):
-                slot = i % STAGES
-                mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-                g0, g1, g2, g3 = _stage_scales(scales.index(slot), TILES)
-                if SWIGLU:
-                    h0, h1, h2, h3 = _stage_scales(scales_up.index(slot), TILES)
-                else:
-                    h0, h1, h2, h3 = g0, g1, g2, g3
-                for tt in gl.static_range(TILES):
-                    b = xs.index(i * TILES + tt).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
-                    u = words.index(slot * TILES + tt).load(WL)
-                    sc = g0 if tt == 0 else (g1 if tt == 1 else (g2 if tt == 2 else g3))
-                    acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
+            zero = gl.zeros([64, BLOCK_M], gl.float32, layout=ACC)
+            for j in range(COLS):  # column tile c0 + j: its NS stages, then its output
+                acc, acc_up = zero, zero
+                for si in range(NS):
+                    gi = j * NS + si  # the stage of the program's stream
+                    slot = gi % STAGES
+                    mbarrier.wait(bars.index(slot), (gi // STAGES) & 1)
+                    g0, g1, g2, g3 = _stage_scales(scales.index(slot), TILES)
                     if SWIGLU:
-                        v = words_up.index(slot * TILES + tt).load(WL)
-                        vc = h0 if tt == 0 else (h1 if tt == 1 else (h2 if tt == 2 else h3))
-                        acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
-                    acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-                if i + STAGES < NS:  # every thread's reads of the slot are done: refill it
-                    _cta_barrier()
-                    _issue_stage(w_desc, s_desc, ring_w, ring_s, ring_v, ring_vc, bars, slot, i + STAGES, wrow,
-                                 wrow_up, srow, srow_up, TILES, W_ROWS, SWIGLU)
-            _epilogue(acc, acc_up, pid_n, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU, HAS_ROW_SCALE)
+                        h0, h1, h2, h3 = _stage_scales(scales_up.index(slot), TILES)
+                    else:
+                        h0, h1, h2, h3 = g0, g1, g2, g3
+                    for tt in gl.static_range(TILES):
+                        b = xs.index(si * TILES + tt).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
+                        u = words.index(slot * TILES + tt).load(WL)
+                        sc = g0 if tt == 0 else (g1 if tt == 1 else (g2 if tt == 2 else g3))
+                        acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
+                        if SWIGLU:
+                            v = words_up.index(slot * TILES + tt).load(WL)
+                            vc = h0 if tt == 0 else (h1 if tt == 1 else (h2 if tt == 2 else h3))
+                            acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
+                        acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+                    if gi + STAGES < GS:  # every thread's reads of the slot are done: refill it
+                        _cta_barrier()
+                        _issue_stage(w_desc, s_desc, ring_w, ring_s, ring_v, ring_vc, bars, slot, gi + STAGES, wrow,
+                                     wrow_up, srow, srow_up, NS, TILES, W_ROWS, SWIGLU)
+                _epilogue(acc, acc_up, c0 + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU, HAS_ROW_SCALE)
 
 
 def _descriptors(packed_thread: torch.Tensor, scales: torch.Tensor, tiles: int, w_cols: int):
@@ -241,17 +255,19 @@ def _descriptors(packed_thread: torch.Tensor, scales: torch.Tensor, tiles: int, 
 def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
                      global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                      row_scale: torch.Tensor | None = None, tiles: int | None = None, stages: int | None = None,
-                     w_cols: int | None = None) -> torch.Tensor:
+                     w_cols: int | None = None, cols: int | None = None) -> torch.Tensor:
     """`w4a16_regs.w4a16_regs_launch`'s contract (thread-order weights, a routed MoeRouting of 8- or 16-row blocks):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p] -> [P, N (N/2 with swiglu)] bf16, bit for bit its outputs.
     `tiles` (TILES: 2 or 4, dividing the K tiles) K tiles a TMA stage, `stages` (STAGES; at most the program's
     K tiles / `tiles` are allocated) ring slots, `w_cols`
-    (W_COLS: 256 or 32) the words' row width in the TMA view (the same bytes either way)."""
+    (W_COLS: 256 or 32) the words' row width in the TMA view (the same bytes either way), `cols` (COLS: 1, 2, 4 or 8,
+    dividing N_out / 64) output column tiles a program, streamed as one run (one routing load and activation fill)."""
     if gluon is None:
         raise RuntimeError("w4a16_tma_launch needs Triton with Gluon (>= 3.5)")
     tiles = TILES if tiles is None else tiles
     stages = STAGES if stages is None else stages
     w_cols = W_COLS if w_cols is None else w_cols
+    cols = COLS if cols is None else cols
     e, n, kh = packed_thread.shape
     k = 2 * kh
     kt = k // 128
@@ -267,6 +283,9 @@ def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch
         raise ValueError(f"w4a16_tma: stages must be one of {STAGE_CHOICES}, got {stages!r}")
     if w_cols not in (32, 256):
         raise ValueError(f"w4a16_tma: w_cols must be 32 or 256, got {w_cols!r}")
+    if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
+        raise ValueError(f"w4a16_tma: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
+                         f"got {cols!r}")
     if packed_thread.dtype != torch.uint8 or not packed_thread.is_contiguous() or packed_thread.data_ptr() % 16:
         raise ValueError("packed_thread must be contiguous 16-byte-aligned uint8 (thread order's 4 KB tiles)")
     if routing.block_expert is None or routing.block_m not in BLOCK_MS:
@@ -275,7 +294,7 @@ def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch
         raise ValueError(f"scales {tuple(scales.shape)} must be contiguous [{e}, {n}, {k // BLOCK}]")
     if row_scale is not None and row_scale.numel() != routing.num_pairs:
         raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
-    stages = min(stages, kt // tiles)  # no slot past the program's stages (down at 2 tiles a stage: 2)
+    stages = min(stages, cols * kt // tiles)  # no slot past the program's stages (down at 2 tiles, 1 column: 2)
     need = smem_bytes(k, routing.block_m, swiglu, tiles, stages)
     if need > 227 * 1024:
         raise ValueError(f"w4a16_tma: {need} bytes of shared memory a program (tiles {tiles}, stages {stages}) "
@@ -288,11 +307,11 @@ def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch
     g, s_ge, s_gn = _global_2d(global_scale, e, n)
     rs = row_scale.reshape(-1) if row_scale is not None else g
     w_desc, s_desc = _descriptors(packed_thread, scales, tiles, w_cols)
-    grid = (routing.block_expert.numel(), n_out // 64)
+    grid = (routing.block_expert.numel(), n_out // (64 * cols))
     _w4a16_tma_kernel[grid](
         x, w_desc, s_desc, g, rs, y, routing.sorted_pairs, routing.block_expert, routing.num_pairs, n, e, a_div,
         x.stride(0) if x.shape[0] > 1 else k, s_ge, s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
-        XS_STACK=stacked_tiles_layout(routing.block_m, kt), TILES=tiles, STAGES=stages, W_COLS=w_cols,
+        XS_STACK=stacked_tiles_layout(routing.block_m, kt), TILES=tiles, STAGES=stages, W_COLS=w_cols, COLS=cols,
         num_warps=4, **pdl.launch_options())
     return y

@@ -34,10 +34,10 @@ def _case(t, top_k, e, n, k, swiglu, seed, block_m=8, device="cpu"):
 
 
 def test_fit_build_fits_tma_builds():
-    tma = dict(kernel="tma", tiles=4, stages=3, w_cols=256)
-    assert fit_build(tma, 2048, 512) == tma  # gate_up: 16 K tiles
+    tma = dict(kernel="tma", tiles=4, stages=3, w_cols=256, cols=4)
+    assert fit_build(tma, 2048, 512) == tma  # gate_up: 16 K tiles, 8 column tiles
     assert fit_build(tma, 512, 2048)["tiles"] == 4  # down: 4
-    assert fit_build(tma, 256, 2048)["tiles"] == 2  # the self-check's sample: 2 K tiles
+    assert fit_build(tma, 256, 128) == {**tma, "tiles": 2, "cols": 2}  # the self-check's sample: 2 K tiles, 2 columns
     assert fit_build(tma, 128, 2048) == {}  # one K tile: the register kernel's defaults
     assert fit_build(dict(ahead=4), 256, 2048) == dict(ahead=2, cols=1)  # register builds as before
 
@@ -60,14 +60,17 @@ def test_launcher_refuses_what_it_cannot_run():
         w4a16_tma.w4a16_tma_launch(*args, row_scale=rs, stages=5)
     with pytest.raises(ValueError, match="w_cols must be"):
         w4a16_tma.w4a16_tma_launch(*args, row_scale=rs, w_cols=64)
+    with pytest.raises(ValueError, match="cols must be"):
+        w4a16_tma.w4a16_tma_launch(*args, row_scale=rs, cols=8)  # N_out 256: 4 column tiles
     with pytest.raises(ValueError, match="must be bf16"):
         w4a16_tma.w4a16_tma_launch(x.float(), *args[1:], row_scale=rs)
     with pytest.raises(ValueError, match="row_scale has"):
         w4a16_tma.w4a16_tma_launch(*args, row_scale=rs[:-1])
 
 
-# (tiles, stages, block_m, w_cols) compiled for sm_90 offline, at gate_up (K 2048, SwiGLU) and down (K 512)
-COMPILED = [(2, 4, 8, 256), (4, 2, 8, 256), (2, 3, 8, 32), (2, 2, 16, 256)]
+# (tiles, stages, block_m, w_cols, cols) compiled for sm_90 offline, at gate_up (K 2048, SwiGLU) and down (K 512)
+COMPILED = [(2, 4, 8, 256, 1), (4, 2, 8, 256, 1), (2, 3, 8, 32, 1), (2, 2, 16, 256, 1), (2, 3, 8, 256, 2),
+            (2, 4, 8, 256, 4)]
 _SM90_SCRIPT = """
 import inspect, json, sys
 from pathlib import Path
@@ -86,18 +89,19 @@ aligned = set(ptrs) | {"N", "s_xm", "s_ym"}  # 16-divisible at the engine's shap
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
 for k, swiglu in ((2048, True), (512, False)):
     n = 1024 if swiglu else 2048
-    for tiles, stages, block_m, w_cols in builds:
-        stages = min(stages, k // 128 // tiles)  # as the launcher allocates
+    for tiles, stages, block_m, w_cols, cols in builds:
+        stages = min(stages, cols * (k // 128) // tiles)  # as the launcher allocates
         p = torch.zeros(2, n, k // 2, dtype=torch.uint8)
         s = torch.zeros(2, n, k // 16, dtype=torch.uint8)
         wd, sd = w4a16_tma._descriptors(p, s, tiles, w_cols)
         consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, TILES=tiles, STAGES=stages,
-                      W_COLS=w_cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128), USE_PDL=True)
+                      W_COLS=w_cols, COLS=cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128),
+                      USE_PDL=True)
         sig = {nm: "constexpr" if nm in consts else ptrs.get(nm, "i32") for nm in names}
         sig["w_desc"], sig["s_desc"] = mangle_type(wd), mangle_type(sd)
         build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        (out / f"{k}-{tiles}-{stages}-{block_m}-{w_cols}.sass").write_text(sass_of(build))
+        (out / f"{k}-{tiles}-{stages}-{block_m}-{w_cols}-{cols}.sass").write_text(sass_of(build))
 """
 
 
@@ -123,21 +127,21 @@ def sm90_sass(tmp_path_factory):
 
 @needs_gluon
 @pytest.mark.parametrize("k", [2048, 512])
-@pytest.mark.parametrize("tiles,stages,block_m,w_cols", COMPILED)
-def test_compiles_for_sm90_with_the_weights_on_tma(sm90_sass, k, tiles, stages, block_m, w_cols):
+@pytest.mark.parametrize("tiles,stages,block_m,w_cols,cols", COMPILED)
+def test_compiles_for_sm90_with_the_weights_on_tma(sm90_sass, k, tiles, stages, block_m, w_cols, cols):
     import collections
     import re
 
     from benchmarks.sass_loop import instructions
 
-    stages = min(stages, k // 128 // tiles)
-    text = (sm90_sass / f"{k}-{tiles}-{stages}-{block_m}-{w_cols}.sass").read_text()
+    stages = min(stages, cols * (k // 128) // tiles)
+    text = (sm90_sass / f"{k}-{tiles}-{stages}-{block_m}-{w_cols}-{cols}.sass").read_text()
     ins = instructions(text)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for _, t in ins)
     proj = 2 if k == 2048 else 1
     # TMA: every stage's words and scales of each projection, issued in the prologue (min(stages, stages a program))
     # and in the loop's refill (when there are more stages than slots)
-    ns = k // 128 // tiles
+    ns = cols * (k // 128) // tiles  # stages a program streams
     assert ops["UTMALDG"] == 2 * proj * (stages + (ns > stages)), ops
     assert ops["HGMMA"] == 8 * proj * tiles, ops  # the stage's tiles unrolled: 8 k-steps each
     lds128 = [t for _, t in ins if re.sub(r"^@!?U?P\w+ ", "", t).startswith("LDS.128")]
@@ -150,23 +154,24 @@ def test_compiles_for_sm90_with_the_weights_on_tma(sm90_sass, k, tiles, stages, 
 
 
 # ---- GPU (sm_90) ----------------------------------------------------------------------------------------------------
-GPU_CASES = [(t, swiglu, k, n, tiles, stages, w_cols, block_m)
+GPU_CASES = [(t, swiglu, k, n, tiles, stages, w_cols, block_m, cols)
              for t, swiglu, k, n in ((1, True, 2048, 1024), (32, True, 2048, 1024), (32, False, 512, 2048),
                                      (7, False, 256, 256), (5, True, 1024, 256))
-             for tiles, stages, w_cols, block_m in ((2, 2, 256, 8), (2, 4, 256, 8), (4, 3, 256, 8), (2, 3, 32, 8),
-                                                     (2, 6, 256, 8), (2, 2, 256, 16))
-             if k // 128 % tiles == 0]
+             for tiles, stages, w_cols, block_m, cols in ((2, 2, 256, 8, 1), (2, 4, 256, 8, 1), (4, 3, 256, 8, 1),
+                                                           (2, 3, 32, 8, 1), (2, 6, 256, 8, 1), (2, 2, 256, 16, 1),
+                                                           (2, 3, 256, 8, 2), (2, 4, 256, 8, 4), (4, 2, 256, 8, 2))
+             if k // 128 % tiles == 0 and (n // 2 if swiglu else n) % (64 * cols) == 0]
 
 
 @pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("t,swiglu,k,n,tiles,stages,w_cols,block_m", GPU_CASES)
-def test_same_bits_as_the_register_kernel(t, swiglu, k, n, tiles, stages, w_cols, block_m):
+@pytest.mark.parametrize("t,swiglu,k,n,tiles,stages,w_cols,block_m,cols", GPU_CASES)
+def test_same_bits_as_the_register_kernel(t, swiglu, k, n, tiles, stages, w_cols, block_m, cols):
     from kernels.w4a16_gemm import w4a16_grouped_reference
 
     w, idx, x, rs, a_div, routing = _case(t, 8, 64, n, k, swiglu, seed=7 + t + k, block_m=block_m, device="cuda")
     args = (x, thread_order(w.packed), w.scales, w.global_scale, routing)
     kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs)
-    y = w4a16_tma.w4a16_tma_launch(*args, tiles=tiles, stages=stages, w_cols=w_cols, **kw)
+    y = w4a16_tma.w4a16_tma_launch(*args, tiles=tiles, stages=stages, w_cols=w_cols, cols=cols, **kw)
     want = w4a16_regs.w4a16_regs_launch(*args, ahead=1, **kw)
     assert torch.equal(y, want), float((y.float() - want.float()).abs().max())
     ref = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
@@ -189,6 +194,6 @@ def test_engine_op_takes_a_tma_build(monkeypatch):
     args = (x, t13, w13.scales.cuda(), w13.global_scale.cuda(), t2, w2.scales.cuda(), w2.global_scale.cuda(), idx,
             wts)
     want = w4a16_moe_op(*args, layout=THREAD_ORDER)
-    monkeypatch.setattr(w4a16_regs, "ENGINE_BUILDS", {"gate_up": dict(kernel="tma", tiles=2, stages=4),
-                                                      "down": dict(kernel="tma", tiles=2, stages=2)})
+    monkeypatch.setattr(w4a16_regs, "ENGINE_BUILDS", {"gate_up": dict(kernel="tma", tiles=2, stages=4, cols=2),
+                                                      "down": dict(kernel="tma", tiles=2, stages=2, cols=4)})
     assert torch.equal(w4a16_moe_op(*args, layout=THREAD_ORDER), want)
