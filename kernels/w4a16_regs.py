@@ -442,6 +442,28 @@ if gluon is not None:
         return u, sc, v, vc, acc, acc_up
 
     @gluon.jit
+    def _fill_activations(x, px, P, A_DIV, s_xm, KT: gl.constexpr, BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr):
+        """The row block's activation rows [BLOCK_M, K] (rows px // A_DIV of x, zeros for px >= P; px in the layout
+        of `_w4a16_regs_kernel`'s XL slice) into shared memory as KT tiles of [BLOCK_M, 128], in one cp.async run
+        (per-tile copies get a barrier between each two from the shared-memory hazard analysis), waited for and
+        fenced: the wgmma B operand of every K tile, [KT, BLOCK_M, 128] in the rank-2 NVMMA layout of each tile
+        (`stacked_tiles_layout`). Shared with `kernels/w4a16_tma.py`."""
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
+        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
+        kx = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
+        xrow = (x + (px // A_DIV).to(gl.int64)[None, :, None] * s_xm + tx[:, None, None] * 128
+                + kx[None, None, :])
+        xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS_STACK)
+        async_copy.async_copy_global_to_shared(xs, xrow, mask=(px < P)[None, :, None])  # cp.async, zeros past P
+        xs = xs._reinterpret(gl.bfloat16, [KT, BLOCK_M, 128], XS)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+        return xs
+
+    @gluon.jit
     def _epilogue(acc, acc_up, col, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU: gl.constexpr,
                   HAS_ROW_SCALE: gl.constexpr):
         """Output column tile `col` (64 columns) of the row block: x 2^7 (the dequant's gain) x the global scale,
@@ -490,7 +512,6 @@ if gluon is not None:
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
-        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         pid_m = gl.program_id(1 if COLS_FIRST else 0)
         pid_n = gl.program_id(0 if COLS_FIRST else 1)
         if EARLY:  # before the wait: from L2 (a relaxed gpu-scope load), never a stale L1 line of an earlier routing
@@ -529,19 +550,7 @@ if gluon is not None:
                 u3, sc3, v3, vc3 = _load_tile(we, se, up_w, up_s, 3, SWIGLU)
             if EARLY:  # now the predecessor's output (the activations) and stores (EARLY's contract, above)
                 pdl_enter(USE_PDL)
-            # the block's activation rows [BLOCK_M, K] into shared memory, K tiles of [BLOCK_M, 128], in one cp.async
-            # run (per-tile copies get a barrier between each two from the shared-memory hazard analysis)
-            tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
-            kx = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
-            xrow = (x + (px // A_DIV).to(gl.int64)[None, :, None] * s_xm + tx[:, None, None] * 128
-                    + kx[None, None, :])
-            xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS_STACK)
-            async_copy.async_copy_global_to_shared(xs, xrow, mask=(px < P)[None, :, None])  # cp.async, zeros past P
-            xs = xs._reinterpret(gl.bfloat16, [KT, BLOCK_M, 128], XS)
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            fence_async_shared()
-            _cta_barrier()
+            xs = _fill_activations(x, px, P, A_DIV, s_xm, KT, BLOCK_M, XS_STACK)
             pairs = gl.load(sorted_pairs + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC)))
             p_ok = pairs < P
             ge = g + e * s_ge

@@ -32,8 +32,9 @@ same tokens -- no gain, so `w4a16_regs.ENGINE_BUILDS` keeps the register builds.
 same bytes and grid (`benchmarks/expert_read_floor.py`) takes 67.7 us for gate_up at 32 tokens there, so both
 kernels were already within 7-9% of their access pattern's read floor on that GPU: bytes in flight were not what
 held them, and neither were the programs' prologues: `cols` (several column tiles a program, one run) gained
-nothing either (results/tma48_run4). The H200 streams gate_up at ~3.2 TB/s of its 4.8 (the H100 at ~2.6 of 3.35), where more bytes in flight
-may still pay: `gpu_next.sh` steps 174 / 172 / 173 measure the floor, this kernel and the engine there.
+nothing either (results/tma48_run4). The H200 streams gate_up at ~3.2 TB/s of its 4.8 (the H100 at ~2.6 of
+3.35), where more bytes in flight may still pay: `gpu_next.sh` steps 174 / 172 / 173 measure the floor, this kernel
+and the engine there.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from kernels.w4a16_regs import BLOCK_MS, k_ok, stacked_tiles_layout
 gluon = w4a16_regs.gluon
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -72,6 +72,7 @@ if gluon is not None:
     _weights = w4a16_regs._weights
     _epilogue = w4a16_regs._epilogue
     _load_now = w4a16_regs._load_now
+    _fill_activations = w4a16_regs._fill_activations
     _cta_barrier = w4a16_regs._cta_barrier
     pdl_enter = w4a16_regs.pdl_enter
 
@@ -154,7 +155,6 @@ if gluon is not None:
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
-        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         WL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1], [2], [512]],
                                                       lane_bases=[[4], [8], [16], [32], [64]],
                                                       warp_bases=[[128], [256]], block_bases=[], shape=[1024])
@@ -188,18 +188,7 @@ if gluon is not None:
                 if i < GS:
                     _issue_stage(w_desc, s_desc, ring_w, ring_s, ring_v, ring_vc, bars, i, i, wrow, wrow_up, srow,
                                  srow_up, NS, TILES, W_ROWS, SWIGLU)
-            # the block's activation rows [BLOCK_M, K] into shared memory in one cp.async run (w4a16_regs')
-            tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
-            kx = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
-            xrow = (x + (px // A_DIV).to(gl.int64)[None, :, None] * s_xm + tx[:, None, None] * 128
-                    + kx[None, None, :])
-            xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BLOCK_M, 128], XS_STACK)
-            async_copy.async_copy_global_to_shared(xs, xrow, mask=(px < P)[None, :, None])  # cp.async, zeros past P
-            xs = xs._reinterpret(gl.bfloat16, [KT, BLOCK_M, 128], XS)
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            fence_async_shared()
-            _cta_barrier()
+            xs = _fill_activations(x, px, P, A_DIV, s_xm, KT, BLOCK_M, XS_STACK)  # the B operand (w4a16_regs')
             pairs = gl.load(sorted_pairs + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC)))
             p_ok = pairs < P
             ge = g + e * s_ge
