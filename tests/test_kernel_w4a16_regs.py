@@ -369,7 +369,10 @@ def test_cols_first_swaps_only_the_program_ids(sm90_builds, k, swiglu, ahead, bl
 
 
 # ---- GPU (sm_90) ----------------------------------------------------------------------------------------------------
-def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M):
+def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M, device="cuda"):
+    """Random NVFP4 experts (per-row global scales), a routing of t tokens' top_k over e experts and its alignment at
+    block_m-row blocks, activations (x per token with SwiGLU, per pair without) and row scales (without SwiGLU), on
+    `device` (also tests/test_kernel_w4a16_tma.py's)."""
     from kernels.w4a16_gemm import moe_align
 
     g = torch.Generator().manual_seed(seed)
@@ -379,8 +382,8 @@ def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M):
     a_div = top_k if swiglu else 1
     x = torch.randn(t * top_k // a_div, k, generator=g).to(torch.bfloat16)
     rs = None if swiglu else torch.rand(t * top_k, generator=g)
-    w, x, idx = NVFP4Tensor(*(v.cuda() for v in w)), x.cuda(), idx.cuda()
-    return w, idx, x, None if rs is None else rs.cuda(), a_div, moe_align(idx, e, block_m)
+    w, x, idx = NVFP4Tensor(*(v.to(device) for v in w)), x.to(device), idx.to(device)
+    return w, idx, x, None if rs is None else rs.to(device), a_div, moe_align(idx, e, block_m)
 
 
 GPU_CASES = [(t, swiglu, k, *build)  # (tokens, SwiGLU, K) x (ahead, block_m, l2_ahead, ring, cols): AHEAD divides

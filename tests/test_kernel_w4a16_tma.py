@@ -12,25 +12,12 @@ import pytest
 import torch
 
 from kernels import w4a16_regs, w4a16_tma
-from kernels.nvfp4 import NVFP4Tensor, quantize_nvfp4
+from kernels.nvfp4 import quantize_nvfp4
 from kernels.w4a16_regs import fit_build, thread_order
+from tests.test_kernel_w4a16_regs import _case  # experts, routing, activations (device: cuda unless asked)
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_gluon = pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
-
-
-def _case(t, top_k, e, n, k, swiglu, seed, block_m=8, device="cpu"):
-    from kernels.w4a16_gemm import moe_align
-
-    g = torch.Generator().manual_seed(seed)
-    w = quantize_nvfp4(torch.randn(e, n, k, generator=g) * 0.02)
-    w = NVFP4Tensor(w.packed, w.scales, w.global_scale * (0.5 + torch.rand(e, n, generator=g)))
-    idx = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)])
-    a_div = top_k if swiglu else 1
-    x = torch.randn(t * top_k // a_div, k, generator=g).to(torch.bfloat16)
-    rs = None if swiglu else torch.rand(t * top_k, generator=g)
-    w, x, idx = NVFP4Tensor(*(v.to(device) for v in w)), x.to(device), idx.to(device)
-    return w, idx, x, None if rs is None else rs.to(device), a_div, moe_align(idx, e, block_m)
 
 
 def test_fit_build_fits_tma_builds():
@@ -50,7 +37,7 @@ def test_smem_bytes_counts_the_rings_and_the_activations():
 
 @needs_gluon
 def test_launcher_refuses_what_it_cannot_run():
-    w, idx, x, rs, a_div, routing = _case(4, 8, 16, 256, 512, False, seed=3)
+    w, idx, x, rs, a_div, routing = _case(4, 8, 16, 256, 512, False, seed=3, device="cpu")
     args = (x, thread_order(w.packed), w.scales, w.global_scale, routing)
     with pytest.raises(ValueError, match="tiles must be one of"):
         w4a16_tma.w4a16_tma_launch(*args, row_scale=rs, tiles=3)
@@ -168,7 +155,7 @@ GPU_CASES = [(t, swiglu, k, n, tiles, stages, w_cols, block_m, cols)
 def test_same_bits_as_the_register_kernel(t, swiglu, k, n, tiles, stages, w_cols, block_m, cols):
     from kernels.w4a16_gemm import w4a16_grouped_reference
 
-    w, idx, x, rs, a_div, routing = _case(t, 8, 64, n, k, swiglu, seed=7 + t + k, block_m=block_m, device="cuda")
+    w, idx, x, rs, a_div, routing = _case(t, 8, 64, n, k, swiglu, seed=7 + t + k, block_m=block_m)
     args = (x, thread_order(w.packed), w.scales, w.global_scale, routing)
     kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs)
     y = w4a16_tma.w4a16_tma_launch(*args, tiles=tiles, stages=stages, w_cols=w_cols, cols=cols, **kw)
