@@ -24,7 +24,7 @@ done). The activations: `w4a16_regs`' cp.async gather into the stacked wgmma B t
 have been issued (their latency overlaps).
 
 Outcome (H100, 2026-12-05, forty-eighth session; benchmarks/RESULTS.md, results/tma48_run1-3; not yet on an H200):
-bit for bit the register kernel (41 CUDA tests, every benched build on the bench's inputs). Per call at 32 tokens,
+bit for bit the register kernel (43 CUDA cases, every benched build on the bench's inputs). Per call at 32 tokens,
 gate_up 72.3 against 73.1-74.0 us at 2 tiles x 2 stages (3 programs an SM; 4 stages the same, 6 stages or 4 x 3
 -- one program an SM by shared memory -- 28-38% slower), down no gain (37.4-37.8 against 36.9-37.2); at one token
 gate_up 9.0-9.3 against 11.7-12.0 us. The engine with gate_up on it: 32 streams 3,637.9 against 3,641.4 tok/s, the
