@@ -670,6 +670,37 @@ def k_ok(k: int) -> bool:
     return 0 < k <= MAX_K and k % 128 == 0 and kt & (kt - 1) == 0
 
 
+def check_call(name: str, x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor, routing: MoeRouting,
+               row_scale: torch.Tensor | None, swiglu: bool) -> tuple[torch.Tensor, int, int, int, int]:
+    """The checks the thread-order launchers share (this module's and `kernels/w4a16_tma.py`'s), raising ValueError
+    prefixed with `name`: bf16 activations [R, K] with a unit k stride, K 128 x a power of two up to MAX_K, N_out a
+    multiple of 64, contiguous 16-byte-aligned thread-order bytes, block scales [E, N, K/16], a routed MoeRouting of
+    BLOCK_MS rows, one row scale a pair. -> (x, E, N, K, N_out), x copied to 16-byte-aligned rows where its rows are
+    not (the activations' cp.async fill copies 16 bytes)."""
+    e, n, kh = packed_thread.shape
+    k = 2 * kh
+    n_out = n // 2 if swiglu else n
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[-1] != k or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be bf16 [R, {k}], unit k stride")
+    if not k_ok(k) or n_out % 64 or (swiglu and n % 128):
+        raise ValueError(f"{name}: K {k} must be 128 x a power of two up to {MAX_K} and N_out {n_out} a "
+                         f"multiple of 64")
+    if packed_thread.dtype != torch.uint8 or not packed_thread.is_contiguous() or packed_thread.data_ptr() % 16:
+        raise ValueError("packed_thread must be contiguous 16-byte-aligned uint8 (the 16-byte word loads and the "
+                         "4 KB tiles of `thread_order`)")
+    if routing.block_expert is None or routing.block_m not in BLOCK_MS:
+        raise ValueError(f"{name}: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed, "
+                         f"got block_m "
+                         f"{routing.block_m}{' (dense)' if routing.block_expert is None else ''}")
+    if row_scale is not None and row_scale.numel() != routing.num_pairs:
+        raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
+    if scales.shape != (e, n, k // BLOCK):
+        raise ValueError(f"scales {tuple(scales.shape)} do not match weights [{e}, {n}, {k}]")
+    if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 16):
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x, e, n, k, n_out
+
+
 def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor,
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                       row_scale: torch.Tensor | None = None, ahead: int | None = None,
@@ -691,26 +722,12 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     module docstring), the same programs and bits. Which settings are fastest: ENGINE_BUILDS' comment."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
-    e, n, kh = packed_thread.shape
-    k = 2 * kh
-    n_out = n // 2 if swiglu else n
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[-1] != k or x.stride(-1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be bf16 [R, {k}], unit k stride")
-    if not k_ok(k) or n_out % 64 or (swiglu and n % 128):
-        raise ValueError(f"w4a16_regs: K {k} must be 128 x a power of two up to {MAX_K} and N_out {n_out} a "
-                         f"multiple of 64")
-    if packed_thread.dtype != torch.uint8 or not packed_thread.is_contiguous() or packed_thread.data_ptr() % 16:
-        raise ValueError("packed_thread must be contiguous 16-byte-aligned uint8 (the 16-byte word loads and the "
-                         "4 KB tiles of `thread_order`)")
+    x, e, n, k, n_out = check_call("w4a16_regs", x, packed_thread, scales, routing, row_scale, swiglu)
     kt = k // 128
     ring = RING if ring is None else ring
     l2_ahead = L2_AHEAD if l2_ahead is None else l2_ahead
     if ahead is None:
         ahead = AHEAD if kt % 2 == 0 and not ring else 1
-    if routing.block_expert is None or routing.block_m not in BLOCK_MS:
-        raise ValueError(f"w4a16_regs: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed, "
-                         f"got block_m "
-                         f"{routing.block_m}{' (dense)' if routing.block_expert is None else ''}")
     if ahead not in (1, 2, 4) or kt % ahead:
         raise ValueError(f"w4a16_regs: ahead must be 1, 2 or 4, dividing the number of K tiles (here {kt}), "
                          f"got {ahead!r}")
@@ -730,12 +747,6 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         raise ValueError(f"w4a16_regs: maxnreg must be None or a multiple of 8 in 32..255, got {maxnreg!r}")
     if cols_first and routing.block_expert.numel() > 65535:  # the row blocks on CUDA's grid y axis
         raise ValueError(f"w4a16_regs: cols_first takes at most 65,535 row blocks, got {routing.block_expert.numel()}")
-    if row_scale is not None and row_scale.numel() != routing.num_pairs:
-        raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
-    if scales.shape != (e, n, k // BLOCK):
-        raise ValueError(f"scales {tuple(scales.shape)} do not match weights [{e}, {n}, {k}]")
-    if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 16):  # cp.async copies 16 bytes: aligned rows
-        x = x.clone(memory_format=torch.contiguous_format)
     y = torch.empty((routing.num_pairs, n_out), dtype=x.dtype, device=x.device)
     if routing.num_pairs == 0:
         return y

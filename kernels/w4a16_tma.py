@@ -42,10 +42,9 @@ from __future__ import annotations
 import torch
 
 from kernels import pdl
-from kernels.nvfp4 import BLOCK
 from kernels.w4a16_gemm import MoeRouting, _global_2d
 from kernels import w4a16_regs
-from kernels.w4a16_regs import BLOCK_MS, k_ok, stacked_tiles_layout
+from kernels.w4a16_regs import check_call, stacked_tiles_layout
 
 gluon = w4a16_regs.gluon
 if gluon is not None:
@@ -257,15 +256,8 @@ def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch
     stages = STAGES if stages is None else stages
     w_cols = W_COLS if w_cols is None else w_cols
     cols = COLS if cols is None else cols
-    e, n, kh = packed_thread.shape
-    k = 2 * kh
+    x, e, n, k, n_out = check_call("w4a16_tma", x, packed_thread, scales, routing, row_scale, swiglu)
     kt = k // 128
-    n_out = n // 2 if swiglu else n
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[-1] != k or x.stride(-1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} (strides {x.stride()}) must be bf16 [R, {k}], unit k stride")
-    if not k_ok(k) or n_out % 64 or (swiglu and n % 128):
-        raise ValueError(f"w4a16_tma: K {k} must be 128 x a power of two up to {w4a16_regs.MAX_K} and N_out "
-                         f"{n_out} a multiple of 64")
     if tiles not in TILE_CHOICES or kt % tiles:
         raise ValueError(f"w4a16_tma: tiles must be one of {TILE_CHOICES} dividing the {kt} K tiles, got {tiles!r}")
     if stages not in STAGE_CHOICES:
@@ -275,21 +267,13 @@ def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch
     if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
         raise ValueError(f"w4a16_tma: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
                          f"got {cols!r}")
-    if packed_thread.dtype != torch.uint8 or not packed_thread.is_contiguous() or packed_thread.data_ptr() % 16:
-        raise ValueError("packed_thread must be contiguous 16-byte-aligned uint8 (thread order's 4 KB tiles)")
-    if routing.block_expert is None or routing.block_m not in BLOCK_MS:
-        raise ValueError(f"w4a16_tma: a routed MoeRouting of block_m {' or '.join(map(str, BLOCK_MS))} is needed")
-    if scales.shape != (e, n, k // BLOCK) or not scales.is_contiguous():
-        raise ValueError(f"scales {tuple(scales.shape)} must be contiguous [{e}, {n}, {k // BLOCK}]")
-    if row_scale is not None and row_scale.numel() != routing.num_pairs:
-        raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
+    if not scales.is_contiguous():  # the scales' TMA view is a plain [E N, K / 16]
+        raise ValueError(f"w4a16_tma: scales {tuple(scales.shape)} must be contiguous")
     stages = min(stages, cols * kt // tiles)  # no slot past the program's stages (down at 2 tiles, 1 column: 2)
     need = smem_bytes(k, routing.block_m, swiglu, tiles, stages)
     if need > 227 * 1024:
         raise ValueError(f"w4a16_tma: {need} bytes of shared memory a program (tiles {tiles}, stages {stages}) "
                          f"exceed the 227 KB an sm_90 block may have")
-    if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 16):  # cp.async copies 16 bytes: aligned rows
-        x = x.clone(memory_format=torch.contiguous_format)
     y = torch.empty((routing.num_pairs, n_out), dtype=x.dtype, device=x.device)
     if routing.num_pairs == 0:
         return y
