@@ -630,22 +630,19 @@ def fit_build(build: dict, k: int, n_out: int) -> dict:
     A TMA build (`"kernel": "tma"`, `kernels/w4a16_tma.py`): `tiles` halved until it divides the K tiles (>= 2;
     one K tile takes the register kernel's defaults, the TMA scales' box needing two), `cols` as above."""
     kt, tiles = k // 128, n_out // 64
+    cols = build.get("cols") or COLS  # (the TMA kernel's default is 1 too)
+    while cols > 1 and tiles % cols:
+        cols //= 2
     if build.get("kernel") == "tma":
         from kernels.w4a16_tma import TILES
 
         t = build.get("tiles") or TILES
-        cols = build.get("cols") or 1
         while t > 2 and kt % t:
             t //= 2
-        while cols > 1 and tiles % cols:
-            cols //= 2
         return {**build, "tiles": t, "cols": cols} if kt % t == 0 else {}
     ahead = build.get("ahead") or AHEAD
-    cols = build.get("cols") or COLS
     while ahead > 1 and kt % ahead:
         ahead //= 2
-    while cols > 1 and tiles % cols:
-        cols //= 2
     return {**build, "ahead": ahead, "cols": cols}
 
 
@@ -671,12 +668,13 @@ def k_ok(k: int) -> bool:
 
 
 def check_call(name: str, x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor, routing: MoeRouting,
-               row_scale: torch.Tensor | None, swiglu: bool) -> tuple[torch.Tensor, int, int, int, int]:
+               row_scale: torch.Tensor | None, swiglu: bool, cols: int) -> tuple[torch.Tensor, int, int, int, int]:
     """The checks the thread-order launchers share (this module's and `kernels/w4a16_tma.py`'s), raising ValueError
     prefixed with `name`: bf16 activations [R, K] with a unit k stride, K 128 x a power of two up to MAX_K, N_out a
     multiple of 64, contiguous 16-byte-aligned thread-order bytes, block scales [E, N, K/16], a routed MoeRouting of
-    BLOCK_MS rows, one row scale a pair. -> (x, E, N, K, N_out), x copied to 16-byte-aligned rows where its rows are
-    not (the activations' cp.async fill copies 16 bytes)."""
+    BLOCK_MS rows, one row scale a pair, `cols` column tiles a program (1, 2, 4 or 8, dividing N_out / 64).
+    -> (x, E, N, K, N_out), x copied to 16-byte-aligned rows where its rows are not (the activations' cp.async fill
+    copies 16 bytes)."""
     e, n, kh = packed_thread.shape
     k = 2 * kh
     n_out = n // 2 if swiglu else n
@@ -696,6 +694,9 @@ def check_call(name: str, x: torch.Tensor, packed_thread: torch.Tensor, scales: 
         raise ValueError(f"row_scale has {row_scale.numel()} values for {routing.num_pairs} pairs")
     if scales.shape != (e, n, k // BLOCK):
         raise ValueError(f"scales {tuple(scales.shape)} do not match weights [{e}, {n}, {k}]")
+    if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
+        raise ValueError(f"{name}: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
+                         f"got {cols!r}")
     if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 16):
         x = x.clone(memory_format=torch.contiguous_format)
     return x, e, n, k, n_out
@@ -722,7 +723,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     module docstring), the same programs and bits. Which settings are fastest: ENGINE_BUILDS' comment."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
-    x, e, n, k, n_out = check_call("w4a16_regs", x, packed_thread, scales, routing, row_scale, swiglu)
+    cols = COLS if cols is None else cols
+    x, e, n, k, n_out = check_call("w4a16_regs", x, packed_thread, scales, routing, row_scale, swiglu, cols)
     kt = k // 128
     ring = RING if ring is None else ring
     l2_ahead = L2_AHEAD if l2_ahead is None else l2_ahead
@@ -736,10 +738,6 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     if ring not in (0, 2, 4, 8) or (ring and (ahead != 1 or l2_ahead)):
         raise ValueError(f"w4a16_regs: ring must be 0, 2, 4 or 8 (a ring with ahead 1 and l2_ahead 0), got ring "
                          f"{ring!r}, ahead {ahead}, l2_ahead {l2_ahead}")
-    cols = COLS if cols is None else cols
-    if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
-        raise ValueError(f"w4a16_regs: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
-                         f"got {cols!r}")
     if early and swiglu:
         raise ValueError("w4a16_regs: early is for the down projection only (gate_up's routing is written by the "
                          "launch right before it)")

@@ -246,17 +246,17 @@ def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch
                      w_cols: int | None = None, cols: int | None = None) -> torch.Tensor:
     """`w4a16_regs.w4a16_regs_launch`'s contract (thread-order weights, a routed MoeRouting of 8- or 16-row blocks):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p] -> [P, N (N/2 with swiglu)] bf16, bit for bit its outputs.
-    `tiles` (TILES: 2 or 4, dividing the K tiles) K tiles a TMA stage, `stages` (STAGES; at most the program's
-    K tiles / `tiles` are allocated) ring slots, `w_cols`
-    (W_COLS: 256 or 32) the words' row width in the TMA view (the same bytes either way), `cols` (COLS: 1, 2, 4 or 8,
-    dividing N_out / 64) output column tiles a program, streamed as one run (one routing load and activation fill)."""
+    `tiles` (TILES: 2 or 4, dividing the K tiles) K tiles a TMA stage, `stages` (STAGES) ring slots (at most the
+    program's stages, `cols` x K tiles / `tiles`, are allocated), `w_cols` (W_COLS: 256 or 32) the words' row width
+    in the TMA view (the same bytes either way), `cols` (COLS: 1, 2, 4 or 8, dividing N_out / 64) output column
+    tiles a program, streamed as one run (one routing load and activation fill)."""
     if gluon is None:
         raise RuntimeError("w4a16_tma_launch needs Triton with Gluon (>= 3.5)")
     tiles = TILES if tiles is None else tiles
     stages = STAGES if stages is None else stages
     w_cols = W_COLS if w_cols is None else w_cols
     cols = COLS if cols is None else cols
-    x, e, n, k, n_out = check_call("w4a16_tma", x, packed_thread, scales, routing, row_scale, swiglu)
+    x, e, n, k, n_out = check_call("w4a16_tma", x, packed_thread, scales, routing, row_scale, swiglu, cols)
     kt = k // 128
     if tiles not in TILE_CHOICES or kt % tiles:
         raise ValueError(f"w4a16_tma: tiles must be one of {TILE_CHOICES} dividing the {kt} K tiles, got {tiles!r}")
@@ -264,9 +264,6 @@ def w4a16_tma_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch
         raise ValueError(f"w4a16_tma: stages must be one of {STAGE_CHOICES}, got {stages!r}")
     if w_cols not in (32, 256):
         raise ValueError(f"w4a16_tma: w_cols must be 32 or 256, got {w_cols!r}")
-    if cols not in (1, 2, 4, 8) or n_out % (64 * cols):
-        raise ValueError(f"w4a16_tma: cols must be 1, 2, 4 or 8 and divide the {n_out // 64} column tiles of 64, "
-                         f"got {cols!r}")
     if not scales.is_contiguous():  # the scales' TMA view is a plain [E N, K / 16]
         raise ValueError(f"w4a16_tma: scales {tuple(scales.shape)} must be contiguous")
     stages = min(stages, cols * kt // tiles)  # no slot past the program's stages (down at 2 tiles, 1 column: 2)
