@@ -49,6 +49,11 @@ def test_launcher_refuses_what_it_cannot_run():
         w4a16_tma.w4a16_tma_launch(*args, row_scale=rs, w_cols=64)
     with pytest.raises(ValueError, match="cols must be"):
         w4a16_tma.w4a16_tma_launch(*args, row_scale=rs, cols=8)  # N_out 256: 4 column tiles
+    # 16-row blocks at K 2048 (64 KB of activations) with 6 slots of 4 tiles (2 columns: 8 stages, none clamped away)
+    bw, _, bx, _, b_div, b_routing = _case(4, 8, 4, 256, 2048, True, seed=4, block_m=16, device="cpu")
+    with pytest.raises(ValueError, match="shared memory"):
+        w4a16_tma.w4a16_tma_launch(bx, thread_order(bw.packed), bw.scales, bw.global_scale, b_routing, a_div=b_div,
+                                   swiglu=True, tiles=4, stages=6, cols=2)
     with pytest.raises(ValueError, match="must be bf16"):
         w4a16_tma.w4a16_tma_launch(x.float(), *args[1:], row_scale=rs)
     with pytest.raises(ValueError, match="row_scale has"):
