@@ -231,6 +231,16 @@ def stacked_tiles_layout(block_m: int, kt: int):
 # ---- Gluon kernel ---------------------------------------------------------------------------------------------------
 if gluon is not None:
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the name in Triton >= 3.7 / 3.6
+    # the layouts the register and TMA kernels share: a tile's int32 words as loaded (thread t: words 4 t .. 4 t + 3
+    # and 512 + 4 t .., `_word_offsets`), a K tile's 128 scale words (lane f % 32 of warp f // 32, `_scale_offsets`),
+    # and the activations' [KT, BLOCK_M, 128] bf16 gather (`_fill_activations`; the routing's pairs in its slice)
+    _WORDS_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1], [2], [512]],
+                                                            lane_bases=[[4], [8], [16], [32], [64]],
+                                                            warp_bases=[[128], [256]], block_bases=[], shape=[1024]))
+    _SCALE_WORDS_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[], lane_bases=[[1], [2], [4], [8], [16]],
+                                                                  warp_bases=[[32], [64]], block_bases=[],
+                                                                  shape=[128]))
+    _X_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0]))
     _MASK = gl.constexpr(E2M1_BF16_MASK)  # `frag_decode_word`'s constants
     _ROT1, _ROT2 = gl.constexpr(FRAG_ROTATIONS[0]), gl.constexpr(FRAG_ROTATIONS[1])
     _O3_BITS, _O3_MUL = gl.constexpr(FRAG_O3[0]), gl.constexpr(FRAG_O3[1])
@@ -300,19 +310,14 @@ if gluon is not None:
     def _word_offsets():
         """int32-word offsets within a 4 KB tile in the load's layout: thread t's two 16-byte runs, words 4 t.. and
         512 + 4 t.. (registers: the 4 words, then the second run; lanes and warps: t)."""
-        WL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1], [2], [512]],
-                                                      lane_bases=[[4], [8], [16], [32], [64]],
-                                                      warp_bases=[[128], [256]], block_bases=[], shape=[1024])
-        return gl.arange(0, 1024, layout=WL)
+        return gl.arange(0, 1024, layout=_WORDS_LAYOUT)
 
     @gluon.jit
     def _scale_offsets(s_wn):
         """[w 4, i 8, rh 2, s_hi 2] int32-word offsets of a program's block scales for one K tile: lane 4 i + c of
         warp w loads the word of row 16 w + 8 rh + i (c = 2 rh + s_hi) holding blocks 4 s_hi .. + 3 of the tile, so a
         quad loads its two rows' 16 scales once (`s_wn`: words per weight row, K / 64)."""
-        QL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[], lane_bases=[[1], [2], [4], [8], [16]],
-                                                      warp_bases=[[32], [64]], block_bases=[], shape=[128])
-        f = gl.arange(0, 128, layout=QL)  # w * 32 + i * 4 + rh * 2 + s_hi
+        f = gl.arange(0, 128, layout=_SCALE_WORDS_LAYOUT)  # w * 32 + i * 4 + rh * 2 + s_hi
         return ((f // 32) * 16 + (f // 2 % 2) * 8 + f // 4 % 8) * s_wn + f % 2
 
     @gluon.jit
@@ -448,7 +453,7 @@ if gluon is not None:
         (per-tile copies get a barrier between each two from the shared-memory hazard analysis), waited for and
         fenced: the wgmma B operand of every K tile, [KT, BLOCK_M, 128] in the rank-2 NVMMA layout of each tile
         (`stacked_tiles_layout`). Shared with `kernels/w4a16_tma.py`."""
-        XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
+        XL: gl.constexpr = _X_LAYOUT  # [KT, BLOCK_M, 128] bf16
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
         kx = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
@@ -511,7 +516,7 @@ if gluon is not None:
                          "AHEAD 2 / 4 needs KT a multiple of it (and no ring)")
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
-        XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
+        XL: gl.constexpr = _X_LAYOUT  # [KT, BLOCK_M, 128] bf16
         pid_m = gl.program_id(1 if COLS_FIRST else 0)
         pid_n = gl.program_id(0 if COLS_FIRST else 1)
         if EARLY:  # before the wait: from L2 (a relaxed gpu-scope load), never a stale L1 line of an earlier routing

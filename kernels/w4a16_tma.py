@@ -72,6 +72,9 @@ if gluon is not None:
     _epilogue = w4a16_regs._epilogue
     _load_now = w4a16_regs._load_now
     _fill_activations = w4a16_regs._fill_activations
+    _WORDS_LAYOUT = w4a16_regs._WORDS_LAYOUT
+    _SCALE_WORDS_LAYOUT = w4a16_regs._SCALE_WORDS_LAYOUT
+    _X_LAYOUT = w4a16_regs._X_LAYOUT
     _cta_barrier = w4a16_regs._cta_barrier
     pdl_enter = w4a16_regs.pdl_enter
 
@@ -101,10 +104,8 @@ if gluon is not None:
     def _as_scale_words(q):
         """[w 4, rh 2, i 8, s_hi 2] int32 -> [128] in `w4a16_regs._scale_offsets`' layout (f = 32 w + 4 i + 2 rh +
         s_hi: lane f % 32 of warp f // 32), a relabelling."""
-        QL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[], lane_bases=[[1], [2], [4], [8], [16]],
-                                                      warp_bases=[[32], [64]], block_bases=[], shape=[128])
         q = gl.reshape(gl.permute(q, (0, 2, 1, 3)), [128])
-        return gl.convert_layout(q, QL, assert_trivial=True)
+        return gl.convert_layout(q, _SCALE_WORDS_LAYOUT, assert_trivial=True)
 
     @gluon.jit
     def _stage_scales(sv, TILES: gl.constexpr):
@@ -153,10 +154,8 @@ if gluon is not None:
                          "K must be 128 x a power of two, a multiple of TILES tiles")
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
-        XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, 4, 1], [2, 1, 0])  # [KT, BLOCK_M, 128] bf16
-        WL: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1], [2], [512]],
-                                                      lane_bases=[[4], [8], [16], [32], [64]],
-                                                      warp_bases=[[128], [256]], block_bases=[], shape=[1024])
+        XL: gl.constexpr = _X_LAYOUT  # [KT, BLOCK_M, 128] bf16 (w4a16_regs')
+        WL: gl.constexpr = _WORDS_LAYOUT  # a tile's words as each thread reads them (w4a16_regs')
         PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # rank 1: the layout of an .index()
         PLAIN5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0])
         pid_m = gl.program_id(0)
