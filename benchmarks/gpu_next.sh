@@ -271,6 +271,8 @@
 #       call -- the 32-token expert calls' read floor, the TMA-ring kernel per call beside the register builds, then
 #       the engine on its fastest builds beside the defaults (on H100s, forty-eighth session: results/floor48_run1,
 #       tma48_run1-3; 172 alone ~1.5-2.7 min, 173 ~2.2 min with the cache carried)
+#   STEPS="175 176" (same carry; either GPU): ~4 min: issue 5, the forty-ninth session's L2 write-back question --
+#       does the GDN step's 64 MB of dirty fp32 state slow the gate_up after it, and does a store hint move it?
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
 #       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
 #       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)
@@ -2264,6 +2266,27 @@ if [ -n "$ncu" ]; then
   rm -f "$R/tma_ncu.ncu-rep"
 else
   say "no ncu on this machine"
+fi
+fi
+if want 175; then
+# forty-ninth session: the GDN step's state write-back and the gate_up after it (benchmarks/l2_writeback_bench.py:
+# the pair [step, gate_up] against each alone, with ~25 us of spin between them as in the engine, for each store hint
+# of the state and for a bf16 state); best_store.txt: the fp32 hint of the fastest gapped pair, for step 176
+say "175. issue 5: the GDN state's L2 write-back under the next gate_up, by store hint"
+probe l2_writeback "${LIMIT_175:-200}" l2_writeback_bench.py
+cat "$R/l2_writeback/l2_writeback_bench.md" 2>/dev/null
+cp "$R/l2_writeback/best_store.txt" "$OUT/best_store.txt" 2>/dev/null
+fi
+if want 176; then
+# forty-ninth session: the engine with the GDN state stored under step 175's fastest hint (STORE_HINT, default its
+# best_store.txt) beside the defaults, two processes (the hint is process-wide): 32 streams, lone, TTFT, tokens
+say "176. issue 5: the engine with the GDN state's store hint beside the defaults (two processes)"
+hint=${STORE_HINT:-$(cat "$OUT/best_store.txt" 2>/dev/null)}
+if [ -z "$hint" ] || [ "$hint" = "," ]; then
+  say "no hint beat the default store (or no step 175): nothing to compare"
+else
+  engine_out qwen_store_hint "${LIMIT_176A:-260}" --decode-tokens 48 --gdn-state-store "$hint" ${EXTRA_170:-}
+  engine_out qwen_store_default "${LIMIT_176B:-200}" --decode-tokens 48 ${EXTRA_170:-}
 fi
 fi
 if want 39; then

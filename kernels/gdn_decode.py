@@ -56,7 +56,8 @@ if triton is not None:
     @triton.jit
     def _advance(q, k, v, g, beta, s_in, s_out, o, rows, pid, pv, H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+                 STORE_CACHE: tl.constexpr = "", STORE_EVICT: tl.constexpr = ""):
         """Program (pid = b H + h, pv): the [Dk, BLOCK_V] slice pv of head h's state of batch row b advanced one
         token (read once, written once), and its slice of o = S^T q (fp32). A bf16 state (the engine's
         `gdn_state_dtype`) is widened as it is read and rounded to nearest even as it is stored; o comes from the
@@ -76,14 +77,16 @@ if triton is not None:
         s = tl.load(s_in + off, mask=ok, other=0.0).to(tl.float32) * decay  # [BK, BV]
         delta = (v_t - tl.sum(s * k_t[:, None], axis=0)) * bt  # [BV]
         s = s + k_t[:, None] * delta[None, :]
-        tl.store(s_out + off, _cast(s, s_out.dtype.element_ty, INTERPRET), mask=ok)
+        tl.store(s_out + off, _cast(s, s_out.dtype.element_ty, INTERPRET), mask=ok, cache_modifier=STORE_CACHE,
+                 eviction_policy=STORE_EVICT)
         tl.store(o + b * s_ob + h * s_oh + vv, tl.sum(s * q_t[:, None], axis=0), mask=v_ok)
 
     @triton.jit
     def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
                            s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
-                           USE_PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+                           STORE_CACHE: tl.constexpr = "", STORE_EVICT: tl.constexpr = ""):
         # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
         # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
         # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
@@ -91,7 +94,7 @@ if triton is not None:
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         _advance(q, k, v, g, beta, s_in, s_out, o, rows, tl.program_id(0), tl.program_id(1), H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, HAS_ROWS, INTERPRET)
+                 BLOCK_K, BLOCK_V, HAS_ROWS, INTERPRET, STORE_CACHE, STORE_EVICT)
 
     @triton.jit
     def _gdn_decode_norm_kernel(q, k, v, g, beta, pool, o, rows, z, w, out, codes, s_in, counters, H, DK, DV, eps,
@@ -131,6 +134,13 @@ def _interpreted() -> bool:
     return triton is not None and type(_gdn_decode_kernel).__name__ == "InterpretedFunction"
 
 
+# The state's store hints (cache modifier, eviction policy) of `_gdn_decode_kernel`, process-wide: Triton's defaults
+# ("", ""). benchmarks/l2_writeback_bench.py measures the alternatives: the step writes its whole state (64 MB at 32
+# fp32 sequences, more than the L2) and the dirty lines left in L2 are written back while the next big kernel (the
+# experts' gate_up) streams its weights.
+STATE_STORE: tuple[str, str] = ("", "")
+
+
 def _block_v(bh: int, dv: int) -> int:
     """Columns of the state per program: wide tiles when B x H alone gives >= ~264 programs (2 per H200 SM)."""
     for bv in (64, 32):
@@ -157,7 +167,7 @@ def _launch(q, k, v, g, beta, state, out_state, rows=None) -> torch.Tensor:
     _gdn_decode_kernel[grid](q, k, v, g, beta, state, out_state, o, state if rows is None else rows, heads, dk, dv,
                              *_step_strides(q, k, v, g, beta, state, o), BLOCK_K=triton.next_power_of_2(dk),
                              BLOCK_V=bv, HAS_ROWS=rows is not None, INTERPRET=_interpreted(),
-                             **pdl.launch_options())
+                             STORE_CACHE=STATE_STORE[0], STORE_EVICT=STATE_STORE[1], **pdl.launch_options())
     return o
 
 
