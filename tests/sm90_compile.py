@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, fp8_swapped, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gelu_fp8_quant, linear_gelu, moe_decode, router_align, w4a16_mma  # noqa: E402
+from kernels import gdn_decode_lazy, gelu_fp8_quant, linear_gelu, moe_decode, router_align, w4a16_mma  # noqa: E402,E501
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -258,6 +258,13 @@ def main() -> int:
     ok.append(compile_one("gdn_decode over pool rows (Dk = Dv = 128)", gdn_decode._gdn_decode_kernel,
                           {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "s_in", "s_out", "o")}, "rows": "*i64"},
                           dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True)))
+    lazy = {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "pool", "keys", "deltas", "logs", "o")},
+            "base": "*i32", "rows": "*i64", "positions": "*i64"}
+    for fold_at, bv in ((7, 64), (0, 16)):  # gdn_lazy_rank 8 at 32 streams (64 columns, 4 granules); folding always
+        ok.append(compile_one(f"gdn_decode_lazy (Dk = Dv = 128, R = 8, BLOCK_V = {bv}, FOLD_AT = {fold_at})",
+                              gdn_decode_lazy._gdn_decode_lazy_kernel, lazy,
+                              dict(R=8, FOLD_AT=fold_at, BLOCK_K=128, BLOCK_V=bv, BLOCK_R=8, GRAN=16,
+                                   GPP=max(1, bv // 16), INTERPRET=False)))
     for cache, evict, ptx in ((".cs", "", "st.global.cs"), (".wt", "", "st.global.wt"),
                               ("", "evict_first", "st.global.L1::evict_first.L2::cache_hint")):
         # gdn_decode.STATE_STORE's hints (benchmarks/l2_writeback_bench.py): each reaches the state's store

@@ -236,6 +236,55 @@ def test_engine_bf16_gdn_state():
         engine_config(gdn_state_dtype="float16")
 
 
+@pytest.mark.parametrize("num_kv_blocks,graphs,kernels", [(16, "off", "reference"), (64, "static", "reference"),
+                                                          (64, "off", CPU_TRITON)])
+def test_engine_lazy_gdn_state_equals_single_prompt_reference(num_kv_blocks, graphs, kernels, monkeypatch):
+    """`gdn_lazy_rank: 4`: the GDN decode steps keep their state lazily (pending rank-1 terms, a fold every 4
+    tokens; `gdn.gated_delta_rows_lazy`), with fold_below 0 so that these 4-row batches keep terms too (the engine
+    folds every step below 8 rows). Greedy streams equal the single-prompt reference (the plain contiguous path),
+    through preemption (16 blocks: resumed sequences restart from a reset row), the decode graphs' static buffers
+    (padding rows in the scratch row) and the interpreted Triton kernel. The terms were used: base positions set,
+    and the pool carries them (`GDNTerms`: the KV budget counts them). gdn_decode_norm and out-of-range ranks are
+    refused."""
+    from kernels import gdn_decode_lazy
+    from qwen_engine.model.paged import GDNSlots
+    from qwen_engine.runner import gdn_state_bytes
+
+    monkeypatch.setattr(gdn_decode_lazy, "FOLD_BELOW_ROWS", 0)
+    lengths = LENGTHS[:6]
+
+    async def body(engine):
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=9)
+                                      for i, n in enumerate(lengths)))
+        gdn = [layer for layer in engine.runner.cache.layers if isinstance(layer, GDNSlots)]
+        return engine, [t for t, _ in outs], gdn
+
+    engine, outs, gdn = run(engine_config(num_kv_blocks=num_kv_blocks, decode_graphs=graphs, kernels=kernels,
+                                          gdn_lazy_rank=4), body)
+    for i, (n, tokens) in enumerate(zip(lengths, outs)):
+        assert tokens == reference_greedy(engine, prompt(i, n), 9), f"prompt {i} ({n} tokens)"
+    assert all(layer.lazy is not None and layer.lazy.keys.shape[2] == 4 for layer in gdn)
+    assert all(int(layer.lazy.base[:4].max()) > 0 for layer in gdn)  # decode steps set base positions
+    assert engine.health()["gdn_lazy_rank"] == 4
+    if num_kv_blocks == 16:
+        assert engine.scheduler.stats.preemptions > 0
+    if graphs == "static":
+        assert engine.health()["runner"]["graph_steps"] > 0
+    if kernels == CPU_TRITON and INTERPRETED:
+        assert engine.registry.choices()["gdn_decode_rows_lazy"]["last"] == "triton"
+    c = QwenConfig.tiny()
+    terms = gdn_state_bytes(c, 5, torch.float32, lazy_rank=4) - gdn_state_bytes(c, 5, torch.float32)
+    gdn_layers = sum(t == "linear_attention" for t in c.layer_types)
+    hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    assert terms == gdn_layers * 5 * hv * (4 * (dk + dv + 1) * 4 + -(-dv // 16) * 4)
+    with pytest.raises(ValueError, match="gdn_lazy_rank"):
+        engine_config(gdn_lazy_rank=1)
+    with pytest.raises(ValueError, match="gdn_lazy_rank"):
+        engine_config(gdn_lazy_rank=17)
+    with pytest.raises(ValueError, match="gdn_decode_norm"):
+        engine_config(gdn_lazy_rank=8, gdn_decode_norm=True)
+
+
 @pytest.mark.parametrize("num_kv_blocks,async_decode", [(64, False), (16, False), (64, True), (16, True)])
 def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks, async_decode):
     """16 blocks of 4 for up to 4 x 46 tokens: preemption. async_decode: decode steps formed ahead where allowed."""
