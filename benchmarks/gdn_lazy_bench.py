@@ -27,8 +27,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--ranks", default="4,8,16")
-    ap.add_argument("--launches", default="auto,32x4,64x4,64x8,16x4",
-                    help="BLOCK_VxWARPS of the lazy kernel (auto: gdn_decode's column rule, 4 warps)")
+    ap.add_argument("--launches", default="auto,32x4,64x4,64x4x168,64x8,16x4",
+                    help="BLOCK_VxWARPS[xMAXNREG] of the lazy kernel (auto: gdn_decode's column rule, 4 warps, "
+                         "ptxas' registers)")
     ap.add_argument("--heads", type=int, default=32, help="value heads (Qwen3.6: 32)")
     ap.add_argument("--device", default="cuda",
                     help="cpu: a dry run of the bench's logic under TRITON_INTERPRET=1 (small --heads; the calls run "
@@ -75,8 +76,9 @@ def main() -> None:
         print("[gdn_lazy_bench]", json.dumps(results[-1]), flush=True)
         for rank in [int(v) for v in args.ranks.split(",")]:
             for launch in args.launches.split(","):
-                bv, warps = (None, 4) if launch == "auto" else map(int, launch.split("x"))
+                bv, warps, *cap = (None, 4) if launch == "auto" else map(int, launch.split("x"))
                 gdn_decode_lazy.LAUNCH_BLOCK_V, gdn_decode_lazy.NUM_WARPS = bv, warps
+                gdn_decode_lazy.MAXNREG = cap[0] if cap else None
                 for stagger in (False, True):
                     lazy = random_lazy_state(slots, heads, dk, dv, rank, device=dev)
                     lazy[0].copy_(pool)
@@ -105,7 +107,7 @@ def main() -> None:
                         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                     results.append(row)
                     print("[gdn_lazy_bench]", json.dumps(row), flush=True)
-        gdn_decode_lazy.LAUNCH_BLOCK_V, gdn_decode_lazy.NUM_WARPS = None, 4
+        gdn_decode_lazy.LAUNCH_BLOCK_V, gdn_decode_lazy.NUM_WARPS, gdn_decode_lazy.MAXNREG = None, 4, None
         tick_us = graph_per_call_us([tick] * 16)
         results.append(dict(rows=b, kernel="tick alone (in both rows above)", us=round(tick_us, 2)))
         print("[gdn_lazy_bench]", json.dumps(results[-1]), flush=True)

@@ -42,11 +42,12 @@ NAME = "gdn_decode_rows_lazy"
 FOLD_BELOW_ROWS = 8  # the engine's fold_below: batches of fewer rows fold every step (latency-bound there)
 MAX_RANK = 16  # R: pending terms a head holds (a [next_pow2(R), Dk] register tile)
 POOL_DTYPES = (torch.float32, torch.bfloat16)  # the state pool's (`QwenEngineConfig.gdn_state_dtype`)
-# the launch's columns a program (None: `gdn_decode._block_v`'s rule) and warps, process-wide: what
+# the launch's columns a program (None: `gdn_decode._block_v`'s rule), warps and register cap, process-wide: what
 # benchmarks/gdn_lazy_bench.py sweeps (offline sm_90, Dk = Dv = 128, R = 8: 205 registers at 64 columns and 4 warps
 # -- 2 programs an SM, the plain kernel's 164 allow 3 --, 165 at 32 columns, 191 at 64 columns and 8 warps; no spills)
 LAUNCH_BLOCK_V: int | None = None
 NUM_WARPS = 4
+MAXNREG: int | None = None  # a register cap (168 at 64 columns: 3 programs an SM, as the plain step's); None: ptxas'
 
 
 def gdn_decode_lazy_reference(q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions, fold_below):
@@ -167,7 +168,7 @@ def gdn_decode_lazy_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         logs.stride(0), logs.stride(1), base.shape[2], R=r, FOLD_AT=0 if bsz < fold_below else r - 1,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv, BLOCK_R=max(2, triton.next_power_of_2(r)),
         GRAN=GDN_TERM_GRANULE, GPP=max(1, bv // GDN_TERM_GRANULE), INTERPRET=_interpreted(), num_warps=NUM_WARPS,
-        **pdl.launch_options())
+        **({} if MAXNREG is None or _interpreted() else dict(maxnreg=MAXNREG)), **pdl.launch_options())
     return o
 
 
