@@ -9,7 +9,8 @@ Why. At 32 streams the plain step reads and writes 128 MiB of fp32 state a GDN l
 lazy step reads the 64 MiB, reads the pending terms (< R of 768 B a head and 64-column slice) and writes one term,
 folding the terms into the state (a full write) on one step in R: at R = 8 ~76 MiB a layer instead of 128 (-41%).
 Below `fold_below` rows (a lone stream: the step is latency-bound, not bandwidth-bound) every step folds: the plain
-step's traffic plus the base position.
+step's traffic plus the base position, and every term slot of the head is loaded with the state (masked by the base
+position only afterwards), so that the base position's load adds no round trip to the step's chain.
 
 One program owns a [Dk, BLOCK_V] slice of one (row, head)'s state, as `_gdn_decode_kernel`: it reads the slice and
 its head's pending keys / log decays and its columns of their deltas, computes the two readouts (S_{t-1}^T k, S_{t-1}^T
@@ -88,14 +89,20 @@ if triton is not None:
         j = tl.arange(0, BLOCK_R)
         valid = (j < R) & ((((j - bp - 1) % R) + R) % R < n)  # [BR]: slot j holds a pending position
         lg_ptr = logs + row * s_lb + h * s_lh
-        lg = tl.load(lg_ptr + j, mask=valid, other=0.0)
+        kt_ptrs = keys + row * s_kyb + h * s_kyh + j[:, None] * s_kyr + kk[None, :]  # [BR, BK]
+        dt_ptrs = deltas + row * s_db + h * s_dh + j[:, None] * s_dr + vv[None, :]  # [BR, BV]
+        if FOLD_AT == 0:  # a small batch (latency-bound): every slot loaded at once, not after the base position
+            r_ok = j < R
+            lg = tl.where(valid, tl.load(lg_ptr + j, mask=r_ok, other=0.0), 0.0)
+            kt = tl.where(valid[:, None], tl.load(kt_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0), 0.0)
+            dt = tl.where(valid[:, None], tl.load(dt_ptrs, mask=r_ok[:, None] & v_ok[None, :], other=0.0), 0.0)
+        else:  # a large batch (bandwidth-bound): only the pending terms' bytes
+            lg = tl.load(lg_ptr + j, mask=valid, other=0.0)
+            kt = tl.load(kt_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            dt = tl.load(dt_ptrs, mask=valid[:, None] & v_ok[None, :], other=0.0)
         last = ((p - 1) % R + R) % R
         l_prev = tl.sum(tl.where(valid & (j == last), lg, 0.0), axis=0)  # 0 without pending terms
         coef = tl.where(valid, tl.exp(l_prev - lg), 0.0)
-        kt = tl.load(keys + row * s_kyb + h * s_kyh + j[:, None] * s_kyr + kk[None, :],
-                     mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BR, BK]
-        dt = tl.load(deltas + row * s_db + h * s_dh + j[:, None] * s_dr + vv[None, :],
-                     mask=valid[:, None] & v_ok[None, :], other=0.0)  # [BR, BV]
         q_t = tl.load(q + b * s_qb + h * s_qh + kk, mask=k_ok, other=0.0)
         k_t = tl.load(k + b * s_kb + h * s_kh + kk, mask=k_ok, other=0.0)
         v_t = tl.load(v + b * s_vb + h * s_vh + vv, mask=v_ok, other=0.0)

@@ -130,18 +130,23 @@ def test_kernel_matches_reference_over_steps(bsz, heads, dk, dv, rank, pool_dtyp
         positions = positions + 1
 
 
-def test_fold_below_folds_every_row():
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_fold_below_folds_every_row(impl):
     """A batch below fold_below (a lone stream) folds on every step: the pool then equals the plain step's state
-    (1e-5) each token, and no term is stored (base = the token's position)."""
+    (1e-5) each token, and no term is stored (base = the token's position). The term slots hold NaN (no slot is
+    pending): the small-batch kernel loads every slot before it knows which are pending, and neither it nor the
+    reference may let a slot that is not pending reach the results."""
     heads, dk, dv = 2, 32, 32
     pool, base, keys, deltas, logs = random_lazy_state(3, heads, dk, dv, 4, device=DEVICE)
+    for t in (keys, deltas, logs):
+        t.fill_(float("nan"))
     plain = pool.clone()
     rows, positions = torch.tensor([2], device=DEVICE), torch.tensor([30], device=DEVICE)
+    step = gdn_decode_lazy_triton if impl == "triton" else gdn_decode_lazy_reference
     for t in range(5):
         q, k, v, g, beta, _ = random_inputs(1, heads, dk, dv, seed=t, device=DEVICE)
         want = gated_delta_rows(q, k, v, g, beta, plain, rows)
-        got = gdn_decode_lazy_triton(q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions,
-                                     FOLD_BELOW_ROWS)[0]
+        got = step(q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions, FOLD_BELOW_ROWS)[0]
         assert _rel(got, want) < 1e-5 and _rel(pool[2], plain[2]) < 1e-5
         assert base[2].unique().tolist() == [30 + t]
         positions = positions + 1

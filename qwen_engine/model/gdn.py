@@ -120,7 +120,10 @@ def gated_delta_rows_lazy(q, k, v, g, beta, pool, base, keys, deltas, logs, rows
     bp = torch.where(unset, pos - 1, bp)
     slot = torch.arange(r, device=q.device)
     valid = (slot - bp[..., None] - 1) % r < n[..., None]  # [B, H, R]: slot holds one of positions bp+1 .. pos-1
-    lg, kt, dt = logs[rows], keys[rows], deltas[rows]  # [B, H, R], [B, H, R, Dk], [B, H, R, Dv]
+    # [B, H, R], [B, H, R, Dk], [B, H, R, Dv]; slots without a pending term as zeros (whatever they hold: NaN too)
+    lg = torch.where(valid, logs[rows], 0.0)
+    kt = torch.where(valid[..., None], keys[rows], 0.0)
+    dt = torch.where(valid[..., None], deltas[rows], 0.0)
     last = ((pos - 1) % r).expand(nb, heads)[..., None]
     l_prev = torch.where(n > 0, lg.gather(-1, last)[..., 0], 0.0)  # [B, H]
     coef = torch.where(valid, torch.exp(l_prev[..., None] - lg), 0.0)
