@@ -274,8 +274,8 @@
 #   STEPS="175 176" (same carry; either GPU): ~4 min: issue 5, the forty-ninth session's L2 write-back question --
 #       does the GDN step's 64 MB of dirty fp32 state slow the gate_up after it, and does a store hint move it?
 #   STEPS="177" (same carry; either GPU): ~6 min: issue 5, the lazy GDN state (gdn_lazy_rank: the fp32 state written
-#       once every R tokens) -- its CUDA tests, per token beside the plain step, then the engine at R 8 and 16 beside
-#       the defaults in one process (tokens compared)
+#       once every R tokens) -- its CUDA tests, per token beside the plain step, then the engine at R 8 and 16 (and 8
+#       on a bf16 pool) beside the defaults in one process (tokens compared); ~7 min
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
 #       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
 #       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)
@@ -2296,14 +2296,16 @@ if want 177; then
 # forty-ninth session: the lazy GDN decode state (kernels/gdn_decode_lazy.py; QwenEngineConfig.gdn_lazy_rank) -- its
 # CUDA tests (the kernel against the torch lazy reference, that against the plain step), per token beside the plain
 # step (gdn_lazy_bench.py: ranks 4 / 8 / 16, launches, aligned and staggered folds), then the engine (defaults first,
-# then --variant lazy8 / lazy16 in the same process: 32 streams, lone, TTFT, tokens against the first engine's)
+# then --variant lazy8 / lazy16 in the same process, and lazy8 on a bf16 state pool -- rounded on folds only, not
+# every token: 32 streams, lone, TTFT, tokens against the first engine's)
 say "177. issue 5: the lazy GDN state -- CUDA tests, per token beside the plain step, the engine at R 8 / 16"
 gpu_tests lazy_tests "${LIMIT_177T:-120}" tests/test_kernel_gdn_lazy.py -rfE
 grep -E "^(FAILED|ERROR)" "$R/lazy_tests.log" | cut -c1-250 | head -8
 probe gdn_lazy "${LIMIT_177:-150}" gdn_lazy_bench.py ${ARGS_177:-}
 cat "$R/gdn_lazy/gdn_lazy_bench.md" 2>/dev/null
-engine_out qwen_lazy "${LIMIT_177E:-330}" --decode-tokens 48 --variant 'lazy8={"gdn_lazy_rank": 8}' \
-  --variant 'lazy16={"gdn_lazy_rank": 16}' ${EXTRA_170:-}
+engine_out qwen_lazy "${LIMIT_177E:-400}" --decode-tokens 48 --variant 'lazy8={"gdn_lazy_rank": 8}' \
+  --variant 'lazy16={"gdn_lazy_rank": 16}' \
+  --variant 'lazy8_bf16={"gdn_lazy_rank": 8, "gdn_state_dtype": "bfloat16"}' ${EXTRA_170:-}
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

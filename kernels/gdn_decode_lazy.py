@@ -248,9 +248,9 @@ def random_lazy_state(slots: int, heads: int, dk: int, dv: int, rank: int, seed:
     return tuple(t.to(device) for t in (pool, base, keys, deltas, logs))
 
 
-def _sample(device) -> list[tuple[tuple, dict]]:
-    """Three rows of a 4-row pool at rank 4: one with 2 pending terms, one about to fold (3), one with none; then
-    the same with every row folding (fold_below above the batch)."""
+def _sample(device) -> tuple[tuple, dict]:
+    """Three rows of a 4-row pool at rank 4: one with 2 pending terms, one about to fold (3), one with none (the
+    large-batch build; the small-batch one, every row folding, is tests/test_kernel_gdn_lazy.py's)."""
     from kernels.gdn_decode import random_inputs
 
     q, k, v, g, beta, _ = random_inputs(3, 3, 32, 48, device=device)
@@ -258,8 +258,7 @@ def _sample(device) -> list[tuple[tuple, dict]]:
     rows = torch.tensor([2, 0, 3], device=device)
     positions = torch.tensor([13, 7, 40], device=device)
     base[2], base[0] = 10, 3  # pending 11, 12 (slots 3, 0) / 4, 5, 6 (slots 0, 1, 2): row 0 folds at position 7
-    args = (q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions)
-    return [(args + (FOLD_BELOW_ROWS if len(rows) >= FOLD_BELOW_ROWS else 0,), {}), (args + (8,), {})]
+    return (q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions, 0), {}
 
 
 def register(registry) -> None:

@@ -895,7 +895,11 @@ class QwenEngine:
         A model passed in already built may have cached its choices before this check (benchmarks only)."""
         from engine_core.registry import default_registry
 
-        out = self.registry.self_check(self.device)
+        from kernels.gdn_decode_lazy import NAME as LAZY_OP
+
+        # the lazy GDN step's op only when the engine runs it (two kernel builds to compile otherwise unused)
+        out = self.registry.self_check(self.device, ops=[op for op in self.registry.ops()
+                                                         if op != LAZY_OP or self.cfg.gdn_lazy_rank])
         reg = default_registry()
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)

@@ -260,7 +260,7 @@ def test_engine_lazy_gdn_state_equals_single_prompt_reference(num_kv_blocks, gra
         return engine, [t for t, _ in outs], gdn
 
     engine, outs, gdn = run(engine_config(num_kv_blocks=num_kv_blocks, decode_graphs=graphs, kernels=kernels,
-                                          gdn_lazy_rank=4), body)
+                                          gdn_lazy_rank=4, kernel_self_check=kernels == CPU_TRITON), body)
     for i, (n, tokens) in enumerate(zip(lengths, outs)):
         assert tokens == reference_greedy(engine, prompt(i, n), 9), f"prompt {i} ({n} tokens)"
     assert all(layer.lazy is not None and layer.lazy.keys.shape[2] == 4 for layer in gdn)
@@ -272,11 +272,20 @@ def test_engine_lazy_gdn_state_equals_single_prompt_reference(num_kv_blocks, gra
         assert engine.health()["runner"]["graph_steps"] > 0
     if kernels == CPU_TRITON and INTERPRETED:
         assert engine.registry.choices()["gdn_decode_rows_lazy"]["last"] == "triton"
+        assert engine.health()["kernel_checks"]["gdn_decode_rows_lazy"] == "triton passed"
     c = QwenConfig.tiny()
     terms = gdn_state_bytes(c, 5, torch.float32, lazy_rank=4) - gdn_state_bytes(c, 5, torch.float32)
     gdn_layers = sum(t == "linear_attention" for t in c.layer_types)
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     assert terms == gdn_layers * 5 * hv * (4 * (dk + dv + 1) * 4 + -(-dv // 16) * 4)
+    # on a bf16 pool: the stored state rounded on folds only; terms stay fp32; every request completes
+    async def lengths_only(engine):
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=9) for i, n in enumerate(lengths)))
+        gdn = [layer for layer in engine.runner.cache.layers if isinstance(layer, GDNSlots)]
+        return [len(t) for t, _ in outs], {(x.recurrent.dtype, x.lazy.keys.dtype) for x in gdn}
+
+    done, dtypes = run(engine_config(gdn_lazy_rank=4, gdn_state_dtype="bfloat16"), lengths_only)
+    assert done == [9] * len(lengths) and dtypes == {(torch.bfloat16, torch.float32)}
     with pytest.raises(ValueError, match="gdn_lazy_rank"):
         engine_config(gdn_lazy_rank=1)
     with pytest.raises(ValueError, match="gdn_lazy_rank"):
@@ -644,6 +653,7 @@ def test_kernel_self_check_at_start():
                "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "attn_decode_prep",
                "attn_output_gate"):
         assert checks[op] == want, (op, checks)
+    assert "gdn_decode_rows_lazy" not in checks  # checked only where gdn_lazy_rank runs it
     two = want.replace("triton", "linear+router_topk")  # the fused router's fallback, checked after it
     assert checks["router_gemv_topk"] == f"{want}; {two}", checks
     two = want.replace("triton", "gemm+triton")  # b / a inside the GDN prep, then its GEMM + plain-kernel fallback
