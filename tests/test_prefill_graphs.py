@@ -192,6 +192,42 @@ def test_engine_greedy_through_prefill_graphs():
         QwenEngineConfig(config="tiny", prefill_buckets=(0,))
 
 
+@pytest.mark.parametrize("graphs", ["static", "off"])
+def test_engine_lazy_gdn_state_through_prefill_graphs(graphs, monkeypatch):
+    """gdn_lazy_rank 4 (fold_below 0: these lone requests keep terms), with prefill graphs and without: each request
+    reuses the state row the one before left with a pending term and a base position within 4 of the next request's
+    first decode position (3 tokens + 5 new: base 6, a term at 7; then 8 tokens: first decode at 8). The graph path
+    copies the scratch row into the sequence's (`GDNSlots.copy_row`, base positions included), the eager path resets
+    the row (`PagedCache.reset_slots`, base positions to -1): without either the next request would read the stale
+    term. Tokens equal the single-prompt reference."""
+    from kernels import gdn_decode_lazy
+
+    monkeypatch.setattr(gdn_decode_lazy, "FOLD_BELOW_ROWS", 0)
+    cfg = QwenEngineConfig(config="tiny", device="cpu", dtype="fp32", seed=0, kernels="reference", max_num_seqs=1,
+                           max_num_batched_tokens=16, block_size=4, num_kv_blocks=64, max_model_len=96,
+                           request_timeout_s=60.0, warmup=False, kernel_self_check=False, prefill_graphs=graphs,
+                           prefill_buckets=[8, 16], gdn_lazy_rank=4)
+    lengths = (3, 8, 5, 8)
+
+    async def main():
+        engine = QwenEngine(cfg)
+        await engine.start()
+        try:
+            outs = []
+            for i, n in enumerate(lengths):
+                outs.append([t async for c in engine.generate(prompt(i, n), max_new_tokens=5)
+                             for t in c.new_token_ids])
+            return engine, outs
+        finally:
+            await engine.aclose()
+
+    engine, outs = asyncio.run(main())
+    for i, n in enumerate(lengths):
+        ref = greedy_generate(engine.model, torch.tensor([prompt(i, n)]), 5)[0].tolist()
+        assert outs[i] == ref, f"prompt {i} ({n} tokens)"
+    assert engine.health()["runner"]["prefill_graph_steps"] >= (len(lengths) if graphs == "static" else 0)
+
+
 def test_bucket_limits_and_failed_capture(monkeypatch):
     """Buckets a step can never fill are refused up front; a CaptureError at start (warm-up or capture) leaves
     prefill_graphs "auto" serving eagerly, health saying why, while an explicit "capture" fails start()."""
