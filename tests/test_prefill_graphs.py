@@ -153,33 +153,43 @@ def test_default_buckets():
     assert default_buckets(16, 96) == (16,)
 
 
-def test_engine_greedy_through_prefill_graphs():
-    """The engine with prefill_graphs "static": requests alone (the graph path) and together (plain mixed steps)
-    give the single-prompt greedy tokens; health shows the graph steps."""
-    cfg = QwenEngineConfig(config="tiny", device="cpu", dtype="fp32", seed=0, kernels="reference", max_num_seqs=4,
-                           max_num_batched_tokens=16, block_size=4, num_kv_blocks=64, max_model_len=96,
-                           request_timeout_s=60.0, warmup=False, kernel_self_check=False, prefill_graphs="static",
-                           prefill_buckets=[8, 16])
-    lengths = (3, 16, 11, 30)
+def tiny_engine_config(**kw) -> QwenEngineConfig:
+    """The engine tests' tiny fp32 CPU engine on the reference kernels, prefill graphs "static" with buckets 8 and
+    16; `kw` overrides."""
+    return QwenEngineConfig(**{**dict(config="tiny", device="cpu", dtype="fp32", seed=0, kernels="reference",
+                                      max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64,
+                                      max_model_len=96, request_timeout_s=60.0, warmup=False,
+                                      kernel_self_check=False, prefill_graphs="static", prefill_buckets=[8, 16]),
+                               **kw})
 
+
+async def greedy(engine: QwenEngine, i: int, n: int, new: int = 5) -> list[int]:
+    """The tokens `engine` generates for prompt(i, n)."""
+    return [t async for c in engine.generate(prompt(i, n), max_new_tokens=new) for t in c.new_token_ids]
+
+
+def run_engine(cfg: QwenEngineConfig, body):
+    """Start an engine, `await body(engine)`, close it; -> (engine, body's result)."""
     async def main():
         engine = QwenEngine(cfg)
         await engine.start()
         try:
-            alone = []
-            for i, n in enumerate(lengths):
-                alone.append([t async for c in engine.generate(prompt(i, n), max_new_tokens=5)
-                              for t in c.new_token_ids])
-
-            async def one(i, n):
-                return [t async for c in engine.generate(prompt(i, n), max_new_tokens=5) for t in c.new_token_ids]
-
-            together = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
-            return engine, alone, together
+            return engine, await body(engine)
         finally:
             await engine.aclose()
+    return asyncio.run(main())
 
-    engine, alone, together = asyncio.run(main())
+
+def test_engine_greedy_through_prefill_graphs():
+    """The engine with prefill_graphs "static": requests alone (the graph path) and together (plain mixed steps)
+    give the single-prompt greedy tokens; health shows the graph steps."""
+    lengths = (3, 16, 11, 30)
+
+    async def body(engine):
+        alone = [await greedy(engine, i, n) for i, n in enumerate(lengths)]
+        return alone, await asyncio.gather(*(greedy(engine, i, n) for i, n in enumerate(lengths)))
+
+    engine, (alone, together) = run_engine(tiny_engine_config(), body)
     for i, n in enumerate(lengths):
         ref = greedy_generate(engine.model, torch.tensor([prompt(i, n)]), 5)[0].tolist()
         assert alone[i] == ref and together[i] == ref, f"prompt {i} ({n} tokens)"
@@ -203,25 +213,12 @@ def test_engine_lazy_gdn_state_through_prefill_graphs(graphs, monkeypatch):
     from kernels import gdn_decode_lazy
 
     monkeypatch.setattr(gdn_decode_lazy, "FOLD_BELOW_ROWS", 0)
-    cfg = QwenEngineConfig(config="tiny", device="cpu", dtype="fp32", seed=0, kernels="reference", max_num_seqs=1,
-                           max_num_batched_tokens=16, block_size=4, num_kv_blocks=64, max_model_len=96,
-                           request_timeout_s=60.0, warmup=False, kernel_self_check=False, prefill_graphs=graphs,
-                           prefill_buckets=[8, 16], gdn_lazy_rank=4)
     lengths = (3, 8, 5, 8)
 
-    async def main():
-        engine = QwenEngine(cfg)
-        await engine.start()
-        try:
-            outs = []
-            for i, n in enumerate(lengths):
-                outs.append([t async for c in engine.generate(prompt(i, n), max_new_tokens=5)
-                             for t in c.new_token_ids])
-            return engine, outs
-        finally:
-            await engine.aclose()
+    async def body(engine):
+        return [await greedy(engine, i, n) for i, n in enumerate(lengths)]
 
-    engine, outs = asyncio.run(main())
+    engine, outs = run_engine(tiny_engine_config(max_num_seqs=1, prefill_graphs=graphs, gdn_lazy_rank=4), body)
     for i, n in enumerate(lengths):
         ref = greedy_generate(engine.model, torch.tensor([prompt(i, n)]), 5)[0].tolist()
         assert outs[i] == ref, f"prompt {i} ({n} tokens)"
