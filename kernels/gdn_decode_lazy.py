@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kernels import pdl, tolerance
+from kernels.gdn_decode import _block_v
 
 try:
     import triton
@@ -146,13 +147,6 @@ def _interpreted() -> bool:
     return triton is not None and type(_gdn_decode_lazy_kernel).__name__ == "InterpretedFunction"
 
 
-def _block_v(bh: int, dv: int) -> int:
-    """`gdn_decode._block_v`'s slices (64 / 32 / 16 columns, or the whole head when narrower)."""
-    from kernels.gdn_decode import _block_v as plain
-
-    return plain(bh, dv)
-
-
 @torch.library.custom_op("qwen::gdn_decode_rows_lazy_", mutates_args=("pool", "base", "keys", "deltas", "logs"))
 def gdn_decode_lazy_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      pool: torch.Tensor, base: torch.Tensor, keys: torch.Tensor, deltas: torch.Tensor,
@@ -166,7 +160,7 @@ def gdn_decode_lazy_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if o.numel() == 0:
         return o
     r = keys.shape[2]
-    bv = LAUNCH_BLOCK_V or _block_v(bsz * heads, dv)
+    bv = LAUNCH_BLOCK_V or _block_v(bsz * heads, dv)  # the plain step's slices: 64 / 32 / 16 columns
     _gdn_decode_lazy_kernel[(bsz * heads, triton.cdiv(dv, bv))](
         q, k, v, g, beta, pool, base, keys, deltas, logs, o, rows, positions, heads, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),

@@ -114,7 +114,7 @@ def test_kernel_matches_reference_over_steps(bsz, heads, dk, dv, rank, pool_dtyp
     if block_v is not None:
         from kernels import gdn_decode_lazy
 
-        monkeypatch.setattr(gdn_decode_lazy, "_block_v", lambda bh, dv: block_v)
+        monkeypatch.setattr(gdn_decode_lazy, "LAUNCH_BLOCK_V", block_v)
     slots = bsz + 2
     pool, base, keys, deltas, logs = random_lazy_state(slots, heads, dk, dv, rank, seed=bsz, device=DEVICE)
     state = [pool.to(pool_dtype), base, keys, deltas, logs]
