@@ -16,7 +16,7 @@ Rules (STYLE P4, A2):
 * no silent fallback: a fallback to the reference is counted per op and logged (once per op and implementation); an
   explicit preference (e.g. TRITON) never falls back, it raises with the reason;
 * the optional start-up `self_check` runs each fast implementation the preference could pick on the op's random
-  sample inputs (the first sample it supports, where an op gives one per regime) and compares with the reference at
+  sample inputs (every sample it supports, where an op gives one per regime) and compares with the reference at
   the op's stated tolerance; a failure is logged at ERROR, recorded in `choices()` and disables that implementation
   for the life of the registry (AUTO then uses the next one).
 
@@ -110,7 +110,7 @@ class OpSpec:
     reference: Implementation
     tolerance: str  # what "agrees with the reference" means for this op, and why (shown in choices())
     # sample(device) -> (args, kwargs), or a list of them: small random inputs for the self-check (each fast path is
-    # checked on the first one it supports: ops whose paths split by size, e.g. rows, give one sample per regime)
+    # checked on every one it supports: ops whose paths, or whose kernels' builds, split by size give one per regime)
     sample: Callable[[Any], tuple[tuple, dict] | list[tuple[tuple, dict]]] | None = None
     # compare(out, ref) -> None when within tolerance, else a one-line description of the disagreement
     compare: Callable[[Any, Any], str | None] | None = None
@@ -244,9 +244,9 @@ class Registry:
     # ---- start-up self-check ---------------------------------------------------------------------------------------
     def self_check(self, device: Any, ops: list[str] | None = None) -> dict[str, str]:
         """Run every fast implementation the current preference could choose against the reference on the op's
-        sample inputs on `device` (the first of the op's samples it supports). A failure (disagreement beyond
-        tolerance or an exception) is logged at ERROR, recorded and disables the implementation. Returns op ->
-        outcome."""
+        sample inputs on `device` (each of the op's samples it supports, in order, stopping at the first failure). A
+        failure (disagreement beyond tolerance or an exception) is logged at ERROR, recorded and disables the
+        implementation. Returns op -> outcome."""
         outcomes: dict[str, str] = {}
         for name in ops if ops is not None else list(self._ops):
             spec, rec = self._spec(name), self._record(name)
@@ -272,22 +272,29 @@ class Registry:
 
             results = []
             for impl in candidates:
-                i = next((j for j, info in enumerate(infos) if impl.supports(**info)), None)
-                if i is None:
+                fits = [j for j, info in enumerate(infos) if impl.supports(**info)]
+                if not fits:
                     which = "sample" if len(samples) == 1 else "samples"
                     results.append(f"{impl.name} skipped (does not support the {which} on {device})")
                     continue
-                if i not in refs:
-                    a, kw = fresh(i)
-                    refs[i] = spec.reference.fn(*a, **kw)
-                try:
-                    a, kw = fresh(i)
-                    problem = spec.compare(impl.fn(*a, **kw), refs[i])
-                except Exception as exc:  # a crashing kernel is a failed kernel, reported with its reason
-                    problem = f"raised {type(exc).__name__}: {exc}"
+                problem = None
+                for i in fits:
+                    if i not in refs:
+                        a, kw = fresh(i)
+                        refs[i] = spec.reference.fn(*a, **kw)
+                    try:
+                        a, kw = fresh(i)
+                        problem = spec.compare(impl.fn(*a, **kw), refs[i])
+                    except Exception as exc:  # a crashing kernel is a failed kernel, reported with its reason
+                        problem = f"raised {type(exc).__name__}: {exc}"
+                    if problem is not None:
+                        if len(samples) > 1:
+                            problem = f"sample {i}: {problem}"
+                        break
                 if problem is None:
                     results.append(f"{impl.name} passed")
-                    log.info("kernel self-check %s/%s on %s: passed (%s)", name, impl.name, device, spec.tolerance)
+                    log.info("kernel self-check %s/%s on %s: passed on %d sample(s) (%s)", name, impl.name, device,
+                             len(fits), spec.tolerance)
                 else:
                     rec.disabled[impl.name] = f"self-check failed on {device}: {problem}"
                     results.append(f"{impl.name} FAILED: {problem}")

@@ -1098,7 +1098,7 @@ def _dense_call(device, n: int, rows: int, seed: int = 0) -> tuple[tuple, dict]:
 
 def _sample_dense(device) -> tuple[tuple, dict] | list[tuple[tuple, dict]]:
     """3 rows of a 96-row weight; on CUDA also one row of a WIDE_MIN_N-row one (4 MB packed), lm_head's one-row call
-    that only "triton_mma_wide" takes (the registry checks each path on the first sample it takes)."""
+    that only "triton_mma_wide" takes (the registry checks each path on every sample it takes)."""
     small = _dense_call(device, 96, 3)
     if torch.device(device).type != "cuda":
         return small

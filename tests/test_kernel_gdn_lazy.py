@@ -168,6 +168,11 @@ def test_supports_and_registry_self_check():
     big = random_lazy_state(3, 2, 16, 32, 17, device=DEVICE)  # rank 17 > MAX_RANK
     assert not supports(**describe(*args[:5], *big, rows, positions))
     assert not supports(**describe(*args[:7], keys.transpose(2, 3).contiguous().transpose(2, 3), *args[8:]))
+    # the self-check runs both builds (the op's two samples): a path right on the large-batch build but not folding
+    # every row of a small batch fails on the second sample alone
     reg = Registry()
     gdn_decode_lazy.register(reg)
-    assert reg.self_check(DEVICE) == {"gdn_decode_rows_lazy": "triton passed"}
+    reg.add_implementation("gdn_decode_rows_lazy", "no_small_build",
+                           lambda *a: gdn_decode_lazy_triton(*a[:-1], 0), supports)
+    outcome = reg.self_check(DEVICE)["gdn_decode_rows_lazy"]
+    assert outcome.startswith("triton passed; no_small_build FAILED: sample 1: pool: "), outcome

@@ -171,6 +171,14 @@ def test_self_check_with_a_sample_per_regime():
     assert calls == [3, 9]
     outcome = reg_with(double_wrong).self_check("cpu")["double"]
     assert outcome.startswith("small passed; large FAILED")
+    # a path that takes every sample is checked on each, not only the first: wrong on the large one, it fails there
+    reg = reg_with(double_fast)
+    reg.add_implementation("double", "any", lambda x: double_fast(x) if len(x) <= 4 else double_wrong(x),
+                           lambda **_: True)
+    outcome = reg.self_check("cpu")["double"]
+    assert outcome.startswith("small passed; large passed; huge skipped (does not support the samples on cpu); "
+                              "any FAILED: sample 1: "), outcome
+    assert "any" in reg.choices()["double"]["disabled"], reg.choices()
 
 
 @pytest.mark.parametrize("mutates", [True, False])
