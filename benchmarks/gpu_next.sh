@@ -2299,13 +2299,18 @@ if want 177; then
 # then --variant lazy8 / lazy16 in the same process, and lazy8 on a bf16 state pool -- rounded on folds only, not
 # every token: 32 streams, lone, TTFT, tokens against the first engine's)
 say "177. issue 5: the lazy GDN state -- CUDA tests, per token beside the plain step, the engine at R 8 / 16"
+# SHORT_177=1 (a short device budget): the kernel tests' CUDA cases and the engine at R 8 beside the defaults only
 gpu_tests lazy_tests "${LIMIT_177T:-120}" tests/test_kernel_gdn_lazy.py -rfE
 grep -E "^(FAILED|ERROR)" "$R/lazy_tests.log" | cut -c1-250 | head -8
-probe gdn_lazy "${LIMIT_177:-150}" gdn_lazy_bench.py ${ARGS_177:-}
-cat "$R/gdn_lazy/gdn_lazy_bench.md" 2>/dev/null
-engine_out qwen_lazy "${LIMIT_177E:-400}" --decode-tokens 48 --variant 'lazy8={"gdn_lazy_rank": 8}' \
-  --variant 'lazy16={"gdn_lazy_rank": 16}' \
-  --variant 'lazy8_bf16={"gdn_lazy_rank": 8, "gdn_state_dtype": "bfloat16"}' ${EXTRA_170:-}
+if [ -n "${SHORT_177:-}" ]; then
+  engine_out qwen_lazy "${LIMIT_177E:-260}" --decode-tokens 48 --variant 'lazy8={"gdn_lazy_rank": 8}' ${EXTRA_170:-}
+else
+  probe gdn_lazy "${LIMIT_177:-150}" gdn_lazy_bench.py ${ARGS_177:-}
+  cat "$R/gdn_lazy/gdn_lazy_bench.md" 2>/dev/null
+  engine_out qwen_lazy "${LIMIT_177E:-400}" --decode-tokens 48 --variant 'lazy8={"gdn_lazy_rank": 8}' \
+    --variant 'lazy16={"gdn_lazy_rank": 16}' \
+    --variant 'lazy8_bf16={"gdn_lazy_rank": 8, "gdn_state_dtype": "bfloat16"}' ${EXTRA_170:-}
+fi
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"
