@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kernels import pdl, tolerance
-from kernels.gdn_decode import _block_v
+from kernels.gdn_decode import _block_v, random_inputs
 
 try:
     import triton
@@ -245,18 +245,15 @@ def random_lazy_state(slots: int, heads: int, dk: int, dv: int, rank: int, seed:
 def _sample(device) -> list[tuple[tuple, dict]]:
     """Three rows of a 4-row pool at rank 4: one with 2 pending terms, one about to fold (3), one with none; once on
     the large-batch build (fold_below 0: rows fold when their rank fills) and once on the small-batch one (fold_below
-    FOLD_BELOW_ROWS > 3 rows: every row folds, all term slots loaded with the state). The registry checks both."""
-    from kernels.gdn_decode import random_inputs
-
-    def call(fold_below: int) -> tuple[tuple, dict]:
-        q, k, v, g, beta, _ = random_inputs(3, 3, 32, 48, device=device)
-        pool, base, keys, deltas, logs = random_lazy_state(4, 3, 32, 48, 4, device=device)
-        rows = torch.tensor([2, 0, 3], device=device)
-        positions = torch.tensor([13, 7, 40], device=device)
-        base[2], base[0] = 10, 3  # pending 11, 12 (slots 3, 0) / 4, 5, 6 (slots 0, 1, 2): row 0 folds at position 7
-        return (q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions, fold_below), {}
-
-    return [call(0), call(FOLD_BELOW_ROWS)]
+    FOLD_BELOW_ROWS > 3 rows: every row folds, all term slots loaded with the state). The registry checks both,
+    each on its own copy of the tensors (the op is registered mutates=True), so the two calls share them."""
+    q, k, v, g, beta, _ = random_inputs(3, 3, 32, 48, device=device)
+    pool, base, keys, deltas, logs = random_lazy_state(4, 3, 32, 48, 4, device=device)
+    rows = torch.tensor([2, 0, 3], device=device)
+    positions = torch.tensor([13, 7, 40], device=device)
+    base[2], base[0] = 10, 3  # pending 11, 12 (slots 3, 0) / 4, 5, 6 (slots 0, 1, 2): row 0 folds at position 7
+    args = (q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions)
+    return [(args + (0,), {}), (args + (FOLD_BELOW_ROWS,), {})]
 
 
 def register(registry) -> None:

@@ -147,9 +147,10 @@ def test_self_check_pass_and_skips():
 
 
 def test_self_check_with_a_sample_per_regime():
-    """An op whose fast paths split by size gives a list of samples: each path is checked on the first it supports
-    (a small-input path on the small sample, a large-input one on the large), the reference run once per sample
-    used; a path no sample fits is skipped, said so; a wrong large-input path fails on its own sample."""
+    """An op whose fast paths split by size gives a list of samples: each path is checked on every one it supports
+    (a small-input path on the small sample, a large-input one on the large, a path taking both on both), the
+    reference run once per sample used; a path no sample fits is skipped, said so; a wrong large-input path fails on
+    its own sample."""
     calls = []
 
     def ref(x):
