@@ -276,6 +276,8 @@
 #   STEPS="177" (same carry; either GPU): ~6 min: issue 5, the lazy GDN state (gdn_lazy_rank: the fp32 state written
 #       once every R tokens) -- its CUDA tests, per token beside the plain step, then the engine at R 8 and 16 (and 8
 #       on a bf16 pool) beside the defaults in one process (tokens compared); ~7 min
+#   STEPS="178 39" (same carry; either GPU): ~5 min: issue 5, the fused GDN step + norm after its triton 3.6 fix --
+#       its CUDA tests and the plain step's, then the engine with gdn_decode_norm on beside the defaults
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
 #       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
 #       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)
@@ -2311,6 +2313,18 @@ else
     --variant 'lazy16={"gdn_lazy_rank": 16}' \
     --variant 'lazy8_bf16={"gdn_lazy_rank": 8, "gdn_state_dtype": "bfloat16"}' ${EXTRA_170:-}
 fi
+fi
+if want 178; then
+# fifty-first session: the fused GDN step + gated norm (kernels/gdn_decode.py "gdn_decode_rows_norm_fp8") failed its
+# start-up self-check on triton 3.6 ("'str' object has no attribute 'type'": `_advance`'s string store-hint defaults
+# reached the compiler from the nested call); now passed explicitly. Its CUDA tests (with the plain step's), then the
+# engine with gdn_decode_norm on beside the defaults (off since Qwen run 55: -0.9% at 32 streams), SELF-CHECK lines
+say "178. issue 5: the fused GDN step + norm on triton 3.6 -- CUDA tests, the engine with gdn_decode_norm beside the defaults"
+gpu_tests gdn_norm_tests "${LIMIT_178T:-150}" tests/test_gdn_decode_norm.py tests/test_kernel_gdn.py -rfE
+grep -E "^(FAILED|ERROR)" "$R/gdn_norm_tests.log" | cut -c1-250 | head -8
+engine_out qwen_gdn_norm "${LIMIT_178E:-200}" --decode-tokens 48 --variant 'gdn_norm={"gdn_decode_norm": true}' \
+  ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_gdn_norm.log" | cut -c1-250 | head -5
 fi
 if want 39; then
 say "39. this machine's Triton cache into \$OUT as <= 15 MiB parts (carry them next time: see the header)"

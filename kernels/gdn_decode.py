@@ -57,9 +57,11 @@ if triton is not None:
     def _advance(q, k, v, g, beta, s_in, s_out, o, rows, pid, pv, H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
                  BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr, INTERPRET: tl.constexpr,
-                 STORE_CACHE: tl.constexpr = "", STORE_EVICT: tl.constexpr = ""):
+                 STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
         """Program (pid = b H + h, pv): the [Dk, BLOCK_V] slice pv of head h's state of batch row b advanced one
-        token (read once, written once), and its slice of o = S^T q (fp32). A bf16 state (the engine's
+        token (read once, written once), and its slice of o = S^T q (fp32). STORE_CACHE / STORE_EVICT: the state
+        store's hints (`STATE_STORE`), passed by every caller: a nested jit call's string default reaches the
+        compiler as a plain str on triton 3.6 ("'str' object has no attribute 'type'"). A bf16 state (the engine's
         `gdn_state_dtype`) is widened as it is read and rounded to nearest even as it is stored; o comes from the
         unrounded fp32 state, as in `gated_delta_rows`."""
         b, h = pid // H, pid % H
@@ -102,7 +104,8 @@ if triton is not None:
                                 s_zb, s_zh, s_nb, s_nh, s_cb, s_ch,
                                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                                 ROUND_PRODUCT: tl.constexpr, ROUND_X: tl.constexpr, INTERPRET: tl.constexpr,
-                                QUANT: tl.constexpr, USE_PDL: tl.constexpr = False):
+                                QUANT: tl.constexpr, STORE_CACHE: tl.constexpr = "", STORE_EVICT: tl.constexpr = "",
+                                USE_PDL: tl.constexpr = False):
         # `_gdn_decode_kernel` over pool rows in place (o: the fp32 scratch [B, H, Dv] of the slices), then the head's
         # gated RMS norm: the program that finishes head (b, h) last of its cdiv(DV, BLOCK_V) (`split_k`'s arrival
         # counter, one per head: counters[b H + h]) reads the whole o row back through L2 and writes out [B, H, Dv]
@@ -112,7 +115,7 @@ if triton is not None:
         pid = tl.program_id(0)
         _advance(q, k, v, g, beta, pool, pool, o, rows, pid, tl.program_id(1), H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, True, INTERPRET)
+                 BLOCK_K, BLOCK_V, True, INTERPRET, STORE_CACHE, STORE_EVICT)
         if last_arrival(counters, pid, tl.num_programs(1)):  # every slice of the head's o is stored and visible
             b, h = pid // H, pid % H
             one = tl.arange(0, 1)  # the head's row as a [1, BLOCK_D] tile, as the norm kernel's rows are
@@ -134,7 +137,7 @@ def _interpreted() -> bool:
     return triton is not None and type(_gdn_decode_kernel).__name__ == "InterpretedFunction"
 
 
-# The state's store hints (cache modifier, eviction policy) of `_gdn_decode_kernel`, process-wide: Triton's defaults
+# The state's store hints (cache modifier, eviction policy) of both step kernels, process-wide: Triton's defaults
 # ("", ""). benchmarks/l2_writeback_bench.py measures the alternatives: the step writes its whole state (64 MB at 32
 # fp32 sequences, more than the L2) and the dirty lines left in L2 are written back while the next big kernel (the
 # experts' gate_up) streams its weights.
@@ -287,7 +290,7 @@ def _launch_norm(q, k, v, g, beta, pool, rows, z, weight, eps: float, input_scal
         codes.stride(0), codes.stride(1),
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv, BLOCK_D=triton.next_power_of_2(dv),
         ROUND_PRODUCT=weight.dtype == z.dtype != torch.float32, ROUND_X=rounds_x(o, z), INTERPRET=_interpreted(),
-        QUANT=True, **pdl.launch_options())
+        QUANT=True, STORE_CACHE=STATE_STORE[0], STORE_EVICT=STATE_STORE[1], **pdl.launch_options())
     return out, codes
 
 

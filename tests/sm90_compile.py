@@ -146,6 +146,7 @@ def pdl_order_ok(name: str, kernel, sig: dict, consts: dict, prefetch: bool = Fa
 
 
 def main() -> int:
+    print(f"triton {triton.__version__} from {Path(triton.__file__).parent}")
     ok = []
     for p in (256, 1024):  # the sorted one-program path at 32 tokens x top-8 and at its MAX_PAIRS
         ok.append(compile_one(f"moe_align sort ({p} pairs, 256 experts)", moe_align._moe_align_sort_kernel,

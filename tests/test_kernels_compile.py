@@ -20,29 +20,56 @@ def _nvidia_backend() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton build has no NVIDIA backend")
-def test_new_kernels_compile_for_sm90():
+# The GPU machine's image has another Triton than this project's torch pins (triton 3.6 beside torch 2.11 there; 3.8
+# here), and the two front ends differ: a nested @triton.jit call's string-constexpr default compiled on 3.8 and
+# failed on 3.6 ("'str' object has no attribute 'type'"; the fused GDN step + norm, caught by the H200's start-up
+# self-check in the fifty-first session). SAMMIE_DEVICE_TRITON names a directory holding that Triton (`pip install
+# --no-deps --target DIR triton==3.6.0`; .ci/run makes one), put first on the script's path.
+DEVICE_TRITON = os.environ.get("SAMMIE_DEVICE_TRITON")
+
+
+def _compile_all(triton_dir: str | None = None) -> str:
+    """tests/sm90_compile.py's stdout, asserted to exit 0; with `triton_dir`, that directory's Triton imported."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_dir:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (triton_dir, env.get("PYTHONPATH")) if p)
     script = Path(__file__).with_name("sm90_compile.py")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     print(proc.stdout, proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this triton build has no NVIDIA backend")
+def test_new_kernels_compile_for_sm90():
+    _check_builds(_compile_all())
+
+
+@pytest.mark.skipif(not DEVICE_TRITON, reason="SAMMIE_DEVICE_TRITON unset (the GPU image's Triton; .ci/run sets it)")
+def test_new_kernels_compile_for_sm90_with_the_gpu_images_triton():
+    out = _compile_all(DEVICE_TRITON)
+    assert f"triton {os.environ.get('SAMMIE_DEVICE_TRITON_VERSION', '3.6.0')}" in out  # that Triton, not this one
+    _check_builds(out)
+
+
+def _check_builds(stdout: str) -> None:
+    """The build counts of one sm90_compile.py run."""
     # 83 builds: the forty-first session added the few-row FP8 GEMM's three, the gated norm reading z as [T, heads]
     # slices and the GDN step over a bf16 state pool to the 77 before; the forty-fifth the router's top-k with the
     # routing alignment (kernels/router_align.py); the forty-ninth the GDN step's three state-store hints
     # (gdn_decode.STATE_STORE) and the lazy GDN step's two builds (kernels/gdn_decode_lazy.py): 88
-    assert proc.stdout.count("ok   ") == 88
+    assert stdout.count("ok   ") == 88
     # kernels/w4a16_mma.py's six builds: every inline-asm operand one element a lane (its mma fragments' premise)
-    assert proc.stdout.count("lanes ") == 6
+    assert stdout.count("lanes ") == 6
     # every launch of a PDL participant (kernels/pdl.py) also compiled with USE_PDL: griddepcontrol.wait, then
     # launch_dependents, before the kernel's first global memory access (25 kernels, 65 launches: the tensor-core
     # GEMV's gate_up prefetching down's slabs after its wait, the greedy argmax, gdn_prep's SPLIT_V build, the
     # attention combine with the output gate, the few-row FP8 GEMM's three builds, the z-slice norm, the bf16-pool
     # GDN step and the router's top-k with the alignment among them; 65 since the forty-ninth session's five above)
-    assert proc.stdout.count("pdl  ") == 65 and "FAIL" not in proc.stdout
+    assert stdout.count("pdl  ") == 65 and "FAIL" not in stdout
     # and the kernels with a weight prefetch (kernels/pdl.py prefetch_l2) compiled with it too: the L2 prefetch before
     # the wait in the FP8 GEMV (3 launches), the router, the dense W4A16 GEMV (3: SwiGLU's four ranges among them) and
     # gdn_prep's two b / a builds (one SPLIT_V); none in the grouped GEMV (its experts come from the router: 3
     # launches, and the build whose prefetch of the next launch's weights follows the wait) nor in gdn_prep without
     # b / a
-    assert proc.stdout.count("pf   ") == 9 and proc.stdout.count("pf-  ") == 5
+    assert stdout.count("pf   ") == 9 and stdout.count("pf-  ") == 5
