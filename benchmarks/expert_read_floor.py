@@ -1,9 +1,9 @@
 """The read floor of the 32-stream expert calls: how fast a kernel that only READS the bytes the gate_up and down calls
 read -- the same routed experts' thread-order tiles and block scales, the same grid of (row block, column tile)
 programs, no decode and no math -- can run on this GPU, beside a plain sequential read of as many bytes. The gap
-between the expert kernels (`w4a16_regs`, `w4a16_tma`) and this floor is their compute / latency overhead; the gap
-between this floor and the sequential read is the access pattern's and the grid's (short programs, the routing's
-empty row blocks, the wave tail).
+between the expert kernel (`w4a16_regs`) and this floor is its compute / latency overhead; the gap between this
+floor and the sequential read is the access pattern's and the grid's (short programs, the routing's empty row blocks,
+the wave tail).
 
     python benchmarks/expert_read_floor.py --out DIR
 

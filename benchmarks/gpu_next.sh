@@ -267,10 +267,11 @@
 #   STEPS="124" (carry .devbundle/extra with ab_old.tar of d361bf9 in it, and .tritoncache): <= 10 min: issue 5, the
 #       tensor-core decode GEMV's and the prefetch's CUDA tests (the sector-aligned lanes), then the engine --again
 #       beside d361bf9's --again (this session's net change)
-#   STEPS="174 172 173" (carry the fla wheels and .tritoncache; on an H200): ~6 min: issue 5, the next H200's first
-#       call -- the 32-token expert calls' read floor, the TMA-ring kernel per call beside the register builds, then
-#       the engine on its fastest builds beside the defaults (on H100s, forty-eighth session: results/floor48_run1,
-#       tma48_run1-3; 172 alone ~1.5-2.7 min, 173 ~2.2 min with the cache carried)
+#   STEPS="172 173" (removed: ran in the fifty-first session, results/h200_51_run2; no gain): the TMA-ring expert
+#       kernel's CUDA tests and per-call bench, then the engine on its builds; kernels/w4a16_tma.py removed
+#   STEPS="174" (carry the fla wheels and .tritoncache): issue 5, the 32-token expert calls' read floor (ran in the
+#       forty-eighth and fifty-first sessions: results/floor48_run1, h200_51_run2; its ncu of the TMA-ring kernel
+#       removed with that kernel)
 #   STEPS="175 176" (same carry; either GPU): ~4 min: issue 5, the forty-ninth session's L2 write-back question --
 #       does the GDN step's 64 MB of dirty fp32 state slow the gate_up after it, and does a store hint move it?
 #   STEPS="177" (same carry; either GPU): ~6 min: issue 5, the lazy GDN state (gdn_lazy_rank: the fp32 state written
@@ -2234,44 +2235,12 @@ probe paged_attention_sweep "${LIMIT_171:-200}" paged_attention_bench.py --strea
   --splits 0,2,3,4,5,6,8 --block-n 32,64 --warps 4,8
 cat "$R/paged_attention_sweep/paged_attention_bench.md" 2>/dev/null || tail -5 "$R/paged_attention_sweep.log"
 fi
-if want 172; then
-# forty-eighth session: the TMA-ring expert kernel (kernels/w4a16_tma.py: the register kernel's weights streamed by the
-# copy engine through a shared-memory ring, STAGES - 1 stages in flight a program) -- its CUDA tests (bit for bit the
-# register kernel), then per call at 1 and 32 tokens beside the register kernel's ENGINE_BUILDS (swept tiles / stages /
-# row width); best_builds.json: the fastest bit-exact build per projection at 32 tokens, for step 173
-say "172. issue 5: the TMA-ring experts -- CUDA tests, per call beside the register kernel"
-gpu_tests tma_tests "${LIMIT_172T:-150}" tests/test_kernel_w4a16_tma.py -rfE
-grep -E "^(FAILED|ERROR)" "$R/tma_tests.log" | cut -c1-250 | head -8
-probe tma_bench "${LIMIT_172:-200}" w4a16_tma_bench.py ${BUILDS_172:+--builds "$BUILDS_172"}
-cat "$R/tma_bench/w4a16_tma_bench.md" 2>/dev/null
-cp "$R/tma_bench/best_builds.json" "$OUT/best_builds.json" 2>/dev/null
-fi
-if want 173; then
-# forty-eighth session: the engine on step 172's fastest builds (TMA_BUILDS, default its best_builds.json) beside the
-# shipped builds, two processes (the builds are process-wide): 32 streams, lone, TTFT, and each process's tokens
-say "173. issue 5: the engine on the TMA builds beside the shipped register builds (two processes)"
-tb=${TMA_BUILDS:-$(cat "$OUT/best_builds.json" 2>/dev/null)}
-engine_out qwen_tma_builds "${LIMIT_173A:-260}" --decode-tokens 48 --regs-builds "$tb" ${EXTRA_170:-}
-engine_out qwen_regs_builds "${LIMIT_173B:-200}" --decode-tokens 48 ${EXTRA_170:-}
-fi
 if want 174; then
 # forty-eighth session: the expert calls' read floor (benchmarks/expert_read_floor.py: the same bytes and grid, no
-# decode or math, beside a sequential read of as many bytes), then ncu on the TMA-ring and register gate_up at 32
-# tokens (stall reasons side by side): is the 32-stream expert call bound by its access pattern or by its own work?
-say "174. issue 5: the expert calls' read floor; ncu on the TMA-ring and register gate_up"
+# decode or math, beside a sequential read of as many bytes): is the 32-stream expert call bound by its access
+# pattern or by its own work?
+say "174. issue 5: the expert calls' read floor"
 probe expert_read_floor "${LIMIT_174:-150}" expert_read_floor.py
-ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-if [ -n "$ncu" ]; then
-  timeout "${LIMIT_174N:-200}" "$ncu" --clock-control none --set full -k 'regex:_w4a16_(tma|regs)_kernel' -c 12 \
-    -o "$R/tma_ncu" python benchmarks/w4a16_tma_bench.py --out "$R/tma_ncu_bench" --builds '[[2, 2, 256]]' \
-    --tokens 32 > "$R/tma_ncu.log" 2>&1
-  say "ncu exit $?"
-  "$ncu" -i "$R/tma_ncu.ncu-rep" --csv --page raw > "$R/tma_ncu_raw.csv" 2>> "$R/tma_ncu.log"
-  python benchmarks/decode_ncu.py --summarize "$R/tma_ncu_raw.csv" | grep -E "^_" | cut -c1-300
-  rm -f "$R/tma_ncu.ncu-rep"
-else
-  say "no ncu on this machine"
-fi
 fi
 if want 175; then
 # forty-ninth session: the GDN step's state write-back and the gate_up after it (benchmarks/l2_writeback_bench.py:

@@ -43,7 +43,7 @@ def main() -> None:
 
     from kernels import gdn_decode, pdl, w4a16_regs
     from kernels.w4a16_gemm import moe_align
-    from kernels.w4a16_regs import ENGINE_BUILDS, fit_build, launch_build, thread_order
+    from kernels.w4a16_regs import ENGINE_BUILDS, fit_build, thread_order, w4a16_regs_launch
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -57,8 +57,8 @@ def main() -> None:
     for _ in range(4):
         idx = torch.stack([torch.randperm(256, device=dev, generator=gen)[:8] for _ in range(32)])
         x = torch.randn(32, 2048, device=dev, generator=gen).to(torch.bfloat16)
-        ups.append(lambda r=moe_align(idx, 256, w4a16_regs.BLOCK_M), x=x: launch_build(
-            x, w13t, w13.scales, w13.global_scale, r, build, a_div=8, swiglu=True))
+        ups.append(lambda r=moe_align(idx, 256, w4a16_regs.BLOCK_M), x=x: w4a16_regs_launch(
+            x, w13t, w13.scales, w13.global_scale, r, a_div=8, swiglu=True, **build))
     for dtype in (torch.float32, torch.bfloat16):  # 4 pools of 33 rows (32 sequences + the scratch row) each
         pools[dtype] = [torch.randn(33, 32, 128, 128, device=dev, generator=gen).to(dtype) for _ in range(4)]
 

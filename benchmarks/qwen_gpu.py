@@ -241,16 +241,16 @@ def markdown(r: dict) -> str:
             f"| (e) engine without quant_in_producers (each FP8 projection launches its own activation quantiser; "
             f"the default: on): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_no_quant_producers'))} | - |",
-            f"| (e) engine with moe_fused_decode (a one-token decode step's routed + shared experts in one launch per layer; "
-            f"the default: off): decode tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
-            f"{side_by_side(r.get('engine_moe_fused_decode'))} | - |",
-            f"| (e) engine with lm_head_layout checkpoint (the tensor-core decode GEMV at one row, the dense tensor-core "
-            f"kernel above; the default: auto, dual_frag on Hopper: that GEMV on a checkpoint-layout copy at <= 4 rows, "
-            f"the swap-AB kernel on fragment-order bytes above): decode tok/s, lone request / "
+            f"| (e) engine with moe_fused_decode (a one-token decode step's routed + shared experts in one launch "
+            f"per layer; the default: off): decode tok/s, lone request / all {st.get('n')} streams decoding / "
+            f"TTFT ms | {side_by_side(r.get('engine_moe_fused_decode'))} | - |",
+            f"| (e) engine with lm_head_layout checkpoint (the tensor-core decode GEMV at one row, the dense "
+            f"tensor-core kernel above; the default: auto, dual_frag on Hopper: that GEMV on a checkpoint-layout copy "
+            f"at <= 4 rows, the swap-AB kernel on fragment-order bytes above): decode tok/s, lone request / "
             f"all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_lm_head_checkpoint'))} | - |",
             f"| (e) engine with in_proj_b / in_proj_a as their own GEMM (not inside the GDN prep op): decode tok/s, "
-            f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_fused_ba'))} "
-            f"| - |",
+            f"lone request / all {st.get('n')} streams decoding / TTFT ms | "
+            f"{side_by_side(r.get('engine_no_fused_ba'))} | - |",
             f"| (e) engine with the paged attention's lone-sequence tiles at every batch (~1 program an SM at 8 warps; "
             f"the default: ~3 an SM at 4 warps from 48 programs): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_attn_lone_tiles'))} "
@@ -261,9 +261,10 @@ def markdown(r: dict) -> str:
             f"| (e) engine without programmatic_launch (PDL; the default: auto, on for Hopper): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_pdl'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
-            f"lone request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_again'))} | - |",
-            f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets {e.get('prefill_buckets')})"
-            f" | {fmt(e.get('start_s'))} | - |",
+            f"lone request / all {st.get('n')} streams decoding / TTFT ms | "
+            f"{side_by_side(r.get('engine_again'))} | - |",
+            f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets "
+            f"{e.get('prefill_buckets')}) | {fmt(e.get('start_s'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
             f"{fmt(st.get('output_tok_per_s'))} ({fmt(st.get('ttft_p50_ms'), 0)} / {fmt(st.get('ttft_max_ms'), 0)}) "
             f"| - |",
@@ -483,7 +484,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
 _MODULE_FLAGS = ("qwen_engine.model.quantized.QUANT_IN_PRODUCERS", "kernels.gdn_prep.SPLIT_V_ROWS",
                  "qwen_engine.model.attention.GATE_IN_COMBINE")  # (gdn_prep's tiling: DEFAULT_TILING, below)
-_FLAG_DEFAULTS: dict[str, object] = {}  # the flags' values at import, before any engine set them (`_engine_settings_off`)
+# the flags' values at import, before any engine set them (`_engine_settings_off`)
+_FLAG_DEFAULTS: dict[str, object] = {}
 
 
 def _module_flag(path: str):
@@ -495,11 +497,9 @@ def _module_flag(path: str):
 
 def _regs_builds(text: str) -> dict:
     """--regs-builds: {"block_m": 8 | 16, "gate_up": {...}, "down": {...}} with only `w4a16_regs_launch`'s build
-    keywords (ahead, l2_ahead, ring, cols, maxnreg, early, cols_first), or a TMA build's ("kernel": "tma", tiles,
-    stages, w_cols: kernels/w4a16_tma.py); argparse reports anything else."""
+    keywords (ahead, l2_ahead, ring, cols, maxnreg, early, cols_first); argparse reports anything else."""
     builds = json.loads(text)
-    keys = {"ahead", "l2_ahead", "ring", "cols", "maxnreg", "early", "cols_first", "kernel", "tiles", "stages",
-            "w_cols"}
+    keys = {"ahead", "l2_ahead", "ring", "cols", "maxnreg", "early", "cols_first"}
     if (not isinstance(builds, dict) or set(builds) != {"block_m", "gate_up", "down"}
             or builds["block_m"] not in (8, 16)
             or not all(isinstance(builds[p], dict) and set(builds[p]) <= keys for p in ("gate_up", "down"))):
@@ -628,12 +628,12 @@ def main() -> None:
                     help="(e) once more with the W4A16 GEMV's dequantiser for bf16 activations set to this mode "
                          "(kernels/w4a16_gemv.py DEQ_GPU; the default is 3, DEQ_WIDE), side by side")
     ap.add_argument("--moe-fused-decode", action="store_true",
-                    help="(e) once more with moe_fused_decode (a one-token decode step's routed + shared experts in one launch "
-                         "per layer, kernels/moe_decode.py)")
+                    help="(e) once more with moe_fused_decode (a one-token decode step's routed + shared experts in "
+                         "one launch per layer, kernels/moe_decode.py)")
     ap.add_argument("--lm-head-checkpoint", action="store_true",
                     help="(e) once more with lm_head in the checkpoint layout only (lm_head_layout checkpoint: the "
-                         "tensor-core decode GEMV at one row, the dense tensor-core kernel above; the Hopper default is "
-                         "dual_frag since the thirty-ninth session, split_frag from run 42)")
+                         "tensor-core decode GEMV at one row, the dense tensor-core kernel above; the Hopper default "
+                         "is dual_frag since the thirty-ninth session, split_frag from run 42)")
     ap.add_argument("--base", type=_json_options, default={},
                     help="(e) the first engine's engine_phase options (and --again's and every --variant's, which "
                          "add to them), JSON, e.g. '{\"lm_head_layout\": \"split_frag\"}': an engine alone when a "
@@ -670,7 +670,8 @@ def main() -> None:
                     help="(e) the first engine once more after all the others, in the same process (the first of a "
                          "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
     ap.add_argument("--fp32-oracle-layers", type=int, default=8,
-                    help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; needs >= 4 for a full-attention layer)")
+                    help="depth of the full-width fp32 model compared with transformers' fp32 (0: skip; tiny: 4; "
+                         "needs >= 4 for a full-attention layer)")
     ap.add_argument("--regs-builds", type=_regs_builds, default=None,
                     help="kernels/w4a16_regs.py's builds for the engines with expert_regs, JSON "
                          "'{\"block_m\": 16, \"gate_up\": {...}, \"down\": {...}}' (launcher keywords ahead, "
@@ -810,7 +811,7 @@ def main() -> None:
         log(f"calibrated FP8 input scales: {r['build']['fp8_input_amax']}")
 
     if not args.only_oracle and not args.engine_only:
-        # ---- (b) TTFT and (a) single-stream decode ---------------------------------------------------------------------
+        # ---- (b) TTFT and (a) single-stream decode -------------------------------------------------------------------
         log("warm-up (Triton autotuning for prefill and decode shapes)")
         prefill_then_decode(model, rand(1, ctx), steps=2)
         runs = []
@@ -827,7 +828,7 @@ def main() -> None:
                                                                                       "fp8_linear")}
         save()
 
-        # ---- (c) concurrent streams ------------------------------------------------------------------------------------
+        # ---- (c) concurrent streams ----------------------------------------------------------------------------------
         log(f"{streams} streams x {ctx}-token prompts")
         try:
             prefill_then_decode(model, rand(streams, 16), steps=2)  # decode-shape warm-up at this batch

@@ -944,15 +944,14 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
         sorted_pairs, block_expert, t * top_k, routing_block_m, routing_experts)
     routing = _routing_of(idx, num_experts, moe_routing_block_m(layout, t * top_k, num_experts), given)
     if layout == THREAD_ORDER:
-        from kernels.w4a16_regs import ENGINE_BUILDS, fit_build, launch_build
+        from kernels.w4a16_regs import ENGINE_BUILDS, fit_build, w4a16_regs_launch
 
         # never EARLY for gate_up: the alignment it follows wrote its routing (w4a16_regs_launch's `early`); each
-        # build fitted to the call's shape (`fit_build`: the self-check's small sample too); a TMA build
-        # (`"kernel": "tma"`) runs kernels/w4a16_tma.py, the same bits
+        # build fitted to the call's shape (`fit_build`: the self-check's small sample too)
         up = fit_build({**ENGINE_BUILDS["gate_up"], "early": False}, x.shape[-1], p13.shape[1] // 2)
-        h = launch_build(x, p13, s13, g13, routing, up, a_div=top_k, swiglu=True)  # [P, I]
+        h = w4a16_regs_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True, **up)  # [P, I]
         down = fit_build(ENGINE_BUILDS["down"], p2.shape[-1] * 2, p2.shape[1])
-        y = launch_build(h, p2, s2, g2, routing, down, row_scale=weights)  # [P, H], weighted
+        y = w4a16_regs_launch(h, p2, s2, g2, routing, row_scale=weights, **down)  # [P, H], weighted
     elif layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import SPLIT_TILE, decode_split, w4a16_grouped_swapped_launch
 

@@ -231,9 +231,9 @@ def stacked_tiles_layout(block_m: int, kt: int):
 # ---- Gluon kernel ---------------------------------------------------------------------------------------------------
 if gluon is not None:
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the name in Triton >= 3.7 / 3.6
-    # the layouts the register and TMA kernels share: a tile's int32 words as loaded (thread t: words 4 t .. 4 t + 3
-    # and 512 + 4 t .., `_word_offsets`), a K tile's 128 scale words (lane f % 32 of warp f // 32, `_scale_offsets`),
-    # and the activations' [KT, BLOCK_M, 128] bf16 gather (`_fill_activations`; the routing's pairs in its slice)
+    # the kernel's layouts: a tile's int32 words as loaded (thread t: words 4 t .. 4 t + 3 and 512 + 4 t ..,
+    # `_word_offsets`), a K tile's 128 scale words (lane f % 32 of warp f // 32, `_scale_offsets`), and the
+    # activations' [KT, BLOCK_M, 128] bf16 gather (`_fill_activations`; the routing's pairs in its slice)
     _WORDS_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1], [2], [512]],
                                                             lane_bases=[[4], [8], [16], [32], [64]],
                                                             warp_bases=[[128], [256]], block_bases=[], shape=[1024]))
@@ -452,7 +452,7 @@ if gluon is not None:
         of `_w4a16_regs_kernel`'s XL slice) into shared memory as KT tiles of [BLOCK_M, 128], in one cp.async run
         (per-tile copies get a barrier between each two from the shared-memory hazard analysis), waited for and
         fenced: the wgmma B operand of every K tile, [KT, BLOCK_M, 128] in the rank-2 NVMMA layout of each tile
-        (`stacked_tiles_layout`). Shared with `kernels/w4a16_tma.py`."""
+        (`stacked_tiles_layout`)."""
         XL: gl.constexpr = _X_LAYOUT  # [KT, BLOCK_M, 128] bf16
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         tx = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
@@ -631,38 +631,15 @@ def fit_build(build: dict, k: int, n_out: int) -> dict:
     """`build` (launcher keywords, e.g. an ENGINE_BUILDS entry) for a projection of K `k` and `n_out` outputs: `ahead`
     halved until it divides the K tiles and `cols` until it divides the column tiles, so that the engine's builds run
     at every shape the op meets -- the start-up self-check's small sample too (H200, 2026-12-05: an ahead-4 down
-    build refused the sample's 2 K tiles, the check disabled the kernel and the engine fell back to the reference).
-    A TMA build (`"kernel": "tma"`, `kernels/w4a16_tma.py`): `tiles` halved until it divides the K tiles (>= 2;
-    one K tile takes the register kernel's defaults, the TMA scales' box needing two), `cols` as above."""
+    build refused the sample's 2 K tiles, the check disabled the kernel and the engine fell back to the reference)."""
     kt, tiles = k // 128, n_out // 64
-    cols = build.get("cols") or COLS  # (the TMA kernel's default is 1 too)
-    while cols > 1 and tiles % cols:
-        cols //= 2
-    if build.get("kernel") == "tma":
-        from kernels.w4a16_tma import TILES
-
-        t = build.get("tiles") or TILES
-        while t > 2 and kt % t:
-            t //= 2
-        return {**build, "tiles": t, "cols": cols} if kt % t == 0 else {}
     ahead = build.get("ahead") or AHEAD
+    cols = build.get("cols") or COLS
     while ahead > 1 and kt % ahead:
         ahead //= 2
+    while cols > 1 and tiles % cols:
+        cols //= 2
     return {**build, "ahead": ahead, "cols": cols}
-
-
-def launch_build(x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                 routing: MoeRouting, build: dict, **kw) -> torch.Tensor:
-    """One projection on thread-order weights by the build `build` (a `fit_build` result): the TMA kernel
-    (`kernels/w4a16_tma.py`) for `"kernel": "tma"` with its `tiles`, `stages`, `w_cols`, `cols`; else this module's
-    launcher with the build's keywords. `kw`: the call's (a_div, swiglu, row_scale). Both give the same bits."""
-    if build.get("kernel") == "tma":
-        from kernels.w4a16_tma import w4a16_tma_launch
-
-        return w4a16_tma_launch(x, packed_thread, scales, global_scale, routing, tiles=build.get("tiles"),
-                                stages=build.get("stages"), w_cols=build.get("w_cols"), cols=build.get("cols"), **kw)
-    return w4a16_regs_launch(x, packed_thread, scales, global_scale, routing,
-                             **{k: v for k, v in build.items() if k != "kernel"}, **kw)
 
 
 def k_ok(k: int) -> bool:
@@ -674,7 +651,7 @@ def k_ok(k: int) -> bool:
 
 def check_call(name: str, x: torch.Tensor, packed_thread: torch.Tensor, scales: torch.Tensor, routing: MoeRouting,
                row_scale: torch.Tensor | None, swiglu: bool, cols: int) -> tuple[torch.Tensor, int, int, int, int]:
-    """The checks the thread-order launchers share (this module's and `kernels/w4a16_tma.py`'s), raising ValueError
+    """The checks of the thread-order launcher (`w4a16_regs_launch`), raising ValueError
     prefixed with `name`: bf16 activations [R, K] with a unit k stride, K 128 x a power of two up to MAX_K, N_out a
     multiple of 64, contiguous 16-byte-aligned thread-order bytes, block scales [E, N, K/16], a routed MoeRouting of
     BLOCK_MS rows, one row scale a pair, `cols` column tiles a program (1, 2, 4 or 8, dividing N_out / 64).

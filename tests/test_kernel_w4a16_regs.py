@@ -372,7 +372,7 @@ def test_cols_first_swaps_only_the_program_ids(sm90_builds, k, swiglu, ahead, bl
 def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M, device="cuda"):
     """Random NVFP4 experts (per-row global scales), a routing of t tokens' top_k over e experts and its alignment at
     block_m-row blocks, activations (x per token with SwiGLU, per pair without) and row scales (without SwiGLU), on
-    `device` (also tests/test_kernel_w4a16_tma.py's)."""
+    `device`."""
     from kernels.w4a16_gemm import moe_align
 
     g = torch.Generator().manual_seed(seed)

@@ -50,8 +50,6 @@ PARTICIPANTS = {
     "kernels.w4a16_swapped": ("_w4a16_grouped_swapped_kernel",),
     # expert_regs ("auto": on for sm_90 + Gluon): the thread-order experts' kernel; `pdl_enter` its Gluon twin
     "kernels.w4a16_regs": ("_w4a16_regs_kernel",),
-    # a TMA build in ENGINE_BUILDS (off by default): the same experts, the weights by TMA through a shared-memory ring
-    "kernels.w4a16_tma": ("_w4a16_tma_kernel",),
     # moe_fused_decode (off by default): a one-token step's experts in one launch, and the combine over its rows
     "kernels.moe_decode": ("_moe_decode_kernel",),
     # router_align (off by default): the router's top-k with the routing alignment in its last program
