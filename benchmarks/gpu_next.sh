@@ -274,9 +274,8 @@
 #       removed with that kernel)
 #   STEPS="175 176" (same carry; either GPU): ~4 min: issue 5, the forty-ninth session's L2 write-back question --
 #       does the GDN step's 64 MB of dirty fp32 state slow the gate_up after it, and does a store hint move it?
-#   STEPS="177" (same carry; either GPU): ~6 min: issue 5, the lazy GDN state (gdn_lazy_rank: the fp32 state written
-#       once every R tokens) -- its CUDA tests, per token beside the plain step, then the engine at R 8 and 16 (and 8
-#       on a bf16 pool) beside the defaults in one process (tokens compared); ~7 min
+#   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
+#       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
 #   STEPS="178 39" (same carry; either GPU): ~5 min: issue 5, the fused GDN step + norm after its triton 3.6 fix --
 #       its CUDA tests and the plain step's, then the engine with gdn_decode_norm on beside the defaults
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
@@ -2261,26 +2260,6 @@ if [ -z "$hint" ] || [ "$hint" = "," ]; then
 else
   engine_out qwen_store_hint "${LIMIT_176A:-260}" --decode-tokens 48 --gdn-state-store "$hint" ${EXTRA_170:-}
   engine_out qwen_store_default "${LIMIT_176B:-200}" --decode-tokens 48 ${EXTRA_170:-}
-fi
-fi
-if want 177; then
-# forty-ninth session: the lazy GDN decode state (kernels/gdn_decode_lazy.py; QwenEngineConfig.gdn_lazy_rank) -- its
-# CUDA tests (the kernel against the torch lazy reference, that against the plain step), per token beside the plain
-# step (gdn_lazy_bench.py: ranks 4 / 8 / 16, launches, aligned and staggered folds), then the engine (defaults first,
-# then --variant lazy8 / lazy16 in the same process, and lazy8 on a bf16 state pool -- rounded on folds only, not
-# every token: 32 streams, lone, TTFT, tokens against the first engine's)
-say "177. issue 5: the lazy GDN state -- CUDA tests, per token beside the plain step, the engine at R 8 / 16"
-# SHORT_177=1 (a short device budget): the kernel tests' CUDA cases and the engine at R 8 beside the defaults only
-gpu_tests lazy_tests "${LIMIT_177T:-120}" tests/test_kernel_gdn_lazy.py -rfE
-grep -E "^(FAILED|ERROR)" "$R/lazy_tests.log" | cut -c1-250 | head -8
-if [ -n "${SHORT_177:-}" ]; then
-  engine_out qwen_lazy "${LIMIT_177E:-260}" --decode-tokens 48 --variant 'lazy8={"gdn_lazy_rank": 8}' ${EXTRA_170:-}
-else
-  probe gdn_lazy "${LIMIT_177:-150}" gdn_lazy_bench.py ${ARGS_177:-}
-  cat "$R/gdn_lazy/gdn_lazy_bench.md" 2>/dev/null
-  engine_out qwen_lazy "${LIMIT_177E:-400}" --decode-tokens 48 --variant 'lazy8={"gdn_lazy_rank": 8}' \
-    --variant 'lazy16={"gdn_lazy_rank": 16}' \
-    --variant 'lazy8_bf16={"gdn_lazy_rank": 8, "gdn_state_dtype": "bfloat16"}' ${EXTRA_170:-}
 fi
 fi
 if want 178; then

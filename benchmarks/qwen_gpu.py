@@ -354,7 +354,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        gdn_decode_norm: bool = False, small_batch_tokens: int = 4,
                        gdn_prep_split_v_rows: int | None = None,
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
-                       picks: list | None = None, gdn_state_dtype: str = "float32", gdn_lazy_rank: int = 0,
+                       picks: list | None = None, gdn_state_dtype: str = "float32",
                        expert_regs: bool | str | None = None, router_align: bool | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
@@ -381,7 +381,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **({} if gdn_prep_tiling is None else dict(gdn_prep_ba_step=int(gdn_prep_tiling[1]))),
                             shared_expert_after_router=shared_expert_after_router, weight_prefetch=weight_prefetch,
                             gdn_decode_norm=gdn_decode_norm, small_batch_tokens=small_batch_tokens,
-                            gdn_state_dtype=gdn_state_dtype, gdn_lazy_rank=gdn_lazy_rank,
+                            gdn_state_dtype=gdn_state_dtype,
                             **{k: v for k, v in dict(argmax_kernel=argmax_kernel,  # None: the config's default
                                                      expert_regs=expert_regs, router_align=router_align,
                                                      attn_gate_in_combine=attn_gate_in_combine,

@@ -152,13 +152,6 @@ class QwenEngineConfig:
     #                                   GDN step was 1.02 of 8.53 ms of a 32-stream step's kernels, at ~3.9 TB/s) at
     #                                   a precision cost: the state is rounded to bf16 after every token (vLLM's
     #                                   default for this state is the model dtype). Every step still computes in fp32.
-    gdn_lazy_rank: int = 0  # R > 0: the GDN decode steps keep the recurrent state lazily -- read every token, written
-    #                          once every R, the tokens between kept as rank-1 terms (`gdn.gated_delta_rows_lazy`,
-    #                          kernels/gdn_decode_lazy.py): at 32 streams a layer's state traffic 128 -> ~76 MiB at
-    #                          R = 8 (-41%). The same recurrence in another fp32 order (~3e-7 relative, not the plain
-    #                          step's bits: greedy tokens may part late, as with any fp32 reordering); batches below
-    #                          8 rows fold every step. 0: the plain step (the default until measured on a GPU).
-    #                          2..16; not with gdn_decode_norm
     gdn_decode_norm: bool = False  # packed models' decode-only steps: each GDN layer's recurrent step and its
     #                                output's gated RMS norm + out_proj's FP8 codes in one launch (the last program
     #                                of a head norms it: kernels/gdn_decode.py "gdn_decode_rows_norm_fp8";
@@ -317,13 +310,6 @@ class QwenEngineConfig:
 
         check_expert_layout(self.expert_layout)
         check_shared_expert_in_moe(self.shared_expert_in_moe)
-        from kernels.gdn_decode_lazy import MAX_RANK
-
-        if type(self.gdn_lazy_rank) is not int or not (self.gdn_lazy_rank == 0 or 2 <= self.gdn_lazy_rank <= MAX_RANK):
-            raise ValueError(f"gdn_lazy_rank must be 0 (off) or an int in 2..{MAX_RANK}, got {self.gdn_lazy_rank!r}")
-        if self.gdn_lazy_rank and self.gdn_decode_norm:
-            raise ValueError("gdn_lazy_rank and gdn_decode_norm cannot be combined (the fused step + norm kernel "
-                             "reads the plain state); set one of them")
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
             raise ValueError(f"gdn_state_dtype must be one of {list(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
         if not (isinstance(self.expert_regs, bool) or self.expert_regs == "auto"):
@@ -504,7 +490,7 @@ class QwenEngine:
                                   decode_graphs=cfg.decode_graphs, prefill_graphs=cfg.prefill_graphs,
                                   prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(
                                       cfg.max_num_batched_tokens, cfg.max_model_len),
-                                  state_dtype=GDN_STATE_DTYPES[cfg.gdn_state_dtype], lazy_rank=cfg.gdn_lazy_rank)
+                                  state_dtype=GDN_STATE_DTYPES[cfg.gdn_state_dtype])
         # CUDA only: elsewhere Triton runs interpreted (tests), far slower than torch.argmax
         self.runner.argmax_kernel = cfg.argmax_kernel and self.device.type == "cuda"
         eos = self.model_config.eos_token_id
@@ -593,8 +579,8 @@ class QwenEngine:
         requests makes, which the lone prefill and the decode batch never do. H200, Qwen runs 33-34 (the prefill
         attention then on cuDNN, whose per-shape plans were a large part of the first burst's cost: `attention.
         PREFILL_BACKENDS`): start-up 30.6 -> 39.5 s (different machines), a process's first 32-prompt burst 17.8 ->
-        17.2 s to its last first token. Whether it pays with the attention on flash (run 35's first burst: 12.7 s; run 33's second
-        engine, the same shapes planned: 4.7 s) is `gpu_next.sh` step 49's question."""
+        17.2 s to its last first token. Whether it pays with the attention on flash (run 35's first burst: 12.7 s;
+        run 33's second engine, the same shapes planned: 4.7 s) is `gpu_next.sh` step 49's question."""
         from engine_core.continuous import ContinuousStats
 
         t0 = time.perf_counter()
@@ -663,7 +649,6 @@ class QwenEngine:
             "shared_expert_stream_layers": self.shared_expert_stream,
             "gdn_z_stream_layers": self.gdn_z_stream,
             "gdn_decode_norm_layers": self.gdn_decode_norm,
-            "gdn_lazy_rank": self.cfg.gdn_lazy_rank,
             "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
             "small_batch_tokens": self.small_batch_tokens,
@@ -895,11 +880,7 @@ class QwenEngine:
         A model passed in already built may have cached its choices before this check (benchmarks only)."""
         from engine_core.registry import default_registry
 
-        from kernels.gdn_decode_lazy import NAME as LAZY_OP
-
-        # the lazy GDN step's op only when the engine runs it (two kernel builds to compile otherwise unused)
-        out = self.registry.self_check(self.device, ops=[op for op in self.registry.ops()
-                                                         if op != LAZY_OP or self.cfg.gdn_lazy_rank])
+        out = self.registry.self_check(self.device)
         reg = default_registry()
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
@@ -921,8 +902,7 @@ class QwenEngine:
 
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = free * cfg.kv_cache_memory_fraction - gdn_state_bytes(c, cfg.max_num_seqs + 1, self.dtype,
-                                                                      GDN_STATE_DTYPES[cfg.gdn_state_dtype],
-                                                                      cfg.gdn_lazy_rank)
+                                                                      GDN_STATE_DTYPES[cfg.gdn_state_dtype])
         blocks = int(budget // kv_block_bytes(c, cfg.block_size, self.dtype))
         if blocks < per_seq:
             raise RuntimeError(f"only {blocks} KV blocks fit in {cfg.kv_cache_memory_fraction:.0%} of the "

@@ -114,9 +114,11 @@ class PrefillGraphs(BucketGraphs):
         token, then the scratch row's GDN state copied to the sequence's row."""
         self.cache.reset_slots(self._scratch_t)
         logits = self.model.forward_paged(self._ids[:b], self._batches[b], self.cache, self._last)
+        s = self.scratch_slot
         for layer in self.cache.layers:
-            if isinstance(layer, GDNSlots):
-                layer.copy_row(self._slot, self.scratch_slot)
+            if isinstance(layer, GDNSlots):  # clone: the source row lives in the destination tensor
+                layer.conv.index_copy_(0, self._slot, layer.conv[s:s + 1].clone())
+                layer.recurrent.index_copy_(0, self._slot, layer.recurrent[s:s + 1].clone())
         return logits
 
     @torch.inference_mode()

@@ -35,17 +35,13 @@ def kv_block_bytes(cfg: QwenConfig, block_size: int, dtype: torch.dtype) -> int:
 
 
 def gdn_state_bytes(cfg: QwenConfig, num_slots: int, dtype: torch.dtype,
-                    state_dtype: torch.dtype = torch.float32, lazy_rank: int = 0) -> int:
+                    state_dtype: torch.dtype = torch.float32) -> int:
     """Bytes of `num_slots` GDN state rows across every linear-attention layer (conv in dtype, recurrent in
-    state_dtype, and the lazy state's `lazy_rank` pending terms: `paged.GDNTerms`)."""
-    from .model.gdn import gdn_term_granules
-
+    state_dtype)."""
     n_layers = sum(t == LINEAR_ATTENTION for t in cfg.layer_types)
     conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
-    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    rec = hv * dk * dv * state_dtype.itemsize
-    terms = hv * (lazy_rank * (dk + dv + 1) * 4 + gdn_term_granules(dv) * 4) if lazy_rank else 0
-    return n_layers * num_slots * (conv + rec + terms)
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_dtype.itemsize
+    return n_layers * num_slots * (conv + rec)
 
 
 @dataclass
@@ -61,8 +57,8 @@ class PendingStep:
     launch_s: float  # host seconds spent launching
 
 
-RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.gdn_decode_lazy", "kernels.paged_attention", "kernels.gdn_prep",
-                         "kernels.gdn_chunk", "kernels.gdn_conv", "kernels.argmax_rows")
+RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk",
+                         "kernels.gdn_conv", "kernels.argmax_rows")
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 
 
@@ -90,8 +86,7 @@ class ModelRunner:
     def __init__(self, model, cfg: QwenConfig, device: torch.device | str, num_blocks: int, block_size: int,
                  max_num_seqs: int, registry: Registry | None = None, *, max_model_len: int | None = None,
                  decode_buckets: tuple[int, ...] = (), decode_graphs: str = "off", prefill_graphs: str = "off",
-                 prefill_buckets: tuple[int, ...] = (), state_dtype: torch.dtype = torch.float32,
-                 lazy_rank: int = 0):
+                 prefill_buckets: tuple[int, ...] = (), state_dtype: torch.dtype = torch.float32):
         """`decode_graphs` (see `decode_graphs.py`): "capture" (CUDA graphs per decode bucket, captured by
         `capture_decode_graphs()`), "static" (the same static-buffer path run eagerly), "off" (every step eager),
         "auto" (capture on CUDA, off elsewhere). `decode_buckets`: the scheduler's decode batch sizes (last =
@@ -99,8 +94,7 @@ class ModelRunner:
         `prefill_graphs.py`): graphs of a lone sequence's prefill from position 0, one per `prefill_buckets` token
         count (captured by `capture_prefill_graphs()`; () = `default_buckets` up to max_model_len: the engine passes
         its own, bounded by its step token budget too). `state_dtype`: the GDN recurrent state pool's
-        (`QwenEngineConfig.gdn_state_dtype`); `lazy_rank`: the lazy decode state's pending terms
-        (`QwenEngineConfig.gdn_lazy_rank`, 0: the plain state)."""
+        (`QwenEngineConfig.gdn_state_dtype`)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -111,7 +105,7 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype  # packed NVFP4/FP8 modules hold uint8/e4m3 buffers, not this
         # one block and one GDN state row past the scheduler's: the scratch sequence of the decode graphs' padding
         self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device,
-                                      state_dtype=state_dtype, lazy_rank=lazy_rank)
+                                      state_dtype=state_dtype)
         self.steps = 0  # steps whose sampled ids were read (`result`)
         self.launches = 0  # steps queued on the device (`launch`): async decode keeps one ahead of `steps`
         self.graph_steps = 0
@@ -153,8 +147,7 @@ class ModelRunner:
                 model, self.cache, buckets=tuple(decode_buckets) or (max_num_seqs,),
                 max_blocks=-(-max_model_len // block_size), scratch_block=num_blocks, scratch_slot=max_num_seqs,
                 device=self.device, gdn_decode=self._gdn_decode, decode_attention=self._decode_attention,
-                gdn_prep=self._gdn_prep, mode=decode_graphs, gdn_prep_ba=self._gdn_prep_ba,
-                gdn_decode_lazy=self._gdn_decode_lazy)
+                gdn_prep=self._gdn_prep, mode=decode_graphs, gdn_prep_ba=self._gdn_prep_ba)
 
     def _gdn_decode(self, q, k, v, g, beta, pool, rows, norm=None):
         """o [B, H, Dv]; `norm` = (z, weight, eps, input_scale): the gated norm of o and its FP8 codes instead, from
@@ -162,10 +155,6 @@ class ModelRunner:
         if norm is not None:
             return self.registry.call("gdn_decode_rows_norm_fp8", q, k, v, g, beta, pool, rows, *norm)[:2]
         return self.registry.call("gdn_decode_rows", q, k, v, g, beta, pool, rows)[0]
-
-    def _gdn_decode_lazy(self, *args):
-        """o [B, H, Dv] of the lazy state's step ("gdn_decode_rows_lazy"; `gdn.gated_delta_rows_lazy`'s arguments)."""
-        return self.registry.call("gdn_decode_rows_lazy", *args)[0]
 
     def _gdn_prep(self, *args):
         return self.registry.call("gdn_decode_prep", *args)
@@ -247,7 +236,7 @@ class ModelRunner:
         return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode,
                                self._decode_attention, self._gdn_prep,
                                self._gdn_chunk if self.device.type == "cuda" else None, self._gdn_conv,
-                               self._gdn_prep_ba, self._gdn_decode_lazy)
+                               self._gdn_prep_ba)
 
     def _use_graphs(self, plan: StepPlan) -> bool:
         """Decode-only steps (the scheduler sets bucket_size) once the graphs exist (or in "static" mode)."""
@@ -346,8 +335,8 @@ class ModelRunner:
         return StepOutput(tuple(ids))
 
     def stats(self) -> dict[str, float]:
-        out = {"steps": self.steps, "launches": self.launches, "graph_steps": self.graph_steps, "prefill_graph_steps": self.prefill_graph_steps,
-               "busy_s": round(self.busy_s, 3),
+        out = {"steps": self.steps, "launches": self.launches, "graph_steps": self.graph_steps,
+               "prefill_graph_steps": self.prefill_graph_steps, "busy_s": round(self.busy_s, 3),
                "num_blocks": self.num_blocks, "block_size": self.block_size, "state_slots": self.max_num_seqs}
         if self.graphs is not None:
             out["decode_graphs"] = self.graphs.stats()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, fp8_swapped, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gdn_decode_lazy, gelu_fp8_quant, linear_gelu, moe_decode, router_align, w4a16_mma  # noqa: E402,E501
+from kernels import gelu_fp8_quant, linear_gelu, moe_decode, router_align, w4a16_mma  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -259,13 +259,6 @@ def main() -> int:
     ok.append(compile_one("gdn_decode over pool rows (Dk = Dv = 128)", gdn_decode._gdn_decode_kernel,
                           {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "s_in", "s_out", "o")}, "rows": "*i64"},
                           dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True)))
-    lazy = {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "pool", "keys", "deltas", "logs", "o")},
-            "base": "*i32", "rows": "*i64", "positions": "*i64"}
-    for fold_at, bv in ((7, 64), (0, 16)):  # gdn_lazy_rank 8 at 32 streams (64 columns, 4 granules); folding always
-        ok.append(compile_one(f"gdn_decode_lazy (Dk = Dv = 128, R = 8, BLOCK_V = {bv}, FOLD_AT = {fold_at})",
-                              gdn_decode_lazy._gdn_decode_lazy_kernel, lazy,
-                              dict(R=8, FOLD_AT=fold_at, BLOCK_K=128, BLOCK_V=bv, BLOCK_R=8, GRAN=16,
-                                   GPP=max(1, bv // 16), INTERPRET=False)))
     for cache, evict, ptx in ((".cs", "", "st.global.cs"), (".wt", "", "st.global.wt"),
                               ("", "evict_first", "st.global.L1::evict_first.L2::cache_hint")):
         # gdn_decode.STATE_STORE's hints (benchmarks/l2_writeback_bench.py): each reaches the state's store
@@ -300,9 +293,9 @@ def main() -> int:
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only
     # a real compile checks) and scale look-ahead
     # (the fourth: the down projection's checkpoint-layout defaults, GROUPED_MODES[False])
-    # and tile-major experts (`expert_layout` tile_major) (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128, down 64 x 128, DEQ 2,
-    # scales 1 ahead), and its prefill programs over several stored tiles (TILE_MAJOR_PREFILL: gate_up 64 wide over
-    # tiles of 32 rows, BLOCK_M 32)
+    # and tile-major experts (`expert_layout` tile_major) (TILE_MAJOR_TILES / TILE_MAJOR_MODES: gate_up 32 x 128,
+    # down 64 x 128, DEQ 2, scales 1 ahead), and its prefill programs over several stored tiles
+    # (TILE_MAJOR_PREFILL: gate_up 64 wide over tiles of 32 rows, BLOCK_M 32)
     for bn, bk, deq, ahead, swiglu, tiled, tile_n, bm in (
             (32, 128, 2, 1, True, 0, 0, 16), (32, 128, 1, 2, True, 1, 32, 16), (64, 256, 2, 0, True, 0, 0, 16),
             (64, 128, 2, 2, False, 0, 0, 16), (32, 128, 2, 1, True, 1, 32, 16), (64, 128, 2, 1, False, 1, 64, 16),
@@ -374,7 +367,8 @@ def main() -> int:
     ok.append(compile_one("attn_output_gate + e4m3 codes (D = 256, bf16)", attn_prep._gate_kernel,
                           {**{n: "*bf16" for n in ("o", "gate", "out")}, "codes": "*fp8e4nv", "s_in": "*fp32"},
                           dict(BLOCK_D=256, INTERPRET=False, QUANT=True)))
-    # the decode FP8 linear: the static quantiser fused, CUDA-core products, split K reduced in the kernel (and no split)
+    # the decode FP8 linear: the static quantiser fused, CUDA-core products, split K reduced in the kernel (and no
+    # split)
     skinny = {"x": "*bf16", "w": "*fp8e4nv", "s_in": "*fp32", "s_w": "*fp32", "y": "*bf16", "ws": "*fp32",
               "counters": "*i32"}
     for split in (4, 1):
@@ -411,9 +405,9 @@ def main() -> int:
     # the decode GEMV on the tensor cores (kernels/w4a16_mma.py): mma.sync in its PTX, its fragments' lane layout (at
     # 1, 2, 4, 8 and 16 warps: the autotuner's range)
     mma = {**gemv, "sorted_pairs": "*i32", "block_expert": "*i32"}
-    for grouped, srt, swiglu, warps, chunks, even in ((True, False, True, 16, 1, True), (True, True, False, 4, 1, True),
-                                                      (False, False, False, 4, 2, False), (True, True, True, 8, 1, True),
-                                                      (True, False, False, 1, 4, True), (False, False, True, 2, 2, False)):
+    for grouped, srt, swiglu, warps, chunks, even in (
+            (True, False, True, 16, 1, True), (True, True, False, 4, 1, True), (False, False, False, 4, 2, False),
+            (True, True, True, 8, 1, True), (True, False, False, 1, 4, True), (False, False, True, 2, 2, False)):
         name = f"w4a16_mma GROUPED={grouped} SORTED={srt} SWIGLU={swiglu} WARPS={warps} CHUNKS={chunks} EVEN={even}"
         consts = dict(GROUPED=grouped, SORTED=srt, SWIGLU=swiglu, HAS_ROW_SCALE=grouped and not swiglu,
                       INTERPRET=False, WARPS=warps, CHUNKS=chunks, EVEN=even)

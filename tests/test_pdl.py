@@ -35,8 +35,6 @@ PARTICIPANTS = {
     "kernels.moe_combine": ("_moe_combine_kernel", "_moe_combine_parts_kernel"),
     "kernels.moe_router": ("_router_topk_kernel", "_router_gemv_topk_kernel"),
     "kernels.gdn_decode": ("_gdn_decode_kernel", "_gdn_decode_norm_kernel"),
-    # gdn_lazy_rank (off by default): the GDN decode step on the lazy state
-    "kernels.gdn_decode_lazy": ("_gdn_decode_lazy_kernel",),
     "kernels.gdn_prep": ("_gdn_prep_kernel",),
     "kernels.fp8_quant": ("_quant_static_kernel",),
     "kernels.fp8_gemv": ("_fp8_gemv_kernel",),

@@ -202,29 +202,6 @@ def test_engine_greedy_through_prefill_graphs():
         QwenEngineConfig(config="tiny", prefill_buckets=(0,))
 
 
-@pytest.mark.parametrize("graphs", ["static", "off"])
-def test_engine_lazy_gdn_state_through_prefill_graphs(graphs, monkeypatch):
-    """gdn_lazy_rank 4 (fold_below 0: these lone requests keep terms), with prefill graphs and without: each request
-    reuses the state row the one before left with a pending term and a base position within 4 of the next request's
-    first decode position (3 tokens + 5 new: base 6, a term at 7; then 8 tokens: first decode at 8). The graph path
-    copies the scratch row into the sequence's (`GDNSlots.copy_row`, base positions included), the eager path resets
-    the row (`PagedCache.reset_slots`, base positions to -1): without either the next request would read the stale
-    term. Tokens equal the single-prompt reference."""
-    from kernels import gdn_decode_lazy
-
-    monkeypatch.setattr(gdn_decode_lazy, "FOLD_BELOW_ROWS", 0)
-    lengths = (3, 8, 5, 8)
-
-    async def body(engine):
-        return [await greedy(engine, i, n) for i, n in enumerate(lengths)]
-
-    engine, outs = run_engine(tiny_engine_config(max_num_seqs=1, prefill_graphs=graphs, gdn_lazy_rank=4), body)
-    for i, n in enumerate(lengths):
-        ref = greedy_generate(engine.model, torch.tensor([prompt(i, n)]), 5)[0].tolist()
-        assert outs[i] == ref, f"prompt {i} ({n} tokens)"
-    assert engine.health()["runner"]["prefill_graph_steps"] >= (len(lengths) if graphs == "static" else 0)
-
-
 def test_bucket_limits_and_failed_capture(monkeypatch):
     """Buckets a step can never fill are refused up front; a CaptureError at start (warm-up or capture) leaves
     prefill_graphs "auto" serving eagerly, health saying why, while an explicit "capture" fails start()."""

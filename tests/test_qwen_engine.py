@@ -236,64 +236,6 @@ def test_engine_bf16_gdn_state():
         engine_config(gdn_state_dtype="float16")
 
 
-@pytest.mark.parametrize("num_kv_blocks,graphs,kernels", [(16, "off", "reference"), (64, "static", "reference"),
-                                                          (64, "off", CPU_TRITON)])
-def test_engine_lazy_gdn_state_equals_single_prompt_reference(num_kv_blocks, graphs, kernels, monkeypatch):
-    """`gdn_lazy_rank: 4`: the GDN decode steps keep their state lazily (pending rank-1 terms, a fold every 4
-    tokens; `gdn.gated_delta_rows_lazy`), with fold_below 0 so that these 4-row batches keep terms too (the engine
-    folds every step below 8 rows). Greedy streams equal the single-prompt reference (the plain contiguous path),
-    through preemption (16 blocks: resumed sequences restart from a reset row), the decode graphs' static buffers
-    (padding rows in the scratch row) and the interpreted Triton kernel. The terms were used: base positions set,
-    and the pool carries them (`GDNTerms`: the KV budget counts them). gdn_decode_norm and out-of-range ranks are
-    refused."""
-    from kernels import gdn_decode_lazy
-    from qwen_engine.model.paged import GDNSlots
-    from qwen_engine.runner import gdn_state_bytes
-
-    monkeypatch.setattr(gdn_decode_lazy, "FOLD_BELOW_ROWS", 0)
-    lengths = LENGTHS[:6]
-
-    async def body(engine):
-        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=9)
-                                      for i, n in enumerate(lengths)))
-        gdn = [layer for layer in engine.runner.cache.layers if isinstance(layer, GDNSlots)]
-        return engine, [t for t, _ in outs], gdn
-
-    engine, outs, gdn = run(engine_config(num_kv_blocks=num_kv_blocks, decode_graphs=graphs, kernels=kernels,
-                                          gdn_lazy_rank=4, kernel_self_check=kernels == CPU_TRITON), body)
-    for i, (n, tokens) in enumerate(zip(lengths, outs)):
-        assert tokens == reference_greedy(engine, prompt(i, n), 9), f"prompt {i} ({n} tokens)"
-    assert all(layer.lazy is not None and layer.lazy.keys.shape[2] == 4 for layer in gdn)
-    assert all(int(layer.lazy.base[:4].max()) > 0 for layer in gdn)  # decode steps set base positions
-    assert engine.health()["gdn_lazy_rank"] == 4
-    if num_kv_blocks == 16:
-        assert engine.scheduler.stats.preemptions > 0
-    if graphs == "static":
-        assert engine.health()["runner"]["graph_steps"] > 0
-    if kernels == CPU_TRITON and INTERPRETED:
-        assert engine.registry.choices()["gdn_decode_rows_lazy"]["last"] == "triton"
-        assert engine.health()["kernel_checks"]["gdn_decode_rows_lazy"] == "triton passed"
-    c = QwenConfig.tiny()
-    terms = gdn_state_bytes(c, 5, torch.float32, lazy_rank=4) - gdn_state_bytes(c, 5, torch.float32)
-    gdn_layers = sum(t == "linear_attention" for t in c.layer_types)
-    hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    assert terms == gdn_layers * 5 * hv * (4 * (dk + dv + 1) * 4 + -(-dv // 16) * 4)
-    # on a bf16 pool: the stored state rounded on folds only; terms stay fp32; every request completes
-    async def lengths_only(engine):
-        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=9) for i, n in enumerate(lengths)))
-        gdn = [layer for layer in engine.runner.cache.layers if isinstance(layer, GDNSlots)]
-        return [len(t) for t, _ in outs], {(x.recurrent.dtype, x.lazy.keys.dtype) for x in gdn}
-
-    done, dtypes = run(engine_config(gdn_lazy_rank=4, gdn_state_dtype="bfloat16"), lengths_only)
-    assert done == [9] * len(lengths) and dtypes == {(torch.bfloat16, torch.float32)}
-    with pytest.raises(ValueError, match="gdn_lazy_rank"):
-        engine_config(gdn_lazy_rank=1)
-    with pytest.raises(ValueError, match="gdn_lazy_rank"):
-        engine_config(gdn_lazy_rank=17)
-    with pytest.raises(ValueError, match="gdn_decode_norm"):
-        engine_config(gdn_lazy_rank=8, gdn_decode_norm=True)
-
-
 @pytest.mark.parametrize("num_kv_blocks,async_decode", [(64, False), (16, False), (64, True), (16, True)])
 def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks, async_decode):
     """16 blocks of 4 for up to 4 x 46 tokens: preemption. async_decode: decode steps formed ahead where allowed."""
@@ -653,7 +595,6 @@ def test_kernel_self_check_at_start():
                "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "attn_decode_prep",
                "attn_output_gate"):
         assert checks[op] == want, (op, checks)
-    assert "gdn_decode_rows_lazy" not in checks  # checked only where gdn_lazy_rank runs it
     two = want.replace("triton", "linear+router_topk")  # the fused router's fallback, checked after it
     assert checks["router_gemv_topk"] == f"{want}; {two}", checks
     two = want.replace("triton", "gemm+triton")  # b / a inside the GDN prep, then its GEMM + plain-kernel fallback
@@ -709,8 +650,8 @@ def test_causal_attention_against_the_explicit_mask(t, ctx, dtype):
 
 @pytest.mark.parametrize("budget,max_len,seqs", [(2048, 4096, 32), (64, 200, 4), (64, 40, 2), (64, 200, 1)])
 def test_warmup_burst_makes_the_burst_shapes(budget, max_len, seqs):
-    """`warmup_burst` (the GPU warm-up's optional burst) scheduled as the engine schedules it: steps holding two prompts'
-    chunks, a chunk continuing its prompt (start > 0) and decode rows beside chunks -- none of which the lone
+    """`warmup_burst` (the GPU warm-up's optional burst) scheduled as the engine schedules it: steps holding two
+    prompts' chunks, a chunk continuing its prompt (start > 0) and decode rows beside chunks -- none of which the lone
     prefill and the decode batch make; each prompt fits max_model_len with its 2 tokens; no burst without room for
     two sequences."""
     from qwen_engine.engine import warmup_burst

@@ -82,74 +82,6 @@ def gated_delta_rows(q, k, v, g, beta, pool, rows):
     return o
 
 
-# ---- the lazy decode state (`QwenEngineConfig.gdn_lazy_rank`) -------------------------------------------------------
-# At 32 streams the decode step reads and writes every sequence's fp32 state (2 MiB a layer and sequence: 128 MiB a
-# layer, ~1 ms of an H200 step). The lazy form writes it once every R tokens: between two folds a head's state is
-#     S_t = e^(L_t) S_b + sum_{b < m <= t} e^(L_t - L_m) k_m delta_m^T,     L_t = sum_{b < i <= t} g_i
-# (S_b the stored "base" state, as of position b), so the step reads S_b and the < R pending rank-1 terms (k_m,
-# delta_m, L_m: ~1.5 KB each) and stores only this token's term; on the token whose term would be the R-th pending
-# one (every step of a small batch, `fold_below`) it folds them into S_b instead. Readouts without forming S_{t-1}:
-#     S_{t-1}^T x = e^(L_{t-1}) S_b^T x + sum_m e^(L_{t-1} - L_m) (k_m . x) delta_m
-#     delta_t = beta (v - a S_{t-1}^T k),   o_t = a S_{t-1}^T q + (k . q) delta_t,   a = e^(g_t)
-# The same recurrence in another fp32 order (terms scaled once instead of decayed every step): ~3e-7 relative of the
-# plain step's results in the tests, not the same bits. Per pool row and layer (`paged.GDNTerms`): base [H, NG]
-# int32 (b, one copy per GDN_TERM_GRANULE value columns: the Triton kernel's programs each read and write only their
-# own columns' copy, so no program reads what another writes in the same launch; -1: no pending term, as after a
-# reset), keys [H, R, Dk], deltas [H, R, Dv], logs [H, R] fp32, the term of position m in slot m % R.
-GDN_TERM_GRANULE = 16  # value columns per copy of a head's base position (the Triton kernel's narrowest slice)
-
-
-def gdn_term_granules(dv: int) -> int:
-    """Copies of a head's base position: one per GDN_TERM_GRANULE value columns (one when Dv is narrower)."""
-    return -(-dv // GDN_TERM_GRANULE)
-
-
-def gated_delta_rows_lazy(q, k, v, g, beta, pool, base, keys, deltas, logs, rows, positions, fold_below: int):
-    """`gated_delta_rows` on the lazy state (above): batch row b at position positions[b] (int64 [B]) owns pool row
-    rows[b]. Folds where the pending terms would reach R with this token, and on every row when B < fold_below.
-    Returns o [B, H, Dv] fp32; advances pool (folding rows only), base, keys, deltas, logs in place. A row whose
-    base is negative or not within R of its position has no pending term (reset rows; the decode graphs' padding
-    rows). Plain torch, no host syncs (the registry's reference and the CPU engine's path)."""
-    nb, heads, _ = q.shape
-    r = keys.shape[2]
-    pos = positions.clamp(min=0)[:, None]  # [B, 1]
-    bp = base[rows][:, :, 0].long()  # [B, H]
-    n = pos - 1 - bp
-    unset = (bp < 0) | (n < 0) | (n >= r)
-    n = torch.where(unset, 0, n)
-    bp = torch.where(unset, pos - 1, bp)
-    slot = torch.arange(r, device=q.device)
-    valid = (slot - bp[..., None] - 1) % r < n[..., None]  # [B, H, R]: slot holds one of positions bp+1 .. pos-1
-    # [B, H, R], [B, H, R, Dk], [B, H, R, Dv]; slots without a pending term as zeros (whatever they hold: NaN too)
-    lg = torch.where(valid, logs[rows], 0.0)
-    kt = torch.where(valid[..., None], keys[rows], 0.0)
-    dt = torch.where(valid[..., None], deltas[rows], 0.0)
-    last = ((pos - 1) % r).expand(nb, heads)[..., None]
-    l_prev = torch.where(n > 0, lg.gather(-1, last)[..., 0], 0.0)  # [B, H]
-    coef = torch.where(valid, torch.exp(l_prev[..., None] - lg), 0.0)
-    s0 = widened(pool[rows])
-
-    def read(x):  # S_{t-1}^T x [B, H, Dv]
-        return (torch.exp(l_prev)[..., None] * torch.einsum("bhkv,bhk->bhv", s0, x)
-                + torch.einsum("bhr,bhrv->bhv", coef * torch.einsum("bhrk,bhk->bhr", kt, x), dt))
-
-    a = g.exp()[..., None]
-    delta = (v - a * read(k)) * beta[..., None]
-    o = a * read(q) + (k * q).sum(-1, keepdim=True) * delta
-    l_now = l_prev + g
-    fold = (n + 1 >= r) | (nb < fold_below)  # [B, H]
-    folded = (torch.exp(l_now)[..., None, None] * s0
-              + torch.einsum("bhr,bhrk,bhrv->bhkv", torch.where(valid, torch.exp(l_now[..., None] - lg), 0.0), kt, dt)
-              + k[..., :, None] * delta[..., None, :])
-    pool.index_copy_(0, rows, torch.where(fold[..., None, None], folded, s0).to(pool.dtype))
-    at = (rows[:, None], torch.arange(heads, device=q.device)[None, :], (pos % r).expand(nb, heads))
-    keys[at] = torch.where(fold[..., None], keys[at], k)  # folding rows store no term
-    deltas[at] = torch.where(fold[..., None], deltas[at], delta)
-    logs[at] = torch.where(fold, logs[at], l_now)
-    base[rows] = torch.where(fold, pos, bp).to(base.dtype)[..., None].expand(-1, -1, base.shape[-1])
-    return o
-
-
 def gated_delta_rule_recurrent(q, k, v, g, beta, state):
     """Token-by-token reference. q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv]; fp32."""
     outs = []
@@ -189,18 +121,6 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
         out[:, :, i] = q_dec[:, :, i] @ state + attn[:, :, i] @ delta
         state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ delta
     return out.reshape(b, h, n * c, dv)[:, :, :t].transpose(1, 2), state
-
-
-def _recurrent_rows(batch: FlatBatch, slots: GDNSlots, q, k, v, g, beta, rows, positions):
-    """The decode rows' recurrent step over the layer's state pool (rows `rows`, tokens at `positions`): the lazy
-    state's (`slots.lazy`: `batch.gdn_decode_lazy`, else `gated_delta_rows_lazy`) or the plain one's
-    (`batch.gdn_decode`, else `gated_delta_rows`). Returns o [B, Hv, Dv] fp32."""
-    if slots.lazy is None:
-        return (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
-    from kernels.gdn_decode_lazy import FOLD_BELOW_ROWS
-
-    return (batch.gdn_decode_lazy or gated_delta_rows_lazy)(q, k, v, g, beta, slots.recurrent, *slots.lazy.tensors(),
-                                                           rows, positions, FOLD_BELOW_ROWS)
 
 
 def _norm_input(o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -372,10 +292,9 @@ class GatedDeltaNet(nn.Module):
                     qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
                     self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
             scale = producer_scale(self, ("out_proj",))
-            fused_norm = (self.decode_norm and scale is not None and batch.gdn_decode is not None
-                          and slots.lazy is None)
+            fused_norm = self.decode_norm and scale is not None and batch.gdn_decode is not None
             if not fused_norm:  # (fused: after the window, which joins z's fork)
-                o = _recurrent_rows(batch, slots, q, k, v, g, beta, rows, batch.positions)
+                o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         if fused_norm:  # the step + the gated norm + out_proj's codes in one op
             o, o_codes = batch.gdn_decode(q, k, v, g, beta, slots.recurrent, rows,
@@ -425,11 +344,8 @@ class GatedDeltaNet(nn.Module):
         o = torch.empty_like(v)  # [N, Hv, Dv] fp32
         if nd:
             rows = batch.state_slots_t[:nd]
-            o[:nd] = _recurrent_rows(batch, slots, q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], rows,
-                                     batch.positions[:nd])
-        # (prefill rows read the stored state as it is: with `slots.lazy` they have no pending terms -- a prompt's
-        # first chunk resets its row (`PagedCache.reset_slots`, the prefill graphs' `GDNSlots.copy_row`) and later
-        # chunks follow chunks, never decode steps: `engine_core.continuous` prefills a sequence before it decodes)
+            o[:nd] = (batch.gdn_decode or gated_delta_rows)(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
+                                                            slots.recurrent, rows)
         # every prefill row in one call (kernels/gdn_chunk: fla's kernels on CUDA, TF32 products, ~2e-3 relative):
         # for bf16 / fp16 models, whose projections feed it rounded inputs anyway; an fp32 model keeps the exact
         # torch chunked rule below (the oracle's fp32 gates are 1e-4)

@@ -40,35 +40,12 @@ class PagedKV:
 
 
 @dataclass
-class GDNTerms:
-    """The lazy decode state's pending rank-1 terms of one layer for every state slot (`QwenEngineConfig.
-    gdn_lazy_rank` R; the maths and the storage: `gdn.gated_delta_rows_lazy`'s comment block)."""
-
-    base: torch.Tensor  # [slots, v_heads, granules] int32: the position the stored state is as of (-1: no terms)
-    keys: torch.Tensor  # [slots, v_heads, R, k_head_dim] fp32: k_m of position m in slot m % R
-    deltas: torch.Tensor  # [slots, v_heads, R, v_head_dim] fp32: delta_m
-    logs: torch.Tensor  # [slots, v_heads, R] fp32: the log decay from the base position through m
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.base, self.keys, self.deltas, self.logs
-
-
-@dataclass
 class GDNSlots:
     """Gated DeltaNet state of one layer for every state slot."""
 
     conv: torch.Tensor  # [slots, conv_dim, kernel - 1] previous in_proj_qkv outputs (model dtype), oldest first
     recurrent: torch.Tensor  # [slots, v_heads, k_head_dim, v_head_dim] fp32 (or bf16: `PagedCache.empty`'s
-    #                          state_dtype; every step computes in fp32 and rounds the state it stores); with
-    #                          `lazy`, the state as of each row's base position
-    lazy: GDNTerms | None = None  # the decode steps' pending terms (`PagedCache.empty`'s lazy_rank > 0)
-
-    def copy_row(self, dst: torch.Tensor, src: int) -> None:
-        """Row `src`'s state into the rows `dst` (int64 [1] on the device; the prefill graphs' scratch row into the
-        sequence's): conv, recurrent and the lazy base positions (the terms are read only through those)."""
-        tensors = (self.conv, self.recurrent) + ((self.lazy.base,) if self.lazy is not None else ())
-        for t in tensors:  # clone: the source row lives in the destination tensor
-            t.index_copy_(0, dst, t[src:src + 1].clone())
+    #                          state_dtype; every step computes in fp32 and rounds the state it stores)
 
 
 @dataclass
@@ -80,10 +57,7 @@ class PagedCache:
 
     @classmethod
     def empty(cls, cfg: QwenConfig, num_blocks: int, block_size: int, num_slots: int, dtype=torch.float32,
-              device=None, state_dtype=torch.float32, lazy_rank: int = 0) -> PagedCache:
-        """`lazy_rank` R > 0: each GDN layer also holds R pending decode terms a slot and head (`GDNTerms`)."""
-        from .gdn import gdn_term_granules
-
+              device=None, state_dtype=torch.float32) -> PagedCache:
         layers: list[PagedKV | GDNSlots] = []
         for t in cfg.layer_types:
             if t == FULL_ATTENTION:
@@ -95,25 +69,15 @@ class PagedCache:
                                    device=device)
                 rec = torch.zeros(num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                   cfg.linear_value_head_dim, dtype=state_dtype, device=device)
-                lazy = None
-                if lazy_rank:
-                    hv, dk, dv = rec.shape[1:]
-                    lazy = GDNTerms(
-                        torch.full((num_slots, hv, gdn_term_granules(dv)), -1, dtype=torch.int32, device=device),
-                        torch.zeros(num_slots, hv, lazy_rank, dk, device=device),
-                        torch.zeros(num_slots, hv, lazy_rank, dv, device=device),
-                        torch.zeros(num_slots, hv, lazy_rank, device=device))
-                layers.append(GDNSlots(conv, rec, lazy))
+                layers.append(GDNSlots(conv, rec))
         return cls(layers, block_size)
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        """Zero the GDN state rows `slots` [R] int64 (sequences starting from position 0); no pending lazy terms."""
+        """Zero the GDN state rows `slots` [R] int64 (sequences starting from position 0)."""
         for layer in self.layers:
             if isinstance(layer, GDNSlots):
                 layer.conv.index_fill_(0, slots, 0)
                 layer.recurrent.index_fill_(0, slots, 0)
-                if layer.lazy is not None:
-                    layer.lazy.base.index_fill_(0, slots, -1)
 
 
 @dataclass
@@ -163,10 +127,6 @@ class FlatBatch:
     # fla caches its chunk indices by the tensors' identity, and the host copy spares it a device sync to build them
     # (a fresh tensor per layer cost two syncs per layer: 60 per 2,048-token step, Qwen profile run 18)
     prefill_cu: tuple[torch.Tensor, torch.Tensor] | None = None
-    # the GDN one-token step on the lazy state (layers with `GDNSlots.lazy`): (q, k, v, g, beta, pool, base, keys,
-    # deltas, logs, rows, positions [B] int64, fold_below) -> o [B, H, Dv] (kernels/gdn_decode_lazy.py's
-    # "gdn_decode_rows_lazy"); None -> `gdn.gated_delta_rows_lazy`
-    gdn_decode_lazy: Callable | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -180,8 +140,7 @@ class FlatBatch:
     def build(cls, seqs: list[tuple[int, int, tuple[int, ...], int]], num_decode: int, block_size: int,
               device, gdn_decode: Callable | None = None, decode_attention: Callable | None = None,
               gdn_prep: Callable | None = None, gdn_chunk: Callable | None = None,
-              gdn_conv: Callable | None = None, gdn_prep_ba: Callable | None = None,
-              gdn_decode_lazy: Callable | None = None) -> FlatBatch:
+              gdn_conv: Callable | None = None, gdn_prep_ba: Callable | None = None) -> FlatBatch:
         """From per-sequence (start, num_tokens, block_table, state_slot), decode rows first; one host->device copy
         per field (pinned, non-blocking on CUDA)."""
         positions, slots, starts, ctx = [], [], [0], []
@@ -206,4 +165,4 @@ class FlatBatch:
             prefill_cu = (host.pin_memory().to(device, non_blocking=True) if pin else host.to(device), host)
         return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
                    tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep,
-                   gdn_prep_ba, gdn_chunk, gdn_conv, prefill_cu=prefill_cu, gdn_decode_lazy=gdn_decode_lazy)
+                   gdn_prep_ba, gdn_chunk, gdn_conv, prefill_cu=prefill_cu)
