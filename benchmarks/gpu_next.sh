@@ -278,6 +278,7 @@
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
 #   STEPS="178 39" (same carry; either GPU): ~5 min: issue 5, the fused GDN step + norm after its triton 3.6 fix --
 #       its CUDA tests and the plain step's, then the engine with gdn_decode_norm on beside the defaults
+#       (ran: results/gdn_norm51_run3 on an H100, with step 165: 20 passed; -0.55% at 32 streams, stays off)
 #   STEPS="117" (removed): lm_head_layout dual_frag beside the defaults, then the CUDA tests step 114 left (ran:
 #       Qwen run 61, 428.7 against 430.4 / 430.1 tok/s lone: no gain, the option removed; gpu_suites run 16: the
 #       tensor-core GEMV's file 24 passed, the router's GEMV cases 36 passed before the 70 s limit)

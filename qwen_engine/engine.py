@@ -159,7 +159,8 @@ class QwenEngineConfig:
     #                                H200, Qwen run 55: lone decode 433.5 against 433.0 / 431.5 tok/s, 32 streams
     #                                3,333.3 against 3,365.1 / 3,363.3 (-0.9%: each head's last program norms it
     #                                alone), and 7 of 32 streams' greedy tokens diverge late (the norm's sum in
-    #                                another fp32 order); no gain, so off
+    #                                another fp32 order); no gain, so off. H100, fifty-first session (after its
+    #                                triton 3.6 compile fix): 464.0 / 3,630.8 against 465.1 / 3,650.9 (-0.55%)
     weight_prefetch: str = "off"  # with programmatic_launch (kernels/pdl.py set_prefetch; process-wide): "own" --
     #                               the decode kernels of static weights (FP8 projections, the router, the dense
     #                               W4A16 shared expert, the GDN prep's b / a rows) prefetch their programs' weight
