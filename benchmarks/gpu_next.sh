@@ -276,6 +276,8 @@
 #       does the GDN step's 64 MB of dirty fp32 state slow the gate_up after it, and does a store hint move it?
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="179 175" (same carry; either GPU): ~4 min: issue 5, the plain GDN step's launch swept at 1-64 rows
+#       (benchmarks/gdn_step_launch_bench.py), then step 175's L2 write-back pair by store hint
 #   STEPS="178 39" (same carry; either GPU): ~5 min: issue 5, the fused GDN step + norm after its triton 3.6 fix --
 #       its CUDA tests and the plain step's, then the engine with gdn_decode_norm on beside the defaults
 #       (ran: results/gdn_norm51_run3 on an H100, with step 165: 20 passed; -0.55% at 32 streams, stays off)
@@ -2262,6 +2264,14 @@ else
   engine_out qwen_store_hint "${LIMIT_176A:-260}" --decode-tokens 48 --gdn-state-store "$hint" ${EXTRA_170:-}
   engine_out qwen_store_default "${LIMIT_176B:-200}" --decode-tokens 48 ${EXTRA_170:-}
 fi
+fi
+if want 179; then
+# fifty-first session: the plain GDN step's launch swept per token a layer (benchmarks/gdn_step_launch_bench.py:
+# BLOCK_V 16 / 32 / 64 x warps 2 / 4 / 8 x register cap none / 128 / 168 at 1 / 8 / 32 / 64 rows, outputs against the
+# default launch's): 1.18 of the H200's 7.28 ms at 32 streams, its launch never swept on a GPU
+say "179. issue 5: the plain GDN step's launch swept (columns, warps, register cap) at 1-64 rows"
+probe gdn_step_launch "${LIMIT_179:-150}" gdn_step_launch_bench.py ${ARGS_179:-} > /dev/null
+cat "$R/gdn_step_launch/gdn_step_launch_bench.md" 2>/dev/null || tail -5 "$R/gdn_step_launch.log"
 fi
 if want 178; then
 # fifty-first session: the fused GDN step + gated norm (kernels/gdn_decode.py "gdn_decode_rows_norm_fp8") failed its
