@@ -51,15 +51,8 @@ def main() -> None:
         pools = [torch.randn(n + 1, heads, dk, dv, device=dev, generator=gen) * 0.5 for _ in range(4)]
         rows = torch.arange(n, device=dev)
 
-        def launch(pool, bv, warps, reg):
-            o = torch.empty((n, heads, dv), dtype=torch.float32, device=dev)
-            grid = (n * heads, triton.cdiv(dv, bv))
-            gdn_decode._gdn_decode_kernel[grid](
-                q, k, v, g, beta, pool, pool, o, rows, heads, dk, dv,
-                *gdn_decode._step_strides(q, k, v, g, beta, pool, o), BLOCK_K=triton.next_power_of_2(dk),
-                BLOCK_V=bv, HAS_ROWS=True, INTERPRET=False, STORE_CACHE="", STORE_EVICT="", num_warps=warps,
-                **({} if reg is None else dict(maxnreg=reg)), **pdl.launch_options())
-            return o
+        def launch(pool, bv, warps, reg):  # the engine's op's launcher with the launch set (in place on pool rows)
+            return gdn_decode._launch(q, k, v, g, beta, pool, pool, rows, block_v=bv, num_warps=warps, maxnreg=reg)
 
         default_bv = gdn_decode._block_v(n * heads, dv)
         base_pool = pools[0].clone()

@@ -272,12 +272,13 @@
 #   STEPS="174" (carry the fla wheels and .tritoncache): issue 5, the 32-token expert calls' read floor (ran in the
 #       forty-eighth and fifty-first sessions: results/floor48_run1, h200_51_run2; its ncu of the TMA-ring kernel
 #       removed with that kernel)
-#   STEPS="175 176" (same carry; either GPU): ~4 min: issue 5, the forty-ninth session's L2 write-back question --
-#       does the GDN step's 64 MB of dirty fp32 state slow the gate_up after it, and does a store hint move it?
+#   STEPS="175 176" (removed: 175 ran in the fifty-first session, results/gdn_launch51_run4; the pair [GDN step,
+#       gate_up] costs ~3 us over the two alone under every store hint, so no hint: STATE_STORE and
+#       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
-#   STEPS="179 175" (same carry; either GPU): ~4 min: issue 5, the plain GDN step's launch swept at 1-64 rows
-#       (benchmarks/gdn_step_launch_bench.py), then step 175's L2 write-back pair by store hint
+#   STEPS="179" (same carry; either GPU): ~1 min: issue 5, the plain GDN step's launch swept at 1-64 rows
+#       (benchmarks/gdn_step_launch_bench.py; ran: results/gdn_launch51_run4 -- the default is fastest at 8-64 rows)
 #   STEPS="178 39" (same carry; either GPU): ~5 min: issue 5, the fused GDN step + norm after its triton 3.6 fix --
 #       its CUDA tests and the plain step's, then the engine with gdn_decode_norm on beside the defaults
 #       (ran: results/gdn_norm51_run3 on an H100, with step 165: 20 passed; -0.55% at 32 streams, stays off)
@@ -2243,27 +2244,6 @@ if want 174; then
 # pattern or by its own work?
 say "174. issue 5: the expert calls' read floor"
 probe expert_read_floor "${LIMIT_174:-150}" expert_read_floor.py
-fi
-if want 175; then
-# forty-ninth session: the GDN step's state write-back and the gate_up after it (benchmarks/l2_writeback_bench.py:
-# the pair [step, gate_up] against each alone, with ~25 us of spin between them as in the engine, for each store hint
-# of the state and for a bf16 state); best_store.txt: the fp32 hint of the fastest gapped pair, for step 176
-say "175. issue 5: the GDN state's L2 write-back under the next gate_up, by store hint"
-probe l2_writeback "${LIMIT_175:-200}" l2_writeback_bench.py
-cat "$R/l2_writeback/l2_writeback_bench.md" 2>/dev/null
-cp "$R/l2_writeback/best_store.txt" "$OUT/best_store.txt" 2>/dev/null
-fi
-if want 176; then
-# forty-ninth session: the engine with the GDN state stored under step 175's fastest hint (STORE_HINT, default its
-# best_store.txt) beside the defaults, two processes (the hint is process-wide): 32 streams, lone, TTFT, tokens
-say "176. issue 5: the engine with the GDN state's store hint beside the defaults (two processes)"
-hint=${STORE_HINT:-$(cat "$OUT/best_store.txt" 2>/dev/null)}
-if [ -z "$hint" ] || [ "$hint" = "," ]; then
-  say "no hint beat the default store (or no step 175): nothing to compare"
-else
-  engine_out qwen_store_hint "${LIMIT_176A:-260}" --decode-tokens 48 --gdn-state-store "$hint" ${EXTRA_170:-}
-  engine_out qwen_store_default "${LIMIT_176B:-200}" --decode-tokens 48 ${EXTRA_170:-}
-fi
 fi
 if want 179; then
 # fifty-first session: the plain GDN step's launch swept per token a layer (benchmarks/gdn_step_launch_bench.py:

@@ -678,11 +678,6 @@ def main() -> None:
                          "l2_ahead, ring, cols, maxnreg, early): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for "
                          "the whole run (only the THREAD_ORDER experts read them), recorded under settings "
                          "(gpu_next.sh steps 162 / 167 pass step 161's / 166's fastest)")
-    ap.add_argument("--gdn-state-store", default=None, metavar="CACHE,EVICT",
-                    help="the GDN decode step's state store hints for the whole run (kernels/gdn_decode.py "
-                         "STATE_STORE: a cache modifier of '', .cs, .wt, .cg and an eviction policy of '', "
-                         "evict_first, evict_last; default ',' = Triton's), recorded under settings "
-                         "(gpu_next.sh step 176 passes step 175's fastest)")
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
@@ -701,15 +696,6 @@ def main() -> None:
 
         w4a16_regs.BLOCK_M = args.regs_builds["block_m"]
         w4a16_regs.ENGINE_BUILDS = {p: dict(args.regs_builds[p]) for p in ("gate_up", "down")}
-    if args.gdn_state_store is not None:
-        from kernels import gdn_decode
-
-        hint = tuple(v.strip() for v in args.gdn_state_store.split(","))
-        if len(hint) != 2 or hint[0] not in ("", ".cs", ".wt", ".cg") or hint[1] not in ("", "evict_first",
-                                                                                          "evict_last"):
-            ap.error(f"--gdn-state-store {args.gdn_state_store!r}: expected CACHE,EVICT from ('', .cs, .wt, .cg) "
-                     "and ('', evict_first, evict_last)")
-        gdn_decode.STATE_STORE = hint
     tiny = args.tiny
     d = lambda v, full, small: v if v is not None else (small if tiny else full)  # noqa: E731
     ctx, steps, streams = d(args.context, 1024, 24), d(args.decode_tokens, 64, 3), d(args.streams, 32, 2)
@@ -733,7 +719,7 @@ def main() -> None:
     r: dict = dict(
         settings=dict(tiny=tiny, seed=args.seed, context=ctx, decode_tokens=steps, streams=streams,
                       oracle_prompts=oracle_prompts, oracle_len=olen, greedy_tokens=gtok, dtype="bf16",
-                      regs_builds=args.regs_builds, gdn_state_store=args.gdn_state_store),
+                      regs_builds=args.regs_builds),
         env=dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                  torch=torch.__version__, transformers=tf_version, python=platform.python_version(),
                  path="(a)-(c): QwenForCausalLM.forward + QwenState (eager, greedy); (e): QwenEngine"),

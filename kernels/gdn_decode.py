@@ -56,12 +56,9 @@ if triton is not None:
     @triton.jit
     def _advance(q, k, v, g, beta, s_in, s_out, o, rows, pid, pv, H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr, INTERPRET: tl.constexpr,
-                 STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
         """Program (pid = b H + h, pv): the [Dk, BLOCK_V] slice pv of head h's state of batch row b advanced one
-        token (read once, written once), and its slice of o = S^T q (fp32). STORE_CACHE / STORE_EVICT: the state
-        store's hints (`STATE_STORE`), passed by every caller: a nested jit call's string default reaches the
-        compiler as a plain str on triton 3.6 ("'str' object has no attribute 'type'"). A bf16 state (the engine's
+        token (read once, written once), and its slice of o = S^T q (fp32). A bf16 state (the engine's
         `gdn_state_dtype`) is widened as it is read and rounded to nearest even as it is stored; o comes from the
         unrounded fp32 state, as in `gated_delta_rows`."""
         b, h = pid // H, pid % H
@@ -79,16 +76,14 @@ if triton is not None:
         s = tl.load(s_in + off, mask=ok, other=0.0).to(tl.float32) * decay  # [BK, BV]
         delta = (v_t - tl.sum(s * k_t[:, None], axis=0)) * bt  # [BV]
         s = s + k_t[:, None] * delta[None, :]
-        tl.store(s_out + off, _cast(s, s_out.dtype.element_ty, INTERPRET), mask=ok, cache_modifier=STORE_CACHE,
-                 eviction_policy=STORE_EVICT)
+        tl.store(s_out + off, _cast(s, s_out.dtype.element_ty, INTERPRET), mask=ok)
         tl.store(o + b * s_ob + h * s_oh + vv, tl.sum(s * q_t[:, None], axis=0), mask=v_ok)
 
     @triton.jit
     def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
                            s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
-                           USE_PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-                           STORE_CACHE: tl.constexpr = "", STORE_EVICT: tl.constexpr = ""):
+                           USE_PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False):
         # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
         # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
         # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
@@ -96,7 +91,7 @@ if triton is not None:
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         _advance(q, k, v, g, beta, s_in, s_out, o, rows, tl.program_id(0), tl.program_id(1), H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, HAS_ROWS, INTERPRET, STORE_CACHE, STORE_EVICT)
+                 BLOCK_K, BLOCK_V, HAS_ROWS, INTERPRET)
 
     @triton.jit
     def _gdn_decode_norm_kernel(q, k, v, g, beta, pool, o, rows, z, w, out, codes, s_in, counters, H, DK, DV, eps,
@@ -104,8 +99,7 @@ if triton is not None:
                                 s_zb, s_zh, s_nb, s_nh, s_cb, s_ch,
                                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                                 ROUND_PRODUCT: tl.constexpr, ROUND_X: tl.constexpr, INTERPRET: tl.constexpr,
-                                QUANT: tl.constexpr, STORE_CACHE: tl.constexpr = "", STORE_EVICT: tl.constexpr = "",
-                                USE_PDL: tl.constexpr = False):
+                                QUANT: tl.constexpr, USE_PDL: tl.constexpr = False):
         # `_gdn_decode_kernel` over pool rows in place (o: the fp32 scratch [B, H, Dv] of the slices), then the head's
         # gated RMS norm: the program that finishes head (b, h) last of its cdiv(DV, BLOCK_V) (`split_k`'s arrival
         # counter, one per head: counters[b H + h]) reads the whole o row back through L2 and writes out [B, H, Dv]
@@ -115,7 +109,7 @@ if triton is not None:
         pid = tl.program_id(0)
         _advance(q, k, v, g, beta, pool, pool, o, rows, pid, tl.program_id(1), H, DK, DV,
                  s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, True, INTERPRET, STORE_CACHE, STORE_EVICT)
+                 BLOCK_K, BLOCK_V, True, INTERPRET)
         if last_arrival(counters, pid, tl.num_programs(1)):  # every slice of the head's o is stored and visible
             b, h = pid // H, pid % H
             one = tl.arange(0, 1)  # the head's row as a [1, BLOCK_D] tile, as the norm kernel's rows are
@@ -137,13 +131,6 @@ def _interpreted() -> bool:
     return triton is not None and type(_gdn_decode_kernel).__name__ == "InterpretedFunction"
 
 
-# The state's store hints (cache modifier, eviction policy) of both step kernels, process-wide: Triton's defaults
-# ("", ""). benchmarks/l2_writeback_bench.py measures the alternatives: the step writes its whole state (64 MB at 32
-# fp32 sequences, more than the L2) and the dirty lines left in L2 are written back while the next big kernel (the
-# experts' gate_up) streams its weights.
-STATE_STORE: tuple[str, str] = ("", "")
-
-
 def _block_v(bh: int, dv: int) -> int:
     """Columns of the state per program: wide tiles when B x H alone gives >= ~264 programs (2 per H200 SM)."""
     for bv in (64, 32):
@@ -158,19 +145,23 @@ def _step_strides(q, k, v, g, beta, state, o) -> tuple[int, ...]:
             beta.stride(0), state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1))
 
 
-def _launch(q, k, v, g, beta, state, out_state, rows=None) -> torch.Tensor:
-    """rows None: state [B, H, Dk, Dv]; else state is a pool [S, H, Dk, Dv] and batch row b uses pool row rows[b]."""
+def _launch(q, k, v, g, beta, state, out_state, rows=None, *, block_v: int | None = None, num_warps: int = 4,
+            maxnreg: int | None = None) -> torch.Tensor:
+    """rows None: state [B, H, Dk, Dv]; else state is a pool [S, H, Dk, Dv] and batch row b uses pool row rows[b].
+    block_v (default `_block_v`), num_warps, maxnreg (a register cap; None: ptxas' choice): the launch, for
+    benchmarks/gdn_step_launch_bench.py's sweep."""
     _, heads, dk, dv = state.shape
     bsz = q.shape[0]
     o = torch.empty((bsz, heads, dv), dtype=torch.float32, device=state.device)
     if o.numel() == 0:
         return o
-    bv = _block_v(bsz * heads, dv)
+    bv = block_v or _block_v(bsz * heads, dv)
     grid = (bsz * heads, triton.cdiv(dv, bv))
     _gdn_decode_kernel[grid](q, k, v, g, beta, state, out_state, o, state if rows is None else rows, heads, dk, dv,
                              *_step_strides(q, k, v, g, beta, state, o), BLOCK_K=triton.next_power_of_2(dk),
                              BLOCK_V=bv, HAS_ROWS=rows is not None, INTERPRET=_interpreted(),
-                             STORE_CACHE=STATE_STORE[0], STORE_EVICT=STATE_STORE[1], **pdl.launch_options())
+                             num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+                             **pdl.launch_options())
     return o
 
 
@@ -290,7 +281,7 @@ def _launch_norm(q, k, v, g, beta, pool, rows, z, weight, eps: float, input_scal
         codes.stride(0), codes.stride(1),
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv, BLOCK_D=triton.next_power_of_2(dv),
         ROUND_PRODUCT=weight.dtype == z.dtype != torch.float32, ROUND_X=rounds_x(o, z), INTERPRET=_interpreted(),
-        QUANT=True, STORE_CACHE=STATE_STORE[0], STORE_EVICT=STATE_STORE[1], **pdl.launch_options())
+        QUANT=True, **pdl.launch_options())
     return out, codes
 
 

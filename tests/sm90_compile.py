@@ -259,15 +259,6 @@ def main() -> int:
     ok.append(compile_one("gdn_decode over pool rows (Dk = Dv = 128)", gdn_decode._gdn_decode_kernel,
                           {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "s_in", "s_out", "o")}, "rows": "*i64"},
                           dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True)))
-    for cache, evict, ptx in ((".cs", "", "st.global.cs"), (".wt", "", "st.global.wt"),
-                              ("", "evict_first", "st.global.L1::evict_first.L2::cache_hint")):
-        # gdn_decode.STATE_STORE's hints (benchmarks/l2_writeback_bench.py): each reaches the state's store
-        ok.append(compile_one(f"gdn_decode over pool rows, state stored with {cache or evict}",
-                              gdn_decode._gdn_decode_kernel,
-                              {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "s_in", "s_out", "o")},
-                               "rows": "*i64"},
-                              dict(BLOCK_K=128, BLOCK_V=32, HAS_ROWS=True, STORE_CACHE=cache, STORE_EVICT=evict),
-                              ptx_has=ptx))
     ok.append(compile_one("gdn_decode over a bf16 pool's rows (Dk = Dv = 128; gdn_state_dtype bfloat16)",
                           gdn_decode._gdn_decode_kernel,
                           {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta", "o")}, "s_in": "*bf16",

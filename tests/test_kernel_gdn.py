@@ -96,6 +96,23 @@ def test_rows_in_place_over_a_pool():
     assert not torch.equal(pool[[0, 3, 4]], pool0[[0, 3, 4]])
 
 
+@pytest.mark.parametrize("block_v,num_warps,maxnreg", [(16, 2, None), (32, 8, 168), (64, 4, 128)])
+def test_rows_launch_overrides(block_v, num_warps, maxnreg):
+    """`_launch`'s launch settings (benchmarks/gdn_step_launch_bench.py's sweep) compute the same step: a pool's rows
+    against the reference within 1e-5, the other rows untouched, Dv 48 not a multiple of the wider tiles."""
+    from kernels.gdn_decode import _launch
+
+    bsz, heads, dk, dv = 3, 2, 32, 48
+    q, k, v, g, beta, _ = random_inputs(bsz, heads, dk, dv, seed=11, device=DEVICE)
+    *_, pool = random_inputs(5, heads, dk, dv, seed=12, device=DEVICE)
+    ref_pool, pool0 = pool.clone(), pool.clone()
+    rows = torch.tensor([4, 1, 2], device=DEVICE)
+    o_ref, _ = gdn_decode_rows_reference(q, k, v, g, beta, ref_pool, rows)
+    o = _launch(q, k, v, g, beta, pool, pool, rows, block_v=block_v, num_warps=num_warps, maxnreg=maxnreg)
+    assert compare((o, pool), (o_ref, ref_pool)) is None
+    assert torch.equal(pool[[0, 3]], pool0[[0, 3]])
+
+
 def test_rows_over_a_bf16_pool():
     """`gdn_state_dtype: bfloat16`: the pool is widened as read and the new state rounded to nearest even as stored,
     o from the unrounded fp32 state, as `gated_delta_rows` does. Per token, from the same bf16 pool: o within 1e-5

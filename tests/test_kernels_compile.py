@@ -56,19 +56,18 @@ def _check_builds(stdout: str) -> None:
     """The build counts of one sm90_compile.py run."""
     # 83 builds: the forty-first session added the few-row FP8 GEMM's three, the gated norm reading z as [T, heads]
     # slices and the GDN step over a bf16 state pool to the 77 before; the forty-fifth the router's top-k with the
-    # routing alignment (kernels/router_align.py); the forty-ninth the GDN step's three state-store hints
-    # (gdn_decode.STATE_STORE) and the lazy GDN step's two builds: 88; the fifty-first session removed the lazy
-    # step's two (kernels/gdn_decode_lazy.py, no gain on the H200): 86
-    assert stdout.count("ok   ") == 86
+    # routing alignment (kernels/router_align.py); the forty-ninth's five (the GDN step's three state-store hints and
+    # the lazy GDN step's two builds) were removed in the fifty-first, neither gaining on the H200: 83
+    assert stdout.count("ok   ") == 83
     # kernels/w4a16_mma.py's six builds: every inline-asm operand one element a lane (its mma fragments' premise)
     assert stdout.count("lanes ") == 6
     # every launch of a PDL participant (kernels/pdl.py) also compiled with USE_PDL: griddepcontrol.wait, then
-    # launch_dependents, before the kernel's first global memory access (24 kernels, 63 launches: the tensor-core
+    # launch_dependents, before the kernel's first global memory access (24 kernels, 60 launches: the tensor-core
     # GEMV's gate_up prefetching down's slabs after its wait, the greedy argmax, gdn_prep's SPLIT_V build, the
     # attention combine with the output gate, the few-row FP8 GEMM's three builds, the z-slice norm, the bf16-pool
-    # GDN step, the router's top-k with the alignment and the three state-store hints among them; 65 with the
-    # forty-ninth session's five above, 63 since the fifty-first removed the lazy step's two)
-    assert stdout.count("pdl  ") == 63 and "FAIL" not in stdout
+    # GDN step and the router's top-k with the alignment among them; 65 with the forty-ninth session's five, which
+    # the fifty-first removed)
+    assert stdout.count("pdl  ") == 60 and "FAIL" not in stdout
     # and the kernels with a weight prefetch (kernels/pdl.py prefetch_l2) compiled with it too: the L2 prefetch before
     # the wait in the FP8 GEMV (3 launches), the router, the dense W4A16 GEMV (3: SwiGLU's four ranges among them) and
     # gdn_prep's two b / a builds (one SPLIT_V); none in the grouped GEMV (its experts come from the router: 3
