@@ -277,7 +277,7 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
-#   STEPS="179" (same carry; either GPU): ~1 min: issue 5, the plain GDN step's launch swept at 1-64 rows
+#   STEPS="179" (carry the fla wheels and .tritoncache; either GPU): ~1 min: issue 5, the plain GDN step's launch swept at 1-64 rows
 #       (benchmarks/gdn_step_launch_bench.py; ran: results/gdn_launch51_run4 -- the default is fastest at 8-64 rows)
 #   STEPS="178 39" (same carry; either GPU): ~5 min: issue 5, the fused GDN step + norm after its triton 3.6 fix --
 #       its CUDA tests and the plain step's, then the engine with gdn_decode_norm on beside the defaults
@@ -2256,7 +2256,7 @@ fi
 if want 178; then
 # fifty-first session: the fused GDN step + gated norm (kernels/gdn_decode.py "gdn_decode_rows_norm_fp8") failed its
 # start-up self-check on triton 3.6 ("'str' object has no attribute 'type'": `_advance`'s string store-hint defaults
-# reached the compiler from the nested call); now passed explicitly. Its CUDA tests (with the plain step's), then the
+# reached the compiler from the nested call); mended in 8d3b395, the hints themselves removed in 4f2d33c. Its CUDA tests (with the plain step's), then the
 # engine with gdn_decode_norm on beside the defaults (off since Qwen run 55: -0.9% at 32 streams), SELF-CHECK lines
 say "178. issue 5: the fused GDN step + norm on triton 3.6 -- CUDA tests, the engine with gdn_decode_norm beside the defaults"
 gpu_tests gdn_norm_tests "${LIMIT_178T:-150}" tests/test_gdn_decode_norm.py tests/test_kernel_gdn.py -rfE
