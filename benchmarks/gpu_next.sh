@@ -277,6 +277,9 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="180" (carry the fla wheels and .tritoncache; either GPU): ~7 min: issue 5, early loads (the GDN step's
+#       state, the GDN prep's windows and gates, the experts' EARLY down before the PDL wait): CUDA tests under PDL,
+#       then the engine with early_loads beside the defaults and again
 #   STEPS="179" (carry the fla wheels and .tritoncache; either GPU): ~1 min: issue 5, the plain GDN step's launch swept at 1-64 rows
 #       (benchmarks/gdn_step_launch_bench.py; ran: results/gdn_launch51_run4 -- the default is fastest at 8-64 rows)
 #   STEPS="178 39" (same carry; either GPU): ~5 min: issue 5, the fused GDN step + norm after its triton 3.6 fix --
@@ -2244,6 +2247,21 @@ if want 174; then
 # pattern or by its own work?
 say "174. issue 5: the expert calls' read floor"
 probe expert_read_floor "${LIMIT_174:-150}" expert_read_floor.py
+fi
+if want 180; then
+# fifty-second session: early loads (kernels/pdl.py set_early, the engine's early_loads) -- the GDN step's state
+# slices, the GDN prep's conv windows / weights / b-a dot products and the experts' down routing + first weight tiles
+# read BEFORE the PDL wait (their predecessors never write them), so those reads overlap the predecessor's tail.
+# The CUDA tests under PDL (the EARLY step after a late writer; EARLY vs plain bits; EARLY down after gate_up), then
+# the engine with early_loads beside the defaults and the defaults again (one process)
+say "180. issue 5: early loads -- CUDA tests under PDL, then the engine with early_loads beside the defaults and again"
+SAMMIE_PDL=1 gpu_tests early_tests "${LIMIT_180T:-150}" tests/test_pdl.py tests/test_kernel_gdn.py \
+  tests/test_kernel_gdn_prep.py tests/test_kernel_w4a16_regs.py -k "early or late_writer" -rfE
+grep -E "^(FAILED|ERROR)" "$R/early_tests.log" | cut -c1-250 | head -8
+cp "$R/early_tests.log" "$OUT/" 2>/dev/null
+engine_out qwen_early "${LIMIT_180E:-330}" --decode-tokens 48 --variant 'early={"early_loads": true}' --again \
+  ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_early.log" | cut -c1-250 | head -5
 fi
 if want 179; then
 # fifty-first session: the plain GDN step's launch swept per token a layer (benchmarks/gdn_step_launch_bench.py:

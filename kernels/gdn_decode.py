@@ -54,44 +54,78 @@ def gdn_decode_reference(q, k, v, g, beta, state):
 if triton is not None:
 
     @triton.jit
-    def _advance(q, k, v, g, beta, s_in, s_out, o, rows, pid, pv, H, DK, DV,
-                 s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
-        """Program (pid = b H + h, pv): the [Dk, BLOCK_V] slice pv of head h's state of batch row b advanced one
-        token (read once, written once), and its slice of o = S^T q (fp32). A bf16 state (the engine's
-        `gdn_state_dtype`) is widened as it is read and rounded to nearest even as it is stored; o comes from the
-        unrounded fp32 state, as in `gated_delta_rows`."""
-        b, h = pid // H, pid % H
-        slot = tl.load(rows + b) if HAS_ROWS else b.to(tl.int64)
+    def _state_slot(rows, pid, H, HAS_ROWS: tl.constexpr):
+        """The state row of program pid's batch row b = pid // H: rows[b] of a pool, else b."""
+        b = pid // H
+        return tl.load(rows + b) if HAS_ROWS else b.to(tl.int64)
+
+    @triton.jit
+    def _state_tile(s_in, slot, pid, pv, H, DK, DV, s_sb, s_sh, s_sk, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Program (pid = b H + h, pv): its [Dk, BLOCK_V] slice pv of head h's state in row `slot` as stored (fp32
+        or bf16), with the slice's offsets and mask -> (s, off, ok). Reads only the state."""
+        h = pid % H
         kk = tl.arange(0, BLOCK_K)
         vv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
-        k_ok, v_ok = kk < DK, vv < DV
-        q_t = tl.load(q + b * s_qb + h * s_qh + kk, mask=k_ok, other=0.0)
-        k_t = tl.load(k + b * s_kb + h * s_kh + kk, mask=k_ok, other=0.0)
-        v_t = tl.load(v + b * s_vb + h * s_vh + vv, mask=v_ok, other=0.0)
-        decay = tl.exp(tl.load(g + b * s_gb + h))
-        bt = tl.load(beta + b * s_bb + h)
         off = slot * s_sb + h * s_sh + kk[:, None] * s_sk + vv[None, :]
-        ok = k_ok[:, None] & v_ok[None, :]
-        s = tl.load(s_in + off, mask=ok, other=0.0).to(tl.float32) * decay  # [BK, BV]
+        ok = (kk < DK)[:, None] & (vv < DV)[None, :]
+        return tl.load(s_in + off, mask=ok, other=0.0), off, ok
+
+    @triton.jit
+    def _step_inputs(q, k, v, g, beta, pid, pv, H, DK, DV, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb,
+                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The token's inputs of the program's slice: q, k [BLOCK_K], v [BLOCK_V], exp(g), beta (fp32)."""
+        b, h = pid // H, pid % H
+        kk = tl.arange(0, BLOCK_K)
+        vv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
+        q_t = tl.load(q + b * s_qb + h * s_qh + kk, mask=kk < DK, other=0.0)
+        k_t = tl.load(k + b * s_kb + h * s_kh + kk, mask=kk < DK, other=0.0)
+        v_t = tl.load(v + b * s_vb + h * s_vh + vv, mask=vv < DV, other=0.0)
+        return q_t, k_t, v_t, tl.exp(tl.load(g + b * s_gb + h)), tl.load(beta + b * s_bb + h)
+
+    @triton.jit
+    def _advance(q_t, k_t, v_t, decay, bt, s_raw, off, ok, s_out, o, pid, pv, H, DV, s_ob, s_oh,
+                 BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr):
+        """The slice `s_raw` (`_state_tile`'s) advanced one token and written once, and its slice of o = S^T q
+        (fp32). A bf16 state (the engine's `gdn_state_dtype`) is widened as it is read and rounded to nearest even as
+        it is stored; o comes from the unrounded fp32 state, as in `gated_delta_rows`."""
+        b, h = pid // H, pid % H
+        vv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
+        s = s_raw.to(tl.float32) * decay  # [BK, BV]
         delta = (v_t - tl.sum(s * k_t[:, None], axis=0)) * bt  # [BV]
         s = s + k_t[:, None] * delta[None, :]
         tl.store(s_out + off, _cast(s, s_out.dtype.element_ty, INTERPRET), mask=ok)
-        tl.store(o + b * s_ob + h * s_oh + vv, tl.sum(s * q_t[:, None], axis=0), mask=v_ok)
+        tl.store(o + b * s_ob + h * s_oh + vv, tl.sum(s * q_t[:, None], axis=0), mask=vv < DV)
 
     @triton.jit
     def _gdn_decode_kernel(q, k, v, g, beta, s_in, s_out, o, rows, H, DK, DV,
                            s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
-                           USE_PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+                           EARLY: tl.constexpr = False):
         # grid (B * H, cdiv(DV, BLOCK_V)); s_out may be s_in (in place): each element is read before it is written
         # by the same program, and programs own disjoint slices. State strides are shared by s_in and s_out
         # (s_out is contiguous like s_in, checked by the wrapper); the Dv stride is 1. HAS_ROWS: batch row b
         # owns state row rows[b] of a pool (int64 [B]), else row b.
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        _advance(q, k, v, g, beta, s_in, s_out, o, rows, tl.program_id(0), tl.program_id(1), H, DK, DV,
-                 s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, HAS_ROWS, INTERPRET)
+        # EARLY (with PDL; `pdl.early_options`): the program's state slice (and its row of `rows`) is loaded BEFORE
+        # the wait, so that the resident programs' state reads overlap the predecessor (the GDN prep) instead of
+        # following it. The caller's contract: the launch's predecessor does not write the state or `rows` (in the
+        # engine it is the prep, which writes q / k / v / g / beta; the state was last written by this layer's step
+        # of the previous token, `rows` by the host before the graph). The same loads and arithmetic: the same bits.
+        if not EARLY:
+            pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        pid, pv = tl.program_id(0), tl.program_id(1)
+        slot = _state_slot(rows, pid, H, HAS_ROWS)
+        if EARLY:
+            s_raw, off, ok = _state_tile(s_in, slot, pid, pv, H, DK, DV, s_sb, s_sh, s_sk, BLOCK_K, BLOCK_V)
+            pdl_enter(USE_PDL)  # now the predecessor's outputs (q, k, v, g, beta), then the stores
+            q_t, k_t, v_t, decay, bt = _step_inputs(q, k, v, g, beta, pid, pv, H, DK, DV, s_qb, s_qh, s_kb, s_kh,
+                                                    s_vb, s_vh, s_gb, s_bb, BLOCK_K, BLOCK_V)
+        else:  # the token's inputs before the state, as before EARLY existed
+            q_t, k_t, v_t, decay, bt = _step_inputs(q, k, v, g, beta, pid, pv, H, DK, DV, s_qb, s_qh, s_kb, s_kh,
+                                                    s_vb, s_vh, s_gb, s_bb, BLOCK_K, BLOCK_V)
+            s_raw, off, ok = _state_tile(s_in, slot, pid, pv, H, DK, DV, s_sb, s_sh, s_sk, BLOCK_K, BLOCK_V)
+        _advance(q_t, k_t, v_t, decay, bt, s_raw, off, ok, s_out, o, pid, pv, H, DV, s_ob, s_oh, BLOCK_V,
+                 INTERPRET)
 
     @triton.jit
     def _gdn_decode_norm_kernel(q, k, v, g, beta, pool, o, rows, z, w, out, codes, s_in, counters, H, DK, DV, eps,
@@ -106,10 +140,13 @@ if triton is not None:
         # (z's dtype) = `rms_norm.gated_rows`(o, z, w) and, QUANT, its e4m3 codes with the static scale s_in --
         # the operations of "rms_norm_gated_fp8" on the same row, in the launch that made it.
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        pid = tl.program_id(0)
-        _advance(q, k, v, g, beta, pool, pool, o, rows, pid, tl.program_id(1), H, DK, DV,
-                 s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_sb, s_sh, s_sk, s_ob, s_oh,
-                 BLOCK_K, BLOCK_V, True, INTERPRET)
+        pid, pv = tl.program_id(0), tl.program_id(1)
+        q_t, k_t, v_t, decay, bt = _step_inputs(q, k, v, g, beta, pid, pv, H, DK, DV, s_qb, s_qh, s_kb, s_kh, s_vb,
+                                                s_vh, s_gb, s_bb, BLOCK_K, BLOCK_V)
+        s_raw, off, s_ok = _state_tile(pool, _state_slot(rows, pid, H, True), pid, pv, H, DK, DV, s_sb, s_sh, s_sk,
+                                       BLOCK_K, BLOCK_V)
+        _advance(q_t, k_t, v_t, decay, bt, s_raw, off, s_ok, pool, o, pid, pv, H, DV, s_ob, s_oh, BLOCK_V,
+                 INTERPRET)
         if last_arrival(counters, pid, tl.num_programs(1)):  # every slice of the head's o is stored and visible
             b, h = pid // H, pid % H
             one = tl.arange(0, 1)  # the head's row as a [1, BLOCK_D] tile, as the norm kernel's rows are
@@ -146,10 +183,11 @@ def _step_strides(q, k, v, g, beta, state, o) -> tuple[int, ...]:
 
 
 def _launch(q, k, v, g, beta, state, out_state, rows=None, *, block_v: int | None = None, num_warps: int = 4,
-            maxnreg: int | None = None) -> torch.Tensor:
+            maxnreg: int | None = None, early: bool = False) -> torch.Tensor:
     """rows None: state [B, H, Dk, Dv]; else state is a pool [S, H, Dk, Dv] and batch row b uses pool row rows[b].
     block_v (default `_block_v`), num_warps, maxnreg (a register cap; None: ptxas' choice): the launch, for
-    benchmarks/gdn_step_launch_bench.py's sweep."""
+    benchmarks/gdn_step_launch_bench.py's sweep. early: the kernel's EARLY (the state read before the PDL wait;
+    its contract: the launch's predecessor writes neither the state nor `rows`), with PDL on only."""
     _, heads, dk, dv = state.shape
     bsz = q.shape[0]
     o = torch.empty((bsz, heads, dv), dtype=torch.float32, device=state.device)
@@ -161,7 +199,7 @@ def _launch(q, k, v, g, beta, state, out_state, rows=None, *, block_v: int | Non
                              *_step_strides(q, k, v, g, beta, state, o), BLOCK_K=triton.next_power_of_2(dk),
                              BLOCK_V=bv, HAS_ROWS=rows is not None, INTERPRET=_interpreted(),
                              num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
-                             **pdl.launch_options())
+                             **pdl.launch_options(), **(pdl.early_options() if early else {}))
     return o
 
 
@@ -225,13 +263,15 @@ def gdn_decode_rows_reference(q, k, v, g, beta, pool, rows):
 @torch.library.custom_op("qwen::gdn_decode_rows_", mutates_args=("pool",))
 def gdn_decode_rows_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """In place on pool rows; returns o [B, H, Dv]."""
+    """In place on pool rows; returns o [B, H, Dv]. With `pdl.set_early` on (the engine's `early_loads`), the
+    kernel reads its state slices before its PDL wait (EARLY): the engine's predecessor of this op, the GDN prep,
+    writes neither the pool nor `rows`."""
     _check_inner_strides(q, k, v, g, beta)
     if not pool.is_contiguous():
         raise ValueError("gdn_decode_rows_ updates the state pool in place and needs it contiguous")
     if rows.dtype != torch.int64 or rows.shape != q.shape[:1] or not rows.is_contiguous():
         raise ValueError(f"rows must be a contiguous int64 [B] tensor, got {rows.dtype} {tuple(rows.shape)}")
-    return _launch(q, k, v, g, beta, pool, pool, rows)
+    return _launch(q, k, v, g, beta, pool, pool, rows, early=True)
 
 
 @gdn_decode_rows_.register_fake

@@ -106,11 +106,39 @@ if triton is not None:
                  mask=ok[:, :, None] & (tt >= 1) & (tt <= KM1))
 
     @triton.jit
+    def _conv_taps(pool, w, row, ch, ok, s_pr, s_pc, s_wc, KM1: tl.constexpr, BLOCK_T: tl.constexpr):
+        """EARLY's first half of `_conv_window`: the pool taps of channels ch [A, B] (positions 0..K-2; 0 at K-1 and
+        past) and their K conv weights, both [A, B, BLOCK_T] in the model dtype -- nothing the predecessor writes."""
+        tt = tl.arange(0, BLOCK_T)[None, None, :]
+        taps = tl.load(pool + row * s_pr + ch[:, :, None] * s_pc + tt, mask=ok[:, :, None] & (tt < KM1), other=0.0)
+        wt = tl.load(w + ch[:, :, None] * s_wc + tt, mask=ok[:, :, None] & (tt <= KM1), other=0.0)
+        return taps, wt
+
+    @triton.jit
+    def _conv_of(qkv, d, ch, ok, taps, wt, s_qd, KM1: tl.constexpr, BLOCK_T: tl.constexpr, DTYPE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+        """EARLY's second half: `_conv_window`'s result from the new inputs x (the predecessor's output) and
+        `_conv_taps`'. The same operations in the same order; each weight is picked out of its tile exactly (w + 0s),
+        as the taps are, so the only possible difference is the sign of an exact zero weight (-0 picks as +0)."""
+        tt = tl.arange(0, BLOCK_T)[None, None, :]
+        x = tl.load(qkv + d * s_qd + ch, mask=ok, other=0.0)  # [A, B]
+        tf = taps.to(tl.float32)
+        wf = wt.to(tl.float32)
+        acc = x.to(tl.float32) * tl.sum(tl.where(tt == KM1, wf, 0.0), axis=2)
+        for t in tl.static_range(KM1):  # the taps in order, as `_conv_window`
+            tap = tl.sum(tl.where(tt == t, tf, 0.0), axis=2)
+            acc += tap * tl.sum(tl.where(tt == t, wf, 0.0), axis=2)
+        y = _cast(acc, DTYPE, INTERPRET).to(tl.float32)  # conv1d output in the model dtype
+        y = _cast(y / (1.0 + tl.exp(-y)), DTYPE, INTERPRET).to(tl.float32)  # SiLU, rounded, then .float()
+        return y, tl.where(tt == KM1, x[:, :, None], taps)
+
+    @triton.jit
     def _gate_inputs(b, a, ba_out, d, heads, r_ok, HV, H, s_bd, s_ad, dt: tl.constexpr, BA: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, STORE: tl.constexpr):
         """(b, a) of the value heads `heads` [BLOCK_R] of row d in fp32, after their model-dtype rounding. BA: the
         dot products x . w_ba rows (heads) and (HV + heads) over the hidden size in BLOCK_H steps, also stored to
-        ba_out; else loaded from the projections' outputs."""
+        ba_out when STORE (EARLY computes them before its wait and stores them after it); else loaded from the
+        projections' outputs."""
         if BA:
             hh = tl.arange(0, BLOCK_H)[None, :]
             acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -125,8 +153,9 @@ if triton is not None:
                 acc_a += tl.sum(wa * xv, axis=1)
             b_dt = _cast(acc_b, dt, INTERPRET)  # the projections' outputs in the model dtype
             a_dt = _cast(acc_a, dt, INTERPRET)
-            tl.store(ba_out + d * 2 * HV + heads, b_dt, mask=r_ok)
-            tl.store(ba_out + d * 2 * HV + HV + heads, a_dt, mask=r_ok)
+            if STORE:
+                tl.store(ba_out + d * 2 * HV + heads, b_dt, mask=r_ok)
+                tl.store(ba_out + d * 2 * HV + HV + heads, a_dt, mask=r_ok)
             return b_dt.to(tl.float32), a_dt.to(tl.float32)
         bb = tl.load(b + d * s_bd + heads, mask=r_ok, other=0.0).to(tl.float32)
         u = tl.load(a + d * s_ad + heads, mask=r_ok, other=0.0).to(tl.float32)
@@ -139,7 +168,7 @@ if triton is not None:
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                          BA: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
                          BA_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False, SPLIT_V: tl.constexpr = False):
+                         PREFETCH: tl.constexpr = False, SPLIT_V: tl.constexpr = False, EARLY: tl.constexpr = False):
         # BA (`gdn_decode_prep_ba`): `b` is the layer input x [D, H] (row stride s_bd) and `a` the concatenated
         # [in_proj_b; in_proj_a] weight [2 HV, H] (row stride s_ad); the program computes its value heads' b and a
         # itself (fp32 dot products, rounded to the model dtype as F.linear's output is) and writes them to ba_out
@@ -157,13 +186,19 @@ if triton is not None:
         # norms, the q / k rows of all R value heads), part 1 + i value head j R + i alone (its v channels and gates).
         # Each program reads and writes only its own channels, so the in-place rule above holds per program; every
         # sum is the one the unsplit program computes (the same bits), in 3x the programs.
+        # EARLY (with PDL; `pdl.early_options`): before the wait, everything the predecessor (the in_proj GEMM, whose
+        # output is qkv) does not write -- the row, the gates' parameters, the conv windows' pool taps and weights and,
+        # BA, the b / a dot products over the layer input x (the in_proj's input, so complete before that GEMM
+        # passed its own wait, which precedes this launch) -- so that only qkv's loads, the conv sums, the norms and
+        # the stores follow it. No store before the wait (ba_out's follows it). The same operations (`_conv_of`).
         d, j = tl.program_id(0), tl.program_id(1)
         part = tl.program_id(2) if SPLIT_V else 0
         if PREFETCH and BA:  # rows j R .. j R + R - 1 of each half, contiguous (the launch checks s_ad == H)
             nbytes = R * H * (a.dtype.element_ty.primitive_bitwidth // 8)
             prefetch_l2_once(a + (j * R).to(tl.int64) * s_ad, nbytes)
             prefetch_l2_once(a + (HV + j * R).to(tl.int64) * s_ad, nbytes)
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        if not EARLY:
+            pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         row = tl.load(rows + d)
         dt = qkv.dtype.element_ty
         ri = tl.arange(0, BLOCK_R)
@@ -180,23 +215,44 @@ if triton is not None:
         dt_b = tl.load(dt_bias + heads, mask=r_ok, other=0.0).to(tl.float32)
         a_lg = tl.load(a_log + heads, mask=r_ok, other=0.0).to(tl.float32)
         g_ok = r_ok & do_v  # the heads whose v channels and gates this program computes
-        if BA_FIRST:
-            bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
+        if BA_FIRST and not EARLY:
+            bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H,
+                                 INTERPRET, True)
         kk = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]: 2-D like the value channels
         k_ok = (kk < DK) & do_qk
         key_dim = HK * DK
         q_ch, k_ch = j * DK + kk, key_dim + j * DK + kk
-        qf, q_win = _conv_window(qkv, pool, w, d, row, q_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
-                                 INTERPRET)
-        kf, k_win = _conv_window(qkv, pool, w, d, row, k_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
-                                 INTERPRET)
+        if EARLY:
+            vv = tl.arange(0, BLOCK_V)
+            v_ok = g_ok[:, None] & (vv < DV)[None, :]
+            v_ch = 2 * key_dim + heads[:, None] * DV + vv[None, :]
+            if BA:  # x . w_ba now, stored after the wait
+                bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H,
+                                     INTERPRET, False)
+            q_taps, q_w = _conv_taps(pool, w, row, q_ch, k_ok, s_pr, s_pc, s_wc, KM1, BLOCK_T)
+            k_taps, k_w = _conv_taps(pool, w, row, k_ch, k_ok, s_pr, s_pc, s_wc, KM1, BLOCK_T)
+            v_taps, v_w = _conv_taps(pool, w, row, v_ch, v_ok, s_pr, s_pc, s_wc, KM1, BLOCK_T)
+            pdl_enter(USE_PDL)  # now qkv (the predecessor's output), then every store
+            if BA:
+                tl.store(ba_out + d * 2 * HV + heads, bb.to(dt), mask=g_ok)  # (bb, u: model-dtype values, exact)
+                tl.store(ba_out + d * 2 * HV + HV + heads, u.to(dt), mask=g_ok)
+            qf, q_win = _conv_of(qkv, d, q_ch, k_ok, q_taps, q_w, s_qd, KM1, BLOCK_T, dt, INTERPRET)
+            kf, k_win = _conv_of(qkv, d, k_ch, k_ok, k_taps, k_w, s_qd, KM1, BLOCK_T, dt, INTERPRET)
+        else:
+            qf, q_win = _conv_window(qkv, pool, w, d, row, q_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
+                                     INTERPRET)
+            kf, k_win = _conv_window(qkv, pool, w, d, row, k_ch, k_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
+                                     INTERPRET)
         qn = qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) + 1e-6))[:, None] * q_scale  # [1, BK]
         kn = kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6))[:, None]
-        vv = tl.arange(0, BLOCK_V)
-        v_ok = g_ok[:, None] & (vv < DV)[None, :]
-        v_ch = 2 * key_dim + heads[:, None] * DV + vv[None, :]
-        vf, v_win = _conv_window(qkv, pool, w, d, row, v_ch, v_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
-                                 INTERPRET)
+        if EARLY:
+            vf, v_win = _conv_of(qkv, d, v_ch, v_ok, v_taps, v_w, s_qd, KM1, BLOCK_T, dt, INTERPRET)
+        else:
+            vv = tl.arange(0, BLOCK_V)
+            v_ok = g_ok[:, None] & (vv < DV)[None, :]
+            v_ch = 2 * key_dim + heads[:, None] * DV + vv[None, :]
+            vf, v_win = _conv_window(qkv, pool, w, d, row, v_ch, v_ok, s_qd, s_pr, s_pc, s_wc, KM1, BLOCK_T, dt,
+                                     INTERPRET)
         tl.debug_barrier()
         _store_shifted(pool, row, q_ch, k_ok, q_win, s_pr, s_pc, KM1, BLOCK_T)
         _store_shifted(pool, row, k_ch, k_ok, k_win, s_pr, s_pc, KM1, BLOCK_T)
@@ -207,8 +263,10 @@ if triton is not None:
         tl.store(k_out + qk_off, tl.broadcast_to(kn, (BLOCK_R, BLOCK_K)), mask=qk_ok)
         tl.store(v_out + (d * HV + heads)[:, None] * DV + vv[None, :], vf, mask=v_ok)
         # gates of the value heads
-        if not BA_FIRST:
-            bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H, INTERPRET)
+        if not ((BA_FIRST and not EARLY) or (EARLY and BA)):  # (EARLY without BA: b and a may be the
+            #                                                     predecessor's outputs: after the wait)
+            bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H,
+                                 INTERPRET, True)
         beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
         u = u + dt_b
         # softplus = max(u, 0) + log1p(exp(-|u|)); log1p(t) for t in (0, 1] as 2 atanh(s), s = t / (2 + t) <= 1/3:
@@ -258,6 +316,9 @@ def _launch(qkv_in, conv_pool, rows, conv_w, b, a, a_log, dt_bias, hv: int, num_
         BLOCK_V=triton.next_power_of_2(head_v_dim), BLOCK_R=triton.next_power_of_2(r),
         BLOCK_T=triton.next_power_of_2(km1 + 1), BA=ba, BLOCK_H=BA_BLOCK_H, INTERPRET=_interpreted(),
         BA_FIRST=BA_FIRST, SPLIT_V=split, num_warps=NUM_WARPS, **pdl.launch_options(),
+        # early loads (the engine's `early_loads`): the launch's predecessor writes qkv_in (and, without ba, b / a)
+        # only -- the engine's in_proj GEMM (and the b / a GEMM)
+        **pdl.early_options(),
         **(pdl.prefetch_options(a.stride(0) == hidden and pdl.aligned16(a.data_ptr(), hidden * a.element_size()))
            if ba else {}))
     return q, k, v, beta, g, ba_out

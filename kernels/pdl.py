@@ -58,6 +58,7 @@ except ImportError:  # CPU-only installs without triton (or a triton without GDC
 
 _ENABLED = False
 _PREFETCH = "off"  # set_prefetch
+_EARLY = False  # set_early
 # launches issued with a prefetch since import: "own" (PREFETCH), "next" (the MoE gate_up's PREFETCH_NEXT); a captured
 # graph's launches count once, at capture. Benchmarks read it to show the prefetch engaged (a misaligned range skips it
 # silently)
@@ -152,6 +153,30 @@ def prefetch_options(aligned: bool) -> dict:
         PREFETCH_LAUNCHES["own"] += 1
         return {"PREFETCH": True}
     return {}
+
+
+def set_early(on: bool) -> bool:
+    """Early loads (the Qwen engine's `early_loads`; process-wide like `set_enabled`, CUDA graphs keep the setting of
+    their capture): the kernels that take an EARLY constexpr and whose launcher asks for `early_options` read, BEFORE
+    their wait, inputs that their predecessor does not write -- the GDN step its state slices
+    (`kernels/gdn_decode.py`), the GDN prep its conv windows and gate inputs (`kernels/gdn_prep.py`), the experts'
+    down projection its routing and first weight tiles (`kernels/w4a16_regs.py`) -- so that those reads overlap the
+    predecessor's tail. Each launcher names what its EARLY build reads early and why the predecessor cannot write it.
+    It takes effect only while PDL is enabled (without PDL a kernel starts after its predecessor has ended). Returns
+    whether it is asked for."""
+    global _EARLY
+    _EARLY = bool(on)
+    return _EARLY
+
+
+def early() -> bool:
+    """Whether early loads are in force: asked for (`set_early`) and PDL enabled."""
+    return _EARLY and _ENABLED
+
+
+def early_options() -> dict:
+    """{EARLY: True} for a launch of a kernel that takes EARLY while `early()`, else {} (its default: wait first)."""
+    return {"EARLY": True} if early() else {}
 
 
 def prefetch_next() -> bool:

@@ -78,6 +78,7 @@ from kernels.tolerance import compare  # noqa: F401  (re-exported for tests and 
 from kernels.device import triton_device_ok
 import torch.nn.functional as F
 
+from kernels import pdl
 from kernels.moe_align import aligned_rows
 from kernels.nvfp4 import BLOCK, NVFP4Tensor, w4a16_linear_reference
 from kernels.split_k import num_sms, split_counters
@@ -950,7 +951,10 @@ def w4a16_moe_op(x: torch.Tensor, p13: torch.Tensor, s13: torch.Tensor, g13: tor
         # build fitted to the call's shape (`fit_build`: the self-check's small sample too)
         up = fit_build({**ENGINE_BUILDS["gate_up"], "early": False}, x.shape[-1], p13.shape[1] // 2)
         h = w4a16_regs_launch(x, p13, s13, g13, routing, a_div=top_k, swiglu=True, **up)  # [P, I]
-        down = fit_build(ENGINE_BUILDS["down"], p2.shape[-1] * 2, p2.shape[1])
+        # down EARLY where ENGINE_BUILDS says so or early loads are on (`pdl.set_early`, the engine's
+        # `early_loads`): its routing was written two launches before it, by the alignment, not by gate_up
+        early = bool(ENGINE_BUILDS["down"].get("early", False)) or pdl.early()
+        down = fit_build({**ENGINE_BUILDS["down"], "early": early}, p2.shape[-1] * 2, p2.shape[1])
         y = w4a16_regs_launch(h, p2, s2, g2, routing, row_scale=weights, **down)  # [P, H], weighted
     elif layout in SWAPPED_LAYOUTS:
         from kernels.w4a16_swapped import SPLIT_TILE, decode_split, w4a16_grouped_swapped_launch

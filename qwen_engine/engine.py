@@ -172,6 +172,14 @@ class QwenEngineConfig:
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads); run 66:
     #                               "next" 460.8 against 469.2 / 469.4 lone (-1.8%), the same tokens
+    early_loads: bool = False  # with programmatic_launch (kernels/pdl.py set_early; process-wide): the decode
+    #                            kernels whose predecessor does not write some of their inputs read those before
+    #                            their PDL wait, so the reads overlap the predecessor's tail -- the GDN step its
+    #                            recurrent state slices (kernels/gdn_decode.py EARLY), the GDN prep its conv
+    #                            windows, conv weights and b / a dot products (kernels/gdn_prep.py EARLY), the
+    #                            experts' down projection its routing and first weight tiles (kernels/w4a16_regs.py
+    #                            EARLY). The same operations (the same bits, but for the sign of an exact zero conv
+    #                            weight). Off until measured in the engine (benchmarks/RESULTS.md)
     argmax_kernel: bool = True  # CUDA: greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
     #                             contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
     #                             12.9 us on a lone step's chain, profile run 23); a plain launch after the graph's
@@ -317,6 +325,8 @@ class QwenEngineConfig:
             raise ValueError(f"expert_regs must be true, false or 'auto', got {self.expert_regs!r}")
         if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
+        if not isinstance(self.early_loads, bool):
+            raise ValueError(f"early_loads must be true or false, got {self.early_loads!r}")
         from kernels.w4a16_mma import SORTED_MAX_TOKENS
 
         if self.small_batch_tokens is not None and not (
@@ -467,6 +477,8 @@ class QwenEngine:
         self.programmatic_launch = pdl.set_enabled(pdl.wanted(cfg.programmatic_launch, self.device))
         pdl.set_prefetch(cfg.weight_prefetch)
         self.weight_prefetch = pdl.prefetch_mode()  # "off" without PDL
+        pdl.set_early(cfg.early_loads)
+        self.early_loads = pdl.early()  # False without PDL
         if cfg.programmatic_launch is True and not self.programmatic_launch:
             log.warning("programmatic_launch: needs compiled Triton kernels on an NVIDIA GPU of compute capability 9.x "
                         "or 10.x; off")
@@ -664,6 +676,7 @@ class QwenEngine:
             "autotune_table_picks": self.autotune_picks,
             "programmatic_launch": self.programmatic_launch,
             "weight_prefetch": self.weight_prefetch,  # the mode in force ("off" without PDL)
+            "early_loads": self.early_loads,  # in force (False without PDL)
             "weight_prefetch_launches": _prefetch_launches(),  # process-wide counts (kernels/pdl.py)
             "quant_in_producers": _quant_in_producers(),  # process-wide: the last engine built set it
             "stats": s.stats.snapshot(),

@@ -60,8 +60,33 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
     if "USE_PDL" in params and not consts["USE_PDL"]:  # a PDL participant (kernels/pdl.py): also with USE_PDL
         if not pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True}):
             return False
+        if "EARLY" in params and not consts["EARLY"]:  # and with its early loads (kernels/pdl.py set_early)
+            if not early_order_ok(name, kernel, sig, {**consts, "USE_PDL": True, "EARLY": True}):
+                return False
         if "PREFETCH" in params and not consts["PREFETCH"]:  # and with its weight prefetch before the wait
             return pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True, "PREFETCH": True}, prefetch=True)
+    return True
+
+
+def early_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
+    """A Triton kernel's EARLY build with USE_PDL (kernels/pdl.py set_early): griddepcontrol.wait, then
+    launch_dependents, with global loads before them (the point: what the predecessor does not write) but no store,
+    atomic or async copy (a store before the wait could overwrite what the predecessor still reads). Prints
+    "early" and the count of global loads before the wait."""
+    try:
+        ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET).asm["ptx"]
+    except Exception as exc:  # noqa: BLE001 - reported
+        print(f"FAIL {name} USE_PDL EARLY: {type(exc).__name__}: {str(exc)[:2000]}")
+        return False
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    before = ptx[:max(wait, 0)]
+    loads = len(re.findall(r"ld\.global", before))
+    writes = re.findall(r"\b(?:st\.global|atom\.|red\.|cp\.async)", before)  # (\b: not ld.sha-red.)
+    if not (0 <= wait < launch) or writes or loads == 0:
+        print(f"FAIL {name} USE_PDL EARLY: griddepcontrol at {wait} / {launch}, {loads} global loads and "
+              f"{len(writes)} writes before the wait")
+        return False
+    print(f"early {name}: {loads} global loads before the wait")
     return True
 
 

@@ -113,6 +113,32 @@ def test_rows_launch_overrides(block_v, num_warps, maxnreg):
     assert torch.equal(pool[[0, 3]], pool0[[0, 3]])
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_rows_early_same_bits(monkeypatch, pool_dtype):
+    """EARLY (early loads, the engine's `early_loads`: the rows op reads its state slices before the PDL wait):
+    o and the advanced pool bit for bit as the plain launch's, over tokens, fp32 and bf16 pools; the op asks for it
+    only through `pdl.early_options` (off unless PDL is on and `pdl.set_early`). Under the interpreter the wait is a
+    no-op: this checks the EARLY build's arithmetic; its order is tests/sm90_compile.py's "early" check."""
+    from kernels import pdl
+
+    assert pdl.early_options() == {} or pdl.early()
+    bsz, heads, dk, dv = 3, 2, 32, 48
+    *_, pool = random_inputs(6, heads, dk, dv, seed=21, device=DEVICE)
+    pools = {False: pool.to(pool_dtype).clone(), True: pool.to(pool_dtype).clone()}  # (.to(fp32) would alias)
+    rows = torch.tensor([5, 0, 3], device=DEVICE)
+    for t in range(3):
+        q, k, v, g, beta, _ = random_inputs(bsz, heads, dk, dv, seed=400 + t, device=DEVICE)
+        outs = {}
+        for early in (False, True):
+            monkeypatch.setattr(pdl, "early_options", lambda early=early: {"EARLY": True} if early else {})
+            ref_pool = pools[early].clone()
+            o_ref, _ = gdn_decode_rows_reference(q, k, v, g, beta, ref_pool, rows)
+            outs[early], _ = gdn_decode_rows_triton(q, k, v, g, beta, pools[early], rows)
+            if pool_dtype == torch.float32:
+                assert compare((outs[early], pools[early]), (o_ref, ref_pool)) is None
+        assert torch.equal(outs[True], outs[False]) and torch.equal(pools[True], pools[False]), t
+
+
 def test_rows_over_a_bf16_pool():
     """`gdn_state_dtype: bfloat16`: the pool is widened as read and the new state rounded to nearest even as stored,
     o from the unrounded fp32 state, as `gated_delta_rows` does. Per token, from the same bf16 pool: o within 1e-5

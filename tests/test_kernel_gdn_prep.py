@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_core.registry import Registry
-from kernels import gdn_prep
+from kernels import gdn_prep, pdl
 from kernels.gdn_prep import (
     compare,
     compare_ba,
@@ -162,6 +162,32 @@ def test_split_v_same_bits(monkeypatch, d, hk, dk, r, dv, hidden, ba_first):
     plain_split = gdn_decode_prep_triton(args[0], args[1].clone(), *plain_args[2:])
     for i in range(6):
         assert torch.equal(plain_split[i], plain_one[i]), i
+
+
+@pytest.mark.parametrize("d,hk,dk,r,dv,hidden", [(1, 2, 32, 2, 16, 2048), (3, 2, 24, 3, 8, 600),
+                                                 (2, 2, 16, 4, 16, 512)])
+@pytest.mark.parametrize("split,ba_first", [(False, False), (True, False), (False, True)])
+def test_early_same_bits(monkeypatch, d, hk, dk, r, dv, hidden, split, ba_first):
+    """EARLY (early loads, the engine's `early_loads`: the row, the gates' parameters, the conv windows' taps and
+    weights and, BA, the b / a dot products before the PDL wait; qkv after it): every output and the advanced pool
+    bit for bit as the plain launch's, with b / a inside and given, SPLIT_V and BA_FIRST too (random weights: no
+    exact zero, whose sign `_conv_of` may not keep). Under the interpreter the wait is a no-op, so this checks the
+    EARLY build's arithmetic; its order (loads, no store, before the wait) is tests/sm90_compile.py's "early" check."""
+    args = random_inputs_ba(d, hk, dk, r, dv, hidden=hidden, dtype=torch.bfloat16, seed=7 * d + hidden, device=DEVICE)
+    monkeypatch.setattr(gdn_prep, "BA_FIRST", ba_first)
+    monkeypatch.setattr(gdn_prep, "SPLIT_V_ROWS", d if split else 0)
+    hv = hk * r
+    runs = {}
+    for early in (False, True):
+        monkeypatch.setattr(pdl, "early_options", lambda early=early: {"EARLY": True} if early else {})
+        ba = gdn_decode_prep_ba_triton(*with_pool(args, args[1].clone()))
+        plain = gdn_decode_prep_triton(args[0], args[1].clone(), *args[2:4], ba[5][:, :hv], ba[5][:, hv:], *args[6:])
+        runs[early] = (ba, plain)
+    for got, want in zip(runs[True], runs[False]):
+        assert len(got) == len(want)
+        for i, (x, y) in enumerate(zip(got, want)):
+            assert torch.equal(x, y), i
+    assert compare_ba(runs[True][0], gdn_decode_prep_ba_reference(*with_pool(args, args[1].clone()))) is None
 
 
 @pytest.mark.parametrize("ba_first,block_h,warps", [(True, None, None), (True, 2048, 8), (False, 1024, 4)])

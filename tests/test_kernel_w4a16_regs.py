@@ -130,6 +130,34 @@ def test_fit_build_fits_every_shape_the_op_meets():
     assert fit({}, 2048, 512) == {"ahead": w4a16_regs.AHEAD, "cols": w4a16_regs.COLS}
 
 
+@pytest.mark.parametrize("early_loads", [False, True])
+def test_moe_op_asks_early_for_down_only(monkeypatch, early_loads):
+    """The experts op (THREAD_ORDER) launches gate_up never EARLY (the alignment right before it wrote its routing)
+    and down EARLY exactly when early loads are in force (`pdl.early`, the engine's `early_loads`) or ENGINE_BUILDS
+    says so: its routing is two launches old. The launcher is recorded, not run (Gluon has no CPU interpreter)."""
+    from kernels import pdl
+    from kernels.w4a16_gemm import THREAD_ORDER, w4a16_moe_op
+
+    calls = []
+
+    def record(x, packed, scales, g, routing, **kw):
+        calls.append(kw)
+        n_out = packed.shape[1] // 2 if kw.get("swiglu") else packed.shape[1]
+        return torch.zeros(routing.num_pairs, n_out, dtype=x.dtype)
+
+    monkeypatch.setattr(w4a16_regs, "w4a16_regs_launch", record)
+    monkeypatch.setattr(pdl, "early", lambda: early_loads)
+    e, h, i, t, k = 4, 256, 128, 3, 2
+    p13, s13 = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8), torch.zeros(e, 2 * i, h // 16, dtype=torch.uint8)
+    p2, s2 = torch.zeros(e, h, i // 2, dtype=torch.uint8), torch.zeros(e, h, i // 16, dtype=torch.uint8)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    w4a16_moe_op(torch.zeros(t, h, dtype=torch.bfloat16), p13, s13.view(torch.float8_e4m3fn), torch.ones(e), p2,
+                 s2.view(torch.float8_e4m3fn), torch.ones(e), idx, torch.ones(t, k, dtype=torch.bfloat16),
+                 layout=THREAD_ORDER)
+    assert [c.get("swiglu", False) for c in calls] == [True, False]
+    assert calls[0]["early"] is False and calls[1]["early"] is early_loads
+
+
 def test_thread_order_refuses_ragged_weights():
     with pytest.raises(ValueError, match="do not split"):
         thread_order(_packed(1, 96, 256, seed=5))

@@ -74,3 +74,7 @@ def _check_builds(stdout: str) -> None:
     # launches, and the build whose prefetch of the next launch's weights follows the wait) nor in gdn_prep without
     # b / a
     assert stdout.count("pf   ") == 9 and stdout.count("pf-  ") == 5
+    # and the kernels with early loads (kernels/pdl.py set_early: EARLY) compiled with them: global loads before the
+    # wait, no store, atomic or async copy there -- the GDN step over fp32 and bf16 pools, gdn_prep's three builds
+    # (the experts' EARLY down is Gluon: tests/test_kernel_w4a16_regs.py checks its PTX)
+    assert stdout.count("early ") == 5

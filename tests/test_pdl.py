@@ -193,12 +193,15 @@ def test_engine_option_auto_by_default_and_off_on_cpu(caplog):
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
                 engine = QwenEngine(QwenEngineConfig(config="tiny", device="cpu", programmatic_launch=option,
-                                                     warmup=False, max_model_len=64, kernel_self_check=False))
+                                                     warmup=False, max_model_len=64, kernel_self_check=False,
+                                                     early_loads=True))
             assert engine.health()["programmatic_launch"] is False and not pdl.enabled()
+            assert engine.health()["early_loads"] is False and pdl.early_options() == {}  # (only with PDL)
             assert ("programmatic_launch" in caplog.text) is warns, option
             asyncio.run(engine.aclose())
     finally:
         pdl.set_enabled(before)
+        pdl.set_early(False)  # (the engines asked for it: process-wide)
 
 
 @pytest.mark.skipif(not pdl.available() or not pdl.device_supports(), reason="needs an sm_90 / sm_100 CUDA GPU")
@@ -235,3 +238,70 @@ def test_participant_waits_for_a_late_writer():
     assert torch.allclose(results["waits"], want.float(), rtol=1e-2, atol=1e-2)
     assert not torch.allclose(results["control"], want.float(), rtol=1e-2, atol=1e-2), \
         "the control read the final x too: the launches did not overlap, so this test cannot show the wait matters"
+
+
+@pytest.mark.skipif(not pdl.available() or not pdl.device_supports(), reason="needs an sm_90 / sm_100 CUDA GPU")
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16"])
+def test_early_gdn_step_waits_for_a_late_writer(pool_dtype):
+    """On the GPU, early loads (`pdl.set_early`): the GDN rows step with EARLY reads its state slices before its
+    wait, its token inputs after it. A producer that lets dependents launch at once, spins, then writes v: the EARLY
+    step launched with PDL right after must use the final v -- o and the pool equal those of the plain step run
+    after a synchronize, bit for bit -- while its state read did overlap the producer (not shown here: nothing the
+    producer writes is read early)."""
+    import torch
+
+    from kernels import gdn_decode
+
+    bsz, heads, dk, dv = 4, 2, 128, 128
+    q, k, _, g, beta, _ = gdn_decode.random_inputs(bsz, heads, dk, dv, seed=5, device="cuda")
+    *_, pool0 = gdn_decode.random_inputs(6, heads, dk, dv, seed=6, device="cuda")
+    pool0 = pool0.to(getattr(torch, pool_dtype))
+    rows = torch.tensor([5, 1, 0, 3], device="cuda")
+    n = bsz * heads * dv
+    before = (pdl.enabled(), pdl.early())
+    try:
+        pdl.set_enabled(True)
+        results = {}
+        for label, early in (("early", True), ("early", True), ("plain", False)):  # the first compiles
+            pdl.set_early(early)
+            pool = pool0.clone()
+            v = torch.zeros(bsz, heads, dv, device="cuda")
+            if early:
+                _late_writer[(1,)](v, n, 0.75, SPIN=2_000_000, BLOCK=triton.next_power_of_2(n))
+            else:  # the plain step on the final v, after the writer has ended
+                _late_writer[(1,)](v, n, 0.75, SPIN=1, BLOCK=triton.next_power_of_2(n))
+                torch.cuda.synchronize()
+            o = gdn_decode.gdn_decode_rows_(q, k, v, g, beta, pool, rows)
+            torch.cuda.synchronize()
+            results[label] = (o, pool)
+        assert torch.equal(results["early"][0], results["plain"][0])
+        assert torch.equal(results["early"][1], results["plain"][1])
+    finally:
+        pdl.set_enabled(before[0])
+        pdl.set_early(before[1])
+
+
+def test_early_options_only_with_pdl():
+    """`pdl.early_options`: {EARLY: True} only while early loads are asked for AND PDL is on (never under the
+    interpreter, where PDL cannot be enabled); `set_early` returns what was asked."""
+    before = (pdl.enabled(), pdl.early())
+    try:
+        pdl.set_enabled(False)
+        assert pdl.set_early(True) is True and not pdl.early() and pdl.early_options() == {}
+        on = pdl.set_enabled(True)
+        assert pdl.early() == on and pdl.early_options() == ({"EARLY": True} if on else {})
+        assert pdl.set_early(False) is False and pdl.early_options() == {}
+    finally:
+        pdl.set_enabled(before[0])
+        pdl.set_early(before[1])
+
+
+def test_engine_early_loads_option():
+    """`QwenEngineConfig.early_loads`: off by default, a bool (a clear error otherwise)."""
+    from qwen_engine.engine import QwenEngineConfig
+
+    assert QwenEngineConfig().early_loads is False
+    assert QwenEngineConfig(early_loads=True).early_loads is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="early_loads"):
+            QwenEngineConfig(early_loads=bad)
