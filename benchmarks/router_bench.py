@@ -1,4 +1,5 @@
-"""The MoE router at decode sizes on the GPU: F.linear + router_topk vs the fused router_gemv_topk.
+"""The MoE router at decode sizes on the GPU: F.linear + router_topk vs the fused router_gemv_topk (<= 4 rows) and
+router_linear_topk (5-64 rows).
 
 Qwen3.6-35B-A3B's router: F.linear then "router_topk" (two launches) vs "router_gemv_topk" (one launch;
 kernels/moe_router.py).
@@ -57,6 +58,8 @@ def bench(rows: list, n: int, sweep: bool, g: torch.Generator) -> None:
              "F.linear + router_topk (2 launches)": lambda w: (lambda lg: (lg, *mr.router_topk_triton(lg, TOP_K)))(
                  F.linear(x, w)),
              "router_gemv_topk, default tiling": lambda w: mr.router_gemv_topk_triton(x, w, TOP_K)}
+    if mr.MAX_ROWS < n <= mr.PARTS_MAX_ROWS:  # the router GEMM in Triton, then the top-k over its partials
+        paths["router_linear_topk (Triton GEMM parts + top-k)"] = lambda w: mr._launch_parts(x, w, TOP_K)
     default = mr._gemv_tiling(n, E, H)
     if sweep:
         for br, be, bh, split, warps in SWEEP:
@@ -94,6 +97,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the fused op at the tilings of SWEEP")
     ap.add_argument("--pdl", action="store_true", help="launch the Triton kernels with programmatic dependent launch, "
                                                        "as the engine does on Hopper (kernels/pdl.py)")
+    ap.add_argument("--early", action="store_true", help="with --pdl: early loads (kernels/pdl.py set_early; the "
+                                                         "router GEMM's weight tile before its wait)")
     args = ap.parse_args()
     rows_n = [int(v) for v in args.rows.split(",")]
     if not torch.cuda.is_available():
@@ -102,6 +107,7 @@ def main() -> None:
         from kernels import pdl
 
         pdl.set_enabled(pdl.device_supports())
+        pdl.set_early(args.early)
     import triton
 
     g = torch.Generator().manual_seed(0)

@@ -245,6 +245,65 @@ if triton is not None:
                 rearm(counters, pid_r)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _router_parts_kernel(x, w, ws, N, E, H, s_x, s_w, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                             BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
+                             EARLY: tl.constexpr = False):
+        # grid (cdiv(E, BLOCK_E), cdiv(H, BLOCK_H)); x [N, H] (row stride s_x), w [E, H] (row stride s_w), unit last
+        # strides, N <= BLOCK_R; ws [cdiv(H, BLOCK_H), N, E] fp32. One program: the fp32 partial logits of every row x
+        # BLOCK_E experts over one H tile, x tile @ w tile^T on the tensor cores (bf16 products exact in fp32).
+        # EARLY (with PDL; `pdl.early_options`): the weight tile is loaded BEFORE the wait -- no kernel writes the
+        # router's weight --, so its DRAM read overlaps the predecessor (the norm that writes x); x after it.
+        if not EARLY:
+            pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        pid_e, pid_h = tl.program_id(0), tl.program_id(1)
+        ex = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
+        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+        e_ok, h_ok = ex < E, hs < H
+        wt = tl.load(w + ex[:, None].to(tl.int64) * s_w + hs[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                     other=0.0)  # [BE, BH]
+        if EARLY:
+            pdl_enter(USE_PDL)  # now x (the predecessor's output) and the store
+        rows = tl.arange(0, BLOCK_R)
+        r_ok = rows < N
+        xt = tl.load(x + rows[:, None].to(tl.int64) * s_x + hs[None, :], mask=r_ok[:, None] & h_ok[None, :],
+                     other=0.0)  # [BR, BH]
+        if INTERPRET:  # the interpreter's dot reads 16-bit floats as integers: widen first (the products are exact)
+            acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)))
+        else:
+            acc = tl.dot(xt, tl.trans(wt))  # [BR, BE] fp32
+        tl.store(ws + (pid_h * N + rows[:, None]).to(tl.int64) * E + ex[None, :], acc,
+                 mask=r_ok[:, None] & e_ok[None, :])
+
+    @triton.jit
+    def _router_parts_topk_kernel(ws, logits, w_out, i_out, N, E, s_w, s_i, EXTRA, K: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT: tl.constexpr,
+                                  INTERPRET: tl.constexpr, HAS_EXTRA: tl.constexpr = False,
+                                  USE_PDL: tl.constexpr = False):
+        # grid (N,): row r sums its SPLIT fp32 partials ws[p, r, :] in split order, rounds them once to the model
+        # dtype (the logits, stored), then router_topk's selection on them (`_select_topk`) and its stores
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_E)[None, :]  # [1, BE]
+        c_ok = cols < E
+        tot = tl.zeros((1, BLOCK_E), dtype=tl.float32)
+        for p in tl.static_range(SPLIT):
+            tot += tl.load(ws + (p * N + row) * E + cols, mask=c_ok, other=0.0)
+        lr = _cast(tot, logits.dtype.element_ty, INTERPRET)  # the logits a GEMM with fp32 sums would return
+        tl.store(logits + row * E + cols, lr, mask=c_ok)
+        w, ids = _select_topk(lr.to(tl.float32), c_ok, K, BLOCK_K, 1, BLOCK_E, INTERPRET)
+        kk = tl.arange(0, BLOCK_K)[None, :]
+        ok = kk < K
+        tl.store(w_out + row * s_w + kk, _cast(w, w_out.dtype.element_ty, INTERPRET), mask=ok)
+        tl.store(i_out + row * s_i + kk, ids.to(tl.int64), mask=ok)
+        if HAS_EXTRA:
+            one = tl.arange(0, 1)
+            tl.store(w_out + row * s_w + K + one, tl.full((1,), 1.0, tl.float32).to(w_out.dtype.element_ty))
+            tl.store(i_out + row * s_i + K + one, tl.full((1,), EXTRA, tl.int64))
+
+
 def _interpreted() -> bool:
     """True when the kernel was built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors only."""
     return triton is not None and type(_router_topk_kernel).__name__ == "InterpretedFunction"
@@ -573,6 +632,121 @@ def _gemv_sample(device) -> tuple[tuple, dict]:
     return (x.to(device), w.to(device), 8), {}
 
 
+# ---- the router's GEMM at 5-64 rows in Triton, then the top-k over its partials ("router_linear_topk") -------------
+# Why. Above MAX_ROWS the router ran F.linear (cuBLAS, ~5.4 us a call at 32 rows on an H100, 1 MB of weights: latency-
+# bound) then router_topk (2.8 us). cuBLAS takes no part in PDL (kernels/pdl.py): it starts only after the norm before
+# it has ended, and the top-k after it only after it has ended -- two boundaries a layer whose launch latency nothing
+# hides, 40 layers a step. Here two PDL launches: (1) 128 programs (16 experts x 256 of H each at Qwen3.6's shapes),
+# each its weight tile (8 KB) -- before the wait with early loads --, x's tile from L2 and one tensor-core dot: fp32
+# partials [H / 256, N, E]; (2) router_topk's one program a row, which sums the row's partials in split order, rounds
+# them once to the model dtype (the logits), stores them and selects as router_topk does.
+# Numerics: the logits are fp32 sums of exact bf16 products in another order than cuBLAS's, rounded once: within one
+# ulp of the dtype plus the fp32 bound of F.linear's (`compare_gemv`'s); weights and ids exactly router_topk's on the
+# returned logits. A logit one ulp off can change a near-tie's order, so greedy tokens may diverge from an engine on
+# F.linear (as router_gemv_topk's at <= MAX_ROWS rows).
+LINEAR_NAME = "router_linear_topk"
+PARTS_MAX_ROWS = 64  # one [BLOCK_R, BLOCK_H] x tile and [BLOCK_R, BLOCK_E] accumulator a program (decode batches)
+PARTS_TILING = dict(BLOCK_E=16, BLOCK_H=256, num_warps=4)  # 128 programs of 8 KB of weights at E 256, H 2048
+
+
+def router_linear_topk_reference(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`TopKRouter.forward` above MAX_ROWS rows: logits = F.linear(x, w) [N, E] in x.dtype, then
+    `router_topk_reference(logits, k, extra)` (with `extra` >= 0 the (1, extra) column: [N, k + 1])."""
+    logits = F.linear(x, w)
+    return (logits, *router_topk_reference(logits, k, extra))
+
+
+def linear_then_router_topk_extra(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """F.linear (cuBLAS) then the router_topk kernel with the extra column: the path before this op (its fallback)."""
+    logits = F.linear(x, w)
+    return (logits, *router_topk_triton(logits, k, extra))
+
+
+def _launch_parts(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1, config: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two launches; `config` overrides PARTS_TILING (tests, benchmarks)."""
+    problem = _gemv_check(x, w, k)
+    if problem or not 0 < x.shape[0] <= PARTS_MAX_ROWS:
+        raise ValueError(f"router_linear_topk {problem or f'takes 1..{PARTS_MAX_ROWS} rows, got {x.shape[0]}'}")
+    n, h = x.shape
+    e = w.shape[0]
+    cfg = {**PARTS_TILING, **(config or {})}
+    if _interpreted():  # the interpreter's cost is per program: few big ones
+        cfg = {**cfg, "BLOCK_E": max(16, min(64, triton.next_power_of_2(e))), "BLOCK_H": 64}
+    split = triton.cdiv(h, cfg["BLOCK_H"])
+    ws = torch.empty((split, n, e), dtype=torch.float32, device=x.device)
+    _router_parts_kernel[(triton.cdiv(e, cfg["BLOCK_E"]), split)](
+        x, w, ws, n, e, h, x.stride(0), w.stride(0), BLOCK_R=max(16, triton.next_power_of_2(n)),
+        BLOCK_E=cfg["BLOCK_E"], BLOCK_H=cfg["BLOCK_H"], INTERPRET=_interpreted(), num_warps=cfg["num_warps"],
+        **pdl.launch_options(),
+        **pdl.early_options())
+    width = k + (extra >= 0)
+    logits = x.new_empty((n, e))
+    weights = x.new_empty((n, width))
+    idx = torch.empty((n, width), dtype=torch.int64, device=x.device)
+    _router_parts_topk_kernel[(n,)](
+        ws, logits, weights, idx, n, e, weights.stride(0), idx.stride(0), max(extra, 0), K=k,
+        BLOCK_K=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e), SPLIT=split,
+        INTERPRET=_interpreted(), HAS_EXTRA=extra >= 0, num_warps=_tiling(1, e)["num_warps"], **pdl.launch_options())
+    return logits, weights, idx
+
+
+@torch.library.custom_op("qwen::router_linear_topk", mutates_args=())
+def router_linear_topk_op(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H], w [E, H] -> (logits [N, E], weights, idx [N, k (+1 with extra >= 0)]); contract:
+    `router_linear_topk_reference` (`compare_linear`)."""
+    return _launch_parts(x, w, k, extra)
+
+
+@router_linear_topk_op.register_fake
+def _(x, w, k, extra=-1):
+    n, e, width = x.shape[0], w.shape[0], k + (extra >= 0)
+    return x.new_empty((n, e)), x.new_empty((n, width)), x.new_empty((n, width), dtype=torch.int64)
+
+
+def router_linear_topk_triton(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `router_linear_topk_reference` (see `compare_linear`)."""
+    return router_linear_topk_op(x, w, k, extra)
+
+
+def compare_linear(out, ref, x: torch.Tensor | None = None, w: torch.Tensor | None = None) -> str | None:
+    """`compare_gemv` on the logits and the top-k columns; an extra column (the reference's last column naming an
+    expert past the router's E: the shared expert's (1, extra) pair) must be equal exactly."""
+    (lo, wo, io), (lr, wr, ir) = out, ref
+    if wo.shape != wr.shape or io.shape != ir.shape:
+        return f"weights / idx: shapes {tuple(wo.shape)} / {tuple(io.shape)}, expected {tuple(wr.shape)}"
+    width = wr.shape[1]
+    if ir.numel() and bool((ir[:, -1] >= lr.shape[1]).all()):
+        if not (torch.equal(wo[:, -1], wr[:, -1]) and torch.equal(io[:, -1], ir[:, -1])):
+            return "the extra column differs from the reference's (1, extra)"
+        width -= 1
+    return compare_gemv((lo, wo[:, :width], io[:, :width]), (lr, wr[:, :width], ir[:, :width]), x, w)
+
+
+def describe_linear(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1) -> dict[str, Any]:
+    ok = _gemv_inputs_ok(x, w, k)
+    return dict(device=x.device.type, parts=ok and 0 < x.shape[0] <= PARTS_MAX_ROWS and x.dtype != torch.float32,
+                two_launch=ok)
+
+
+def supports_parts(*, parts: bool, **_: Any) -> bool:
+    """Triton able to run here, x / w of one 16-bit dtype (tensor-core dot), 1..PARTS_MAX_ROWS rows."""
+    return parts
+
+
+def _linear_sample(device) -> tuple[tuple, dict]:
+    # 6 rows x 60 experts x H = 600 (a masked H tail; three H tiles of 256 on the GPU), small integers: every fp32
+    # sum exact, so the logits equal F.linear's bit for bit; bf16, top-8 and the extra column (expert 60)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(-2, 3, (6, 600), generator=gen).to(torch.bfloat16)
+    w = torch.randint(-2, 3, (60, 600), generator=gen).to(torch.bfloat16)
+    return (x.to(device), w.to(device), 8, 60), {}
+
+
 # ---- registry entry -------------------------------------------------------------------------------------------------
 def describe(logits: torch.Tensor, k: int, extra: int = -1) -> dict[str, Any]:
     return dict(device=logits.device.type, supported=supported(logits, k))
@@ -607,3 +781,9 @@ def register(registry) -> None:
                               "weights and idx exactly router_topk's on the returned logits (compare)")
     registry.add_implementation(GEMV_NAME, "triton", router_gemv_topk_triton, supports)
     registry.add_implementation(GEMV_NAME, "linear+router_topk", linear_then_router_topk, supports_two_launch)
+    registry.add_op(LINEAR_NAME, router_linear_topk_reference, sample=_linear_sample, compare=compare_linear,
+                    describe=describe_linear,
+                    tolerance="logits within one ulp of the model dtype of F.linear's (fp32 summation order); "
+                              "weights and idx exactly router_topk's on the returned logits; the extra column exact")
+    registry.add_implementation(LINEAR_NAME, "triton", router_linear_topk_triton, supports_parts)
+    registry.add_implementation(LINEAR_NAME, "linear+router_topk", linear_then_router_topk_extra, supports_two_launch)

@@ -172,6 +172,13 @@ class QwenEngineConfig:
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads); run 66:
     #                               "next" 460.8 against 469.2 / 469.4 lone (-1.8%), the same tokens
+    router_parts: bool = False  # CUDA decode steps of more than kernels.moe_router.MAX_ROWS tokens: each MoE layer's
+    #                             router GEMM in Triton (128 programs of one 256-wide H tile and 16 experts, on the
+    #                             tensor cores; it takes part in PDL and, with early_loads, reads its weight tile
+    #                             before its wait), then the top-k over its fp32 partials: registry op
+    #                             "router_linear_topk" (kernels/moe_router.py; TopKRouter.parts, process-wide)
+    #                             instead of F.linear (cuBLAS: no PDL) + router_topk. Logits within an ulp of
+    #                             F.linear's (another fp32 order). Off until measured in the engine
     early_loads: bool = False  # with programmatic_launch (kernels/pdl.py set_early; process-wide): the decode
     #                            kernels whose predecessor does not write some of their inputs read those before
     #                            their PDL wait, so the reads overlap the predecessor's tail -- the GDN step its
@@ -327,6 +334,8 @@ class QwenEngineConfig:
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
         if not isinstance(self.early_loads, bool):
             raise ValueError(f"early_loads must be true or false, got {self.early_loads!r}")
+        if not isinstance(self.router_parts, bool):
+            raise ValueError(f"router_parts must be true or false, got {self.router_parts!r}")
         from kernels.w4a16_mma import SORTED_MAX_TOKENS
 
         if self.small_batch_tokens is not None and not (
@@ -388,6 +397,7 @@ ROUTER_ALIGN_OP = "router_topk_align"  # self-checked only with router_align on
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
              "rms_norm_gated", "add_rms_norm_zc", "moe_combine", "router_topk", "router_gemv_topk",
+             "router_linear_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
              "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP,
              ROUTER_ALIGN_OP)
@@ -487,6 +497,9 @@ class QwenEngine:
         # process-wide too (the model's modules read the module flag; one engine per replica process is the
         # deployment, so the last engine built in a process sets it), before the self-checks and the warm-up
         quantized.QUANT_IN_PRODUCERS = cfg.quant_in_producers
+        from .model.moe import TopKRouter
+
+        TopKRouter.parts = cfg.router_parts
         from kernels import gdn_prep
 
         gdn_prep.BA_BLOCK_H = cfg.gdn_prep_ba_step
@@ -677,6 +690,7 @@ class QwenEngine:
             "programmatic_launch": self.programmatic_launch,
             "weight_prefetch": self.weight_prefetch,  # the mode in force ("off" without PDL)
             "early_loads": self.early_loads,  # in force (False without PDL)
+            "router_parts": _router_parts(),  # process-wide: the last engine built set it
             "weight_prefetch_launches": _prefetch_launches(),  # process-wide counts (kernels/pdl.py)
             "quant_in_producers": _quant_in_producers(),  # process-wide: the last engine built set it
             "stats": s.stats.snapshot(),
@@ -927,6 +941,13 @@ class QwenEngine:
 
 # --------------------------------------------------------------------------------------------------------------
 # Model construction
+
+
+def _router_parts() -> bool:
+    """The router GEMM in Triton above MAX_ROWS rows (`QwenEngineConfig.router_parts`: process-wide)."""
+    from .model.moe import TopKRouter
+
+    return TopKRouter.parts
 
 
 def _quant_in_producers() -> bool:

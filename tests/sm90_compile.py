@@ -292,6 +292,16 @@ def main() -> int:
     ok.append(compile_one("router_topk (E = 256, top-8, bf16)", moe_router._router_topk_kernel,
                           {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False)))
+    # the router's GEMM at 5-64 rows (router_linear_topk): 32 rows x 16 experts x one 256-wide H tile on the tensor
+    # cores, then the top-k over 8 partials with the shared pair's column
+    ok.append(compile_one("router_parts (32 rows, 16 experts x 256 of H, bf16)", moe_router._router_parts_kernel,
+                          {"x": "*bf16", "w": "*bf16", "ws": "*fp32"},
+                          dict(BLOCK_R=32, BLOCK_E=16, BLOCK_H=256, INTERPRET=False)))
+    ok.append(compile_one("router_parts_topk (E = 256, top-8, 8 partials, bf16) HAS_EXTRA",
+                          moe_router._router_parts_topk_kernel,
+                          {"ws": "*fp32", "logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
+                          dict(K=8, BLOCK_K=8, BLOCK_E=256, SPLIT=8, INTERPRET=False, HAS_EXTRA=True),
+                          num_warps=1))
     ok.append(compile_one("router_topk (E = 256, top-8, bf16) HAS_EXTRA (the shared pair's column)",
                           moe_router._router_topk_kernel, {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False, HAS_EXTRA=True)))

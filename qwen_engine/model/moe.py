@@ -35,6 +35,10 @@ class TopKRouter(nn.Module):
     # the fused router_topk writes `extra`'s column itself (kernels/moe_router.py HAS_EXTRA); False: torch.cat + fill
     # after it (two of each per MoE layer: 160 launches of a 32-stream decode step; side-by-side benchmarks)
     extra_in_kernel: bool = True
+    # above MAX_ROWS rows: the GEMM and the top-k as registry op "router_linear_topk" (kernels/moe_router.py: a
+    # Triton split-H tensor-core GEMM taking part in PDL, then the top-k over its partials) instead of F.linear
+    # (cuBLAS) + router_topk; process-wide, set by the Qwen engine (`QwenEngineConfig.router_parts`)
+    parts: bool = False
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -50,6 +54,11 @@ class TopKRouter(nn.Module):
 
             if x.shape[0] <= MAX_ROWS:
                 logits, top, idx = default_registry().call("router_gemv_topk", x, self.weight, self.top_k)
+            elif TopKRouter.parts:
+                inside = extra if self.extra_in_kernel else -1
+                logits, top, idx = default_registry().call("router_linear_topk", x, self.weight, self.top_k, inside)
+                if inside >= 0 or extra < 0:
+                    return logits, top, idx
             else:
                 logits = F.linear(x, self.weight)
                 if extra >= 0 and self.extra_in_kernel:
