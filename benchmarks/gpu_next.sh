@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="181" (carry the fla wheels and .tritoncache; either GPU): ~8 min: issue 5, the router's GEMM at 5-64 rows
+#       in Triton (router_parts) with and without early loads: CUDA tests, per call, the engine (5 engines)
 #   STEPS="180" (carry the fla wheels and .tritoncache; either GPU): ~7 min: issue 5, early loads (the GDN step's
 #       state, the GDN prep's windows and gates, the experts' EARLY down before the PDL wait): CUDA tests under PDL,
 #       then the engine with early_loads beside the defaults and again
@@ -2247,6 +2249,24 @@ if want 174; then
 # pattern or by its own work?
 say "174. issue 5: the expert calls' read floor"
 probe expert_read_floor "${LIMIT_174:-150}" expert_read_floor.py
+fi
+if want 181; then
+# fifty-second session: the router's GEMM at 5-64 rows in Triton (router_linear_topk, the engine's router_parts: it
+# takes part in PDL, where cuBLAS's F.linear does not) with and without early loads -- its CUDA tests, per call
+# (router_bench --pdl, and --early), then the engine: the defaults, early_loads, router_parts, both, the defaults again
+say "181. issue 5: the router GEMM in Triton (router_parts) and early loads -- CUDA tests, per call, the engine"
+SAMMIE_PDL=1 gpu_tests router_parts_tests "${LIMIT_181T:-120}" tests/test_kernel_router_parts.py tests/test_pdl.py \
+  -k "not participant_waits" -rfE
+grep -E "^(FAILED|ERROR)" "$R/router_parts_tests.log" | cut -c1-250 | head -8
+cp "$R/router_parts_tests.log" "$OUT/" 2>/dev/null
+timeout "${LIMIT_181B:-90}" python benchmarks/router_bench.py --pdl --rows 8,32,64 --out "$OUT/router_bench" \
+  > "$OUT/router_bench.log" 2>&1; grep -E "^\| (8|32|64) " "$OUT/router_bench/router_bench.md"
+timeout "${LIMIT_181B:-90}" python benchmarks/router_bench.py --pdl --early --rows 32 --out "$OUT/router_bench_early" \
+  > "$OUT/router_bench_early.log" 2>&1; grep -E "^\| 32 " "$OUT/router_bench_early/router_bench.md"
+engine_out qwen_parts "${LIMIT_181E:-330}" --decode-tokens 48 --variant 'early={"early_loads": true}' \
+  --variant 'parts={"router_parts": true}' --variant 'both={"early_loads": true, "router_parts": true}' --again \
+  ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_parts.log" | cut -c1-250 | head -5
 fi
 if want 180; then
 # fifty-second session: early loads (kernels/pdl.py set_early, the engine's early_loads) -- the GDN step's state
