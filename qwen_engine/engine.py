@@ -185,7 +185,9 @@ class QwenEngineConfig:
     #                            recurrent state slices (kernels/gdn_decode.py EARLY), the GDN prep its conv
     #                            windows, conv weights and b / a dot products (kernels/gdn_prep.py EARLY), the
     #                            experts' down projection its routing and first weight tiles (kernels/w4a16_regs.py
-    #                            EARLY). The same operations (the same bits, but for the sign of an exact zero conv
+    #                            EARLY), the few-row FP8 GEMM (5-64 rows) its weights as L2 line prefetches
+    #                            (kernels/fp8_swapped.py EARLY), the router GEMM of router_parts its weight tile.
+    #                            The same operations (the same bits, but for the sign of an exact zero conv
     #                            weight). Off until measured in the engine (benchmarks/RESULTS.md)
     argmax_kernel: bool = True  # CUDA: greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
     #                             contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
