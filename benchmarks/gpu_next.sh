@@ -2256,6 +2256,7 @@ if want 181; then
 # (router_bench --pdl, and --early), then the engine: the defaults, early_loads, router_parts, both, the defaults again
 say "181. issue 5: the router GEMM in Triton (router_parts) and early loads -- CUDA tests, per call, the engine"
 SAMMIE_PDL=1 gpu_tests router_parts_tests "${LIMIT_181T:-120}" tests/test_kernel_router_parts.py tests/test_pdl.py \
+  tests/test_kernel_fp8_swapped.py \
   -k "not participant_waits" -rfE
 grep -E "^(FAILED|ERROR)" "$R/router_parts_tests.log" | cut -c1-250 | head -8
 cp "$R/router_parts_tests.log" "$OUT/" 2>/dev/null
