@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="182 165" (carry the fla wheels and .tritoncache; either GPU): ~7 min: issue 5, the new defaults beside the
+#       fifty-first session's and again, then the 32-stream step's kernels with the new defaults
 #   STEPS="181" (carry the fla wheels and .tritoncache; either GPU): ~8 min: issue 5, the router's GEMM at 5-64 rows
 #       in Triton (router_parts) with and without early loads: CUDA tests, per call, the engine (5 engines)
 #   STEPS="180" (carry the fla wheels and .tritoncache; either GPU): ~7 min: issue 5, early loads (the GDN step's
@@ -2249,6 +2251,14 @@ if want 174; then
 # pattern or by its own work?
 say "174. issue 5: the expert calls' read floor"
 probe expert_read_floor "${LIMIT_174:-150}" expert_read_floor.py
+fi
+if want 182; then
+# fifty-second session: the new defaults (early_loads and router_parts on) beside the fifty-first session's (both
+# off), then the new defaults again, one process
+say "182. issue 5: the new defaults (early_loads, router_parts) beside the old ones and again"
+engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
+  --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
 fi
 if want 181; then
 # fifty-second session: the router's GEMM at 5-64 rows in Triton (router_linear_topk, the engine's router_parts: it

@@ -53,7 +53,6 @@ try:
     import triton.language as tl
 
     from kernels.pdl import enter as pdl_enter
-    from kernels.pdl import prefetch_lines
     from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: supported() says no
     triton = None
@@ -114,13 +113,9 @@ if triton is not None:
     def _fp8_swapped_kernel(q, w, s_in, s_w, y, ws, counters, M, N, K, s_qm, s_wn, s_swn, s_ym,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SPLIT: tl.constexpr, EVEN: tl.constexpr, PROMOTE: tl.constexpr,
-                            USE_PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                            USE_PDL: tl.constexpr = False):
         # one program: output features rows [BN] (weight rows, the MMA's M) x all M activation rows (the MMA's N),
         # K tiles [t_lo, t_hi) of its split. EVEN: N % BN == 0 and K % BK == 0 (every Qwen3.6 projection): no masks.
-        # EARLY (with PDL; `pdl.early_options`): before the wait, one L2 line prefetch (`pdl.prefetch_lines`: no
-        # data into registers, nothing waited for) per 128 bytes of the program's weight rows over its K tiles --
-        # no kernel writes a weight --, so their DRAM reads overlap the predecessor's tail and the pipelined loads
-        # after the wait find them in L2. The same loads and arithmetic after the wait: the same bits.
         pid_n, sp = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         toks = tl.arange(0, BLOCK_M)
@@ -130,14 +125,7 @@ if triton is not None:
         t_hi = tl.minimum(t_lo + per, k_tiles)
         w_rows = w + rows.to(tl.int64)[:, None] * s_wn
         q_rows = q + toks[:, None] * s_qm
-        if not EARLY:
-            pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        if EARLY:
-            lines = tl.arange(0, (BLOCK_K + 127) // 128) * 128  # [BK / 128] line starts a row and K tile
-            for t in range(t_lo, t_hi):
-                ks = t * BLOCK_K + lines
-                prefetch_lines(tl.where((rows < N)[:, None] & (ks < K)[None, :], w_rows + ks[None, :], w))
-            pdl_enter(USE_PDL)  # now the codes (the predecessor's output), the weights' loads and the stores
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # acc^T: weight rows x activation rows
         for t in range(t_lo, t_hi):
             ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -217,7 +205,7 @@ def fp8_swapped_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         codes.stride(0), weight.stride(0), 1 if s_w.numel() > 1 else 0, y.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, EVEN=even,
         PROMOTE=min(PROMOTE_EVERY, cfg.block_k),  # tl.dot: at most the tile's K
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(), **pdl.early_options())
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

@@ -161,10 +161,11 @@ def set_early(on: bool) -> bool:
     their wait, inputs that their predecessor does not write -- the GDN step its state slices
     (`kernels/gdn_decode.py`), the GDN prep its conv windows and gate inputs (`kernels/gdn_prep.py`), the experts'
     down projection its routing and first weight tiles (`kernels/w4a16_regs.py`), the router's GEMM at 5-64 rows its
-    weight tile (`kernels/moe_router.py`), the few-row FP8 GEMM its weights as L2 line prefetches
-    (`kernels/fp8_swapped.py`, `prefetch_lines`) -- so that those reads overlap the predecessor's tail. Each kernel
-    names what its EARLY build reads early and why the predecessor cannot write it. It takes effect only while PDL is
-    enabled (without PDL a kernel starts after its predecessor has ended). Returns whether it is asked for."""
+    weight tile (`kernels/moe_router.py`) -- so that those reads overlap the predecessor's tail. (The few-row FP8
+    GEMM's weights as L2 line prefetches before its wait were tried in the fifty-second session: no gain on an H100,
+    removed; benchmarks/RESULTS.md.) Each launcher names what its EARLY build reads early and why the predecessor cannot write it.
+    It takes effect only while PDL is enabled (without PDL a kernel starts after its predecessor has ended). Returns
+    whether it is asked for."""
     global _EARLY
     _EARLY = bool(on)
     return _EARLY
@@ -216,16 +217,6 @@ if triton is not None:
             mov.u32 $0, 0;
             }""",
             "=r,l,r", [ptrs.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def prefetch_lines(ptrs):
-        """`prefetch.global.L2` of the 128-byte line holding each element of the pointer tensor `ptrs`: one
-        fire-and-forget instruction a line (nothing reaches registers; the program does not wait for it, unlike the
-        bulk prefetch, whose launch ends only once its bytes have arrived). Replicated elements prefetch twice (an L2
-        hit). Compiled only (inline PTX): launches ask for it through `early_options`, never under the
-        interpreter."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def prefetch_l2_once(ptr, nbytes):

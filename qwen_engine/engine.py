@@ -172,23 +172,27 @@ class QwenEngineConfig:
     #                               3,346.1 / 3,353.2 against 3,336.1 and 3,351.7: no gain beyond the run's spread,
     #                               so off (the step waits on the kernel chain, not on first weight reads); run 66:
     #                               "next" 460.8 against 469.2 / 469.4 lone (-1.8%), the same tokens
-    router_parts: bool = False  # CUDA decode steps of more than kernels.moe_router.MAX_ROWS tokens: each MoE layer's
+    router_parts: bool = True  # CUDA decode steps of more than kernels.moe_router.MAX_ROWS tokens: each MoE layer's
     #                             router GEMM in Triton (128 programs of one 256-wide H tile and 16 experts, on the
     #                             tensor cores; it takes part in PDL and, with early_loads, reads its weight tile
     #                             before its wait), then the top-k over its fp32 partials: registry op
     #                             "router_linear_topk" (kernels/moe_router.py; TopKRouter.parts, process-wide)
     #                             instead of F.linear (cuBLAS: no PDL) + router_topk. Logits within an ulp of
-    #                             F.linear's (another fp32 order). Off until measured in the engine
-    early_loads: bool = False  # with programmatic_launch (kernels/pdl.py set_early; process-wide): the decode
+    #                             F.linear's (another fp32 order), so greedy tokens can part from an F.linear
+    #                             engine's at a near-tie (random weights: 30 of 32 streams after 14-32 tokens).
+    #                             H100, fifty-second session (two machines, one process each): 32 streams +1.5-1.8%
+    #                             alone, +2.8-3.5% with early_loads; per call at 32 rows 5.5 (4.3 with early loads)
+    #                             against 9.2 us for F.linear + router_topk (benchmarks/RESULTS.md)
+    early_loads: bool = True  # with programmatic_launch (kernels/pdl.py set_early; process-wide): the decode
     #                            kernels whose predecessor does not write some of their inputs read those before
     #                            their PDL wait, so the reads overlap the predecessor's tail -- the GDN step its
     #                            recurrent state slices (kernels/gdn_decode.py EARLY), the GDN prep its conv
     #                            windows, conv weights and b / a dot products (kernels/gdn_prep.py EARLY), the
     #                            experts' down projection its routing and first weight tiles (kernels/w4a16_regs.py
-    #                            EARLY), the few-row FP8 GEMM (5-64 rows) its weights as L2 line prefetches
-    #                            (kernels/fp8_swapped.py EARLY), the router GEMM of router_parts its weight tile.
-    #                            The same operations (the same bits, but for the sign of an exact zero conv
-    #                            weight). Off until measured in the engine (benchmarks/RESULTS.md)
+    #                            EARLY), the router GEMM of router_parts its weight tile. The same operations (the
+    #                            same bits, but for the sign of an exact zero conv weight). H100, fifty-second
+    #                            session (two machines, one process each): 32 streams +1.3-1.4%, lone +1.4-2.8%,
+    #                            the same greedy tokens (benchmarks/RESULTS.md)
     argmax_kernel: bool = True  # CUDA: greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
     #                             contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
     #                             12.9 us on a lone step's chain, profile run 23); a plain launch after the graph's

@@ -72,7 +72,7 @@ def early_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
     """A Triton kernel's EARLY build with USE_PDL (kernels/pdl.py set_early): griddepcontrol.wait, then
     launch_dependents, with global loads before them (the point: what the predecessor does not write) but no store,
     atomic or async copy (a store before the wait could overwrite what the predecessor still reads). Prints
-    "early" and the count of global loads (or L2 line prefetches) before the wait."""
+    "early" and the count of global loads before the wait."""
     try:
         ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET).asm["ptx"]
     except Exception as exc:  # noqa: BLE001 - reported
@@ -80,13 +80,13 @@ def early_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
         return False
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     before = ptx[:max(wait, 0)]
-    loads = len(re.findall(r"ld\.global|prefetch\.global", before))  # a load, or an L2 line prefetch
+    loads = len(re.findall(r"ld\.global", before))
     writes = re.findall(r"\b(?:st\.global|atom\.|red\.|cp\.async)", before)  # (\b: not ld.sha-red.)
     if not (0 <= wait < launch) or writes or loads == 0:
         print(f"FAIL {name} USE_PDL EARLY: griddepcontrol at {wait} / {launch}, {loads} global loads and "
               f"{len(writes)} writes before the wait")
         return False
-    print(f"early {name}: {loads} global loads / line prefetches before the wait")
+    print(f"early {name}: {loads} global loads before the wait")
     return True
 
 

@@ -158,30 +158,3 @@ def test_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="EARLY's L2 line prefetch is inline PTX (no interpreter)")
-@pytest.mark.parametrize("m,n,k,split", [(32, 2048, 4096, 0), (32, 12288, 2048, 0), (17, 100, 200, 2)])
-def test_early_same_bits(monkeypatch, m, n, k, split):
-    """EARLY (early loads: the program's weight lines prefetched into L2 before the PDL wait): the same bits as the
-    plain launch, with PDL on where the GPU has it (the prefetch moves no data into registers; the loads after the
-    wait are the plain build's), eager and in a replayed CUDA graph. Its order in the PTX (prefetches, no store,
-    before the wait) is tests/sm90_compile.py's "early" check."""
-    from kernels import pdl
-
-    x, w = make(m, n, k, seed=m + n + k)
-    codes = quantize_static_reference(x, w.input_scale)
-    plain = run(x, w, torch.bfloat16, codes=codes, split_k=split)
-    before = pdl.enabled()
-    try:
-        pdl.set_enabled(pdl.device_supports())
-        monkeypatch.setattr(pdl, "early_options", lambda: {"EARLY": True})
-        early = run(x, w, torch.bfloat16, codes=codes, split_k=split)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run(x, w, torch.bfloat16, codes=codes, split_k=split)
-        graph.replay()
-        torch.cuda.synchronize()
-    finally:
-        pdl.set_enabled(before)
-    assert torch.equal(early, plain) and torch.equal(out, plain)

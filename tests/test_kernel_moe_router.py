@@ -387,6 +387,8 @@ def test_router_module_uses_the_fused_op(monkeypatch):
     from engine_core.registry import default_registry
     from qwen_engine.model.moe import TopKRouter
 
+    monkeypatch.setattr(TopKRouter, "parts", False)  # above MAX_ROWS: F.linear + router_topk (tests/
+    #                                                   test_kernel_router_parts.py covers router_linear_topk)
     cfg = SimpleNamespace(num_experts=64, hidden_size=96, num_experts_per_tok=8)
     router = TopKRouter(cfg).to(torch.bfloat16).to(DEVICE)
     with torch.no_grad():

@@ -106,7 +106,7 @@ def test_registry_self_check():
 
 
 def test_router_module_takes_it_when_asked(monkeypatch):
-    """`TopKRouter.parts` (the engine's `router_parts`): above MAX_ROWS rows the fused router calls
+    """`TopKRouter.parts` (the engine's `router_parts`, on by default): above MAX_ROWS rows the fused router calls
     "router_linear_topk" with the extra column inside (or appended after it without `extra_in_kernel`), and gives
     what F.linear + router_topk give within `compare_linear`; off, it never calls it."""
     from engine_core.registry import default_registry
@@ -122,6 +122,7 @@ def test_router_module_takes_it_when_asked(monkeypatch):
     real = default_registry().call
     monkeypatch.setattr(default_registry(), "call", lambda op, *a, **k: calls.append(op) or real(op, *a, **k))
     monkeypatch.setattr(TopKRouter, "fused", True)
+    monkeypatch.setattr(TopKRouter, "parts", False)
     e = cfg.num_experts
     ref = router(x, e)
     assert mr.LINEAR_NAME not in calls

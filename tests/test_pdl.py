@@ -299,11 +299,15 @@ def test_early_options_only_with_pdl():
 
 
 def test_engine_early_loads_option():
-    """`QwenEngineConfig.early_loads`: off by default, a bool (a clear error otherwise)."""
+    """`QwenEngineConfig.early_loads` and `router_parts`: on by default (in force only with PDL / on CUDA), bools (a
+    clear error otherwise)."""
     from qwen_engine.engine import QwenEngineConfig
 
-    assert QwenEngineConfig().early_loads is False
-    assert QwenEngineConfig(early_loads=True).early_loads is True
+    assert QwenEngineConfig().early_loads is True and QwenEngineConfig().router_parts is True
+    assert QwenEngineConfig(early_loads=False).early_loads is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="router_parts"):
+            QwenEngineConfig(router_parts=bad)
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="early_loads"):
             QwenEngineConfig(early_loads=bad)

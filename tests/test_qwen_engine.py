@@ -101,6 +101,9 @@ def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, grap
     if fused:
         for cls in (GatedAttention, SparseMoE, TopKRouter, ZeroCentredRMSNorm, GatedRMSNorm):
             monkeypatch.setattr(cls, "fused", True)
+        # above MAX_ROWS rows F.linear + the router_topk op (router_linear_topk, the engine's router_parts, takes no
+        # fp32 model: tests/test_kernel_router_parts.py covers it)
+        monkeypatch.setattr(TopKRouter, "parts", False)
         for op in fused_ops:  # an engine built earlier in this process may have set them
             reg.set_preference("auto", op)
     try:

@@ -422,7 +422,9 @@ def test_shared_expert_inside_the_grouped_launches(tensors, monkeypatch):
     calls = []
     dense_forward = type(moe.shared_expert).forward
     from kernels import moe_router
+    from qwen_engine.model.moe import TopKRouter
 
+    monkeypatch.setattr(TopKRouter, "parts", False)  # F.linear + router_topk above MAX_ROWS: its launches counted
     router_launches = []  # (rows, extra) of each router_topk kernel launch
     launch = moe_router._launch
     monkeypatch.setattr(moe_router, "_launch", lambda logits, k, block_r=None, extra=-1: (

@@ -38,7 +38,7 @@ class TopKRouter(nn.Module):
     # above MAX_ROWS rows: the GEMM and the top-k as registry op "router_linear_topk" (kernels/moe_router.py: a
     # Triton split-H tensor-core GEMM taking part in PDL, then the top-k over its partials) instead of F.linear
     # (cuBLAS) + router_topk; process-wide, set by the Qwen engine (`QwenEngineConfig.router_parts`)
-    parts: bool = False
+    parts: bool = True
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
