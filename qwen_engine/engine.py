@@ -191,7 +191,7 @@ class QwenEngineConfig:
     #                            experts' down projection its routing and first weight tiles (kernels/w4a16_regs.py
     #                            EARLY), the router GEMM of router_parts its weight tile. The same operations (the
     #                            same bits, but for the sign of an exact zero conv weight). H100, fifty-second
-    #                            session (two machines, one process each): 32 streams +1.3-1.4%, lone +1.4-2.8%,
+    #                            session (two machines, one process each): 32 streams +1.2-1.4%, lone +1.4-2.8%,
     #                            the same greedy tokens (benchmarks/RESULTS.md)
     argmax_kernel: bool = True  # CUDA: greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
     #                             contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
