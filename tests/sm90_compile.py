@@ -68,17 +68,25 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
     return True
 
 
+def _pdl_ptx(name: str, tag: str, kernel, sig: dict, consts: dict) -> tuple[str | None, int, int]:
+    """(PTX, offset of griddepcontrol.wait, of launch_dependents) of the build, or (None, -1, -1) after printing why
+    it did not compile."""
+    try:
+        ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET).asm["ptx"]
+    except Exception as exc:  # noqa: BLE001 - reported
+        print(f"FAIL {name} {tag}: {type(exc).__name__}: {str(exc)[:2000]}")
+        return None, -1, -1
+    return ptx, ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+
+
 def early_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
     """A Triton kernel's EARLY build with USE_PDL (kernels/pdl.py set_early): griddepcontrol.wait, then
     launch_dependents, with global loads before them (the point: what the predecessor does not write) but no store,
     atomic or async copy (a store before the wait could overwrite what the predecessor still reads). Prints
     "early" and the count of global loads before the wait."""
-    try:
-        ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET).asm["ptx"]
-    except Exception as exc:  # noqa: BLE001 - reported
-        print(f"FAIL {name} USE_PDL EARLY: {type(exc).__name__}: {str(exc)[:2000]}")
+    ptx, wait, launch = _pdl_ptx(name, "USE_PDL EARLY", kernel, sig, consts)
+    if ptx is None:
         return False
-    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     before = ptx[:max(wait, 0)]
     loads = len(re.findall(r"ld\.global", before))
     writes = re.findall(r"\b(?:st\.global|atom\.|red\.|cp\.async)", before)  # (\b: not ld.sha-red.)
@@ -150,12 +158,9 @@ def pdl_order_ok(name: str, kernel, sig: dict, consts: dict, prefetch: bool = Fa
     too): prints "pf   " when the build prefetches before the wait, "pf-  " when it has nothing to prefetch there (a
     grouped GEMV: its experts come from the router's output; PREFETCH_NEXT's prefetches follow the wait)."""
     tag = "USE_PDL PREFETCH" if prefetch else "USE_PDL"
-    try:
-        ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=TARGET).asm["ptx"]
-    except Exception as exc:  # noqa: BLE001 - reported
-        print(f"FAIL {name} {tag}: {type(exc).__name__}: {str(exc)[:2000]}")
+    ptx, wait, launch = _pdl_ptx(name, tag, kernel, sig, consts)
+    if ptx is None:
         return False
-    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     ops = ("ld.global", "st.global", "atom.", "red.", "cp.async")
     memory = [m.start() for m in re.finditer("|".join(re.escape(op) for op in ops), ptx)
               if not ptx.startswith(PREFETCH_OP, m.start())]
