@@ -2274,8 +2274,11 @@ timeout "${LIMIT_181B:-90}" python benchmarks/router_bench.py --pdl --rows 8,32,
   > "$OUT/router_bench.log" 2>&1; grep -E "^\| (8|32|64) " "$OUT/router_bench/router_bench.md"
 timeout "${LIMIT_181B:-90}" python benchmarks/router_bench.py --pdl --early --rows 32 --out "$OUT/router_bench_early" \
   > "$OUT/router_bench_early.log" 2>&1; grep -E "^\| 32 " "$OUT/router_bench_early/router_bench.md"
-engine_out qwen_parts "${LIMIT_181E:-330}" --decode-tokens 48 --variant 'early={"early_loads": true}' \
-  --variant 'parts={"router_parts": true}' --variant 'both={"early_loads": true, "router_parts": true}' --again \
+# (since b159d29 both are the defaults: --base turns them off for the first engine and --again, as the defaults were
+# when it ran: results/parts52_run2 and parts52_run4 on H100s)
+engine_out qwen_parts "${LIMIT_181E:-330}" --decode-tokens 48 --base '{"early_loads": false, "router_parts": false}' \
+  --variant 'early={"early_loads": true}' --variant 'parts={"router_parts": true}' \
+  --variant 'both={"early_loads": true, "router_parts": true}' --again \
   ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_parts.log" | cut -c1-250 | head -5
 fi
@@ -2290,7 +2293,10 @@ SAMMIE_PDL=1 gpu_tests early_tests "${LIMIT_180T:-150}" tests/test_pdl.py tests/
   tests/test_kernel_gdn_prep.py tests/test_kernel_w4a16_regs.py -k "early or late_writer" -rfE
 grep -E "^(FAILED|ERROR)" "$R/early_tests.log" | cut -c1-250 | head -8
 cp "$R/early_tests.log" "$OUT/" 2>/dev/null
-engine_out qwen_early "${LIMIT_180E:-330}" --decode-tokens 48 --variant 'early={"early_loads": true}' --again \
+# (since b159d29 early loads are a default: --base turns them and router_parts off, as the defaults were when it ran:
+# results/early52_run1 on an H100)
+engine_out qwen_early "${LIMIT_180E:-330}" --decode-tokens 48 --base '{"early_loads": false, "router_parts": false}' \
+  --variant 'early={"early_loads": true}' --again \
   ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_early.log" | cut -c1-250 | head -5
 fi

@@ -137,15 +137,19 @@ if triton is not None:
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, STORE: tl.constexpr):
         """(b, a) of the value heads `heads` [BLOCK_R] of row d in fp32, after their model-dtype rounding. BA: the
         dot products x . w_ba rows (heads) and (HV + heads) over the hidden size in BLOCK_H steps, also stored to
-        ba_out when STORE (EARLY computes them before its wait and stores them after it); else loaded from the
-        projections' outputs."""
+        ba_out when STORE; else loaded from the projections' outputs. Not STORE: EARLY's call before its wait, which
+        reads x through L2 (".cg": x was written two launches back, never a stale L1 line of an earlier layer's x)
+        and stores after the wait."""
         if BA:
             hh = tl.arange(0, BLOCK_H)[None, :]
             acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
             acc_a = tl.zeros([BLOCK_R], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
                 h_ok = (h0 + hh) < H
-                xv = tl.load(b + d * s_bd + h0 + hh, mask=h_ok, other=0.0).to(tl.float32)  # [1, BH]
+                if STORE:
+                    xv = tl.load(b + d * s_bd + h0 + hh, mask=h_ok, other=0.0).to(tl.float32)  # [1, BH]
+                else:
+                    xv = tl.load(b + d * s_bd + h0 + hh, mask=h_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
                 w_ok = r_ok[:, None] & h_ok
                 wb = tl.load(a + heads[:, None] * s_ad + h0 + hh, mask=w_ok, other=0.0).to(tl.float32)
                 wa = tl.load(a + (HV + heads)[:, None] * s_ad + h0 + hh, mask=w_ok, other=0.0).to(tl.float32)

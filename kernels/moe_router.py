@@ -715,7 +715,8 @@ def router_linear_topk_triton(x: torch.Tensor, w: torch.Tensor, k: int, extra: i
 
 def compare_linear(out, ref, x: torch.Tensor | None = None, w: torch.Tensor | None = None) -> str | None:
     """`compare_gemv` on the logits and the top-k columns; an extra column (the reference's last column naming an
-    expert past the router's E: the shared expert's (1, extra) pair) must be equal exactly."""
+    expert past the router's E: the shared expert's (1, extra) pair, whose id is E in the engine) must be equal
+    exactly. (An `extra` below E is not told from a top-k column here: the registry's sample uses E.)"""
     (lo, wo, io), (lr, wr, ir) = out, ref
     if wo.shape != wr.shape or io.shape != ir.shape:
         return f"weights / idx: shapes {tuple(wo.shape)} / {tuple(io.shape)}, expected {tuple(wr.shape)}"

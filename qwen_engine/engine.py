@@ -177,11 +177,12 @@ class QwenEngineConfig:
     #                             tensor cores; it takes part in PDL and, with early_loads, reads its weight tile
     #                             before its wait), then the top-k over its fp32 partials: registry op
     #                             "router_linear_topk" (kernels/moe_router.py; TopKRouter.parts, process-wide)
-    #                             instead of F.linear (cuBLAS: no PDL) + router_topk. Logits within an ulp of
+    #                             instead of F.linear (cuBLAS: no PDL) + router_topk (router_align's launch keeps
+    #                             F.linear). Logits within an ulp of
     #                             F.linear's (another fp32 order), so greedy tokens can part from an F.linear
     #                             engine's at a near-tie (random weights: 30 of 32 streams after 14-32 tokens).
-    #                             H100, fifty-second session (two machines, one process each): 32 streams +1.5-1.8%
-    #                             alone, +2.8-3.5% with early_loads; per call at 32 rows 5.5 (4.3 with early loads)
+    #                             H100, fifty-second session (two machines, one process each): 32 streams +1.5-1.7%
+    #                             alone, +3.2-3.5% with early_loads; per call at 32 rows 5.5 (4.3 with early loads)
     #                             against 9.2 us for F.linear + router_topk (benchmarks/RESULTS.md)
     early_loads: bool = True  # with programmatic_launch (kernels/pdl.py set_early; process-wide): the decode
     #                            kernels whose predecessor does not write some of their inputs read those before
@@ -191,7 +192,7 @@ class QwenEngineConfig:
     #                            experts' down projection its routing and first weight tiles (kernels/w4a16_regs.py
     #                            EARLY), the router GEMM of router_parts its weight tile. The same operations (the
     #                            same bits, but for the sign of an exact zero conv weight). H100, fifty-second
-    #                            session (two machines, one process each): 32 streams +1.2-1.4%, lone +1.4-2.8%,
+    #                            session (two machines, one process each): 32 streams +1.2-1.4%, lone +1.2-2.8%,
     #                            the same greedy tokens (benchmarks/RESULTS.md)
     argmax_kernel: bool = True  # CUDA: greedy ids by kernels/argmax_rows.py (one launch over the GPU; torch.argmax's
     #                             contract exactly) instead of torch.argmax (one block a row: 8.7 us of kernel and
@@ -921,7 +922,9 @@ class QwenEngine:
                and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
                and (op != ROUTER_ALIGN_OP or self.cfg.router_align)]
         # re-check when the ops or their preferences change (the ops differ with the options that add one)
-        key = (str(self.device), tuple((op, reg.preference(op).value) for op in ops))
+        from kernels import pdl  # the EARLY builds run in the samples when early loads are on: part of the key
+
+        key = (str(self.device), tuple((op, reg.preference(op).value) for op in ops), pdl.early())
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
         return {**out, **_MODEL_OPS_CHECKED[key], **check_expert_layouts(self.model, self.device, reg)}

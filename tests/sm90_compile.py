@@ -63,6 +63,9 @@ def compile_one(name: str, kernel, types: dict[str, str], consts: dict, ptx_has:
         if "EARLY" in params and not consts["EARLY"]:  # and with its early loads (kernels/pdl.py set_early)
             if not early_order_ok(name, kernel, sig, {**consts, "USE_PDL": True, "EARLY": True}):
                 return False
+            if "PREFETCH" in params and not consts["PREFETCH"] and not early_order_ok(  # both (weight_prefetch)
+                    f"{name} PREFETCH", kernel, sig, {**consts, "USE_PDL": True, "EARLY": True, "PREFETCH": True}):
+                return False
         if "PREFETCH" in params and not consts["PREFETCH"]:  # and with its weight prefetch before the wait
             return pdl_order_ok(name, kernel, sig, {**consts, "USE_PDL": True, "PREFETCH": True}, prefetch=True)
     return True
@@ -89,7 +92,8 @@ def early_order_ok(name: str, kernel, sig: dict, consts: dict) -> bool:
         return False
     before = ptx[:max(wait, 0)]
     loads = len(re.findall(r"ld\.global", before))
-    writes = re.findall(r"\b(?:st\.global|atom\.|red\.|cp\.async)", before)  # (\b: not ld.sha-red.)
+    # (\b: not ld.sha-red.; the bulk L2 prefetch of PREFETCH builds moves nothing into memory)
+    writes = re.findall(r"\b(?:st\.global|atom\.|red\.|cp\.async(?!\.bulk\.prefetch))", before)
     if not (0 <= wait < launch) or writes or loads == 0:
         print(f"FAIL {name} USE_PDL EARLY: griddepcontrol at {wait} / {launch}, {loads} global loads and "
               f"{len(writes)} writes before the wait")

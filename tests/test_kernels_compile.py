@@ -77,7 +77,7 @@ def _check_builds(stdout: str) -> None:
     # b / a
     assert stdout.count("pf   ") == 9 and stdout.count("pf-  ") == 5
     # and the kernels with early loads (kernels/pdl.py set_early: EARLY) compiled with them: global loads before the
-    # wait, no store, atomic or async copy there -- the GDN step over fp32 and bf16 pools, gdn_prep's three builds
-    # and the router's GEMM at 5-64 rows (its weight tile; the experts' EARLY down is Gluon:
-    # tests/test_kernel_w4a16_regs.py checks its PTX)
-    assert stdout.count("early ") == 6
+    # wait, no store, atomic or async copy there -- the GDN step over fp32 and bf16 pools, gdn_prep's three builds and
+    # the same with its weight prefetch too (weight_prefetch with early loads), the router's GEMM at 5-64 rows (its
+    # weight tile); the experts' EARLY down is Gluon: tests/test_kernel_w4a16_regs.py checks its PTX
+    assert stdout.count("early ") == 9

@@ -189,7 +189,7 @@ def test_engine_option_auto_by_default_and_off_on_cpu(caplog):
     for bad in ("on", 1):
         with pytest.raises(ValueError, match="programmatic_launch"):
             QwenEngineConfig(config="tiny", programmatic_launch=bad)
-    before = pdl.enabled()
+    before, early_before = pdl.enabled(), pdl._EARLY
     try:
         for option, warns in (("auto", False), (True, True)):
             caplog.clear()
@@ -203,7 +203,7 @@ def test_engine_option_auto_by_default_and_off_on_cpu(caplog):
             asyncio.run(engine.aclose())
     finally:
         pdl.set_enabled(before)
-        pdl.set_early(False)  # (the engines asked for it: process-wide)
+        pdl.set_early(early_before)  # (the engines asked for it: process-wide)
 
 
 @pytest.mark.skipif(not pdl.available() or not pdl.device_supports(), reason="needs an sm_90 / sm_100 CUDA GPU")
@@ -249,7 +249,7 @@ def test_early_gdn_step_waits_for_a_late_writer(pool_dtype):
     wait, its token inputs after it. A producer that lets dependents launch at once, spins, then writes v: the EARLY
     step launched with PDL right after must use the final v -- o and the pool equal those of the plain step run
     after a synchronize, bit for bit -- while its state read did overlap the producer (not shown here: nothing the
-    producer writes is read early)."""
+    producer writes is read early). A control launch without the wait shows the launches overlapped."""
     import torch
 
     from kernels import gdn_decode
@@ -260,7 +260,7 @@ def test_early_gdn_step_waits_for_a_late_writer(pool_dtype):
     pool0 = pool0.to(getattr(torch, pool_dtype))
     rows = torch.tensor([5, 1, 0, 3], device="cuda")
     n = bsz * heads * dv
-    before = (pdl.enabled(), pdl.early())
+    before = (pdl.enabled(), pdl._EARLY)
     try:
         pdl.set_enabled(True)
         results = {}
@@ -278,6 +278,16 @@ def test_early_gdn_step_waits_for_a_late_writer(pool_dtype):
             results[label] = (o, pool)
         assert torch.equal(results["early"][0], results["plain"][0])
         assert torch.equal(results["early"][1], results["plain"][1])
+        # control: the same EARLY launch without its wait (USE_PDL off, launch_pdl on) reads v before the writer
+        # stores it, so it differs -- the launches did overlap, and the wait is what the result above rests on
+        pool, v = pool0.clone(), torch.zeros(bsz, heads, dv, device="cuda")
+        o = torch.empty(bsz, heads, dv, device="cuda")
+        _late_writer[(1,)](v, n, 0.75, SPIN=2_000_000, BLOCK=triton.next_power_of_2(n))
+        gdn_decode._gdn_decode_kernel[(bsz * heads, dv // 64)](
+            q, k, v, g, beta, pool, pool, o, rows, heads, dk, dv, *gdn_decode._step_strides(q, k, v, g, beta, pool, o),
+            BLOCK_K=dk, BLOCK_V=64, HAS_ROWS=True, USE_PDL=False, EARLY=True, launch_pdl=True)
+        torch.cuda.synchronize()
+        assert not torch.equal(o, results["plain"][0]), "the control read the final v: the launches did not overlap"
     finally:
         pdl.set_enabled(before[0])
         pdl.set_early(before[1])
@@ -286,7 +296,7 @@ def test_early_gdn_step_waits_for_a_late_writer(pool_dtype):
 def test_early_options_only_with_pdl():
     """`pdl.early_options`: {EARLY: True} only while early loads are asked for AND PDL is on (never under the
     interpreter, where PDL cannot be enabled); `set_early` returns what was asked."""
-    before = (pdl.enabled(), pdl.early())
+    before = (pdl.enabled(), pdl._EARLY)
     try:
         pdl.set_enabled(False)
         assert pdl.set_early(True) is True and not pdl.early() and pdl.early_options() == {}
