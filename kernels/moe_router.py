@@ -169,14 +169,10 @@ if triton is not None:
         return rows, r_ok, rows64, avail, lf
 
     @triton.jit
-    def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, EXTRA, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
-                            HAS_EXTRA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-        # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K] (HAS_EXTRA:
-        # [N, K + 1], column K = (1, EXTRA): the shared expert's pair, so no torch.cat / fill launches follow)
-        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        rows, r_ok, rows64, avail, lf = _row_logits(logits, N, E, s_l, BLOCK_R, BLOCK_E)
-        w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)
+    def _store_topk(w_out, i_out, rows64, r_ok, w, ids, s_w, s_i, EXTRA, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_R: tl.constexpr, HAS_EXTRA: tl.constexpr, INTERPRET: tl.constexpr):
+        """`_select_topk`'s weights (rounded to w_out's dtype) and ids of rows rows64 [BR] (r_ok: those < N) into
+        w_out / i_out (row strides s_w, s_i); HAS_EXTRA: column K = (1, EXTRA), the shared expert's pair."""
         kk = tl.arange(0, BLOCK_K)
         ok = r_ok[:, None] & (kk < K)[None, :]
         tl.store(w_out + rows64[:, None] * s_w + kk[None, :], _cast(w, w_out.dtype.element_ty, INTERPRET), mask=ok)
@@ -185,6 +181,17 @@ if triton is not None:
             tl.store(w_out + rows64 * s_w + K, tl.full((BLOCK_R,), 1.0, tl.float32).to(w_out.dtype.element_ty),
                      mask=r_ok)
             tl.store(i_out + rows64 * s_i + K, tl.full((BLOCK_R,), EXTRA, tl.int64), mask=r_ok)
+
+    @triton.jit
+    def _router_topk_kernel(logits, w_out, i_out, N, E, s_l, s_w, s_i, EXTRA, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
+                            HAS_EXTRA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        # grid (cdiv(N, BLOCK_R),); logits [N, E] with row stride s_l and unit column stride; outputs [N, K] (HAS_EXTRA:
+        # [N, K + 1], column K = (1, EXTRA): the shared expert's pair, so no torch.cat / fill launches follow)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
+        rows, r_ok, rows64, avail, lf = _row_logits(logits, N, E, s_l, BLOCK_R, BLOCK_E)
+        w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)
+        _store_topk(w_out, i_out, rows64, r_ok, w, ids, s_w, s_i, EXTRA, K, BLOCK_K, BLOCK_R, HAS_EXTRA, INTERPRET)
 
     @triton.jit
     def _router_gemv_topk_kernel(x, w, logits, w_out, i_out, ws, counters, N, E, H, s_x, s_w,
@@ -285,23 +292,17 @@ if triton is not None:
         # grid (N,): row r sums its SPLIT fp32 partials ws[p, r, :] in split order, rounds them once to the model
         # dtype (the logits, stored), then router_topk's selection on them (`_select_topk`) and its stores
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_E)[None, :]  # [1, BE]
-        c_ok = cols < E
+        rows = tl.program_id(0) + tl.arange(0, 1)  # [1]: the program's row, as router_topk's one-row tiles
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_E)
+        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [1, BE]: never lanes >= E
         tot = tl.zeros((1, BLOCK_E), dtype=tl.float32)
         for p in tl.static_range(SPLIT):
-            tot += tl.load(ws + (p * N + row) * E + cols, mask=c_ok, other=0.0)
+            tot += tl.load(ws + (p * N + rows64[:, None]) * E + cols[None, :], mask=avail, other=0.0)
         lr = _cast(tot, logits.dtype.element_ty, INTERPRET)  # the logits a GEMM with fp32 sums would return
-        tl.store(logits + row * E + cols, lr, mask=c_ok)
-        w, ids = _select_topk(lr.to(tl.float32), c_ok, K, BLOCK_K, 1, BLOCK_E, INTERPRET)
-        kk = tl.arange(0, BLOCK_K)[None, :]
-        ok = kk < K
-        tl.store(w_out + row * s_w + kk, _cast(w, w_out.dtype.element_ty, INTERPRET), mask=ok)
-        tl.store(i_out + row * s_i + kk, ids.to(tl.int64), mask=ok)
-        if HAS_EXTRA:
-            one = tl.arange(0, 1)
-            tl.store(w_out + row * s_w + K + one, tl.full((1,), 1.0, tl.float32).to(w_out.dtype.element_ty))
-            tl.store(i_out + row * s_i + K + one, tl.full((1,), EXTRA, tl.int64))
+        tl.store(logits + rows64[:, None] * E + cols[None, :], lr, mask=avail)
+        w, ids = _select_topk(lr.to(tl.float32), avail, K, BLOCK_K, 1, BLOCK_E, INTERPRET)
+        _store_topk(w_out, i_out, rows64, rows < N, w, ids, s_w, s_i, EXTRA, K, BLOCK_K, 1, HAS_EXTRA, INTERPRET)
 
 
 def _interpreted() -> bool:
@@ -566,13 +567,14 @@ def supported_gemv(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
     return _gemv_inputs_ok(x, w, k) and x.shape[0] <= MAX_ROWS
 
 
-def linear_then_router_topk(x: torch.Tensor, w: torch.Tensor, k: int
+def linear_then_router_topk(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op in two launches, F.linear (cuBLAS) then the router_topk kernel: what a decode step ran before the fused
     kernel, and its fallback (without it a disabled fused kernel meant the op's reference, plain torch softmax /
-    top-k: 24.7 us per call on the H200 against 8.6, results/router_bench_run2). Logits are F.linear's exactly."""
+    top-k: 24.7 us per call on the H200 against 8.6, results/router_bench_run2). Logits are F.linear's exactly.
+    Also "router_linear_topk"'s fallback, with its `extra` column (written by the router_topk kernel)."""
     logits = F.linear(x, w)
-    weights, idx = router_topk_triton(logits, k)
+    weights, idx = router_topk_triton(logits, k, extra)
     return logits, weights, idx
 
 
@@ -655,13 +657,6 @@ def router_linear_topk_reference(x: torch.Tensor, w: torch.Tensor, k: int, extra
     `router_topk_reference(logits, k, extra)` (with `extra` >= 0 the (1, extra) column: [N, k + 1])."""
     logits = F.linear(x, w)
     return (logits, *router_topk_reference(logits, k, extra))
-
-
-def linear_then_router_topk_extra(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """F.linear (cuBLAS) then the router_topk kernel with the extra column: the path before this op (its fallback)."""
-    logits = F.linear(x, w)
-    return (logits, *router_topk_triton(logits, k, extra))
 
 
 def _launch_parts(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1, config: dict | None = None
@@ -787,4 +782,4 @@ def register(registry) -> None:
                     tolerance="logits within one ulp of the model dtype of F.linear's (fp32 summation order); "
                               "weights and idx exactly router_topk's on the returned logits; the extra column exact")
     registry.add_implementation(LINEAR_NAME, "triton", router_linear_topk_triton, supports_parts)
-    registry.add_implementation(LINEAR_NAME, "linear+router_topk", linear_then_router_topk_extra, supports_two_launch)
+    registry.add_implementation(LINEAR_NAME, "linear+router_topk", linear_then_router_topk, supports_two_launch)

@@ -163,9 +163,9 @@ def set_early(on: bool) -> bool:
     down projection its routing and first weight tiles (`kernels/w4a16_regs.py`), the router's GEMM at 5-64 rows its
     weight tile (`kernels/moe_router.py`) -- so that those reads overlap the predecessor's tail. (The few-row FP8
     GEMM's weights as L2 line prefetches before its wait were tried in the fifty-second session: no gain on an H100,
-    removed; benchmarks/RESULTS.md.) Each launcher names what its EARLY build reads early and why the predecessor cannot write it.
-    It takes effect only while PDL is enabled (without PDL a kernel starts after its predecessor has ended). Returns
-    whether it is asked for."""
+    removed; benchmarks/RESULTS.md.) Each kernel names what its EARLY build reads early and why the predecessor
+    cannot write it. It takes effect only while PDL is enabled (without PDL a kernel starts after its predecessor has
+    ended). Returns whether it is asked for."""
     global _EARLY
     _EARLY = bool(on)
     return _EARLY
