@@ -277,6 +277,10 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="183 39" (carry the fla wheels, and .tritoncache where there is one: without it a fresh machine compiles
+#       for ~5 min; either GPU): <= 10 min: issue 5, the top-k + MoE alignment over the router GEMM's partials
+#       (router_linear_topk_align, the engine's router_align): CUDA tests, per call, then the engine -- the defaults,
+#       router_align, the fifty-first session's defaults, the bf16 GDN state, the defaults again (one process)
 #   STEPS="182 165" (carry the fla wheels and .tritoncache; either GPU): ~7 min: issue 5, the new defaults beside the
 #       fifty-first session's and again, then the 32-stream step's kernels with the new defaults
 #   STEPS="181" (carry the fla wheels and .tritoncache; either GPU): ~8 min: issue 5, the router's GEMM at 5-64 rows
@@ -2259,6 +2263,26 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 183; then
+# fifty-third session: with router_parts (the default) the router's launches are the GEMM, the top-k over its
+# partials and moe_align; router_linear_topk_align (kernels/router_align.py; the engine's router_align, off) makes
+# them two: the GEMM, then the top-k + alignment over the partials (4 warps). Its CUDA tests (graph replays under
+# PDL with early loads; the late-writer test's control's first GPU run), per call beside the three launches, then the
+# engine: the defaults, router_align, the fifty-first session's defaults, the bf16 GDN state (opt-in), the defaults
+# again -- one process
+say "183. issue 5: the top-k + alignment over the router GEMM's partials -- CUDA tests, per call, the engine"
+SAMMIE_PDL=1 gpu_tests align_parts_tests "${LIMIT_183T:-150}" tests/test_kernel_router_align.py \
+  tests/test_kernel_router_parts.py tests/test_pdl.py -k "not participant_waits" -rfE
+grep -E "^(FAILED|ERROR)" "$R/align_parts_tests.log" | cut -c1-250 | head -8
+cp "$R/align_parts_tests.log" "$OUT/" 2>/dev/null
+timeout "${LIMIT_183B:-120}" python benchmarks/router_align_bench.py --parts --early --tokens 8,32,64 \
+  --out "$OUT/router_align_parts" > "$OUT/router_align_parts.log" 2>&1
+cat "$OUT/router_align_parts/router_align_bench.md" 2>/dev/null || tail -5 "$OUT/router_align_parts.log"
+engine_out qwen_align_parts "${LIMIT_183E:-400}" --decode-tokens 48 --variant 'align={"router_align": true}' \
+  --variant 'old51={"early_loads": false, "router_parts": false}' \
+  --variant 'bf16state={"gdn_state_dtype": "bfloat16"}' --again ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_align_parts.log" | cut -c1-250 | head -5
 fi
 if want 181; then
 # fifty-second session: the router's GEMM at 5-64 rows in Triton (router_linear_topk, the engine's router_parts: it

@@ -11,6 +11,14 @@ default on Hopper). The shape is Qwen3.6's: H 2048, E 256 routed experts + the s
 each of `--warps` (1: router_topk's tiling at 256 experts, what the engine launches; its last program builds the
 alignment on those warps). Every fused result is checked against the two launches' (weights, ids and alignment bit
 for bit: the same selection code, and the alignment is a function of the ids).
+
+`--parts` (the engine's default router since the fifty-second session, `router_parts`): the router GEMM in Triton
+instead of F.linear -- "router_linear_topk" (the GEMM, the top-k over its partials) + `moe_align` (three launches,
+what the engine runs) against "router_linear_topk_align" (the GEMM, then the top-k + alignment over the partials:
+two), the logits compared too; `--early` turns early loads on (kernels/pdl.py set_early, the engine's default) for
+the PDL rows:
+
+    python benchmarks/router_align_bench.py --parts --early --tokens 32 --out benchmarks/results/router_align_parts
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="8,16,32,64,113")
     ap.add_argument("--block-m", type=int, default=8)
     ap.add_argument("--warps", default="1,2,4", help="the fused kernel's warps a program to time")
+    ap.add_argument("--parts", action="store_true", help="the router GEMM in Triton (see the docstring)")
+    ap.add_argument("--early", action="store_true", help="early loads on in the PDL rows")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -37,7 +47,21 @@ def main() -> None:
         sys.exit("router_align_bench needs a CUDA GPU")
     from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
     from kernels import pdl
-    from kernels.router_align import _launch, router_topk_then_align
+    from kernels import moe_router
+    from kernels.router_align import _launch, _launch_linear, router_topk_then_align
+    from kernels.w4a16_gemm import moe_align_fast
+
+    def baseline(x, w, e, bm):  # -> the outputs the fused path must equal, in its order
+        if not args.parts:
+            return router_topk_then_align(F.linear(x, w), top_k, e, e + 1, bm)
+        logits, weights, idx = moe_router._launch_parts(x, w, top_k, e)
+        routing = moe_align_fast(idx, e + 1, bm)
+        return logits, weights, idx, routing.sorted_pairs, routing.block_expert
+
+    def fused(x, w, e, bm, warps):
+        if not args.parts:
+            return _launch(F.linear(x, w), top_k, e, e + 1, bm, num_warps=warps)
+        return _launch_linear(x, w, top_k, e, e + 1, bm, num_warps=warps)
 
     dev, h, e, top_k, calls, bm = torch.device("cuda"), 2048, 256, 8, 40, args.block_m
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -47,20 +71,19 @@ def main() -> None:
         xs = [torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16) for _ in range(calls)]
         row = dict(tokens=t, pairs=t * (top_k + 1), block_m=bm)
         warps = [int(v) for v in args.warps.split(",")]
-        two = router_topk_then_align(F.linear(xs[0], ws[0]), top_k, e, e + 1, bm)
-        row["equal"] = all(bool(torch.equal(a, b)) for w in warps
-                           for a, b in zip(_launch(F.linear(xs[0], ws[0]), top_k, e, e + 1, bm, num_warps=w), two))
+        two = baseline(xs[0], ws[0], e, bm)
+        row["equal"] = all(bool(torch.equal(a, b)) for w in warps for a, b in zip(fused(xs[0], ws[0], e, bm, w), two))
         for use_pdl in (False, True):
             pdl.set_enabled(use_pdl)
+            pdl.set_early(use_pdl and args.early)
             tag = "pdl" if use_pdl else "plain"
-            row[f"two_launch_{tag}_us"] = graph_per_call_us(
-                [lambda i=i: router_topk_then_align(F.linear(xs[i], ws[i]), top_k, e, e + 1, bm)
-                 for i in range(calls)])
+            row[f"separate_{tag}_us"] = graph_per_call_us(
+                [lambda i=i: baseline(xs[i], ws[i], e, bm) for i in range(calls)])
             for w in warps:
                 row[f"fused_{w}w_{tag}_us"] = graph_per_call_us(
-                    [lambda i=i, w=w: _launch(F.linear(xs[i], ws[i]), top_k, e, e + 1, bm, num_warps=w)
-                     for i in range(calls)])
+                    [lambda i=i, w=w: fused(xs[i], ws[i], e, bm, w) for i in range(calls)])
         pdl.set_enabled(False)
+        pdl.set_early(False)
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)
@@ -69,7 +92,9 @@ def main() -> None:
     (out / "router_align_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     keys = [k for k in rows[0] if k.endswith("_us")]
     lines = [f"# router_align_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}); us per "
-             "call incl. F.linear", "", "| tokens | pairs | BLOCK_M | " + " | ".join(keys) + " | equal |",
+             f"call incl. the router GEMM ({'Triton, --parts' if args.parts else 'F.linear'}); "
+             f"early loads in the PDL rows: {args.early}", "",
+             "| tokens | pairs | BLOCK_M | " + " | ".join(keys) + " | equal |",
              "|" + "---:|" * (len(keys) + 4)]
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f}" for k in keys)

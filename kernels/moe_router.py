@@ -285,6 +285,26 @@ if triton is not None:
                  mask=r_ok[:, None] & e_ok[None, :])
 
     @triton.jit
+    def _row_parts(ws, logits, N, E, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+        """`_row_logits` over the router GEMM's fp32 partials ws [SPLIT, N, E] (`_router_parts_kernel`): the program's
+        rows summed in split order, rounded once to the model dtype (logits' dtype: the logits a GEMM with fp32 sums
+        would return), stored into logits [N, E] (contiguous) -> the same tuple, lf as rounded, widened to fp32.
+        Shared by the top-k over the partials and kernels/router_align.py's kernel on them."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+        r_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_E)
+        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [BR, BE]: never lanes >= E
+        ok = r_ok[:, None] & avail
+        tot = tl.zeros((BLOCK_R, BLOCK_E), dtype=tl.float32)
+        for p in tl.static_range(SPLIT):
+            tot += tl.load(ws + (p * N + rows64[:, None]) * E + cols[None, :], mask=ok, other=0.0)
+        lr = _cast(tot, logits.dtype.element_ty, INTERPRET)
+        tl.store(logits + rows64[:, None] * E + cols[None, :], lr, mask=ok)
+        return rows, r_ok, rows64, avail, lr.to(tl.float32)
+
+    @triton.jit
     def _router_parts_topk_kernel(ws, logits, w_out, i_out, N, E, s_w, s_i, EXTRA, K: tl.constexpr,
                                   BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT: tl.constexpr,
                                   INTERPRET: tl.constexpr, HAS_EXTRA: tl.constexpr = False,
@@ -292,17 +312,9 @@ if triton is not None:
         # grid (N,): row r sums its SPLIT fp32 partials ws[p, r, :] in split order, rounds them once to the model
         # dtype (the logits, stored), then router_topk's selection on them (`_select_topk`) and its stores
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        rows = tl.program_id(0) + tl.arange(0, 1)  # [1]: the program's row, as router_topk's one-row tiles
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_E)
-        avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [1, BE]: never lanes >= E
-        tot = tl.zeros((1, BLOCK_E), dtype=tl.float32)
-        for p in tl.static_range(SPLIT):
-            tot += tl.load(ws + (p * N + rows64[:, None]) * E + cols[None, :], mask=avail, other=0.0)
-        lr = _cast(tot, logits.dtype.element_ty, INTERPRET)  # the logits a GEMM with fp32 sums would return
-        tl.store(logits + rows64[:, None] * E + cols[None, :], lr, mask=avail)
-        w, ids = _select_topk(lr.to(tl.float32), avail, K, BLOCK_K, 1, BLOCK_E, INTERPRET)
-        _store_topk(w_out, i_out, rows64, rows < N, w, ids, s_w, s_i, EXTRA, K, BLOCK_K, 1, HAS_EXTRA, INTERPRET)
+        rows, r_ok, rows64, avail, lf = _row_parts(ws, logits, N, E, SPLIT, 1, BLOCK_E, INTERPRET)  # one row
+        w, ids = _select_topk(lf, avail, K, BLOCK_K, 1, BLOCK_E, INTERPRET)
+        _store_topk(w_out, i_out, rows64, r_ok, w, ids, s_w, s_i, EXTRA, K, BLOCK_K, 1, HAS_EXTRA, INTERPRET)
 
 
 def _interpreted() -> bool:
@@ -659,12 +671,18 @@ def router_linear_topk_reference(x: torch.Tensor, w: torch.Tensor, k: int, extra
     return (logits, *router_topk_reference(logits, k, extra))
 
 
-def _launch_parts(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1, config: dict | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two launches; `config` overrides PARTS_TILING (tests, benchmarks)."""
+def _parts_check(x: torch.Tensor, w: torch.Tensor, k: int) -> str | None:
+    """Why the router GEMM in Triton cannot take (x, w, k), or None (`_gemv_check` and 1..PARTS_MAX_ROWS rows)."""
     problem = _gemv_check(x, w, k)
     if problem or not 0 < x.shape[0] <= PARTS_MAX_ROWS:
-        raise ValueError(f"router_linear_topk {problem or f'takes 1..{PARTS_MAX_ROWS} rows, got {x.shape[0]}'}")
+        return problem or f"takes 1..{PARTS_MAX_ROWS} rows, got {x.shape[0]}"
+    return None
+
+
+def launch_partials(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> tuple[torch.Tensor, int]:
+    """The router GEMM's launch (`_router_parts_kernel`; `config` overrides PARTS_TILING) -> (fp32 partials
+    [SPLIT, N, E], SPLIT): the first launch of "router_linear_topk" and of kernels/router_align.py's
+    "router_linear_topk_align" (callers check `_parts_check` first)."""
     n, h = x.shape
     e = w.shape[0]
     cfg = {**PARTS_TILING, **(config or {})}
@@ -677,6 +695,17 @@ def _launch_parts(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1, con
         BLOCK_E=cfg["BLOCK_E"], BLOCK_H=cfg["BLOCK_H"], INTERPRET=_interpreted(), num_warps=cfg["num_warps"],
         **pdl.launch_options(),
         **pdl.early_options())
+    return ws, split
+
+
+def _launch_parts(x: torch.Tensor, w: torch.Tensor, k: int, extra: int = -1, config: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two launches; `config` overrides PARTS_TILING (tests, benchmarks)."""
+    problem = _parts_check(x, w, k)
+    if problem:
+        raise ValueError(f"router_linear_topk {problem}")
+    n, e = x.shape[0], w.shape[0]
+    ws, split = launch_partials(x, w, config)
     width = k + (extra >= 0)
     logits = x.new_empty((n, e))
     weights = x.new_empty((n, width))

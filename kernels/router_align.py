@@ -50,6 +50,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kernels import moe_router, pdl
 from kernels.moe_align import aligned_rows
@@ -60,7 +61,7 @@ try:
     import triton.language as tl
 
     from kernels.moe_align import fill_i32
-    from kernels.moe_router import _row_logits, _select_topk
+    from kernels.moe_router import _row_logits, _row_parts, _select_topk
     from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast
     from kernels.split_k import last_arrival, rearm
@@ -116,12 +117,19 @@ if triton is not None:
                                   N, E, s_l, EXTRA, NE, NUM_BLOCKS, K: tl.constexpr, KP: tl.constexpr,
                                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                                   WORDS: tl.constexpr, BLOCK_NE: tl.constexpr, BLOCK_P: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
+                                  BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
+                                  ws=None, SPLIT: tl.constexpr = 0):
         # grid (cdiv(N, BLOCK_R),); logits [N, E] (row stride s_l, unit column stride); w_out / i_out [N, KP]
         # contiguous (column K = (1, EXTRA) when KP > K); member int32 [NE, WORDS] and starts int32 [NE]: the
-        # workspace (member zero between launches); counters[0]: the arrival counter (0 between launches)
+        # workspace (member zero between launches); counters[0]: the arrival counter (0 between launches).
+        # SPLIT > 0 ("router_linear_topk_align"): the logits are the router GEMM's fp32 partials ws [SPLIT, N, E]
+        # summed and rounded here (`moe_router._row_parts`, as the top-k over the partials does) and stored into
+        # logits (contiguous, an output then)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
-        rows, r_ok, rows64, avail, lf = _row_logits(logits, N, E, s_l, BLOCK_R, BLOCK_E)  # router_topk's prologue
+        if SPLIT > 0:
+            rows, r_ok, rows64, avail, lf = _row_parts(ws, logits, N, E, SPLIT, BLOCK_R, BLOCK_E, INTERPRET)
+        else:
+            rows, r_ok, rows64, avail, lf = _row_logits(logits, N, E, s_l, BLOCK_R, BLOCK_E)  # router_topk's
         w, ids = _select_topk(lf, avail, K, BLOCK_K, BLOCK_R, BLOCK_E, INTERPRET)  # [BR, BK]: positions >= K unused
         kk = tl.arange(0, BLOCK_K)
         pair_ok = r_ok[:, None] & (kk < KP)[None, :]  # [BR, BK]: this program's pairs
@@ -181,7 +189,11 @@ def _check(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: 
     """Why the kernel cannot run these arguments (None: it can; the device is `supported`'s business)."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         return f"needs 2-D logits with unit last stride, got {tuple(logits.shape)} strides {tuple(logits.stride())}"
-    n, e = logits.shape
+    return _shape_check(*logits.shape, k, extra, num_experts, block_m)
+
+
+def _shape_check(n: int, e: int, k: int, extra: int, num_experts: int, block_m: int) -> str | None:
+    """The kernel's limits for N tokens' routing over E routed experts (`_check` without the logits' layout)."""
     kp = k + (extra >= 0)
     if not 1 <= k <= min(e, moe_router.MAX_TOP_K) or e > moe_router.MAX_EXPERTS:
         return f"needs 1 <= k <= min(E, {moe_router.MAX_TOP_K}) and E <= {moe_router.MAX_EXPERTS}, got k={k} E={e}"
@@ -196,43 +208,61 @@ def _check(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: 
     return None
 
 
-def _launch(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int, block_r: int | None = None,
-            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel call (`block_r` overrides the rows per program: tests run several programs under the
-    interpreter; `num_warps` router_topk's choice, `moe_router._tiling`: one warp a row of 256 experts, which also
-    runs the last program's alignment -- benchmarks may ask for more); where the workspace or counters cannot be
-    had (a first use inside a CUDA-graph capture), the two launches (`router_topk_then_align`), logged once."""
-    problem = _check(logits, k, extra, num_experts, block_m)
-    if problem:
-        raise ValueError(f"router_topk_align {problem}")
-    n, e = logits.shape
+def _workspace_or_none(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(arrival counters, workspace) for the kernel on `device`; None where they cannot be had (a first use inside a
+    CUDA-graph capture: the caller runs its two-launch form instead), logged once a device."""
+    counters, ws = split_counters(device, 1), _workspace(device)
+    if counters is not None and ws is not None:
+        return counters, ws
+    if device not in _CAPTURED_FALLBACK:
+        _CAPTURED_FALLBACK.add(device)
+        log.warning("router_topk_align: first used inside a CUDA-graph capture on %s, so no workspace: that graph "
+                    "runs the top-k and moe_align in separate launches (run an eager call before capturing)", device)
+    return None
+
+
+def _align_launch(src: torch.Tensor, n: int, e: int, k: int, extra: int, num_experts: int, block_m: int,
+                  counters: torch.Tensor, ws: torch.Tensor, parts: tuple[torch.Tensor, int] | None = None,
+                  block_r: int | None = None, num_warps: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel over logits `src` [N, E], or with `parts` = (fp32 partials [SPLIT, N, E], SPLIT) over those, `src`
+    then the contiguous logits it writes. `block_r` overrides the rows per program (tests run several programs under
+    the interpreter); `num_warps` router_topk's choice unless given (`moe_router._tiling`: one warp a row of 256
+    experts, which also runs the last program's alignment)."""
     kp = k + (extra >= 0)
-    counters, ws = split_counters(logits.device, 1), _workspace(logits.device)
-    if counters is None or ws is None:
-        if logits.device not in _CAPTURED_FALLBACK:
-            _CAPTURED_FALLBACK.add(logits.device)
-            log.warning("router_topk_align: first used inside a CUDA-graph capture on %s, so no workspace: that graph "
-                        "runs router_topk + moe_align (run an eager call before capturing)", logits.device)
-        return router_topk_then_align(logits, k, extra, num_experts, block_m)
     p = n * kp
     rows = aligned_rows(p, num_experts, block_m)
-    weights = logits.new_empty((n, kp))
-    idx = torch.empty((n, kp), dtype=torch.int64, device=logits.device)
-    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=logits.device)  # all written by the last program
-    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=logits.device)
+    weights = src.new_empty((n, kp))
+    idx = torch.empty((n, kp), dtype=torch.int64, device=src.device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=src.device)  # all written by the last program
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=src.device)
     cfg = moe_router._tiling(n, e)
     if block_r is not None:
         cfg["BLOCK_R"] = block_r
     if num_warps is not None:
         cfg["num_warps"] = num_warps
-    words = triton.cdiv(n, 32)
+    partials = {} if parts is None else dict(ws=parts[0], SPLIT=parts[1])
     _router_topk_align_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
-        logits, weights, idx, ws, ws[MAX_EXPERTS * MAX_WORDS:], counters, sorted_pairs, block_expert, n, e,
-        logits.stride(0), max(extra, 0), num_experts, rows // block_m, K=k, KP=kp,
-        BLOCK_K=triton.next_power_of_2(kp), WORDS=words, BLOCK_NE=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_M=block_m, INTERPRET=_interpreted(), **cfg,
-        **pdl.launch_options())
+        src, weights, idx, ws, ws[MAX_EXPERTS * MAX_WORDS:], counters, sorted_pairs, block_expert, n, e,
+        src.stride(0), max(extra, 0), num_experts, rows // block_m, K=k, KP=kp,
+        BLOCK_K=triton.next_power_of_2(kp), WORDS=triton.cdiv(n, 32),
+        BLOCK_NE=max(16, triton.next_power_of_2(num_experts)), BLOCK_P=max(16, triton.next_power_of_2(p)),
+        BLOCK_M=block_m, INTERPRET=_interpreted(), **partials, **cfg, **pdl.launch_options())
     return weights, idx, sorted_pairs, block_expert
+
+
+def _launch(logits: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int, block_r: int | None = None,
+            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel call (`_align_launch`: `block_r`, `num_warps`; benchmarks may ask for more warps); where the
+    workspace or counters cannot be had, the two launches (`router_topk_then_align`)."""
+    problem = _check(logits, k, extra, num_experts, block_m)
+    if problem:
+        raise ValueError(f"router_topk_align {problem}")
+    held = _workspace_or_none(logits.device)
+    if held is None:
+        return router_topk_then_align(logits, k, extra, num_experts, block_m)
+    return _align_launch(logits, *logits.shape, k, extra, num_experts, block_m, *held, block_r=block_r,
+                         num_warps=num_warps)
 
 
 # ---- custom op (traceable by torch.compile) -------------------------------------------------------------------------
@@ -244,7 +274,7 @@ def router_topk_align_op(logits: torch.Tensor, k: int, extra: int, num_experts: 
 
 
 @router_topk_align_op.register_fake
-def _(logits, k, extra, num_experts, block_m):
+def _fake(logits, k, extra, num_experts, block_m):
     n = logits.shape[0]
     kp = k + (extra >= 0)
     rows = aligned_rows(n * kp, num_experts, block_m)
@@ -290,9 +320,13 @@ def compare(out, ref, logits: torch.Tensor | None = None, k: int | None = None, 
         problem = moe_router.compare((w[:, :k], i[:, :k]), (rw[:, :k], ri[:, :k]), logits)
         mine = moe_align(i, num_experts, block_m)
         want = (mine.sorted_pairs, mine.block_expert)
-    if problem:
-        return problem
-    for name, a, b in (("sorted_pairs", sp, want[0]), ("block_expert", be, want[1])):
+    return problem or _alignment_problem(sp, be, *want)
+
+
+def _alignment_problem(sp: torch.Tensor, be: torch.Tensor, want_sp: torch.Tensor, want_be: torch.Tensor
+                       ) -> str | None:
+    """None if (sorted_pairs, block_expert) equal the wanted ones exactly (int32, same shapes), else where not."""
+    for name, a, b in (("sorted_pairs", sp, want_sp), ("block_expert", be, want_be)):
         if a.dtype != torch.int32 or a.shape != b.shape:
             return f"{name}: shape/dtype {tuple(a.shape)} {a.dtype} != {tuple(b.shape)} torch.int32"
         if not torch.equal(a, b):
@@ -313,9 +347,143 @@ def _sample(device) -> tuple[tuple, dict]:
     return (moe_router.distinct_logits(37, device), 8, 60, 61, 8), {}
 
 
+# ---- the router's GEMM in Triton, then the top-k and the alignment over its partials ("router_linear_topk_align") --
+# Why. With `router_parts` (moe_router "router_linear_topk": the router GEMM in Triton, inside PDL) a 32-stream MoE
+# layer's routing is three launches: the GEMM (128 programs), the top-k over its fp32 partials (one program a row)
+# and `moe_align` (one program, a bitonic sort: 4.9 us a call, 0.20 ms of the H100's 8.79 ms step, fifty-second
+# session). Here the second launch is this file's kernel summing the partials (`moe_router._row_parts`, as the top-k
+# over them does): the top-k and the alignment in one launch after the GEMM -- two launches a layer instead of three.
+# Same logits, weights and ids as "router_linear_topk" (the same partials summed in the same order, the same
+# selection), the alignment `moe_align`'s of the ids; so the same bits as the three launches.
+# Warps: PARTS_ALIGN_WARPS for every program (the last one builds the alignment with them): router_align's one warp
+# cost more than the launch it saves (forty-fifth session: 14.7 against 12.3 us a call at 32 tokens; 12.0 at 4 warps).
+LINEAR_NAME = "router_linear_topk_align"
+PARTS_ALIGN_WARPS = 4
+
+
+def router_linear_topk_align_reference(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int,
+                                       block_m: int) -> tuple[torch.Tensor, ...]:
+    """x [N, H], w [E, H] -> (logits = F.linear(x, w) [N, E], then `router_topk_align_reference` on them: weights,
+    idx [N, KP], sorted_pairs, block_expert)."""
+    logits = F.linear(x, w)
+    return (logits, *router_topk_align_reference(logits, k, extra, num_experts, block_m))
+
+
+def linear_then_topk_align(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int
+                           ) -> tuple[torch.Tensor, ...]:
+    """F.linear then registry op "router_topk_align" (its kernel, or its two launches where that cannot run): what
+    `TopKRouter.route_aligned` ran without `router_parts`, and this op's fallback."""
+    from engine_core.registry import default_registry
+
+    logits = F.linear(x, w)
+    return (logits, *default_registry().call(NAME, logits, k, extra, num_experts, block_m))
+
+
+def _linear_check(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int) -> str | None:
+    return moe_router._parts_check(x, w, k) or _shape_check(x.shape[0], w.shape[0], k, extra, num_experts, block_m)
+
+
+def _launch_linear(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int,
+                   num_warps: int | None = None, block_r: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The two launches: `moe_router.launch_partials` (the GEMM), then the kernel over its partials at
+    PARTS_ALIGN_WARPS unless `num_warps` (benchmarks) -- or, without a workspace (a first use inside a CUDA-graph
+    capture), the top-k over the partials ("router_linear_topk"'s second launch) and `moe_align_fast`."""
+    from kernels.w4a16_gemm import moe_align_fast
+
+    problem = _linear_check(x, w, k, extra, num_experts, block_m)
+    if problem:
+        raise ValueError(f"router_linear_topk_align {problem}")
+    n, e = x.shape[0], w.shape[0]
+    held = _workspace_or_none(x.device)
+    if held is None:
+        logits, weights, idx = moe_router._launch_parts(x, w, k, extra)
+        routing = moe_align_fast(idx, num_experts, block_m)
+        return logits, weights, idx, routing.sorted_pairs, routing.block_expert
+    ws_parts = moe_router.launch_partials(x, w)
+    logits = x.new_empty((n, e))
+    out = _align_launch(logits, n, e, k, extra, num_experts, block_m, *held, parts=ws_parts, block_r=block_r,
+                        num_warps=PARTS_ALIGN_WARPS if num_warps is None else num_warps)
+    return (logits, *out)
+
+
+@torch.library.custom_op("qwen::router_linear_topk_align", mutates_args=())
+def router_linear_topk_align_op(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int,
+                                block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor]:
+    """Contract: `router_linear_topk_align_reference` (`compare_linear`)."""
+    return _launch_linear(x, w, k, extra, num_experts, block_m)
+
+
+@router_linear_topk_align_op.register_fake
+def _(x, w, k, extra, num_experts, block_m):
+    logits = x.new_empty((x.shape[0], w.shape[0]))
+    return (logits, *_fake(logits, k, extra, num_experts, block_m))
+
+
+def router_linear_topk_align_triton(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int,
+                                    block_m: int) -> tuple[torch.Tensor, ...]:
+    """Same contract as `router_linear_topk_align_reference` (see `compare_linear`)."""
+    return router_linear_topk_align_op(x, w, k, extra, num_experts, block_m)
+
+
+def compare_linear(out, ref, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
+                   num_experts: int | None = None, block_m: int | None = None) -> str | None:
+    """None if `out` = (logits, weights, idx, sorted_pairs, block_expert) is correct where `ref` is the reference's:
+    the logits, weights and ids as `moe_router.compare_linear` judges "router_linear_topk"'s (logits within an ulp
+    of F.linear's, plus the fp32-order bound with `x` and `w`; the selection exactly router_topk's on OUR logits; the
+    extra column exact), and the alignment exactly `moe_align`'s of OUR ids -- with `num_experts` and `block_m`; without
+    them (the registry's self-check, whose sample's logits are exact and untied) exactly the reference's."""
+    from kernels.w4a16_gemm import moe_align
+
+    (lo, wo, io, sp, be), (lr, wr, ir, rsp, rbe) = out, ref
+    problem = moe_router.compare_linear((lo, wo, io), (lr, wr, ir), x, w)
+    if problem:
+        return problem
+    if num_experts is None or block_m is None:
+        if not torch.equal(io, ir):
+            return "idx: differs from the reference's (a sample without ties)"
+        want = (rsp, rbe)
+    else:
+        mine = moe_align(io, num_experts, block_m)
+        want = (mine.sorted_pairs, mine.block_expert)
+    return _alignment_problem(sp, be, *want)
+
+
+def describe_linear(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int, block_m: int
+                    ) -> dict[str, Any]:
+    """supported: the router GEMM in Triton can take the call ("router_linear_topk"'s `parts`: a 16-bit dtype, 1 to
+    PARTS_MAX_ROWS rows) and so can the kernel (`_shape_check`); two_launch: Triton runs here at all (as
+    "router_linear_topk"'s fallback: F.linear and "router_topk_align", itself falling back to its two launches)."""
+    d = moe_router.describe_linear(x, w, k, extra)
+    return dict(device=x.device.type, two_launch=d["two_launch"],
+                supported=d["parts"] and _linear_check(x, w, k, extra, num_experts, block_m) is None)
+
+
+def _linear_sample(device) -> tuple[tuple, dict]:
+    # 37 rows (two mask words) x 60 experts x H = 600 (a masked H tail), bf16: each row of x one-hot at its own
+    # column h_r, where w's column is a permutation of 60 values exact in bf16 -- every logit an exact single product
+    # (F.linear's bit for bit) and no row tied; top-8 + the shared expert's pair (extra 60 of 61) at 8-row blocks
+    gen = torch.Generator().manual_seed(2)
+    x = torch.zeros(37, 600)
+    w = torch.randint(-2, 3, (60, 600), generator=gen).float()
+    logits = moe_router.distinct_logits(37, "cpu").float()  # [37, 60]
+    cols = torch.randperm(600, generator=gen)[:37]
+    x[torch.arange(37), cols] = 1.0
+    w[:, cols] = logits.t()
+    return (x.to(torch.bfloat16).to(device), w.to(torch.bfloat16).to(device), 8, 60, 61, 8), {}
+
+
 def register(registry) -> None:
     registry.add_op(NAME, router_topk_align_reference, sample=_sample, compare=compare, describe=describe,
                     tolerance="weights and ids as router_topk's; the alignment exactly moe_align's of the ids")
     # the guards decided in `describe` (which has the tensors), as moe_router's two ops read them
     registry.add_implementation(NAME, "triton", router_topk_align_triton, moe_router.supports)
     registry.add_implementation(NAME, "router_topk+moe_align", router_topk_then_align, moe_router.supports_two_launch)
+    registry.add_op(LINEAR_NAME, router_linear_topk_align_reference, sample=_linear_sample, compare=compare_linear,
+                    describe=describe_linear,
+                    tolerance="logits, weights and ids as router_linear_topk's (an ulp of F.linear's; the selection "
+                              "exactly router_topk's on the returned logits); the alignment exactly moe_align's of "
+                              "the ids")
+    registry.add_implementation(LINEAR_NAME, "triton", router_linear_topk_align_triton, moe_router.supports)
+    registry.add_implementation(LINEAR_NAME, "linear+router_topk_align", linear_then_topk_align,
+                                moe_router.supports_two_launch)

@@ -399,7 +399,7 @@ class QwenEngineConfig:
 
 LM_HEAD_LAYOUTS = ("auto", "checkpoint", "split_frag", "dual_frag")  # QwenEngineConfig.lm_head_layout
 MOE_DECODE_OP = "w4a16_moe_decode"  # self-checked only with moe_fused_decode on (`QwenEngine._self_check`)
-ROUTER_ALIGN_OP = "router_topk_align"  # self-checked only with router_align on
+ROUTER_ALIGN_OPS = ("router_topk_align", "router_linear_topk_align")  # self-checked only with router_align on
 # GATED_ATTN_OP (kernels.paged_attention GATED_NAME): self-checked only with attn_gate_in_combine on
 # registry ops the model itself dispatches through the process-wide registry (packed linears / experts, norms)
 MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w4a4_linear", "rms_norm_zc",
@@ -407,7 +407,7 @@ MODEL_OPS = ("w4a16_linear", "w4a16_swiglu", "w4a16_moe", "fp8_linear", "nvfp4_w
              "router_linear_topk",
              "attn_decode_prep", "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
              "w4a16_linear_frag", "moe_combine_norm", "moe_combine_norm_fp8", MOE_DECODE_OP, GATED_ATTN_OP,
-             ROUTER_ALIGN_OP)
+             *ROUTER_ALIGN_OPS)
 _MODEL_OPS_CHECKED: dict[tuple, dict[str, str]] = {}  # (device, (op, preference) pairs) -> outcomes, once a process
 
 # `BadRequest.code` values this engine raises (the server maps every one to a 4xx with that code)
@@ -920,7 +920,7 @@ class QwenEngine:
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
                and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
-               and (op != ROUTER_ALIGN_OP or self.cfg.router_align)]
+               and (op not in ROUTER_ALIGN_OPS or self.cfg.router_align)]
         # re-check when the ops or their preferences change (the ops differ with the options that add one)
         from kernels import pdl  # the EARLY builds run in the samples when early loads are on: part of the key
 

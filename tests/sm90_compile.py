@@ -323,6 +323,15 @@ def main() -> int:
                            "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"},
                           dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512, BLOCK_P=512,
                                BLOCK_M=8, INTERPRET=False), ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=1))
+    # the same over the router GEMM's fp32 partials (router_linear_topk_align: 8 H tiles summed, the logits stored),
+    # at its 4 warps (router_align.PARTS_ALIGN_WARPS)
+    ok.append(compile_one("router_linear_topk_align (N = 32, E = 256 + 1, 8 partials, 8-row blocks, bf16, 4 warps)",
+                          router_align._router_topk_align_kernel,
+                          {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32", "starts": "*i32",
+                           "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32", "ws": "*fp32"},
+                          dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512, BLOCK_P=512,
+                               BLOCK_M=8, INTERPRET=False, SPLIT=8), ptx_has="atom.global.gpu.relaxed.or.b32",
+                          num_warps=4, runtime=("ws",)))
     grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only

@@ -1,7 +1,9 @@
 """kernels/router_align.py (the router's top-k and the MoE routing alignment in one launch) against
 `router_topk_align_reference` = `router_topk_reference` then the torch `moe_align` (on CPU through Triton's
-interpreter, tests/conftest.py). The weights and ids are `router_topk`'s (its tolerance; ties by lowest index); the
-alignment is integers, so it must equal `moe_align` of the returned ids exactly."""
+interpreter, tests/conftest.py); and its op over the router GEMM's partials, "router_linear_topk_align", against
+F.linear then the same, and bit for bit against "router_linear_topk". The weights and ids are `router_topk`'s
+(its tolerance; ties by lowest index); the alignment is integers, so it must equal `moe_align` of the returned ids
+exactly."""
 
 import pytest
 import torch
@@ -137,6 +139,111 @@ def test_custom_op_and_registry():
     assert ra.compare(out, ra.router_topk_align_reference(logits, 4, 32, 33, 8), logits, 4, 33, 8) is None
 
 
+# ---- "router_linear_topk_align": the router GEMM in Triton, then this kernel over its partials -------------------
+def router_inputs(n: int, e: int, h: int, seed: int, dtype=torch.bfloat16):
+    """x [n, h], w [e, h] like the engine's router: random activations, weights ~0.05 (logits of a few units)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype).to(DEVICE)
+    w = (0.05 * torch.randn(e, h, generator=g)).to(dtype).to(DEVICE)
+    return x, w
+
+
+def check_linear(x, w, k, extra, num_experts, block_m, block_r=None, num_warps=None):
+    out = ra._launch_linear(x, w, k, extra, num_experts, block_m, block_r=block_r, num_warps=num_warps)
+    ref = ra.router_linear_topk_align_reference(x, w, k, extra, num_experts, block_m)
+    problem = ra.compare_linear(out, ref, x, w, num_experts, block_m)
+    assert problem is None, problem
+    # the same logits, weights and ids as "router_linear_topk" (the same partials, summed in the same order, the
+    # same selection), which `forward` runs: route_aligned and forward route alike, bit for bit
+    parts = mr._launch_parts(x, w, k, extra)
+    assert all(torch.equal(a, b) for a, b in zip(out[:3], parts))
+    routing = moe_align(out[2], num_experts, block_m)
+    assert torch.equal(out[3], routing.sorted_pairs) and torch.equal(out[4], routing.block_expert)
+    return out
+
+
+# (tokens, experts E, H, top-k, extra, num_experts, block_m, rows per program): the 32-stream step's shapes (top-8
+# of 256 + the shared expert; H cut to 512: four H tiles under the interpreter), one to two member words, the
+# PARTS_MAX_ROWS limit, no extra column, a masked H tail, several programs so that the last-arrival path runs
+LINEAR_CASES = [(32, 256, 512, 8, 256, 257, 8, None), (32, 256, 512, 8, 256, 257, 16, 4),
+                (5, 64, 200, 8, 64, 65, 8, 2), (33, 60, 300, 8, 60, 61, 8, 8), (64, 64, 256, 4, -1, 64, 16, 16),
+                (7, 16, 96, 1, 16, 17, 1, 2)]
+
+
+@pytest.mark.parametrize("n,e,h,k,extra,num_experts,block_m,block_r", LINEAR_CASES)
+def test_linear_matches_router_linear_topk_then_moe_align(n, e, h, k, extra, num_experts, block_m, block_r):
+    x, w = router_inputs(n, e, h, seed=n + e + h)
+    check_linear(x, w, k, extra, num_experts, block_m, block_r)
+
+
+def test_linear_fp16_and_warps():
+    """fp16 activations and weights; 1 and 4 warps (the engine's PARTS_ALIGN_WARPS), the same bits."""
+    x, w = router_inputs(24, 128, 256, seed=11, dtype=torch.float16)
+    one = check_linear(x, w, 8, 128, 129, 8, num_warps=1)
+    four = check_linear(x, w, 8, 128, 129, 8, num_warps=4)
+    assert all(torch.equal(a, b) for a, b in zip(one, four))
+
+
+def test_linear_repeated_launches_and_compare():
+    """Alternating inputs give each its own answer (the workspace re-armed by each launch); compare_linear catches a
+    logit off by more than its bound, a swapped pair in a group, a wrong block owner and a wrong extra column."""
+    a, b = router_inputs(32, 256, 256, seed=1), router_inputs(32, 256, 256, seed=2)
+    first = check_linear(*a, 8, 256, 257, 8, block_r=4)
+    for inputs, want in ((b, None), (a, first)):
+        out = check_linear(*inputs, 8, 256, 257, 8, block_r=4)
+        if want is not None:
+            assert all(torch.equal(u, v) for u, v in zip(out, want))
+    ws = ra._WORKSPACE[(a[0].device.type, a[0].device.index, "")]
+    assert int(ws[:ra.MAX_EXPERTS * ra.MAX_WORDS].abs().sum()) == 0
+    x, w = a
+    ref = ra.router_linear_topk_align_reference(x, w, 8, 256, 257, 8)
+    lo, wo, io, sp, be = first
+    kw = dict(x=x, w=w, num_experts=257, block_m=8)
+    off = lo.clone()
+    off[3, 7] += 0.25
+    assert "logits" in ra.compare_linear((off, wo, io, sp, be), ref, **kw)
+    used = int((sp < 32 * 9).nonzero()[3])
+    swapped = sp.clone()
+    swapped[[used, used + 1]] = swapped[[used + 1, used]]
+    assert "sorted_pairs" in ra.compare_linear((lo, wo, io, swapped, be), ref, **kw)
+    owner = be.clone()
+    owner[0] += 1
+    assert "block_expert" in ra.compare_linear((lo, wo, io, sp, owner), ref, **kw)
+    extra = io.clone()
+    extra[0, 8] = 3
+    assert "extra column" in ra.compare_linear((lo, wo, extra, sp, be), ref, **kw)
+
+
+def test_linear_guards_and_registry():
+    """The op's limits (PARTS_MAX_ROWS rows, a 16-bit dtype, the alignment's), its schema and fake implementation,
+    its registry sample passing both implementations, and the fallback (F.linear + "router_topk_align") where the
+    Triton GEMM cannot take the call."""
+    from engine_core.registry import Registry
+
+    x, w = router_inputs(6, 64, 128, seed=3)
+    d = ra.describe_linear(x, w, 8, 64, 65, 8)
+    assert d["supported"] and d["two_launch"]
+    assert not ra.describe_linear(x.float(), w.float(), 8, 64, 65, 8)["supported"]  # fp32: no tensor-core dot
+    big = router_inputs(mr.PARTS_MAX_ROWS + 1, 64, 128, seed=4)
+    assert not ra.describe_linear(*big, 8, 64, 65, 8)["supported"]
+    assert not ra.describe_linear(x, w, 8, 3, 65, 8)["supported"]  # extra inside the routed experts
+    with pytest.raises(ValueError, match="extra=3"):
+        ra._launch_linear(x, w, 8, 3, 65, 8)
+    with pytest.raises(ValueError, match="rows"):
+        ra._launch_linear(*big, 8, 64, 65, 8)
+    torch.library.opcheck(ra.router_linear_topk_align_op, (x, w, 4, 64, 65, 8),
+                          test_utils=("test_schema", "test_faketensor"))
+    reg = Registry()
+    mr.register(reg)
+    ra.register(reg)
+    assert reg.self_check(DEVICE, ops=[ra.LINEAR_NAME]) == {
+        ra.LINEAR_NAME: "triton passed; linear+router_topk_align passed"}
+    assert reg.choose(ra.LINEAR_NAME, **ra.describe_linear(*big, 8, 64, 65, 8)).name == "linear+router_topk_align"
+    out = ra.linear_then_topk_align(*big, 8, 64, 65, 8)
+    ref = ra.router_linear_topk_align_reference(*big, 8, 64, 65, 8)
+    assert ra.compare_linear(out, ref, *big, 65, 8) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and PDL need a CUDA GPU")
 def test_graph_replays_under_pdl():
     """What the interpreter cannot show (it runs programs one after another): the last arrival's memory ordering on
@@ -185,3 +292,50 @@ def test_graph_replays_under_pdl():
         assert int(_COUNTERS[(dev.type, dev.index, "")][0]) == 0
     finally:
         pdl.set_enabled(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and PDL need a CUDA GPU")
+def test_linear_graph_replays_under_pdl():
+    """The op at the engine's 32-stream shape (x [32, 2048], w [256, 2048], top-8 + the shared pair, 8-row blocks) in
+    one CUDA graph, eight launches each followed by another user of split_k's counter 0 (the router GEMV + top-k at
+    one row), with programmatic dependent launch (and early loads) where the GPU has it, replayed 20 times on fresh
+    x: every replay's outputs equal "router_linear_topk"'s and moe_align's of its ids, run eagerly afterwards."""
+    from kernels import pdl
+
+    before, early = pdl.enabled(), pdl.early()
+    pdl.set_enabled(pdl.device_supports())
+    pdl.set_early(pdl.device_supports())
+    try:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        xs = [torch.zeros(32, 2048, dtype=torch.bfloat16, device=dev) for _ in range(8)]
+        w = (0.05 * torch.randn(256, 2048, device=dev)).to(torch.bfloat16)
+        x1 = torch.randn(1, 2048, device=dev).to(torch.bfloat16)
+
+        def step():
+            outs = []
+            for x in xs:
+                outs.append(ra._launch_linear(x, w, 8, 256, 257, 8))
+                mr.router_gemv_topk_triton(x1, w, 8)
+            return outs
+
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for x in xs:
+            x.copy_(torch.randn(x.shape, device=dev, generator=gen))
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        for _ in range(20):
+            for x in xs:
+                x.copy_(torch.randn(x.shape, device=dev, generator=gen))
+            graph.replay()
+            torch.cuda.synchronize()
+            for x, out in zip(xs, outs):
+                parts = mr._launch_parts(x, w, 8, 256)
+                assert all(torch.equal(a, b) for a, b in zip(out[:3], parts))
+                routing = moe_align(out[2], 257, 8)
+                assert torch.equal(out[3], routing.sorted_pairs) and torch.equal(out[4], routing.block_expert)
+    finally:
+        pdl.set_enabled(before)
+        pdl.set_early(early)

@@ -613,6 +613,7 @@ def test_kernel_self_check_at_start():
     # the decode MoE in one launch (off by default) is checked only by an engine that may run it
     assert "w4a16_moe_decode" not in checks, checks
     assert "router_topk_align" not in checks, checks  # likewise the router's alignment (router_align, off)
+    assert "router_linear_topk_align" not in checks, checks
     fused = run(engine_config(kernels="triton", kernel_self_check=True, moe_fused_decode=True), body)["kernel_checks"]
     assert fused["w4a16_moe_decode"] == want, fused
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
@@ -805,7 +806,8 @@ def test_engine_shared_expert_in_moe(monkeypatch):
 
 def test_engine_router_align(monkeypatch):
     """router_align (packed weights, the MoE's fused path as on a GPU): the MoE calls of more than MAX_ROWS tokens
-    (here the prefill chunks) take their weights, ids and routing alignment from registry op "router_topk_align",
+    (here the prefill chunks) take their weights, ids and routing alignment from registry op
+    "router_linear_topk_align" (router_parts, the default; "router_topk_align" after F.linear without it),
     and the greedy streams equal the engine's without it (the registry's references here: this checks the wiring;
     the kernel's own checks are tests/test_kernel_router_align.py and tests/test_qwen_quantized.py). With it on, the
     start-up self-check covers the op; a dense model takes no layer."""
@@ -816,8 +818,9 @@ def test_engine_router_align(monkeypatch):
     monkeypatch.setattr(TopKRouter, "fused", True)  # the router's fused ops, as on a GPU
     lengths = LENGTHS[:4]
 
-    def calls() -> int:
-        return sum(default_registry().choices()["router_topk_align"]["calls"].values())
+    def calls() -> int:  # router_parts (the default) routes through the second, F.linear through the first
+        c = default_registry().choices()
+        return sum(sum(c[op]["calls"].values()) for op in ("router_topk_align", "router_linear_topk_align"))
 
     from kernels import w4a16_gemm
 
@@ -841,9 +844,9 @@ def test_engine_router_align(monkeypatch):
     # with the scratch row: "static" runs the CUDA-graph path's static buffers eagerly) take the aligned routing too
     from kernels import router_align
 
-    rows, launch = [], router_align._launch
-    monkeypatch.setattr(router_align, "_launch", lambda logits, *a, **kw: (rows.append(logits.shape[0]),
-                                                                             launch(logits, *a, **kw))[1])
+    rows, launch = [], router_align._align_launch
+    monkeypatch.setattr(router_align, "_align_launch", lambda src, n, *a, **kw: (rows.append(n),
+                                                                                 launch(src, n, *a, **kw))[1])
 
     async def decoding(engine):
         outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=6)
@@ -861,6 +864,7 @@ def test_engine_router_align(monkeypatch):
             "triton skipped (does not support the sample on cpu); router_topk+moe_align skipped (does not support "
             "the sample on cpu)")
     assert checks["router_topk_align"] == want, checks
+    assert checks["router_linear_topk_align"] == want.replace("router_topk+moe_align", "linear+router_topk_align")
 
 
 def one_by_one_counting(op: str):

@@ -487,13 +487,18 @@ def test_shared_expert_inside_the_grouped_launches(tensors, monkeypatch):
 
 @torch.no_grad()
 @pytest.mark.parametrize("shared_in_experts", [True, False])
-def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in_experts):
-    """`SparseMoE.router_align`: the router's launch ("router_topk_align") builds the alignment the experts' kernels
-    would have built (`NVFP4Experts.routing_shape`), so they launch no alignment of their own, and the layer's output
-    is the same bit for bit; at <= MAX_ROWS tokens the router keeps its fused GEMV + top-k and the experts their own
-    routing. With and without the shared expert as a (k+1)-th pair."""
+@pytest.mark.parametrize("parts", [True, False])
+def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in_experts, parts):
+    """`SparseMoE.router_align`: the router's launch builds the alignment the experts' kernels would have built
+    (`NVFP4Experts.routing_shape`), so they launch no alignment of their own, and the layer's output is the same bit
+    for bit; at <= MAX_ROWS tokens the router keeps its fused GEMV + top-k and the experts their own routing. With and
+    without the shared expert as a (k+1)-th pair; after the router GEMM in Triton (`TopKRouter.parts`: the kernel over
+    its partials, "router_linear_topk_align") and after F.linear ("router_topk_align")."""
     from engine_core.registry import default_registry
     from kernels import moe_align, moe_router, router_align
+    from qwen_engine.model.moe import TopKRouter
+
+    monkeypatch.setattr(TopKRouter, "parts", parts)
 
     reg = registry("auto")
     model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
@@ -504,12 +509,13 @@ def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in
     x = torch.randn(6, CFG.hidden_size, generator=g).to(torch.bfloat16)
     residual = torch.randn(6, CFG.hidden_size, generator=g).to(torch.bfloat16)
     aligns, routers = [], []
-    align_launch, router_launch = moe_align.moe_align_triton, router_align._launch
+    align_launch, router_launch = moe_align.moe_align_triton, router_align._align_launch
     monkeypatch.setattr(moe_align, "moe_align_triton", lambda idx, e, bm, **kw: (
         aligns.append((idx.numel(), e, bm)) or align_launch(idx, e, bm, **kw)))
-    monkeypatch.setattr(router_align, "_launch", lambda logits, k, extra, e, bm, block_r=None: (
-        routers.append((logits.shape[0], extra, e, bm)) or router_launch(logits, k, extra, e, bm, block_r)))
-    ops = (moe_router.NAME, router_align.NAME)
+    monkeypatch.setattr(router_align, "_align_launch", lambda src, n, ne, k, extra, e, bm, *a, **kw: (
+        routers.append((n, extra, e, bm, kw.get("parts") is not None)) or router_launch(src, n, ne, k, extra, e, bm,
+                                                                                       *a, **kw)))
+    ops = (moe_router.NAME, moe_router.LINEAR_NAME, router_align.NAME, router_align.LINEAR_NAME)
     before = {op: default_registry().preference(op) for op in ops}
     for op in ops:  # the process-wide registry, whose preference an earlier engine may have set
         default_registry().set_preference("auto", op)
@@ -536,7 +542,7 @@ def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in
     assert plain_aligns and set(plain_aligns) == {(pairs, *shape)}  # without the option: the experts' own launch
     assert aligned_aligns == []  # with it: none of their own ...
     # ... the router's launch built it; the MAX_ROWS-token call (`lone`) and the torch router launched none
-    assert routers == [(6, CFG.num_experts if shared_in_experts else -1, *shape)]
+    assert routers == [(6, CFG.num_experts if shared_in_experts else -1, *shape, parts)]
     assert torch.equal(aligned, plain)
     assert lone.shape == (moe_router.MAX_ROWS, CFG.hidden_size)
     # a routing that does not fit the call (another block size, another expert count, short buffers) is not used:

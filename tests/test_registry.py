@@ -223,7 +223,8 @@ def test_default_registry_self_check_on_this_machine():
     # kernels.attn_prep three (decode prep, output gate, the gate with FP8 codes), kernels.moe_router three (top-k over
     # given logits; the router GEMV and the top-k in one launch; the router GEMM at 5-64 rows then the top-k),
     # kernels.moe_combine three (the MoE tail, the tail + the next layer's input norm, the same + its FP8 codes),
-    # kernels.nvfp4 the Blackwell W4A4 linear; every other module one
+    # kernels.nvfp4 the Blackwell W4A4 linear, kernels.router_align two (the top-k + alignment after F.linear, and
+    # after the router GEMM in Triton); every other module one
     assert set(reg.ops()) == {"preprocess", "mask_post", "w4a16_linear", "w4a16_swiglu", "w4a16_moe",
                               "w4a16_linear_frag",
                               "fp8_quant_rows", "fp8_linear", "fp8_rowwise_linear", "fp8_rowwise_linear_gelu",
@@ -234,7 +235,7 @@ def test_default_registry_self_check_on_this_machine():
                               "add_rms_norm_zc", "moe_combine", "moe_combine_norm", "moe_combine_norm_fp8",
                               "router_topk", "router_gemv_topk", "router_linear_topk", "attn_decode_prep",
                               "attn_output_gate", "rms_norm_zc_fp8", "rms_norm_gated_fp8", "attn_output_gate_fp8",
-                              "w4a16_moe_decode", "router_topk_align"}
+                              "w4a16_moe_decode", "router_topk_align", "router_linear_topk_align"}
     assert len(KERNEL_MODULES) == 14
     device = "cuda" if torch.cuda.is_available() else "cpu"
     outcomes = reg.self_check(device, ops=["preprocess", "mask_post"])

@@ -74,17 +74,21 @@ class TopKRouter(nn.Module):
 
     def route_aligned(self, x: torch.Tensor, extra: int, num_experts: int, block_m: int):
         """`forward(x, extra)`'s (weights, ids) and their routing alignment (`w4a16_gemm.MoeRouting` over
-        `num_experts` experts at `block_m`-row blocks) on the fused path: F.linear, then the top-k and the alignment
-        in one launch of registry op "router_topk_align" (`kernels/router_align.py`; where it cannot run, its
-        two-launch implementation) instead of router_topk + the experts' own alignment launch. Its caller
-        (`SparseMoE._aligned_routing`) asks for it above `kernels.moe_router.MAX_ROWS` rows only: below, `forward`'s
-        fused GEMV + top-k is the faster router."""
+        `num_experts` experts at `block_m`-row blocks) on the fused path, the top-k and the alignment in one launch
+        (`kernels/router_align.py`) instead of the top-k + the experts' own alignment launch: with `parts` after the
+        router GEMM in Triton, summing its partials (registry op "router_linear_topk_align": the same logits, weights
+        and ids as `forward`'s "router_linear_topk"), else after F.linear ("router_topk_align"); where a kernel cannot
+        run, its ops' separate launches. Its caller (`SparseMoE._aligned_routing`) asks for it above
+        `kernels.moe_router.MAX_ROWS` rows only: below, `forward`'s fused GEMV + top-k is the faster router."""
         from engine_core.registry import default_registry
         from kernels.w4a16_gemm import MoeRouting
 
-        logits = F.linear(x, self.weight)
-        top, idx, sorted_pairs, block_expert = default_registry().call(
-            "router_topk_align", logits, self.top_k, extra, num_experts, block_m)
+        if TopKRouter.parts:
+            _, top, idx, sorted_pairs, block_expert = default_registry().call(
+                "router_linear_topk_align", x, self.weight, self.top_k, extra, num_experts, block_m)
+        else:
+            top, idx, sorted_pairs, block_expert = default_registry().call(
+                "router_topk_align", F.linear(x, self.weight), self.top_k, extra, num_experts, block_m)
         return top, idx, MoeRouting(sorted_pairs, block_expert, idx.numel(), block_m, num_experts)
 
 
