@@ -271,13 +271,14 @@ class QwenEngineConfig:
     #                             3,591.2-3,601.8 tok/s (+18.9-19.1%), lone and TTFT unchanged, the same tokens; the
     #                             start-up self-check compares it with the reference (check_expert_layouts)
     router_align: bool = False  # packed models' decode steps of more than kernels.moe_router.MAX_ROWS tokens: each
-    #                             MoE layer's top-k and routing alignment in one launch after the router's F.linear
-    #                             (kernels/router_align.py, registry op "router_topk_align": the top-k's last
-    #                             program builds the alignment from bitmasks, no sort; SparseMoE.router_align)
-    #                             instead of router_topk and the experts' own moe_align launch: one launch fewer a
-    #                             layer (40 a step), the same bits. H200 2026-12-05 (one process): 32 streams 4,238.8
-    #                             against 4,288.4 / 4,287.0 tok/s (-1.2%; at its one warp the last program's alignment
-    #                             costs more than the launch), so off; the start-up self-check covers it when on
+    #                             MoE layer's top-k and routing alignment in one launch (kernels/router_align.py: the
+    #                             top-k's last program builds the alignment from bitmasks, no sort;
+    #                             SparseMoE.router_align) instead of the top-k and the experts' own moe_align launch:
+    #                             one launch fewer a layer (40 a step), the same bits. With router_parts (5-64 rows)
+    #                             it sums the router GEMM's partials itself ("router_linear_topk_align", 4 warps: the
+    #                             GEMM, then the top-k + alignment); without, after F.linear ("router_topk_align", 1
+    #                             warp: H200 2026-12-05, one process, 32 streams 4,238.8 against 4,288.4 / 4,287.0
+    #                             tok/s, -1.2%). Off; the start-up self-check covers both ops when on
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
