@@ -277,6 +277,9 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="184" (carry the fla wheels and .tritoncache; either GPU): ~6 min: issue 5, step 183 again after the
+#       router top-k's denominator became a sum in pick order (the same bits at any warps): the GPU tests of the
+#       op over the partials, per call at 32 rows, then the engine: the defaults, router_align, the defaults again
 #   STEPS="183 39" (carry the fla wheels, and .tritoncache where there is one: without it a fresh machine compiles
 #       for ~5 min; either GPU): <= 10 min: issue 5, the top-k + MoE alignment over the router GEMM's partials
 #       (router_linear_topk_align, the engine's router_align): CUDA tests, per call, then the engine -- the defaults,
@@ -2263,6 +2266,24 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 184; then
+# fifty-third session, after step 183 (results/align53_run1: router_align with router_parts +0.2-0.3% at 32 streams
+# on an H100, but 2 of 32 streams' greedy tokens parted: at 4 warps the top-k's tl.sum over its K weights rounded
+# otherwise than at router_topk's one warp). The denominator is now summed in pick order in every top-k kernel, so the
+# op over the partials must equal "router_linear_topk" bit for bit at 4 warps (the GPU graph test), and the engine's
+# tokens with router_align the defaults'
+say "184. issue 5: the top-k + alignment over the partials, the denominator in pick order -- GPU tests, per call, engine"
+SAMMIE_PDL=1 gpu_tests align_parts_gpu "${LIMIT_184T:-120}" tests/test_kernel_router_align.py::test_graph_replays_under_pdl \
+  tests/test_kernel_router_align.py::test_linear_graph_replays_under_pdl tests/test_kernel_router_parts.py -rfE
+grep -E "^(FAILED|ERROR)" "$R/align_parts_gpu.log" | cut -c1-250 | head -8
+cp "$R/align_parts_gpu.log" "$OUT/" 2>/dev/null
+timeout "${LIMIT_184B:-60}" python benchmarks/router_align_bench.py --parts --early --tokens 32 --warps 1,4 \
+  --out "$OUT/router_align_parts" > "$OUT/router_align_parts.log" 2>&1
+cat "$OUT/router_align_parts/router_align_bench.md" 2>/dev/null || tail -5 "$OUT/router_align_parts.log"
+engine_out qwen_align_parts2 "${LIMIT_184E:-330}" --decode-tokens 48 --variant 'align={"router_align": true}' \
+  --again ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_align_parts2.log" | cut -c1-250 | head -5
 fi
 if want 183; then
 # fifty-third session: with router_parts (the default) the router's launches are the GEMM, the top-k over its

@@ -136,6 +136,8 @@ if triton is not None:
         kk = tl.arange(0, BLOCK_K)  # [BK]
         vals = tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32)
         ids = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int32)
+        m = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        den = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for j in tl.static_range(K):
             cur = tl.where(avail, key, float("-inf"))
             mx = tl.max(cur, axis=1)  # [BR]
@@ -144,15 +146,21 @@ if triton is not None:
             avail = avail & (cols[None, :] != pick[:, None])
             vals = tl.where(kk[None, :] == j, mx[:, None], vals)
             ids = tl.where(kk[None, :] == j, pick[:, None], ids)
-        m = tl.max(vals, axis=1)  # = vals[:, 0], the row's max
-        x = vals - m[:, None]
-        if INTERPRET:  # numpy's exp; libdevice is not interpreted
-            e = tl.exp(x)
-        else:  # accurate expf (tl.exp is ex2.approx on NVIDIA)
-            e = libdevice.exp(x)
-        e = tl.where(kk[None, :] < K, e, 0.0)  # [BR, BK]
-        w = tl.div_rn(e, tl.sum(e, axis=1)[:, None])  # softmax denominator cancelled (module docstring)
+            if j == 0:
+                m = mx  # the row's max
+            # the denominator summed in pick order, one term an iteration: the same fp32 sum whatever the layout and
+            # warps (a tl.sum over the K lanes reduces in a tree that follows them: 1 and 4 warps rounded differently)
+            den += _exp(mx - m, INTERPRET)
+        e = tl.where(kk[None, :] < K, _exp(vals - m[:, None], INTERPRET), 0.0)  # [BR, BK]: each the term above
+        w = tl.div_rn(e, den[:, None])  # softmax denominator cancelled (module docstring)
         return w, ids
+
+    @triton.jit
+    def _exp(x, INTERPRET: tl.constexpr):
+        if INTERPRET:  # numpy's exp; libdevice is not interpreted
+            return tl.exp(x)
+        else:  # accurate expf (tl.exp is ex2.approx on NVIDIA)
+            return libdevice.exp(x)
 
     @triton.jit
     def _row_logits(logits, N, E, s_l, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
