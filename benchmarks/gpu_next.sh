@@ -277,6 +277,9 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="185" (carry the fla wheels and .tritoncache; either GPU): ~5 min: issue 5, the defaults with router_align
+#       "auto" (on with router_parts) beside router_align off, and the defaults again (one process); any graph capture
+#       failure's stack (step 184's third engine failed its decode graphs' capture at bucket 4)
 #   STEPS="184" (carry the fla wheels and .tritoncache; either GPU): ~6 min: issue 5, step 183 again after the
 #       router top-k's denominator became a sum in pick order (the same bits at any warps): the GPU tests of the
 #       op over the partials, per call at 32 rows, then the engine: the defaults, router_align, the defaults again
@@ -2266,6 +2269,17 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 185; then
+# fifty-third session: router_align "auto" (on with router_parts) is a default now; the defaults beside router_align
+# off and again (one process). Step 184's third engine (the defaults again, after the router_align engine) failed to
+# capture its decode graphs at bucket 4 ("operation not permitted when stream is capturing") and ran eagerly: its
+# stack, if it recurs (qwen_engine/decode_graphs.py logs it now)
+say "185. issue 5: the defaults (router_align auto) beside router_align off and again; capture failures' stacks"
+engine_out qwen_align_default "${LIMIT_185E:-330}" --decode-tokens 48 --variant 'noalign={"router_align": false}' \
+  --again ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_align_default.log" | cut -c1-250 | head -5
+grep -n -A40 "failed at [0-9]*: where" "$OUT/qwen_align_default.log" | cut -c1-220 | head -60
 fi
 if want 184; then
 # fifty-third session, after step 183 (results/align53_run1: router_align with router_parts +0.2-0.3% at 32 streams

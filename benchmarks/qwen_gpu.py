@@ -355,7 +355,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        gdn_prep_split_v_rows: int | None = None,
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
                        picks: list | None = None, gdn_state_dtype: str = "float32",
-                       expert_regs: bool | str | None = None, router_align: bool | None = None,
+                       expert_regs: bool | str | None = None, router_align: bool | str | None = None,
                        early_loads: bool | None = None, router_parts: bool | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.

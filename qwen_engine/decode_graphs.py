@@ -244,6 +244,9 @@ def warm_and_capture(forward, buckets: tuple[int, ...], device: torch.device, wh
         except CaptureError:
             raise
         except Exception as exc:
+            # the stack of the call that broke the capture (a sync, an allocation or a module load the capture cannot
+            # hold): the CaptureError's one line does not name it
+            log.warning("%s %s failed at %d: where", what, stage, b, exc_info=exc)
             raise CaptureError(f"{what} {stage} failed at {b}: {exc!r}") from exc
         torch.cuda.synchronize(device)
     return graphs, outputs

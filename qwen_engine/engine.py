@@ -270,15 +270,18 @@ class QwenEngineConfig:
     #                             two processes, w4a16_regs.ENGINE_BUILDS): 32 streams 4,270.5-4,285.4 against
     #                             3,591.2-3,601.8 tok/s (+18.9-19.1%), lone and TTFT unchanged, the same tokens; the
     #                             start-up self-check compares it with the reference (check_expert_layouts)
-    router_align: bool = False  # packed models' decode steps of more than kernels.moe_router.MAX_ROWS tokens: each
-    #                             MoE layer's top-k and routing alignment in one launch (kernels/router_align.py: the
-    #                             top-k's last program builds the alignment from bitmasks, no sort;
+    router_align: bool | str = "auto"  # packed models' decode steps of more than kernels.moe_router.MAX_ROWS tokens:
+    #                             each MoE layer's top-k and routing alignment in one launch (kernels/router_align.py:
+    #                             the top-k's last program builds the alignment from bitmasks, no sort;
     #                             SparseMoE.router_align) instead of the top-k and the experts' own moe_align launch:
     #                             one launch fewer a layer (40 a step), the same bits. With router_parts (5-64 rows)
     #                             it sums the router GEMM's partials itself ("router_linear_topk_align", 4 warps: the
-    #                             GEMM, then the top-k + alignment); without, after F.linear ("router_topk_align", 1
-    #                             warp: H200 2026-12-05, one process, 32 streams 4,238.8 against 4,288.4 / 4,287.0
-    #                             tok/s, -1.2%). Off; the start-up self-check covers both ops when on
+    #                             GEMM, then the top-k + alignment): H100, fifty-third session (two processes, the
+    #                             same greedy tokens): 32 streams +0.2-0.5%, per call at 32 rows 7.95 against 9.20 us.
+    #                             Without router_parts, after F.linear ("router_topk_align", 1 warp: H200
+    #                             2026-12-05, one process, 32 streams 4,238.8 against 4,288.4 / 4,287.0 tok/s, -1.2%).
+    #                             "auto" (default): on with router_parts, off without; true / false: as asked. The
+    #                             start-up self-check covers both ops when on
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -344,6 +347,8 @@ class QwenEngineConfig:
             raise ValueError(f"early_loads must be true or false, got {self.early_loads!r}")
         if not isinstance(self.router_parts, bool):
             raise ValueError(f"router_parts must be true or false, got {self.router_parts!r}")
+        if not (isinstance(self.router_align, bool) or self.router_align == "auto"):
+            raise ValueError(f"router_align must be true, false or 'auto', got {self.router_align!r}")
         from kernels.w4a16_mma import SORTED_MAX_TOKENS
 
         if self.small_batch_tokens is not None and not (
@@ -475,7 +480,7 @@ class QwenEngine:
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device, self.kernels))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.expert_regs = set_expert_regs(self.model, cfg.expert_regs, self.device, self.dtype)
-        self.router_align = set_router_align(self.model, cfg.router_align)
+        self.router_align = set_router_align(self.model, router_align_on(cfg))
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -921,7 +926,7 @@ class QwenEngine:
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
                and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
-               and (op not in ROUTER_ALIGN_OPS or self.cfg.router_align)]
+               and (op not in ROUTER_ALIGN_OPS or router_align_on(self.cfg))]
         # re-check when the ops or their preferences change (the ops differ with the options that add one)
         from kernels import pdl  # the EARLY builds run in the samples when early loads are on: part of the key
 
@@ -1015,6 +1020,12 @@ def set_moe_fused_decode(model: torch.nn.Module, on: bool) -> int:
                     "shared expert (a dense or W4A4 model, or tile-major / split-halves experts); the unfused "
                     "decode path runs")
     return n
+
+
+def router_align_on(cfg: QwenEngineConfig) -> bool:
+    """`QwenEngineConfig.router_align` resolved: "auto" follows `router_parts` (the top-k + alignment over the router
+    GEMM's partials gained; after F.linear it lost)."""
+    return cfg.router_parts if cfg.router_align == "auto" else bool(cfg.router_align)
 
 
 def set_router_align(model: torch.nn.Module, on: bool) -> int:

@@ -577,6 +577,15 @@ def test_not_ready_and_config_validation():
     with pytest.raises(ValueError, match="max_num_seqs must be int"):
         QwenEngineConfig.from_dict({"config": "tiny", "max_num_seqs": "8"})
     assert QwenEngineConfig.from_dict({"config": "tiny", "dtype": "fp32"}).dtype == "fp32"
+    # router_align: "auto" (the default) follows router_parts; true / false as asked; anything else refused
+    from qwen_engine.engine import router_align_on
+
+    assert router_align_on(QwenEngineConfig.from_dict({"config": "tiny"}))
+    assert not router_align_on(QwenEngineConfig.from_dict({"config": "tiny", "router_parts": False}))
+    assert router_align_on(QwenEngineConfig.from_dict({"config": "tiny", "router_parts": False, "router_align": True}))
+    assert not router_align_on(QwenEngineConfig.from_dict({"config": "tiny", "router_align": False}))
+    with pytest.raises(ValueError, match="router_align must be true, false or 'auto'"):
+        QwenEngineConfig.from_dict({"config": "tiny", "router_align": "on"})
     h = engine.health()
     assert h["random_weights"] and not h["ready"] and h["kv_blocks"]["total"] == 64
 
@@ -612,8 +621,12 @@ def test_kernel_self_check_at_start():
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
     # the decode MoE in one launch (off by default) is checked only by an engine that may run it
     assert "w4a16_moe_decode" not in checks, checks
-    assert "router_topk_align" not in checks, checks  # likewise the router's alignment (router_align, off)
-    assert "router_linear_topk_align" not in checks, checks
+    # the router's top-k + alignment: router_align "auto" follows router_parts (both on by default), so both of its
+    # ops are checked; with router_parts off "auto" is off and neither is
+    assert checks["router_topk_align"] == f"{want}; {want.replace('triton', 'router_topk+moe_align')}", checks
+    assert checks["router_linear_topk_align"] == f"{want}; {want.replace('triton', 'linear+router_topk_align')}"
+    unparted = run(engine_config(kernels="triton", kernel_self_check=True, router_parts=False), body)["kernel_checks"]
+    assert "router_topk_align" not in unparted and "router_linear_topk_align" not in unparted, unparted
     fused = run(engine_config(kernels="triton", kernel_self_check=True, moe_fused_decode=True), body)["kernel_checks"]
     assert fused["w4a16_moe_decode"] == want, fused
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
