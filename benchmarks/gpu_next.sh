@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="186" (no carry needed; either GPU): ~1 min: issue 5, the top-k + alignment over the partials per call at
+#       8-32 rows beside the three launches (4 warps; PDL and early loads): where the fold starts to gain
 #   STEPS="185" (carry the fla wheels and .tritoncache; either GPU): ~5 min: issue 5, the defaults with router_align
 #       "auto" (on with router_parts) beside router_align off, and the defaults again (one process); any graph capture
 #       failure's stack (step 184's third engine failed its decode graphs' capture at bucket 4)
@@ -2269,6 +2271,14 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 186; then
+# fifty-third session: per call, step 183 found the fold slower at 8 rows (7.41 against 6.65 us) and faster at 32
+# (8.12 against 9.21): the crossover for router_align.PARTS_ALIGN_MIN_ROWS
+say "186. issue 5: the top-k + alignment over the partials per call at 8-32 rows"
+timeout "${LIMIT_186B:-150}" python benchmarks/router_align_bench.py --parts --early --tokens 8,12,16,20,24,32 \
+  --warps 4 --out "$OUT/router_align_rows" > "$OUT/router_align_rows.log" 2>&1
+grep -E "^\| " "$OUT/router_align_rows.log" || tail -5 "$OUT/router_align_rows.log"
 fi
 if want 185; then
 # fifty-third session: router_align "auto" (on with router_parts) is a default now; the defaults beside router_align
