@@ -359,6 +359,11 @@ def _sample(device) -> tuple[tuple, dict]:
 # cost more than the launch it saves (forty-fifth session: 14.7 against 12.3 us a call at 32 tokens; 12.0 at 4 warps).
 LINEAR_NAME = "router_linear_topk_align"
 PARTS_ALIGN_WARPS = 4
+# The fold gains only past 256 pairs, where moe_align's bitonic sort doubles to 512 keys: per call on an H100 (PDL,
+# early loads; fifty-third session, results/align53_rows) 7.50-8.13 against 6.64-7.29 us for the three launches at
+# 8-24 rows (72-216 pairs), 7.98 against 9.22 at 32 rows (288), 10.43 against 17.18 at 64 (576). `SparseMoE` asks for
+# it from this many pairs (tokens x (top-k + the shared pair)) with the router GEMM in Triton.
+PARTS_MIN_PAIRS = 257
 
 
 def router_linear_topk_align_reference(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_experts: int,

@@ -276,8 +276,10 @@ class QwenEngineConfig:
     #                             SparseMoE.router_align) instead of the top-k and the experts' own moe_align launch:
     #                             one launch fewer a layer (40 a step), the same bits. With router_parts (5-64 rows)
     #                             it sums the router GEMM's partials itself ("router_linear_topk_align", 4 warps: the
-    #                             GEMM, then the top-k + alignment): H100, fifty-third session (two processes, the
-    #                             same greedy tokens): 32 streams +0.2-0.5%, per call at 32 rows 7.95 against 9.20 us.
+    #                             GEMM, then the top-k + alignment) from kernels.router_align.PARTS_MIN_PAIRS (257)
+    #                             pairs: H100, fifty-third session (three processes, the same greedy tokens): 32
+    #                             streams +0.2-0.5%, per call at 32 rows 7.98 against 9.22 us (at 8-24 rows, below
+    #                             that threshold, 7.50-8.13 against 6.64-7.29: the separate launches run there).
     #                             Without router_parts, after F.linear ("router_topk_align", 1 warp: H200
     #                             2026-12-05, one process, 32 streams 4,238.8 against 4,288.4 / 4,287.0 tok/s, -1.2%).
     #                             "auto" (default): on with router_parts, off without; true / false: as asked. The

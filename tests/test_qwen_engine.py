@@ -845,8 +845,12 @@ def test_engine_router_align(monkeypatch):
 
     # kernels "auto" as on a GPU (auto_as_on_a_gpu): the Triton kernels (interpreted on the CPU) where they take the
     # call, so the experts' grouped kernel reads the router's alignment (with the references, the experts' reference
-    # ignores it and only the wiring would be checked)
+    # ignores it and only the wiring would be checked); the fold from any pair count (the tiny config's batches have
+    # fewer than PARTS_MIN_PAIRS: tests/test_qwen_quantized.py checks the threshold)
     auto_as_on_a_gpu(monkeypatch)
+    from kernels import router_align as ra
+
+    monkeypatch.setattr(ra, "PARTS_MIN_PAIRS", 1)
     (h_on, on, calls_on), (h_off, off, calls_off) = (
         run(engine_config(weights="packed", kernels="auto", router_align=flag, shared_expert_in_moe=True), body)
         for flag in (True, False))

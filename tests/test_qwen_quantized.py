@@ -499,6 +499,10 @@ def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in
     from qwen_engine.model.moe import TopKRouter
 
     monkeypatch.setattr(TopKRouter, "parts", parts)
+    # with the router GEMM in Triton the fold runs from PARTS_MIN_PAIRS pairs (6 tokens here have fewer): below, the
+    # separate launches -- the last call below checks that; lowered here so that 6 tokens take it
+    min_pairs = router_align.PARTS_MIN_PAIRS
+    monkeypatch.setattr(router_align, "PARTS_MIN_PAIRS", 1)
 
     reg = registry("auto")
     model = load_quantized(tensors, CFG, "cpu", torch.bfloat16, quantize_activations=False, registry=reg,
@@ -528,6 +532,10 @@ def test_router_align_builds_the_experts_routing(tensors, monkeypatch, shared_in
         aligned = moe(x, residual=residual)
         aligned_aligns = aligns[len(plain_aligns):]
         lone = moe(x[:moe_router.MAX_ROWS], residual=residual[:moe_router.MAX_ROWS])
+        monkeypatch.setattr(router_align, "PARTS_MIN_PAIRS", min_pairs)  # 6 tokens: the fold only without parts
+        n_routers = len(routers)
+        assert torch.equal(moe(x, residual=residual), plain) and len(routers) == n_routers + (not parts)
+        del routers[n_routers:]
         moe.gate.fused = False  # the router on its torch path (torch.topk's tie order): no aligned routing either
         assert torch.equal(moe(x, residual=residual), plain)
     finally:
