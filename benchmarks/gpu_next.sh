@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="187" (carry .tritoncache; either GPU): ~1 min: issue 5, the router_align CUDA-graph tests after their
+#       shared replay helper (tests/test_kernel_router_align.py graph_replays)
 #   STEPS="186" (no carry needed; either GPU): ~1 min: issue 5, the top-k + alignment over the partials per call at
 #       8-32 rows beside the three launches (4 warps; PDL and early loads): where the fold starts to gain
 #   STEPS="185" (carry the fla wheels and .tritoncache; either GPU): ~5 min: issue 5, the defaults with router_align
@@ -2271,6 +2273,12 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 187; then
+say "187. issue 5: the router_align CUDA-graph tests (PDL on)"
+SAMMIE_PDL=1 gpu_tests align_graph_tests "${LIMIT_187T:-90}" tests/test_kernel_router_align.py -k graph -rfE
+grep -E "^(FAILED|ERROR)" "$R/align_graph_tests.log" | cut -c1-250 | head -8
+cp "$R/align_graph_tests.log" "$OUT/" 2>/dev/null
 fi
 if want 186; then
 # fifty-third session: per call, step 183 found the fold slower at 8 rows (7.41 against 6.65 us) and faster at 32

@@ -244,6 +244,27 @@ def test_linear_guards_and_registry():
     assert ra.compare_linear(out, ref, *big, 65, 8) is None
 
 
+def graph_replays(inputs: list, step, replays: int, scale: float = 1.0):
+    """`step()` run eagerly on random `inputs` (the workspace, the counters and the compiles, outside the capture),
+    captured into one CUDA graph, then replayed `replays` times on fresh random inputs (N(0, scale^2)), yielding the
+    captured outputs after each replay."""
+    dev = inputs[0].device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for t in inputs:
+        t.copy_(torch.randn(t.shape, device=dev, generator=gen))
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(replays):
+        for t in inputs:
+            t.copy_(scale * torch.randn(t.shape, device=dev, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield outs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and PDL need a CUDA GPU")
 def test_graph_replays_under_pdl():
     """What the interpreter cannot show (it runs programs one after another): the last arrival's memory ordering on
@@ -269,19 +290,7 @@ def test_graph_replays_under_pdl():
                 mr.router_gemv_topk_triton(x1, w1, 8)  # counter 0 again, between the alignment launches
             return outs
 
-        gen = torch.Generator(device=dev).manual_seed(0)
-        for lg in logits:
-            lg.copy_(torch.randn(lg.shape, device=dev, generator=gen))
-        step()  # eager first: the workspace, the counters and the compiles, outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
-        for _ in range(40):
-            for lg in logits:
-                lg.copy_(2 * torch.randn(lg.shape, device=dev, generator=gen))
-            graph.replay()
-            torch.cuda.synchronize()
+        for outs in graph_replays(logits, step, 40, scale=2.0):
             for lg, (w, idx, sorted_pairs, block_expert) in zip(logits, outs):
                 assert torch.equal(idx[:, :8], stable_topk_idx(lg, 8)) and bool((idx[:, 8] == 256).all())
                 routing = moe_align(idx, 257, 8)
@@ -318,19 +327,7 @@ def test_linear_graph_replays_under_pdl():
                 mr.router_gemv_topk_triton(x1, w, 8)
             return outs
 
-        gen = torch.Generator(device=dev).manual_seed(0)
-        for x in xs:
-            x.copy_(torch.randn(x.shape, device=dev, generator=gen))
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
-        for _ in range(20):
-            for x in xs:
-                x.copy_(torch.randn(x.shape, device=dev, generator=gen))
-            graph.replay()
-            torch.cuda.synchronize()
+        for outs in graph_replays(xs, step, 20):
             for x, out in zip(xs, outs):
                 parts = mr._launch_parts(x, w, 8, 256)
                 assert all(torch.equal(a, b) for a, b in zip(out[:3], parts))
