@@ -277,8 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
-#   STEPS="187" (carry .tritoncache; either GPU): ~1 min: issue 5, the router_align CUDA-graph tests after their
-#       shared replay helper (tests/test_kernel_router_align.py graph_replays)
+#   STEPS="187" (carry .tritoncache; either GPU): ~1-3 min: issue 5, the router_align CUDA-graph tests after their
+#       shared replay helper (tests/test_kernel_router_align.py graph_replays); FILES_187 adds whole test files
 #   STEPS="186" (no carry needed; either GPU): ~1 min: issue 5, the top-k + alignment over the partials per call at
 #       8-32 rows beside the three launches (4 warps; PDL and early loads): where the fold starts to gain
 #   STEPS="185" (carry the fla wheels and .tritoncache; either GPU): ~5 min: issue 5, the defaults with router_align
@@ -2277,6 +2277,11 @@ fi
 if want 187; then
 say "187. issue 5: the router_align CUDA-graph tests (PDL on)"
 SAMMIE_PDL=1 gpu_tests align_graph_tests "${LIMIT_187T:-90}" tests/test_kernel_router_align.py -k graph -rfE
+if [ -n "${FILES_187:-}" ]; then
+  SAMMIE_PDL=1 gpu_tests align_files_tests "${LIMIT_187F:-200}" $FILES_187 -rfE
+  grep -E "^(FAILED|ERROR)" "$R/align_files_tests.log" | cut -c1-250 | head -8
+  cp "$R/align_files_tests.log" "$OUT/" 2>/dev/null
+fi
 grep -E "^(FAILED|ERROR)" "$R/align_graph_tests.log" | cut -c1-250 | head -8
 cp "$R/align_graph_tests.log" "$OUT/" 2>/dev/null
 fi

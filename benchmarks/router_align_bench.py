@@ -67,7 +67,12 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     ws = [torch.randn(e, h, device=dev, generator=gen).to(torch.bfloat16) * 0.02 for _ in range(calls)]
     rows = []
-    for t in (int(v) for v in args.tokens.split(",")):
+    tokens = [int(v) for v in args.tokens.split(",")]
+    if args.parts and any(t > moe_router.PARTS_MAX_ROWS for t in tokens):  # the router GEMM in Triton takes <= 64
+        print(f"--parts: skipping {[t for t in tokens if t > moe_router.PARTS_MAX_ROWS]} tokens "
+              f"(> moe_router.PARTS_MAX_ROWS = {moe_router.PARTS_MAX_ROWS})", flush=True)
+        tokens = [t for t in tokens if t <= moe_router.PARTS_MAX_ROWS]
+    for t in tokens:
         xs = [torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16) for _ in range(calls)]
         row = dict(tokens=t, pairs=t * (top_k + 1), block_m=bm)
         warps = [int(v) for v in args.warps.split(",")]

@@ -134,7 +134,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_E)  # [BE]
         key = tl.where(lf != lf, float("inf"), lf)  # NaN ranks first (torch.topk's order); no NaN in reductions
         kk = tl.arange(0, BLOCK_K)  # [BK]
-        vals = tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32)
+        e = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # exp(pick - max) at the picks' positions, 0 past K
         ids = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int32)
         m = tl.zeros((BLOCK_R,), dtype=tl.float32)
         den = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -144,14 +144,14 @@ if triton is not None:
             # lowest available lane equal to the max: there is one (k <= E available lanes, all >= -inf)
             pick = tl.min(tl.where(avail & (cur == mx[:, None]), cols[None, :], BLOCK_E), axis=1)  # [BR]
             avail = avail & (cols[None, :] != pick[:, None])
-            vals = tl.where(kk[None, :] == j, mx[:, None], vals)
             ids = tl.where(kk[None, :] == j, pick[:, None], ids)
             if j == 0:
-                m = mx  # the row's max
+                m = mx  # the row's max (picks never increase)
+            term = _exp(mx - m, INTERPRET)  # [BR]
+            e = tl.where(kk[None, :] == j, term[:, None], e)
             # the denominator summed in pick order, one term an iteration: the same fp32 sum whatever the layout and
             # warps (a tl.sum over the K lanes reduces in a tree that follows them: 1 and 4 warps rounded differently)
-            den += _exp(mx - m, INTERPRET)
-        e = tl.where(kk[None, :] < K, _exp(vals - m[:, None], INTERPRET), 0.0)  # [BR, BK]: each the term above
+            den += term
         w = tl.div_rn(e, den[:, None])  # softmax denominator cancelled (module docstring)
         return w, ids
 

@@ -1,4 +1,5 @@
-"""The MoE router's top-k and the routing alignment in one launch at decode sizes: registry op "router_topk_align".
+"""The MoE router's top-k and the routing alignment in one launch at decode sizes: registry ops "router_topk_align"
+(over given logits) and "router_linear_topk_align" (over the router GEMM's fp32 partials; below, after the first).
 
 Contract. `router_topk_align_reference(logits, k, extra, num_experts, block_m)` = `moe_router.router_topk_reference`
 (softmax, top-k, renormalised; `extra` >= 0 appends the shared expert's pair (1, extra)) then
@@ -12,7 +13,8 @@ ms of a step's 8.53 ms of kernels), two launch boundaries after the GEMM. Here t
 which tokens chose each expert, and the program that arrives last builds the alignment from that: no sort, one
 launch and one boundary fewer a layer (40 a step). Measured (H200, 2026-12-05, benchmarks/RESULTS.md): per call at
 32 tokens with F.linear 14.7 us at one warp against 12.3 for the two launches (12.0 at 4 warps; at 64 tokens 15.2
-against 19.1), and in the engine -1.2% at 32 streams, so it runs only when asked (`QwenEngineConfig.router_align`).
+against 19.1), and in the engine -1.2% at 32 streams: after F.linear it runs only when asked
+(`QwenEngineConfig.router_align` true with `router_parts` off; "auto" runs the op over the partials instead).
 
 Algorithm (grid as `router_topk`'s: one row per program on the GPU; N tokens, KP pairs a token, P = N KP pairs with
 ids p = t KP + j, NE = `num_experts` experts, WORDS = ceil(N / 32)):
@@ -37,11 +39,12 @@ or past the limits, the op's other implementation runs: `router_topk` then `moe_
 Launches sharing a workspace must not overlap in time: the engine's routers run on its main stream, each after the
 previous layer's (under PDL every kernel waits for its predecessor's completion before touching memory).
 
-Warps: router_topk's tiling (`moe_router._tiling`: one warp a row of 256 experts), so the last program builds the
-alignment on one warp too (offline sm_90: 96 registers, no stack); `benchmarks/router_align_bench.py` times 1, 2
-and 4.
+Warps: over given logits router_topk's tiling (`moe_router._tiling`: one warp a row of 256 experts), so the last
+program builds the alignment on one warp too (offline sm_90: 96 registers, no stack); over the partials
+PARTS_ALIGN_WARPS (4); `benchmarks/router_align_bench.py` times 1, 2 and 4.
 
-Numerics: the weights and ids are `router_topk`'s (the same selection code, `moe_router._select_topk`).
+Numerics: the weights and ids are `router_topk`'s (the same selection code, `moe_router._select_topk`, whose softmax
+denominator is summed in pick order: the same bits at any warps).
 """
 
 from __future__ import annotations
@@ -216,13 +219,14 @@ def _workspace_or_none(device: torch.device) -> tuple[torch.Tensor, torch.Tensor
         return counters, ws
     if device not in _CAPTURED_FALLBACK:
         _CAPTURED_FALLBACK.add(device)
-        log.warning("router_topk_align: first used inside a CUDA-graph capture on %s, so no workspace: that graph "
-                    "runs the top-k and moe_align in separate launches (run an eager call before capturing)", device)
+        log.warning("router_topk_align / router_linear_topk_align: first used inside a CUDA-graph capture on %s, so "
+                    "no workspace: that graph runs the top-k and moe_align in separate launches (run an eager call "
+                    "before capturing)", device)
     return None
 
 
 def _align_launch(src: torch.Tensor, n: int, e: int, k: int, extra: int, num_experts: int, block_m: int,
-                  counters: torch.Tensor, ws: torch.Tensor, parts: tuple[torch.Tensor, int] | None = None,
+                  counters: torch.Tensor, workspace: torch.Tensor, parts: tuple[torch.Tensor, int] | None = None,
                   block_r: int | None = None, num_warps: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel over logits `src` [N, E], or with `parts` = (fp32 partials [SPLIT, N, E], SPLIT) over those, `src`
@@ -243,7 +247,7 @@ def _align_launch(src: torch.Tensor, n: int, e: int, k: int, extra: int, num_exp
         cfg["num_warps"] = num_warps
     partials = {} if parts is None else dict(ws=parts[0], SPLIT=parts[1])
     _router_topk_align_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
-        src, weights, idx, ws, ws[MAX_EXPERTS * MAX_WORDS:], counters, sorted_pairs, block_expert, n, e,
+        src, weights, idx, workspace, workspace[MAX_EXPERTS * MAX_WORDS:], counters, sorted_pairs, block_expert, n, e,
         src.stride(0), max(extra, 0), num_experts, rows // block_m, K=k, KP=kp,
         BLOCK_K=triton.next_power_of_2(kp), WORDS=triton.cdiv(n, 32),
         BLOCK_NE=max(16, triton.next_power_of_2(num_experts)), BLOCK_P=max(16, triton.next_power_of_2(p)),

@@ -177,8 +177,8 @@ class QwenEngineConfig:
     #                             tensor cores; it takes part in PDL and, with early_loads, reads its weight tile
     #                             before its wait), then the top-k over its fp32 partials: registry op
     #                             "router_linear_topk" (kernels/moe_router.py; TopKRouter.parts, process-wide)
-    #                             instead of F.linear (cuBLAS: no PDL) + router_topk (router_align's launch keeps
-    #                             F.linear). Logits within an ulp of
+    #                             instead of F.linear (cuBLAS: no PDL) + router_topk (with router_align, from
+    #                             257 pairs, the top-k + alignment over the partials). Logits within an ulp of
     #                             F.linear's (another fp32 order), so greedy tokens can part from an F.linear
     #                             engine's at a near-tie (random weights: 30 of 32 streams after 14-32 tokens).
     #                             H100, fifty-second session (two machines, one process each): 32 streams +1.5-1.7%
@@ -277,13 +277,14 @@ class QwenEngineConfig:
     #                             one launch fewer a layer (40 a step), the same bits. With router_parts (5-64 rows)
     #                             it sums the router GEMM's partials itself ("router_linear_topk_align", 4 warps: the
     #                             GEMM, then the top-k + alignment) from kernels.router_align.PARTS_MIN_PAIRS (257)
-    #                             pairs: H100, fifty-third session (three processes, the same greedy tokens): 32
-    #                             streams +0.2-0.5%, per call at 32 rows 7.98 against 9.22 us (at 8-24 rows, below
+    #                             pairs to 64 tokens: H100, fifty-third session (three processes): 32 streams
+    #                             +0.2-0.5%, the same greedy tokens once the top-k's denominator was summed in pick
+    #                             order (runs 2-3); per call at 32 rows 7.98 against 9.22 us (at 8-24 rows, below
     #                             that threshold, 7.50-8.13 against 6.64-7.29: the separate launches run there).
     #                             Without router_parts, after F.linear ("router_topk_align", 1 warp: H200
     #                             2026-12-05, one process, 32 streams 4,238.8 against 4,288.4 / 4,287.0 tok/s, -1.2%).
-    #                             "auto" (default): on with router_parts, off without; true / false: as asked. The
-    #                             start-up self-check covers both ops when on
+    #                             "auto" (default): on with router_parts (packed models), off without; true / false:
+    #                             as asked. The start-up self-check covers both ops where it is on
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -482,7 +483,7 @@ class QwenEngine:
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device, self.kernels))
         self.small_batch_tokens = set_small_batch_tokens(self.model, cfg.small_batch_tokens)
         self.expert_regs = set_expert_regs(self.model, cfg.expert_regs, self.device, self.dtype)
-        self.router_align = set_router_align(self.model, router_align_on(cfg))
+        self.router_align = set_router_align(self.model, router_align_on(cfg), warn=cfg.router_align is True)
         self.model_config = self.model.config
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
@@ -928,7 +929,7 @@ class QwenEngine:
         # the decode MoE's op only when the engine may run it (its kernel autotunes 6 configs on a GPU)
         ops = [op for op in MODEL_OPS if op in reg.ops() and (op != MOE_DECODE_OP or self.cfg.moe_fused_decode)
                and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
-               and (op not in ROUTER_ALIGN_OPS or router_align_on(self.cfg))]
+               and (op not in ROUTER_ALIGN_OPS or self.router_align > 0 or self.cfg.router_align is True)]
         # re-check when the ops or their preferences change (the ops differ with the options that add one)
         from kernels import pdl  # the EARLY builds run in the samples when early loads are on: part of the key
 
@@ -1030,9 +1031,10 @@ def router_align_on(cfg: QwenEngineConfig) -> bool:
     return cfg.router_parts if cfg.router_align == "auto" else bool(cfg.router_align)
 
 
-def set_router_align(model: torch.nn.Module, on: bool) -> int:
+def set_router_align(model: torch.nn.Module, on: bool, warn: bool = True) -> int:
     """Set `SparseMoE.router_align` on every MoE layer whose experts can take a routing built by the router
-    (`NVFP4Experts.routing_shape`: packed experts); returns how many layers took it. True with none logs a warning."""
+    (`NVFP4Experts.routing_shape`: packed experts); returns how many layers took it. On with none logs a warning
+    where `warn` (an explicit true; "auto" on a dense model is quietly off)."""
     from .model.moe import SparseMoE
 
     n = 0
@@ -1040,7 +1042,7 @@ def set_router_align(model: torch.nn.Module, on: bool) -> int:
         if isinstance(mod, SparseMoE):
             mod.router_align = bool(on) and hasattr(mod.experts, "routing_shape")
             n += mod.router_align
-    if on and n == 0:
+    if on and warn and n == 0:
         log.warning("router_align: no MoE layer holds packed experts (a dense model); the experts align their own "
                     "routing")
     return n

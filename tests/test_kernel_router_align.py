@@ -177,7 +177,9 @@ def test_linear_matches_router_linear_topk_then_moe_align(n, e, h, k, extra, num
 
 
 def test_linear_fp16_and_warps():
-    """fp16 activations and weights; 1 and 4 warps (the engine's PARTS_ALIGN_WARPS), the same bits."""
+    """fp16 activations and weights; 1 and 4 warps (the engine's PARTS_ALIGN_WARPS), the same bits. (The interpreter
+    ignores warps: on the CPU this checks fp16; on a GPU also the warps, as the graph test below does at 4 against
+    "router_linear_topk"'s 1.)"""
     x, w = router_inputs(24, 128, 256, seed=11, dtype=torch.float16)
     one = check_linear(x, w, 8, 128, 129, 8, num_warps=1)
     four = check_linear(x, w, 8, 128, 129, 8, num_warps=4)
@@ -311,7 +313,9 @@ def test_linear_graph_replays_under_pdl():
     x: every replay's outputs equal "router_linear_topk"'s and moe_align's of its ids, run eagerly afterwards."""
     from kernels import pdl
 
-    before, early = pdl.enabled(), pdl.early()
+    from kernels.split_k import _COUNTERS
+
+    before, early = pdl.enabled(), pdl._EARLY  # the flag itself: pdl.early() is False while PDL is off
     pdl.set_enabled(pdl.device_supports())
     pdl.set_early(pdl.device_supports())
     try:
@@ -333,6 +337,12 @@ def test_linear_graph_replays_under_pdl():
                 assert all(torch.equal(a, b) for a, b in zip(out[:3], parts))
                 routing = moe_align(out[2], 257, 8)
                 assert torch.equal(out[3], routing.sorted_pairs) and torch.equal(out[4], routing.block_expert)
+        # the graph ran the kernel (its workspace and counter re-armed), not the two-launch fallback of a capture
+        # without a workspace (whose outputs would be the same)
+        assert dev not in ra._CAPTURED_FALLBACK
+        ws = ra._WORKSPACE[(dev.type, dev.index, "")]
+        assert int(ws[:ra.MAX_EXPERTS * ra.MAX_WORDS].abs().sum()) == 0
+        assert int(_COUNTERS[(dev.type, dev.index, "")][0]) == 0
     finally:
         pdl.set_enabled(before)
         pdl.set_early(early)

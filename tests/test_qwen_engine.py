@@ -621,12 +621,9 @@ def test_kernel_self_check_at_start():
     assert checks["gdn_chunk_prefill"] == "fla skipped (does not support the sample on cpu)"  # fla: CUDA only
     # the decode MoE in one launch (off by default) is checked only by an engine that may run it
     assert "w4a16_moe_decode" not in checks, checks
-    # the router's top-k + alignment: router_align "auto" follows router_parts (both on by default), so both of its
-    # ops are checked; with router_parts off "auto" is off and neither is
-    assert checks["router_topk_align"] == f"{want}; {want.replace('triton', 'router_topk+moe_align')}", checks
-    assert checks["router_linear_topk_align"] == f"{want}; {want.replace('triton', 'linear+router_topk_align')}"
-    unparted = run(engine_config(kernels="triton", kernel_self_check=True, router_parts=False), body)["kernel_checks"]
-    assert "router_topk_align" not in unparted and "router_linear_topk_align" not in unparted, unparted
+    # likewise the router's top-k + alignment: router_align "auto" takes no layer of a dense model (packed experts
+    # only), so neither of its ops is checked (test_engine_router_align checks them with router_align true)
+    assert "router_topk_align" not in checks and "router_linear_topk_align" not in checks, checks
     fused = run(engine_config(kernels="triton", kernel_self_check=True, moe_fused_decode=True), body)["kernel_checks"]
     assert fused["w4a16_moe_decode"] == want, fused
     assert run(engine_config(kernel_self_check=False), body)["kernel_checks"] is None
@@ -817,7 +814,7 @@ def test_engine_shared_expert_in_moe(monkeypatch):
     assert on == off
 
 
-def test_engine_router_align(monkeypatch):
+def test_engine_router_align(monkeypatch, caplog):
     """router_align (packed weights, the MoE's fused path as on a GPU): the MoE calls of more than MAX_ROWS tokens
     (here the prefill chunks) take their weights, ids and routing alignment from registry op
     "router_linear_topk_align" (router_parts, the default; "router_topk_align" after F.linear without it),
@@ -851,19 +848,23 @@ def test_engine_router_align(monkeypatch):
     from kernels import router_align as ra
 
     monkeypatch.setattr(ra, "PARTS_MIN_PAIRS", 1)
+    # every launch of the kernel: (rows, over the router GEMM's partials?)
+    launches, launch = [], ra._align_launch
+    monkeypatch.setattr(ra, "_align_launch", lambda src, n, *a, **kw: (launches.append((n, "parts" in kw and
+                                                                                        kw["parts"] is not None)),
+                                                                       launch(src, n, *a, **kw))[1])
+    # bf16: the router GEMM in Triton takes 16-bit inputs only, so in fp32 every call would take the F.linear fallback
     (h_on, on, calls_on), (h_off, off, calls_off) = (
-        run(engine_config(weights="packed", kernels="auto", router_align=flag, shared_expert_in_moe=True), body)
+        run(engine_config(weights="packed", kernels="auto", router_align=flag, shared_expert_in_moe=True,
+                          dtype="bf16"), body)
         for flag in (True, False))
     assert h_on["router_align_layers"] == QwenConfig.tiny().num_hidden_layers and h_off["router_align_layers"] == 0
     assert calls_on > 0 and calls_off == 0
     assert on == off
+    assert launches and all(parts for _, parts in launches), launches  # router_parts (default): over the partials
     # decode-only batches above MAX_ROWS (5 short prompts, then 5 streams decoding, padded to the graphs' bucket of 8
     # with the scratch row: "static" runs the CUDA-graph path's static buffers eagerly) take the aligned routing too
-    from kernels import router_align
-
-    rows, launch = [], router_align._align_launch
-    monkeypatch.setattr(router_align, "_align_launch", lambda src, n, *a, **kw: (rows.append(n),
-                                                                                 launch(src, n, *a, **kw))[1])
+    launches.clear()
 
     async def decoding(engine):
         outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=6)
@@ -871,10 +872,21 @@ def test_engine_router_align(monkeypatch):
         return [o[0] for o in outs]
 
     on, off = (run(engine_config(weights="packed", kernels="auto", router_align=flag, shared_expert_in_moe=True,
-                                 max_num_seqs=8, decode_graphs="static"), decoding) for flag in (True, False))
-    assert 8 in rows and on == off  # the padded decode batch went through the router's alignment
+                                 max_num_seqs=8, decode_graphs="static", dtype="bf16"), decoding)
+               for flag in (True, False))
+    assert (8, True) in launches and on == off  # the padded decode batch went through the router's alignment
     h_dense = run(engine_config(router_align=True), lambda engine: asyncio.sleep(0, engine.health()))
     assert h_dense["router_align_layers"] == 0
+    # "auto" (the default): every packed layer with router_parts, none without; a dense model quietly none
+    health = lambda engine: asyncio.sleep(0, engine.health())  # noqa: E731
+    layers = QwenConfig.tiny().num_hidden_layers
+    assert run(engine_config(weights="packed"), health)["router_align_layers"] == layers
+    assert run(engine_config(weights="packed", router_parts=False), health)["router_align_layers"] == 0
+    assert "router_align: no MoE layer holds packed experts" in caplog.text  # the explicit true above, dense
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qwen_engine.engine"):
+        assert run(engine_config(), health)["router_align_layers"] == 0
+    assert "router_align" not in caplog.text
     checks = run(engine_config(kernels="triton", kernel_self_check=True, router_align=True),
                  lambda engine: asyncio.sleep(0, engine.health()))["kernel_checks"]
     want = ("triton passed; router_topk+moe_align passed" if INTERPRETED else

@@ -485,6 +485,32 @@ def test_shared_expert_inside_the_grouped_launches(tensors, monkeypatch):
         moe.fused, moe.shared_in_experts = None, False
 
 
+@pytest.mark.parametrize("parts", [True, False])
+def test_aligned_routing_thresholds(monkeypatch, parts):
+    """`SparseMoE._aligned_routing`'s rows: never at <= MAX_ROWS tokens; with the router GEMM in Triton
+    (`TopKRouter.parts`) the fold over its partials from PARTS_MIN_PAIRS pairs (29 tokens with the shared pair, 33
+    without) up to PARTS_MAX_ROWS tokens; after F.linear from MAX_ROWS + 1 tokens at any count."""
+    from kernels import moe_router, router_align
+    from qwen_engine.model.moe import SparseMoE, TopKRouter
+
+    class Experts(torch.nn.Module):  # the packed experts' one method the decision asks
+        def routing_shape(self, n, pairs, with_shared):
+            return (CFG.num_experts + with_shared, 8)
+
+    monkeypatch.setattr(TopKRouter, "parts", parts)
+    moe = SparseMoE(CFG)
+    moe.experts, moe.router_align, moe.gate.fused = Experts(), True, True
+    assert router_align.PARTS_MIN_PAIRS == 257 and moe_router.PARTS_MAX_ROWS == 64 and moe_router.MAX_ROWS == 4
+    taken = {(n, k1): moe._aligned_routing(n, k1, k1 == 9, False) is not None
+             for n, k1 in ((4, 9), (5, 9), (28, 9), (29, 9), (32, 8), (33, 8), (64, 9), (65, 9), (128, 9))}
+    if parts:
+        assert [key for key, on in taken.items() if on] == [(29, 9), (33, 8), (64, 9)], taken
+    else:
+        assert [key for key, on in taken.items() if not on] == [(4, 9)], taken
+    moe.router_align = False
+    assert moe._aligned_routing(32, 9, True, False) is None
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("shared_in_experts", [True, False])
 @pytest.mark.parametrize("parts", [True, False])

@@ -285,16 +285,22 @@ class SparseMoE(nn.Module):
         None: the option off, experts that build none for n tokens (`NVFP4Experts.routing_shape`), a router that
         keeps its own path (the fused GEMV + top-k at <= MAX_ROWS rows; a router_topk without the extra column in its
         kernel; a router on its plain torch path), or, with `TopKRouter.parts`, fewer than
-        `kernels.router_align.PARTS_MIN_PAIRS` pairs (there the separate launches were faster per call)."""
+        `kernels.router_align.PARTS_MIN_PAIRS` pairs (there the separate launches were faster per call) or more than
+        `kernels.moe_router.PARTS_MAX_ROWS` tokens (the router GEMM is F.linear there: the separate launches, as
+        without router_align)."""
         if not self.router_align or not hasattr(self.experts, "routing_shape") or not self.gate.extra_in_kernel:
             return None
         if not (self.gate.fused if self.gate.fused is not None else is_cuda):  # the router's plain (torch) path:
             return None  # its top-k is torch.topk's, which may order ties otherwise
-        from kernels.moe_router import MAX_ROWS
+        from kernels.moe_router import MAX_ROWS, PARTS_MAX_ROWS
         from kernels.router_align import PARTS_MIN_PAIRS
 
-        if n <= MAX_ROWS or (TopKRouter.parts and n * pairs_per_token < PARTS_MIN_PAIRS):
-            return None  # (with the router GEMM in Triton the separate launches are faster below PARTS_MIN_PAIRS)
+        if n <= MAX_ROWS:
+            return None
+        # with the router GEMM in Triton: the fold over its partials from PARTS_MIN_PAIRS pairs (below, the separate
+        # launches are faster) up to its PARTS_MAX_ROWS rows (above, the GEMM is F.linear and the routing its own)
+        if TopKRouter.parts and not (PARTS_MIN_PAIRS <= n * pairs_per_token and n <= PARTS_MAX_ROWS):
+            return None
         return self.experts.routing_shape(n, n * pairs_per_token, with_shared)
 
     def _shared_as_pair(self, n: int, top_k: int) -> bool:
