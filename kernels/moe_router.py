@@ -644,14 +644,20 @@ def supports_two_launch(*, two_launch: bool, **_: Any) -> bool:
     return two_launch
 
 
+def _small_int_router_inputs(rows: int, h: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, h] and w [60, h] of small integers in [-2, 2] as bf16 (the registry samples of the router GEMM ops):
+    every fp32 sum is exact (|sum| <= 4 h), so any summation order gives F.linear's logits bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (rows, h), generator=gen).to(torch.bfloat16)
+    w = torch.randint(-2, 3, (60, h), generator=gen).to(torch.bfloat16)
+    return x.to(device), w.to(device)
+
+
 def _gemv_sample(device) -> tuple[tuple, dict]:
     # small integers: every fp32 sum is exact (|sum| <= 2 x 2 x 72 = 288), and both sides round the same sum to bf16,
     # so the logits must equal the reference's bit for bit and the top-k are router_topk's on them; 3 rows x 60
     # experts x H = 72 (a masked H tail), bf16, top-8
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(-2, 3, (3, 72), generator=gen).to(torch.bfloat16)
-    w = torch.randint(-2, 3, (60, 72), generator=gen).to(torch.bfloat16)
-    return (x.to(device), w.to(device), 8), {}
+    return (*_small_int_router_inputs(3, 72, 0, device), 8), {}
 
 
 # ---- the router's GEMM at 5-64 rows in Triton, then the top-k over its partials ("router_linear_topk") -------------
@@ -774,10 +780,7 @@ def supports_parts(*, parts: bool, **_: Any) -> bool:
 def _linear_sample(device) -> tuple[tuple, dict]:
     # 6 rows x 60 experts x H = 600 (a masked H tail; three H tiles of 256 on the GPU), small integers: every fp32
     # sum exact, so the logits equal F.linear's bit for bit; bf16, top-8 and the extra column (expert 60)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(-2, 3, (6, 600), generator=gen).to(torch.bfloat16)
-    w = torch.randint(-2, 3, (60, 600), generator=gen).to(torch.bfloat16)
-    return (x.to(device), w.to(device), 8, 60), {}
+    return (*_small_int_router_inputs(6, 600, 1, device), 8, 60), {}
 
 
 # ---- registry entry -------------------------------------------------------------------------------------------------
