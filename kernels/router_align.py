@@ -465,7 +465,7 @@ def describe_linear(x: torch.Tensor, w: torch.Tensor, k: int, extra: int, num_ex
     "router_linear_topk"'s fallback: F.linear and "router_topk_align", itself falling back to its two launches)."""
     d = moe_router.describe_linear(x, w, k, extra)
     return dict(device=x.device.type, two_launch=d["two_launch"],
-                supported=d["parts"] and _linear_check(x, w, k, extra, num_experts, block_m) is None)
+                supported=d["parts"] and _shape_check(x.shape[0], w.shape[0], k, extra, num_experts, block_m) is None)
 
 
 def _linear_sample(device) -> tuple[tuple, dict]:
