@@ -277,9 +277,6 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
-#   STEPS="188" (carry the fla wheels and .tritoncache; either GPU): <= 9 min: issue 5, the attention's split combine
-#       folded into its kernel (attn_fold): CUDA tests, per call fold on / off at 16-32 streams, then the engine --
-#       the defaults beside attn_fold off, and again (one process)
 #   STEPS="187" (carry .tritoncache; either GPU): ~1-3 min: issue 5, the router_align CUDA-graph tests after their
 #       shared replay helper (tests/test_kernel_router_align.py graph_replays); FILES_187 adds whole test files
 #   STEPS="186" (no carry needed; either GPU): ~1 min: issue 5, the top-k + alignment over the partials per call at
@@ -2276,24 +2273,6 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
-fi
-if want 188; then
-# fifty-fourth session: the decode attention's split combine folded into its kernel (kernels/paged_attention.py
-# set_fold; the engine's attn_fold, on): at 2-8 splits the last split program of a sequence's kv head to arrive
-# combines them and applies the output gate and o_proj's codes -- no combine launch (7.1 us a layer in the H100
-# profile of the 32-stream step, results/profile54_run1). Its CUDA tests (PDL on), per call with the fold on / off at
-# 16-32 streams, then the engine: the defaults (fold on) beside attn_fold off, and the defaults again (one process)
-say "188. issue 5: the attention combine folded into the kernel -- CUDA tests, per call, the engine"
-SAMMIE_PDL=1 gpu_tests fold_tests "${LIMIT_188T:-100}" tests/test_kernel_paged_attention.py \
-  tests/test_attention_gated.py -k "fold or graph or gated or compile_time or model_head" -rfE
-grep -E "^(FAILED|ERROR)" "$R/fold_tests.log" | cut -c1-250 | head -8
-cp "$R/fold_tests.log" "$OUT/" 2>/dev/null
-timeout "${LIMIT_188B:-100}" python benchmarks/paged_attention_bench.py --streams 32,24,16 --splits 0,4,6,8 \
-  --block-n 32 --warps 4 --fold on,off --out "$OUT/attn_fold" > "$OUT/attn_fold.log" 2>&1
-cat "$OUT/attn_fold/paged_attention_bench.md" 2>/dev/null || tail -5 "$OUT/attn_fold.log"
-engine_out qwen_attn_fold "${LIMIT_188E:-330}" --decode-tokens 48 --variant 'nofold={"attn_fold": false}' --again \
-  ${EXTRA_170:-}
-grep -h "SELF-CHECK" "$OUT/qwen_attn_fold.log" | cut -c1-250 | head -5
 fi
 if want 187; then
 say "187. issue 5: the router_align CUDA-graph tests (PDL on)"

@@ -1,7 +1,6 @@
 """The paged decode attention (`kernels/paged_attention.py`, with the output gate and o_proj's FP8 codes in its
 combine: the engine's path) per call at Qwen3.6's shapes, over its launch knobs: splits of each sequence's context,
-tokens a loop step (BLOCK_N), warps a program and (--fold) the combine folded into the kernel or launched, beside the
-heuristics' choice.
+tokens a loop step (BLOCK_N) and warps a program, beside the heuristics' choice.
 
     python benchmarks/paged_attention_bench.py --out benchmarks/results/paged_attention_bench     # GPU; ~1-2 min
 
@@ -33,9 +32,6 @@ def main() -> None:
     ap.add_argument("--splits", default="0,1,2,3,4,6,8", help="0: the heuristic")
     ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--fold", default="on", help="on / off / on,off: the split combine folded into the kernel at "
-                                                  "2..FOLD_MAX_SPLITS splits (kernels/paged_attention.py set_fold, "
-                                                  "the engine's attn_fold) or its own launch")
     args = ap.parse_args()
     import torch
 
@@ -59,13 +55,12 @@ def main() -> None:
         grid = [(0, None, None)] + list(itertools.product(
             (int(v) for v in args.splits.split(",") if int(v) > 0), (int(v) for v in args.block_n.split(",")),
             (int(v) for v in args.warps.split(","))))
-        for (splits, block_n, warps), fold in itertools.product(grid, args.fold.split(",")):
+        for splits, block_n, warps in grid:
             def call(i, splits=splits, block_n=block_n, warps=warps):
                 return pa.paged_decode_attention_launch(*cases[i], num_splits=splits or None, block_n=block_n,
                                                         gate=gates[i], input_scale=scale_in, num_warps=warps)
-            pa.set_fold(fold == "on")  # read at each launch: the graph below captures this setting's kernels
             row = dict(streams=streams, context=args.context, splits=splits or "auto", block_n=block_n or "auto",
-                       warps=warps or "auto", fold=fold)
+                       warps=warps or "auto")
             try:
                 out = call(0)
                 if default is None:
@@ -86,13 +81,12 @@ def main() -> None:
     (out_dir / "paged_attention_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# paged_attention_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, PDL "
              f"{meta['pdl']}); us per call, context {args.context}", "",
-             "| streams | splits | BLOCK_N | warps | fold | us | check |", "|---:|---:|---:|---:|---|---:|---|"]
+             "| streams | splits | BLOCK_N | warps | us | check |", "|---:|---:|---:|---:|---:|---|"]
     for streams in dict.fromkeys(r["streams"] for r in rows):
         ok = [r for r in rows if r["streams"] == streams and "us" in r]
         for r in sorted(ok, key=lambda r: r["us"])[:8] + [r for r in ok if r["splits"] == "auto"]:
             check = r.get("vs_reference", r.get("vs_auto", ""))
-            lines.append(f"| {streams} | {r['splits']} | {r['block_n']} | {r['warps']} | {r['fold']} | {r['us']:.2f} "
-                         f"| {check} |")
+            lines.append(f"| {streams} | {r['splits']} | {r['block_n']} | {r['warps']} | {r['us']:.2f} | {check} |")
     (out_dir / "paged_attention_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -356,8 +356,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
                        picks: list | None = None, gdn_state_dtype: str = "float32",
                        expert_regs: bool | str | None = None, router_align: bool | str | None = None,
-                       early_loads: bool | None = None, router_parts: bool | None = None,
-                       attn_fold: bool | None = None) -> dict:
+                       early_loads: bool | None = None, router_parts: bool | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -387,7 +386,6 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                             **{k: v for k, v in dict(argmax_kernel=argmax_kernel,  # None: the config's default
                                                      expert_regs=expert_regs, router_align=router_align,
                                                      early_loads=early_loads, router_parts=router_parts,
-                                                     attn_fold=attn_fold,
                                                      attn_gate_in_combine=attn_gate_in_combine,
                                                      async_decode=async_decode,
                                                      gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()

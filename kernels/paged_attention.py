@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from kernels import pdl, tolerance
 from kernels.device import triton_device_ok
-from kernels.split_k import num_sms, split_counters
+from kernels.split_k import num_sms
 
 try:
     import triton
@@ -68,7 +68,6 @@ try:
     from kernels.attn_prep import _gate_store
     from kernels.pdl import enter as pdl_enter
     from kernels.rms_norm import _cast  # fp32 -> out dtype, round to nearest even (also under the interpreter)
-    from kernels.split_k import last_arrival, rearm
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
 
@@ -90,15 +89,6 @@ MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks 
 # None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them in the engine).
 MANY_PROGRAMS: int | None = 48
 MANY_PER_SM, MANY_WARPS = 3, 4
-# The split combine folded into the attention kernel (`set_fold`, the engine's `attn_fold`): with 2..FOLD_MAX_SPLITS
-# splits the last of a (row, kv head)'s split programs to arrive sums the splits' partials of its query heads (G x Dh
-# fp32 from L2, <= 8 x 8 KB at Qwen's 8 heads of 256) and writes the output (and, gated, the gate and o_proj's codes):
-# no second launch. More splits (the lone rule's 66 at one stream) keep the combine launch, whose grid spreads a
-# sequence's heads over many programs instead of loading 66 partials in one. H100 profile of the 32-stream step
-# (fifty-fourth session, results/profile54_run1): the combine launch 7.1 us a layer against the attention's 29.8
-_FOLD = [True]
-FOLD_MAX_SPLITS = 8
-FOLD_BLOCK_S = 8  # the lse tile's width: one build for every split count it folds
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
 LOG2E = 1.4426950408889634
 
@@ -149,12 +139,8 @@ if triton is not None:
                              s_od, s_oh, s_os, s_ld, s_lh,
                              HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                              IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                             USE_PDL: tl.constexpr = False, counters=None, out=None, s_outd=0, s_outh=0, gate=None,
-                             s_gd=0, s_gh=0, codes=None, s_cod=0, s_in=None, FOLD: tl.constexpr = False,
-                             GATE: tl.constexpr = False, BLOCK_S: tl.constexpr = 8):
-        # grid (D, KVH, NUM_SPLITS); qk_scale = scale * log2(e): scores in log2 units, exp2 throughout.
-        # FOLD (`set_fold`; NUM_SPLITS <= BLOCK_S): the last split program of (i, kvh) to arrive combines the splits
-        # into out (`_fold_splits`; GATE: with the output gate and o_proj's codes), counters[i * KVH + kvh] its arrivals
+                             USE_PDL: tl.constexpr = False):
+        # grid (D, KVH, NUM_SPLITS); qk_scale = scale * log2(e): scores in log2 units, exp2 throughout
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         i, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ctx = tl.load(ctx_lens + i * s_cd).to(tl.int32)
@@ -195,50 +181,6 @@ if triton is not None:
         lse_t = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) / 1.4426950408889634, float("-inf"))
         tl.store(o_part + i * s_od + heads[:, None] * s_oh + split * s_os + d[None, :], o_t, mask=g_ok[:, None])
         tl.store(lse + i * s_ld + heads * s_lh + split, lse_t, mask=g_ok)
-        if FOLD:
-            tile = i * tl.num_programs(1) + kvh
-            if last_arrival(counters, tile, tl.num_programs(2)):  # every split's partials are in L2
-                _fold_splits(o_part, lse, out, i, heads, g_ok, tl.num_programs(2), s_od, s_oh, s_os, s_ld, s_lh,
-                             s_outd, s_outh, HEAD_DIM, BLOCK_G, BLOCK_S, INTERPRET, gate, s_gd, s_gh, codes, s_cod,
-                             s_in, GATE)
-                rearm(counters, tile)
-
-    @triton.jit
-    def _fold_splits(o_part, lse, out, i, heads, g_ok, S, s_od, s_oh, s_os, s_ld, s_lh, s_outd, s_outh,
-                     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
-                     gate, s_gd, s_gh, codes, s_cd, s_in, GATE: tl.constexpr):
-        """Row i's S (<= BLOCK_S) split partials of query heads `heads` [BG] combined as `_combine_kernel` does (the
-        same fp32 operations: weights exp(lse - max lse) by the accurate expf, an IEEE division, one rounding to
-        out's dtype), the splits summed in split order: [BG, Dh] at out + i s_outd + h s_outh + d (GATE: the gate
-        of `_combine_kernel`'s GATE on it, and the codes at codes + i s_cd + h s_outh + d). Partials read through L2
-        (".cg": another program's stores, never a stale L1 line)."""
-        sp = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, HEAD_DIM)
-        lv = tl.load(lse + i * s_ld + heads[:, None] * s_lh + sp[None, :], mask=g_ok[:, None] & (sp < S)[None, :],
-                     other=float("-inf"), cache_modifier=".cg")  # [BG, BS]
-        top = tl.max(lv, axis=1)
-        top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights exp(-inf) = 0, output 0
-        if INTERPRET:  # numpy's exp; libdevice is not interpreted
-            w = tl.exp(lv - top[:, None])
-        else:  # torch's accurate expf, not tl.exp's ex2.approx
-            w = libdevice.exp(lv - top[:, None])
-        den = tl.sum(w, axis=1)
-        den = tl.full((BLOCK_G, HEAD_DIM), 1.0, tl.float32) * tl.where(den > 0.0, den, 1.0)[:, None]
-        acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-        rows = o_part + i * s_od + heads[:, None] * s_oh + d[None, :]
-        for s in range(0, S):
-            w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), axis=1)  # [BG]: column s of w
-            acc += tl.load(rows + s * s_os, mask=g_ok[:, None], other=0.0, cache_modifier=".cg") * w_s[:, None]
-        o = tl.div_rn(acc, den)
-        at = i * s_outd + heads[:, None] * s_outh + d[None, :]
-        ok = g_ok[:, None] & (d < HEAD_DIM)[None, :]
-        if GATE:  # `attn_prep._gate_store` on the rounded o, as `_combine_kernel`'s GATE
-            g = tl.load(gate + i * s_gd + heads[:, None] * s_gh + d[None, :], mask=ok, other=0.0)
-            _gate_store(_cast(o, out.dtype.element_ty, INTERPRET), g, out + at,
-                        codes + i * s_cd + heads[:, None] * s_outh + d[None, :], s_in, ok, out.dtype.element_ty,
-                        INTERPRET, True)
-        else:
-            tl.store(out + at, _cast(o, out.dtype.element_ty, INTERPRET), mask=ok)
 
 
     @triton.jit
@@ -327,18 +269,6 @@ def combine_triton(o_part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, 
     return (out, codes) if gated else out
 
 
-def set_fold(on: bool) -> bool:
-    """Process-wide (like kernels/pdl.py's settings; the engine's `attn_fold` sets it before its self-checks and graph
-    captures): fold the split combine into the attention kernel at 2..FOLD_MAX_SPLITS splits. Returns the setting."""
-    _FOLD[0] = bool(on)
-    return _FOLD[0]
-
-
-def fold() -> bool:
-    """Whether launches with 2..FOLD_MAX_SPLITS splits combine inside the attention kernel (`set_fold`)."""
-    return _FOLD[0]
-
-
 def _combine(o_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """o_part [D, H, S, Dh], lse [D, H, S] fp32 -> o [D, H, Dh] fp32 (static shapes, no host sync). Rows whose
     splits are all empty (context 0: CUDA-graph padding rows) give zeros instead of NaN. The reference of
@@ -359,9 +289,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     """The kernel plus the combine; `num_splits` / `block_n` / `num_warps` override the heuristics (tests,
     benchmarks: `benchmarks/paged_attention_bench.py`). `gate`,
     `input_scale`: the output gate and its codes too (`paged_decode_attention_gated_fp8_triton`'s contract), in the
-    combine when the heads are split, else by the gate op after the kernel. The combine: inside the kernel at
-    2..FOLD_MAX_SPLITS splits (`set_fold`; not on a first use inside a CUDA-graph capture, which has no arrival
-    counters yet), else its own launch (`combine_triton`)."""
+    combine's launch when the heads are split, else by the gate op after the kernel."""
     nd, heads, dh = q.shape
     bs, kvh = k_pool.shape[1:3]
     group = heads // kvh
@@ -374,17 +302,6 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         if gate is not None:
             return q.new_empty((0, heads * dh)), q.new_empty((0, heads * dh), dtype=torch.float8_e4m3fn)
         return q.new_empty(q.shape)
-    gated = gate is not None
-    counters = split_counters(q.device, nd * kvh) if _FOLD[0] and 1 < num_splits <= FOLD_MAX_SPLITS else None
-    fold = {}
-    if counters is not None:  # the combine in the kernel's last split programs (the module constants' comment)
-        out = torch.empty((nd, heads * dh) if gated else (nd, heads, dh), dtype=q.dtype, device=q.device)
-        codes = torch.empty((nd, heads * dh), dtype=torch.float8_e4m3fn, device=q.device) if gated else out
-        fold = dict(counters=counters, out=out, s_outd=out.stride(0), s_outh=dh if gated else out.stride(1),
-                    FOLD=True, BLOCK_S=FOLD_BLOCK_S)
-        if gated:
-            fold.update(gate=gate, s_gd=gate.stride(0), s_gh=gate.stride(1), codes=codes, s_cod=codes.stride(0),
-                        s_in=input_scale.reshape(()).float(), GATE=True)
     _paged_decode_kernel[(nd, kvh, num_splits)](
         q, k_pool, v_pool, block_tables, context_lens, o_part, lse, scale * LOG2E, group, bs,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -392,9 +309,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         context_lens.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         HEAD_DIM=dh, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, INTERPRET=_interpreted(),
-        num_warps=num_warps, **fold, **pdl.launch_options())
-    if fold:
-        return (out, codes) if gated else out
+        num_warps=num_warps, **pdl.launch_options())
     if num_splits == 1:
         o = o_part[:, :, 0].to(q.dtype)
         if gate is None:

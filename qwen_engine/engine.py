@@ -248,13 +248,6 @@ class QwenEngineConfig:
     #                                    "paged_decode_attention_gated_fp8"; the same bits; model/attention.py
     #                                    GATE_IN_COMBINE, process-wide): 10 launches fewer a lone step. H200 (variants
     #                                    run 1, the same greedy tokens): lone decode 476.4 / 476.6 -> 477.8 tok/s
-    attn_fold: bool = True  # CUDA decode steps: the decode attention's split combine inside its kernel at 2-8 splits
-    #                         (the last split program of a sequence's kv head to arrive combines them, and applies
-    #                         the output gate and o_proj's codes with attn_gate_in_combine) instead of a second
-    #                         launch: kernels/paged_attention.py set_fold, process-wide. It applies from 24 streams
-    #                         on (~3 programs an SM: 6 splits at 32 streams); the lone request's 66 splits keep the
-    #                         combine launch. The splits summed in split order: within an ulp of the launch's fp32
-    #                         sums before the output rounding, so greedy tokens can part at a near-tie
     gdn_prep_split_v_rows: int = 4  # decode calls of at most this many rows run the GDN prep over 1 + R programs a
     #                                 k-head instead of one (its q / k channels, then each value head alone:
     #                                 kernels/gdn_prep.py SPLIT_V_ROWS; the same bits; process-wide like
@@ -355,8 +348,6 @@ class QwenEngineConfig:
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
         if not isinstance(self.early_loads, bool):
             raise ValueError(f"early_loads must be true or false, got {self.early_loads!r}")
-        if not isinstance(self.attn_fold, bool):
-            raise ValueError(f"attn_fold must be true or false, got {self.attn_fold!r}")
         if not isinstance(self.router_parts, bool):
             raise ValueError(f"router_parts must be true or false, got {self.router_parts!r}")
         if not (isinstance(self.router_align, bool) or self.router_align == "auto"):
@@ -532,9 +523,6 @@ class QwenEngine:
         from .model import attention
 
         attention.GATE_IN_COMBINE = cfg.attn_gate_in_combine
-        from kernels import paged_attention
-
-        self.attn_fold = paged_attention.set_fold(cfg.attn_fold)
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -719,7 +707,6 @@ class QwenEngine:
             "weight_prefetch": self.weight_prefetch,  # the mode in force ("off" without PDL)
             "early_loads": self.early_loads,  # in force (False without PDL)
             "router_parts": _router_parts(),  # process-wide: the last engine built set it
-            "attn_fold": _attn_fold(),  # process-wide: the last engine built set it
             "weight_prefetch_launches": _prefetch_launches(),  # process-wide counts (kernels/pdl.py)
             "quant_in_producers": _quant_in_producers(),  # process-wide: the last engine built set it
             "stats": s.stats.snapshot(),
@@ -979,13 +966,6 @@ def _router_parts() -> bool:
     from .model.moe import TopKRouter
 
     return TopKRouter.parts
-
-
-def _attn_fold() -> bool:
-    """The decode attention's combine folded into its kernel (`QwenEngineConfig.attn_fold`: process-wide)."""
-    from kernels import paged_attention
-
-    return paged_attention.fold()
 
 
 def _quant_in_producers() -> bool:

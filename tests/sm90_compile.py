@@ -237,16 +237,6 @@ def main() -> int:
                           {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
                            "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
                           dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, IEEE=False, INTERPRET=False)))
-    # with the split combine, the output gate and o_proj's codes folded in (the engine's attn_fold at 2-8 splits)
-    ok.append(compile_one("paged_decode + folded combine, gate, codes (Dh = 256, GQA 8, bf16)",
-                          paged_attention._paged_decode_kernel,
-                          {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
-                           "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32", "counters": "*i32", "out": "*bf16",
-                           "gate": "*bf16", "codes": "*fp8e4nv", "s_in": "*fp32"},
-                          dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, IEEE=False, INTERPRET=False, FOLD=True,
-                               GATE=True, BLOCK_S=8),
-                          runtime=("counters", "out", "s_outd", "s_outh", "gate", "s_gd", "s_gh", "codes", "s_cod",
-                                   "s_in")))
     ok.append(compile_one("fp8_quant_static (bf16 -> e4m3, 1 x 1024 tile)", fp8_quant._quant_static_kernel,
                           {"x_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*fp8e4nv"},
                           dict(BLOCK_M=1, BLOCK_K=1024)))

@@ -133,32 +133,3 @@ def test_capture_blocker_when_the_gated_op_runs_its_reference(monkeypatch):
         assert not any(f.startswith(pa.GATED_NAME) for f in runners[0].capture_blockers())
     finally:
         reg.set_preference(before, pa.GATED_NAME)
-
-
-def test_engine_attn_fold_option(monkeypatch):
-    """`attn_fold` (on by default) folds the decode attention's split combine into its kernel: set process-wide by
-    the engine and reported by health(); the tiny fp32 engine's decode steps (2 splits on the CPU's 4 nominal SMs)
-    launch no combine with it and one an attention layer without it, with the same greedy tokens (at 2 splits the
-    fold's split-order sum is the launch's two-term sum); a non-bool value is refused."""
-    from qwen_engine.engine import QwenEngineConfig
-    from tests.test_qwen_engine import CPU_TRITON, collect, engine_config, run
-
-    assert QwenEngineConfig().attn_fold is True
-    monkeypatch.setattr(pa, "_FOLD", [pa.fold()])  # restored after the test
-    launches = []
-    real = pa.combine_triton
-    monkeypatch.setattr(pa, "combine_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
-
-    async def body(engine):
-        launches.clear()
-        tokens, _ = await collect(engine, [5, 9, 2, 7, 11], max_new_tokens=4)
-        return engine.health()["attn_fold"], pa.fold(), len(launches), tokens
-
-    on = run(engine_config(attn_fold=True, kernels=CPU_TRITON), body)
-    off = run(engine_config(attn_fold=False, kernels=CPU_TRITON), body)
-    assert on[:2] == (True, True) and off[:2] == (False, False)
-    if CPU_TRITON == "triton":  # the interpreted kernels take the decode attention (a GPU host runs the references)
-        assert on[2] == 0 and off[2] > 0, (on[2], off[2])
-    assert on[3] == off[3] and len(on[3]) == 4
-    with pytest.raises(ValueError, match="attn_fold"):
-        QwenEngineConfig(attn_fold="yes")

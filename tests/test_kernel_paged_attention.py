@@ -80,15 +80,13 @@ def test_split_count_is_not_a_compile_time_constant():
     assert "NUM_SPLITS" not in inspect.signature(_paged_decode_kernel.fn).parameters
     args = random_inputs([5, 40, 77], heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.bfloat16, seed=11,
                          device=DEVICE)
+    check(args, 2, "splits=2")
     compiled = (lambda: len(_paged_decode_kernel.device_caches[torch.cuda.current_device()][0])) \
         if DEVICE == "cuda" else (lambda: 0)
-    # two builds at most: the combine folded into the kernel (2..FOLD_MAX_SPLITS splits) and the kernel alone (more)
-    for first, more in ((2, (3, 5, 7)), (9, (10, 12))):
-        check(args, first, f"splits={first}")
-        before = compiled()
-        for splits in more:
-            check(args, splits, f"splits={splits}")
-        assert compiled() == before, splits
+    before = compiled()
+    for splits in (3, 5, 7, 10):
+        check(args, splits, f"splits={splits}")
+    assert compiled() == before
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -217,20 +215,15 @@ def test_custom_op_fake_and_schema():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("num_splits", [None, 6])  # the heuristic's 9 (a combine launch) / 6 (folded)
-def test_cuda_graph_replay_with_new_contexts(num_splits):
-    """Captured once, replayed after the contexts and tables change in place: nothing was read on the host; folded,
-    the arrival counters are re-armed by every replay."""
+def test_cuda_graph_replay_with_new_contexts():
+    """Captured once, replayed after the contexts and tables change in place: nothing was read on the host."""
     bs = 16
     q, k, v, tables, lens, scale = random_inputs([40, 100], heads=16, kv_heads=2, head_dim=256, block_size=bs,
                                                  dtype=torch.bfloat16, device=DEVICE)
-    paged_decode_attention_triton(q, k, v, tables, lens, scale, num_splits)  # compile outside the capture
+    paged_decode_attention_triton(q, k, v, tables, lens, scale)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_decode_attention_triton(q, k, v, tables, lens, scale, num_splits)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert compare(out, paged_decode_attention_reference(q, k, v, tables, lens, scale)) is None
+        out = paged_decode_attention_triton(q, k, v, tables, lens, scale)
     tables.copy_(tables.flip(0))  # row 0 now holds row 1's 7 blocks, row 1 row 0's 3 blocks (+ garbage)
     lens.copy_(torch.tensor([100, 33], device=DEVICE))
     graph.replay()
@@ -273,58 +266,3 @@ def test_combine_kernel_matches_torch_combine(splits, dh, dtype):
     assert out.shape == ref.shape and out.dtype == dtype
     assert torch.isfinite(out.float()).all() and (out[2, 1] == 0).all()
     assert compare(out, ref) is None, compare(out, ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fold_against_the_combine_launch(dtype, monkeypatch):
-    """The combine folded into the kernel's last split programs (`set_fold`, 2..FOLD_MAX_SPLITS splits) against the
-    same kernel with the combine's own launch: both within the reference's bound, within one output rounding of
-    each other (the splits summed in another order), no combine launch while folding and one otherwise (more splits,
-    or the fold off), and every arrival counter back at 0 (the next launch, or a graph replay, starts clean). Row 0
-    has a context of 0 (a CUDA-graph padding row): zeros either way."""
-    from kernels import paged_attention as pa
-    from kernels.split_k import split_counters
-
-    q, k, v, tables, lens, scale = random_inputs([1, 9, 30, 21], heads=8, kv_heads=2, head_dim=64, block_size=4,
-                                                 dtype=dtype, seed=23, device=DEVICE)
-    lens[0] = 0
-    launches = []
-    real = pa.combine_triton
-    monkeypatch.setattr(pa, "combine_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
-    ref = paged_decode_attention_reference(q[1:], k, v, tables[1:], lens[1:], scale)
-    tol = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8}[dtype]  # fp32 ulps / one bf16 rounding, x max |out|
-    assert pa.fold()
-    for splits in range(2, pa.FOLD_MAX_SPLITS + 2):
-        folded = paged_decode_attention_triton(q, k, v, tables, lens, scale, num_splits=splits)
-        assert len(launches) == (splits > pa.FOLD_MAX_SPLITS), splits
-        monkeypatch.setattr(pa, "_FOLD", [False])
-        launched = paged_decode_attention_triton(q, k, v, tables, lens, scale, num_splits=splits)
-        monkeypatch.setattr(pa, "_FOLD", [True])
-        assert len(launches) == 1 + (splits > pa.FOLD_MAX_SPLITS), splits
-        launches.clear()
-        for out in (folded, launched):
-            assert torch.equal(out[0], torch.zeros_like(out[0])), splits
-            assert compare(out[1:], ref) is None, (splits, compare(out[1:], ref))
-        diff = float((folded.float() - launched.float()).abs().max() / launched.float().abs().max())
-        assert diff <= tol, (splits, diff)
-    assert not split_counters(q.device, 8).any()
-    assert pa.set_fold(False) is False and not pa.fold()
-    assert pa.set_fold(True) is True
-
-
-def test_fold_gated_codes_follow_the_output():
-    """Folded with the output gate and o_proj's codes (`paged_decode_attention_gated_fp8`'s contract at 2-8 splits):
-    within the gated reference's bound (codes equal wherever the output is, `compare_gated`), on the model's head
-    shape (H 16, KVH 2, Dh 256, block 16)."""
-    from kernels import paged_attention as pa
-
-    args = random_inputs([3, 40, 17], heads=16, kv_heads=2, head_dim=256, block_size=16, dtype=torch.bfloat16,
-                         seed=31, device=DEVICE)
-    gen = torch.Generator().manual_seed(5)
-    gate = (2 * torch.randn(args[0].shape, generator=gen)).to(torch.bfloat16).to(DEVICE)
-    s_in = torch.tensor(0.004, device=DEVICE)
-    ref = pa.paged_decode_attention_gated_fp8_reference(*args, gate, s_in)
-    for splits in (2, 3):
-        got = pa.paged_decode_attention_launch(*args, num_splits=splits, gate=gate, input_scale=s_in)
-        assert got[0].shape == (3, 16 * 256) and got[1].dtype == torch.float8_e4m3fn
-        assert pa.compare_gated(got, ref) is None, (splits, pa.compare_gated(got, ref))
