@@ -277,6 +277,9 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="189" (carry the fla wheels and .tritoncache; either GPU; <= 9.5 min): issue 5, the full qwen_gpu.py run
+#       beside transformers' eager bf16 (the model's own eager loop (a)-(c) left out), transformers' model filled in
+#       host memory where the GPU cannot hold both (H100)
 #   STEPS="187" (carry .tritoncache; either GPU): ~1-3 min: issue 5, the router_align CUDA-graph tests after their
 #       shared replay helper (tests/test_kernel_router_align.py graph_replays); FILES_187 adds whole test files
 #   STEPS="186" (no carry needed; either GPU): ~1 min: issue 5, the top-k + alignment over the partials per call at
@@ -2273,6 +2276,17 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 189; then
+# fifty-fourth session: the issue's measurement form -- one qwen_gpu.py run with transformers' eager bf16 model beside
+# the engine (the engine's lone request, TTFT, 32 streams; the oracle; transformers' TTFT and decode), which the H100
+# could not hold with both models on the GPU: --stage-transformers auto fills transformers' model in host memory and
+# moves it after ours is freed. --skip-model-loop leaves out (a)-(c), the model's eager loop, to fit one call
+say "189. issue 5: one run beside transformers' eager bf16 (engine, oracle, transformers' baseline)"
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_189:-560}" python benchmarks/qwen_gpu.py --skip-model-loop \
+  --prefill-buckets 1024 --decode-tokens 48 --autotune-table auto ${EXTRA_170:-} --out "$OUT/qwen_full" \
+  > "$OUT/qwen_full.log" 2>&1
+grep -E "^\| |Error|error" "$OUT/qwen_full.log" | cut -c1-220 | head -60
 fi
 if want 187; then
 say "187. issue 5: the router_align CUDA-graph tests (PDL on)"

@@ -19,7 +19,9 @@ prompts; speed does not depend on the values, and the oracle is meaningful becau
 
 Memory plan (H200, 139 GiB): ours ~20.8 GB packed (+ ~1 GB quantiser temporaries while generating) + states (1k
 context x 32 streams: KV 1.3 GB, GDN 2 GB) + prefill activations; then transformers' model in bf16, 69.3 GB, filled
-from ours one dequantised tensor at a time (peak ~92 GB with both), after which ours is freed.
+from ours one dequantised tensor at a time (peak ~92 GB with both), after which ours is freed. Where the GPU cannot
+hold both (an 80 GB H100; --stage-transformers auto), transformers' model is filled in host memory (~70 GB) and moved
+to the GPU after ours is freed.
 
     python benchmarks/qwen_gpu.py --out benchmarks/results/qwen_gpu          # H200
     python benchmarks/qwen_gpu.py --tiny --out /tmp/qwen_tiny                 # CPU dry run, tiny config, < 60 s
@@ -335,6 +337,33 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return dict(layers=layers, prompts=prompts, tokens=tokens, **compare_logits(ours, ref))
+
+
+def transformers_stage(setting: str, hf_meta: torch.nn.Module, device: torch.device) -> str:
+    """Where transformers' model is filled (--stage-transformers): "device", or "cpu" (then moved to the device once
+    ours is freed); "auto" picks "cpu" on a CUDA device whose free memory is short of the model's bytes + 8 GiB (our
+    model still lives there while it is filled: an 80 GB H100 holds one of the two, not both)."""
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return "device"
+    need = sum(p.numel() * p.element_size() for p in hf_meta.parameters()) + (8 << 30)
+    return "cpu" if torch.cuda.mem_get_info(device)[0] < need else "device"
+
+
+def empty_transformers(hf_meta: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """transformers' model built on the meta device, given uninitialised storage on `device` (no random init of 35B
+    parameters: `to_transformers` then writes every parameter, and says so if one is left), its rotary embedding's
+    buffers (the only buffers; computed from the config, not stored) rebuilt there. Raises if the model has other
+    buffers (a transformers version whose buffers this does not know)."""
+    rotary = hf_meta.model.rotary_emb
+    others = [n for n, _ in hf_meta.named_buffers() if not n.startswith("model.rotary_emb.")]
+    if others:
+        raise ValueError(f"empty_transformers: buffers other than the rotary embedding's: {others[:5]}")
+    hf = hf_meta.to_empty(device=device)
+    with torch.device(device):
+        hf.model.rotary_emb = type(rotary)(config=hf.config)
+    return hf
 
 
 AUTOTUNE_TABLE = "off"  # the engines' autotune_table (--autotune-table)
@@ -680,6 +709,13 @@ def main() -> None:
                          "l2_ahead, ring, cols, maxnreg, early): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for "
                          "the whole run (only the THREAD_ORDER experts read them), recorded under settings "
                          "(gpu_next.sh steps 162 / 167 pass step 161's / 166's fastest)")
+    ap.add_argument("--skip-model-loop", action="store_true",
+                    help="skip (a)-(c), the model's own eager loop: the engine (e), the oracle (d) and transformers' "
+                         "baseline remain (the issue's numbers in one run, in less of a device call's time)")
+    ap.add_argument("--stage-transformers", choices=("auto", "cpu", "device"), default="auto",
+                    help="where transformers' bf16 model is filled from ours: on the GPU (device; peak ~92 GB with "
+                         "both models), or on the CPU and moved to the GPU once ours is freed (cpu; peak ~70 GB on "
+                         "the GPU: an 80 GB H100) -- auto: cpu when the GPU's free memory is short of both models")
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
@@ -798,7 +834,7 @@ def main() -> None:
         r["build"]["fp8_input_amax"] = dict(min=amax[0], median=amax[len(amax) // 2], max=amax[-1], n=len(amax))
         log(f"calibrated FP8 input scales: {r['build']['fp8_input_amax']}")
 
-    if not args.only_oracle and not args.engine_only:
+    if not args.only_oracle and not args.engine_only and not args.skip_model_loop:
         # ---- (b) TTFT and (a) single-stream decode -------------------------------------------------------------------
         log("warm-up (Triton autotuning for prefill and decode shapes)")
         prefill_then_decode(model, rand(1, ctx), steps=2)
@@ -1031,16 +1067,24 @@ def main() -> None:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device("meta"):  # shapes only: its size decides where it is filled
             hf = Qwen3_5MoeForCausalLM(hf_cfg).eval()
     finally:
         torch.set_default_dtype(default)
+    stage = transformers_stage(args.stage_transformers, hf, device)
+    if stage == "cpu":  # filled on the CPU, moved once ours is freed
+        hf = empty_transformers(hf, torch.device("cpu"))
+    else:
+        hf = empty_transformers(hf, device)
     n = to_transformers(model, hf)
     model = None  # freed (a rebinding rather than `del`: the engine_with closure above reads the name)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if stage == "cpu":
+        hf.to(device)
+    if device.type == "cuda":
         r["memory"]["transformers_gib"] = gib(torch.cuda.memory_allocated())
-    r["transformers"] = dict(build_s=time.perf_counter() - t, tensors_copied=n,
+    r["transformers"] = dict(build_s=time.perf_counter() - t, tensors_copied=n, filled_on=stage,
                              experts_implementation=getattr(hf_cfg, "_experts_implementation", None),
                              attn_implementation=hf_cfg._attn_implementation)
     log(f"transformers model ready: {r['transformers']}")
