@@ -1,0 +1,134 @@
+"""The fp32 full-width oracle layer by layer: our packed model in fp32 (the registry's references, FP8 layers
+weight-only) against transformers' fp32 `Qwen3_5MoeForCausalLM` holding the identical dequantised weights, at the real
+model's width (hidden 2048, 256 experts, vocab 248k) and `--layers` deep -- each decoder layer's output compared, so
+that a disagreement is located (the layer and its type), in a fresh process (no engine has set process-wide flags),
+with cuDNN's and cuBLAS's TF32 as PyTorch's defaults and then both off.
+
+    python benchmarks/qwen_fp32_oracle.py --out benchmarks/results/qwen_fp32_oracle [--hf-gdn any]   # GPU; ~1-2 min
+
+Why: the fifty-fourth session's full run (results/qwen_full54_run3) measured the 8-layer fp32 oracle at max relative
+error 0.196 (top-1 87.5%), where Qwen run 3 (2026-11-30) had 4.1e-6; `qwen_gpu.py` computes it after its engines,
+in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def rel(a, b) -> float:
+    """max |a - b| / max |b| over fp32 copies."""
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def block_gdn_kernels() -> None:
+    """Make fla and causal_conv1d unimportable from here on, so that transformers' Qwen3.5/3.6 model module, imported
+    after this, binds its pure-torch Gated DeltaNet functions (it takes fla's chunk kernel where fla imports: Triton
+    dots in TF32 / bf16, not an fp32 reference). Modules already imported keep working."""
+    for name in ("fla", "causal_conv1d"):
+        sys.modules[name] = None  # `import fla` now raises ImportError
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/qwen_fp32_oracle")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU (a dry run)")
+    ap.add_argument("--hf-gdn", choices=("torch", "any"), default="torch",
+                    help="torch: transformers' Gated DeltaNet on its pure-torch code (fla and causal_conv1d made "
+                         "unimportable before transformers' model module loads); any: whatever it finds (fla's Triton "
+                         "chunk kernel where fla is installed, as on the GPU machine)")
+    args = ap.parse_args()
+    if args.hf_gdn == "torch":
+        block_gdn_kernels()
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from benchmarks.qwen_gpu import empty_transformers
+    from engine_core.registry import default_registry
+    from qwen_engine.checkpoint import hf_text_config
+    from qwen_engine.config import QwenConfig, default_layer_types
+    from qwen_engine.load_packed import load_quantized
+    from qwen_engine.model.quantized import set_fp8_activation_quantization
+    from qwen_engine.random_weights import random_packed_tensors, to_transformers
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    base = QwenConfig.tiny() if args.tiny else QwenConfig()  # the default: Qwen3.6-35B-A3B
+    layers = min(args.layers, base.num_hidden_layers) if args.tiny else args.layers
+    cfg = dataclasses.replace(base, num_hidden_layers=layers, layer_types=default_layer_types(layers))
+    model = load_quantized(random_packed_tensors(cfg, device, seed=args.seed, dtype=torch.float32), cfg, device,
+                           torch.float32)
+    set_fp8_activation_quantization(model, False)
+    hf_cfg = Qwen3_5MoeTextConfig.from_dict(hf_text_config(cfg))
+    hf_cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        hf = Qwen3_5MoeForCausalLM(hf_cfg).eval().float()
+    hf = empty_transformers(hf, device)
+    to_transformers(model, hf)
+    g = torch.Generator().manual_seed(args.seed + 2)
+    ids = torch.randint(0, cfg.vocab_size, (2, args.tokens), generator=g).to(device)
+
+    outs: dict[str, list] = {"ours": [], "hf": []}
+
+    def hook(key):
+        return lambda mod, inp, out: outs[key].append((out[0] if isinstance(out, tuple) else out).detach())
+
+    handles = [layer.register_forward_hook(hook("ours")) for layer in model.layers]
+    handles += [layer.register_forward_hook(hook("hf")) for layer in hf.model.layers]
+    registry = default_registry()
+    before = {op: registry.preference(op) for op in registry.ops()}
+    rows = []
+    def engine_flags():  # the process-wide settings a default engine leaves (qwen_gpu.py's oracle runs after them)
+        from qwen_engine.engine import QwenEngine, QwenEngineConfig
+
+        QwenEngine(QwenEngineConfig(config="tiny", device=str(device), dtype="bf16", warmup=False,
+                                    kernel_self_check=False, max_num_seqs=2, num_kv_blocks=16, max_model_len=64))
+
+    for label, tf32, before_run in (("tf32 defaults", None, None), ("tf32 off", False, None),
+                                    ("after a default engine's constructor", None, engine_flags)):
+        if before_run is not None:
+            before_run()
+        saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        if tf32 is not None:
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            for v in outs.values():
+                v.clear()
+            registry.set_preference("reference")
+            with torch.no_grad():
+                ours = model(ids)
+                ref = hf(ids).logits
+        finally:
+            for op, pref in before.items():
+                registry.set_preference(pref, op)
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        row = dict(variant=label, cudnn_tf32=torch.backends.cudnn.allow_tf32 if tf32 is None else tf32,
+                   logits_max_rel=rel(ours, ref),
+                   top1_pct=100.0 * float((ours.argmax(-1) == ref.argmax(-1)).float().mean()),
+                   layers=[dict(layer=i, type=cfg.layer_types[i], max_rel=rel(a, b))
+                           for i, (a, b) in enumerate(zip(outs["ours"], outs["hf"]))])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for h in handles:
+        h.remove()
+    out = Path(args.out) / args.hf_gdn
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                transformers=transformers.__version__, layers=layers, tokens=args.tokens, seed=args.seed,
+                hf_gdn=args.hf_gdn)
+    (out / "qwen_fp32_oracle.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
