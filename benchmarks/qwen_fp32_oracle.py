@@ -7,8 +7,10 @@ with cuDNN's and cuBLAS's TF32 as PyTorch's defaults and then both off.
     python benchmarks/qwen_fp32_oracle.py --out benchmarks/results/qwen_fp32_oracle [--hf-gdn any]   # GPU; ~1-2 min
 
 Why: the fifty-fourth session's full run (results/qwen_full54_run3) measured the 8-layer fp32 oracle at max relative
-error 0.196 (top-1 87.5%), where Qwen run 3 (2026-11-30) had 4.1e-6; `qwen_gpu.py` computes it after its engines,
-in the same process.
+error 0.196 (top-1 87.5%), where Qwen run 3 (2026-11-30) had 4.1e-6. Found with this script (results/
+qwen_fp32_oracle54_run4, H100): transformers had taken fla's chunk kernel (fla is carried to the GPU machine since
+the eleventh session, for our prefill), which is not fp32-exact -- 0.196 with it, 4.06e-6 with transformers'
+pure-torch code (--hf-gdn torch, the default here and in qwen_gpu.py), TF32 settings and a prior engine immaterial.
 """
 
 from __future__ import annotations
@@ -28,14 +30,6 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def block_gdn_kernels() -> None:
-    """Make fla and causal_conv1d unimportable from here on, so that transformers' Qwen3.5/3.6 model module, imported
-    after this, binds its pure-torch Gated DeltaNet functions (it takes fla's chunk kernel where fla imports: Triton
-    dots in TF32 / bf16, not an fp32 reference). Modules already imported keep working."""
-    for name in ("fla", "causal_conv1d"):
-        sys.modules[name] = None  # `import fla` now raises ImportError
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/qwen_fp32_oracle")
@@ -49,6 +43,8 @@ def main() -> None:
                          "chunk kernel where fla is installed, as on the GPU machine)")
     args = ap.parse_args()
     if args.hf_gdn == "torch":
+        from benchmarks.qwen_gpu import block_gdn_kernels
+
         block_gdn_kernels()
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig

@@ -339,6 +339,22 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
     return dict(layers=layers, prompts=prompts, tokens=tokens, **compare_logits(ours, ref))
 
 
+HF_MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+
+
+def block_gdn_kernels() -> str | None:
+    """Make fla and causal_conv1d unimportable from here on, so that transformers' Qwen3.5/3.6 model module, imported
+    after this, binds its pure-torch Gated DeltaNet code: where fla imports, transformers takes fla's chunk kernel,
+    whose Triton dots are not fp32 (the 8-layer fp32 oracle: max relative error 0.196 with it against 4.06e-6 with
+    the torch code, H100, benchmarks/qwen_fp32_oracle.py, fifty-fourth session). Modules already imported (our
+    engine's fla prefill) keep working. Returns why it is too late (that module already imported), else None."""
+    for name in ("fla", "causal_conv1d"):
+        sys.modules[name] = None  # `import fla` now raises ImportError
+    if HF_MODULE in sys.modules:
+        return f"{HF_MODULE} was imported before fla was blocked: its GDN may run fla's kernels"
+    return None
+
+
 def transformers_stage(setting: str, hf_meta: torch.nn.Module, device: torch.device) -> str:
     """Where transformers' model is filled (--stage-transformers): "device", or "cpu" (then moved to the device once
     ours is freed); "auto" picks "cpu" on a CUDA device whose free memory is short of the model's bytes + 8 GiB (our
@@ -709,6 +725,10 @@ def main() -> None:
                          "l2_ahead, ring, cols, maxnreg, early): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for "
                          "the whole run (only the THREAD_ORDER experts read them), recorded under settings "
                          "(gpu_next.sh steps 162 / 167 pass step 161's / 166's fastest)")
+    ap.add_argument("--hf-gdn", choices=("torch", "any"), default="torch",
+                    help="transformers' Gated DeltaNet: torch (its pure-torch code, fla made unimportable before its "
+                         "model module loads: an fp32 reference) or any (fla's chunk kernel where fla is installed: "
+                         "not fp32-exact)")
     ap.add_argument("--skip-model-loop", action="store_true",
                     help="skip (a)-(c), the model's own eager loop: the engine (e), the oracle (d) and transformers' "
                          "baseline remain (the issue's numbers in one run, in less of a device call's time)")
@@ -1054,6 +1074,10 @@ def main() -> None:
     if args.skip_transformers:
         save()
         return
+    if args.hf_gdn == "torch":
+        late = block_gdn_kernels()
+        if late:
+            r["errors"].append(late)
     try:
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
     except ImportError as e:
@@ -1084,7 +1108,7 @@ def main() -> None:
         hf.to(device)
     if device.type == "cuda":
         r["memory"]["transformers_gib"] = gib(torch.cuda.memory_allocated())
-    r["transformers"] = dict(build_s=time.perf_counter() - t, tensors_copied=n, filled_on=stage,
+    r["transformers"] = dict(build_s=time.perf_counter() - t, tensors_copied=n, filled_on=stage, gdn=args.hf_gdn,
                              experts_implementation=getattr(hf_cfg, "_experts_implementation", None),
                              attn_implementation=hf_cfg._attn_implementation)
     log(f"transformers model ready: {r['transformers']}")
