@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="190" (carry the fla wheels and .tritoncache; either GPU; ~4 min): issue 5, shared_expert_in_moe off and
+#       gdn_z_stream on beside the defaults, and again (one process)
 #   STEPS="189" (carry the fla wheels and .tritoncache; either GPU; <= 9.5 min): issue 5, the full qwen_gpu.py run
 #       beside transformers' eager bf16 (the model's own eager loop (a)-(c) left out), transformers' model filled in
 #       host memory where the GPU cannot hold both (H100)
@@ -2276,6 +2278,17 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 190; then
+# fifty-fourth session: two stream options re-measured on today's tree at 32 streams (both last measured before the
+# register experts, PDL and the router's Triton GEMM): the shared expert outside the routed launches, on the second
+# stream beside the router (shared_expert_in_moe false: its 4 blocks of 8 rows no longer re-read its weights in the
+# grouped launches), and each GDN layer's in_proj_z on the second stream (gdn_z_stream) -- beside the defaults, again
+say "190. issue 5: shared_expert_in_moe off / gdn_z_stream on beside the defaults, again"
+engine_out qwen_streams54 "${LIMIT_190E:-400}" --decode-tokens 48 \
+  --variant 'shared_out={"shared_expert_in_moe": false}' --variant 'zstream={"gdn_z_stream": true}' --again \
+  ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_streams54.log" | cut -c1-250 | head -5
 fi
 if want 189; then
 # fifty-fourth session: the issue's measurement form -- one qwen_gpu.py run with transformers' eager bf16 model beside
