@@ -725,6 +725,56 @@ def test_calibration_and_transformers_copy(tensors, caplog):
     assert rel_err(hf(ids).logits, ref(ids)) <= 1e-4  # the reference model's own bound vs transformers
 
 
+@torch.no_grad()
+def test_transformers_filled_from_meta(tensors):
+    """benchmarks/qwen_gpu.py's transformers model for the oracle: built on the meta device, given empty storage
+    (`empty_transformers`: no random init of 35B parameters; on the CPU when the GPU cannot hold it beside ours,
+    `transformers_stage`), its rotary buffers rebuilt, then filled by `to_transformers` -- the same logits, bit for
+    bit, and the same buffers as a model built the usual way and filled alike. A model with buffers it does not know
+    is refused."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from benchmarks.qwen_gpu import empty_transformers, transformers_stage
+    from tests.test_qwen_model import hf_config
+
+    model = load_quantized(tensors, CFG, "cpu", torch.float32, gdn_chunk_size=16, registry=registry("reference"))
+    usual = Qwen3_5MoeForCausalLM(hf_config(CFG)).eval()
+    to_transformers(model, usual)
+    with torch.device("meta"):
+        meta = Qwen3_5MoeForCausalLM(hf_config(CFG)).eval()
+    assert transformers_stage("auto", meta, torch.device("cpu")) == "device"  # "auto" stages only a short GPU
+    assert transformers_stage("cpu", meta, torch.device("cpu")) == "cpu"
+    filled = empty_transformers(meta, torch.device("cpu"))
+    assert to_transformers(model, filled) == len(dict(filled.named_parameters()))
+    for (name, a), (_, b) in zip(usual.named_buffers(), filled.named_buffers()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(usual(ids).logits, filled(ids).logits)
+    with torch.device("meta"):
+        odd = Qwen3_5MoeForCausalLM(hf_config(CFG)).eval()
+    odd.model.register_buffer("extra", torch.zeros(2, device="meta"))
+    with pytest.raises(ValueError, match="rotary"):
+        empty_transformers(odd, torch.device("cpu"))
+
+
+def test_block_gdn_kernels_makes_fla_unimportable():
+    """`benchmarks/qwen_gpu.block_gdn_kernels` (transformers' GDN on its fp32 torch code for the oracle): afterwards
+    `import fla` / `import causal_conv1d` raise ImportError, and it says when transformers' Qwen3.5 module was
+    already imported (too late to change its kernels). In a subprocess: it mutates sys.modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, '.'); from benchmarks.qwen_gpu import block_gdn_kernels, HF_MODULE\n"
+            "assert block_gdn_kernels() is None\n"
+            "for m in ('fla', 'causal_conv1d'):\n"
+            "    try:\n        __import__(m)\n    except ImportError:\n        pass\n"
+            "    else:\n        raise SystemExit(m + ' still imports')\n"
+            "import importlib; importlib.import_module(HF_MODULE)\n"
+            "assert 'imported before fla was blocked' in block_gdn_kernels()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
 # ---- W4A4 exports ----------------------------------------------------------------------------------------------------
 def _w4a4_layer(seed=10, n=48, k=64):
     """A synthetic W4A4 export: NVFP4 weight with per-row global (as the loader hands it) + a static input scale."""
