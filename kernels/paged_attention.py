@@ -86,9 +86,12 @@ MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks 
 # (all 32-token steps; 64-token steps were as fast at 32 streams only). So from MANY_PROGRAMS programs (D x KVH; 24
 # sequences at 2 kv heads) on: ~MANY_PER_SM programs an SM at MANY_WARPS warps. At 16 streams (32 programs) 8 splits
 # / 4 warps took 23.4 against the lone rule's 29.7, but the rule would give 12 splits there, untimed: so not yet.
+# An H100 (fifty-fourth session, results/attn_fold54_run2, the combine launched): 16 streams 8 splits / 4 warps 25.22
+# us against the lone rule's 31.83 (4 splits 27.43, 6 splits 28.81), 24 streams 8 splits 30.2 (the rule's); so from 32
+# programs (16 sequences) on, at most MANY_MAX_SPLITS splits (the rule's 12 at 32 programs is untimed).
 # None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them in the engine).
-MANY_PROGRAMS: int | None = 48
-MANY_PER_SM, MANY_WARPS = 3, 4
+MANY_PROGRAMS: int | None = 32
+MANY_PER_SM, MANY_WARPS, MANY_MAX_SPLITS = 3, 4, 8
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
 LOG2E = 1.4426950408889634
 
@@ -241,7 +244,7 @@ def launch_tiles(programs: int, max_blocks: int, sms: int, head_dim: int, block_
     the constants' comment)."""
     block_n = max(16 if interpreted else 32, triton.next_power_of_2(block_size))
     if MANY_PROGRAMS is not None and programs >= MANY_PROGRAMS:
-        return max(1, min(round(MANY_PER_SM * sms / programs), max_blocks, MAX_SPLITS)), block_n, MANY_WARPS
+        return max(1, min(round(MANY_PER_SM * sms / programs), max_blocks, MANY_MAX_SPLITS)), block_n, MANY_WARPS
     return num_splits_for(programs, max_blocks, sms), block_n, 4 if head_dim <= 128 else 8
 
 
