@@ -254,7 +254,7 @@ def markdown(r: dict) -> str:
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_no_fused_ba'))} | - |",
             f"| (e) engine with the paged attention's lone-sequence tiles at every batch (~1 program an SM at 8 warps; "
-            f"the default: ~3 an SM at 4 warps from 48 programs): decode tok/s, lone "
+            f"the default: ~3 an SM at 4 warps from 24 programs): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_attn_lone_tiles'))} "
             f"| - |",
             f"| (e) engine with the shared pair's routing column by torch.cat + fill (not inside router_topk): decode "
@@ -700,8 +700,8 @@ def main() -> None:
                          "side")
     ap.add_argument("--attn-lone-tiles", action="store_true",
                     help="(e) once more with the paged decode attention's lone-sequence launch rule at every batch "
-                         "(kernels/paged_attention.py MANY_PROGRAMS None; default: ~3 programs an SM at 4 warps from "
-                         "24 sequences at 2 kv heads), side by side")
+                         "(kernels/paged_attention.py MANY_PROGRAMS None; default: ~3 programs an SM, at most 8 "
+                         "splits, at 4 warps from 12 sequences at 2 kv heads), side by side")
     ap.add_argument("--no-fused-ba", action="store_true",
                     help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
                          "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")
@@ -968,7 +968,7 @@ def main() -> None:
             from qwen_engine.model import quantized
 
             engine_with(quantized, "FUSE_DECODE_PROJECTIONS", False, "engine_unfused", "unfused projections")
-        if args.attn_lone_tiles:  # the paged attention's one-program-an-SM rule at 32 streams too
+        if args.attn_lone_tiles:  # the paged attention's one-program-an-SM rule at every batch
             from kernels import paged_attention
 
             engine_with(paged_attention, "MANY_PROGRAMS", None, "engine_attn_lone_tiles",

@@ -86,11 +86,13 @@ MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks 
 # (all 32-token steps; 64-token steps were as fast at 32 streams only). So from MANY_PROGRAMS programs (D x KVH; 24
 # sequences at 2 kv heads) on: ~MANY_PER_SM programs an SM at MANY_WARPS warps. At 16 streams (32 programs) 8 splits
 # / 4 warps took 23.4 against the lone rule's 29.7, but the rule would give 12 splits there, untimed: so not yet.
-# An H100 (fifty-fourth session, results/attn_fold54_run2, the combine launched): 16 streams 8 splits / 4 warps 25.22
-# us against the lone rule's 31.83 (4 splits 27.43, 6 splits 28.81), 24 streams 8 splits 30.2 (the rule's); so from 32
-# programs (16 sequences) on, at most MANY_MAX_SPLITS splits (the rule's 12 at 32 programs is untimed).
+# An H100 (fifty-fourth session, results/attn_fold54_run2 and attn_tiles54_run7, the combine launched): 16 streams 8
+# splits / 4 warps 25.2-25.4 us against the lone rule's 31.83 (12 splits 24.36, 4 splits 27.5), 12 streams 8 splits
+# 20.28 against the lone rule's 24.31 (12 splits 21.64), 20 streams 8 splits 27.8, 8 streams 8 splits 18.25 against
+# the lone rule's 18.37 (12 splits 16.28); the engine at 16 streams 2,762.2 / 2,760.9 against 2,739.2 tok/s with the
+# lone rule (+0.8%). So from MANY_PROGRAMS = 24 programs (12 sequences) on, at most MANY_MAX_SPLITS = 8 splits.
 # None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them in the engine).
-MANY_PROGRAMS: int | None = 32
+MANY_PROGRAMS: int | None = 24
 MANY_PER_SM, MANY_WARPS, MANY_MAX_SPLITS = 3, 4, 8
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
 LOG2E = 1.4426950408889634
@@ -240,7 +242,8 @@ def launch_tiles(programs: int, max_blocks: int, sms: int, head_dim: int, block_
     """(splits, BLOCK_N, warps) of the kernel's launch for programs = D x KVH. Shapes only: graph-safe.
     Steps of 32 tokens (two 16 KB K / V tiles at Dh 256; 16 under the interpreter, the least tl.dot takes), never
     less than one KV block (a power of two: `supports`). Few programs (the lone rule): `num_splits_for`'s ~one program
-    an SM, 8 warps above Dh 128. From MANY_PROGRAMS on: ~MANY_PER_SM programs an SM at MANY_WARPS warps (measured:
+    an SM, 8 warps above Dh 128. From MANY_PROGRAMS on: ~MANY_PER_SM programs an SM (at most MANY_MAX_SPLITS splits)
+    at MANY_WARPS warps (measured:
     the constants' comment)."""
     block_n = max(16 if interpreted else 32, triton.next_power_of_2(block_size))
     if MANY_PROGRAMS is not None and programs >= MANY_PROGRAMS:

@@ -150,15 +150,16 @@ def test_num_splits_heuristic():
 
 def test_launch_tiles_lone_and_many_sequences(monkeypatch):
     """The lone rule below MANY_PROGRAMS (num_splits_for's splits, 8 warps above Dh 128); from it on ~MANY_PER_SM
-    programs an SM at 4 warps: step 171's fastest at 24, 32, 48 and 64 streams (8 / 6 / 4 / 3 splits)."""
+    programs an SM at 4 warps, at most MANY_MAX_SPLITS: step 171's fastest at 24, 32, 48 and 64 streams (8 / 6 / 4 / 3
+    splits), and 8 splits at 12-20 streams (fifty-fourth session, H100)."""
     import kernels.paged_attention as pa
 
     assert launch_tiles(2, 512, 132, 256, 16) == (66, 32, 8)  # one stream of the real model
     assert launch_tiles(2, 512, 132, 128, 16) == (66, 32, 4)
     assert launch_tiles(2, 512, 132, 256, 16, interpreted=True) == (66, 16, 8)
-    assert launch_tiles(32, 512, 132, 256, 16) == (5, 32, 8)  # 16 streams: still the lone rule
-    assert [launch_tiles(2 * s, 512, 132, 256, 16) for s in (24, 32, 48, 64)] == [
-        (8, 32, 4), (6, 32, 4), (4, 32, 4), (3, 32, 4)]
+    assert launch_tiles(16, 512, 132, 256, 16) == (9, 32, 8)  # 8 streams: still the lone rule
+    assert [launch_tiles(2 * s, 512, 132, 256, 16) for s in (12, 16, 20, 24, 32, 48, 64)] == [
+        (8, 32, 4), (8, 32, 4), (8, 32, 4), (8, 32, 4), (6, 32, 4), (4, 32, 4), (3, 32, 4)]
     assert launch_tiles(600, 512, 132, 256, 16) == (1, 32, 4)  # never fewer than one split
     assert launch_tiles(64, 2, 132, 256, 16) == (2, 32, 4)  # never more splits than table blocks
     assert launch_tiles(64, 512, 132, 256, 128) == (6, 128, 4)  # a step holds at least one KV block
