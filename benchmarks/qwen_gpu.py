@@ -709,10 +709,11 @@ def main() -> None:
                     help="the engines' autotune_table: off (default: tune afresh, so that autotune_picks.json holds "
                          "this run's own picks), auto (the shipped kernels/tuned/<GPU>.json: a fresh machine's start "
                          "time with it) or a JSON path")
-    ap.add_argument("--autotune-foreign", action="store_true",
-                    help="load --autotune-table's JSON path even when it was measured on another GPU model (an H100 "
-                         "run on the H200's picks: a cold start tunes the graphs' shapes for > 400 s there, "
-                         "results/attn_tiles47_run1); for side-by-side ratios, not for a table of this GPU's own")
+    ap.add_argument("--autotune-foreign", nargs="?", const="", default=None, metavar="JSON",
+                    help="load --autotune-table's JSON path (or this JSON, as qwen_profile.py's option of the same "
+                         "name takes it) even when it was measured on another GPU model (an H100 run on the H200's "
+                         "picks: a cold start tunes the graphs' shapes for > 400 s there, results/attn_tiles47_run1); "
+                         "for side-by-side ratios, not for a table of this GPU's own")
     ap.add_argument("--again", action="store_true",
                     help="(e) the first engine once more after all the others, in the same process (the first of a "
                          "process also compiles and captures: its TTFT in run 16 differed by 2.4 ms, unexplained)")
@@ -745,10 +746,13 @@ def main() -> None:
     for spec in args.swapped_split:
         if len(spec.split(",")) != 2 or not all(v.strip().isdigit() and int(v) >= 1 for v in spec.split(",")):
             ap.error(f"--swapped-split {spec!r}: expected G,D, two positive integers")
-    if args.autotune_foreign and args.autotune_table in ("off", "auto"):
-        ap.error("--autotune-foreign needs --autotune-table to name a JSON file")
+    if args.autotune_foreign:  # --autotune-foreign JSON: that table (qwen_profile.py's spelling)
+        args.autotune_table = args.autotune_foreign
+    if args.autotune_foreign is not None and args.autotune_table in ("off", "auto"):
+        ap.error("--autotune-foreign needs a JSON file (its own argument or --autotune-table's)")
     global AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST
-    AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST = args.autotune_table, args.autotune_foreign, args.warmup_burst
+    AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST = (args.autotune_table, args.autotune_foreign is not None,
+                                                      args.warmup_burst)
     if args.regs_builds is not None:
         from kernels import w4a16_regs
 
