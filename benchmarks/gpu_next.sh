@@ -278,7 +278,8 @@
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
 #   STEPS="191" (carry the fla wheels and .tritoncache; either GPU; ~5 min): issue 5, the attention's many-sequence
-#       tiles from 16 streams: per call at 8-20 streams, the engine at 16 streams beside the lone rule, again
+#       tiles from 16 streams: per call at 8-20 streams, the engine at 16 streams beside the lone rule, again (ran:
+#       results/attn_tiles54_run7; the default since then starts at 24 programs, 12 streams)
 #   STEPS="190" (carry the fla wheels and .tritoncache; either GPU; ~4 min): issue 5, shared_expert_in_moe off and
 #       gdn_z_stream on beside the defaults, and again (one process)
 #   STEPS="189" (carry the fla wheels and .tritoncache; either GPU; <= 9.5 min): issue 5, the full qwen_gpu.py run
@@ -2282,10 +2283,11 @@ engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
 fi
 if want 191; then
-# fifty-fourth session: the paged attention's many-sequence tiles from 16 sequences on (MANY_PROGRAMS 32, at most 8
-# splits: 8 splits / 4 warps at 16 streams, 25.22 us a call against the lone rule's 31.83 on an H100 in step 188's
-# bench, 23.4 / 29.7 on the H200 in step 171): per call at 8-20 streams (new rule = "auto"), then the engine at 16
-# streams beside the lone rule at every batch (--attn-lone-tiles: the old rule at 16 streams), again
+# fifty-fourth session: the paged attention's many-sequence tiles from 16 sequences on (MANY_PROGRAMS 32 when it ran,
+# at most 8 splits: 8 splits / 4 warps at 16 streams, 25.22 us a call against the lone rule's 31.83 on an H100,
+# results/attn_fold54_run2; 23.4 / 29.7 on the H200 in step 171): per call at 8-20 streams (new rule = "auto"), then
+# the engine at 16 streams beside the lone rule at every batch (--attn-lone-tiles: the old rule at 16 streams), again
+# (ran: results/attn_tiles54_run7, +0.8% at 16 streams; the default since then starts at 24 programs)
 say "191. issue 5: the attention's many-sequence tiles from 16 streams -- per call at 8-20 streams, engine at 16"
 timeout "${LIMIT_191B:-90}" python benchmarks/paged_attention_bench.py --streams 20,16,12,8 --splits 0,4,8,12 \
   --block-n 32 --warps 4 --out "$OUT/attn_tiles16" > "$OUT/attn_tiles16.log" 2>&1

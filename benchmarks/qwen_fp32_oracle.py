@@ -83,7 +83,9 @@ def main() -> None:
     registry = default_registry()
     before = {op: registry.preference(op) for op in registry.ops()}
     rows = []
-    def engine_flags():  # the process-wide settings a default engine leaves (qwen_gpu.py's oracle runs after them)
+    # the process-wide settings a default engine leaves (qwen_gpu.py's oracle runs after them); with --hf-gdn torch
+    # fla is already unimportable here, so this engine is built without it (fla's own import-time effects: --hf-gdn any)
+    def engine_flags():
         from qwen_engine.engine import QwenEngine, QwenEngineConfig
 
         QwenEngine(QwenEngineConfig(config="tiny", device=str(device), dtype="bf16", warmup=False,
@@ -108,6 +110,7 @@ def main() -> None:
                 registry.set_preference(pref, op)
             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
         row = dict(variant=label, cudnn_tf32=torch.backends.cudnn.allow_tf32 if tf32 is None else tf32,
+                   matmul_tf32=torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32,
                    logits_max_rel=rel(ours, ref),
                    top1_pct=100.0 * float((ours.argmax(-1) == ref.argmax(-1)).float().mean()),
                    layers=[dict(layer=i, type=cfg.layer_types[i], max_rel=rel(a, b))

@@ -19,9 +19,10 @@ prompts; speed does not depend on the values, and the oracle is meaningful becau
 
 Memory plan (H200, 139 GiB): ours ~20.8 GB packed (+ ~1 GB quantiser temporaries while generating) + states (1k
 context x 32 streams: KV 1.3 GB, GDN 2 GB) + prefill activations; then transformers' model in bf16, 69.3 GB, filled
-from ours one dequantised tensor at a time (peak ~92 GB with both), after which ours is freed. Where the GPU cannot
-hold both (an 80 GB H100; --stage-transformers auto), transformers' model is filled in host memory (~70 GB) and moved
-to the GPU after ours is freed.
+from ours one dequantised tensor at a time (peak ~92 GB with both in Qwen run 3; the engine's dual expert layouts
+have since grown ours to 34.6 GiB, so ~99 GiB together), after which ours is freed. Where the GPU cannot hold both (an
+80 GB H100; --stage-transformers auto), transformers' model is filled in host memory (~70 GB) and moved to the GPU
+after ours is freed.
 
     python benchmarks/qwen_gpu.py --out benchmarks/results/qwen_gpu          # H200
     python benchmarks/qwen_gpu.py --tiny --out /tmp/qwen_tiny                 # CPU dry run, tiny config, < 60 s
@@ -734,9 +735,10 @@ def main() -> None:
                     help="skip (a)-(c), the model's own eager loop: the engine (e), the oracle (d) and transformers' "
                          "baseline remain (the issue's numbers in one run, in less of a device call's time)")
     ap.add_argument("--stage-transformers", choices=("auto", "cpu", "device"), default="auto",
-                    help="where transformers' bf16 model is filled from ours: on the GPU (device; peak ~92 GB with "
-                         "both models), or on the CPU and moved to the GPU once ours is freed (cpu; peak ~70 GB on "
-                         "the GPU: an 80 GB H100) -- auto: cpu when the GPU's free memory is short of both models")
+                    help="where transformers' bf16 model is filled from ours: on the GPU (device; both models at "
+                         "once, ~99 GiB at full size), or on the CPU and moved to the GPU once ours is freed (cpu; "
+                         "~65 GiB on the GPU: an 80 GB H100) -- auto: cpu when the GPU's free memory is short of "
+                         "transformers' model + 8 GiB while ours is still there")
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()

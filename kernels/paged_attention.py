@@ -83,12 +83,12 @@ MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks 
 # context, Qwen's layer, the gated path, PDL on, splits 2-8 x BLOCK_N 32 / 64 x 4 / 8 warps): from 24 streams on the
 # fastest were ~3 programs an SM at 4 warps -- 24 streams 8 splits 25.6 us a call against the lone rule's 38.2, 32
 # streams 6 splits 31.2 against 39.6, 48 streams 4 splits 38.5 against 52.9, 64 streams 3 splits 47.3 against 55.7
-# (all 32-token steps; 64-token steps were as fast at 32 streams only). So from MANY_PROGRAMS programs (D x KVH; 24
-# sequences at 2 kv heads) on: ~MANY_PER_SM programs an SM at MANY_WARPS warps. At 16 streams (32 programs) 8 splits
-# / 4 warps took 23.4 against the lone rule's 29.7, but the rule would give 12 splits there, untimed: so not yet.
+# (all 32-token steps; 64-token steps were as fast at 32 streams only). So from MANY_PROGRAMS programs (D x KVH; then
+# 48, 24 sequences at 2 kv heads) on: ~MANY_PER_SM programs an SM at MANY_WARPS warps. At 16 streams (32 programs) 8
+# splits / 4 warps took 23.4 against the lone rule's 29.7, but the rule would give 12 splits there, untimed: not then.
 # An H100 (fifty-fourth session, results/attn_fold54_run2 and attn_tiles54_run7, the combine launched): 16 streams 8
 # splits / 4 warps 25.2-25.4 us against the lone rule's 31.83 (12 splits 24.36, 4 splits 27.5), 12 streams 8 splits
-# 20.28 against the lone rule's 24.31 (12 splits 21.64), 20 streams 8 splits 27.8, 8 streams 8 splits 18.25 against
+# 20.28 against the lone rule's 24.31 (12 splits 21.64), 20 streams 8 splits 27.8-28.2, 8 streams 8 splits 18.25 against
 # the lone rule's 18.37 (12 splits 16.28); the engine at 16 streams 2,762.2 / 2,760.9 against 2,739.2 tok/s with the
 # lone rule (+0.8%). So from MANY_PROGRAMS = 24 programs (12 sequences) on, at most MANY_MAX_SPLITS = 8 splits.
 # None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them in the engine).

@@ -726,7 +726,7 @@ def test_calibration_and_transformers_copy(tensors, caplog):
 
 
 @torch.no_grad()
-def test_transformers_filled_from_meta(tensors):
+def test_transformers_filled_from_meta(tensors, monkeypatch):
     """benchmarks/qwen_gpu.py's transformers model for the oracle: built on the meta device, given empty storage
     (`empty_transformers`: no random init of 35B parameters; on the CPU when the GPU cannot hold it beside ours,
     `transformers_stage`), its rotary buffers rebuilt, then filled by `to_transformers` -- the same logits, bit for
@@ -744,10 +744,16 @@ def test_transformers_filled_from_meta(tensors):
         meta = Qwen3_5MoeForCausalLM(hf_config(CFG)).eval()
     assert transformers_stage("auto", meta, torch.device("cpu")) == "device"  # "auto" stages only a short GPU
     assert transformers_stage("cpu", meta, torch.device("cpu")) == "cpu"
+    need = sum(p.numel() * p.element_size() for p in meta.parameters()) + (8 << 30)
+    for free, where in ((need - 1, "cpu"), (need, "device")):  # a CUDA device with that much free memory
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 80 << 30))
+        assert transformers_stage("auto", meta, torch.device("cuda")) == where, free
     filled = empty_transformers(meta, torch.device("cpu"))
     assert to_transformers(model, filled) == len(dict(filled.named_parameters()))
-    for (name, a), (_, b) in zip(usual.named_buffers(), filled.named_buffers()):
-        assert torch.equal(a, b), name
+    buffers = dict(filled.named_buffers())
+    assert buffers.keys() == dict(usual.named_buffers()).keys()
+    for name, a in usual.named_buffers():
+        assert torch.equal(a, buffers[name]), name
     ids = torch.randint(0, CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     assert torch.equal(usual(ids).logits, filled(ids).logits)
     with torch.device("meta"):
@@ -757,21 +763,35 @@ def test_transformers_filled_from_meta(tensors):
         empty_transformers(odd, torch.device("cpu"))
 
 
-def test_block_gdn_kernels_makes_fla_unimportable():
-    """`benchmarks/qwen_gpu.block_gdn_kernels` (transformers' GDN on its fp32 torch code for the oracle): afterwards
-    `import fla` / `import causal_conv1d` raise ImportError, and it says when transformers' Qwen3.5 module was
-    already imported (too late to change its kernels). In a subprocess: it mutates sys.modules."""
+def test_block_gdn_kernels_makes_fla_unimportable(tmp_path):
+    """`benchmarks/qwen_gpu.block_gdn_kernels` (transformers' GDN on its fp32 torch code for the oracle): with a
+    stand-in `fla` and `causal_conv1d` on the path, both import before it and raise ImportError after it; and it says
+    when transformers' Qwen3.5 module was already imported (too late to change its kernels). In a subprocess: it
+    mutates sys.modules."""
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    code = ("import sys; sys.path.insert(0, '.'); from benchmarks.qwen_gpu import block_gdn_kernels, HF_MODULE\n"
+    for name in ("fla", "causal_conv1d"):  # importable packages, as on the GPU machine
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    root = Path(__file__).resolve().parents[1]
+    code = ("import importlib, sys\n"
+            "from benchmarks.qwen_gpu import block_gdn_kernels, HF_MODULE\n"
+            "for m in ('fla', 'causal_conv1d'):\n"
+            "    importlib.import_module(m)\n"
+            "    del sys.modules[m]\n"
             "assert block_gdn_kernels() is None\n"
             "for m in ('fla', 'causal_conv1d'):\n"
-            "    try:\n        __import__(m)\n    except ImportError:\n        pass\n"
+            "    try:\n        importlib.import_module(m)\n    except ImportError:\n        pass\n"
             "    else:\n        raise SystemExit(m + ' still imports')\n"
-            "import importlib; importlib.import_module(HF_MODULE)\n"
+            "importlib.import_module(HF_MODULE)\n"
             "assert 'imported before fla was blocked' in block_gdn_kernels()\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tmp_path), str(root),
+                                                                     os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                          env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
