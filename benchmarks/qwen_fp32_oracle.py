@@ -16,7 +16,6 @@ pure-torch code (--hf-gdn torch, the default here and in qwen_gpu.py), TF32 sett
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -47,29 +46,14 @@ def main() -> None:
 
         block_gdn_kernels()
     import torch
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from benchmarks.qwen_gpu import empty_transformers
-    from engine_core.registry import default_registry
-    from qwen_engine.checkpoint import hf_text_config
-    from qwen_engine.config import QwenConfig, default_layer_types
-    from qwen_engine.load_packed import load_quantized
-    from qwen_engine.model.quantized import set_fp8_activation_quantization
-    from qwen_engine.random_weights import random_packed_tensors, to_transformers
+    from benchmarks.qwen_gpu import fp32_models, reference_kernels
+    from qwen_engine.config import QwenConfig
 
     device = torch.device("cpu" if args.tiny else "cuda")
     base = QwenConfig.tiny() if args.tiny else QwenConfig()  # the default: Qwen3.6-35B-A3B
     layers = min(args.layers, base.num_hidden_layers) if args.tiny else args.layers
-    cfg = dataclasses.replace(base, num_hidden_layers=layers, layer_types=default_layer_types(layers))
-    model = load_quantized(random_packed_tensors(cfg, device, seed=args.seed, dtype=torch.float32), cfg, device,
-                           torch.float32)
-    set_fp8_activation_quantization(model, False)
-    hf_cfg = Qwen3_5MoeTextConfig.from_dict(hf_text_config(cfg))
-    hf_cfg._attn_implementation = "eager"
-    with torch.device("meta"):
-        hf = Qwen3_5MoeForCausalLM(hf_cfg).eval().float()
-    hf = empty_transformers(hf, device)
-    to_transformers(model, hf)
+    cfg, model, hf = fp32_models(base, layers, device, args.seed)
     g = torch.Generator().manual_seed(args.seed + 2)
     ids = torch.randint(0, cfg.vocab_size, (2, args.tokens), generator=g).to(device)
 
@@ -80,8 +64,6 @@ def main() -> None:
 
     handles = [layer.register_forward_hook(hook("ours")) for layer in model.layers]
     handles += [layer.register_forward_hook(hook("hf")) for layer in hf.model.layers]
-    registry = default_registry()
-    before = {op: registry.preference(op) for op in registry.ops()}
     rows = []
     # the process-wide settings a default engine leaves (qwen_gpu.py's oracle runs after them); with --hf-gdn torch
     # fla is already unimportable here, so this engine is built without it (fla's own import-time effects: --hf-gdn any)
@@ -101,13 +83,10 @@ def main() -> None:
         try:
             for v in outs.values():
                 v.clear()
-            registry.set_preference("reference")
-            with torch.no_grad():
+            with torch.no_grad(), reference_kernels():
                 ours = model(ids)
                 ref = hf(ids).logits
         finally:
-            for op, pref in before.items():
-                registry.set_preference(pref, op)
             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
         row = dict(variant=label, cudnn_tf32=torch.backends.cudnn.allow_tf32 if tf32 is None else tf32,
                    matmul_tf32=torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32,

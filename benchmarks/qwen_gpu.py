@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from contextlib import contextmanager
 import platform
 import statistics
 import sys
@@ -301,12 +302,24 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@torch.no_grad()
-def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int = 2, tokens: int = 32) -> dict:
-    """The exactness check the chaotic full-depth bf16 comparison cannot give: at full width (hidden 2048, 256
-    experts, vocab 248k, every layer shape of the real model) but `layers` deep, our packed model in fp32 (the
-    registry's references: exact dequantisation, FP8 layers weight-only) against transformers' fp32
-    Qwen3_5MoeForCausalLM holding the identical dequantised weights. 40 layers in fp32 would need 140 GB."""
+@contextmanager
+def reference_kernels():
+    """Every registry op on its plain reference inside (exact dequantisation, the expert loop: the oracle's fp32
+    path), each op's own preference back afterwards."""
+    registry = default_registry()
+    before = {op: registry.preference(op) for op in registry.ops()}  # set_preference(p) sets every op
+    try:
+        registry.set_preference("reference")
+        yield registry
+    finally:
+        for op, pref in before.items():
+            registry.set_preference(pref, op)
+
+
+def fp32_models(base: QwenConfig, layers: int, device, seed: int):
+    """(cfg, ours, transformers') for the fp32 oracle: `base` cut to `layers` layers, our packed model in fp32 from
+    seeded random tensors (FP8 layers weight-only) and transformers' fp32 `Qwen3_5MoeForCausalLM` (eager attention)
+    holding the identical dequantised weights (built on the meta device, `empty_transformers`, then filled)."""
     import dataclasses
 
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -317,21 +330,26 @@ def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int =
     model = load_quantized(random_packed_tensors(cfg, device, seed=seed, dtype=torch.float32), cfg, device,
                            torch.float32)
     set_fp8_activation_quantization(model, False)
-    registry = default_registry()
-    before = {op: registry.preference(op) for op in registry.ops()}  # set_preference(p) sets every op
-    g = torch.Generator().manual_seed(seed + 2)
-    ids = torch.randint(0, cfg.vocab_size, (prompts, tokens), generator=g).to(device)
-    try:
-        registry.set_preference("reference")
-        ours = model(ids).cpu()
-    finally:
-        for op, pref in before.items():
-            registry.set_preference(pref, op)
     hf_cfg = Qwen3_5MoeTextConfig.from_dict(hf_text_config(cfg))
     hf_cfg._attn_implementation = "eager"
-    with torch.device(device):
+    with torch.device("meta"):
         hf = Qwen3_5MoeForCausalLM(hf_cfg).eval().float()
+    hf = empty_transformers(hf, torch.device(device))
     to_transformers(model, hf)
+    return cfg, model, hf
+
+
+@torch.no_grad()
+def fp32_oracle(base: QwenConfig, layers: int, device, seed: int, prompts: int = 2, tokens: int = 32) -> dict:
+    """The exactness check the chaotic full-depth bf16 comparison cannot give: at full width (hidden 2048, 256
+    experts, vocab 248k, every layer shape of the real model) but `layers` deep, our packed model in fp32 (the
+    registry's references: exact dequantisation, FP8 layers weight-only) against transformers' fp32
+    Qwen3_5MoeForCausalLM holding the identical dequantised weights. 40 layers in fp32 would need 140 GB."""
+    cfg, model, hf = fp32_models(base, layers, device, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    ids = torch.randint(0, cfg.vocab_size, (prompts, tokens), generator=g).to(device)
+    with reference_kernels():
+        ours = model(ids).cpu()
     del model
     ref = hf(ids).logits.float().cpu()
     del hf
@@ -1043,30 +1061,23 @@ def main() -> None:
         # bisect kernels vs model: the same weight-only forward with every registry op on its plain reference
         # (dequantise + matmul, expert loop): if this one agrees with transformers and the fast one does not, a
         # kernel is wrong at full size (the 2026-11-30 run disagreed, top-1 2%, while a full-width CPU model agrees)
-        registry = default_registry()
-        before = {op: registry.preference(op) for op in registry.ops()}  # set_preference(p) sets every op
         try:
-            registry.set_preference("reference")
-            ours_ref = model(prompts[:1, : min(olen, 32)]).float().cpu()
+            with reference_kernels():
+                ours_ref = model(prompts[:1, : min(olen, 32)]).float().cpu()
         except Exception as e:  # noqa: BLE001 - recorded
             ours_ref = None
             r["errors"].append(f"(d) reference-kernel forward: {type(e).__name__}: {e}")
-        finally:
-            for op, pref in before.items():
-                registry.set_preference(pref, op)
         # the fp32 noise floor: the same weights in fp32 activations with the plain reference kernels (on the CPU a
         # full-width fp32 model equals transformers' fp32 to 6e-7); transformers' bf16 and ours are judged against it
         try:
-            registry.set_preference("reference")
-            model.float()
-            ours_fp32 = model(prompts[:1, : min(olen, 32)]).float().cpu()
+            with reference_kernels():
+                model.float()
+                ours_fp32 = model(prompts[:1, : min(olen, 32)]).float().cpu()
         except Exception as e:  # noqa: BLE001 - recorded
             ours_fp32 = None
             r["errors"].append(f"(d) fp32 reference forward: {type(e).__name__}: {e}")
         finally:
             model.to(dtype)  # the bf16 parameters came from bf16: the round trip is exact
-            for op, pref in before.items():
-                registry.set_preference(pref, op)
         set_fp8_activation_quantization(model, True)
         if ours_ref is not None:
             r["bisect"] = dict(fast_vs_reference_kernels=compare_logits(ours_wo[:1, : ours_ref.shape[1]], ours_ref))
@@ -1102,10 +1113,7 @@ def main() -> None:
     finally:
         torch.set_default_dtype(default)
     stage = transformers_stage(args.stage_transformers, hf, device)
-    if stage == "cpu":  # filled on the CPU, moved once ours is freed
-        hf = empty_transformers(hf, torch.device("cpu"))
-    else:
-        hf = empty_transformers(hf, device)
+    hf = empty_transformers(hf, torch.device("cpu") if stage == "cpu" else device)  # "cpu": moved once ours is freed
     n = to_transformers(model, hf)
     model = None  # freed (a rebinding rather than `del`: the engine_with closure above reads the name)
     if device.type == "cuda":
