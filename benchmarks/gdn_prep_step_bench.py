@@ -27,9 +27,11 @@ from benchmarks.cuda_timing import graph_per_call_us  # noqa: E402
 from kernels import gdn_decode, gdn_prep, gdn_prep_step, pdl  # noqa: E402
 
 HK, DK, R, DV, HIDDEN, LAYERS = 16, 128, 2, 128, 2048, 30
-# (BLOCK_V, warps, TAPS_EARLY, BA_EARLY); BLOCK_V None: the step's rule
-BUILDS = [(None, 4, False, False), (None, 8, False, False), (32, 8, False, False), (32, 8, True, True),
-          (64, 8, False, False), (32, 4, False, False), (16, 4, False, False)]
+# (BLOCK_V, NUM_WARPS, TAPS_EARLY, BA_EARLY, OWN_GATES): the module's launch variables; BLOCK_V None: the step's rule
+KNOBS = ("BLOCK_V", "NUM_WARPS", "TAPS_EARLY", "BA_EARLY", "OWN_GATES")
+BUILDS = [(None, 4, False, False, False), (None, 8, False, False, False), (32, 8, False, False, False),
+          (32, 8, True, True, False), (64, 8, False, False, False), (32, 4, False, False, False),
+          (16, 4, False, False, False), (32, 8, False, False, True), (None, 8, False, False, True)]
 
 
 def layer_inputs(d: int, device) -> list[tuple]:
@@ -62,7 +64,7 @@ def main() -> None:
     device = torch.device("cuda")
     pdl.set_enabled(not args.no_pdl and pdl.device_supports(device))
     pdl.set_early(not args.no_early)
-    saved = (gdn_prep_step.BLOCK_V, gdn_prep_step.NUM_WARPS, gdn_prep_step.TAPS_EARLY, gdn_prep_step.BA_EARLY)
+    saved = tuple(getattr(gdn_prep_step, k) for k in KNOBS)
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, pdl=pdl.enabled(),
                    early=pdl.early(), rows={})
     lines = ["| rows | launch | us per layer | against two launches | bits as two launches | compare |",
@@ -81,8 +83,8 @@ def main() -> None:
         lines.append(f"| {d} | prep + step (two launches) | {base_us:.2f} | 1.000 | - | {problem or 'ok'} |")
         print(f"[prep_step_bench] rows {d} two launches: {base_us:.2f} us, {problem or 'ok'}", flush=True)
         for build in BUILDS:
-            (gdn_prep_step.BLOCK_V, gdn_prep_step.NUM_WARPS, gdn_prep_step.TAPS_EARLY,
-             gdn_prep_step.BA_EARLY) = build
+            for k, v in zip(KNOBS, build):
+                setattr(gdn_prep_step, k, v)
             try:
                 us = graph_per_call_us([lambda a=a: fused(a) for a in layers], replays=20)
                 conv, pool = conv0.clone(), pool0.clone()
@@ -95,7 +97,8 @@ def main() -> None:
             problem = gdn_prep_step.compare(out, ref)
             rows.append(dict(build=build, us=us, ratio=us / base_us, same_bits=same, compare=problem or "ok"))
             name = (f"fused, BLOCK_V {build[0] or 'rule'}, {build[1]} warps"
-                    f"{', taps early' if build[2] else ''}{', b/a early' if build[3] else ''}")
+                    f"{', taps early' if build[2] else ''}{', b/a early' if build[3] else ''}"
+                    f"{', own gates' if build[4] else ''}")
             bits = "yes" if all(same) else "o / conv / state " + "/".join("=" if s else "DIFFER" for s in same)
             lines.append(f"| {d} | {name} | {us:.2f} | {us / base_us:.3f} | {bits} | {problem or 'ok'} |")
             print(f"[prep_step_bench] rows {d} {name}: {us:.2f} us ({us / base_us:.3f}), bits {bits}, "
@@ -103,7 +106,8 @@ def main() -> None:
         results["rows"][d] = rows
         del layers
         torch.cuda.empty_cache()
-    gdn_prep_step.BLOCK_V, gdn_prep_step.NUM_WARPS, gdn_prep_step.TAPS_EARLY, gdn_prep_step.BA_EARLY = saved
+    for k, v in zip(KNOBS, saved):
+        setattr(gdn_prep_step, k, v)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gdn_prep_step_bench.json").write_text(json.dumps(results, indent=1, default=str))

@@ -425,7 +425,7 @@ import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]["32"]
 ok = [r for r in rows if "build" in r and r.get("compare") == "ok"]
 b = min(ok, key=lambda r: r["us"])["build"]
-print(json.dumps(dict(zip(("BLOCK_V", "NUM_WARPS", "TAPS_EARLY", "BA_EARLY"), b))))
+print(json.dumps(dict(zip(("BLOCK_V", "NUM_WARPS", "TAPS_EARLY", "BA_EARLY", "OWN_GATES"), b))))
 PY
 }
 # best_gdn_prep_tiling: from $R/gdn_prep_bench's json, the fastest one-row tiling whose outputs passed (the reference

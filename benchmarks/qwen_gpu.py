@@ -579,10 +579,11 @@ def _regs_builds(text: str) -> dict:
 
 def _prep_step_launch(text: str) -> dict:
     """--prep-step-launch: a JSON object of kernels/gdn_prep_step.py's launch variables (BLOCK_V null or a power of
-    two 16-128, NUM_WARPS 4 or 8, TAPS_EARLY / BA_EARLY booleans); argparse reports anything else."""
+    two 16-128, NUM_WARPS 4 or 8, TAPS_EARLY / BA_EARLY / OWN_GATES booleans); argparse reports anything else."""
     value = json.loads(text)
     checks = {"BLOCK_V": lambda v: v is None or v in (16, 32, 64, 128), "NUM_WARPS": lambda v: v in (4, 8),
-              "TAPS_EARLY": lambda v: isinstance(v, bool), "BA_EARLY": lambda v: isinstance(v, bool)}
+              "TAPS_EARLY": lambda v: isinstance(v, bool), "BA_EARLY": lambda v: isinstance(v, bool),
+              "OWN_GATES": lambda v: isinstance(v, bool)}
     if not isinstance(value, dict) or not all(k in checks and checks[k](v) for k, v in value.items()):
         raise argparse.ArgumentTypeError(f"expected a JSON object of {sorted(checks)} (BLOCK_V null or 16-128, "
                                          f"NUM_WARPS 4 or 8, booleans), got {text!r}")
@@ -764,8 +765,9 @@ def main() -> None:
                          "(gpu_next.sh steps 162 / 167 pass step 161's / 166's fastest)")
     ap.add_argument("--prep-step-launch", type=_prep_step_launch, default=None,
                     help="kernels/gdn_prep_step.py's launch for the engines with gdn_prep_in_step_rows, JSON "
-                         "'{\"BLOCK_V\": 32, \"NUM_WARPS\": 8, \"TAPS_EARLY\": false, \"BA_EARLY\": false}' "
-                         "(any of the four module variables; BLOCK_V null: the step's rule): set for the whole run, "
+                         "'{\"BLOCK_V\": 32, \"NUM_WARPS\": 8, \"OWN_GATES\": true}' (any of BLOCK_V, "
+                         "NUM_WARPS, TAPS_EARLY, BA_EARLY, OWN_GATES; BLOCK_V null: the step's rule): set for the "
+                         "whole run, "
                          "recorded under settings (gpu_next.sh step 192 passes its bench's fastest)")
     ap.add_argument("--hf-gdn", choices=("torch", "any"), default="torch",
                     help="transformers' Gated DeltaNet: torch (its pure-torch code, fla made unimportable before its "

@@ -60,6 +60,8 @@ BLOCK_V = None  # state columns a program; None: the step's rule (`gdn_decode._b
 NUM_WARPS = 4
 TAPS_EARLY = False  # with early loads: the conv taps and weights before the wait too (else right after it)
 BA_EARLY = False  # with early loads: the b / a dot products before the wait too (else right after it)
+OWN_GATES = False  # each program's b / a dot products for its own value head only instead of its k-head's R (the
+#                    prep's tile: the same sums); another tile may round b / a otherwise
 
 
 # ---- reference -------------------------------------------------------------------------------------------------------
@@ -89,7 +91,7 @@ if triton is not None:
     def _gdn_prep_step_kernel(qkv, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, pool, o, counters,
                               HK, HV, H, s_qd, s_pr, s_pc, s_wc, s_xd, s_wr, q_scale, s_sb, s_sh, s_sk, s_ob, s_oh,
                               DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
-                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_G: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
                               USE_PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
                               TAPS_EARLY: tl.constexpr = False, BA_EARLY: tl.constexpr = False):
@@ -106,9 +108,14 @@ if triton is not None:
         j = h // R
         row = tl.load(rows + d)
         dt = qkv.dtype.element_ty
-        ri = tl.arange(0, BLOCK_R)
+        # the heads whose gates the program computes: BLOCK_G = BLOCK_R, the k-head's R value heads, as the prep's
+        # program does (the same tiles: the same sums); 1: its own head only (half the b / a weights' reads)
+        ri = tl.arange(0, BLOCK_G)
         r_ok = ri < R
-        heads = j * R + ri  # the k-head's value heads, as the prep's program computes them (the same tiles)
+        if BLOCK_G == 1:
+            heads = h + ri
+        else:
+            heads = j * R + ri
         kk = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
         k_ok = kk < DK
         key_dim = HK * DK
@@ -119,7 +126,7 @@ if triton is not None:
         dt_b = tl.load(dt_bias + heads, mask=r_ok, other=0.0).to(tl.float32)
         a_lg = tl.load(a_log + heads, mask=r_ok, other=0.0).to(tl.float32)
         if BA_EARLY or not EARLY:
-            bb, u = _gate_inputs(x, w_ba, x, d, heads, r_ok, HV, H, s_xd, s_wr, dt, True, BLOCK_R, BLOCK_H,
+            bb, u = _gate_inputs(x, w_ba, x, d, heads, r_ok, HV, H, s_xd, s_wr, dt, True, BLOCK_G, BLOCK_H,
                                  INTERPRET, False)  # (no store: ba_out is not an output here)
         if EARLY:
             s_raw, off, ok = _state_tile(pool, row, pid, pv, HV, DK, DV, s_sb, s_sh, s_sk, BLOCK_K, BLOCK_V)
@@ -130,7 +137,7 @@ if triton is not None:
         if EARLY:
             pdl_enter(USE_PDL)  # now qkv (the predecessor's output), then every store
         if EARLY and not BA_EARLY:  # the dot products after the wait: their tiles and the state slice's registers
-            bb, u = _gate_inputs(x, w_ba, x, d, heads, r_ok, HV, H, s_xd, s_wr, dt, True, BLOCK_R, BLOCK_H,
+            bb, u = _gate_inputs(x, w_ba, x, d, heads, r_ok, HV, H, s_xd, s_wr, dt, True, BLOCK_G, BLOCK_H,
                                  INTERPRET, False)
         if not TAPS_EARLY:
             q_taps, q_w = _conv_taps(conv_pool, conv_w, row, q_ch, k_ok, s_pr, s_pc, s_wc, KM1, BLOCK_T)
@@ -151,7 +158,7 @@ if triton is not None:
             1.0 / 13 + s2 * (1.0 / 15)))))))
         softplus = tl.where(u > 20.0, u, tl.maximum(u, 0.0) + 2.0 * sv * series)  # torch's threshold 20
         g = -tl.exp(a_lg) * softplus
-        mine = ri == h - j * R
+        mine = heads == h
         bt = tl.sum(tl.where(mine, beta, 0.0), axis=0)  # exact picks (x + 0s)
         decay = tl.exp(tl.sum(tl.where(mine, g, 0.0), axis=0))
         if not EARLY:  # the token's inputs before the state, as the plain step loads them
@@ -195,7 +202,8 @@ def _launch(qkv_in, conv_pool, rows, conv_w, x, w_ba, a_log, dt_bias, pool, num_
         x.stride(0), w_ba.stride(0), head_k_dim ** -0.5, pool.stride(0), pool.stride(1), pool.stride(2),
         o.stride(0), o.stride(1),
         DK=head_k_dim, DV=head_v_dim, R=hv // num_k_heads, KM1=conv_pool.shape[-1],
-        BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=bv, BLOCK_R=triton.next_power_of_2(hv // num_k_heads),
+        BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=bv,
+        BLOCK_G=1 if OWN_GATES else triton.next_power_of_2(hv // num_k_heads),
         BLOCK_T=triton.next_power_of_2(conv_pool.shape[-1] + 1), BLOCK_H=gdn_prep.BA_BLOCK_H,
         INTERPRET=_interpreted(), TAPS_EARLY=TAPS_EARLY, BA_EARLY=BA_EARLY, num_warps=NUM_WARPS,
         **pdl.launch_options(),

@@ -220,7 +220,7 @@ def main() -> int:
                                                        "dt_bias")},
                                "pool": pool_type, "o": "*fp32", "rows": "*i64", "counters": "*i32",
                                "q_scale": "fp32"},
-                              dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=64, BLOCK_R=2, BLOCK_T=4,
+                              dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=64, BLOCK_G=2, BLOCK_T=4,
                                    BLOCK_H=gdn_prep.BA_BLOCK_H, INTERPRET=False)))
     ok.append(compile_one("rms_norm_zc (D = 2048, bf16)", rms_norm._rms_norm_zc_kernel,
                           {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},

@@ -59,13 +59,14 @@ def test_matches_reference_and_the_two_launches(dtype, d, hk, dk, r, dv, hidden)
     assert counters_clear()  # the last arrivals re-armed every counter they used
 
 
-@pytest.mark.parametrize("block_v,warps,taps_early,ba_early", [(16, 4, False, False), (32, 8, False, False),
-                                                               (64, 4, True, True), (32, 4, True, False)])
+@pytest.mark.parametrize("block_v,warps,taps_early,ba_early,own", [
+    (16, 4, False, False, False), (32, 8, False, False, False), (64, 4, True, True, False),
+    (32, 4, True, False, False), (32, 4, False, False, True), (None, 8, False, True, True)])
 @pytest.mark.parametrize("early", [False, True])
-def test_launch_variants(monkeypatch, block_v, warps, taps_early, ba_early, early):
+def test_launch_variants(monkeypatch, block_v, warps, taps_early, ba_early, own, early):
     """The launch's alternatives (benchmarks/gdn_prep_step_bench.py), with and without early loads: within `compare`
-    of the reference, and at the prep's 4 warps bit for bit as the two launches (other warps may retile the q / k
-    norms' sums); the conv pool always bit for bit."""
+    of the reference, and at the prep's 4 warps and gate tile bit for bit as the two launches (other warps may retile
+    the q / k norms' sums, a one-head gate tile the b / a sums); the conv pool always bit for bit."""
     args = random_inputs(3, 2, 32, 2, 128, hidden=80, dtype=torch.bfloat16, seed=11, device=DEVICE, exact_ba=True)
     two = gdn_decode_prep_then_step(*fresh(args))
     ref = gdn_decode_prep_step_reference(*fresh(args))
@@ -73,11 +74,12 @@ def test_launch_variants(monkeypatch, block_v, warps, taps_early, ba_early, earl
     monkeypatch.setattr(gdn_prep_step, "NUM_WARPS", warps)
     monkeypatch.setattr(gdn_prep_step, "TAPS_EARLY", taps_early)
     monkeypatch.setattr(gdn_prep_step, "BA_EARLY", ba_early)
+    monkeypatch.setattr(gdn_prep_step, "OWN_GATES", own)
     monkeypatch.setattr(pdl, "early_options", lambda: {"EARLY": True} if early else {})
     out = gdn_decode_prep_step_triton(*fresh(args))
     assert compare(out, ref) is None
     assert torch.equal(out[1], two[1])
-    if warps == 4 or DEVICE == "cpu":  # (the interpreter has no warps)
+    if (warps == 4 and not own) or DEVICE == "cpu":  # (the interpreter has no warps, and sums in one order)
         for x, y in zip(out, two):
             assert torch.equal(x, y)
     assert counters_clear()
