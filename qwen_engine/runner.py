@@ -106,6 +106,8 @@ class ModelRunner:
         # one block and one GDN state row past the scheduler's: the scratch sequence of the decode graphs' padding
         self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device,
                                       state_dtype=state_dtype)
+        if max_model_len is not None and hasattr(model, "rotary"):  # the rotary cos / sin of every position a step
+            model.rotary.reserve(max_model_len, self.device, dtype)  # can hold (< max_model_len): one gather a step
         self.steps = 0  # steps whose sampled ids were read (`result`)
         self.launches = 0  # steps queued on the device (`launch`): async decode keeps one ahead of `steps`
         self.graph_steps = 0

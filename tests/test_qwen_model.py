@@ -261,6 +261,27 @@ def test_bf16_matches_transformers(models, tmp_path):
     assert torch.equal(ours16.rotary(far, torch.float32)[0], ours.rotary(far, torch.float32)[0])
 
 
+def test_rotary_table_is_the_computation():
+    """`RotaryEmbedding.reserve` / `lookup` (the engine's one-gather cos / sin of a step): bit for bit `forward` at
+    every position of the table, in fp32 and bf16; without a table `lookup` computes; a smaller reservation keeps
+    the larger table (engines sharing a model)."""
+    from qwen_engine.model.attention import RotaryEmbedding
+
+    rot = RotaryEmbedding(QwenConfig())
+    pos = torch.tensor([0, 1, 7, 300, 1023, 4095, 5, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        want = rot(pos, dtype)
+        got = rot.lookup(pos, dtype)  # no table yet: computed
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        rot.reserve(4096, "cpu", dtype)
+        rot.reserve(16, "cpu", dtype)  # never shrinks
+        got = rot.lookup(pos, dtype)
+        assert rot._tables[(pos.device, dtype)].shape == (2, 4096, rot.rotary_dim)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), dtype
+        every = torch.arange(4096)
+        assert all(torch.equal(a, b) for a, b in zip(rot.lookup(every, dtype), rot(every, dtype)))
+
+
 # ---- stages -------------------------------------------------------------------------------------------------------
 
 def _gdn_inputs(b=2, t=37, h=4, dk=16, dv=8, seed=5):

@@ -66,7 +66,7 @@ class QwenForCausalLM(nn.Module):
         logits [M, vocab] at the flat token indices `logits_indices` [M] (None: every token, M = N). Reads and
         advances each sequence's paged KV blocks and GDN state slot in place (the caller zeroes reset slots)."""
         x = self.embed_tokens(input_ids)  # [N, hidden]
-        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, rotary_dim]
+        cos, sin = self.rotary.lookup(batch.positions, x.dtype)  # [N, rotary_dim]: positions < the reserved count
         normed = None  # (layer i's input norm of x, its FP8 codes), where layer i - 1's MoE combine wrote it
         for i, layer in enumerate(self.layers):
             nxt = None
