@@ -43,9 +43,8 @@ try:
     import triton.language as tl
 
     from kernels.gdn_decode import _advance, _state_tile
-    from kernels.gdn_prep import _conv_of, _conv_taps, _gate_inputs, _store_shifted
+    from kernels.gdn_prep import _conv_of, _conv_taps, _gate_inputs, _gates, _store_shifted
     from kernels.pdl import enter as pdl_enter
-    from kernels.rms_norm import _cast
     from kernels.split_k import last_arrival, rearm, split_counters
 except ImportError:  # CPU-only installs without triton: the reference works, supports() says no
     triton = None
@@ -149,15 +148,7 @@ if triton is not None:
         kn = kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6))[:, None]
         vf, v_win = _conv_of(qkv, d, v_ch, v_ok, v_taps, v_w, s_qd, KM1, BLOCK_T, dt, INTERPRET)
         # the gates of the R heads, as the prep computes them (kernels/gdn_prep.py), then this program's head
-        beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
-        u = u + dt_b
-        t = tl.exp(-tl.abs(u))
-        sv = t / (2.0 + t)
-        s2 = sv * sv
-        series = 1.0 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 * (1.0 / 9 + s2 * (1.0 / 11 + s2 * (
-            1.0 / 13 + s2 * (1.0 / 15)))))))
-        softplus = tl.where(u > 20.0, u, tl.maximum(u, 0.0) + 2.0 * sv * series)  # torch's threshold 20
-        g = -tl.exp(a_lg) * softplus
+        beta, g = _gates(bb, u, dt_b, a_lg, dt, INTERPRET)
         mine = heads == h
         bt = tl.sum(tl.where(mine, beta, 0.0), axis=0)  # exact picks (x + 0s)
         decay = tl.exp(tl.sum(tl.where(mine, g, 0.0), axis=0))
