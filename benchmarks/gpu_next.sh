@@ -277,8 +277,6 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
-#   STEPS="192" (carry the fla wheels and .tritoncache; either GPU; ~8 min): issue 5, the GDN prep + step in one
-#       launch (gdn_prep_in_step_rows): CUDA tests, per layer beside the two launches, the engine with it from 1 row
 #   STEPS="191" (carry the fla wheels and .tritoncache; either GPU; ~5 min): issue 5, the attention's many-sequence
 #       tiles from 16 streams: per call at 8-20 streams, the engine at 16 streams beside the lone rule, again (ran:
 #       results/attn_tiles54_run7; the default since then starts at 24 programs, 12 streams)
@@ -416,17 +414,6 @@ gpu_tests() {
   # SIGINT first: pytest then still prints its summary (a SIGTERM'd run leaves none)
   timeout -s INT -k 15 "$limit" python -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1
   grep -E "passed|failed|Error" "$R/$name.log" | tail -4
-}
-# best_prep_step_launch JSON: from gdn_prep_step_bench's json, the fused launch fastest at 32 rows among those whose
-# outputs passed the op's compare, as --prep-step-launch's JSON object; nothing where none did
-best_prep_step_launch() {
-  python - "$1" <<'PY' 2>/dev/null
-import json, sys
-rows = json.load(open(sys.argv[1]))["rows"]["32"]
-ok = [r for r in rows if "build" in r and r.get("compare") == "ok"]
-b = min(ok, key=lambda r: r["us"])["build"]
-print(json.dumps(dict(zip(("BLOCK_V", "NUM_WARPS", "TAPS_EARLY", "BA_EARLY", "OWN_GATES"), b))))
-PY
 }
 # best_gdn_prep_tiling: from $R/gdn_prep_bench's json, the fastest one-row tiling whose outputs passed (the reference
 # and the default's q / k / v / pool bits) as a JSON list, where >= 3% under the default's (the first row); else nothing
@@ -2294,25 +2281,6 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
-fi
-if want 192; then
-# fifty-fifth session: the GDN prep and recurrent step in one launch (kernels/gdn_prep_step.py; the engine's
-# gdn_prep_in_step_rows, 0 = off): its CUDA tests under PDL, per layer beside the two launches by launch (state
-# columns, warps, what the early loads take), then the engine with the bench's fastest launch at 32 rows: the
-# defaults, the fused op at every decode step (from 1 row), the defaults again (one process)
-say "192. issue 5: the GDN prep + step in one launch -- CUDA tests, per layer, the engine"
-SAMMIE_PDL=1 gpu_tests prep_step_tests "${LIMIT_192T:-80}" tests/test_kernel_gdn_prep_step.py -k "not engine" -rfE
-grep -E "^(FAILED|ERROR)" "$R/prep_step_tests.log" | cut -c1-250 | head -8
-cp "$R/prep_step_tests.log" "$OUT/" 2>/dev/null
-timeout "${LIMIT_192B:-120}" python benchmarks/gdn_prep_step_bench.py --rows 32,1 --out "$OUT/prep_step" \
-  > "$OUT/prep_step.log" 2>&1
-cat "$OUT/prep_step/gdn_prep_step_bench.md" 2>/dev/null || tail -5 "$OUT/prep_step.log"
-LAUNCH_192=$(best_prep_step_launch "$OUT/prep_step/gdn_prep_step_bench.json")
-say "192. the engine with --prep-step-launch ${LAUNCH_192:-(none: the module defaults)}"
-engine_out qwen_prep_step "${LIMIT_192E:-340}" --decode-tokens 48 ${LAUNCH_192:+--prep-step-launch "$LAUNCH_192"} \
-  --variant 'prepstep1={"gdn_prep_in_step_rows": 1}' --again \
-  ${EXTRA_170:-}
-grep -h "SELF-CHECK" "$OUT/qwen_prep_step.log" | cut -c1-250 | head -5
 fi
 if want 191; then
 # fifty-fourth session: the paged attention's many-sequence tiles from 16 sequences on (MANY_PROGRAMS 32 when it ran,

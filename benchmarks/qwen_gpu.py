@@ -420,8 +420,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
                        picks: list | None = None, gdn_state_dtype: str = "float32",
                        expert_regs: bool | str | None = None, router_align: bool | str | None = None,
-                       early_loads: bool | None = None, router_parts: bool | None = None,
-                       gdn_prep_in_step_rows: int | None = None) -> dict:
+                       early_loads: bool | None = None, router_parts: bool | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -453,8 +452,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                                                      early_loads=early_loads, router_parts=router_parts,
                                                      attn_gate_in_combine=attn_gate_in_combine,
                                                      async_decode=async_decode,
-                                                     gdn_prep_split_v_rows=gdn_prep_split_v_rows,
-                                                     gdn_prep_in_step_rows=gdn_prep_in_step_rows).items()
+                                                     gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()
                                if v is not None},
                             prefill_buckets=tuple(prefill_buckets))
     if gdn_prep_tiling is not None:
@@ -535,7 +533,6 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                     gdn_z_stream_layers=engine.health().get("gdn_z_stream_layers"),
                     combine_next_norm=engine.health().get("combine_next_norm"),
                     gdn_decode_norm_layers=engine.health().get("gdn_decode_norm_layers"),
-                    gdn_prep_in_step_layers=engine.health().get("gdn_prep_in_step_layers"),
                     shared_expert_after_router_layers=engine.health().get("shared_expert_after_router_layers"),
                     prefill_buckets=((engine.health().get("runner") or {}).get("prefill_graphs") or {}).get("buckets"),
                     steps_ahead=engine.scheduler.stats.steps_ahead,
@@ -577,19 +574,6 @@ def _regs_builds(text: str) -> dict:
     return builds
 
 
-def _prep_step_launch(text: str) -> dict:
-    """--prep-step-launch: a JSON object of kernels/gdn_prep_step.py's launch variables (BLOCK_V null or a power of
-    two 16-128, NUM_WARPS 4 or 8, TAPS_EARLY / BA_EARLY / OWN_GATES booleans); argparse reports anything else."""
-    value = json.loads(text)
-    checks = {"BLOCK_V": lambda v: v is None or v in (16, 32, 64, 128), "NUM_WARPS": lambda v: v in (4, 8),
-              "TAPS_EARLY": lambda v: isinstance(v, bool), "BA_EARLY": lambda v: isinstance(v, bool),
-              "OWN_GATES": lambda v: isinstance(v, bool)}
-    if not isinstance(value, dict) or not all(k in checks and checks[k](v) for k, v in value.items()):
-        raise argparse.ArgumentTypeError(f"expected a JSON object of {sorted(checks)} (BLOCK_V null or 16-128, "
-                                         f"NUM_WARPS 4 or 8, booleans), got {text!r}")
-    return value
-
-
 def _remember_flag_defaults() -> None:
     """The process-wide module flags an engine sets (`QwenEngine.__init__`), as their modules define them: called
     before the first engine of the process."""
@@ -610,7 +594,6 @@ def _engine_settings_off(model) -> None:
         set_combine_next_norm,
         set_expert_regs,
         set_gdn_decode_norm,
-        set_gdn_prep_in_step,
         set_gdn_z_stream,
         set_lm_head_layout,
         set_moe_fused_decode,
@@ -625,7 +608,6 @@ def _engine_settings_off(model) -> None:
     set_shared_expert_stream(model, False)
     set_gdn_z_stream(model, False)
     set_gdn_decode_norm(model, False)
-    set_gdn_prep_in_step(model, 0)
     set_combine_next_norm(model, False)
     set_shared_expert_after_router(model, False)
     set_router_align(model, False)
@@ -763,12 +745,6 @@ def main() -> None:
                          "l2_ahead, ring, cols, maxnreg, early): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for "
                          "the whole run (only the THREAD_ORDER experts read them), recorded under settings "
                          "(gpu_next.sh steps 162 / 167 pass step 161's / 166's fastest)")
-    ap.add_argument("--prep-step-launch", type=_prep_step_launch, default=None,
-                    help="kernels/gdn_prep_step.py's launch for the engines with gdn_prep_in_step_rows, JSON "
-                         "'{\"BLOCK_V\": 32, \"NUM_WARPS\": 8, \"OWN_GATES\": true}' (any of BLOCK_V, "
-                         "NUM_WARPS, TAPS_EARLY, BA_EARLY, OWN_GATES; BLOCK_V null: the step's rule): set for the "
-                         "whole run, "
-                         "recorded under settings (gpu_next.sh step 192 passes its bench's fastest)")
     ap.add_argument("--hf-gdn", choices=("torch", "any"), default="torch",
                     help="transformers' Gated DeltaNet: torch (its pure-torch code, fla made unimportable before its "
                          "model module loads: an fp32 reference) or any (fla's chunk kernel where fla is installed: "
@@ -797,11 +773,6 @@ def main() -> None:
     global AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST
     AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST = (args.autotune_table, args.autotune_foreign is not None,
                                                       args.warmup_burst)
-    if args.prep_step_launch is not None:
-        from kernels import gdn_prep_step
-
-        for name, value in args.prep_step_launch.items():
-            setattr(gdn_prep_step, name, value)
     if args.regs_builds is not None:
         from kernels import w4a16_regs
 
@@ -830,7 +801,7 @@ def main() -> None:
     r: dict = dict(
         settings=dict(tiny=tiny, seed=args.seed, context=ctx, decode_tokens=steps, streams=streams,
                       oracle_prompts=oracle_prompts, oracle_len=olen, greedy_tokens=gtok, dtype="bf16",
-                      regs_builds=args.regs_builds, prep_step_launch=args.prep_step_launch),
+                      regs_builds=args.regs_builds),
         env=dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                  torch=torch.__version__, transformers=tf_version, python=platform.python_version(),
                  path="(a)-(c): QwenForCausalLM.forward + QwenState (eager, greedy); (e): QwenEngine"),

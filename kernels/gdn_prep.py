@@ -166,22 +166,6 @@ if triton is not None:
         return bb, u
 
     @triton.jit
-    def _gates(bb, u, dt_b, a_lg, dt: tl.constexpr, INTERPRET: tl.constexpr):
-        """(beta, g) fp32 of the gate inputs b, a (fp32 values of the model dtype) and the heads' dt_bias, A_log:
-        beta = sigmoid(b) rounded to the model dtype, g = -exp(A_log) softplus(a + dt_bias)."""
-        beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
-        u = u + dt_b
-        # softplus = max(u, 0) + log1p(exp(-|u|)); log1p(t) for t in (0, 1] as 2 atanh(s), s = t / (2 + t) <= 1/3:
-        # 2 s (1 + s^2/3 + ... + s^14/15), truncation < 2e-9 relative (log(1 + t) would lose bits for small t)
-        t = tl.exp(-tl.abs(u))
-        sv = t / (2.0 + t)
-        s2 = sv * sv
-        series = 1.0 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 * (1.0 / 9 + s2 * (1.0 / 11 + s2 * (
-            1.0 / 13 + s2 * (1.0 / 15)))))))
-        softplus = tl.where(u > 20.0, u, tl.maximum(u, 0.0) + 2.0 * sv * series)  # torch's threshold 20
-        return beta, -tl.exp(a_lg) * softplus
-
-    @triton.jit
     def _gdn_prep_kernel(qkv, pool, rows, w, b, a, a_log, dt_bias, q_out, k_out, v_out, beta_out, g_out, ba_out,
                          C, HK, HV, H, s_qd, s_pr, s_pc, s_wc, s_bd, s_ad, q_scale,
                          DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, KM1: tl.constexpr,
@@ -287,7 +271,17 @@ if triton is not None:
             #                                                     predecessor's outputs: after the wait)
             bb, u = _gate_inputs(b, a, ba_out, d, heads, g_ok, HV, H, s_bd, s_ad, dt, BA, BLOCK_R, BLOCK_H,
                                  INTERPRET, True)
-        beta, g = _gates(bb, u, dt_b, a_lg, dt, INTERPRET)
+        beta = _cast(1.0 / (1.0 + tl.exp(-bb)), dt, INTERPRET).to(tl.float32)  # sigmoid in the model dtype
+        u = u + dt_b
+        # softplus = max(u, 0) + log1p(exp(-|u|)); log1p(t) for t in (0, 1] as 2 atanh(s), s = t / (2 + t) <= 1/3:
+        # 2 s (1 + s^2/3 + ... + s^14/15), truncation < 2e-9 relative (log(1 + t) would lose bits for small t)
+        t = tl.exp(-tl.abs(u))
+        sv = t / (2.0 + t)
+        s2 = sv * sv
+        series = 1.0 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 * (1.0 / 9 + s2 * (1.0 / 11 + s2 * (
+            1.0 / 13 + s2 * (1.0 / 15)))))))
+        softplus = tl.where(u > 20.0, u, tl.maximum(u, 0.0) + 2.0 * sv * series)  # torch's threshold 20
+        g = -tl.exp(a_lg) * softplus
         tl.store(beta_out + d * HV + heads, beta, mask=g_ok)
         tl.store(g_out + d * HV + heads, g, mask=g_ok)
 

@@ -126,7 +126,7 @@ class DecodeGraphs(BucketGraphs):
 
     def __init__(self, model, cache: PagedCache, *, buckets: tuple[int, ...], max_blocks: int, scratch_block: int,
                  scratch_slot: int, device: torch.device, gdn_decode, decode_attention, gdn_prep=None,
-                 mode: str = "capture", gdn_prep_ba=None, gdn_prep_step=None):
+                 mode: str = "capture", gdn_prep_ba=None):
         super().__init__(model, cache, buckets, device, mode)
         if decode_attention is None:
             raise ValueError("decode graphs need a paged decode attention op (kernels/paged_attention.py)")
@@ -146,7 +146,7 @@ class DecodeGraphs(BucketGraphs):
                          views["context_lens"][:b], views["state_slots"][:b], starts=tuple(range(b + 1)),
                          context_lens=(1,) * b, state_slots=tuple(range(b)), num_decode=b,
                          block_size=self.block_size, gdn_decode=gdn_decode, decode_attention=decode_attention,
-                         gdn_prep=gdn_prep, gdn_prep_ba=gdn_prep_ba, gdn_prep_step=gdn_prep_step)
+                         gdn_prep=gdn_prep, gdn_prep_ba=gdn_prep_ba)
             for b in self.buckets}
         self._ids = views["ids"]
 

@@ -152,10 +152,6 @@ class QwenEngineConfig:
     #                                   GDN step was 1.02 of 8.53 ms of a 32-stream step's kernels, at ~3.9 TB/s) at
     #                                   a precision cost: the state is rounded to bf16 after every token (vLLM's
     #                                   default for this state is the model dtype). Every step still computes in fp32.
-    gdn_prep_in_step_rows: int = 0  # decode-only steps of at least this many rows (0: never) run each GDN layer's
-    #                                 prep (conv step, norms, b / a, gates) and recurrent step in one launch
-    #                                 (kernels/gdn_prep_step.py; GatedDeltaNet.prep_in_step_rows): 30 launches a step
-    #                                 fewer and no q / k / v round trip through memory; the same operations
     gdn_decode_norm: bool = False  # packed models' decode-only steps: each GDN layer's recurrent step and its
     #                                output's gated RMS norm + out_proj's FP8 codes in one launch (the last program
     #                                of a head norms it: kernels/gdn_decode.py "gdn_decode_rows_norm_fp8";
@@ -350,10 +346,6 @@ class QwenEngineConfig:
             raise ValueError(f"expert_regs must be true, false or 'auto', got {self.expert_regs!r}")
         if not (isinstance(self.programmatic_launch, bool) or self.programmatic_launch == "auto"):
             raise ValueError(f"programmatic_launch must be true, false or 'auto', got {self.programmatic_launch!r}")
-        if (not isinstance(self.gdn_prep_in_step_rows, int) or isinstance(self.gdn_prep_in_step_rows, bool)
-                or self.gdn_prep_in_step_rows < 0):
-            raise ValueError(f"gdn_prep_in_step_rows must be an int >= 0 (0: never), got "
-                             f"{self.gdn_prep_in_step_rows!r}")
         if not isinstance(self.early_loads, bool):
             raise ValueError(f"early_loads must be true or false, got {self.early_loads!r}")
         if not isinstance(self.router_parts, bool):
@@ -486,7 +478,6 @@ class QwenEngine:
         self.shared_expert_stream = set_shared_expert_stream(self.model, cfg.shared_expert_stream)
         self.gdn_z_stream = set_gdn_z_stream(self.model, cfg.gdn_z_stream)
         self.gdn_decode_norm = set_gdn_decode_norm(self.model, cfg.gdn_decode_norm)
-        self.gdn_prep_in_step = set_gdn_prep_in_step(self.model, cfg.gdn_prep_in_step_rows)
         self.shared_expert_after_router = set_shared_expert_after_router(self.model, cfg.shared_expert_after_router)
         self.combine_next_norm = set_combine_next_norm(self.model, cfg.combine_next_norm)
         self.lm_head_layout = set_lm_head_layout(self.model, resolve_lm_head_layout(cfg, self.device, self.kernels))
@@ -700,7 +691,6 @@ class QwenEngine:
             "shared_expert_stream_layers": self.shared_expert_stream,
             "gdn_z_stream_layers": self.gdn_z_stream,
             "gdn_decode_norm_layers": self.gdn_decode_norm,
-            "gdn_prep_in_step_layers": self.gdn_prep_in_step,
             "shared_expert_after_router_layers": self.shared_expert_after_router,
             "combine_next_norm": self.combine_next_norm,
             "small_batch_tokens": self.small_batch_tokens,
@@ -1158,19 +1148,6 @@ def set_gdn_decode_norm(model: torch.nn.Module, on: bool) -> int:
     from .model.gdn import GatedDeltaNet
 
     return _set_on_every(model, GatedDeltaNet, "decode_norm", on)
-
-
-def set_gdn_prep_in_step(model: torch.nn.Module, rows: int) -> int:
-    """Set `GatedDeltaNet.prep_in_step_rows` on every GDN layer; returns how many layers took a nonzero value. It acts
-    on decode-only steps of at least `rows` rows where the runner offers the op (`FlatBatch.gdn_prep_step`)."""
-    from .model.gdn import GatedDeltaNet
-
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, GatedDeltaNet):
-            mod.prep_in_step_rows = int(rows)
-            n += rows > 0
-    return n
 
 
 def set_gdn_z_stream(model: torch.nn.Module, on: bool) -> int:

@@ -58,7 +58,7 @@ class PendingStep:
 
 
 RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk",
-                         "kernels.gdn_conv", "kernels.argmax_rows", "kernels.gdn_prep_step")
+                         "kernels.gdn_conv", "kernels.argmax_rows")
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 
 
@@ -149,8 +149,7 @@ class ModelRunner:
                 model, self.cache, buckets=tuple(decode_buckets) or (max_num_seqs,),
                 max_blocks=-(-max_model_len // block_size), scratch_block=num_blocks, scratch_slot=max_num_seqs,
                 device=self.device, gdn_decode=self._gdn_decode, decode_attention=self._decode_attention,
-                gdn_prep=self._gdn_prep, mode=decode_graphs, gdn_prep_ba=self._gdn_prep_ba,
-                gdn_prep_step=self._gdn_prep_step)
+                gdn_prep=self._gdn_prep, mode=decode_graphs, gdn_prep_ba=self._gdn_prep_ba)
 
     def _gdn_decode(self, q, k, v, g, beta, pool, rows, norm=None):
         """o [B, H, Dv]; `norm` = (z, weight, eps, input_scale): the gated norm of o and its FP8 codes instead, from
@@ -164,9 +163,6 @@ class ModelRunner:
 
     def _gdn_prep_ba(self, *args):
         return self.registry.call("gdn_decode_prep_ba", *args)
-
-    def _gdn_prep_step(self, *args):
-        return self.registry.call("gdn_decode_prep_step", *args)[0]
 
     def _gdn_chunk(self, q, k, v, g, beta, states, cu_seqlens, cu_seqlens_cpu=None):
         return self.registry.call("gdn_chunk_prefill", q, k, v, g, beta, states, cu_seqlens, cu_seqlens_cpu)
@@ -242,7 +238,7 @@ class ModelRunner:
         return FlatBatch.build(rows, num_decode, self.block_size, self.device, self._gdn_decode,
                                self._decode_attention, self._gdn_prep,
                                self._gdn_chunk if self.device.type == "cuda" else None, self._gdn_conv,
-                               self._gdn_prep_ba, self._gdn_prep_step)
+                               self._gdn_prep_ba)
 
     def _use_graphs(self, plan: StepPlan) -> bool:
         """Decode-only steps (the scheduler sets bucket_size) once the graphs exist (or in "static" mode)."""

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fp8_quant, gdn_decode, gdn_prep, moe_align, moe_combine, moe_router, paged_attention, rms_norm  # noqa: E402,E501
 from kernels import attn_prep, fp8_gemv, fp8_skinny, fp8_swapped, gdn_conv, w4a16_gemm, w4a16_gemv, w4a16_swapped  # noqa: E402
-from kernels import gdn_prep_step, gelu_fp8_quant, linear_gelu, moe_decode, router_align, w4a16_mma  # noqa: E402
+from kernels import gelu_fp8_quant, linear_gelu, moe_decode, router_align, w4a16_mma  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -211,17 +211,6 @@ def main() -> int:
                               gdn_prep._gdn_prep_kernel, types,
                               dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=128, BLOCK_R=2, BLOCK_T=4,
                                    BA=ba, BLOCK_H=gdn_prep.BA_BLOCK_H, INTERPRET=False, SPLIT_V=split)))
-    # the prep and the step in one launch (gdn_prep_step.py; the engine's gdn_prep_in_step_rows): the step's tiles
-    # (BLOCK_V 64 at 32 streams), the b / a dot products inside, an fp32 or a bf16 state pool
-    for pool_type in ("*fp32", "*bf16"):
-        ok.append(compile_one(f"gdn_prep_step (Dk = Dv = 128, r = 2, K = 4, bf16, BLOCK_V = 64, pool {pool_type})",
-                              gdn_prep_step._gdn_prep_step_kernel,
-                              {**{n: "*bf16" for n in ("qkv", "conv_pool", "conv_w", "x", "w_ba", "a_log",
-                                                       "dt_bias")},
-                               "pool": pool_type, "o": "*fp32", "rows": "*i64", "counters": "*i32",
-                               "q_scale": "fp32"},
-                              dict(DK=128, DV=128, R=2, KM1=3, BLOCK_K=128, BLOCK_V=64, BLOCK_G=2, BLOCK_T=4,
-                                   BLOCK_H=gdn_prep.BA_BLOCK_H, INTERPRET=False)))
     ok.append(compile_one("rms_norm_zc (D = 2048, bf16)", rms_norm._rms_norm_zc_kernel,
                           {"x": "*bf16", "w": "*bf16", "out": "*bf16", "eps": "fp32"},
                           dict(BLOCK_R=1, BLOCK_D=2048, INTERPRET=False)))

@@ -143,10 +143,6 @@ class GatedDeltaNet(nn.Module):
     # launch (`batch.gdn_decode(..., norm=...)`: kernels/gdn_decode.py "gdn_decode_rows_norm_fp8"; the engine's
     # `gdn_decode_norm`); the same operations
     decode_norm = False
-    # decode-only calls of at least this many rows (0: none) run the prep (b / a inside) and the recurrent step in one
-    # launch (`batch.gdn_prep_step`: kernels/gdn_prep_step.py; the engine's `gdn_prep_in_step_rows`): q / k / v and
-    # the gates never leave the step's programs; the same operations (not combined with decode_norm)
-    prep_in_step_rows = 0
 
     def __init__(self, cfg: QwenConfig, chunk_size: int = 64):
         super().__init__()
@@ -287,25 +283,18 @@ class GatedDeltaNet(nn.Module):
                 qkv_in = self.in_proj_qkv(x, *extra)
             else:
                 qkv_in, z = project_together(self, ("in_proj_qkv", "in_proj_z"), x, codes)  # fused: one GEMV
+            if self.fused_ba and batch.gdn_prep_ba is not None and self._plain_ba():  # b / a inside: a GEMM fewer
+                q, k, v, beta, g, _, _ = batch.gdn_prep_ba(  # advances slots.conv[rows] in place
+                    qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], x, self._ba_weight(),
+                    self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            else:
+                q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
+                    qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
+                    self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
             scale = producer_scale(self, ("out_proj",))
             fused_norm = self.decode_norm and scale is not None and batch.gdn_decode is not None
-            ba_inside = self.fused_ba and batch.gdn_prep_ba is not None and self._plain_ba()
-            if (ba_inside and not fused_norm and batch.gdn_prep_step is not None
-                    and 0 < self.prep_in_step_rows <= x.shape[0]):  # prep + step: one launch
-                o = batch.gdn_prep_step(  # advances slots.conv[rows] and slots.recurrent[rows] in place
-                    qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], x, self._ba_weight(), self.A_log,
-                    self.dt_bias, slots.recurrent, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-            else:
-                if ba_inside:  # b / a inside: a GEMM fewer
-                    q, k, v, beta, g, _, _ = batch.gdn_prep_ba(  # advances slots.conv[rows] in place
-                        qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], x, self._ba_weight(),
-                        self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-                else:
-                    q, k, v, beta, g, _ = batch.gdn_prep(  # advances slots.conv[rows] in place
-                        qkv_in, slots.conv, rows, self.conv1d.weight[:, 0], *self._project_ba(x),
-                        self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-                if not fused_norm:  # (fused: after the window, which joins z's fork)
-                    o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
+            if not fused_norm:  # (fused: after the window, which joins z's fork)
+                o = (batch.gdn_decode or gated_delta_rows)(q, k, v, g, beta, slots.recurrent, rows)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         if fused_norm:  # the step + the gated norm + out_proj's codes in one op
             o, o_codes = batch.gdn_decode(q, k, v, g, beta, slots.recurrent, rows,

@@ -110,10 +110,6 @@ class FlatBatch:
     # signature (x and the concatenated [2 Hv, hidden] b/a weight in place of b, a); None -> `gdn_prep` after the
     # projections' own GEMM
     gdn_prep_ba: Callable | None = None
-    # that prep and the recurrent step in one launch: `kernels/gdn_prep_step.py`'s op signature (gdn_prep_ba's
-    # arguments, then the state pool) -> o [D, Hv, Dv], both pools advanced in place; None -> gdn_prep_ba, then
-    # gdn_decode (the model takes it for calls of at least `GatedDeltaNet.prep_in_step_rows` rows)
-    gdn_prep_step: Callable | None = None
     # GDN prefill of all prefill rows in one call: (q, k, v, g, beta of their tokens, entering states [P, H, Dk, Dv],
     # cu_seqlens int64 [P + 1] on the device, the same on the host) -> (o, final states) (`kernels/gdn_chunk.py`:
     # flash-linear-attention's kernels on CUDA); None -> `gdn.gated_delta_rule_chunked` per sequence
@@ -144,8 +140,7 @@ class FlatBatch:
     def build(cls, seqs: list[tuple[int, int, tuple[int, ...], int]], num_decode: int, block_size: int,
               device, gdn_decode: Callable | None = None, decode_attention: Callable | None = None,
               gdn_prep: Callable | None = None, gdn_chunk: Callable | None = None,
-              gdn_conv: Callable | None = None, gdn_prep_ba: Callable | None = None,
-              gdn_prep_step: Callable | None = None) -> FlatBatch:
+              gdn_conv: Callable | None = None, gdn_prep_ba: Callable | None = None) -> FlatBatch:
         """From per-sequence (start, num_tokens, block_table, state_slot), decode rows first; one host->device copy
         per field (pinned, non-blocking on CUDA)."""
         positions, slots, starts, ctx = [], [], [0], []
@@ -170,4 +165,4 @@ class FlatBatch:
             prefill_cu = (host.pin_memory().to(device, non_blocking=True) if pin else host.to(device), host)
         return cls(put(positions), put(slots), put(tables), put(ctx), put(list(state_slots)), tuple(starts),
                    tuple(ctx), state_slots, num_decode, block_size, gdn_decode, decode_attention, gdn_prep,
-                   gdn_prep_ba, gdn_prep_step, gdn_chunk, gdn_conv, prefill_cu=prefill_cu)
+                   gdn_prep_ba, gdn_chunk, gdn_conv, prefill_cu=prefill_cu)
