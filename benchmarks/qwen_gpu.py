@@ -35,11 +35,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from contextlib import contextmanager
 import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
