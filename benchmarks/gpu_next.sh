@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="192" (carry the fla wheels and .tritoncache; either GPU; ~5 min): issue 5, the lone-prefill rule (a burst's
+#       prompts prefilled alone through the prefill graph) beside mixed eager prefill steps, and again (one process)
 #   STEPS="191" (carry the fla wheels and .tritoncache; either GPU; ~5 min): issue 5, the attention's many-sequence
 #       tiles from 16 streams: per call at 8-20 streams, the engine at 16 streams beside the lone rule, again (ran:
 #       results/attn_tiles54_run7; the default since then starts at 24 programs, 12 streams)
@@ -2281,6 +2283,16 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 192; then
+# fifty-sixth session: the scheduler's lone-prefill rule (QwenEngineConfig.lone_prefill, auto: on with prefill graphs):
+# a burst's prompts each prefilled alone through the prefill graph, between decode steps, instead of mixed eager steps
+# (32 concurrent 1k-token requests: 385.2 output tok/s, TTFT p50 / max 2,127 / 3,708 ms on an H100 in full56 run 1).
+# The defaults (rule on) beside the rule off, again (the burst's row: output tok/s, TTFT p50 / max)
+say "192. issue 5: the lone-prefill rule beside mixed eager prefill steps (32 concurrent requests), again"
+engine_out qwen_lone56 "${LIMIT_192:-420}" --decode-tokens 48 --variant 'mixed={"lone_prefill": false}' --again \
+  ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_lone56.log" | cut -c1-250 | head -5
 fi
 if want 191; then
 # fifty-fourth session: the paged attention's many-sequence tiles from 16 sequences on (MANY_PROGRAMS 32 when it ran,

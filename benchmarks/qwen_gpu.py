@@ -265,8 +265,8 @@ def markdown(r: dict) -> str:
             f"| (e) engine without programmatic_launch (PDL; the default: auto, on for Hopper): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_no_pdl'))} | - |",
             f"| (e) the first engine's settings again, last in the process (--again: order effects): decode tok/s, "
-            f"lone request / all {st.get('n')} streams decoding / TTFT ms | "
-            f"{side_by_side(r.get('engine_again'))} | - |",
+            f"lone request / all {st.get('n')} streams decoding / TTFT ms / {st.get('n')} concurrent requests' output "
+            f"tok/s (TTFT p50 / max ms) | {side_by_side(r.get('engine_again'), burst=True)} | - |",
             f"| (e) engine start-up s (warm-up, self-checks, graph captures; prefill buckets "
             f"{e.get('prefill_buckets')}) | {fmt(e.get('start_s'))} | - |",
             f"| (e) engine: output tok/s, {st.get('n')} concurrent requests (TTFT p50 / max ms) | "
@@ -278,8 +278,9 @@ def markdown(r: dict) -> str:
         for key in sorted(k for k in r if k.startswith("engine_v_")):  # --variant engines
             v = r[key] or {}
             lines.append(f"| (e) engine {key[len('engine_v_'):]} ({json.dumps(v.get('options'))}): decode tok/s, lone "
-                         f"request / all {st.get('n')} streams decoding / TTFT ms; same greedy tokens (lone, streams) "
-                         f"| {side_by_side(v)}; {v.get('same_tokens')} | - |")
+                         f"request / all {st.get('n')} streams decoding / TTFT ms / {st.get('n')} concurrent requests' "
+                         f"output tok/s (TTFT p50 / max ms); same greedy tokens (lone, streams) "
+                         f"| {side_by_side(v, burst=True)}; {v.get('same_tokens')} | - |")
     o = r.get("oracle", {})
     for mode in ("w8a8", "fp8_weight_only"):
         m = o.get(mode)
@@ -420,7 +421,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        argmax_kernel: bool | None = None, attn_gate_in_combine: bool | None = None,
                        picks: list | None = None, gdn_state_dtype: str = "float32",
                        expert_regs: bool | str | None = None, router_align: bool | str | None = None,
-                       early_loads: bool | None = None, router_parts: bool | None = None) -> dict:
+                       early_loads: bool | None = None, router_parts: bool | None = None,
+                       lone_prefill: bool | str | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -451,7 +453,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                                                      expert_regs=expert_regs, router_align=router_align,
                                                      early_loads=early_loads, router_parts=router_parts,
                                                      attn_gate_in_combine=attn_gate_in_combine,
-                                                     async_decode=async_decode,
+                                                     async_decode=async_decode, lone_prefill=lone_prefill,
                                                      gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()
                                if v is not None},
                             prefill_buckets=tuple(prefill_buckets))

@@ -30,6 +30,13 @@ Rules (each one is a test in `tests/test_continuous.py`):
 - **Admission.** The waiting queue's head is admitted while there is a state slot (`max_num_seqs` resident at most),
   budget is left, and `BlockManager.can_allocate` holds with the watermark (without it when nothing is resident).
   FIFO: the head is never skipped. No admission in a step that preempted (it would thrash).
+- **Lone prefill** (`lone_prefill_tokens` > 0, set by an engine whose runner replays a lone sequence's prefill from
+  position 0 as a CUDA graph of up to that many tokens). When no resident sequence is mid-prefill and the waiting
+  head could be admitted with a whole prompt of at most that many tokens (and of the step budget), its prompt is a
+  step of its own (no decode rows), which the runner replays as one graph instead of running a mixed step eagerly.
+  While sequences decode, such steps alternate with decode-only steps, so a burst of arrivals delays each decoding
+  stream by one prefill step in two, never starves it. Otherwise the rules above (longer prompts, prompts behind a
+  mid-prefill resident). FIFO is kept: only the head is ever taken.
 - **Preemption by recompute.** When a decode token needs a block and none is free, the youngest resident sequence
   (latest arrival) is preempted: its blocks and state slot are freed, its prompt *and generated tokens* kept, and
   it goes to the front of the waiting queue. Re-admitted, it prefills all of them again (`reset_state`) and samples
@@ -71,7 +78,7 @@ import random
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 from engine_core.block_manager import BlockManager
 from engine_core.request import (
@@ -232,6 +239,7 @@ class StepPlan:
     # feed_index[i] (its ScheduledSeq.token_ids hold a placeholder 0). None: token_ids are the inputs.
     feed_from: int | None = None
     feed_index: tuple[int, ...] = ()
+    lone_prefill: bool = False  # formed by the lone-prefill rule: one whole prompt from position 0, no decode rows
 
     @property
     def num_seqs(self) -> int:
@@ -336,6 +344,11 @@ class ContinuousConfig:
     max_num_batched_tokens: int = 2048  # tokens fed per step (decode + prefill chunks)
     max_model_len: int = 8192  # prompt + generated tokens per sequence
     max_waiting: int = 256  # waiting requests before `add` raises Overloaded
+    lone_prefill_tokens: int = 0  # prompts of at most this many tokens are prefilled in a step of their own, between
+    #                               decode steps (the lone-prefill rule, module doc): the largest prefill bucket a
+    #                               runner replays as a CUDA graph; 0: off (every prompt's chunks ride in mixed steps).
+    #                               The scheduler's `lone_prefill_tokens` attribute starts from it (an engine whose
+    #                               graphs failed to capture sets that to 0)
     watermark: float = 0.01  # fraction of blocks admission leaves free for decode growth (vLLM's default)
     decode_buckets: tuple[int, ...] = ()  # decode-only batch sizes the runner captures; () = nano-vllm's list
     seed: int | None = None  # seeds the per-request seeds drawn for unseeded requests; None = OS entropy
@@ -347,6 +360,8 @@ class ContinuousConfig:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.lone_prefill_tokens, bool) or self.lone_prefill_tokens < 0:
+            raise ValueError(f"lone_prefill_tokens must be a token count >= 0, got {self.lone_prefill_tokens!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every resident sequence's decode token must fit in one step, or a decode could be starved
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -376,6 +391,7 @@ class ContinuousStats:
     decode_tokens: int = 0
     dropped_tokens: int = 0  # sampled for a sequence answered while its step ran
     steps_ahead: int = 0  # decode steps formed by `step_ahead` (launched before the previous step's tokens were read)
+    lone_prefill_steps: int = 0  # steps formed by the lone-prefill rule (one whole prompt, no decode rows)
     latency_s: Samples = field(default_factory=Samples)  # add -> ok answer
     ttft_s: Samples = field(default_factory=Samples)  # add -> first sampled token
     step_tokens: Samples = field(default_factory=Samples)  # fed tokens per step
@@ -387,7 +403,8 @@ class ContinuousStats:
         """Flat name -> value map, e.g. `preemptions`, `ttft_s.p99`, `step_tokens.mean`."""
         out = {k: float(getattr(self, k)) for k in (
             "submitted", "rejected", "answered_ok", "deadline_exceeded", "cancelled", "failed", "preemptions",
-            "steps", "failed_steps", "prefill_tokens", "decode_tokens", "dropped_tokens", "steps_ahead")}
+            "steps", "failed_steps", "prefill_tokens", "decode_tokens", "dropped_tokens", "steps_ahead",
+            "lone_prefill_steps")}
         for name in ("latency_s", "ttft_s", "step_tokens", "step_seqs", "step_run_s", "kv_usage"):
             s: Samples = getattr(self, name)
             out |= {f"{name}.mean": s.mean, f"{name}.p50": s.quantile(0.5), f"{name}.p99": s.quantile(0.99)}
@@ -418,6 +435,8 @@ class ContinuousScheduler:
         self._step_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._latency_ewma_s: float | None = None
+        self.lone_prefill_tokens = config.lone_prefill_tokens  # the lone-prefill rule's limit (0: off; module doc)
+        self._last_lone = False  # the last plan `step` formed was a lone prefill
 
     # ---- queries
 
@@ -508,6 +527,14 @@ class ContinuousScheduler:
         prefills: list[ScheduledSeq] = []
         preempted: list[RequestId] = []
 
+        # 0. The lone-prefill rule: the waiting head's whole prompt alone, or (right after such a step, while
+        #    sequences decode) a decode-only step.
+        lone = self._lone_head()
+        if lone is not None and not (self._last_lone and any(self._seqs[r].decoding for r in self._running)):
+            self._admit(self._waiting.popleft())
+            return self._form(prefills=[self._slice(lone, lone.num_tokens, is_decode=False)], lone=True)
+        decode_only = lone is not None
+
         # 1. One decode token per decoding resident sequence, oldest first; make room by preempting the youngest.
         for rid in list(self._running):
             seq = self._seqs[rid]
@@ -531,7 +558,8 @@ class ContinuousScheduler:
                 n = min(seq.num_uncomputed, budget)
                 prefills.append(self._slice(seq, n, is_decode=False))
                 budget -= n
-        admit = not (preempted and self._running)  # after a preemption, admitting would only thrash
+        # after a preemption, admitting would only thrash; after a lone prefill, the decoders' step comes first
+        admit = not (preempted and self._running) and not (decode_only and decodes)
         while admit and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             seq = self._seqs[self._waiting[0]]
             if not blocks.can_allocate(seq.num_tokens, use_watermark=bool(self._running)):
@@ -543,14 +571,38 @@ class ContinuousScheduler:
 
         if not decodes and not prefills:
             return None
-        seqs = tuple(decodes + prefills)
+        return self._form(decodes, prefills, preempted)
+
+    def _form(self, decodes: Sequence[ScheduledSeq] = (), prefills: Sequence[ScheduledSeq] = (),
+              preempted: Sequence[RequestId] = (), *, lone: bool = False) -> StepPlan:
+        """The plan of `step`, in flight from now on (decode-only plans get their graph bucket)."""
+        seqs = tuple(decodes) + tuple(prefills)
         bucket = None
         if not prefills:
-            bucket = next(b for b in cfg.decode_buckets if b >= len(seqs))
-        plan = StepPlan(next(self._step_ids), seqs, cfg.block_size, bucket, self.clock.now(), tuple(preempted))
+            bucket = next(b for b in self.config.decode_buckets if b >= len(seqs))
+        plan = StepPlan(next(self._step_ids), seqs, self.config.block_size, bucket, self.clock.now(), tuple(preempted),
+                        lone_prefill=lone)
         self._in_flight.append(plan)
-        self.stats.kv_usage.record(blocks.usage)
+        self._last_lone = lone
+        self.stats.lone_prefill_steps += lone
+        self.stats.kv_usage.record(self.blocks.usage)
         return plan
+
+    def _lone_head(self) -> SequenceState | None:
+        """The waiting head, when the lone-prefill rule takes it now: the rule is on, no resident sequence is
+        mid-prefill (FIFO: its chunks come first), a state slot is free, its whole prompt fits the rule's limit and
+        the step budget, and its blocks can be allocated (the admission rule's watermark). Else None."""
+        cfg = self.config
+        if not self.lone_prefill_tokens or not self._waiting or len(self._running) >= cfg.max_num_seqs:
+            return None
+        if any(not self._seqs[rid].decoding for rid in self._running):
+            return None
+        seq = self._seqs[self._waiting[0]]
+        if seq.num_tokens > min(self.lone_prefill_tokens, cfg.max_num_batched_tokens):
+            return None
+        if not self.blocks.can_allocate(seq.num_tokens, use_watermark=bool(self._running)):
+            return None
+        return seq
 
     def step_ahead(self, plan: StepPlan) -> StepPlan | None:
         """While the decode-only `plan` is in flight (and nothing else): the next decode step, formed as if every row

@@ -133,6 +133,14 @@ class QwenEngineConfig:
     prefill_graphs: str = "auto"  # auto | capture | static | off (qwen_engine/prefill_graphs.py): CUDA graphs of a
     #                               lone request's prefill from position 0 (the time to first token of a request
     #                               arriving while nothing else runs), one per prefill bucket, captured at start
+    lone_prefill: bool | str = "auto"  # the scheduler's lone-prefill rule (engine_core/continuous.py): a waiting
+    #                                  prompt that fits the largest prefill bucket is prefilled in a step of its own
+    #                                  -- the runner replays that as a CUDA graph -- alternating with decode-only
+    #                                  (graphed) steps, instead of riding with other prompts' chunks and the decode
+    #                                  rows in a mixed step, which runs eagerly (host-bound: ~3.4x the graph's time
+    #                                  a 1k-token prompt on an H100, RESULTS.md). auto: on where prefill graphs run
+    #                                  (captured on CUDA, or "static"), off where they do not or failed to capture;
+    #                                  true / false: as asked. The same tokens, in another step order
     prefill_buckets: tuple = ()  # prefill token buckets (a chunk runs padded to the next one; each costs start-up
     #                              time: ~87 s for the first on an H200, compile + autotune); () = 256, 1024, 2048, up
     #                              to min(max_num_batched_tokens, max_model_len)
@@ -327,6 +335,8 @@ class QwenEngineConfig:
             raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
         if self.weights not in ("auto", "packed", "dequantized"):
             raise ValueError(f"weights must be auto | packed | dequantized, got {self.weights!r}")
+        if self.lone_prefill not in (True, False, "auto"):
+            raise ValueError(f"lone_prefill must be true, false or auto, got {self.lone_prefill!r}")
         for name in ("decode_graphs", "prefill_graphs"):
             if getattr(self, name) not in ("auto", "capture", "static", "off"):
                 raise ValueError(f"{name} must be auto | capture | static | off, got {getattr(self, name)!r}")
@@ -533,6 +543,7 @@ class QwenEngine:
                                   prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(
                                       cfg.max_num_batched_tokens, cfg.max_model_len),
                                   state_dtype=GDN_STATE_DTYPES[cfg.gdn_state_dtype])
+        self._set_lone_prefill()
         # CUDA only: elsewhere Triton runs interpreted (tests), far slower than torch.argmax
         self.runner.argmax_kernel = cfg.argmax_kernel and self.device.type == "cuda"
         eos = self.model_config.eos_token_id
@@ -564,9 +575,19 @@ class QwenEngine:
         await self._capture("decode", runner.graphs, runner.capture_decode_graphs, runner.disable_graphs)
         await self._capture("prefill", runner.prefill_graphs, runner.capture_prefill_graphs,
                             runner.disable_prefill_graphs)
+        self._set_lone_prefill()  # off again where the prefill graphs failed to capture (auto)
         if self.cfg.warmup and self.warmup_s is None:
             await self.warmup()
         self._ready = True
+
+    def _set_lone_prefill(self) -> None:
+        """The scheduler's lone-prefill limit from `lone_prefill` (config comment): the largest prefill bucket, or 0."""
+        from .prefill_graphs import default_buckets
+
+        graphs, want, cfg = self.runner.prefill_graphs, self.cfg.lone_prefill, self.cfg
+        buckets = cfg.prefill_buckets or default_buckets(cfg.max_num_batched_tokens, cfg.max_model_len)
+        on = want is True or (want == "auto" and graphs is not None)
+        self.scheduler.lone_prefill_tokens = max(buckets) if on and buckets else 0
 
     async def _capture(self, kind: str, graphs, capture, disable) -> None:
         """Capture the runner's `kind` ("decode" / "prefill") graphs if configured and not yet captured. On a
@@ -637,7 +658,13 @@ class QwenEngine:
         await one([i % vocab for i in range(n)])
         await asyncio.gather(*(one([(7 * i + 1) % vocab]) for i in range(cfg.max_num_seqs)))
         if cfg.warmup_burst and self.device.type == "cuda":  # nothing compiles or tunes lazily on a CPU
-            await asyncio.gather(*(one(prompt) for prompt in warmup_burst(cfg, vocab)))
+            # mixed steps are what the burst warms: the lone-prefill rule (which would take its prompts one by one
+            # through the prefill graph) is off meanwhile
+            lone, self.scheduler.lone_prefill_tokens = self.scheduler.lone_prefill_tokens, 0
+            try:
+                await asyncio.gather(*(one(prompt) for prompt in warmup_burst(cfg, vocab)))
+            finally:
+                self.scheduler.lone_prefill_tokens = lone
         self.warmup_s = time.perf_counter() - t0
         self.scheduler.stats = ContinuousStats()
         log.info("warm-up done in %.2f s", self.warmup_s)
@@ -686,6 +713,7 @@ class QwenEngine:
                           "usage": round(b.usage, 4)},
             "rejected": self.rejected,
             "async_decode": self.cfg.async_decode,
+            "lone_prefill_tokens": s.lone_prefill_tokens,  # the scheduler's lone-prefill limit in force (0: off)
             "shared_expert_in_moe_layers": self.shared_expert_in_moe,
             "moe_fused_decode_layers": self.moe_fused_decode,
             "shared_expert_stream_layers": self.shared_expert_stream,

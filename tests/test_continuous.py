@@ -153,9 +153,14 @@ def check_plan(sched: ContinuousScheduler, plan: StepPlan) -> None:
         assert s.sample == (s.end == seq.num_tokens)
         assert not used & set(s.block_table), "two sequences in one step share a block"
         used |= set(s.block_table)
-    # every decoding resident sequence gets its token (the budget always fits them)
     decoding = {rid for rid in sched.running_ids if sched.sequence(rid).decoding}
-    assert decoding == {s.request_id for s in plan.seqs if s.is_decode}
+    if plan.lone_prefill:  # one whole prompt from position 0 within the rule's limit, alone
+        (s,) = plan.seqs
+        assert s.start == 0 and s.sample and not s.is_decode and s.reset_state
+        assert s.num_tokens <= min(sched.lone_prefill_tokens, cfg.max_num_batched_tokens)
+        assert all(sched.sequence(rid).decoding for rid in sched.running_ids if rid != s.request_id)
+    else:  # every decoding resident sequence gets its token (the budget always fits them)
+        assert decoding == {s.request_id for s in plan.seqs if s.is_decode}
     sched.blocks.check()
     assert all(sched.blocks.ref_count(b) == 1 for b in used)
     assert plan.bucket_size is None or (plan.num_decode == plan.num_seqs and plan.bucket_size >= plan.num_seqs)
@@ -207,6 +212,66 @@ def test_short_prompts_share_a_step_and_decode_only_steps_get_a_bucket():
     sched.finish(plan, runner.run(plan))
     plan = sched.step()
     assert plan.num_decode == 3 and plan.bucket_size == 4 and plan.num_tokens == 3
+
+
+def kinds(plan: StepPlan) -> list[tuple[int, int, int, bool]]:
+    """(request, start, tokens, decode) of each row."""
+    return [(s.request_id, s.start, s.num_tokens, s.is_decode) for s in plan.seqs]
+
+
+def test_lone_prefill_alternates_with_decode_steps_and_keeps_the_streams():
+    sched, _, runner = make(max_num_batched_tokens=16, lone_prefill_tokens=8)
+    a = sched.add(req(3, max_new=30))
+    plan = sched.step()
+    assert plan.lone_prefill and kinds(plan) == [(a, 0, 3, False)] and plan.bucket_size is None
+    sched.finish(plan, runner.run(plan))
+    b, c = sched.add(req(5, max_new=30, first=3)), sched.add(req(8, max_new=30, first=5))
+    d, e = sched.add(req(12, max_new=4, first=7)), sched.add(req(2, max_new=4, first=9))  # d: longer than the rule's 8
+    seen = []
+    for _ in range(5):
+        plan = sched.step()
+        check_plan(sched, plan)
+        seen.append((plan.lone_prefill, kinds(plan), plan.bucket_size))
+        sched.finish(plan, runner.run(plan))
+    assert seen == [
+        (False, [(a, 3, 1, True)], 1),  # right after a's lone prefill: the decoders' step, graph-bucketed
+        (True, [(b, 0, 5, False)], None),
+        (False, [(a, 4, 1, True), (b, 5, 1, True)], 2),
+        (True, [(c, 0, 8, False)], None),
+        # d exceeds the limit: the mixed step of the rules without it (the decoders get their tokens in it too)
+        (False, [(a, 5, 1, True), (b, 6, 1, True), (c, 8, 1, True), (d, 0, 12, False)], None),
+    ]
+    assert sched.sequence(e).status is SeqStatus.WAITING  # four residents: e waits for a slot (d's, 4 tokens on)
+    answers = run_to_end(sched, runner)
+    for rid, request in ((a, req(3, max_new=30)), (b, req(5, max_new=30, first=3)), (c, req(8, max_new=30, first=5)),
+                         (d, req(12, max_new=4, first=7)), (e, req(2, max_new=4, first=9))):
+        assert answers[rid].outputs[0].token_ids == reference(request, seed_of(rid), 128)[0], rid
+    assert sched.stats.lone_prefill_steps == 3 + 1  # a, b, c, then e once d's slot was free
+
+
+def test_lone_prefill_waits_for_a_resident_mid_prefill_and_needs_a_slot():
+    sched, _, runner = make(max_num_batched_tokens=8, max_num_seqs=2, lone_prefill_tokens=8)
+    a = sched.add(req(12, max_new=3))  # longer than the limit: chunked, 8 then 4
+    b = sched.add(req(4, max_new=3, first=5))
+    plan = sched.step()
+    assert not plan.lone_prefill and kinds(plan) == [(a, 0, 8, False)]
+    sched.finish(plan, runner.run(plan))
+    plan = sched.step()  # a is mid-prefill: its chunk first, b rides in the same mixed step (budget left)
+    assert not plan.lone_prefill and kinds(plan) == [(a, 8, 4, False), (b, 0, 4, False)]
+    sched.finish(plan, runner.run(plan))
+    c = sched.add(req(3, max_new=3, first=9))
+    plan = sched.step()  # both slots taken: c waits, the decoders run
+    assert not plan.lone_prefill and plan.num_decode == 2 and sched.sequence(c).status is SeqStatus.WAITING
+    sched.finish(plan, runner.run(plan))
+    answers = run_to_end(sched, runner)
+    assert all(x.ok for x in answers.values()) and sched.stats.lone_prefill_steps == 1  # c, once a slot was free
+
+
+def test_lone_prefill_validation():
+    with pytest.raises(ValueError, match="lone_prefill_tokens"):
+        make(lone_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="lone_prefill_tokens"):
+        make(lone_prefill_tokens=True)
 
 
 def test_max_num_seqs_limits_residents():
@@ -441,7 +506,7 @@ def test_random_traffic_every_request_answered_once_with_the_exact_stream(trial)
     cfg = dict(num_kv_blocks=-(-40 // block_size) + rng.randint(0, 8), block_size=block_size,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=rng.randint(max_num_seqs, max_num_seqs + 12),
                max_model_len=rng.choice([24, 64]), max_waiting=rng.randint(2, 8), watermark=rng.choice([0.0, 0.1]),
-               seed=trial)
+               seed=trial, lone_prefill_tokens=rng.choice([0, 0, 4, 12, 64]))
     sched, clock, runner = make(**cfg)
     submitted: dict[int, tuple[GenerateRequest, int | None]] = {}
     answers = {}
@@ -522,6 +587,28 @@ def test_property_loop_exercises_preemption():
         run_to_end(sched, runner)
         total += sched.stats.preemptions
     assert total >= 12
+
+
+def test_lone_prefill_under_preemption_gives_the_exact_streams():
+    """The lone-prefill rule with small pools (preemptions re-queue sequences whose prompt + outputs then fit the
+    rule or not): every stream is the uninterrupted one, and both the rule and preemption really happen."""
+    lone = pre = 0
+    for trial in range(12):
+        rng = random.Random(2000 + trial)
+        sched, _, runner = make(num_kv_blocks=10, block_size=2, max_num_seqs=4, max_num_batched_tokens=8,
+                                max_model_len=64, seed=trial, lone_prefill_tokens=6)
+        requests = {}
+        for i in range(6):
+            r = GenerateRequest(tuple(rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 8))), 12)
+            requests[sched.add(r)] = r
+        seeds = {rid: sched.sequence(rid).seed for rid in requests}
+        answers = run_to_end(sched, runner)
+        for rid, r in requests.items():
+            c = answers[rid].outputs[0]
+            assert (c.token_ids, c.finish_reason) == reference(r, seeds[rid], 64), (trial, rid)
+        lone += sched.stats.lone_prefill_steps
+        pre += sched.stats.preemptions
+    assert lone >= 12 and pre >= 12
 
 
 def test_the_scheduler_imports_no_torch():

@@ -180,22 +180,34 @@ def run_engine(cfg: QwenEngineConfig, body):
     return asyncio.run(main())
 
 
-def test_engine_greedy_through_prefill_graphs():
-    """The engine with prefill_graphs "static": requests alone (the graph path) and together (plain mixed steps)
-    give the single-prompt greedy tokens; health shows the graph steps."""
+@pytest.mark.parametrize("lone_prefill", ["auto", False])
+def test_engine_greedy_through_prefill_graphs(lone_prefill):
+    """The engine with prefill_graphs "static": requests alone (the graph path) and together give the single-prompt
+    greedy tokens; health shows the graph steps. Together, with the lone-prefill rule (auto: on with the graphs)
+    the prompts of <= 16 tokens (the largest bucket) take graph steps of their own between the decode steps and the
+    30-token one mixed steps; without it (False) every one of them rides in mixed steps (no graph)."""
     lengths = (3, 16, 11, 30)
 
     async def body(engine):
         alone = [await greedy(engine, i, n) for i, n in enumerate(lengths)]
-        return alone, await asyncio.gather(*(greedy(engine, i, n) for i, n in enumerate(lengths)))
+        graph_steps = engine.health()["runner"]["prefill_graph_steps"]
+        together = await asyncio.gather(*(greedy(engine, i, n, new=8) for i, n in enumerate(lengths)))
+        return alone, graph_steps, together
 
-    engine, (alone, together) = run_engine(tiny_engine_config(), body)
+    engine, (alone, alone_graph_steps, together) = run_engine(tiny_engine_config(lone_prefill=lone_prefill), body)
     for i, n in enumerate(lengths):
-        ref = greedy_generate(engine.model, torch.tensor([prompt(i, n)]), 5)[0].tolist()
-        assert alone[i] == ref and together[i] == ref, f"prompt {i} ({n} tokens)"
-    stats = engine.health()["runner"]
-    assert stats["prefill_graph_steps"] >= len(lengths), stats
+        ref = greedy_generate(engine.model, torch.tensor([prompt(i, n)]), 8)[0].tolist()
+        assert alone[i] == ref[:5] and together[i] == ref, f"prompt {i} ({n} tokens)"
+    h = engine.health()
+    stats, lone = h["runner"], h["stats"]["lone_prefill_steps"]
+    assert alone_graph_steps >= 3, stats  # the three prompts of <= 16 tokens, alone
     assert stats["prefill_graphs"]["mode"] == "static" and stats["prefill_graphs"]["buckets"] == [8, 16], stats
+    if lone_prefill == "auto":
+        assert h["lone_prefill_tokens"] == 16
+        assert lone == 3 + 3 and stats["prefill_graph_steps"] == alone_graph_steps + 3, (lone, stats)
+    else:
+        assert h["lone_prefill_tokens"] == 0
+        assert lone == 0 and stats["prefill_graph_steps"] == alone_graph_steps, (lone, stats)
     with pytest.raises(ValueError, match="prefill_graphs must be"):
         QwenEngineConfig(config="tiny", prefill_graphs="yes")
     with pytest.raises(ValueError, match="prefill_buckets must be positive"):
@@ -236,6 +248,7 @@ def test_bucket_limits_and_failed_capture(monkeypatch):
     assert tokens == greedy_generate(engine.model, torch.tensor([prompt(0, 6)]), 3)[0].tolist()
     h = engine.health()["runner"]
     assert h["prefill_graph_steps"] == 0 and "test" in h["prefill_graphs"]["disabled"], h
+    assert engine.health()["lone_prefill_tokens"] == 0  # the lone-prefill rule (auto) off with the graphs
     with pytest.raises(RuntimeError, match="set prefill_graphs: auto or off"):
         asyncio.run(main("capture"))
 
