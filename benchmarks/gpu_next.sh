@@ -2293,6 +2293,10 @@ say "192. issue 5: the lone-prefill rule beside mixed eager prefill steps (32 co
 engine_out qwen_lone56 "${LIMIT_192:-420}" --decode-tokens 48 --variant 'mixed={"lone_prefill": false}' --again \
   ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_lone56.log" | cut -c1-250 | head -5
+# short prompts: 32 concurrent 128-token requests (the 256-token bucket), where one mixed eager step holds them all
+engine_out qwen_lone56_short "${LIMIT_192S:-300}" --decode-tokens 48 --context 128 --prefill-buckets 256 \
+  --variant 'mixed={"lone_prefill": false}' ${EXTRA_170:-}
+grep -E "^\| \(e\) (engine:|engine mixed)" "$OUT/qwen_lone56_short/qwen_gpu.md" | cut -c1-330
 fi
 if want 191; then
 # fifty-fourth session: the paged attention's many-sequence tiles from 16 sequences on (MANY_PROGRAMS 32 when it ran,
