@@ -32,7 +32,8 @@ Rules (each one is a test in `tests/test_continuous.py`):
   FIFO: the head is never skipped. No admission in a step that preempted (it would thrash).
 - **Lone prefill** (`lone_prefill_tokens` > 0, set by an engine whose runner replays a lone sequence's prefill from
   position 0 as a CUDA graph of up to that many tokens). When no resident sequence is mid-prefill and the waiting
-  head could be admitted with a whole prompt of at most that many tokens (and of the step budget), its prompt is a
+  head could be admitted with a whole prompt of at most that many tokens (and of the step budget; and at least
+  `lone_prefill_min_tokens`), its prompt is a
   step of its own (no decode rows), which the runner replays as one graph instead of running a mixed step eagerly.
   While sequences decode, such steps alternate with decode-only steps, so a burst of arrivals delays each decoding
   stream by one prefill step in two, never starves it. Otherwise the rules above (longer prompts, prompts behind a
@@ -349,6 +350,8 @@ class ContinuousConfig:
     #                               runner replays as a CUDA graph; 0: off (every prompt's chunks ride in mixed steps).
     #                               The scheduler's `lone_prefill_tokens` attribute starts from it (an engine whose
     #                               graphs failed to capture sets that to 0)
+    lone_prefill_min_tokens: int = 0  # ... and at least this many: shorter prompts ride in mixed steps, where one
+    #                                   step (eager) holds many of them
     watermark: float = 0.01  # fraction of blocks admission leaves free for decode growth (vLLM's default)
     decode_buckets: tuple[int, ...] = ()  # decode-only batch sizes the runner captures; () = nano-vllm's list
     seed: int | None = None  # seeds the per-request seeds drawn for unseeded requests; None = OS entropy
@@ -360,8 +363,9 @@ class ContinuousConfig:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if isinstance(self.lone_prefill_tokens, bool) or self.lone_prefill_tokens < 0:
-            raise ValueError(f"lone_prefill_tokens must be a token count >= 0, got {self.lone_prefill_tokens!r}")
+        for name in ("lone_prefill_tokens", "lone_prefill_min_tokens"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a token count >= 0, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every resident sequence's decode token must fit in one step, or a decode could be starved
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -590,7 +594,7 @@ class ContinuousScheduler:
 
     def _lone_head(self) -> SequenceState | None:
         """The waiting head, when the lone-prefill rule takes it now: the rule is on, no resident sequence is
-        mid-prefill (FIFO: its chunks come first), a state slot is free, its whole prompt fits the rule's limit and
+        mid-prefill (FIFO: its chunks come first), a state slot is free, its whole prompt fits the rule's limits and
         the step budget, and its blocks can be allocated (the admission rule's watermark). Else None."""
         cfg = self.config
         if not self.lone_prefill_tokens or not self._waiting or len(self._running) >= cfg.max_num_seqs:
@@ -598,7 +602,8 @@ class ContinuousScheduler:
         if any(not self._seqs[rid].decoding for rid in self._running):
             return None
         seq = self._seqs[self._waiting[0]]
-        if seq.num_tokens > min(self.lone_prefill_tokens, cfg.max_num_batched_tokens):
+        limit = min(self.lone_prefill_tokens, cfg.max_num_batched_tokens)
+        if not cfg.lone_prefill_min_tokens <= seq.num_tokens <= limit:
             return None
         if not self.blocks.can_allocate(seq.num_tokens, use_watermark=bool(self._running)):
             return None

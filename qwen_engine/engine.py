@@ -141,6 +141,8 @@ class QwenEngineConfig:
     #                                  a 1k-token prompt on an H100, RESULTS.md). auto: on where prefill graphs run
     #                                  (captured on CUDA, or "static"), off where they do not or failed to capture;
     #                                  true / false: as asked. The same tokens, in another step order
+    lone_prefill_min_tokens: int = 0  # the lone-prefill rule takes only prompts of at least this many tokens
+    #                                   (shorter ones ride in mixed steps, where one eager step holds many of them)
     prefill_buckets: tuple = ()  # prefill token buckets (a chunk runs padded to the next one; each costs start-up
     #                              time: ~87 s for the first on an H200, compile + autotune); () = 256, 1024, 2048, up
     #                              to min(max_num_batched_tokens, max_model_len)
@@ -337,6 +339,10 @@ class QwenEngineConfig:
             raise ValueError(f"weights must be auto | packed | dequantized, got {self.weights!r}")
         if self.lone_prefill not in (True, False, "auto"):
             raise ValueError(f"lone_prefill must be true, false or auto, got {self.lone_prefill!r}")
+        if (isinstance(self.lone_prefill_min_tokens, bool) or not isinstance(self.lone_prefill_min_tokens, int)
+                or self.lone_prefill_min_tokens < 0):
+            raise ValueError(f"lone_prefill_min_tokens must be a token count >= 0, "
+                             f"got {self.lone_prefill_min_tokens!r}")
         for name in ("decode_graphs", "prefill_graphs"):
             if getattr(self, name) not in ("auto", "capture", "static", "off"):
                 raise ValueError(f"{name} must be auto | capture | static | off, got {getattr(self, name)!r}")
@@ -409,7 +415,8 @@ class QwenEngineConfig:
         return ContinuousConfig(
             num_kv_blocks=num_kv_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            max_waiting=self.max_queued, seed=self.seed, decode_buckets=self.decode_buckets)
+            max_waiting=self.max_queued, seed=self.seed, decode_buckets=self.decode_buckets,
+            lone_prefill_min_tokens=self.lone_prefill_min_tokens)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -267,11 +267,21 @@ def test_lone_prefill_waits_for_a_resident_mid_prefill_and_needs_a_slot():
     assert all(x.ok for x in answers.values()) and sched.stats.lone_prefill_steps == 1  # c, once a slot was free
 
 
-def test_lone_prefill_validation():
+def test_lone_prefill_validation_and_its_lower_limit():
     with pytest.raises(ValueError, match="lone_prefill_tokens"):
         make(lone_prefill_tokens=-1)
     with pytest.raises(ValueError, match="lone_prefill_tokens"):
         make(lone_prefill_tokens=True)
+    with pytest.raises(ValueError, match="lone_prefill_min_tokens"):
+        make(lone_prefill_min_tokens=-2)
+    sched, _, runner = make(max_num_batched_tokens=16, lone_prefill_tokens=8, lone_prefill_min_tokens=4)
+    a, b, c = sched.add(req(3, max_new=2)), sched.add(req(2, max_new=2, first=4)), sched.add(req(6, max_new=2, first=5))
+    plan = sched.step()  # a and b are shorter than 4: one mixed step takes all three (c fits the budget behind them)
+    assert not plan.lone_prefill and kinds(plan) == [(a, 0, 3, False), (b, 0, 2, False), (c, 0, 6, False)]
+    sched.finish(plan, runner.run(plan))
+    d = sched.add(req(4, max_new=2, first=6))
+    plan = sched.step()  # d: 4 tokens, within [4, 8], taken alone
+    assert plan.lone_prefill and kinds(plan) == [(d, 0, 4, False)]
 
 
 def test_max_num_seqs_limits_residents():

@@ -210,6 +210,10 @@ def test_engine_greedy_through_prefill_graphs(lone_prefill):
         assert lone == 0 and stats["prefill_graph_steps"] == alone_graph_steps, (lone, stats)
     with pytest.raises(ValueError, match="prefill_graphs must be"):
         QwenEngineConfig(config="tiny", prefill_graphs="yes")
+    with pytest.raises(ValueError, match="lone_prefill must be"):
+        QwenEngineConfig(config="tiny", lone_prefill="yes")
+    with pytest.raises(ValueError, match="lone_prefill_min_tokens must be"):
+        QwenEngineConfig(config="tiny", lone_prefill_min_tokens=-1)
     with pytest.raises(ValueError, match="prefill_buckets must be positive"):
         QwenEngineConfig(config="tiny", prefill_buckets=(0,))
 
