@@ -2290,11 +2290,14 @@ if want 192; then
 # (32 concurrent 1k-token requests: 385.2 output tok/s, TTFT p50 / max 2,127 / 3,708 ms on an H100 in full56 run 1).
 # The defaults (rule on) beside the rule off, again (the burst's row: output tok/s, TTFT p50 / max)
 say "192. issue 5: the lone-prefill rule beside mixed eager prefill steps (32 concurrent requests), again"
+if [ -z "${SHORT_192:-}" ]; then  # SHORT_192=1: the short prompts' part alone
 engine_out qwen_lone56 "${LIMIT_192:-420}" --decode-tokens 48 --variant 'mixed={"lone_prefill": false}' --again \
   ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_lone56.log" | cut -c1-250 | head -5
-# short prompts: 32 concurrent 128-token requests (the 256-token bucket), where one mixed eager step holds them all
-engine_out qwen_lone56_short "${LIMIT_192S:-300}" --decode-tokens 48 --context 128 --prefill-buckets 256 \
+fi
+# short prompts: 32 concurrent 128-token requests (one 240-token bucket: max_model_len is 128 + 48 + 64), where one
+# mixed eager step holds them all
+engine_out qwen_lone56_short "${LIMIT_192S:-300}" --decode-tokens 48 --context 128 --prefill-buckets 240 \
   --variant 'mixed={"lone_prefill": false}' ${EXTRA_170:-}
 grep -E "^\| \(e\) (engine:|engine mixed)" "$OUT/qwen_lone56_short/qwen_gpu.md" | cut -c1-330
 fi
