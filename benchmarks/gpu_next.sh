@@ -278,7 +278,9 @@
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
 #   STEPS="192" (carry the fla wheels and .tritoncache; either GPU; ~5 min): issue 5, the lone-prefill rule (a burst's
-#       prompts prefilled alone through the prefill graph) beside mixed eager prefill steps, and again (one process)
+#       prompts prefilled alone through the prefill graph) beside mixed eager prefill steps, and again (one process);
+#       then the same for 32 short (128-token) prompts (ran: results/lone56_run2, on an H100, the long part; the
+#       short part failed there on a bucket over max_model_len, since mended and unrun: SHORT_192=1 runs it alone)
 #   STEPS="191" (carry the fla wheels and .tritoncache; either GPU; ~5 min): issue 5, the attention's many-sequence
 #       tiles from 16 streams: per call at 8-20 streams, the engine at 16 streams beside the lone rule, again (ran:
 #       results/attn_tiles54_run7; the default since then starts at 24 programs, 12 streams)
