@@ -32,12 +32,11 @@ Rules (each one is a test in `tests/test_continuous.py`):
   FIFO: the head is never skipped. No admission in a step that preempted (it would thrash).
 - **Lone prefill** (`lone_prefill_tokens` > 0, set by an engine whose runner replays a lone sequence's prefill from
   position 0 as a CUDA graph of up to that many tokens). When no resident sequence is mid-prefill and the waiting
-  head could be admitted with a whole prompt of at most that many tokens (and of the step budget; and at least
-  `lone_prefill_min_tokens`), its prompt is a
-  step of its own (no decode rows), which the runner replays as one graph instead of running a mixed step eagerly.
-  While sequences decode, such steps alternate with decode-only steps, so a burst of arrivals delays each decoding
-  stream by one prefill step in two, never starves it. Otherwise the rules above (longer prompts, prompts behind a
-  mid-prefill resident). FIFO is kept: only the head is ever taken.
+  head could be admitted with a whole prompt of at least `lone_prefill_min_tokens` and at most that many tokens
+  (and the step budget), its prompt is a step of its own (no decode rows), which the runner replays as one graph
+  instead of running a mixed step eagerly. While sequences decode, such steps alternate with decode-only steps, so
+  a burst of arrivals delays each decoding stream by one prefill step in two, never starves it. Otherwise the rules
+  above (longer or shorter prompts, prompts behind a mid-prefill resident). FIFO is kept: only the head is taken.
 - **Preemption by recompute.** When a decode token needs a block and none is free, the youngest resident sequence
   (latest arrival) is preempted: its blocks and state slot are freed, its prompt *and generated tokens* kept, and
   it goes to the front of the waiting queue. Re-admitted, it prefills all of them again (`reset_state`) and samples
