@@ -662,16 +662,16 @@ class QwenEngine:
             async for _ in self._generate(prompt, 2, SamplingParams(), (), ()):
                 pass
 
-        await one([i % vocab for i in range(n)])
-        await asyncio.gather(*(one([(7 * i + 1) % vocab]) for i in range(cfg.max_num_seqs)))
-        if cfg.warmup_burst and self.device.type == "cuda":  # nothing compiles or tunes lazily on a CPU
-            # mixed steps are what the burst warms: the lone-prefill rule (which would take its prompts one by one
-            # through the prefill graph) is off meanwhile
-            lone, self.scheduler.lone_prefill_tokens = self.scheduler.lone_prefill_tokens, 0
-            try:
+        # the lone-prefill rule is off meanwhile: it would admit the decode batch's prompts (and the burst's) one by
+        # one, so neither the full decode batch nor the burst's mixed steps would form
+        lone, self.scheduler.lone_prefill_tokens = self.scheduler.lone_prefill_tokens, 0
+        try:
+            await one([i % vocab for i in range(n)])
+            await asyncio.gather(*(one([(7 * i + 1) % vocab]) for i in range(cfg.max_num_seqs)))
+            if cfg.warmup_burst and self.device.type == "cuda":  # nothing compiles or tunes lazily on a CPU
                 await asyncio.gather(*(one(prompt) for prompt in warmup_burst(cfg, vocab)))
-            finally:
-                self.scheduler.lone_prefill_tokens = lone
+        finally:
+            self.scheduler.lone_prefill_tokens = lone
         self.warmup_s = time.perf_counter() - t0
         self.scheduler.stats = ContinuousStats()
         log.info("warm-up done in %.2f s", self.warmup_s)

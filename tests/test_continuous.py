@@ -157,7 +157,7 @@ def check_plan(sched: ContinuousScheduler, plan: StepPlan) -> None:
     if plan.lone_prefill:  # one whole prompt from position 0 within the rule's limit, alone
         (s,) = plan.seqs
         assert s.start == 0 and s.sample and not s.is_decode and s.reset_state
-        assert s.num_tokens <= min(sched.lone_prefill_tokens, cfg.max_num_batched_tokens)
+        assert cfg.lone_prefill_min_tokens <= s.num_tokens <= min(sched.lone_prefill_tokens, cfg.max_num_batched_tokens)
         assert all(sched.sequence(rid).decoding for rid in sched.running_ids if rid != s.request_id)
     else:  # every decoding resident sequence gets its token (the budget always fits them)
         assert decoding == {s.request_id for s in plan.seqs if s.is_decode}

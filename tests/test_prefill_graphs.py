@@ -218,6 +218,18 @@ def test_engine_greedy_through_prefill_graphs(lone_prefill):
         QwenEngineConfig(config="tiny", prefill_buckets=(0,))
 
 
+def test_warmup_forms_the_full_decode_batch_with_the_lone_prefill_rule_on():
+    """The warm-up turns the lone-prefill rule off while it runs (it would admit the decode batch's prompts one by
+    one), so its max_num_seqs prompts decode together in the largest decode bucket; the rule is back on after."""
+    async def body(engine):
+        return engine.health()
+
+    engine, h = run_engine(tiny_engine_config(warmup=True, decode_graphs="static"), body)
+    assert h["lone_prefill_tokens"] == 16
+    replays = h["runner"]["decode_graphs"]["replays"]
+    assert replays.get("4", 0) > 0, replays  # max_num_seqs = 4 rows in one decode step
+
+
 def test_bucket_limits_and_failed_capture(monkeypatch):
     """Buckets a step can never fill are refused up front; a CaptureError at start (warm-up or capture) leaves
     prefill_graphs "auto" serving eagerly, health saying why, while an explicit "capture" fails start()."""
