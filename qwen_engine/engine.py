@@ -543,12 +543,14 @@ class QwenEngine:
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
+        # the runner's prefill graph buckets; the largest is also the lone-prefill rule's limit (_set_lone_prefill)
+        self.prefill_buckets = cfg.prefill_buckets or default_prefill_buckets(cfg.max_num_batched_tokens,
+                                                                              cfg.max_model_len)
         self.runner = ModelRunner(self.model, self.model_config, self.device, num_blocks, cfg.block_size,
                                   cfg.max_num_seqs, registry=self.registry, max_model_len=cfg.max_model_len,
                                   decode_buckets=self.scheduler.config.decode_buckets,
                                   decode_graphs=cfg.decode_graphs, prefill_graphs=cfg.prefill_graphs,
-                                  prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(
-                                      cfg.max_num_batched_tokens, cfg.max_model_len),
+                                  prefill_buckets=self.prefill_buckets,
                                   state_dtype=GDN_STATE_DTYPES[cfg.gdn_state_dtype])
         self._set_lone_prefill()
         # CUDA only: elsewhere Triton runs interpreted (tests), far slower than torch.argmax
@@ -589,12 +591,9 @@ class QwenEngine:
 
     def _set_lone_prefill(self) -> None:
         """The scheduler's lone-prefill limit from `lone_prefill` (config comment): the largest prefill bucket, or 0."""
-        from .prefill_graphs import default_buckets
-
-        graphs, want, cfg = self.runner.prefill_graphs, self.cfg.lone_prefill, self.cfg
-        buckets = cfg.prefill_buckets or default_buckets(cfg.max_num_batched_tokens, cfg.max_model_len)
-        on = want is True or (want == "auto" and graphs is not None)
-        self.scheduler.lone_prefill_tokens = max(buckets) if on and buckets else 0
+        want = self.cfg.lone_prefill
+        on = want is True or (want == "auto" and self.runner.prefill_graphs is not None)
+        self.scheduler.lone_prefill_tokens = max(self.prefill_buckets) if on and self.prefill_buckets else 0
 
     async def _capture(self, kind: str, graphs, capture, disable) -> None:
         """Capture the runner's `kind` ("decode" / "prefill") graphs if configured and not yet captured. On a
