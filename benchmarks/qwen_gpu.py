@@ -962,8 +962,9 @@ def main() -> None:
             if not wanted:
                 continue
             try:
+                call = {"prefill_buckets": buckets, **options}  # a variant may name its own prefill buckets
                 r[key] = dict(options=options, **asyncio.run(engine_phase(model, cfg, device, ctx, steps, streams,
-                                                                          rand, prefill_buckets=buckets, **options)))
+                                                                          rand, **call)))
             except Exception as e:  # noqa: BLE001 - recorded
                 r["errors"].append(f"(e) engine with {options}: {type(e).__name__}: {e}")
             log(f"(e) {options} {r.get(key)}")

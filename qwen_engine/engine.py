@@ -144,8 +144,8 @@ class QwenEngineConfig:
     lone_prefill_min_tokens: int = 0  # the lone-prefill rule takes only prompts of at least this many tokens
     #                                   (shorter ones ride in mixed steps, where one eager step holds many of them)
     prefill_buckets: tuple = ()  # prefill token buckets (a chunk runs padded to the next one; each costs start-up
-    #                              time: ~87 s for the first on an H200, compile + autotune); () = 256, 1024, 2048, up
-    #                              to min(max_num_batched_tokens, max_model_len)
+    #                              time: ~87 s for the first on an H200, compile + autotune, ~1-1.5 s each after it);
+    #                              () = 256, 1024, 2048, 4096, 8192 up to min(max_num_batched_tokens, max_model_len)
     autotune_table: str = "auto"  # auto | off | a JSON path (kernels/autotune_table.py): autotune picks loaded before
     #                               the warm-up, so that only the picked configuration of each known key compiles
     #                               and none is timed (a fresh H200 took > 560 s to start without them, 42-44 s

@@ -40,9 +40,16 @@ from .model.paged import FlatBatch, GDNSlots, PagedCache
 
 # tokens. Each bucket costs start-up time: on the H200 (2026-11-30, results/qwen_profile_run11) one 1,024-token
 # bucket took 87 s to warm (Triton and fla compile + autotune at the new shapes) and capture in a fresh process; five
-# buckets (128 .. 2048) did not finish within ~180 s. Three buckets: at most 4x padding below 256 tokens (cheap: the
-# MoE reads every expert's weights from ~64 tokens on), at most 4x / 2x above.
-DEFAULT_BUCKETS = (256, 1024, 2048)
+# buckets (128 .. 2048) did not finish within ~180 s -- before the autotune table (kernels/tuned/): since then the
+# Triton kernels' variants do not depend on the token count, and a 4,096 / 8,192 bucket beside 1,024 / 2,048 added
+# ~1-1.5 s of start-up on an H100 (results/long57_run2-4). At most 4x padding below 256 tokens (cheap: the MoE reads
+# every expert's weights from ~64 tokens on), at most 4x / 2x above. The buckets share one memory pool (the largest's).
+# 4,096 / 8,192 (fifty-seventh session, H100, one process each, results/long57_run3-4): a lone 4,096-token prompt's
+# first token 116.4 ms against 136.7-180.0 eager, 8 concurrent 4k requests 189.0 against 122.7-125.0 output tok/s
+# (first tokens p50 598 against 1,040-1,043 ms); a lone 8,192-token prompt 229.4 against 252.9 ms, 4 concurrent 8k
+# requests 83.4-83.6 against 45.8 tok/s (p50 691-694 against 990 ms). They apply only where a step holds that many
+# tokens (max_num_batched_tokens: the H200 / B200 serve configs' 8,192).
+DEFAULT_BUCKETS = (256, 1024, 2048, 4096, 8192)
 
 
 def default_buckets(max_num_batched_tokens: int, max_model_len: int) -> tuple[int, ...]:

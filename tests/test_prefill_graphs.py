@@ -147,7 +147,9 @@ def test_graph_buffers_and_errors(model):
 
 def test_default_buckets():
     assert default_buckets(2048, 8192) == (256, 1024, 2048)
-    assert default_buckets(8192, 8192) == (256, 1024, 2048)  # larger chunks run eagerly
+    assert default_buckets(8192, 32768) == (256, 1024, 2048, 4096, 8192)  # the serve configs' budget
+    assert default_buckets(8192, 6000) == (256, 1024, 2048, 4096, 6000)  # the model length caps a chunk
+    assert default_buckets(16384, 32768) == (256, 1024, 2048, 4096, 8192)  # larger chunks run eagerly
     assert default_buckets(1000, 8192) == (256, 1000)
     assert default_buckets(2048, 1088) == (256, 1024, 1088)
     assert default_buckets(16, 96) == (16,)
