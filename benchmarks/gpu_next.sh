@@ -277,6 +277,9 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="193" (carry the fla wheels and .tritoncache; either GPU; ~1.5 min): issue 5, the H200 serve config as
+#       shipped (benchmarks/serve_config_start.py: build / start seconds, memory, each prefill bucket's first token;
+#       ran on an H100: results/serve_start57_run1); EXTRA_170 passes --autotune-foreign where the card is not an H200
 #   STEPS="192" (carry the fla wheels and .tritoncache; either GPU; ~5 min): issue 5, the lone-prefill rule (a burst's
 #       prompts prefilled alone through the prefill graph) beside mixed eager prefill steps, and again (one process);
 #       then the same for 32 short (128-token) prompts (ran: results/lone56_run2, on an H100, the long part; the
@@ -2285,6 +2288,18 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 193; then
+# fifty-seventh session: the serve config's engine as an operator starts it (no Ray), with the default prefill buckets
+# up to 8,192 tokens (results/serve_start57_run1 on an H100: 69.1 GiB reserved, first tokens 20-233 ms)
+say "193. issue 5: the H200 serve config as shipped -- start-up, memory, first token per prefill bucket"
+foreign=$(printf '%s\n' ${EXTRA_170:-} | grep -A1 -- '--autotune-table' | tail -1)
+PYTHONFAULTHANDLER=1 timeout -s ABRT "${LIMIT_193:-480}" python benchmarks/serve_config_start.py \
+  serve_configs/qwen_h200.yaml ${foreign:+--autotune-foreign "$foreign"} --out "$OUT/serve_start" \
+  > "$OUT/serve_start.log" 2>&1
+python -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('device', 'built_s', \
+'start_s', 'after_start', 'ttft_ms_by_prompt_tokens')})" "$OUT/serve_start/serve_config_start.json" \
+  || tail -5 "$OUT/serve_start.log"
 fi
 if want 192; then
 # fifty-sixth session: the scheduler's lone-prefill rule (QwenEngineConfig.lone_prefill, auto: on with prefill graphs):

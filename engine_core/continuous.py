@@ -99,6 +99,12 @@ from engine_core.scheduler import Samples
 # Requests
 
 
+# Temperatures below this sample greedily. Logits / T overflow fp32 to inf below ~1e-37 (the first infinite logit,
+# often a low id, then wins: nonsense), and from here down a bf16 logit gap (>= 2^-8 of the logit) scales to
+# exp(-gap / T) = 0 anyway; vLLM draws the same line (_SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each token (applied in this order: temperature, top-k, top-p; see `engine_core/sampling.py`)."""
@@ -111,6 +117,8 @@ class SamplingParams:
     def __post_init__(self):
         if not self.temperature >= 0.0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:  # 0 < T < 1e-5: greedy, as vLLM's sampler takes it
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k < 2**31:  # int64 sampling tensors: a huge k must not fail a whole batched step

@@ -16,7 +16,7 @@ Errors are `{"error": {"message", "type", "param", "code"}}`:
 
 | status | when | code(s) |
 |---|---|---|
-| 400 | body not JSON / not an object | invalid_json |
+| 400 | body not JSON / not an object / nested too deeply | invalid_json |
 | 400 | a field missing, mistyped, out of range or unknown | missing_field, invalid_request, unknown_parameter |
 | 400 | an option not implemented here (n > 1, tools, logprobs, penalties, echo, ...) | unsupported_parameter |
 | 400 | messages empty, a role other than system/user/assistant, a system message not first | invalid_messages |
@@ -25,8 +25,11 @@ Errors are `{"error": {"message", "type", "param", "code"}}`:
 | 413 | body over `max_body_bytes` | body_too_large |
 | 499 | the client went away (nobody reads it) | cancelled |
 | 500 | the model failed (logged) | internal_error |
-| 503 | engine full (`Retry-After` set), starting or stopping | overloaded, not_ready |
+| 503 | engine full (`Retry-After` set), starting or stopping (or stopped mid-request) | overloaded, not_ready |
 | 504 | no answer within the deadline (`timeout_s`, default the engine's `request_timeout_s`) | deadline_exceeded |
+
+A null option (`"temperature": null`, as OpenAI's API allows) asks for its default; a chat message's null fields
+(`"refusal": null`, `"tool_calls": null` in a replayed reply) are ignored. Temperatures below 1e-5 are greedy.
 
 Extensions beyond OpenAI (as vLLM names them): `top_k` (0 or -1 = off), `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `chat_template_kwargs` (e.g. `{"enable_thinking": false}`), `timeout_s`.
@@ -40,7 +43,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine_core.continuous import SamplingParams
 from qwen_engine.chat_template import ChatMessage
@@ -85,10 +88,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def drop_nulls(model: type[BaseModel], data: Any) -> Any:
+    """OpenAI's API marks its options nullable, and clients send them so (`"temperature": null`; a chat history
+    replayed from responses carries `"refusal": null`, `"tool_calls": null`): a null asks for the default, or for
+    nothing, so its key is dropped before validation -- known or not. A required field's null stays (its error)."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
+
+
 class _SamplingFields(BaseModel):
     """Fields both endpoints share. Unknown fields are refused (a misspelled option would otherwise be ignored)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        return drop_nulls(cls, data)
 
     model: str = Field(..., description="the served model name (GET /v1/models)")
     max_tokens: int | None = Field(None, description="completion tokens at most; prompt + max_tokens must fit "
@@ -131,6 +149,11 @@ class ContentPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_absent(cls, data: Any) -> Any:
+        return drop_nulls(cls, data)
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -155,6 +178,8 @@ def parse_request(body: bytes, kind: type[BaseModel]) -> BaseModel:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON ({exc})") from None
+    except RecursionError:  # arrays / objects nested deeper than the parser's stack: a client error, not a 500
+        raise ApiError(400, "invalid_json", "the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {type(data).__name__}")
     try:

@@ -398,6 +398,12 @@ class QwenEngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+            # (the automatic size refuses the same in _auto_num_blocks) a request of max_model_len tokens, which
+            # /v1/models advertises, could never fit: chat requests without max_tokens would all be refused
+            raise ValueError(f"num_kv_blocks {self.num_kv_blocks} x block_size {self.block_size} = "
+                             f"{self.num_kv_blocks * self.block_size} tokens hold less than one max_model_len "
+                             f"({self.max_model_len}) sequence: raise num_kv_blocks or lower max_model_len")
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:

@@ -247,7 +247,8 @@ def test_engine_greedy_equals_single_prompt_reference(num_kv_blocks, async_decod
                                       for i, n in enumerate(LENGTHS)))
         return engine, outs
 
-    engine, outs = run(engine_config(num_kv_blocks=num_kv_blocks, async_decode=async_decode), body)
+    engine, outs = run(engine_config(num_kv_blocks=num_kv_blocks, max_model_len=min(96, 4 * num_kv_blocks),
+                                     async_decode=async_decode), body)
     for i, (n, (tokens, chunks)) in enumerate(zip(LENGTHS, outs)):
         assert tokens == reference_greedy(engine, prompt(i, n), 6), f"prompt {i} ({n} tokens)"
         assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 6
@@ -586,6 +587,10 @@ def test_not_ready_and_config_validation():
     assert not router_align_on(QwenEngineConfig.from_dict({"config": "tiny", "router_align": False}))
     with pytest.raises(ValueError, match="router_align must be true, false or 'auto'"):
         QwenEngineConfig.from_dict({"config": "tiny", "router_align": "on"})
+    # a KV pool that cannot hold one max_model_len sequence (chat's default max_tokens would always be refused)
+    with pytest.raises(ValueError, match="hold less than one max_model_len"):
+        engine_config(num_kv_blocks=8, block_size=4, max_model_len=33)
+    assert engine_config(num_kv_blocks=8, block_size=4, max_model_len=32).num_kv_blocks == 8
     h = engine.health()
     assert h["random_weights"] and not h["ready"] and h["kv_blocks"]["total"] == 64
 

@@ -14,6 +14,7 @@ import asyncio
 import json
 import pathlib
 import time
+import types
 from dataclasses import dataclass
 
 import httpx
@@ -128,11 +129,30 @@ def test_sse_framing_and_error_shape():
     # a huge top_k once passed validation and then failed the whole batched step (int64 overflow) for everyone
     (b'{"model": "m", "messages": [], "top_k": 1e30}', "invalid_request"),
     (b'{"model": "m", "messages": [], "top_k": 9223372036854775808}', "invalid_request"),
+    (b"[" * 100_000 + b"]" * 100_000, "invalid_json"),  # deeper than the parser's stack: once a 500
+    (b'{"model": null, "messages": []}', "invalid_request"),  # a required field's null is still an error
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x", "refusal": "no"}]}', "unknown_parameter"),
 ])
 def test_parse_errors(body, code):
     with pytest.raises(ApiError) as e:
         parse_request(body, ChatCompletionRequest)
     assert e.value.status == 400 and e.value.code == code and e.value.message
+
+
+def test_null_options_mean_their_defaults():
+    """OpenAI's options are nullable and clients send nulls: each asks for the default (or for nothing)."""
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "user",
+             "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
+             "stop_token_ids", "skip_special_tokens", "timeout_s", "echo", "suffix", "best_of")
+    body = json.dumps({"model": "m", "prompt": "x", **dict.fromkeys(names)}).encode()
+    assert parse_request(body, CompletionRequest) == CompletionRequest(model="m", prompt="x")
+    check_unsupported(parse_request(body, CompletionRequest))  # n / logprobs / penalties null: nothing refused
+    history = [{"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "name": None},
+               {"role": "user", "content": "x"}]  # a reply's message replayed as clients do
+    chat = parse_request(json.dumps({"model": "m", "messages": history, "max_completion_tokens": None,
+                                     "tools": None, "response_format": None}).encode(), ChatCompletionRequest)
+    assert chat == ChatCompletionRequest(model="m", messages=[{"role": "assistant", "content": "hi"},
+                                                              {"role": "user", "content": "x"}])
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -219,6 +239,62 @@ def test_text_stream_utf8_holdback_eos_strip_and_stop_cancels():
     pieces = _pieces(engine, tok, stop=(" END",))
     assert "".join(p.text for p in pieces) == "ab 🦜" and pieces[-1].finish_reason == "stop"
     assert pieces[-1].completion_tokens < len(ids) and engine.closed_early is True
+
+
+def test_engine_shutdown_is_an_error_not_a_finish_reason():
+    """An engine shutting down ends a stream with "abort": the server answers 503 (NotReady), not a 200 whose
+    finish_reason no OpenAI client knows."""
+    from engine_core.request import NotReady
+    from qwen_engine.serve import _error
+
+    tok = load_tokenizer()
+    ids = tok.encode("ab")
+    engine = _ScriptedEngine([_Chunk((ids[0],), None, 1, 1), _Chunk((), "abort", 1, 1)])
+    with pytest.raises(NotReady) as e:
+        _pieces(engine, tok)
+    assert _error(e.value)[:2] == (503, "not_ready") and engine.closed_early is False
+
+
+def test_stream_closed_by_the_client_counts_as_cancelled():
+    """The SSE body closed at a yield (GeneratorExit, how a server drops a gone client's iterator) is a 499 in the
+    metrics and closes the engine's stream; a stream read to its end is a 200."""
+    from qwen_engine.serve import QwenServer, ServerConfig, _Piece
+
+    class Recorder:
+        def on_request(self, route, status, code):
+            self.request = (status, code)
+
+        def on_done(self, *args):
+            self.done = True
+
+    server = types.SimpleNamespace(cfg=ServerConfig(served_model_name=MODEL))  # what _sse reads, with metrics
+    sse_body = QwenServer.func_or_class._sse
+    plan = plan_generation(CompletionRequest(model=MODEL, prompt="x", max_tokens=4), [1], max_model_len=100,
+                           eos_token_ids=(7,), vocab_size=100, default_max_tokens=16)
+
+    async def pieces_then(closed: list):
+        try:
+            for i in range(3):
+                yield _Piece("t", None if i < 2 else "length", 1, i + 1)
+        finally:
+            closed.append(True)
+
+    async def run(read_all: bool):
+        server.metrics, closed = Recorder(), []
+        pieces = pieces_then(closed)
+        body = sse_body(server, "completions", "id", plan, await anext(pieces), pieces, 0.0, 0.0)
+        if read_all:
+            frames = [f async for f in body]
+            assert frames[-1] == b"data: [DONE]\n\n"
+        else:
+            await anext(body)
+            await body.aclose()
+        return server.metrics, closed
+
+    metrics, closed = asyncio.run(run(read_all=False))
+    assert metrics.request == (499, "cancelled") and not hasattr(metrics, "done") and closed == [True]
+    metrics, closed = asyncio.run(run(read_all=True))
+    assert metrics.request == (200, "ok") and metrics.done and closed == [True]
 
 
 # ------------------------------------------------------------------------------------------- through Ray Serve

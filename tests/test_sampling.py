@@ -62,6 +62,17 @@ def test_greedy_is_argmax_whatever_the_other_parameters():
     assert torch.equal(reference_sample(logits[1::2], params[1::2]), logits.argmax(-1)[1::2])
 
 
+def test_vanishing_temperatures_are_greedy():
+    """0 < T < 1e-5 samples greedily: logits / 1e-45 overflow to inf, where the sampler once returned the first
+    infinite logit (a low id) instead of the most likely token."""
+    logits = torch.full((2, 1000), -50.0)
+    logits[:, 3], logits[:, 700] = 1.0, 40.0  # 1.0 / 1e-45 = inf in fp32, as 40 / 1e-45
+    params = [SamplingParams(1e-45, seed=1), SamplingParams(9.9e-6, seed=2)]
+    assert all(p.greedy and p.temperature == 0.0 for p in params)
+    assert torch.equal(sample(logits, batch_of(params)), torch.tensor([700, 700]))
+    assert not SamplingParams(1e-5).greedy
+
+
 @pytest.mark.parametrize("params", PARAM_SETS, ids=repr)
 def test_sampler_matches_the_exact_distribution(params):
     probs = reference_probs(LOGITS, params)
