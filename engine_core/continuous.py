@@ -100,8 +100,8 @@ from engine_core.scheduler import Samples
 
 
 # Temperatures below this sample greedily. Logits / T overflow fp32 to inf below ~1e-37 (the first infinite logit,
-# often a low id, then wins: nonsense), and from here down a bf16 logit gap (>= 2^-8 of the logit) scales to
-# exp(-gap / T) = 0 anyway; vLLM draws the same line (_SAMPLING_EPS).
+# often a low id, then wins: nonsense), and from here down two logits more than 1e-3 apart already sample as greedy
+# (exp(-gap / T) < e^-100); vLLM draws the same line (_SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 
 

@@ -154,6 +154,7 @@ class Message(BaseModel):
     @classmethod
     def _null_means_absent(cls, data: Any) -> Any:
         return drop_nulls(cls, data)
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
