@@ -339,8 +339,7 @@ class QwenEngineConfig:
             raise ValueError(f"weights must be auto | packed | dequantized, got {self.weights!r}")
         if self.lone_prefill not in (True, False, "auto"):
             raise ValueError(f"lone_prefill must be true, false or auto, got {self.lone_prefill!r}")
-        if (isinstance(self.lone_prefill_min_tokens, bool) or not isinstance(self.lone_prefill_min_tokens, int)
-                or self.lone_prefill_min_tokens < 0):
+        if self.lone_prefill_min_tokens < 0:  # (an int, not a bool: check_field_types above)
             raise ValueError(f"lone_prefill_min_tokens must be a token count >= 0, "
                              f"got {self.lone_prefill_min_tokens!r}")
         for name in ("decode_graphs", "prefill_graphs"):
@@ -454,7 +453,7 @@ class GenerationChunk:
     """One streamed piece of a generation: the tokens sampled since the previous chunk (usually one)."""
 
     new_token_ids: tuple[int, ...]  # includes a terminating eos / stop-sequence token (the server strips it)
-    finish_reason: str | None  # None while generating; "stop" (eos or stop sequence) | "length" | "abort" at the end
+    finish_reason: str | None  # None while generating; "stop" (eos or stop sequence) | "length" at the end
     prompt_tokens: int
     completion_tokens: int  # sampled so far, including new_token_ids
     matched_stop: tuple[int, ...] | None = None  # on the last chunk: the eos id (1-tuple) / stop sequence that ended it
@@ -620,7 +619,7 @@ class QwenEngine:
                 raise RuntimeError(f"{exc}; set {kind}_graphs: auto or off to run {kind} eagerly") from exc
 
     async def aclose(self) -> None:
-        """Stop admitting, finish the step in flight, answer every unanswered request with "abort", stop."""
+        """Stop admitting, finish the step in flight, end every unanswered request's stream with NotReady, stop."""
         self._ready = False
         if self._loop_task is not None:
             self._closing = True
@@ -695,7 +694,8 @@ class QwenEngine:
         None -> the model config's eos ids. `timeout_s`: None -> `request_timeout_s`.
         Raises (before the first chunk) BadRequest, NotReady, Overloaded; (later) DeadlineExceeded or RunFailed.
         Cancelling the consuming task (client disconnect) or closing the iterator cancels the sequence and frees its
-        KV blocks and state slot at once. An engine shutdown ends the stream with finish_reason "abort".
+        KV blocks and state slot at once. An engine shutdown ends the stream with NotReady (after the tokens already
+        sampled): the request did not finish, so no finish_reason claims it did.
         """
         if not self.ready:
             raise NotReady("the engine is not ready (loading, warming up or shutting down)")
@@ -829,8 +829,7 @@ class QwenEngine:
                             n_out += len(tokens)
                             yield GenerationChunk(tuple(tokens), None, n_prompt, n_out)
                         if isinstance(answer.error, Cancelled):  # the engine aborted it (shutdown)
-                            yield GenerationChunk((), "abort", n_prompt, n_out)
-                            return
+                            raise NotReady("the engine shut down before this request finished; send it again")
                         raise answer.error
                 n_out += len(tokens)
                 yield GenerationChunk(tuple(tokens), None, n_prompt, n_out)

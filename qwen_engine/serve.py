@@ -213,16 +213,13 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan) -> A
 
     A stop string ends the stream early with finish_reason "stop"; leaving this generator (return, error,
     cancellation) closes the engine's iterator, which cancels the sequence and frees its KV blocks. An engine shutdown
-    ("abort", not an OpenAI finish reason) is NotReady: 503 before the first byte, an error event after it, never
-    a 200 that looks like a whole answer."""
+    mid-request raises NotReady there: 503 before the first byte, an error event after it."""
     detok = IncrementalDetokenizer(tokenizer, plan.skip_special_tokens)
     stops = StopStringFilter(plan.stop)
     gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
                           eos_token_ids=plan.eos_token_ids, timeout_s=plan.timeout_s)
     try:
         async for chunk in gen:
-            if chunk.finish_reason == "abort":
-                raise NotReady("the engine shut down before this request finished; send it again")
             ids = chunk.new_token_ids
             if chunk.finish_reason == "stop" and chunk.matched_stop and ids[-len(chunk.matched_stop):] == tuple(
                     chunk.matched_stop):

@@ -569,6 +569,24 @@ def test_bad_requests_and_deadline():
     assert all(k == v for k, v in errors.items()), errors
 
 
+def test_shutdown_mid_request_raises_not_ready_after_the_sampled_tokens():
+    """aclose() while a request streams: the tokens sampled so far arrive, then NotReady (the request did not
+    finish; no finish_reason may claim it did, which a server would send as a whole answer)."""
+    async def main():
+        engine = QwenEngine(engine_config())
+        await engine.start()
+        gen = engine.generate(prompt(0, 8), max_new_tokens=80)
+        chunks = [await anext(gen)]
+        await engine.aclose()
+        with pytest.raises(NotReady, match="shut down"):
+            async for chunk in gen:
+                chunks.append(chunk)
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert chunks and all(c.finish_reason is None for c in chunks) and chunks[-1].completion_tokens < 80
+
+
 def test_not_ready_and_config_validation():
     engine = QwenEngine(engine_config())
     with pytest.raises(NotReady):

@@ -242,14 +242,19 @@ def test_text_stream_utf8_holdback_eos_strip_and_stop_cancels():
 
 
 def test_engine_shutdown_is_an_error_not_a_finish_reason():
-    """An engine shutting down ends a stream with "abort": the server answers 503 (NotReady), not a 200 whose
-    finish_reason no OpenAI client knows."""
+    """An engine shutting down mid-request raises NotReady from its stream (tests/test_qwen_engine.py): the text
+    stream passes it on and the server answers 503, not a 200 that looks like a whole answer."""
     from engine_core.request import NotReady
     from qwen_engine.serve import _error
 
+    class ShutDown(_ScriptedEngine):
+        async def generate(self, prompt, **kwargs):
+            async for c in super().generate(prompt, **kwargs):
+                yield c
+            raise NotReady("the engine shut down before this request finished; send it again")
+
     tok = load_tokenizer()
-    ids = tok.encode("ab")
-    engine = _ScriptedEngine([_Chunk((ids[0],), None, 1, 1), _Chunk((), "abort", 1, 1)])
+    engine = ShutDown([_Chunk((tok.encode("ab")[0],), None, 1, 1)])
     with pytest.raises(NotReady) as e:
         _pieces(engine, tok)
     assert _error(e.value)[:2] == (503, "not_ready") and engine.closed_early is False
