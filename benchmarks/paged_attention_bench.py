@@ -3,6 +3,7 @@ combine: the engine's path) per call at Qwen3.6's shapes, over its launch knobs:
 tokens a loop step (BLOCK_N) and warps a program, beside the heuristics' choice.
 
     python benchmarks/paged_attention_bench.py --out benchmarks/results/paged_attention_bench     # GPU; ~1-2 min
+    ... --kv-dtypes bf16,fp8     # also on e4m3 pools (QwenEngineConfig.kv_cache_dtype "fp8": half the bytes a token)
 
 Why: at 32 streams and a 1k context the kernel took 35.1 us a layer (qwen_profile_fp8sw run 2, PDL off) for 64 MB of
 keys and values -- ~1.8 TB/s, ~0.35 ms of a 7.5 ms step against a ~0.16 ms floor at ~4 TB/s -- and its heuristics
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--splits", default="0,1,2,3,4,6,8", help="0: the heuristic")
     ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--kv-dtypes", default="bf16", help="the pools' dtypes, comma-separated: bf16, fp8 (e4m3 codes)")
     args = ap.parse_args()
     import torch
 
@@ -44,10 +46,15 @@ def main() -> None:
     pdl.set_enabled(pdl.device_supports())  # as the engine on Hopper
     dev, layers = torch.device("cuda"), 10
     heads, kv_heads, head_dim, block_size = 16, 2, 256, 16  # Qwen3.6's full-attention layers, the engine's blocks
+    from kernels.fp8_quant import kv_pool_cast
+
+    pool_dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
     rows = []
-    for streams in (int(v) for v in args.streams.split(",")):
+    for kv, streams in itertools.product(args.kv_dtypes.split(","), (int(v) for v in args.streams.split(","))):
         cases = [pa.random_inputs([args.context] * streams, heads, kv_heads, head_dim, block_size,
                                   dtype=torch.bfloat16, seed=layer, device=dev) for layer in range(layers)]
+        cases = [(c[0], kv_pool_cast(c[1], pool_dtypes[kv]), kv_pool_cast(c[2], pool_dtypes[kv]), *c[3:])
+                 for c in cases]
         gen = torch.Generator().manual_seed(0)
         gates = [(2 * torch.randn(c[0].shape, generator=gen)).to(torch.bfloat16).to(dev) for c in cases]
         scale_in = torch.tensor(0.004, device=dev)
@@ -59,8 +66,8 @@ def main() -> None:
             def call(i, splits=splits, block_n=block_n, warps=warps):
                 return pa.paged_decode_attention_launch(*cases[i], num_splits=splits or None, block_n=block_n,
                                                         gate=gates[i], input_scale=scale_in, num_warps=warps)
-            row = dict(streams=streams, context=args.context, splits=splits or "auto", block_n=block_n or "auto",
-                       warps=warps or "auto")
+            row = dict(kv=kv, streams=streams, context=args.context, splits=splits or "auto",
+                       block_n=block_n or "auto", warps=warps or "auto")
             try:
                 out = call(0)
                 if default is None:
@@ -81,12 +88,13 @@ def main() -> None:
     (out_dir / "paged_attention_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# paged_attention_bench ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, PDL "
              f"{meta['pdl']}); us per call, context {args.context}", "",
-             "| streams | splits | BLOCK_N | warps | us | check |", "|---:|---:|---:|---:|---:|---|"]
-    for streams in dict.fromkeys(r["streams"] for r in rows):
-        ok = [r for r in rows if r["streams"] == streams and "us" in r]
+             "| KV pools | streams | splits | BLOCK_N | warps | us | check |", "|---|---:|---:|---:|---:|---:|---|"]
+    for kv, streams in dict.fromkeys((r["kv"], r["streams"]) for r in rows):
+        ok = [r for r in rows if (r["kv"], r["streams"]) == (kv, streams) and "us" in r]
         for r in sorted(ok, key=lambda r: r["us"])[:8] + [r for r in ok if r["splits"] == "auto"]:
             check = r.get("vs_reference", r.get("vs_auto", ""))
-            lines.append(f"| {streams} | {r['splits']} | {r['block_n']} | {r['warps']} | {r['us']:.2f} | {check} |")
+            lines.append(f"| {kv} | {streams} | {r['splits']} | {r['block_n']} | {r['warps']} | {r['us']:.2f} | "
+                         f"{check} |")
     (out_dir / "paged_attention_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

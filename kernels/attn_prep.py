@@ -5,6 +5,7 @@ Reference `attn_decode_prep_reference` -- exactly the torch code of `GatedAttent
 projections and the attention (transformers' `Qwen3_5MoeAttention`):
     q = apply_partial_rope(q_norm(q)),  k = apply_partial_rope(k_norm(k))     (q [N, H, D], k [N, KVH, D])
     k_pool / v_pool [slot_mapping[n]] = k[n] / v[n]                            (pools [blocks, block_size, KVH, D])
+(the pools of the model dtype, or both e4m3: then the rows' codes at scale 1.0, `fp8_quant.kv_pool_cast`)
 -> q [N, H, D] contiguous (what the decode attention reads); the pools are written in place. Partial RoPE (NeoX
 halves on the first RD = cos.shape[-1] dims of each head, the rest passed through), in the model dtype as upstream:
     out_i = R(R(y_i cos_i) + R(rot_i sin_i)),  rot_i = -y_{i + RD/2} (i < RD/2), y_{i - RD/2} (RD/2 <= i < RD)
@@ -65,9 +66,9 @@ def attn_decode_prep_reference(q, k, v, q_weight, k_weight, eps: float, cos, sin
     kn = rms_norm_zc_reference(k, k_weight, eps)
     qr = apply_partial_rope(qn.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)  # [N, H, D]
     kr = apply_partial_rope(kn.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
-    kvh, d = k_pool.shape[2:]
-    k_pool.view(-1, kvh, d).index_copy_(0, slot_mapping, kr.to(k_pool.dtype))
-    v_pool.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
+    from qwen_engine.model.paged import PagedKV
+
+    PagedKV(k_pool, v_pool).write(slot_mapping, kr, v)  # (the cast of the engine's pools: kv_pool_cast)
     return qr.contiguous(), k_pool, v_pool
 
 
@@ -137,8 +138,10 @@ if triton is not None:
     @triton.jit
     def _attn_prep_kernel(q, k, v, wq, wk, cos, sin, slots, k_pool, v_pool, q_out, H, D, RD, eps,
                           s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_cn, s_sn, s_on, s_oh, s_pt, s_ph,
-                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False):
-        # grid (N, H + KVH): program (n, j) -- query head j of token n for j < H, else kv head j - H (k and v)
+                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
+                          KV_CODES: tl.constexpr = False):
+        # grid (N, H + KVH): program (n, j) -- query head j of token n for j < H, else kv head j - H (k and v);
+        # KV_CODES: e4m3 pools, each row's codes at scale 1.0 (`fp8_quant.kv_pool_cast`'s bits: static_codes)
         pdl_enter(USE_PDL)  # kernels/pdl.py: a no-op unless launched with PDL
         n, j = tl.program_id(0), tl.program_id(1)
         n64 = n.to(tl.int64)
@@ -155,8 +158,12 @@ if triton is not None:
             slot = tl.load(slots + n).to(tl.int64)  # (loads before the norm's reduction, as in _norm_rope)
             vv = tl.load(v + n64 * s_vn + h * s_vh + d, mask=ok, other=0.0)
             out = _norm_rope(k + n64 * s_kn + h * s_kh, wk, eps, cos_row, sin_row, d, ok, D, RD, dt, INTERPRET)
-            tl.store(k_pool + slot * s_pt + h * s_ph + d, out.to(k_pool.dtype.element_ty), mask=ok)
-            tl.store(v_pool + slot * s_pt + h * s_ph + d, vv.to(v_pool.dtype.element_ty), mask=ok)
+            if KV_CODES:
+                tl.store(k_pool + slot * s_pt + h * s_ph + d, static_codes(out, 1.0), mask=ok)
+                tl.store(v_pool + slot * s_pt + h * s_ph + d, static_codes(vv.to(tl.float32), 1.0), mask=ok)
+            else:
+                tl.store(k_pool + slot * s_pt + h * s_ph + d, out.to(k_pool.dtype.element_ty), mask=ok)
+                tl.store(v_pool + slot * s_pt + h * s_ph + d, vv.to(v_pool.dtype.element_ty), mask=ok)
 
 
 def _interpreted() -> bool:
@@ -234,7 +241,7 @@ def attn_decode_prep_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weigh
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         q_out.stride(0), q_out.stride(1), kp.stride(0), kp.stride(1),
         BLOCK_D=triton.next_power_of_2(d), INTERPRET=_interpreted(), num_warps=1 if d <= 256 else 4,
-        **pdl.launch_options())
+        KV_CODES=k_pool.dtype == torch.float8_e4m3fn, **pdl.launch_options())
     return q_out
 
 
@@ -259,21 +266,25 @@ def describe(q, k, v, q_weight, k_weight, eps, cos, sin, slot_mapping, k_pool, v
                  and 0 < rd <= d and rd % 2 == 0 and k_pool.dim() == 4 and k_pool.shape == v_pool.shape
                  and k_pool.shape[2:] == k.shape[1:] and slot_mapping.shape == (n,))
     return dict(device=q.device.type, capability=torch.cuda.get_device_capability(q.device) if q.is_cuda else None,
-                same_device=len({t.device for t in (*ts, slot_mapping)}) == 1, dtypes={t.dtype for t in ts},
+                same_device=len({t.device for t in (*ts, slot_mapping)}) == 1, dtypes={t.dtype for t in ts[:7]},
+                pool_dtypes={k_pool.dtype, v_pool.dtype},
                 slots_ok=slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous(), shapes_ok=shapes_ok,
                 head_dim=d, pools_contiguous=k_pool.is_contiguous() and v_pool.is_contiguous(),
                 unit_strides=all(t.dim() and t.stride(-1) == 1 for t in ts))
 
 
 def supports(*, device: str, capability, same_device: bool, dtypes: set, slots_ok: bool, shapes_ok: bool,
-             head_dim: int, pools_contiguous: bool, unit_strides: bool, **_: Any) -> bool:
+             head_dim: int, pools_contiguous: bool, unit_strides: bool, pool_dtypes: set = frozenset(),
+             **_: Any) -> bool:
     """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); every tensor there and of one dtype
-    (bf16 or fp32); consistent shapes, an even rotary width <= D, D <= MAX_HEAD_DIM; int64 slots; contiguous pools;
-    unit inner strides (q may be a strided view of the fused q/gate projection)."""
+    (bf16 or fp32), the pools too or both e4m3 (`pool_dtypes`; absent: the others'); consistent shapes, an even
+    rotary width <= D, D <= MAX_HEAD_DIM; int64 slots; contiguous pools; unit inner strides (q may be a strided view
+    of the fused q/gate projection)."""
     if triton is None:
         return False
     device_ok = triton_device_ok(device, capability, _interpreted())
-    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and slots_ok
+    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or pool_dtypes == {torch.float8_e4m3fn}
+    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and pools_ok and slots_ok
             and shapes_ok and 1 <= head_dim <= MAX_HEAD_DIM and pools_contiguous and unit_strides)
 
 

@@ -203,6 +203,16 @@ def quantize_static_reference(x: torch.Tensor, input_scale: torch.Tensor) -> tor
     return (x.float() / input_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def kv_pool_cast(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """x as a KV pool of `pool_dtype` stores it. e4m3 (the checkpoint's `kv_cache_quant_algo: FP8`): RNE(clamp(x,
+    -448, 448)), `quantize_static_reference` at scale 1.0 -- ModelOpt's Qwen3.6 export ships no k / v scales, so 1.0
+    is the scale its consumers use (a saturating cast: e4m3fn has no inf, an unclamped cast of a larger value would
+    be NaN). Any other pool dtype: a plain cast."""
+    if pool_dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(pool_dtype)
+    return x.to(pool_dtype)
+
+
 def with_static_codes(y: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, its e4m3 codes with the static scale): what an op that writes the codes of its own output beside it must
     give (`kernels/rms_norm.py`, `kernels/attn_prep.py`: the *_fp8 references; the model norms' unfused path)."""

@@ -3,8 +3,10 @@ block-paged KV pool, split over the context so that a small batch still fills th
 
 Reference: `paged_decode_attention_reference` below (row by row: gather the visible keys, fp32 SDPA), the semantics of
 `qwen_engine.model.attention.paged_decode_attention` with the pool and the metadata passed as tensors:
-    q [D, H, Dh] (one token per sequence); k_pool, v_pool [num_blocks, block_size, KVH, Dh] (`PagedKV` layout), same
-    dtype as q (bf16, fp16 or fp32); H % KVH == 0 (query head h reads kv head h // (H / KVH));
+    q [D, H, Dh] (one token per sequence); k_pool, v_pool [num_blocks, block_size, KVH, Dh] (`PagedKV` layout), of
+    q's dtype (bf16, fp16 or fp32) or both e4m3 codes at scale 1.0 (`QwenEngineConfig.kv_cache_dtype` "fp8": each
+    tile converted to q's dtype after its load, exactly: every e4m3 value is a bf16 / fp16 value); H % KVH == 0
+    (query head h reads kv head h // (H / KVH));
     block_tables [D, max_blocks] int64 / int32: position p of sequence i is at block block_tables[i, p // block_size],
     offset p % block_size; entries past the context are arbitrary (never dereferenced);
     context_lens [D] int64: sequence i sees positions 0 .. context_lens[i] - 1 (>= 1; a 0 gives zeros, see below);
@@ -109,11 +111,18 @@ def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_po
     for i in range(q.shape[0]):
         ctx = int(context_lens[i])
         blocks = block_tables[i, : -(-ctx // bs)].long()
-        k = k_pool[blocks].reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()  # [1, KVH, ctx, Dh]
-        v = v_pool[blocks].reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()
+        k = _rows(k_pool, blocks).reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()  # [1, KVH, ctx, Dh]
+        v = _rows(v_pool, blocks).reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()
         o = F.scaled_dot_product_attention(q[i][None, :, None].float(), k, v, scale=scale, enable_gqa=True)
         outs.append(o[0, :, 0])  # [H, Dh]
     return torch.stack(outs).to(q.dtype) if outs else q.new_empty(q.shape)
+
+
+def _rows(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """pool[blocks]; e4m3 pools gathered as bytes (torch's fp8 indexing is not implemented on every device)."""
+    if pool.dtype == torch.float8_e4m3fn:
+        return pool.view(torch.uint8)[blocks].view(pool.dtype)
+    return pool[blocks]
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------------------------
@@ -169,7 +178,7 @@ if triton is not None:
             blk = tl.load(tables + i * s_td + (pos // BLOCK_SIZE) * s_tb, mask=ok, other=0).to(tl.int64)
             off = pos % BLOCK_SIZE
             k_t = tl.load(k_pool + (blk * s_kb + off * s_kt + kvh * s_kh)[:, None] + d[None, :],
-                          mask=ok[:, None], other=0.0)  # [BN, Dh]
+                          mask=ok[:, None], other=0.0).to(q.dtype.element_ty)  # [BN, Dh]; e4m3 pools: exact
             s = _qk(q_t, k_t, IEEE, INTERPRET) * qk_scale  # [BG, BN]
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every step has >= 1 visible position
@@ -177,7 +186,7 @@ if triton is not None:
             p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
             v_t = tl.load(v_pool + (blk * s_vb + off * s_vt + kvh * s_vh)[:, None] + d[None, :],
-                          mask=ok[:, None], other=0.0)  # [BN, Dh]
+                          mask=ok[:, None], other=0.0).to(q.dtype.element_ty)  # [BN, Dh]
             acc = acc * alpha[:, None] + _pv(p, v_t, IEEE, INTERPRET)
             m = m_new
 
@@ -398,7 +407,8 @@ def describe(q, k_pool, v_pool, block_tables, context_lens, scale=None, num_spli
                  and block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
                  and tuple(context_lens.shape) == (q.shape[0],))
     return dict(device=q.device.type, capability=torch.cuda.get_device_capability(q.device) if q.is_cuda else None,
-                same_device=len({t.device for t in ts}) == 1, dtypes={q.dtype, k_pool.dtype, v_pool.dtype},
+                same_device=len({t.device for t in ts}) == 1, dtypes={q.dtype},
+                pool_dtypes={k_pool.dtype, v_pool.dtype},
                 index_dtypes={block_tables.dtype, context_lens.dtype}, shapes_ok=shapes_ok,
                 head_dim=q.shape[-1] if q.dim() else 0,
                 group=q.shape[1] // k_pool.shape[2] if shapes_ok else 0,
@@ -406,15 +416,17 @@ def describe(q, k_pool, v_pool, block_tables, context_lens, scale=None, num_spli
 
 
 def supports(*, device: str, capability, same_device: bool, dtypes: set, index_dtypes: set, shapes_ok: bool,
-             head_dim: int, group: int, unit_strides: bool, **_: Any) -> bool:
-    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU), all tensors on it; q, k_pool, v_pool
-    of one dtype in DTYPES; int32/int64 block tables and context lengths; consistent shapes (H % KVH == 0); head dim
+             head_dim: int, group: int, unit_strides: bool, pool_dtypes: set = frozenset(), **_: Any) -> bool:
+    """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU), all tensors on it; q of a dtype in
+    DTYPES, k_pool and v_pool both of q's dtype or both e4m3 (`pool_dtypes`; absent: q's); int32/int64 block tables
+    and context lengths; consistent shapes (H % KVH == 0); head dim
     a power of two (tl.arange) in [16, 256] (tl.dot minimum, register budget); <= MAX_GROUP query heads per kv head;
     unit inner strides of q and the pools."""
     if triton is None:
         return False
     device_ok = triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
-    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES
+    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or pool_dtypes == {torch.float8_e4m3fn}
+    return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and pools_ok
             and index_dtypes <= set(INDEX_DTYPES) and shapes_ok and unit_strides
             and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
             and 1 <= group <= MAX_GROUP)
@@ -450,10 +462,16 @@ def random_inputs(context_lens: list[int], heads: int, kv_heads: int, head_dim: 
             ctx.to(device), 1.0 / math.sqrt(head_dim))
 
 
-def _sample(device) -> tuple[tuple, dict]:
-    # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model
-    return random_inputs([1, 8, 21], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
-                         device=device), {}
+def _sample(device) -> list[tuple[tuple, dict]]:
+    # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model; then the same on e4m3
+    # pools (`kv_cache_dtype` "fp8": the self-check covers the tile conversion an fp8 engine runs)
+    from kernels.fp8_quant import kv_pool_cast
+
+    args = random_inputs([1, 8, 21], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
+                         device=device)
+    e4m3 = (args[0], kv_pool_cast(args[1], torch.float8_e4m3fn), kv_pool_cast(args[2], torch.float8_e4m3fn),
+            *args[3:])
+    return [(args, {}), (e4m3, {})]
 
 
 def describe_gated(q, k_pool, v_pool, block_tables, context_lens, scale=None, gate=None, input_scale=None
@@ -478,11 +496,13 @@ def compare_gated(out, ref) -> str | None:
     return compare_fp8(out, ref, TOLERANCE[ref[0].dtype])
 
 
-def _sample_gated(device) -> tuple[tuple, dict]:
-    args, _ = _sample(device)
-    gen = torch.Generator().manual_seed(4)
-    gate = (2 * torch.randn(args[0].shape, generator=gen)).to(args[0].dtype).to(device)
-    return (*args, gate, torch.tensor(0.004, device=device)), {}
+def _sample_gated(device) -> list[tuple[tuple, dict]]:
+    out = []
+    for args, _ in _sample(device):  # bf16 pools, then e4m3 ones
+        gen = torch.Generator().manual_seed(4)
+        gate = (2 * torch.randn(args[0].shape, generator=gen)).to(args[0].dtype).to(device)
+        out.append(((*args, gate, torch.tensor(0.004, device=device)), {}))
+    return out
 
 
 def register(registry) -> None:

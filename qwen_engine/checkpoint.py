@@ -173,13 +173,21 @@ def _shard_map(path: Path) -> dict[str, Path]:
 
 
 def read_config(path: str | os.PathLike) -> QwenConfig:
-    """config.json (+ hf_quant_config.json when config.json has no quantization_config)."""
+    """config.json (+ hf_quant_config.json when config.json has no quantization_config). Where both exist, the
+    second's `kv_cache_quant_algo` is added to the first's block when that names none: NVIDIA's Qwen3.6 export
+    declares its FP8 KV cache only there (`QwenConfig.kv_cache_quant_algo`)."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     cfg = QwenConfig.from_json(raw)
     hf_quant = path / "hf_quant_config.json"
-    if cfg.quantization_config is None and hf_quant.exists():
-        cfg = cfg.replace(quantization_config=json.loads(hf_quant.read_text()))
+    if not hf_quant.exists():
+        return cfg
+    sidecar = json.loads(hf_quant.read_text())
+    if cfg.quantization_config is None:
+        return cfg.replace(quantization_config=sidecar)
+    kv_algo = (sidecar.get("quantization") or {}).get("kv_cache_quant_algo")
+    if kv_algo is not None and cfg.kv_cache_quant_algo is None:
+        cfg = cfg.replace(quantization_config={**cfg.quantization_config, "kv_cache_quant_algo": kv_algo})
     return cfg
 
 
@@ -525,6 +533,7 @@ def save_checkpoint(
     nvfp4_input_scale: bool = True,
     dtype: torch.dtype = torch.bfloat16,
     return_weights: bool = True,
+    kv_cache_quant_algo: str | None = "FP8",
 ) -> dict[str, torch.Tensor] | None:
     """Write our dense `state_dict` as a ModelOpt mixed-precision export (recipe: checkpoint module regex ->
     quant_algo; default NVIDIA's) or, with recipe=None, as the original BF16 hub layout. Returns the weights the
@@ -534,6 +543,9 @@ def save_checkpoint(
     (`sync_gate_up`, ModelOpt's `sync_moe_gate_up_amax`); FP8 scale amax/448. Activation scales cannot be calibrated
     here: `input_scale = input_amax / 448` (FP8) or `/ 2688` (NVFP4, written as the real checkpoint does although
     W4A16 ignores it), with `input_amax` per checkpoint module name or one value for all.
+
+    A ModelOpt export also gets ModelOpt's `hf_quant_config.json` sidecar, naming `kv_cache_quant_algo` (NVIDIA's:
+    "FP8"; None: no KV cache declaration).
 
     Quantisation runs on each tensor's device and shards are streamed to disk, so a full-size random checkpoint can be
     written from a lazy Mapping that creates each parameter on the GPU when asked (return_weights=False).
@@ -597,6 +609,11 @@ def save_checkpoint(
     }
     if recipe is not None:
         config["quantization_config"] = _modelopt_quantization_config(table)
+        # the sidecar ModelOpt writes beside it; NVIDIA's Qwen3.6 export declares its FP8 KV cache only here (no
+        # k / v scales in the shards)
+        sidecar = {"producer": config["quantization_config"]["producer"], "quantization": {
+            "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": kv_cache_quant_algo, "quantized_layers": table}}
+        (path / "hf_quant_config.json").write_text(json.dumps(sidecar, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return written if return_weights else None
 

@@ -113,6 +113,15 @@ class QwenConfig:
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
+    def kv_cache_quant_algo(self) -> str | None:
+        """The KV cache precision the checkpoint declares (`quantization_config`, or hf_quant_config.json's
+        "quantization" block: NVIDIA's Qwen3.6 NVFP4 export says "FP8"), None where it declares none. Read by
+        `QwenEngineConfig.kv_cache_dtype` "auto"; the model's maths does not depend on it."""
+        qc = self.quantization_config or {}
+        qc = qc.get("quantization", qc)
+        return qc.get("kv_cache_quant_algo") if isinstance(qc, dict) else None
+
+    @property
     def rotary_dim(self) -> int:  # 64: leading dims of each head that rotate
         return int(self.head_dim * self.partial_rotary_factor)
 

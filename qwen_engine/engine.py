@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GDN_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # QwenEngineConfig.gdn_state_dtype
+KV_CACHE_DTYPES = ("model", "fp8", "auto")  # QwenEngineConfig.kv_cache_dtype
 PRESETS = ("tiny", "qwen3.6-35b-a3b")  # QwenConfig.tiny() | QwenConfig() (the checkpoint's numbers)
 
 __all__ = [
@@ -93,6 +94,13 @@ class QwenEngineConfig:
     num_kv_blocks: int | None = None  # KV pool size in blocks; None -> kv_cache_memory_fraction of free device
     #                                   memory after loading (cuda), or max_num_seqs full-length sequences (cpu)
     kv_cache_memory_fraction: float = 0.5  # of free device memory after the weights, when num_kv_blocks is None
+    kv_cache_dtype: str = "model"  # the full-attention layers' KV pools: "model" (the activation dtype, bf16 on a
+    #                                GPU: what transformers attends to), "fp8" (e4m3 codes at scale 1.0: half the
+    #                                bytes a token, so twice the tokens in the same memory and half the decode
+    #                                attention's reads; keys / values rounded to e4m3, so outputs differ from the
+    #                                reference's), "auto" (what the checkpoint declares: NVIDIA's NVFP4 export says
+    #                                kv_cache_quant_algo FP8 in hf_quant_config.json and ships no KV scales -> "fp8";
+    #                                no declaration -> "model"). A checkpoint with k / v scales is refused at load
     max_model_len: int = 8192  # prompt + generated tokens per sequence
     max_queued: int = 256  # unanswered requests (waiting + running); more -> Overloaded (503 + Retry-After)
     request_timeout_s: float | None = 600.0  # default deadline per request, s from arrival (None: none) -> 504
@@ -355,6 +363,8 @@ class QwenEngineConfig:
 
         check_expert_layout(self.expert_layout)
         check_shared_expert_in_moe(self.shared_expert_in_moe)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
             raise ValueError(f"gdn_state_dtype must be one of {list(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
         if not (isinstance(self.expert_regs, bool) or self.expert_regs == "auto"):
@@ -507,6 +517,10 @@ class QwenEngine:
         self.expert_regs = set_expert_regs(self.model, cfg.expert_regs, self.device, self.dtype)
         self.router_align = set_router_align(self.model, router_align_on(cfg), warn=cfg.router_align is True)
         self.model_config = self.model.config
+        self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.model_config, self.dtype)
+        declared = self.model_config.kv_cache_quant_algo
+        log.info("KV cache %s (kv_cache_dtype %r; the checkpoint declares kv_cache_quant_algo %s)",
+                 str(self.kv_dtype).removeprefix("torch."), cfg.kv_cache_dtype, declared)
         self.random_weights = cfg.checkpoint is None
         self.load_s = time.perf_counter() - t0
         self.registry = gdn_registry(self.kernels)  # the engine's own: its preference does not leak into others
@@ -556,7 +570,7 @@ class QwenEngine:
                                   decode_buckets=self.scheduler.config.decode_buckets,
                                   decode_graphs=cfg.decode_graphs, prefill_graphs=cfg.prefill_graphs,
                                   prefill_buckets=self.prefill_buckets,
-                                  state_dtype=GDN_STATE_DTYPES[cfg.gdn_state_dtype])
+                                  state_dtype=GDN_STATE_DTYPES[cfg.gdn_state_dtype], kv_dtype=self.kv_dtype)
         self._set_lone_prefill()
         # CUDA only: elsewhere Triton runs interpreted (tests), far slower than torch.argmax
         self.runner.argmax_kernel = cfg.argmax_kernel and self.device.type == "cuda"
@@ -722,7 +736,7 @@ class QwenEngine:
             "queue": {"unanswered": s.num_unfinished, "waiting": s.num_waiting, "running": s.num_running,
                       "max_queued": self.cfg.max_queued, "max_num_seqs": self.cfg.max_num_seqs},
             "kv_blocks": {"total": b.num_blocks, "used": b.num_used_blocks, "block_size": b.block_size,
-                          "usage": round(b.usage, 4)},
+                          "usage": round(b.usage, 4), "dtype": str(self.kv_dtype).removeprefix("torch.")},
             "rejected": self.rejected,
             "async_decode": self.cfg.async_decode,
             "lone_prefill_tokens": s.lone_prefill_tokens,  # the scheduler's lone-prefill limit in force (0: off)
@@ -988,7 +1002,7 @@ class QwenEngine:
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = free * cfg.kv_cache_memory_fraction - gdn_state_bytes(c, cfg.max_num_seqs + 1, self.dtype,
                                                                       GDN_STATE_DTYPES[cfg.gdn_state_dtype])
-        blocks = int(budget // kv_block_bytes(c, cfg.block_size, self.dtype))
+        blocks = int(budget // kv_block_bytes(c, cfg.block_size, self.kv_dtype))
         if blocks < per_seq:
             raise RuntimeError(f"only {blocks} KV blocks fit in {cfg.kv_cache_memory_fraction:.0%} of the "
                                f"{free / 2**30:.1f} GiB free; one {cfg.max_model_len}-token sequence needs "
@@ -1294,6 +1308,22 @@ def expert_layouts(model: torch.nn.Module) -> dict[str, int]:
             name = LAYOUT_NAMES[mod.layout] + dual + regs
             out[name] = out.get(name, 0) + 1
     return out
+
+
+def resolve_kv_cache_dtype(choice: str, model_cfg, dtype: torch.dtype) -> torch.dtype:
+    """The KV pools' dtype for `QwenEngineConfig.kv_cache_dtype` (`choice`) on a model of `model_cfg` whose
+    activations are `dtype`."""
+    if choice == "model":
+        return dtype
+    if choice == "fp8":
+        return torch.float8_e4m3fn
+    declared = model_cfg.kv_cache_quant_algo
+    if declared is None:
+        return dtype
+    if str(declared).upper() == "FP8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype 'auto': the checkpoint declares kv_cache_quant_algo {declared!r}, which this "
+                     f"engine does not implement (FP8 or none); set kv_cache_dtype to 'model' or 'fp8'")
 
 
 def build_model(checkpoint: str | None, preset: str, device: torch.device, dtype: torch.dtype, seed: int,

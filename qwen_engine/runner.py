@@ -29,7 +29,7 @@ from .model.paged import FlatBatch, PagedCache
 
 
 def kv_block_bytes(cfg: QwenConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across every full-attention layer (k and v)."""
+    """Bytes of one KV block across every full-attention layer (k and v), pools of `dtype`."""
     n_layers = sum(t == FULL_ATTENTION for t in cfg.layer_types)
     return 2 * n_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
@@ -86,7 +86,8 @@ class ModelRunner:
     def __init__(self, model, cfg: QwenConfig, device: torch.device | str, num_blocks: int, block_size: int,
                  max_num_seqs: int, registry: Registry | None = None, *, max_model_len: int | None = None,
                  decode_buckets: tuple[int, ...] = (), decode_graphs: str = "off", prefill_graphs: str = "off",
-                 prefill_buckets: tuple[int, ...] = (), state_dtype: torch.dtype = torch.float32):
+                 prefill_buckets: tuple[int, ...] = (), state_dtype: torch.dtype = torch.float32,
+                 kv_dtype: torch.dtype | None = None):
         """`decode_graphs` (see `decode_graphs.py`): "capture" (CUDA graphs per decode bucket, captured by
         `capture_decode_graphs()`), "static" (the same static-buffer path run eagerly), "off" (every step eager),
         "auto" (capture on CUDA, off elsewhere). `decode_buckets`: the scheduler's decode batch sizes (last =
@@ -94,7 +95,7 @@ class ModelRunner:
         `prefill_graphs.py`): graphs of a lone sequence's prefill from position 0, one per `prefill_buckets` token
         count (captured by `capture_prefill_graphs()`; () = `default_buckets` up to max_model_len: the engine passes
         its own, bounded by its step token budget too). `state_dtype`: the GDN recurrent state pool's
-        (`QwenEngineConfig.gdn_state_dtype`)."""
+        (`QwenEngineConfig.gdn_state_dtype`); `kv_dtype`: the KV pools' (None: the model's; `kv_cache_dtype`)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -105,7 +106,7 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype  # packed NVFP4/FP8 modules hold uint8/e4m3 buffers, not this
         # one block and one GDN state row past the scheduler's: the scratch sequence of the decode graphs' padding
         self.cache = PagedCache.empty(cfg, num_blocks + 1, block_size, max_num_seqs + 1, dtype, self.device,
-                                      state_dtype=state_dtype)
+                                      state_dtype=state_dtype, kv_dtype=kv_dtype)
         if max_model_len is not None and hasattr(model, "rotary"):  # the rotary cos / sin of every position a step
             model.rotary.reserve(max_model_len, self.device, dtype)  # can hold (< max_model_len): one gather a step
         self.steps = 0  # steps whose sampled ids were read (`result`)

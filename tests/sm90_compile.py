@@ -237,6 +237,11 @@ def main() -> int:
                           {"q": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "tables": "*i64", "ctx_lens": "*i64",
                            "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
                           dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, IEEE=False, INTERPRET=False)))
+    ok.append(compile_one("paged_decode on e4m3 pools (Dh = 256, GQA 8, bf16 q; kv_cache_dtype fp8)",
+                          paged_attention._paged_decode_kernel,
+                          {"q": "*bf16", "k_pool": "*fp8e4nv", "v_pool": "*fp8e4nv", "tables": "*i64",
+                           "ctx_lens": "*i64", "o_part": "*fp32", "lse": "*fp32", "qk_scale": "fp32"},
+                          dict(HEAD_DIM=256, BLOCK_G=16, BLOCK_N=32, IEEE=False, INTERPRET=False)))
     ok.append(compile_one("fp8_quant_static (bf16 -> e4m3, 1 x 1024 tile)", fp8_quant._quant_static_kernel,
                           {"x_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*fp8e4nv"},
                           dict(BLOCK_M=1, BLOCK_K=1024)))
@@ -406,6 +411,11 @@ def main() -> int:
                           {**{n: "*bf16" for n in ("q", "k", "v", "wq", "wk", "cos", "sin", "k_pool", "v_pool",
                                                     "q_out")}, "slots": "*i64", "eps": "fp32"},
                           dict(BLOCK_D=256, INTERPRET=False)))
+    ok.append(compile_one("attn_decode_prep into e4m3 pools (D = 256, RoPE 64, bf16; kv_cache_dtype fp8)",
+                          attn_prep._attn_prep_kernel,
+                          {**{n: "*bf16" for n in ("q", "k", "v", "wq", "wk", "cos", "sin", "q_out")},
+                           "k_pool": "*fp8e4nv", "v_pool": "*fp8e4nv", "slots": "*i64", "eps": "fp32"},
+                          dict(BLOCK_D=256, INTERPRET=False, KV_CODES=True)))
     ok.append(compile_one("attn_output_gate (D = 256, bf16)", attn_prep._gate_kernel,
                           {n: "*bf16" for n in ("o", "gate", "out")}, dict(BLOCK_D=256, INTERPRET=False)))
     ok.append(compile_one("attn_output_gate + e4m3 codes (D = 256, bf16)", attn_prep._gate_kernel,

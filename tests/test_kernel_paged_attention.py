@@ -240,9 +240,11 @@ def test_registry_self_check_and_choice():
     reg = Registry()
     paged_attention.register(reg)
     outcome = reg.self_check(DEVICE)["paged_decode_attention"]
-    assert "triton passed" in outcome, outcome
-    args, _ = paged_attention._sample(DEVICE)
+    assert "triton passed" in outcome, outcome  # on both samples: bf16 pools, then e4m3 ones
+    (args, _), (e4m3, _) = paged_attention._sample(DEVICE)
+    assert e4m3[1].dtype == torch.float8_e4m3fn and e4m3[0].dtype == torch.bfloat16
     assert reg.choose("paged_decode_attention", **describe(*args)).name == "triton"
+    assert reg.choose("paged_decode_attention", **describe(*e4m3)).name == "triton"
     q, k, v, tables, lens, scale = args
     fp64 = describe(q.double(), k.double(), v.double(), tables, lens, scale)
     assert reg.choose("paged_decode_attention", **fp64).name == "reference"  # recorded fallback

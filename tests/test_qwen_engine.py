@@ -76,18 +76,20 @@ def model():
 # random tiny model amplifies one-ulp differences of reductions over differently laid-out tensors (e.g. the GDN
 # l2norm of a contiguous [N, C] vs a transposed [B, T, C] conv output) to ~2e-5 after a few steps, so fp32 uses
 # tests/test_qwen_model.py's REL_TOL 1e-4 (issue 5's fp32 logits gate).
-@pytest.mark.parametrize("dtype,num_kv_blocks,tol,graphs,fused", [(torch.float64, 8, 1e-5, "off", False),
-                                                                    (torch.float32, 32, 1e-4, "off", False),
-                                                                    (torch.float64, 32, 1e-5, "static", False),
-                                                                    (torch.float32, 32, 1e-4, "static", False),
-                                                                    (torch.float32, 32, 1e-4, "static", True)])
-def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, graphs, fused, monkeypatch):
+@pytest.mark.parametrize("dtype,num_kv_blocks,tol,graphs,fused,kv_fp8", [
+    (torch.float64, 8, 1e-5, "off", False, False), (torch.float32, 32, 1e-4, "off", False, False),
+    (torch.float64, 32, 1e-5, "static", False, False), (torch.float32, 32, 1e-4, "static", False, False),
+    (torch.float32, 32, 1e-4, "static", True, False),
+    (torch.float64, 8, 1e-5, "off", False, True), (torch.float32, 32, 1e-4, "static", True, True)])
+def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, graphs, fused, kv_fp8, monkeypatch):
     """Drive scheduler + runner greedily; every sampling row's logits equal a contiguous batch-1 state fed the same
     tokens (decode batches, chunked prefill, and re-prefill after preemption: 8 blocks of 4 force it). graphs
     "static": decode-only steps go through the CUDA-graph path's static buffers, padded to the decode buckets
     (1, 2, 4) with the scratch sequence (qwen_engine/decode_graphs.py), run eagerly; padding must change nothing.
     fused: the model's fused ops as on a GPU (norms, router, MoE tail, and the attention layers' decode prep -- q/k
-    norms, RoPE, pool write -- which only the paged decode path has), through the Triton interpreter."""
+    norms, RoPE, pool write -- which only the paged decode path has), through the Triton interpreter. kv_fp8: e4m3
+    KV pools (`kv_cache_dtype` "fp8"), against the contiguous reference with its k / v rounded the same way
+    (`fp8_quant.kv_pool_cast`): the paged paths attend to exactly the stored values."""
     from engine_core.registry import default_registry
     from qwen_engine.model.attention import GatedAttention
     from qwen_engine.model.moe import SparseMoE, TopKRouter
@@ -106,8 +108,16 @@ def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, grap
         monkeypatch.setattr(TopKRouter, "parts", False)
         for op in fused_ops:  # an engine built earlier in this process may have set them
             reg.set_preference("auto", op)
+    kv_dtype = None
+    if kv_fp8:
+        from kernels.fp8_quant import kv_pool_cast
+        from qwen_engine.model.state import KVCache
+
+        append, kv_dtype = KVCache.append, torch.float8_e4m3fn
+        monkeypatch.setattr(KVCache, "append", lambda self, k, v: append(
+            self, kv_pool_cast(k, kv_dtype).to(k.dtype), kv_pool_cast(v, kv_dtype).to(v.dtype)))
     try:
-        _drive_paged_vs_contiguous(model, dtype, num_kv_blocks, tol, graphs)
+        _drive_paged_vs_contiguous(model, dtype, num_kv_blocks, tol, graphs, kv_dtype)
     finally:
         for op, pref in before.items():
             reg.set_preference(pref, op)
@@ -116,12 +126,13 @@ def test_paged_forward_matches_contiguous(model, dtype, num_kv_blocks, tol, grap
             assert reg.choices()[op]["calls"].get("triton", 0) > calls0[op], op
 
 
-def _drive_paged_vs_contiguous(model, dtype, num_kv_blocks, tol, graphs):
+def _drive_paged_vs_contiguous(model, dtype, num_kv_blocks, tol, graphs, kv_dtype=None):
     model = copy.deepcopy(model).to(dtype)
     sched = ContinuousScheduler(ContinuousConfig(num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=4,
                                                  max_num_batched_tokens=16, max_model_len=64))
     runner = ModelRunner(model, model.config, "cpu", num_kv_blocks, 4, 4, max_model_len=64,
-                         decode_buckets=sched.config.decode_buckets, decode_graphs=graphs)
+                         decode_buckets=sched.config.decode_buckets, decode_graphs=graphs, kv_dtype=kv_dtype)
+    assert kv_dtype is None or runner.cache.layers[model.config.full_attention_layers[0]].k.dtype == kv_dtype
     lengths = [6, 20, 1, 10]  # 20 > the 16-token budget: a split prefill
     new_tokens = [6, 3, 8, 5]  # streams end at different steps: decode batches of 4, 3 (padded to 4), 2, 1
     for i, n in enumerate(lengths):

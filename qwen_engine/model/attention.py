@@ -155,10 +155,10 @@ class GatedAttention(nn.Module):
             s, e, ctx = batch.starts[i], batch.starts[i + 1], batch.context_lens[i]
             if ctx == e - s:  # the whole sequence is in this step: its keys are the ones just written (no gather; also
                 # what a padded prefill graph needs: its padding keys live in the scratch block, after the real ones)
-                keys = k[:, :, s:e].to(kv.k.dtype)
-                values = v[s:e].transpose(0, 1)[None].to(kv.v.dtype)
+                keys = kv.stored(k[:, :, s:e], q.dtype)  # as the pool keeps them (e4m3 pools: rounded)
+                values = kv.stored(v[s:e].transpose(0, 1)[None], q.dtype)
             else:  # a chunk continuing its sequence: its token j (position ctx - (e - s) + j) sees keys 0 .. that
-                keys, values = gather_kv(kv, batch.block_tables[i], ctx)  # [1, KV, ctx, D]
+                keys, values = gather_kv(kv, batch.block_tables[i], ctx, q.dtype)  # [1, KV, ctx, D]
             o[:, :, s:e] = causal_attention(q[:, :, s:e], keys, values, self.scaling)
         o = o[0].transpose(0, 1).reshape(n, h * d)
         o = o * torch.sigmoid(gate.reshape(n, -1))
@@ -218,14 +218,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
                                               attn_mask=causal_lower_right(t, ctx), scale=scale)
 
 
-def gather_kv(kv: PagedKV, block_table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's keys/values for positions 0..ctx-1: block_table [max_blocks] -> k, v [1, KV, ctx, D]."""
+def gather_kv(kv: PagedKV, block_table: torch.Tensor, ctx: int,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys/values for positions 0..ctx-1: block_table [max_blocks] -> k, v [1, KV, ctx, D] in
+    `dtype` (None: the pool's; e4m3 codes convert exactly to the model dtypes)."""
     nb = -(-ctx // kv.k.shape[1])
     blocks = block_table[:nb]
     kvh, d = kv.k.shape[2:]
-    k = kv.k[blocks].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-    v = kv.v[blocks].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-    return k, v
+    k = pool_blocks(kv.k, blocks).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    v = pool_blocks(kv.v, blocks).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+
+
+def pool_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """pool[blocks] (blocks: any int64 index shape), e4m3 pools gathered as bytes (torch's fp8 indexing is not
+    implemented on every device)."""
+    if pool.dtype == torch.float8_e4m3fn:
+        return pool.view(torch.uint8)[blocks].view(pool.dtype)
+    return pool[blocks]
 
 
 def paged_decode_attention(q: torch.Tensor, kv: PagedKV, batch: FlatBatch, scale: float) -> torch.Tensor:
@@ -238,8 +248,8 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, batch: FlatBatch, scale
     kvh, d = kv.k.shape[2:]
     nb = -(-max(batch.context_lens[:nd]) // bs)
     tables = batch.block_tables[:nd, :nb]  # [D, nb]
-    k = kv.k[tables].reshape(nd, nb * bs, kvh, d).transpose(1, 2)  # [D, KV, L, D_h]
-    v = kv.v[tables].reshape(nd, nb * bs, kvh, d).transpose(1, 2)
+    k = pool_blocks(kv.k, tables).reshape(nd, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)  # [D, KV, L, D_h]
+    v = pool_blocks(kv.v, tables).reshape(nd, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
     keep = torch.arange(nb * bs, device=q.device)[None, :] < batch.context_lens_t[:nd, None]  # [D, L]
     o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep[:, None, None, :], scale=scale,
                                        enable_gqa=True)  # [D, H, 1, D_h]
@@ -250,6 +260,6 @@ def paged_decode_attention_reference(q: torch.Tensor, kv: PagedKV, batch: FlatBa
     """Row by row: each decode token against its own gathered keys, no padding. Same contract."""
     outs = []
     for i in range(q.shape[0]):
-        k, v = gather_kv(kv, batch.block_tables[i], batch.context_lens[i])
+        k, v = gather_kv(kv, batch.block_tables[i], batch.context_lens[i], q.dtype)
         outs.append(F.scaled_dot_product_attention(q[i][None, :, None], k, v, scale=scale, enable_gqa=True)[0, :, 0])
     return torch.stack(outs)

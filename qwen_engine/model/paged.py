@@ -22,12 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fp8_quant import kv_pool_cast
+
 from ..config import FULL_ATTENTION, QwenConfig
 
 
 @dataclass
 class PagedKV:
-    """Keys/values of one full-attention layer for every sequence, in blocks (after k_norm and RoPE)."""
+    """Keys/values of one full-attention layer for every sequence, in blocks (after k_norm and RoPE). The pools hold
+    the model dtype, or e4m3 codes at scale 1.0 (`QwenEngineConfig.kv_cache_dtype` "fp8": half the bytes a token;
+    `kernels.fp8_quant.kv_pool_cast`); every reader attends to the stored values, so a prompt's own keys in its
+    prefill are the rounded ones its later decode steps read back (`stored`)."""
 
     k: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
     v: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
@@ -35,8 +40,15 @@ class PagedKV:
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, kv_heads, head_dim] at flat slots slot_mapping [N] (int64)."""
         kv_heads, head_dim = self.k.shape[2:]
-        self.k.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(self.k.dtype))
-        self.v.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(self.v.dtype))
+        for pool, x in ((self.k, k), (self.v, v)):
+            rows = kv_pool_cast(x, pool.dtype)
+            if pool.dtype == torch.float8_e4m3fn:  # torch has no fp8 index_copy_ (CPU): the codes as bytes
+                pool, rows = pool.view(torch.uint8), rows.view(torch.uint8)
+            pool.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, rows)
+
+    def stored(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x (keys or values) as the pool keeps them, read back in `dtype` (no copy when both are x's dtype)."""
+        return kv_pool_cast(x, self.k.dtype).to(dtype)
 
 
 @dataclass
@@ -57,13 +69,15 @@ class PagedCache:
 
     @classmethod
     def empty(cls, cfg: QwenConfig, num_blocks: int, block_size: int, num_slots: int, dtype=torch.float32,
-              device=None, state_dtype=torch.float32) -> PagedCache:
+              device=None, state_dtype=torch.float32, kv_dtype: torch.dtype | None = None) -> PagedCache:
+        """kv_dtype: the KV pools' (None: `dtype`, the model's; torch.float8_e4m3fn: codes at scale 1.0)."""
         layers: list[PagedKV | GDNSlots] = []
         for t in cfg.layer_types:
             if t == FULL_ATTENTION:
                 shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-                layers.append(PagedKV(torch.zeros(shape, dtype=dtype, device=device),
-                                      torch.zeros(shape, dtype=dtype, device=device)))
+                pool = kv_dtype or dtype
+                layers.append(PagedKV(torch.zeros(shape, dtype=pool, device=device),
+                                      torch.zeros(shape, dtype=pool, device=device)))
             else:
                 conv = torch.zeros(num_slots, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
                                    device=device)
