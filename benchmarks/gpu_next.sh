@@ -278,8 +278,9 @@
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
 #   STEPS="194" (carry the fla wheels and .tritoncache; either GPU; ~10 min: SKIP_194L=1 leaves out the 8k engines):
-#       issue 5, the FP8 KV cache (kv_cache_dtype "fp8"): CUDA tests, the decode attention per call on bf16 / e4m3
-#       pools at 1k and 8k contexts, the engine beside the defaults at 32 streams x 1k (again) and 8 streams x 8k
+#       issue 5, the FP8 KV cache (kv_cache_dtype "fp8"): the engine beside the defaults at 32 streams x 1k
+#       (AGAIN_194=1: again), CUDA tests, the decode attention per call on bf16 / e4m3 pools at 1k and 8k, the
+#       engines at 8 streams x 8k
 #   STEPS="193" (carry the fla wheels and .tritoncache; either GPU; ~1.5 min): issue 5, the H200 serve config as
 #       shipped (benchmarks/serve_config_start.py: build / start seconds, memory, each prefill bucket's first token;
 #       ran on an H100: results/serve_start57_run1); EXTRA_170 passes --autotune-foreign where the card is not an H200
@@ -2294,10 +2295,14 @@ grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
 fi
 if want 194; then
 # fifty-eighth session: the FP8 KV cache (QwenEngineConfig.kv_cache_dtype "fp8": e4m3 pools at scale 1.0, what the
-# NVIDIA checkpoint declares) -- its CUDA tests, the decode attention per call on bf16 and e4m3 pools (1k context at
-# 32 / 8 / 1 streams, 8k context at 8 streams), then the engine beside the defaults at 32 streams x 1k, again, and at
-# 8 streams x 8k (where the attention reads 8x the bytes)
-say "194. issue 5: the FP8 KV cache -- CUDA tests, the attention per call, the engine at 1k and 8k contexts"
+# NVIDIA checkpoint declares) -- the engine beside the defaults at 32 streams x 1k (AGAIN_194=1: again), its CUDA
+# tests, the decode attention per call on bf16 and e4m3 pools (1k context at 32 / 8 / 1 streams, 8k at 8 streams),
+# then the engines at 8 streams x 8k (where the attention reads 8x the bytes; SKIP_194L=1 leaves them out)
+say "194. issue 5: the FP8 KV cache -- the engine at 1k, CUDA tests, the attention per call, the engine at 8k"
+engine_out qwen_kvfp8 "${LIMIT_194E:-330}" --decode-tokens 48 --variant 'fp8kv={"kv_cache_dtype": "fp8"}' \
+  ${AGAIN_194:+--again} ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_kvfp8.log" | cut -c1-250 | head -5
+if [ -z "${SKIP_194T:-}" ]; then  # SKIP_194T=1: no tests, no per-call timings
 gpu_tests kvfp8_tests "${LIMIT_194T:-150}" tests/test_kv_fp8.py tests/test_kernel_paged_attention.py \
   tests/test_kernel_attn_prep.py -rfE
 grep -E "^(FAILED|ERROR)" "$R/kvfp8_tests.log" | cut -c1-250 | head -8
@@ -2308,9 +2313,7 @@ grep -E "auto" "$OUT/attn_kv1k/paged_attention_bench.md" 2>/dev/null || tail -5 
 timeout "${LIMIT_194C:-100}" python benchmarks/paged_attention_bench.py --kv-dtypes bf16,fp8 --streams 8 \
   --context 8192 --splits 0,8,16 --block-n 32,64 --warps 4,8 --out "$OUT/attn_kv8k" > "$OUT/attn_kv8k.log" 2>&1
 grep -E "auto" "$OUT/attn_kv8k/paged_attention_bench.md" 2>/dev/null || tail -5 "$OUT/attn_kv8k.log"
-engine_out qwen_kvfp8 "${LIMIT_194E:-330}" --decode-tokens 48 --variant 'fp8kv={"kv_cache_dtype": "fp8"}' --again \
-  ${EXTRA_170:-}
-grep -h "SELF-CHECK" "$OUT/qwen_kvfp8.log" | cut -c1-250 | head -5
+fi
 if [ -z "${SKIP_194L:-}" ]; then
 engine_out qwen_kvfp8_long "${LIMIT_194L:-300}" --decode-tokens 48 --context 8192 --streams 8 \
   --prefill-buckets 8192 --variant 'fp8kv={"kv_cache_dtype": "fp8"}' ${EXTRA_170:-}

@@ -424,7 +424,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        picks: list | None = None, gdn_state_dtype: str = "float32",
                        expert_regs: bool | str | None = None, router_align: bool | str | None = None,
                        early_loads: bool | None = None, router_parts: bool | None = None,
-                       lone_prefill: bool | str | None = None) -> dict:
+                       lone_prefill: bool | str | None = None, kv_cache_dtype: str | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
@@ -456,6 +456,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                                                      early_loads=early_loads, router_parts=router_parts,
                                                      attn_gate_in_combine=attn_gate_in_combine,
                                                      async_decode=async_decode, lone_prefill=lone_prefill,
+                                                     kv_cache_dtype=kv_cache_dtype,
                                                      gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()
                                if v is not None},
                             prefill_buckets=tuple(prefill_buckets))

@@ -96,6 +96,10 @@ MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks 
 # None: the lone rule at every batch (benchmarks/qwen_gpu.py --attn-lone-tiles compares them in the engine).
 MANY_PROGRAMS: int | None = 24
 MANY_PER_SM, MANY_WARPS, MANY_MAX_SPLITS = 3, 4, 8
+# e4m3 pools (kv_cache_dtype "fp8"): ~2 programs an SM. H100, fifty-eighth session (results/kvfp8_58_run1, 1k context,
+# 32 streams, 10 layers in a graph, PDL): 4 splits / BLOCK_N 32 / 4 warps 32.21 us a call against 45.54 with the bf16
+# pools' 6 splits (8 splits 37.18), where bf16 pools take 36.88 (6 splits) / 35.72 (their best, 4 splits at 8 warps)
+MANY_PER_SM_E4M3 = 2
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
 LOG2E = 1.4426950408889634
 
@@ -247,16 +251,17 @@ def num_splits_for(programs: int, max_blocks: int, sms: int) -> int:
 
 
 def launch_tiles(programs: int, max_blocks: int, sms: int, head_dim: int, block_size: int,
-                 interpreted: bool = False) -> tuple[int, int, int]:
+                 interpreted: bool = False, kv_bytes: int = 2) -> tuple[int, int, int]:
     """(splits, BLOCK_N, warps) of the kernel's launch for programs = D x KVH. Shapes only: graph-safe.
     Steps of 32 tokens (two 16 KB K / V tiles at Dh 256; 16 under the interpreter, the least tl.dot takes), never
     less than one KV block (a power of two: `supports`). Few programs (the lone rule): `num_splits_for`'s ~one program
     an SM, 8 warps above Dh 128. From MANY_PROGRAMS on: ~MANY_PER_SM programs an SM (at most MANY_MAX_SPLITS splits)
     at MANY_WARPS warps (measured:
-    the constants' comment)."""
+    the constants' comment); ~MANY_PER_SM_E4M3 an SM for e4m3 pools (`kv_bytes` 1: bytes a pool element)."""
     block_n = max(16 if interpreted else 32, triton.next_power_of_2(block_size))
     if MANY_PROGRAMS is not None and programs >= MANY_PROGRAMS:
-        return max(1, min(round(MANY_PER_SM * sms / programs), max_blocks, MANY_MAX_SPLITS)), block_n, MANY_WARPS
+        per_sm = MANY_PER_SM_E4M3 if kv_bytes == 1 else MANY_PER_SM
+        return max(1, min(round(per_sm * sms / programs), max_blocks, MANY_MAX_SPLITS)), block_n, MANY_WARPS
     return num_splits_for(programs, max_blocks, sms), block_n, 4 if head_dim <= 128 else 8
 
 
@@ -309,7 +314,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     bs, kvh = k_pool.shape[1:3]
     group = heads // kvh
     max_blocks = block_tables.shape[1]
-    splits, steps, warps = launch_tiles(nd * kvh, max_blocks, num_sms(q.device.index), dh, bs, _interpreted())
+    splits, steps, warps = launch_tiles(nd * kvh, max_blocks, num_sms(q.device.index), dh, bs, _interpreted(),
+                                        k_pool.element_size())
     num_splits, block_n, num_warps = num_splits or splits, block_n or steps, num_warps or warps
     o_part = torch.empty((nd, heads, num_splits, dh), dtype=torch.float32, device=q.device)
     lse = torch.empty((nd, heads, num_splits), dtype=torch.float32, device=q.device)

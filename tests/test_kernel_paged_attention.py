@@ -163,6 +163,9 @@ def test_launch_tiles_lone_and_many_sequences(monkeypatch):
     assert launch_tiles(600, 512, 132, 256, 16) == (1, 32, 4)  # never fewer than one split
     assert launch_tiles(64, 2, 132, 256, 16) == (2, 32, 4)  # never more splits than table blocks
     assert launch_tiles(64, 512, 132, 256, 128) == (6, 128, 4)  # a step holds at least one KV block
+    # e4m3 pools: ~2 programs an SM (4 splits at 32 streams, fifty-eighth session, H100); the lone rule unchanged
+    assert launch_tiles(64, 512, 132, 256, 16, kv_bytes=1) == (4, 32, 4)
+    assert launch_tiles(2, 512, 132, 256, 16, kv_bytes=1) == (66, 32, 8)
     monkeypatch.setattr(pa, "MANY_PROGRAMS", None)  # the lone rule everywhere (qwen_gpu.py --attn-lone-tiles)
     assert launch_tiles(64, 512, 132, 256, 16) == (3, 32, 8)
 
