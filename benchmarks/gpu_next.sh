@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="195" (no carry needed; either GPU; ~3 min): issue 5, the decode attention's lone rule at long contexts
+#       (splits 12-32 x 4 / 8 warps, 4 and 8 streams, 8k and 1k contexts, bf16 pools)
 #   STEPS="194" (carry the fla wheels and .tritoncache; either GPU; ~10 min: SKIP_194L=1 leaves out the 8k engines):
 #       issue 5, the FP8 KV cache (kv_cache_dtype "fp8"): the engine beside the defaults at 32 streams x 1k
 #       (AGAIN_194=1: again), CUDA tests, the decode attention per call on bf16 / e4m3 pools at 1k and 8k, the
@@ -2292,6 +2294,17 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 195; then
+# fifty-eighth session: the decode attention's lone rule (below 24 programs: ~one program an SM at 8 warps) at long
+# contexts: at 8 streams x 8k it took 82.6 us a call against 56.7 for 16 splits at 4 warps on an H100
+# (results/kvfp8_58_run1). Splits 12-32 x 4 / 8 warps at 4 and 8 streams, 8k and 1k contexts (bf16 pools)
+say "195. issue 5: the decode attention's lone rule at long contexts -- splits x warps at 4 / 8 streams, 8k and 1k"
+for c in 8192 1024; do
+timeout "${LIMIT_195:-90}" python benchmarks/paged_attention_bench.py --streams 8,4 --context $c \
+  --splits 0,12,16,24,32 --block-n 32 --warps 4,8 --out "$OUT/attn_lone$c" > "$OUT/attn_lone$c.log" 2>&1
+head -40 "$OUT/attn_lone$c/paged_attention_bench.md" 2>/dev/null || tail -5 "$OUT/attn_lone$c.log"
+done
 fi
 if want 194; then
 # fifty-eighth session: the FP8 KV cache (QwenEngineConfig.kv_cache_dtype "fp8": e4m3 pools at scale 1.0, what the
