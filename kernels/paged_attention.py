@@ -4,8 +4,8 @@ block-paged KV pool, split over the context so that a small batch still fills th
 Reference: `paged_decode_attention_reference` below (row by row: gather the visible keys, fp32 SDPA), the semantics of
 `qwen_engine.model.attention.paged_decode_attention` with the pool and the metadata passed as tensors:
     q [D, H, Dh] (one token per sequence); k_pool, v_pool [num_blocks, block_size, KVH, Dh] (`PagedKV` layout), of
-    q's dtype (bf16, fp16 or fp32) or both e4m3 codes at scale 1.0 (`QwenEngineConfig.kv_cache_dtype` "fp8": each
-    tile converted to q's dtype after its load, exactly: every e4m3 value is a bf16 / fp16 value); H % KVH == 0
+    q's dtype (bf16, fp16 or fp32) or both e4m3 codes at scale 1.0 (`QwenEngineConfig.kv_cache_dtype` "fp8", sm_89+:
+    each tile converted to q's dtype after its load, exactly: every e4m3 value is a bf16 / fp16 value); H % KVH == 0
     (query head h reads kv head h // (H / KVH));
     block_tables [D, max_blocks] int64 / int32: position p of sequence i is at block block_tables[i, p // block_size],
     offset p % block_size; entries past the context are arbitrary (never dereferenced);
@@ -78,6 +78,10 @@ GATED_NAME = "paged_decode_attention_gated_fp8"  # the attention, its output gat
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores
+E4M3_MIN_CAPABILITY = (8, 9)  # e4m3 pools (`e4m3_ok`)
+# the start-up self-check's e4m3-pool sample (`_sample`): set by an engine whose KV pools are e4m3 (QwenEngineConfig
+# .kv_cache_dtype), so that other engines do not compile that build at start; process-wide, like the engine's flags
+E4M3_SAMPLE = False
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a [BLOCK_G, 256] fp32 accumulator is the register budget
 MAX_GROUP = 32  # query heads per kv head in one tile (the model has 8); 32 x 256 fp32 = 32 KB of accumulator
 MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks per split at the cap
@@ -421,6 +425,12 @@ def describe(q, k_pool, v_pool, block_tables, context_lens, scale=None, num_spli
                 unit_strides=all(t.stride(-1) == 1 for t in (q, k_pool, v_pool) if t.dim()))
 
 
+def e4m3_ok(capability, interpreted: bool) -> bool:
+    """Triton's e4m3 type (fp8e4nv) compiles for sm_89 and later ("type fp8e4nv not supported in this architecture"
+    on sm_80 / sm_86); the interpreter takes it anywhere."""
+    return interpreted or (capability is not None and tuple(capability) >= E4M3_MIN_CAPABILITY)
+
+
 def supports(*, device: str, capability, same_device: bool, dtypes: set, index_dtypes: set, shapes_ok: bool,
              head_dim: int, group: int, unit_strides: bool, pool_dtypes: set = frozenset(), **_: Any) -> bool:
     """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU), all tensors on it; q of a dtype in
@@ -431,7 +441,8 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, index_d
     if triton is None:
         return False
     device_ok = triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
-    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or pool_dtypes == {torch.float8_e4m3fn}
+    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or (pool_dtypes == {torch.float8_e4m3fn}
+                                                            and e4m3_ok(capability, _interpreted()))
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and pools_ok
             and index_dtypes <= set(INDEX_DTYPES) and shapes_ok and unit_strides
             and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
@@ -469,12 +480,15 @@ def random_inputs(context_lens: list[int], heads: int, kv_heads: int, head_dim: 
 
 
 def _sample(device) -> list[tuple[tuple, dict]]:
-    # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model; then the same on e4m3
-    # pools (`kv_cache_dtype` "fp8": the self-check covers the tile conversion an fp8 engine runs)
+    # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model; with E4M3_SAMPLE the
+    # same on e4m3 pools too (`kv_cache_dtype` "fp8": the self-check covers the tile conversion such an engine runs;
+    # where `e4m3_ok` says no, the registry skips that sample and e4m3 calls take the reference)
     from kernels.fp8_quant import kv_pool_cast
 
     args = random_inputs([1, 8, 21], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
                          device=device)
+    if not E4M3_SAMPLE:
+        return [(args, {})]
     e4m3 = (args[0], kv_pool_cast(args[1], torch.float8_e4m3fn), kv_pool_cast(args[2], torch.float8_e4m3fn),
             *args[3:])
     return [(args, {}), (e4m3, {})]

@@ -187,7 +187,12 @@ def read_config(path: str | os.PathLike) -> QwenConfig:
         return cfg.replace(quantization_config=sidecar)
     kv_algo = (sidecar.get("quantization") or {}).get("kv_cache_quant_algo")
     if kv_algo is not None and cfg.kv_cache_quant_algo is None:
-        cfg = cfg.replace(quantization_config={**cfg.quantization_config, "kv_cache_quant_algo": kv_algo})
+        qc = dict(cfg.quantization_config)
+        if isinstance(qc.get("quantization"), dict):  # a block nesting its keys as the sidecar does
+            qc["quantization"] = {**qc["quantization"], "kv_cache_quant_algo": kv_algo}
+        else:
+            qc["kv_cache_quant_algo"] = kv_algo
+        cfg = cfg.replace(quantization_config=qc)
     return cfg
 
 

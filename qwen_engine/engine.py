@@ -100,7 +100,9 @@ class QwenEngineConfig:
     #                                attention's reads; keys / values rounded to e4m3, so outputs differ from the
     #                                reference's), "auto" (what the checkpoint declares: NVIDIA's NVFP4 export says
     #                                kv_cache_quant_algo FP8 in hf_quant_config.json and ships no KV scales -> "fp8";
-    #                                no declaration -> "model"). A checkpoint with k / v scales is refused at load
+    #                                no declaration -> "model"). k / v scales are not read: the loader refuses a
+    #                                checkpoint that has them (as any tensor it does not know). e4m3 pools need sm_89+
+    #                                for their Triton kernels (else the references run them)
     max_model_len: int = 8192  # prompt + generated tokens per sequence
     max_queued: int = 256  # unanswered requests (waiting + running); more -> Overloaded (503 + Retry-After)
     request_timeout_s: float | None = 600.0  # default deadline per request, s from arrival (None: none) -> 504
@@ -559,6 +561,9 @@ class QwenEngine:
         from .model import attention
 
         attention.GATE_IN_COMBINE = cfg.attn_gate_in_combine
+        from kernels import paged_attention
+
+        paged_attention.E4M3_SAMPLE = self.kv_dtype == torch.float8_e4m3fn  # the self-check's e4m3-pool sample
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -984,9 +989,11 @@ class QwenEngine:
                and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
                and (op not in ROUTER_ALIGN_OPS or self.router_align > 0 or self.cfg.router_align is True)]
         # re-check when the ops or their preferences change (the ops differ with the options that add one)
-        from kernels import pdl  # the EARLY builds run in the samples when early loads are on: part of the key
+        from kernels import paged_attention, pdl  # the EARLY builds run in the samples when early loads are on, the
+        #                                             e4m3-pool samples with e4m3 pools: both part of the key
 
-        key = (str(self.device), tuple((op, reg.preference(op).value) for op in ops), pdl.early())
+        key = (str(self.device), tuple((op, reg.preference(op).value) for op in ops), pdl.early(),
+               paged_attention.E4M3_SAMPLE)
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
         return {**out, **_MODEL_OPS_CHECKED[key], **check_expert_layouts(self.model, self.device, reg)}

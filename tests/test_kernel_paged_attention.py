@@ -235,11 +235,14 @@ def test_cuda_graph_replay_with_new_contexts():
     assert compare(out, paged_decode_attention_reference(q, k, v, tables, lens, scale)) is None
 
 
-def test_registry_self_check_and_choice():
+def test_registry_self_check_and_choice(monkeypatch):
     from engine_core.registry import Registry
 
     from kernels import paged_attention
 
+    monkeypatch.setattr(paged_attention, "E4M3_SAMPLE", False)  # (an fp8 engine earlier in the process sets it)
+    assert len(paged_attention._sample(DEVICE)) == 1  # bf16 pools only, unless an engine uses e4m3 ones
+    monkeypatch.setattr(paged_attention, "E4M3_SAMPLE", True)
     reg = Registry()
     paged_attention.register(reg)
     outcome = reg.self_check(DEVICE)["paged_decode_attention"]

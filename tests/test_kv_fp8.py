@@ -110,6 +110,24 @@ def test_gated_decode_attention_on_e4m3_pools():
     assert compare_gated(out, ref) is None, compare_gated(out, ref)
 
 
+def test_e4m3_pools_need_sm89_on_a_gpu(monkeypatch):
+    """Triton's e4m3 type compiles from sm_89 on: below it both kernels refuse e4m3 pools (the references run them),
+    while bf16 pools still take the kernels from sm_80."""
+    import kernels.attn_prep as ap
+    import kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "_interpreted", lambda: False)
+    monkeypatch.setattr(ap, "_interpreted", lambda: False)
+    base = dict(device="cuda", same_device=True, index_dtypes={torch.int64}, shapes_ok=True, head_dim=256, group=8,
+                unit_strides=True, dtypes={torch.bfloat16})
+    for cap, want in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        assert pa.supports(capability=cap, pool_dtypes={E4M3}, **base) is want, cap
+        assert pa.supports(capability=cap, pool_dtypes={torch.bfloat16}, **base)
+        assert ap.supports(capability=cap, pool_dtypes={E4M3}, dtypes={torch.bfloat16}, device="cuda",
+                           same_device=True, slots_ok=True, shapes_ok=True, head_dim=256, pools_contiguous=True,
+                           unit_strides=True) is want, cap
+
+
 def test_decode_attention_guard_takes_e4m3_pools_not_mixed_ones():
     from kernels.paged_attention import describe, supports
 
@@ -144,7 +162,10 @@ def test_attn_prep_writes_the_pool_codes(dtype):
     kp, vp = kv_pool_cast(kp, E4M3), kv_pool_cast(vp, E4M3)
     q_ref, kp_ref, vp_ref = attn_decode_prep_reference(*rest, kp.clone(), vp.clone())
     q, kp_out, vp_out = attn_decode_prep_triton(*rest, kp.clone(), vp.clone())
-    assert kp_out.dtype == E4M3 and torch.equal(q.float(), q.float())  # (q: tests/test_kernel_attn_prep.py)
+    from kernels import tolerance
+    from kernels.attn_prep import TOLERANCE
+
+    assert kp_out.dtype == E4M3 and tolerance.compare(q, q_ref, TOLERANCE[dtype]) is None  # q as with bf16 pools
     flat = lambda t: t.view(torch.uint8).reshape(-1, *t.shape[2:])  # noqa: E731
     assert torch.equal(flat(vp_out), flat(vp_ref))  # v's codes: copied, then cast the same way
     untouched = torch.ones(kp.shape[0] * kp.shape[1], dtype=torch.bool, device=DEVICE)
@@ -196,12 +217,18 @@ def test_read_config_takes_the_sidecars_kv_cache_declaration(tmp_path):
     assert read_config(tmp_path / "none").kv_cache_quant_algo is None
     save_checkpoint(tmp_path / "bf16", cfg, weights, recipe=None, return_weights=False)
     assert read_config(tmp_path / "bf16").kv_cache_quant_algo is None
+    # a config.json whose block nests its keys under "quantization", as the sidecar does: the declaration lands there
+    raw["quantization_config"] = {"quantization": raw["quantization_config"]}
+    (tmp_path / "nv" / "config.json").write_text(json.dumps(raw))
+    assert read_config(tmp_path / "nv").kv_cache_quant_algo == "FP8"
 
 
 def test_engine_with_an_fp8_kv_cache(monkeypatch):
-    """kv_cache_dtype "fp8": e4m3 pools at half the bytes a block; every request's greedy tokens equal the contiguous
-    reference's when that reference's KV cache rounds k / v to e4m3 the same way (so the paged engine attends to
-    exactly the stored values in prefill, continued chunks and decode)."""
+    """kv_cache_dtype "fp8": e4m3 pools at half the bytes a block, reported by health(); every request (preempted,
+    split over prefill chunks, decoded in batches) completes with the greedy tokens of the contiguous reference whose
+    KV cache rounds k / v to e4m3 the same way. (The tiny model's tokens do not tell rounded keys from unrounded ones:
+    the logits-level check that the paged paths attend to the stored values is
+    tests/test_qwen_engine.py::test_paged_forward_matches_contiguous's fp8 cases.)"""
     from qwen_engine.model.paged import PagedKV as Pool
     from qwen_engine.model.state import KVCache
     from qwen_engine.runner import kv_block_bytes
