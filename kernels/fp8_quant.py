@@ -213,6 +213,14 @@ def kv_pool_cast(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
     return x.to(pool_dtype)
 
 
+def kv_pool_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """pool[index] (any int64 index shape): e4m3 pools gathered as bytes, since torch's fp8 indexing is not
+    implemented on every device. The readers of `qwen_engine.model.paged.PagedKV` pools and their references."""
+    if pool.dtype == torch.float8_e4m3fn:
+        return pool.view(torch.uint8)[index].view(pool.dtype)
+    return pool[index]
+
+
 def with_static_codes(y: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, its e4m3 codes with the static scale): what an op that writes the codes of its own output beside it must
     give (`kernels/rms_norm.py`, `kernels/attn_prep.py`: the *_fp8 references; the model norms' unfused path)."""

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from kernels import pdl, tolerance
 from kernels.device import triton_device_ok
+from kernels.fp8_quant import kv_pool_rows
 from kernels.split_k import num_sms
 
 try:
@@ -119,18 +120,11 @@ def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_po
     for i in range(q.shape[0]):
         ctx = int(context_lens[i])
         blocks = block_tables[i, : -(-ctx // bs)].long()
-        k = _rows(k_pool, blocks).reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()  # [1, KVH, ctx, Dh]
-        v = _rows(v_pool, blocks).reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()
+        k = kv_pool_rows(k_pool, blocks).reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()  # [1, KVH, ctx, Dh]
+        v = kv_pool_rows(v_pool, blocks).reshape(-1, kvh, dh)[:ctx].transpose(0, 1)[None].float()
         o = F.scaled_dot_product_attention(q[i][None, :, None].float(), k, v, scale=scale, enable_gqa=True)
         outs.append(o[0, :, 0])  # [H, Dh]
     return torch.stack(outs).to(q.dtype) if outs else q.new_empty(q.shape)
-
-
-def _rows(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """pool[blocks]; e4m3 pools gathered as bytes (torch's fp8 indexing is not implemented on every device)."""
-    if pool.dtype == torch.float8_e4m3fn:
-        return pool.view(torch.uint8)[blocks].view(pool.dtype)
-    return pool[blocks]
 
 
 # ---- Triton kernel --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.fp8_quant import kv_pool_rows
 from kernels.paged_attention import GATED_NAME as GATED_OP
 
 from ..config import QwenConfig
@@ -225,17 +226,10 @@ def gather_kv(kv: PagedKV, block_table: torch.Tensor, ctx: int,
     nb = -(-ctx // kv.k.shape[1])
     blocks = block_table[:nb]
     kvh, d = kv.k.shape[2:]
-    k = pool_blocks(kv.k, blocks).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-    v = pool_blocks(kv.v, blocks).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    k = kv_pool_rows(kv.k, blocks).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    v = kv_pool_rows(kv.v, blocks).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
     return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
-
-def pool_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """pool[blocks] (blocks: any int64 index shape), e4m3 pools gathered as bytes (torch's fp8 indexing is not
-    implemented on every device)."""
-    if pool.dtype == torch.float8_e4m3fn:
-        return pool.view(torch.uint8)[blocks].view(pool.dtype)
-    return pool[blocks]
 
 
 def paged_decode_attention(q: torch.Tensor, kv: PagedKV, batch: FlatBatch, scale: float) -> torch.Tensor:
@@ -248,8 +242,8 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, batch: FlatBatch, scale
     kvh, d = kv.k.shape[2:]
     nb = -(-max(batch.context_lens[:nd]) // bs)
     tables = batch.block_tables[:nd, :nb]  # [D, nb]
-    k = pool_blocks(kv.k, tables).reshape(nd, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)  # [D, KV, L, D_h]
-    v = pool_blocks(kv.v, tables).reshape(nd, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
+    k = kv_pool_rows(kv.k, tables).reshape(nd, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)  # [D, KV, L, D_h]
+    v = kv_pool_rows(kv.v, tables).reshape(nd, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
     keep = torch.arange(nb * bs, device=q.device)[None, :] < batch.context_lens_t[:nd, None]  # [D, L]
     o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep[:, None, None, :], scale=scale,
                                        enable_gqa=True)  # [D, H, 1, D_h]
