@@ -277,6 +277,9 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="196" (carry the fla wheels and .tritoncache; either GPU; ~8 min; SKIP_196E=1: per call only, ~4 min):
+#       issue 5, the decode attention's few-sequence rule (~2 programs an SM at 4 warps from 4 sequences): per call at
+#       1-2 and 4-10 streams, 1k and 8k; the engine at 8 streams x 8k beside --attn-few-lone and fp8 KV pools
 #   STEPS="195" (no carry needed; either GPU; ~3 min): issue 5, the decode attention's lone rule at long contexts
 #       (splits 12-32 x 4 / 8 warps, 4 and 8 streams, 8k and 1k contexts, bf16 pools)
 #   STEPS="194" (carry the fla wheels and .tritoncache; either GPU; ~10 min: SKIP_194L=1 leaves out the 8k engines):
@@ -2294,6 +2297,28 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 196; then
+# fifty-ninth session: the decode attention's few-sequence rule (FEW_PROGRAMS: ~2 programs an SM at 4 warps from 4
+# sequences; results/attn_lone59_run1) -- per call at 1-2 streams (still the lone rule: does it want the same?) and at
+# 4 / 6 / 10 streams (the rule's picks beside neighbours), 1k and 8k; then the engine at 8 streams x 8k beside the same
+# engine on the lone rule below 12 streams (--attn-few-lone) and beside fp8 KV pools
+say "196. issue 5: the decode attention's few-sequence rule -- per call at 1-10 streams, the engine at 8 streams x 8k"
+for c in 8192 1024; do
+timeout "${LIMIT_196B:-60}" python benchmarks/paged_attention_bench.py --streams 2,1 --context $c \
+  --splits 0,32,64,128 --block-n 32 --warps 4,8 --out "$R/attn_one$c" > "$R/attn_one$c.log" 2>&1
+cp "$R/attn_one$c/paged_attention_bench.md" "$OUT/attn_one$c.md" 2>/dev/null || tail -5 "$R/attn_one$c.log"
+head -24 "$OUT/attn_one$c.md" 2>/dev/null
+timeout "${LIMIT_196C:-60}" python benchmarks/paged_attention_bench.py --streams 10,6,4 --context $c \
+  --splits 0,12,16,22,32 --block-n 32 --warps 4 --out "$R/attn_few$c" > "$R/attn_few$c.log" 2>&1
+cp "$R/attn_few$c/paged_attention_bench.md" "$OUT/attn_few$c.md" 2>/dev/null || tail -5 "$R/attn_few$c.log"
+head -24 "$OUT/attn_few$c.md" 2>/dev/null
+done
+if [ -z "${SKIP_196E:-}" ]; then
+engine_out qwen_few196 "${LIMIT_196E:-360}" --decode-tokens 48 --context 8192 --streams 8 --prefill-buckets 8192 \
+  --attn-few-lone --variant 'fp8kv={"kv_cache_dtype": "fp8"}' ${EXTRA_170:-}
+grep -oE "^\[ *[0-9.]+s\] \(e\) [^{]*|'decode_phase': \{'tok_per_s': [0-9.]+" "$OUT/qwen_few196.log" | head -12
+fi
 fi
 if want 195; then
 # fifty-eighth session: the decode attention's lone rule (below 24 programs: ~one program an SM at 8 warps) at long

@@ -257,9 +257,12 @@ def markdown(r: dict) -> str:
             f"lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_no_fused_ba'))} | - |",
             f"| (e) engine with the paged attention's lone-sequence tiles at every batch (~1 program an SM at 8 warps; "
-            f"the default: ~3 an SM at 4 warps from 24 programs): decode tok/s, lone "
+            f"the default: ~2 an SM at 4 warps from 8 programs, ~3 from 24): decode tok/s, lone "
             f"request / all {st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_attn_lone_tiles'))} "
             f"| - |",
+            f"| (e) engine with the paged attention's lone-sequence tiles below 24 programs (~1 program an SM at 8 "
+            f"warps; the default: ~2 an SM at 4 warps from 8 programs): decode tok/s, lone request / all "
+            f"{st.get('n')} streams decoding / TTFT ms | {side_by_side(r.get('engine_attn_few_lone'))} | - |",
             f"| (e) engine with the shared pair's routing column by torch.cat + fill (not inside router_topk): decode "
             f"tok/s, lone request / all {st.get('n')} streams decoding / TTFT ms | "
             f"{side_by_side(r.get('engine_router_cat'))} | - |",
@@ -735,8 +738,12 @@ def main() -> None:
                          "side")
     ap.add_argument("--attn-lone-tiles", action="store_true",
                     help="(e) once more with the paged decode attention's lone-sequence launch rule at every batch "
-                         "(kernels/paged_attention.py MANY_PROGRAMS None; default: ~3 programs an SM, at most 8 "
-                         "splits, at 4 warps from 12 sequences at 2 kv heads), side by side")
+                         "(kernels/paged_attention.py MANY_PROGRAMS and FEW_PROGRAMS None; default: ~2 programs an SM "
+                         "at 4 warps from 4 sequences, ~3 an SM, at most 8 splits, from 12), side by side")
+    ap.add_argument("--attn-few-lone", action="store_true",
+                    help="(e) once more with the paged decode attention's lone-sequence launch rule below 12 sequences "
+                         "(kernels/paged_attention.py FEW_PROGRAMS None; default: ~2 programs an SM at 4 warps from 4 "
+                         "sequences), side by side")
     ap.add_argument("--no-fused-ba", action="store_true",
                     help="(e) once more with the GDN layers' in_proj_b / in_proj_a as their own GEMM before the decode "
                          "prep op (GatedDeltaNet.fused_ba off; default: inside it, kernels/gdn_prep.py), side by side")
@@ -1012,8 +1019,18 @@ def main() -> None:
         if args.attn_lone_tiles:  # the paged attention's one-program-an-SM rule at every batch
             from kernels import paged_attention
 
-            engine_with(paged_attention, "MANY_PROGRAMS", None, "engine_attn_lone_tiles",
-                        "the paged attention's lone-sequence tiles at every batch")
+            few = paged_attention.FEW_PROGRAMS
+            paged_attention.FEW_PROGRAMS = None
+            try:
+                engine_with(paged_attention, "MANY_PROGRAMS", None, "engine_attn_lone_tiles",
+                            "the paged attention's lone-sequence tiles at every batch")
+            finally:
+                paged_attention.FEW_PROGRAMS = few
+        if args.attn_few_lone:  # the paged attention's one-program-an-SM rule below MANY_PROGRAMS
+            from kernels import paged_attention
+
+            engine_with(paged_attention, "FEW_PROGRAMS", None, "engine_attn_few_lone",
+                        "the paged attention's lone-sequence tiles below MANY_PROGRAMS")
         if args.no_fused_ba:  # the GDN b / a projections as their own GEMM
             from qwen_engine.model.gdn import GatedDeltaNet
 

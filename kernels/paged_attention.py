@@ -105,6 +105,16 @@ MANY_PER_SM, MANY_WARPS, MANY_MAX_SPLITS = 3, 4, 8
 # 32 streams, 10 layers in a graph, PDL): 4 splits / BLOCK_N 32 / 4 warps 32.21 us a call against 45.54 with the bf16
 # pools' 6 splits (8 splits 37.18), where bf16 pools take 36.88 (6 splits) / 35.72 (their best, 4 splits at 8 warps)
 MANY_PER_SM_E4M3 = 2
+# A few sequences (`launch_tiles`: from FEW_PROGRAMS programs, 4 sequences at 2 kv heads, below MANY_PROGRAMS):
+# ~FEW_PER_SM programs an SM at FEW_WARPS warps instead of the lone rule's ~one an SM at 8 warps. H100, fifty-ninth
+# session (results/attn_lone59_run1; Qwen's layer, PDL, BLOCK_N 32, bf16 pools, splits 12-32 x 4 / 8 warps): 8 streams
+# x 8k 16 splits / 4 warps 58.7 us a call against the lone rule's (9 splits, 8 warps) 84.5, 4 streams x 8k 32 splits
+# 34.8 against 49.9 (17 splits); at 1k 16.1 against 19.2 and 12.4 against 13.4 -- the best of each of the four at ~2
+# programs an SM and 4 warps. e4m3 pools the same (results/kvfp8_58_run1: 8 streams x 8k 16 splits / 4 warps 56.5 us
+# against the lone rule's 104.7). 1-3 sequences keep the lone rule (lone decode's launch, not swept here). None: the
+# lone rule up to MANY_PROGRAMS (benchmarks/qwen_gpu.py --attn-few-lone compares them in the engine).
+FEW_PROGRAMS: int | None = 8
+FEW_PER_SM, FEW_WARPS = 2, 4
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # x max |ref|, module docstring
 LOG2E = 1.4426950408889634
 
@@ -252,14 +262,16 @@ def launch_tiles(programs: int, max_blocks: int, sms: int, head_dim: int, block_
                  interpreted: bool = False, kv_bytes: int = 2) -> tuple[int, int, int]:
     """(splits, BLOCK_N, warps) of the kernel's launch for programs = D x KVH. Shapes only: graph-safe.
     Steps of 32 tokens (two 16 KB K / V tiles at Dh 256; 16 under the interpreter, the least tl.dot takes), never
-    less than one KV block (a power of two: `supports`). Few programs (the lone rule): `num_splits_for`'s ~one program
-    an SM, 8 warps above Dh 128. From MANY_PROGRAMS on: ~MANY_PER_SM programs an SM (at most MANY_MAX_SPLITS splits)
-    at MANY_WARPS warps (measured:
-    the constants' comment); ~MANY_PER_SM_E4M3 an SM for e4m3 pools (`kv_bytes` 1: bytes a pool element)."""
+    less than one KV block (a power of two: `supports`). Below FEW_PROGRAMS (the lone rule): `num_splits_for`'s ~one
+    program an SM, 8 warps above Dh 128. From FEW_PROGRAMS: ~FEW_PER_SM programs an SM at FEW_WARPS warps. From
+    MANY_PROGRAMS on: ~MANY_PER_SM programs an SM (at most MANY_MAX_SPLITS splits) at MANY_WARPS warps;
+    ~MANY_PER_SM_E4M3 an SM for e4m3 pools (`kv_bytes` 1: bytes a pool element). Measured: the constants' comments."""
     block_n = max(16 if interpreted else 32, triton.next_power_of_2(block_size))
     if MANY_PROGRAMS is not None and programs >= MANY_PROGRAMS:
         per_sm = MANY_PER_SM_E4M3 if kv_bytes == 1 else MANY_PER_SM
         return max(1, min(round(per_sm * sms / programs), max_blocks, MANY_MAX_SPLITS)), block_n, MANY_WARPS
+    if FEW_PROGRAMS is not None and programs >= FEW_PROGRAMS:
+        return max(1, min(round(FEW_PER_SM * sms / programs), max_blocks, MAX_SPLITS)), block_n, FEW_WARPS
     return num_splits_for(programs, max_blocks, sms), block_n, 4 if head_dim <= 128 else 8
 
 

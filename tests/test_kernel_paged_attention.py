@@ -149,15 +149,20 @@ def test_num_splits_heuristic():
 
 
 def test_launch_tiles_lone_and_many_sequences(monkeypatch):
-    """The lone rule below MANY_PROGRAMS (num_splits_for's splits, 8 warps above Dh 128); from it on ~MANY_PER_SM
-    programs an SM at 4 warps, at most MANY_MAX_SPLITS: step 171's fastest at 24, 32, 48 and 64 streams (8 / 6 / 4 / 3
-    splits), and 8 splits at 12-20 streams (fifty-fourth session, H100)."""
+    """The lone rule below FEW_PROGRAMS (num_splits_for's splits, 8 warps above Dh 128); from it ~FEW_PER_SM programs an
+    SM at 4 warps (the fastest at 4 and 8 streams, 1k and 8k, fifty-ninth session, H100); from MANY_PROGRAMS on
+    ~MANY_PER_SM programs an SM at 4 warps, at most MANY_MAX_SPLITS: step 171's fastest at 24, 32, 48 and 64 streams
+    (8 / 6 / 4 / 3 splits), and 8 splits at 12-20 streams (fifty-fourth session, H100)."""
     import kernels.paged_attention as pa
 
     assert launch_tiles(2, 512, 132, 256, 16) == (66, 32, 8)  # one stream of the real model
     assert launch_tiles(2, 512, 132, 128, 16) == (66, 32, 4)
     assert launch_tiles(2, 512, 132, 256, 16, interpreted=True) == (66, 16, 8)
-    assert launch_tiles(16, 512, 132, 256, 16) == (9, 32, 8)  # 8 streams: still the lone rule
+    assert launch_tiles(6, 512, 132, 256, 16) == (22, 32, 8)  # 3 streams: still the lone rule
+    assert launch_tiles(8, 512, 132, 256, 16) == (33, 32, 4)  # 4 streams: ~2 programs an SM
+    assert launch_tiles(16, 512, 132, 256, 16) == (16, 32, 4)  # 8 streams
+    assert launch_tiles(16, 512, 132, 256, 16, kv_bytes=1) == (16, 32, 4)  # e4m3 pools the same
+    assert launch_tiles(16, 10, 132, 256, 16) == (10, 32, 4)  # never more splits than table blocks
     assert [launch_tiles(2 * s, 512, 132, 256, 16) for s in (12, 16, 20, 24, 32, 48, 64)] == [
         (8, 32, 4), (8, 32, 4), (8, 32, 4), (8, 32, 4), (6, 32, 4), (4, 32, 4), (3, 32, 4)]
     assert launch_tiles(600, 512, 132, 256, 16) == (1, 32, 4)  # never fewer than one split
@@ -166,8 +171,11 @@ def test_launch_tiles_lone_and_many_sequences(monkeypatch):
     # e4m3 pools: ~2 programs an SM (4 splits at 32 streams, fifty-eighth session, H100); the lone rule unchanged
     assert launch_tiles(64, 512, 132, 256, 16, kv_bytes=1) == (4, 32, 4)
     assert launch_tiles(2, 512, 132, 256, 16, kv_bytes=1) == (66, 32, 8)
-    monkeypatch.setattr(pa, "MANY_PROGRAMS", None)  # the lone rule everywhere (qwen_gpu.py --attn-lone-tiles)
+    monkeypatch.setattr(pa, "MANY_PROGRAMS", None)  # the few-sequence rule from FEW_PROGRAMS on
+    assert launch_tiles(64, 512, 132, 256, 16) == (4, 32, 4)
+    monkeypatch.setattr(pa, "FEW_PROGRAMS", None)  # the lone rule everywhere (qwen_gpu.py --attn-lone-tiles)
     assert launch_tiles(64, 512, 132, 256, 16) == (3, 32, 8)
+    assert launch_tiles(16, 512, 132, 256, 16) == (9, 32, 8)
 
 
 def test_many_sequence_tiles_match_the_reference(monkeypatch):
