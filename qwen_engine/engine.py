@@ -502,6 +502,12 @@ class QwenEngine:
             log.warning("expert_layout %r with kernels 'reference': no kernel reads the repacked experts, and the "
                         "reference unpacks them on every call (slow; 'dual' / 'dual_frag' also hold an unused second "
                         "copy)", cfg.expert_layout)
+        if model is None and cfg.checkpoint and cfg.kv_cache_dtype == "auto":
+            # a KV cache declaration this engine does not implement is refused before the weights load (minutes at
+            # full size), not after: the config files alone decide it
+            from .checkpoint import read_config
+
+            resolve_kv_cache_dtype("auto", read_config(cfg.checkpoint), self.dtype)
         t0 = time.perf_counter()
         self.model = model if model is not None else build_model(
             cfg.checkpoint, cfg.config, self.device, self.dtype, cfg.seed, cfg.weights, cfg.shared_expert_in_moe,
