@@ -277,9 +277,12 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
+#       32-stream step's kernels (PDL off) with bf16 and with e4m3 KV pools: why fp8 pools decode 1.8% slower (H100)
 #   STEPS="196" (carry the fla wheels and .tritoncache; either GPU; ~8 min; SKIP_196E=1: per call only, ~4 min):
 #       issue 5, the decode attention's few-sequence rule (~2 programs an SM at 4 warps from 4 sequences): per call at
 #       1-2 and 4-10 streams, 1k and 8k; the engine at 8 streams x 8k beside --attn-few-lone and fp8 KV pools
+#       (SKIP_196V=1 leaves the fp8 engine out)
 #   STEPS="195" (no carry needed; either GPU; ~3 min): issue 5, the decode attention's lone rule at long contexts
 #       (splits 12-32 x 4 / 8 warps, 4 and 8 streams, 8k and 1k contexts, bf16 pools)
 #   STEPS="194" (carry the fla wheels and .tritoncache; either GPU; ~10 min: SKIP_194L=1 leaves out the 8k engines):
@@ -2298,6 +2301,19 @@ engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
 fi
+if want 197; then
+# fifty-ninth session: why the engine with fp8 KV pools decodes 32 streams x 1k 1.8% slower than with bf16 pools on an
+# H100 (3,748.6 against 3,818.5 / 3,819.0 tok/s, results/attn_lone59_run1) when its attention calls are ~13% faster
+# per call: the 32-stream step's kernels (PDL off) with each, one process each (EXTRA_165 as step 165's)
+say "197. issue 5: the 32-stream step's kernels with bf16 and with e4m3 KV pools (PDL off)"
+for kv in model fp8; do
+timeout "${LIMIT_197:-140}" python benchmarks/qwen_profile.py --engine --engine-streams 32 --prefill-graphs off \
+  --batches "" --engine-settings "{\"kv_cache_dtype\": \"$kv\"}" ${EXTRA_165:-} --out "$R/profile_kv_$kv" \
+  > "$R/profile_kv_$kv.log" 2>&1
+cp "$R/profile_kv_$kv.log" "$OUT/" 2>/dev/null
+grep -E "engine_32|tok_per_s" "$R/profile_kv_$kv.log" | cut -c1-160 | head -34
+done
+fi
 if want 196; then
 # fifty-ninth session: the decode attention's few-sequence rule (FEW_PROGRAMS: ~2 programs an SM at 4 warps from 4
 # sequences; results/attn_lone59_run1) -- per call at 1-2 streams (still the lone rule: does it want the same?) and at
@@ -2315,8 +2331,10 @@ cp "$R/attn_few$c/paged_attention_bench.md" "$OUT/attn_few$c.md" 2>/dev/null || 
 head -24 "$OUT/attn_few$c.md" 2>/dev/null
 done
 if [ -z "${SKIP_196E:-}" ]; then
+fp8v=(--variant 'fp8kv={"kv_cache_dtype": "fp8"}')
+[ -n "${SKIP_196V:-}" ] && fp8v=()
 engine_out qwen_few196 "${LIMIT_196E:-360}" --decode-tokens 48 --context 8192 --streams 8 --prefill-buckets 8192 \
-  --attn-few-lone --variant 'fp8kv={"kv_cache_dtype": "fp8"}' ${EXTRA_170:-}
+  --attn-few-lone "${fp8v[@]}" ${EXTRA_170:-}
 grep -oE "^\[ *[0-9.]+s\] \(e\) [^{]*|'decode_phase': \{'tok_per_s': [0-9.]+" "$OUT/qwen_few196.log" | head -12
 fi
 fi
