@@ -2320,7 +2320,7 @@ if want 196; then
 # 4 / 6 / 10 streams (the rule's picks beside neighbours), 1k and 8k; then the engine at 8 streams x 8k beside the same
 # engine on the lone rule below 12 streams (--attn-few-lone) and beside fp8 KV pools
 say "196. issue 5: the decode attention's few-sequence rule -- per call at 1-10 streams, the engine at 8 streams x 8k"
-for c in 8192 1024; do
+for c in ${CONTEXTS_196-8192 1024}; do  # CONTEXTS_196="": no per-call timings
 timeout "${LIMIT_196B:-60}" python benchmarks/paged_attention_bench.py --streams 2,1 --context $c \
   --splits 0,32,64,128 --block-n 32 --warps 4,8 --out "$R/attn_one$c" > "$R/attn_one$c.log" 2>&1
 cp "$R/attn_one$c/paged_attention_bench.md" "$OUT/attn_one$c.md" 2>/dev/null || tail -5 "$R/attn_one$c.log"
