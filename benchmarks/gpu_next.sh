@@ -283,7 +283,8 @@
 #       issue 5, the decode attention's few-sequence rule (~2 programs an SM at 4 warps from 4 sequences): per call at
 #       1-2 and 4-10 streams, 1k and 8k; the engine at 8 streams x 8k beside --attn-few-lone and fp8 KV pools
 #       (SKIP_196V=1 leaves the fp8 engine out)
-#   STEPS="195" (no carry needed; either GPU; ~3 min): issue 5, the decode attention's lone rule at long contexts
+#   STEPS="195" (ran: results/attn_lone59_run1, H100; now FEW_PROGRAMS; no carry needed; either GPU; ~3 min):
+#       issue 5, the decode attention's lone rule at long contexts
 #       (splits 12-32 x 4 / 8 warps, 4 and 8 streams, 8k and 1k contexts, bf16 pools)
 #   STEPS="194" (carry the fla wheels and .tritoncache; either GPU; ~10 min: SKIP_194L=1 leaves out the 8k engines):
 #       issue 5, the FP8 KV cache (kv_cache_dtype "fp8"): the engine beside the defaults at 32 streams x 1k
