@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kernels import pdl, tolerance
-from kernels.device import triton_device_ok
+from kernels.device import E4M3_MIN_CAPABILITY, MIN_CAPABILITY, triton_device_ok
 
 try:
     import triton
@@ -277,16 +277,14 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, slots_o
              head_dim: int, pools_contiguous: bool, unit_strides: bool, pool_dtypes: set = frozenset(),
              **_: Any) -> bool:
     """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU); every tensor there and of one dtype
-    (bf16 or fp32), the pools too or both e4m3 on sm_89+ (`pool_dtypes`, absent: the others'; `paged_attention
-    .e4m3_ok`); consistent shapes, an even rotary width <= D, D <= MAX_HEAD_DIM; int64 slots; contiguous pools; unit
-    inner strides (q may be a strided view of the fused q/gate projection)."""
+    (bf16 or fp32), the pools too or both e4m3 on sm_89+ (`pool_dtypes`, absent: the others';
+    `kernels.device.E4M3_MIN_CAPABILITY`); consistent shapes, an even rotary width <= D, D <= MAX_HEAD_DIM; int64
+    slots; contiguous pools; unit inner strides (q may be a strided view of the fused q/gate projection)."""
     if triton is None:
         return False
-    device_ok = triton_device_ok(device, capability, _interpreted())
-    from kernels.paged_attention import e4m3_ok
-
-    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or (pool_dtypes == {torch.float8_e4m3fn}
-                                                            and e4m3_ok(capability, _interpreted()))
+    e4m3 = pool_dtypes == {torch.float8_e4m3fn}
+    device_ok = triton_device_ok(device, capability, _interpreted(), E4M3_MIN_CAPABILITY if e4m3 else MIN_CAPABILITY)
+    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or e4m3
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and pools_ok and slots_ok
             and shapes_ok and 1 <= head_dim <= MAX_HEAD_DIM and pools_contiguous and unit_strides)
 

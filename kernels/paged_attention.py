@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import pdl, tolerance
-from kernels.device import triton_device_ok
+from kernels.device import E4M3_MIN_CAPABILITY, triton_device_ok
 from kernels.fp8_quant import kv_pool_rows
 from kernels.split_k import num_sms
 
@@ -79,7 +79,6 @@ GATED_NAME = "paged_decode_attention_gated_fp8"  # the attention, its output gat
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores
-E4M3_MIN_CAPABILITY = (8, 9)  # e4m3 pools (`e4m3_ok`)
 # the start-up self-check's e4m3-pool sample (`_sample`): set by an engine whose KV pools are e4m3 (QwenEngineConfig
 # .kv_cache_dtype), so that other engines do not compile that build at start; process-wide, like the engine's flags
 E4M3_SAMPLE = False
@@ -431,12 +430,6 @@ def describe(q, k_pool, v_pool, block_tables, context_lens, scale=None, num_spli
                 unit_strides=all(t.stride(-1) == 1 for t in (q, k_pool, v_pool) if t.dim()))
 
 
-def e4m3_ok(capability, interpreted: bool) -> bool:
-    """Triton's e4m3 type (fp8e4nv) compiles for sm_89 and later ("type fp8e4nv not supported in this architecture"
-    on sm_80 / sm_86); the interpreter takes it anywhere."""
-    return interpreted or (capability is not None and tuple(capability) >= E4M3_MIN_CAPABILITY)
-
-
 def supports(*, device: str, capability, same_device: bool, dtypes: set, index_dtypes: set, shapes_ok: bool,
              head_dim: int, group: int, unit_strides: bool, pool_dtypes: set = frozenset(), **_: Any) -> bool:
     """Triton able to run on `device` (cuda >= sm_80, or the interpreter on CPU), all tensors on it; q of a dtype in
@@ -446,9 +439,9 @@ def supports(*, device: str, capability, same_device: bool, dtypes: set, index_d
     unit inner strides of q and the pools."""
     if triton is None:
         return False
-    device_ok = triton_device_ok(device, capability, _interpreted(), MIN_CAPABILITY)
-    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or (pool_dtypes == {torch.float8_e4m3fn}
-                                                            and e4m3_ok(capability, _interpreted()))
+    e4m3 = pool_dtypes == {torch.float8_e4m3fn}  # compiled: sm_89+ (kernels/device.py E4M3_MIN_CAPABILITY)
+    device_ok = triton_device_ok(device, capability, _interpreted(), E4M3_MIN_CAPABILITY if e4m3 else MIN_CAPABILITY)
+    pools_ok = not pool_dtypes or pool_dtypes <= dtypes or e4m3
     return (device_ok and same_device and len(dtypes) == 1 and next(iter(dtypes)) in DTYPES and pools_ok
             and index_dtypes <= set(INDEX_DTYPES) and shapes_ok and unit_strides
             and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
@@ -488,7 +481,7 @@ def random_inputs(context_lens: list[int], heads: int, kv_heads: int, head_dim: 
 def _sample(device) -> list[tuple[tuple, dict]]:
     # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model; with E4M3_SAMPLE the
     # same on e4m3 pools too (`kv_cache_dtype` "fp8": the self-check covers the tile conversion such an engine runs;
-    # where `e4m3_ok` says no, the registry skips that sample and e4m3 calls take the reference)
+    # below sm_89 `supports` says no, the registry skips that sample and e4m3 calls take the reference)
     from kernels.fp8_quant import kv_pool_cast
 
     args = random_inputs([1, 8, 21], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
