@@ -41,6 +41,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -1019,13 +1020,9 @@ def main() -> None:
         if args.attn_lone_tiles:  # the paged attention's one-program-an-SM rule at every batch
             from kernels import paged_attention
 
-            few = paged_attention.FEW_PROGRAMS
-            paged_attention.FEW_PROGRAMS = None
-            try:
+            with mock.patch.object(paged_attention, "FEW_PROGRAMS", None):  # restored on leaving
                 engine_with(paged_attention, "MANY_PROGRAMS", None, "engine_attn_lone_tiles",
                             "the paged attention's lone-sequence tiles at every batch")
-            finally:
-                paged_attention.FEW_PROGRAMS = few
         if args.attn_few_lone:  # the paged attention's one-program-an-SM rule below MANY_PROGRAMS
             from kernels import paged_attention
 
