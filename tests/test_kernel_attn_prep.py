@@ -106,15 +106,45 @@ def test_duplicate_slots_leave_other_rows_exact():
     assert torch.equal(flat(kp)[others], flat(kp0)[others])
 
 
-def test_registry_self_check():
+@pytest.mark.parametrize("e4m3", [False, True], ids=["model_pools", "e4m3_pools"])
+def test_registry_self_check(monkeypatch, e4m3):
+    """The start-up self-check; an engine of e4m3 KV pools (`paged_attention.E4M3_SAMPLE`) also checks the kernel
+    on e4m3 pools, each sample fresh (the op writes its pools)."""
     from engine_core.registry import Registry
 
-    from kernels import attn_prep
+    from kernels import attn_prep, paged_attention
 
+    monkeypatch.setattr(paged_attention, "E4M3_SAMPLE", e4m3)
+    samples = attn_prep._sample(DEVICE)
+    assert [s[0][-1].dtype for s in samples] == [torch.bfloat16] + [torch.float8_e4m3fn] * e4m3
     reg = Registry()
     attn_prep.register(reg)
     assert reg.self_check(DEVICE) == {"attn_decode_prep": "triton passed", "attn_output_gate": "triton passed",
                                       "attn_output_gate_fp8": "triton passed"}
+
+
+def test_self_check_compare_on_e4m3_pools():
+    """`compare` on e4m3 pools: equal codes pass, a k code one e4m3 step off passes (a normed value's ulp may cross
+    a rounding boundary), two steps off or any v code changed fails, and so does q out of tolerance."""
+    from kernels.fp8_quant import kv_pool_cast
+
+    args = random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, seed=1)
+    *rest, kp, vp = args
+    ref = attn_decode_prep_reference(*rest, *(kv_pool_cast(p, torch.float8_e4m3fn) for p in (kp, vp)))
+    assert compare(ref, ref) is None
+
+    def moved(pool, steps):  # a written code of magnitude 1-240 `steps` codes up (e4m3 codes of one sign are
+        out = pool.clone()  #    ordered like their values; 0x7f would be NaN)
+        row = out.view(torch.uint8).view(-1, *pool.shape[2:])[int(rest[8][0])].view(-1)
+        i = int(((row & 0x7F) >= 0x38).logical_and((row & 0x7F) < 0x77).nonzero()[0])
+        row[i] += steps
+        return out
+
+    q, k, v = ref
+    assert compare((q, moved(k, 1), v), ref) is None
+    assert "k_pool" in compare((q, moved(k, 2), v), ref)
+    assert "v_pool" in compare((q, k, moved(v, 1)), ref)
+    assert compare((q * 1.1, k, v), ref).startswith("q:")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -137,7 +167,8 @@ def test_output_gate_fp8_codes(dtype, scale):
     assert compare_gate_fp8((y, codes), attn_output_gate_fp8_reference(o, gate, s)) is None
     bumped = codes.view(torch.uint8).clone()
     bumped.view(-1)[5] ^= 1
-    assert "codes" in compare_gate_fp8((y, bumped.view(torch.float8_e4m3fn)), attn_output_gate_fp8_reference(o, gate, s))
+    want = attn_output_gate_fp8_reference(o, gate, s)
+    assert "codes" in compare_gate_fp8((y, bumped.view(torch.float8_e4m3fn)), want)
 
 
 # ---- the output gate (o * sigmoid(gate)) in one launch ---------------------------------------------------------------
