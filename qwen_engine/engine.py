@@ -78,7 +78,10 @@ class QwenEngineConfig:
     #                                  (its config.json wins)
     device: str | None = None  # torch device string; None -> cuda if available else cpu
     dtype: str = "auto"  # auto | fp32 | bf16; auto -> bf16 on cuda, fp32 on cpu
-    seed: int = 0  # torch seed of the random weights; also seeds the per-request seeds of unseeded requests
+    seed: int = 0  # torch seed of the random weights (every replica the same model)
+    sampling_seed: int | None = None  # seeds the seeds drawn for requests that name none; None: OS entropy, so
+    #                                   replicas and restarts sample differently (as OpenAI's unseeded requests);
+    #                                   an int makes a process's sequence of unseeded samples reproducible
     kernels: str = "auto"  # engine_core.registry KernelPreference: auto | reference | triton, for the runner's ops
     #                        and the process-wide registry's model ops (MODEL_OPS: packed linears, experts, norms);
     #                        "auto" on a CPU device applies "reference" (engine_core.registry.resolve_preference:
@@ -432,7 +435,7 @@ class QwenEngineConfig:
         return ContinuousConfig(
             num_kv_blocks=num_kv_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            max_waiting=self.max_queued, seed=self.seed, decode_buckets=self.decode_buckets,
+            max_waiting=self.max_queued, seed=self.sampling_seed, decode_buckets=self.decode_buckets,
             lone_prefill_min_tokens=self.lone_prefill_min_tokens)
 
 

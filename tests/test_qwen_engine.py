@@ -487,6 +487,20 @@ def test_stop_tokens_and_finish_reasons(async_decode, graphs):
     assert len(free) == 8
 
 
+def test_unseeded_requests_differ_between_processes_unless_sampling_seed_is_set():
+    """A request without a seed draws one: from OS entropy by default, so two replicas (engines of one config) do
+    not return the same "random" completion; from `sampling_seed` when set, reproducibly."""
+    sp = SamplingParams(temperature=1.0)
+
+    async def body(engine):
+        return [(await collect(engine, prompt(2, 9), max_new_tokens=8, sampling=sp))[0] for _ in range(2)]
+
+    a, b = run(engine_config(), body), run(engine_config(), body)
+    assert a[0] != b[0] and a[1] != b[1]  # 8 draws at temperature 1 over 512 tokens: equal with negligible odds
+    assert a[0] != a[1]  # and successive requests of one engine differ
+    assert run(engine_config(sampling_seed=7), body) == run(engine_config(sampling_seed=7), body)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent():
     """... and independent of the decode overlap (async_decode: the same (seed, output index) per token)."""
     sp = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234)
