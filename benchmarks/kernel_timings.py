@@ -58,7 +58,7 @@ def sammie_kernels():
 def qwen_kernels():
     from kernels.fp8_linear import fp8_linear_scaled_mm
     from kernels.gdn_decode import gdn_decode_, gdn_decode_reference, random_inputs
-    from kernels.nvfp4 import FP8Tensor, NVFP4Tensor, dequantize_nvfp4, fp8_linear_reference, quantize_fp8, quantize_nvfp4
+    from kernels.nvfp4 import FP8Tensor, NVFP4Tensor, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
     from kernels.w4a16_gemm import moe_experts_w4a16_reference, moe_experts_w4a16_triton, w4a16_linear_triton
 
     torch.manual_seed(0)

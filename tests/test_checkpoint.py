@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 from sammie.checkpoint import CheckpointError, load_checkpoint, resolve, to_hf_layout
 from sammie.config import Sam3Config
 from sammie.model.detector import Sam3Detector
-from sammie.preprocess import Preprocessor
 from sammie.reference import build_reference_model, cpu_safe, on_meta_device, randomize_
 from sammie.tokenizer import ClipTokenizer
 from tests.parity import assert_rel_close
