@@ -165,7 +165,6 @@ def main() -> None:
         print(f"\n### {name} vs Meta fp32\n{tables[name]}", flush=True)
 
     # 3. first timings: 640x480, one prompt per image
-
     img640 = images["astronaut"].resize((640, 480))
     timings = {}
     for label, ctx in (("meta_processor_fp32", None), ("meta_processor_bf16_autocast", torch.bfloat16)):

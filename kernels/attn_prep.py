@@ -384,16 +384,11 @@ def random_inputs(n: int, heads: int, kv_heads: int, d: int, rd: int, num_blocks
 
 
 def _sample(device) -> list[tuple[tuple, dict]]:
-    # with `paged_attention.E4M3_SAMPLE` (an engine of e4m3 KV pools) the same on e4m3 pools too: the self-check
-    # covers the codes such an engine writes (below sm_89 `supports` says no, the registry skips that sample)
-    from kernels import paged_attention
-    from kernels.fp8_quant import kv_pool_cast
+    # in an engine of e4m3 KV pools the same on e4m3 pools too (`fp8_quant.with_e4m3_pools`): the self-check covers
+    # the codes such an engine writes
+    from kernels.fp8_quant import with_e4m3_pools
 
-    args = random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, seed=1, device=device)
-    if not paged_attention.E4M3_SAMPLE:
-        return [(args, {})]
-    e4m3 = tuple(kv_pool_cast(t, torch.float8_e4m3fn) for t in args[-2:])
-    return [(args, {}), ((*args[:-2], *e4m3), {})]
+    return with_e4m3_pools(random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, seed=1, device=device), 9)
 
 
 def gate_inputs(n: int, heads: int, d: int, dtype=torch.bfloat16, seed: int = 0, device="cpu"):

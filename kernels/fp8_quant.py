@@ -203,6 +203,22 @@ def quantize_static_reference(x: torch.Tensor, input_scale: torch.Tensor) -> tor
     return (x.float() / input_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+# the start-up self-check's e4m3-pool samples (`with_e4m3_pools`): set by an engine whose KV pools are e4m3
+# (QwenEngineConfig.kv_cache_dtype), so that other engines do not compile those builds at start; read by the
+# kernels that write or read the pools (attn_prep, paged_attention); process-wide, like the engine's flags
+E4M3_POOL_SAMPLES = False
+
+
+def with_e4m3_pools(args: tuple, k_index: int) -> list[tuple[tuple, dict]]:
+    """A pool kernel's self-check samples: `args` (model-dtype pools at args[k_index], args[k_index + 1]), and while
+    E4M3_POOL_SAMPLES the same with those pools as e4m3 pools hold them (`kv_pool_cast`). Below sm_89 the kernels'
+    `supports` says no to the second; the registry then skips it."""
+    if not E4M3_POOL_SAMPLES:
+        return [(args, {})]
+    pools = tuple(kv_pool_cast(p, torch.float8_e4m3fn) for p in args[k_index:k_index + 2])
+    return [(args, {}), ((*args[:k_index], *pools, *args[k_index + 2:]), {})]
+
+
 def kv_pool_cast(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
     """x as a KV pool of `pool_dtype` stores it. e4m3 (the checkpoint's `kv_cache_quant_algo: FP8`): RNE(clamp(x,
     -448, 448)), `quantize_static_reference` at scale 1.0 -- ModelOpt's Qwen3.6 export ships no k / v scales, so 1.0

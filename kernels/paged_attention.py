@@ -79,9 +79,6 @@ GATED_NAME = "paged_decode_attention_gated_fp8"  # the attention, its output gat
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores
-# the start-up self-check's e4m3-pool sample (`_sample`): set by an engine whose KV pools are e4m3 (QwenEngineConfig
-# .kv_cache_dtype), so that other engines do not compile that build at start; process-wide, like the engine's flags
-E4M3_SAMPLE = False
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a [BLOCK_G, 256] fp32 accumulator is the register budget
 MAX_GROUP = 32  # query heads per kv head in one tile (the model has 8); 32 x 256 fp32 = 32 KB of accumulator
 MAX_SPLITS = 128  # an 8k context in 16-token blocks is 512 blocks: >= 4 blocks per split at the cap
@@ -479,18 +476,13 @@ def random_inputs(context_lens: list[int], heads: int, kv_heads: int, head_dim: 
 
 
 def _sample(device) -> list[tuple[tuple, dict]]:
-    # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model; with E4M3_SAMPLE the
-    # same on e4m3 pools too (`kv_cache_dtype` "fp8": the self-check covers the tile conversion such an engine runs;
-    # below sm_89 `supports` says no, the registry skips that sample and e4m3 calls take the reference)
-    from kernels.fp8_quant import kv_pool_cast
+    # GQA 4, a context of one token, one at a block boundary, one past it; bf16 like the model; in an engine of e4m3
+    # pools the same on e4m3 pools too (`fp8_quant.with_e4m3_pools`: the self-check covers the tile conversion such
+    # an engine runs; below sm_89 e4m3 calls take the reference)
+    from kernels.fp8_quant import with_e4m3_pools
 
-    args = random_inputs([1, 8, 21], heads=8, kv_heads=2, head_dim=32, block_size=4, dtype=torch.bfloat16,
-                         device=device)
-    if not E4M3_SAMPLE:
-        return [(args, {})]
-    e4m3 = (args[0], kv_pool_cast(args[1], torch.float8_e4m3fn), kv_pool_cast(args[2], torch.float8_e4m3fn),
-            *args[3:])
-    return [(args, {}), (e4m3, {})]
+    return with_e4m3_pools(random_inputs([1, 8, 21], heads=8, kv_heads=2, head_dim=32, block_size=4,
+                                         dtype=torch.bfloat16, device=device), 1)
 
 
 def describe_gated(q, k_pool, v_pool, block_tables, context_lens, scale=None, gate=None, input_scale=None

@@ -570,9 +570,9 @@ class QwenEngine:
         from .model import attention
 
         attention.GATE_IN_COMBINE = cfg.attn_gate_in_combine
-        from kernels import paged_attention
+        from kernels import fp8_quant
 
-        paged_attention.E4M3_SAMPLE = self.kv_dtype == torch.float8_e4m3fn  # the self-check's e4m3-pool sample
+        fp8_quant.E4M3_POOL_SAMPLES = self.kv_dtype == torch.float8_e4m3fn  # the self-check's e4m3-pool samples
         self.kernel_checks = self._self_check() if cfg.kernel_self_check else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.scheduler = ContinuousScheduler(cfg.scheduler_config(num_blocks))
@@ -998,11 +998,11 @@ class QwenEngine:
                and (op != GATED_ATTN_OP or self.cfg.attn_gate_in_combine)
                and (op not in ROUTER_ALIGN_OPS or self.router_align > 0 or self.cfg.router_align is True)]
         # re-check when the ops or their preferences change (the ops differ with the options that add one)
-        from kernels import paged_attention, pdl  # the EARLY builds run in the samples when early loads are on, the
-        #                                             e4m3-pool samples with e4m3 pools: both part of the key
+        from kernels import fp8_quant, pdl  # the EARLY builds run in the samples when early loads are on, the
+        #                                       e4m3-pool samples with e4m3 pools: both part of the key
 
         key = (str(self.device), tuple((op, reg.preference(op).value) for op in ops), pdl.early(),
-               paged_attention.E4M3_SAMPLE)
+               fp8_quant.E4M3_POOL_SAMPLES)
         if key not in _MODEL_OPS_CHECKED:
             _MODEL_OPS_CHECKED[key] = reg.self_check(self.device, ops=ops)
         return {**out, **_MODEL_OPS_CHECKED[key], **check_expert_layouts(self.model, self.device, reg)}

@@ -108,13 +108,13 @@ def test_duplicate_slots_leave_other_rows_exact():
 
 @pytest.mark.parametrize("e4m3", [False, True], ids=["model_pools", "e4m3_pools"])
 def test_registry_self_check(monkeypatch, e4m3):
-    """The start-up self-check; an engine of e4m3 KV pools (`paged_attention.E4M3_SAMPLE`) also checks the kernel
+    """The start-up self-check; an engine of e4m3 KV pools (`fp8_quant.E4M3_POOL_SAMPLES`) also checks the kernel
     on e4m3 pools, each sample fresh (the op writes its pools)."""
     from engine_core.registry import Registry
 
-    from kernels import attn_prep, paged_attention
+    from kernels import attn_prep, fp8_quant
 
-    monkeypatch.setattr(paged_attention, "E4M3_SAMPLE", e4m3)
+    monkeypatch.setattr(fp8_quant, "E4M3_POOL_SAMPLES", e4m3)
     samples = attn_prep._sample(DEVICE)
     assert [s[0][-1].dtype for s in samples] == [torch.bfloat16] + [torch.float8_e4m3fn] * e4m3
     reg = Registry()

@@ -246,11 +246,11 @@ def test_cuda_graph_replay_with_new_contexts():
 def test_registry_self_check_and_choice(monkeypatch):
     from engine_core.registry import Registry
 
-    from kernels import paged_attention
+    from kernels import fp8_quant, paged_attention
 
-    monkeypatch.setattr(paged_attention, "E4M3_SAMPLE", False)  # (an fp8 engine earlier in the process sets it)
+    monkeypatch.setattr(fp8_quant, "E4M3_POOL_SAMPLES", False)  # (an fp8 engine earlier in the process sets it)
     assert len(paged_attention._sample(DEVICE)) == 1  # bf16 pools only, unless an engine uses e4m3 ones
-    monkeypatch.setattr(paged_attention, "E4M3_SAMPLE", True)
+    monkeypatch.setattr(fp8_quant, "E4M3_POOL_SAMPLES", True)
     reg = Registry()
     paged_attention.register(reg)
     outcome = reg.self_check(DEVICE)["paged_decode_attention"]
