@@ -277,6 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="198 39" (carry the fla wheels only; either GPU; ~8 min): issue 5, the defaults at 32 streams x 1k on a cold
+#       Triton cache (a fresh checkout), then the cache in parts for the next calls
 #   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
 #       32-stream step's kernels (PDL off) with bf16 and with e4m3 KV pools: why fp8 pools decode 1.8% slower (H100)
 #   STEPS="196" (carry the fla wheels and .tritoncache; either GPU; ~8 min; SKIP_196E=1: per call only, ~4 min):
@@ -2301,6 +2303,13 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 198; then
+# sixty-first session: a fresh checkout without a carried Triton cache -- the defaults (and any EXTRA_170 variants) at
+# 32 streams x 1k on a cold machine (~5 min of compiling first), then step 39 saves the cache for the next calls
+say "198. issue 5: the defaults at 32 streams x 1k on a cold cache (EXTRA_170 variants beside)"
+engine_out qwen_cold "${LIMIT_198:-480}" --decode-tokens 48 ${EXTRA_170:-}
+grep -h "SELF-CHECK" "$OUT/qwen_cold.log" | cut -c1-250 | head -5
 fi
 if want 197; then
 # fifty-ninth session: why the engine with fp8 KV pools decodes 32 streams x 1k 1.8% slower than with bf16 pools on an
