@@ -277,8 +277,8 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
-#   STEPS="198 39" (carry the fla wheels only; either GPU; ~8 min): issue 5, the defaults at 32 streams x 1k on a cold
-#       Triton cache (a fresh checkout), then the cache in parts for the next calls
+#   STEPS="198 39" (carry the fla wheels only; either GPU; ~4.5 min: ran, results/cold61_run1, H100): issue 5, the
+#       defaults at 32 streams x 1k on a cold Triton cache (a fresh checkout), then the cache in parts for the next calls
 #   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
 #       32-stream step's kernels (PDL off) with bf16 and with e4m3 KV pools: why fp8 pools decode 1.8% slower (H100)
 #   STEPS="196" (carry the fla wheels and .tritoncache; either GPU; ~8 min; SKIP_196E=1: per call only, ~4 min):

@@ -388,7 +388,8 @@ def _sample(device) -> list[tuple[tuple, dict]]:
     # the codes such an engine writes
     from kernels.fp8_quant import with_e4m3_pools
 
-    return with_e4m3_pools(random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, seed=1, device=device), 9)
+    args = random_inputs(3, 4, 2, 64, 16, dtype=torch.bfloat16, seed=1, device=device)
+    return with_e4m3_pools(args, len(args) - 2)  # k_pool, v_pool: random_inputs' last two
 
 
 def gate_inputs(n: int, heads: int, d: int, dtype=torch.bfloat16, seed: int = 0, device="cpu"):
