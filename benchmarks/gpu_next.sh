@@ -379,7 +379,16 @@ R=$(mktemp -d /tmp/next.XXXXXX)
 OUT=${OUT:-$PWD/out/next}
 mkdir -p "$OUT"
 say() { echo "[gpu_next $(date +%T)] $*"; }
-archive() { tar czf "$OUT/next.tgz" -C "$R" . ; }
+# archive: $R into $OUT/next.tgz. Steps that write straight into $OUT (engine_out, so that a cut call still returns
+# them) can leave more files there than the tool returns (8, the first by name: results/ 62's first call lost step
+# 194's engines so); then $OUT's own files go into the archive too (under out/) and leave $OUT, next.tgz alone
+archive() {
+  tar czf "$OUT/next.tgz" -C "$R" . || return
+  [ "$(find "$OUT" -type f ! -name next.tgz | wc -l)" -le 7 ] && return
+  mkdir -p "$R/out" && (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name next.tgz -exec cp -r {} "$R/out/" \;) \
+    && tar czf "$OUT/next.tgz" -C "$R" . \
+    && find "$OUT" -mindepth 1 -maxdepth 1 ! -name next.tgz -exec rm -rf {} +
+}
 trap archive EXIT
 STEPS=${STEPS:-"1 2 3 4"}
 # optional GPU-only libraries carried beside the bundle (pyproject's [gpu] extra: fla-core for the GDN prefill);
