@@ -103,6 +103,7 @@ from engine_core.scheduler import Samples
 # often a low id, then wins: nonsense), and from here down two logits more than 1e-3 apart already sample as greedy
 # (exp(-gap / T) < e^-100); vLLM draws the same line (_SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # most likely tokens reported per sampled token (OpenAI's chat top_logprobs limit; vLLM's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,10 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of most likely tokens with probability >= top_p; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     seed: int | None = None  # None: the scheduler draws one at `add` (still fixed for the request's lifetime)
+    # None: no log-probabilities; n >= 0: each sampled token's log-probability under the model's own distribution
+    # (log-softmax of the raw logits: before temperature, top-k and top-p, as OpenAI and vLLM report it) and the n
+    # most likely tokens' (`TokenLogprobs`); at most MAX_LOGPROBS
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not self.temperature >= 0.0:  # also rejects NaN
@@ -123,6 +128,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k < 2**31:  # int64 sampling tensors: a huge k must not fail a whole batched step
             raise ValueError(f"top_k must be in [0, 2**31) (0 = off), got {self.top_k}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -277,10 +285,21 @@ class StepPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the most likely tokens' (`SamplingParams.logprobs`): natural logs of
+    the model's next-token distribution (fp32 log-softmax of the logits, before temperature / top-k / top-p)."""
+
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the n most likely tokens, most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
-    """What the runner returns for a plan: one sampled token per `plan.sampled` row, same order."""
+    """What the runner returns for a plan: one sampled token per `plan.sampled` row, same order; `logprobs` (None
+    when no row asked) one entry per row, None for a row whose request did not ask."""
 
     sampled_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +309,7 @@ class TokenDelta:
     request_id: RequestId
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None  # set on the last delta; the Answer follows in pop_answers()
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -667,11 +687,15 @@ class ContinuousScheduler:
         n_sampled = sum(s.sample for s in plan.seqs)
         if len(sampled) != n_sampled:
             raise ValueError(f"step {plan.step_id}: {len(sampled)} sampled tokens for {n_sampled} sampling rows")
+        if output.logprobs is not None and len(output.logprobs) != n_sampled:
+            raise ValueError(f"step {plan.step_id}: {len(output.logprobs)} logprobs for {n_sampled} sampling rows")
         self.expire()  # a sequence whose deadline passed while the step ran is answered now; its token dropped
         self._in_flight.pop(0)
         now, deltas, tokens = self.clock.now(), [], iter(sampled)
+        logprobs = iter(output.logprobs or ())
         for item in plan.seqs:
             token = next(tokens) if item.sample else None
+            lp = next(logprobs, None) if item.sample else None
             seq = self._seqs.get(item.request_id)
             if seq is None:  # cancelled or expired while the step ran
                 self.stats.dropped_tokens += token is not None
@@ -685,7 +709,7 @@ class ContinuousScheduler:
                 seq.first_token_s = now
                 self.stats.ttft_s.record(now - seq.arrival_s)
             reason, matched = self._stop_reason(seq)
-            deltas.append(TokenDelta(item.request_id, (token,), reason))
+            deltas.append(TokenDelta(item.request_id, (token,), reason, None if lp is None else (lp,)))
             if reason is not None:
                 self._answer(item.request_id, completion=Completion(
                     seq.output_token_ids, reason, matched, seq.num_prompt_tokens, seq.num_preemptions,

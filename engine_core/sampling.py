@@ -142,6 +142,18 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
     return torch.where(st.temperature > 0, sampled, greedy)
 
 
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's log-probabilities for `SamplingParams.logprobs`, without host syncs: logits [B, V] (any float
+    dtype), sampled ids [B] -> (the sampled tokens' [B] fp32, the n largest [B, n] fp32 descending, their ids [B, n]
+    int64). One fp32 log-softmax of the raw logits (temperature, top-k and top-p change what is sampled, not what is
+    reported, as OpenAI and vLLM report them); ties among the n largest in `torch.topk`'s order."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen = logp.gather(1, ids[:, None].to(torch.int64))[:, 0]
+    top_vals, top_ids = logp.topk(n, dim=-1) if n > 0 else (logp[:, :0], ids[:, None][:, :0].to(torch.int64))
+    return chosen, top_vals, top_ids
+
+
 def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor,
                         top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """scaled [B, V] -> (logits sorted descending with tokens outside top-k / top-p at -inf, their token ids)."""
@@ -177,6 +189,13 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         if mass >= params.top_p:
             break
     return out / out.sum()
+
+
+def reference_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits [V] -> (log p(token), the n most likely (id, log p)), in float64 (the reference of `token_logprobs`)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    order = torch.argsort(logp, descending=True, stable=True)[:n].tolist()
+    return logp[token].item(), [(t, logp[t].item()) for t in order]
 
 
 def reference_sample(logits: torch.Tensor, params: Sequence[SamplingParams],

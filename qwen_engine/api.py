@@ -18,7 +18,7 @@ Errors are `{"error": {"message", "type", "param", "code"}}`:
 |---|---|---|
 | 400 | body not JSON / not an object / nested too deeply | invalid_json |
 | 400 | a field missing, mistyped, out of range or unknown | missing_field, invalid_request, unknown_parameter |
-| 400 | an option not implemented here (n > 1, tools, logprobs, penalties, echo, ...) | unsupported_parameter |
+| 400 | an option not implemented here (n > 1, tools, penalties, echo, ...) | unsupported_parameter |
 | 400 | messages empty, a role other than system/user/assistant, a system message not first | invalid_messages |
 | 400 | prompt (+ max_tokens) longer than the context | context_length_exceeded |
 | 404 | `model` is not the served model | model_not_found |
@@ -33,6 +33,15 @@ A null option (`"temperature": null`, as OpenAI's API allows) asks for its defau
 
 Extensions beyond OpenAI (as vLLM names them): `top_k` (0 or -1 = off), `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `chat_template_kwargs` (e.g. `{"enable_thinking": false}`), `timeout_s`.
+
+Log-probabilities: `/v1/completions` `"logprobs": N` (0-20), `/v1/chat/completions` `"logprobs": true` with
+`"top_logprobs": N` (0-20). Natural logs of the model's own next-token distribution (fp32 log-softmax of the logits,
+before temperature / top-k / top-p, as OpenAI and vLLM report them), for every output token up to the one that
+completes a stop string; a terminating eos / stop token id is left out, as its text is. Completions answer OpenAI's
+legacy object (`tokens`, `token_logprobs`, `top_logprobs`: the N most likely as {token: logprob}, `text_offset`:
+characters of the completion before each token), chat answers `{"content": [{token, logprob, bytes,
+top_logprobs}], "refusal": null}`; a token's string is its bytes decoded with U+FFFD for a partial UTF-8 character
+(`bytes` has them exactly). Streamed chunks carry the entries of the tokens whose text they carry.
 """
 
 from __future__ import annotations
@@ -40,12 +49,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine_core.continuous import SamplingParams
+from engine_core.continuous import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from qwen_engine.chat_template import ChatMessage
 
 MAX_STOP_STRINGS = 16
@@ -121,9 +131,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logprobs: Any = Field(None, description="completions: 0-20 most likely tokens' log-probabilities per output "
+                                           "token; chat: true / false (`requested_logprobs`)")
+    top_logprobs: int | None = Field(None, description="chat, with logprobs true: 0-20 most likely tokens")
     # OpenAI options we refuse unless they ask for the default (see `check_unsupported`)
-    logprobs: Any = None
-    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -210,8 +221,6 @@ def check_unsupported(req: _SamplingFields) -> None:
 
     if req.n != 1:
         refuse("n", f"only n=1 is supported, got {req.n}; send {req.n} requests instead")
-    if req.logprobs not in (None, False, 0) or req.top_logprobs:
-        refuse("logprobs", "log probabilities are not supported")
     if req.presence_penalty or req.frequency_penalty:
         refuse("presence_penalty" if req.presence_penalty else "frequency_penalty", "penalties are not supported")
     if req.logit_bias:
@@ -232,6 +241,31 @@ def check_unsupported(req: _SamplingFields) -> None:
             refuse("response_format", "only {\"type\": \"text\"} is supported")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             refuse("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+
+
+def requested_logprobs(req: _SamplingFields) -> int | None:
+    """How many most likely tokens' log-probabilities each output token reports (`SamplingParams.logprobs`), None
+    for none: completions' `logprobs` N, chat's `top_logprobs` N (0 when absent) under `logprobs: true`."""
+    def bad(param: str, why: str):
+        raise ApiError(400, "invalid_request", f"{param}: {why}", param)
+
+    def count(param: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            bad(param, f"must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
+        return value
+
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs not in (None, True, False):
+            bad("logprobs", f"must be true or false on chat completions (top_logprobs gives the count), got "
+                            f"{req.logprobs!r}")
+        if req.top_logprobs is not None and not req.logprobs:
+            bad("top_logprobs", "needs logprobs: true")
+        return (0 if req.top_logprobs is None else count("top_logprobs", req.top_logprobs)) if req.logprobs else None
+    if req.top_logprobs is not None:
+        bad("top_logprobs", "is a chat completions option; on /v1/completions give logprobs: N")
+    if req.logprobs is None or req.logprobs is False:
+        return None
+    return count("logprobs", req.logprobs)
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
@@ -321,7 +355,8 @@ def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_le
     extra = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in extra):
         raise ApiError(400, "invalid_request", f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
-    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed)
+    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
+                              logprobs=requested_logprobs(req))
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return GenerationPlan(tuple(prompt_ids), max_tokens, sampling, tuple(dict.fromkeys(eos + extra)), stop,
                           req.skip_special_tokens, req.stream, include_usage, req.timeout_s)
@@ -382,35 +417,72 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict,
+                    logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": use}
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict,
+              logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish_reason}],
             "usage": use}
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                     include_usage: bool) -> dict:
+                     include_usage: bool, logprobs: dict | None = None) -> dict:
     out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+           "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         out["usage"] = None
     return out
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               include_usage: bool) -> dict:
+               include_usage: bool, logprobs: dict | None = None) -> dict:
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         out["usage"] = None
     return out
+
+
+@dataclass(frozen=True)
+class LoggedToken:
+    """One output token's log-probabilities on their way into a response."""
+
+    token_id: int
+    logprobs: TokenLogprobs
+    text_offset: int  # characters of the completion's text before this token's
+
+
+TokenBytes = Callable[[int], bytes]  # a token id's bytes (`QwenTokenizer.token_bytes`)
+
+
+def _token_text(token_bytes: TokenBytes, token_id: int) -> str:
+    return token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(logged: Sequence[LoggedToken], token_bytes: TokenBytes) -> dict:
+    """OpenAI's legacy completions `logprobs` object (module docstring)."""
+    return {"tokens": [_token_text(token_bytes, t.token_id) for t in logged],
+            "token_logprobs": [t.logprobs.logprob for t in logged],
+            "top_logprobs": [{_token_text(token_bytes, i): v for i, v in t.logprobs.top} for t in logged],
+            "text_offset": [t.text_offset for t in logged]}
+
+
+def chat_logprobs(logged: Sequence[LoggedToken], token_bytes: TokenBytes) -> dict:
+    """OpenAI's chat `logprobs` object (module docstring)."""
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**entry(t.token_id, t.logprobs.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in t.logprobs.top]} for t in logged],
+            "refusal": None}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:

@@ -43,6 +43,7 @@ from engine_core.continuous import (
     SamplingParams,
     StepFailed,
     TokenDelta,
+    TokenLogprobs,
 )
 from engine_core.config_args import check_field_types, from_args
 from engine_core.registry import resolve_preference
@@ -472,9 +473,21 @@ class GenerationChunk:
     prompt_tokens: int
     completion_tokens: int  # sampled so far, including new_token_ids
     matched_stop: tuple[int, ...] | None = None  # on the last chunk: the eos id (1-tuple) / stop sequence that ended it
+    # one per new token id when the request's sampling asked for log-probabilities (`SamplingParams.logprobs`)
+    new_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+def _aligned(lps: list[TokenLogprobs] | None, tokens: list[int]) -> tuple[TokenLogprobs, ...] | None:
+    """A chunk's log-probabilities, one per token (None: not asked). A runner that left them out while the request
+    asked is a bug, not something to stream silently misaligned."""
+    if lps is None:
+        return None
+    if len(lps) != len(tokens):
+        raise RuntimeError(f"{len(lps)} log-probabilities for {len(tokens)} tokens")
+    return tuple(lps)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -836,31 +849,36 @@ class QwenEngine:
         self._dispatch_answers()  # expired on arrival
         self._wake.set()
         n_prompt, n_out = len(request.prompt_token_ids), 0
+        wants_logprobs = request.sampling.logprobs is not None
         try:
             while True:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
                 tokens: list[int] = []
+                lps: list[TokenLogprobs] | None = [] if wants_logprobs else None
                 for item in items:
                     if isinstance(item, TokenDelta):
                         tokens.extend(item.token_ids)
+                        if lps is not None:
+                            lps.extend(item.logprobs or ())
                         if item.finish_reason is not None:
                             n_out += len(tokens)
                             completion: Completion | None = self._completions.pop(rid, None)
                             yield GenerationChunk(tuple(tokens), _FINISH[item.finish_reason], n_prompt, n_out,
-                                                  None if completion is None else completion.matched_stop)
+                                                  None if completion is None else completion.matched_stop,
+                                                  _aligned(lps, tokens))
                             return
                     else:  # an Answer with an error (ok answers follow the finishing delta, never read)
                         answer: Answer = item
                         if tokens:
                             n_out += len(tokens)
-                            yield GenerationChunk(tuple(tokens), None, n_prompt, n_out)
+                            yield GenerationChunk(tuple(tokens), None, n_prompt, n_out, None, _aligned(lps, tokens))
                         if isinstance(answer.error, Cancelled):  # the engine aborted it (shutdown)
                             raise NotReady("the engine shut down before this request finished; send it again")
                         raise answer.error
                 n_out += len(tokens)
-                yield GenerationChunk(tuple(tokens), None, n_prompt, n_out)
+                yield GenerationChunk(tuple(tokens), None, n_prompt, n_out, None, _aligned(lps, tokens))
         finally:
             # consumer gone (task cancelled, iterator closed) or stream ended: free the sequence if still live
             self._streams.pop(rid, None)

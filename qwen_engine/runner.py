@@ -6,6 +6,7 @@
       -> zero the GDN state slots of sequences that start at position 0 (new, or resumed after preemption)
       -> model.forward_paged: logits only at the last token of each sampling row  [M, vocab]
       -> engine_core.sampling.sample (no host syncs)  -> the one device->host copy of the step: M token ids
+         (and, when a row's request asks for log-probabilities, `token_logprobs`' three small tensors beside them)
 
 It owns the paged state (`PagedCache`): the KV pool of every full-attention layer and the GDN state slots. The
 kernel registry of the runner picks the GDN decode step (`kernels/gdn_decode.py`: Triton on CUDA, the torch
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.continuous import StepOutput, StepPlan
+from engine_core.continuous import StepOutput, StepPlan, TokenLogprobs
 from engine_core.registry import KernelPreference, Registry
-from engine_core.sampling import SamplingTensors, sample
+from engine_core.sampling import SamplingTensors, sample, token_logprobs
 
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, QwenConfig
 from .model.paged import FlatBatch, PagedCache
@@ -55,6 +56,9 @@ class PendingStep:
     host: torch.Tensor | None  # [M] the same ids in (pinned) host memory once `event` has passed
     event: torch.cuda.Event | None  # recorded after the device->host copy (CUDA); None: `host` is ready
     launch_s: float  # host seconds spent launching
+    # `token_logprobs`' (sampled [M], top [M, n], top ids [M, n]) in host memory, copied before `event`; None when no
+    # row of the plan asks for log-probabilities
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk",
@@ -312,20 +316,23 @@ class ModelRunner:
         without waiting for them (CUDA; elsewhere the work is done on return). `feed`: see `forward`."""
         t0 = time.perf_counter()
         logits = self.forward(plan, feed)
-        ids = host = event = None
+        ids = host = event = logprobs = None
         if logits.shape[0]:
+            asks = [r.sampling.logprobs for r in plan.sampled if r.sampling.logprobs is not None]
             with torch.inference_mode():
                 ids = sample(logits, SamplingTensors.from_plan(plan, self.device),
                              argmax=self._argmax if self.argmax_kernel else None)
+                # queued before the next step's launch (one stream), so a graph's logits buffer is read first
+                lps = token_logprobs(logits, ids, max(asks)) if asks else None
             if self.device.type == "cuda":
-                host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                host.copy_(ids, non_blocking=True)
+                host = _to_host(ids)
+                logprobs = None if lps is None else tuple(_to_host(t) for t in lps)
                 event = torch.cuda.Event()
                 event.record()
             else:
-                host = ids
+                host, logprobs = ids, lps
         self.launches += 1  # queued (a launch that raised is not counted)
-        return PendingStep(plan, ids, host, event, time.perf_counter() - t0)
+        return PendingStep(plan, ids, host, event, time.perf_counter() - t0, logprobs)
 
     def result(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's sampled ids -> StepOutput."""
@@ -333,9 +340,10 @@ class ModelRunner:
         if pending.event is not None:
             pending.event.synchronize()
         ids = pending.host.tolist() if pending.host is not None else []
+        logprobs = None if pending.logprobs is None else _row_logprobs(pending.plan, *pending.logprobs)
         self.steps += 1
         self.busy_s += pending.launch_s + time.perf_counter() - t0
-        return StepOutput(tuple(ids))
+        return StepOutput(tuple(ids), logprobs)
 
     def stats(self) -> dict[str, float]:
         out = {"steps": self.steps, "launches": self.launches, "graph_steps": self.graph_steps,
@@ -350,3 +358,22 @@ class ModelRunner:
         elif self.prefill_graphs_disabled:
             out["prefill_graphs"] = {"mode": "off", "disabled": self.prefill_graphs_disabled}
         return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy into fresh pinned host memory, queued (non-blocking): read it after an event."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _row_logprobs(plan: StepPlan, chosen: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor
+                  ) -> tuple[TokenLogprobs | None, ...]:
+    """`token_logprobs`' host tensors -> one TokenLogprobs per sampled row whose request asked (its own n of the
+    batch's largest n), None for the others."""
+    chosen_l, top_l, ids_l = chosen.tolist(), top.tolist(), top_ids.tolist()
+    out = []
+    for i, row in enumerate(plan.sampled):
+        n = row.sampling.logprobs
+        out.append(None if n is None else TokenLogprobs(chosen_l[i], tuple(zip(ids_l[i][:n], top_l[i][:n]))))
+    return tuple(out)

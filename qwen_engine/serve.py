@@ -48,13 +48,16 @@ from qwen_engine.api import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationPlan,
+    LoggedToken,
     StopStringFilter,
     chat_body,
     chat_chunk,
+    chat_logprobs,
     chat_messages,
     check_unsupported,
     completion_body,
     completion_chunk,
+    completion_logprobs,
     completion_prompt,
     error_body,
     models_body,
@@ -206,6 +209,7 @@ class _Piece:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logged: list[LoggedToken] | None = None  # the log-probabilities of the tokens behind `text` (None: not asked)
 
 
 async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan) -> AsyncIterator[_Piece]:
@@ -213,9 +217,11 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan) -> A
 
     A stop string ends the stream early with finish_reason "stop"; leaving this generator (return, error,
     cancellation) closes the engine's iterator, which cancels the sequence and frees its KV blocks. An engine shutdown
-    mid-request raises NotReady there: 503 before the first byte, an error event after it."""
+    mid-request raises NotReady there: 503 before the first byte, an error event after it. With log-probabilities
+    asked for, the ids go through one at a time, so the entries end at the token that completes a stop string."""
     detok = IncrementalDetokenizer(tokenizer, plan.skip_special_tokens)
     stops = StopStringFilter(plan.stop)
+    offset = 0  # characters the detokenizer has given so far (completions' text_offset)
     gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
                           eos_token_ids=plan.eos_token_ids, timeout_s=plan.timeout_s)
     try:
@@ -224,13 +230,26 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan) -> A
             if chunk.finish_reason == "stop" and chunk.matched_stop and ids[-len(chunk.matched_stop):] == tuple(
                     chunk.matched_stop):
                 ids = ids[:-len(chunk.matched_stop)]  # the eos / stop token is not part of the text
-            text = stops.push(detok.push(ids))
+            logged = None
+            if plan.sampling.logprobs is None:
+                text = stops.push(detok.push(ids))
+            else:
+                if chunk.new_logprobs is None:
+                    raise RuntimeError("the engine sent no log-probabilities for a request that asked for them")
+                text, logged = "", []
+                for token_id, lp in zip(ids, chunk.new_logprobs):
+                    piece = detok.push((token_id,))
+                    logged.append(LoggedToken(token_id, lp, offset))
+                    offset += len(piece)
+                    text += stops.push(piece)
+                    if stops.stopped:
+                        break
             finish = chunk.finish_reason
             if finish is not None:
                 text += stops.push(detok.flush()) + stops.flush()
             if stops.stopped:
                 finish = "stop"
-            yield _Piece(text, finish, chunk.prompt_tokens, chunk.completion_tokens)
+            yield _Piece(text, finish, chunk.prompt_tokens, chunk.completion_tokens, logged)
             if finish is not None:
                 return
     finally:
@@ -350,10 +369,11 @@ class QwenServer:
             return StreamingResponse(self._sse(route, rid, plan, first, pieces, t0, t_first),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            text, last = [first.text], first
+            text, last, logged = [first.text], first, list(first.logged or ())
             while last.finish_reason is None:
                 last = await anext(pieces)
                 text.append(last.text)
+                logged.extend(last.logged or ())
         except asyncio.CancelledError:
             self.metrics.on_request(route, 499, "cancelled")
             raise
@@ -363,9 +383,16 @@ class QwenServer:
             await pieces.aclose()
         use = usage(last.prompt_tokens, last.completion_tokens)
         make = chat_body if route == "chat" else completion_body
+        lp = None if first.logged is None else self._logprobs(route, logged)
         self.metrics.on_request(route, 200, "ok")
         self.metrics.on_done(route, t0, t_first, last.prompt_tokens, last.completion_tokens)
-        return JSONResponse(make(rid, now_s(), self.cfg.served_model_name, "".join(text), last.finish_reason, use))
+        return JSONResponse(make(rid, now_s(), self.cfg.served_model_name, "".join(text), last.finish_reason, use,
+                                 lp))
+
+    def _logprobs(self, route: str, logged: list[LoggedToken]) -> dict:
+        """The response's `logprobs` object for these tokens (api.py: chat's or completions' shape)."""
+        make = chat_logprobs if route == "chat" else completion_logprobs
+        return make(logged, self.tokenizer.token_bytes)
 
     def _error_response(self, route: str, exc: Exception) -> Response:
         """OpenAI error JSON with the status `_error` maps `exc` to (4xx / 503 + Retry-After / 500), counted."""
@@ -380,11 +407,18 @@ class QwenServer:
         created, model, inc = now_s(), self.cfg.served_model_name, plan.include_usage
         chat = route == "chat"
 
+        wants_logprobs = first.logged is not None
+        held: list[LoggedToken] = []  # entries of tokens whose text is not out yet (a partial character, a held stop)
+
         def event(text: str, finish: str | None) -> bytes:
+            lp = None
+            if wants_logprobs and (held or text):
+                lp = self._logprobs(route, held)
+                held.clear()
             if chat:
                 return sse(chat_chunk(rid, created, model, {"content": text} if text or finish is None else {},
-                                      finish, inc))
-            return sse(completion_chunk(rid, created, model, text, finish, inc))
+                                      finish, inc, lp))
+            return sse(completion_chunk(rid, created, model, text, finish, inc, lp))
 
         last = first
         status, code = 200, "ok"
@@ -393,6 +427,7 @@ class QwenServer:
                 yield sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, inc))
             piece = first
             while True:
+                held.extend(piece.logged or ())
                 if piece.text or piece.finish_reason is not None:
                     if chat and piece.text and piece.finish_reason is not None:
                         yield event(piece.text, None)  # OpenAI's last chunk carries only the finish reason

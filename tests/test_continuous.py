@@ -26,6 +26,7 @@ from engine_core.continuous import (
     StepFailed,
     StepOutput,
     StepPlan,
+    TokenLogprobs,
 )
 from engine_core.request import Cancelled, DeadlineExceeded, FakeClock, Overloaded, RunFailed
 
@@ -483,6 +484,23 @@ def test_runner_failure_answers_the_plans_sequences_only():
     assert answer.error.__cause__ is boom and sched.stats.failed == 1 and sched.stats.failed_steps == 1
     answers = run_to_end(sched, runner)
     assert answers[b].ok
+
+
+def test_logprobs_ride_the_deltas_and_a_wrong_count_is_refused():
+    """StepOutput.logprobs (one entry per sampling row) reaches each row's TokenDelta; a wrong count raises and
+    changes nothing, like a wrong token count."""
+    sched, _, runner = make()
+    sched.add(req(5))
+    plan = sched.step()
+    lp = TokenLogprobs(-0.5, ((3, -0.5), (9, -1.25)))
+    with pytest.raises(ValueError, match="logprobs"):
+        sched.finish(plan, StepOutput(runner.run(plan).sampled_token_ids, (lp, lp)))
+    assert sched.in_flight is plan and sched.sequence(0).num_computed_tokens == 0
+    (delta,) = sched.finish(plan, StepOutput(runner.run(plan).sampled_token_ids, (lp,)))
+    assert delta.logprobs == (lp,) and len(delta.token_ids) == 1
+    plan = sched.step()
+    (delta,) = sched.finish(plan, runner.run(plan))
+    assert delta.logprobs is None
 
 
 def test_misuse_raises_and_changes_nothing():

@@ -23,6 +23,7 @@ from engine_core.continuous import (
     StepOutput,
 )
 from engine_core.request import DeadlineExceeded, Overloaded
+from engine_core.sampling import reference_logprobs
 from qwen_engine.config import QwenConfig
 from qwen_engine.engine import BadRequest, GenerationChunk, NotReady, QwenEngine, QwenEngineConfig, randomise
 from qwen_engine.model.attention import paged_decode_attention, paged_decode_attention_reference
@@ -485,6 +486,61 @@ def test_stop_tokens_and_finish_reasons(async_decode, graphs):
     assert sc[-1].finish_reason == "stop" and sc[-1].matched_stop == tuple(free[3:5])
     assert one == free[:free.index(free[1]) + 1] and oc[-1].finish_reason == "stop"
     assert len(free) == 8
+
+
+def full_forward_logits(engine: QwenEngine, ids: list[int]) -> torch.Tensor:
+    """The contiguous reference's next-token logits after `ids` (one prompt alone, no cache reuse) [vocab]."""
+    with torch.inference_mode():
+        state = engine.model.new_state(1, len(ids))
+        return engine.model(torch.tensor([ids], device=engine.device), state, last_only=True)[0, -1].float()
+
+
+@pytest.mark.parametrize("async_decode,graphs,device", [
+    (False, "off", "cpu"), (True, "static", "cpu"),
+    pytest.param(True, "capture", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="CUDA graphs need a CUDA device")),
+])
+def test_logprobs_match_the_contiguous_reference(async_decode, graphs, device):
+    """Each streamed token's log-probabilities (SamplingParams.logprobs) equal a float64 log-softmax of the single-
+    prompt reference's logits after the same tokens, within 2e-4 (fp32 paged vs contiguous logits, tests above: ~1e-5
+    relative); the top list holds the n most likely ids, most likely first; rows that did not ask get none, and a
+    request that asks does not change its neighbours' tokens. Greedy and sampled rows (the sampled token's own
+    log-probability is reported even where it is not among the top n), n = 0, 3 and 20 in one batch, split prefill
+    (40 tokens > the 16-token budget), steps formed ahead and the graph path's static buffers; on a GPU captured
+    graphs, whose logits buffer the next step's replay overwrites, and the pinned copies read after their event."""
+    asks = [(3, SamplingParams(logprobs=3)), (40, SamplingParams(logprobs=0)),
+            (5, SamplingParams(temperature=1.5, seed=7, logprobs=20)), (9, SamplingParams()),
+            (12, SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=2))]
+
+    async def body(engine):
+        return engine, await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=5, sampling=sp)
+                                              for i, (n, sp) in enumerate(asks)))
+
+    engine, outs = run(engine_config(async_decode=async_decode, decode_graphs=graphs, device=device), body)
+    if graphs == "capture":
+        assert engine.health()["runner"]["graph_steps"] > 0
+    for i, ((n, sp), (tokens, chunks)) in enumerate(zip(asks, outs)):
+        lps = [lp for c in chunks for lp in (c.new_logprobs or ())]
+        if sp.logprobs is None:
+            assert all(c.new_logprobs is None for c in chunks) and tokens == reference_greedy(engine, prompt(i, n), 5)
+            continue
+        assert len(lps) == len(tokens) == 5, (i, lps)
+        for t, (token, lp) in enumerate(zip(tokens, lps)):
+            want, want_top = reference_logprobs(full_forward_logits(engine, prompt(i, n) + tokens[:t]), token,
+                                                sp.logprobs)
+            assert abs(lp.logprob - want) < 2e-4, (i, t, lp.logprob, want)
+            assert [tid for tid, _ in lp.top] == [tid for tid, _ in want_top], (i, t)
+            assert all(abs(v - w) < 2e-4 for (_, v), (_, w) in zip(lp.top, want_top)), (i, t)
+            if sp.greedy and want_top:
+                assert token == want_top[0][0], (i, t)
+        if sp.greedy:
+            assert tokens == reference_greedy(engine, prompt(i, n), 5)
+
+
+def test_logprobs_out_of_range_are_refused():
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)
 
 
 def test_unseeded_requests_differ_between_processes_unless_sampling_seed_is_set():

@@ -37,6 +37,7 @@ from qwen_engine.api import (  # noqa: E402
     plan_generation,
     sse,
 )
+from engine_core.continuous import TokenLogprobs  # noqa: E402
 from qwen_engine.chat_template import ChatMessage, render_builtin  # noqa: E402
 from qwen_engine.tokenizer import load_tokenizer  # noqa: E402
 
@@ -156,7 +157,7 @@ def test_null_options_mean_their_defaults():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}},
                                                            "stream_options"),
 ])
@@ -193,6 +194,7 @@ class _Chunk:  # the fields of qwen_engine.engine.GenerationChunk that serve.py 
     prompt_tokens: int
     completion_tokens: int
     matched_stop: tuple | None = None
+    new_logprobs: tuple | None = None
 
 
 class _ScriptedEngine:
@@ -211,10 +213,10 @@ class _ScriptedEngine:
             self.closed_early = delivered < len(self.chunks)
 
 
-def _pieces(engine, tok, stop=(), ids=(1,)):
+def _pieces(engine, tok, stop=(), ids=(1,), logprobs=None):
     from qwen_engine.serve import _text_stream
 
-    comp = CompletionRequest(model="m", prompt="x", stop=list(stop) or None, max_tokens=50)
+    comp = CompletionRequest(model="m", prompt="x", stop=list(stop) or None, max_tokens=50, logprobs=logprobs)
     plan = plan_generation(comp, list(ids), max_model_len=100, eos_token_ids=tok.eos_token_ids,
                            vocab_size=248320, default_max_tokens=16)
 
@@ -239,6 +241,61 @@ def test_text_stream_utf8_holdback_eos_strip_and_stop_cancels():
     pieces = _pieces(engine, tok, stop=(" END",))
     assert "".join(p.text for p in pieces) == "ab 🦜" and pieces[-1].finish_reason == "stop"
     assert pieces[-1].completion_tokens < len(ids) and engine.closed_early is True
+
+
+def test_text_stream_logprobs_follow_the_text_and_end_at_the_stop():
+    """With log-probabilities: one entry per token behind the text -- a character split over tokens included, the
+    stripped eos not, none after the token that completes a stop string; text_offset counts the characters before
+    each token (the split character's tokens after the first add none)."""
+    tok = load_tokenizer()
+    parrot = tok.encode("🦜")
+    ids = tok.encode("ab ") + parrot + tok.encode(" END tail")
+    lps = [TokenLogprobs(-0.1 * (n + 1), ((i, -0.1 * (n + 1)),)) for n, i in enumerate(ids)]
+    chunks = [_Chunk((i,), None, 1, n + 1, None, (lp,)) for n, (i, lp) in enumerate(zip(ids, lps))]
+    eos = TokenLogprobs(-0.01, ())
+    chunks.append(_Chunk((tok.im_end_id,), "stop", 1, len(ids) + 1, (tok.im_end_id,), (eos,)))
+    pieces = _pieces(_ScriptedEngine(chunks), tok, logprobs=1)
+    logged = [t for p in pieces for t in p.logged]
+    assert [t.token_id for t in logged] == ids and [t.logprobs for t in logged] == lps
+    n_ab = len(tok.encode("ab "))
+    assert [t.text_offset for t in logged[:n_ab + len(parrot) + 1]] == (
+        [len("".join(tok.token_bytes(i).decode() for i in ids[:k])) for k in range(n_ab)]
+        + [len("ab ")] * len(parrot) + [len("ab 🦜")])
+    pieces = _pieces(_ScriptedEngine(chunks), tok, stop=(" END",), logprobs=0)
+    logged = [t.token_id for p in pieces for t in p.logged]
+    end = len(tok.encode("ab ") + parrot + tok.encode(" END"))
+    assert "".join(p.text for p in pieces) == "ab 🦜" and logged == ids[:end]  # through the token completing it
+    assert all(p.logged is None for p in _pieces(_ScriptedEngine(chunks), tok))  # not asked: none
+
+
+@pytest.mark.parametrize("route, body, want", [
+    ("completions", {"logprobs": 3}, 3), ("completions", {"logprobs": 0}, 0), ("completions", {"logprobs": False},
+                                                                              None),
+    ("completions", {"logprobs": 21}, "logprobs"), ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True}, 0), ("chat", {"logprobs": True, "top_logprobs": 20}, 20),
+    ("chat", {"logprobs": False}, None), ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ("chat", {"logprobs": 3}, "logprobs"),
+])
+def test_logprobs_options(route, body, want):
+    """completions: logprobs N; chat: logprobs true / false and top_logprobs N under true; N in 0-20; anything else
+    a 400 naming the field."""
+    if route == "chat":
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **body)
+    else:
+        req = CompletionRequest(model="m", prompt="x", **body)
+    check_unsupported(req)
+
+    def plan():
+        return plan_generation(req, [1, 2], max_model_len=100, eos_token_ids=(0,), vocab_size=248320,
+                               default_max_tokens=16)
+
+    if isinstance(want, str):
+        with pytest.raises(ApiError) as e:
+            plan()
+        assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_request", want), e.value.message
+    else:
+        assert plan().sampling.logprobs == want
 
 
 def test_engine_shutdown_is_an_error_not_a_finish_reason():
@@ -454,6 +511,59 @@ def test_chat_non_streamed_and_streamed(client, tok):
     r = chat(client, messages=messages, max_tokens=1)
     assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(render_builtin(
         [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there!")])))
+
+
+def test_completion_logprobs_non_streamed_and_streamed_agree(client):
+    """logprobs=3: one entry per output token (8, finish "length"), the greedy token the most likely, the text the
+    same as without logprobs, and the streamed chunks' entries together the same as the whole answer's."""
+    prompt = "The capital of France is"
+    r = complete(client, prompt=prompt, max_tokens=8, logprobs=3)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert [len(v) for v in lp.values()] == [8] * 4
+    for v, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        vals = list(top.values())
+        assert v <= 0 and 1 <= len(vals) <= 3  # fewer: two of the top ids decode to the same string
+        if len(vals) == 3:
+            assert vals == sorted(vals, reverse=True) and v == pytest.approx(vals[0], abs=1e-6)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    if "\ufffd" not in "".join(lp["tokens"]):
+        assert "".join(lp["tokens"]) == choice["text"]
+    assert choice["text"] == complete(client, prompt=prompt, max_tokens=8).json()["choices"][0]["text"]
+    events = events_of(complete(client, prompt=prompt, max_tokens=8, logprobs=3, stream=True))
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
+    assert [t for p in parts for t in p["text_offset"]] == lp["text_offset"]
+    assert [t for p in parts for t in p["token_logprobs"]] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+
+def test_chat_logprobs_non_streamed_and_streamed(client):
+    """logprobs true, top_logprobs 2: OpenAI's content entries, one per output token, their bytes the text's; the
+    streamed chunks' entries the same."""
+    kw = dict(messages=[{"role": "user", "content": "Hi there!"}], max_tokens=6, logprobs=True, top_logprobs=2,
+              chat_template_kwargs={"enable_thinking": False})
+    r = chat(client, **kw)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["logprobs"]["refusal"] is None
+    content = choice["logprobs"]["content"]
+    assert len(content) == 6
+    for e in content:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["logprob"] <= 0
+        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"]
+        first, second = e["top_logprobs"]
+        assert first["logprob"] >= second["logprob"] and first["bytes"] == e["bytes"]
+        assert e["logprob"] == pytest.approx(first["logprob"], abs=1e-6)
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", "replace") == choice["message"]["content"]
+    events = events_of(chat(client, stream=True, **kw))
+    streamed = [x for e in events if e["choices"] and e["choices"][0]["logprobs"]
+                for x in e["choices"][0]["logprobs"]["content"]]
+    assert [x["bytes"] for x in streamed] == [x["bytes"] for x in content]
+    r = chat(client, messages=kw["messages"], max_tokens=2, top_logprobs=2)
+    assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs"
 
 
 @pytest.mark.parametrize("path, kwargs, status, code", [

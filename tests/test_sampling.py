@@ -15,7 +15,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine_core.continuous import ContinuousConfig, ContinuousScheduler, GenerateRequest, SamplingParams, StepOutput
 from engine_core.request import FakeClock
-from engine_core.sampling import SamplingTensors, gumbel_noise, reference_probs, reference_sample, sample
+from engine_core.sampling import (
+    SamplingTensors,
+    gumbel_noise,
+    reference_logprobs,
+    reference_probs,
+    reference_sample,
+    sample,
+    token_logprobs,
+)
 
 V = 8
 N = 20_000
@@ -208,6 +216,35 @@ def test_compiles_as_one_graph(path):
     torch._dynamo.reset()
     compiled = torch.compile(sample, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(logits, st), sample(logits, st))
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 5), (torch.bfloat16, 20), (torch.float32, 0)])
+def test_token_logprobs_match_the_float64_reference(dtype, n):
+    """`token_logprobs` (fp32 log-softmax) against `reference_logprobs` (float64) on random logits of spread ~10:
+    within 1e-5 (fp32 rounding of logits ~1e1 and a log-sum-exp over 300 terms); the top values in order, and each
+    top id's own reference value (bf16 logits tie, so tied ids may come in either order); the sampled token's entry
+    whatever its rank."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 300, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, 300, (6,), generator=g)
+    chosen, top, top_ids = token_logprobs(logits, ids, n)
+    assert chosen.shape == (6,) and top.shape == top_ids.shape == (6, n) and top_ids.dtype == torch.int64
+    for r in range(6):
+        want, want_top = reference_logprobs(logits[r], int(ids[r]), n)
+        assert abs(chosen[r].item() - want) < 1e-5
+        assert torch.allclose(top[r].double(), torch.tensor([v for _, v in want_top], dtype=torch.float64),
+                              atol=1e-5, rtol=0)
+        for t, v in zip(top_ids[r].tolist(), top[r].tolist()):
+            assert abs(reference_logprobs(logits[r], t, 0)[0] - v) < 1e-5
+        if dtype == torch.float32:  # no ties: the same ids in the same order
+            assert top_ids[r].tolist() == [t for t, _ in want_top]
+
+
+def test_token_logprobs_read_nothing_on_the_host():
+    """As `sample`: on the meta device every host read raises, so completing proves none."""
+    chosen, top, top_ids = token_logprobs(torch.randn(4, 300, device="meta"), torch.zeros(4, dtype=torch.int64,
+                                                                                          device="meta"), 3)
+    assert chosen.shape == (4,) and top.shape == (4, 3) and top_ids.device.type == "meta"
 
 
 def test_the_sync_checks_are_not_vacuous():
