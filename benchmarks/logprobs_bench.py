@@ -1,0 +1,69 @@
+"""What a request's log-probabilities cost a decode step: `engine_core.sampling.token_logprobs` per call on the GPU,
+at 1 and 32 rows of the Qwen3.6 vocabulary (248,320), n = 0 / 5 / 20, beside two alternatives that were tried:
+log-sum-exp then top-k of the logits (no [B, V] log-softmax), and a two-stage top-k (256 chunks, then the
+candidates). Per variant and size the median of 30 calls, each between synchronisations: device time (events) and
+the host's launch time. Also checks each variant against `token_logprobs` (1e-4).
+
+    python benchmarks/logprobs_bench.py > logprobs_cost.txt      # results/logprobs62 (H100, 2026-12-07)
+"""
+
+import time
+
+import torch
+
+from engine_core.sampling import token_logprobs
+
+
+def lse_topk(logits, ids, n):
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, ids[:, None]) - lse)[:, 0]
+    v, i = x.topk(n, dim=-1) if n else (x[:, :0], ids[:, None][:, :0])
+    return chosen, v - lse, i
+
+
+def two_stage(logits, ids, n, chunks=256):
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, ids[:, None]) - lse)[:, 0]
+    if n == 0:
+        return chosen, x[:, :0], ids[:, None][:, :0]
+    b, v = x.shape
+    v1, i1 = x.view(b, chunks, v // chunks).topk(n, dim=-1)  # [B, chunks, n]
+    i1 = i1 + (torch.arange(chunks, device=x.device) * (v // chunks))[None, :, None]
+    v2, j = v1.reshape(b, -1).topk(n, dim=-1)
+    return chosen, v2 - lse, i1.reshape(b, -1).gather(1, j)
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), torch.__version__)
+    for rows in (1, 32):
+        logits = torch.randn(rows, 248320, device="cuda", dtype=torch.bfloat16) * 3
+        ids = torch.randint(0, 248320, (rows,), device="cuda")
+        ref = token_logprobs(logits, ids, 20)
+        for name, f in (("plain", token_logprobs), ("lse_topk", lse_topk), ("two_stage", two_stage)):
+            got = f(logits, ids, 20)
+            ok = (got[0] - ref[0]).abs().max().item() < 1e-4 and (got[1] - ref[1]).abs().max().item() < 1e-4
+            for n in (0, 5, 20):
+                for _ in range(3):
+                    f(logits, ids, n)
+                dev, host = [], []
+                for _ in range(30):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    start.record()
+                    t0 = time.perf_counter()
+                    f(logits, ids, n)
+                    t1 = time.perf_counter()
+                    end.record()
+                    torch.cuda.synchronize()
+                    dev.append(start.elapsed_time(end) * 1000)
+                    host.append((t1 - t0) * 1e6)
+                dev.sort()
+                host.sort()
+                print(f"B={rows:3d} {name:10s} n={n:2d}: device {dev[15]:7.1f} us, host launch {host[15]:6.1f} us, "
+                      f"match {ok}")
+
+
+if __name__ == "__main__":
+    main()
