@@ -18,7 +18,7 @@ Errors are `{"error": {"message", "type", "param", "code"}}`:
 |---|---|---|
 | 400 | body not JSON / not an object / nested too deeply | invalid_json |
 | 400 | a field missing, mistyped, out of range or unknown | missing_field, invalid_request, unknown_parameter |
-| 400 | an option not implemented here (n > 1, tools, penalties, echo, ...) | unsupported_parameter |
+| 400 | an option not implemented here (best_of, tools, penalties, echo, ...) | unsupported_parameter |
 | 400 | messages empty, a role other than system/user/assistant, a system message not first | invalid_messages |
 | 400 | prompt (+ max_tokens) longer than the context | context_length_exceeded |
 | 404 | `model` is not the served model | model_not_found |
@@ -42,10 +42,17 @@ legacy object (`tokens`, `token_logprobs`, `top_logprobs`: the N most likely as 
 characters of the completion before each token), chat answers `{"content": [{token, logprob, bytes,
 top_logprobs}], "refusal": null}`; a token's string is its bytes decoded with U+FFFD for a partial UTF-8 character
 (`bytes` has them exactly). Streamed chunks carry the entries of the tokens whose text they carry.
+
+Several choices (`"n": 2`-16): n independent generations of the one prompt, each its own engine sequence (the
+prompt is prefilled n times: no prefix sharing), answered as choices 0..n-1; streamed, each chunk names its choice
+(`index`) and chunks of different choices interleave as they are sampled. With a `seed`, choice i samples with seed
++ i, so choice 0 is the answer the same request with n = 1 gets. Usage counts the prompt once and every choice's
+completion tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -59,6 +66,7 @@ from engine_core.continuous import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from qwen_engine.chat_template import ChatMessage
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # `n`: each choice is an engine sequence (a full-size engine batches 32-64)
 MAX_STOP_CHARS = 256
 
 
@@ -127,7 +135,7 @@ class _SamplingFields(BaseModel):
                        description="extension: keep the k most likely tokens; 0 or -1 = off")
     seed: int | None = Field(None, description="fixes the sampling of this request")
     stop: str | list[str] | None = Field(None, description="up to 16 strings; the output ends before the first one")
-    n: int = Field(1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="independent choices, each its own sequence")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -219,8 +227,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     def refuse(param: str, why: str):
         raise ApiError(400, "unsupported_parameter", f"{param}: {why}", param)
 
-    if req.n != 1:
-        refuse("n", f"only n=1 is supported, got {req.n}; send {req.n} requests instead")
     if req.presence_penalty or req.frequency_penalty:
         refuse("presence_penalty" if req.presence_penalty else "frequency_penalty", "penalties are not supported")
     if req.logit_bias:
@@ -315,6 +321,13 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     timeout_s: float | None
+    n: int = 1  # choices
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        """Choice `index`'s sampling: the request's, its seed (if given) + index (module docstring)."""
+        if self.sampling.seed is None or index == 0:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=self.sampling.seed + index)
 
 
 def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_len: int, eos_token_ids: tuple[int, ...],
@@ -359,7 +372,7 @@ def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_le
                               logprobs=requested_logprobs(req))
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return GenerationPlan(tuple(prompt_ids), max_tokens, sampling, tuple(dict.fromkeys(eos + extra)), stop,
-                          req.skip_special_tokens, req.stream, include_usage, req.timeout_s)
+                          req.skip_special_tokens, req.stream, include_usage, req.timeout_s, req.n)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -417,34 +430,40 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict,
-                    logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def completion_body(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    """`choices`: `completion_choice`s, index order."""
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": use}
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict,
-              logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
+def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    """`choices`: `chat_choice`s, index order."""
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": use}
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                     include_usage: bool, logprobs: dict | None = None) -> dict:
+                     include_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
     out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+           "choices": [completion_choice(index, text, finish_reason, logprobs)]}
     if include_usage:
         out["usage"] = None
     return out
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               include_usage: bool, logprobs: dict | None = None) -> dict:
+               include_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+           "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         out["usage"] = None
     return out

@@ -51,11 +51,13 @@ from qwen_engine.api import (
     LoggedToken,
     StopStringFilter,
     chat_body,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
     chat_messages,
     check_unsupported,
     completion_body,
+    completion_choice,
     completion_chunk,
     completion_logprobs,
     completion_prompt,
@@ -212,18 +214,21 @@ class _Piece:
     logged: list[LoggedToken] | None = None  # the log-probabilities of the tokens behind `text` (None: not asked)
 
 
-async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan) -> AsyncIterator[_Piece]:
+async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choice: int = 0
+                       ) -> AsyncIterator[_Piece]:
     """engine.generate as text pieces: ids -> whole UTF-8 characters -> cut before the first stop string.
 
     A stop string ends the stream early with finish_reason "stop"; leaving this generator (return, error,
     cancellation) closes the engine's iterator, which cancels the sequence and frees its KV blocks. An engine shutdown
     mid-request raises NotReady there: 503 before the first byte, an error event after it. With log-probabilities
-    asked for, the ids go through one at a time, so the entries end at the token that completes a stop string."""
+    asked for, the ids go through one at a time, so the entries end at the token that completes a stop string.
+    `choice`: which of the plan's n choices (its sampling: `GenerationPlan.choice_sampling`)."""
     detok = IncrementalDetokenizer(tokenizer, plan.skip_special_tokens)
     stops = StopStringFilter(plan.stop)
     offset = 0  # characters the detokenizer has given so far (completions' text_offset)
-    gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
-                          eos_token_ids=plan.eos_token_ids, timeout_s=plan.timeout_s)
+    gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=plan.max_new_tokens,
+                          sampling=plan.choice_sampling(choice), eos_token_ids=plan.eos_token_ids,
+                          timeout_s=plan.timeout_s)
     try:
         async for chunk in gen:
             ids = chunk.new_token_ids
@@ -254,6 +259,61 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan) -> A
                 return
     finally:
         await gen.aclose()
+
+
+async def _first_pieces(streams: list[AsyncIterator[_Piece]]) -> list[_Piece]:
+    """Every choice's first piece, together (errors before any output get their status). If one fails or the caller
+    is cancelled, the others are cancelled and every stream closed (their engine sequences freed) before it raises."""
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        raise
+
+
+async def _merged(streams: list[AsyncIterator[_Piece]], firsts: list[_Piece]) -> AsyncIterator[tuple[int, _Piece]]:
+    """(choice index, piece): each choice's first piece (already read), then every choice's pieces as they are
+    sampled, until each has finished. A choice's error ends it with that error; closing it (or the error) cancels
+    the other choices and closes every stream. One choice is read directly, several through a task each."""
+    try:
+        for i, first in enumerate(firsts):
+            yield i, first
+        live = [i for i, first in enumerate(firsts) if first.finish_reason is None]
+        if len(streams) == 1:
+            if live:
+                async for piece in streams[0]:  # the stream returns after its finishing piece
+                    yield 0, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for piece in streams[i]:
+                    queue.put_nowait((i, piece, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+                queue.put_nowait((i, None, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in live]
+        try:
+            while live:
+                i, piece, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                yield i, piece
+                if piece.finish_reason is not None:
+                    live.remove(i)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for stream in streams:
+            await stream.aclose()
 
 
 @serve.deployment(
@@ -341,6 +401,10 @@ class QwenServer:
             prompt = completion_prompt(req)
             prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
             default_max = self.cfg.default_max_tokens
+        if req.n > self.engine.cfg.max_queued:  # would be refused as overloaded however long the client waits
+            raise ApiError(400, "invalid_request", f"n: this server queues at most {self.engine.cfg.max_queued} "
+                                                   f"sequences (max_queued), so n must be at most that; got {req.n}",
+                           "n")
         return plan_generation(req, prompt_ids, max_model_len=self.max_model_len, eos_token_ids=tok.eos_token_ids,
                                vocab_size=self.engine.model_config.vocab_size, default_max_tokens=default_max)
 
@@ -352,12 +416,8 @@ class QwenServer:
             # loop keeps streaming other requests' tokens (tiktoken and tokenizers release the GIL).
             plan = self._plan(body, route) if len(body) < _INLINE_BODY_BYTES else await asyncio.to_thread(
                 self._plan, body, route)
-            pieces = _text_stream(self.engine, self.tokenizer, plan)
-            try:
-                first = await anext(pieces)  # errors before any output still get their status
-            except BaseException:
-                await pieces.aclose()
-                raise
+            streams = [_text_stream(self.engine, self.tokenizer, plan, i) for i in range(plan.n)]
+            firsts = await _first_pieces(streams)  # errors before any output still get their status
         except asyncio.CancelledError:  # client gone or Ray's timeout; the engine already dropped the work
             self.metrics.on_request(route, 499, "cancelled")
             raise
@@ -365,15 +425,18 @@ class QwenServer:
             return self._error_response(route, exc)
         t_first = time.perf_counter()
         rid = new_id("chatcmpl" if route == "chat" else "cmpl")
+        pieces = _merged(streams, firsts)
         if plan.stream:
-            return StreamingResponse(self._sse(route, rid, plan, first, pieces, t0, t_first),
+            return StreamingResponse(self._sse(route, rid, plan, firsts, pieces, t0, t_first),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        texts: list[list[str]] = [[] for _ in firsts]
+        logged: list[list[LoggedToken]] = [[] for _ in firsts]
+        lasts = list(firsts)
         try:
-            text, last, logged = [first.text], first, list(first.logged or ())
-            while last.finish_reason is None:
-                last = await anext(pieces)
-                text.append(last.text)
-                logged.extend(last.logged or ())
+            async for i, piece in pieces:
+                texts[i].append(piece.text)
+                logged[i].extend(piece.logged or ())
+                lasts[i] = piece
         except asyncio.CancelledError:
             self.metrics.on_request(route, 499, "cancelled")
             raise
@@ -381,13 +444,15 @@ class QwenServer:
             return self._error_response(route, exc)
         finally:
             await pieces.aclose()
-        use = usage(last.prompt_tokens, last.completion_tokens)
-        make = chat_body if route == "chat" else completion_body
-        lp = None if first.logged is None else self._logprobs(route, logged)
+        completion_tokens = sum(last.completion_tokens for last in lasts)
+        use = usage(lasts[0].prompt_tokens, completion_tokens)
+        make, choice = (chat_body, chat_choice) if route == "chat" else (completion_body, completion_choice)
+        choices = [choice(i, "".join(texts[i]), lasts[i].finish_reason,
+                          None if firsts[i].logged is None else self._logprobs(route, logged[i]))
+                   for i in range(len(firsts))]
         self.metrics.on_request(route, 200, "ok")
-        self.metrics.on_done(route, t0, t_first, last.prompt_tokens, last.completion_tokens)
-        return JSONResponse(make(rid, now_s(), self.cfg.served_model_name, "".join(text), last.finish_reason, use,
-                                 lp))
+        self.metrics.on_done(route, t0, t_first, lasts[0].prompt_tokens, completion_tokens)
+        return JSONResponse(make(rid, now_s(), self.cfg.served_model_name, choices, use))
 
     def _logprobs(self, route: str, logged: list[LoggedToken]) -> dict:
         """The response's `logprobs` object for these tokens (api.py: chat's or completions' shape)."""
@@ -401,46 +466,45 @@ class QwenServer:
         return Response(error_body(status, code, message, param), status_code=status, headers=headers,
                         media_type="application/json")
 
-    async def _sse(self, route: str, rid: str, plan: GenerationPlan, first, pieces, t0: float,
+    async def _sse(self, route: str, rid: str, plan: GenerationPlan, firsts: list[_Piece], pieces, t0: float,
                    t_first: float) -> AsyncIterator[bytes]:
-        """The SSE body: role (chat), text deltas, the finishing chunk, usage (if asked), [DONE]."""
+        """The SSE body: per choice the role (chat), text deltas and its finishing chunk, the choices' chunks
+        interleaved as they are sampled; then usage (if asked) and [DONE]."""
         created, model, inc = now_s(), self.cfg.served_model_name, plan.include_usage
         chat = route == "chat"
+        wants_logprobs = firsts[0].logged is not None
+        # per choice, the entries of tokens whose text is not out yet (a partial character, a held-back stop)
+        held: list[list[LoggedToken]] = [[] for _ in firsts]
 
-        wants_logprobs = first.logged is not None
-        held: list[LoggedToken] = []  # entries of tokens whose text is not out yet (a partial character, a held stop)
-
-        def event(text: str, finish: str | None) -> bytes:
+        def event(i: int, text: str, finish: str | None) -> bytes:
             lp = None
-            if wants_logprobs and (held or text):
-                lp = self._logprobs(route, held)
-                held.clear()
+            if wants_logprobs and (held[i] or text):
+                lp = self._logprobs(route, held[i])
+                held[i].clear()
             if chat:
                 return sse(chat_chunk(rid, created, model, {"content": text} if text or finish is None else {},
-                                      finish, inc, lp))
-            return sse(completion_chunk(rid, created, model, text, finish, inc, lp))
+                                      finish, inc, lp, i))
+            return sse(completion_chunk(rid, created, model, text, finish, inc, lp, i))
 
-        last = first
+        lasts = list(firsts)
         status, code = 200, "ok"
         try:
             if chat:
-                yield sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, inc))
-            piece = first
-            while True:
-                held.extend(piece.logged or ())
+                for i in range(len(firsts)):
+                    yield sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, inc,
+                                         None, i))
+            async for i, piece in pieces:
+                held[i].extend(piece.logged or ())
                 if piece.text or piece.finish_reason is not None:
                     if chat and piece.text and piece.finish_reason is not None:
-                        yield event(piece.text, None)  # OpenAI's last chunk carries only the finish reason
-                        yield event("", piece.finish_reason)
+                        yield event(i, piece.text, None)  # OpenAI's last chunk carries only the finish reason
+                        yield event(i, "", piece.finish_reason)
                     else:
-                        yield event(piece.text, piece.finish_reason)
-                last = piece
-                if piece.finish_reason is not None:
-                    break
-                piece = await anext(pieces)
+                        yield event(i, piece.text, piece.finish_reason)
+                lasts[i] = piece
             if inc:
                 yield sse(usage_chunk(rid, created, model, "chat.completion.chunk" if chat else "text_completion",
-                                      usage(last.prompt_tokens, last.completion_tokens)))
+                                      usage(lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts))))
         except (asyncio.CancelledError, GeneratorExit):  # client disconnected mid-stream (the task cancelled, or
             status, code = 499, "cancelled"  #                 the body iterator closed at a yield)
             raise
@@ -451,7 +515,8 @@ class QwenServer:
             await pieces.aclose()
             self.metrics.on_request(route, status, code)
             if status == 200:
-                self.metrics.on_done(route, t0, t_first, last.prompt_tokens, last.completion_tokens)
+                self.metrics.on_done(route, t0, t_first, lasts[0].prompt_tokens,
+                                     sum(last.completion_tokens for last in lasts))
         yield SSE_DONE
 
 

@@ -157,7 +157,7 @@ def test_null_options_mean_their_defaults():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}},
                                                            "stream_options"),
 ])
@@ -317,10 +317,53 @@ def test_engine_shutdown_is_an_error_not_a_finish_reason():
     assert _error(e.value)[:2] == (503, "not_ready") and engine.closed_early is False
 
 
+def test_merged_choices_interleave_and_fail_or_close_together():
+    """`_merged` (n choices): every piece of every choice tagged with its index, each choice's in its order, until
+    each finishes; one choice's error ends the merge with that error and closes the other (its engine sequence freed);
+    closing the merge early closes both."""
+    from qwen_engine.serve import _merged, _Piece
+
+    def script(tag: str, n: int, closed: list, error: Exception | None = None):
+        async def pieces():
+            try:
+                for k in range(n):
+                    await asyncio.sleep(0.001 * (1 + (k + len(tag)) % 3))  # interleave the choices
+                    yield _Piece(f"{tag}{k}", None if k < n - 1 else "length", 1, k + 1)
+                    if error is not None and k == 1:
+                        raise error
+            finally:
+                closed.append(tag)
+        return pieces()
+
+    async def run(errors=(None, None), stop_after=None, closed=None):
+        closed = [] if closed is None else closed
+        streams = [script(t, 5, closed, e) for t, e in zip(("a", "bb"), errors)]
+        firsts = [await anext(s) for s in streams]
+        got, merged = [], _merged(streams, firsts)
+        try:
+            async for i, p in merged:
+                got.append((i, p.text))
+                if stop_after is not None and len(got) == stop_after:
+                    break
+        finally:
+            await merged.aclose()
+        return got, sorted(closed)
+
+    got, closed = asyncio.run(run())
+    assert [t for i, t in got if i == 0] == [f"a{k}" for k in range(5)]
+    assert [t for i, t in got if i == 1] == [f"bb{k}" for k in range(5)] and closed == ["a", "bb"]
+    closed = []
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(run(errors=(None, RuntimeError("boom")), closed=closed))
+    assert sorted(closed) == ["a", "bb"]
+    got, closed = asyncio.run(run(stop_after=3))
+    assert len(got) == 3 and closed == ["a", "bb"]
+
+
 def test_stream_closed_by_the_client_counts_as_cancelled():
     """The SSE body closed at a yield (GeneratorExit, how a server drops a gone client's iterator) is a 499 in the
     metrics and closes the engine's stream; a stream read to its end is a 200."""
-    from qwen_engine.serve import QwenServer, ServerConfig, _Piece
+    from qwen_engine.serve import QwenServer, ServerConfig, _merged, _Piece
 
     class Recorder:
         def on_request(self, route, status, code):
@@ -343,8 +386,9 @@ def test_stream_closed_by_the_client_counts_as_cancelled():
 
     async def run(read_all: bool):
         server.metrics, closed = Recorder(), []
-        pieces = pieces_then(closed)
-        body = sse_body(server, "completions", "id", plan, await anext(pieces), pieces, 0.0, 0.0)
+        stream = pieces_then(closed)
+        first = await anext(stream)
+        body = sse_body(server, "completions", "id", plan, [first], _merged([stream], [first]), 0.0, 0.0)
         if read_all:
             frames = [f async for f in body]
             assert frames[-1] == b"data: [DONE]\n\n"
@@ -566,6 +610,52 @@ def test_chat_logprobs_non_streamed_and_streamed(client):
     assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs"
 
 
+def test_choice_sampling_offsets_a_given_seed():
+    """n choices: choice i samples with seed + i (choice 0 is the n = 1 answer); unseeded choices stay unseeded (the
+    engine draws each its own seed)."""
+    def plan(**kw):
+        req = CompletionRequest(model="m", prompt="x", n=3, **kw)
+        return plan_generation(req, [1, 2], max_model_len=100, eos_token_ids=(0,), vocab_size=248320,
+                               default_max_tokens=16)
+
+    seeded = plan(seed=41, temperature=0.8)
+    assert seeded.n == 3 and [seeded.choice_sampling(i).seed for i in range(3)] == [41, 42, 43]
+    assert seeded.choice_sampling(2).temperature == 0.8
+    assert [plan().choice_sampling(i).seed for i in range(3)] == [None] * 3
+
+
+def test_several_choices_non_streamed_and_streamed_agree(client):
+    """n = 2 sampled with a seed: two choices (index 0, 1), choice 0 the n = 1 answer, the other different (a random
+    model over 248k ids), usage the prompt once and both choices' tokens; streamed, each choice's chunks (interleaved)
+    give its text, one finishing chunk each, and the same usage. Chat with n = 2 greedy: two equal answers. More
+    choices than the server queues (max_queued 2 here) is a 400, not a 503 forever."""
+    kw = dict(prompt="Hello", max_tokens=5, temperature=1.0, seed=11)
+    r = complete(client, n=2, **kw)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    texts = [c["text"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == [0, 1] and texts[0] != texts[1]
+    single = complete(client, **kw).json()
+    assert texts[0] == single["choices"][0]["text"]
+    assert body["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 10 or any(c["finish_reason"] == "stop" for c in body["choices"])
+    events = events_of(complete(client, n=2, stream=True, stream_options={"include_usage": True}, **kw))
+    *chunks, last = events
+    assert all(len(e["choices"]) == 1 for e in chunks)
+    for i in range(2):
+        mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == texts[i]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [body["choices"][i]["finish_reason"]]
+    assert last["choices"] == [] and last["usage"] == body["usage"]
+    r = chat(client, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2,
+             chat_template_kwargs={"enable_thinking": False})
+    first, second = r.json()["choices"]
+    assert (first["index"], second["index"]) == (0, 1) and first["message"] == second["message"]
+    assert r.json()["usage"]["completion_tokens"] == 8
+    r = complete(client, n=3, **kw)
+    assert r.status_code == 400 and error_of(r)["param"] == "n"
+
+
 @pytest.mark.parametrize("path, kwargs, status, code", [
     ("/v1/chat/completions", {"content": b"{oops", "headers": {"content-type": "application/json"}}, 400,
      "invalid_json"),
@@ -573,8 +663,10 @@ def test_chat_logprobs_non_streamed_and_streamed(client):
     ("/v1/chat/completions", {"json": {"model": MODEL, "messages": []}}, 400, "invalid_messages"),
     ("/v1/chat/completions", {"json": {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}}, 400,
      "invalid_messages"),
-    ("/v1/chat/completions", {"json": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}},
-     400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"json": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17}},
+     400, "invalid_request"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "x", "n": 0}}, 400, "invalid_request"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "x", "best_of": 2}}, 400, "unsupported_parameter"),
     ("/v1/completions", {"json": {"model": MODEL, "prompt": "x", "max_tokens": -5}}, 400, "invalid_request"),
     ("/v1/completions", {"json": {"model": "gpt-4", "prompt": "x"}}, 404, "model_not_found"),
     ("/v1/completions", {"json": {"model": MODEL, "prompt": "word " * 300}}, 400, "context_length_exceeded"),
