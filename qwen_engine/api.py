@@ -38,16 +38,20 @@ Log-probabilities: `/v1/completions` `"logprobs": N` (0-20), `/v1/chat/completio
 `"top_logprobs": N` (0-20). Natural logs of the model's own next-token distribution (fp32 log-softmax of the logits,
 before temperature / top-k / top-p, as OpenAI and vLLM report them), for every output token up to the one that
 completes a stop string; a terminating eos / stop token id is left out, as its text is. Completions answer OpenAI's
-legacy object (`tokens`, `token_logprobs`, `top_logprobs`: the N most likely as {token: logprob}, `text_offset`:
-characters of the completion before each token), chat answers `{"content": [{token, logprob, bytes,
-top_logprobs}], "refusal": null}`; a token's string is its bytes decoded with U+FFFD for a partial UTF-8 character
-(`bytes` has them exactly). Streamed chunks carry the entries of the tokens whose text they carry.
+legacy object (`tokens`, `token_logprobs`, `top_logprobs`: the N most likely and the sampled token as {token:
+logprob}, `text_offset`: characters of the completion before each token; a token that is not whole UTF-8
+characters is named `bytes:\\xNN...`), chat answers `{"content": [{token, logprob, bytes, top_logprobs (the N most
+likely)}], "refusal": null}` (a token's string there is its bytes decoded with U+FFFD for a partial character;
+`bytes` has them exactly). Streamed chunks carry the entries of the tokens whose text they carry. A long answer's
+log-probabilities are built off the event loop (up to 16 choices x 20 alternatives x the context's tokens).
 
 Several choices (`"n": 2`-16): n independent generations of the one prompt, each its own engine sequence (the
 prompt is prefilled n times: no prefix sharing), answered as choices 0..n-1; streamed, each chunk names its choice
 (`index`) and chunks of different choices interleave as they are sampled. With a `seed`, choice i samples with seed
 + i, so choice 0 is the answer the same request with n = 1 gets. Usage counts the prompt once and every choice's
-completion tokens.
+completion tokens. n is at most `MAX_CHOICES` and the engine's `max_queued` and `max_num_seqs` (more choices than
+resident sequences would wait for whole generations of the others); the first byte waits for every choice's first
+token.
 """
 
 from __future__ import annotations
@@ -482,14 +486,32 @@ TokenBytes = Callable[[int], bytes]  # a token id's bytes (`QwenTokenizer.token_
 
 
 def _token_text(token_bytes: TokenBytes, token_id: int) -> str:
-    return token_bytes(token_id).decode("utf-8", errors="replace")
+    """A completions token string: its UTF-8 text, or OpenAI's `bytes:\\xNN...` form for bytes that are not whole
+    UTF-8 characters (part of one; ~660 byte-level ids of the Qwen vocabulary), so distinct byte strings stay distinct
+    keys of `top_logprobs`."""
+    raw = token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _top_dict(token_bytes: TokenBytes, t: LoggedToken) -> dict[str, float]:
+    """One token's completions `top_logprobs` entry: the n most likely and the sampled token (n + 1 entries when it
+    is not among them, as OpenAI and vLLM answer); ids with the same string (e.g. empty padding ids) keep the most
+    likely one's value."""
+    out: dict[str, float] = {}
+    for i, v in t.logprobs.top:
+        out.setdefault(_token_text(token_bytes, i), v)
+    out.setdefault(_token_text(token_bytes, t.token_id), t.logprobs.logprob)
+    return out
 
 
 def completion_logprobs(logged: Sequence[LoggedToken], token_bytes: TokenBytes) -> dict:
     """OpenAI's legacy completions `logprobs` object (module docstring)."""
     return {"tokens": [_token_text(token_bytes, t.token_id) for t in logged],
             "token_logprobs": [t.logprobs.logprob for t in logged],
-            "top_logprobs": [{_token_text(token_bytes, i): v for i, v in t.logprobs.top} for t in logged],
+            "top_logprobs": [_top_dict(token_bytes, t) for t in logged],
             "text_offset": [t.text_offset for t in logged]}
 
 

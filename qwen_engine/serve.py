@@ -201,6 +201,7 @@ def _error(exc: Exception) -> tuple[int, str, str, str | None, dict[str, str]]:
 
 
 _INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are parsed and tokenised on the event loop
+_INLINE_LOGPROB_ENTRIES = 4096  # non-streamed answers with more log-probability entries are built in a thread
 
 
 @dataclass
@@ -295,6 +296,10 @@ async def _merged(streams: list[AsyncIterator[_Piece]], firsts: list[_Piece]) ->
             try:
                 async for piece in streams[i]:
                     queue.put_nowait((i, piece, None))
+                    if piece.finish_reason is not None:
+                        return
+                # a stream ends with its finishing piece or an error (`_text_stream`); else the reader would wait
+                raise RuntimeError(f"choice {i}'s stream ended without a finish reason")
             except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
                 queue.put_nowait((i, None, exc))
 
@@ -401,10 +406,11 @@ class QwenServer:
             prompt = completion_prompt(req)
             prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
             default_max = self.cfg.default_max_tokens
-        if req.n > self.engine.cfg.max_queued:  # would be refused as overloaded however long the client waits
-            raise ApiError(400, "invalid_request", f"n: this server queues at most {self.engine.cfg.max_queued} "
-                                                   f"sequences (max_queued), so n must be at most that; got {req.n}",
-                           "n")
+        most = min(self.engine.cfg.max_queued, self.engine.cfg.max_num_seqs)
+        if req.n > most:  # more than it queues: refused as overloaded however long the client waits; more than it
+            #               holds at once: later choices would wait for whole generations of the first ones
+            raise ApiError(400, "invalid_request", f"n: this server runs at most {most} sequences of one request "
+                                                   f"(max_queued, max_num_seqs); got {req.n}", "n")
         return plan_generation(req, prompt_ids, max_model_len=self.max_model_len, eos_token_ids=tok.eos_token_ids,
                                vocab_size=self.engine.model_config.vocab_size, default_max_tokens=default_max)
 
@@ -447,12 +453,20 @@ class QwenServer:
         completion_tokens = sum(last.completion_tokens for last in lasts)
         use = usage(lasts[0].prompt_tokens, completion_tokens)
         make, choice = (chat_body, chat_choice) if route == "chat" else (completion_body, completion_choice)
-        choices = [choice(i, "".join(texts[i]), lasts[i].finish_reason,
-                          None if firsts[i].logged is None else self._logprobs(route, logged[i]))
-                   for i in range(len(firsts))]
+
+        def respond() -> JSONResponse:  # the body built and encoded (JSONResponse encodes at construction)
+            choices = [choice(i, "".join(texts[i]), lasts[i].finish_reason,
+                              None if firsts[i].logged is None else self._logprobs(route, logged[i]))
+                       for i in range(len(firsts))]
+            return JSONResponse(make(rid, now_s(), self.cfg.served_model_name, choices, use))
+
+        # thousands of log-probability entries take ~0.1 s+ to build and encode: off the loop that streams the
+        # other requests' tokens
+        big = sum(len(x) for x in logged) * (1 + (plan.sampling.logprobs or 0)) > _INLINE_LOGPROB_ENTRIES
+        response = await asyncio.to_thread(respond) if big else respond()
         self.metrics.on_request(route, 200, "ok")
         self.metrics.on_done(route, t0, t_first, lasts[0].prompt_tokens, completion_tokens)
-        return JSONResponse(make(rid, now_s(), self.cfg.served_model_name, choices, use))
+        return response
 
     def _logprobs(self, route: str, logged: list[LoggedToken]) -> dict:
         """The response's `logprobs` object for these tokens (api.py: chat's or completions' shape)."""

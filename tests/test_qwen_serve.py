@@ -317,6 +317,23 @@ def test_engine_shutdown_is_an_error_not_a_finish_reason():
     assert _error(e.value)[:2] == (503, "not_ready") and engine.closed_early is False
 
 
+def test_completion_top_logprobs_keys_stay_distinct_and_hold_the_sampled_token():
+    """Completions' {token: logprob} entries: bytes that are not whole UTF-8 characters are keyed `bytes:\\xNN`
+    (distinct byte strings stay distinct keys), ids with the same string keep the most likely value, and the sampled
+    token is there even when it is not among the n most likely (n + 1 entries, as OpenAI / vLLM)."""
+    from qwen_engine.api import LoggedToken, chat_logprobs, completion_logprobs
+
+    raw = {94: b"\xe2", 95: b"\xe2", 96: b"\x80", 97: b"ok", 98: b""}
+    t = LoggedToken(97, TokenLogprobs(-9.0, ((94, -0.2), (95, -0.5), (96, -7.0))), 0)
+    out = completion_logprobs([t], raw.__getitem__)
+    assert out["top_logprobs"] == [{"bytes:\\xe2": -0.2, "bytes:\\x80": -7.0, "ok": -9.0}]
+    assert out["tokens"] == ["ok"] and out["token_logprobs"] == [-9.0] and out["text_offset"] == [0]
+    zero = completion_logprobs([LoggedToken(96, TokenLogprobs(-1.5, ()), 3)], raw.__getitem__)
+    assert zero["top_logprobs"] == [{"bytes:\\x80": -1.5}] and zero["tokens"] == ["bytes:\\x80"]
+    (entry,) = chat_logprobs([t], raw.__getitem__)["content"]
+    assert [e["bytes"] for e in entry["top_logprobs"]] == [[0xE2], [0xE2], [0x80]]  # chat: exactly the n, bytes
+
+
 def test_merged_choices_interleave_and_fail_or_close_together():
     """`_merged` (n choices): every piece of every choice tagged with its index, each choice's in its order, until
     each finishes; one choice's error ends the merge with that error and closes the other (its engine sequence freed);
@@ -358,6 +375,18 @@ def test_merged_choices_interleave_and_fail_or_close_together():
     assert sorted(closed) == ["a", "bb"]
     got, closed = asyncio.run(run(stop_after=3))
     assert len(got) == 3 and closed == ["a", "bb"]
+
+    async def unfinished():  # a stream that ends without a finish reason: an error, not a request that hangs
+        yield _Piece("x", None, 1, 1)
+        yield _Piece("y", None, 1, 2)
+
+    async def merge_unfinished():
+        streams = [unfinished(), script("a", 3, [])]
+        firsts = [await anext(s) for s in streams]
+        return [p async for p in _merged(streams, firsts)]
+
+    with pytest.raises(RuntimeError, match="without a finish reason"):
+        asyncio.run(asyncio.wait_for(merge_unfinished(), 10))
 
 
 def test_stream_closed_by_the_client_counts_as_cancelled():
@@ -567,13 +596,12 @@ def test_completion_logprobs_non_streamed_and_streamed_agree(client):
     lp = choice["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert [len(v) for v in lp.values()] == [8] * 4
-    for v, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+    for token, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
         vals = list(top.values())
-        assert v <= 0 and 1 <= len(vals) <= 3  # fewer: two of the top ids decode to the same string
-        if len(vals) == 3:
-            assert vals == sorted(vals, reverse=True) and v == pytest.approx(vals[0], abs=1e-6)
+        assert v <= 0 and 1 <= len(vals) <= 3  # fewer: top ids with one string (e.g. empty padding ids)
+        assert vals == sorted(vals, reverse=True) and top[token] == v  # greedy: the sampled token is the first
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    if "\ufffd" not in "".join(lp["tokens"]):
+    if not any(t.startswith("bytes:") for t in lp["tokens"]):
         assert "".join(lp["tokens"]) == choice["text"]
     assert choice["text"] == complete(client, prompt=prompt, max_tokens=8).json()["choices"][0]["text"]
     events = events_of(complete(client, prompt=prompt, max_tokens=8, logprobs=3, stream=True))
