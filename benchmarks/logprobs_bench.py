@@ -2,7 +2,9 @@
 at 1 and 32 rows of the Qwen3.6 vocabulary (248,320), n = 0 / 5 / 20, beside two alternatives that were tried:
 log-sum-exp then top-k of the logits (no [B, V] log-softmax), and a two-stage top-k (256 chunks, then the
 candidates). Per variant and size the median of 30 calls, each between synchronisations: device time (events) and
-the host's launch time. Also checks each variant against `token_logprobs` (1e-4).
+the host's launch time. Also checks each variant against `token_logprobs` (1e-4). Then the presence / frequency
+penalties' share of a step the same way: the rows' counts gathered from the [slots, vocab] int32 table, the
+penalised fp32 logits and their argmax (what `sample` adds for a penalised batch).
 
     python benchmarks/logprobs_bench.py > logprobs_cost.txt      # results/logprobs62 (H100, 2026-12-07)
 """
@@ -11,7 +13,7 @@ import time
 
 import torch
 
-from engine_core.sampling import token_logprobs
+from engine_core.sampling import apply_penalties, token_logprobs
 
 
 def lse_topk(logits, ids, n):
@@ -33,6 +35,39 @@ def two_stage(logits, ids, n, chunks=256):
     i1 = i1 + (torch.arange(chunks, device=x.device) * (v // chunks))[None, :, None]
     v2, j = v1.reshape(b, -1).topk(n, dim=-1)
     return chosen, v2 - lse, i1.reshape(b, -1).gather(1, j)
+
+
+def timed(f, *args) -> tuple[float, float]:
+    """Median device and host microseconds of 30 calls of f(*args), each between synchronisations."""
+    for _ in range(3):
+        f(*args)
+    dev, host = [], []
+    for _ in range(30):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        f(*args)
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        dev.append(start.elapsed_time(end) * 1000)
+        host.append((t1 - t0) * 1e6)
+    return sorted(dev)[15], sorted(host)[15]
+
+
+def penalties() -> None:
+    table = torch.randint(0, 3, (64, 248320), device="cuda", dtype=torch.int32)
+    for rows in (1, 32):
+        logits = torch.randn(rows, 248320, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(rows, device="cuda")
+        pres, freq = torch.full((rows,), 0.5, device="cuda"), torch.full((rows,), 0.25, device="cuda")
+
+        def penalised():
+            return apply_penalties(logits, table.index_select(0, slots), pres, freq).argmax(-1)
+
+        dev, host = timed(penalised)
+        print(f"B={rows:3d} penalties (gather + apply + argmax): device {dev:7.1f} us, host launch {host:6.1f} us")
 
 
 def main() -> None:
@@ -67,3 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    penalties()

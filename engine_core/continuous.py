@@ -118,6 +118,10 @@ class SamplingParams:
     # (log-softmax of the raw logits: before temperature, top-k and top-p, as OpenAI and vLLM report it) and the n
     # most likely tokens' (`TokenLogprobs`); at most MAX_LOGPROBS
     logprobs: int | None = None
+    # OpenAI's penalties, subtracted from the logits before anything else (greedy rows too), over this request's
+    # output tokens so far: presence * [token appeared] + frequency * (times it appeared); each in [-2, 2]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not self.temperature >= 0.0:  # also rejects NaN
@@ -131,10 +135,18 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Presence or frequency penalties: the sampler needs the request's output-token counts."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +242,9 @@ class ScheduledSeq:
     output_index: int  # index of the token sampled here among the request's outputs (sampler counter)
     seed: int  # per-request sampler seed
     sampling: SamplingParams
+    # reset_state rows of penalized requests resumed after preemption: the outputs sampled before it, whose counts
+    # the runner rebuilds (a runner keeps a penalized request's counts per state slot from its reset row on)
+    prior_outputs: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -758,10 +773,12 @@ class ContinuousScheduler:
     def _slice(self, seq: SequenceState, n: int, *, is_decode: bool) -> ScheduledSeq:
         start = seq.num_computed_tokens
         end = start + n
+        sampling = seq.request.sampling
+        prior = seq.output_token_ids if start == 0 and sampling.penalized and seq.num_output_tokens else ()
         return ScheduledSeq(
             seq.request_id, start, tuple(seq.token_ids[start:end]), self.blocks.block_table(seq.request_id),
             seq.state_slot, reset_state=start == 0, is_decode=is_decode, sample=end == seq.num_tokens,
-            output_index=seq.num_output_tokens, seed=seq.seed, sampling=seq.request.sampling)
+            output_index=seq.num_output_tokens, seed=seq.seed, sampling=sampling, prior_outputs=prior)
 
     def _admit(self, rid: RequestId) -> None:
         seq = self._seqs[rid]

@@ -26,7 +26,8 @@ anywhere): a per-row key from (seed, step) chained through `_mix32` (Wellons' lo
   (unmeasured); in eager mode each op is its own pass over [B, V] (~64 MB each at that size), so compile the
   sampler with the decode step (P9).
 
-Ops are in the order HF / vLLM apply them: temperature, then top-k, then top-p on the renormalised top-k
+Ops are in the order HF / vLLM apply them: presence / frequency penalties (over the request's output-token counts,
+which the engine keeps on the device; `apply_penalties`), temperature, then top-k, then top-p on the renormalised top-k
 distribution. Rows with temperature 0 are greedy (first maximal index, as `torch.argmax`) whatever their other
 parameters. top-k / top-p sort the row (stable, so ties break by token id and the result is batch-independent); the
 sort is skipped when no row in the batch asks for either.
@@ -91,6 +92,8 @@ class SamplingTensors:
     step: torch.Tensor | None  # [B] int64: the output index being sampled
     all_greedy: bool  # every row greedy: just argmax
     needs_sort: bool  # some sampled row uses top-k or top-p
+    presence: torch.Tensor | None = None  # [B] fp32 presence penalties (0 = off); None: no row is penalized
+    frequency: torch.Tensor | None = None  # [B] fp32 frequency penalties
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
@@ -104,8 +107,12 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
         sampled = [p for p in params if not p.greedy]
+        penalties = {}
+        if any(p.penalized for p in params):
+            penalties = dict(presence=put([p.presence_penalty for p in params], torch.float32),
+                             frequency=put([p.frequency_penalty for p in params], torch.float32))
         if not sampled:
-            return cls(None, None, None, None, None, all_greedy=True, needs_sort=False)
+            return cls(None, None, None, None, None, all_greedy=True, needs_sort=False, **penalties)
         return cls(
             temperature=put([p.temperature for p in params], torch.float32),
             top_p=put([p.top_p for p in params], torch.float32),
@@ -114,6 +121,7 @@ class SamplingTensors:
             step=put(list(steps), torch.int64),
             all_greedy=False,
             needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
+            **penalties,
         )
 
     @classmethod
@@ -123,10 +131,26 @@ class SamplingTensors:
         return cls.build([r.sampling for r in rows], [r.seed for r in rows], [r.output_index for r in rows], device)
 
 
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties: logits [B, V], counts [B, V] (each row's output-token counts so far),
+    presence / frequency [B] -> fp32 logits - presence [count > 0] - frequency count. Rows with both 0 come back
+    unchanged (in fp32)."""
+    c = counts.float()
+    return logits.float() - presence[:, None] * (c > 0).float() - frequency[:, None] * c
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors,
-           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           counts: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> token ids [B] int64, without host syncs. `argmax`: the greedy rows'
-    `torch.argmax(logits, dim=-1)` by another route (an engine's kernel: the first maximum, NaN above numbers)."""
+    `torch.argmax(logits, dim=-1)` by another route (an engine's kernel: the first maximum, NaN above numbers).
+    `counts` [B, V]: the rows' output-token counts, needed (and only read) when `st` carries penalties."""
+    if st.presence is not None:
+        if counts is None:
+            raise ValueError("penalized rows need their output-token counts")
+        logits = apply_penalties(logits, counts, st.presence, st.frequency)
+        argmax = None  # the penalized fp32 logits: torch's argmax (the kernel's contract is the model's logits)
     greedy = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     if st.all_greedy:
         return greedy
@@ -170,6 +194,14 @@ def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor,
 
 # --------------------------------------------------------------------------------------------------------------
 # Plain reference (tests): one row at a time, float64, torch.multinomial
+
+
+def reference_penalized(logits: torch.Tensor, outputs: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """logits [V] and the request's outputs so far -> the penalized logits [V] fp64, token by token."""
+    out = logits.double().clone()
+    for token in set(outputs):
+        out[token] -= params.presence_penalty + params.frequency_penalty * list(outputs).count(token)
+    return out
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -18,7 +18,7 @@ Errors are `{"error": {"message", "type", "param", "code"}}`:
 |---|---|---|
 | 400 | body not JSON / not an object / nested too deeply | invalid_json |
 | 400 | a field missing, mistyped, out of range or unknown | missing_field, invalid_request, unknown_parameter |
-| 400 | an option not implemented here (best_of, tools, penalties, echo, ...) | unsupported_parameter |
+| 400 | an option not implemented here (best_of, tools, logit_bias, echo, ...) | unsupported_parameter |
 | 400 | messages empty, a role other than system/user/assistant, a system message not first | invalid_messages |
 | 400 | prompt (+ max_tokens) longer than the context | context_length_exceeded |
 | 404 | `model` is not the served model | model_not_found |
@@ -44,6 +44,10 @@ characters is named `bytes:\\xNN...`), chat answers `{"content": [{token, logpro
 likely)}], "refusal": null}` (a token's string there is its bytes decoded with U+FFFD for a partial character;
 `bytes` has them exactly). Streamed chunks carry the entries of the tokens whose text they carry. A long answer's
 log-probabilities are built off the event loop (up to 16 choices x 20 alternatives x the context's tokens).
+
+Penalties: `presence_penalty` / `frequency_penalty` in [-2, 2], as OpenAI defines them over the output so far (not
+the prompt), applied before temperature / top-k / top-p (greedy requests too); the engine keeps each penalized
+request's output-token counts on the device.
 
 Several choices (`"n": 2`-16): n independent generations of the one prompt, each its own engine sequence (the
 prompt is prefilled n times: no prefix sharing), answered as choices 0..n-1; streamed, each chunk names its choice
@@ -146,9 +150,11 @@ class _SamplingFields(BaseModel):
     logprobs: Any = Field(None, description="completions: 0-20 most likely tokens' log-probabilities per output "
                                            "token; chat: true / false (`requested_logprobs`)")
     top_logprobs: int | None = Field(None, description="chat, with logprobs true: 0-20 most likely tokens")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every token "
+                                                                     "the output already holds")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per time the output holds "
+                                                                       "the token")
     # OpenAI options we refuse unless they ask for the default (see `check_unsupported`)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # extensions
     ignore_eos: bool = Field(False, description="extension: do not stop at <|im_end|> / <|endoftext|>")
@@ -231,8 +237,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     def refuse(param: str, why: str):
         raise ApiError(400, "unsupported_parameter", f"{param}: {why}", param)
 
-    if req.presence_penalty or req.frequency_penalty:
-        refuse("presence_penalty" if req.presence_penalty else "frequency_penalty", "penalties are not supported")
     if req.logit_bias:
         refuse("logit_bias", "logit_bias is not supported")
     if req.stream_options is not None and not req.stream:
@@ -373,7 +377,8 @@ def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_le
     if any(not 0 <= t < vocab_size for t in extra):
         raise ApiError(400, "invalid_request", f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
-                              logprobs=requested_logprobs(req))
+                              logprobs=requested_logprobs(req), presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return GenerationPlan(tuple(prompt_ids), max_tokens, sampling, tuple(dict.fromkeys(eos + extra)), stop,
                           req.skip_special_tokens, req.stream, include_usage, req.timeout_s, req.n)

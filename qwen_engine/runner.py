@@ -121,6 +121,10 @@ class ModelRunner:
         # the feed index of a step formed ahead, kept on the device while it repeats (a batch that does not change
         # repeats it every step): one host->device copy fewer between two decode steps
         self._feed_index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        # penalized requests' output-token counts per GDN state slot [max_num_seqs, vocab] int32, made on first use:
+        # a penalized row's slot is set at its reset row (zeros, or its outputs before a preemption) and counts each
+        # token it samples, on the device, so steps formed ahead see the token of the step before them
+        self._counts: torch.Tensor | None = None
         # greedy ids by the registry's "argmax_rows" (one launch spread over the GPU) instead of torch.argmax (one
         # block a row): QwenEngineConfig.argmax_kernel
         self.argmax_kernel = False
@@ -316,12 +320,17 @@ class ModelRunner:
         without waiting for them (CUDA; elsewhere the work is done on return). `feed`: see `forward`."""
         t0 = time.perf_counter()
         logits = self.forward(plan, feed)
+        if any(r.reset_state and r.sampling.penalized for r in plan.seqs):
+            self._reset_counts(plan)
         ids = host = event = logprobs = None
         if logits.shape[0]:
             asks = [r.sampling.logprobs for r in plan.sampled if r.sampling.logprobs is not None]
             with torch.inference_mode():
+                counts = self._penalty_counts(plan)
                 ids = sample(logits, SamplingTensors.from_plan(plan, self.device),
-                             argmax=self._argmax if self.argmax_kernel else None)
+                             argmax=self._argmax if self.argmax_kernel else None, counts=counts)
+                if counts is not None:
+                    self._count_sampled(plan, ids)
                 # queued before the next step's launch (one stream), so a graph's logits buffer is read first
                 lps = token_logprobs(logits, ids, max(asks)) if asks else None
             if self.device.type == "cuda":
@@ -333,6 +342,38 @@ class ModelRunner:
                 host, logprobs = ids, lps
         self.launches += 1  # queued (a launch that raised is not counted)
         return PendingStep(plan, ids, host, event, time.perf_counter() - t0, logprobs)
+
+    def _penalty_counts(self, plan: StepPlan) -> torch.Tensor | None:
+        """The sampled rows' output-token counts [len(plan.sampled), vocab] when a row is penalized (None when none
+        is). Rows without penalties read their slot's stale counts, which their zero penalties ignore."""
+        if not any(r.sampling.penalized for r in plan.sampled):
+            return None
+        return self._counts.index_select(0, self._slots([r.state_slot for r in plan.sampled]))
+
+    def _reset_counts(self, plan: StepPlan) -> None:
+        """Set the slots of the plan's penalized reset rows (a request's first row, or its first after preemption;
+        before any row of it samples): zeros, plus the outputs sampled before a preemption."""
+        if self._counts is None:
+            self._counts = torch.zeros(self.max_num_seqs, self.cfg.vocab_size, dtype=torch.int32,
+                                       device=self.device)
+        for r in plan.seqs:
+            if r.reset_state and r.sampling.penalized:
+                row = self._counts[r.state_slot]
+                row.zero_()
+                if r.prior_outputs:  # rare (preemption): one small host->device copy
+                    prior = self._slots(list(r.prior_outputs))
+                    row.index_add_(0, prior, torch.ones_like(prior, dtype=torch.int32))
+
+    def _count_sampled(self, plan: StepPlan, ids: torch.Tensor) -> None:
+        """Add each penalized sampled row's new token to its slot's counts (on the device: no sync)."""
+        rows = [i for i, r in enumerate(plan.sampled) if r.sampling.penalized]
+        slots = self._slots([plan.sampled[i].state_slot for i in rows])
+        picked = ids.index_select(0, self._slots(rows))
+        self._counts.index_put_((slots, picked), torch.ones_like(picked, dtype=torch.int32), accumulate=True)
+
+    def _slots(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(
+            self.device, non_blocking=True)
 
     def result(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's sampled ids -> StepOutput."""

@@ -23,7 +23,7 @@ from engine_core.continuous import (
     StepOutput,
 )
 from engine_core.request import DeadlineExceeded, Overloaded
-from engine_core.sampling import reference_logprobs
+from engine_core.sampling import reference_logprobs, reference_penalized
 from qwen_engine.config import QwenConfig
 from qwen_engine.engine import BadRequest, GenerationChunk, NotReady, QwenEngine, QwenEngineConfig, randomise
 from qwen_engine.model.attention import paged_decode_attention, paged_decode_attention_reference
@@ -540,6 +540,49 @@ def test_logprobs_match_the_contiguous_reference(async_decode, graphs, device):
                 assert token == want_top[0][0], (i, t)
         if sp.greedy:
             assert tokens == reference_greedy(engine, prompt(i, n), 5)
+
+
+def reference_penalized_greedy(engine: QwenEngine, ids: list[int], n: int, sp: SamplingParams) -> list[int]:
+    """Greedy decoding of the contiguous reference with the penalties applied in float64, token by token."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(reference_penalized(full_forward_logits(engine, ids + out), out, sp).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("num_kv_blocks,async_decode,device", [
+    (64, False, "cpu"), (64, True, "cpu"), (16, False, "cpu"),
+    pytest.param(16, True, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                            reason="needs a CUDA device")),
+])
+def test_penalties_match_the_reference(num_kv_blocks, async_decode, device):
+    """Presence / frequency penalties (greedy, so the tokens are exact): each request's tokens equal the contiguous
+    reference's greedy decoding with the penalties applied to its own outputs so far; a batch mixing penalized and
+    plain requests (the plain ones unchanged), steps formed ahead (counts advanced on the device before the next
+    step samples), and 16 blocks of 4: preemption, whose resumed sequences rebuild their counts from their outputs.
+    A random model's greedy stream rarely repeats within 10 tokens, so positive penalties seldom change it here;
+    the negative ones do (checked)."""
+    asks = [(3, SamplingParams(frequency_penalty=2.0)), (40, SamplingParams(presence_penalty=2.0)),
+            (5, SamplingParams()), (17, SamplingParams(presence_penalty=-2.0, frequency_penalty=-0.5)),
+            (12, SamplingParams(frequency_penalty=1.5, logprobs=1))]
+    if num_kv_blocks == 16:  # every stream's counts matter (negative penalties), so a resume that lost them shows
+        asks = [(n, SamplingParams(presence_penalty=-1.0 - 0.2 * i, frequency_penalty=-0.3 * i))
+                for i, n in enumerate((21, 40, 25, 17, 33))]
+
+    async def body(engine):
+        return engine, await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=10, sampling=sp)
+                                              for i, (n, sp) in enumerate(asks)))
+
+    engine, outs = run(engine_config(num_kv_blocks=num_kv_blocks, max_model_len=min(96, 4 * num_kv_blocks),
+                                     async_decode=async_decode, device=device,
+                                     kernels="auto" if device == "cuda" else "reference"), body)
+    for i, ((n, sp), (tokens, _)) in enumerate(zip(asks, outs)):
+        assert tokens == reference_penalized_greedy(engine, prompt(i, n), 10, sp), f"request {i}"
+    # negative penalties favour the outputs already sampled: that stream repeats where the plain one does not
+    assert outs[3][0] != reference_greedy(engine, prompt(3, asks[3][0]), 10) and len(set(outs[3][0])) < 10
+    if num_kv_blocks == 16:
+        assert engine.scheduler.stats.preemptions > 0
+    assert (engine.scheduler.stats.steps_ahead > 0) == async_decode
 
 
 def test_logprobs_out_of_range_are_refused():

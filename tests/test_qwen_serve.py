@@ -157,7 +157,7 @@ def test_null_options_mean_their_defaults():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}},
                                                            "stream_options"),
 ])
@@ -682,6 +682,19 @@ def test_several_choices_non_streamed_and_streamed_agree(client):
     assert r.json()["usage"]["completion_tokens"] == 8
     r = complete(client, n=3, **kw)
     assert r.status_code == 400 and error_of(r)["param"] == "n"
+
+
+def test_penalties_reach_the_sampler(client):
+    """frequency_penalty / presence_penalty: negative ones favour tokens the output already holds, so the greedy
+    text changes (and repeats); the same request answers the same text twice; outside [-2, 2] is a 400."""
+    plain = complete(client, prompt="Once upon a time", max_tokens=12).json()["choices"][0]["text"]
+    kw = dict(prompt="Once upon a time", max_tokens=12, frequency_penalty=-2.0, presence_penalty=-2.0)
+    r = complete(client, **kw)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert text != plain and text == complete(client, **kw).json()["choices"][0]["text"]
+    r = complete(client, prompt="x", max_tokens=2, presence_penalty=2.5)
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_request"
 
 
 @pytest.mark.parametrize("path, kwargs, status, code", [

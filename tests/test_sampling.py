@@ -17,8 +17,10 @@ from engine_core.continuous import ContinuousConfig, ContinuousScheduler, Genera
 from engine_core.request import FakeClock
 from engine_core.sampling import (
     SamplingTensors,
+    apply_penalties,
     gumbel_noise,
     reference_logprobs,
+    reference_penalized,
     reference_probs,
     reference_sample,
     sample,
@@ -245,6 +247,34 @@ def test_token_logprobs_read_nothing_on_the_host():
     chosen, top, top_ids = token_logprobs(torch.randn(4, 300, device="meta"), torch.zeros(4, dtype=torch.int64,
                                                                                           device="meta"), 3)
     assert chosen.shape == (4,) and top.shape == (4, 3) and top_ids.device.type == "meta"
+
+
+def test_penalties_match_the_reference_and_need_counts():
+    """`apply_penalties` against `reference_penalized` (float64, token by token) within 1e-5; in `sample` a greedy
+    penalized row takes the argmax of the penalized logits, an unpenalized row of the same batch is unchanged, and
+    penalized rows without counts are refused."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 50, generator=g) * 2
+    outputs = [[4, 4, 7], [], [9, 9, 9, 1]]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=1.25), SamplingParams(presence_penalty=2.0),
+              SamplingParams()]
+    counts = torch.zeros(3, 50, dtype=torch.int32)
+    for r, out in enumerate(outputs):
+        for t in out:
+            counts[r, t] += 1
+    st = SamplingTensors.build(params, [1, 2, 3], [0, 0, 0])
+    got = apply_penalties(logits, counts, st.presence, st.frequency)
+    for r in range(3):
+        want = reference_penalized(logits[r], outputs[r], params[r])
+        assert torch.allclose(got[r].double(), want, atol=1e-5, rtol=0)
+    ids = sample(logits, st, counts=counts)
+    assert ids.tolist() == [int(reference_penalized(logits[r], outputs[r], params[r]).argmax()) for r in range(3)]
+    assert ids[2] == logits[2].argmax()  # penalties 0: the plain argmax although its counts are not empty
+    with pytest.raises(ValueError, match="counts"):
+        sample(logits, st)
+    for bad in (2.5, -2.01, float("nan")):
+        with pytest.raises(ValueError, match="penalty"):
+            SamplingParams(frequency_penalty=bad)
 
 
 def test_the_sync_checks_are_not_vacuous():
