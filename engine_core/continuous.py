@@ -136,8 +136,9 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:  # also rejects NaN
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:  # NaN too
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
 
     @property
     def greedy(self) -> bool:

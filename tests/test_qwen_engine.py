@@ -585,6 +585,22 @@ def test_penalties_match_the_reference(num_kv_blocks, async_decode, device):
     assert (engine.scheduler.stats.steps_ahead > 0) == async_decode
 
 
+@pytest.mark.parametrize("penalty", [-0.3, 0.4])
+def test_penalties_count_the_tokens_of_steps_formed_ahead(penalty):
+    """One request decoding 40 tokens with async decode: nearly every step is formed ahead, its input (and its
+    sampled token's count) still on the device when the next is launched; a weak frequency penalty keeps the stream
+    sensitive to every count, so a count lost there changes the tokens against the reference."""
+    sp = SamplingParams(frequency_penalty=penalty)
+
+    async def body(engine):
+        return engine, await collect(engine, prompt(7, 8), max_new_tokens=40, sampling=sp)
+
+    engine, (tokens, _) = run(engine_config(async_decode=True), body)
+    assert engine.scheduler.stats.steps_ahead > 30
+    assert tokens == reference_penalized_greedy(engine, prompt(7, 8), 40, sp)
+    assert tokens != reference_greedy(engine, prompt(7, 8), 40)  # the penalty changed the stream
+
+
 def test_logprobs_out_of_range_are_refused():
     for bad in (-1, 21, 2.0, True):
         with pytest.raises(ValueError, match="logprobs"):

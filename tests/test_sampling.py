@@ -188,12 +188,21 @@ STATIC_SHAPE_SYNC_OPS = {"multinomial", "equal", "allclose", "is_nonzero", "_loc
 PATHS = {"greedy": [SamplingParams(0.0)] * 4,
          "plain": [SamplingParams(0.7, seed=1), SamplingParams(0.0), SamplingParams(1.3), SamplingParams(1.0)],
          "sorted": [SamplingParams(0.7, top_p=0.8), SamplingParams(0.0), SamplingParams(1.0, top_k=5),
-                    SamplingParams(1.0)]}
+                    SamplingParams(1.0)],
+         "penalized": [SamplingParams(0.0, presence_penalty=0.5), SamplingParams(0.8, frequency_penalty=-1.0),
+                       SamplingParams(0.0), SamplingParams(1.0, top_p=0.9, frequency_penalty=0.2)]}
 
 
 def path_inputs(path: str, device: str = "cpu") -> tuple[torch.Tensor, SamplingTensors]:
     st = SamplingTensors.build(PATHS[path], [11, 12, 13, 14], [0, 5, 9, 2], device=device)
     return torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).to(device), st
+
+
+def path_counts(path: str, device: str = "cpu") -> torch.Tensor | None:
+    """The output-token counts a penalized path's `sample` reads (None for the others)."""
+    if path != "penalized":
+        return None
+    return torch.randint(0, 3, (4, 300), generator=torch.Generator().manual_seed(1), dtype=torch.int32).to(device)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -203,8 +212,9 @@ def test_no_host_sync_runs_on_the_meta_device(path):
     raise there, so completing proves the path never reads a device value on the host. The dispatched ops are also
     recorded, to rule out ops that sync on CUDA with static shapes (multinomial)."""
     logits, st = path_inputs(path, device="meta")
+    counts = path_counts(path, device="meta")
     with RecordOps() as rec:
-        out = sample(logits, st)
+        out = sample(logits, st, counts=counts)
     assert out.device.type == "meta" and out.shape == (4,) and out.dtype == torch.int64
     assert rec.ops and not rec.ops & STATIC_SHAPE_SYNC_OPS, rec.ops & STATIC_SHAPE_SYNC_OPS
 
@@ -215,9 +225,10 @@ def test_compiles_as_one_graph(path):
     graph (in torch 2.14 `.item()` and `nonzero` no longer do, hence `test_no_host_sync_ops`). aot_eager traces
     through AOTAutograd without generating code: fast, and the same ops."""
     logits, st = path_inputs(path)
+    counts = path_counts(path)
     torch._dynamo.reset()
     compiled = torch.compile(sample, fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(logits, st), sample(logits, st))
+    assert torch.equal(compiled(logits, st, counts=counts), sample(logits, st, counts=counts))
 
 
 @pytest.mark.parametrize("dtype,n", [(torch.float32, 5), (torch.bfloat16, 20), (torch.float32, 0)])
