@@ -80,23 +80,8 @@ def main() -> None:
             got = f(logits, ids, 20)
             ok = (got[0] - ref[0]).abs().max().item() < 1e-4 and (got[1] - ref[1]).abs().max().item() < 1e-4
             for n in (0, 5, 20):
-                for _ in range(3):
-                    f(logits, ids, n)
-                dev, host = [], []
-                for _ in range(30):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    start.record()
-                    t0 = time.perf_counter()
-                    f(logits, ids, n)
-                    t1 = time.perf_counter()
-                    end.record()
-                    torch.cuda.synchronize()
-                    dev.append(start.elapsed_time(end) * 1000)
-                    host.append((t1 - t0) * 1e6)
-                dev.sort()
-                host.sort()
-                print(f"B={rows:3d} {name:10s} n={n:2d}: device {dev[15]:7.1f} us, host launch {host[15]:6.1f} us, "
+                dev, host = timed(f, logits, ids, n)
+                print(f"B={rows:3d} {name:10s} n={n:2d}: device {dev:7.1f} us, host launch {host:6.1f} us, "
                       f"match {ok}")
 
 

@@ -292,11 +292,7 @@ class ModelRunner:
             self.graph_steps += 1
             return self.graphs.run(as_rows(plan), fed)
         batch = self.flat_batch(plan)
-        pin = self.device.type == "cuda"
-
-        def put(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
-
+        put = self._to_device
         resets = [s.state_slot for s in plan.seqs if s.reset_state]
         if resets:
             self.cache.reset_slots(put(resets))
@@ -348,7 +344,7 @@ class ModelRunner:
         is). Rows without penalties read their slot's stale counts, which their zero penalties ignore."""
         if not any(r.sampling.penalized for r in plan.sampled):
             return None
-        return self._counts.index_select(0, self._slots([r.state_slot for r in plan.sampled]))
+        return self._counts.index_select(0, self._to_device([r.state_slot for r in plan.sampled]))
 
     def _reset_counts(self, plan: StepPlan) -> None:
         """Set the slots of the plan's penalized reset rows (a request's first row, or its first after preemption;
@@ -361,17 +357,18 @@ class ModelRunner:
                 row = self._counts[r.state_slot]
                 row.zero_()
                 if r.prior_outputs:  # rare (preemption): one small host->device copy
-                    prior = self._slots(list(r.prior_outputs))
+                    prior = self._to_device(list(r.prior_outputs))
                     row.index_add_(0, prior, torch.ones_like(prior, dtype=torch.int32))
 
     def _count_sampled(self, plan: StepPlan, ids: torch.Tensor) -> None:
         """Add each penalized sampled row's new token to its slot's counts (on the device: no sync)."""
         rows = [i for i, r in enumerate(plan.sampled) if r.sampling.penalized]
-        slots = self._slots([plan.sampled[i].state_slot for i in rows])
-        picked = ids.index_select(0, self._slots(rows))
+        slots = self._to_device([plan.sampled[i].state_slot for i in rows])
+        picked = ids.index_select(0, self._to_device(rows))
         self._counts.index_put_((slots, picked), torch.ones_like(picked, dtype=torch.int32), accumulate=True)
 
-    def _slots(self, values: list[int]) -> torch.Tensor:
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 host values -> the device, through pinned memory, non-blocking (no sync)."""
         return torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(
             self.device, non_blocking=True)
 

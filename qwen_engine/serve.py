@@ -262,6 +262,11 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
         await gen.aclose()
 
 
+def _completion_tokens(lasts: list[_Piece]) -> int:
+    """Usage's completion tokens: every choice's (each choice's last piece counts its own)."""
+    return sum(last.completion_tokens for last in lasts)
+
+
 async def _first_pieces(streams: list[AsyncIterator[_Piece]]) -> list[_Piece]:
     """Every choice's first piece, together (errors before any output get their status). If one fails or the caller
     is cancelled, the others are cancelled and every stream closed (their engine sequences freed) before it raises."""
@@ -450,7 +455,7 @@ class QwenServer:
             return self._error_response(route, exc)
         finally:
             await pieces.aclose()
-        completion_tokens = sum(last.completion_tokens for last in lasts)
+        completion_tokens = _completion_tokens(lasts)
         use = usage(lasts[0].prompt_tokens, completion_tokens)
         make, choice = (chat_body, chat_choice) if route == "chat" else (completion_body, completion_choice)
 
@@ -518,7 +523,7 @@ class QwenServer:
                 lasts[i] = piece
             if inc:
                 yield sse(usage_chunk(rid, created, model, "chat.completion.chunk" if chat else "text_completion",
-                                      usage(lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts))))
+                                      usage(lasts[0].prompt_tokens, _completion_tokens(lasts))))
         except (asyncio.CancelledError, GeneratorExit):  # client disconnected mid-stream (the task cancelled, or
             status, code = 499, "cancelled"  #                 the body iterator closed at a yield)
             raise
@@ -529,8 +534,7 @@ class QwenServer:
             await pieces.aclose()
             self.metrics.on_request(route, status, code)
             if status == 200:
-                self.metrics.on_done(route, t0, t_first, lasts[0].prompt_tokens,
-                                     sum(last.completion_tokens for last in lasts))
+                self.metrics.on_done(route, t0, t_first, lasts[0].prompt_tokens, _completion_tokens(lasts))
         yield SSE_DONE
 
 
