@@ -2325,7 +2325,7 @@ if want 197; then
 # H100 (3,748.6 against 3,818.5 / 3,819.0 tok/s, results/attn_lone59_run1) when its attention calls are ~13% faster
 # per call: the 32-stream step's kernels (PDL off) with each, one process each (EXTRA_165 as step 165's)
 say "197. issue 5: the 32-stream step's kernels with bf16 and with e4m3 KV pools (PDL off)"
-for kv in model fp8; do
+for kv in ${KV_197:-model fp8}; do  # KV_197=model: the bf16 pools alone
 timeout "${LIMIT_197:-140}" python benchmarks/qwen_profile.py --engine --engine-streams 32 --prefill-graphs off \
   --batches "" --engine-settings "{\"kv_cache_dtype\": \"$kv\"}" ${EXTRA_165:-} --out "$R/profile_kv_$kv" \
   > "$R/profile_kv_$kv.log" 2>&1

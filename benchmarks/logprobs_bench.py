@@ -4,7 +4,9 @@ log-sum-exp then top-k of the logits (no [B, V] log-softmax), and a two-stage to
 candidates). Per variant and size the median of 30 calls, each between synchronisations: device time (events) and
 the host's launch time. Also checks each variant against `token_logprobs` (1e-4). Then the presence / frequency
 penalties' share of a step the same way: the rows' counts gathered from the [slots, vocab] int32 table, the
-penalised fp32 logits and their argmax (what `sample` adds for a penalised batch).
+penalised fp32 logits and their argmax (what `sample` adds for a penalised batch); and a logit bias's: `sample` of
+an all-greedy batch whose rows each bias 10 or 300 ids (the sparse scatter into an fp32 copy, torch's argmax) beside
+the same batch unbiased (torch's argmax of the raw logits).
 
     python benchmarks/logprobs_bench.py > logprobs_cost.txt      # results/logprobs62 (H100, 2026-12-07)
 """
@@ -13,7 +15,8 @@ import time
 
 import torch
 
-from engine_core.sampling import apply_penalties, token_logprobs
+from engine_core.continuous import SamplingParams
+from engine_core.sampling import SamplingTensors, apply_penalties, sample, token_logprobs
 
 
 def lse_topk(logits, ids, n):
@@ -70,6 +73,19 @@ def penalties() -> None:
         print(f"B={rows:3d} penalties (gather + apply + argmax): device {dev:7.1f} us, host launch {host:6.1f} us")
 
 
+def logit_bias() -> None:
+    for rows in (1, 32):
+        logits = torch.randn(rows, 248320, device="cuda", dtype=torch.bfloat16)
+        plain = SamplingTensors.build([SamplingParams()] * rows, [0] * rows, [0] * rows, device="cuda")
+        dev, host = timed(sample, logits, plain)
+        print(f"B={rows:3d} greedy, no bias: device {dev:7.1f} us, host launch {host:6.1f} us")
+        for ids in (10, 300):
+            sp = SamplingParams(logit_bias={(7919 * i) % 248320: 1.0 for i in range(ids)})
+            st = SamplingTensors.build([sp] * rows, [0] * rows, [0] * rows, device="cuda")
+            dev, host = timed(sample, logits, st)
+            print(f"B={rows:3d} greedy, {ids} biased ids a row: device {dev:7.1f} us, host launch {host:6.1f} us")
+
+
 def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     for rows in (1, 32):
@@ -88,3 +104,4 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     penalties()
+    logit_bias()

@@ -104,11 +104,14 @@ from engine_core.scheduler import Samples
 # (exp(-gap / T) < e^-100); vLLM draws the same line (_SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # most likely tokens reported per sampled token (OpenAI's chat top_logprobs limit; vLLM's default)
+MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's limit): one step copies every biased row's entries
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most (OpenAI's range: -100 bans a token in effect, 100 forces it)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each token (applied in this order: temperature, top-k, top-p; see `engine_core/sampling.py`)."""
+    """How to pick each token (applied in this order: logit bias and penalties, temperature, top-k, top-p; see
+    `engine_core/sampling.py`)."""
 
     temperature: float = 0.0  # 0 = greedy (argmax); top_k / top_p / seed are then irrelevant
     top_p: float = 1.0  # keep the smallest set of most likely tokens with probability >= top_p; 1 = off
@@ -122,6 +125,10 @@ class SamplingParams:
     # output tokens so far: presence * [token appeared] + frequency * (times it appeared); each in [-2, 2]
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before sampling (greedy rows too), each bias in
+    # [-100, 100], at most MAX_LOGIT_BIAS ids, each once; a mapping {id: bias} is accepted and stored sorted by id.
+    # The engine checks the ids against its vocabulary.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not self.temperature >= 0.0:  # also rejects NaN
@@ -139,6 +146,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:  # NaN too
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -148,6 +156,36 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Presence or frequency penalties: the sampler needs the request's output-token counts."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def biased(self) -> bool:
+        """A logit bias (zero biases are dropped at construction)."""
+        return bool(self.logit_bias)
+
+
+def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """`SamplingParams.logit_bias` as given (pairs or a mapping) -> pairs sorted by token id (ValueError if bad)."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids, got {len(pairs)}")
+    out = []
+    for pair in pairs:
+        try:
+            token, value = pair
+            token = operator.index(token)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:  # NaN too
+            raise ValueError(f"logit_bias of token {token} must be a number in [-{LOGIT_BIAS_RANGE:g}, "
+                             f"{LOGIT_BIAS_RANGE:g}], got {value!r}")
+        if token < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+        out.append((token, float(value)))
+    out.sort()
+    if any(a[0] == b[0] for a, b in zip(out, out[1:])):
+        raise ValueError("logit_bias names a token id more than once")
+    return tuple(p for p in out if p[1] != 0.0)  # a zero bias changes nothing: no biased path for it
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,11 +26,12 @@ anywhere): a per-row key from (seed, step) chained through `_mix32` (Wellons' lo
   (unmeasured); in eager mode each op is its own pass over [B, V] (~64 MB each at that size), so compile the
   sampler with the decode step (P9).
 
-Ops are in the order HF / vLLM apply them: presence / frequency penalties (over the request's output-token counts,
-which the engine keeps on the device; `apply_penalties`), temperature, then top-k, then top-p on the renormalised top-k
-distribution. Rows with temperature 0 are greedy (first maximal index, as `torch.argmax`) whatever their other
-parameters. top-k / top-p sort the row (stable, so ties break by token id and the result is batch-independent); the
-sort is skipped when no row in the batch asks for either.
+Ops are in the order HF / vLLM apply them: logit bias and presence / frequency penalties (both additive; the
+penalties over the request's output-token counts, which the engine keeps on the device; `adjust_logits`),
+temperature, then top-k, then top-p on the renormalised top-k distribution. Rows with temperature 0 are greedy
+(first maximal index, as `torch.argmax`) whatever their other parameters. top-k / top-p sort the row (stable, so
+ties break by token id and the result is batch-independent); the sort is skipped when no row in the batch asks for
+either.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class SamplingTensors:
     needs_sort: bool  # some sampled row uses top-k or top-p
     presence: torch.Tensor | None = None  # [B] fp32 presence penalties (0 = off); None: no row is penalized
     frequency: torch.Tensor | None = None  # [B] fp32 frequency penalties
+    # every biased row's (row, token id) [2, E] int64 and bias [E] fp32, E = the batch's biased ids (sparse: a
+    # dense [B, V] bias would copy ~1 MB a row); None: no row is biased
+    bias_index: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
@@ -111,6 +116,10 @@ class SamplingTensors:
         if any(p.penalized for p in params):
             penalties = dict(presence=put([p.presence_penalty for p in params], torch.float32),
                              frequency=put([p.frequency_penalty for p in params], torch.float32))
+        if any(p.biased for p in params):
+            pairs = [(r, token, bias) for r, p in enumerate(params) for token, bias in p.logit_bias]
+            penalties.update(bias_index=put([[r for r, _, _ in pairs], [t for _, t, _ in pairs]], torch.int64),
+                             bias_values=put([b for _, _, b in pairs], torch.float32))
         if not sampled:
             return cls(None, None, None, None, None, all_greedy=True, needs_sort=False, **penalties)
         return cls(
@@ -131,6 +140,27 @@ class SamplingTensors:
         return cls.build([r.sampling for r in rows], [r.seed for r in rows], [r.output_index for r in rows], device)
 
 
+def adjust_logits(logits: torch.Tensor, st: SamplingTensors, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits the sampler reads: logits [B, V] + the rows' logit bias - their penalties, in fp32 (rows asking
+    for neither come back unchanged, in fp32); `logits` itself when no row asks. Never writes into `logits` (a CUDA
+    graph's output buffer, which the log-probabilities read raw). `counts` [B, V]: see `apply_penalties`."""
+    if st.presence is None and st.bias_index is None:
+        return logits
+    if st.bias_index is not None:
+        out = logits.to(torch.float32, copy=True)  # a copy even of fp32 logits: the add below is in place
+        # one index_add over the flat rows (the ids of a row are distinct); index_put(accumulate=True) sorts its
+        # indices first: ~0.3 ms of launches a step on an H100 (benchmarks/logprobs_bench.py)
+        flat = torch.add(st.bias_index[1], st.bias_index[0], alpha=out.shape[-1])
+        out.view(-1).index_add_(0, flat, st.bias_values)
+    else:
+        out = logits.float()
+    if st.presence is not None:
+        if counts is None:
+            raise ValueError("penalized rows need their output-token counts")
+        out = apply_penalties(out, counts, st.presence, st.frequency)
+    return out
+
+
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
                     frequency: torch.Tensor) -> torch.Tensor:
     """OpenAI's presence / frequency penalties: logits [B, V], counts [B, V] (each row's output-token counts so far),
@@ -146,11 +176,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
     """logits [B, V] (any float dtype) -> token ids [B] int64, without host syncs. `argmax`: the greedy rows'
     `torch.argmax(logits, dim=-1)` by another route (an engine's kernel: the first maximum, NaN above numbers).
     `counts` [B, V]: the rows' output-token counts, needed (and only read) when `st` carries penalties."""
-    if st.presence is not None:
-        if counts is None:
-            raise ValueError("penalized rows need their output-token counts")
-        logits = apply_penalties(logits, counts, st.presence, st.frequency)
-        argmax = None  # the penalized fp32 logits: torch's argmax (the kernel's contract is the model's logits)
+    if st.presence is not None or st.bias_index is not None:
+        logits = adjust_logits(logits, st, counts)
+        argmax = None  # the adjusted fp32 logits: torch's argmax (the kernel's contract is the model's logits)
     greedy = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     if st.all_greedy:
         return greedy
@@ -196,9 +224,12 @@ def _top_k_top_p_sorted(scaled: torch.Tensor, top_k: torch.Tensor,
 # Plain reference (tests): one row at a time, float64, torch.multinomial
 
 
-def reference_penalized(logits: torch.Tensor, outputs: Sequence[int], params: SamplingParams) -> torch.Tensor:
-    """logits [V] and the request's outputs so far -> the penalized logits [V] fp64, token by token."""
+def reference_adjusted(logits: torch.Tensor, outputs: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """logits [V] and the request's outputs so far -> the logits with its logit bias and penalties [V] fp64, token
+    by token (the reference of `adjust_logits`)."""
     out = logits.double().clone()
+    for token, bias in params.logit_bias:
+        out[token] += bias
     for token in set(outputs):
         out[token] -= params.presence_penalty + params.frequency_penalty * list(outputs).count(token)
     return out

@@ -18,7 +18,7 @@ Errors are `{"error": {"message", "type", "param", "code"}}`:
 |---|---|---|
 | 400 | body not JSON / not an object / nested too deeply | invalid_json |
 | 400 | a field missing, mistyped, out of range or unknown | missing_field, invalid_request, unknown_parameter |
-| 400 | an option not implemented here (best_of, tools, logit_bias, echo, ...) | unsupported_parameter |
+| 400 | an option not implemented here (best_of, tools, echo, ...) | unsupported_parameter |
 | 400 | messages empty, a role other than system/user/assistant, a system message not first | invalid_messages |
 | 400 | prompt (+ max_tokens) longer than the context | context_length_exceeded |
 | 404 | `model` is not the served model | model_not_found |
@@ -49,6 +49,10 @@ Penalties: `presence_penalty` / `frequency_penalty` in [-2, 2], as OpenAI define
 the prompt), applied before temperature / top-k / top-p (greedy requests too); the engine keeps each penalized
 request's output-token counts on the device.
 
+Logit bias: `logit_bias` maps token ids (as strings: `{"13": -100}`) to a bias in [-100, 100] added to that token's
+logit before sampling (greedy requests too; -100 bans a token in effect, 100 forces it), at most 300 ids, each in
+the vocabulary. The reported log-probabilities stay the model's own, before the bias.
+
 Several choices (`"n": 2`-16): n independent generations of the one prompt, each its own engine sequence (the
 prompt is prefilled n times: no prefix sharing), answered as choices 0..n-1; streamed, each chunk names its choice
 (`index`) and chunks of different choices interleave as they are sampled. With a `seed`, choice i samples with seed
@@ -70,7 +74,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine_core.continuous import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from engine_core.continuous import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from qwen_engine.chat_template import ChatMessage
 
 MAX_STOP_STRINGS = 16
@@ -154,8 +158,8 @@ class _SamplingFields(BaseModel):
                                                                      "the output already holds")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per time the output holds "
                                                                        "the token")
-    # OpenAI options we refuse unless they ask for the default (see `check_unsupported`)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> bias in [-100, 100] "
+                                                                 "added to its logit; at most 300 ids")
     # extensions
     ignore_eos: bool = Field(False, description="extension: do not stop at <|im_end|> / <|endoftext|>")
     stop_token_ids: list[int] | None = Field(None, description="extension: more token ids that end the output")
@@ -237,8 +241,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     def refuse(param: str, why: str):
         raise ApiError(400, "unsupported_parameter", f"{param}: {why}", param)
 
-    if req.logit_bias:
-        refuse("logit_bias", "logit_bias is not supported")
     if req.stream_options is not None and not req.stream:
         refuse("stream_options", "only allowed with stream: true")
     if isinstance(req, CompletionRequest):
@@ -280,6 +282,26 @@ def requested_logprobs(req: _SamplingFields) -> int | None:
     if req.logprobs is None or req.logprobs is False:
         return None
     return count("logprobs", req.logprobs)
+
+
+def requested_logit_bias(req: _SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` {"token id": bias} -> `SamplingParams.logit_bias` pairs, or ApiError 400 naming the bad entry."""
+    def bad(why: str):
+        raise ApiError(400, "invalid_request", f"logit_bias: {why}", "logit_bias")
+
+    bias = req.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        bad(f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            bad(f"keys must be token ids in [0, {vocab_size}) written as strings, got {key!r}")
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:  # NaN too
+            bad(f"the bias of token {key} must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value!r}")
+        pairs.append((int(key), value))
+    if len({t for t, _ in pairs}) < len(pairs):  # "7" and "007"
+        bad("a token id is named more than once")
+    return tuple(pairs)
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
@@ -378,7 +400,8 @@ def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_le
         raise ApiError(400, "invalid_request", f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
                               logprobs=requested_logprobs(req), presence_penalty=req.presence_penalty,
-                              frequency_penalty=req.frequency_penalty)
+                              frequency_penalty=req.frequency_penalty,
+                              logit_bias=requested_logit_bias(req, vocab_size))
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return GenerationPlan(tuple(prompt_ids), max_tokens, sampling, tuple(dict.fromkeys(eos + extra)), stop,
                           req.skip_special_tokens, req.stream, include_usage, req.timeout_s, req.n)

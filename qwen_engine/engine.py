@@ -816,6 +816,9 @@ class QwenEngine:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise BadRequest("invalid_sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:  # sorted by id: the last is the largest
+            raise BadRequest("invalid_token_id", f"logit_bias token ids must be in [0, {vocab}), got "
+                                                 f"{sampling.logit_bias[-1][0]}")
         try:
             stops = tuple((operator.index(s),) if not isinstance(s, (list, tuple)) else
                           tuple(operator.index(t) for t in s) for s in stop_token_ids)

@@ -23,7 +23,7 @@ from engine_core.continuous import (
     StepOutput,
 )
 from engine_core.request import DeadlineExceeded, Overloaded
-from engine_core.sampling import reference_logprobs, reference_penalized
+from engine_core.sampling import reference_logprobs, reference_adjusted
 from qwen_engine.config import QwenConfig
 from qwen_engine.engine import BadRequest, GenerationChunk, NotReady, QwenEngine, QwenEngineConfig, randomise
 from qwen_engine.model.attention import paged_decode_attention, paged_decode_attention_reference
@@ -542,11 +542,12 @@ def test_logprobs_match_the_contiguous_reference(async_decode, graphs, device):
             assert tokens == reference_greedy(engine, prompt(i, n), 5)
 
 
-def reference_penalized_greedy(engine: QwenEngine, ids: list[int], n: int, sp: SamplingParams) -> list[int]:
-    """Greedy decoding of the contiguous reference with the penalties applied in float64, token by token."""
+def reference_adjusted_greedy(engine: QwenEngine, ids: list[int], n: int, sp: SamplingParams) -> list[int]:
+    """Greedy decoding of the contiguous reference with the logit bias and penalties applied in float64, token by
+    token."""
     out: list[int] = []
     for _ in range(n):
-        out.append(int(reference_penalized(full_forward_logits(engine, ids + out), out, sp).argmax()))
+        out.append(int(reference_adjusted(full_forward_logits(engine, ids + out), out, sp).argmax()))
     return out
 
 
@@ -577,7 +578,7 @@ def test_penalties_match_the_reference(num_kv_blocks, async_decode, device):
                                      async_decode=async_decode, device=device,
                                      kernels="auto" if device == "cuda" else "reference"), body)
     for i, ((n, sp), (tokens, _)) in enumerate(zip(asks, outs)):
-        assert tokens == reference_penalized_greedy(engine, prompt(i, n), 10, sp), f"request {i}"
+        assert tokens == reference_adjusted_greedy(engine, prompt(i, n), 10, sp), f"request {i}"
     # negative penalties favour the outputs already sampled: that stream repeats where the plain one does not
     assert outs[3][0] != reference_greedy(engine, prompt(3, asks[3][0]), 10) and len(set(outs[3][0])) < 10
     if num_kv_blocks == 16:
@@ -597,8 +598,40 @@ def test_penalties_count_the_tokens_of_steps_formed_ahead(penalty):
 
     engine, (tokens, _) = run(engine_config(async_decode=True), body)
     assert engine.scheduler.stats.steps_ahead > 30
-    assert tokens == reference_penalized_greedy(engine, prompt(7, 8), 40, sp)
+    assert tokens == reference_adjusted_greedy(engine, prompt(7, 8), 40, sp)
     assert tokens != reference_greedy(engine, prompt(7, 8), 40)  # the penalty changed the stream
+
+
+@pytest.mark.parametrize("async_decode,device", [
+    (False, "cpu"), (True, "cpu"),
+    pytest.param(True, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+])
+def test_logit_bias_matches_the_reference(async_decode, device):
+    """OpenAI's logit_bias (greedy, so the tokens are exact): -100 on a request's own plain greedy tokens bans them
+    (its stream moves elsewhere and never holds them), +100 forces one, a small bias beside penalties, and a plain
+    request in the same batch is unchanged; each equals the contiguous reference's greedy decoding with the bias (and
+    penalties) applied in float64. A bias id outside the vocabulary is a BadRequest."""
+    from qwen_engine.engine import BadRequest
+
+    async def body(engine):
+        banned = reference_greedy(engine, prompt(0, 9), 6)
+        asks = [(9, SamplingParams(logit_bias={t: -100.0 for t in banned})),
+                (20, SamplingParams(logit_bias={VOCAB - 1: 100.0})),
+                (14, SamplingParams(logit_bias={t: 3.0 for t in range(0, VOCAB, 7)}, frequency_penalty=-0.7)),
+                (6, SamplingParams())]
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=8, sampling=sp)
+                                      for i, (n, sp) in enumerate(asks)))
+        with pytest.raises(BadRequest, match="logit_bias"):
+            await collect(engine, prompt(0, 3), max_new_tokens=2, sampling=SamplingParams(logit_bias={VOCAB: 1.0}))
+        return engine, banned, asks, [tokens for tokens, _ in outs]
+
+    engine, banned, asks, outs = run(engine_config(async_decode=async_decode, device=device,
+                                                   kernels="auto" if device == "cuda" else "reference"), body)
+    for i, ((n, sp), tokens) in enumerate(zip(asks, outs)):
+        assert tokens == reference_adjusted_greedy(engine, prompt(i, n), 8, sp), f"request {i}"
+    assert not set(outs[0]) & set(banned) and outs[1] == [VOCAB - 1] * 8
+    assert outs[2] != reference_greedy(engine, prompt(2, 14), 8)  # the bias changed that stream
+    assert outs[3] == reference_greedy(engine, prompt(3, 6), 8)
 
 
 def test_logprobs_out_of_range_are_refused():

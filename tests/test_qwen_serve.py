@@ -157,7 +157,6 @@ def test_null_options_mean_their_defaults():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}},
                                                            "stream_options"),
 ])
@@ -185,6 +184,22 @@ def test_plan_lengths_and_defaults():
         with pytest.raises(ApiError) as e:
             plan_generation(req, ids, default_max_tokens=16, **kw)
         assert (e.value.status, e.value.code) == (400, code), e.value.message
+
+
+def test_logit_bias_is_parsed_and_checked():
+    """`logit_bias` {"id": bias} becomes the sampling's sorted pairs (zeros dropped); a key that is not a token id of
+    the vocabulary, a bias outside [-100, 100], more than 300 ids or one id twice is a 400 naming logit_bias."""
+    def plan(bias):
+        req = CompletionRequest(model="m", prompt="x", logit_bias=bias)
+        return plan_generation(req, [1], max_model_len=10, eos_token_ids=(0,), vocab_size=100, default_max_tokens=4)
+
+    assert plan({"42": -100, "7": 2.5, "8": 0}).sampling.logit_bias == ((7, 2.5), (42, -100.0))
+    assert plan({"99": 100}).sampling.biased and not plan({}).sampling.biased
+    for bias in ({"100": 1.0}, {"-1": 1.0}, {"x": 1.0}, {"1.5": 1.0}, {" 3": 1.0}, {"3": 100.5}, {"3": float("nan")},
+                 {str(i): 1.0 for i in range(301)}, {"7": 1.0, "007": 2.0}):
+        with pytest.raises(ApiError) as e:
+            plan(bias)
+        assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_request", "logit_bias"), bias
 
 
 @dataclass(frozen=True)
@@ -695,6 +710,25 @@ def test_penalties_reach_the_sampler(client):
     assert text != plain and text == complete(client, **kw).json()["choices"][0]["text"]
     r = complete(client, prompt="x", max_tokens=2, presence_penalty=2.5)
     assert r.status_code == 400 and error_of(r)["code"] == "invalid_request"
+
+
+def test_logit_bias_reaches_the_sampler(client, tok):
+    """logit_bias +100 on one token forces it at every greedy step (the text is that token repeated; the engine's
+    tests compare biased decoding, -100 too, with the reference token for token); chat too; a bias outside
+    [-100, 100] is a 400."""
+    forced = tok.encode("the")[0]
+    r = complete(client, prompt="Once upon a time", max_tokens=5, temperature=0, ignore_eos=True,
+                 logit_bias={str(forced): 100})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode([forced] * 5)
+    plain = complete(client, prompt="Once upon a time", max_tokens=5, temperature=0, ignore_eos=True).json()
+    assert plain["choices"][0]["text"] != tok.decode([forced] * 5)  # the bias did it
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                                  "logit_bias": {str(forced): 100}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == tok.decode([forced] * 3)
+    r = complete(client, prompt="x", max_tokens=2, logit_bias={str(forced): 101})
+    assert r.status_code == 400 and error_of(r)["param"] == "logit_bias"
 
 
 @pytest.mark.parametrize("path, kwargs, status, code", [

@@ -16,11 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine_core.continuous import ContinuousConfig, ContinuousScheduler, GenerateRequest, SamplingParams, StepOutput
 from engine_core.request import FakeClock
 from engine_core.sampling import (
+    adjust_logits,
     SamplingTensors,
     apply_penalties,
     gumbel_noise,
+    reference_adjusted,
     reference_logprobs,
-    reference_penalized,
     reference_probs,
     reference_sample,
     sample,
@@ -190,7 +191,10 @@ PATHS = {"greedy": [SamplingParams(0.0)] * 4,
          "sorted": [SamplingParams(0.7, top_p=0.8), SamplingParams(0.0), SamplingParams(1.0, top_k=5),
                     SamplingParams(1.0)],
          "penalized": [SamplingParams(0.0, presence_penalty=0.5), SamplingParams(0.8, frequency_penalty=-1.0),
-                       SamplingParams(0.0), SamplingParams(1.0, top_p=0.9, frequency_penalty=0.2)]}
+                       SamplingParams(0.0), SamplingParams(1.0, top_p=0.9, frequency_penalty=0.2)],
+         "biased": [SamplingParams(0.0, logit_bias={3: 5.0, 7: -100.0}),
+                    SamplingParams(0.9, logit_bias={1: 2.0}, presence_penalty=0.3), SamplingParams(0.0),
+                    SamplingParams(1.0, top_k=4, logit_bias={299: 100.0})]}
 
 
 def path_inputs(path: str, device: str = "cpu") -> tuple[torch.Tensor, SamplingTensors]:
@@ -200,7 +204,7 @@ def path_inputs(path: str, device: str = "cpu") -> tuple[torch.Tensor, SamplingT
 
 def path_counts(path: str, device: str = "cpu") -> torch.Tensor | None:
     """The output-token counts a penalized path's `sample` reads (None for the others)."""
-    if path != "penalized":
+    if path not in ("penalized", "biased"):
         return None
     return torch.randint(0, 3, (4, 300), generator=torch.Generator().manual_seed(1), dtype=torch.int32).to(device)
 
@@ -261,7 +265,7 @@ def test_token_logprobs_read_nothing_on_the_host():
 
 
 def test_penalties_match_the_reference_and_need_counts():
-    """`apply_penalties` against `reference_penalized` (float64, token by token) within 1e-5; in `sample` a greedy
+    """`apply_penalties` against `reference_adjusted` (float64, token by token) within 1e-5; in `sample` a greedy
     penalized row takes the argmax of the penalized logits, an unpenalized row of the same batch is unchanged, and
     penalized rows without counts are refused."""
     g = torch.Generator().manual_seed(2)
@@ -276,16 +280,74 @@ def test_penalties_match_the_reference_and_need_counts():
     st = SamplingTensors.build(params, [1, 2, 3], [0, 0, 0])
     got = apply_penalties(logits, counts, st.presence, st.frequency)
     for r in range(3):
-        want = reference_penalized(logits[r], outputs[r], params[r])
+        want = reference_adjusted(logits[r], outputs[r], params[r])
         assert torch.allclose(got[r].double(), want, atol=1e-5, rtol=0)
     ids = sample(logits, st, counts=counts)
-    assert ids.tolist() == [int(reference_penalized(logits[r], outputs[r], params[r]).argmax()) for r in range(3)]
+    assert ids.tolist() == [int(reference_adjusted(logits[r], outputs[r], params[r]).argmax()) for r in range(3)]
     assert ids[2] == logits[2].argmax()  # penalties 0: the plain argmax although its counts are not empty
     with pytest.raises(ValueError, match="counts"):
         sample(logits, st)
     for bad in (2.5, -2.01, float("nan")):
         with pytest.raises(ValueError, match="penalty"):
             SamplingParams(frequency_penalty=bad)
+
+
+def test_logit_bias_matches_the_reference():
+    """`adjust_logits` against `reference_adjusted` (float64, token by token) within 1e-5 for rows with a bias, a
+    bias and penalties, and neither, bf16 logits; `sample` takes the greedy rows' argmax of the adjusted logits (+100
+    forces a token, -100 bans the top one) and never writes into the logits it is given (fp32, where `.float()` is
+    the tensor itself)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 60, generator=g) * 3
+    top = logits.argmax(-1).tolist()
+    params = [SamplingParams(logit_bias={top[0]: -100.0, 5: 1.5}), SamplingParams(logit_bias={59: 100.0}),
+              SamplingParams(logit_bias=[(2, 0.75)], presence_penalty=1.0, frequency_penalty=-0.5), SamplingParams()]
+    outputs = [[], [], [2, 2, 9], []]
+    counts = torch.zeros(4, 60, dtype=torch.int32)
+    for r, out in enumerate(outputs):
+        for t in out:
+            counts[r, t] += 1
+    st = SamplingTensors.build(params, [1, 2, 3, 4], [0, 0, 3, 0])
+    for x in (logits, logits.bfloat16()):
+        got = adjust_logits(x, st, counts)
+        assert got.dtype == torch.float32
+        for r in range(4):
+            assert torch.allclose(got[r].double(), reference_adjusted(x[r].float(), outputs[r], params[r]),
+                                  atol=1e-5, rtol=0), r
+    before = logits.clone()
+    ids = sample(logits, st, counts=counts).tolist()
+    assert torch.equal(logits, before)
+    assert ids == [int(reference_adjusted(logits[r], outputs[r], params[r]).argmax()) for r in range(4)]
+    assert ids[0] != top[0] and ids[1] == 59 and ids[3] == top[3]
+    unbiased = SamplingTensors.build([SamplingParams()] * 4, [1, 2, 3, 4], [0] * 4)
+    assert adjust_logits(logits, unbiased) is logits  # nothing asked: no copy, no fp32 pass
+
+
+def test_a_banned_token_is_never_sampled():
+    """Temperature sampling with -100 on the most likely token (probability ~e^-100 after the bias) over 64 seeds
+    never picks it, while without the bias it is picked most of the time."""
+    logits = torch.full((64, 20), -4.0)
+    logits[:, 6] = 4.0
+    plain = SamplingTensors.build([SamplingParams(1.0)] * 64, list(range(64)), [0] * 64)
+    banned = SamplingTensors.build([SamplingParams(1.0, logit_bias={6: -100.0})] * 64, list(range(64)), [0] * 64)
+    assert (sample(logits, plain) == 6).sum() > 48
+    assert (sample(logits, banned) != 6).all()
+
+
+@pytest.mark.parametrize("bias, match", [
+    ({1: 100.5}, "in \\[-100, 100\\]"), ({1: float("nan")}, "number"), ({1: True}, "number"), ({-1: 1.0}, ">= 0"),
+    ([(1, 1.0), (1, 2.0)], "more than once"), ({i: 1.0 for i in range(301)}, "at most 300"), ([(1,)], "pairs"),
+    ({"7": 1.0}, "pairs"),
+])
+def test_logit_bias_is_checked(bias, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_stored_sorted_without_zeros():
+    sp = SamplingParams(logit_bias={9: -1, 3: 2.5, 4: 0.0})
+    assert sp.logit_bias == ((3, 2.5), (9, -1.0)) and sp.biased and hash(sp)
+    assert not SamplingParams(logit_bias={4: 0.0}).biased and SamplingParams(logit_bias={4: 0}) == SamplingParams()
 
 
 def test_the_sync_checks_are_not_vacuous():
