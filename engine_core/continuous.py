@@ -146,7 +146,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:  # NaN too
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -163,8 +163,9 @@ class SamplingParams:
         return bool(self.logit_bias)
 
 
-def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
-    """`SamplingParams.logit_bias` as given (pairs or a mapping) -> pairs sorted by token id (ValueError if bad)."""
+def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """`SamplingParams.logit_bias` as given (pairs or a mapping) -> pairs sorted by token id, zeros dropped
+    (ValueError naming what is wrong: the count, a pair, a bias's range, a negative or repeated id)."""
     pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
     if len(pairs) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids, got {len(pairs)}")

@@ -100,6 +100,11 @@ class SamplingTensors:
     bias_index: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
 
+    @property
+    def adjusts(self) -> bool:
+        """Some row is penalized or biased: `sample` reads `adjust_logits`'s fp32 logits."""
+        return self.presence is not None or self.bias_index is not None
+
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
               device: torch.device | str | None = None) -> SamplingTensors:
@@ -144,7 +149,7 @@ def adjust_logits(logits: torch.Tensor, st: SamplingTensors, counts: torch.Tenso
     """The logits the sampler reads: logits [B, V] + the rows' logit bias - their penalties, in fp32 (rows asking
     for neither come back unchanged, in fp32); `logits` itself when no row asks. Never writes into `logits` (a CUDA
     graph's output buffer, which the log-probabilities read raw). `counts` [B, V]: see `apply_penalties`."""
-    if st.presence is None and st.bias_index is None:
+    if not st.adjusts:
         return logits
     if st.bias_index is not None:
         out = logits.to(torch.float32, copy=True)  # a copy even of fp32 logits: the add below is in place
@@ -176,7 +181,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
     """logits [B, V] (any float dtype) -> token ids [B] int64, without host syncs. `argmax`: the greedy rows'
     `torch.argmax(logits, dim=-1)` by another route (an engine's kernel: the first maximum, NaN above numbers).
     `counts` [B, V]: the rows' output-token counts, needed (and only read) when `st` carries penalties."""
-    if st.presence is not None or st.bias_index is not None:
+    if st.adjusts:
         logits = adjust_logits(logits, st, counts)
         argmax = None  # the adjusted fp32 logits: torch's argmax (the kernel's contract is the model's logits)
     greedy = logits.argmax(dim=-1) if argmax is None else argmax(logits)

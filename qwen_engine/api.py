@@ -74,7 +74,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine_core.continuous import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from engine_core.continuous import MAX_LOGPROBS, SamplingParams, TokenLogprobs, logit_bias_pairs
 from qwen_engine.chat_template import ChatMessage
 
 MAX_STOP_STRINGS = 16
@@ -285,23 +285,21 @@ def requested_logprobs(req: _SamplingFields) -> int | None:
 
 
 def requested_logit_bias(req: _SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """`logit_bias` {"token id": bias} -> `SamplingParams.logit_bias` pairs, or ApiError 400 naming the bad entry."""
+    """`logit_bias` {"token id": bias} -> `SamplingParams.logit_bias` pairs, or ApiError 400 naming the bad entry.
+    Here the keys (decimal token ids of the vocabulary); the count, the biases' range and repeated ids ("7" and
+    "007") are `logit_bias_pairs`'s checks, the ones `SamplingParams` applies."""
     def bad(why: str):
         raise ApiError(400, "invalid_request", f"logit_bias: {why}", "logit_bias")
 
-    bias = req.logit_bias or {}
-    if len(bias) > MAX_LOGIT_BIAS:
-        bad(f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
     pairs = []
-    for key, value in bias.items():
+    for key, value in (req.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
             bad(f"keys must be token ids in [0, {vocab_size}) written as strings, got {key!r}")
-        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:  # NaN too
-            bad(f"the bias of token {key} must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value!r}")
         pairs.append((int(key), value))
-    if len({t for t, _ in pairs}) < len(pairs):  # "7" and "007"
-        bad("a token id is named more than once")
-    return tuple(pairs)
+    try:
+        return logit_bias_pairs(pairs)
+    except ValueError as exc:  # its message names logit_bias
+        raise ApiError(400, "invalid_request", str(exc), "logit_bias") from None
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:

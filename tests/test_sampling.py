@@ -346,7 +346,9 @@ def test_logit_bias_is_checked(bias, match):
 
 def test_logit_bias_is_stored_sorted_without_zeros():
     sp = SamplingParams(logit_bias={9: -1, 3: 2.5, 4: 0.0})
-    assert sp.logit_bias == ((3, 2.5), (9, -1.0)) and sp.biased and hash(sp)
+    assert sp.logit_bias == ((3, 2.5), (9, -1.0)) and sp.biased
+    assert sp == SamplingParams(logit_bias=[(3, 2.5), (9, -1.0)]) and hash(sp) == hash(SamplingParams(
+        logit_bias=[(9, -1.0), (3, 2.5)]))  # hashable, and equal however it was given
     assert not SamplingParams(logit_bias={4: 0.0}).biased and SamplingParams(logit_bias={4: 0}) == SamplingParams()
 
 
