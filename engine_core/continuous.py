@@ -42,6 +42,13 @@ Rules (each one is a test in `tests/test_continuous.py`):
   it goes to the front of the waiting queue. Re-admitted, it prefills all of them again (`reset_state`) and samples
   its next token with the same `(seed, output_index)`, so its stream is exactly that of an uninterrupted run.
   Preferring the youngest means the oldest request always makes progress (no livelock), as in vLLM.
+- **Prompt log-probabilities** (`SamplingParams.prompt_logprobs`). The prompt's chunks also yield the
+  log-probability of each prompt token after the first, given the tokens before it (`ScheduledSeq.prompt_targets`:
+  the prompt tokens a chunk's logits predict, counted from `prompt_first`); the chunks of such requests hold at most
+  `PROMPT_LOGPROBS_CHUNK` tokens a step in all (their logits are kept at every position; a request that finds none
+  left waits for the next step, FIFO kept) and never take the lone-prefill rule
+  (its graphs keep one position's logits). The runner returns them per row (`StepOutput.prompt_logprobs`); the
+  request's first `TokenDelta` carries all of them. A preempted sequence does not compute them again.
 - **Stops.** After each sampled token: an id in `eos_token_ids` (EOS), a suffix equal to one of
   `stop_token_ids` (STOP), `max_new_tokens` outputs or `max_model_len` tokens (LENGTH). The terminating tokens are
   kept in `Completion.token_ids`; `Completion.text_token_ids` drops them (OpenAI omits the stop string).
@@ -104,6 +111,9 @@ from engine_core.scheduler import Samples
 # (exp(-gap / T) < e^-100); vLLM draws the same line (_SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # most likely tokens reported per sampled token (OpenAI's chat top_logprobs limit; vLLM's default)
+# prompt tokens a chunk feeds at most while its prompt log-probabilities are computed: the runner keeps the logits of
+# every such position ([chunk, vocab]: 512 x 248,320 bf16 = 254 MB, and their fp32 log-softmax twice that)
+PROMPT_LOGPROBS_CHUNK = 512
 MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's limit): one step copies every biased row's entries
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most (OpenAI's range: -100 bans a token in effect, 100 forces it)
 
@@ -129,6 +139,10 @@ class SamplingParams:
     # [-100, 100], at most MAX_LOGIT_BIAS ids, each once; a mapping {id: bias} is accepted and stored sorted by id.
     # The engine checks the ids against its vocabulary.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: none; n >= 0: each prompt token's log-probability given the tokens before it (the first has none) and
+    # the n most likely tokens' at its position, as `logprobs` reports them (vLLM's `prompt_logprobs`; OpenAI's
+    # echo with logprobs); at most MAX_LOGPROBS
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not self.temperature >= 0.0:  # also rejects NaN
@@ -142,6 +156,11 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:  # NaN too
@@ -244,6 +263,19 @@ class SequenceState:
     state_slot: int | None = None  # GDN state row while RUNNING
     first_token_s: float | None = None
     num_preemptions: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token from the second on, in order, as chunks yield them
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def prompt_logprobs_next(self) -> int:
+        """The first prompt token whose log-probability is still to compute (the first token has none)."""
+        return 1 + len(self.prompt_logprobs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt log-probabilities and some are not computed yet."""
+        return (self.request.sampling.prompt_logprobs is not None
+                and self.prompt_logprobs_next < self.num_prompt_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -285,6 +317,10 @@ class ScheduledSeq:
     # reset_state rows of penalized requests resumed after preemption: the outputs sampled before it, whose counts
     # the runner rebuilds (a runner keeps a penalized request's counts per state slot from its reset row on)
     prior_outputs: tuple[int, ...] = ()
+    # SamplingParams.prompt_logprobs: the prompt tokens prompt_first .. prompt_first + len - 1 whose log-probabilities
+    # this chunk's logits give (token t from the logits at position t - 1, inside [start, end)); () for none
+    prompt_targets: tuple[int, ...] = ()
+    prompt_first: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -355,6 +391,10 @@ class StepOutput:
 
     sampled_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # one entry per plan row (`plan.seqs`), None when no row has prompt_targets: the rows' targets' log-probabilities
+    # (`TokenLogprobs.logprob` of the prompt token itself, `top` the row's SamplingParams.prompt_logprobs most likely),
+    # () for a row without targets
+    prompt_logprobs: tuple[tuple[TokenLogprobs, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +405,8 @@ class TokenDelta:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None  # set on the last delta; the Answer follows in pop_answers()
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked for them
+    # on a request's first delta when it asked for prompt log-probabilities: one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -638,22 +680,29 @@ class ContinuousScheduler:
         budget -= len(decodes)  # >= 0: max_num_batched_tokens >= max_num_seqs >= resident sequences
 
         # 2. Prefill chunks, FIFO: resident sequences mid-prefill, then waiting ones (admitted while they fit).
+        scored = 0  # prompt tokens fed in chunks that keep every position's logits (prompt log-probabilities)
         for rid in self._running:
             seq = self._seqs[rid]
             if budget > 0 and not seq.decoding:
-                n = min(seq.num_uncomputed, budget)
+                n = min(self._chunk_limit(seq, scored), budget)
+                if n == 0:  # this step's prompt log-probability positions are spent: its next step
+                    continue
                 prefills.append(self._slice(seq, n, is_decode=False))
                 budget -= n
+                scored += n if seq.wants_prompt_logprobs else 0
         # after a preemption, admitting would only thrash; after a lone prefill, the decoders' step comes first
         admit = not (preempted and self._running) and not (decode_only and decodes)
         while admit and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             seq = self._seqs[self._waiting[0]]
             if not blocks.can_allocate(seq.num_tokens, use_watermark=bool(self._running)):
                 break  # FIFO: the head waits for blocks; nobody overtakes it
+            if self._chunk_limit(seq, scored) == 0:
+                break  # FIFO: the head waits for a step with prompt log-probability positions left
             self._admit(self._waiting.popleft())
-            n = min(seq.num_uncomputed, budget)
+            n = min(self._chunk_limit(seq, scored), budget)
             prefills.append(self._slice(seq, n, is_decode=False))
             budget -= n
+            scored += n if seq.wants_prompt_logprobs else 0
 
         if not decodes and not prefills:
             return None
@@ -684,6 +733,8 @@ class ContinuousScheduler:
         if any(not self._seqs[rid].decoding for rid in self._running):
             return None
         seq = self._seqs[self._waiting[0]]
+        if seq.wants_prompt_logprobs:  # the runner's prefill graphs keep one position's logits
+            return None
         limit = min(self.lone_prefill_tokens, cfg.max_num_batched_tokens)
         if not cfg.lone_prefill_min_tokens <= seq.num_tokens <= limit:
             return None
@@ -744,11 +795,17 @@ class ContinuousScheduler:
             raise ValueError(f"step {plan.step_id}: {len(sampled)} sampled tokens for {n_sampled} sampling rows")
         if output.logprobs is not None and len(output.logprobs) != n_sampled:
             raise ValueError(f"step {plan.step_id}: {len(output.logprobs)} logprobs for {n_sampled} sampling rows")
+        prompt_lps = output.prompt_logprobs
+        if prompt_lps is None and any(s.prompt_targets for s in plan.seqs):
+            raise ValueError(f"step {plan.step_id}: no prompt log-probabilities for rows that have prompt targets")
+        if prompt_lps is not None and (len(prompt_lps) != plan.num_seqs or any(
+                len(lp) != len(s.prompt_targets) for lp, s in zip(prompt_lps, plan.seqs))):
+            raise ValueError(f"step {plan.step_id}: prompt log-probabilities do not match the rows' prompt targets")
         self.expire()  # a sequence whose deadline passed while the step ran is answered now; its token dropped
         self._in_flight.pop(0)
         now, deltas, tokens = self.clock.now(), [], iter(sampled)
         logprobs = iter(output.logprobs or ())
-        for item in plan.seqs:
+        for row, item in enumerate(plan.seqs):
             token = next(tokens) if item.sample else None
             lp = next(logprobs, None) if item.sample else None
             seq = self._seqs.get(item.request_id)
@@ -756,15 +813,20 @@ class ContinuousScheduler:
                 self.stats.dropped_tokens += token is not None
                 continue
             seq.num_computed_tokens = item.end
+            if item.prompt_targets and item.prompt_first == seq.prompt_logprobs_next:  # (never twice)
+                seq.prompt_logprobs.extend(prompt_lps[row])
             if token is None:
                 continue
             seq.token_ids.append(token)
             seq.decoding = True
+            prompt = None
             if seq.first_token_s is None:
                 seq.first_token_s = now
                 self.stats.ttft_s.record(now - seq.arrival_s)
+                if seq.request.sampling.prompt_logprobs is not None:
+                    prompt = tuple(seq.prompt_logprobs)
             reason, matched = self._stop_reason(seq)
-            deltas.append(TokenDelta(item.request_id, (token,), reason, None if lp is None else (lp,)))
+            deltas.append(TokenDelta(item.request_id, (token,), reason, None if lp is None else (lp,), prompt))
             if reason is not None:
                 self._answer(item.request_id, completion=Completion(
                     seq.output_token_ids, reason, matched, seq.num_prompt_tokens, seq.num_preemptions,
@@ -810,15 +872,26 @@ class ContinuousScheduler:
             raise ValueError(f"step {plan.step_id} is not in flight (finished twice?), or not the oldest of the "
                              f"steps in flight (they finish in launch order)")
 
+    def _chunk_limit(self, seq: SequenceState, scored: int) -> int:
+        """The most tokens `seq`'s next prefill chunk may feed: its uncomputed tokens, and while its prompt
+        log-probabilities are computed, what is left of a step's PROMPT_LOGPROBS_CHUNK after `scored` such tokens."""
+        n = seq.num_uncomputed
+        return min(n, PROMPT_LOGPROBS_CHUNK - scored) if seq.wants_prompt_logprobs else n
+
     def _slice(self, seq: SequenceState, n: int, *, is_decode: bool) -> ScheduledSeq:
         start = seq.num_computed_tokens
         end = start + n
         sampling = seq.request.sampling
         prior = seq.output_token_ids if start == 0 and sampling.penalized and seq.num_output_tokens else ()
+        first = targets = ()
+        if seq.wants_prompt_logprobs:  # prompt tokens t with t - 1 in [start, end), not yet computed
+            first = max(seq.prompt_logprobs_next, start + 1)
+            targets = tuple(seq.token_ids[first:min(end + 1, seq.num_prompt_tokens)])
         return ScheduledSeq(
             seq.request_id, start, tuple(seq.token_ids[start:end]), self.blocks.block_table(seq.request_id),
             seq.state_slot, reset_state=start == 0, is_decode=is_decode, sample=end == seq.num_tokens,
-            output_index=seq.num_output_tokens, seed=seq.seed, sampling=sampling, prior_outputs=prior)
+            output_index=seq.num_output_tokens, seed=seq.seed, sampling=sampling, prior_outputs=prior,
+            prompt_targets=targets, prompt_first=first if targets else 0)
 
     def _admit(self, rid: RequestId) -> None:
         seq = self._seqs[rid]

@@ -18,7 +18,7 @@ Errors are `{"error": {"message", "type", "param", "code"}}`:
 |---|---|---|
 | 400 | body not JSON / not an object / nested too deeply | invalid_json |
 | 400 | a field missing, mistyped, out of range or unknown | missing_field, invalid_request, unknown_parameter |
-| 400 | an option not implemented here (best_of, tools, echo, ...) | unsupported_parameter |
+| 400 | an option not implemented here (best_of, suffix, tools, ...) | unsupported_parameter |
 | 400 | messages empty, a role other than system/user/assistant, a system message not first | invalid_messages |
 | 400 | prompt (+ max_tokens) longer than the context | context_length_exceeded |
 | 404 | `model` is not the served model | model_not_found |
@@ -44,6 +44,16 @@ characters is named `bytes:\\xNN...`), chat answers `{"content": [{token, logpro
 likely)}], "refusal": null}` (a token's string there is its bytes decoded with U+FFFD for a partial character;
 `bytes` has them exactly). Streamed chunks carry the entries of the tokens whose text they carry. A long answer's
 log-probabilities are built off the event loop (up to 16 choices x 20 alternatives x the context's tokens).
+
+Echo (`/v1/completions` `"echo": true`): each choice's text starts with the prompt as the model reads it (its
+tokens decoded, control tokens kept: a text prompt comes back as given unless the tokenizer normalised it). With
+`"logprobs": N` the log-probabilities start with the prompt's tokens too: the first has none (`null` logprob and top
+entry, as OpenAI answers), each later one its log-probability given the tokens before it
+(`SamplingParams.prompt_logprobs`: the engine keeps the logits of every prompt position, in chunks of at most
+`PROMPT_LOGPROBS_CHUNK` positions a step, so such a prompt's first token comes later), and `text_offset` counts from
+the start of the echoed text. `"max_tokens": 0` is allowed with echo only: the prompt scored, nothing generated
+(finish_reason "length", 0 completion tokens) -- what evaluation harnesses send for log-likelihoods. Stop strings
+apply to the completion only.
 
 Penalties: `presence_penalty` / `frequency_penalty` in [-2, 2], as OpenAI defines them over the output so far (not
 the prompt), applied before temperature / top-k / top-p (greedy requests too); the engine keeps each penalized
@@ -244,8 +254,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         refuse("stream_options", "only allowed with stream: true")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            refuse("echo", "echo is not supported")
         if req.suffix:
             refuse("suffix", "suffix (fill-in-the-middle) is not supported")
         if req.best_of not in (None, 1):
@@ -350,6 +358,8 @@ class GenerationPlan:
     include_usage: bool
     timeout_s: float | None
     n: int = 1  # choices
+    echo: bool = False  # completions: the prompt starts each choice's text (and its log-probabilities, if asked)
+    # max_new_tokens 0 (echo only): score the prompt, generate nothing (the engine still samples one token, dropped)
 
     def choice_sampling(self, index: int) -> SamplingParams:
         """Choice `index`'s sampling: the request's, its seed (if given) + index (module docstring)."""
@@ -379,10 +389,14 @@ def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_le
     param = "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    echo = isinstance(req, CompletionRequest) and req.echo
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens == 0 and echo:
+        pass  # the prompt scored, nothing generated
     elif max_tokens < 1:
-        raise ApiError(400, "invalid_request", f"{param} must be at least 1, got {max_tokens}", param)
+        raise ApiError(400, "invalid_request", f"{param} must be at least 1 (0 only with echo), got {max_tokens}",
+                       param)
     elif max_tokens > room:
         raise ApiError(400, "context_length_exceeded", f"this model's maximum context length is {max_model_len} "
                                                        f"tokens; you requested {n_prompt + max_tokens} tokens "
@@ -396,13 +410,15 @@ def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_le
     extra = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in extra):
         raise ApiError(400, "invalid_request", f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    logprobs = requested_logprobs(req)
     sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
-                              logprobs=requested_logprobs(req), presence_penalty=req.presence_penalty,
+                              logprobs=logprobs, presence_penalty=req.presence_penalty,
                               frequency_penalty=req.frequency_penalty,
-                              logit_bias=requested_logit_bias(req, vocab_size))
+                              logit_bias=requested_logit_bias(req, vocab_size),
+                              prompt_logprobs=logprobs if echo else None)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return GenerationPlan(tuple(prompt_ids), max_tokens, sampling, tuple(dict.fromkeys(eos + extra)), stop,
-                          req.skip_special_tokens, req.stream, include_usage, req.timeout_s, req.n)
+                          req.skip_special_tokens, req.stream, include_usage, req.timeout_s, req.n, echo)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -501,11 +517,12 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: s
 
 @dataclass(frozen=True)
 class LoggedToken:
-    """One output token's log-probabilities on their way into a response."""
+    """One token's log-probabilities on their way into a response (an output token's, or with echo a prompt
+    token's)."""
 
     token_id: int
-    logprobs: TokenLogprobs
-    text_offset: int  # characters of the completion's text before this token's
+    logprobs: TokenLogprobs | None  # None: the echoed prompt's first token (nothing before it to condition on)
+    text_offset: int  # characters of the choice's text (with echo, the prompt's included) before this token's
 
 
 TokenBytes = Callable[[int], bytes]  # a token id's bytes (`QwenTokenizer.token_bytes`)
@@ -522,10 +539,12 @@ def _token_text(token_bytes: TokenBytes, token_id: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def _top_dict(token_bytes: TokenBytes, t: LoggedToken) -> dict[str, float]:
+def _top_dict(token_bytes: TokenBytes, t: LoggedToken) -> dict[str, float] | None:
     """One token's completions `top_logprobs` entry: the n most likely and the sampled token (n + 1 entries when it
     is not among them, as OpenAI and vLLM answer); ids with the same string (e.g. empty padding ids) keep the most
-    likely one's value."""
+    likely one's value. None for an echoed prompt's first token."""
+    if t.logprobs is None:
+        return None
     out: dict[str, float] = {}
     for i, v in t.logprobs.top:
         out.setdefault(_token_text(token_bytes, i), v)
@@ -536,7 +555,7 @@ def _top_dict(token_bytes: TokenBytes, t: LoggedToken) -> dict[str, float]:
 def completion_logprobs(logged: Sequence[LoggedToken], token_bytes: TokenBytes) -> dict:
     """OpenAI's legacy completions `logprobs` object (module docstring)."""
     return {"tokens": [_token_text(token_bytes, t.token_id) for t in logged],
-            "token_logprobs": [t.logprobs.logprob for t in logged],
+            "token_logprobs": [None if t.logprobs is None else t.logprobs.logprob for t in logged],
             "top_logprobs": [_top_dict(token_bytes, t) for t in logged],
             "text_offset": [t.text_offset for t in logged]}
 
@@ -571,3 +590,18 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def now_s() -> int:
     return int(time.time())
+
+
+def prompt_logged(prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], pieces: Sequence[str]
+                  ) -> list[LoggedToken]:
+    """The echoed prompt's log-probability entries: its first token without any, each later token with its
+    `SamplingParams.prompt_logprobs` entry; `pieces[i]` is the text token i adds (`IncrementalDetokenizer`, control
+    tokens kept), from which the offsets come."""
+    if len(logprobs) != len(prompt_ids) - 1 or len(pieces) != len(prompt_ids):
+        raise RuntimeError(f"{len(logprobs)} prompt log-probabilities / {len(pieces)} pieces for a prompt of "
+                           f"{len(prompt_ids)} tokens")
+    out, offset = [], 0
+    for i, token in enumerate(prompt_ids):
+        out.append(LoggedToken(token, None if i == 0 else logprobs[i - 1], offset))
+        offset += len(pieces[i])
+    return out

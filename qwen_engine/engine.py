@@ -475,6 +475,9 @@ class GenerationChunk:
     matched_stop: tuple[int, ...] | None = None  # on the last chunk: the eos id (1-tuple) / stop sequence that ended it
     # one per new token id when the request's sampling asked for log-probabilities (`SamplingParams.logprobs`)
     new_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # on the first chunk when the request asked for prompt log-probabilities (`SamplingParams.prompt_logprobs`): one
+    # per prompt token after the first (`TokenLogprobs.logprob` is that prompt token's)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -860,28 +863,32 @@ class QwenEngine:
                     items.append(queue.get_nowait())
                 tokens: list[int] = []
                 lps: list[TokenLogprobs] | None = [] if wants_logprobs else None
+                prompt = None  # the first delta's prompt log-probabilities, when asked
                 for item in items:
                     if isinstance(item, TokenDelta):
                         tokens.extend(item.token_ids)
                         if lps is not None:
                             lps.extend(item.logprobs or ())
+                        if item.prompt_logprobs is not None:
+                            prompt = item.prompt_logprobs
                         if item.finish_reason is not None:
                             n_out += len(tokens)
                             completion: Completion | None = self._completions.pop(rid, None)
                             yield GenerationChunk(tuple(tokens), _FINISH[item.finish_reason], n_prompt, n_out,
                                                   None if completion is None else completion.matched_stop,
-                                                  _aligned(lps, tokens))
+                                                  _aligned(lps, tokens), prompt)
                             return
                     else:  # an Answer with an error (ok answers follow the finishing delta, never read)
                         answer: Answer = item
                         if tokens:
                             n_out += len(tokens)
-                            yield GenerationChunk(tuple(tokens), None, n_prompt, n_out, None, _aligned(lps, tokens))
+                            yield GenerationChunk(tuple(tokens), None, n_prompt, n_out, None, _aligned(lps, tokens),
+                                                  prompt)
                         if isinstance(answer.error, Cancelled):  # the engine aborted it (shutdown)
                             raise NotReady("the engine shut down before this request finished; send it again")
                         raise answer.error
                 n_out += len(tokens)
-                yield GenerationChunk(tuple(tokens), None, n_prompt, n_out, None, _aligned(lps, tokens))
+                yield GenerationChunk(tuple(tokens), None, n_prompt, n_out, None, _aligned(lps, tokens), prompt)
         finally:
             # consumer gone (task cancelled, iterator closed) or stream ended: free the sequence if still live
             self._streams.pop(rid, None)

@@ -5,8 +5,10 @@
          (one pinned host->device copy per field, non-blocking)
       -> zero the GDN state slots of sequences that start at position 0 (new, or resumed after preemption)
       -> model.forward_paged: logits only at the last token of each sampling row  [M, vocab]
+         (and at the positions of the rows' prompt targets, when a request asks for prompt log-probabilities)
       -> engine_core.sampling.sample (no host syncs)  -> the one device->host copy of the step: M token ids
-         (and, when a row's request asks for log-probabilities, `token_logprobs`' three small tensors beside them)
+         (and, when a row's request asks for log-probabilities, `token_logprobs`' three small tensors beside them;
+         for prompt log-probabilities, three more over the prompt targets)
 
 It owns the paged state (`PagedCache`): the KV pool of every full-attention layer and the GDN state slots. The
 kernel registry of the runner picks the GDN decode step (`kernels/gdn_decode.py`: Triton on CUDA, the torch
@@ -59,6 +61,8 @@ class PendingStep:
     # `token_logprobs`' (sampled [M], top [M, n], top ids [M, n]) in host memory, copied before `event`; None when no
     # row of the plan asks for log-probabilities
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the same over the plan's prompt targets, rows concatenated ([P], [P, n], [P, n]); None when no row has any
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk",
@@ -260,8 +264,8 @@ class ModelRunner:
         g = self.prefill_graphs
         if g is None or not (g.mode == "static" or g.captured) or plan.num_decode or len(plan.seqs) != 1:
             return False
-        seq = plan.seqs[0]
-        return seq.start == 0 and g.bucket_for(len(seq.token_ids)) is not None
+        seq = plan.seqs[0]  # a graph keeps the last position's logits only: no prompt targets
+        return seq.start == 0 and not seq.prompt_targets and g.bucket_for(len(seq.token_ids)) is not None
 
     def _fed_ids(self, plan: StepPlan, feed: PendingStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a plan formed ahead (`plan.feed_from`): (the feeding step's sampled ids on the device, the device
@@ -278,8 +282,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, feed: PendingStep | None = None) -> torch.Tensor:
-        """Run the model over `plan`: logits [len(plan.sampled), vocab] at the last token of each sampling row.
-        `feed`: the launched step whose sampled ids are the inputs of a plan formed ahead (`StepPlan.feed_from`)."""
+        """Run the model over `plan`: logits [len(plan.sampled), vocab] at the last token of each sampling row,
+        then [P, vocab] at the positions before the rows' P prompt targets (`ScheduledSeq.prompt_targets`, rows in
+        order; none in graph steps). `feed`: the launched step whose sampled ids are the inputs of a plan formed
+        ahead (`StepPlan.feed_from`)."""
         fed = self._fed_ids(plan, feed)
         if self._use_prefill_graph(plan):
             seq = plan.seqs[0]
@@ -301,6 +307,9 @@ class ModelRunner:
         else:
             input_ids = put([t for s in plan.seqs for t in s.token_ids])
         last = [batch.starts[i + 1] - 1 for i, s in enumerate(plan.seqs) if s.sample]
+        # prompt token t's log-probability comes from the logits at position t - 1 (inside the row's chunk)
+        last += [batch.starts[i] + s.prompt_first - 1 - s.start + j
+                 for i, s in enumerate(plan.seqs) for j in range(len(s.prompt_targets))]
         if not last:  # every row is a mid-prompt chunk: state advances, nothing to sample
             self.model.forward_paged(input_ids, batch, self.cache, put([0]))
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
@@ -316,9 +325,21 @@ class ModelRunner:
         without waiting for them (CUDA; elsewhere the work is done on return). `feed`: see `forward`."""
         t0 = time.perf_counter()
         logits = self.forward(plan, feed)
+        targets = [t for r in plan.seqs for t in r.prompt_targets]
+        prompt_lps = None
+        if targets:  # the prompt targets' rows come after the sampled rows'
+            n_sampled = logits.shape[0] - len(targets)
+            prompt_logits, logits = logits[n_sampled:], logits[:n_sampled]
+            with torch.inference_mode():
+                prompt_lps = token_logprobs(prompt_logits, self._to_device(targets), max(
+                    r.sampling.prompt_logprobs for r in plan.seqs if r.prompt_targets))
+            del prompt_logits
         if any(r.reset_state and r.sampling.penalized for r in plan.seqs):
             self._reset_counts(plan)
         ids = host = event = logprobs = None
+        prompt_host = prompt_lps
+        if prompt_lps is not None and self.device.type == "cuda":
+            prompt_host = tuple(_to_host(t) for t in prompt_lps)
         if logits.shape[0]:
             asks = [r.sampling.logprobs for r in plan.sampled if r.sampling.logprobs is not None]
             with torch.inference_mode():
@@ -332,12 +353,13 @@ class ModelRunner:
             if self.device.type == "cuda":
                 host = _to_host(ids)
                 logprobs = None if lps is None else tuple(_to_host(t) for t in lps)
-                event = torch.cuda.Event()
-                event.record()
             else:
                 host, logprobs = ids, lps
+        if self.device.type == "cuda" and (host is not None or prompt_host is not None):
+            event = torch.cuda.Event()
+            event.record()
         self.launches += 1  # queued (a launch that raised is not counted)
-        return PendingStep(plan, ids, host, event, time.perf_counter() - t0, logprobs)
+        return PendingStep(plan, ids, host, event, time.perf_counter() - t0, logprobs, prompt_host)
 
     def _penalty_counts(self, plan: StepPlan) -> torch.Tensor | None:
         """The sampled rows' output-token counts [len(plan.sampled), vocab] when a row is penalized (None when none
@@ -379,9 +401,10 @@ class ModelRunner:
             pending.event.synchronize()
         ids = pending.host.tolist() if pending.host is not None else []
         logprobs = None if pending.logprobs is None else _row_logprobs(pending.plan, *pending.logprobs)
+        prompt = None if pending.prompt_logprobs is None else _prompt_logprobs(pending.plan, *pending.prompt_logprobs)
         self.steps += 1
         self.busy_s += pending.launch_s + time.perf_counter() - t0
-        return StepOutput(tuple(ids), logprobs)
+        return StepOutput(tuple(ids), logprobs, prompt)
 
     def stats(self) -> dict[str, float]:
         out = {"steps": self.steps, "launches": self.launches, "graph_steps": self.graph_steps,
@@ -414,4 +437,18 @@ def _row_logprobs(plan: StepPlan, chosen: torch.Tensor, top: torch.Tensor, top_i
     for i, row in enumerate(plan.sampled):
         n = row.sampling.logprobs
         out.append(None if n is None else TokenLogprobs(chosen_l[i], tuple(zip(ids_l[i][:n], top_l[i][:n]))))
+    return tuple(out)
+
+
+def _prompt_logprobs(plan: StepPlan, chosen: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor
+                     ) -> tuple[tuple[TokenLogprobs, ...], ...]:
+    """`token_logprobs`' host tensors over the plan's prompt targets (rows concatenated) -> per plan row its targets'
+    TokenLogprobs (its own n of the batch's largest), () for a row without targets."""
+    chosen_l, top_l, ids_l = chosen.tolist(), top.tolist(), top_ids.tolist()
+    out, at = [], 0
+    for row in plan.seqs:
+        n, k = row.sampling.prompt_logprobs, len(row.prompt_targets)
+        out.append(tuple(TokenLogprobs(chosen_l[i], tuple(zip(ids_l[i][:n], top_l[i][:n])))
+                         for i in range(at, at + k)))
+        at += k
     return tuple(out)

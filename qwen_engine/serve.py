@@ -67,6 +67,7 @@ from qwen_engine.api import (
     now_s,
     parse_request,
     plan_generation,
+    prompt_logged,
     sse,
     usage,
     usage_chunk,
@@ -223,15 +224,33 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
     cancellation) closes the engine's iterator, which cancels the sequence and frees its KV blocks. An engine shutdown
     mid-request raises NotReady there: 503 before the first byte, an error event after it. With log-probabilities
     asked for, the ids go through one at a time, so the entries end at the token that completes a stop string.
-    `choice`: which of the plan's n choices (its sampling: `GenerationPlan.choice_sampling`)."""
+    `choice`: which of the plan's n choices (its sampling: `GenerationPlan.choice_sampling`). With `plan.echo` the
+    first piece starts with the prompt's text (and its log-probability entries); with max_new_tokens 0 that is the
+    only piece (the one token the engine sampled is dropped)."""
     detok = IncrementalDetokenizer(tokenizer, plan.skip_special_tokens)
     stops = StopStringFilter(plan.stop)
-    offset = 0  # characters the detokenizer has given so far (completions' text_offset)
-    gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=plan.max_new_tokens,
+    offset = 0  # characters of the choice's text so far (completions' text_offset)
+    echo: str | None = None  # the echoed prompt's text until the first piece carries it
+    echo_logged: list[LoggedToken] = []
+    if plan.echo:  # the prompt as the model reads it: its tokens decoded, control tokens kept
+        prompt_detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+        pieces = [prompt_detok.push((t,)) for t in plan.prompt_token_ids]
+        pieces[-1] += prompt_detok.flush()
+        echo = "".join(pieces)
+        offset = len(echo)
+    gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=max(plan.max_new_tokens, 1),
                           sampling=plan.choice_sampling(choice), eos_token_ids=plan.eos_token_ids,
                           timeout_s=plan.timeout_s)
     try:
         async for chunk in gen:
+            if echo is not None and plan.sampling.logprobs is not None:
+                if chunk.prompt_logprobs is None:
+                    raise RuntimeError("the engine sent no prompt log-probabilities for an echo that asked for them")
+                echo_logged = prompt_logged(plan.prompt_token_ids, chunk.prompt_logprobs, pieces)
+            if echo is not None and plan.max_new_tokens == 0:  # scored, nothing generated
+                yield _Piece(echo, "length", chunk.prompt_tokens, 0,
+                             echo_logged if plan.sampling.logprobs is not None else None)
+                return
             ids = chunk.new_token_ids
             if chunk.finish_reason == "stop" and chunk.matched_stop and ids[-len(chunk.matched_stop):] == tuple(
                     chunk.matched_stop):
@@ -255,6 +274,9 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
                 text += stops.push(detok.flush()) + stops.flush()
             if stops.stopped:
                 finish = "stop"
+            if echo is not None:  # the first piece
+                text, echo = echo + text, None
+                logged = None if logged is None else echo_logged + logged
             yield _Piece(text, finish, chunk.prompt_tokens, chunk.completion_tokens, logged)
             if finish is not None:
                 return

@@ -783,3 +783,88 @@ def test_step_ahead_cancel_and_failure():
     sched2.fail(ahead, RuntimeError("device"))
     (answer,) = sched2.pop_answers()
     assert isinstance(answer.error, StepFailed) and answer.request_id == r and sched2.in_flight is None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompt log-probabilities
+
+
+def with_prompt_logprobs(runner: FakeRunner, plan: StepPlan) -> StepOutput:
+    """The fake runner's output plus each row's prompt targets' entries, encoding what a real runner must get right:
+    logprob -t for prompt token t (its index), top (the target's own id, the position's token id)."""
+    out = runner.run(plan)
+    rows = tuple(tuple(TokenLogprobs(-float(s.prompt_first + j), ((tok, 0.0), (s.token_ids[s.prompt_first - 1 -
+                                                                                              s.start + j], -1.0)))
+                       for j, tok in enumerate(s.prompt_targets)) for s in plan.seqs)
+    return StepOutput(out.sampled_token_ids, out.logprobs,
+                      rows if any(s.prompt_targets for s in plan.seqs) else None)
+
+
+@pytest.mark.parametrize("blocks", [200, 12])  # 12 blocks of 4 slots: preemption, some mid-prompt
+def test_prompt_logprobs_come_once_in_order_on_the_first_delta(monkeypatch, blocks):
+    """Every prompt token after the first gets exactly one entry, in order, from the logits at the position before
+    it (the fake encodes the token index and both ids), on the request's first delta; chunks that keep every
+    position's logits hold at most PROMPT_LOGPROBS_CHUNK tokens a step in all; preemption computes none twice and
+    the streams stay the uninterrupted ones; requests that did not ask get none."""
+    from engine_core import continuous
+
+    monkeypatch.setattr(continuous, "PROMPT_LOGPROBS_CHUNK", 5)
+    sched, _, runner = make(num_kv_blocks=blocks, max_num_seqs=5)
+    asks = [SamplingParams(0.7, seed=7 + i, prompt_logprobs=(2 if i % 2 == 0 else None)) for i in range(5)]
+    requests = [req(n, max_new=m, first=i, sampling=asks[i])
+                for i, (n, m) in enumerate([(13, 20), (3, 25), (14, 20), (6, 30), (1, 30)])]
+    rids = [sched.add(r) for r in requests]
+    firsts, answers = {}, {}
+    for _ in range(10_000):
+        plan = sched.step()
+        if plan is not None:
+            check_plan(sched, plan)
+            scored = sum(s.num_tokens for s in plan.seqs if s.sampling.prompt_logprobs is not None
+                         and s.prompt_targets)
+            assert scored <= 5
+            for s in plan.seqs:
+                assert not s.prompt_targets or s.sampling.prompt_logprobs is not None
+            for d in sched.finish(plan, with_prompt_logprobs(runner, plan)):
+                if d.request_id not in firsts:
+                    firsts[d.request_id] = d
+                else:
+                    assert d.prompt_logprobs is None
+        for a in sched.pop_answers():
+            answers[a.request_id] = a
+        if plan is None and sched.num_unfinished == 0:
+            break
+    if blocks == 12:
+        assert sched.stats.preemptions > 0
+    for rid, r in zip(rids, requests):
+        c = answers[rid].outputs[0]
+        assert (c.token_ids, c.finish_reason) == reference(r, r.sampling.seed, 128)
+        got = firsts[rid].prompt_logprobs
+        if r.sampling.prompt_logprobs is None:
+            assert got is None
+            continue
+        p = r.prompt_token_ids
+        assert got is not None and len(got) == len(p) - 1
+        assert [lp.logprob for lp in got] == [-float(t) for t in range(1, len(p))]
+        assert [lp.top for lp in got] == [((p[t], 0.0), (p[t - 1], -1.0)) for t in range(1, len(p))]
+
+
+def test_prompt_logprobs_skip_the_lone_prefill_rule_and_a_missing_entry_is_refused():
+    sched, _, runner = make(lone_prefill_tokens=16)
+    sched.add(req(6, sampling=SamplingParams(prompt_logprobs=0)))
+    plan = sched.step()
+    assert not plan.lone_prefill and plan.seqs[0].prompt_targets == plan.seqs[0].token_ids[1:]
+    assert plan.seqs[0].prompt_first == 1
+    with pytest.raises(ValueError, match="prompt log-probabilities"):
+        sched.finish(plan, runner.run(plan))  # no prompt entries for a row that has targets
+    assert sched.in_flight is plan
+    (delta,) = sched.finish(plan, with_prompt_logprobs(runner, plan))
+    assert len(delta.prompt_logprobs) == 5
+    sched.add(req(6))  # without prompt log-probabilities the rule takes it
+    assert sched.step().lone_prefill
+
+
+def test_prompt_logprobs_validation():
+    for bad in (-1, 21, True, 1.5):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+    assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20

@@ -542,6 +542,58 @@ def test_logprobs_match_the_contiguous_reference(async_decode, graphs, device):
             assert tokens == reference_greedy(engine, prompt(i, n), 5)
 
 
+@pytest.mark.parametrize("async_decode,graphs,device", [
+    (False, "off", "cpu"), (True, "static", "cpu"),
+    pytest.param(True, "capture", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="CUDA graphs need a CUDA device")),
+])
+def test_prompt_logprobs_match_the_contiguous_reference(async_decode, graphs, device, monkeypatch):
+    """SamplingParams.prompt_logprobs: on the first chunk, one entry per prompt token after the first, equal to a
+    float64 log-softmax of the single-prompt reference's logits at the position before it, within 2e-4 (as the
+    output tokens' above), the top list the n most likely; chunks of at most PROMPT_LOGPROBS_CHUNK (here 7) positions
+    a step over prompts split by the 16-token budget too, several such requests in one step, beside requests that
+    did not ask (whose tokens do not change) and a one-token prompt (no entries); with the prefill graphs where the
+    device has them (a scored prompt never replays one: a graph keeps one position's logits)."""
+    from engine_core import continuous
+
+    monkeypatch.setattr(continuous, "PROMPT_LOGPROBS_CHUNK", 7)
+    asks = [(40, SamplingParams(prompt_logprobs=3, logprobs=1)), (1, SamplingParams(prompt_logprobs=0)),
+            (17, SamplingParams()), (9, SamplingParams(temperature=0.8, seed=3, prompt_logprobs=20)),
+            (5, SamplingParams(prompt_logprobs=2))]
+
+    async def body(engine):
+        return engine, await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=4, sampling=sp)
+                                              for i, (n, sp) in enumerate(asks)))
+
+    engine, outs = run(engine_config(async_decode=async_decode, decode_graphs=graphs, device=device,
+                                     prefill_graphs="off" if graphs == "off" else graphs,
+                                     kernels="auto" if device == "cuda" else "reference"), body)
+    for i, ((n, sp), (tokens, chunks)) in enumerate(zip(asks, outs)):
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+        got = chunks[0].prompt_logprobs
+        if sp.greedy:
+            assert tokens == reference_greedy(engine, prompt(i, n), 4), i
+        if sp.prompt_logprobs is None:
+            assert got is None
+            continue
+        ids = prompt(i, n)
+        assert got is not None and len(got) == n - 1, (i, got)
+        if n == 1:
+            continue
+        with torch.inference_mode():
+            logits = engine.model(torch.tensor([ids], device=engine.device), engine.model.new_state(1, n))[0].float()
+        for t in range(1, n):
+            want, want_top = reference_logprobs(logits[t - 1], ids[t], sp.prompt_logprobs)
+            lp = got[t - 1]
+            assert abs(lp.logprob - want) < 2e-4, (i, t, lp.logprob, want)
+            assert len(lp.top) == len(want_top), (i, t)
+            assert all(abs(v - w) < 2e-4 for (_, v), (_, w) in zip(lp.top, want_top)), (i, t)
+            assert all(abs(reference_logprobs(logits[t - 1], tid, 0)[0] - v) < 2e-4 for tid, v in lp.top), (i, t)
+    stats = engine.health()["runner"]
+    if graphs == "capture":
+        assert stats["graph_steps"] > 0
+
+
 def reference_adjusted_greedy(engine: QwenEngine, ids: list[int], n: int, sp: SamplingParams) -> list[int]:
     """Greedy decoding of the contiguous reference with the logit bias and penalties applied in float64, token by
     token."""

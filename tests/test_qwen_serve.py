@@ -11,6 +11,7 @@ The protocol unit tests at the top use a small fake engine only where the subjec
 """
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 import time
@@ -32,6 +33,7 @@ from qwen_engine.api import (  # noqa: E402
     CompletionRequest,
     StopStringFilter,
     check_unsupported,
+    completion_logprobs,
     error_body,
     parse_request,
     plan_generation,
@@ -157,7 +159,7 @@ def test_null_options_mean_their_defaults():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}},
+    ({"suffix": "y"}, "suffix"), ({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}},
                                                            "stream_options"),
 ])
 def test_unsupported_options_are_refused(extra, param):
@@ -180,6 +182,8 @@ def test_plan_lengths_and_defaults():
         (CompletionRequest(model="m", prompt="x"), list(range(10)), "context_length_exceeded"),
         (CompletionRequest(model="m", prompt="x"), [1, 100], "invalid_request"),
         (CompletionRequest(model="m", prompt="x", stop=[""]), [1], "invalid_request"),
+        (CompletionRequest(model="m", prompt="x", max_tokens=0), [1], "invalid_request"),  # 0 only with echo
+        (CompletionRequest(model="m", prompt="x", max_tokens=-1, echo=True), [1], "invalid_request"),
     ]:
         with pytest.raises(ApiError) as e:
             plan_generation(req, ids, default_max_tokens=16, **kw)
@@ -210,6 +214,7 @@ class _Chunk:  # the fields of qwen_engine.engine.GenerationChunk that serve.py 
     completion_tokens: int
     matched_stop: tuple | None = None
     new_logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
 
 
 class _ScriptedEngine:
@@ -228,10 +233,11 @@ class _ScriptedEngine:
             self.closed_early = delivered < len(self.chunks)
 
 
-def _pieces(engine, tok, stop=(), ids=(1,), logprobs=None):
+def _pieces(engine, tok, stop=(), ids=(1,), logprobs=None, echo=False, max_tokens=50):
     from qwen_engine.serve import _text_stream
 
-    comp = CompletionRequest(model="m", prompt="x", stop=list(stop) or None, max_tokens=50, logprobs=logprobs)
+    comp = CompletionRequest(model="m", prompt="x", stop=list(stop) or None, max_tokens=max_tokens,
+                             logprobs=logprobs, echo=echo)
     plan = plan_generation(comp, list(ids), max_model_len=100, eos_token_ids=tok.eos_token_ids,
                            vocab_size=248320, default_max_tokens=16)
 
@@ -281,6 +287,45 @@ def test_text_stream_logprobs_follow_the_text_and_end_at_the_stop():
     end = len(tok.encode("ab ") + parrot + tok.encode(" END"))
     assert "".join(p.text for p in pieces) == "ab 🦜" and logged == ids[:end]  # through the token completing it
     assert all(p.logged is None for p in _pieces(_ScriptedEngine(chunks), tok))  # not asked: none
+
+
+def test_text_stream_echo_starts_with_the_prompt_and_its_logprobs():
+    """echo: the first piece starts with the prompt's text (a stop string inside the prompt cuts nothing), its
+    log-probability entries start with the prompt's tokens (the first with none, the others the engine's prompt
+    entries, offsets over the prompt's characters) and the completion's offsets count the prompt's characters;
+    max_tokens 0: the prompt alone, finish "length", 0 completion tokens, the engine's sampled token dropped and its
+    sequence closed; an engine that sends no prompt entries is an error, not a silent misalignment."""
+    tok = load_tokenizer()
+    prompt_ids = tok.encode("END 🦜 x")
+    out_ids = tok.encode(" more END tail")
+    plps = tuple(TokenLogprobs(-0.5 * t, ((prompt_ids[t], -0.5 * t),)) for t in range(1, len(prompt_ids)))
+    lps = [TokenLogprobs(-0.1, ((i, -0.1),)) for i in out_ids]
+    chunks = [_Chunk((i,), None, len(prompt_ids), n + 1, None, (lp,), plps if n == 0 else None)
+              for n, (i, lp) in enumerate(zip(out_ids, lps))]
+    chunks.append(_Chunk((tok.im_end_id,), "stop", len(prompt_ids), len(out_ids) + 1, (tok.im_end_id,),
+                         (TokenLogprobs(-0.01, ()),)))
+    pieces = _pieces(_ScriptedEngine(chunks), tok, ids=prompt_ids, echo=True)
+    assert "".join(p.text for p in pieces) == "END 🦜 x more END tail" and pieces[0].text.startswith("END 🦜 x")
+    assert all(p.logged is None for p in pieces)
+    pieces = _pieces(_ScriptedEngine(chunks), tok, ids=prompt_ids, echo=True, stop=(" END",), logprobs=1)
+    assert "".join(p.text for p in pieces) == "END 🦜 x more" and pieces[-1].finish_reason == "stop"
+    logged = [t for p in pieces for t in p.logged]
+    n = len(prompt_ids)
+    assert [t.token_id for t in logged[:n]] == prompt_ids and logged[0].logprobs is None
+    assert [t.logprobs for t in logged[1:n]] == list(plps)
+    offsets = [len(tok.decode(prompt_ids[:k], skip_special_tokens=False).rstrip("\ufffd")) for k in range(n)]
+    assert [t.text_offset for t in logged[:n]] == offsets
+    assert logged[n].text_offset == len("END 🦜 x") and [t.logprobs for t in logged[n:]] == lps[:len(logged) - n]
+    engine = _ScriptedEngine(chunks)
+    (piece,) = _pieces(engine, tok, ids=prompt_ids, echo=True, max_tokens=0, logprobs=0)
+    assert (piece.text, piece.finish_reason, piece.completion_tokens) == ("END 🦜 x", "length", 0)
+    assert [t.token_id for t in piece.logged] == prompt_ids and engine.closed_early is True
+    body = completion_logprobs(piece.logged, tok.token_bytes)
+    assert body["token_logprobs"][0] is None and body["top_logprobs"][0] is None
+    assert body["token_logprobs"][1:] == [lp.logprob for lp in plps] and body["text_offset"] == offsets
+    bare = [dataclasses.replace(c, prompt_logprobs=None) for c in chunks]
+    with pytest.raises(RuntimeError, match="prompt log-probabilities"):
+        _pieces(_ScriptedEngine(bare), tok, ids=prompt_ids, echo=True, logprobs=0)
 
 
 @pytest.mark.parametrize("route, body, want", [
@@ -625,6 +670,44 @@ def test_completion_logprobs_non_streamed_and_streamed_agree(client):
     assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
     assert [t for p in parts for t in p["text_offset"]] == lp["text_offset"]
     assert [t for p in parts for t in p["token_logprobs"]] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+
+def test_echo_scores_the_prompt_as_generation_would(client, tok):
+    """echo through Ray Serve: the text starts with the prompt; with logprobs the prompt's tokens come first (the
+    first with null entries) and prompt token k's log-probability equals what a generation from the first k tokens
+    reports for that same token (forced by logit_bias, whose reported log-probabilities are the model's own), within
+    1e-4 (other batch shapes; fp32); max_tokens 0 scores the prompt alone; without echo it is a 400; the streamed
+    answer agrees with the whole one."""
+    prompt = "The capital of France is Paris"
+    ids = tok.encode(prompt)
+    r = complete(client, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == prompt and lp["text_offset"][0] == 0
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(1 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+    for k in (1, len(ids) // 2, len(ids) - 1):
+        forced = complete(client, prompt=ids[:k], max_tokens=1, logprobs=0, logit_bias={str(ids[k]): 100})
+        got = forced.json()["choices"][0]["logprobs"]
+        assert got["tokens"] == [lp["tokens"][k]]
+        assert got["token_logprobs"][0] == pytest.approx(lp["token_logprobs"][k], abs=1e-4), k
+    gen = complete(client, prompt=prompt, max_tokens=4, logprobs=2).json()["choices"][0]
+    both = complete(client, prompt=prompt, max_tokens=4, echo=True, logprobs=2).json()["choices"][0]
+    assert both["text"] == prompt + gen["text"]
+    assert both["logprobs"]["tokens"] == lp["tokens"] + gen["logprobs"]["tokens"]
+    assert both["logprobs"]["text_offset"][len(ids):] == [len(prompt) + o for o in gen["logprobs"]["text_offset"]]
+    assert both["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+    events = events_of(complete(client, prompt=prompt, max_tokens=4, echo=True, logprobs=2, stream=True))
+    assert "".join(e["choices"][0]["text"] for e in events) == both["text"]
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert [t for p in parts for t in p["tokens"]] == both["logprobs"]["tokens"]
+    assert [t for p in parts for t in p["text_offset"]] == both["logprobs"]["text_offset"]
+    assert complete(client, prompt=prompt, max_tokens=4, echo=True).json()["choices"][0]["text"] == both["text"]
+    r = complete(client, prompt=prompt, max_tokens=0)
+    assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
 
 
 def test_chat_logprobs_non_streamed_and_streamed(client):
