@@ -37,23 +37,26 @@ Extensions beyond OpenAI (as vLLM names them): `top_k` (0 or -1 = off), `ignore_
 Log-probabilities: `/v1/completions` `"logprobs": N` (0-20), `/v1/chat/completions` `"logprobs": true` with
 `"top_logprobs": N` (0-20). Natural logs of the model's own next-token distribution (fp32 log-softmax of the logits,
 before temperature / top-k / top-p, as OpenAI and vLLM report them), for every output token up to the one that
-completes a stop string; a terminating eos / stop token id is left out, as its text is. Completions answer OpenAI's
-legacy object (`tokens`, `token_logprobs`, `top_logprobs`: the N most likely and the sampled token as {token:
-logprob}, `text_offset`: characters of the completion before each token; a token that is not whole UTF-8
-characters is named `bytes:\\xNN...`), chat answers `{"content": [{token, logprob, bytes, top_logprobs (the N most
-likely)}], "refusal": null}` (a token's string there is its bytes decoded with U+FFFD for a partial character;
-`bytes` has them exactly). Streamed chunks carry the entries of the tokens whose text they carry. A long answer's
-log-probabilities are built off the event loop (up to 16 choices x 20 alternatives x the context's tokens).
+completes a stop string; a terminating eos / stop token id is left out, as its text is (with echo it keeps its
+entry: below). Completions answer OpenAI's legacy object (`tokens`, `token_logprobs`, `top_logprobs`: the N most
+likely and the sampled token as {token: logprob}, `text_offset`: characters of the completion before each token; a
+token that is not whole UTF-8 characters is named `bytes:\\xNN...`), chat answers `{"content": [{token, logprob,
+bytes, top_logprobs (the N most likely)}], "refusal": null}` (a token's string there is its bytes decoded with
+U+FFFD for a partial character; `bytes` has them exactly). Streamed chunks carry the entries of the tokens whose
+text they carry. A long answer's log-probabilities are built off the event loop (up to 16 choices x 20 alternatives
+x the context's tokens).
 
-Echo (`/v1/completions` `"echo": true`): each choice's text starts with the prompt as the model reads it (its
-tokens decoded, control tokens kept: a text prompt comes back as given unless the tokenizer normalised it). With
+Echo (`/v1/completions` `"echo": true`): each choice's text starts with the prompt as the model reads it (its tokens
+decoded, control tokens kept: a text prompt comes back as given unless the tokenizer normalised it). With
 `"logprobs": N` the log-probabilities start with the prompt's tokens too: the first has none (`null` logprob and top
 entry, as OpenAI answers), each later one its log-probability given the tokens before it
 (`SamplingParams.prompt_logprobs`: the engine keeps the logits of every prompt position, in chunks of at most
 `PROMPT_LOGPROBS_CHUNK` positions a step, so such a prompt's first token comes later), and `text_offset` counts from
-the start of the echoed text. `"max_tokens": 0` is allowed with echo only: the prompt scored, nothing generated
-(finish_reason "length", 0 completion tokens) -- what evaluation harnesses send for log-likelihoods. Stop strings
-apply to the completion only.
+the start of the echoed text; a terminating eos / stop token keeps its entry there (its text stays out), so the
+entries are one per prompt token and one per sampled token, as evaluation harnesses index them (lm-eval sums
+`token_logprobs[ctxlen:-1]` of an echo with max_tokens 1). `"max_tokens": 0` is allowed with echo only: the prompt
+scored, nothing generated (finish_reason "length", 0 completion tokens) -- what evaluation harnesses send for
+log-likelihoods. Stop strings apply to the completion only.
 
 Penalties: `presence_penalty` / `frequency_penalty` in [-2, 2], as OpenAI defines them over the output so far (not
 the prompt), applied before temperature / top-k / top-p (greedy requests too); the engine keeps each penalized

@@ -202,7 +202,7 @@ def _error(exc: Exception) -> tuple[int, str, str, str | None, dict[str, str]]:
 
 
 _INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are parsed and tokenised on the event loop
-_INLINE_LOGPROB_ENTRIES = 4096  # non-streamed answers with more log-probability entries are built in a thread
+_INLINE_LOGPROB_ENTRIES = 4096  # answers / streamed events with more log-probability entries are built in a thread
 
 
 @dataclass
@@ -214,6 +214,15 @@ class _Piece:
     prompt_tokens: int
     completion_tokens: int
     logged: list[LoggedToken] | None = None  # the log-probabilities of the tokens behind `text` (None: not asked)
+
+
+def _token_pieces(tokenizer, ids) -> list[str]:
+    """The text each token of `ids` adds (whole UTF-8 characters, control tokens kept; what is left at the end
+    joins the last piece)."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    pieces = [detok.push((t,)) for t in ids]
+    pieces[-1] += detok.flush()
+    return pieces
 
 
 async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choice: int = 0
@@ -232,10 +241,10 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
     offset = 0  # characters of the choice's text so far (completions' text_offset)
     echo: str | None = None  # the echoed prompt's text until the first piece carries it
     echo_logged: list[LoggedToken] = []
-    if plan.echo:  # the prompt as the model reads it: its tokens decoded, control tokens kept
-        prompt_detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
-        pieces = [prompt_detok.push((t,)) for t in plan.prompt_token_ids]
-        pieces[-1] += prompt_detok.flush()
+    if plan.echo:  # the prompt as the model reads it: its tokens decoded, control tokens kept (a long one off the loop)
+        long = len(plan.prompt_token_ids) > _INLINE_LOGPROB_ENTRIES
+        pieces = await asyncio.to_thread(_token_pieces, tokenizer, plan.prompt_token_ids) if long else \
+            _token_pieces(tokenizer, plan.prompt_token_ids)
         echo = "".join(pieces)
         offset = len(echo)
     gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=max(plan.max_new_tokens, 1),
@@ -269,6 +278,10 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
                     text += stops.push(piece)
                     if stops.stopped:
                         break
+                if plan.echo and not stops.stopped:  # scoring: the terminating eos / stop tokens keep their entries
+                    #                                  (no text), one entry per sampled token as harnesses index them
+                    logged += [LoggedToken(token_id, lp, offset) for token_id, lp in
+                               zip(chunk.new_token_ids[len(ids):], chunk.new_logprobs[len(ids):])]
             finish = chunk.finish_reason
             if finish is not None:
                 text += stops.push(detok.flush()) + stops.flush()
@@ -517,11 +530,15 @@ class QwenServer:
         # per choice, the entries of tokens whose text is not out yet (a partial character, a held-back stop)
         held: list[list[LoggedToken]] = [[] for _ in firsts]
 
-        def event(i: int, text: str, finish: str | None) -> bytes:
+        async def event(i: int, text: str, finish: str | None) -> bytes:
             lp = None
             if wants_logprobs and (held[i] or text):
-                lp = self._logprobs(route, held[i])
+                entries = list(held[i])
                 held[i].clear()
+                # an echoed prompt's thousands of entries: built off the loop that streams other requests' tokens
+                big = len(entries) * (1 + (plan.sampling.logprobs or 0)) > _INLINE_LOGPROB_ENTRIES
+                lp = await asyncio.to_thread(self._logprobs, route, entries) if big else \
+                    self._logprobs(route, entries)
             if chat:
                 return sse(chat_chunk(rid, created, model, {"content": text} if text or finish is None else {},
                                       finish, inc, lp, i))
@@ -538,10 +555,11 @@ class QwenServer:
                 held[i].extend(piece.logged or ())
                 if piece.text or piece.finish_reason is not None:
                     if chat and piece.text and piece.finish_reason is not None:
-                        yield event(i, piece.text, None)  # OpenAI's last chunk carries only the finish reason
-                        yield event(i, "", piece.finish_reason)
+                        # OpenAI's last chunk carries only the finish reason
+                        yield await event(i, piece.text, None)
+                        yield await event(i, "", piece.finish_reason)
                     else:
-                        yield event(i, piece.text, piece.finish_reason)
+                        yield await event(i, piece.text, piece.finish_reason)
                 lasts[i] = piece
             if inc:
                 yield sse(usage_chunk(rid, created, model, "chat.completion.chunk" if chat else "text_completion",

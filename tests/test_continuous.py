@@ -140,6 +140,7 @@ def check_plan(sched: ContinuousScheduler, plan: StepPlan) -> None:
     """Invariants every plan must satisfy."""
     cfg = sched.config
     assert 0 < plan.num_tokens <= cfg.max_num_batched_tokens
+    assert all(s.num_tokens > 0 for s in plan.seqs), "an empty chunk"
     assert plan.num_seqs <= cfg.max_num_seqs
     ids = [s.request_id for s in plan.seqs]
     assert len(set(ids)) == len(ids)

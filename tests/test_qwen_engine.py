@@ -594,6 +594,44 @@ def test_prompt_logprobs_match_the_contiguous_reference(async_decode, graphs, de
         assert stats["graph_steps"] > 0
 
 
+@pytest.mark.parametrize("blocks,max_new,chunk", [(12, 20, 7), (13, 12, 5)])
+def test_prompt_logprobs_under_preemption_match_the_reference(monkeypatch, blocks, max_new, chunk):
+    """Ten scored prompts in a KV pool too small for them: preemption mid-prompt resumes the scoring where it
+    stopped, so chunks start with a target that is not their first position (the runner's flat index of position
+    t - 1 inside the chunk is exercised, not only position 0); every prompt's entries still equal the reference's."""
+    from engine_core import continuous
+    from qwen_engine import runner as runner_mod
+
+    monkeypatch.setattr(continuous, "PROMPT_LOGPROBS_CHUNK", chunk)
+    offsets = []
+    launch = runner_mod.ModelRunner.launch
+
+    def counting_launch(self, plan, feed=None):
+        offsets.extend(s.prompt_first - 1 - s.start for s in plan.seqs if s.prompt_targets)
+        return launch(self, plan, feed)
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "launch", counting_launch)
+    sp = SamplingParams(prompt_logprobs=2)
+
+    async def body(engine):
+        return engine, await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=max_new, sampling=sp)
+                                              for i, n in enumerate(LENGTHS)))
+
+    engine, outs = run(engine_config(num_kv_blocks=blocks, max_model_len=4 * blocks), body)
+    assert engine.scheduler.stats.preemptions > 0 and any(offsets), offsets
+    for i, (n, (tokens, chunks)) in enumerate(zip(LENGTHS, outs)):
+        got, ids = chunks[0].prompt_logprobs, prompt(i, n)
+        assert got is not None and len(got) == n - 1, i
+        if n == 1:
+            continue
+        with torch.inference_mode():
+            logits = engine.model(torch.tensor([ids], device=engine.device), engine.model.new_state(1, n))[0].float()
+        for t in range(1, n):
+            want, want_top = reference_logprobs(logits[t - 1], ids[t], 2)
+            assert abs(got[t - 1].logprob - want) < 2e-4, (i, t)
+            assert all(abs(v - w) < 2e-4 for (_, v), (_, w) in zip(got[t - 1].top, want_top)), (i, t)
+
+
 def reference_adjusted_greedy(engine: QwenEngine, ids: list[int], n: int, sp: SamplingParams) -> list[int]:
     """Greedy decoding of the contiguous reference with the logit bias and penalties applied in float64, token by
     token."""

@@ -316,6 +316,15 @@ def test_text_stream_echo_starts_with_the_prompt_and_its_logprobs():
     offsets = [len(tok.decode(prompt_ids[:k], skip_special_tokens=False).rstrip("\ufffd")) for k in range(n)]
     assert [t.text_offset for t in logged[:n]] == offsets
     assert logged[n].text_offset == len("END 🦜 x") and [t.logprobs for t in logged[n:]] == lps[:len(logged) - n]
+    pieces = _pieces(_ScriptedEngine(chunks), tok, ids=prompt_ids, echo=True, logprobs=1)  # no stop string
+    logged = [t for p in pieces for t in p.logged]
+    assert len(logged) == n + len(out_ids) + 1  # the eos keeps its entry with echo (no text), as harnesses index
+    assert logged[-1].token_id == tok.im_end_id and logged[-1].text_offset == len("END 🦜 x more END tail")
+    eos_only = [_Chunk((tok.im_end_id,), "stop", n, 1, (tok.im_end_id,), (TokenLogprobs(-0.01, ()),), plps)]
+    (piece,) = _pieces(_ScriptedEngine(eos_only), tok, ids=prompt_ids, echo=True, max_tokens=1, logprobs=1)
+    assert piece.text == "END 🦜 x" and [t.token_id for t in piece.logged] == prompt_ids + [tok.im_end_id]
+    (piece,) = _pieces(_ScriptedEngine(eos_only), tok, ids=prompt_ids, logprobs=1)  # without echo: left out
+    assert piece.text == "" and piece.logged == []
     engine = _ScriptedEngine(chunks)
     (piece,) = _pieces(engine, tok, ids=prompt_ids, echo=True, max_tokens=0, logprobs=0)
     assert (piece.text, piece.finish_reason, piece.completion_tokens) == ("END 🦜 x", "length", 0)
@@ -708,6 +717,12 @@ def test_echo_scores_the_prompt_as_generation_would(client, tok):
     assert complete(client, prompt=prompt, max_tokens=4, echo=True).json()["choices"][0]["text"] == both["text"]
     r = complete(client, prompt=prompt, max_tokens=0)
     assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
+    # a prompt whose entries (~200 x 21) are built in a thread, streamed and whole
+    long = " ".join(f"w{i}" for i in range(75))  # 215 tokens
+    whole = complete(client, prompt=long, max_tokens=0, echo=True, logprobs=20).json()["choices"][0]
+    assert whole["text"] == long and len(whole["logprobs"]["tokens"]) * 21 > 4096
+    events = events_of(complete(client, prompt=long, max_tokens=0, echo=True, logprobs=20, stream=True))
+    assert [e["choices"][0]["logprobs"] for e in events] == [whole["logprobs"]]
 
 
 def test_chat_logprobs_non_streamed_and_streamed(client):
