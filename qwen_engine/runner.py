@@ -65,6 +65,9 @@ class PendingStep:
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
+# prompt targets' rows a log-softmax takes at once (`launch`): its fp32 copies of the logits stay ~250 MB at Qwen's
+# 248,320-token vocabulary
+PROMPT_LOGPROBS_ROWS = 128
 RUNNER_KERNEL_MODULES = ("kernels.gdn_decode", "kernels.paged_attention", "kernels.gdn_prep", "kernels.gdn_chunk",
                          "kernels.gdn_conv", "kernels.argmax_rows")
 DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
@@ -330,9 +333,12 @@ class ModelRunner:
         if targets:  # the prompt targets' rows come after the sampled rows'
             n_sampled = logits.shape[0] - len(targets)
             prompt_logits, logits = logits[n_sampled:], logits[:n_sampled]
-            with torch.inference_mode():
-                prompt_lps = token_logprobs(prompt_logits, self._to_device(targets), max(
-                    r.sampling.prompt_logprobs for r in plan.seqs if r.prompt_targets))
+            n = max(r.sampling.prompt_logprobs for r in plan.seqs if r.prompt_targets)
+            with torch.inference_mode():  # in row slices: fp32 [P, vocab] copies of 512 rows would be ~1 GB
+                ids = self._to_device(targets)
+                parts = [token_logprobs(prompt_logits[i:i + PROMPT_LOGPROBS_ROWS], ids[i:i + PROMPT_LOGPROBS_ROWS], n)
+                         for i in range(0, len(targets), PROMPT_LOGPROBS_ROWS)]
+                prompt_lps = tuple(torch.cat(t) for t in zip(*parts))
             del prompt_logits
         if any(r.reset_state and r.sampling.penalized for r in plan.seqs):
             self._reset_counts(plan)

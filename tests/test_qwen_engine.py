@@ -598,11 +598,13 @@ def test_prompt_logprobs_match_the_contiguous_reference(async_decode, graphs, de
 def test_prompt_logprobs_under_preemption_match_the_reference(monkeypatch, blocks, max_new, chunk):
     """Ten scored prompts in a KV pool too small for them: preemption mid-prompt resumes the scoring where it
     stopped, so chunks start with a target that is not their first position (the runner's flat index of position
-    t - 1 inside the chunk is exercised, not only position 0); every prompt's entries still equal the reference's."""
+    t - 1 inside the chunk is exercised, not only position 0), and the log-softmax runs in row slices; every
+    prompt's entries still equal the reference's."""
     from engine_core import continuous
     from qwen_engine import runner as runner_mod
 
     monkeypatch.setattr(continuous, "PROMPT_LOGPROBS_CHUNK", chunk)
+    monkeypatch.setattr(runner_mod, "PROMPT_LOGPROBS_ROWS", 3)  # the log-softmax in slices of 3 rows
     offsets = []
     launch = runner_mod.ModelRunner.launch
 
