@@ -6,7 +6,8 @@ the host's launch time. Also checks each variant against `token_logprobs` (1e-4)
 penalties' share of a step the same way: the rows' counts gathered from the [slots, vocab] int32 table, the
 penalised fp32 logits and their argmax (what `sample` adds for a penalised batch); and a logit bias's: `sample` of
 an all-greedy batch whose rows each bias 10 or 300 ids (the sparse scatter into an fp32 copy, torch's argmax) beside
-the same batch unbiased (torch's argmax of the raw logits).
+the same batch unbiased (torch's argmax of the raw logits). Last, prompt scoring (echo with logprobs): a
+512-position chunk's log-probabilities in one call and in the runner's 128-row slices (time, peak memory).
 
     python benchmarks/logprobs_bench.py > logprobs_cost.txt      # results/logprobs62 (H100, 2026-12-07)
 """
@@ -86,6 +87,34 @@ def logit_bias() -> None:
             print(f"B={rows:3d} greedy, {ids} biased ids a row: device {dev:7.1f} us, host launch {host:6.1f} us")
 
 
+def prompt_scoring() -> None:
+    """echo + logprobs: the log-probabilities of a 512-position chunk's prompt targets (PROMPT_LOGPROBS_CHUNK), in
+    one call and in the runner's row slices (PROMPT_LOGPROBS_ROWS): device time and the peak memory above the logits."""
+    from engine_core.continuous import PROMPT_LOGPROBS_CHUNK
+    from qwen_engine.runner import PROMPT_LOGPROBS_ROWS
+
+    rows = PROMPT_LOGPROBS_CHUNK
+    logits = torch.randn(rows, 248320, device="cuda", dtype=torch.bfloat16) * 3
+    ids = torch.randint(0, 248320, (rows,), device="cuda")
+
+    def sliced(n):
+        parts = [token_logprobs(logits[i:i + PROMPT_LOGPROBS_ROWS], ids[i:i + PROMPT_LOGPROBS_ROWS], n)
+                 for i in range(0, rows, PROMPT_LOGPROBS_ROWS)]
+        return tuple(torch.cat(t) for t in zip(*parts))
+
+    for name, f in (("one call", lambda n: token_logprobs(logits, ids, n)), (f"slices of {PROMPT_LOGPROBS_ROWS}",
+                                                                           sliced)):
+        for n in (1, 20):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            f(n)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            dev, host = timed(f, n)
+            print(f"prompt scoring, {rows} positions, {name:14s} n={n:2d}: device {dev:8.1f} us, host launch "
+                  f"{host:6.1f} us, peak {peak:7.1f} MiB above the logits")
+
+
 def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     for rows in (1, 32):
@@ -105,3 +134,4 @@ if __name__ == "__main__":
     main()
     penalties()
     logit_bias()
+    prompt_scoring()
