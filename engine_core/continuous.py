@@ -153,14 +153,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k < 2**31:  # int64 sampling tensors: a huge k must not fail a whole batched step
             raise ValueError(f"top_k must be in [0, 2**31) (0 = off), got {self.top_k}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (
-                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
-                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
-                             f"{self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:  # NaN too

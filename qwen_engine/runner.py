@@ -434,27 +434,29 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _entries(chosen: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor, ns) -> list[TokenLogprobs]:
+    """`token_logprobs`' host tensors -> one TokenLogprobs per row i, with its own ns[i] of the batch's largest n."""
+    chosen_l, top_l, ids_l = chosen.tolist(), top.tolist(), top_ids.tolist()
+    return [TokenLogprobs(chosen_l[i], tuple(zip(ids_l[i][:n], top_l[i][:n]))) for i, n in enumerate(ns)]
+
+
 def _row_logprobs(plan: StepPlan, chosen: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor
                   ) -> tuple[TokenLogprobs | None, ...]:
     """`token_logprobs`' host tensors -> one TokenLogprobs per sampled row whose request asked (its own n of the
     batch's largest n), None for the others."""
-    chosen_l, top_l, ids_l = chosen.tolist(), top.tolist(), top_ids.tolist()
-    out = []
-    for i, row in enumerate(plan.sampled):
-        n = row.sampling.logprobs
-        out.append(None if n is None else TokenLogprobs(chosen_l[i], tuple(zip(ids_l[i][:n], top_l[i][:n]))))
-    return tuple(out)
+    asks = [row.sampling.logprobs for row in plan.sampled]
+    entries = _entries(chosen, top, top_ids, [n or 0 for n in asks])
+    return tuple(None if n is None else e for n, e in zip(asks, entries))
 
 
 def _prompt_logprobs(plan: StepPlan, chosen: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor
                      ) -> tuple[tuple[TokenLogprobs, ...], ...]:
     """`token_logprobs`' host tensors over the plan's prompt targets (rows concatenated) -> per plan row its targets'
     TokenLogprobs (its own n of the batch's largest), () for a row without targets."""
-    chosen_l, top_l, ids_l = chosen.tolist(), top.tolist(), top_ids.tolist()
+    entries = _entries(chosen, top, top_ids, [r.sampling.prompt_logprobs for r in plan.seqs
+                                              for _ in r.prompt_targets])
     out, at = [], 0
     for row in plan.seqs:
-        n, k = row.sampling.prompt_logprobs, len(row.prompt_targets)
-        out.append(tuple(TokenLogprobs(chosen_l[i], tuple(zip(ids_l[i][:n], top_l[i][:n])))
-                         for i in range(at, at + k)))
-        at += k
+        out.append(tuple(entries[at:at + len(row.prompt_targets)]))
+        at += len(row.prompt_targets)
     return tuple(out)
