@@ -365,10 +365,13 @@ class GenerationPlan:
     # max_new_tokens 0 (echo only): score the prompt, generate nothing (the engine still samples one token, dropped)
 
     def choice_sampling(self, index: int) -> SamplingParams:
-        """Choice `index`'s sampling: the request's, its seed (if given) + index (module docstring)."""
-        if self.sampling.seed is None or index == 0:
+        """Choice `index`'s sampling: the request's, its seed (if given) + index (module docstring). Only choice 0
+        scores an echoed prompt (`prompt_logprobs`): its entries do not depend on sampling, so the server hands them
+        to the other choices (serve.py `_text_stream`), whose prompts then prefill as any other's."""
+        if index == 0:
             return self.sampling
-        return dataclasses.replace(self.sampling, seed=self.sampling.seed + index)
+        seed = None if self.sampling.seed is None else self.sampling.seed + index
+        return dataclasses.replace(self.sampling, seed=seed, prompt_logprobs=None)
 
 
 def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_len: int, eos_token_ids: tuple[int, ...],

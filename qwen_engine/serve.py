@@ -225,8 +225,8 @@ def _token_pieces(tokenizer, ids) -> list[str]:
     return pieces
 
 
-async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choice: int = 0
-                       ) -> AsyncIterator[_Piece]:
+async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choice: int = 0,
+                       prompt_scores: asyncio.Future | None = None) -> AsyncIterator[_Piece]:
     """engine.generate as text pieces: ids -> whole UTF-8 characters -> cut before the first stop string.
 
     A stop string ends the stream early with finish_reason "stop"; leaving this generator (return, error,
@@ -235,7 +235,10 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
     asked for, the ids go through one at a time, so the entries end at the token that completes a stop string.
     `choice`: which of the plan's n choices (its sampling: `GenerationPlan.choice_sampling`). With `plan.echo` the
     first piece starts with the prompt's text (and its log-probability entries); with max_new_tokens 0 that is the
-    only piece (the one token the engine sampled is dropped)."""
+    only piece (the one token the engine sampled is dropped). `prompt_scores` (echo with n > 1, one future for the
+    plan's choices): choice 0 sets it to (its echoed prompt's entries or None, the prompt's token count) on its first
+    chunk; the other choices' engine requests do not score the prompt (`choice_sampling`) and take choice 0's entries
+    -- with max_new_tokens 0 they make no engine request at all."""
     detok = IncrementalDetokenizer(tokenizer, plan.skip_special_tokens)
     stops = StopStringFilter(plan.stop)
     offset = 0  # characters of the choice's text so far (completions' text_offset)
@@ -247,15 +250,25 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
             _token_pieces(tokenizer, plan.prompt_token_ids)
         echo = "".join(pieces)
         offset = len(echo)
+    shared = prompt_scores is not None and choice > 0  # this choice's echo entries are choice 0's
+    if shared and plan.max_new_tokens == 0:  # scored by choice 0, nothing to generate: no engine request
+        echo_logged, prompt_tokens = await prompt_scores
+        yield _Piece(echo, "length", prompt_tokens, 0, echo_logged)
+        return
     gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=max(plan.max_new_tokens, 1),
                           sampling=plan.choice_sampling(choice), eos_token_ids=plan.eos_token_ids,
                           timeout_s=plan.timeout_s)
     try:
         async for chunk in gen:
-            if echo is not None and plan.sampling.logprobs is not None:
+            if echo is not None and shared:
+                echo_logged = (await prompt_scores)[0] or []
+            elif echo is not None and plan.sampling.logprobs is not None:
                 if chunk.prompt_logprobs is None:
                     raise RuntimeError("the engine sent no prompt log-probabilities for an echo that asked for them")
                 echo_logged = prompt_logged(plan.prompt_token_ids, chunk.prompt_logprobs, pieces)
+            if echo is not None and prompt_scores is not None and choice == 0:
+                prompt_scores.set_result((echo_logged if plan.sampling.logprobs is not None else None,
+                                          chunk.prompt_tokens))
             if echo is not None and plan.max_new_tokens == 0:  # scored, nothing generated
                 yield _Piece(echo, "length", chunk.prompt_tokens, 0,
                              echo_logged if plan.sampling.logprobs is not None else None)
@@ -294,6 +307,10 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
             if finish is not None:
                 return
     finally:
+        if prompt_scores is not None and choice == 0 and not prompt_scores.done():
+            # ended before its first chunk (an error, a cancellation): the other choices waiting on it fail too
+            prompt_scores.set_exception(RuntimeError("the choice scoring the echoed prompt ended before it"))
+            prompt_scores.exception()  # retrieved here: no "never retrieved" warning when no choice waits any more
         await gen.aclose()
 
 
@@ -462,7 +479,8 @@ class QwenServer:
             # loop keeps streaming other requests' tokens (tiktoken and tokenizers release the GIL).
             plan = self._plan(body, route) if len(body) < _INLINE_BODY_BYTES else await asyncio.to_thread(
                 self._plan, body, route)
-            streams = [_text_stream(self.engine, self.tokenizer, plan, i) for i in range(plan.n)]
+            scores = asyncio.get_running_loop().create_future() if plan.echo and plan.n > 1 else None
+            streams = [_text_stream(self.engine, self.tokenizer, plan, i, scores) for i in range(plan.n)]
             firsts = await _first_pieces(streams)  # errors before any output still get their status
         except asyncio.CancelledError:  # client gone or Ray's timeout; the engine already dropped the work
             self.metrics.on_request(route, 499, "cancelled")

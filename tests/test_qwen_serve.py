@@ -337,6 +337,67 @@ def test_text_stream_echo_starts_with_the_prompt_and_its_logprobs():
         _pieces(_ScriptedEngine(bare), tok, ids=prompt_ids, echo=True, logprobs=0)
 
 
+class _ScoringEngine:
+    """A choice's chunks as the engine sends them: the prompt's entries only to a request that asks for them;
+    records each request's prompt_logprobs; `fail` raises before the first chunk of a scoring request."""
+
+    def __init__(self, chunks, fail=False):
+        self.chunks, self.fail, self.asked = chunks, fail, []
+
+    async def generate(self, prompt, *, sampling, **kwargs):
+        self.asked.append(sampling.prompt_logprobs)
+        await asyncio.sleep(0.01 * (sampling.prompt_logprobs is None))  # the other choices reach their first chunk last
+        if self.fail and sampling.prompt_logprobs is not None:
+            raise ValueError("the scoring request failed")
+        for c in self.chunks:
+            yield c if sampling.prompt_logprobs is not None else dataclasses.replace(c, prompt_logprobs=None)
+
+
+def test_echo_choices_take_the_first_choices_prompt_scores():
+    """echo with n > 1: only choice 0's engine request scores the prompt; every choice's echoed entries are its
+    entries; with max_tokens 0 the other choices make no engine request; a failed choice 0 fails the others with it
+    (they do not wait for ever)."""
+    from qwen_engine.serve import _first_pieces, _text_stream
+
+    tok = load_tokenizer()
+    prompt_ids, out_ids = tok.encode("The sky is"), tok.encode(" blue")
+    plps = tuple(TokenLogprobs(-0.5 * t, ((prompt_ids[t], -0.5 * t),)) for t in range(1, len(prompt_ids)))
+    chunks = [_Chunk((i,), None, len(prompt_ids), n + 1, None, (TokenLogprobs(-0.1, ()),), plps if n == 0 else None)
+              for n, i in enumerate(out_ids)]
+    chunks.append(_Chunk((tok.im_end_id,), "length", len(prompt_ids), len(out_ids) + 1, None,
+                         (TokenLogprobs(-0.2, ()),)))
+
+    def run(engine, max_tokens, logprobs=1):
+        req = CompletionRequest(model="m", prompt="x", n=3, echo=True, max_tokens=max_tokens, logprobs=logprobs)
+        plan = plan_generation(req, prompt_ids, max_model_len=100, eos_token_ids=tok.eos_token_ids,
+                               vocab_size=248320, default_max_tokens=16)
+
+        async def go():
+            scores = asyncio.get_running_loop().create_future()
+            streams = [_text_stream(engine, tok, plan, i, scores) for i in range(plan.n)]
+            return await asyncio.wait_for(_first_pieces(streams), 5)
+
+        return asyncio.run(go())
+
+    engine = _ScoringEngine(chunks)
+    firsts = run(engine, max_tokens=len(out_ids) + 1)
+    assert engine.asked == [1, None, None]
+    want = [t.logprobs for t in firsts[0].logged[:len(prompt_ids)]]
+    assert want == [None, *plps]
+    for p in firsts:
+        assert p.text.startswith("The sky is") and [t.logprobs for t in p.logged[:len(prompt_ids)]] == want
+        assert [t.token_id for t in p.logged] == prompt_ids + out_ids[:1]
+    engine = _ScoringEngine(chunks)
+    firsts = run(engine, max_tokens=0)
+    assert engine.asked == [1] and {(p.text, p.finish_reason, p.completion_tokens) for p in firsts} == {
+        ("The sky is", "length", 0)}
+    assert all([t.logprobs for t in p.logged] == want for p in firsts)
+    engine = _ScoringEngine(chunks)
+    assert all(p.logged is None for p in run(engine, max_tokens=0, logprobs=None)) and engine.asked == [None]
+    with pytest.raises(ValueError, match="scoring request failed"):
+        run(_ScoringEngine(chunks, fail=True), max_tokens=2)
+
+
 @pytest.mark.parametrize("route, body, want", [
     ("completions", {"logprobs": 3}, 3), ("completions", {"logprobs": 0}, 0), ("completions", {"logprobs": False},
                                                                               None),
@@ -717,6 +778,14 @@ def test_echo_scores_the_prompt_as_generation_would(client, tok):
     assert complete(client, prompt=prompt, max_tokens=4, echo=True).json()["choices"][0]["text"] == both["text"]
     r = complete(client, prompt=prompt, max_tokens=0)
     assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
+    # n choices: each echoes choice 0's scores (one scoring request; with max_tokens 0 the only request)
+    for max_tokens in (0, 3):
+        r = complete(client, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=2, n=2, seed=5)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            assert c["text"].startswith(prompt) and c["logprobs"]["tokens"][:len(ids)] == lp["tokens"]
+            assert c["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+        assert r.json()["usage"]["completion_tokens"] == 2 * max_tokens
     # a prompt whose entries (~200 x 21) are built in a thread, streamed and whole
     long = " ".join(f"w{i}" for i in range(75))  # 215 tokens
     whole = complete(client, prompt=long, max_tokens=0, echo=True, logprobs=20).json()["choices"][0]
