@@ -73,6 +73,11 @@ prompt is prefilled n times: no prefix sharing), answered as choices 0..n-1; str
 completion tokens. n is at most `MAX_CHOICES` and the engine's `max_queued` and `max_num_seqs` (more choices than
 resident sequences would wait for whole generations of the others); the first byte waits for every choice's first
 token.
+
+Several prompts (`/v1/completions` with `"prompt"` a list of texts or of token-id lists, as OpenAI's API and lm-eval's
+batched `local-completions` send them): one request, each prompt's n choices answered as choices k n .. k n + n - 1
+(prompt k), every prompt checked before any runs (an error names the prompt's index); usage counts each prompt once.
+The prompts' choices together count against the same limit as n (`max_queued`, `max_num_seqs`).
 """
 
 from __future__ import annotations
@@ -181,7 +186,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="text, or token ids; one prompt")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text or token ids; or a batch: a list of texts or of token-id lists")
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -334,17 +340,18 @@ def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """One prompt: text, or token ids."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts in order: one (text, or token ids) or a batch (a list of texts, or of token-id lists:
+    OpenAI's prompt array). An empty batch or an empty token list is refused here; an empty text, once tokenised."""
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise ApiError(400, "unsupported_parameter", f"prompt: batches of prompts are not supported ({len(p)} "
-                                                         "given); send one request per prompt", "prompt")
-        p = p[0]
+    batch = isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+    prompts = list(p) if batch else [p]
     if isinstance(p, list) and not p:
         raise ApiError(400, "invalid_request", "prompt is empty", "prompt")
-    return p
+    for k, q in enumerate(prompts):
+        if isinstance(q, list) and not q:
+            raise ApiError(400, "invalid_request", f"prompt {k} is empty" if batch else "prompt is empty", "prompt")
+    return prompts
 
 
 @dataclass(frozen=True)

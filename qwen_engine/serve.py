@@ -60,7 +60,7 @@ from qwen_engine.api import (
     completion_choice,
     completion_chunk,
     completion_logprobs,
-    completion_prompt,
+    completion_prompts,
     error_body,
     models_body,
     new_id,
@@ -458,18 +458,29 @@ class QwenServer:
         if route == "chat":
             kwargs = req.chat_template_kwargs or {}
             text = self.template.render(chat_messages(req), req.add_generation_prompt, kwargs)
-            prompt_ids, default_max = tok.encode(text), None
+            prompts, default_max = [tok.encode(text)], None
         else:
-            prompt = completion_prompt(req)
-            prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in completion_prompts(req)]
             default_max = self.cfg.default_max_tokens
         most = min(self.engine.cfg.max_queued, self.engine.cfg.max_num_seqs)
-        if req.n > most:  # more than it queues: refused as overloaded however long the client waits; more than it
-            #               holds at once: later choices would wait for whole generations of the first ones
-            raise ApiError(400, "invalid_request", f"n: this server runs at most {most} sequences of one request "
-                                                   f"(max_queued, max_num_seqs); got {req.n}", "n")
-        return plan_generation(req, prompt_ids, max_model_len=self.max_model_len, eos_token_ids=tok.eos_token_ids,
-                               vocab_size=self.engine.model_config.vocab_size, default_max_tokens=default_max)
+        if req.n * len(prompts) > most:  # more than it queues: refused as overloaded however long the client waits;
+            #                              more than it holds at once: later choices would wait for whole generations
+            what = f"n = {req.n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n = {req.n}"
+            raise ApiError(400, "invalid_request", f"this server runs at most {most} sequences of one request "
+                                                   f"(max_queued, max_num_seqs); got {what}",
+                           "n" if len(prompts) == 1 else "prompt")
+        plans = []
+        for k, prompt_ids in enumerate(prompts):
+            try:
+                plans.append(plan_generation(req, prompt_ids, max_model_len=self.max_model_len,
+                                             eos_token_ids=tok.eos_token_ids,
+                                             vocab_size=self.engine.model_config.vocab_size,
+                                             default_max_tokens=default_max))
+            except ApiError as e:
+                if len(prompts) > 1:  # which prompt of the batch
+                    e.message = f"prompt {k}: {e.message}"
+                raise
+        return plans
 
     async def _handle(self, request: Request, route: str) -> Response:
         t0 = time.perf_counter()
@@ -477,10 +488,14 @@ class QwenServer:
             body = await _read_body(request, self.cfg.max_body_bytes)
             # Tokenising ~1k tokens takes well under a millisecond; a large body goes to a thread so the event
             # loop keeps streaming other requests' tokens (tiktoken and tokenizers release the GIL).
-            plan = self._plan(body, route) if len(body) < _INLINE_BODY_BYTES else await asyncio.to_thread(
+            plans = self._plan(body, route) if len(body) < _INLINE_BODY_BYTES else await asyncio.to_thread(
                 self._plan, body, route)
-            scores = asyncio.get_running_loop().create_future() if plan.echo and plan.n > 1 else None
-            streams = [_text_stream(self.engine, self.tokenizer, plan, i, scores) for i in range(plan.n)]
+            plan = plans[0]  # the request's options (every plan has them); its prompts' choices in order below
+            prompt_tokens = sum(len(p.prompt_token_ids) for p in plans)  # usage: each prompt once
+            streams = []
+            for p in plans:  # prompt k's choices are choices k n .. k n + n - 1
+                scores = asyncio.get_running_loop().create_future() if p.echo and p.n > 1 else None
+                streams += [_text_stream(self.engine, self.tokenizer, p, i, scores) for i in range(p.n)]
             firsts = await _first_pieces(streams)  # errors before any output still get their status
         except asyncio.CancelledError:  # client gone or Ray's timeout; the engine already dropped the work
             self.metrics.on_request(route, 499, "cancelled")
@@ -491,7 +506,7 @@ class QwenServer:
         rid = new_id("chatcmpl" if route == "chat" else "cmpl")
         pieces = _merged(streams, firsts)
         if plan.stream:
-            return StreamingResponse(self._sse(route, rid, plan, firsts, pieces, t0, t_first),
+            return StreamingResponse(self._sse(route, rid, plan, prompt_tokens, firsts, pieces, t0, t_first),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         texts: list[list[str]] = [[] for _ in firsts]
         logged: list[list[LoggedToken]] = [[] for _ in firsts]
@@ -509,7 +524,7 @@ class QwenServer:
         finally:
             await pieces.aclose()
         completion_tokens = _completion_tokens(lasts)
-        use = usage(lasts[0].prompt_tokens, completion_tokens)
+        use = usage(prompt_tokens, completion_tokens)
         make, choice = (chat_body, chat_choice) if route == "chat" else (completion_body, completion_choice)
 
         def respond() -> JSONResponse:  # the body built and encoded (JSONResponse encodes at construction)
@@ -523,7 +538,7 @@ class QwenServer:
         big = sum(len(x) for x in logged) * (1 + (plan.sampling.logprobs or 0)) > _INLINE_LOGPROB_ENTRIES
         response = await asyncio.to_thread(respond) if big else respond()
         self.metrics.on_request(route, 200, "ok")
-        self.metrics.on_done(route, t0, t_first, lasts[0].prompt_tokens, completion_tokens)
+        self.metrics.on_done(route, t0, t_first, prompt_tokens, completion_tokens)
         return response
 
     def _logprobs(self, route: str, logged: list[LoggedToken]) -> dict:
@@ -538,10 +553,11 @@ class QwenServer:
         return Response(error_body(status, code, message, param), status_code=status, headers=headers,
                         media_type="application/json")
 
-    async def _sse(self, route: str, rid: str, plan: GenerationPlan, firsts: list[_Piece], pieces, t0: float,
-                   t_first: float) -> AsyncIterator[bytes]:
+    async def _sse(self, route: str, rid: str, plan: GenerationPlan, prompt_tokens: int, firsts: list[_Piece],
+                   pieces, t0: float, t_first: float) -> AsyncIterator[bytes]:
         """The SSE body: per choice the role (chat), text deltas and its finishing chunk, the choices' chunks
-        interleaved as they are sampled; then usage (if asked) and [DONE]."""
+        interleaved as they are sampled; then usage (if asked) and [DONE]. `plan`: the request's options (the first
+        prompt's plan); `prompt_tokens`: usage's, every prompt's once."""
         created, model, inc = now_s(), self.cfg.served_model_name, plan.include_usage
         chat = route == "chat"
         wants_logprobs = firsts[0].logged is not None
@@ -581,7 +597,7 @@ class QwenServer:
                 lasts[i] = piece
             if inc:
                 yield sse(usage_chunk(rid, created, model, "chat.completion.chunk" if chat else "text_completion",
-                                      usage(lasts[0].prompt_tokens, _completion_tokens(lasts))))
+                                      usage(prompt_tokens, _completion_tokens(lasts))))
         except (asyncio.CancelledError, GeneratorExit):  # client disconnected mid-stream (the task cancelled, or
             status, code = 499, "cancelled"  #                 the body iterator closed at a yield)
             raise
@@ -592,7 +608,7 @@ class QwenServer:
             await pieces.aclose()
             self.metrics.on_request(route, status, code)
             if status == 200:
-                self.metrics.on_done(route, t0, t_first, lasts[0].prompt_tokens, _completion_tokens(lasts))
+                self.metrics.on_done(route, t0, t_first, prompt_tokens, _completion_tokens(lasts))
         yield SSE_DONE
 
 

@@ -866,6 +866,36 @@ def test_several_choices_non_streamed_and_streamed_agree(client):
     assert r.status_code == 400 and error_of(r)["param"] == "n"
 
 
+def test_batched_prompts_answer_each_prompt_in_order(client, tok):
+    """prompt as a list (texts, or token-id lists): choice k answers prompt k, as the same prompt alone does (greedy),
+    usage sums the prompts and the completions; streamed the same, chunks naming their prompt's index; echo scores
+    each prompt; more prompts x n than the server queues (max_queued 2 here), an empty batch or an empty / too long
+    prompt in it is a 400 that names the prompt."""
+    prompts = ["Hello", "Once upon a time"]
+    alone = [complete(client, prompt=p, max_tokens=4).json() for p in prompts]
+    want = [a["choices"][0]["text"] for a in alone]
+    for batch in (prompts, [tok.encode(p) for p in prompts]):
+        r = complete(client, prompt=batch, max_tokens=4)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1] and [c["text"] for c in body["choices"]] == want
+        assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+        assert body["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    events = events_of(complete(client, prompt=prompts, max_tokens=4, stream=True,
+                                stream_options={"include_usage": True}))
+    *chunks, last = events
+    assert ["".join(e["choices"][0]["text"] for e in chunks if e["choices"][0]["index"] == k) for k in (0, 1)] == want
+    assert last["usage"] == body["usage"]
+    r = complete(client, prompt=prompts, max_tokens=0, echo=True, logprobs=0)
+    assert [c["text"] for c in r.json()["choices"]] == prompts
+    assert [len(c["logprobs"]["tokens"]) for c in r.json()["choices"]] == [len(tok.encode(p)) for p in prompts]
+    for batch, n, param, says in ((prompts + ["x"], 1, "prompt", "3 prompts"), (prompts, 2, "prompt", "2 prompts"),
+                                  (["x", ""], 1, "prompt", "prompt 1"), ([[5], []], 1, "prompt", "prompt 1"),
+                                  ([], 1, "prompt", "empty"), (["x", "word " * 300], 1, "prompt", "prompt 1")):
+        r = complete(client, prompt=batch, max_tokens=2, n=n)
+        assert r.status_code == 400 and error_of(r)["param"] == param and says in error_of(r)["message"], r.text
+
+
 def test_penalties_reach_the_sampler(client):
     """frequency_penalty / presence_penalty: negative ones favour tokens the output already holds, so the greedy
     text changes (and repeats); the same request answers the same text twice; outside [-2, 2] is a 400."""
