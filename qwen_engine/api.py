@@ -66,7 +66,7 @@ Logit bias: `logit_bias` maps token ids (as strings: `{"13": -100}`) to a bias i
 logit before sampling (greedy requests too; -100 bans a token in effect, 100 forces it), at most 300 ids, each in
 the vocabulary. The reported log-probabilities stay the model's own, before the bias.
 
-Several choices (`"n": 2`-16): n independent generations of the one prompt, each its own engine sequence (the
+Several choices (`"n": 2`-16): n independent generations of each prompt, each its own engine sequence (the
 prompt is prefilled n times: no prefix sharing), answered as choices 0..n-1; streamed, each chunk names its choice
 (`index`) and chunks of different choices interleave as they are sampled. With a `seed`, choice i samples with seed
 + i, so choice 0 is the answer the same request with n = 1 gets. Usage counts the prompt once and every choice's
@@ -349,8 +349,9 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if isinstance(p, list) and not p:
         raise ApiError(400, "invalid_request", "prompt is empty", "prompt")
     for k, q in enumerate(prompts):
-        if isinstance(q, list) and not q:
-            raise ApiError(400, "invalid_request", f"prompt {k} is empty" if batch else "prompt is empty", "prompt")
+        if isinstance(q, list) and not q:  # the prompt's index where there are several (as `_plan` names them)
+            raise ApiError(400, "invalid_request", f"prompt {k} is empty" if len(prompts) > 1 else "prompt is empty",
+                           "prompt")
     return prompts
 
 
@@ -371,14 +372,16 @@ class GenerationPlan:
     echo: bool = False  # completions: the prompt starts each choice's text (and its log-probabilities, if asked)
     # max_new_tokens 0 (echo only): score the prompt, generate nothing (the engine still samples one token, dropped)
 
-    def choice_sampling(self, index: int) -> SamplingParams:
-        """Choice `index`'s sampling: the request's, its seed (if given) + index (module docstring). Only choice 0
-        scores an echoed prompt (`prompt_logprobs`): its entries do not depend on sampling, so the server hands them
-        to the other choices (serve.py `_text_stream`), whose prompts then prefill as any other's."""
+    def choice_sampling(self, index: int, scored_by_first: bool = False) -> SamplingParams:
+        """Choice `index`'s sampling: the request's, its seed (if given) + index (module docstring).
+        `scored_by_first`: choice 0 scores an echoed prompt (`prompt_logprobs`) for every choice -- the entries do not
+        depend on sampling; the server hands them over, serve.py `_text_stream` --, so the others' prompts prefill as
+        any other's."""
         if index == 0:
             return self.sampling
         seed = None if self.sampling.seed is None else self.sampling.seed + index
-        return dataclasses.replace(self.sampling, seed=seed, prompt_logprobs=None)
+        prompt_logprobs = None if scored_by_first else self.sampling.prompt_logprobs
+        return dataclasses.replace(self.sampling, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def plan_generation(req: _SamplingFields, prompt_ids: list[int], *, max_model_len: int, eos_token_ids: tuple[int, ...],

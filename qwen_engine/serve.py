@@ -256,7 +256,8 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
         yield _Piece(echo, "length", prompt_tokens, 0, echo_logged)
         return
     gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=max(plan.max_new_tokens, 1),
-                          sampling=plan.choice_sampling(choice), eos_token_ids=plan.eos_token_ids,
+                          sampling=plan.choice_sampling(choice, prompt_scores is not None),
+                          eos_token_ids=plan.eos_token_ids,
                           timeout_s=plan.timeout_s)
     try:
         async for chunk in gen:
@@ -312,6 +313,16 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
             prompt_scores.set_exception(RuntimeError("the choice scoring the echoed prompt ended before it"))
             prompt_scores.exception()  # retrieved here: no "never retrieved" warning when no choice waits any more
         await gen.aclose()
+
+
+def _choice_streams(engine: QwenEngine, tokenizer, plans: list[GenerationPlan]) -> list[AsyncIterator[_Piece]]:
+    """Every choice's `_text_stream`, in the response's order: prompt k's n choices are choices k n .. k n + n - 1
+    (OpenAI's and vLLM's order); an echoed prompt with n > 1 is scored once, by its choice 0 (one future a prompt)."""
+    streams = []
+    for plan in plans:
+        scores = asyncio.get_running_loop().create_future() if plan.echo and plan.n > 1 else None
+        streams += [_text_stream(engine, tokenizer, plan, i, scores) for i in range(plan.n)]
+    return streams
 
 
 def _completion_tokens(lasts: list[_Piece]) -> int:
@@ -446,8 +457,8 @@ class QwenServer:
 
     # ---- one request
 
-    def _plan(self, body: bytes, route: str) -> GenerationPlan:
-        """Body -> validated plan (ApiError / TemplateError otherwise)."""
+    def _plan(self, body: bytes, route: str) -> list[GenerationPlan]:
+        """Body -> validated plans, one per prompt (chat: one; ApiError / TemplateError otherwise)."""
         kind = ChatCompletionRequest if route == "chat" else CompletionRequest
         req = parse_request(body, kind)
         if req.model != self.cfg.served_model_name:
@@ -476,9 +487,9 @@ class QwenServer:
                                              eos_token_ids=tok.eos_token_ids,
                                              vocab_size=self.engine.model_config.vocab_size,
                                              default_max_tokens=default_max))
-            except ApiError as e:
-                if len(prompts) > 1:  # which prompt of the batch
-                    e.message = f"prompt {k}: {e.message}"
+            except ApiError as e:  # which prompt of a batch, where the error is the prompt's (not a field's)
+                if len(prompts) > 1 and (e.param == "prompt" or e.code == "context_length_exceeded"):
+                    raise ApiError(e.status, e.code, f"prompt {k}: {e.message}", e.param) from None
                 raise
         return plans
 
@@ -492,10 +503,7 @@ class QwenServer:
                 self._plan, body, route)
             plan = plans[0]  # the request's options (every plan has them); its prompts' choices in order below
             prompt_tokens = sum(len(p.prompt_token_ids) for p in plans)  # usage: each prompt once
-            streams = []
-            for p in plans:  # prompt k's choices are choices k n .. k n + n - 1
-                scores = asyncio.get_running_loop().create_future() if p.echo and p.n > 1 else None
-                streams += [_text_stream(self.engine, self.tokenizer, p, i, scores) for i in range(p.n)]
+            streams = _choice_streams(self.engine, self.tokenizer, plans)
             firsts = await _first_pieces(streams)  # errors before any output still get their status
         except asyncio.CancelledError:  # client gone or Ray's timeout; the engine already dropped the work
             self.metrics.on_request(route, 499, "cancelled")

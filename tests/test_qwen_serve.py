@@ -346,7 +346,8 @@ class _ScoringEngine:
 
     async def generate(self, prompt, *, sampling, **kwargs):
         self.asked.append(sampling.prompt_logprobs)
-        await asyncio.sleep(0.01 * (sampling.prompt_logprobs is None))  # the other choices reach their first chunk last
+        # the other choices reach their first chunk first (and wait there for choice 0's entries)
+        await asyncio.sleep(0.05 * (sampling.prompt_logprobs is not None))
         if self.fail and sampling.prompt_logprobs is not None:
             raise ValueError("the scoring request failed")
         for c in self.chunks:
@@ -357,7 +358,7 @@ def test_echo_choices_take_the_first_choices_prompt_scores():
     """echo with n > 1: only choice 0's engine request scores the prompt; every choice's echoed entries are its
     entries; with max_tokens 0 the other choices make no engine request; a failed choice 0 fails the others with it
     (they do not wait for ever)."""
-    from qwen_engine.serve import _first_pieces, _text_stream
+    from qwen_engine.serve import _choice_streams, _first_pieces
 
     tok = load_tokenizer()
     prompt_ids, out_ids = tok.encode("The sky is"), tok.encode(" blue")
@@ -373,9 +374,7 @@ def test_echo_choices_take_the_first_choices_prompt_scores():
                                vocab_size=248320, default_max_tokens=16)
 
         async def go():
-            scores = asyncio.get_running_loop().create_future()
-            streams = [_text_stream(engine, tok, plan, i, scores) for i in range(plan.n)]
-            return await asyncio.wait_for(_first_pieces(streams), 5)
+            return await asyncio.wait_for(_first_pieces(_choice_streams(engine, tok, [plan])), 5)
 
         return asyncio.run(go())
 
@@ -396,6 +395,36 @@ def test_echo_choices_take_the_first_choices_prompt_scores():
     assert all(p.logged is None for p in run(engine, max_tokens=0, logprobs=None)) and engine.asked == [None]
     with pytest.raises(ValueError, match="scoring request failed"):
         run(_ScoringEngine(chunks, fail=True), max_tokens=2)
+
+    async def unguarded():  # each choice read on its own (no _first_pieces to cancel the rest): still no hang
+        req = CompletionRequest(model="m", prompt="x", n=2, echo=True, max_tokens=2, logprobs=1)
+        plan = plan_generation(req, prompt_ids, max_model_len=100, eos_token_ids=tok.eos_token_ids,
+                               vocab_size=248320, default_max_tokens=16)
+        streams = _choice_streams(_ScoringEngine(chunks, fail=True), tok, [plan])
+        return await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams), return_exceptions=True), 5)
+
+    first, second = asyncio.run(unguarded())
+    assert isinstance(first, ValueError) and "ended before" in str(second)
+
+
+def test_choice_streams_order_prompts_then_choices():
+    """Two prompts x n = 2: choice k n + j is prompt k's choice j (its seed + j), as OpenAI and vLLM order them."""
+    from qwen_engine.serve import _choice_streams, _first_pieces
+
+    tok = load_tokenizer()
+
+    class Engine:
+        async def generate(self, prompt, *, sampling, **kwargs):  # answers which prompt and seed it got
+            yield _Chunk(tuple(tok.encode(f"p{prompt[0]} s{sampling.seed}")), "length", len(prompt), 1)
+
+    req = CompletionRequest(model="m", prompt="x", n=2, seed=5, max_tokens=1)
+    plans = [plan_generation(req, [t], max_model_len=100, eos_token_ids=tok.eos_token_ids, vocab_size=248320,
+                             default_max_tokens=16) for t in (7, 9)]
+
+    async def go():
+        return await _first_pieces(_choice_streams(Engine(), tok, plans))
+
+    assert [p.text for p in asyncio.run(go())] == ["p7 s5", "p7 s6", "p9 s5", "p9 s6"]
 
 
 @pytest.mark.parametrize("route, body, want", [
@@ -547,7 +576,7 @@ def test_stream_closed_by_the_client_counts_as_cancelled():
         server.metrics, closed = Recorder(), []
         stream = pieces_then(closed)
         first = await anext(stream)
-        body = sse_body(server, "completions", "id", plan, [first], _merged([stream], [first]), 0.0, 0.0)
+        body = sse_body(server, "completions", "id", plan, 1, [first], _merged([stream], [first]), 0.0, 0.0)
         if read_all:
             frames = [f async for f in body]
             assert frames[-1] == b"data: [DONE]\n\n"
