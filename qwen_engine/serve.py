@@ -211,7 +211,6 @@ class _Piece:
 
     text: str
     finish_reason: str | None
-    prompt_tokens: int
     completion_tokens: int
     logged: list[LoggedToken] | None = None  # the log-probabilities of the tokens behind `text` (None: not asked)
 
@@ -236,14 +235,14 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
     `choice`: which of the plan's n choices (its sampling: `GenerationPlan.choice_sampling`). With `plan.echo` the
     first piece starts with the prompt's text (and its log-probability entries); with max_new_tokens 0 that is the
     only piece (the one token the engine sampled is dropped). `prompt_scores` (echo with n > 1, one future for the
-    plan's choices): choice 0 sets it to (its echoed prompt's entries or None, the prompt's token count) on its first
-    chunk; the other choices' engine requests do not score the prompt (`choice_sampling`) and take choice 0's entries
-    -- with max_new_tokens 0 they make no engine request at all."""
+    plan's choices): choice 0 sets it to its echoed prompt's entries (None without logprobs) on its first chunk; the
+    other choices' engine requests do not score the prompt (`choice_sampling`) and take choice 0's entries -- with
+    max_new_tokens 0 they make no engine request at all."""
     detok = IncrementalDetokenizer(tokenizer, plan.skip_special_tokens)
     stops = StopStringFilter(plan.stop)
     offset = 0  # characters of the choice's text so far (completions' text_offset)
     echo: str | None = None  # the echoed prompt's text until the first piece carries it
-    echo_logged: list[LoggedToken] = []
+    echo_logged: list[LoggedToken] | None = None  # the echoed prompt's entries, when log-probabilities are asked
     if plan.echo:  # the prompt as the model reads it: its tokens decoded, control tokens kept (a long one off the loop)
         long = len(plan.prompt_token_ids) > _INLINE_LOGPROB_ENTRIES
         pieces = await asyncio.to_thread(_token_pieces, tokenizer, plan.prompt_token_ids) if long else \
@@ -252,8 +251,7 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
         offset = len(echo)
     shared = prompt_scores is not None and choice > 0  # this choice's echo entries are choice 0's
     if shared and plan.max_new_tokens == 0:  # scored by choice 0, nothing to generate: no engine request
-        echo_logged, prompt_tokens = await prompt_scores
-        yield _Piece(echo, "length", prompt_tokens, 0, echo_logged)
+        yield _Piece(echo, "length", 0, await prompt_scores)
         return
     gen = engine.generate(list(plan.prompt_token_ids), max_new_tokens=max(plan.max_new_tokens, 1),
                           sampling=plan.choice_sampling(choice, prompt_scores is not None),
@@ -261,19 +259,19 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
                           timeout_s=plan.timeout_s)
     try:
         async for chunk in gen:
-            if echo is not None and shared:
-                echo_logged = (await prompt_scores)[0] or []
-            elif echo is not None and plan.sampling.logprobs is not None:
-                if chunk.prompt_logprobs is None:
-                    raise RuntimeError("the engine sent no prompt log-probabilities for an echo that asked for them")
-                echo_logged = prompt_logged(plan.prompt_token_ids, chunk.prompt_logprobs, pieces)
-            if echo is not None and prompt_scores is not None and choice == 0:
-                prompt_scores.set_result((echo_logged if plan.sampling.logprobs is not None else None,
-                                          chunk.prompt_tokens))
-            if echo is not None and plan.max_new_tokens == 0:  # scored, nothing generated
-                yield _Piece(echo, "length", chunk.prompt_tokens, 0,
-                             echo_logged if plan.sampling.logprobs is not None else None)
-                return
+            if echo is not None:  # the first chunk: the echoed prompt's entries (if asked)
+                if shared:
+                    echo_logged = await prompt_scores
+                elif plan.sampling.logprobs is not None:
+                    if chunk.prompt_logprobs is None:
+                        raise RuntimeError("the engine sent no prompt log-probabilities for an echo that asked for "
+                                           "them")
+                    echo_logged = prompt_logged(plan.prompt_token_ids, chunk.prompt_logprobs, pieces)
+                if prompt_scores is not None and choice == 0:
+                    prompt_scores.set_result(echo_logged)
+                if plan.max_new_tokens == 0:  # scored, nothing generated
+                    yield _Piece(echo, "length", 0, echo_logged)
+                    return
             ids = chunk.new_token_ids
             if chunk.finish_reason == "stop" and chunk.matched_stop and ids[-len(chunk.matched_stop):] == tuple(
                     chunk.matched_stop):
@@ -304,7 +302,7 @@ async def _text_stream(engine: QwenEngine, tokenizer, plan: GenerationPlan, choi
             if echo is not None:  # the first piece
                 text, echo = echo + text, None
                 logged = None if logged is None else echo_logged + logged
-            yield _Piece(text, finish, chunk.prompt_tokens, chunk.completion_tokens, logged)
+            yield _Piece(text, finish, chunk.completion_tokens, logged)
             if finish is not None:
                 return
     finally:

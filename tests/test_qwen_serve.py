@@ -207,7 +207,7 @@ def test_logit_bias_is_parsed_and_checked():
 
 
 @dataclass(frozen=True)
-class _Chunk:  # the fields of qwen_engine.engine.GenerationChunk that serve.py reads
+class _Chunk:  # qwen_engine.engine.GenerationChunk's fields in its order (serve.py no longer reads prompt_tokens)
     new_token_ids: tuple
     finish_reason: str | None
     prompt_tokens: int
@@ -504,7 +504,7 @@ def test_merged_choices_interleave_and_fail_or_close_together():
             try:
                 for k in range(n):
                     await asyncio.sleep(0.001 * (1 + (k + len(tag)) % 3))  # interleave the choices
-                    yield _Piece(f"{tag}{k}", None if k < n - 1 else "length", 1, k + 1)
+                    yield _Piece(f"{tag}{k}", None if k < n - 1 else "length", k + 1)
                     if error is not None and k == 1:
                         raise error
             finally:
@@ -536,8 +536,8 @@ def test_merged_choices_interleave_and_fail_or_close_together():
     assert len(got) == 3 and closed == ["a", "bb"]
 
     async def unfinished():  # a stream that ends without a finish reason: an error, not a request that hangs
-        yield _Piece("x", None, 1, 1)
-        yield _Piece("y", None, 1, 2)
+        yield _Piece("x", None, 1)
+        yield _Piece("y", None, 2)
 
     async def merge_unfinished():
         streams = [unfinished(), script("a", 3, [])]
@@ -568,7 +568,7 @@ def test_stream_closed_by_the_client_counts_as_cancelled():
     async def pieces_then(closed: list):
         try:
             for i in range(3):
-                yield _Piece("t", None if i < 2 else "length", 1, i + 1)
+                yield _Piece("t", None if i < 2 else "length", i + 1)
         finally:
             closed.append(True)
 
