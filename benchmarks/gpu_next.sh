@@ -277,6 +277,10 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
+#   STEPS="199" (carry the fla wheels and .tritoncache; either GPU; ~9 min; SKIP_199E=1: tests and per call only,
+#       ~5 min; SKIP_199T=1 REGS_BUILDS=...: the engines only, ~5 min): issue 5, the experts' products on mma.sync (w4a16_regs mma_v2: 80 registers for gate_up at AHEAD 2
+#       against wgmma's 128) -- CUDA tests, per call at 32 tokens beside the shipped builds, then the engine on the
+#       fastest builds beside the shipped ones (each in its own process)
 #   STEPS="198 39" (carry the fla wheels only; either GPU; ~4.5 min: ran, results/cold61_run1, H100): issue 5, the
 #       defaults at 32 streams x 1k on a cold Triton cache (a fresh checkout), then the cache in parts for the next calls
 #   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
@@ -472,7 +476,7 @@ import json, re, sys
 best = {}
 for r in json.load(open(sys.argv[1]))["results"]:
     m = re.match(r"regs experts (gate_up|down), 32 tokens, ahead (\d), l2 (\d+), ring (\d), cols (\d), block (\d+)"
-                 r"(?:, maxnreg (\d+))?(, early)?(, cols first)?$", r.get("case", ""))
+                 r"(?:, maxnreg (\d+))?(, early)?(, cols first)?(, mma_sync)?$", r.get("case", ""))
     if m and "config" not in r and (r.get("equal_to_swapped") or (m.group(6) == "8" and r.get("close_to_swapped"))):
         proj, ahead, l2, ring, cols, block = m.group(1), *map(int, m.groups()[1:6])
         key = (block, proj)
@@ -485,6 +489,8 @@ for r in json.load(open(sys.argv[1]))["results"]:
             build["early"] = True
         if m.group(9):
             build["cols_first"] = True
+        if m.group(10):
+            build["mma_v2"] = True
         if key not in best or r["us"] < best[key][0]:
             best[key] = (r["us"], build)
 totals = {b: best[(b, "gate_up")][0] + best[(b, "down")][0] for b in (16, 8) if (b, "gate_up") in best and (b, "down") in best}
@@ -2312,6 +2318,34 @@ say "182. issue 5: the new defaults (early_loads, router_parts) beside the old o
 engine_out qwen_defaults52 "${LIMIT_182E:-300}" --decode-tokens 48 \
   --variant 'old51={"early_loads": false, "router_parts": false}' --again ${EXTRA_170:-}
 grep -h "SELF-CHECK" "$OUT/qwen_defaults52.log" | cut -c1-250 | head -5
+fi
+if want 199; then
+# sixty-sixth session: the register-streamed experts' products on mma.sync (m16n8k16, w4a16_regs `mma_v2`) instead of
+# wgmma: the same A registers, but none held by an asynchronous MMA, so offline sm_90 gate_up needs 80 registers at
+# AHEAD 2 (6 programs an SM) against 128 (4), 60 at AHEAD 1, 128 at AHEAD 4 (against 168); down 64 / 66 against
+# 71 / 68. The CUDA tests (mma_v2 against the reference and the wgmma build), per call at 32 tokens beside the
+# shipped builds, then the engine on the fastest bit-close builds (best_regs_builds) and on the shipped ones, each in
+# its own process (--regs-builds is process-wide), the picked one --again
+say "199. issue 5: w4a16_regs on mma.sync -- CUDA tests, per call at 32 tokens, the engine on the fastest builds"
+if [ -z "${SKIP_199T:-}" ]; then  # SKIP_199T=1: the engine part alone (REGS_BUILDS from an earlier call's pick)
+gpu_tests regs_mma_tests "${LIMIT_199T:-150}" tests/test_kernel_w4a16_regs.py -k "mma_v2" -rfE
+grep -E "^(FAILED|ERROR)" "$R/regs_mma_tests.log" | cut -c1-250 | head -8
+cp "$R/regs_mma_tests.log" "$OUT/" 2>/dev/null
+builds199='[[8,2,0,0,1],[8,4,0,0,1],[8,1,0,0,1,0,0,0,1],[8,2,0,0,1,0,0,0,1],[8,4,0,0,1,0,0,0,1],[8,2,4,0,1,0,0,0,1],[8,4,0,0,1,0,1,0,1],[8,2,0,0,1,0,0,1,1],[16,2,0,0,1,0,0,0,1]]'
+probe regs_ab "${LIMIT_199:-200}" swapped_ab.py --label regs --regs --regs-builds "${BUILDS_199:-$builds199}"
+mkdir -p "$OUT/regs_ab" && cp "$R"/regs_ab/*.json "$OUT/regs_ab/" 2>/dev/null
+say "best builds: $(best_regs_builds)"
+fi
+if [ -z "${SKIP_199E:-}" ]; then
+regs_builds=${REGS_BUILDS:-$(best_regs_builds)}
+shipped=$(python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))')
+say "picked: ${regs_builds:-none}; shipped: $shipped"
+engine_out qwen_mma_shipped "${LIMIT_199A:-130}" --decode-tokens 48 ${EXTRA_170:-}
+if [ -n "$regs_builds" ] && [ "$regs_builds" != "$shipped" ]; then
+  engine_out qwen_mma_best "${LIMIT_199B:-170}" --decode-tokens 48 --regs-builds "$regs_builds" --again ${EXTRA_170:-}
+  grep -h "SELF-CHECK" "$OUT/qwen_mma_best.log" | cut -c1-250 | head -5
+fi
+fi
 fi
 if want 198; then
 # sixty-first session: a fresh checkout without a carried Triton cache -- the defaults (and any EXTRA_170 variants) at

@@ -583,9 +583,9 @@ def _module_flag(path: str):
 
 def _regs_builds(text: str) -> dict:
     """--regs-builds: {"block_m": 8 | 16, "gate_up": {...}, "down": {...}} with only `w4a16_regs_launch`'s build
-    keywords (ahead, l2_ahead, ring, cols, maxnreg, early, cols_first); argparse reports anything else."""
+    keywords (ahead, l2_ahead, ring, cols, maxnreg, early, cols_first, mma_v2); argparse reports anything else."""
     builds = json.loads(text)
-    keys = {"ahead", "l2_ahead", "ring", "cols", "maxnreg", "early", "cols_first"}
+    keys = {"ahead", "l2_ahead", "ring", "cols", "maxnreg", "early", "cols_first", "mma_v2"}
     if (not isinstance(builds, dict) or set(builds) != {"block_m", "gate_up", "down"}
             or builds["block_m"] not in (8, 16)
             or not all(isinstance(builds[p], dict) and set(builds[p]) <= keys for p in ("gate_up", "down"))):

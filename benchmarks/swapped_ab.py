@@ -40,8 +40,9 @@ def main() -> None:
     ap.add_argument("--regs", action="store_true", help="also time the 32-token expert calls on kernels/w4a16_regs.py")
     ap.add_argument("--regs-builds", default="",
                     help="--regs: JSON list of [block_m, ahead, l2_ahead, ring, cols(, maxnreg(, early(, "
-                         "cols_first)))] builds to time instead of the default sweep (maxnreg 0: none; early 1: the "
-                         "weights' first loads before the PDL wait; cols_first 1: the grid in column order)")
+                         "cols_first(, mma_v2))))] builds to time instead of the default sweep (maxnreg 0: none; "
+                         "early 1: the weights' first loads before the PDL wait; cols_first 1: the grid in column "
+                         "order; mma_v2 1: the products on mma.sync)")
     args = ap.parse_args()
     sweep = [dict(num_stages=int(v)) for v in args.stages.split(",") if v.strip()] + json.loads(args.configs)
     import torch
@@ -70,11 +71,12 @@ def main() -> None:
     lm_frag = linear_to_frag(NVFP4Tensor(lm.packed, lm.scales, lm.global_scale))
 
     # the Gluon kernel's builds timed (--regs): (row block, K tiles ahead in registers, K tiles prefetched into L2,
-    # cp.async ring depth, column tiles a program, register cap or 0 for none, EARLY, the grid in column order)
+    # cp.async ring depth, column tiles a program, register cap or 0 for none, EARLY, the grid in column order, the
+    # products on mma.sync instead of wgmma)
     sweep_builds = ((1, 0, 0, 1), (2, 0, 0, 1), (2, 4, 0, 1), (2, 8, 0, 1), (1, 0, 4, 1), (2, 0, 0, 4), (2, 4, 0, 4))
-    regs_builds = [(bm, *b, 0, 0, 0) for bm in (16, 8) for b in sweep_builds]
+    regs_builds = [(bm, *b, 0, 0, 0, 0) for bm in (16, 8) for b in sweep_builds]
     if args.regs_builds:
-        regs_builds = [tuple(b) + (0,) * (8 - len(b)) for b in json.loads(args.regs_builds)]
+        regs_builds = [tuple(b) + (0,) * (9 - len(b)) for b in json.loads(args.regs_builds)]
     if args.regs:
         from kernels.w4a16_regs import thread_order, w4a16_regs_launch
 
@@ -101,9 +103,9 @@ def main() -> None:
                 h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg, block_n=tile[0], block_k=tile[1]))
             routings = {bm: routing, 8: moe_align(idx, 256, 8)} if args.regs and bm == 16 else {}
             for build in regs_builds if routings else ():
-                r, (_, ahead, l2, ring, cols, maxnreg, early, first) = routings[build[0]], build
+                r, (_, ahead, l2, ring, cols, maxnreg, early, first, mma) = routings[build[0]], build
                 kw = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols, maxnreg=maxnreg or None, early=bool(early),
-                          cols_first=bool(first))
+                          cols_first=bool(first), mma_v2=bool(mma))
                 regs_gate_up.append((build, lambda cfg=None, x=x, r=r, kw=kw: regs_call(
                     cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
                     a_div=8, swiglu=True, **{**kw, "early": False})))  # early: the down projection's only
@@ -111,10 +113,10 @@ def main() -> None:
                     cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r, **kw)))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
         for build in dict.fromkeys(v for v, _ in regs_gate_up):
-            bm_, ahead, l2, ring, cols, maxnreg, early, first = build
+            bm_, ahead, l2, ring, cols, maxnreg, early, first, mma = build
             tag = (f"{tokens} tokens, ahead {ahead}, l2 {l2}, ring {ring}, cols {cols}, block {bm_}"
                    + (f", maxnreg {maxnreg}" if maxnreg else "") + (", early" if early else "")
-                   + (", cols first" if first else ""))
+                   + (", cols first" if first else "") + (", mma_sync" if mma else ""))
             cases += [(f"regs experts gate_up, {tag}", [c for v, c in regs_gate_up if v == build]),
                       (f"regs experts down, {tag}", [c for v, c in regs_down if v == build])]
     for rows in (1, 16, 32):

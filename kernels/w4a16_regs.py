@@ -82,6 +82,15 @@ wait. COLUMN order (`cols_first`: the grid (column tiles, row blocks), a row blo
 empty program at the end of the grid, after all real work is dispatched, where they run in the tail's free slots; a
 row block's column tiles (one expert, the same activations) then also run together. The same programs and the same
 bits in either order (`gpu_next.sh` step 166 times it).
+Sixty-sixth session (offline sm_90, Triton 3.6; not yet timed): MMA_V2, the products on mma.sync m16n8k16 instead of
+wgmma. Per warp the wgmma A fragment and mma.sync's are the same registers (the decode's `assert_trivial`
+conversion holds for both), so only the MMA changes: the activations' K tile comes into registers by ldmatrix (4 a
+tile, shared by gate and up) and each warp issues 8 HMMA a projection and K tile. No asynchronous MMA then holds the
+decoded fragments, so they die as each HMMA issues: gate_up at AHEAD 2 needs 80 registers against 128 (6 programs an
+SM against 4: half as many bytes in flight again), 60 at AHEAD 1 (98), 128 at AHEAD 4 (168); down 66 / 64 at AHEAD
+2 / 4 (68 / 71); 555 loop instructions a gate_up trip of two tiles against 577. ptxas still issues the next tiles'
+loads at the end of the trip (a relaxed gpu-scope v4 load, which it may not move past other memory operations,
+ends up there too), so the lever is occupancy, not the loads' lead (`gpu_next.sh` step 199 times it).
 """
 
 from __future__ import annotations
@@ -96,7 +105,7 @@ from kernels.w4a16_swapped import E2M1_BF16_MASK, FRAG_O3, FRAG_ROTATIONS, frag_
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 except ImportError:  # no Triton, or one without Gluon (< 3.5): the layout helpers still work
     gluon = None
@@ -352,13 +361,20 @@ if gluon is not None:
         q = gl.permute(gl.reshape(q, [4, 8, 4, 4, 2, 2]), (4, 0, 1, 2, 3, 5))  # [s_hi, w, i, c, s_lo, rh]
         return gl.convert_layout(gl.join(q, q), like.type.layout)  # kl: both k of a pair, one scale
 
+    @gluon.constexpr_function
+    def _acc_layout(block_m, mma_v2):
+        """The accumulator's [64, BLOCK_M] layout: wgmma's (4 warps, one warpgroup) or, with MMA_V2, mma.sync
+        m16n8k16's over the same 4 warps (each warp 16 weight rows; its A fragment is the same registers)."""
+        if mma_v2:
+            return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 16])
+
     @gluon.jit
-    def _weights(u, sc, BLOCK_M: gl.constexpr):
+    def _weights(u, sc, BLOCK_M: gl.constexpr, MMA_V2: gl.constexpr = False):
         """One K tile's int32 words [1024] and scale words [128] (`_word_offsets`, `_scale_offsets` layouts) -> the
-        wgmma A operand [64, 128] bf16 (code x scale x 2^-7), in the A fragment's layout without a move (that of an
-        MMA with BLOCK_M columns)."""
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_M, 16])
+        MMA's A operand [64, 128] bf16 (code x scale x 2^-7), in the A fragment's layout without a move (that of an
+        MMA with BLOCK_M columns: wgmma's, or mma.sync's with MMA_V2 -- per warp the same registers)."""
+        ACC: gl.constexpr = _acc_layout(BLOCK_M, MMA_V2)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         lo, hi = _decode(gl.reshape(u, [2, 4, 8, 4, 4]))  # [s_hi, w, i, c, s_lo] words -> [.., s_lo, rh, kl]
         s = _scales(sc, lo)  # [s_hi, w, i, c, s_lo, rh, kl]
@@ -393,7 +409,7 @@ if gluon is not None:
 
     @gluon.jit
     def _k_tile(xs, t, nxt, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s, sc_col, KT: gl.constexpr,
-                GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr):
+                GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr, MMA_V2: gl.constexpr = False):
         """K tile t (of the activations): decode its words and scales (u, sc; v, vc the up projection's with
         SWIGLU), issue its wgmmas, THEN load stream tile `nxt`'s into the same values (clamped to the last tile: a
         repeat of a just-read line instead of a masked load), and wait for the wgmmas. Loading after the decode lets
@@ -405,14 +421,25 @@ if gluon is not None:
         dead and ptxas drops them (down at AHEAD 4: the same 19 LDG with or without them)."""
         pw, ps = _tile_words(we, se, gl.minimum(nxt, GT - 1), KT, GT, sc_col)
         b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
-        acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
-        u = gl.load(pw)
-        sc = gl.load(ps)
-        if SWIGLU:
-            acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
-            v = gl.load(pw + up_w)
-            vc = gl.load(ps + up_s)
-        acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+        if MMA_V2:  # mma.sync: B from shared memory into registers (ldmatrix), no asynchronous register reads
+            BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2)
+            bv = b.load(BL)
+            acc = mma_v2(_weights(u, sc, BLOCK_M, True), bv, acc)
+            u = gl.load(pw)
+            sc = gl.load(ps)
+            if SWIGLU:
+                acc_up = mma_v2(_weights(v, vc, BLOCK_M, True), bv, acc_up)
+                v = gl.load(pw + up_w)
+                vc = gl.load(ps + up_s)
+        else:
+            acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
+            u = gl.load(pw)
+            sc = gl.load(ps)
+            if SWIGLU:
+                acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
+                v = gl.load(pw + up_w)
+                vc = gl.load(ps + up_s)
+            acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
         return u, sc, v, vc, acc, acc_up
 
     @gluon.jit
@@ -489,7 +516,7 @@ if gluon is not None:
                            BLOCK_M: gl.constexpr, XS_STACK: gl.constexpr, AHEAD: gl.constexpr = 1,
                            L2_AHEAD: gl.constexpr = 0, RING: gl.constexpr = 0, COLS: gl.constexpr = 1,
                            EARLY: gl.constexpr = False, COLS_FIRST: gl.constexpr = False,
-                           USE_PDL: gl.constexpr = False):
+                           USE_PDL: gl.constexpr = False, MMA_V2: gl.constexpr = False):
         # grid (R / BLOCK_M, N_out / (64 COLS)) -- COLS_FIRST: (N_out / (64 COLS), R / BLOCK_M), the module
         # docstring's column order --, 4 warps: one program = COLS x 64 output columns (weight rows, the
         # wgmma M) x the BLOCK_M sorted pairs of row block pid_m (the wgmma N), its COLS x KT weight tiles streamed
@@ -514,8 +541,8 @@ if gluon is not None:
         gl.static_assert(K % 128 == 0 and (KT & (KT - 1)) == 0, "K must be 128 x a power of two")
         gl.static_assert(AHEAD == 1 or ((AHEAD == 2 or AHEAD == 4) and KT % AHEAD == 0 and RING == 0),
                          "AHEAD 2 / 4 needs KT a multiple of it (and no ring)")
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_M, 16])
+        gl.static_assert(not MMA_V2 or RING == 0, "MMA_V2 has no ring")
+        ACC: gl.constexpr = _acc_layout(BLOCK_M, MMA_V2)
         XL: gl.constexpr = _X_LAYOUT  # [KT, BLOCK_M, 128] bf16
         pid_m = gl.program_id(1 if COLS_FIRST else 0)
         pid_n = gl.program_id(0 if COLS_FIRST else 1)
@@ -590,17 +617,17 @@ if gluon is not None:
                         if L2_AHEAD > 0:
                             _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, AHEAD, GT, SWIGLU)
                         u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + AHEAD, u, sc, v, vc, acc, acc_up, we, se,
-                                                            up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
+                                                            up_w, up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, MMA_V2)
                         u1, sc1, v1, vc1, acc, acc_up = _k_tile(xs, t + 1, gi + AHEAD + 1, u1, sc1, v1, vc1, acc,
                                                                 acc_up, we, se, up_w, up_s, sc_col, KT, GT, SWIGLU,
-                                                                BLOCK_M)
+                                                                BLOCK_M, MMA_V2)
                         if AHEAD == 4:
                             u2, sc2, v2, vc2, acc, acc_up = _k_tile(xs, t + 2, gi + AHEAD + 2, u2, sc2, v2, vc2, acc,
                                                                     acc_up, we, se, up_w, up_s, sc_col, KT, GT,
-                                                                    SWIGLU, BLOCK_M)
+                                                                    SWIGLU, BLOCK_M, MMA_V2)
                             u3, sc3, v3, vc3, acc, acc_up = _k_tile(xs, t + 3, gi + AHEAD + 3, u3, sc3, v3, vc3, acc,
                                                                     acc_up, we, se, up_w, up_s, sc_col, KT, GT,
-                                                                    SWIGLU, BLOCK_M)
+                                                                    SWIGLU, BLOCK_M, MMA_V2)
                     _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
                               HAS_ROW_SCALE)
                     acc, acc_up = zero, zero
@@ -611,7 +638,7 @@ if gluon is not None:
                         if L2_AHEAD > 0:
                             _prefetch_tiles(wt, up_w * 4, gi + L2_AHEAD, 1, GT, SWIGLU)
                         u, sc, v, vc, acc, acc_up = _k_tile(xs, t, gi + 1, u, sc, v, vc, acc, acc_up, we, se, up_w,
-                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M)
+                                                            up_s, sc_col, KT, GT, SWIGLU, BLOCK_M, MMA_V2)
                     _epilogue(acc, acc_up, pid_n * COLS + j, pairs, p_ok, ge, s_gn, n_out, rs, y, s_ym, SWIGLU,
                               HAS_ROW_SCALE)
                     acc, acc_up = zero, zero
@@ -688,7 +715,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
                       global_scale: torch.Tensor, routing: MoeRouting, *, a_div: int = 1, swiglu: bool = False,
                       row_scale: torch.Tensor | None = None, ahead: int | None = None,
                       l2_ahead: int | None = None, ring: int | None = None, cols: int | None = None,
-                      maxnreg: int | None = None, early: bool = False, cols_first: bool = False) -> torch.Tensor:
+                      maxnreg: int | None = None, early: bool = False, cols_first: bool = False,
+                      mma_v2: bool = False) -> torch.Tensor:
     """`w4a16_swapped.w4a16_grouped_swapped_launch`'s contract on thread-order weights (`thread_order`):
     y[p] = f(x[p // a_div] @ W[e_p]^T) * row_scale[p]. x [R, K] bf16 (unit k stride); packed_thread [E, N, K/2];
     scales [E, N, K/16] e4m3; global_scale [], [E] or [E, N] -> y [P, N (N/2 with swiglu)] bf16. `ahead` (1 | 2 | 4;
@@ -702,7 +730,10 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     first tiles' weights are loaded before waiting for the predecessor grid -- ONLY for a launch whose routing an
     earlier launch than its predecessor wrote (the MoE's down projection after gate_up; the kernel's EARLY comment).
     `cols_first`: the grid in column order (column tiles the fast axis: the routing's empty row blocks last; the
-    module docstring), the same programs and bits. Which settings are fastest: ENGINE_BUILDS' comment."""
+    module docstring), the same programs and bits. `mma_v2`: the products on mma.sync (m16n8k16, the activations'
+    fragments by ldmatrix) instead of wgmma -- the same A registers, no asynchronous MMA holding them, so fewer
+    registers (the module docstring, sixty-sixth session); not with a ring. Which settings are fastest:
+    ENGINE_BUILDS' comment."""
     if gluon is None:
         raise RuntimeError("w4a16_regs_launch needs Triton with Gluon (>= 3.5)")
     cols = COLS if cols is None else cols
@@ -720,6 +751,8 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
     if ring not in (0, 2, 4, 8) or (ring and (ahead != 1 or l2_ahead)):
         raise ValueError(f"w4a16_regs: ring must be 0, 2, 4 or 8 (a ring with ahead 1 and l2_ahead 0), got ring "
                          f"{ring!r}, ahead {ahead}, l2_ahead {l2_ahead}")
+    if mma_v2 and ring:
+        raise ValueError("w4a16_regs: mma_v2 has no ring (ring must be 0)")
     if early and swiglu:
         raise ValueError("w4a16_regs: early is for the down projection only (gate_up's routing is written by the "
                          "launch right before it)")
@@ -743,6 +776,6 @@ def w4a16_regs_launch(x: torch.Tensor, packed_thread: torch.Tensor, scales: torc
         s_gn, y.stride(0),
         K=k, SWIGLU=swiglu, HAS_ROW_SCALE=row_scale is not None, BLOCK_M=routing.block_m,
         XS_STACK=stacked_tiles_layout(routing.block_m, kt), AHEAD=ahead, L2_AHEAD=l2_ahead, RING=ring, COLS=cols,
-        EARLY=bool(early), COLS_FIRST=bool(cols_first), num_warps=4,
+        EARLY=bool(early), COLS_FIRST=bool(cols_first), MMA_V2=bool(mma_v2), num_warps=4,
         **({} if maxnreg is None else dict(maxnreg=maxnreg)), **pdl.launch_options())
     return y

@@ -200,6 +200,8 @@ EARLY_COMPILED = [(4, 8, 0, 0, 1, 1), (2, 8, 4, 0, 1, 1)]  # + EARLY (the down p
 #                                                           the PDL wait)
 COLS_FIRST_COMPILED = [(2, 8, 0, 0, 1, 0, 1), (2, 8, 4, 0, 1, 0, 1)]  # the builds shipped until the forty-seventh
 #                                                                      session with the grid in column order
+MMA_V2_COMPILED = [(1, 8, 0, 0, 1, 0, 0, 1), (2, 8, 0, 0, 1, 0, 0, 1), (4, 8, 0, 0, 1, 0, 0, 1),
+                   (2, 16, 0, 0, 1, 0, 0, 1)]  # + the products on mma.sync (`mma_v2`) instead of wgmma
 SHAPES = [(2048, True), (512, False)]  # the engine's gate_up (K 2048, SwiGLU) and down (K 512, row scale)
 _SM90_SCRIPT = """
 import inspect, json, subprocess, sys, tempfile
@@ -221,14 +223,15 @@ tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump
 for k, swiglu in shapes:
     for ahead, block_m, l2, ring, cols, *rest in builds:
         early, cols_first = bool(rest and rest[0]), bool(len(rest) > 1 and rest[1])
+        mma_v2 = bool(len(rest) > 2 and rest[2])
         if early and swiglu:  # the down projection's option only
             continue
         tag = (f"{k}-{swiglu}-{ahead}-{block_m}-{l2}-{ring}-{cols}" + ("-early" if early else "")
-               + ("-colsfirst" if cols_first else ""))
+               + ("-colsfirst" if cols_first else "") + ("-mmav2" if mma_v2 else ""))
         for pdl in (False, True):
             consts = dict(K=k, SWIGLU=swiglu, HAS_ROW_SCALE=not swiglu, BLOCK_M=block_m, AHEAD=ahead, L2_AHEAD=l2,
                           RING=ring, COLS=cols, XS_STACK=w4a16_regs.stacked_tiles_layout(block_m, k // 128),
-                          EARLY=early, COLS_FIRST=cols_first, USE_PDL=pdl)
+                          EARLY=early, COLS_FIRST=cols_first, USE_PDL=pdl, MMA_V2=mma_v2)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
             build = triton.compile(GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -261,7 +264,7 @@ def sm90_builds(tmp_path_factory):
     out = tmp_path_factory.mktemp("regs_sm90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(out),
-                          json.dumps(COMPILED + EARLY_COMPILED + COLS_FIRST_COMPILED),
+                          json.dumps(COMPILED + EARLY_COMPILED + COLS_FIRST_COMPILED + MMA_V2_COMPILED),
                           json.dumps(SHAPES)],
                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                          timeout=900, check=False)
@@ -396,6 +399,43 @@ def test_cols_first_swaps_only_the_program_ids(sm90_builds, k, swiglu, ahead, bl
     assert "STACK:0" in (sm90_builds / f"{tag}-colsfirst.res").read_text()
 
 
+
+@pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols,early,cols_first,mma_v2", MMA_V2_COMPILED)
+@pytest.mark.parametrize("k,swiglu", SHAPES)
+def test_mma_v2_builds(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, ring, cols, early, cols_first, mma_v2):
+    """`mma_v2` (the products on mma.sync m16n8k16) compiles for sm_90 offline -- the decoded words ARE its A fragment
+    (the kernel's `assert_trivial` conversion, the same registers as wgmma's) -- with no spill, no wgmma, and per
+    projection and K tile 8 x BLOCK_M / 8 HMMA, the words and scale word loaded once (3 LDG), 8 shuffles, the
+    activations' fragments by ldmatrix (gate and up share them) and no barrier; and, at the engine's 8-row blocks, with
+    fewer registers than the wgmma build of the same AHEAD (none is held by an asynchronous MMA): the point of the
+    option."""
+    import collections
+
+    from benchmarks.sass_loop import _unpredicated, instructions, loop_opcodes
+
+    tag = f"{k}-{swiglu}-{ahead}-{block_m}-{l2_ahead}-{ring}-{cols}"
+    sass = (sm90_builds / f"{tag}-mmav2.sass").read_text()
+    proj = (2 if swiglu else 1) * ahead  # projections x K tiles a trip
+    if k // 128 == ahead:  # the whole stream up front (down at AHEAD 4): no K loop, count the kernel
+        ops = collections.Counter(_unpredicated(i).split()[0].split(".")[0] for _, i in instructions(sass))
+        assert 3 * proj <= ops["LDG"] <= 3 * proj + 8, ops
+    else:
+        ops = loop_opcodes(sass, inner=True)
+        # two trips (K tiles = 2 AHEAD): the second buffer's reload is tile KT - 1 in both (clamped), which the
+        # compiler hoists out of the loop here (not in the wgmma build)
+        hoisted = k // 128 == 2 * ahead and ops["LDG"] == 3 * proj // 2
+        assert (ops["LDG"] == 3 * proj or hoisted) and ops["BAR"] == 0 and ops["STS"] == 0, ops
+    assert ops["HGMMA"] == 0 and ops["HMMA"] == 8 * proj * block_m // 8, ops
+    assert ops["SHFL"] == 8 * proj and ops["LDSM"] >= 1, ops
+    regs = {t: int((sm90_builds / f"{t}.res").read_text().split("REG:")[1].split()[0]) for t in (tag, f"{tag}-mmav2")}
+    if block_m == 8:  # the engine's row blocks (16-row ones hold two B fragments a k step: 130 against 128)
+        assert regs[f"{tag}-mmav2"] < regs[tag], regs
+    assert "STACK:0" in (sm90_builds / f"{tag}-mmav2.res").read_text()
+    ptx = (sm90_builds / f"{tag}-mmav2-True.ptx").read_text()  # PDL: the wait before any memory access
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= wait < min(ptx.find(op) for op in ("ld.global", "cp.async", "st.global") if op in ptx)
+
 # ---- GPU (sm_90) ----------------------------------------------------------------------------------------------------
 def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M, device="cuda"):
     """Random NVFP4 experts (per-row global scales), a routing of t tokens' top_k over e experts and its alignment at
@@ -439,6 +479,40 @@ def test_matches_reference_and_swapped_kernel(t, swiglu, k, ahead, block_m, l2_a
         old = w4a16_grouped_swapped_launch(x, split_frag(w.packed, 64, 128), w.scales, w.global_scale, routing,
                                            a_div=a_div, swiglu=swiglu, row_scale=rs, frag=True)
         assert torch.equal(y, old)
+
+
+@pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("t,swiglu,k,ahead,block_m,l2_ahead,cols",
+                         [(t, sw, k, *b) for t, sw, k in ((1, True, 256), (32, True, 2048), (32, False, 512),
+                                                          (7, False, 128))
+                          for b in ((1, 8, 0, 1), (2, 8, 0, 1), (4, 8, 0, 1), (2, 16, 0, 1), (2, 8, 2, 1),
+                                    (1, 8, 0, 2)) if k // 128 % b[0] == 0])
+def test_mma_v2_matches_reference_and_wgmma_build(t, swiglu, k, ahead, block_m, l2_ahead, cols):
+    """`mma_v2` (the products on mma.sync, m16n8k16): within the reference's tolerance, as the wgmma build is, and
+    within one bf16 rounding of the wgmma build's output on the same routing (the same exact products, summed 16 K at
+    a time in the same order; whether the two MMA units round a 16-product step alike is the GPU's to say, so
+    equality is not asserted but counted by the per-call bench, `swapped_ab.py` equal_to_swapped)."""
+    from kernels.w4a16_gemm import w4a16_grouped_reference
+
+    w, idx, x, rs, a_div, routing = _case(t, 8, 16, 256, k, swiglu, seed=31 + t, block_m=block_m)
+    args = (x, thread_order(w.packed), w.scales, w.global_scale, routing)
+    kw = dict(a_div=a_div, swiglu=swiglu, row_scale=rs, ahead=ahead, l2_ahead=l2_ahead, cols=cols)
+    y = w4a16_regs.w4a16_regs_launch(*args, **kw, mma_v2=True)
+    ref = w4a16_grouped_reference(x.float(), w, idx.reshape(-1), a_div=a_div, row_scale=rs, swiglu=swiglu)
+    err = (y.float() - ref).abs()
+    assert bool((err <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all()), float(err.max())
+    base = w4a16_regs.w4a16_regs_launch(*args, **kw).float()
+    assert bool(((y.float() - base).abs() <= 2.0**-8 * base.abs() + 1e-6 * base.abs().max()).all())
+
+
+def test_mma_v2_refuses_a_ring():
+    """mma_v2 has no ring build: refused before any launch (also without a GPU: the checks come first)."""
+    w, idx, x, rs, a_div, routing = _case(4, 8, 16, 256, 256, False, seed=3, device="cpu")
+    if w4a16_regs.gluon is None:
+        pytest.skip("this Triton has no Gluon: the launcher refuses everything")
+    with pytest.raises(ValueError, match="mma_v2 has no ring"):
+        w4a16_regs.w4a16_regs_launch(x, thread_order(w.packed), w.scales, w.global_scale, routing, row_scale=rs,
+                                     ahead=1, ring=4, mma_v2=True)
 
 
 @pytest.mark.skipif(not SM90 or w4a16_regs.gluon is None, reason="the Gluon kernel needs an sm_90 GPU")
