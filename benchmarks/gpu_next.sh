@@ -2325,16 +2325,25 @@ if want 199; then
 # AHEAD 2 (6 programs an SM) against 128 (4), 60 at AHEAD 1, 128 at AHEAD 4 (against 168); down 64 / 66 against
 # 71 / 68. The CUDA tests (mma_v2 against the reference and the wgmma build), per call at 32 tokens beside the
 # shipped builds, then the engine on the fastest bit-close builds (best_regs_builds) and on the shipped ones, each in
-# its own process (--regs-builds is process-wide), the picked one --again
+# its own process (--regs-builds is process-wide), the picked one --again. Also per call: the router's top-k +
+# alignment with router_align.GATHER (the last program's register gathers) against its earlier reloads
 say "199. issue 5: w4a16_regs on mma.sync -- CUDA tests, per call at 32 tokens, the engine on the fastest builds"
 if [ -z "${SKIP_199T:-}" ]; then  # SKIP_199T=1: the engine part alone (REGS_BUILDS from an earlier call's pick)
 gpu_tests regs_mma_tests "${LIMIT_199T:-150}" tests/test_kernel_w4a16_regs.py -k "mma_v2" -rfE
 grep -E "^(FAILED|ERROR)" "$R/regs_mma_tests.log" | cut -c1-250 | head -8
 cp "$R/regs_mma_tests.log" "$OUT/" 2>/dev/null
+SAMMIE_PDL=1 gpu_tests router_gather_tests "${LIMIT_199G:-120}" tests/test_kernel_router_align.py -rfE
+grep -E "^(FAILED|ERROR)" "$R/router_gather_tests.log" | cut -c1-250 | head -8
+cp "$R/router_gather_tests.log" "$OUT/" 2>/dev/null
 builds199='[[8,2,0,0,1],[8,4,0,0,1],[8,1,0,0,1,0,0,0,1],[8,2,0,0,1,0,0,0,1],[8,4,0,0,1,0,0,0,1],[8,2,4,0,1,0,0,0,1],[8,4,0,0,1,0,1,0,1],[8,2,0,0,1,0,0,1,1],[16,2,0,0,1,0,0,0,1]]'
 probe regs_ab "${LIMIT_199:-200}" swapped_ab.py --label regs --regs --regs-builds "${BUILDS_199:-$builds199}"
 mkdir -p "$OUT/regs_ab" && cp "$R"/regs_ab/*.json "$OUT/regs_ab/" 2>/dev/null
 say "best builds: $(best_regs_builds)"
+# and the router's top-k + alignment with the last program's register gathers (router_align.GATHER, now the default)
+# beside the sixty-fifth session's reloads, per call under PDL + early loads as the engine runs them, bits checked
+SAMMIE_PDL= timeout "${LIMIT_199R:-90}" python benchmarks/router_align_bench.py --parts --early --tokens 8,32,64 \
+  --warps 4 --gather 1,0 --out "$OUT/router_align_gather" > "$OUT/router_align_gather.log" 2>&1
+grep -E "^\| (8|32|64) |Error" "$OUT/router_align_gather.log" | cut -c1-300
 fi
 if [ -z "${SKIP_199E:-}" ]; then
 regs_builds=${REGS_BUILDS:-$(best_regs_builds)}

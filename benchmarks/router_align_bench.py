@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4", help="the fused kernel's warps a program to time")
     ap.add_argument("--parts", action="store_true", help="the router GEMM in Triton (see the docstring)")
     ap.add_argument("--early", action="store_true", help="early loads on in the PDL rows")
+    ap.add_argument("--gather", default="1",
+                    help="the last program's forms to time (router_align.GATHER): 1 (register gathers, the default; "
+                         "columns fused_*), 0 (member / start read back from memory; columns fused_*_reload), or 1,0")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -46,8 +49,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("router_align_bench needs a CUDA GPU")
     from cuda_timing import graph_per_call_us  # benchmarks/ (the script's directory) is on sys.path
-    from kernels import pdl
-    from kernels import moe_router
+    from kernels import moe_router, pdl
+    from kernels import router_align as ra
     from kernels.router_align import _launch, _launch_linear, router_topk_then_align
     from kernels.w4a16_gemm import moe_align_fast
 
@@ -77,16 +80,24 @@ def main() -> None:
         row = dict(tokens=t, pairs=t * (top_k + 1), block_m=bm)
         warps = [int(v) for v in args.warps.split(",")]
         two = baseline(xs[0], ws[0], e, bm)
-        row["equal"] = all(bool(torch.equal(a, b)) for w in warps for a, b in zip(fused(xs[0], ws[0], e, bm, w), two))
+        forms = [bool(int(v)) for v in args.gather.split(",")]
+        row["equal"] = True
+        for g in forms:
+            ra.GATHER = g
+            row["equal"] &= all(bool(torch.equal(a, b)) for w in warps
+                                for a, b in zip(fused(xs[0], ws[0], e, bm, w), two))
         for use_pdl in (False, True):
             pdl.set_enabled(use_pdl)
             pdl.set_early(use_pdl and args.early)
             tag = "pdl" if use_pdl else "plain"
             row[f"separate_{tag}_us"] = graph_per_call_us(
                 [lambda i=i: baseline(xs[i], ws[i], e, bm) for i in range(calls)])
-            for w in warps:
-                row[f"fused_{w}w_{tag}_us"] = graph_per_call_us(
-                    [lambda i=i, w=w: fused(xs[i], ws[i], e, bm, w) for i in range(calls)])
+            for g in forms:
+                ra.GATHER = g
+                for w in warps:
+                    row[f"fused_{w}w{'' if g else '_reload'}_{tag}_us"] = graph_per_call_us(
+                        [lambda i=i, w=w: fused(xs[i], ws[i], e, bm, w) for i in range(calls)])
+            ra.GATHER = True
         pdl.set_enabled(False)
         pdl.set_early(False)
         rows.append(row)

@@ -27,6 +27,10 @@ ids p = t KP + j, NE = `num_experts` experts, WORDS = ceil(N / 32)):
       rank(p)  = popc(member[e_p] & the bits of tokens below t)    = #{q < p : e_q = e_p} (one pair a token and expert)
       row(p)   = start[e_p] + rank(p):   sorted_pairs[row(p)] = p,   block_expert[row(p) / block_m] = e_p
   after filling sorted_pairs with P and block_expert with NE (the padding; a barrier orders the two writes of a row).
+  GATHER (the default since the sixty-sixth session): the last program loads every member word and every pair's
+  expert in one round trip after its arrival and takes member[e_p] and start[e_p] from those registers by
+  `tl.gather` -- no starts workspace, no second and third round trip (member[e_p], start[e_p] read back), one
+  barrier fewer; the same integers (`tests/test_kernel_router_align.py` runs every case in both forms).
   That is `moe_align`'s stable sort by expert (pairs of one expert in pair order, each expert's group padded to
   block_m rows) and its block owners (every block of a group holds >= 1 real pair: padding < block_m), computed
   without sorting: O(P WORDS + NE WORDS) loads and popcounts in the last program. It then clears member (its rows back
@@ -76,6 +80,8 @@ MAX_TOKENS = 128  # N: member rows of MAX_WORDS 32-bit words (a decode batch; pr
 MAX_WORDS = MAX_TOKENS // 32
 MAX_PAIRS = 1024  # P = N KP: one [BLOCK_P] vector of pairs in the last program (kernels/moe_align.py's MAX_PAIRS)
 MAX_EXPERTS = 512  # NE: one [BLOCK_NE] vector of counts (moe_align's MAX_EXPERTS)
+GATHER = True  # the last program's alignment from one round trip and register gathers (docstring; False: the
+#                sixty-fifth session's, which reads member[e_p] and start[e_p] back from memory)
 _WORKSPACE: dict[tuple[str, int | None, str], torch.Tensor] = {}
 _CAPTURED_FALLBACK: set = set()  # devices whose first use came inside a CUDA-graph capture (logged once)
 log = logging.getLogger(__name__)
@@ -121,7 +127,8 @@ if triton is not None:
                                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                                   WORDS: tl.constexpr, BLOCK_NE: tl.constexpr, BLOCK_P: tl.constexpr,
                                   BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
-                                  ws=None, SPLIT: tl.constexpr = 0):
+                                  ws=None, SPLIT: tl.constexpr = 0, GATHER: tl.constexpr = False,
+                                  BLOCK_W: tl.constexpr = 1):
         # grid (cdiv(N, BLOCK_R),); logits [N, E] (row stride s_l, unit column stride); w_out / i_out [N, KP]
         # contiguous (column K = (1, EXTRA) when KP > K); member int32 [NE, WORDS] and starts int32 [NE]: the
         # workspace (member zero between launches); counters[0]: the arrival counter (0 between launches).
@@ -146,7 +153,37 @@ if triton is not None:
         # arrays to C++ as if contiguous, and a broadcast's zero strides then read past its one row
         bits = bit[:, None] + tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int32)
         tl.atomic_or(member + pair_e * WORDS + (rows // 32)[:, None], bits, mask=pair_ok, sem="relaxed", scope="gpu")
-        if last_arrival(counters, 0, tl.num_programs(0)):  # every program's ids and bits are in L2
+        if GATHER and last_arrival(counters, 0, tl.num_programs(0)):  # every program's ids and bits are in L2
+            # one round trip for everything the alignment reads -- every member word and every pair's expert --, then
+            # registers only: start[e_p] and member[e_p] by gathers from the loaded vectors (the module docstring's
+            # GATHER)
+            ej = tl.arange(0, BLOCK_NE)
+            e_ok = ej < NE
+            wj = tl.arange(0, BLOCK_W)
+            w_ok = e_ok[:, None] & (wj < WORDS)[None, :]
+            p = tl.arange(0, BLOCK_P)
+            p_ok = p < N * KP
+            t = p // KP
+            words = tl.load(member + ej[:, None] * WORDS + wj[None, :], mask=w_ok, other=0,
+                            cache_modifier=".cg")  # [BNE, BW] (".cg": L2, where the atomics landed)
+            e = tl.load(i_out + p, mask=p_ok, other=0, cache_modifier=".cg").to(tl.int32)  # [BP] pair p's expert
+            count = tl.sum(_popc(words), axis=1)  # [BNE]
+            padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            start = tl.cumsum(padded, 0) - padded
+            mine = tl.gather(words, e[:, None] + tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.int32), 0)  # member[e_p]
+            tw = (t // 32)[:, None]
+            low = ((tl.full((BLOCK_P,), 1, tl.uint32) << (t % 32).to(tl.uint32)) - 1).to(tl.int32, bitcast=True)
+            below = tl.where(wj[None, :] < tw, -1, tl.where(wj[None, :] == tw, low[:, None], 0))
+            row = tl.gather(start, e, 0) + tl.sum(_popc(mine & below), axis=1)
+            fill_i32(sorted_pairs, NUM_BLOCKS * BLOCK_M, N * KP)  # padding everywhere; the scatter overwrites used
+            fill_i32(block_expert, NUM_BLOCKS, NE)                # rows and blocks
+            tl.debug_barrier()  # the padding written by this program's threads before the scatter
+            tl.store(sorted_pairs + row, p, mask=p_ok)
+            tl.store(block_expert + row // BLOCK_M, e, mask=p_ok)  # every row of a block writes the same owner
+            tl.store(member + ej[:, None] * WORDS + wj[None, :], tl.zeros((BLOCK_NE, BLOCK_W), dtype=tl.int32),
+                     mask=w_ok)  # read above, before this program's barrier: cleared for the next launch
+            rearm(counters, 0)
+        if not GATHER and last_arrival(counters, 0, tl.num_programs(0)):  # every program's ids and bits are in L2
             ej = tl.arange(0, BLOCK_NE)
             e_ok = ej < NE
             count = tl.zeros((BLOCK_NE,), dtype=tl.int32)
@@ -251,7 +288,8 @@ def _align_launch(src: torch.Tensor, n: int, e: int, k: int, extra: int, num_exp
         src.stride(0), max(extra, 0), num_experts, rows // block_m, K=k, KP=kp,
         BLOCK_K=triton.next_power_of_2(kp), WORDS=triton.cdiv(n, 32),
         BLOCK_NE=max(16, triton.next_power_of_2(num_experts)), BLOCK_P=max(16, triton.next_power_of_2(p)),
-        BLOCK_M=block_m, INTERPRET=_interpreted(), **partials, **cfg, **pdl.launch_options())
+        BLOCK_M=block_m, INTERPRET=_interpreted(), GATHER=GATHER, BLOCK_W=triton.next_power_of_2(triton.cdiv(n, 32)),
+        **partials, **cfg, **pdl.launch_options())
     return weights, idx, sorted_pairs, block_expert
 
 

@@ -16,6 +16,14 @@ pytestmark = pytest.mark.skipif(ra.triton is None, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["gather", "reload"])
+def last_program_form(request, monkeypatch):
+    """Every test with both forms of the last program's alignment (`router_align.GATHER`: register gathers from one
+    round trip, the default; or member[e_p] and start[e_p] read back from memory, the earlier form)."""
+    monkeypatch.setattr(ra, "GATHER", request.param)
+    return request.param
+
+
 def stable_topk_idx(logits: torch.Tensor, k: int) -> torch.Tensor:
     """router_topk's exact order: descending logit, lowest index first among equal ones."""
     return torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
