@@ -2339,7 +2339,7 @@ builds199='[[8,2,0,0,1],[8,4,0,0,1],[8,1,0,0,1,0,0,0,1],[8,2,0,0,1,0,0,0,1],[8,4
 probe regs_ab "${LIMIT_199:-200}" swapped_ab.py --label regs --regs --regs-builds "${BUILDS_199:-$builds199}"
 mkdir -p "$OUT/regs_ab" && cp "$R"/regs_ab/*.json "$OUT/regs_ab/" 2>/dev/null
 say "best builds: $(best_regs_builds)"
-# and the router's top-k + alignment with the last program's register gathers (router_align.GATHER, now the default)
+# and the router's top-k + alignment with the last program's register gathers (router_align.GATHER, off until timed)
 # beside the sixty-fifth session's reloads, per call under PDL + early loads as the engine runs them, bits checked
 SAMMIE_PDL= timeout "${LIMIT_199R:-90}" python benchmarks/router_align_bench.py --parts --early --tokens 8,32,64 \
   --warps 4 --gather 1,0 --out "$OUT/router_align_gather" > "$OUT/router_align_gather.log" 2>&1
@@ -2349,7 +2349,8 @@ if [ -z "${SKIP_199E:-}" ]; then
 regs_builds=${REGS_BUILDS:-$(best_regs_builds)}
 shipped=$(python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))')
 say "picked: ${regs_builds:-none}; shipped: $shipped"
-engine_out qwen_mma_shipped "${LIMIT_199A:-130}" --decode-tokens 48 ${EXTRA_170:-}
+engine_out qwen_mma_shipped "${LIMIT_199A:-200}" --decode-tokens 48 --variant 'gather={"router_align_gather": true}' \
+  ${EXTRA_170:-}
 if [ -n "$regs_builds" ] && [ "$regs_builds" != "$shipped" ]; then
   engine_out qwen_mma_best "${LIMIT_199B:-170}" --decode-tokens 48 --regs-builds "$regs_builds" --again ${EXTRA_170:-}
   grep -h "SELF-CHECK" "$OUT/qwen_mma_best.log" | cut -c1-250 | head -5

@@ -569,7 +569,8 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
 
 _MODULE_FLAGS = ("qwen_engine.model.quantized.QUANT_IN_PRODUCERS", "kernels.gdn_prep.SPLIT_V_ROWS",
-                 "qwen_engine.model.attention.GATE_IN_COMBINE")  # (gdn_prep's tiling: DEFAULT_TILING, below)
+                 "qwen_engine.model.attention.GATE_IN_COMBINE",
+                 "kernels.router_align.GATHER")  # (gdn_prep's tiling: DEFAULT_TILING, below)
 # the flags' values at import, before any engine set them (`_engine_settings_off`)
 _FLAG_DEFAULTS: dict[str, object] = {}
 

@@ -40,8 +40,9 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="the router GEMM in Triton (see the docstring)")
     ap.add_argument("--early", action="store_true", help="early loads on in the PDL rows")
     ap.add_argument("--gather", default="1",
-                    help="the last program's forms to time (router_align.GATHER): 1 (register gathers, the default; "
-                         "columns fused_*), 0 (member / start read back from memory; columns fused_*_reload), or 1,0")
+                    help="the last program's forms to time (router_align.GATHER): 1 (register gathers; columns "
+                         "fused_*), 0 (member / start read back from memory, the default; columns fused_*_reload), "
+                         "or 1,0")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -81,6 +82,7 @@ def main() -> None:
         warps = [int(v) for v in args.warps.split(",")]
         two = baseline(xs[0], ws[0], e, bm)
         forms = [bool(int(v)) for v in args.gather.split(",")]
+        gather_default = ra.GATHER
         row["equal"] = True
         for g in forms:
             ra.GATHER = g
@@ -97,7 +99,7 @@ def main() -> None:
                 for w in warps:
                     row[f"fused_{w}w{'' if g else '_reload'}_{tag}_us"] = graph_per_call_us(
                         [lambda i=i, w=w: fused(xs[i], ws[i], e, bm, w) for i in range(calls)])
-            ra.GATHER = True
+            ra.GATHER = gather_default
         pdl.set_enabled(False)
         pdl.set_early(False)
         rows.append(row)

@@ -27,7 +27,7 @@ ids p = t KP + j, NE = `num_experts` experts, WORDS = ceil(N / 32)):
       rank(p)  = popc(member[e_p] & the bits of tokens below t)    = #{q < p : e_q = e_p} (one pair a token and expert)
       row(p)   = start[e_p] + rank(p):   sorted_pairs[row(p)] = p,   block_expert[row(p) / block_m] = e_p
   after filling sorted_pairs with P and block_expert with NE (the padding; a barrier orders the two writes of a row).
-  GATHER (the default since the sixty-sixth session): the last program loads every member word and every pair's
+  GATHER (sixty-sixth session; off until timed on a GPU): the last program loads every member word and every pair's
   expert in one round trip after its arrival and takes member[e_p] and start[e_p] from those registers by
   `tl.gather` -- no starts workspace, no second and third round trip (member[e_p], start[e_p] read back), one
   barrier fewer; the same integers (`tests/test_kernel_router_align.py` runs every case in both forms).
@@ -80,8 +80,9 @@ MAX_TOKENS = 128  # N: member rows of MAX_WORDS 32-bit words (a decode batch; pr
 MAX_WORDS = MAX_TOKENS // 32
 MAX_PAIRS = 1024  # P = N KP: one [BLOCK_P] vector of pairs in the last program (kernels/moe_align.py's MAX_PAIRS)
 MAX_EXPERTS = 512  # NE: one [BLOCK_NE] vector of counts (moe_align's MAX_EXPERTS)
-GATHER = True  # the last program's alignment from one round trip and register gathers (docstring; False: the
-#                sixty-fifth session's, which reads member[e_p] and start[e_p] back from memory)
+GATHER = False  # True: the last program's alignment from one round trip and register gathers (docstring; not yet
+#                 timed on a GPU, so off: the sixty-fifth session's form, which reads member[e_p] and start[e_p] back
+#                 from memory, stays the engine's until `gpu_next.sh` step 199 measures both)
 _WORKSPACE: dict[tuple[str, int | None, str], torch.Tensor] = {}
 _CAPTURED_FALLBACK: set = set()  # devices whose first use came inside a CUDA-graph capture (logged once)
 log = logging.getLogger(__name__)

@@ -309,6 +309,11 @@ class QwenEngineConfig:
     #                             2026-12-05, one process, 32 streams 4,238.8 against 4,288.4 / 4,287.0 tok/s, -1.2%).
     #                             "auto" (default): on with router_parts (packed models), off without; true / false:
     #                             as asked. The start-up self-check covers both ops where it is on
+    router_align_gather: bool = False  # with router_align: the alignment's last program reads every member word
+    #                             and pair id in one round trip and takes member[e_p] / start[e_p] by register gathers
+    #                             instead of reading them back (kernels/router_align.py GATHER, process-wide; the same
+    #                             integers). Sixty-sixth session: CPU-tested and compiled for sm_90, not yet timed on a
+    #                             GPU (gpu_next.sh step 199), so off
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
@@ -586,6 +591,9 @@ class QwenEngine:
         from .model import attention
 
         attention.GATE_IN_COMBINE = cfg.attn_gate_in_combine
+        from kernels import router_align
+
+        router_align.GATHER = cfg.router_align_gather
         from kernels import fp8_quant
 
         fp8_quant.E4M3_POOL_SAMPLES = self.kv_dtype == torch.float8_e4m3fn  # the self-check's e4m3-pool samples

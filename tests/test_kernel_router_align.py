@@ -19,7 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True, params=[True, False], ids=["gather", "reload"])
 def last_program_form(request, monkeypatch):
     """Every test with both forms of the last program's alignment (`router_align.GATHER`: register gathers from one
-    round trip, the default; or member[e_p] and start[e_p] read back from memory, the earlier form)."""
+    round trip; or member[e_p] and start[e_p] read back from memory, the default until the first is timed)."""
     monkeypatch.setattr(ra, "GATHER", request.param)
     return request.param
 

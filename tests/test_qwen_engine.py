@@ -1189,6 +1189,35 @@ def test_engine_router_align(monkeypatch, caplog):
     assert checks["router_linear_topk_align"] == want.replace("router_topk+moe_align", "linear+router_topk_align")
 
 
+def test_engine_router_align_gather(monkeypatch):
+    """router_align_gather sets kernels/router_align.py GATHER process-wide for the engine it builds (the last
+    program's register gathers; off by default until timed), and the greedy streams through the aligned routing (the
+    Triton kernel, interpreted, as on a GPU) equal the engine's without it; a non-bool is refused."""
+    from kernels import router_align as ra
+    from qwen_engine.model.moe import SparseMoE, TopKRouter
+
+    with pytest.raises(ValueError, match="router_align_gather must be bool"):
+        QwenEngineConfig(router_align_gather=1)
+    assert QwenEngineConfig().router_align_gather is False
+    monkeypatch.setattr(SparseMoE, "fused", True)
+    monkeypatch.setattr(TopKRouter, "fused", True)
+    auto_as_on_a_gpu(monkeypatch)
+    monkeypatch.setattr(ra, "PARTS_MIN_PAIRS", 1)
+    monkeypatch.setattr(ra, "GATHER", ra.GATHER)  # restored after the test
+    seen = []
+    launch = ra._align_launch
+    monkeypatch.setattr(ra, "_align_launch", lambda *a, **kw: (seen.append(ra.GATHER), launch(*a, **kw))[1])
+
+    async def body(engine):
+        outs = await asyncio.gather(*(collect(engine, prompt(i, n), max_new_tokens=3)
+                                      for i, n in enumerate(LENGTHS[:2])))
+        return [o[0] for o in outs]
+
+    on, off = (run(engine_config(weights="packed", kernels="auto", router_align=True, router_align_gather=flag,
+                                 shared_expert_in_moe=True, dtype="bf16"), body) for flag in (True, False))
+    assert True in seen and False in seen and on == off
+
+
 def one_by_one_counting(op: str):
     """An engine body for `run`: two prompts (LENGTHS[:2]), one after the other (so their decode steps have one
     row), 4 greedy tokens each -> (health, the token streams, how many calls registry op `op` took meanwhile)."""
