@@ -224,6 +224,8 @@ if triton is not None:
         # the partial outputs now, not after the weights' max and sum (reductions: CTA barriers, which later loads
         # do not cross): one L2 round trip for both loads
         op = tl.load(o_part + i * s_od + h * s_oh + sp[:, None] * s_os + d[None, :], mask=s_ok[:, None], other=0.0)
+        if GATE:  # the gate slice in the same round trip (it does not depend on the sums)
+            gv = tl.load(gate + i * s_gd + h * s_gh + d)
         top = tl.max(lv, axis=0)
         top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights exp(-inf) = 0, output 0
         if INTERPRET:  # numpy's exp; libdevice is not interpreted
@@ -234,7 +236,7 @@ if triton is not None:
         den = tl.full((BLOCK_D,), 1.0, tl.float32) * tl.where(den > 0.0, den, 1.0)
         o = tl.div_rn(tl.sum(op * w[:, None], axis=0), den)
         if GATE:  # the output gate (`attn_prep._gate_store`) on the rounded o of this slice
-            _gate_store(_cast(o, out.dtype.element_ty, INTERPRET), tl.load(gate + i * s_gd + h * s_gh + d),
+            _gate_store(_cast(o, out.dtype.element_ty, INTERPRET), gv,
                         out + i * s_outd + h * HEAD_DIM + d, codes + i * s_cd + h * HEAD_DIM + d, s_in, d < HEAD_DIM,
                         out.dtype.element_ty, INTERPRET, QUANT)
         else:
