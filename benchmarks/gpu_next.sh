@@ -277,10 +277,12 @@
 #       benchmarks/l2_writeback_bench.py removed)
 #   STEPS="177" (removed: ran in the fifty-first session, results/lazy51_run1; no gain): the lazy GDN state's
 #       CUDA tests, per token beside the plain step, then the engine at R 8 and 16; kernels/gdn_decode_lazy.py removed
-#   STEPS="199" (carry the fla wheels and .tritoncache; either GPU; ~9 min; SKIP_199E=1: tests and per call only,
-#       ~5 min; SKIP_199T=1 REGS_BUILDS=...: the engines only, ~5 min): issue 5, the experts' products on mma.sync (w4a16_regs mma_v2: 80 registers for gate_up at AHEAD 2
-#       against wgmma's 128) -- CUDA tests, per call at 32 tokens beside the shipped builds, then the engine on the
-#       fastest builds beside the shipped ones (each in its own process)
+#   STEPS="199" (carry the fla wheels and .tritoncache; either GPU; ~12 min in all, so two calls: SKIP_199E=1 (tests
+#       and per call only, ~6 min), then SKIP_199T=1 (the engines only, ~6 min; REGS_BUILDS=... from the first's pick): issue 5, the experts' products on mma.sync
+#       (w4a16_regs mma_v2: 80 registers for gate_up at AHEAD 2 against wgmma's 128) and the router alignment's
+#       register gathers (router_align_gather) -- CUDA tests, per call at 32 tokens beside the shipped builds and the
+#       reload form, then the engine on the fastest builds beside the shipped ones (each in its own process; the
+#       shipped one with a router_align_gather variant)
 #   STEPS="198 39" (carry the fla wheels only; either GPU; ~4.5 min: ran, results/cold61_run1, H100): issue 5, the
 #       defaults at 32 streams x 1k on a cold Triton cache (a fresh checkout), then the cache in parts for the next calls
 #   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
@@ -2329,7 +2331,7 @@ if want 199; then
 # alignment with router_align.GATHER (the last program's register gathers) against its earlier reloads
 say "199. issue 5: w4a16_regs on mma.sync -- CUDA tests, per call at 32 tokens, the engine on the fastest builds"
 if [ -z "${SKIP_199T:-}" ]; then  # SKIP_199T=1: the engine part alone (REGS_BUILDS from an earlier call's pick)
-gpu_tests regs_mma_tests "${LIMIT_199T:-150}" tests/test_kernel_w4a16_regs.py -k "mma_v2" -rfE
+gpu_tests regs_mma_tests "${LIMIT_199T:-150}" tests/test_kernel_w4a16_regs.py -k "mma_v2 and not builds" -rfE
 grep -E "^(FAILED|ERROR)" "$R/regs_mma_tests.log" | cut -c1-250 | head -8
 cp "$R/regs_mma_tests.log" "$OUT/" 2>/dev/null
 SAMMIE_PDL=1 gpu_tests router_gather_tests "${LIMIT_199G:-120}" tests/test_kernel_router_align.py -rfE
@@ -2341,8 +2343,8 @@ mkdir -p "$OUT/regs_ab" && cp "$R"/regs_ab/*.json "$OUT/regs_ab/" 2>/dev/null
 say "best builds: $(best_regs_builds)"
 # and the router's top-k + alignment with the last program's register gathers (router_align.GATHER, off until timed)
 # beside the sixty-fifth session's reloads, per call under PDL + early loads as the engine runs them, bits checked
-SAMMIE_PDL= timeout "${LIMIT_199R:-90}" python benchmarks/router_align_bench.py --parts --early --tokens 8,32,64 \
-  --warps 4 --gather 1,0 --out "$OUT/router_align_gather" > "$OUT/router_align_gather.log" 2>&1
+SAMMIE_PDL= timeout "${LIMIT_199R:-90}" python benchmarks/router_align_bench.py --parts --early --tokens 8,16,32 \
+  --warps 4 --gather 0,1 --out "$OUT/router_align_gather" > "$OUT/router_align_gather.log" 2>&1
 grep -E "^\| (8|32|64) |Error" "$OUT/router_align_gather.log" | cut -c1-300
 fi
 if [ -z "${SKIP_199E:-}" ]; then

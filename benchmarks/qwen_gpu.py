@@ -767,7 +767,8 @@ def main() -> None:
     ap.add_argument("--regs-builds", type=_regs_builds, default=None,
                     help="kernels/w4a16_regs.py's builds for the engines with expert_regs, JSON "
                          "'{\"block_m\": 16, \"gate_up\": {...}, \"down\": {...}}' (launcher keywords ahead, "
-                         "l2_ahead, ring, cols, maxnreg, early): sets w4a16_regs.BLOCK_M and ENGINE_BUILDS for "
+                         "l2_ahead, ring, cols, maxnreg, early, cols_first, mma_v2): sets w4a16_regs.BLOCK_M and "
+                         "ENGINE_BUILDS for "
                          "the whole run (only the THREAD_ORDER experts read them), recorded under settings "
                          "(gpu_next.sh steps 162 / 167 pass step 161's / 166's fastest)")
     ap.add_argument("--hf-gdn", choices=("torch", "any"), default="torch",

@@ -16,7 +16,8 @@ for bit: the same selection code, and the alignment is a function of the ids).
 instead of F.linear -- "router_linear_topk" (the GEMM, the top-k over its partials) + `moe_align` (three launches,
 what the engine runs) against "router_linear_topk_align" (the GEMM, then the top-k + alignment over the partials:
 two), the logits compared too; `--early` turns early loads on (kernels/pdl.py set_early, the engine's default) for
-the PDL rows:
+the PDL rows; `--gather 0,1` times the fused kernel's last program in both forms (`router_align.GATHER`: register
+gathers, columns fused_*_gather; the reload form's keep their names):
 
     python benchmarks/router_align_bench.py --parts --early --tokens 32 --out benchmarks/results/router_align_parts
 """
@@ -39,10 +40,10 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4", help="the fused kernel's warps a program to time")
     ap.add_argument("--parts", action="store_true", help="the router GEMM in Triton (see the docstring)")
     ap.add_argument("--early", action="store_true", help="early loads on in the PDL rows")
-    ap.add_argument("--gather", default="1",
-                    help="the last program's forms to time (router_align.GATHER): 1 (register gathers; columns "
-                         "fused_*), 0 (member / start read back from memory, the default; columns fused_*_reload), "
-                         "or 1,0")
+    ap.add_argument("--gather", default="0",
+                    help="the last program's forms to time (router_align.GATHER): 0 (member / start read back from "
+                         "memory, the default form; columns fused_*, as before the option), 1 (register gathers "
+                         "where `gather_fits`, else the same; columns fused_*_gather), or 0,1")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -97,7 +98,7 @@ def main() -> None:
             for g in forms:
                 ra.GATHER = g
                 for w in warps:
-                    row[f"fused_{w}w{'' if g else '_reload'}_{tag}_us"] = graph_per_call_us(
+                    row[f"fused_{w}w{'_gather' if g else ''}_{tag}_us"] = graph_per_call_us(
                         [lambda i=i, w=w: fused(xs[i], ws[i], e, bm, w) for i in range(calls)])
             ra.GATHER = gather_default
         pdl.set_enabled(False)

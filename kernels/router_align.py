@@ -29,8 +29,9 @@ ids p = t KP + j, NE = `num_experts` experts, WORDS = ceil(N / 32)):
   after filling sorted_pairs with P and block_expert with NE (the padding; a barrier orders the two writes of a row).
   GATHER (sixty-sixth session; off until timed on a GPU): the last program loads every member word and every pair's
   expert in one round trip after its arrival and takes member[e_p] and start[e_p] from those registers by
-  `tl.gather` -- no starts workspace, no second and third round trip (member[e_p], start[e_p] read back), one
-  barrier fewer; the same integers (`tests/test_kernel_router_align.py` runs every case in both forms).
+  `tl.gather` -- no starts workspace (its store, a barrier, then the ids' round trip, then member[e_p] and
+  start[e_p]'s: two dependent round trips fewer); the same integers (`tests/test_kernel_router_align.py` runs every
+  case in both forms). Only up to GATHER_MAX_PAIRS pairs and 32 tokens (`gather_fits`); the reload form beyond.
   That is `moe_align`'s stable sort by expert (pairs of one expert in pair order, each expert's group padded to
   block_m rows) and its block owners (every block of a group holds >= 1 real pair: padding < block_m), computed
   without sorting: O(P WORDS + NE WORDS) loads and popcounts in the last program. It then clears member (its rows back
@@ -44,7 +45,8 @@ Launches sharing a workspace must not overlap in time: the engine's routers run 
 previous layer's (under PDL every kernel waits for its predecessor's completion before touching memory).
 
 Warps: over given logits router_topk's tiling (`moe_router._tiling`: one warp a row of 256 experts), so the last
-program builds the alignment on one warp too (offline sm_90: 96 registers, no stack); over the partials
+program builds the alignment on one warp too (offline sm_90, Triton 3.6: 96 registers, no stack; 156 with
+GATHER); over the partials
 PARTS_ALIGN_WARPS (4); `benchmarks/router_align_bench.py` times 1, 2 and 4.
 
 Numerics: the weights and ids are `router_topk`'s (the same selection code, `moe_router._select_topk`, whose softmax
@@ -80,9 +82,12 @@ MAX_TOKENS = 128  # N: member rows of MAX_WORDS 32-bit words (a decode batch; pr
 MAX_WORDS = MAX_TOKENS // 32
 MAX_PAIRS = 1024  # P = N KP: one [BLOCK_P] vector of pairs in the last program (kernels/moe_align.py's MAX_PAIRS)
 MAX_EXPERTS = 512  # NE: one [BLOCK_NE] vector of counts (moe_align's MAX_EXPERTS)
-GATHER = False  # True: the last program's alignment from one round trip and register gathers (docstring; not yet
-#                 timed on a GPU, so off: the sixty-fifth session's form, which reads member[e_p] and start[e_p] back
-#                 from memory, stays the engine's until `gpu_next.sh` step 199 measures both)
+GATHER = False  # True: the last program's alignment from one round trip and register gathers where `gather_fits`
+#                 (docstring; not yet timed on a GPU, so off: the sixty-fifth session's form, which reads member[e_p]
+#                 and start[e_p] back from memory, stays the engine's until `gpu_next.sh` step 199 measures both)
+GATHER_MAX_PAIRS = 512  # GATHER's limits: BLOCK_P <= 512 pairs and one member word (<= 32 tokens). Beyond, Triton
+#                         3.8 fails to lower a 1,024-pair gather at 4 warps (not warp-local) and at 1 warp with 4
+#                         words spills (255 registers); the reload form runs there
 _WORKSPACE: dict[tuple[str, int | None, str], torch.Tensor] = {}
 _CAPTURED_FALLBACK: set = set()  # devices whose first use came inside a CUDA-graph capture (logged once)
 log = logging.getLogger(__name__)
@@ -220,6 +225,12 @@ def _interpreted() -> bool:
     return triton is not None and type(_router_topk_align_kernel).__name__ == "InterpretedFunction"
 
 
+def gather_fits(block_p: int, words: int) -> bool:
+    """Whether a launch of BLOCK_P pairs and `words` member words takes GATHER's form when GATHER is on: up to
+    GATHER_MAX_PAIRS pairs and one word (32 tokens: the 32-stream step's 288 pairs); else the reload form."""
+    return block_p <= GATHER_MAX_PAIRS and words == 1
+
+
 def _workspace(device: torch.device) -> torch.Tensor | None:
     """The device's (and `counters_of` role's) zeroed workspace: member [MAX_EXPERTS x MAX_WORDS] then starts
     [MAX_EXPERTS] int32; None on a first use inside a CUDA-graph capture (`split_k.role_buffer`)."""
@@ -284,13 +295,14 @@ def _align_launch(src: torch.Tensor, n: int, e: int, k: int, extra: int, num_exp
     if num_warps is not None:
         cfg["num_warps"] = num_warps
     partials = {} if parts is None else dict(ws=parts[0], SPLIT=parts[1])
+    words, block_p = triton.cdiv(n, 32), max(16, triton.next_power_of_2(p))
     _router_topk_align_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
         src, weights, idx, workspace, workspace[MAX_EXPERTS * MAX_WORDS:], counters, sorted_pairs, block_expert, n, e,
         src.stride(0), max(extra, 0), num_experts, rows // block_m, K=k, KP=kp,
-        BLOCK_K=triton.next_power_of_2(kp), WORDS=triton.cdiv(n, 32),
-        BLOCK_NE=max(16, triton.next_power_of_2(num_experts)), BLOCK_P=max(16, triton.next_power_of_2(p)),
-        BLOCK_M=block_m, INTERPRET=_interpreted(), GATHER=GATHER, BLOCK_W=triton.next_power_of_2(triton.cdiv(n, 32)),
-        **partials, **cfg, **pdl.launch_options())
+        BLOCK_K=triton.next_power_of_2(kp), WORDS=words,
+        BLOCK_NE=max(16, triton.next_power_of_2(num_experts)), BLOCK_P=block_p,
+        BLOCK_M=block_m, INTERPRET=_interpreted(), GATHER=GATHER and gather_fits(block_p, words),
+        BLOCK_W=triton.next_power_of_2(words), **partials, **cfg, **pdl.launch_options())
     return weights, idx, sorted_pairs, block_expert
 
 

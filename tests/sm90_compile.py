@@ -320,25 +320,37 @@ def main() -> int:
                           moe_router._router_topk_kernel, {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64"},
                           dict(K=8, BLOCK_K=8, BLOCK_R=1, BLOCK_E=256, INTERPRET=False, HAS_EXTRA=True)))
     # the router's top-k with the routing alignment in its last program, at the 32-stream step's sizes (top-8 of 256
-    # + the shared pair over 257 experts, 8-row blocks: the register-streamed experts'); atomics, popcounts, a scan,
-    # register gathers (GATHER, the default); one warp, as router_topk's tiling launches it at E = 256
-    ok.append(compile_one("router_topk_align (N = 32, E = 256 + 1, top-8 + 1, 8-row blocks, bf16, 1 warp)",
-                          router_align._router_topk_align_kernel,
-                          {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32", "starts": "*i32",
-                           "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"},
-                          dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512, BLOCK_P=512,
-                               BLOCK_M=8, INTERPRET=False, GATHER=True, BLOCK_W=1),
-                          ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=1))
-    # the same over the router GEMM's fp32 partials (router_linear_topk_align: 8 H tiles summed, the logits stored),
-    # at its 4 warps (router_align.PARTS_ALIGN_WARPS)
-    ok.append(compile_one("router_linear_topk_align (N = 32, E = 256 + 1, 8 partials, 8-row blocks, bf16, 4 warps)",
+    # + the shared pair over 257 experts, 8-row blocks: the register-streamed experts'); atomics, popcounts, a scan;
+    # one warp, as router_topk's tiling launches it at E = 256; in both forms of the last program (GATHER: register
+    # gathers, opt-in; else the reload form, the default)
+    for gather in (False, True):
+        form = "GATHER" if gather else "reload"
+        ok.append(compile_one(f"router_topk_align (N = 32, E = 256 + 1, top-8 + 1, 8-row blocks, bf16, 1 warp) {form}",
+                              router_align._router_topk_align_kernel,
+                              {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32",
+                               "starts": "*i32", "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"},
+                              dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512,
+                                   BLOCK_P=512, BLOCK_M=8, INTERPRET=False, GATHER=gather, BLOCK_W=1),
+                              ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=1))
+        # the same over the router GEMM's fp32 partials (router_linear_topk_align: 8 H tiles summed, the logits
+        # stored), at its 4 warps (router_align.PARTS_ALIGN_WARPS)
+        ok.append(compile_one(f"router_linear_topk_align (N = 32, E = 256 + 1, 8 partials, 8-row blocks, bf16, 4 "
+                              f"warps) {form}", router_align._router_topk_align_kernel,
+                              {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32",
+                               "starts": "*i32", "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32",
+                               "ws": "*fp32"},
+                              dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512,
+                                   BLOCK_P=512, BLOCK_M=8, INTERPRET=False, SPLIT=8, GATHER=gather, BLOCK_W=1),
+                              ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=4, runtime=("ws",)))
+    # and its largest launch over the partials (64 tokens x 9 pairs: 1,024 pairs, two member words), which
+    # `gather_fits` keeps in the reload form
+    ok.append(compile_one("router_linear_topk_align (N = 64, 1,024 pairs, 2 words, 4 warps) reload",
                           router_align._router_topk_align_kernel,
                           {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32", "starts": "*i32",
                            "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32", "ws": "*fp32"},
-                          dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512, BLOCK_P=512,
-                               BLOCK_M=8, INTERPRET=False, SPLIT=8, GATHER=True, BLOCK_W=1),
-                          ptx_has="atom.global.gpu.relaxed.or.b32",
-                          num_warps=4, runtime=("ws",)))
+                          dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=2, BLOCK_NE=512, BLOCK_P=1024,
+                               BLOCK_M=8, INTERPRET=False, SPLIT=8, GATHER=False, BLOCK_W=2),
+                          ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=4, runtime=("ws",)))
     grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}
     # the grouped W4A16 kernel (SwiGLU epilogue) at decode tiles, in each bf16 dequant mode (2: inline PTX, which only

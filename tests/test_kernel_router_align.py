@@ -59,6 +59,21 @@ def test_matches_router_topk_then_moe_align(n, e, k, extra, num_experts, block_m
     check(logits, k, extra, num_experts, block_m, block_r)
 
 
+def test_gather_form_runs_where_it_fits(last_program_form):
+    """GATHER's last program never touches the `starts` workspace (its group starts stay in registers); the reload
+    form writes them there. So with the workspace's starts poisoned: at 32 tokens (`gather_fits`) GATHER leaves them
+    as they were, the reload form overwrites them; at 33 tokens (two member words) both forms are the reload one.
+    The alignment is right either way (`check`)."""
+    ws = ra._workspace(torch.device(DEVICE))
+    starts = ws[ra.MAX_EXPERTS * ra.MAX_WORDS:]
+    assert ra.gather_fits(512, 1) and not ra.gather_fits(1024, 1) and not ra.gather_fits(512, 2)
+    for n, gathered in ((32, last_program_form), (33, False)):
+        starts.fill_(-7)
+        logits = mr.random_logits(n, 256, seed=n, device=DEVICE)
+        check(logits, 8, 256, 257, 8, 8)
+        assert bool((starts[:257] == -7).all()) == gathered, (n, last_program_form)
+
+
 @pytest.mark.parametrize("block_r", [1, 8])
 def test_ties_and_hot_experts(block_r):
     """Tied logits (router_topk's lowest-index order) and a zero row (every expert tied: the first k), and a hot

@@ -61,7 +61,9 @@ def _check_builds(stdout: str) -> None:
     # 85: the fifty-second session's router GEMM at 5-64 rows and its top-k over the partials (router_linear_topk);
     # 86: the fifty-third's top-k + alignment over those partials (router_linear_topk_align)
     # 88: the fifty-eighth's e4m3 KV pools (the paged decode attention reading them, the attention prep writing them)
-    assert stdout.count("ok   ") == 88
+    # 91: the sixty-sixth's router top-k + alignment in both last-program forms (GATHER and reload, 1 and 4 warps)
+    # and its 64-token launch over the partials (1,024 pairs: the reload form)
+    assert stdout.count("ok   ") == 91
     # kernels/w4a16_mma.py's six builds: every inline-asm operand one element a lane (its mma fragments' premise)
     assert stdout.count("lanes ") == 6
     # every launch of a PDL participant (kernels/pdl.py) also compiled with USE_PDL: griddepcontrol.wait, then
@@ -72,8 +74,8 @@ def _check_builds(stdout: str) -> None:
     # the fifty-first removed)
     # (62 with the fifty-second session's two router launches; 63 with the fifty-third's top-k + alignment over the
     # partials)
-    # (65 with the fifty-eighth's two e4m3 KV pool builds)
-    assert stdout.count("pdl  ") == 65 and "FAIL" not in stdout
+    # (65 with the fifty-eighth's two e4m3 KV pool builds; 68 with the sixty-sixth's three router builds)
+    assert stdout.count("pdl  ") == 68 and "FAIL" not in stdout
     # and the kernels with a weight prefetch (kernels/pdl.py prefetch_l2) compiled with it too: the L2 prefetch before
     # the wait in the FP8 GEMV (3 launches), the router, the dense W4A16 GEMV (3: SwiGLU's four ranges among them) and
     # gdn_prep's two b / a builds (one SPLIT_V); none in the grouped GEMV (its experts come from the router: 3
