@@ -45,7 +45,7 @@ Launches sharing a workspace must not overlap in time: the engine's routers run 
 previous layer's (under PDL every kernel waits for its predecessor's completion before touching memory).
 
 Warps: over given logits router_topk's tiling (`moe_router._tiling`: one warp a row of 256 experts), so the last
-program builds the alignment on one warp too (offline sm_90, Triton 3.6: 96 registers, no stack; 156 with
+program builds the alignment on one warp too (offline sm_90, Triton 3.6: 96 registers, no stack; 168 with
 GATHER); over the partials
 PARTS_ALIGN_WARPS (4); `benchmarks/router_align_bench.py` times 1, 2 and 4.
 
@@ -133,8 +133,7 @@ if triton is not None:
                                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                                   WORDS: tl.constexpr, BLOCK_NE: tl.constexpr, BLOCK_P: tl.constexpr,
                                   BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr = False,
-                                  ws=None, SPLIT: tl.constexpr = 0, GATHER: tl.constexpr = False,
-                                  BLOCK_W: tl.constexpr = 1):
+                                  ws=None, SPLIT: tl.constexpr = 0, GATHER: tl.constexpr = False):
         # grid (cdiv(N, BLOCK_R),); logits [N, E] (row stride s_l, unit column stride); w_out / i_out [N, KP]
         # contiguous (column K = (1, EXTRA) when KP > K); member int32 [NE, WORDS] and starts int32 [NE]: the
         # workspace (member zero between launches); counters[0]: the arrival counter (0 between launches).
@@ -162,32 +161,27 @@ if triton is not None:
         if GATHER and last_arrival(counters, 0, tl.num_programs(0)):  # every program's ids and bits are in L2
             # one round trip for everything the alignment reads -- every member word and every pair's expert --, then
             # registers only: start[e_p] and member[e_p] by gathers from the loaded vectors (the module docstring's
-            # GATHER)
+            # GATHER; one member word an expert, `gather_fits`)
+            tl.static_assert(WORDS == 1, "GATHER's form takes one member word (<= 32 tokens)")
             ej = tl.arange(0, BLOCK_NE)
             e_ok = ej < NE
-            wj = tl.arange(0, BLOCK_W)
-            w_ok = e_ok[:, None] & (wj < WORDS)[None, :]
             p = tl.arange(0, BLOCK_P)
             p_ok = p < N * KP
             t = p // KP
-            words = tl.load(member + ej[:, None] * WORDS + wj[None, :], mask=w_ok, other=0,
-                            cache_modifier=".cg")  # [BNE, BW] (".cg": L2, where the atomics landed)
+            words = tl.load(member + ej, mask=e_ok, other=0, cache_modifier=".cg")  # [BNE] (".cg": L2, where the
+            #                                                                         atomics landed)
             e = tl.load(i_out + p, mask=p_ok, other=0, cache_modifier=".cg").to(tl.int32)  # [BP] pair p's expert
-            count = tl.sum(_popc(words), axis=1)  # [BNE]
-            padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            padded = (_popc(words) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
             start = tl.cumsum(padded, 0) - padded
-            mine = tl.gather(words, e[:, None] + tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.int32), 0)  # member[e_p]
-            tw = (t // 32)[:, None]
-            low = ((tl.full((BLOCK_P,), 1, tl.uint32) << (t % 32).to(tl.uint32)) - 1).to(tl.int32, bitcast=True)
-            below = tl.where(wj[None, :] < tw, -1, tl.where(wj[None, :] == tw, low[:, None], 0))
-            row = tl.gather(start, e, 0) + tl.sum(_popc(mine & below), axis=1)
+            below = ((tl.full((BLOCK_P,), 1, tl.uint32) << (t % 32).to(tl.uint32)) - 1).to(tl.int32, bitcast=True)
+            row = tl.gather(start, e, 0) + _popc(tl.gather(words, e, 0) & below)  # start[e_p] + rank(p)
             fill_i32(sorted_pairs, NUM_BLOCKS * BLOCK_M, N * KP)  # padding everywhere; the scatter overwrites used
             fill_i32(block_expert, NUM_BLOCKS, NE)                # rows and blocks
             tl.debug_barrier()  # the padding written by this program's threads before the scatter
             tl.store(sorted_pairs + row, p, mask=p_ok)
             tl.store(block_expert + row // BLOCK_M, e, mask=p_ok)  # every row of a block writes the same owner
-            tl.store(member + ej[:, None] * WORDS + wj[None, :], tl.zeros((BLOCK_NE, BLOCK_W), dtype=tl.int32),
-                     mask=w_ok)  # read above, before this program's barrier: cleared for the next launch
+            tl.store(member + ej, tl.zeros((BLOCK_NE,), dtype=tl.int32), mask=e_ok)  # read above, before this
+            #                                                 program's barrier: cleared for the next launch
             rearm(counters, 0)
         if not GATHER and last_arrival(counters, 0, tl.num_programs(0)):  # every program's ids and bits are in L2
             ej = tl.arange(0, BLOCK_NE)
@@ -301,8 +295,8 @@ def _align_launch(src: torch.Tensor, n: int, e: int, k: int, extra: int, num_exp
         src.stride(0), max(extra, 0), num_experts, rows // block_m, K=k, KP=kp,
         BLOCK_K=triton.next_power_of_2(kp), WORDS=words,
         BLOCK_NE=max(16, triton.next_power_of_2(num_experts)), BLOCK_P=block_p,
-        BLOCK_M=block_m, INTERPRET=_interpreted(), GATHER=GATHER and gather_fits(block_p, words),
-        BLOCK_W=triton.next_power_of_2(words), **partials, **cfg, **pdl.launch_options())
+        BLOCK_M=block_m, INTERPRET=_interpreted(), GATHER=GATHER and gather_fits(block_p, words), **partials,
+        **cfg, **pdl.launch_options())
     return weights, idx, sorted_pairs, block_expert
 
 

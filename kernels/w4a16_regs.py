@@ -408,6 +408,15 @@ if gluon is not None:
         return u, sc, v, vc
 
     @gluon.jit
+    def _mma(a, b, acc, MMA_V2: gl.constexpr):
+        """acc + a @ b: mma.sync (b in registers) with MMA_V2, else an asynchronous wgmma (b in shared memory; the
+        caller waits)."""
+        if MMA_V2:
+            return mma_v2(a, b, acc)
+        else:
+            return warpgroup_mma(a, b, acc, is_async=True)
+
+    @gluon.jit
     def _k_tile(xs, t, nxt, u, sc, v, vc, acc, acc_up, we, se, up_w, up_s, sc_col, KT: gl.constexpr,
                 GT: gl.constexpr, SWIGLU: gl.constexpr, BLOCK_M: gl.constexpr, MMA_V2: gl.constexpr = False):
         """K tile t (of the activations): decode its words and scales (u, sc; v, vc the up projection's with
@@ -421,24 +430,16 @@ if gluon is not None:
         dead and ptxas drops them (down at AHEAD 4: the same 19 LDG with or without them)."""
         pw, ps = _tile_words(we, se, gl.minimum(nxt, GT - 1), KT, GT, sc_col)
         b = xs.index(t).permute((1, 0))  # [128, BLOCK_M]: X^T, K-major
-        if MMA_V2:  # mma.sync: B from shared memory into registers (ldmatrix), no asynchronous register reads
-            BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2)
-            bv = b.load(BL)
-            acc = mma_v2(_weights(u, sc, BLOCK_M, True), bv, acc)
-            u = gl.load(pw)
-            sc = gl.load(ps)
-            if SWIGLU:
-                acc_up = mma_v2(_weights(v, vc, BLOCK_M, True), bv, acc_up)
-                v = gl.load(pw + up_w)
-                vc = gl.load(ps + up_s)
-        else:
-            acc = warpgroup_mma(_weights(u, sc, BLOCK_M), b, acc, is_async=True)
-            u = gl.load(pw)
-            sc = gl.load(ps)
-            if SWIGLU:
-                acc_up = warpgroup_mma(_weights(v, vc, BLOCK_M), b, acc_up, is_async=True)
-                v = gl.load(pw + up_w)
-                vc = gl.load(ps + up_s)
+        if MMA_V2:  # mma.sync's B comes from registers: the tile by ldmatrix, shared by gate and up
+            b = b.load(gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2))
+        acc = _mma(_weights(u, sc, BLOCK_M, MMA_V2), b, acc, MMA_V2)
+        u = gl.load(pw)
+        sc = gl.load(ps)
+        if SWIGLU:
+            acc_up = _mma(_weights(v, vc, BLOCK_M, MMA_V2), b, acc_up, MMA_V2)
+            v = gl.load(pw + up_w)
+            vc = gl.load(ps + up_s)
+        if not MMA_V2:  # mma.sync is synchronous: nothing to wait for
             acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
         return u, sc, v, vc, acc, acc_up
 

@@ -330,7 +330,7 @@ def main() -> int:
                               {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32",
                                "starts": "*i32", "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32"},
                               dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512,
-                                   BLOCK_P=512, BLOCK_M=8, INTERPRET=False, GATHER=gather, BLOCK_W=1),
+                                   BLOCK_P=512, BLOCK_M=8, INTERPRET=False, GATHER=gather),
                               ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=1))
         # the same over the router GEMM's fp32 partials (router_linear_topk_align: 8 H tiles summed, the logits
         # stored), at its 4 warps (router_align.PARTS_ALIGN_WARPS)
@@ -340,7 +340,7 @@ def main() -> int:
                                "starts": "*i32", "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32",
                                "ws": "*fp32"},
                               dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=1, BLOCK_NE=512,
-                                   BLOCK_P=512, BLOCK_M=8, INTERPRET=False, SPLIT=8, GATHER=gather, BLOCK_W=1),
+                                   BLOCK_P=512, BLOCK_M=8, INTERPRET=False, SPLIT=8, GATHER=gather),
                               ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=4, runtime=("ws",)))
     # and its largest launch over the partials (64 tokens x 9 pairs: 1,024 pairs, two member words), which
     # `gather_fits` keeps in the reload form
@@ -349,7 +349,7 @@ def main() -> int:
                           {"logits": "*bf16", "w_out": "*bf16", "i_out": "*i64", "member": "*i32", "starts": "*i32",
                            "counters": "*i32", "sorted_pairs": "*i32", "block_expert": "*i32", "ws": "*fp32"},
                           dict(K=8, KP=9, BLOCK_K=16, BLOCK_R=1, BLOCK_E=256, WORDS=2, BLOCK_NE=512, BLOCK_P=1024,
-                               BLOCK_M=8, INTERPRET=False, SPLIT=8, GATHER=False, BLOCK_W=2),
+                               BLOCK_M=8, INTERPRET=False, SPLIT=8, GATHER=False),
                           ptx_has="atom.global.gpu.relaxed.or.b32", num_warps=4, runtime=("ws",)))
     grouped = {n: t for n, t in (("x", "*bf16"), ("w", "*u8"), ("s", "*u8"), ("g", "*fp32"), ("rs", "*bf16"),
                                  ("y", "*bf16"), ("sorted_pairs", "*i32"), ("block_expert", "*i32"))}

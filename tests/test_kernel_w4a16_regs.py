@@ -399,7 +399,6 @@ def test_cols_first_swaps_only_the_program_ids(sm90_builds, k, swiglu, ahead, bl
     assert "STACK:0" in (sm90_builds / f"{tag}-colsfirst.res").read_text()
 
 
-
 @pytest.mark.skipif(w4a16_regs.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("ahead,block_m,l2_ahead,ring,cols,early,cols_first,mma_v2", MMA_V2_COMPILED)
 @pytest.mark.parametrize("k,swiglu", SHAPES)
@@ -435,6 +434,7 @@ def test_mma_v2_builds(sm90_builds, k, swiglu, ahead, block_m, l2_ahead, ring, c
     ptx = (sm90_builds / f"{tag}-mmav2-True.ptx").read_text()  # PDL: the wait before any memory access
     wait = ptx.find("griddepcontrol.wait")
     assert 0 <= wait < min(ptx.find(op) for op in ("ld.global", "cp.async", "st.global") if op in ptx)
+
 
 # ---- GPU (sm_90) ----------------------------------------------------------------------------------------------------
 def _case(t, top_k, e, n, k, swiglu, seed, block_m=w4a16_regs.BLOCK_M, device="cuda"):
