@@ -283,6 +283,11 @@
 #       register gathers (router_align_gather) -- CUDA tests, per call at 32 tokens beside the shipped builds and the
 #       reload form, then the engine on the fastest builds beside the shipped ones (each in its own process; the
 #       shipped one with a router_align_gather variant)
+#   STEPS="200" (carry the fla wheels and .tritoncache; either GPU; ~6 min): issue 5, step 199's two levers in the
+#       engine, each a variant of one process (qwen_gpu's per-engine `regs_builds`): the shipped defaults beside
+#       router_align_gather, mma_v2 (ahead 4 both; step 199's H100 pick, results/h100_67_run1) and both, --again;
+#       then a second process in the opposite order (both first, the shipped last); then per call the shipped and
+#       mma_v2 builds on this GPU (SKIP_200P=1 skips it)
 #   STEPS="198 39" (carry the fla wheels only; either GPU; ~4.5 min: ran, results/cold61_run1, H100): issue 5, the
 #       defaults at 32 streams x 1k on a cold Triton cache (a fresh checkout), then the cache in parts for the next calls
 #   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
@@ -2357,6 +2362,26 @@ if [ -n "$regs_builds" ] && [ "$regs_builds" != "$shipped" ]; then
   engine_out qwen_mma_best "${LIMIT_199B:-170}" --decode-tokens 48 --regs-builds "$regs_builds" --again ${EXTRA_170:-}
   grep -h "SELF-CHECK" "$OUT/qwen_mma_best.log" | cut -c1-250 | head -5
 fi
+fi
+fi
+if want 200; then
+# sixty-seventh session: step 199 ran on an H100 (results/h100_67_run1-2): per call mma_v2 at ahead 4 gate_up 71.6
+# against the shipped 72.65 us, down 36.55 / 36.89; the router's gathers 7.90 against 8.15 us at 32 tokens (PDL);
+# the engine at 32 streams 3,932.5 / 3,929.8 (mma_v2, two engines of one process) against the shipped 3,893.0 (another
+# process) -- here side by side in one process, both orders, on whichever GPU came
+say "200. issue 5: router_align_gather and mma_v2 in the engine, side by side (variants of one process, both orders)"
+mma200='{"block_m": 8, "gate_up": {"ahead": 4, "l2_ahead": 0, "ring": 0, "cols": 1, "mma_v2": true}, "down": {"ahead": 4, "l2_ahead": 0, "ring": 0, "cols": 1, "mma_v2": true}}'
+ship200=$(python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))')
+engine_out qwen_levers200 "${LIMIT_200A:-200}" --decode-tokens 48 --variant 'gather={"router_align_gather": true}' \
+  --variant "mma={\"regs_builds\": $mma200}" --variant "both={\"router_align_gather\": true, \"regs_builds\": $mma200}" \
+  --again ${EXTRA_170:-}
+engine_out qwen_levers200r "${LIMIT_200B:-170}" --decode-tokens 48 \
+  --base "{\"router_align_gather\": true, \"regs_builds\": $mma200}" \
+  --variant "shipped={\"router_align_gather\": false, \"regs_builds\": $ship200}" --again ${EXTRA_170:-}
+if [ -z "${SKIP_200P:-}" ]; then
+  probe regs_ab200 "${LIMIT_200P:-120}" swapped_ab.py --label regs --regs \
+    --regs-builds '[[8,2,0,0,1],[8,4,0,0,1],[8,2,0,0,1,0,0,0,1],[8,4,0,0,1,0,0,0,1]]'
+  mkdir -p "$OUT/regs_ab200" && cp "$R"/regs_ab200/*.json "$OUT/regs_ab200/" 2>/dev/null
 fi
 fi
 if want 198; then

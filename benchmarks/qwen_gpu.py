@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import platform
 import statistics
@@ -428,12 +429,15 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                        picks: list | None = None, gdn_state_dtype: str = "float32",
                        expert_regs: bool | str | None = None, router_align: bool | str | None = None,
                        early_loads: bool | None = None, router_parts: bool | None = None,
-                       lone_prefill: bool | str | None = None, kv_cache_dtype: str | None = None) -> dict:
+                       lone_prefill: bool | str | None = None, kv_cache_dtype: str | None = None,
+                       router_align_gather: bool | None = None, regs_builds: dict | None = None) -> dict:
     """QwenEngine over the already-built model: a lone 1k-token request (TTFT = first chunk, then decode tok/s), then
     `streams` concurrent requests (output tok/s over the whole batch, TTFT p50/max). Greedy, no stop tokens.
     gdn_prep_tiling: [BA_FIRST, BA_BLOCK_H, NUM_WARPS] of kernels/gdn_prep.py's launch for this engine (process-wide
     module settings, restored after; benchmarks/gdn_prep_bench.py times them per call). small_batch_tokens: set on
     the shared model by every engine (default the loader's 4: an earlier variant's value must not carry over).
+    regs_builds: w4a16_regs.BLOCK_M and ENGINE_BUILDS for this engine only (--regs-builds' form; read at each
+    launch, so set from the engine's start to its close and put back after, like the module flags).
     picks: autotune picks for this engine only (`kernels/autotune_table.override`: [{"kernel", "key" prefix,
     "config"}]), put back after it; the engines' other options left None take QwenEngineConfig's defaults."""
     from engine_core.continuous import SamplingParams
@@ -461,9 +465,15 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                                                      attn_gate_in_combine=attn_gate_in_combine,
                                                      async_decode=async_decode, lone_prefill=lone_prefill,
                                                      kv_cache_dtype=kv_cache_dtype,
+                                                     router_align_gather=router_align_gather,
                                                      gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()
                                if v is not None},
                             prefill_buckets=tuple(prefill_buckets))
+    if regs_builds is not None:
+        from kernels import w4a16_regs
+
+        w4a16_regs.BLOCK_M = regs_builds["block_m"]
+        w4a16_regs.ENGINE_BUILDS = {p: dict(regs_builds[p]) for p in ("gate_up", "down")}
     if gdn_prep_tiling is not None:
         from kernels import gdn_prep
 
@@ -570,7 +580,10 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
 
 _MODULE_FLAGS = ("qwen_engine.model.quantized.QUANT_IN_PRODUCERS", "kernels.gdn_prep.SPLIT_V_ROWS",
                  "qwen_engine.model.attention.GATE_IN_COMBINE",
-                 "kernels.router_align.GATHER")  # (gdn_prep's tiling: DEFAULT_TILING, below)
+                 "kernels.router_align.GATHER",
+                 # an engine's `regs_builds` (the values in force when the first engine starts: --regs-builds')
+                 "kernels.w4a16_regs.BLOCK_M", "kernels.w4a16_regs.ENGINE_BUILDS")
+# (gdn_prep's tiling: DEFAULT_TILING, below)
 # the flags' values at import, before any engine set them (`_engine_settings_off`)
 _FLAG_DEFAULTS: dict[str, object] = {}
 
@@ -582,10 +595,11 @@ def _module_flag(path: str):
     return importlib.import_module(mod), name
 
 
-def _regs_builds(text: str) -> dict:
-    """--regs-builds: {"block_m": 8 | 16, "gate_up": {...}, "down": {...}} with only `w4a16_regs_launch`'s build
-    keywords (ahead, l2_ahead, ring, cols, maxnreg, early, cols_first, mma_v2); argparse reports anything else."""
-    builds = json.loads(text)
+def _regs_builds(text: str | dict) -> dict:
+    """--regs-builds (and an engine's `regs_builds` option, already a dict): {"block_m": 8 | 16, "gate_up": {...},
+    "down": {...}} with only `w4a16_regs_launch`'s build keywords (ahead, l2_ahead, ring, cols, maxnreg, early,
+    cols_first, mma_v2); argparse reports anything else."""
+    builds = json.loads(text) if isinstance(text, str) else text
     keys = {"ahead", "l2_ahead", "ring", "cols", "maxnreg", "early", "cols_first", "mma_v2"}
     if (not isinstance(builds, dict) or set(builds) != {"block_m", "gate_up", "down"}
             or builds["block_m"] not in (8, 16)
@@ -642,11 +656,22 @@ def _engine_settings_off(model) -> None:
         setattr(mod, name, value)
 
 
+_PHASE_ARGS = ("model", "cfg", "device", "ctx", "steps", "streams", "rand")  # engine_phase's own, not options
+
+
 def _json_options(text: str) -> dict:
-    """argparse type of --base: a JSON object (checked when the arguments are parsed, not after the model is built)."""
+    """argparse type of --base: a JSON object of `engine_phase` options, checked when the arguments are parsed (not
+    after the model is built and a GPU's minutes are spent: an option engine_phase does not take is an error here)."""
     value = json.loads(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    known = set(inspect.signature(engine_phase).parameters) - set(_PHASE_ARGS)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown engine option(s) {unknown} in {text!r}; engine_phase takes "
+                                         f"{sorted(known)}")
+    if value.get("regs_builds") is not None:
+        _regs_builds(value["regs_builds"])
     return value
 
 
@@ -786,6 +811,11 @@ def main() -> None:
     ap.add_argument("--only-oracle", action="store_true",
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
+    if args.regs_builds is not None:  # before the flags' defaults are taken: every engine's builds unless its own
+        from kernels import w4a16_regs
+
+        w4a16_regs.BLOCK_M = args.regs_builds["block_m"]
+        w4a16_regs.ENGINE_BUILDS = {p: dict(args.regs_builds[p]) for p in ("gate_up", "down")}
     _remember_flag_defaults()  # before any engine sets them
     if args.swapped_split and args.compare_layout not in ("split_halves", "split_frag"):
         ap.error("--swapped-split needs --compare-layout split_halves or split_frag (an engine without the dual copy)")
@@ -799,11 +829,6 @@ def main() -> None:
     global AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST
     AUTOTUNE_TABLE, AUTOTUNE_FOREIGN, WARMUP_BURST = (args.autotune_table, args.autotune_foreign is not None,
                                                       args.warmup_burst)
-    if args.regs_builds is not None:
-        from kernels import w4a16_regs
-
-        w4a16_regs.BLOCK_M = args.regs_builds["block_m"]
-        w4a16_regs.ENGINE_BUILDS = {p: dict(args.regs_builds[p]) for p in ("gate_up", "down")}
     tiny = args.tiny
     d = lambda v, full, small: v if v is not None else (small if tiny else full)  # noqa: E731
     ctx, steps, streams = d(args.context, 1024, 24), d(args.decode_tokens, 64, 3), d(args.streams, 32, 2)
