@@ -287,7 +287,7 @@
 #       engine, each a variant of one process (qwen_gpu's per-engine `regs_builds`): the shipped defaults beside
 #       router_align_gather, mma_v2 (ahead 4 both; step 199's H100 pick, results/h100_67_run1) and both, --again;
 #       then a second process in the opposite order (both first, the shipped last); then per call the shipped and
-#       mma_v2 builds on this GPU (SKIP_200P=1 skips it)
+#       mma_v2 builds on this GPU (SKIP_200R=1 / SKIP_200P=1 skip the second process / the per-call part)
 #   STEPS="198 39" (carry the fla wheels only; either GPU; ~4.5 min: ran, results/cold61_run1, H100): issue 5, the
 #       defaults at 32 streams x 1k on a cold Triton cache (a fresh checkout), then the cache in parts for the next calls
 #   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
@@ -2375,9 +2375,11 @@ ship200=$(python -c 'import json; from kernels import w4a16_regs as r; print(jso
 engine_out qwen_levers200 "${LIMIT_200A:-200}" --decode-tokens 48 --variant 'gather={"router_align_gather": true}' \
   --variant "mma={\"regs_builds\": $mma200}" --variant "both={\"router_align_gather\": true, \"regs_builds\": $mma200}" \
   --again ${EXTRA_170:-}
-engine_out qwen_levers200r "${LIMIT_200B:-170}" --decode-tokens 48 \
-  --base "{\"router_align_gather\": true, \"regs_builds\": $mma200}" \
-  --variant "shipped={\"router_align_gather\": false, \"regs_builds\": $ship200}" --again ${EXTRA_170:-}
+if [ -z "${SKIP_200R:-}" ]; then  # SKIP_200R=1: the first process only
+  engine_out qwen_levers200r "${LIMIT_200B:-170}" --decode-tokens 48 \
+    --base "{\"router_align_gather\": true, \"regs_builds\": $mma200}" \
+    --variant "shipped={\"router_align_gather\": false, \"regs_builds\": $ship200}" --again ${EXTRA_170:-}
+fi
 if [ -z "${SKIP_200P:-}" ]; then
   probe regs_ab200 "${LIMIT_200P:-120}" swapped_ab.py --label regs --regs \
     --regs-builds '[[8,2,0,0,1],[8,4,0,0,1],[8,2,0,0,1,0,0,0,1],[8,4,0,0,1,0,0,0,1]]'
