@@ -27,7 +27,8 @@ ids p = t KP + j, NE = `num_experts` experts, WORDS = ceil(N / 32)):
       rank(p)  = popc(member[e_p] & the bits of tokens below t)    = #{q < p : e_q = e_p} (one pair a token and expert)
       row(p)   = start[e_p] + rank(p):   sorted_pairs[row(p)] = p,   block_expert[row(p) / block_m] = e_p
   after filling sorted_pairs with P and block_expert with NE (the padding; a barrier orders the two writes of a row).
-  GATHER (sixty-sixth session; off until timed on a GPU): the last program loads every member word and every pair's
+  GATHER (sixty-sixth session; off until timed in the engine -- per call on an H100 7.90 against 8.15 us at 32
+  tokens, results/h100_67_run1): the last program loads every member word and every pair's
   expert in one round trip after its arrival and takes member[e_p] and start[e_p] from those registers by
   `tl.gather` -- no starts workspace (its store, a barrier, then the ids' round trip, then member[e_p] and
   start[e_p]'s: two dependent round trips fewer); the same integers (`tests/test_kernel_router_align.py` runs every

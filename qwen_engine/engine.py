@@ -312,8 +312,9 @@ class QwenEngineConfig:
     router_align_gather: bool = False  # with router_align: the alignment's last program reads every member word
     #                             and pair id in one round trip and takes member[e_p] / start[e_p] by register gathers
     #                             instead of reading them back (kernels/router_align.py GATHER, process-wide; the same
-    #                             integers). Sixty-sixth session: CPU-tested and compiled for sm_90, not yet timed on a
-    #                             GPU (gpu_next.sh step 199), so off
+    #                             integers). Sixty-seventh session, H100, per call at 32 tokens (PDL, early loads):
+    #                             7.90 against 8.15 us (router_align_gather run in results/h100_67_run1); not yet
+    #                             in the engine (gpu_next.sh step 200), so off
     lm_head_layout: str = "auto"  # packed models: lm_head's byte layout (qwen_engine/model/quantized.py:
     #                               NVFP4Linear.repack_frag). split_frag: wgmma fragment order, computed by the swap-AB
     #                               kernel as a one-expert launch at every row count (kernels/w4a16_swapped.py,
