@@ -411,6 +411,8 @@ STEPS=${STEPS:-"1 2 3 4"}
 # Without fla the GDN prefill runs the torch chunked rule: TTFT ~74 ms instead of ~44 (2026-12-01, Qwen run 19).
 if ls .devbundle/extra/fla_core-*.whl > /dev/null 2>&1; then
   python -m pip install -q --no-deps --no-index --target "${SITE:-/tmp/site}" .devbundle/extra/*.whl 2>&1 | tail -1
+elif PYTHONPATH="${SITE:-/tmp/site}:${PYTHONPATH:-}" python -c "import fla" > /dev/null 2>&1; then
+  say "no fla-core wheel in .devbundle/extra, but fla imports (an earlier call's install on this warm machine)"
 else
   say "WARNING: no fla-core wheel in .devbundle/extra: TTFT / prefill numbers of this call are the torch GDN prefill's"
 fi
