@@ -287,7 +287,8 @@
 #       engine, each a variant of one process (qwen_gpu's per-engine `regs_builds`): the shipped defaults beside
 #       router_align_gather, mma_v2 (ahead 4 both; step 199's H100 pick, results/h100_67_run1) and both, --again;
 #       then a second process in the opposite order (both first, the shipped last); then per call the shipped and
-#       mma_v2 builds on this GPU (SKIP_200R=1 / SKIP_200P=1 skip the second process / the per-call part)
+#       mma_v2 builds on this GPU, and lm_head at 16 / 32 rows on the register kernel (swapped_ab --regs-lm-head;
+#       SKIP_200R=1 / SKIP_200P=1 skip the second process / the per-call part)
 #   STEPS="198 39" (carry the fla wheels only; either GPU; ~4.5 min: ran, results/cold61_run1, H100): issue 5, the
 #       defaults at 32 streams x 1k on a cold Triton cache (a fresh checkout), then the cache in parts for the next calls
 #   STEPS="197" (carry the fla wheels and .tritoncache; either GPU; ~5 min; EXTRA_165 as step 165's): issue 5, the
@@ -2383,8 +2384,13 @@ if [ -z "${SKIP_200R:-}" ]; then  # SKIP_200R=1: the first process only
     --variant "shipped={\"router_align_gather\": false, \"regs_builds\": $ship200}" --again ${EXTRA_170:-}
 fi
 if [ -z "${SKIP_200P:-}" ]; then
-  probe regs_ab200 "${LIMIT_200P:-120}" swapped_ab.py --label regs --regs \
-    --regs-builds '[[8,2,0,0,1],[8,4,0,0,1],[8,2,0,0,1,0,0,0,1],[8,4,0,0,1,0,0,0,1]]'
+  # and lm_head at 16 / 32 rows as a one-expert call on the register kernel beside its fragment-order swap-AB call
+  # (131 us of the H200's 32-stream step at ~2.2 TB/s): 16- and 8-row blocks, the rows' blocks of a column tile
+  # adjacent in the grid (one reads from DRAM, the rest from L2)
+  probe regs_ab200 "${LIMIT_200P:-150}" swapped_ab.py --label regs --regs \
+    --regs-builds '[[8,2,0,0,1],[8,4,0,0,1],[8,2,0,0,1,0,0,0,1],[8,4,0,0,1,0,0,0,1]]' \
+    --regs-lm-head '[[16,2,0,0,1],[16,4,0,0,1],[8,2,0,0,1],[16,2,0,0,2],[16,4,0,0,1,0,0,0,1],[8,4,0,0,1,0,0,0,1]]'
+  grep -h "lm_head" "$R/regs_ab200.log" | cut -c1-220
   mkdir -p "$OUT/regs_ab200" && cp "$R"/regs_ab200/*.json "$OUT/regs_ab200/" 2>/dev/null
 fi
 fi

@@ -16,7 +16,11 @@ stored tiles); a config a case's launch refuses is recorded with its error. `--r
 on `kernels/w4a16_regs.py` (Gluon, thread-order copies of the same weights, PDL as the engine launches it; no launch
 configs; 16- and 8-row blocks x [1 or 2 K tiles loaded ahead into registers, 2 with an L2 prefetch 4 or 8 tiles
 ahead, a cp.async ring of 4, 2 with 4 column tiles a program and an L2 prefetch of 0 or 4]), each output compared bit
-for bit with the swap-AB kernel's on the same inputs (`equal_to_swapped`).
+for bit with the swap-AB kernel's on the same inputs (`equal_to_swapped`). `--regs-lm-head BUILDS`: lm_head at 16
+and 32 rows also as a one-expert call on the register kernel (a thread-order copy of its 286 MB; the rows' 8- or
+16-row blocks of a column tile adjacent in the grid, so one reads the weights from DRAM and the others from L2), the
+builds a JSON list like --regs-builds', compared with the fragment-order swap-AB call (`close_to_swapped`): whether
+a decode step's lm_head (131 us of the H200's 32-stream step at ~2.2 TB/s) is worth a register-kernel path.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def main() -> None:
                          "cols_first(, mma_v2))))] builds to time instead of the default sweep (maxnreg 0: none; "
                          "early 1: the weights' first loads before the PDL wait; cols_first 1: the grid in column "
                          "order; mma_v2 1: the products on mma.sync)")
+    ap.add_argument("--regs-lm-head", default="",
+                    help="JSON list of --regs-builds' builds: lm_head at 16 and 32 rows on kernels/w4a16_regs.py too")
     args = ap.parse_args()
     sweep = [dict(num_stages=int(v)) for v in args.stages.split(",") if v.strip()] + json.loads(args.configs)
     import torch
@@ -77,10 +83,14 @@ def main() -> None:
     regs_builds = [(bm, *b, 0, 0, 0, 0) for bm in (16, 8) for b in sweep_builds]
     if args.regs_builds:
         regs_builds = [tuple(b) + (0,) * (9 - len(b)) for b in json.loads(args.regs_builds)]
-    if args.regs:
+    if args.regs or args.regs_lm_head:
         from kernels.w4a16_regs import thread_order, w4a16_regs_launch
-
+    if args.regs:
         w13t, w2t = thread_order(w13.packed), thread_order(w2.packed)
+    lm_builds = [tuple(b) + (0,) * (9 - len(b)) for b in json.loads(args.regs_lm_head or "[]")]
+    if lm_builds:  # lm_head as the one expert of a [1, N, K/2] thread-order copy; its per-row global scales [1, N]
+        lm_t, lm_s1 = thread_order(lm.packed[None]), lm.scales[None]
+        lm_g1 = lm.global_scale.float().reshape(1, -1) if lm.global_scale.dim() else lm.global_scale.float()
 
     def regs_call(cfg=None, **kw):
         if cfg is not None:
@@ -128,6 +138,18 @@ def main() -> None:
             w4a16_grouped_swapped_launch(x, lm_frag.packed[None], lm_frag.scales[None], lm_g,
                                          dense_routing(x.shape[0], block_m), frag=True, config=cfg)
             for x in xs]))
+        if rows > 1:
+            for bm_, ahead, l2, ring, cols, maxnreg, early, first, mma in lm_builds:
+                one = {bm: moe_align(torch.zeros(rows, 1, dtype=torch.int32, device=dev), 1, bm) for bm in (8, 16)}
+                kw = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols, maxnreg=maxnreg or None,
+                          early=bool(early), cols_first=bool(first), mma_v2=bool(mma))
+                tag = (f"ahead {ahead}, l2 {l2}, ring {ring}, cols {cols}, block {bm_}"
+                       + (f", maxnreg {maxnreg}" if maxnreg else "") + (", early" if early else "")
+                       + (", cols first" if first else "") + (", mma_sync" if mma else ""))
+                cases.append((f"regs lm_head, {rows} rows, {tag}", [
+                    lambda cfg=None, x=x, r=one[bm_], kw=kw: regs_call(
+                        cfg, x=x, packed_thread=lm_t, scales=lm_s1, global_scale=lm_g1, routing=r, **kw)
+                    for x in xs]))
 
     other = torch.load(args.compare) if args.compare else None
     outputs, rows_out = {}, []
