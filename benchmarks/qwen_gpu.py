@@ -470,10 +470,7 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                                if v is not None},
                             prefill_buckets=tuple(prefill_buckets))
     if regs_builds is not None:
-        from kernels import w4a16_regs
-
-        w4a16_regs.BLOCK_M = regs_builds["block_m"]
-        w4a16_regs.ENGINE_BUILDS = {p: dict(regs_builds[p]) for p in ("gate_up", "down")}
+        _set_regs_builds(regs_builds)
     if gdn_prep_tiling is not None:
         from kernels import gdn_prep
 
@@ -607,6 +604,15 @@ def _regs_builds(text: str | dict) -> dict:
         raise argparse.ArgumentTypeError(f"expected {{'block_m': 8 | 16, 'gate_up': {{...}}, 'down': {{...}}}} with "
                                          f"keys among {sorted(keys)}, got {text!r}")
     return builds
+
+
+def _set_regs_builds(builds: dict) -> None:
+    """`_regs_builds`' value into the process-wide `w4a16_regs.BLOCK_M` / `ENGINE_BUILDS` (new dicts: the ones
+    `_FLAG_DEFAULTS` holds stay as they were)."""
+    from kernels import w4a16_regs
+
+    w4a16_regs.BLOCK_M = builds["block_m"]
+    w4a16_regs.ENGINE_BUILDS = {p: dict(builds[p]) for p in ("gate_up", "down")}
 
 
 def _remember_flag_defaults() -> None:
@@ -812,10 +818,7 @@ def main() -> None:
                     help="skip the speed phases (a)-(c) and (e): build, then the oracle and the kernel bisection only")
     args = ap.parse_args()
     if args.regs_builds is not None:  # before the flags' defaults are taken: every engine's builds unless its own
-        from kernels import w4a16_regs
-
-        w4a16_regs.BLOCK_M = args.regs_builds["block_m"]
-        w4a16_regs.ENGINE_BUILDS = {p: dict(args.regs_builds[p]) for p in ("gate_up", "down")}
+        _set_regs_builds(args.regs_builds)
     _remember_flag_defaults()  # before any engine sets them
     if args.swapped_split and args.compare_layout not in ("split_halves", "split_frag"):
         ap.error("--swapped-split needs --compare-layout split_halves or split_frag (an engine without the dual copy)")
