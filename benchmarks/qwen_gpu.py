@@ -469,17 +469,17 @@ async def engine_phase(model, cfg, device, ctx: int, steps: int, streams: int, r
                                                      gdn_prep_split_v_rows=gdn_prep_split_v_rows).items()
                                if v is not None},
                             prefill_buckets=tuple(prefill_buckets))
-    if regs_builds is not None:
-        _set_regs_builds(regs_builds)
-    if gdn_prep_tiling is not None:
-        from kernels import gdn_prep
-
-        gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = bool(gdn_prep_tiling[0]), *map(
-            int, gdn_prep_tiling[1:])
     from kernels import autotune_table
 
     replaced = autotune_table.override(picks) if picks else {}
-    try:
+    try:  # the process-wide settings inside: a failure anywhere puts them back
+        if regs_builds is not None:
+            _set_regs_builds(regs_builds)
+        if gdn_prep_tiling is not None:
+            from kernels import gdn_prep
+
+            gdn_prep.BA_FIRST, gdn_prep.BA_BLOCK_H, gdn_prep.NUM_WARPS = bool(gdn_prep_tiling[0]), *map(
+                int, gdn_prep_tiling[1:])
         engine = QwenEngine(ecfg, model=model)
         t_start = time.perf_counter()
         await engine.start()  # warm-up, kernel self-checks, graph captures (compile + autotune when the cache is cold)
@@ -677,7 +677,16 @@ def _json_options(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"unknown engine option(s) {unknown} in {text!r}; engine_phase takes "
                                          f"{sorted(known)}")
     if value.get("regs_builds") is not None:
-        _regs_builds(value["regs_builds"])
+        value["regs_builds"] = _regs_builds(value["regs_builds"])  # the parsed dict (a JSON string is accepted too)
+    return value
+
+
+def _base_options(text: str) -> dict:
+    """argparse type of --base: `_json_options`, without prefill_buckets (the first engine's come from
+    --prefill-buckets; a variant may name its own)."""
+    value = _json_options(text)
+    if "prefill_buckets" in value:
+        raise argparse.ArgumentTypeError("--base cannot name prefill_buckets: use --prefill-buckets")
     return value
 
 
@@ -752,7 +761,7 @@ def main() -> None:
                     help="(e) once more with lm_head in the checkpoint layout only (lm_head_layout checkpoint: the "
                          "tensor-core decode GEMV at one row, the dense tensor-core kernel above; the Hopper default "
                          "is dual_frag since the thirty-ninth session, split_frag from run 42)")
-    ap.add_argument("--base", type=_json_options, default={},
+    ap.add_argument("--base", type=_base_options, default={},
                     help="(e) the first engine's engine_phase options (and --again's and every --variant's, which "
                          "add to them), JSON, e.g. '{\"lm_head_layout\": \"split_frag\"}': an engine alone when a "
                          "call has time for one start-up only (its tokens then compared offline with an earlier "

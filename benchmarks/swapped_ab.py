@@ -62,7 +62,7 @@ def main() -> None:
 
     from kernels import pdl
     from kernels.nvfp4 import NVFP4Tensor
-    from kernels.w4a16_gemm import moe_align
+    from kernels.w4a16_gemm import MoeRouting, moe_align
     from kernels.w4a16_swapped import SPLIT_TILE, dense_routing, linear_to_frag, split_frag
     from kernels.w4a16_swapped import w4a16_grouped_swapped_launch
     from kernels.w4a16_swapped import w4a16_linear_frag_triton
@@ -88,6 +88,8 @@ def main() -> None:
     if args.regs:
         w13t, w2t = thread_order(w13.packed), thread_order(w2.packed)
     lm_builds = [tuple(b) + (0,) * (9 - len(b)) for b in json.loads(args.regs_lm_head or "[]")]
+    if any(b[0] not in (8, 16) for b in lm_builds):
+        sys.exit(f"--regs-lm-head: row blocks of 8 or 16 only, got {args.regs_lm_head}")
     if lm_builds:  # lm_head as the one expert of a [1, N, K/2] thread-order copy; its per-row global scales [1, N]
         lm_t, lm_s1 = thread_order(lm.packed[None]), lm.scales[None]
         lm_g1 = lm.global_scale.float().reshape(1, -1) if lm.global_scale.dim() else lm.global_scale.float()
@@ -140,7 +142,11 @@ def main() -> None:
             for x in xs]))
         if rows > 1:
             for bm_, ahead, l2, ring, cols, maxnreg, early, first, mma in lm_builds:
-                one = {bm: moe_align(torch.zeros(rows, 1, dtype=torch.int32, device=dev), 1, bm) for bm in (8, 16)}
+                # the rows in order, all of the one expert, no padding block (moe_align's would add an empty
+                # program a column tile): as a dense lm_head path would route them
+                one = {bm: MoeRouting(torch.arange(rows, dtype=torch.int32, device=dev),
+                                      torch.zeros(rows // bm, dtype=torch.int32, device=dev), rows, bm, 1)
+                       for bm in (8, 16)}
                 kw = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols, maxnreg=maxnreg or None,
                           early=bool(early), cols_first=bool(first), mma_v2=bool(mma))
                 tag = (f"ahead {ahead}, l2 {l2}, ring {ring}, cols {cols}, block {bm_}"

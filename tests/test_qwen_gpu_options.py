@@ -5,6 +5,7 @@ full-size model is built on a rented GPU (sixty-seventh session: a `router_align
 import argparse
 import dataclasses
 import inspect
+import json
 
 import pytest
 
@@ -35,6 +36,12 @@ def test_variant_and_base_accept_engine_options():
     assert name == "gather" and options == {"router_align_gather": True, "gdn_state_dtype": "bfloat16"}
     builds = '{"block_m": 8, "gate_up": {"ahead": 4, "mma_v2": true}, "down": {"ahead": 4}}'
     assert qwen_gpu._json_options(f'{{"regs_builds": {builds}}}')["regs_builds"]["gate_up"]["mma_v2"] is True
+    # builds given as a JSON string are kept parsed: the engine sets them from a dict
+    assert qwen_gpu._json_options(f'{{"regs_builds": {json.dumps(builds)}}}')["regs_builds"]["block_m"] == 8
+    # a variant may name its own prefill buckets; --base may not (the first engine's come from --prefill-buckets)
+    assert qwen_gpu._variant('b={"prefill_buckets": [512]}')[1] == {"prefill_buckets": [512]}
+    with pytest.raises(argparse.ArgumentTypeError):
+        qwen_gpu._base_options('{"prefill_buckets": [512]}')
 
 
 @pytest.mark.parametrize("text", [
