@@ -92,10 +92,11 @@ SM against 4: half as many bytes in flight again), 60 at AHEAD 1 (98), 128 at AH
 loads at the end of the trip (a relaxed gpu-scope v4 load, which it may not move past other memory operations,
 ends up there too), so the lever is occupancy, not the loads' lead (`gpu_next.sh` step 199 times it).
 Sixty-seventh session (H100, results/h100_67_run1-2): its CUDA tests (`-k "mma_v2 and not builds"`, 20) pass, and
-every mma_v2 build timed at 32 tokens gave bit for bit the swap-AB kernel's outputs, as the wgmma builds do. Occupancy did not pay: per call at 32 tokens gate_up at AHEAD 2 78.64 against wgmma's 72.65 us; only
-AHEAD 4 on both projections beats the shipped pair (71.60 + 36.55 against 72.65 + 36.89 us, -1.3%), and the engine
-on it ran 32 streams at 3,932.5 / 3,929.8 against 3,893.0 tok/s (two processes). Off until the H200 says so
-(`gpu_next.sh` step 200: side by side in one process).
+every mma_v2 build timed at 32 tokens gave bit for bit the swap-AB kernel's outputs, as the wgmma builds do.
+Occupancy did not pay: per call at 32 tokens gate_up at AHEAD 2 78.64 against wgmma's 72.65 us; only AHEAD 4 on
+both projections beats the shipped pair (71.60 + 36.55 against 72.65 + 36.89 us, -1.3%), and the engine on it ran
+32 streams at 3,932.5 / 3,929.8 against 3,893.0 tok/s (two processes). Off until the H200 says so (`gpu_next.sh`
+step 200: side by side in one process).
 """
 
 from __future__ import annotations
