@@ -31,6 +31,23 @@ import sys
 from pathlib import Path
 
 
+def regs_kw(build: tuple) -> dict:
+    """A --regs-builds build (block, ahead, l2_ahead, ring, cols, maxnreg, early, cols_first, mma_v2) as
+    `w4a16_regs_launch`'s keywords (the block is the routing's)."""
+    _, ahead, l2, ring, cols, maxnreg, early, first, mma = build
+    return dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols, maxnreg=maxnreg or None, early=bool(early),
+                cols_first=bool(first), mma_v2=bool(mma))
+
+
+def regs_tag(build: tuple) -> str:
+    """A build as its cases name it ("ahead A, l2 L, ring R, cols C, block B[, maxnreg N][, early][, cols first]
+    [, mma_sync]": gpu_next.sh's best_regs_builds parses it)."""
+    bm, ahead, l2, ring, cols, maxnreg, early, first, mma = build
+    return (f"ahead {ahead}, l2 {l2}, ring {ring}, cols {cols}, block {bm}"
+            + (f", maxnreg {maxnreg}" if maxnreg else "") + (", early" if early else "")
+            + (", cols first" if first else "") + (", mma_sync" if mma else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for swapped_ab.json")
@@ -115,9 +132,7 @@ def main() -> None:
                 h, w2f, w2.scales, w2.global_scale, r, frag=True, config=cfg, block_n=tile[0], block_k=tile[1]))
             routings = {bm: routing, 8: moe_align(idx, 256, 8)} if args.regs and bm == 16 else {}
             for build in regs_builds if routings else ():
-                r, (_, ahead, l2, ring, cols, maxnreg, early, first, mma) = routings[build[0]], build
-                kw = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols, maxnreg=maxnreg or None, early=bool(early),
-                          cols_first=bool(first), mma_v2=bool(mma))
+                r, kw = routings[build[0]], regs_kw(build)
                 regs_gate_up.append((build, lambda cfg=None, x=x, r=r, kw=kw: regs_call(
                     cfg, x=x, packed_thread=w13t, scales=w13.scales, global_scale=w13.global_scale, routing=r,
                     a_div=8, swiglu=True, **{**kw, "early": False})))  # early: the down projection's only
@@ -125,10 +140,7 @@ def main() -> None:
                     cfg, x=h, packed_thread=w2t, scales=w2.scales, global_scale=w2.global_scale, routing=r, **kw)))
         cases += [(f"experts gate_up, {tokens} tokens", gate_up), (f"experts down, {tokens} tokens", down)]
         for build in dict.fromkeys(v for v, _ in regs_gate_up):
-            bm_, ahead, l2, ring, cols, maxnreg, early, first, mma = build
-            tag = (f"{tokens} tokens, ahead {ahead}, l2 {l2}, ring {ring}, cols {cols}, block {bm_}"
-                   + (f", maxnreg {maxnreg}" if maxnreg else "") + (", early" if early else "")
-                   + (", cols first" if first else "") + (", mma_sync" if mma else ""))
+            tag = f"{tokens} tokens, {regs_tag(build)}"
             cases += [(f"regs experts gate_up, {tag}", [c for v, c in regs_gate_up if v == build]),
                       (f"regs experts down, {tag}", [c for v, c in regs_down if v == build])]
     for rows in (1, 16, 32):
@@ -140,20 +152,15 @@ def main() -> None:
             w4a16_grouped_swapped_launch(x, lm_frag.packed[None], lm_frag.scales[None], lm_g,
                                          dense_routing(x.shape[0], block_m), frag=True, config=cfg)
             for x in xs]))
-        if rows > 1:
-            for bm_, ahead, l2, ring, cols, maxnreg, early, first, mma in lm_builds:
-                # the rows in order, all of the one expert, no padding block (moe_align's would add an empty
-                # program a column tile): as a dense lm_head path would route them
-                one = {bm: MoeRouting(torch.arange(rows, dtype=torch.int32, device=dev),
-                                      torch.zeros(rows // bm, dtype=torch.int32, device=dev), rows, bm, 1)
-                       for bm in (8, 16)}
-                kw = dict(ahead=ahead, l2_ahead=l2, ring=ring, cols=cols, maxnreg=maxnreg or None,
-                          early=bool(early), cols_first=bool(first), mma_v2=bool(mma))
-                tag = (f"ahead {ahead}, l2 {l2}, ring {ring}, cols {cols}, block {bm_}"
-                       + (f", maxnreg {maxnreg}" if maxnreg else "") + (", early" if early else "")
-                       + (", cols first" if first else "") + (", mma_sync" if mma else ""))
-                cases.append((f"regs lm_head, {rows} rows, {tag}", [
-                    lambda cfg=None, x=x, r=one[bm_], kw=kw: regs_call(
+        if rows > 1 and lm_builds:
+            # the rows in order, all of the one expert, no padding block (moe_align's would add an empty program a
+            # column tile): as a dense lm_head path would route them
+            one = {bm: MoeRouting(torch.arange(rows, dtype=torch.int32, device=dev),
+                                  torch.zeros(rows // bm, dtype=torch.int32, device=dev), rows, bm, 1)
+                   for bm in (8, 16)}
+            for build in lm_builds:
+                cases.append((f"regs lm_head, {rows} rows, {regs_tag(build)}", [
+                    lambda cfg=None, x=x, r=one[build[0]], kw=regs_kw(build): regs_call(
                         cfg, x=x, packed_thread=lm_t, scales=lm_s1, global_scale=lm_g1, routing=r, **kw)
                     for x in xs]))
 
