@@ -509,6 +509,10 @@ if totals:
     print(json.dumps(dict(block_m=b, gate_up=best[(b, "gate_up")][1], down=best[(b, "down")][1])))
 PY
 }
+# shipped_regs_builds: the engine's register-kernel builds (w4a16_regs.BLOCK_M / ENGINE_BUILDS) in --regs-builds' JSON
+shipped_regs_builds() {
+  python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))'
+}
 # mma_pick_table OUT N K WARPS CHUNKS: the shipped H200 table with the tensor-core decode GEMV's one-token pick of
 # key (N, K, 1 token, 8 pairs) -- gate_up 1,024 x 2,048, down 2,048 x 512 -- set to WARPS / CHUNKS, written to OUT
 # (steps 136, 138, 139: a table is loaded once a process, so another pick means another process)
@@ -2243,7 +2247,7 @@ if want 167; then
 # the engine's align -> gate_up -> down chain only, not per call), unless that was the fastest
 say "167. issue 5: the engine with step 166's fastest w4a16_regs builds, and with EARLY down, beside the shipped builds"
 regs_builds=${REGS_BUILDS:-$(best_regs_builds)}
-shipped=$(python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))')
+shipped=$(shipped_regs_builds)
 early=$(python -c 'import json,sys; b=json.loads(sys.argv[1]); b["down"]["early"]=True; print(json.dumps(b))' "$shipped")
 same() { [ "$(python -c 'import json,sys; a,b=(json.loads(v) for v in sys.argv[1:]); print(a==b)' "$1" "$2")" = True ]; }
 say "picked: ${regs_builds:-none}; shipped: $shipped"
@@ -2352,7 +2356,7 @@ grep -E "^\| (8|32|64) |Error" "$OUT/router_align_gather.log" | cut -c1-300
 fi
 if [ -z "${SKIP_199E:-}" ]; then
 regs_builds=${REGS_BUILDS:-$(best_regs_builds)}
-shipped=$(python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))')
+shipped=$(shipped_regs_builds)
 say "picked: ${regs_builds:-none}; shipped: $shipped"
 engine_out qwen_mma_shipped "${LIMIT_199A:-200}" --decode-tokens 48 --variant 'gather={"router_align_gather": true}' \
   ${EXTRA_170:-}
@@ -2369,7 +2373,7 @@ if want 200; then
 # process) -- here side by side in one process, both orders, on whichever GPU came
 say "200. issue 5: router_align_gather and mma_v2 in the engine, side by side (variants of one process, both orders)"
 mma200='{"block_m": 8, "gate_up": {"ahead": 4, "l2_ahead": 0, "ring": 0, "cols": 1, "mma_v2": true}, "down": {"ahead": 4, "l2_ahead": 0, "ring": 0, "cols": 1, "mma_v2": true}}'
-ship200=$(python -c 'import json; from kernels import w4a16_regs as r; print(json.dumps(dict(block_m=r.BLOCK_M, gate_up=r.ENGINE_BUILDS["gate_up"], down=r.ENGINE_BUILDS["down"])))')
+ship200=$(shipped_regs_builds)
 [ -n "$ship200" ] || { say "step 200: could not read the shipped builds (kernels.w4a16_regs)"; SKIP_200R=1; }
 engine_out qwen_levers200 "${LIMIT_200A:-200}" --decode-tokens 48 --variant 'gather={"router_align_gather": true}' \
   --variant "mma={\"regs_builds\": $mma200}" --variant "both={\"router_align_gather\": true, \"regs_builds\": $mma200}" \
