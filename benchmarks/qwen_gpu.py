@@ -662,16 +662,14 @@ def _engine_settings_off(model) -> None:
         setattr(mod, name, value)
 
 
-_PHASE_ARGS = ("model", "cfg", "device", "ctx", "steps", "streams", "rand")  # engine_phase's own, not options
-
-
 def _json_options(text: str) -> dict:
     """argparse type of --base: a JSON object of `engine_phase` options, checked when the arguments are parsed (not
     after the model is built and a GPU's minutes are spent: an option engine_phase does not take is an error here)."""
     value = json.loads(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    known = set(inspect.signature(engine_phase).parameters) - set(_PHASE_ARGS)
+    known = {name for name, p in inspect.signature(engine_phase).parameters.items()
+             if p.default is not inspect.Parameter.empty}  # its options; the run's own arguments have no default
     unknown = sorted(set(value) - known)
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown engine option(s) {unknown} in {text!r}; engine_phase takes "
